@@ -1,0 +1,17 @@
+"""Attention in JAX: pure functions and pytree modules that work under jit, grad and vmap."""
+
+from .arrays import asarray, load_state_dict, save_state_dict, to_numpy
+from .functional import causal_mask, padding_mask, scaled_dot_product_attention
+from .modules import MultiHeadAttention, TransformerBlock
+
+__all__ = [
+    "MultiHeadAttention",
+    "TransformerBlock",
+    "asarray",
+    "causal_mask",
+    "load_state_dict",
+    "padding_mask",
+    "save_state_dict",
+    "scaled_dot_product_attention",
+    "to_numpy",
+]

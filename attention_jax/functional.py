@@ -1,0 +1,129 @@
+"""Scaled dot-product attention and its masks, in JAX.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from attention_np import _checks
+
+Rng = jax.Array | None
+
+
+def scaled_dot_product_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    bias: jax.Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = True,
+    rng: Rng = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Attention(Q, K, V) = softmax(Q K^T * scale + bias) V, the softmax over the visible keys only.
+
+    Args:
+        q: queries (..., L, E).
+        k: keys (..., S, E).
+        v: values (..., S, Ev).
+        mask: broadcasts to (..., L, S); an entry equal to 0 / False hides key j from query i.
+        bias: added to the scores, broadcasts to (..., L, S); a -inf entry hides that key too.
+        is_causal: hide keys j > i (top-left aligned when L != S); applies together with `mask`.
+        scale: multiplies Q K^T; defaults to 1 / sqrt(E).
+        dropout_p: inverted dropout on the weights before the value product.
+        need_weights: return the weights; with False the second result is None.
+        rng: dropout randomness: a jax.random key (required while dropout is active).
+
+    Returns:
+        out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
+        A query with no visible key gets zeros in both.
+    """
+    batch = _checks.attention_batch(q.shape, k.shape, v.shape)
+    _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    _checks.probability("dropout_p", dropout_p)
+    _checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+
+    # 1) scores: every query against every key
+    scores = (q @ jnp.swapaxes(k, -1, -2)) * scale  # (..., L, E) x (..., E, S) -> (..., L, S)
+    if bias is not None:
+        _checks.broadcasts_to("bias", jnp.shape(bias), (*batch, L, S), "..., L, S")
+        scores = scores + jnp.asarray(bias, dtype=scores.dtype)
+
+    # 2) which keys each query may see: the mask, the causal rule and -inf bias, as one boolean
+    visible = _visible(scores, mask, is_causal, batch)  # (..., L, S)
+
+    # 3) softmax over the visible keys, then the weighted sum of the values
+    weights = _masked_softmax(scores, visible)  # (..., L, S)
+    out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
+    return out, (weights if need_weights else None)
+
+
+def causal_mask(L: int, S: int) -> jax.Array:
+    """Boolean (L, S): True where key j <= query i (top-left aligned), i.e. the keys a query may see."""
+    return jnp.tril(jnp.ones((L, S), dtype=bool))
+
+
+def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
+    """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
+
+    The two singleton axes stand for H and L, so the mask broadcasts over (B, H, L, S) scores.
+    """
+    lengths = jnp.asarray(lengths)
+    return jnp.arange(S) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
+
+
+def _dtypes(**arrays: jax.Array) -> dict[str, tuple[str, bool]]:
+    """{argument name: (dtype name, is floating)}, for the dtype checks shared by the backends."""
+    return {name: (str(x.dtype), jnp.issubdtype(x.dtype, jnp.floating)) for name, x in arrays.items()}
+
+
+def _visible(scores: jax.Array, mask: jax.Array | None, is_causal: bool, batch: tuple) -> jax.Array:
+    """True where a query may see a key: not -inf in the scores, kept by `mask`, allowed by causality."""
+    L, S = scores.shape[-2:]
+    visible = scores != -jnp.inf  # (..., L, S); a NaN score stays visible, so NaN propagates
+    if mask is not None:
+        _checks.broadcasts_to("mask", jnp.shape(mask), (*batch, L, S), "..., L, S")
+        visible = visible & (jnp.asarray(mask) != 0)
+    if is_causal:
+        visible = visible & causal_mask(L, S)
+    return visible
+
+
+def _masked_softmax(scores: jax.Array, visible: jax.Array) -> jax.Array:
+    """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
+
+    weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
+    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
+    """
+    scores = jnp.where(visible, scores, -jnp.inf)  # hidden entries become exp(-inf) = 0 below
+    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))  # (..., L, 1)
+    # jax: stop_gradient, as the shift cancels in the softmax and needs no gradient
+    row_max = jnp.where(row_max == -jnp.inf, 0, row_max)  # fully masked row: any finite shift will do
+    exp = jnp.exp(scores - row_max)  # (..., L, S)
+    total = jnp.sum(exp, axis=-1, keepdims=True)  # (..., L, 1)
+    return exp / jnp.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
+
+
+def _dropout(x: jax.Array, p: float, rng: Rng) -> jax.Array:
+    """Inverted dropout: zero each entry with probability p and scale the others by 1 / (1 - p)."""
+    if p == 0.0:
+        return x
+    keep = jax.random.bernoulli(rng, 1 - p, x.shape)
+    return x * keep.astype(x.dtype) / (1 - p)  # jax: explicit cast, as strict promotion forbids bool * float
+
+
+def _rngs(rng: Rng, n: int) -> list[Rng]:
+    """n sources of randomness from one rng: JAX splits the key into n independent keys
+    (None stays None: JAX has no global randomness to fall back on)."""
+    return [None] * n if rng is None else list(jax.random.split(rng, n))

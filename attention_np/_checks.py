@@ -1,0 +1,125 @@
+"""Argument checks shared by the three backends.
+
+Everything here works on plain Python values (shapes as tuples, dtypes as names), so NumPy, JAX and
+torch raise the same exception with the same message for the same mistake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+Shape = tuple[int, ...]
+ACTIVATIONS = ("relu", "gelu")
+
+
+def _shape(shape: Iterable[int]) -> Shape:
+    return tuple(int(d) for d in shape)
+
+
+def attention_batch(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> Shape:
+    """Check q (..., L, E), k (..., S, E), v (..., S, Ev); return the broadcast leading axes (...)."""
+    q, k, v = _shape(q), _shape(k), _shape(v)
+    for name, shape, letters in (("q", q, "L, E"), ("k", k, "S, E"), ("v", v, "S, Ev")):
+        if len(shape) < 2:
+            raise ValueError(f"{name} must have shape (..., {letters}); got {shape}")
+    if q[-1] != k[-1]:
+        raise ValueError(f"q and k must have the same width E: q {q} is (..., L, E), k {k} is (..., S, E)")
+    if k[-2] != v[-2]:
+        raise ValueError(f"k and v must have the same length S: k {k} is (..., S, E), v {v} is (..., S, Ev)")
+    try:
+        return _shape(np.broadcast_shapes(q[:-2], k[:-2], v[:-2]))
+    except ValueError:
+        raise ValueError(f"the leading axes of q {q}, k {k} and v {v} do not broadcast") from None
+
+
+def broadcasts_to(name: str, shape: Sequence[int], target: Sequence[int], letters: str) -> None:
+    """`shape` must broadcast to `target` without enlarging it (a mask never adds batch axes)."""
+    shape, target = _shape(shape), _shape(target)
+    try:
+        fits = _shape(np.broadcast_shapes(shape, target)) == target
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} of shape {shape} does not broadcast to {target} ({letters})")
+
+
+def same_floating_dtype(dtypes: Mapping[str, tuple[str, bool]]) -> None:
+    """`dtypes` maps an argument name to (dtype name, is floating); all must be one floating dtype."""
+    for name, (dtype, floating) in dtypes.items():
+        if not floating:
+            raise TypeError(f"{name} must have a floating dtype; got {dtype}")
+    if len({dtype for dtype, _ in dtypes.values()}) > 1:
+        listed = ", ".join(f"{name} {dtype}" for name, (dtype, _) in dtypes.items())
+        raise TypeError(f"arguments must share one dtype; got {listed}")
+
+
+def probability(name: str, p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1); got {p}")
+
+
+def module_sizes(d_model: int, num_heads: int, d_ff: int | None = None) -> None:
+    sizes = {"d_model": d_model, "num_heads": num_heads} | ({} if d_ff is None else {"d_ff": d_ff})
+    for name, size in sizes.items():
+        if not (isinstance(size, int | np.integer) and size > 0):
+            raise ValueError(f"{name} must be a positive integer; got {size!r}")
+    if d_model % num_heads:
+        raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+
+
+def activation(name: str) -> None:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {name!r}")
+
+
+def module_input(name: str, shape: Sequence[int], d_model: int, letter: str) -> None:
+    shape = _shape(shape)
+    if len(shape) < 2 or shape[-1] != d_model:
+        raise ValueError(f"{name} must have shape (..., {letter}, D) with D = d_model = {d_model}; "
+                         f"got {shape}")
+
+
+def dropout_rng(p: float, rng: object, what: str) -> None:
+    """A backend without global randomness (JAX) needs an rng whenever dropout is active."""
+    if p > 0.0 and rng is None:
+        raise ValueError(f"{what} with dropout probability {p} needs rng (a jax.random key); "
+                         "pass rng=jax.random.key(seed), or use .eval() / dropout 0 for no dropout")
+
+
+def mha_state_shapes(d_model: int) -> dict[str, Shape]:
+    """State-dict names and shapes of MultiHeadAttention (nn.Linear layout: weight (out, in))."""
+    return {f"{proj}.{part}": (d_model, d_model) if part == "weight" else (d_model,)
+            for proj in ("w_q", "w_k", "w_v", "w_o") for part in ("weight", "bias")}
+
+
+def block_state_shapes(d_model: int, d_ff: int) -> dict[str, Shape]:
+    """State-dict names and shapes of TransformerBlock: attn.*, norm1, norm2, ffn.0 and ffn.3."""
+    return ({f"attn.{name}": shape for name, shape in mha_state_shapes(d_model).items()}
+            | {f"{norm}.{part}": (d_model,) for norm in ("norm1", "norm2") for part in ("weight", "bias")}
+            | {"ffn.0.weight": (d_ff, d_model), "ffn.0.bias": (d_ff,),
+               "ffn.3.weight": (d_model, d_ff), "ffn.3.bias": (d_model,)})
+
+
+def state(cls_name: str, shapes: Mapping[str, Sequence[int]], expected: Mapping[str, Shape]) -> None:
+    """Compare a state dict's entry shapes with the expected ones; name every missing, unexpected or
+    mis-shaped entry in one error."""
+    shapes = {name: _shape(shape) for name, shape in shapes.items()}
+    problems = [f"missing {name} {expected[name]}" for name in expected if name not in shapes]
+    problems += [f"unexpected {name} {shapes[name]}" for name in shapes if name not in expected]
+    problems += [f"{name} has shape {shapes[name]}, expected {shape}"
+                 for name, shape in expected.items() if name in shapes and shapes[name] != shape]
+    if problems:
+        raise ValueError(f"{cls_name}.from_state_dict: " + "; ".join(problems))
+
+
+def state_widths(state_shapes: Mapping[str, Sequence[int]], names: Mapping[str, int]) -> list[int]:
+    """Read sizes off a state dict: `names` maps an entry to the axis that holds the size."""
+    widths = []
+    for name, axis in names.items():
+        if name not in state_shapes or len(state_shapes[name]) <= axis:
+            raise ValueError(f"state dict needs {name} to infer the sizes; "
+                             f"got entries {sorted(state_shapes)}")
+        widths.append(int(state_shapes[name][axis]))
+    return widths

@@ -1,0 +1,302 @@
+"""Multi-head attention and the transformer block, as immutable NumPy modules.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+Parameter names and layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and
+computes y = x W^T + b; LayerNorm keeps weight (D,) and bias (D,).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from . import _checks
+from .arrays import asarray
+from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attention
+
+
+class Module:
+    """An immutable module: `_children` are arrays or modules, `_settings` are plain Python values."""
+
+    _children: tuple[str, ...] = ()  # parameters and sub-modules, in state-dict order
+    _settings: tuple[str, ...] = ()  # hyper-parameters and the training flag
+    _state_names: ClassVar[Mapping[str, str]] = {}  # a child whose state-dict name differs from its attribute
+
+    def _init(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def _build(cls, **fields: Any) -> Any:
+        module = object.__new__(cls)
+        module._init(**fields)
+        return module
+
+    def _replace(self, **changes: Any) -> Any:
+        fields = {name: getattr(self, name) for name in self._children + self._settings}
+        return self._build(**(fields | changes))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable: eval(), train() and from_state_dict() "
+                             "return new modules")
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._settings)
+        return f"{type(self).__name__}({settings})"
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """{name: array}, with the names and layouts of the PyTorch classes."""
+        state = {}
+        for name in self._children:
+            child, prefix = getattr(self, name), self._state_names.get(name, name)
+            if isinstance(child, Module):
+                state |= {f"{prefix}.{key}": value for key, value in child.state_dict().items()}
+            else:
+                state[prefix] = child
+        return state
+
+    def train(self, mode: bool = True) -> Any:
+        """This module in training mode (dropout active), or in inference mode with mode=False."""
+        changes = {name: getattr(self, name).train(mode) for name in self._children
+                   if isinstance(getattr(self, name), Module)}
+        return self._replace(**changes, **({"training": mode} if "training" in self._settings else {}))
+
+    def eval(self) -> Any:
+        """This module in inference mode: no dropout."""
+        return self.train(False)
+
+
+class Linear(Module):
+    """y = x W^T + b, with weight W (out, in) and bias b (out,)."""
+
+    _children = ("weight", "bias")
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray) -> None:
+        self._init(weight=weight, bias=bias)
+
+    @classmethod
+    def initialized(cls, d_in: int, d_out: int, rng: np.random.Generator, dtype: Any) -> Linear:
+        """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
+        bound, (rng_weight, rng_bias) = 1 / math.sqrt(d_in), _rngs(rng, 2)
+        weight = rng_weight.uniform(-bound, bound, (d_out, d_in)).astype(dtype)  # (out, in)
+        return cls(weight, rng_bias.uniform(-bound, bound, d_out).astype(dtype))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.weight.T + self.bias  # (..., in) x (in, out) -> (..., out)
+
+
+class LayerNorm(Module):
+    """LayerNorm(x) = (x - mean) / sqrt(var + eps) * weight + bias, over the last axis (biased variance)."""
+
+    _children = ("weight", "bias")
+    _settings = ("eps",)
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-5) -> None:
+        self._init(weight=weight, bias=bias, eps=eps)
+
+    @classmethod
+    def initialized(cls, d_model: int, eps: float, dtype: Any) -> LayerNorm:
+        """nn.LayerNorm's default: weight ones, bias zeros."""
+        return cls(np.ones(d_model, dtype), np.zeros(d_model, dtype), eps)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        mean = np.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+        var = np.mean((x - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
+        return (x - mean) / np.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class MultiHeadAttention(Module):
+    """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice."""
+
+    _children = ("w_q", "w_k", "w_v", "w_o")
+    _settings = ("num_heads", "dropout", "training")
+
+    def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
+                 rng: Rng = None, dtype: Any = None) -> None:
+        """Args: sizes as named; dropout on the attention weights; rng and dtype (float32 by default)
+        for the initial parameters, drawn as nn.Linear draws them."""
+        _checks.module_sizes(d_model, num_heads)
+        _checks.probability("dropout", dropout)
+        rngs, dtype = _rngs(rng, 4), np.float32 if dtype is None else dtype
+        projections = {name: Linear.initialized(d_model, d_model, rng, dtype)
+                       for name, rng in zip(self._children, rngs, strict=True)}
+        self._init(**projections, num_heads=num_heads, dropout=dropout, training=True)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
+                        dropout: float = 0.1) -> MultiHeadAttention:
+        """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
+        state = {name: asarray(value) for name, value in state.items()}
+        shapes = {name: value.shape for name, value in state.items()}
+        (d_model,) = _checks.state_widths(shapes, {"w_q.weight": 1})
+        _checks.module_sizes(d_model, num_heads)
+        _checks.probability("dropout", dropout)
+        _checks.state(cls.__name__, shapes, _checks.mha_state_shapes(d_model))
+        projections = {name: Linear(state[f"{name}.weight"], state[f"{name}.bias"]) for name in cls._children}
+        return cls._build(**projections, num_heads=num_heads, dropout=dropout, training=True)
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
+                 need_weights: bool = True, rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
+        head_h = Attention(Q W_q,h^T + b_q,h, K W_k,h^T + b_k,h, V W_v,h^T + b_v,h).
+
+        Args:
+            q: queries (..., L, D).
+            k: keys (..., S, D).
+            v: values (..., S, D).
+            mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key.
+            need_weights: return the weights; with False the second result is None.
+            rng: dropout randomness: a NumPy Generator or an int seed (None: fresh randomness).
+
+        Returns:
+            out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None).
+        """
+        d_model = self.w_q.weight.shape[1]
+        for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
+            _checks.module_input(name, x.shape, d_model, letter)
+        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+
+        # 1) project, then split D into H heads of width d_k
+        q = self._split_heads(self.w_q(q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(k))  # (..., S, D) -> (..., H, S, d_k)
+        v = self._split_heads(self.w_v(v))  # (..., S, D) -> (..., H, S, d_k)
+
+        # 2) attend, every head at once
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
+                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+
+        # 3) concatenate the heads and mix them
+        return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
+
+    def _split_heads(self, x: np.ndarray) -> np.ndarray:
+        *lead, length, d_model = x.shape
+        x = x.reshape(*lead, length, self.num_heads, d_model // self.num_heads)  # (..., L, H, d_k)
+        return np.swapaxes(x, -2, -3)  # (..., L, H, d_k) -> (..., H, L, d_k)
+
+    def _merge_heads(self, x: np.ndarray) -> np.ndarray:
+        *lead, heads, length, d_k = x.shape
+        return np.swapaxes(x, -2, -3).reshape(*lead, length, heads * d_k)  # (..., H, L, d_k) -> (..., L, D)
+
+
+class FeedForward(Module):
+    """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
+    the original nn.Sequential(Linear, activation, Dropout, Linear)."""
+
+    _children = ("linear1", "linear2")
+    _settings = ("activation", "dropout", "training")
+    _state_names: ClassVar[Mapping[str, str]] = {"linear1": "0", "linear2": "3"}
+
+    def __init__(self, linear1: Linear, linear2: Linear, activation: str = "relu",
+                 dropout: float = 0.0) -> None:
+        self._init(linear1=linear1, linear2=linear2, activation=activation, dropout=dropout, training=True)
+
+    def __call__(self, x: np.ndarray, *, rng: Rng = None) -> np.ndarray:
+        h = _activation(self.activation, self.linear1(x))  # (..., L, D) -> (..., L, F)
+        h = _dropout(h, self.dropout if self.training else 0.0, rng)
+        return self.linear2(h)  # (..., L, F) -> (..., L, D)
+
+
+class TransformerBlock(Module):
+    """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
+    with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN)."""
+
+    _children = ("attn", "norm1", "norm2", "ffn")
+    _settings = ("dropout", "norm_first", "training")
+
+    def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
+                 norm_first: bool = False, activation: str = "relu", eps: float = 1e-5,
+                 rng: Rng = None, dtype: Any = None) -> None:
+        """Args: sizes as named; dropout on the attention weights, both residual branches and after the
+        activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
+        rng and dtype (float32 by default) for the initial parameters."""
+        _checks.module_sizes(d_model, num_heads, d_ff)
+        _checks.activation(activation)
+        rngs, dtype = _rngs(rng, 3), np.float32 if dtype is None else dtype
+        ffn = FeedForward(Linear.initialized(d_model, d_ff, rngs[1], dtype),
+                          Linear.initialized(d_ff, d_model, rngs[2], dtype), activation, dropout)
+        self._init(attn=MultiHeadAttention(d_model, num_heads, dropout, rng=rngs[0], dtype=dtype),
+                   norm1=LayerNorm.initialized(d_model, eps, dtype),
+                   norm2=LayerNorm.initialized(d_model, eps, dtype),
+                   ffn=ffn, dropout=dropout, norm_first=norm_first, training=True)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
+                        norm_first: bool = False, activation: str = "relu",
+                        eps: float = 1e-5) -> TransformerBlock:
+        """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
+        state = {name: asarray(value) for name, value in state.items()}
+        shapes = {name: value.shape for name, value in state.items()}
+        d_model, d_ff = _checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
+        _checks.module_sizes(d_model, num_heads, d_ff)
+        _checks.activation(activation)
+        _checks.state(cls.__name__, shapes, _checks.block_state_shapes(d_model, d_ff))
+        attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
+                                                  dropout=dropout)
+        norm1, norm2 = (LayerNorm(state[f"{name}.weight"], state[f"{name}.bias"], eps)
+                        for name in ("norm1", "norm2"))
+        ffn = FeedForward(Linear(state["ffn.0.weight"], state["ffn.0.bias"]),
+                          Linear(state["ffn.3.weight"], state["ffn.3.bias"]), activation, dropout)
+        return cls._build(attn=attn, norm1=norm1, norm2=norm2, ffn=ffn, dropout=dropout,
+                          norm_first=norm_first, training=True)
+
+    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, *, need_weights: bool = True,
+                 rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """post-LN: x = LN_1(x + Drop(MHA(x))),   x = LN_2(x + Drop(FFN(x)));
+        pre-LN:  x = x + Drop(MHA(LN_1(x))),   x = x + Drop(FFN(LN_2(x))).
+
+        Args:
+            x: inputs (..., L, D).
+            mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key.
+            need_weights: return the attention weights; with False the second result is None.
+            rng: dropout randomness: a NumPy Generator or an int seed (None: fresh randomness).
+
+        Returns:
+            x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
+        """
+        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        rngs = _rngs(rng, 4)
+        if self.norm_first:  # pre-LN
+            h, weights = self._attention_branch(self.norm1(x), mask, need_weights, rngs[:2])
+            x = x + h
+            x = x + self._feed_forward_branch(self.norm2(x), rngs[2:])
+        else:  # post-LN, as the original
+            h, weights = self._attention_branch(x, mask, need_weights, rngs[:2])
+            x = self.norm1(x + h)
+            x = self.norm2(x + self._feed_forward_branch(x, rngs[2:]))
+        return x, weights
+
+    def _attention_branch(self, x: np.ndarray, mask: np.ndarray | None, need_weights: bool,
+                          rngs: list) -> tuple[np.ndarray, np.ndarray | None]:
+        """Drop(MHA(x, x, x)) and the attention weights."""
+        h, weights = self.attn(x, x, x, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
+        return _dropout(h, self.dropout if self.training else 0.0, rngs[1]), weights
+
+    def _feed_forward_branch(self, x: np.ndarray, rngs: list) -> np.ndarray:
+        """Drop(FFN(x))."""
+        h = self.ffn(x, rng=rngs[0])  # (..., L, D) -> (..., L, F) -> (..., L, D)
+        return _dropout(h, self.dropout if self.training else 0.0, rngs[1])
+
+
+def _activation(name: str, x: np.ndarray) -> np.ndarray:
+    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form."""
+    if name == "relu":
+        return np.maximum(x, 0)
+    return x / 2 * (1 + _erf(x / math.sqrt(2)))
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf, elementwise: NumPy has none, so math.erf is vectorised (exact to the last bit)."""
+    return np.vectorize(math.erf, otypes=[x.dtype])(x)
+
+
+def _prefixed(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The entries under `prefix.`, with the prefix removed."""
+    return {name.removeprefix(f"{prefix}."): value for name, value in state.items()
+            if name.startswith(f"{prefix}.")}

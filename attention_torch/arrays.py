@@ -1,0 +1,36 @@
+"""Conversions between NumPy and this backend's arrays, and state dicts saved as files.
+
+A state dict is saved as an uncompressed `.npz` holding one array per name, read back without pickle,
+so the same file loads into every backend and every array comes back bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from attention_np import arrays as _np_arrays  # the file format is written once, in NumPy
+
+
+def asarray(x: Any) -> torch.Tensor:
+    """NumPy array -> this backend's array, same dtype (torch: a CPU tensor sharing the memory)."""
+    return torch.as_tensor(x)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """This backend's array -> NumPy array."""
+    return x.detach().cpu().numpy()
+
+
+def save_state_dict(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
+    """Write {name: array} to an `.npz` file (no pickle); load_state_dict of any backend reads it."""
+    _np_arrays.save_state_dict(path, {name: to_numpy(value) for name, value in state.items()})
+
+
+def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read a file written by save_state_dict into {name: array of this backend}."""
+    return {name: asarray(value) for name, value in _np_arrays.load_state_dict(path).items()}

@@ -1,0 +1,125 @@
+"""Scaled dot-product attention and its masks, in PyTorch.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attention_np import _checks
+
+Rng = torch.Generator | None
+
+
+def scaled_dot_product_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = True,
+    rng: Rng = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention(Q, K, V) = softmax(Q K^T * scale + bias) V, the softmax over the visible keys only.
+
+    Args:
+        q: queries (..., L, E).
+        k: keys (..., S, E).
+        v: values (..., S, Ev).
+        mask: broadcasts to (..., L, S); an entry equal to 0 / False hides key j from query i.
+        bias: added to the scores, broadcasts to (..., L, S); a -inf entry hides that key too.
+        is_causal: hide keys j > i (top-left aligned when L != S); applies together with `mask`.
+        scale: multiplies Q K^T; defaults to 1 / sqrt(E).
+        dropout_p: inverted dropout on the weights before the value product.
+        need_weights: return the weights; with False the second result is None.
+        rng: dropout randomness: a torch.Generator (None: the global RNG).
+
+    Returns:
+        out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
+        A query with no visible key gets zeros in both.
+    """
+    batch = _checks.attention_batch(q.shape, k.shape, v.shape)
+    _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    _checks.probability("dropout_p", dropout_p)
+    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+
+    # 1) scores: every query against every key
+    scores = (q @ k.transpose(-1, -2)) * scale  # (..., L, E) x (..., E, S) -> (..., L, S)
+    if bias is not None:
+        _checks.broadcasts_to("bias", bias.shape, (*batch, L, S), "..., L, S")
+        scores = scores + torch.as_tensor(bias, dtype=scores.dtype, device=scores.device)
+
+    # 2) which keys each query may see: the mask, the causal rule and -inf bias, as one boolean
+    visible = _visible(scores, mask, is_causal, batch)  # (..., L, S)
+
+    # 3) softmax over the visible keys, then the weighted sum of the values
+    weights = _masked_softmax(scores, visible)  # (..., L, S)
+    out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
+    return out, (weights if need_weights else None)
+
+
+def causal_mask(L: int, S: int) -> torch.Tensor:
+    """Boolean (L, S): True where key j <= query i (top-left aligned), i.e. the keys a query may see."""
+    return torch.ones(L, S, dtype=torch.bool).tril()
+
+
+def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
+    """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
+
+    The two singleton axes stand for H and L, so the mask broadcasts over (B, H, L, S) scores.
+    """
+    lengths = torch.as_tensor(lengths)
+    return torch.arange(S, device=lengths.device) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
+
+
+def _dtypes(**arrays: torch.Tensor) -> dict[str, tuple[str, bool]]:
+    """{argument name: (dtype name, is floating)}, for the dtype checks shared by the backends."""
+    return {name: (str(x.dtype), x.is_floating_point()) for name, x in arrays.items()}
+
+
+def _visible(scores: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, batch: tuple) -> torch.Tensor:
+    """True where a query may see a key: not -inf in the scores, kept by `mask`, allowed by causality."""
+    L, S = scores.shape[-2:]
+    visible = scores != -math.inf  # (..., L, S); a NaN score stays visible, so NaN propagates
+    if mask is not None:
+        _checks.broadcasts_to("mask", mask.shape, (*batch, L, S), "..., L, S")
+        visible = visible & (torch.as_tensor(mask, device=scores.device) != 0)
+    if is_causal:
+        visible = visible & causal_mask(L, S).to(scores.device)  # torch: masks are made on the CPU
+    return visible
+
+
+def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
+
+    weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
+    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
+    """
+    scores = torch.where(visible, scores, -math.inf)  # hidden entries become exp(-inf) = 0 below
+    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., L, 1); torch: the shift needs no gradient
+    row_max = torch.where(row_max == -math.inf, 0, row_max)  # fully masked row: any finite shift will do
+    exp = torch.exp(scores - row_max)  # (..., L, S)
+    total = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
+    return exp / torch.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
+
+
+def _dropout(x: torch.Tensor, p: float, rng: Rng) -> torch.Tensor:
+    """Inverted dropout: zero each entry with probability p and scale the others by 1 / (1 - p)."""
+    if p == 0.0:
+        return x
+    keep = torch.rand(x.shape, generator=rng, dtype=x.dtype, device=x.device) >= p
+    return x * keep / (1 - p)
+
+
+def _rngs(rng: Rng, n: int) -> list[Rng]:
+    """n sources of dropout randomness from one rng: torch draws them in turn from one Generator."""
+    return [rng] * n

@@ -1,0 +1,216 @@
+"""Multi-head attention and the transformer block, as PyTorch nn.Modules.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+Parameter names and layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and
+computes y = x W^T + b; LayerNorm keeps weight (D,) and bias (D,).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from attention_np import _checks
+
+from .arrays import asarray
+from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attention
+
+
+def _linear(d_in: int, d_out: int, rng: Rng, dtype: torch.dtype | None) -> nn.Linear:
+    """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
+    linear, bound = nn.Linear(d_in, d_out, dtype=dtype), 1 / math.sqrt(d_in)
+    with torch.no_grad():  # torch: redrawn so that `rng` decides the initial values
+        linear.weight.uniform_(-bound, bound, generator=rng)
+        linear.bias.uniform_(-bound, bound, generator=rng)
+    return linear
+
+
+def _load(module: nn.Module, state: Mapping[str, Any]) -> Any:
+    """`module` holding copies of `state`, in the state's dtype and device."""
+    tensors = {name: asarray(value).detach().clone() for name, value in state.items()}
+    module.load_state_dict(tensors, assign=True)  # torch: assign takes the state's dtype and device
+    return module
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice."""
+
+    def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
+                 rng: Rng = None, dtype: torch.dtype | None = None) -> None:
+        """Args: sizes as named; dropout on the attention weights; rng and dtype (torch's default dtype,
+        float32, when None) for the initial parameters, drawn as nn.Linear draws them."""
+        super().__init__()
+        _checks.module_sizes(d_model, num_heads)
+        _checks.probability("dropout", dropout)
+        self.w_q, self.w_k, self.w_v, self.w_o = (_linear(d_model, d_model, rng, dtype) for _ in range(4))
+        self.num_heads, self.dropout = num_heads, dropout
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
+                        dropout: float = 0.1) -> MultiHeadAttention:
+        """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
+        shapes = {name: tuple(value.shape) for name, value in state.items()}
+        (d_model,) = _checks.state_widths(shapes, {"w_q.weight": 1})
+        _checks.module_sizes(d_model, num_heads)
+        _checks.probability("dropout", dropout)
+        _checks.state(cls.__name__, shapes, _checks.mha_state_shapes(d_model))
+        with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
+            module = cls(d_model, num_heads, dropout)
+        return _load(module, state)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+                need_weights: bool = True, rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
+        head_h = Attention(Q W_q,h^T + b_q,h, K W_k,h^T + b_k,h, V W_v,h^T + b_v,h).
+
+        Args:
+            q: queries (..., L, D).
+            k: keys (..., S, D).
+            v: values (..., S, D).
+            mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key.
+            need_weights: return the weights; with False the second result is None.
+            rng: dropout randomness: a torch.Generator (None: the global RNG).
+
+        Returns:
+            out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None).
+        """
+        d_model = self.w_q.weight.shape[1]
+        for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
+            _checks.module_input(name, x.shape, d_model, letter)
+        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+
+        # 1) project, then split D into H heads of width d_k
+        q = self._split_heads(self.w_q(q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(k))  # (..., S, D) -> (..., H, S, d_k)
+        v = self._split_heads(self.w_v(v))  # (..., S, D) -> (..., H, S, d_k)
+
+        # 2) attend, every head at once
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
+                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+
+        # 3) concatenate the heads and mix them
+        return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        *lead, length, d_model = x.shape
+        x = x.reshape(*lead, length, self.num_heads, d_model // self.num_heads)  # (..., L, H, d_k)
+        return x.transpose(-2, -3)  # (..., L, H, d_k) -> (..., H, L, d_k)
+
+    def _merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        *lead, heads, length, d_k = x.shape
+        return x.transpose(-2, -3).reshape(*lead, length, heads * d_k)  # (..., H, L, d_k) -> (..., L, D)
+
+
+class FeedForward(nn.Sequential):
+    """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
+    the original nn.Sequential(Linear, activation, Dropout, Linear)."""
+
+    # torch: an nn.Sequential, so the parameters are named 0.* and 3.* as in the original
+
+    def __init__(self, linear1: nn.Linear, linear2: nn.Linear, activation: str = "relu",
+                 dropout: float = 0.0) -> None:
+        super().__init__(linear1, _ACTIVATIONS[activation](), nn.Dropout(dropout), linear2)
+        self.activation = activation
+
+    @property
+    def linear1(self) -> nn.Linear:
+        return self[0]
+
+    @property
+    def linear2(self) -> nn.Linear:
+        return self[3]
+
+    @property
+    def dropout(self) -> float:
+        return self[2].p
+
+    def forward(self, x: torch.Tensor, *, rng: Rng = None) -> torch.Tensor:
+        h = self[1](self.linear1(x))  # (..., L, D) -> (..., L, F)
+        h = _dropout(h, self.dropout if self.training else 0.0, rng)  # torch: nn.Dropout cannot take rng
+        return self.linear2(h)  # (..., L, F) -> (..., L, D)
+
+
+class TransformerBlock(nn.Module):
+    """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
+    with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN)."""
+
+    def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
+                 norm_first: bool = False, activation: str = "relu", eps: float = 1e-5,
+                 rng: Rng = None, dtype: torch.dtype | None = None) -> None:
+        """Args: sizes as named; dropout on the attention weights, both residual branches and after the
+        activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
+        rng and dtype (torch's default dtype, float32, when None) for the initial parameters."""
+        super().__init__()
+        _checks.module_sizes(d_model, num_heads, d_ff)
+        _checks.activation(activation)
+        self.attn = MultiHeadAttention(d_model, num_heads, dropout, rng=rng, dtype=dtype)
+        self.norm1 = nn.LayerNorm(d_model, eps=eps, dtype=dtype)
+        self.norm2 = nn.LayerNorm(d_model, eps=eps, dtype=dtype)
+        self.ffn = FeedForward(_linear(d_model, d_ff, rng, dtype), _linear(d_ff, d_model, rng, dtype),
+                               activation, dropout)
+        self.dropout, self.norm_first = dropout, norm_first
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
+                        norm_first: bool = False, activation: str = "relu",
+                        eps: float = 1e-5) -> TransformerBlock:
+        """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
+        shapes = {name: tuple(value.shape) for name, value in state.items()}
+        d_model, d_ff = _checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
+        _checks.module_sizes(d_model, num_heads, d_ff)
+        _checks.activation(activation)
+        _checks.probability("dropout", dropout)
+        _checks.state(cls.__name__, shapes, _checks.block_state_shapes(d_model, d_ff))
+        with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
+            module = cls(d_model, num_heads, d_ff, dropout, norm_first=norm_first, activation=activation,
+                         eps=eps)
+        return _load(module, state)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, need_weights: bool = True,
+                rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """post-LN: x = LN_1(x + Drop(MHA(x))),   x = LN_2(x + Drop(FFN(x)));
+        pre-LN:  x = x + Drop(MHA(LN_1(x))),   x = x + Drop(FFN(LN_2(x))).
+
+        Args:
+            x: inputs (..., L, D).
+            mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key.
+            need_weights: return the attention weights; with False the second result is None.
+            rng: dropout randomness: a torch.Generator (None: the global RNG).
+
+        Returns:
+            x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
+        """
+        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        rngs = _rngs(rng, 4)
+        if self.norm_first:  # pre-LN
+            h, weights = self._attention_branch(self.norm1(x), mask, need_weights, rngs[:2])
+            x = x + h
+            x = x + self._feed_forward_branch(self.norm2(x), rngs[2:])
+        else:  # post-LN, as the original
+            h, weights = self._attention_branch(x, mask, need_weights, rngs[:2])
+            x = self.norm1(x + h)
+            x = self.norm2(x + self._feed_forward_branch(x, rngs[2:]))
+        return x, weights
+
+    def _attention_branch(self, x: torch.Tensor, mask: torch.Tensor | None, need_weights: bool,
+                          rngs: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drop(MHA(x, x, x)) and the attention weights."""
+        h, weights = self.attn(x, x, x, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
+        return _dropout(h, self.dropout if self.training else 0.0, rngs[1]), weights
+
+    def _feed_forward_branch(self, x: torch.Tensor, rngs: list) -> torch.Tensor:
+        """Drop(FFN(x))."""
+        h = self.ffn(x, rng=rngs[0])  # (..., L, D) -> (..., L, F) -> (..., L, D)
+        return _dropout(h, self.dropout if self.training else 0.0, rngs[1])
+
+
+# relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form
+_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
