@@ -1,0 +1,36 @@
+"""Shared fixtures: each test that takes `backend` runs once per installed backend.
+
+JAX runs with 64-bit types enabled and "highest" matmul precision, as the conformance suite does, so
+float64 comparisons mean float64 on every backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import pytest
+
+BACKENDS = ("attention_np", "attention_jax", "attention_torch")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    try:
+        import jax
+    except ImportError:
+        return
+    jax.config.update("jax_enable_x64", True)
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def import_backend(name: str) -> ModuleType:
+    """The backend module, or a skip when its framework is not installed."""
+    framework = {"attention_jax": "jax", "attention_torch": "torch"}.get(name)
+    if framework is not None:
+        pytest.importorskip(framework)
+    return importlib.import_module(name)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> ModuleType:
+    return import_backend(request.param)
