@@ -19,21 +19,19 @@ import jax.numpy as jnp
 import jax.scipy.special
 
 from attention_np import _checks
+from attention_np import modules as _np_modules
 
 from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attention
 
 
-class Module:
+class Module(_np_modules.Module):
     """An immutable module: `_children` are arrays or modules, `_settings` are plain Python values."""
 
-    _children: tuple[str, ...] = ()  # parameters and sub-modules, in state-dict order
-    _settings: tuple[str, ...] = ()  # hyper-parameters and the training flag
-    _state_names: ClassVar[Mapping[str, str]] = {}  # a child whose state-dict name differs from its attribute
+    # jax: NumPy's immutable module, registered as a pytree (children are leaves or sub-trees, settings
+    # are static), so jit, vmap and grad take modules as arguments and the gradient of a module is a module
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # jax: every module is a pytree (children are leaves or sub-trees, settings are static), so jit,
-        # vmap and grad take modules as arguments, and the gradient of a module is a module
         super().__init_subclass__(**kwargs)
         jax.tree_util.register_pytree_with_keys(cls, cls._flatten_with_keys, cls._unflatten, cls._flatten)
 
@@ -49,49 +47,6 @@ class Module:
     def _unflatten(cls, settings: tuple, children: list) -> Any:
         return cls._build(**dict(zip(cls._children, children, strict=True)),
                           **dict(zip(cls._settings, settings, strict=True)))
-
-    def _init(self, **fields: Any) -> None:
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
-
-    @classmethod
-    def _build(cls, **fields: Any) -> Any:
-        module = object.__new__(cls)
-        module._init(**fields)
-        return module
-
-    def _replace(self, **changes: Any) -> Any:
-        fields = {name: getattr(self, name) for name in self._children + self._settings}
-        return self._build(**(fields | changes))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable: eval(), train() and from_state_dict() "
-                             "return new modules")
-
-    def __repr__(self) -> str:
-        settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._settings)
-        return f"{type(self).__name__}({settings})"
-
-    def state_dict(self) -> dict[str, jax.Array]:
-        """{name: array}, with the names and layouts of the PyTorch classes."""
-        state = {}
-        for name in self._children:
-            child, prefix = getattr(self, name), self._state_names.get(name, name)
-            if isinstance(child, Module):
-                state |= {f"{prefix}.{key}": value for key, value in child.state_dict().items()}
-            else:
-                state[prefix] = child
-        return state
-
-    def train(self, mode: bool = True) -> Any:
-        """This module in training mode (dropout active), or in inference mode with mode=False."""
-        changes = {name: getattr(self, name).train(mode) for name in self._children
-                   if isinstance(getattr(self, name), Module)}
-        return self._replace(**changes, **({"training": mode} if "training" in self._settings else {}))
-
-    def eval(self) -> Any:
-        """This module in inference mode: no dropout."""
-        return self.train(False)
 
 
 class Linear(Module):
