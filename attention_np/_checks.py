@@ -45,14 +45,14 @@ def broadcasts_to(name: str, shape: Sequence[int], target: Sequence[int], letter
         raise ValueError(f"{name} of shape {shape} does not broadcast to {target} ({letters})")
 
 
-def same_floating_dtype(dtypes: Mapping[str, tuple[str, bool]]) -> None:
+def same_floating_dtype(dtypes: Mapping[str, tuple[str, bool]], where: str = "") -> None:
     """`dtypes` maps an argument name to (dtype name, is floating); all must be one floating dtype."""
     for name, (dtype, floating) in dtypes.items():
         if not floating:
-            raise TypeError(f"{name} must have a floating dtype; got {dtype}")
+            raise TypeError(f"{where}{name} must have a floating dtype; got {dtype}")
     if len({dtype for dtype, _ in dtypes.values()}) > 1:
         listed = ", ".join(f"{name} {dtype}" for name, (dtype, _) in dtypes.items())
-        raise TypeError(f"arguments must share one dtype; got {listed}")
+        raise TypeError(f"{where}{', '.join(dtypes)} must share one dtype; got {listed}")
 
 
 def probability(name: str, p: float) -> None:

@@ -25,7 +25,8 @@ def to_numpy(x: Any) -> np.ndarray:
 
 def save_state_dict(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
     """Write {name: array} to an `.npz` file (no pickle); load_state_dict of any backend reads it."""
-    np.savez(path, **{name: to_numpy(value) for name, value in state.items()})
+    with open(path, "wb") as file:  # a file object, so that np.savez keeps the path as given
+        np.savez(file, **{name: to_numpy(value) for name, value in state.items()})
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:

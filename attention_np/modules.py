@@ -137,6 +137,7 @@ class MultiHeadAttention(Module):
         _checks.module_sizes(d_model, num_heads)
         _checks.probability("dropout", dropout)
         _checks.state(cls.__name__, shapes, _checks.mha_state_shapes(d_model))
+        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         projections = {name: Linear(state[f"{name}.weight"], state[f"{name}.bias"]) for name in cls._children}
         return cls._build(**projections, num_heads=num_heads, dropout=dropout, training=True)
 
@@ -236,6 +237,7 @@ class TransformerBlock(Module):
         _checks.module_sizes(d_model, num_heads, d_ff)
         _checks.activation(activation)
         _checks.state(cls.__name__, shapes, _checks.block_state_shapes(d_model, d_ff))
+        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
                                                   dropout=dropout)
         norm1, norm2 = (LayerNorm(state[f"{name}.weight"], state[f"{name}.bias"], eps)

@@ -31,9 +31,9 @@ def _linear(d_in: int, d_out: int, rng: Rng, dtype: torch.dtype | None) -> nn.Li
     return linear
 
 
-def _load(module: nn.Module, state: Mapping[str, Any]) -> Any:
+def _load(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Any:
     """`module` holding copies of `state`, in the state's dtype and device."""
-    tensors = {name: asarray(value).detach().clone() for name, value in state.items()}
+    tensors = {name: value.detach().clone() for name, value in state.items()}
     module.load_state_dict(tensors, assign=True)  # torch: assign takes the state's dtype and device
     return module
 
@@ -55,11 +55,13 @@ class MultiHeadAttention(nn.Module):
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
                         dropout: float = 0.1) -> MultiHeadAttention:
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
-        shapes = {name: tuple(value.shape) for name, value in state.items()}
+        state = {name: asarray(value) for name, value in state.items()}
+        shapes = {name: value.shape for name, value in state.items()}
         (d_model,) = _checks.state_widths(shapes, {"w_q.weight": 1})
         _checks.module_sizes(d_model, num_heads)
         _checks.probability("dropout", dropout)
         _checks.state(cls.__name__, shapes, _checks.mha_state_shapes(d_model))
+        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(d_model, num_heads, dropout)
         return _load(module, state)
@@ -162,12 +164,14 @@ class TransformerBlock(nn.Module):
                         norm_first: bool = False, activation: str = "relu",
                         eps: float = 1e-5) -> TransformerBlock:
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
-        shapes = {name: tuple(value.shape) for name, value in state.items()}
+        state = {name: asarray(value) for name, value in state.items()}
+        shapes = {name: value.shape for name, value in state.items()}
         d_model, d_ff = _checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
         _checks.module_sizes(d_model, num_heads, d_ff)
         _checks.activation(activation)
         _checks.probability("dropout", dropout)
         _checks.state(cls.__name__, shapes, _checks.block_state_shapes(d_model, d_ff))
+        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(d_model, num_heads, d_ff, dropout, norm_first=norm_first, activation=activation,
                          eps=eps)
