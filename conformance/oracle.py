@@ -1,0 +1,204 @@
+"""The float64 oracle: attention computed one query row (and one head) at a time.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+Written apart from every backend, in another formulation: where a backend computes all scores at once
+and masks them with one boolean, the oracle walks the queries, lists the keys each one may see and takes
+a softmax over those alone. A bug in a backend then cannot pass by agreeing with itself. Everything is
+converted to float64 first; speed is not a goal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+ACTIVATIONS = ("relu", "gelu")
+
+
+def sdpa(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    bias: ArrayLike | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Attention(Q, K, V) = softmax(Q K^T * scale + bias) V, the softmax over the visible keys only.
+
+    Args:
+        q: queries (..., L, E); k: keys (..., S, E); v: values (..., S, Ev). Leading axes broadcast.
+        mask: broadcasts to (..., L, S); an entry equal to 0 / False hides key j from query i.
+        bias: added to the scores, broadcasts to (..., L, S); a -inf entry hides that key too.
+        is_causal: hide keys j > i (top-left aligned when L != S), together with `mask`.
+        scale: multiplies Q K^T; defaults to 1 / sqrt(E).
+
+    Returns:
+        out (..., L, Ev) and weights (..., L, S), float64. A query with no visible key gets zeros in both.
+    """
+    q, k, v = _float64(q), _float64(k), _float64(v)
+    (L, E), (S, Ev) = q.shape[-2:], v.shape[-2:]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q = np.broadcast_to(q, (*batch, L, E))
+    k = np.broadcast_to(k, (*batch, S, E))
+    v = np.broadcast_to(v, (*batch, S, Ev))
+    mask = np.ones((L, S), bool) if mask is None else np.asarray(mask) != 0
+    mask = np.broadcast_to(mask, (*batch, L, S))
+    bias = np.broadcast_to(np.zeros((L, S)) if bias is None else _float64(bias), (*batch, L, S))
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+
+    out, weights = np.zeros((*batch, L, Ev)), np.zeros((*batch, L, S))
+    for b in np.ndindex(*batch):
+        for i in range(L):
+            keys = _visible_keys(i, mask[(*b, i)], bias[(*b, i)], is_causal)
+            out[(*b, i)], weights[(*b, i)] = _attend(q[(*b, i)], k[b], v[b], keys, bias[(*b, i)], scale)
+    return out, weights
+
+
+def multi_head_attention(
+    state: Mapping[str, ArrayLike],
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    num_heads: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
+    head_h = Attention(Q W_q,h^T + b_q,h, K W_k,h^T + b_k,h, V W_v,h^T + b_v,h), computed one head at a time.
+
+    Args:
+        state: w_q, w_k, w_v, w_o, each .weight (D, D) and .bias (D,), nn.Linear layout.
+        q: queries (..., L, D); k: keys (..., S, D); v: values (..., S, D).
+        mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key.
+        num_heads: H; head h works on the contiguous slice h*d_k:(h+1)*d_k of D, d_k = D / H.
+
+    Returns:
+        out (..., L, D) and weights (..., H, L, S), float64.
+    """
+    state = {name: _float64(value) for name, value in state.items()}
+    d_model = state["w_q.weight"].shape[1]
+    if d_model % num_heads:
+        raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+    d_k = d_model // num_heads
+
+    # 1) project
+    q = _linear(state, "w_q", _float64(q))  # (..., L, D) -> (..., L, D)
+    k = _linear(state, "w_k", _float64(k))  # (..., S, D) -> (..., S, D)
+    v = _linear(state, "w_v", _float64(v))  # (..., S, D) -> (..., S, D)
+    if mask is not None:
+        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        mask = np.broadcast_to(np.asarray(mask), (*batch, num_heads, q.shape[-2], k.shape[-2]))
+
+    # 2) attend, one head at a time
+    heads, weights = [], []
+    for h in range(num_heads):
+        cols = slice(h * d_k, (h + 1) * d_k)
+        head_mask = None if mask is None else mask[..., h, :, :]  # (..., H, L, S) -> (..., L, S)
+        out_h, weights_h = sdpa(q[..., cols], k[..., cols], v[..., cols], head_mask,
+                                scale=1.0 / math.sqrt(d_k))  # (..., L, d_k), (..., L, S)
+        heads.append(out_h)
+        weights.append(weights_h)
+
+    # 3) concatenate the heads and mix them
+    out = _linear(state, "w_o", np.concatenate(heads, axis=-1))  # H x (..., L, d_k) -> (..., L, D)
+    return out, np.stack(weights, axis=-3)  # H x (..., L, S) -> (..., H, L, S)
+
+
+def transformer_block(
+    state: Mapping[str, ArrayLike],
+    x: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    num_heads: int,
+    norm_first: bool = False,
+    activation: str = "relu",
+    eps: float = 1e-5,
+) -> tuple[np.ndarray, np.ndarray]:
+    """post-LN: x = LN_1(x + MHA(x, x, x)),  x = LN_2(x + FFN(x));
+    pre-LN:  x = x + MHA(LN_1(x)),         x = x + FFN(LN_2(x));   FFN(x) = W_3 act(W_0 x + b_0) + b_3.
+
+    Args:
+        state: attn.<multi-head names>, norm1/norm2 .weight and .bias (D,), ffn.0.weight (F, D),
+            ffn.0.bias (F,), ffn.3.weight (D, F), ffn.3.bias (D,).
+        x: inputs (..., L, D).
+        mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key.
+        num_heads: H. norm_first: pre-LN instead of post-LN. activation: "relu" or "gelu" (exact erf form).
+        eps: added to the variance inside LayerNorm's square root.
+
+    Returns:
+        x (..., L, D) and the attention weights (..., H, L, L), float64.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    state = {name: _float64(value) for name, value in state.items()}
+    attn = {name.removeprefix("attn."): value for name, value in state.items() if name.startswith("attn.")}
+    x = _float64(x)
+
+    def attend(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return multi_head_attention(attn, y, y, y, mask, num_heads=num_heads)  # (..., L, D)
+
+    def feed_forward(y: np.ndarray) -> np.ndarray:
+        h = _activation(activation, _linear(state, "ffn.0", y))  # (..., L, D) -> (..., L, F)
+        return _linear(state, "ffn.3", h)  # (..., L, F) -> (..., L, D)
+
+    if norm_first:  # pre-LN
+        h, weights = attend(_layer_norm(state, "norm1", x, eps))
+        x = x + h
+        x = x + feed_forward(_layer_norm(state, "norm2", x, eps))
+    else:  # post-LN
+        h, weights = attend(x)
+        x = _layer_norm(state, "norm1", x + h, eps)
+        x = _layer_norm(state, "norm2", x + feed_forward(x), eps)
+    return x, weights
+
+
+def _visible_keys(i: int, mask_row: np.ndarray, bias_row: np.ndarray, is_causal: bool) -> list[int]:
+    """The keys j query i may see: kept by the mask, not -inf in the bias, and j <= i when causal."""
+    return [j for j in range(len(mask_row))
+            if mask_row[j] and bias_row[j] != -np.inf and not (is_causal and j > i)]
+
+
+def _attend(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, keys: list[int], bias_row: np.ndarray,
+            scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """One query row: out_i = sum_j w_j v_j, w = softmax(q_i . k_j * scale + bias_ij) over the visible j."""
+    out_i, weights_i = np.zeros(v.shape[-1]), np.zeros(k.shape[-2])  # (Ev,), (S,)
+    if not keys:  # the spec's rule: a query with no visible key gets zeros, never 0 / 0 = NaN
+        return out_i, weights_i
+    logits = np.array([np.dot(q_i, k[j]) * scale + bias_row[j] for j in keys])  # (visible,)
+    exp = np.exp(logits - np.max(logits))  # subtracting the max changes nothing but keeps exp finite
+    weights_i[keys] = exp / np.sum(exp)
+    for j in keys:
+        out_i += weights_i[j] * v[j]  # (Ev,)
+    return out_i, weights_i
+
+
+def _linear(state: Mapping[str, np.ndarray], name: str, x: np.ndarray) -> np.ndarray:
+    """y = x W^T + b, W (out, in): y_o = sum_i x_i W_oi + b_o."""
+    return np.einsum("...i,oi->...o", x, state[f"{name}.weight"]) + state[f"{name}.bias"]
+
+
+def _layer_norm(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, eps: float) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, var the biased variance."""
+    d_model = x.shape[-1]
+    mean = np.sum(x, axis=-1, keepdims=True) / d_model  # (..., D) -> (..., 1)
+    var = np.sum((x - mean) ** 2, axis=-1, keepdims=True) / d_model  # biased: divide by D, not D - 1
+    return (x - mean) / np.sqrt(var + eps) * state[f"{name}.weight"] + state[f"{name}.bias"]
+
+
+def _activation(name: str, x: np.ndarray) -> np.ndarray:
+    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x * (1 + erf(x / sqrt(2))) / 2, one entry at a time."""
+    if name == "relu":
+        return np.maximum(x, 0.0)
+    gelu = (t * (1 + math.erf(t / math.sqrt(2))) / 2 for t in x.ravel().tolist())
+    return np.fromiter(gelu, np.float64, count=x.size).reshape(x.shape)
+
+
+def _float64(x: ArrayLike) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)

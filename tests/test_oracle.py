@@ -1,0 +1,178 @@
+"""Known values of the float64 oracle, each derived by hand, and its agreement with torch's SDPA."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conformance import oracle
+
+
+def _mha_state(d_model: int, *, w_q: float = 1.0, b_o: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Identity projections (W_q = w_q * I), zero biases except b_o."""
+    eye, zeros = np.eye(d_model), np.zeros(d_model)
+    state = {f"{proj}.weight": eye for proj in ("w_k", "w_v", "w_o")} | {"w_q.weight": w_q * eye}
+    state |= {f"{proj}.bias": zeros for proj in ("w_q", "w_k", "w_v")}
+    return state | {"w_o.bias": zeros if b_o is None else b_o}
+
+
+def _block_state(d_model: int, d_ff: int, entries: dict[str, object]) -> dict[str, np.ndarray]:
+    """Every parameter zero except the LayerNorm gains (one), then the given entries."""
+    state = {f"attn.{name}": np.zeros_like(value) for name, value in _mha_state(d_model).items()}
+    state |= {"norm1.weight": np.ones(d_model), "norm1.bias": np.zeros(d_model),
+              "norm2.weight": np.ones(d_model), "norm2.bias": np.zeros(d_model),
+              "ffn.0.weight": np.zeros((d_ff, d_model)), "ffn.0.bias": np.zeros(d_ff),
+              "ffn.3.weight": np.zeros((d_model, d_ff)), "ffn.3.bias": np.zeros(d_model)}
+    return state | {name: np.asarray(value, float) for name, value in entries.items()}
+
+
+def test_two_keys_weights_are_one_and_e_over_one_plus_e() -> None:
+    # E = 1, so scale = 1 / sqrt(1) = 1; q = 1, keys 0 and 1 -> logits [0, 1]
+    # softmax([0, 1]) = [e^0, e^1] / (e^0 + e^1) = [1, e] / (1 + e); v = I so out = weights
+    out, weights = oracle.sdpa(np.array([[1.0]]), np.array([[0.0], [1.0]]), np.eye(2))
+    np.testing.assert_allclose(weights, [[1 / (1 + math.e), math.e / (1 + math.e)]], rtol=1e-15)
+    np.testing.assert_allclose(out, weights, rtol=1e-15)
+
+
+def test_scale_multiplies_scores() -> None:
+    # q = 2, keys 0 and 1, scale 0.5 -> logits [0, 2 * 1 * 0.5] = [0, 1] -> weights [1, e] / (1 + e)
+    _, weights = oracle.sdpa(np.array([[2.0]]), np.array([[0.0], [1.0]]), np.eye(2), scale=0.5)
+    np.testing.assert_allclose(weights, [[1 / (1 + math.e), math.e / (1 + math.e)]], rtol=1e-15)
+
+
+def test_fully_masked_row_gives_zeros() -> None:
+    # query 0 sees key 0 only -> weights [1, 0], out = v_0; query 1 sees nothing -> zeros, not 0 / 0 = NaN
+    v = np.array([[1.0, 2.0], [3.0, 4.0]])
+    mask = np.array([[True, False], [False, False]])
+    out, weights = oracle.sdpa(np.ones((2, 2)), np.ones((2, 2)), v, mask)
+    np.testing.assert_array_equal(weights, [[1.0, 0.0], [0.0, 0.0]])
+    np.testing.assert_array_equal(out, [[1.0, 2.0], [0.0, 0.0]])
+
+
+def test_single_visible_key_returns_its_value() -> None:
+    # only key 2 is visible: softmax over one logit is [1], so out = v_2 whatever the scores
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(1, 3)), rng.normal(size=(4, 3)), rng.normal(size=(4, 5))
+    out, weights = oracle.sdpa(q, k, v, np.array([0, 0, 1, 0]))  # a 0/1 integer mask, broadcast over L
+    np.testing.assert_array_equal(weights, [[0.0, 0.0, 1.0, 0.0]])
+    np.testing.assert_array_equal(out, v[2:3])
+
+
+def test_causal_is_top_left_aligned_when_L_differs_from_S() -> None:
+    # q = 0 makes every logit 0, so each query spreads its weight evenly over the keys j <= i it sees.
+    # L = 2 < S = 4: query 0 sees key 0, query 1 sees keys 0, 1 (bottom-right alignment would show 3 and 4)
+    _, weights = oracle.sdpa(np.zeros((2, 1)), np.ones((4, 1)), np.ones((4, 1)), is_causal=True)
+    np.testing.assert_array_equal(weights, [[1, 0, 0, 0], [0.5, 0.5, 0, 0]])
+    # L = 3 > S = 2: query 0 sees key 0; queries 1 and 2 see keys 0 and 1
+    _, weights = oracle.sdpa(np.zeros((3, 1)), np.ones((2, 1)), np.ones((2, 1)), is_causal=True)
+    np.testing.assert_array_equal(weights, [[1, 0], [0.5, 0.5], [0.5, 0.5]])
+
+
+def test_causal_combines_with_mask() -> None:
+    # causal lets query 1 see keys 0, 1; the mask hides key 0 from every query -> query 0 sees nothing
+    _, weights = oracle.sdpa(np.zeros((2, 1)), np.ones((2, 1)), np.ones((2, 1)), np.array([False, True]),
+                             is_causal=True)
+    np.testing.assert_array_equal(weights, [[0, 0], [0, 1]])
+
+
+def test_minus_inf_bias_hides_key_and_finite_bias_adds() -> None:
+    # q = 0: logits are the bias. [0, -inf, 0] -> key 1 hidden, the others share: [0.5, 0, 0.5]
+    # [0, log 2, -inf] -> softmax over [0, log 2] = [1, 2] / 3
+    bias = np.array([[0.0, -np.inf, 0.0], [0.0, math.log(2), -np.inf], [-np.inf, -np.inf, -np.inf]])
+    out, weights = oracle.sdpa(np.zeros((3, 1)), np.ones((3, 1)), np.eye(3), bias=bias)
+    np.testing.assert_allclose(weights, [[0.5, 0, 0.5], [1 / 3, 2 / 3, 0], [0, 0, 0]], rtol=1e-15)
+    np.testing.assert_allclose(out, weights, rtol=1e-15)  # v = I; the all -inf row is zeros, not NaN
+
+
+def test_leading_axes_mask_and_bias_broadcast() -> None:
+    # q (2, 1, L, E) with k, v (1, 3, S, ...) -> (2, 3) batch; each batch entry is the unbatched result
+    rng = np.random.default_rng(1)
+    q, k, v = rng.normal(size=(2, 1, 4, 3)), rng.normal(size=(1, 3, 5, 3)), rng.normal(size=(1, 3, 5, 2))
+    mask, bias = rng.random((3, 4, 5)) > 0.3, rng.normal(size=(5,))
+    out, weights = oracle.sdpa(q, k, v, mask, bias=bias)
+    assert out.shape == (2, 3, 4, 2) and weights.shape == (2, 3, 4, 5)
+    for b in range(2):
+        for h in range(3):
+            out_bh, weights_bh = oracle.sdpa(q[b, 0], k[0, h], v[0, h], mask[h], bias=bias)
+            np.testing.assert_array_equal(out[b, h], out_bh)
+            np.testing.assert_array_equal(weights[b, h], weights_bh)
+
+
+def test_mha_heads_are_contiguous_slices_with_identity_weights() -> None:
+    # D = 4, H = 2, d_k = 2: head 0 sees columns 0:2, head 1 columns 2:4. W_q = sqrt(2) I cancels the
+    # scale 1 / sqrt(d_k), so logits are x_i . x_j within the head; W_k = W_v = W_o = I, b_o = [1, 2, 3, 4].
+    # x_0 = [1, 0, 0, 0], x_1 = [0, 0, 1, 0]
+    # head 0: slices [1, 0], [0, 0]. query 0 logits [1, 0] -> [e, 1] / (1 + e), out e / (1 + e) [1, 0]
+    #         query 1 logits [0, 0] -> [1/2, 1/2], out [1/2, 0]
+    # head 1: slices [0, 0], [1, 0]. query 0 logits [0, 0] -> [1/2, 1/2], out [1/2, 0]
+    #         query 1 logits [0, 1] -> [1, e] / (1 + e), out e / (1 + e) [1, 0]
+    # (interleaved heads, columns 0, 2 and 1, 3, would give other numbers)
+    x = np.array([[[1.0, 0, 0, 0], [0, 0, 1.0, 0]]])  # (B, L, D) = (1, 2, 4)
+    b_o = np.array([1.0, 2, 3, 4])
+    out, weights = oracle.multi_head_attention(_mha_state(4, w_q=math.sqrt(2), b_o=b_o), x, x, x, num_heads=2)
+    p = math.e / (1 + math.e)
+    np.testing.assert_allclose(out, np.array([[[p, 0, 0.5, 0], [0.5, 0, p, 0]]]) + b_o, rtol=1e-14)
+    np.testing.assert_allclose(weights, [[[[p, 1 - p], [0.5, 0.5]], [[0.5, 0.5], [1 - p, p]]]], rtol=1e-14)
+
+
+def test_mha_mask_broadcasts_over_heads() -> None:
+    # a (B, 1, 1, S) padding mask hiding key 1: every head of every query puts all its weight on key 0
+    x = np.random.default_rng(2).normal(size=(1, 3, 4))
+    _, weights = oracle.multi_head_attention(_mha_state(4), x, x[:, :2], x[:, :2], np.array([True, False])
+                                             .reshape(1, 1, 1, 2), num_heads=2)
+    np.testing.assert_array_equal(weights, np.broadcast_to([1.0, 0.0], (1, 2, 3, 2)))
+
+
+def test_layer_norm_of_known_vector_post_ln() -> None:
+    # zero attention and FFN weights and biases: both branches give 0, so post-LN is x -> LN2(LN1(x)).
+    # x = [1, 2, 3, 4]: mean 2.5, biased variance (2.25 + 0.25 + 0.25 + 2.25) / 4 = 1.25 (unbiased: 5/3),
+    # eps = 0 -> LN1(x) = [-1.5, -0.5, 0.5, 1.5] / sqrt(1.25), which already has mean 0 and variance 1,
+    # so LN2 only applies its gain and bias: 2 * LN1(x) + 1
+    state = _block_state(4, 8, {"norm2.weight": np.full(4, 2.0), "norm2.bias": np.ones(4)})
+    x, _ = oracle.transformer_block(state, np.array([[1.0, 2, 3, 4]]), num_heads=2, eps=0.0)
+    np.testing.assert_allclose(x, [2 * np.array([-1.5, -0.5, 0.5, 1.5]) / math.sqrt(1.25) + 1], rtol=1e-14)
+
+
+def test_layer_norm_eps_inside_square_root() -> None:
+    # a constant vector has variance 0: (x - mean) / sqrt(0 + eps) = 0, so LN1(x) = bias; with eps
+    # outside the root, or without it, this would be 0 / 0
+    state = _block_state(2, 2, {"norm1.bias": [0.5, -0.5]})
+    x, _ = oracle.transformer_block(state, np.array([[3.0, 3.0]]), num_heads=1, norm_first=False)
+    # LN2 of [0.5, -0.5]: mean 0, variance 0.25 -> [0.5, -0.5] / sqrt(0.25 + 1e-5)
+    np.testing.assert_allclose(x, [[0.5, -0.5] / np.sqrt(0.25 + 1e-5)], rtol=1e-14)
+
+
+@pytest.mark.parametrize(("activation", "expected"), [("gelu", 0.8413447460685429), ("relu", 1.0)])
+def test_pre_ln_ffn_activation(activation: str, expected: float) -> None:
+    # D = 1: LN of a single entry is (x - x) / sqrt(0 + eps) * 1 + bias = bias. With attention weights zero
+    # the attention branch is b_o = 0, so pre-LN gives x + FFN(norm2.bias); FFN(t) = 1 * act(1 * t + 0) + 0.
+    # norm2.bias = 1: gelu(1) = 1 * Phi(1) = (1 + erf(1 / sqrt 2)) / 2 = 0.8413447460685429 (the tanh
+    # approximation would give 0.8411919906); relu(1) = 1
+    state = _block_state(1, 1, {"norm2.bias": [1.0], "ffn.0.weight": [[1.0]], "ffn.3.weight": [[1.0]]})
+    x, _ = oracle.transformer_block(state, np.array([[5.0]]), num_heads=1, norm_first=True,
+                                    activation=activation)
+    np.testing.assert_allclose(x, [[5.0 + expected]], rtol=1e-15)
+
+
+@pytest.mark.parametrize(("L", "S"), [(5, 7), (7, 5), (6, 6)])
+def test_agrees_with_torch_sdpa_in_float64(L: int, S: int) -> None:
+    torch = pytest.importorskip("torch")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rng = np.random.default_rng(L * 10 + S)
+    q, k, v = rng.normal(size=(2, 3, L, 8)), rng.normal(size=(2, 3, S, 8)), rng.normal(size=(2, 3, S, 6))
+    mask = rng.random((2, 3, L, S)) > 0.4
+    mask[..., 0] = True  # torch gives NaN or zeros for a fully masked row depending on version: avoid it
+    bias = rng.normal(size=(L, S))
+    bias[rng.random((L, S)) < 0.2] = -np.inf
+    bias[:, 1] = 0.0  # key 1 stays visible through the bias
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+
+    def check(expected: torch.Tensor, **kwargs: object) -> None:
+        out, _ = oracle.sdpa(q, k, v, **kwargs)
+        np.testing.assert_allclose(out, expected.numpy(), rtol=1e-12, atol=1e-12)
+
+    check(sdpa(tq, tk, tv, attn_mask=torch.from_numpy(mask)), mask=mask)
+    check(sdpa(tq, tk, tv, is_causal=True), is_causal=True)  # torch's causal mask is top-left aligned too
+    check(sdpa(tq, tk, tv, attn_mask=torch.from_numpy(bias), scale=0.3), bias=bias, scale=0.3)
