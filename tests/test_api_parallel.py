@@ -1,0 +1,162 @@
+"""The three backends keep in step: same public names, module files, signatures, defaults, docstring
+blocks and shape legend; and the NumPy package imports without JAX or torch."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.conftest import BACKENDS, import_backend
+
+LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width, "
+          "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
+PUBLIC_FILES = {"__init__.py", "arrays.py", "functional.py", "modules.py", "py.typed"}
+CLASSES = ("MultiHeadAttention", "TransformerBlock")
+
+
+def _backends() -> list[ModuleType]:
+    return [import_backend(name) for name in BACKENDS]
+
+
+def _methods(M: ModuleType, cls_name: str) -> dict[str, Callable]:
+    """The public methods of a module class; torch's forward stands for the others' __call__."""
+    cls = getattr(M, cls_name)
+    call = cls.forward if M.__name__ == "attention_torch" else cls.__call__
+    return {"__init__": cls.__init__, "__call__": call, "from_state_dict": cls.from_state_dict,
+            "train": cls.train, "eval": cls.eval}
+
+
+def _public_callables(M: ModuleType) -> dict[str, Callable]:
+    """Every public function, and every public method of the public classes, by qualified name."""
+    found = {name: getattr(M, name) for name in M.__all__ if name not in CLASSES}
+    for cls_name in CLASSES:
+        found |= {f"{cls_name}.{name}": method for name, method in _methods(M, cls_name).items()}
+    return found
+
+
+def _parameters(function: Callable) -> list[tuple[str, str, object]]:
+    return [(p.name, p.kind.name, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+def _block(doc: str, heading: str) -> list[str]:
+    """The indented lines of a Google-style `heading:` block ("Args" or "Returns") of a docstring."""
+    lines = inspect.cleandoc(doc).splitlines()
+    if f"{heading}:" not in [line.strip() for line in lines]:
+        return []
+    start = [line.strip() for line in lines].index(f"{heading}:") + 1
+    block = []
+    for line in lines[start:]:
+        if not line.startswith(" ") or not line.strip():
+            break
+        block.append(line.strip())
+    return block
+
+
+def _arg_names(doc: str) -> list[str]:
+    return [m.group(1) for line in _block(doc, "Args") if (m := re.match(r"(\w+):", line))]
+
+
+def _returned_names(doc: str) -> list[str]:
+    """Names of the returned values, written as `name (shape)` in the Returns block."""
+    return re.findall(r"\b(\w+) \((?:\.\.\.|[A-Z])", " ".join(_block(doc, "Returns")))
+
+
+def test_backends_export_the_same_public_names():
+    exports = {M.__name__: sorted(M.__all__) for M in _backends()}
+    assert len({tuple(names) for names in exports.values()}) == 1, exports
+    for M in _backends():
+        missing = [name for name in M.__all__ if not hasattr(M, name)]
+        assert not missing, f"{M.__name__}.__all__ names missing attributes: {missing}"
+
+
+def test_backends_have_the_same_module_files():
+    for M in _backends():
+        files = {path.name for path in Path(M.__file__).parent.iterdir()  # private files may differ
+                 if path.is_file() and (not path.name.startswith("_") or path.name == "__init__.py")}
+        assert files == PUBLIC_FILES, f"{M.__name__}: {sorted(files)}"
+
+
+def test_public_signatures_have_the_same_names_kinds_and_defaults():
+    reference, *others = _backends()
+    expected = {name: _parameters(f) for name, f in _public_callables(reference).items()}
+    for M in others:
+        actual = {name: _parameters(f) for name, f in _public_callables(M).items()}
+        assert actual.keys() == expected.keys(), M.__name__
+        for name in expected:
+            assert actual[name] == expected[name], (
+                f"{M.__name__}.{name}{actual[name]} != {reference.__name__}.{name}{expected[name]}")
+
+
+def test_docstrings_have_the_same_args_and_returns_names():
+    reference, *others = _backends()
+    for name, f in _public_callables(reference).items():
+        assert f.__doc__, f"{reference.__name__}.{name} has no docstring"
+        names = (_arg_names(f.__doc__), _returned_names(f.__doc__))
+        for M in others:
+            doc = _public_callables(M)[name].__doc__
+            assert doc, f"{M.__name__}.{name} has no docstring"
+            assert (_arg_names(doc), _returned_names(doc)) == names, f"{M.__name__}.{name}"
+
+
+def test_docstring_args_name_the_signature_parameters():
+    for M in _backends():
+        for name, f in _public_callables(M).items():
+            documented = _arg_names(f.__doc__)
+            if documented:  # a one-line "Args: sizes as named" summary has no per-name block
+                parameters = [p for p in inspect.signature(f).parameters if p not in ("self", "cls")]
+                assert documented == parameters, f"{M.__name__}.{name}: {documented} != {parameters}"
+
+
+@pytest.mark.parametrize("file", ["functional", "modules"])
+def test_module_docstrings_hold_the_one_shape_legend(file: str):
+    for M in _backends():
+        doc = importlib.import_module(f"{M.__name__}.{file}").__doc__
+        paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
+        legends = [p for p in paragraphs if p.startswith("Shape legend:")]
+        assert legends == [LEGEND], f"{M.__name__}.{file}: {legends}"
+
+
+def test_numpy_backend_imports_without_jax_or_torch():
+    # A meta-path finder that refuses jax, jaxlib and torch makes any import of them fail, so the
+    # script succeeds only if attention_np (and a call into it) never imports either framework.
+    script = textwrap.dedent("""
+        import sys
+
+        class Refuse:
+            def find_spec(self, name, path=None, target=None):
+                if name.partition(".")[0] in ("jax", "jaxlib", "torch"):
+                    raise ImportError(f"blocked: {name}")
+                return None
+
+        sys.meta_path.insert(0, Refuse())
+        try:
+            import jax  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            raise SystemExit("the blocker did not block jax")
+
+        import numpy as np
+        import attention_np
+
+        q = np.ones((2, 3, 4))
+        out, weights = attention_np.scaled_dot_product_attention(q, q, q)
+        block = attention_np.TransformerBlock(8, 2, 16, rng=0)
+        block(np.ones((1, 3, 8), np.float32))
+        loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ("jax", "jaxlib", "torch"))
+        assert not loaded, loaded
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
