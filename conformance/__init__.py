@@ -1,5 +1,22 @@
-"""Conformance suite: a float64 oracle, written apart from every backend, and a report of how far each
-backend's attention is from it. Run it with `python -m conformance`.
+"""The conformance suite: checks any implementation of the attention contract against a float64 oracle.
 
-Importing this package imports NumPy only; a backend (and its framework) is imported when a run needs it.
+    from conformance import check
+    report = check("my_attention")          # or a module object
+    report.passed, report.rows
+
+Importing this package loads neither JAX nor torch; `check` imports only the module it is given.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check(module: Any, **options: Any) -> Any:
+    """Run the whole suite on `module`; see conformance.suite.check for the options."""
+    from .suite import check as run  # hypothesis is imported only when a check runs
+
+    return run(module, **options)
+
+
+__all__ = ["check"]

@@ -1,26 +1,88 @@
-"""`python -m conformance [--seed S]`: every installed backend against the float64 oracle, as one table."""
+"""The command line.
+
+    python -m conformance [options]                      every installed built-in backend, side by side
+    python -m conformance check MODULE [MODULE ...] [options]   any implementation of the contract
+
+Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH. The exit code is 0 only when
+every check passes on every module.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import sys
+import time
 from collections.abc import Sequence
+from types import ModuleType
 
-from . import report
+from . import suite
+
+BUILT_IN = ("attention_np", "attention_jax", "attention_torch")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--profile", choices=sorted(suite.PROFILES), default="fast",
+                         help="fast (default): a few examples per check; thorough: ten times as many")
+    options.add_argument("--max-examples", type=int, default=None, metavar="N",
+                         help="N examples for every check, instead of the profile's numbers")
+    options.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0); a run is reproducible")
+    options.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     parser = argparse.ArgumentParser(
-        prog="python -m conformance",
-        description="Compare attention_np, attention_jax and attention_torch (those that import) with the "
-                    "float64 oracle on random masked cases, in float32 and float64.")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random cases (default 0)")
+        prog="python -m conformance", parents=[options],
+        description="Check implementations of the attention contract against a float64 oracle. Without a "
+                    "command: every installed built-in backend, side by side.")
+    commands = parser.add_subparsers(dest="command")
+    check = commands.add_parser("check", parents=[options], help="check the named modules")
+    check.add_argument("modules", nargs="+", metavar="MODULE", help="an importable module implementing the contract")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return report.run(seed=args.seed)
+    names = args.modules if args.command == "check" else BUILT_IN
+    modules, skipped = _import(names, required=args.command == "check")
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    if not modules:
+        print("no module to check")
+        return 1
+    print(f"profile {args.profile}, seed {args.seed}" + (f", {args.max_examples} examples per check"
+                                                         if args.max_examples else ""))
+    reports = []
+    for name, module in modules.items():
+        start = time.perf_counter()
+        report = suite.check(module, profile=args.profile, max_examples=args.max_examples, seed=args.seed)
+        print(f"{name}: {time.perf_counter() - start:.1f} s" + "".join(f"; {s}" for s in report.settings))
+        reports.append(report)
+    print()
+    print(suite.format_side_by_side(reports) if args.command != "check" else
+          "\n".join(suite.format_rows(report) for report in reports))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({report.rows[0].module: report.to_json() for report in reports if report.rows}, file, indent=1)
+    failures = [report for report in reports if not report.passed]
+    for report in failures:
+        print()
+        print(suite.format_failures(report))
+    if skipped and args.command == "check":
+        failures.append(None)
+    print(f"\n{'all pass' if not failures else f'{len(failures)} of {len(names)} modules failed'}"
+          f"; replay with --seed {args.seed}")
+    return 0 if not failures else 1
+
+
+def _import(names: Sequence[str], *, required: bool) -> tuple[dict[str, ModuleType], dict[str, str]]:
+    """({name: module} for those that import, {name: why not} for the others)."""
+    modules, skipped = {}, {}
+    for name in names:
+        try:
+            modules[name] = importlib.import_module(name)
+        except Exception as error:  # a missing framework skips that backend only
+            skipped[name] = f"{type(error).__name__}: {error}"
+    return modules, skipped
 
 
 if __name__ == "__main__":

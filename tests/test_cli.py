@@ -1,15 +1,21 @@
-"""`python -m conformance` as a user runs it: exit code 0 and one table column per importable backend."""
+"""The command line as a user runs it: exit codes, one table column per importable backend, JSON."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import pathlib
 import subprocess
 import sys
 
-from conformance.report import BACKENDS
+from conformance.__main__ import BUILT_IN
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "conformance", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, check=False)
 
 
 def _importable(name: str) -> bool:
@@ -20,21 +26,30 @@ def _importable(name: str) -> bool:
     return True
 
 
-def test_cli_passes_and_names_each_importable_backend() -> None:
-    result = subprocess.run([sys.executable, "-m", "conformance"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300, check=False)
+def test_default_run_passes_and_names_each_importable_backend() -> None:
+    result = _run("--max-examples", "3")
     assert result.returncode == 0, result.stdout + result.stderr
     header = next(line for line in result.stdout.splitlines() if line.startswith("operation"))
-    for name in BACKENDS:
+    for name in BUILT_IN:
         if _importable(name):
             assert name in header.split(), f"{name} imports but is not a column of:\n{result.stdout}"
         else:
             assert f"skipped {name}:" in result.stdout, result.stdout
-    assert "seed 0" in result.stdout and "FAIL" not in result.stdout
+    assert "seed 0" in result.stdout and "FAIL" not in result.stdout and "all pass" in result.stdout
 
 
-def test_cli_seed_option_is_printed() -> None:
-    result = subprocess.run([sys.executable, "-m", "conformance", "--seed", "7"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300, check=False)
+def test_check_writes_json_rows_and_prints_the_seed(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "report.json"
+    result = _run("check", "attention_np", "--max-examples", "2", "--seed", "7", "--json", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "seed 7:" in result.stdout
+    assert "seed 7" in result.stdout
+    report = json.loads(path.read_text())["attention_np"]
+    assert report["passed"] is True and report["seed"] == 7
+    assert {row["operation"] for row in report["rows"]} == {"sdpa", "mha", "block"}
+    assert all(row["examples"] >= 1 for row in report["rows"])
+
+
+def test_check_of_a_module_that_does_not_import_fails() -> None:
+    result = _run("check", "no_such_attention_module", "--max-examples", "1")
+    assert result.returncode == 1
+    assert "skipped no_such_attention_module" in result.stdout

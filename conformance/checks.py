@@ -1,0 +1,345 @@
+"""The checks: each runs a module on one drawn case and returns named measures, errors that the suite
+compares with the tolerance table (`tolerances.json`).
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+A measure is a relative error (`relative_error`), or inf with a reason when no number can be fair:
+wrong shape, wrong dtype, NaN where the reference has a number (or the reverse).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import oracle
+from .frameworks import framework_of
+from .strategies import BlockCase, MhaCase, SdpaCase
+
+Case = SdpaCase | MhaCase | BlockCase
+Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
+TINY = np.finfo(np.float64).tiny
+DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
+
+
+class Measure(NamedTuple):
+    error: float  # compared with the tolerance; inf when the result is wrong in kind, not degree
+    detail: str = ""  # what was wrong, for the failure message
+
+
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    """max|actual - expected| / max|expected| over the whole array, the expected array the reference.
+
+    Entries equal in both (NaN in both, or the same infinity) count as exact; NaN in only one of them,
+    or a shape mismatch, gives inf.
+    """
+    a, b = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    if a.shape != b.shape or np.any(np.isnan(a) != np.isnan(b)):
+        return math.inf
+    same = (a == b) | np.isnan(b)  # also matching infinities, where a - b would be NaN
+    diff = np.where(same, 0.0, np.abs(a - b))
+    reference = np.max(np.abs(b), where=np.isfinite(b), initial=0.0)
+    return float(np.max(diff, initial=0.0) / max(reference, TINY))
+
+
+def compare(name: str, actual: np.ndarray | None, expected: np.ndarray, dtype: str) -> Measure:
+    """`actual` against the reference: kind first (present, shape, dtype, NaN places), then the error."""
+    if actual is None:
+        return Measure(math.inf, f"{name} is None")
+    if actual.shape != expected.shape:
+        return Measure(math.inf, f"{name} has shape {actual.shape}, expected {expected.shape}")
+    if actual.dtype != np.dtype(dtype):
+        return Measure(math.inf, f"{name} has dtype {actual.dtype}, expected {dtype}")
+    if np.any(np.isnan(actual) != np.isnan(expected)):
+        return Measure(math.inf, f"{name} has NaN in other places than the reference")
+    error = relative_error(actual, expected)
+    return Measure(error, f"{name}: relative error {error:.2e}")
+
+
+def worst(*measures: Measure) -> Measure:
+    return max(measures, key=lambda m: m.error)
+
+
+# --- running a module ------------------------------------------------------------------------------------
+
+class Runner:
+    """Runs one module's operations on NumPy inputs and returns NumPy outputs.
+
+    Each operation is staged once per set of static options (JAX: one jit function, traced once per
+    shape), so repeated shapes cost no recompilation.
+    """
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module, self.framework = module, framework_of(module)
+        self._staged: dict[tuple, Callable] = {}
+
+    def sdpa(self, case: SdpaCase, dtype: str, *, dropout_p: float = 0.0, seed: int | None = None) -> Pair:
+        arrays = {"q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "bias": case.bias}
+        return self._run(_call_sdpa, arrays, dtype, seed,
+                         is_causal=case.is_causal, scale=case.scale, dropout_p=dropout_p)
+
+    def mha(self, case: MhaCase, dtype: str, *, training: bool = False, seed: int | None = None) -> Pair:
+        arrays = {"state": case.state, "q": case.q, "k": case.k, "v": case.v, "mask": case.mask}
+        return self._run(_call_mha, arrays, dtype, seed,
+                         num_heads=case.num_heads, dropout=case.dropout, training=training)
+
+    def block(self, case: BlockCase, dtype: str, *, training: bool = False, seed: int | None = None) -> Pair:
+        arrays = {"state": case.state, "x": case.x, "mask": case.mask}
+        return self._run(_call_block, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
+                         norm_first=case.norm_first, activation=case.activation, eps=case.eps,
+                         training=training)
+
+    def _run(self, call: Callable, arrays: dict[str, Any], dtype: str, seed: int | None, **options: Any) -> Pair:
+        key = (call, tuple(sorted(options.items())))
+        if key not in self._staged:
+            self._staged[key] = self.framework.stage(functools.partial(call, self.module, **options))
+        rng = None if seed is None else self.framework.rng(seed)
+        out, weights = self._staged[key](self._native(cast(arrays, dtype)), rng)
+        return self.module.to_numpy(out), None if weights is None else self.module.to_numpy(weights)
+
+    def _native(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
+        return {name: self._native(x) if isinstance(x, Mapping) else None if x is None else self.module.asarray(x)
+                for name, x in arrays.items()}
+
+
+def _call_sdpa(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> tuple:
+    return module.scaled_dot_product_attention(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
+                                               bias=arrays["bias"], rng=rng, **options)
+
+
+def _call_mha(module: ModuleType, arrays: dict, rng: Any, *, num_heads: int, dropout: float,
+              training: bool) -> tuple:
+    mha = module.MultiHeadAttention.from_state_dict(arrays["state"], num_heads=num_heads, dropout=dropout)
+    mha = mha.train() if training else mha.eval()
+    return mha(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], rng=rng)
+
+
+def _call_block(module: ModuleType, arrays: dict, rng: Any, *, training: bool, **options: Any) -> tuple:
+    block = module.TransformerBlock.from_state_dict(arrays["state"], **options)
+    block = block.train() if training else block.eval()
+    return block(arrays["x"], arrays["mask"], rng=rng)
+
+
+def cast(arrays: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    """Floating arrays (also inside nested state dicts) in `dtype`; masks, None and the rest unchanged."""
+    def one(x: Any) -> Any:
+        if isinstance(x, Mapping):
+            return cast(x, dtype)
+        if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating):
+            return x.astype(dtype)
+        return x
+    return {name: one(x) for name, x in arrays.items()}
+
+
+def rounded(case: Case, dtype: str) -> Case:
+    """The case with its floating arrays rounded to `dtype` and back to float64: the oracle then sees
+    exactly the numbers the module sees, so only the module's arithmetic is measured."""
+    return type(case)(**cast(cast(case._asdict(), dtype), "float64"))
+
+
+# --- against the oracle -------------------------------------------------------------------------------------
+
+def expected(case: Case) -> Pair:
+    """The float64 oracle's (out, weights) for `case` in eval mode."""
+    if isinstance(case, SdpaCase):
+        return oracle.sdpa(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
+                           scale=case.scale)
+    if isinstance(case, MhaCase):
+        return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask,
+                                           num_heads=case.num_heads)
+    return oracle.transformer_block(case.state, case.x, case.mask, num_heads=case.num_heads,
+                                    norm_first=case.norm_first, activation=case.activation, eps=case.eps)
+
+
+def run(runner: Runner, case: Case, dtype: str, **options: Any) -> Pair:
+    """The module's (out, weights) for `case`, in eval mode unless options say otherwise."""
+    if isinstance(case, SdpaCase):
+        return runner.sdpa(case, dtype, **options)
+    if isinstance(case, MhaCase):
+        return runner.mha(case, dtype, **options)
+    return runner.block(case, dtype, **options)
+
+
+def against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
+    """values: out and weights against the oracle (dropout configured but off in eval mode);
+    weights_rows: each weights row sums to 1 where a key is visible, to 0 where none is."""
+    case = rounded(case, dtype)
+    out, weights = run(runner, case, dtype)
+    expected_out, expected_weights = expected(case)
+    values = worst(compare("out", out, expected_out, dtype), compare("weights", weights, expected_weights, dtype))
+    if weights is None or weights.shape != expected_weights.shape:
+        return {"values": values, "weights_rows": values}
+    row_sums, expected_sums = weights.sum(axis=-1, dtype=np.float64), expected_weights.sum(axis=-1)
+    expected_sums = np.where(expected_sums > 0, 1.0, 0.0)  # visible rows sum to exactly 1 in exact arithmetic
+    rows = Measure(float(np.max(np.abs(row_sums - expected_sums), initial=0.0)), "weights rows do not sum to 1")
+    return {"values": values, "weights_rows": rows}
+
+
+# --- metamorphic: properties that need no oracle ------------------------------------------------------------
+
+def sdpa_permutation(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Measure]:
+    """Permuting the keys together with their values, mask columns and bias columns leaves the output
+    unchanged and permutes the weights' columns alike."""
+    S = case.k.shape[-2]
+    perm = np.random.default_rng(S).permutation(S)
+    permuted = case._replace(k=case.k[..., perm, :], v=case.v[..., perm, :],
+                             mask=_permute_last(case.mask, perm), bias=_permute_last(case.bias, perm))
+    out, weights = runner.sdpa(case, dtype)
+    out_p, weights_p = runner.sdpa(permuted, dtype)
+    weights_back = None if weights_p is None else weights_p[..., np.argsort(perm)]
+    return {"permutation": worst(compare("out", out_p, out, dtype), compare("weights", weights_back, weights, dtype))}
+
+
+def mha_permutation(runner: Runner, case: MhaCase, dtype: str) -> dict[str, Measure]:
+    """Cross-attention: permuting the key/value positions (and the mask's key axis) leaves the output
+    unchanged."""
+    S = case.k.shape[-2]
+    perm = np.random.default_rng(S).permutation(S)
+    permuted = case._replace(k=case.k[..., perm, :], v=case.v[..., perm, :], mask=_permute_last(case.mask, perm))
+    out, _ = runner.mha(case, dtype)
+    out_p, _ = runner.mha(permuted, dtype)
+    return {"permutation": compare("out", out_p, out, dtype)}
+
+
+def block_permutation(runner: Runner, case: BlockCase, dtype: str) -> dict[str, Measure]:
+    """Self-attention is equivariant: permuting the positions of x (and both position axes of the mask)
+    permutes the output rows alike."""
+    L = case.x.shape[-2]
+    perm = np.random.default_rng(L).permutation(L)
+    mask = None if case.mask is None else _permute_last(_permute_last(case.mask, perm, axis=-2), perm)
+    out, _ = runner.block(case, dtype)
+    out_p, _ = runner.block(case._replace(x=case.x[..., perm, :], mask=mask), dtype)
+    return {"permutation": compare("out", out_p, out[..., perm, :], dtype)}
+
+
+def _permute_last(x: np.ndarray | None, perm: np.ndarray, axis: int = -1) -> np.ndarray | None:
+    """x with `perm` applied along `axis`, unless that axis is broadcast (size 1) or x is None."""
+    if x is None or x.ndim < -axis or x.shape[axis] == 1:
+        return x
+    return np.take(x, perm, axis=axis)
+
+
+def sdpa_causal_prefix(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Measure]:
+    """With is_causal, output rows 0..t ignore the queries after t and the keys and values after t."""
+    L, S = case.q.shape[-2], case.k.shape[-2]
+    t = min(L, S) // 2
+    noise = np.random.default_rng(t)
+    later = case._replace(q=_perturb_after(case.q, t, noise), k=_perturb_after(case.k, t, noise),
+                          v=_perturb_after(case.v, t, noise))
+    out, _ = runner.sdpa(case, dtype)
+    out_later, _ = runner.sdpa(later, dtype)
+    return {"causal_prefix": compare("out rows 0..t", out_later[..., : t + 1, :], out[..., : t + 1, :], dtype)}
+
+
+def block_causal_prefix(runner: Runner, case: BlockCase, dtype: str) -> dict[str, Measure]:
+    """With a causal mask, output rows 0..t of the block ignore the inputs after t."""
+    t = case.x.shape[-2] // 2
+    out, _ = runner.block(case, dtype)
+    out_later, _ = runner.block(case._replace(x=_perturb_after(case.x, t, np.random.default_rng(t))), dtype)
+    return {"causal_prefix": compare("out rows 0..t", out_later[..., : t + 1, :], out[..., : t + 1, :], dtype)}
+
+
+def _perturb_after(x: np.ndarray, t: int, rng: np.random.Generator) -> np.ndarray:
+    """x with fresh values in the rows after t (axis -2)."""
+    x = x.copy()
+    x[..., t + 1:, :] = rng.standard_normal(x[..., t + 1:, :].shape)
+    return x
+
+
+def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Measure]:
+    """A query that sees exactly one key returns that key's value; one that sees none returns zeros."""
+    case = rounded(case, dtype)
+    out, _ = runner.sdpa(case, dtype)
+    visible = _visible(case)  # (..., L, S)
+    counts = visible.sum(axis=-1, keepdims=True)  # (..., L, 1)
+    picked = np.where(counts == 1, visible, False).astype(np.float64) @ case.v  # (..., L, Ev)
+    checked = np.broadcast_to(counts <= 1, picked.shape)
+    actual = np.where(checked, out, 0.0) if out.shape == picked.shape else out
+    return {"single_key": compare("out", actual.astype(dtype, copy=False), np.where(checked, picked, 0.0), dtype)}
+
+
+def _visible(case: SdpaCase) -> np.ndarray:
+    """Which keys each query sees, by the spec: mask, causal rule and -inf bias."""
+    L, S = case.q.shape[-2], case.k.shape[-2]
+    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+    visible = np.ones((*batch, L, S), dtype=bool)
+    if case.mask is not None:
+        visible = visible & (case.mask != 0)
+    if case.bias is not None:
+        visible = visible & (case.bias != -np.inf)
+    if case.is_causal:
+        visible = visible & (np.arange(S) <= np.arange(L)[:, None])
+    return visible
+
+
+# --- dropout in training mode -------------------------------------------------------------------------------
+
+def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
+    """Dropout in training mode (SDPA with dropout_p 0.5, modules configured with dropout 0.5), on the case
+    repeated DROPOUT_DRAWS times along a new leading axis, so one call holds many independent draws:
+
+    reproducible: the same rng gives the same output;
+    varies: another rng gives another output (unless dropout has nothing to act on: all-zero output);
+    mean (SDPA and MHA, whose output is linear in the dropped weights): the mean over the draws approaches
+    the eval output. Each entry's mean has standard deviation sigma = sqrt(p / (1 - p) sum_j (w_j v_j)^2 / N)
+    (for MHA per head, then through |W_o|); the measure is max |mean - eval| / (6 sigma + rounding), and
+    above 1 fails, which a correct implementation reaches with probability below 1e-8 per entry.
+    """
+    case = rounded(case if isinstance(case, SdpaCase) else case._replace(dropout=0.5), dtype)
+    options = {"dropout_p": 0.5} if isinstance(case, SdpaCase) else {"training": True}
+    draws = _tiled(case, DROPOUT_DRAWS)
+    first, again, other = (run(runner, draws, dtype, seed=seed, **options)[0] for seed in (1, 1, 2))
+    expected_out, expected_weights = expected(case)
+    spread = None if isinstance(case, BlockCase) else _dropout_sigma(case, expected_weights, 0.5)
+    measures = {"reproducible": Measure(0.0) if np.array_equal(first, again, equal_nan=True)
+                else Measure(math.inf, "the same rng gave different outputs"),
+                "varies": Measure(0.0) if not np.array_equal(first, other) or not _dropout_shows(case, spread)
+                else Measure(math.inf, "another rng gave the same output")}
+    if spread is None:
+        return measures  # the block: LayerNorm and the activation follow dropout, so the mean is not eval
+    rounding = 10 * np.finfo(dtype).eps * np.max(np.abs(expected_out), initial=1.0)
+    mean = first.astype(np.float64).mean(axis=0)
+    ratio = (float(np.max(np.abs(mean - expected_out) / (6 * spread + rounding), initial=0.0))
+             if mean.shape == expected_out.shape else math.inf)
+    measures["mean"] = Measure(ratio, f"the mean of {DROPOUT_DRAWS} draws is {ratio:.1f} x its 6-sigma bound off")
+    return measures
+
+
+def _dropout_shows(case: Case, spread: np.ndarray | None) -> bool:
+    """Whether dropout can change the output at all: not when every weight times value is zero (no
+    visible key), nor in a post-LN block of width 1 (LayerNorm over one feature returns its bias)."""
+    if spread is not None:
+        return bool(np.any(spread > 0))
+    return case.norm_first or case.x.shape[-1] > 1
+
+
+def _tiled(case: Case, n: int) -> Case:
+    """The case with its inputs repeated n times along a new leading axis (masks broadcast over it)."""
+    def tile(x: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(x, (n, *x.shape)).copy()
+    if isinstance(case, SdpaCase):
+        batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+        q, k, v = (tile(np.broadcast_to(x, (*batch, *x.shape[-2:]))) for x in (case.q, case.k, case.v))
+        return case._replace(q=q, k=k, v=v)
+    if isinstance(case, MhaCase):
+        return case._replace(q=tile(case.q), k=tile(case.k), v=tile(case.v))
+    return case._replace(x=tile(case.x))
+
+
+def _dropout_sigma(case: SdpaCase | MhaCase, weights: np.ndarray, p: float) -> np.ndarray:
+    """Standard deviation of the mean of DROPOUT_DRAWS inverted-dropout draws of the output, per entry."""
+    if isinstance(case, SdpaCase):
+        return np.sqrt(p / (1 - p) * (weights**2) @ (case.v**2) / DROPOUT_DRAWS)  # (..., L, Ev)
+    state, H = case.state, case.num_heads
+    v = case.v @ state["w_v.weight"].T + state["w_v.bias"]  # (..., S, D)
+    *lead, S, D = v.shape
+    v = np.swapaxes(v.reshape(*lead, S, H, D // H), -2, -3)  # (..., H, S, d_k)
+    sigma = np.sqrt(p / (1 - p) * (weights**2) @ (v**2) / DROPOUT_DRAWS)  # (..., H, L, d_k)
+    sigma = np.swapaxes(sigma, -2, -3).reshape(*sigma.shape[:-3], sigma.shape[-2], D)  # (..., L, D)
+    return sigma @ np.abs(state["w_o.weight"]).T  # sd of a sum is at most the sum of |coefficient| x sd

@@ -1,0 +1,24 @@
+"""pytest integration: `pytest --pyargs conformance --conformance-module NAME` runs the suite on NAME.
+
+Registered as a pytest plugin by the distribution's entry point, so the options exist wherever the
+package is installed; it imports nothing heavy until a conformance test runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("conformance", "attention conformance suite")
+    group.addoption("--conformance-module", action="append", default=[], metavar="NAME",
+                    help="an importable implementation of the attention contract to check (repeatable)")
+    group.addoption("--conformance-profile", default="fast", choices=("fast", "thorough"),
+                    help="fast (default) or thorough")
+    group.addoption("--conformance-seed", type=int, default=0, help="Hypothesis seed (default 0)")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "conformance_module" in metafunc.fixturenames:
+        names = metafunc.config.getoption("conformance_module")
+        metafunc.parametrize("conformance_module", names or [None], ids=names or ["no-module"])

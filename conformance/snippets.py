@@ -1,0 +1,40 @@
+"""Failure messages: a one-line description of a case and a Python snippet that reproduces the check."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+
+def describe(case: Any) -> str:
+    """Shapes and dtypes of the arrays, values of the options: `q (2, 3, 4) float64, ..., is_causal=True`."""
+    parts = []
+    for name, value in case._asdict().items():
+        if isinstance(value, dict):
+            parts.append(f"{name} {{{len(value)} arrays}}")
+        elif isinstance(value, np.ndarray):
+            parts.append(f"{name} {value.shape} {value.dtype}")
+        else:
+            parts.append(f"{name}={value!r}")
+    return ", ".join(parts)
+
+
+def reproduce(module: str, check: str, case: Any, dtype: str) -> str:
+    """Code that rebuilds `case` exactly and runs the check on `module`, printing its measures."""
+    fields = ",\n".join(f"    {name}={_literal(value)}" for name, value in case._asdict().items())
+    return (f"import numpy as np\nfrom numpy import inf, nan\nimport {module}\n"
+            f"from conformance import checks, strategies\n"
+            f"case = strategies.{type(case).__name__}(\n{fields},\n)\n"
+            f"print(checks.{check}(checks.Runner({module}), case, {dtype!r}))")
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{name!r}: {_literal(x)}" for name, x in value.items()) + "}"
+    if isinstance(value, np.ndarray):
+        text = np.array2string(value, separator=", ", threshold=sys.maxsize, floatmode="unique",
+                               max_line_width=sys.maxsize)
+        return f"np.array({text}, dtype=np.{value.dtype})"
+    return repr(value)

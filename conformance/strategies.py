@@ -1,0 +1,460 @@
+"""Hypothesis strategies for the conformance suite: random inputs of sdpa, multi-head attention and the
+transformer block, and the edge cases that random draws rarely hit, pinned in EDGE_CASES.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+JAX compiles once per distinct shape (and per static argument), so every size comes from a few small
+values: L, S in 1..5; E, Ev in {1, 2, 4}; H in 1..4 with d_k in {1, 2}, so D = H * d_k <= 8; F in {4, 8};
+leading axes (), (2,) or (2, 3); scale, dropout and eps from short fixed lists.
+
+Hypothesis draws every shape, flag and mask family, so it can shrink them; the numbers come from a NumPy
+Generator seeded by one drawn integer (fast, and the seed is part of the example). Floating arrays are
+float64 NumPy arrays (a suite casts them); masks are bool or 0/1 integers and keep their dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+from hypothesis import strategies as st
+
+Batch = tuple[int, ...]
+State = dict[str, np.ndarray]
+
+BATCH_SHAPES: tuple[Batch, ...] = ((), (2,), (2, 3))
+LENGTHS = (1, 2, 3, 4, 5)  # L and S
+WIDTHS = (1, 2, 4)  # E and Ev
+HEADS = (1, 2, 3, 4)
+D_K = (1, 2)  # D = H * d_k
+D_FF = (4, 8)
+SCALES = (None, 0.125, 0.37, 1.0, 2.5)  # None: 1 / sqrt(E)
+DROPOUTS = (0.0, 0.1, 0.5)
+EPSILONS = (1e-5, 1e-6, 1e-3)
+ACTIVATIONS = ("relu", "gelu")
+MASK_DTYPES = ("bool", "int32", "int64")
+MAGNITUDES = ("normal", "large", "small_variance")
+LARGE = 15.0  # q and k of this size give logits in the hundreds
+SMALL = 1e-3  # small_variance: x = c + SMALL * noise per row, variance ~1e-6, about or below every eps
+HIDDEN = 0.3  # share of keys a random mask hides
+
+SEEDS = st.integers(0, 2**32 - 1)
+
+
+class SdpaCase(NamedTuple):
+    """Inputs of scaled_dot_product_attention (and oracle.sdpa)."""
+
+    q: np.ndarray  # (..., L, E)
+    k: np.ndarray  # (..., S, E)
+    v: np.ndarray  # (..., S, Ev)
+    mask: np.ndarray | None  # broadcasts to (..., L, S) without adding axes; 0 / False hides a key
+    bias: np.ndarray | None  # broadcasts to (..., L, S); a -inf entry hides that key
+    is_causal: bool
+    scale: float | None
+
+
+class MhaCase(NamedTuple):
+    """A MultiHeadAttention (from_state_dict) and its inputs; value checks run it in eval mode."""
+
+    state: State  # w_q.weight (D, D), w_q.bias (D,), and the same for w_k, w_v, w_o
+    num_heads: int
+    dropout: float
+    q: np.ndarray  # (..., L, D)
+    k: np.ndarray  # (..., S, D)
+    v: np.ndarray  # (..., S, D)
+    mask: np.ndarray | None  # broadcasts to (..., H, L, S)
+
+
+class BlockCase(NamedTuple):
+    """A TransformerBlock (from_state_dict) and its input; value checks run it in eval mode."""
+
+    state: State  # attn.<MhaCase names>, norm1/norm2 .weight and .bias (D,), ffn.0 (F, D), ffn.3 (D, F)
+    num_heads: int
+    dropout: float
+    norm_first: bool
+    activation: str  # "relu" or "gelu"
+    eps: float
+    x: np.ndarray  # (..., L, D)
+    mask: np.ndarray | None  # broadcasts to (..., H, L, L)
+
+
+class LabelledMask(NamedTuple):
+    """A drawn mask and the MASK_FAMILIES name that made it, for coverage checks."""
+
+    family: str
+    mask: np.ndarray | None
+
+
+# --- sizes and numbers -------------------------------------------------------------------------------------
+
+def batch_shapes() -> st.SearchStrategy[Batch]:
+    """Leading axes: none, (2,) or (2, 3)."""
+    return st.sampled_from(BATCH_SHAPES)
+
+
+def _rng(draw: Callable) -> np.random.Generator:
+    return np.random.default_rng(draw(SEEDS))
+
+
+def _values(rng: np.random.Generator, shape: Batch, magnitude: str) -> np.ndarray:
+    """normal: N(0, 1); large: LARGE * N(0, 1); small_variance: c + SMALL * N(0, 1), c ~ N(0, 1) per row."""
+    noise = rng.standard_normal(shape)  # (..., width)
+    if magnitude == "normal":
+        return noise
+    if magnitude == "large":
+        return LARGE * noise
+    if magnitude == "small_variance":
+        return rng.standard_normal((*shape[:-1], 1)) + SMALL * noise  # (..., 1) + (..., width)
+    raise ValueError(f"magnitude must be one of {MAGNITUDES}; got {magnitude!r}")
+
+
+# --- masks -------------------------------------------------------------------------------------------------
+# Each family is a strategy factory (batch, L, S, heads) -> bool mask (or None) that broadcasts to the
+# scores' shape (..., L, S), or (..., H, L, S) when heads is given, without adding axes.
+
+def _target(batch: Batch, L: int, S: int, heads: int | None) -> Batch:
+    """The scores' shape a mask must broadcast to."""
+    return (*batch, L, S) if heads is None else (*batch, heads, L, S)
+
+
+def _random(rng: np.random.Generator, shape: Batch) -> np.ndarray:
+    return rng.random(shape) >= HIDDEN  # about 30% hidden
+
+
+def _no_mask(batch: Batch, L: int, S: int, heads: int | None) -> st.SearchStrategy[None]:
+    return st.none()
+
+
+@st.composite
+def _random_mask(draw: Callable, batch: Batch, L: int, S: int, heads: int | None) -> np.ndarray:
+    """Each key hidden independently with probability HIDDEN."""
+    return _random(_rng(draw), _target(batch, L, S, heads))  # (..., [H,] L, S)
+
+
+def _causal_mask(batch: Batch, L: int, S: int, heads: int | None) -> st.SearchStrategy[np.ndarray]:
+    """tril(L, S): query i sees keys 0..i, top-left aligned, shared by every sequence and head."""
+    return st.builds(lambda: np.tri(L, S, dtype=bool))  # (L, S), a fresh array each draw
+
+
+@st.composite
+def _padding_mask(draw: Callable, batch: Batch, L: int, S: int, heads: int | None) -> np.ndarray:
+    """Key padding: sequence b sees its first lengths[b] keys, lengths in 0..S (0 hides every key)."""
+    n, ones = math.prod(batch), (1, 1) if heads is None else (1, 1, 1)
+    lengths = draw(st.lists(st.integers(0, S), min_size=n, max_size=n))
+    return np.arange(S) < np.reshape(lengths, (*batch, *ones))  # (..., [1,] 1, 1) -> (..., [1,] 1, S)
+
+
+def _all_visible_mask(batch: Batch, L: int, S: int, heads: int | None) -> st.SearchStrategy[np.ndarray]:
+    """Every key visible: the same as no mask."""
+    return st.builds(lambda: np.ones(_target(batch, L, S, heads), bool))  # (..., [H,] L, S)
+
+
+@st.composite
+def _fully_masked_rows_mask(draw: Callable, batch: Batch, L: int, S: int, heads: int | None) -> np.ndarray:
+    """Random, then one or two query rows (of any sequence and head) hide every key."""
+    shape = _target(batch, L, S, heads)
+    n_rows = math.prod(shape[:-1])
+    rows = draw(st.sets(st.integers(0, n_rows - 1), min_size=1, max_size=min(2, n_rows)))
+    mask = _random(_rng(draw), shape).reshape(n_rows, S)  # (..., [H,] L, S) -> (... * [H *] L, S)
+    mask[sorted(rows)] = False
+    return mask.reshape(shape)
+
+
+@st.composite
+def _fully_masked_head_mask(draw: Callable, batch: Batch, L: int, S: int, heads: int | None) -> np.ndarray:
+    """Random, then head h hides every key from every query; needs heads."""
+    mask = _random(_rng(draw), _target(batch, L, S, heads))  # (..., H, L, S)
+    mask[..., draw(st.integers(0, heads - 1)), :, :] = False
+    return mask
+
+
+@st.composite
+def _fully_masked_batch_element_mask(draw: Callable, batch: Batch, L: int, S: int,
+                                     heads: int | None) -> np.ndarray:
+    """Random, then one batch element hides every key everywhere (with no batch axes: the whole mask)."""
+    mask = _random(_rng(draw), _target(batch, L, S, heads))  # (..., [H,] L, S)
+    mask[draw(st.tuples(*(st.integers(0, n - 1) for n in batch)))] = False  # index () is the whole mask
+    return mask
+
+
+@st.composite
+def _one_visible_key_mask(draw: Callable, batch: Batch, L: int, S: int, heads: int | None, *,
+                          causal: bool = False) -> np.ndarray:
+    """Exactly one visible key per query row; with causal, chosen in the causal window 0..min(i, S - 1)."""
+    shape = _target(batch, L, S, heads)
+    window = np.minimum(np.arange(L), S - 1) + 1 if causal else np.full(L, S)  # (L,) keys row i may see
+    j = (_rng(draw).random(shape[:-1]) * window).astype(np.int64)  # (..., [H,] L), j < window
+    return np.arange(S) == j[..., None]  # (S,) == (..., [H,] L, 1) -> (..., [H,] L, S)
+
+
+@st.composite
+def _broadcast_mask(draw: Callable, batch: Batch, L: int, S: int, heads: int | None) -> np.ndarray:
+    """Random, stored with fewer axes: leading axes (L included) dropped or set to 1, at least one."""
+    shape = _target(batch, L, S, heads)
+    stored = list(shape[draw(st.integers(0, len(shape) - 1)):])  # drop leading axes; S stays
+    ones = draw(st.lists(st.booleans(), min_size=len(stored) - 1, max_size=len(stored) - 1))
+    stored[:-1] = [1 if one else n for one, n in zip(ones, stored[:-1], strict=True)]
+    if tuple(stored) == shape:  # nothing reduced: drop the first axis
+        stored = stored[1:]
+    return _random(_rng(draw), tuple(stored))  # e.g. (1, [H,] L, S), ([H,] 1, S), (S,)
+
+
+MaskFamily = Callable[[Batch, int, int, int | None], st.SearchStrategy]
+
+# Every kind of mask `masks` draws, by name. "none" comes first, so Hypothesis shrinks towards no mask.
+MASK_FAMILIES: dict[str, MaskFamily] = {
+    "none": _no_mask,
+    "random": _random_mask,
+    "causal": _causal_mask,
+    "padding": _padding_mask,
+    "all_visible": _all_visible_mask,
+    "fully_masked_rows": _fully_masked_rows_mask,
+    "fully_masked_head": _fully_masked_head_mask,  # only with heads
+    "fully_masked_batch_element": _fully_masked_batch_element_mask,
+    "one_visible_key": _one_visible_key_mask,
+    "broadcast": _broadcast_mask,
+}
+MASKED_FAMILIES = tuple(name for name in MASK_FAMILIES if name != "none")  # those that give an array
+
+
+def labelled_masks(batch: Batch, L: int, S: int, *, heads: int | None = None,
+                   families: Sequence[str] | None = None) -> st.SearchStrategy[LabelledMask]:
+    """A mask from one of `families` (default: all of MASK_FAMILIES) with its family's name; the array
+    is bool, int32 or int64 (0/1), broadcasting to (..., L, S), or (..., H, L, S) with heads.
+    "fully_masked_head" applies only with heads; a ValueError when no family applies."""
+    names = [name for name in (families or MASK_FAMILIES) if heads is not None or name != "fully_masked_head"]
+    if not names:
+        raise ValueError(f"no mask family applies: families={families}, heads={heads}")
+    return _labelled_masks(batch, L, S, heads, names)
+
+
+@st.composite
+def _labelled_masks(draw: Callable, batch: Batch, L: int, S: int, heads: int | None,
+                    names: list[str]) -> LabelledMask:
+    family = draw(st.sampled_from(names))
+    mask = draw(MASK_FAMILIES[family](batch, L, S, heads))
+    return LabelledMask(family, None if mask is None else _cast_mask(draw, mask))
+
+
+def masks(batch: Batch, L: int, S: int, *, heads: int | None = None,
+          families: Sequence[str] | None = None) -> st.SearchStrategy[np.ndarray | None]:
+    """A mask (or None) from one of `families`; see labelled_masks."""
+    return labelled_masks(batch, L, S, heads=heads, families=families).map(lambda labelled: labelled.mask)
+
+
+def _cast_mask(draw: Callable, mask: np.ndarray) -> np.ndarray:
+    """Boolean and 0/1 integer masks are the same mask (SPEC 2)."""
+    return mask.astype(draw(st.sampled_from(MASK_DTYPES)))
+
+
+# --- biases ------------------------------------------------------------------------------------------------
+
+@st.composite
+def biases(draw: Callable, batch: Batch, L: int, S: int, *, allow_none: bool = True) -> np.ndarray | None:
+    """None (if allowed), or N(0, 1) values with about 20% -inf (hidden keys) and sometimes a whole row
+    -inf; shaped (..., L, S) or (L, S), broadcast over the batch."""
+    if allow_none and not draw(st.booleans()):
+        return None
+    shape = (L, S) if draw(st.booleans()) else (*batch, L, S)
+    rng = _rng(draw)
+    bias = rng.standard_normal(shape)  # (..., L, S) or (L, S)
+    bias[rng.random(shape) < 0.2] = -np.inf
+    if draw(st.booleans()):  # one query row sees no key through the bias alone
+        n_rows = math.prod(shape[:-1])
+        bias.reshape(n_rows, S)[draw(st.integers(0, n_rows - 1))] = -np.inf  # a view: (... * L, S)
+    return bias
+
+
+def _finite_where_visible(bias: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """The bias with 0 instead of -inf wherever the mask keeps the key, so the bias hides nothing more."""
+    visible = True if mask is None else np.asarray(mask) != 0
+    return np.where(np.isneginf(bias) & visible, 0.0, bias)  # broadcast of the two shapes
+
+
+# --- scaled dot-product attention --------------------------------------------------------------------------
+
+@st.composite
+def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | None = None,
+               bias: bool | None = None, single_key: bool = False, magnitude: str | None = None) -> SdpaCase:
+    """Random sdpa inputs. None draws a setting; True / False force it: `mask=True` always gives a mask
+    array, `mask=False` none, likewise `bias`; `is_causal` as given. `magnitude` is drawn from "normal"
+    and "large" (q, k scaled by LARGE, logits in the hundreds); v is always N(0, 1).
+
+    single_key=True: every query sees exactly one key. The mask is one-hot per row (the key chosen in the
+    causal window when is_causal), or, with mask=False, S == 1 and no mask; a drawn bias is then 0
+    wherever it was -inf on that visible key, so it hides nothing more.
+    """
+    batch, L = draw(batch_shapes()), draw(st.sampled_from(LENGTHS))
+    S = 1 if single_key and mask is False else draw(st.sampled_from(LENGTHS))
+    E, Ev = draw(st.sampled_from(WIDTHS)), draw(st.sampled_from(WIDTHS))
+    is_causal = draw(st.booleans()) if is_causal is None else is_causal
+    magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
+    scale = draw(st.sampled_from(SCALES))
+    rng = _rng(draw)
+    q = _values(rng, (*batch, L, E), magnitude)  # (..., L, E)
+    k = _values(rng, (*batch, S, E), magnitude)  # (..., S, E)
+    v = rng.standard_normal((*batch, S, Ev))  # (..., S, Ev)
+
+    if mask is False:
+        mask_ = None
+    elif single_key:
+        mask_ = _cast_mask(draw, draw(_one_visible_key_mask(batch, L, S, None, causal=is_causal)))
+    else:
+        mask_ = draw(masks(batch, L, S, families=MASKED_FAMILIES if mask else None))
+    bias_ = None if bias is False else draw(biases(batch, L, S, allow_none=bias is None))
+    if single_key and bias_ is not None:
+        bias_ = _finite_where_visible(bias_, mask_)
+    return SdpaCase(q, k, v, mask_, bias_, is_causal, scale)
+
+
+# --- parameters --------------------------------------------------------------------------------------------
+
+def _linear(rng: np.random.Generator, name: str, d_in: int, d_out: int) -> State:
+    """nn.Linear's initialisation: weight (out, in) and bias (out,), both uniform in +-1/sqrt(in)."""
+    bound = 1.0 / math.sqrt(d_in)
+    return {f"{name}.weight": rng.uniform(-bound, bound, (d_out, d_in)),
+            f"{name}.bias": rng.uniform(-bound, bound, d_out)}
+
+
+def _layer_norm(rng: np.random.Generator, name: str, d_model: int) -> State:
+    """Gain uniform in 0.5..1.5 and bias in -0.5..0.5 (not nn.LayerNorm's 1 and 0), so a lost affine shows."""
+    return {f"{name}.weight": rng.uniform(0.5, 1.5, d_model), f"{name}.bias": rng.uniform(-0.5, 0.5, d_model)}
+
+
+def _mha_state(rng: np.random.Generator, d_model: int) -> State:
+    """w_q, w_k, w_v, w_o: .weight (D, D), .bias (D,)."""
+    state: State = {}
+    for name in ("w_q", "w_k", "w_v", "w_o"):
+        state |= _linear(rng, name, d_model, d_model)
+    return state
+
+
+def _block_state(rng: np.random.Generator, d_model: int, d_ff: int) -> State:
+    """attn.*, norm1.*, norm2.* (D,), ffn.0 weight (F, D) bias (F,), ffn.3 weight (D, F) bias (D,)."""
+    state = {f"attn.{name}": value for name, value in _mha_state(rng, d_model).items()}
+    state |= _layer_norm(rng, "norm1", d_model) | _layer_norm(rng, "norm2", d_model)
+    return state | _linear(rng, "ffn.0", d_model, d_ff) | _linear(rng, "ffn.3", d_ff, d_model)
+
+
+def mha_states(d_model: int) -> st.SearchStrategy[State]:
+    """Random MultiHeadAttention parameters, nn.Linear's initialisation (biases are not zero)."""
+    return SEEDS.map(lambda seed: _mha_state(np.random.default_rng(seed), d_model))
+
+
+def block_states(d_model: int, d_ff: int) -> st.SearchStrategy[State]:
+    """Random TransformerBlock parameters; LayerNorm gains not 1 and LayerNorm biases not 0."""
+    return SEEDS.map(lambda seed: _block_state(np.random.default_rng(seed), d_model, d_ff))
+
+
+# --- multi-head attention and the block --------------------------------------------------------------------
+
+@st.composite
+def _heads_and_width(draw: Callable) -> tuple[int, int]:
+    """H and D = H * d_k <= 8."""
+    num_heads = draw(st.sampled_from(HEADS))
+    return num_heads, num_heads * draw(st.sampled_from(D_K))
+
+
+@st.composite
+def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | None = None) -> MhaCase:
+    """Self-attention (q, k, v the same array, L == S) or cross-attention (three different arrays, L != S);
+    `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head."""
+    num_heads, d_model = draw(_heads_and_width())
+    batch, L = draw(batch_shapes()), draw(st.sampled_from(LENGTHS))
+    cross = draw(st.booleans()) if cross is None else cross
+    S = draw(st.sampled_from([n for n in LENGTHS if n != L])) if cross else L
+    magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
+    rng = _rng(draw)
+    q = _values(rng, (*batch, L, d_model), magnitude)  # (..., L, D)
+    k, v = (_values(rng, (*batch, S, d_model), magnitude),  # (..., S, D)
+            _values(rng, (*batch, S, d_model), magnitude)) if cross else (q, q)
+    return MhaCase(draw(mha_states(d_model)), num_heads, draw(st.sampled_from(DROPOUTS)), q, k, v,
+                   draw(masks(batch, L, S, heads=num_heads)))
+
+
+@st.composite
+def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | None = None) -> BlockCase:
+    """Pre-LN or post-LN, ReLU or GELU, eps from EPSILONS; x "normal", "large" or "small_variance"
+    (c + 1e-3 * noise per row, variance ~1e-6, so eps matters) unless `magnitude` is given.
+    causal_mask=True gives mask = tril(L, L), bool (L, L); otherwise a mask per head is drawn."""
+    num_heads, d_model = draw(_heads_and_width())
+    d_ff = draw(st.sampled_from(D_FF))
+    batch, L = draw(batch_shapes()), draw(st.sampled_from(LENGTHS))
+    norm_first, activation = draw(st.booleans()), draw(st.sampled_from(ACTIVATIONS))
+    eps, dropout = draw(st.sampled_from(EPSILONS)), draw(st.sampled_from(DROPOUTS))
+    magnitude = draw(st.sampled_from(MAGNITUDES)) if magnitude is None else magnitude
+    x = _values(_rng(draw), (*batch, L, d_model), magnitude)  # (..., L, D)
+    mask = np.tri(L, L, dtype=bool) if causal_mask else draw(masks(batch, L, L, heads=num_heads))
+    return BlockCase(draw(block_states(d_model, d_ff)), num_heads, dropout, norm_first, activation, eps,
+                     x, mask)
+
+
+# --- pinned edge cases -------------------------------------------------------------------------------------
+
+def _normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape)
+
+
+def _sdpa_edges(rng: np.random.Generator) -> list[SdpaCase]:
+    def qkv(batch: Batch, L: int, S: int, E: int = 2, Ev: int = 4) -> tuple[np.ndarray, ...]:
+        return _normal(rng, *batch, L, E), _normal(rng, *batch, S, E), _normal(rng, *batch, S, Ev)
+
+    hide_first = np.tri(3, 3, dtype=bool)
+    hide_first[0, 0] = False
+    return [
+        SdpaCase(*qkv((), 1, 1), None, None, False, None),  # L = S = 1: the single weight is 1, out = v
+        SdpaCase(*qkv((2,), 3, 4), np.zeros((2, 3, 4), bool), None, False, None),  # whole batch masked: zeros
+        SdpaCase(*qkv((2,), 3, 4), None, np.full((3, 4), -np.inf), False, None),  # bias -inf on every row
+        SdpaCase(*qkv((), 4, 5), np.array([0, 0, 1, 0, 0]), None, False, 1.0),  # one visible key: out = v_2
+        SdpaCase(*qkv((2, 3), 3, 4), np.ones((2, 3, 3, 4), np.int64), None, False, None),  # all visible 0/1
+        SdpaCase(*qkv((2,), 5, 3), None, None, True, None),  # causal L > S: queries 2..4 see every key
+        SdpaCase(*qkv((2,), 2, 5), None, None, True, None),  # causal L < S: keys 2..4 hidden from all
+        SdpaCase(*qkv((), 3, 3), hide_first, None, True, None),  # causal and mask: query 0 sees no key
+        SdpaCase(*qkv((), 4, 1), None, _normal(rng, 4, 1), True, 0.37),  # S = 1, causal: all see key 0
+        SdpaCase(LARGE * _normal(rng, 2, 5, 4), LARGE * _normal(rng, 2, 5, 4), _normal(rng, 2, 5, 1),
+                 None, None, False, 2.5),  # logits in the hundreds: the row maximum must be subtracted
+    ]
+
+
+def _mha_edges(rng: np.random.Generator) -> list[MhaCase]:
+    x, x1 = _normal(rng, 2, 3, 4), _normal(rng, 1, 8)
+    head_off = np.ones((2, 2, 3, 3), bool)
+    head_off[:, 1] = False
+    padding = np.arange(5) < np.reshape([5, 0], (2, 1, 1, 1))  # (B, 1, 1, S)
+    return [
+        MhaCase(_mha_state(rng, 4), 2, 0.0, x, x, x, head_off),  # head 1 fully masked: its output is zeros
+        MhaCase(_mha_state(rng, 8), 4, 0.1, x1, x1, x1, None),  # L = S = 1, four heads, dropout configured
+        MhaCase(_mha_state(rng, 4), 2, 0.0, _normal(rng, 2, 3, 4), _normal(rng, 2, 5, 4),
+                _normal(rng, 2, 5, 4), padding),  # cross-attention, sequence 1 all padding
+        MhaCase(_mha_state(rng, 2), 1, 0.5, x[..., :2], x[..., :2], x[..., :2],
+                np.zeros((1, 1), np.int32)),  # every key hidden everywhere: out = w_o.bias
+    ]
+
+
+def _block_edges(rng: np.random.Generator) -> list[BlockCase]:
+    row_off = np.tri(4, 4, dtype=bool)
+    row_off[2] = False
+    small = _normal(rng, 2, 3, 1) + SMALL * _normal(rng, 2, 3, 4)  # (B, L, 1) + (B, L, D)
+    return [
+        BlockCase(_block_state(rng, 4, 8), 2, 0.0, False, "relu", 1e-5, _normal(rng, 2, 4, 4),
+                  row_off),  # post-LN, query 2 fully masked: attention adds w_o.bias only
+        BlockCase(_block_state(rng, 4, 8), 2, 0.0, True, "gelu", 1e-3, small,
+                  None),  # pre-LN, variance ~1e-6 far below eps 1e-3
+        BlockCase(_block_state(rng, 4, 4), 4, 0.0, False, "gelu", 1e-6, small,
+                  None),  # post-LN, variance ~1e-6 close to eps 1e-6
+        BlockCase(_block_state(rng, 8, 8), 4, 0.1, True, "relu", 1e-5, _normal(rng, 1, 8),
+                  None),  # L = 1: one position, attention returns its projected value
+        BlockCase(_block_state(rng, 2, 4), 1, 0.5, False, "relu", 1e-5, _normal(rng, 2, 3, 2),
+                  np.zeros((2, 1, 3, 3), bool)),  # every row of every sequence fully masked
+    ]
+
+
+# Cases random draws rarely hit, pinned for @example: the key is the operation.
+EDGE_CASES: dict[str, list] = {
+    "sdpa": _sdpa_edges(np.random.default_rng(0)),
+    "mha": _mha_edges(np.random.default_rng(1)),
+    "block": _block_edges(np.random.default_rng(2)),
+}

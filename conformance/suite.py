@@ -1,0 +1,199 @@
+"""The suite: every check, on cases drawn by Hypothesis, against one module; a report of rows.
+
+Each group pairs a strategy with a check; a check returns named measures, and each measure becomes a
+row of the report (module x operation x measure x dtype: examples, worst measure, tolerance, result).
+A failure is shrunk to a small case and reported with a snippet that reproduces it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, NamedTuple
+
+from hypothesis import HealthCheck, Phase, Verbosity, example, given, seed, settings
+from hypothesis import strategies as st
+
+from . import checks, strategies
+from .checks import Runner
+from .snippets import describe, reproduce
+
+TOLERANCES: dict[str, dict[str, float]] = {
+    dtype: table for dtype, table in json.loads((Path(__file__).parent / "tolerances.json").read_text()).items()
+    if not dtype.startswith("_")
+}
+BOTH, FLOAT32, FLOAT64 = ("float32", "float64"), ("float32",), ("float64",)
+
+
+class Group(NamedTuple):
+    """One check on one operation: the cases it draws, the dtypes, and its examples in the fast profile."""
+
+    operation: str  # "sdpa", "mha" or "block"
+    strategy: Callable[[], st.SearchStrategy]
+    check: Callable[[Runner, Any, str], dict[str, checks.Measure]]
+    dtypes: tuple[str, ...]
+    examples: int
+    pinned: bool = False  # also run strategies.EDGE_CASES[operation]
+
+
+GROUPS = (
+    Group("sdpa", strategies.sdpa_cases, checks.against_oracle, BOTH, 40, pinned=True),
+    Group("sdpa", lambda: strategies.sdpa_cases(is_causal=False), checks.sdpa_permutation, FLOAT64, 10),
+    Group("sdpa", lambda: strategies.sdpa_cases(is_causal=True), checks.sdpa_causal_prefix, FLOAT64, 10),
+    Group("sdpa", lambda: strategies.sdpa_cases(single_key=True), checks.sdpa_single_key, FLOAT64, 10),
+    Group("sdpa", strategies.sdpa_cases, checks.dropout, FLOAT32, 5),
+    Group("mha", strategies.mha_cases, checks.against_oracle, BOTH, 20, pinned=True),
+    Group("mha", lambda: strategies.mha_cases(cross=True), checks.mha_permutation, FLOAT64, 8),
+    Group("mha", strategies.mha_cases, checks.dropout, FLOAT32, 4),
+    Group("block", strategies.block_cases, checks.against_oracle, BOTH, 20, pinned=True),
+    Group("block", strategies.block_cases, checks.block_permutation, FLOAT64, 6),
+    Group("block", lambda: strategies.block_cases(causal_mask=True), checks.block_causal_prefix, FLOAT64, 6),
+    Group("block", strategies.block_cases, checks.dropout, FLOAT32, 4),
+)
+PROFILES = {"fast": 1, "thorough": 10}  # multiplies each group's examples
+
+
+class Row(NamedTuple):
+    module: str
+    operation: str
+    check: str  # the measure's name
+    dtype: str
+    examples: int
+    worst: float  # the largest measure seen (over the examples run before any failure)
+    tolerance: float
+    passed: bool
+    failure: str | None = None  # the shrunk failing case, what went wrong, and a snippet to reproduce it
+
+
+class Report(NamedTuple):
+    rows: list[Row]
+    seed: int
+    profile: str
+    settings: list[str]  # the precision settings pinned for the run
+
+    @property
+    def passed(self) -> bool:
+        return all(row.passed for row in self.rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seed": self.seed, "profile": self.profile, "settings": self.settings, "passed": self.passed,
+                "rows": [row._asdict() | {"worst": _finite(row.worst)} for row in self.rows]}
+
+
+class CheckFailure(AssertionError):
+    """A case on which a measure exceeds its tolerance, or the module raised."""
+
+    def __init__(self, message: str, measures: Sequence[str]) -> None:
+        super().__init__(message)
+        self.measures = list(measures)
+
+
+def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int | None = None, seed: int = 0,
+          shrink: bool = True, operations: Sequence[str] = ("sdpa", "mha", "block")) -> Report:
+    """Run every check on `module` (a module object or an importable name) and return the report.
+
+    profile: "fast" (the default: a few examples per check) or "thorough" (ten times as many);
+    max_examples: instead, this many examples for every check; seed: Hypothesis's seed, so a run is
+    reproducible; shrink: reduce a failing case to a small one before reporting it.
+    """
+    module = importlib.import_module(module) if isinstance(module, str) else module
+    runner = Runner(module)
+    rows = []
+    with runner.framework.pinned() as pinned:
+        for group in GROUPS:
+            if group.operation not in operations:
+                continue
+            examples = max_examples or group.examples * PROFILES[profile]
+            for dtype in group.dtypes:
+                rows += _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink)
+    return Report(rows, seed, profile, [pinned] if pinned else [])
+
+
+def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_: int, shrink: bool) -> list[Row]:
+    """Hypothesis drives the group's check over `examples` cases (plus the pinned edge cases); each measure
+    becomes a row."""
+    tolerance, worst, count = TOLERANCES[dtype], {}, [0]
+    name = runner.module.__name__
+
+    def body(case: Any) -> None:
+        count[0] += 1
+        try:
+            measures = group.check(runner, case, dtype)
+        except Exception as error:  # the module raised: a failure of the module, not of the suite
+            message = f"raised {type(error).__name__}: {error}"
+            raise CheckFailure(_failure(name, group, dtype, case, message), ["call"]) from error
+        for measure, value in measures.items():
+            worst[measure] = max(worst.get(measure, 0.0), value.error, key=lambda e: (math.isnan(e), e))
+        bad = {m: value for m, value in measures.items() if not value.error <= tolerance[m]}
+        if bad:
+            what = "; ".join(f"{m} {v.error:.3g} > {tolerance[m]:.0e}: {v.detail}" for m, v in bad.items())
+            raise CheckFailure(_failure(name, group, dtype, case, what), list(bad))
+
+    test = given(case=group.strategy())(body)
+    for case in strategies.EDGE_CASES[group.operation] if group.pinned else ():
+        test = example(case=case)(test)
+    phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
+    test = settings(max_examples=examples, deadline=None, database=None, derandomize=False, phases=phases,
+                    verbosity=Verbosity.quiet, report_multiple_bugs=False,
+                    suppress_health_check=list(HealthCheck))(seed(seed_)(test))
+    failed, failure = set(), None
+    try:
+        test()
+    except CheckFailure as error:
+        failed, failure = set(error.measures), str(error)
+    names = list(worst) or ["call"]
+    names += [m for m in failed if m not in names]
+    return [Row(name, group.operation, m, dtype, count[0], worst.get(m, math.inf), tolerance.get(m, 0.0),
+                m not in failed and worst.get(m, math.inf) <= tolerance.get(m, 0.0),
+                failure if m in failed or (failure and m == "call") else None)
+            for m in names]
+
+
+def _failure(module: str, group: Group, dtype: str, case: Any, what: str) -> str:
+    check_name = group.check.__name__
+    return (f"{module} {group.operation} {check_name} {dtype}: {what}\n"
+            f"case: {describe(case)}\n"
+            f"reproduce:\n{reproduce(module, check_name, case, dtype)}")
+
+
+def _finite(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
+
+
+# --- tables --------------------------------------------------------------------------------------------
+
+def format_rows(report: Report) -> str:
+    """One line per row: module x operation x check x dtype, with examples, worst, tolerance, result."""
+    lines = [f"{'module':<18}{'operation':<10}{'check':<14}{'dtype':<9}{'examples':>9}  "
+             f"{'worst':<10}{'tolerance':<11}result"]
+    for row in report.rows:
+        lines.append(f"{row.module:<18}{row.operation:<10}{row.check:<14}{row.dtype:<9}{row.examples:>9}  "
+                     f"{row.worst:<10.2e}{row.tolerance:<11.0e}{'PASS' if row.passed else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def format_side_by_side(reports: Sequence[Report]) -> str:
+    """Rows operation x check x dtype, one column per module: worst measure and PASS / FAIL."""
+    modules = [report.rows[0].module for report in reports if report.rows]
+    width = max(18, *(len(m) + 2 for m in modules))
+    keys = list(dict.fromkeys((r.operation, r.check, r.dtype) for report in reports for r in report.rows))
+    cells = {(r.module, r.operation, r.check, r.dtype): r for report in reports for r in report.rows}
+    lines = [f"{'operation':<10}{'check':<14}{'dtype':<9}{'tolerance':<11}" + "".join(f"{m:<{width}}" for m in modules)]
+    for operation, check_name, dtype in keys:
+        tolerance = TOLERANCES[dtype].get(check_name, 0.0)
+        line = f"{operation:<10}{check_name:<14}{dtype:<9}{tolerance:<11.0e}"
+        for module in modules:
+            row = cells.get((module, operation, check_name, dtype))
+            cell = "-" if row is None else f"{row.worst:.1e} {'PASS' if row.passed else 'FAIL'}"
+            line += f"{cell:<{width}}"
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def format_failures(report: Report) -> str:
+    failures = dict.fromkeys(row.failure for row in report.rows if row.failure)
+    return "\n\n".join(f"FAIL {failure}" for failure in failures)

@@ -1,0 +1,268 @@
+"""The conformance strategies keep their own contracts: consistent shapes, masks and biases that broadcast
+to the scores without adding axes, exact state-dict names, forced flags honoured, every mask family
+reached, and pinned edge cases the oracle runs without NaN."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conformance import oracle
+from conformance import strategies as cs
+
+FEW = settings(max_examples=25, deadline=None)
+MHA_NAMES = {f"w_{p}.{part}" for p in "qkvo" for part in ("weight", "bias")}
+
+
+def _assert_broadcasts(name: str, array: np.ndarray | None, target: tuple[int, ...]) -> None:
+    """`array` broadcasts to `target` without adding axes (or is None)."""
+    if array is not None:
+        assert array.ndim <= len(target), f"{name} {array.shape} has more axes than {target}"
+        assert np.broadcast_shapes(array.shape, target) == target, f"{name} {array.shape} vs {target}"
+
+
+def _assert_mask_values(mask: np.ndarray | None) -> None:
+    """A mask is bool, or an integer array holding only 0 and 1."""
+    if mask is not None:
+        assert mask.dtype == bool or np.issubdtype(mask.dtype, np.integer), mask.dtype
+        assert np.isin(mask, (0, 1)).all()
+
+
+def _assert_sdpa_contract(case: cs.SdpaCase) -> tuple[int, ...]:
+    """Shapes of one sdpa case agree; returns the scores' shape (..., L, S)."""
+    (L, E), S = case.q.shape[-2:], case.v.shape[-2]
+    assert case.k.shape[-1] == E and case.k.shape[-2] == S
+    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+    target = (*batch, L, S)
+    _assert_broadcasts("mask", case.mask, target)
+    _assert_broadcasts("bias", case.bias, target)
+    _assert_mask_values(case.mask)
+    assert case.bias is None or not (np.isnan(case.bias).any() or np.isposinf(case.bias).any())
+    assert case.scale in cs.SCALES
+    return target
+
+
+def _assert_mha_contract(case: cs.MhaCase) -> None:
+    d_model = case.state["w_q.weight"].shape[0]
+    assert d_model % case.num_heads == 0 and d_model <= 8
+    (L, _), (S, _) = case.q.shape[-2:], case.k.shape[-2:]
+    assert case.q.shape[-1] == case.k.shape[-1] == case.v.shape[-1] == d_model
+    assert case.k.shape == case.v.shape and case.q.shape[:-2] == case.k.shape[:-2]
+    _assert_broadcasts("mask", case.mask, (*case.q.shape[:-2], case.num_heads, L, S))
+    _assert_mask_values(case.mask)
+    assert case.dropout in cs.DROPOUTS
+
+
+def _assert_block_contract(case: cs.BlockCase) -> None:
+    L, d_model = case.x.shape[-2:]
+    assert case.state["norm1.weight"].shape == (d_model,) and d_model % case.num_heads == 0
+    _assert_broadcasts("mask", case.mask, (*case.x.shape[:-2], case.num_heads, L, L))
+    _assert_mask_values(case.mask)
+    assert case.activation in cs.ACTIVATIONS and case.eps in cs.EPSILONS and case.dropout in cs.DROPOUTS
+
+
+def _oracle(case: cs.SdpaCase | cs.MhaCase | cs.BlockCase) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(case, cs.SdpaCase):
+        return oracle.sdpa(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
+                           scale=case.scale)
+    if isinstance(case, cs.MhaCase):
+        return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask,
+                                           num_heads=case.num_heads)
+    return oracle.transformer_block(case.state, case.x, case.mask, num_heads=case.num_heads,
+                                    norm_first=case.norm_first, activation=case.activation, eps=case.eps)
+
+
+# --- shapes and dtypes ---------------------------------------------------------------------------------
+
+@FEW
+@given(cs.sdpa_cases())
+def test_sdpa_case_shapes_are_consistent(case: cs.SdpaCase) -> None:
+    L, S = _assert_sdpa_contract(case)[-2:]
+    assert case.q.shape[:-2] in cs.BATCH_SHAPES
+    assert case.k.shape[:-2] == case.v.shape[:-2] == case.q.shape[:-2]
+    assert L in cs.LENGTHS and S in cs.LENGTHS
+    assert case.q.shape[-1] in cs.WIDTHS and case.v.shape[-1] in cs.WIDTHS
+    assert case.q.dtype == case.k.dtype == case.v.dtype == np.float64
+
+
+@FEW
+@given(cs.mha_cases())
+def test_mha_case_shapes_are_consistent(case: cs.MhaCase) -> None:
+    _assert_mha_contract(case)
+
+
+@FEW
+@given(cs.block_cases())
+def test_block_case_shapes_are_consistent(case: cs.BlockCase) -> None:
+    _assert_block_contract(case)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), cs.batch_shapes(), st.sampled_from(cs.LENGTHS), st.sampled_from(cs.LENGTHS),
+       st.sampled_from((None, *cs.HEADS)))
+def test_masks_broadcast_to_the_scores_and_hold_zero_or_one(data: st.DataObject, batch: tuple[int, ...],
+                                                             L: int, S: int, heads: int | None) -> None:
+    family, mask = data.draw(cs.labelled_masks(batch, L, S, heads=heads))
+    target = (*batch, L, S) if heads is None else (*batch, heads, L, S)
+    _assert_broadcasts(f"{family} mask", mask, target)
+    _assert_mask_values(mask)
+    assert (mask is None) == (family == "none")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from((2, 3)), st.sampled_from(cs.LENGTHS), st.sampled_from(cs.LENGTHS))
+def test_each_mask_family_draws_what_its_name_says(data: st.DataObject, heads: int, L: int, S: int) -> None:
+    family, mask = data.draw(cs.labelled_masks((2,), L, S, heads=heads))
+    if mask is None:
+        return
+    visible = np.broadcast_to(mask != 0, (2, heads, L, S))
+    rows = visible.reshape(-1, S)
+    checks = {
+        "causal": lambda: np.array_equal(mask, np.tri(L, S)),
+        "padding": lambda: all(np.array_equal(row, np.arange(S) < row.sum()) for row in rows),
+        "all_visible": lambda: visible.all(),
+        "fully_masked_rows": lambda: (~rows.any(axis=-1)).any(),
+        "fully_masked_head": lambda: (~visible.any(axis=(-1, -2))).any(),
+        "fully_masked_batch_element": lambda: (~visible.reshape(2, -1).any(axis=-1)).any(),
+        "one_visible_key": lambda: (rows.sum(axis=-1) == 1).all(),
+        "broadcast": lambda: mask.shape != visible.shape,
+    }
+    assert checks.get(family, lambda: True)(), f"{family}: {mask}"
+
+
+@FEW
+@given(cs.batch_shapes(), st.sampled_from(cs.LENGTHS), st.sampled_from(cs.LENGTHS), st.data())
+def test_biases_broadcast_and_hide_with_minus_infinity_only(batch: tuple[int, ...], L: int, S: int,
+                                                             data: st.DataObject) -> None:
+    bias = data.draw(cs.biases(batch, L, S, allow_none=False))
+    _assert_broadcasts("bias", bias, (*batch, L, S))
+    assert bias.dtype == np.float64 and not np.isnan(bias).any() and not np.isposinf(bias).any()
+
+
+# --- parameters ----------------------------------------------------------------------------------------
+
+@FEW
+@given(st.sampled_from((1, 2, 4, 8)).flatmap(lambda d: st.tuples(st.just(d), cs.mha_states(d))))
+def test_mha_state_has_exactly_the_contract_names_and_shapes(drawn: tuple[int, dict]) -> None:
+    d_model, state = drawn
+    assert set(state) == MHA_NAMES
+    for name, value in state.items():
+        assert value.shape == ((d_model, d_model) if name.endswith("weight") else (d_model,)), name
+        assert np.abs(value).max() <= 1 / np.sqrt(d_model)  # nn.Linear's bound
+    assert any(state[f"w_{p}.bias"].any() for p in "qkvo")
+
+
+@FEW
+@given(st.tuples(st.sampled_from((1, 2, 4, 8)), st.sampled_from(cs.D_FF))
+       .flatmap(lambda sizes: st.tuples(st.just(sizes), cs.block_states(*sizes))))
+def test_block_state_has_exactly_the_contract_names_and_shapes(drawn: tuple[tuple[int, int], dict]) -> None:
+    (D, F), state = drawn
+    shapes = {f"attn.{name}": (D, D) if name.endswith("weight") else (D,) for name in MHA_NAMES}
+    shapes |= {f"norm{i}.{part}": (D,) for i in (1, 2) for part in ("weight", "bias")}
+    shapes |= {"ffn.0.weight": (F, D), "ffn.0.bias": (F,), "ffn.3.weight": (D, F), "ffn.3.bias": (D,)}
+    assert {name: value.shape for name, value in state.items()} == shapes
+
+
+@FEW
+@given(cs.block_states(4, 8))
+def test_layer_norm_gains_are_not_one_and_biases_not_zero(state: dict) -> None:
+    for norm in ("norm1", "norm2"):
+        assert (state[f"{norm}.weight"] != 1).all() and (state[f"{norm}.bias"] != 0).all()
+        assert ((state[f"{norm}.weight"] >= 0.5) & (state[f"{norm}.weight"] <= 1.5)).all()
+
+
+# --- forced flags --------------------------------------------------------------------------------------
+
+@FEW
+@given(cs.sdpa_cases(is_causal=True, mask=True, bias=False))
+def test_sdpa_forced_flags_are_honoured(case: cs.SdpaCase) -> None:
+    assert case.is_causal is True and case.mask is not None and case.bias is None
+
+
+@FEW
+@given(cs.sdpa_cases(is_causal=False, mask=False, bias=True))
+def test_sdpa_forced_off_flags_are_honoured(case: cs.SdpaCase) -> None:
+    assert case.is_causal is False and case.mask is None and case.bias is not None
+
+
+@FEW
+@given(st.data(), st.sampled_from((None, True, False)), st.sampled_from((None, True, False)),
+       st.sampled_from((None, True, False)))
+def test_single_key_cases_see_exactly_one_key_per_query(data: st.DataObject, is_causal: bool | None,
+                                                         mask: bool | None, bias: bool | None) -> None:
+    # one visible key: its weight is exp(s - s) / exp(s - s) = 1 exactly, every other weight 0
+    case = data.draw(cs.sdpa_cases(is_causal=is_causal, mask=mask, bias=bias, single_key=True))
+    _assert_sdpa_contract(case)
+    if mask is False:
+        assert case.mask is None and case.k.shape[-2] == 1
+    _, weights = _oracle(case)
+    assert ((weights == 1).sum(axis=-1) == 1).all()
+    assert ((weights == 0).sum(axis=-1) == weights.shape[-1] - 1).all()
+
+
+@FEW
+@given(cs.mha_cases(cross=True))
+def test_cross_attention_has_three_inputs_and_l_differs_from_s(case: cs.MhaCase) -> None:
+    _assert_mha_contract(case)
+    assert case.q.shape[-2] != case.k.shape[-2]
+    assert not np.array_equal(case.k, case.v)
+
+
+@FEW
+@given(cs.mha_cases(cross=False))
+def test_self_attention_passes_one_input_three_times(case: cs.MhaCase) -> None:
+    assert case.q is case.k is case.v
+
+
+@FEW
+@given(cs.block_cases(causal_mask=True))
+def test_causal_block_mask_is_tril(case: cs.BlockCase) -> None:
+    L = case.x.shape[-2]
+    assert case.mask.dtype == bool and np.array_equal(case.mask, np.tri(L, L))
+
+
+@FEW
+@given(cs.block_cases(magnitude="small_variance"))
+def test_small_variance_block_inputs_are_below_1e_minus_4(case: cs.BlockCase) -> None:
+    x = case.x
+    mean = np.mean(x, axis=-1, keepdims=True)
+    assert (np.mean((x - mean) ** 2, axis=-1) < 1e-4).all()
+
+
+# --- coverage ------------------------------------------------------------------------------------------
+
+def test_masks_reach_every_family_and_dtype() -> None:
+    families: set[str] = set()
+    dtypes: set[str] = set()
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.labelled_masks((2,), 3, 4, heads=2))
+    def record(labelled: cs.LabelledMask) -> None:
+        families.add(labelled.family)
+        if labelled.mask is not None:
+            dtypes.add(labelled.mask.dtype.name)
+
+    record()
+    assert families == set(cs.MASK_FAMILIES)
+    assert dtypes == set(cs.MASK_DTYPES)
+
+
+def test_masks_without_heads_never_draw_a_head_family() -> None:
+    with pytest.raises(ValueError, match="no mask family"):
+        cs.labelled_masks((2,), 3, 4, families=["fully_masked_head"])
+
+
+# --- pinned edge cases ---------------------------------------------------------------------------------
+
+EDGES = [pytest.param(op, case, id=f"{op}-{i}") for op, cases in cs.EDGE_CASES.items()
+         for i, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize(("op", "case"), EDGES)
+def test_edge_case_keeps_its_contract_and_the_oracle_gives_no_nan(op: str, case: tuple) -> None:
+    check = {"sdpa": _assert_sdpa_contract, "mha": _assert_mha_contract, "block": _assert_block_contract}
+    check[op](case)
+    out, weights = _oracle(case)
+    assert not np.isnan(out).any() and not np.isnan(weights).any()
