@@ -7,6 +7,10 @@ Written apart from every backend, in another formulation: where a backend comput
 and masks them with one boolean, the oracle walks the queries, lists the keys each one may see and takes
 a softmax over those alone. A bug in a backend then cannot pass by agreeing with itself. Everything is
 converted to float64 first; speed is not a goal.
+
+`dtype=np.float32` runs the same formula in float32 throughout: its distance from the float64 result
+measures how much any correct float32 computation of a case may lose (ill-conditioned cases lose more),
+which the suite uses to scale its float32 tolerance.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import math
 from collections.abc import Mapping
 
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, DTypeLike
 
 ACTIVATIONS = ("relu", "gelu")
 
@@ -29,6 +33,7 @@ def sdpa(
     bias: ArrayLike | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Attention(Q, K, V) = softmax(Q K^T * scale + bias) V, the softmax over the visible keys only.
 
@@ -40,9 +45,9 @@ def sdpa(
         scale: multiplies Q K^T; defaults to 1 / sqrt(E).
 
     Returns:
-        out (..., L, Ev) and weights (..., L, S), float64. A query with no visible key gets zeros in both.
+        out (..., L, Ev) and weights (..., L, S), in `dtype`. A query with no visible key gets zeros in both.
     """
-    q, k, v = _float64(q), _float64(k), _float64(v)
+    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
     (L, E), (S, Ev) = q.shape[-2:], v.shape[-2:]
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     q = np.broadcast_to(q, (*batch, L, E))
@@ -50,10 +55,10 @@ def sdpa(
     v = np.broadcast_to(v, (*batch, S, Ev))
     mask = np.ones((L, S), bool) if mask is None else np.asarray(mask) != 0
     mask = np.broadcast_to(mask, (*batch, L, S))
-    bias = np.broadcast_to(np.zeros((L, S)) if bias is None else _float64(bias), (*batch, L, S))
+    bias = np.broadcast_to(np.zeros((L, S), dtype) if bias is None else _cast(bias, dtype), (*batch, L, S))
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
 
-    out, weights = np.zeros((*batch, L, Ev)), np.zeros((*batch, L, S))
+    out, weights = np.zeros((*batch, L, Ev), dtype), np.zeros((*batch, L, S), dtype)
     for b in np.ndindex(*batch):
         for i in range(L):
             keys = _visible_keys(i, mask[(*b, i)], bias[(*b, i)], is_causal)
@@ -69,6 +74,7 @@ def multi_head_attention(
     mask: ArrayLike | None = None,
     *,
     num_heads: int,
+    dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
     head_h = Attention(Q W_q,h^T + b_q,h, K W_k,h^T + b_k,h, V W_v,h^T + b_v,h), computed one head at a time.
@@ -80,18 +86,18 @@ def multi_head_attention(
         num_heads: H; head h works on the contiguous slice h*d_k:(h+1)*d_k of D, d_k = D / H.
 
     Returns:
-        out (..., L, D) and weights (..., H, L, S), float64.
+        out (..., L, D) and weights (..., H, L, S), in `dtype`.
     """
-    state = {name: _float64(value) for name, value in state.items()}
+    state = {name: _cast(value, dtype) for name, value in state.items()}
     d_model = state["w_q.weight"].shape[1]
     if d_model % num_heads:
         raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
     d_k = d_model // num_heads
 
     # 1) project
-    q = _linear(state, "w_q", _float64(q))  # (..., L, D) -> (..., L, D)
-    k = _linear(state, "w_k", _float64(k))  # (..., S, D) -> (..., S, D)
-    v = _linear(state, "w_v", _float64(v))  # (..., S, D) -> (..., S, D)
+    q = _linear(state, "w_q", _cast(q, dtype))  # (..., L, D) -> (..., L, D)
+    k = _linear(state, "w_k", _cast(k, dtype))  # (..., S, D) -> (..., S, D)
+    v = _linear(state, "w_v", _cast(v, dtype))  # (..., S, D) -> (..., S, D)
     if mask is not None:
         batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         mask = np.broadcast_to(np.asarray(mask), (*batch, num_heads, q.shape[-2], k.shape[-2]))
@@ -102,7 +108,7 @@ def multi_head_attention(
         cols = slice(h * d_k, (h + 1) * d_k)
         head_mask = None if mask is None else mask[..., h, :, :]  # (..., H, L, S) -> (..., L, S)
         out_h, weights_h = sdpa(q[..., cols], k[..., cols], v[..., cols], head_mask,
-                                scale=1.0 / math.sqrt(d_k))  # (..., L, d_k), (..., L, S)
+                                scale=1.0 / math.sqrt(d_k), dtype=dtype)  # (..., L, d_k), (..., L, S)
         heads.append(out_h)
         weights.append(weights_h)
 
@@ -120,6 +126,7 @@ def transformer_block(
     norm_first: bool = False,
     activation: str = "relu",
     eps: float = 1e-5,
+    dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """post-LN: x = LN_1(x + MHA(x, x, x)),  x = LN_2(x + FFN(x));
     pre-LN:  x = x + MHA(LN_1(x)),         x = x + FFN(LN_2(x));   FFN(x) = W_3 act(W_0 x + b_0) + b_3.
@@ -133,16 +140,16 @@ def transformer_block(
         eps: added to the variance inside LayerNorm's square root.
 
     Returns:
-        x (..., L, D) and the attention weights (..., H, L, L), float64.
+        x (..., L, D) and the attention weights (..., H, L, L), in `dtype`.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
-    state = {name: _float64(value) for name, value in state.items()}
+    state = {name: _cast(value, dtype) for name, value in state.items()}
     attn = {name.removeprefix("attn."): value for name, value in state.items() if name.startswith("attn.")}
-    x = _float64(x)
+    x = _cast(x, dtype)
 
     def attend(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return multi_head_attention(attn, y, y, y, mask, num_heads=num_heads)  # (..., L, D)
+        return multi_head_attention(attn, y, y, y, mask, num_heads=num_heads, dtype=dtype)  # (..., L, D)
 
     def feed_forward(y: np.ndarray) -> np.ndarray:
         h = _activation(activation, _linear(state, "ffn.0", y))  # (..., L, D) -> (..., L, F)
@@ -168,7 +175,7 @@ def _visible_keys(i: int, mask_row: np.ndarray, bias_row: np.ndarray, is_causal:
 def _attend(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, keys: list[int], bias_row: np.ndarray,
             scale: float) -> tuple[np.ndarray, np.ndarray]:
     """One query row: out_i = sum_j w_j v_j, w = softmax(q_i . k_j * scale + bias_ij) over the visible j."""
-    out_i, weights_i = np.zeros(v.shape[-1]), np.zeros(k.shape[-2])  # (Ev,), (S,)
+    out_i, weights_i = np.zeros(v.shape[-1], v.dtype), np.zeros(k.shape[-2], v.dtype)  # (Ev,), (S,)
     if not keys:  # the spec's rule: a query with no visible key gets zeros, never 0 / 0 = NaN
         return out_i, weights_i
     logits = np.array([np.dot(q_i, k[j]) * scale + bias_row[j] for j in keys])  # (visible,)
@@ -197,8 +204,8 @@ def _activation(name: str, x: np.ndarray) -> np.ndarray:
     if name == "relu":
         return np.maximum(x, 0.0)
     gelu = (t * (1 + math.erf(t / math.sqrt(2))) / 2 for t in x.ravel().tolist())
-    return np.fromiter(gelu, np.float64, count=x.size).reshape(x.shape)
+    return np.fromiter(gelu, x.dtype, count=x.size).reshape(x.shape)
 
 
-def _float64(x: ArrayLike) -> np.ndarray:
-    return np.asarray(x, dtype=np.float64)
+def _cast(x: ArrayLike, dtype: DTypeLike) -> np.ndarray:
+    return np.asarray(x, dtype=dtype)

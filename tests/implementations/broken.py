@@ -1,0 +1,363 @@
+"""Broken implementations: the einsum implementation with ONE realistic bug each, which the conformance
+suite must reject.
+
+Each class overrides one named piece of `Implementation`; its docstring says the bug and which check of
+the suite should catch it (the measure names of `conformance.check` rows: values, weights_rows,
+permutation, causal_prefix, single_key, reproducible, varies, mean). Every variant runs without error on
+ordinary inputs: the bug is a wrong answer, never a crash.
+
+`BROKEN` maps a name to the variant as a module object exposing the contract, ready for `check`.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable
+
+import numpy as np
+
+from .einsum_attention import Implementation, Pair, Rng, as_module
+
+# --- projections and heads -------------------------------------------------------------------------------
+
+
+class TransposedProjection(Implementation):
+    """Projects with x W instead of x W^T (the (out, in) layout of nn.Linear misread as (in, out)).
+    Caught by: values (mha, block)."""
+
+    def project(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, num_heads: int) -> np.ndarray:
+        w, b = self.split_heads(weight.T, num_heads), self.split_heads(bias, num_heads)
+        return np.einsum("...ld,hkd->...hlk", x, w) + b[:, None, :]
+
+
+class HeadsInterleaved(Implementation):
+    """Splits D as (K, H) instead of (H, K): head h takes columns h, h + H, ... instead of the contiguous
+    slice h*K:(h+1)*K. Self-consistent, so only a comparison with the spec's layout shows it.
+    Caught by: values (mha, block; H > 1 and K > 1)."""
+
+    def split_heads(self, w: np.ndarray, num_heads: int) -> np.ndarray:
+        return np.swapaxes(w.reshape(w.shape[0] // num_heads, num_heads, *w.shape[1:]), 0, 1)
+
+
+class MhaScaledByDModel(Implementation):
+    """Scales each head's scores by 1/sqrt(d_model) instead of 1/sqrt(d_k).
+    Caught by: values (mha, block; H > 1)."""
+
+    def head_scale(self, d_k: int, d_model: int) -> float:
+        return 1.0 / math.sqrt(d_model)
+
+
+class WeightsAveragedOverHeads(Implementation):
+    """Returns the weights averaged over the heads, (..., L, S), as nn.MultiheadAttention does by
+    default, instead of per head (..., H, L, S). Caught by: values (mha, block: wrong shape)."""
+
+    def head_weights(self, weights: np.ndarray) -> np.ndarray:
+        return weights.mean(axis=-3)
+
+
+# --- scores, scale and bias ------------------------------------------------------------------------------
+
+
+class ScaleOneOverE(Implementation):
+    """Default scale 1/E instead of 1/sqrt(E). Caught by: values (sdpa without scale, E > 1)."""
+
+    def default_scale(self, E: int) -> float:
+        return 1.0 / E
+
+
+class CustomScaleIgnored(Implementation):
+    """The `scale` argument is ignored: always 1/sqrt(E). Caught by: values (sdpa with scale)."""
+
+    def resolve_scale(self, scale: float | None, E: int) -> float:
+        return self.default_scale(E)
+
+
+class BiasIgnored(Implementation):
+    """The `bias` argument is accepted and dropped. Caught by: values (sdpa with bias); single_key
+    (a -inf bias no longer hides)."""
+
+    def add_bias(self, scores: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        return scores
+
+
+class BiasScaled(Implementation):
+    """Computes (q k^T + bias) * scale: the bias is scaled along with the logits.
+    Caught by: values (sdpa with a finite bias and scale != 1)."""
+
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
+        return self.add_bias(np.einsum("...le,...se->...ls", q, k), bias) * scale
+
+
+class Float64Output(Implementation):
+    """Upcasts the scores to float64 "for accuracy" and never casts back: float32 inputs give float64
+    outputs. Caught by: values (float32: wrong dtype)."""
+
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
+        q, k = q.astype(np.float64), k.astype(np.float64)
+        return self.add_bias(np.einsum("...le,...se->...ls", q, k) * scale, bias)
+
+
+# --- which keys are visible ------------------------------------------------------------------------------
+
+
+class InvertedMask(Implementation):
+    """Mask polarity inverted: True / 1 hides the key (the key_padding_mask convention of PyTorch).
+    Caught by: values (sdpa, mha, block with a mask); single_key."""
+
+    def mask_visible(self, mask: np.ndarray) -> np.ndarray:
+        return np.asarray(mask) == 0
+
+
+class MaskTransposed(Implementation):
+    """A square mask is read as (S, L) instead of (L, S): mask[j, i] decides whether query i sees key j.
+    Caught by: values (a non-symmetric square mask, e.g. causal_mask(L, L)); causal_prefix (block)."""
+
+    def mask_visible(self, mask: np.ndarray) -> np.ndarray:
+        mask = np.asarray(mask)
+        if mask.ndim >= 2 and mask.shape[-1] == mask.shape[-2]:
+            mask = np.swapaxes(mask, -1, -2)
+        return mask != 0
+
+
+class IsCausalIgnored(Implementation):
+    """`is_causal=True` is accepted and ignored. Caught by: values (sdpa with is_causal);
+    causal_prefix (sdpa)."""
+
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, is_causal: bool) -> np.ndarray:
+        return super().visible(scores, mask, False)
+
+
+class CausalBottomRight(Implementation):
+    """Causal mask aligned at the bottom-right corner (query i sees keys 0..i + S - L, the flash-attention
+    convention for L != S) instead of the top-left. Identical when L == S.
+    Caught by: values (sdpa with is_causal and L != S); causal_prefix (sdpa, L < S)."""
+
+    def causal(self, L: int, S: int) -> np.ndarray:
+        return np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L)
+
+
+class CausalStrict(Implementation):
+    """Causal mask off by one, j < i instead of j <= i: a query no longer sees its own key (and query 0
+    sees none). Caught by: values (sdpa with is_causal; block with causal_mask); single_key."""
+
+    def causal(self, L: int, S: int) -> np.ndarray:
+        return np.arange(S)[None, :] < np.arange(L)[:, None]
+
+
+class NegInfBiasNotHidden(Implementation):
+    """A -inf bias is left to the exponential instead of hiding the key: a row whose keys are all -inf
+    (through the bias alone) has max = -inf and gives exp(-inf - -inf) = NaN instead of zeros.
+    Caught by: values (sdpa with a bias row of all -inf)."""
+
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, is_causal: bool) -> np.ndarray:
+        visible = np.ones(scores.shape, dtype=bool)
+        if mask is not None:
+            visible = visible & self.mask_visible(mask)
+        if is_causal:
+            visible = visible & self.causal(*scores.shape[-2:])
+        return visible
+
+
+# --- softmax -------------------------------------------------------------------------------------------
+
+
+class SoftmaxWrongAxis(Implementation):
+    """Softmax over the queries (axis -2) instead of the keys. Caught by: values; weights_rows."""
+
+    def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+        seen = np.any(visible, axis=-2, keepdims=True)
+        kept = np.where(visible, scores, -np.inf)
+        col_max = np.where(seen, np.max(kept, axis=-2, keepdims=True, initial=-np.inf), 0)
+        exp = np.exp(kept - col_max)
+        return np.where(visible, exp / np.where(seen, exp.sum(axis=-2, keepdims=True), 1), 0)
+
+
+class SoftmaxWithoutMaxSubtraction(Implementation):
+    """exp(scores) without subtracting the row maximum: logits in the hundreds overflow to inf, and
+    inf / inf = NaN. Caught by: values (large logits: float32 overflows above 88, float64 above 709)."""
+
+    def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+        seen = np.any(visible, axis=-1, keepdims=True)
+        exp = np.exp(np.where(visible, scores, -np.inf))
+        return np.where(visible, exp / np.where(seen, exp.sum(axis=-1, keepdims=True), 1), 0)
+
+
+class MaskedRowUniform(Implementation):
+    """Hidden scores filled with -1e9 (The Annotated Transformer's masked_fill): a query with no visible
+    key averages all the values uniformly instead of giving zeros.
+    Caught by: values (fully masked rows); single_key (a query that sees no key)."""
+
+    def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+        filled = np.where(visible, scores, -1e9)
+        exp = np.exp(filled - filled.max(axis=-1, keepdims=True))
+        return exp / exp.sum(axis=-1, keepdims=True)
+
+
+class MaskedRowNaN(Implementation):
+    """Hidden scores set to -inf and no guard for rows with none visible: max = -inf, then
+    exp(-inf - -inf) = NaN and 0 / 0 = NaN. Caught by: values (fully masked rows); single_key."""
+
+    def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+        kept = np.where(visible, scores, -np.inf)
+        with np.errstate(invalid="ignore"):
+            exp = np.exp(kept - kept.max(axis=-1, keepdims=True))
+            return exp / exp.sum(axis=-1, keepdims=True)
+
+
+class MaskAfterSoftmax(Implementation):
+    """The mask is applied after the softmax (weights zeroed, not renormalised): rows no longer sum to 1.
+    Caught by: values; weights_rows."""
+
+    def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+        return np.where(visible, super().softmax(scores, scores != -np.inf), 0)
+
+
+# --- dropout and randomness ----------------------------------------------------------------------------
+
+
+class WeightsAfterDropout(Implementation):
+    """Returns the attention weights after dropout instead of before (rows no longer sum to 1 in
+    training). Caught by: a training-mode check of the weights (weights_rows or values in training)."""
+
+    def attend(self, weights: np.ndarray, v: np.ndarray, dropout_p: float, rng: Rng) -> Pair:
+        dropped = self.dropout(weights, dropout_p, rng)
+        return np.einsum("...ls,...sv->...lv", dropped, v), dropped
+
+
+class DropoutInEval(Implementation):
+    """Dropout stays active in eval mode (the training flag is never consulted).
+    Caught by: values (mha, block: modules are checked in eval mode with dropout configured)."""
+
+    def active_dropout(self, p: float, training: bool) -> float:
+        return p
+
+
+class DropoutWithoutRescale(Implementation):
+    """Dropout zeroes entries but does not scale the kept ones by 1/(1 - p): the expected output shrinks
+    by (1 - p). Caught by: mean (sdpa, mha)."""
+
+    def dropout(self, x: np.ndarray, p: float, rng: Rng) -> np.ndarray:
+        if p == 0.0:
+            return x
+        return np.where(self.generator(rng).random(x.shape) >= p, x, 0).astype(x.dtype)
+
+
+class RngIgnoredFixedSeed(Implementation):
+    """The rng argument is ignored in favour of a fixed seed: every rng gives the same dropout.
+    Caught by: varies."""
+
+    def generator(self, rng: Rng) -> np.random.Generator:
+        return np.random.default_rng(0)
+
+
+class RngIgnoredFresh(Implementation):
+    """The rng argument is ignored in favour of fresh OS randomness: the same rng does not reproduce.
+    Caught by: reproducible."""
+
+    def generator(self, rng: Rng) -> np.random.Generator:
+        return np.random.default_rng()
+
+
+# --- the block -----------------------------------------------------------------------------------------
+
+
+class LayerNormUnbiased(Implementation):
+    """LayerNorm with the unbiased variance, dividing by D - 1 (torch.var's default).
+    Caught by: values (block)."""
+
+    def layer_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+        mean = x.mean(axis=-1, keepdims=True)
+        var = ((x - mean) ** 2).sum(axis=-1, keepdims=True) / max(x.shape[-1] - 1, 1)
+        return (x - mean) / np.sqrt(var + eps) * weight + bias
+
+
+class LayerNormEpsOutsideSqrt(Implementation):
+    """LayerNorm (x - mean) / (std + eps) instead of / sqrt(var + eps) (The Annotated Transformer's form).
+    Caught by: values (block, float64: a relative change of about eps)."""
+
+    def layer_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+        mean = x.mean(axis=-1, keepdims=True)
+        std = np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True))
+        return (x - mean) / (std + eps) * weight + bias
+
+
+class GeluTanh(Implementation):
+    """GELU in its tanh approximation instead of the exact erf form. Caught by: values (block, gelu)."""
+
+    def activation(self, name: str, x: np.ndarray) -> np.ndarray:
+        if name == "relu":
+            return np.maximum(x, 0)
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+class PreLnIgnored(Implementation):
+    """`norm_first=True` is accepted and ignored: always post-LN. Caught by: values (block, pre-LN)."""
+
+    def wiring(self, norm_first: bool) -> Callable[..., Pair]:
+        return self.post_ln
+
+
+class FfnResidualMissing(Implementation):
+    """The feed-forward branch forgets its residual connection: x = LN_2(Drop(FFN(x))) and
+    x = Drop(FFN(LN_2(x))). Caught by: values (block)."""
+
+    def post_ln(self, x: np.ndarray, attend: Callable, feed_forward: Callable, drop: Callable,
+                ln1: Callable, ln2: Callable) -> Pair:
+        h, weights = attend(x)
+        x = ln1(x + drop(h))
+        return ln2(drop(feed_forward(x))), weights
+
+    def pre_ln(self, x: np.ndarray, attend: Callable, feed_forward: Callable, drop: Callable,
+               ln1: Callable, ln2: Callable) -> Pair:
+        h, weights = attend(ln1(x))
+        x = x + drop(h)
+        return drop(feed_forward(ln2(x))), weights
+
+
+class NormsSwapped(Implementation):
+    """norm1 and norm2 swapped (a state-dict mapping mix-up): the attention branch is normalised with
+    norm2's weight and bias. Caught by: values (block; the suite's LayerNorm parameters differ)."""
+
+    def norms(self, state: dict, eps: float) -> tuple[Callable, Callable]:
+        ln1, ln2 = super().norms(state, eps)
+        return ln2, ln1
+
+
+VARIANTS: dict[str, type[Implementation]] = {
+    "transposed_projection": TransposedProjection,
+    "heads_interleaved": HeadsInterleaved,
+    "mha_scaled_by_d_model": MhaScaledByDModel,
+    "weights_averaged_over_heads": WeightsAveragedOverHeads,
+    "scale_one_over_e": ScaleOneOverE,
+    "custom_scale_ignored": CustomScaleIgnored,
+    "bias_ignored": BiasIgnored,
+    "bias_scaled": BiasScaled,
+    "float64_output": Float64Output,
+    "inverted_mask": InvertedMask,
+    "mask_transposed": MaskTransposed,
+    "is_causal_ignored": IsCausalIgnored,
+    "causal_bottom_right": CausalBottomRight,
+    "causal_strict": CausalStrict,
+    "neg_inf_bias_not_hidden": NegInfBiasNotHidden,
+    "softmax_wrong_axis": SoftmaxWrongAxis,
+    "softmax_without_max_subtraction": SoftmaxWithoutMaxSubtraction,
+    "masked_row_uniform": MaskedRowUniform,
+    "masked_row_nan": MaskedRowNaN,
+    "mask_after_softmax": MaskAfterSoftmax,
+    "weights_after_dropout": WeightsAfterDropout,
+    "dropout_in_eval": DropoutInEval,
+    "dropout_without_rescale": DropoutWithoutRescale,
+    "rng_ignored_fixed_seed": RngIgnoredFixedSeed,
+    "rng_ignored_fresh": RngIgnoredFresh,
+    "layernorm_unbiased": LayerNormUnbiased,
+    "layernorm_eps_outside_sqrt": LayerNormEpsOutsideSqrt,
+    "gelu_tanh": GeluTanh,
+    "pre_ln_ignored": PreLnIgnored,
+    "ffn_residual_missing": FfnResidualMissing,
+    "norms_swapped": NormsSwapped,
+}
+
+BROKEN: dict[str, types.ModuleType] = {
+    name: as_module(cls(), f"{__name__}.{name}") for name, cls in VARIANTS.items()
+}

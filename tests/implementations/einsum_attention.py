@@ -1,0 +1,527 @@
+"""A third-party implementation of the attention contract (SPEC.md section 1): NumPy, einsum throughout.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, K = d_k = D / H, ... leading batch axes.
+
+Written apart from attention_np, attention_jax, attention_torch and the conformance oracle, in another
+formulation: every contraction is an einsum, and the projection weights are viewed with the heads as an
+explicit axis, W (D, D) -> (H, K, D), so no activation is ever reshaped or transposed into heads.
+
+Each step is one small method of `Implementation`, so that tests/implementations/broken.py can inject a
+bug by overriding a single named piece; `as_module(impl, name)` builds a module object exposing exactly
+the contract's names, bound to `impl`. Importing this file gives the correct implementation at module
+level: `python -m conformance check tests.implementations.einsum_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+Rng = np.random.Generator | int | None
+Pair = tuple[np.ndarray, np.ndarray | None]
+
+CONTRACT = ("asarray", "to_numpy", "save_state_dict", "load_state_dict", "causal_mask", "padding_mask",
+            "scaled_dot_product_attention", "MultiHeadAttention", "TransformerBlock")
+PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
+ACTIVATIONS = ("relu", "gelu")
+
+
+class Implementation:
+    """The contract, one overridable step per method; the public functions are the unprefixed ones."""
+
+    # --- arrays and files --------------------------------------------------------------------------------
+
+    def asarray(self, x: Any) -> np.ndarray:
+        """NumPy array -> native array (here NumPy itself), same dtype."""
+        return np.asarray(x)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """Native array -> NumPy array."""
+        return np.asarray(x)
+
+    def save_state_dict(self, path: str | os.PathLike, state: Mapping[str, Any]) -> None:
+        """{name: array} -> uncompressed .npz at exactly `path` (np.savez would append .npz to a name)."""
+        with open(path, "wb") as file:
+            np.savez(file, **{name: np.asarray(value) for name, value in state.items()})
+
+    def load_state_dict(self, path: str | os.PathLike) -> dict[str, np.ndarray]:
+        """.npz file -> {name: array}, without pickle."""
+        with np.load(path, allow_pickle=False) as arrays:
+            return {name: arrays[name] for name in arrays.files}
+
+    # --- masks -------------------------------------------------------------------------------------------
+
+    def causal_mask(self, L: int, S: int) -> np.ndarray:
+        """bool (L, S), True where key j <= query i: top-left aligned."""
+        return self.causal(L, S)
+
+    def padding_mask(self, lengths: Any, S: int) -> np.ndarray:
+        """bool (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys."""
+        return np.arange(S) < np.asarray(lengths)[:, None, None, None]  # (B,) -> (B, 1, 1, S)
+
+    def causal(self, L: int, S: int) -> np.ndarray:
+        i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+        return j <= i  # (L, S)
+
+    # --- scaled dot-product attention --------------------------------------------------------------------
+
+    def scaled_dot_product_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                                     mask: np.ndarray | None = None, *, bias: np.ndarray | None = None,
+                                     is_causal: bool = False, scale: float | None = None,
+                                     dropout_p: float = 0.0, need_weights: bool = True,
+                                     rng: Rng = None) -> Pair:
+        """Attention(Q, K, V) = softmax(Q K^T * scale + bias) V, the softmax over the visible keys.
+
+        Args:
+            q (..., L, E), k (..., S, E), v (..., S, Ev): leading axes broadcast.
+            mask: broadcasts to (..., L, S); 0 / False hides key j from query i.
+            bias: added to the scores, broadcasts to (..., L, S); -inf hides.
+            is_causal: hide keys j > i (top-left). scale: defaults to 1 / sqrt(E).
+            dropout_p: inverted dropout on the weights. rng: Generator, int seed or None (fresh).
+
+        Returns:
+            out (..., L, Ev) and weights (..., L, S) before dropout (None unless need_weights).
+        """
+        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+        batch = self.check_attention(q, k, v)
+        self.check_dtypes("", q=q, k=k, v=v)
+        self.check_probability("dropout_p", dropout_p)
+        (L, E), S = q.shape[-2:], k.shape[-2]
+        for name, extra in (("mask", mask), ("bias", bias)):
+            if extra is not None:
+                self.check_broadcast(name, np.shape(extra), (*batch, L, S), "..., L, S")
+
+        # 1) scores, biased
+        scores = self.scores(q, k, self.resolve_scale(scale, E), bias)  # (..., L, S)
+
+        # 2) one boolean of the keys each query sees, then the softmax over them
+        visible = self.visible(scores, mask, is_causal)  # (..., L, S)
+        weights = self.softmax(scores, visible)  # (..., L, S)
+
+        # 3) the weighted sum of the values
+        out, weights = self.attend(weights, v, dropout_p, rng)  # (..., L, Ev), (..., L, S)
+        return out, (weights if need_weights else None)
+
+    def resolve_scale(self, scale: float | None, E: int) -> float:
+        return self.default_scale(E) if scale is None else scale
+
+    def default_scale(self, E: int) -> float:
+        return 1.0 / math.sqrt(E)
+
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
+        """s_ls = scale * sum_e q_le k_se + bias_ls."""
+        scores = np.einsum("...le,...se->...ls", q, k) * scale  # (..., L, E) x (..., S, E) -> (..., L, S)
+        return self.add_bias(scores, bias)
+
+    def add_bias(self, scores: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        """The bias in the dtype of the scores (a float64 bias must not promote float32 scores)."""
+        return scores if bias is None else scores + np.asarray(bias, dtype=scores.dtype)
+
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, is_causal: bool) -> np.ndarray:
+        """True where a query may see a key: kept by the mask, causal when asked, score not -inf."""
+        visible = scores != -np.inf  # a NaN score stays visible, so NaN propagates
+        if mask is not None:
+            visible = visible & self.mask_visible(mask)
+        if is_causal:
+            visible = visible & self.causal(*scores.shape[-2:])
+        return visible
+
+    def mask_visible(self, mask: np.ndarray) -> np.ndarray:
+        return np.asarray(mask) != 0  # bool and 0/1 masks alike: 0 hides
+
+    def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+        """w_ls = exp(s_ls - m_l) / sum_s' exp(s_ls' - m_l) over visible s, m_l the visible row maximum.
+
+        A row with no visible key is all zeros (the spec's rule), never 0 / 0.
+        """
+        seen = np.any(visible, axis=-1, keepdims=True)  # (..., L, 1)
+        kept = np.where(visible, scores, -np.inf)  # hidden keys contribute exp(-inf) = 0
+        row_max = np.where(seen, np.max(kept, axis=-1, keepdims=True, initial=-np.inf), 0)  # (..., L, 1)
+        exp = np.exp(kept - row_max)  # (..., L, S)
+        total = np.einsum("...ls->...l", exp)[..., None]  # (..., L, 1)
+        return np.where(visible, exp / np.where(seen, total, 1), 0)  # empty row: 0 / 1; NaN stays visible
+
+    def attend(self, weights: np.ndarray, v: np.ndarray, dropout_p: float, rng: Rng) -> Pair:
+        """out_lv = sum_s dropout(w)_ls v_sv; returns the weights from before the dropout."""
+        dropped = self.dropout(weights, dropout_p, rng)
+        out = np.einsum("...ls,...sv->...lv", dropped, v)  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
+        return out, weights
+
+    # --- randomness --------------------------------------------------------------------------------------
+
+    def generator(self, rng: Rng) -> np.random.Generator:
+        """A Generator passes through (its state advances); an int seeds one; None is fresh."""
+        return np.random.default_rng(rng)
+
+    def dropout(self, x: np.ndarray, p: float, rng: Rng) -> np.ndarray:
+        """Inverted dropout: zero with probability p, scale the kept entries by 1 / (1 - p)."""
+        if p == 0.0:
+            return x
+        keep = self.generator(rng).random(x.shape) >= p
+        return np.where(keep, x / (1 - p), 0).astype(x.dtype)
+
+    def active_dropout(self, p: float, training: bool) -> float:
+        return p if training else 0.0
+
+    # --- multi-head attention ----------------------------------------------------------------------------
+
+    def multi_head_attention(self, state: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray,
+                             v: np.ndarray, mask: np.ndarray | None, *, num_heads: int, dropout_p: float,
+                             need_weights: bool, rng: Rng) -> Pair:
+        """MultiHead(Q, K, V) = Concat_h(Attention(Q W_q,h^T + b_q,h, ...)) W_o^T + b_o, heads as an axis.
+
+        Returns out (..., L, D) and weights (..., H, L, S).
+        """
+        d_model = state["w_q.weight"].shape[1]
+        d_k = d_model // num_heads
+
+        # 1) project straight into heads
+        def projected(x: np.ndarray, name: str) -> np.ndarray:
+            return self.project(x, state[f"{name}.weight"], state[f"{name}.bias"], num_heads)
+
+        q = projected(q, "w_q")  # (..., L, D) -> (..., H, L, K)
+        k = projected(k, "w_k")  # (..., S, D) -> (..., H, S, K)
+        v = projected(v, "w_v")  # (..., S, D) -> (..., H, S, K)
+
+        # 2) attend, every head at once
+        heads, weights = self.scaled_dot_product_attention(
+            q, k, v, mask, scale=self.head_scale(d_k, d_model), dropout_p=dropout_p,
+            need_weights=need_weights, rng=rng)  # (..., H, L, K), (..., H, L, S)
+
+        # 3) mix the heads back into D
+        out = self.merge_heads(heads, state["w_o.weight"], state["w_o.bias"])  # (..., H, L, K) -> (..., L, D)
+        return out, (None if weights is None else self.head_weights(weights))
+
+    def split_heads(self, w: np.ndarray, num_heads: int) -> np.ndarray:
+        """View the first axis, D, as (H, K): head h owns the contiguous rows h*K:(h+1)*K."""
+        return w.reshape(num_heads, w.shape[0] // num_heads, *w.shape[1:])  # (D, ...) -> (H, K, ...)
+
+    def project(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, num_heads: int) -> np.ndarray:
+        """x W^T + b with W (D, D) viewed as (H, K, D): y_hlk = sum_d x_ld W_hkd + b_hk."""
+        w, b = self.split_heads(weight, num_heads), self.split_heads(bias, num_heads)  # (H, K, D), (H, K)
+        return np.einsum("...ld,hkd->...hlk", x, w) + b[:, None, :]  # (..., L, D) -> (..., H, L, K)
+
+    def merge_heads(self, heads: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        """Concat(heads) W_o^T + b_o, W_o^T (D, D) viewed as (H, K, D): y_lo = sum_hk x_hlk W_hko + b_o."""
+        w = self.split_heads(weight.T, heads.shape[-3])  # (D_in, D_out) -> (H, K, D)
+        return np.einsum("...hlk,hko->...lo", heads, w) + bias  # (..., H, L, K) -> (..., L, D)
+
+    def head_scale(self, d_k: int, d_model: int) -> float:
+        return 1.0 / math.sqrt(d_k)
+
+    def head_weights(self, weights: np.ndarray) -> np.ndarray:
+        return weights  # per head, (..., H, L, S)
+
+    # --- the transformer block ---------------------------------------------------------------------------
+
+    def transformer_block(self, state: Mapping[str, np.ndarray], x: np.ndarray, mask: np.ndarray | None, *,
+                          num_heads: int, norm_first: bool, activation: str, eps: float, dropout_p: float,
+                          need_weights: bool, rng: Rng) -> Pair:
+        """post-LN: x = LN_1(x + Drop(MHA(x))), x = LN_2(x + Drop(FFN(x)));
+        pre-LN: x = x + Drop(MHA(LN_1(x))), x = x + Drop(FFN(LN_2(x))). One generator feeds every site."""
+        rng = self.generator(rng)
+        attn = {name.removeprefix("attn."): x for name, x in state.items() if name.startswith("attn.")}
+        ln1, ln2 = self.norms(state, eps)
+
+        def attend(y: np.ndarray) -> Pair:
+            return self.multi_head_attention(attn, y, y, y, mask, num_heads=num_heads, dropout_p=dropout_p,
+                                             need_weights=need_weights, rng=rng)
+
+        def feed_forward(y: np.ndarray) -> np.ndarray:
+            return self.feed_forward(state, y, activation, dropout_p, rng)
+
+        def drop(y: np.ndarray) -> np.ndarray:
+            return self.dropout(y, dropout_p, rng)
+
+        return self.wiring(norm_first)(x, attend, feed_forward, drop, ln1, ln2)
+
+    def wiring(self, norm_first: bool) -> Callable[..., Pair]:
+        return self.pre_ln if norm_first else self.post_ln
+
+    def post_ln(self, x: np.ndarray, attend: Callable, feed_forward: Callable, drop: Callable,
+                ln1: Callable, ln2: Callable) -> Pair:
+        h, weights = attend(x)
+        x = ln1(x + drop(h))
+        return ln2(x + drop(feed_forward(x))), weights
+
+    def pre_ln(self, x: np.ndarray, attend: Callable, feed_forward: Callable, drop: Callable,
+               ln1: Callable, ln2: Callable) -> Pair:
+        h, weights = attend(ln1(x))
+        x = x + drop(h)
+        return x + drop(feed_forward(ln2(x))), weights
+
+    def norms(self, state: Mapping[str, np.ndarray], eps: float) -> tuple[Callable, Callable]:
+        def norm(name: str) -> Callable:
+            return lambda x: self.layer_norm(x, state[f"{name}.weight"], state[f"{name}.bias"], eps)
+
+        return norm("norm1"), norm("norm2")
+
+    def layer_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+        """(x - mean) / sqrt(var + eps) * weight + bias, var = mean((x - mean)^2) over D (biased)."""
+        d_model = x.shape[-1]
+        centred = x - np.einsum("...d->...", x)[..., None] / d_model  # (..., D)
+        var = np.einsum("...d,...d->...", centred, centred)[..., None] / d_model  # (..., 1)
+        return centred / np.sqrt(var + eps) * weight + bias
+
+    def feed_forward(self, state: Mapping[str, np.ndarray], x: np.ndarray, activation: str, dropout_p: float,
+                     rng: Rng) -> np.ndarray:
+        """FFN(x) = W_3 Drop(act(W_0 x + b_0)) + b_3."""
+        h = self.linear(x, state["ffn.0.weight"], state["ffn.0.bias"])  # (..., L, D) -> (..., L, F)
+        h = self.activation(activation, h)
+        h = self.dropout(h, dropout_p, rng)
+        return self.linear(h, state["ffn.3.weight"], state["ffn.3.bias"])  # (..., F) -> (..., D)
+
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        """y = x W^T + b, W (out, in)."""
+        return np.einsum("...i,oi->...o", x, weight) + bias
+
+    def activation(self, name: str, x: np.ndarray) -> np.ndarray:
+        """relu(x) = max(x, 0); gelu(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form."""
+        if name == "relu":
+            return np.maximum(x, 0)  # NaN propagates
+        erf = np.vectorize(math.erf, otypes=[x.dtype])
+        return x / 2 * (1 + erf(x / math.sqrt(2)))
+
+    # --- parameters --------------------------------------------------------------------------------------
+
+    def init_linear(self, name: str, d_in: int, d_out: int, rng: np.random.Generator,
+                    dtype: Any) -> dict[str, np.ndarray]:
+        """nn.Linear's initial values: weight (out, in) and bias (out,) uniform in +-1/sqrt(in)."""
+        bound = 1 / math.sqrt(d_in)
+        return {f"{name}.weight": rng.uniform(-bound, bound, (d_out, d_in)).astype(dtype),
+                f"{name}.bias": rng.uniform(-bound, bound, d_out).astype(dtype)}
+
+    def mha_shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
+        return {f"{p}.{part}": (d_model, d_model) if part == "weight" else (d_model,)
+                for p in PROJECTIONS for part in ("weight", "bias")}
+
+    def block_shapes(self, d_model: int, d_ff: int) -> dict[str, tuple[int, ...]]:
+        return ({f"attn.{name}": shape for name, shape in self.mha_shapes(d_model).items()}
+                | {f"norm{i}.{part}": (d_model,) for i in (1, 2) for part in ("weight", "bias")}
+                | {"ffn.0.weight": (d_ff, d_model), "ffn.0.bias": (d_ff,),
+                   "ffn.3.weight": (d_model, d_ff), "ffn.3.bias": (d_model,)})
+
+    # --- argument checks ---------------------------------------------------------------------------------
+
+    def check_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, ...]:
+        """q (..., L, E), k (..., S, E), v (..., S, Ev) -> the broadcast leading axes."""
+        for name, x, letters in (("q", q, "L, E"), ("k", k, "S, E"), ("v", v, "S, Ev")):
+            if x.ndim < 2:
+                raise ValueError(f"{name} must have shape (..., {letters}); got {x.shape}")
+        if q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"q {q.shape} and k {k.shape} must have the same width E (last axis)")
+        if k.shape[-2] != v.shape[-2]:
+            raise ValueError(f"k {k.shape} and v {v.shape} must have the same length S (second to last axis)")
+        try:
+            return tuple(np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+        except ValueError:
+            raise ValueError(f"the leading axes of q {q.shape}, k {k.shape} and v {v.shape} "
+                             "do not broadcast") from None
+
+    def check_broadcast(self, name: str, shape: tuple[int, ...], target: tuple[int, ...],
+                        letters: str) -> None:
+        """`shape` must broadcast to `target` without adding axes or enlarging it."""
+        try:
+            fits = len(shape) <= len(target) and np.broadcast_shapes(shape, target) == tuple(target)
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"{name} of shape {tuple(shape)} does not broadcast to {tuple(target)} "
+                             f"({letters})")
+
+    def check_dtypes(self, where: str, **arrays: np.ndarray) -> None:
+        """One floating dtype for all: TypeError otherwise."""
+        for name, x in arrays.items():
+            if not np.issubdtype(x.dtype, np.floating):
+                raise TypeError(f"{where}{name} must have a floating dtype; got {x.dtype}")
+        if len({x.dtype for x in arrays.values()}) > 1:
+            listed = ", ".join(f"{name} {x.dtype}" for name, x in arrays.items())
+            raise TypeError(f"{where}{', '.join(arrays)} must share one dtype; got {listed}")
+
+    def check_probability(self, name: str, p: float) -> None:
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{name} must be a probability in [0, 1); got {p}")
+
+    def check_sizes(self, **sizes: int) -> None:
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int | np.integer) or size <= 0:
+                raise ValueError(f"{name} must be a positive integer; got {size!r}")
+        if sizes["d_model"] % sizes["num_heads"]:
+            raise ValueError(f"d_model={sizes['d_model']} is not divisible by num_heads={sizes['num_heads']}")
+
+    def check_activation(self, activation: str) -> None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+
+    def check_module_input(self, name: str, x: np.ndarray, d_model: int, letter: str) -> None:
+        if x.ndim < 2 or x.shape[-1] != d_model:
+            raise ValueError(f"{name} must have shape (..., {letter}, D) with D = d_model = {d_model}; "
+                             f"got {x.shape}")
+
+    def check_state(self, cls_name: str, state: Mapping[str, np.ndarray],
+                    expected: Mapping[str, tuple[int, ...]]) -> None:
+        """One ValueError naming every missing, unexpected and mis-shaped entry."""
+        problems = [f"missing {name} {shape}" for name, shape in expected.items() if name not in state]
+        problems += [f"unexpected {name} {state[name].shape}" for name in state if name not in expected]
+        problems += [f"{name} has shape {state[name].shape}, expected {shape}"
+                     for name, shape in expected.items() if name in state and state[name].shape != shape]
+        if problems:
+            raise ValueError(f"{cls_name}.from_state_dict: " + "; ".join(problems))
+        self.check_dtypes(f"{cls_name}.from_state_dict: ", **state)
+
+    def size_of(self, cls_name: str, state: Mapping[str, np.ndarray], name: str, axis: int) -> int:
+        if name not in state or state[name].ndim <= axis:
+            raise ValueError(f"{cls_name}.from_state_dict: needs {name} to read the sizes; "
+                             f"got entries {sorted(state)}")
+        return int(state[name].shape[axis])
+
+
+# --- the module classes, bound to an Implementation by as_module ------------------------------------------
+
+class _Module:
+    """Mutable, like torch.nn.Module: train() and eval() switch in place and return the module."""
+
+    _impl: Implementation  # set on the subclass that as_module builds
+    _state: dict[str, np.ndarray]
+    training: bool
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """{name: array}, the names and layouts of the PyTorch classes."""
+        return dict(self._state)
+
+    def train(self, mode: bool = True) -> Any:
+        """Training mode (dropout active), or inference with mode=False."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> Any:
+        """Inference mode: no dropout."""
+        return self.train(False)
+
+    def _a_parameter(self) -> np.ndarray:
+        """One parameter, whose dtype the inputs must share."""
+        return next(iter(self._state.values()))
+
+    @classmethod
+    def _loaded(cls, state: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return {name: np.asarray(value) for name, value in state.items()}
+
+
+class _MultiHeadAttention(_Module):
+    def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *, rng: Rng = None,
+                 dtype: Any = None) -> None:
+        impl = self._impl
+        impl.check_sizes(d_model=d_model, num_heads=num_heads)
+        impl.check_probability("dropout", dropout)
+        rng, dtype = impl.generator(rng), np.float32 if dtype is None else dtype
+        state = {}
+        for name in PROJECTIONS:
+            state |= impl.init_linear(name, d_model, d_model, rng, dtype)
+        self._state, self.num_heads, self.dropout, self.training = state, num_heads, dropout, True
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1) -> Any:
+        """A module holding `state`, computing in its dtype, in training mode."""
+        impl, state = cls._impl, cls._loaded(state)
+        d_model = impl.size_of(cls.__name__, state, "w_q.weight", 1)
+        impl.check_sizes(d_model=d_model, num_heads=num_heads)
+        impl.check_probability("dropout", dropout)
+        impl.check_state(cls.__name__, state, impl.mha_shapes(d_model))
+        module = object.__new__(cls)
+        module._state, module.num_heads, module.dropout, module.training = state, num_heads, dropout, True
+        return module
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
+                 need_weights: bool = True, rng: Rng = None) -> Pair:
+        """q (..., L, D), k and v (..., S, D), mask broadcasting to (..., H, L, S) ->
+        out (..., L, D), weights (..., H, L, S) before dropout (or None)."""
+        impl, q, k, v = self._impl, np.asarray(q), np.asarray(k), np.asarray(v)
+        d_model = self._state["w_q.weight"].shape[1]
+        for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
+            impl.check_module_input(name, x, d_model, letter)
+        impl.check_dtypes("", q=q, k=k, v=v, parameters=self._a_parameter())
+        return impl.multi_head_attention(self._state, q, k, v, mask, num_heads=self.num_heads,
+                                         dropout_p=impl.active_dropout(self.dropout, self.training),
+                                         need_weights=need_weights, rng=rng)
+
+
+class _TransformerBlock(_Module):
+    def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
+                 norm_first: bool = False, activation: str = "relu", eps: float = 1e-5, rng: Rng = None,
+                 dtype: Any = None) -> None:
+        impl = self._impl
+        impl.check_sizes(d_model=d_model, num_heads=num_heads, d_ff=d_ff)
+        impl.check_probability("dropout", dropout)
+        impl.check_activation(activation)
+        rng, dtype = impl.generator(rng), np.float32 if dtype is None else dtype
+        state = {}
+        for name in PROJECTIONS:
+            state |= impl.init_linear(f"attn.{name}", d_model, d_model, rng, dtype)
+        for name in ("norm1", "norm2"):
+            state |= {f"{name}.weight": np.ones(d_model, dtype), f"{name}.bias": np.zeros(d_model, dtype)}
+        state |= impl.init_linear("ffn.0", d_model, d_ff, rng, dtype)
+        state |= impl.init_linear("ffn.3", d_ff, d_model, rng, dtype)
+        self._setup(state, num_heads, dropout, norm_first, activation, eps)
+
+    def _setup(self, state: dict[str, np.ndarray], num_heads: int, dropout: float, norm_first: bool,
+               activation: str, eps: float) -> None:
+        self._state, self.num_heads, self.dropout, self.training = state, num_heads, dropout, True
+        self.norm_first, self.activation, self.eps = norm_first, activation, eps
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
+                        norm_first: bool = False, activation: str = "relu", eps: float = 1e-5) -> Any:
+        """A block holding `state`, computing in its dtype, in training mode."""
+        impl, state = cls._impl, cls._loaded(state)
+        d_model = impl.size_of(cls.__name__, state, "attn.w_q.weight", 1)
+        d_ff = impl.size_of(cls.__name__, state, "ffn.0.weight", 0)
+        impl.check_sizes(d_model=d_model, num_heads=num_heads, d_ff=d_ff)
+        impl.check_probability("dropout", dropout)
+        impl.check_activation(activation)
+        impl.check_state(cls.__name__, state, impl.block_shapes(d_model, d_ff))
+        module = object.__new__(cls)
+        module._setup(state, num_heads, dropout, norm_first, activation, eps)
+        return module
+
+    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, *, need_weights: bool = True,
+                 rng: Rng = None) -> Pair:
+        """x (..., L, D), mask broadcasting to (..., H, L, L) -> x (..., L, D), weights (..., H, L, L)."""
+        impl, x = self._impl, np.asarray(x)
+        impl.check_module_input("x", x, self._state["norm1.weight"].shape[0], "L")
+        impl.check_dtypes("", x=x, parameters=self._a_parameter())
+        return impl.transformer_block(self._state, x, mask, num_heads=self.num_heads,
+                                      norm_first=self.norm_first, activation=self.activation, eps=self.eps,
+                                      dropout_p=impl.active_dropout(self.dropout, self.training),
+                                      need_weights=need_weights, rng=rng)
+
+
+def as_module(impl: Implementation, name: str) -> types.ModuleType:
+    """A module object exposing exactly the contract's names, every one bound to `impl`."""
+    module = types.ModuleType(name, f"The attention contract, computed by {type(impl).__name__}.")
+    for function in CONTRACT[:7]:
+        setattr(module, function, getattr(impl, function))
+    for base in (_MultiHeadAttention, _TransformerBlock):
+        cls_name = base.__name__.lstrip("_")
+        setattr(module, cls_name, type(cls_name, (base,), {"_impl": impl, "__module__": name}))
+    module.__all__ = list(CONTRACT)
+    return module
+
+
+_default = as_module(Implementation(), __name__)
+asarray = _default.asarray
+to_numpy = _default.to_numpy
+save_state_dict = _default.save_state_dict
+load_state_dict = _default.load_state_dict
+causal_mask = _default.causal_mask
+padding_mask = _default.padding_mask
+scaled_dot_product_attention = _default.scaled_dot_product_attention
+MultiHeadAttention = _default.MultiHeadAttention
+TransformerBlock = _default.TransformerBlock
+
+__all__ = list(CONTRACT)

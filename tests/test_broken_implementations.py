@@ -1,0 +1,72 @@
+"""The conformance suite accepts a correct third-party implementation and rejects realistic broken ones.
+
+`tests/implementations/einsum_attention.py` implements the contract independently of our backends and of
+the oracle; `tests/implementations/broken.py` holds variants of it with one bug each. EXPECTED documents
+which check of the suite guards against which bug: each variant must fail at least one of its checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance import check
+from tests.implementations import einsum_attention
+from tests.implementations.broken import BROKEN
+
+MUTANT_EXAMPLES = 15  # per check: every variant below is caught well within this many cases
+
+# variant -> the checks (row measures) of which at least one must fail
+EXPECTED: dict[str, set[str]] = {
+    "transposed_projection": {"values"},
+    "heads_interleaved": {"values"},
+    "mha_scaled_by_d_model": {"values"},
+    "weights_averaged_over_heads": {"values", "weights_rows"},
+    "scale_one_over_e": {"values"},
+    "custom_scale_ignored": {"values"},
+    "bias_ignored": {"values", "single_key"},
+    "bias_scaled": {"values"},
+    "float64_output": {"values"},  # a float32 input gives a float64 output: wrong dtype
+    "inverted_mask": {"values", "single_key"},
+    "mask_transposed": {"values", "causal_prefix", "permutation"},
+    "is_causal_ignored": {"values", "causal_prefix"},
+    "causal_bottom_right": {"values", "causal_prefix"},  # differs from top-left only when L != S
+    "causal_strict": {"values", "single_key"},
+    "neg_inf_bias_not_hidden": {"values"},  # NaN in a row whose keys are all -inf through the bias
+    "softmax_wrong_axis": {"values", "weights_rows"},
+    "softmax_without_max_subtraction": {"values"},  # logits in the hundreds overflow exp
+    "masked_row_uniform": {"values", "single_key"},
+    "masked_row_nan": {"values", "single_key"},
+    "mask_after_softmax": {"values", "weights_rows"},
+    "weights_after_dropout": {"weights"},  # the dropout check compares training-mode weights with eval
+    "dropout_in_eval": {"values"},  # modules are checked in eval mode with dropout configured
+    "dropout_without_rescale": {"mean"},
+    "rng_ignored_fixed_seed": {"varies"},
+    "rng_ignored_fresh": {"reproducible"},
+    "layernorm_unbiased": {"values"},
+    "layernorm_eps_outside_sqrt": {"values"},
+    "gelu_tanh": {"values"},
+    "pre_ln_ignored": {"values"},
+    "ffn_residual_missing": {"values"},
+    "norms_swapped": {"values"},
+}
+
+
+def test_every_broken_variant_names_the_check_that_catches_it():
+    assert set(EXPECTED) == set(BROKEN)
+    assert len(BROKEN) >= 24
+
+
+def test_correct_third_party_implementation_passes():
+    report = check(einsum_attention)
+    failures = "\n\n".join(row.failure for row in report.rows if row.failure)
+    assert report.passed, failures
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # overflow and inf - inf are the point of some bugs
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_implementation_is_rejected(name: str):
+    report = check(BROKEN[name], shrink=False, max_examples=MUTANT_EXAMPLES)
+    failed = {row.check for row in report.rows if not row.passed}
+    assert not report.passed, f"{name} passed the suite"
+    expected = EXPECTED[name]
+    assert failed & expected, f"{name} failed {sorted(failed)}, none of the expected {sorted(expected)}"
