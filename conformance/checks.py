@@ -47,7 +47,8 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     if a.shape != b.shape or np.any(np.isnan(a) != np.isnan(b)):
         return math.inf
     same = (a == b) | np.isnan(b)  # also matching infinities, where a - b would be NaN
-    diff = np.where(same, 0.0, np.abs(a - b))
+    with np.errstate(invalid="ignore"):  # inf - inf in the entries `same` replaces
+        diff = np.where(same, 0.0, np.abs(a - b))
     reference = np.max(np.abs(b), where=np.isfinite(b), initial=0.0)
     return float(np.max(diff, initial=0.0) / max(reference, TINY))
 
