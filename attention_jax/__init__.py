@@ -2,6 +2,7 @@
 
 from .arrays import asarray, load_state_dict, save_state_dict, to_numpy
 from .functional import causal_mask, padding_mask, scaled_dot_product_attention
+from .gradients import scaled_dot_product_attention_vjp
 from .modules import MultiHeadAttention, TransformerBlock
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "padding_mask",
     "save_state_dict",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
     "to_numpy",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -135,10 +135,7 @@ class MultiHeadAttention(Module):
         Returns:
             out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None).
         """
-        d_model = self.w_q.weight.shape[1]
-        for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            _checks.module_input(name, x.shape, d_model, letter)
-        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+        self._check_inputs(q, k, v)
 
         # 1) project, then split D into H heads of width d_k
         q = self._split_heads(self.w_q(q))  # (..., L, D) -> (..., H, L, d_k)
@@ -153,6 +150,19 @@ class MultiHeadAttention(Module):
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
+
+    def vjp(self, q: jax.Array, k: jax.Array, v: jax.Array,
+            mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
+        """out, weights and pullback(d_out) -> (dq, dk, dv, {state-dict name: gradient}), without dropout."""
+        from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
+
+        return multi_head_attention_vjp(self, q, k, v, mask)
+
+    def _check_inputs(self, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+        d_model = self.w_q.weight.shape[1]
+        for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
+            _checks.module_input(name, x.shape, d_model, letter)
+        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
 
     def _split_heads(self, x: jax.Array) -> jax.Array:
         *lead, length, d_model = x.shape
@@ -240,8 +250,7 @@ class TransformerBlock(Module):
         Returns:
             x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
         """
-        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
-        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        self._check_input(x)
         _checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)
         rngs = _rngs(rng, 4)
         if self.norm_first:  # pre-LN
@@ -253,6 +262,16 @@ class TransformerBlock(Module):
             x = self.norm1(x + h)
             x = self.norm2(x + self._feed_forward_branch(x, rngs[2:]))
         return x, weights
+
+    def vjp(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
+        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
+        from .gradients import transformer_block_vjp  # the backward passes build on these modules
+
+        return transformer_block_vjp(self, x, mask)
+
+    def _check_input(self, x: jax.Array) -> None:
+        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
 
     def _attention_branch(self, x: jax.Array, mask: jax.Array | None, need_weights: bool,
                           rngs: list) -> tuple[jax.Array, jax.Array | None]:

@@ -88,6 +88,19 @@ def dropout_rng(p: float, rng: object, what: str) -> None:
                          "pass rng=jax.random.key(seed), or use .eval() / dropout 0 for no dropout")
 
 
+def no_dropout(what: str, p: float) -> None:
+    """vjp differentiates the deterministic forward pass."""
+    if p > 0.0:
+        raise ValueError(f"{what}.vjp differentiates the forward pass without dropout; got dropout {p} in "
+                         "training mode: call .eval() first, or build the module with dropout 0")
+
+
+def cotangent(name: str, shape: Sequence[int], expected: Sequence[int]) -> None:
+    """A pullback's argument has the shape of the output it belongs to."""
+    if _shape(shape) != _shape(expected):
+        raise ValueError(f"{name} must have the output's shape {_shape(expected)}; got {_shape(shape)}")
+
+
 def mha_state_shapes(d_model: int) -> dict[str, Shape]:
     """State-dict names and shapes of MultiHeadAttention (nn.Linear layout: weight (out, in))."""
     return {f"{proj}.{part}": (d_model, d_model) if part == "weight" else (d_model,)

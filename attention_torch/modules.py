@@ -10,7 +10,7 @@ computes y = x W^T + b; LayerNorm keeps weight (D,) and bias (D,).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -82,10 +82,7 @@ class MultiHeadAttention(nn.Module):
         Returns:
             out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None).
         """
-        d_model = self.w_q.weight.shape[1]
-        for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            _checks.module_input(name, x.shape, d_model, letter)
-        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+        self._check_inputs(q, k, v)
 
         # 1) project, then split D into H heads of width d_k
         q = self._split_heads(self.w_q(q))  # (..., L, D) -> (..., H, L, d_k)
@@ -99,6 +96,19 @@ class MultiHeadAttention(nn.Module):
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
+
+    def vjp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+        """out, weights and pullback(d_out) -> (dq, dk, dv, {state-dict name: gradient}), without dropout."""
+        from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
+
+        return multi_head_attention_vjp(self, q, k, v, mask)
+
+    def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        d_model = self.w_q.weight.shape[1]
+        for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
+            _checks.module_input(name, x.shape, d_model, letter)
+        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         *lead, length, d_model = x.shape
@@ -191,8 +201,7 @@ class TransformerBlock(nn.Module):
         Returns:
             x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
         """
-        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
-        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        self._check_input(x)
         rngs = _rngs(rng, 4)
         if self.norm_first:  # pre-LN
             h, weights = self._attention_branch(self.norm1(x), mask, need_weights, rngs[:2])
@@ -203,6 +212,16 @@ class TransformerBlock(nn.Module):
             x = self.norm1(x + h)
             x = self.norm2(x + self._feed_forward_branch(x, rngs[2:]))
         return x, weights
+
+    def vjp(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
+        from .gradients import transformer_block_vjp  # the backward passes build on these modules
+
+        return transformer_block_vjp(self, x, mask)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
 
     def _attention_branch(self, x: torch.Tensor, mask: torch.Tensor | None, need_weights: bool,
                           rngs: list) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -19,7 +19,7 @@ from tests.conftest import BACKENDS, import_backend
 
 LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width, "
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
-PUBLIC_FILES = {"__init__.py", "arrays.py", "functional.py", "modules.py", "py.typed"}
+PUBLIC_FILES = {"__init__.py", "arrays.py", "functional.py", "gradients.py", "modules.py", "py.typed"}
 CLASSES = ("MultiHeadAttention", "TransformerBlock")
 
 
@@ -32,7 +32,7 @@ def _methods(M: ModuleType, cls_name: str) -> dict[str, Callable]:
     cls = getattr(M, cls_name)
     call = cls.forward if M.__name__ == "attention_torch" else cls.__call__
     return {"__init__": cls.__init__, "__call__": call, "from_state_dict": cls.from_state_dict,
-            "train": cls.train, "eval": cls.eval}
+            "train": cls.train, "eval": cls.eval, "vjp": cls.vjp}
 
 
 def _public_callables(M: ModuleType) -> dict[str, Callable]:
@@ -116,7 +116,7 @@ def test_docstring_args_name_the_signature_parameters():
                 assert documented == parameters, f"{M.__name__}.{name}: {documented} != {parameters}"
 
 
-@pytest.mark.parametrize("file", ["functional", "modules"])
+@pytest.mark.parametrize("file", ["functional", "gradients", "modules"])
 def test_module_docstrings_hold_the_one_shape_legend(file: str):
     for M in _backends():
         doc = importlib.import_module(f"{M.__name__}.{file}").__doc__

@@ -1,0 +1,95 @@
+"""Backward passes: the vector-Jacobian products of attention, multi-head attention and the transformer
+block, in JAX.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+The same functions as the NumPy backend's, whose backward passes are derived by hand; here jax.vjp
+differentiates the forward code itself, so nothing is written twice. Modules are differentiated
+without dropout: in eval mode, or with dropout 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from attention_np import _checks
+
+from .functional import scaled_dot_product_attention
+
+Grads = dict[str, jax.Array]
+
+
+def scaled_dot_product_attention_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    bias: jax.Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array, Callable]:
+    """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
+    dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
+
+    Args:
+        q, k, v, mask, bias, is_causal, scale: as for scaled_dot_product_attention (no dropout).
+
+    Returns:
+        out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
+        dbias None when bias is None.
+    """
+    def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None) -> tuple:
+        return scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale)
+
+    out, pull, weights = jax.vjp(attention, q, k, v, bias, has_aux=True)  # jax: autodiff of the forward
+
+    def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        _checks.cotangent("d_out", d_out.shape, out.shape)
+        return pull(d_out)
+
+    return out, weights, pullback
+
+
+def multi_head_attention_vjp(mha: Any, q: jax.Array, k: jax.Array, v: jax.Array,
+                             mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
+    """Backward through MultiHead(Q, K, V): the output projection, the heads' merge, attention per head,
+    the input projections, in reverse.
+
+    Returns:
+        out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
+        dparams {state-dict name: gradient}.
+    """
+    _checks.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
+    out, pull, weights = jax.vjp(lambda m, q, k, v: m(q, k, v, mask), mha, q, k, v, has_aux=True)
+
+    def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Grads]:
+        _checks.cotangent("d_out", d_out.shape, out.shape)
+        d_mha, dq, dk, dv = pull(d_out)
+        return dq, dk, dv, d_mha.state_dict()  # jax: the gradient of a module is a module
+
+    return out, weights, pullback
+
+
+def transformer_block_vjp(block: Any, x: jax.Array,
+                          mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
+    """Backward through the block (post-LN or pre-LN); self-attention's three input gradients add up.
+
+    Returns:
+        y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
+    """
+    _checks.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
+    y, pull, weights = jax.vjp(lambda b, x: b(x, mask), block, x, has_aux=True)
+
+    def pullback(d_out: jax.Array) -> tuple[jax.Array, Grads]:
+        _checks.cotangent("d_out", d_out.shape, y.shape)
+        d_block, dx = pull(d_out)
+        return dx, d_block.state_dict()
+
+    return y, weights, pullback
+
+

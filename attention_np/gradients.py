@@ -1,0 +1,221 @@
+"""Backward passes, derived by hand: the vector-Jacobian products of attention, multi-head attention and
+the transformer block, in NumPy.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+Each `*_vjp` runs the forward pass, keeps what the backward pass needs and returns a pullback: given
+d_out, the gradient of a scalar loss with respect to the output, the pullback returns the gradients with
+respect to the inputs and the parameters (named as in the state dict). Modules are differentiated
+without dropout: in eval mode, or with dropout 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _checks
+from .functional import scaled_dot_product_attention
+from .modules import _activation, _erf
+
+Grads = dict[str, np.ndarray]
+
+
+def scaled_dot_product_attention_vjp(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None = None,
+    *,
+    bias: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
+    dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
+
+    The softmax step: P_ij = exp(S_ij) / sum_j' exp(S_ij'), so dP_ij/dS_ij' = P_ij (delta_jj' - P_ij'), and
+    dS_ij' = sum_j dP_ij P_ij (delta_jj' - P_ij') = P_ij' (dP_ij' - sum_j dP_ij P_ij). A hidden key has
+    P_ij = 0, so dS_ij = 0: no gradient reaches it through that query; a query with no visible key has a
+    row of zeros, so its gradient is zero too, never NaN. Each gradient is summed over the axes its input
+    was broadcast along, so it has that input's shape.
+
+    Args:
+        q, k, v, mask, bias, is_causal, scale: as for scaled_dot_product_attention (no dropout).
+
+    Returns:
+        out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
+        dbias None when bias is None.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, weights = scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale)
+
+    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        _checks.cotangent("d_out", d_out.shape, out.shape)
+        # 1) through the value product O = P V
+        dv = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)
+        d_weights = d_out @ np.swapaxes(v, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
+        # 2) through the softmax
+        d_scores = weights * (d_weights - np.sum(d_weights * weights, axis=-1, keepdims=True))  # (..., L, S)
+        # 3) through the scores S = Q K^T * scale + bias
+        dq = d_scores @ k * scale  # (..., L, S) x (..., S, E) -> (..., L, E)
+        dk = np.swapaxes(d_scores, -1, -2) @ q * scale  # (..., S, L) x (..., L, E) -> (..., S, E)
+        dbias = None if bias is None else _sum_to(d_scores, np.shape(bias))
+        return _sum_to(dq, q.shape), _sum_to(dk, k.shape), _sum_to(dv, v.shape), dbias
+
+    return out, weights, pullback
+
+
+def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                             mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """Backward through MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o, step by step in
+    reverse: the output projection, the heads' merge (its adjoint is the split), attention per head, the
+    input projections. Splitting and merging heads only move entries, so their adjoints are each other.
+
+    Returns:
+        out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
+        dparams {state-dict name: gradient}.
+    """
+    _checks.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
+    mha._check_inputs(q, k, v)
+    (q_p, pull_q), (k_p, pull_k), (v_p, pull_v) = (_linear_vjp(w, x) for w, x in
+                                                  ((mha.w_q, q), (mha.w_k, k), (mha.w_v, v)))
+    heads, weights, pull_attention = scaled_dot_product_attention_vjp(
+        mha._split_heads(q_p), mha._split_heads(k_p), mha._split_heads(v_p), mask)  # (..., H, L, d_k)
+    out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
+
+    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
+        _checks.cotangent("d_out", d_out.shape, out.shape)
+        d_merged, grads_o = pull_o(d_out)  # (..., L, D)
+        dq_h, dk_h, dv_h, _ = pull_attention(mha._split_heads(d_merged))  # (..., H, L|S, d_k)
+        (dq, grads_q), (dk, grads_k), (dv, grads_v) = (
+            pull(mha._merge_heads(d)) for pull, d in ((pull_q, dq_h), (pull_k, dk_h), (pull_v, dv_h)))
+        grads = _prefixed("w_q", grads_q) | _prefixed("w_k", grads_k) | _prefixed("w_v", grads_v)
+        return dq, dk, dv, grads | _prefixed("w_o", grads_o)
+
+    return out, weights, pullback
+
+
+def transformer_block_vjp(block: Any, x: np.ndarray,
+                          mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """Backward through the block. Post-LN, y1 = LN_1(x + MHA(x)), y = LN_2(y1 + FFN(y1)):
+        dh2 = LN_2'(dy),  dy1 = dh2 + FFN'(dh2),  dh1 = LN_1'(dy1),  dx = dh1 + MHA'_q(dh1) + MHA'_k(dh1) + MHA'_v(dh1).
+    Pre-LN, h = x + MHA(LN_1(x)), y = h + FFN(LN_2(h)):
+        dh = dy + LN_2'(FFN'(dy)),  dx = dh + LN_1'(MHA'_q(dh) + MHA'_k(dh) + MHA'_v(dh)).
+    A residual sum passes its gradient to both terms; self-attention uses x three times, so its three
+    input gradients add up.
+
+    Returns:
+        y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
+    """
+    _checks.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
+    block._check_input(x)
+    forward = _pre_ln_vjp if block.norm_first else _post_ln_vjp
+    y, weights, pullback = forward(block, x, mask)
+
+    def checked(d_out: np.ndarray) -> tuple[np.ndarray, Grads]:
+        _checks.cotangent("d_out", d_out.shape, y.shape)
+        dx, grads = pullback(d_out)
+        return dx, {name: grads[name] for name in block.state_dict()}  # in state-dict order
+
+    return y, weights, checked
+
+
+def _post_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, Callable]:
+    a, weights, pull_attn = multi_head_attention_vjp(block.attn, x, x, x, mask)
+    y1, pull_norm1 = _layer_norm_vjp(block.norm1, x + a)
+    f, pull_ffn = _feed_forward_vjp(block.ffn, y1)
+    y, pull_norm2 = _layer_norm_vjp(block.norm2, y1 + f)
+
+    def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        dh2, grads_norm2 = pull_norm2(dy)
+        dy1_ffn, grads_ffn = pull_ffn(dh2)
+        dh1, grads_norm1 = pull_norm1(dh2 + dy1_ffn)  # the residual passes dh2 on unchanged
+        dq, dk, dv, grads_attn = pull_attn(dh1)
+        grads = _prefixed("attn", grads_attn) | _prefixed("norm1", grads_norm1) | _prefixed("norm2", grads_norm2)
+        return dh1 + dq + dk + dv, grads | _prefixed("ffn", grads_ffn)
+
+    return y, weights, pullback
+
+
+def _pre_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, Callable]:
+    n1, pull_norm1 = _layer_norm_vjp(block.norm1, x)
+    a, weights, pull_attn = multi_head_attention_vjp(block.attn, n1, n1, n1, mask)
+    h = x + a
+    n2, pull_norm2 = _layer_norm_vjp(block.norm2, h)
+    f, pull_ffn = _feed_forward_vjp(block.ffn, n2)
+
+    def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        dn2, grads_ffn = pull_ffn(dy)
+        dh_norm2, grads_norm2 = pull_norm2(dn2)
+        dh = dy + dh_norm2  # the residual passes dy on unchanged
+        dq, dk, dv, grads_attn = pull_attn(dh)
+        dx_norm1, grads_norm1 = pull_norm1(dq + dk + dv)
+        grads = _prefixed("attn", grads_attn) | _prefixed("norm1", grads_norm1) | _prefixed("norm2", grads_norm2)
+        return dh + dx_norm1, grads | _prefixed("ffn", grads_ffn)
+
+    return h + f, weights, pullback
+
+
+def _linear_vjp(linear: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
+    """y = x W^T + b:  dx = dy W,  dW = dy^T x,  db = sum of dy, both summed over every position."""
+    def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        dy_rows, x_rows = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # (N, out), (N, in)
+        return dy @ linear.weight, {"weight": dy_rows.T @ x_rows, "bias": np.sum(dy_rows, axis=0)}
+
+    return linear(x), pullback
+
+
+def _layer_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
+    """y = x_hat * weight + bias, x_hat = (x - mean) / sigma, sigma = sqrt(var + eps), over the last axis:
+        d_hat = dy * weight,  dx = (d_hat - mean(d_hat) - x_hat * mean(d_hat * x_hat)) / sigma,
+        dweight = sum of dy * x_hat,  dbias = sum of dy.
+    The two means are what the mean and the variance take from each entry of the row."""
+    mean = np.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+    inv_sigma = 1 / np.sqrt(np.mean((x - mean) ** 2, axis=-1, keepdims=True) + norm.eps)  # (..., 1)
+    x_hat = (x - mean) * inv_sigma  # (..., D)
+
+    def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        d_hat = dy * norm.weight
+        dx = (d_hat - np.mean(d_hat, axis=-1, keepdims=True)
+              - x_hat * np.mean(d_hat * x_hat, axis=-1, keepdims=True)) * inv_sigma
+        rows = (-1, x.shape[-1])
+        return dx, {"weight": np.sum((dy * x_hat).reshape(rows), axis=0), "bias": np.sum(dy.reshape(rows), axis=0)}
+
+    return x_hat * norm.weight + norm.bias, pullback
+
+
+def _feed_forward_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
+    """FFN(x) = W_3 act(W_0 x + b_0) + b_3:  dh = (dy W_3) * act'(W_0 x + b_0), then back through W_0.
+    relu'(h) = 1 where h > 0, else 0; gelu'(h) = Phi(h) + h phi(h), phi the standard normal density."""
+    h, pull_in = _linear_vjp(ffn.linear1, x)  # (..., L, D) -> (..., L, F)
+    y, pull_out = _linear_vjp(ffn.linear2, _activation(ffn.activation, h))  # (..., L, F) -> (..., L, D)
+
+    def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        d_act, grads_out = pull_out(dy)  # (..., L, F)
+        dx, grads_in = pull_in(d_act * _activation_derivative(ffn.activation, h))  # (..., L, D)
+        return dx, _prefixed("0", grads_in) | _prefixed("3", grads_out)
+
+    return y, pullback
+
+
+def _activation_derivative(name: str, h: np.ndarray) -> np.ndarray:
+    if name == "relu":
+        return (h > 0).astype(h.dtype)
+    cdf = (1 + _erf(h / math.sqrt(2))) / 2  # Phi(h)
+    return cdf + h * np.exp(-(h**2) / 2) / math.sqrt(2 * math.pi)  # Phi(h) + h phi(h)
+
+
+def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum x over the axes along which an array of `shape` was broadcast to x's shape."""
+    x = np.sum(x, axis=tuple(range(x.ndim - len(shape)))) if x.ndim > len(shape) else x
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return np.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _prefixed(prefix: str, grads: Grads) -> Grads:
+    return {f"{prefix}.{name}": value for name, value in grads.items()}

@@ -1,0 +1,110 @@
+"""Backward passes: the vector-Jacobian products of attention, multi-head attention and the transformer
+block, in PyTorch.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+The same functions as the NumPy backend's, whose backward passes are derived by hand; here autograd
+differentiates the forward code itself, so nothing is written twice. Modules are differentiated
+without dropout: in eval mode, or with dropout 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from attention_np import _checks
+
+from .functional import scaled_dot_product_attention
+
+Grads = dict[str, torch.Tensor]
+
+
+def scaled_dot_product_attention_vjp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
+    dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
+
+    Args:
+        q, k, v, mask, bias, is_causal, scale: as for scaled_dot_product_attention (no dropout).
+
+    Returns:
+        out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
+        dbias None when bias is None.
+    """
+    inputs = [_leaf(x) for x in (q, k, v, bias) if x is not None]
+    with torch.enable_grad():  # torch: autograd records the forward, even inside torch.no_grad()
+        out, weights = scaled_dot_product_attention(*inputs[:3], mask, bias=None if bias is None else inputs[3],
+                                                    is_causal=is_causal, scale=scale)
+
+    def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        _checks.cotangent("d_out", d_out.shape, out.shape)
+        dq, dk, dv, *dbias = _grad(out, inputs, d_out)
+        return dq, dk, dv, dbias[0] if dbias else None
+
+    return out.detach(), weights.detach(), pullback
+
+
+def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """Backward through MultiHead(Q, K, V): the output projection, the heads' merge, attention per head,
+    the input projections, in reverse.
+
+    Returns:
+        out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
+        dparams {state-dict name: gradient}.
+    """
+    _checks.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
+    inputs, params = [_leaf(x) for x in (q, k, v)], dict(mha.named_parameters())
+    with torch.enable_grad():
+        out, weights = mha(*inputs, mask)
+
+    def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Grads]:
+        _checks.cotangent("d_out", d_out.shape, out.shape)
+        dq, dk, dv, *grads = _grad(out, [*inputs, *params.values()], d_out)
+        return dq, dk, dv, dict(zip(params, grads, strict=True))
+
+    return out.detach(), weights.detach(), pullback
+
+
+def transformer_block_vjp(block: Any, x: torch.Tensor,
+                          mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """Backward through the block (post-LN or pre-LN); self-attention's three input gradients add up.
+
+    Returns:
+        y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
+    """
+    _checks.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
+    x, params = _leaf(x), dict(block.named_parameters())
+    with torch.enable_grad():
+        y, weights = block(x, mask)
+
+    def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, Grads]:
+        _checks.cotangent("d_out", d_out.shape, y.shape)
+        dx, *grads = _grad(y, [x, *params.values()], d_out)
+        return dx, dict(zip(params, grads, strict=True))
+
+    return y.detach(), weights.detach(), pullback
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    """x as a new leaf of the autograd graph, so gradients stop there."""
+    return torch.as_tensor(x).detach().requires_grad_()
+
+
+def _grad(out: torch.Tensor, inputs: Sequence[torch.Tensor], d_out: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of <out, d_out> with respect to inputs; zeros for an input out does not depend on.
+    The graph is kept, so a pullback can be called again."""
+    grads = torch.autograd.grad(out, inputs, d_out, retain_graph=True, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads, strict=True)]
