@@ -100,17 +100,25 @@ class Runner:
                          norm_first=case.norm_first, activation=case.activation, eps=case.eps,
                          training=training)
 
-    def _run(self, call: Callable, arrays: dict[str, Any], dtype: str, seed: int | None, **options: Any) -> Pair:
+    def _run(self, call: Callable, arrays: dict[str, Any], dtype: str, seed: int | None, **options: Any) -> Any:
+        """`call(module, native arrays, rng, **options)`, staged once per options; results as NumPy arrays."""
         key = (call, tuple(sorted(options.items())))
         if key not in self._staged:
             self._staged[key] = self.framework.stage(functools.partial(call, self.module, **options))
         rng = None if seed is None else self.framework.rng(seed)
-        out, weights = self._staged[key](self._native(cast(arrays, dtype)), rng)
-        return self.module.to_numpy(out), None if weights is None else self.module.to_numpy(weights)
+        return self._numpy(self._staged[key](self._native(cast(arrays, dtype)), rng))
 
     def _native(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
         return {name: self._native(x) if isinstance(x, Mapping) else None if x is None else self.module.asarray(x)
                 for name, x in arrays.items()}
+
+    def _numpy(self, results: Any) -> Any:
+        """Tuples, lists and dicts of the module's arrays, as the same structure of NumPy arrays."""
+        if isinstance(results, tuple | list):
+            return type(results)(self._numpy(x) for x in results)
+        if isinstance(results, Mapping):
+            return {name: self._numpy(x) for name, x in results.items()}
+        return None if results is None else self.module.to_numpy(results)
 
 
 def _call_sdpa(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> tuple:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, example, given, seed, sett
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
-from . import checks, strategies
+from . import checks, gradient_checks, strategies
 from .checks import Runner
 from .snippets import describe, reproduce
 
@@ -39,6 +39,7 @@ class Group(NamedTuple):
     dtypes: tuple[str, ...]
     examples: int
     pinned: bool = False  # also run strategies.EDGE_CASES[operation]
+    requires: Callable[[ModuleType, str], str | None] | None = None  # why a module cannot be checked, or None
 
 
 GROUPS = (
@@ -47,13 +48,19 @@ GROUPS = (
     Group("sdpa", lambda: strategies.sdpa_cases(is_causal=True), checks.sdpa_causal_prefix, FLOAT64, 10),
     Group("sdpa", lambda: strategies.sdpa_cases(single_key=True), checks.sdpa_single_key, FLOAT64, 10),
     Group("sdpa", strategies.sdpa_cases, checks.dropout, FLOAT32, 5),
+    Group("sdpa", strategies.sdpa_cases, gradient_checks.gradients, FLOAT64, 8, pinned=True,
+          requires=gradient_checks.offers_gradients),
     Group("mha", strategies.mha_cases, checks.against_oracle, BOTH, 20, pinned=True),
     Group("mha", lambda: strategies.mha_cases(cross=True), checks.mha_permutation, FLOAT64, 8),
     Group("mha", strategies.mha_cases, checks.dropout, FLOAT32, 4),
+    Group("mha", strategies.mha_cases, gradient_checks.gradients, FLOAT64, 5, pinned=True,
+          requires=gradient_checks.offers_gradients),
     Group("block", strategies.block_cases, checks.against_oracle, BOTH, 20, pinned=True),
     Group("block", strategies.block_cases, checks.block_permutation, FLOAT64, 6),
     Group("block", lambda: strategies.block_cases(causal_mask=True), checks.block_causal_prefix, FLOAT64, 6),
     Group("block", strategies.block_cases, checks.dropout, FLOAT32, 4),
+    Group("block", strategies.block_cases, gradient_checks.gradients, FLOAT64, 3, pinned=True,
+          requires=gradient_checks.offers_gradients),
 )
 PROFILES = {"fast": 1, "thorough": 10}  # multiplies each group's examples
 
@@ -68,6 +75,7 @@ class Row(NamedTuple):
     tolerance: float  # the largest tolerance applied: the table's, or a case's own where looser
     passed: bool
     failure: str | None = None  # the shrunk failing case, what went wrong, and a snippet to reproduce it
+    skipped: str | None = None  # why the check could not run on this module (it counts as passed)
 
 
 class Report(NamedTuple):
@@ -109,8 +117,11 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
             if group.operation not in operations:
                 continue
             examples = max_examples or group.examples * PROFILES[profile]
+            why = group.requires(module, group.operation) if group.requires else None
             for dtype in group.dtypes:
-                rows += _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink)
+                rows += ([Row(module.__name__, group.operation, group.check.__name__, dtype, 0, 0.0, 0.0, True,
+                              skipped=why)] if why else
+                         _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink))
     return Report(rows, seed, profile, [pinned] if pinned else [])
 
 
@@ -180,7 +191,7 @@ def format_rows(report: Report) -> str:
              f"{'worst':<10}{'tolerance':<11}result"]
     for row in report.rows:
         lines.append(f"{row.module:<{width}}{row.operation:<10}{row.check:<14}{row.dtype:<9}{row.examples:>9}  "
-                     f"{row.worst:<10.2e}{row.tolerance:<11.0e}{'PASS' if row.passed else 'FAIL'}")
+                     f"{row.worst:<10.2e}{row.tolerance:<11.0e}{_result(row)}")
     return "\n".join(lines)
 
 
@@ -196,10 +207,14 @@ def format_side_by_side(reports: Sequence[Report]) -> str:
         line = f"{operation:<10}{check_name:<14}{dtype:<9}{tolerance:<11.0e}"
         for module in modules:
             row = cells.get((module, operation, check_name, dtype))
-            cell = "-" if row is None else f"{row.worst:.1e} {'PASS' if row.passed else 'FAIL'}"
+            cell = "-" if row is None else "SKIP" if row.skipped else f"{row.worst:.1e} {_result(row)}"
             line += f"{cell:<{width}}"
         lines.append(line.rstrip())
     return "\n".join(lines)
+
+
+def _result(row: Row) -> str:
+    return f"SKIP ({row.skipped})" if row.skipped else "PASS" if row.passed else "FAIL"
 
 
 def format_failures(report: Report) -> str:

@@ -1,0 +1,165 @@
+"""Gradient checks: a module's vector-Jacobian products against central finite differences of the float64
+oracle, and the spec's zero-gradient rules.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+A module offers gradients through the contract's interface: `scaled_dot_product_attention_vjp` and the
+modules' `vjp` methods, each returning (out, weights, pullback). A module without them is reported as not
+checked, never as failing.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .checks import Case, Measure, Runner, _visible, expected, rounded
+from .strategies import BlockCase, MhaCase, SdpaCase
+
+STEP = 1e-6  # central differences: truncation ~ STEP^2 f''', rounding ~ eps |f| / STEP
+RELATIVE = 1e-6  # the directional derivative's accepted relative error
+DIFFERENCE_FACTOR = 10  # times the central difference's truncation error, estimated from steps h and 2h
+RESOLUTION = 10  # times the rounding of f, divided by the step
+
+
+def offers_gradients(module: ModuleType, operation: str) -> str | None:
+    """None when `module` offers the gradient interface for `operation`, else why not."""
+    if operation == "sdpa" and not hasattr(module, "scaled_dot_product_attention_vjp"):
+        return "no scaled_dot_product_attention_vjp"
+    cls = {"mha": "MultiHeadAttention", "block": "TransformerBlock"}.get(operation)
+    if cls is not None and not hasattr(getattr(module, cls, None), "vjp"):
+        return f"no {cls}.vjp"
+    return None
+
+
+def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
+    """gradients: for each input and parameter a, the directional derivative <grad_a, u> along a random u
+    matches the central difference D(h) = <d_out, (f(a + h u) - f(a - h u)) / 2h> of the oracle f. The
+    measure is |<grad_a, u> - D(h)| in units of what the comparison can resolve,
+        RELATIVE |grad_a| |u|  +  DIFFERENCE_FACTOR |D(h) - D(2h)|  +  RESOLUTION eps sum|d_out| |f| / h,
+    (the gradient's own relative accuracy, the difference's truncation error estimated from a second step,
+    and the rounding of f), for the argument worst off; it passes up to 1. NaN, a missing gradient or a
+    wrong shape or dtype is inf.
+    masked_rows: a query that sees no key gets exactly zero gradient, and so does a key no query sees."""
+    case = rounded(case, dtype)
+    rng = np.random.default_rng(_seed(case))
+    out = expected(case)[0]
+    d_out = rng.standard_normal(out.shape)
+    grads = _pullback(runner, case, d_out, dtype)
+    worst = Measure(0.0)
+    for name, grad in grads.items():
+        reference = _argument(case, name)
+        if grad is None or grad.shape != reference.shape or grad.dtype != np.dtype(dtype):
+            found = None if grad is None else (grad.shape, grad.dtype)
+            return {"gradients": Measure(math.inf, f"d{name} is {found}, expected {reference.shape} {dtype}")}
+        if not np.all(np.isfinite(grad)):
+            return {"gradients": Measure(math.inf, f"d{name} is not finite")}
+        worst = max(worst, _directional(case, name, grad, d_out, out, rng), key=lambda m: m.error)
+    measures = {"gradients": worst}
+    if not isinstance(case, BlockCase):
+        measures["masked_rows"] = _masked_rows(case, grads)
+    return measures
+
+
+def _pullback(runner: Runner, case: Case, d_out: np.ndarray, dtype: str) -> dict[str, np.ndarray | None]:
+    """{argument name: gradient} from the module's own vjp: q, k, v (x) and bias or the state-dict names."""
+    if isinstance(case, SdpaCase):
+        arrays = {"q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "bias": case.bias, "d_out": d_out}
+        dq, dk, dv, dbias = runner._run(_call_sdpa_vjp, arrays, dtype, None, is_causal=case.is_causal,
+                                        scale=case.scale)
+        return {"q": dq, "k": dk, "v": dv} | ({} if case.bias is None else {"bias": dbias})
+    if isinstance(case, MhaCase):
+        arrays = {"state": case.state, "q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "d_out": d_out}
+        dq, dk, dv, dparams = runner._run(_call_mha_vjp, arrays, dtype, None, num_heads=case.num_heads)
+        return {"q": dq, "k": dk, "v": dv} | {name: dparams.get(name) for name in case.state}
+    arrays = {"state": case.state, "x": case.x, "mask": case.mask, "d_out": d_out}
+    dx, dparams = runner._run(_call_block_vjp, arrays, dtype, None, num_heads=case.num_heads,
+                              norm_first=case.norm_first, activation=case.activation, eps=case.eps)
+    return {"x": dx} | {name: dparams.get(name) for name in case.state}
+
+
+def _call_sdpa_vjp(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> tuple:
+    _, _, pullback = module.scaled_dot_product_attention_vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
+                                                             bias=arrays["bias"], **options)
+    return pullback(arrays["d_out"])
+
+
+def _call_mha_vjp(module: ModuleType, arrays: dict, rng: Any, *, num_heads: int) -> tuple:
+    mha = module.MultiHeadAttention.from_state_dict(arrays["state"], num_heads=num_heads, dropout=0.0)
+    _, _, pullback = mha.eval().vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"])
+    return pullback(arrays["d_out"])
+
+
+def _call_block_vjp(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> tuple:
+    block = module.TransformerBlock.from_state_dict(arrays["state"], dropout=0.0, **options)
+    _, _, pullback = block.eval().vjp(arrays["x"], arrays["mask"])
+    return pullback(arrays["d_out"])
+
+
+def _argument(case: Case, name: str) -> np.ndarray:
+    return case.state[name] if name in getattr(case, "state", {}) else getattr(case, name)
+
+
+def _with(case: Case, name: str, value: np.ndarray) -> Case:
+    """`case` with argument `name` (an input, or a state-dict entry) replaced by `value`."""
+    if name in getattr(case, "state", {}):
+        return case._replace(state=case.state | {name: value})
+    return case._replace(**{name: value})
+
+
+def _directional(case: Case, name: str, grad: np.ndarray, d_out: np.ndarray, out: np.ndarray,
+                 rng: np.random.Generator) -> Measure:
+    """The directional derivative of argument `name` against central differences of the oracle."""
+    value = _argument(case, name)
+    u = np.where(np.isfinite(value), rng.standard_normal(value.shape), 0.0)  # a -inf bias stays -inf
+
+    def difference(step: float) -> float:
+        plus, minus = (expected(_with(case, name, value + sign * step * u))[0] for sign in (1, -1))
+        return float(np.sum(d_out * (plus - minus)) / (2 * step))
+
+    fine, coarse = difference(STEP), difference(2 * STEP)
+    analytic = float(np.sum(grad * u))
+    resolvable = (RELATIVE * np.linalg.norm(grad) * np.linalg.norm(u) + DIFFERENCE_FACTOR * abs(fine - coarse)
+                  + RESOLUTION * np.finfo(np.float64).eps * np.sum(np.abs(d_out * out)) / STEP)
+    error = abs(analytic - fine) / max(resolvable, np.finfo(np.float64).tiny)
+    return Measure(error, f"d{name}: <grad, u> = {analytic:.6e} but the central difference gives {fine:.6e}")
+
+
+def _masked_rows(case: SdpaCase | MhaCase, grads: dict[str, np.ndarray]) -> Measure:
+    """Queries that see no key get exactly zero dq; keys that no query sees get exactly zero dk and dv.
+    (For MHA, a query or key counts only when that holds in every head.)"""
+    visible = _visible(case) if isinstance(case, SdpaCase) else _mha_visible(case)  # (..., L, S)
+    blind = ~np.any(visible, axis=-1)  # (..., L): queries that see nothing
+    unseen = ~np.any(visible, axis=-2)  # (..., S): keys nobody sees
+    for name, grad, rows in (("q", grads["q"], blind), ("k", grads["k"], unseen), ("v", grads["v"], unseen)):
+        rows = _reduce_to(rows, grad.shape[:-1])
+        if np.any(grad[rows] != 0):
+            return Measure(math.inf, f"d{name} is not exactly zero in a row that no attention reaches")
+    return Measure(0.0)
+
+
+def _mha_visible(case: MhaCase) -> np.ndarray:
+    """(..., L, S): whether key j is visible to query i in at least one head."""
+    L, S = case.q.shape[-2], case.k.shape[-2]
+    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2])
+    if case.mask is None:
+        return np.ones((*batch, L, S), dtype=bool)
+    mask = np.broadcast_to(case.mask != 0, (*batch, case.num_heads, L, S))
+    return np.any(mask, axis=-3)
+
+
+def _reduce_to(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A row is blind in an input broadcast over batch axes only if it is blind in every broadcast copy."""
+    extra = rows.ndim - len(shape)
+    rows = np.all(rows, axis=tuple(range(extra))) if extra > 0 else rows
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and rows.shape[i] != 1)
+    return np.all(rows, axis=axes, keepdims=True) if axes else np.broadcast_to(rows, shape)
+
+
+def _seed(case: Case) -> int:
+    """A seed that depends on the case's shapes only, so a replayed case draws the same directions."""
+    return sum(x.size * (i + 1) for i, x in enumerate(case) if isinstance(x, np.ndarray))
