@@ -53,17 +53,18 @@ def scaled_dot_product_attention(
     _checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
+    if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
+        from .fast import attention
 
-    # 1) scores: every query against every key
-    scores = (q @ jnp.swapaxes(k, -1, -2)) * scale  # (..., L, E) x (..., E, S) -> (..., L, S)
+        return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
+    visible = _visible(mask, bias, is_causal, (*batch, L, S))  # (..., L, S); None: every key
+
+    # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
+    scores = (q * scale) @ jnp.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
     if bias is not None:
-        _checks.broadcasts_to("bias", jnp.shape(bias), (*batch, L, S), "..., L, S")
         scores = scores + jnp.asarray(bias, dtype=scores.dtype)
 
-    # 2) which keys each query may see: the mask, the causal rule and -inf bias, as one boolean
-    visible = _visible(scores, mask, is_causal, batch)  # (..., L, S)
-
-    # 3) softmax over the visible keys, then the weighted sum of the values
+    # 2) softmax over the keys each query may see, then the weighted sum of the values
     weights = _masked_softmax(scores, visible)  # (..., L, S)
     out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out, (weights if need_weights else None)
@@ -88,24 +89,37 @@ def _dtypes(**arrays: jax.Array) -> dict[str, tuple[str, bool]]:
     return {name: (str(x.dtype), jnp.issubdtype(x.dtype, jnp.floating)) for name, x in arrays.items()}
 
 
-def _visible(scores: jax.Array, mask: jax.Array | None, is_causal: bool, batch: tuple) -> jax.Array:
-    """True where a query may see a key: not -inf in the scores, kept by `mask`, allowed by causality."""
-    L, S = scores.shape[-2:]
-    visible = scores != -jnp.inf  # (..., L, S); a NaN score stays visible, so NaN propagates
+def _visible(mask: jax.Array | None, bias: jax.Array | None, is_causal: bool,
+             scores_shape: tuple) -> jax.Array | None:
+    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by causality.
+    Broadcasts to the scores' shape (..., L, S); None when nothing hides a key."""
+    L, S = scores_shape[-2:]
+    visible = None
     if mask is not None:
-        _checks.broadcasts_to("mask", jnp.shape(mask), (*batch, L, S), "..., L, S")
-        visible = visible & (jnp.asarray(mask) != 0)
+        _checks.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
+        visible = jnp.asarray(mask) != 0
+    if bias is not None:
+        _checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
+        visible = _both(visible, jnp.asarray(bias) != -jnp.inf)
     if is_causal:
-        visible = visible & causal_mask(L, S)
+        visible = _both(visible, causal_mask(L, S))
     return visible
 
 
-def _masked_softmax(scores: jax.Array, visible: jax.Array) -> jax.Array:
+def _both(visible: jax.Array | None, rule: jax.Array) -> jax.Array:
+    return rule if visible is None else visible & rule
+
+
+def _masked_softmax(scores: jax.Array, visible: jax.Array | None) -> jax.Array:
     """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
 
     weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
     Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
     """
+    if visible is None:  # every key visible: the plain softmax
+        row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))
+        exp = jnp.exp(scores - row_max)  # (..., L, S)
+        return exp / jnp.sum(exp, axis=-1, keepdims=True)
     scores = jnp.where(visible, scores, -jnp.inf)  # hidden entries become exp(-inf) = 0 below
     row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))  # (..., L, 1)
     # jax: stop_gradient, as the shift cancels in the softmax and needs no gradient

@@ -51,17 +51,18 @@ def scaled_dot_product_attention(
     _checks.probability("dropout_p", dropout_p)
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
+    if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
+        from .fast import attention
 
-    # 1) scores: every query against every key
-    scores = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., L, E) x (..., E, S) -> (..., L, S)
+        return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
+    visible = _visible(mask, bias, is_causal, (*batch, L, S))  # (..., L, S); None: every key
+
+    # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
+    scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
     if bias is not None:
-        _checks.broadcasts_to("bias", np.shape(bias), (*batch, L, S), "..., L, S")
         scores = scores + np.asarray(bias, dtype=scores.dtype)
 
-    # 2) which keys each query may see: the mask, the causal rule and -inf bias, as one boolean
-    visible = _visible(scores, mask, is_causal, batch)  # (..., L, S)
-
-    # 3) softmax over the visible keys, then the weighted sum of the values
+    # 2) softmax over the keys each query may see, then the weighted sum of the values
     weights = _masked_softmax(scores, visible)  # (..., L, S)
     out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out, (weights if need_weights else None)
@@ -86,24 +87,36 @@ def _dtypes(**arrays: np.ndarray) -> dict[str, tuple[str, bool]]:
     return {name: (str(x.dtype), np.issubdtype(x.dtype, np.floating)) for name, x in arrays.items()}
 
 
-def _visible(scores: np.ndarray, mask: np.ndarray | None, is_causal: bool, batch: tuple) -> np.ndarray:
-    """True where a query may see a key: not -inf in the scores, kept by `mask`, allowed by causality."""
-    L, S = scores.shape[-2:]
-    visible = scores != -np.inf  # (..., L, S); a NaN score stays visible, so NaN propagates
+def _visible(mask: np.ndarray | None, bias: np.ndarray | None, is_causal: bool,
+             scores_shape: tuple) -> np.ndarray | None:
+    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by causality.
+    Broadcasts to the scores' shape (..., L, S); None when nothing hides a key."""
+    L, S = scores_shape[-2:]
+    visible = None
     if mask is not None:
-        _checks.broadcasts_to("mask", np.shape(mask), (*batch, L, S), "..., L, S")
-        visible = visible & (np.asarray(mask) != 0)
+        _checks.broadcasts_to("mask", np.shape(mask), scores_shape, "..., L, S")
+        visible = np.asarray(mask) != 0
+    if bias is not None:
+        _checks.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
+        visible = _both(visible, np.asarray(bias) != -np.inf)
     if is_causal:
-        visible = visible & causal_mask(L, S)
+        visible = _both(visible, causal_mask(L, S))
     return visible
 
 
-def _masked_softmax(scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+def _both(visible: np.ndarray | None, rule: np.ndarray) -> np.ndarray:
+    return rule if visible is None else visible & rule
+
+
+def _masked_softmax(scores: np.ndarray, visible: np.ndarray | None) -> np.ndarray:
     """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
 
     weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
     Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
     """
+    if visible is None:  # every key visible: the plain softmax
+        exp = np.exp(scores - np.max(scores, axis=-1, keepdims=True, initial=-np.inf))  # (..., L, S)
+        return exp / np.sum(exp, axis=-1, keepdims=True)
     scores = np.where(visible, scores, -np.inf)  # hidden entries become exp(-inf) = 0 below
     row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # (..., L, 1)
     row_max = np.where(row_max == -np.inf, 0, row_max)  # fully masked row: any finite shift will do

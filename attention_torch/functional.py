@@ -51,17 +51,18 @@ def scaled_dot_product_attention(
     _checks.probability("dropout_p", dropout_p)
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
+    if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
+        from .fast import attention
 
-    # 1) scores: every query against every key
-    scores = (q @ k.transpose(-1, -2)) * scale  # (..., L, E) x (..., E, S) -> (..., L, S)
+        return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
+    visible = _visible(mask, bias, is_causal, (*batch, L, S), q.device)  # (..., L, S); None: every key
+
+    # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
+    scores = (q * scale) @ k.transpose(-1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
     if bias is not None:
-        _checks.broadcasts_to("bias", bias.shape, (*batch, L, S), "..., L, S")
         scores = scores + torch.as_tensor(bias, dtype=scores.dtype, device=scores.device)
 
-    # 2) which keys each query may see: the mask, the causal rule and -inf bias, as one boolean
-    visible = _visible(scores, mask, is_causal, batch)  # (..., L, S)
-
-    # 3) softmax over the visible keys, then the weighted sum of the values
+    # 2) softmax over the keys each query may see, then the weighted sum of the values
     weights = _masked_softmax(scores, visible)  # (..., L, S)
     out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out, (weights if need_weights else None)
@@ -86,24 +87,36 @@ def _dtypes(**arrays: torch.Tensor) -> dict[str, tuple[str, bool]]:
     return {name: (str(x.dtype), x.is_floating_point()) for name, x in arrays.items()}
 
 
-def _visible(scores: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, batch: tuple) -> torch.Tensor:
-    """True where a query may see a key: not -inf in the scores, kept by `mask`, allowed by causality."""
-    L, S = scores.shape[-2:]
-    visible = scores != -math.inf  # (..., L, S); a NaN score stays visible, so NaN propagates
+def _visible(mask: torch.Tensor | None, bias: torch.Tensor | None, is_causal: bool, scores_shape: tuple,
+             device: torch.device) -> torch.Tensor | None:
+    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by causality.
+    Broadcasts to the scores' shape (..., L, S); None when nothing hides a key."""
+    L, S = scores_shape[-2:]
+    visible = None
     if mask is not None:
-        _checks.broadcasts_to("mask", mask.shape, (*batch, L, S), "..., L, S")
-        visible = visible & (torch.as_tensor(mask, device=scores.device) != 0)
+        _checks.broadcasts_to("mask", mask.shape, scores_shape, "..., L, S")
+        visible = torch.as_tensor(mask, device=device) != 0
+    if bias is not None:
+        _checks.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
+        visible = _both(visible, torch.as_tensor(bias, device=device) != -math.inf)
     if is_causal:
-        visible = visible & causal_mask(L, S).to(scores.device)  # torch: masks are made on the CPU
+        visible = _both(visible, causal_mask(L, S).to(device))  # torch: masks are made on the CPU
     return visible
 
 
-def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def _both(visible: torch.Tensor | None, rule: torch.Tensor) -> torch.Tensor:
+    return rule if visible is None else visible & rule
+
+
+def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
     """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
 
     weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
     Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
     """
+    if visible is None:  # every key visible: the plain softmax
+        exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True).detach())  # (..., L, S)
+        return exp / exp.sum(dim=-1, keepdim=True)
     scores = torch.where(visible, scores, -math.inf)  # hidden entries become exp(-inf) = 0 below
     row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., L, 1); torch: the shift needs no gradient
     row_max = torch.where(row_max == -math.inf, 0, row_max)  # fully masked row: any finite shift will do

@@ -84,21 +84,24 @@ class Runner:
         self.module, self.framework = module, framework_of(module)
         self._staged: dict[tuple, Callable] = {}
 
-    def sdpa(self, case: SdpaCase, dtype: str, *, dropout_p: float = 0.0, seed: int | None = None) -> Pair:
+    def sdpa(self, case: SdpaCase, dtype: str, *, dropout_p: float = 0.0, seed: int | None = None,
+             need_weights: bool = True) -> Pair:
         arrays = {"q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "bias": case.bias}
-        return self._run(_call_sdpa, arrays, dtype, seed,
-                         is_causal=case.is_causal, scale=case.scale, dropout_p=dropout_p)
+        return self._run(_call_sdpa, arrays, dtype, seed, is_causal=case.is_causal, scale=case.scale,
+                         dropout_p=dropout_p, need_weights=need_weights)
 
-    def mha(self, case: MhaCase, dtype: str, *, training: bool = False, seed: int | None = None) -> Pair:
+    def mha(self, case: MhaCase, dtype: str, *, training: bool = False, seed: int | None = None,
+            need_weights: bool = True) -> Pair:
         arrays = {"state": case.state, "q": case.q, "k": case.k, "v": case.v, "mask": case.mask}
-        return self._run(_call_mha, arrays, dtype, seed,
-                         num_heads=case.num_heads, dropout=case.dropout, training=training)
+        return self._run(_call_mha, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
+                         training=training, need_weights=need_weights)
 
-    def block(self, case: BlockCase, dtype: str, *, training: bool = False, seed: int | None = None) -> Pair:
+    def block(self, case: BlockCase, dtype: str, *, training: bool = False, seed: int | None = None,
+              need_weights: bool = True) -> Pair:
         arrays = {"state": case.state, "x": case.x, "mask": case.mask}
         return self._run(_call_block, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
                          norm_first=case.norm_first, activation=case.activation, eps=case.eps,
-                         training=training)
+                         training=training, need_weights=need_weights)
 
     def _run(self, call: Callable, arrays: dict[str, Any], dtype: str, seed: int | None, **options: Any) -> Any:
         """`call(module, native arrays, rng, **options)`, staged once per options; results as NumPy arrays."""
@@ -127,16 +130,17 @@ def _call_sdpa(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> tu
 
 
 def _call_mha(module: ModuleType, arrays: dict, rng: Any, *, num_heads: int, dropout: float,
-              training: bool) -> tuple:
+              training: bool, need_weights: bool) -> tuple:
     mha = module.MultiHeadAttention.from_state_dict(arrays["state"], num_heads=num_heads, dropout=dropout)
     mha = mha.train() if training else mha.eval()
-    return mha(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], rng=rng)
+    return mha(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], need_weights=need_weights, rng=rng)
 
 
-def _call_block(module: ModuleType, arrays: dict, rng: Any, *, training: bool, **options: Any) -> tuple:
+def _call_block(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
+                **options: Any) -> tuple:
     block = module.TransformerBlock.from_state_dict(arrays["state"], **options)
     block = block.train() if training else block.eval()
-    return block(arrays["x"], arrays["mask"], rng=rng)
+    return block(arrays["x"], arrays["mask"], need_weights=need_weights, rng=rng)
 
 
 def cast(arrays: Mapping[str, Any], dtype: str) -> dict[str, Any]:
@@ -184,18 +188,25 @@ def against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]
     """values: out and weights against the oracle (dropout configured but off in eval mode); below float64
     the case may lose LOW_PRECISION_FACTOR times what the oracle itself loses in that dtype, as inputs of
     large logits or small variance are ill-conditioned for any correct low-precision computation;
+    fast_path: with need_weights=False (where an implementation may take a fused path) the same out
+    against the oracle, and None for the weights;
     weights_rows: each weights row sums to 1 where a key is visible, to 0 where none is."""
     case = rounded(case, dtype)
     out, weights = run(runner, case, dtype)
     expected_out, expected_weights = expected(case)
+    tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))
     values = worst(compare("out", out, expected_out, dtype), compare("weights", weights, expected_weights, dtype))
-    values = values._replace(tolerance=_low_precision_tolerance(case, dtype, (expected_out, expected_weights)))
+    values = values._replace(tolerance=tolerance)
+    fast_out, no_weights = run(runner, case, dtype, need_weights=False)
+    fast = compare("out with need_weights=False", fast_out, expected_out, dtype)._replace(tolerance=tolerance)
+    if no_weights is not None:
+        fast = Measure(math.inf, "need_weights=False returned weights, not None")
     if weights is None or weights.shape != expected_weights.shape:
-        return {"values": values, "weights_rows": values}
+        return {"values": values, "fast_path": fast, "weights_rows": values}
     row_sums, expected_sums = weights.sum(axis=-1, dtype=np.float64), expected_weights.sum(axis=-1)
     expected_sums = np.where(expected_sums > 0, 1.0, 0.0)  # visible rows sum to exactly 1 in exact arithmetic
     rows = Measure(float(np.max(np.abs(row_sums - expected_sums), initial=0.0)), "weights rows do not sum to 1")
-    return {"values": values, "weights_rows": rows}
+    return {"values": values, "fast_path": fast, "weights_rows": rows}
 
 
 def _low_precision_tolerance(case: Case, dtype: str, reference: Pair) -> float:
