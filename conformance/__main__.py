@@ -2,6 +2,8 @@
 
     python -m conformance [options]                      every installed built-in backend, side by side
     python -m conformance check MODULE [MODULE ...] [options]   any implementation of the contract
+    python -m conformance compare [--sizes ...] [--targets] ...  time the backends against the built-ins
+    python -m conformance figure scaling [--output PATH.png]      a figure for students (needs matplotlib)
 
 Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH. The exit code is 0 only when
 every check passes on every module.
@@ -17,7 +19,7 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 
-from . import suite
+from . import benchmark, suite
 
 BUILT_IN = ("attention_np", "attention_jax", "attention_torch")
 
@@ -37,11 +39,25 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     check = commands.add_parser("check", parents=[options], help="check the named modules")
     check.add_argument("modules", nargs="+", metavar="MODULE", help="an importable module implementing the contract")
+    figure = commands.add_parser("figure", help="draw a figure for students with attention_np and matplotlib")
+    figure.add_argument("name", choices=["scaling"], help="scaling: why the scores are divided by sqrt(d_k)")
+    figure.add_argument("--output", default="docs/scaling.png", metavar="PATH", help="the PNG to write")
+    compare = commands.add_parser("compare", help="time the backends against the frameworks' built-ins",
+                                  description=benchmark.__doc__.split("\n\n")[0], epilog=benchmark.FOOTNOTE,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchmark.add_arguments(compare)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "compare":
+        return benchmark.main(args)
+    if args.command == "figure":
+        from .figures import FIGURES  # matplotlib is imported only when a figure is drawn
+
+        print(f"wrote {FIGURES[args.name](args.output)}")
+        return 0
     names = args.modules if args.command == "check" else BUILT_IN
     modules, skipped = _import(names, required=args.command == "check")
     for name, why in skipped.items():
