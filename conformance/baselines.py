@@ -1,0 +1,132 @@
+"""The baselines of `python -m conformance compare`: what our backends are timed against, written plainly.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff.
+
+- `tutorial_attention`: the original tutorial's NumPy formulation (The Annotated Transformer's `attention`).
+  It differs from the spec in one place: a fully masked row gets the uniform average of the values
+  (every score is -1e9, so the softmax is flat) where the spec gives zeros.
+- `jax_plain_attention`: softmax(q k^T * scale) v with jax.nn.softmax, the way one writes it in JAX.
+- `jax_builtin_attention`: jax.nn.dot_product_attention, in our (B, H, L, E) layout: it takes (B, T, N, H)
+  (heads after the sequence), so the heads axis is swapped in and out around it, inside the jitted code.
+- `multi_head`, `block`: the projections and the feed-forward network around any of these, written once
+  for NumPy and jax.numpy (`xp`): self-attention, post-LN, ReLU, as our default block.
+- `torch_multihead`, `torch_encoder_layer`: nn.MultiheadAttention and nn.TransformerEncoderLayer holding
+  our state dict, in eval mode.
+
+Frameworks are imported inside the functions that use them, so this module imports with NumPy alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+Attend = Callable[[Any, Any, Any], Any]  # (q, k, v) in (B, H, L, E) layout -> out (B, H, L, Ev)
+
+
+def tutorial_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V, as the original tutorial computes it:
+    masked_fill(mask == 0, -1e9), then softmax as exp(x - max) / sum over the last axis."""
+    d_k = q.shape[-1]
+    scores = q @ np.swapaxes(k, -1, -2) / math.sqrt(d_k)  # (..., L, E) x (..., E, S) -> (..., L, S)
+    if mask is not None:
+        scores = np.where(mask == 0, -1e9, scores)  # masked_fill: a fully masked row becomes flat
+    exp = np.exp(scores - np.max(scores, axis=-1, keepdims=True))  # (..., L, S)
+    weights = exp / np.sum(exp, axis=-1, keepdims=True)  # (..., L, S)
+    return weights @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
+
+
+def jax_plain_attention(q: Any, k: Any, v: Any) -> Any:
+    """softmax(Q K^T * scale) V with jax.nn.softmax; jit it around the caller."""
+    import jax
+    import jax.numpy as jnp
+
+    scores = q @ jnp.swapaxes(k, -1, -2) * (1 / math.sqrt(q.shape[-1]))  # (B, H, L, E) x (B, H, E, S) -> (B, H, L, S)
+    return jax.nn.softmax(scores, axis=-1) @ v  # (B, H, L, S) x (B, H, S, Ev) -> (B, H, L, Ev)
+
+
+def jax_builtin_attention(q: Any, k: Any, v: Any) -> Any:
+    """jax.nn.dot_product_attention on (B, H, L, E) inputs: it wants (B, T, N, H), heads after the sequence."""
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (B, H, L, E) -> (B, L, H, E)
+    return jnp.swapaxes(jax.nn.dot_product_attention(q, k, v), 1, 2)  # (B, L, H, Ev) -> (B, H, L, Ev)
+
+
+def multi_head(xp: ModuleType, state: Mapping[str, Any], x: Any, *, num_heads: int, attend: Attend) -> Any:
+    """MultiHead(x) = Concat(head_1, ..., head_H) W_o^T + b_o, head_h = attend(x W_q,h^T + b_q,h, ...):
+    self-attention with our state dict (w_q, w_k, w_v, w_o), in NumPy or jax.numpy (`xp`)."""
+    B, L, D = x.shape
+
+    def split(y: Any) -> Any:
+        return xp.swapaxes(y.reshape(B, L, num_heads, D // num_heads), 1, 2)  # (B, L, D) -> (B, H, L, d_k)
+
+    # 1) project, then split D into H heads of width d_k
+    q, k, v = (split(_linear(state, f"w_{name}", x)) for name in "qkv")  # (B, H, L, d_k) each
+    # 2) attend, every head at once
+    out = attend(q, k, v)  # (B, H, L, d_k)
+    # 3) concatenate the heads and mix them
+    return _linear(state, "w_o", xp.swapaxes(out, 1, 2).reshape(B, L, D))  # (B, H, L, d_k) -> (B, L, D)
+
+
+def block(xp: ModuleType, state: Mapping[str, Any], x: Any, *, num_heads: int, attend: Attend,
+          eps: float = 1e-5) -> Any:
+    """Post-LN encoder block: x = LN_1(x + MHA(x)), x = LN_2(x + W_2 relu(W_1 x + b_1) + b_2)."""
+    attn = {name.removeprefix("attn."): value for name, value in state.items() if name.startswith("attn.")}
+    x = _layer_norm(xp, state, "norm1", x + multi_head(xp, attn, x, num_heads=num_heads, attend=attend), eps)
+    h = xp.maximum(_linear(state, "ffn.0", x), 0)  # (B, L, D) -> (B, L, F)
+    return _layer_norm(xp, state, "norm2", x + _linear(state, "ffn.3", h), eps)  # (B, L, F) -> (B, L, D)
+
+
+def torch_multihead(state: Mapping[str, Any], *, num_heads: int) -> Any:
+    """nn.MultiheadAttention(batch_first=True, dropout=0) in eval mode, holding our MHA state (torch tensors);
+    its in_proj_weight (3D, D) stacks our w_q, w_k, w_v."""
+    from torch import nn
+
+    weight = state["w_q.weight"]
+    mha = nn.MultiheadAttention(weight.shape[1], num_heads, dropout=0.0, batch_first=True,
+                                dtype=weight.dtype, device=weight.device)
+    mha.load_state_dict(_torch_mha_names(state))  # strict: every parameter set, none left over
+    return mha.eval()
+
+
+def torch_encoder_layer(state: Mapping[str, Any], *, num_heads: int, eps: float = 1e-5) -> Any:
+    """nn.TransformerEncoderLayer(batch_first=True, dropout=0, post-LN, ReLU) in eval mode, holding our
+    block state (torch tensors)."""
+    from torch import nn
+
+    weight = state["ffn.0.weight"]  # (F, D)
+    layer = nn.TransformerEncoderLayer(weight.shape[1], num_heads, weight.shape[0], dropout=0.0,
+                                       layer_norm_eps=eps, batch_first=True, dtype=weight.dtype,
+                                       device=weight.device)
+    attn = {name.removeprefix("attn."): value for name, value in state.items() if name.startswith("attn.")}
+    names = {f"self_attn.{name}": value for name, value in _torch_mha_names(attn).items()}
+    for ours, theirs in {"ffn.0": "linear1", "ffn.3": "linear2", "norm1": "norm1", "norm2": "norm2"}.items():
+        names |= {f"{theirs}.{part}": state[f"{ours}.{part}"] for part in ("weight", "bias")}
+    layer.load_state_dict(names)  # strict: every parameter set, none left over
+    return layer.eval()
+
+
+def _linear(state: Mapping[str, Any], name: str, x: Any) -> Any:
+    return x @ state[f"{name}.weight"].T + state[f"{name}.bias"]  # (..., in) x (in, out) -> (..., out)
+
+
+def _layer_norm(xp: ModuleType, state: Mapping[str, Any], name: str, x: Any, eps: float) -> Any:
+    mean = xp.mean(x, axis=-1, keepdims=True)  # (B, L, D) -> (B, L, 1)
+    var = xp.mean((x - mean) ** 2, axis=-1, keepdims=True)  # biased, as nn.LayerNorm
+    return (x - mean) / xp.sqrt(var + eps) * state[f"{name}.weight"] + state[f"{name}.bias"]
+
+
+def _torch_mha_names(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Our MHA state -> nn.MultiheadAttention's names, w_q/w_k/w_v stacked in that order."""
+    import torch
+
+    return {"in_proj_weight": torch.cat([state[f"w_{x}.weight"] for x in "qkv"]),  # 3 x (D, D) -> (3D, D)
+            "in_proj_bias": torch.cat([state[f"w_{x}.bias"] for x in "qkv"]),  # 3 x (D,) -> (3D,)
+            "out_proj.weight": state["w_o.weight"], "out_proj.bias": state["w_o.bias"]}

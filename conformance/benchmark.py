@@ -1,0 +1,691 @@
+"""`python -m conformance compare`: which backend is faster for my shapes, how far the readable (explicit)
+path is from the fast one, and how the cost grows with the sequence length.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+D = d_model = H * E, F = d_ff = 4 * D.
+
+Every installed backend runs each operation twice, with need_weights=False (the fast path) and with
+need_weights=True (labelled "explicit"), next to each framework's own built-in and the plain formulations
+of conformance/baselines.py. The candidates of one framework, operation and L are timed interleaved (A, B,
+C, A, B, C, ...) so that machine noise hits them alike, and each gets its median time, its rate, its peak
+memory and its relative error against a float64 reference.
+
+FLOPs count the matrix products only, 2 per multiply-add:
+    sdpa   4 B H L S E            q k^T and weights v, each 2 B H L S E
+    mha    sdpa + 4 * 2 B L D^2   self-attention (S = L) and the projections w_q, w_k, w_v, w_o
+    block  mha + 2 * 2 B L D F    and the feed-forward network's two linears
+
+JSON rows (--json) hold: implementation, framework, device, operation, dtype, B, H, E, L, S, D, F, flops,
+repeats, time_ms, gflops, peak_mib (null where not measurable), rel_error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import baselines
+from .frameworks import framework_of
+
+BACKENDS = ("attention_np", "attention_torch", "attention_jax")
+OPERATIONS = ("sdpa", "mha", "block")
+SIZES = (128, 256, 512, 1024)
+BUILT_IN = {"sdpa": "F.scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
+            "block": "nn.TransformerEncoderLayer"}  # what "torch built-in" is, per operation
+FOOTNOTE = """\
+time: median of the repeats after one warm-up call; the candidates of one framework, operation and L run
+  interleaved (A, B, A, B, ...). JAX: jit-compiled beforehand, timed to block_until_ready; torch: under
+  inference_mode (on CUDA: synchronized).
+GFLOP/s: matrix-product FLOPs / median time: sdpa 4 B H L S E; mha adds 4 projections of 2 B L D^2 (S = L);
+  block adds the feed-forward network, 2 * 2 B L D F.
+peak MiB: memory allocated by one call at its peak (temporaries and output; inputs and weights excluded).
+  NumPy: tracemalloc; torch on CUDA: the allocator's peak; JAX on CUDA: XLA's compiled memory plan (temporaries
+  + output; JAX's allocator keeps no peak that can be reset). "-": not measurable: torch and JAX on the CPU
+  (XLA:CPU runs fused attention in a library whose scratch memory its plan does not see).
+rel. error: max|a - b| / max|b| against attention_np's explicit path in float64, same inputs and weights.
+explicit: our backend with need_weights=True; the bare name is need_weights=False (the fast path).
+torch built-in: F.scaled_dot_product_attention, nn.MultiheadAttention(batch_first=True) called with
+  need_weights=False, nn.TransformerEncoderLayer(batch_first=True) in eval mode. numpy tutorial, jax plain,
+  jax.nn.dot_product_attention: for mha and block, the plain projections and FFN of conformance/baselines.py
+  around that attention. bfloat16 skips the NumPy candidates (NumPy has no bfloat16 arithmetic)."""
+
+
+class Candidate(NamedTuple):
+    """One implementation of one operation, prepared with its inputs: `run()` is all that is timed."""
+
+    name: str  # "attention_torch", "attention_torch explicit", "torch built-in", ...
+    operation: str  # "sdpa", "mha" or "block"
+    run: Callable[[], Any]  # one call; finished when it returns (JAX: blocked, CUDA: synchronized)
+    peak: Callable[[], int | None]  # bytes one call allocates at its peak, None where not measurable
+    framework: str = "numpy"
+    device: str = "cpu"
+
+
+class Problem(NamedTuple):
+    """One operation at one size: float64 values, each exactly representable in the benchmark's dtype."""
+
+    operation: str
+    B: int
+    H: int
+    L: int
+    E: int
+    inputs: tuple[np.ndarray, ...]  # sdpa: q, k, v (B, H, L, E); mha, block: x (B, L, D)
+    state: dict[str, np.ndarray]  # the module's parameters, named as in the state-dict contract ({} for sdpa)
+
+
+class Row(NamedTuple):
+    implementation: str
+    framework: str
+    device: str
+    operation: str
+    dtype: str
+    B: int
+    H: int
+    E: int
+    L: int
+    S: int
+    D: int
+    F: int
+    flops: int
+    repeats: int
+    time_ms: float
+    gflops: float
+    peak_mib: float | None
+    rel_error: float
+
+
+class Target(NamedTuple):
+    framework: str
+    numerator: str
+    denominators: tuple[str, ...]  # the fastest of these counts
+    relation: str  # "<=" or ">="
+    bound: float
+
+
+TARGETS = (
+    Target("torch", "attention_torch", ("torch built-in",), "<=", 1.10),
+    Target("jax", "attention_jax", ("jax plain", "jax.nn.dot_product_attention"), "<=", 1.10),
+    Target("numpy", "numpy tutorial", ("attention_np",), ">=", 1.3),
+    Target("numpy", "attention_np explicit", ("numpy tutorial",), "<=", 1.0),
+)
+
+
+class TargetRow(NamedTuple):
+    framework: str
+    operation: str
+    numerator: str
+    denominator: str  # the fastest of the target's denominators
+    numerator_ms: float
+    denominator_ms: float
+    ratio: float
+    relation: str
+    bound: float
+    met: bool
+
+
+def flops(operation: str, *, B: int, H: int, L: int, S: int, E: int) -> int:
+    """Matrix-product FLOPs of one call (2 per multiply-add); mha and block are self-attention (S = L)."""
+    D = H * E
+    count = 4 * B * H * L * S * E  # q k^T and weights v: 2 B H L S E each
+    if operation in ("mha", "block"):
+        count += 4 * 2 * B * L * D * D  # w_q, w_k, w_v, w_o: (B, L, D) x (D, D) each
+    if operation == "block":
+        count += 2 * 2 * B * L * D * (4 * D)  # ffn.0 (B, L, D) x (D, F), ffn.3 (B, L, F) x (F, D)
+    return count
+
+
+def measure(candidates: Sequence[Candidate], *, repeats: int, warmup: int = 1) -> list[float]:
+    """Median seconds per call of each candidate, their repeats interleaved: A, B, A, B, ...
+
+    Interleave candidates of one framework only: a framework's idle threads spin for a while after each
+    call (OpenMP, OpenBLAS, XLA's pool), and on a machine with few cores they slow the next framework's call
+    by ten times and more."""
+    for candidate in candidates:
+        for _ in range(warmup):
+            candidate.run()
+    times: list[list[float]] = [[] for _ in candidates]
+    for _ in range(repeats):
+        for candidate, seconds in zip(candidates, times, strict=True):
+            start = time.perf_counter()
+            candidate.run()
+            seconds.append(time.perf_counter() - start)
+    return [statistics.median(seconds) for seconds in times]
+
+
+def compare(*, sizes: Sequence[int] = SIZES, operations: Sequence[str] = OPERATIONS, dtype: str = "float32",
+            repeats: int = 10, device: str = "cpu", B: int = 2, H: int = 8, E: int = 64,
+            backends: dict[str, ModuleType] | None = None, progress: bool = False) -> list[Row]:
+    """Time every candidate on every operation and size; one Row per candidate, operation and L."""
+    backends = installed_backends()[0] if backends is None else backends
+    devices, rows = placement(backends, device), []
+    bar = _Progress(len(operations) * len(sizes), progress)
+    with pinned(backends):
+        for operation in operations:
+            for L in sizes:
+                bar.show(f"{operation} L={L}")
+                problem = make_problem(operation, B=B, H=H, L=L, E=E, dtype=dtype)
+                reference = _our_output(importlib.import_module("attention_np"), problem, np.asarray)
+                candidates = make_candidates(problem, backends, dtype=dtype, devices=devices)
+                for kind in dict.fromkeys(candidate.framework for candidate in candidates):
+                    group = [candidate for candidate in candidates if candidate.framework == kind]
+                    for candidate, seconds in zip(group, measure(group, repeats=repeats), strict=True):
+                        rows.append(_row(candidate, problem, dtype, repeats, seconds, reference))
+                bar.step()
+    bar.close()
+    return rows
+
+
+def targets(*, L: int = 1024, repeats: int = 10, device: str = "cpu",
+            backends: dict[str, ModuleType] | None = None, progress: bool = False) -> list[TargetRow]:
+    """The performance targets: float32, B=2, H=8, L=S, E=64, need_weights=False; one TargetRow per
+    target and operation, its candidates timed interleaved."""
+    backends = installed_backends()[0] if backends is None else backends
+    devices, rows = placement(backends, device), []
+    present = {framework_of(module).name for module in backends.values()}
+    chosen = [target for target in TARGETS if target.framework in present]
+    bar = _Progress(len(OPERATIONS) * len({target.framework for target in chosen}), progress)
+    with pinned(backends):
+        for kind in dict.fromkeys(target.framework for target in chosen):
+            for operation in OPERATIONS:
+                bar.show(f"{kind} {operation}")
+                problem = make_problem(operation, B=2, H=8, L=L, E=64, dtype="float32")
+                mine = [target for target in chosen if target.framework == kind]
+                wanted = {name for target in mine for name in (target.numerator, *target.denominators)}
+                candidates = make_candidates(problem, backends, dtype="float32", devices=devices, wanted=wanted)
+                medians = dict(zip([c.name for c in candidates], measure(candidates, repeats=repeats), strict=True))
+                rows += [_target_row(target, operation, medians) for target in mine]
+                bar.step()
+    bar.close()
+    return rows
+
+
+def _target_row(target: Target, operation: str, medians: dict[str, float]) -> TargetRow:
+    denominator = min(target.denominators, key=medians.__getitem__)
+    ratio = medians[target.numerator] / medians[denominator]
+    met = ratio <= target.bound if target.relation == "<=" else ratio >= target.bound
+    return TargetRow(target.framework, operation, target.numerator, denominator, 1e3 * medians[target.numerator],
+                     1e3 * medians[denominator], ratio, target.relation, target.bound, met)
+
+
+# --- the inputs and the candidates ---------------------------------------------------------------------
+
+
+def make_problem(operation: str, *, B: int, H: int, L: int, E: int, dtype: str, seed: int = 0) -> Problem:
+    """Random inputs and parameters (nn.Linear's ranges; LayerNorm gains not 1, biases not 0)."""
+    rng, D = np.random.default_rng(seed), H * E
+    if operation == "sdpa":
+        inputs, state = tuple(rng.standard_normal((B, H, L, E)) for _ in "qkv"), {}
+    else:
+        inputs = (rng.standard_normal((B, L, D)),)
+        shapes = {f"w_{name}": (D, D) for name in "qkvo"}  # (out, in)
+        if operation == "block":
+            shapes = {f"attn.{name}": shape for name, shape in shapes.items()} | {"ffn.0": (4 * D, D),
+                                                                                  "ffn.3": (D, 4 * D)}
+        state = {}
+        for name, (d_out, d_in) in shapes.items():
+            bound = 1 / math.sqrt(d_in)
+            state[f"{name}.weight"] = rng.uniform(-bound, bound, (d_out, d_in))
+            state[f"{name}.bias"] = rng.uniform(-bound, bound, d_out)
+        if operation == "block":
+            for name in ("norm1", "norm2"):
+                state |= {f"{name}.weight": rng.uniform(0.5, 1.5, D), f"{name}.bias": rng.uniform(-0.5, 0.5, D)}
+    rounded = {name: _rounded(value, dtype) for name, value in state.items()}
+    return Problem(operation, B, H, L, E, tuple(_rounded(x, dtype) for x in inputs), rounded)
+
+
+def make_candidates(problem: Problem, backends: dict[str, ModuleType], *, dtype: str, devices: dict[str, str],
+                    wanted: set[str] | None = None) -> list[Candidate]:
+    """Each backend with need_weights=False and True ("explicit"), then its framework's baselines."""
+    candidates = []
+    for name, module in backends.items():
+        kind = framework_of(module).name
+        if dtype == "bfloat16" and kind == "numpy":
+            continue  # NumPy has no bfloat16 arithmetic
+        convert = _converter(kind, dtype, devices[kind])
+        calls = {name: _our_call(module, problem, convert, need_weights=False),
+                 f"{name} explicit": _our_call(module, problem, convert, need_weights=True)}
+        calls |= _baseline_calls(kind, problem, convert)
+        inputs = tuple(convert(x) for x in problem.inputs)
+        for label, (call, params) in calls.items():
+            if wanted is None or label in wanted:
+                run, peak = _staged(kind, devices[kind], call, params, inputs)
+                candidates.append(Candidate(label, problem.operation, run, peak, kind, devices[kind]))
+    return candidates
+
+
+def _our_call(module: ModuleType, problem: Problem, convert: Callable,
+              *, need_weights: bool) -> tuple[Callable, Any]:
+    """(call, params): call(params, *inputs) runs our operation; params holds the module (None for sdpa)."""
+    if problem.operation == "sdpa":
+        return (lambda _, q, k, v: module.scaled_dot_product_attention(q, k, v, need_weights=need_weights)), None
+    state = {name: convert(value) for name, value in problem.state.items()}
+    if problem.operation == "mha":
+        mha = module.MultiHeadAttention.from_state_dict(state, num_heads=problem.H).eval()
+        return (lambda mha, x: mha(x, x, x, need_weights=need_weights)), mha
+    block = module.TransformerBlock.from_state_dict(state, num_heads=problem.H).eval()
+    return (lambda block, x: block(x, need_weights=need_weights)), block
+
+
+def _baseline_calls(kind: str, problem: Problem, convert: Callable) -> dict[str, tuple[Callable, Any]]:
+    """{label: (call, params)} for the baselines of framework `kind`."""
+    operation, H = problem.operation, problem.H
+    state = {name: convert(value) for name, value in problem.state.items()}
+    if kind == "torch":
+        import torch.nn.functional as F
+
+        if operation == "sdpa":
+            return {"torch built-in": (lambda _, q, k, v: F.scaled_dot_product_attention(q, k, v), None)}
+        if operation == "mha":
+            return {"torch built-in": (lambda mha, x: mha(x, x, x, need_weights=False),
+                                       baselines.torch_multihead(state, num_heads=H))}
+        return {"torch built-in": (lambda layer, x: layer(x), baselines.torch_encoder_layer(state, num_heads=H))}
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        return {"jax plain": (_plain(jnp, baselines.jax_plain_attention, operation, H), state),
+                "jax.nn.dot_product_attention": (_plain(jnp, baselines.jax_builtin_attention, operation, H), state)}
+    return {"numpy tutorial": (_plain(np, baselines.tutorial_attention, operation, H), state)}
+
+
+def _plain(xp: ModuleType, attend: Callable, operation: str, H: int) -> Callable:
+    """call(state, *inputs): `attend` alone (sdpa), or with baselines.py's projections and FFN around it."""
+    if operation == "sdpa":
+        return lambda _, q, k, v: attend(q, k, v)
+    if operation == "mha":
+        return lambda state, x: baselines.multi_head(xp, state, x, num_heads=H, attend=attend)
+    return lambda state, x: baselines.block(xp, state, x, num_heads=H, attend=attend)
+
+
+def _our_output(module: ModuleType, problem: Problem, convert: Callable) -> np.ndarray:
+    """The operation's output from `module`'s explicit path, as float64: the reference with attention_np."""
+    call, params = _our_call(module, problem, convert, need_weights=True)
+    return _as_float64(call(params, *(convert(x) for x in problem.inputs)))
+
+
+# --- the frameworks ------------------------------------------------------------------------------------
+
+
+def installed_backends() -> tuple[dict[str, ModuleType], dict[str, str]]:
+    """({name: module} of the built-in backends that import, {name: why not} of the others)."""
+    backends, skipped = {}, {}
+    for name in BACKENDS:
+        try:
+            backends[name] = importlib.import_module(name)
+        except Exception as error:  # a missing framework skips that backend only
+            skipped[name] = f"{type(error).__name__}: {error}"
+    return backends, skipped
+
+
+def placement(backends: dict[str, ModuleType], device: str) -> dict[str, str]:
+    """{framework: "cpu" or "cuda"}; with device "cuda", torch and JAX go to the GPU where they see one."""
+    kinds = [framework_of(module).name for module in backends.values()]
+    if device == "cpu":
+        return dict.fromkeys(kinds, "cpu")
+    if device != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    devices = {kind: "cuda" if kind != "numpy" and _sees_gpu(kind) else "cpu" for kind in kinds}
+    if "cuda" not in devices.values():
+        raise ValueError("--device cuda: neither torch nor JAX sees a CUDA GPU here "
+                         f"(installed: {', '.join(backends)}); run with --device cpu")
+    return devices
+
+
+def _sees_gpu(kind: str) -> bool:
+    if kind == "torch":
+        import torch
+
+        return torch.cuda.is_available()
+    import jax
+
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:  # jax: no GPU backend in this jaxlib
+        return False
+
+
+@contextlib.contextmanager
+def pinned(backends: dict[str, ModuleType]) -> Iterator[list[str]]:
+    """The frameworks' precision settings of the conformance runs (JAX: x64 and "highest" matmuls;
+    torch: TF32 off), so float32 means float32 on every device; yields their descriptions."""
+    with contextlib.ExitStack() as stack:
+        settings = [stack.enter_context(framework_of(module).pinned()) for module in backends.values()]
+        yield [setting for setting in settings if setting]
+
+
+def _converter(kind: str, dtype: str, device: str) -> Callable[[np.ndarray], Any]:
+    """float64 NumPy array -> the framework's array of `dtype` on `device`."""
+    if kind == "torch":
+        import torch
+
+        return lambda x: torch.from_numpy(x).to(device=device, dtype=getattr(torch, dtype))
+    if kind == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        place = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+        return lambda x: jax.device_put(x.astype(jnp.dtype(dtype)), place)
+    return lambda x: x.astype(dtype)
+
+
+def _staged(kind: str, device: str, call: Callable, params: Any,
+            inputs: tuple) -> tuple[Callable[[], Any], Callable[[], int | None]]:
+    """(run, peak) for call(params, *inputs): JAX compiled ahead, torch under inference_mode."""
+    if kind == "jax":
+        import jax
+
+        compiled = jax.jit(call).lower(params, *inputs).compile()
+        # XLA's memory plan; on the CPU it misses the scratch of the library that runs fused attention
+        plan = compiled.memory_analysis() if device == "cuda" else None
+        planned = None if plan is None else plan.temp_size_in_bytes + plan.output_size_in_bytes
+        return (lambda: jax.block_until_ready(compiled(params, *inputs))), (lambda: planned)
+    if kind == "torch":
+        import torch
+
+        def run() -> Any:
+            with torch.inference_mode():
+                result = call(params, *inputs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return result
+
+        return run, (lambda: _cuda_peak(run)) if device == "cuda" else (lambda: None)
+    run = lambda: call(params, *inputs)  # noqa: E731
+    return run, lambda: _traced_peak(run)
+
+
+def _traced_peak(run: Callable[[], Any]) -> int:
+    """Bytes that one call allocates at its peak, by tracemalloc (NumPy reports its buffers to it)."""
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        run()
+        return tracemalloc.get_traced_memory()[1] - before
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+
+
+def _cuda_peak(run: Callable[[], Any]) -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x rounded to `dtype` and back to float64, so the reference sees exactly the benchmark's inputs."""
+    if dtype != "bfloat16":
+        return x.astype(dtype).astype(np.float64)
+    try:
+        import ml_dtypes  # installed with JAX
+    except ImportError:
+        import torch
+
+        return torch.from_numpy(x).to(torch.bfloat16).to(torch.float64).numpy()
+    return x.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _as_float64(result: Any) -> np.ndarray:
+    """The output (first of a tuple) as a float64 NumPy array, whatever the framework and dtype."""
+    out = result[0] if isinstance(result, tuple) else result
+    if hasattr(out, "detach"):  # torch: NumPy has no bfloat16, and the tensor may live on the GPU
+        import torch
+
+        return out.detach().to(device="cpu", dtype=torch.float64).numpy()
+    return np.asarray(out).astype(np.float64)
+
+
+def _row(candidate: Candidate, problem: Problem, dtype: str, repeats: int, seconds: float,
+         reference: np.ndarray) -> Row:
+    B, H, L, E = problem.B, problem.H, problem.L, problem.E
+    count = flops(problem.operation, B=B, H=H, L=L, S=L, E=E)
+    error = np.max(np.abs(_as_float64(candidate.run()) - reference)) / np.max(np.abs(reference))
+    peak = candidate.peak()
+    return Row(candidate.name, candidate.framework, candidate.device, problem.operation, dtype, B, H, E, L, L,
+               H * E, 4 * H * E, count, repeats, 1e3 * seconds, count / seconds / 1e9,
+               None if peak is None else peak / 2**20, float(error))
+
+
+# --- reporting -----------------------------------------------------------------------------------------
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """One line per row, grouped by operation and L."""
+    header = ("implementation", "operation", "L", "time ms", "GFLOP/s", "peak MiB", "rel. error")
+    lines, last = [header], None
+    for row in rows:
+        if last is not None and (row.operation, row.L) != last:
+            lines.append(())
+        last = (row.operation, row.L)
+        peak = "-" if row.peak_mib is None else f"{row.peak_mib:.1f}"
+        lines.append((row.implementation, row.operation, str(row.L), f"{row.time_ms:.2f}", f"{row.gflops:.1f}",
+                      peak, f"{row.rel_error:.1e}"))
+    return _columns(lines, right=(2, 3, 4, 5, 6))
+
+
+def format_targets(rows: Sequence[TargetRow]) -> str:
+    """One line per target: the ratio measured, its target and MET or MISSED."""
+    header = ("framework", "operation", "ratio", "times ms", "measured", "target", "verdict")
+    lines = [header]
+    for row in rows:
+        names = " / ".join(_display(name, row.operation) for name in (row.numerator, row.denominator))
+        lines.append((row.framework, row.operation, names, f"{row.numerator_ms:.2f} / {row.denominator_ms:.2f}",
+                      f"{row.ratio:.3f}", f"{row.relation} {row.bound:.2f}", "MET" if row.met else "MISSED"))
+    return _columns(lines, right=(3, 4))
+
+
+def machine(backends: dict[str, ModuleType]) -> list[str]:
+    """The machine and the framework versions, one line each."""
+    lines = [f"machine: {os.cpu_count()} CPUs, {platform.machine()} {platform.system()}, "
+             f"Python {platform.python_version()}", f"numpy {np.__version__}, BLAS: {_blas()}"]
+    kinds = {framework_of(module).name for module in backends.values()}
+    if "torch" in kinds:
+        import torch
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+        lines.append(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CUDA GPU: {gpu}")
+    if "jax" in kinds:
+        import jax
+
+        lines.append(f"jax {jax.__version__}, devices: {', '.join(str(d) for d in jax.devices())}")
+    return lines
+
+
+def plot(rows: Sequence[Row], path: str) -> None:
+    """PNG, one line of panels per operation: time vs L on log-log axes, each line's fitted slope in the
+    legend (2 is quadratic, drawn as a grey guide), and the relative error vs L in the same styles."""
+    Figure = _figure_class()
+    operations = list(dict.fromkeys(row.operation for row in rows))
+    figure = Figure(figsize=(13, 4.5 * len(operations)), layout="constrained")
+    axes = figure.subplots(len(operations), 2, squeeze=False)
+    for (time_axis, error_axis), operation in zip(axes, operations, strict=True):
+        mine = [row for row in rows if row.operation == operation]
+        sizes, starts = sorted({row.L for row in mine}), []
+        for name in dict.fromkeys(row.implementation for row in mine):
+            line = [row for row in mine if row.implementation == name]
+            lengths, ms = np.array([row.L for row in line]), np.array([row.time_ms for row in line])
+            slope = f" (slope {np.polyfit(np.log(lengths), np.log(ms), 1)[0]:.2f})" if len(lengths) > 1 else ""
+            style = _style(name, line[0].framework)
+            time_axis.loglog(lengths, ms, label=name + slope, **style)
+            error_axis.loglog(lengths, [max(row.rel_error, 1e-17) for row in line], **style)
+            starts.append(ms[0])
+        time_axis.loglog(sizes, np.median(starts) * (np.array(sizes) / sizes[0]) ** 2, color="grey", alpha=0.4, lw=3,
+                         zorder=0, label="L^2 (slope 2)")
+        errors = [max(row.rel_error, 1e-17) for row in mine]
+        error_axis.set_ylim(10 ** math.floor(math.log10(min(errors))), 10 ** math.ceil(math.log10(max(errors))))
+        for axis in (time_axis, error_axis):
+            axis.set_xticks(sizes, [str(size) for size in sizes])
+            axis.minorticks_off()
+            axis.grid(True, which="major", alpha=0.3)
+        time_axis.legend(fontsize=7, loc="upper left")
+        time_axis.set(title=f"{operation}: median time", xlabel="L = S", ylabel="ms")
+        error_axis.set(title=f"{operation}: relative error vs the float64 reference (styles as on the left)",
+                       xlabel="L = S", ylabel="max|a - b| / max|b| (0 drawn at 1e-17)")
+    figure.savefig(path, dpi=110)
+
+
+def _style(name: str, framework: str) -> dict[str, Any]:
+    """A colour per framework; solid: our fast path, dashed: our explicit path, dotted: a baseline."""
+    color = {"numpy": "tab:blue", "torch": "tab:red", "jax": "tab:green"}.get(framework, "tab:grey")
+    if name == "jax.nn.dot_product_attention":
+        color = "tab:olive"
+    if name in BACKENDS:
+        return {"color": color, "linestyle": "-", "marker": "o"}
+    if name.endswith(" explicit"):
+        return {"color": color, "linestyle": "--", "marker": "s", "markersize": 4}
+    return {"color": color, "linestyle": ":", "marker": "^"}
+
+
+def _figure_class() -> Any:
+    try:
+        from matplotlib.figure import Figure  # a bare Figure: no pyplot, no global backend change
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: pip install 'attention-reference[plot]'") from None
+    return Figure
+
+
+def _display(name: str, operation: str) -> str:
+    return f"torch {BUILT_IN[operation]}" if name == "torch built-in" else name
+
+
+def _blas() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (install threadpoolctl to see it)"
+    found = [info for info in threadpool_info() if info.get("user_api") == "blas"
+             and "numpy" in info.get("filepath", "")] or [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    return "; ".join(f"{info['internal_api']} {info.get('version')} ({info.get('architecture', '?')}, "
+                     f"{info['num_threads']} threads)" for info in found[:1]) or "none found"
+
+
+def _columns(lines: list[tuple[str, ...]], *, right: tuple[int, ...]) -> str:
+    widths = [max(len(line[i]) for line in lines if line) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(cell.rjust(width) if i in right else cell.ljust(width)
+                               for i, (cell, width) in enumerate(zip(line, widths, strict=False))).rstrip()
+                     for line in lines)  # an empty line separates groups
+
+
+class _Progress:
+    """A text progress bar on stderr: [#####.....] 3/12 mha L=512."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled and total > 0
+
+    def show(self, label: str) -> None:
+        if self.enabled:
+            filled = 30 * self.done // self.total
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label:<16}")
+            sys.stderr.flush()
+
+    def step(self) -> None:
+        self.done += 1
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r[{'#' * 30}] {self.done}/{self.total} done{' ' * 14}\n")
+
+
+# --- the command line ----------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `python -m conformance compare`."""
+    parser.add_argument("--sizes", type=_ints, default=SIZES, metavar="L,L,...",
+                        help=f"sequence lengths L = S (default {','.join(map(str, SIZES))})")
+    parser.add_argument("--operations", type=_operations, default=OPERATIONS, metavar="OP,...",
+                        help="any of sdpa,mha,block (default: all three)")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
+                        help="float32 (default), float64, or bfloat16 (torch and JAX only)")
+    parser.add_argument("--repeats", type=int, default=10, metavar="N", help="timed calls per candidate (default 10)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: torch and JAX on the GPU where they see one (NumPy stays on the CPU)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help='also write {"machine": [lines], "rows": [{key: value}]} as JSON')
+    parser.add_argument("--plot", default=None, metavar="PATH.png",
+                        help="time and error vs L; needs matplotlib: pip install 'attention-reference[plot]'")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--targets", action="store_true",
+                        help="only the performance targets (float32, B=2, H=8, L=S=1024, E=64); ignores "
+                             "--sizes, --operations and --dtype")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `python -m conformance compare` with parsed arguments; 0 unless it could not run (the verdicts
+    of --targets do not set the exit code: timings are noisy)."""
+    if args.plot:
+        try:
+            _figure_class()
+        except ImportError as error:
+            print(f"compare: {error}", file=sys.stderr)
+            return 2
+    backends, skipped = installed_backends()
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    try:
+        devices = placement(backends, args.device)
+    except ValueError as error:
+        print(f"compare: {error}", file=sys.stderr)
+        return 2
+    progress = not args.quiet and sys.stderr.isatty()
+    with pinned(backends) as settings:
+        print("\n".join(machine(backends)))
+        print("; ".join(settings) or "no precision settings")
+        print("placement: " + ", ".join(f"{kind} on {device}" for kind, device in devices.items()))
+        if args.targets:
+            print(f"targets: float32, B=2, H=8, L=S=1024, E=64 (D=512, F=2048), need_weights=False; "
+                  f"{args.repeats} interleaved repeats, medians\n")
+            result: Sequence[Any] = targets(repeats=args.repeats, device=args.device, backends=backends,
+                                            progress=progress)
+            print(format_targets(result))
+        else:
+            print(f"{args.dtype}, B=2, H=8, E=64 (D=512, F=2048), L = S; {args.repeats} repeats per candidate, "
+                  "interleaved, medians\n")
+            result = compare(sizes=args.sizes, operations=args.operations, dtype=args.dtype, repeats=args.repeats,
+                             device=args.device, backends=backends, progress=progress)
+            print(format_table(result) + "\n\n" + FOOTNOTE)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"machine": machine(backends), "rows": [row._asdict() for row in result]}, file, indent=1)
+    if args.plot and not args.targets:
+        plot(result, args.plot)
+        print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return sizes
+
+
+def _operations(text: str) -> tuple[str, ...]:
+    operations = tuple(text.split(","))
+    unknown = [name for name in operations if name not in OPERATIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown operation {unknown[0]!r}; choose from {','.join(OPERATIONS)}")
+    return operations

@@ -1,0 +1,159 @@
+"""`python -m conformance compare`: the table, the JSON rows, the plot, the targets and the baselines.
+
+Tiny sizes and two repeats keep these fast; no test looks at a timing value, only that it was measured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attention_np
+from conformance import benchmark
+from conformance.__main__ import main
+from conformance.baselines import tutorial_attention
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROW_KEYS = {"implementation", "framework", "device", "operation", "dtype", "B", "H", "E", "L", "S", "D", "F",
+            "flops", "repeats", "time_ms", "gflops", "peak_mib", "rel_error"}  # as the module docstring lists
+TINY = {"B": 1, "H": 2, "E": 4}
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except Exception:  # the benchmark skips such a backend
+        return False
+    return True
+
+
+def _expected_implementations() -> set[str]:
+    baselines = {"attention_np": ["numpy tutorial"], "attention_torch": ["torch built-in"],
+                 "attention_jax": ["jax plain", "jax.nn.dot_product_attention"]}
+    return {name for backend, extra in baselines.items() if _importable(backend)
+            for name in (backend, f"{backend} explicit", *extra)}
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    """One run of the command line on tiny sizes: (stdout, the JSON rows)."""
+    path = tmp_path_factory.mktemp("compare") / "rows.json"
+    result = subprocess.run([sys.executable, "-m", "conformance", "compare", "--sizes", "8,16", "--repeats", "2",
+                             "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout, json.loads(path.read_text())["rows"]
+
+
+def test_compare_prints_a_row_for_every_available_implementation(cli_run: tuple[str, list[dict]]) -> None:
+    stdout, _ = cli_run
+    printed = {tuple(re.split(r"\s{2,}", line.strip())[:3]) for line in stdout.splitlines()}
+    for name in _expected_implementations():
+        for operation in benchmark.OPERATIONS:
+            for L in ("8", "16"):
+                assert (name, operation, L) in printed, f"no row for {name} {operation} L={L}:\n{stdout}"
+    assert "GFLOP/s" in stdout and "peak MiB" in stdout and "rel. error" in stdout
+
+
+def test_json_rows_have_the_documented_keys(cli_run: tuple[str, list[dict]]) -> None:
+    _, rows = cli_run
+    assert len(rows) == len(_expected_implementations()) * len(benchmark.OPERATIONS) * 2
+    for row in rows:
+        assert set(row) == ROW_KEYS
+        assert row["time_ms"] > 0 and math.isfinite(row["gflops"]) and row["dtype"] == "float32"
+        assert row["peak_mib"] is None or row["peak_mib"] >= 0
+    assert set(ROW_KEYS) == set(benchmark.Row._fields)
+
+
+def test_every_candidate_agrees_with_the_float64_reference() -> None:
+    rows = benchmark.compare(sizes=(8,), operations=benchmark.OPERATIONS, repeats=1, **TINY)
+    assert {row.implementation for row in rows} == _expected_implementations()
+    for row in rows:
+        assert row.rel_error < 1e-4, row  # float32 against float64: a wiring mistake would be off by far more
+
+
+def test_flops_on_a_hand_computed_case() -> None:
+    # B=1, H=2, L=3, S=3, E=4, so D = 8 and F = 32:
+    # sdpa  4 * 1 * 2 * 3 * 3 * 4 = 288
+    # mha   288 + 4 * 2 * 1 * 3 * 8 * 8 = 288 + 1536 = 1824
+    # block 1824 + 2 * 2 * 1 * 3 * 8 * 32 = 1824 + 3072 = 4896
+    sizes = {"B": 1, "H": 2, "L": 3, "S": 3, "E": 4}
+    assert benchmark.flops("sdpa", **sizes) == 288
+    assert benchmark.flops("mha", **sizes) == 1824
+    assert benchmark.flops("block", **sizes) == 4896
+
+
+def test_tutorial_baseline_equals_attention_np_without_fully_masked_rows() -> None:
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 3, 5, 4)) for _ in range(3))  # (B, H, L, E), L = S = 5
+    mask = rng.random((2, 1, 5, 5)) < 0.6
+    mask[..., 0] = True  # every query sees at least one key
+    expected, _ = attention_np.scaled_dot_product_attention(q, k, v, mask)
+    np.testing.assert_allclose(tutorial_attention(q, k, v, mask), expected, rtol=1e-12, atol=1e-14)
+
+
+def test_tutorial_baseline_averages_the_values_on_a_fully_masked_row() -> None:
+    # the documented difference: -1e9 everywhere makes the softmax flat, so the row is the mean of v,
+    # where the spec (and attention_np) gives zeros
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 3, 2)) for _ in range(3))  # (H, L, E), L = S = 3
+    mask = np.ones((3, 3), dtype=bool)
+    mask[1] = False  # query 1 sees no key
+    out = tutorial_attention(q, k, v, mask)
+    np.testing.assert_allclose(out[0, 1], v[0].mean(axis=0), rtol=1e-12)
+    np.testing.assert_array_equal(attention_np.scaled_dot_product_attention(q, k, v, mask)[0][0, 1], 0)
+
+
+def test_measure_interleaves_the_candidates_repeats() -> None:
+    calls: list[str] = []
+    candidates = [benchmark.Candidate(name, "sdpa", lambda name=name: calls.append(name), lambda: None)
+                  for name in "AB"]
+    medians = benchmark.measure(candidates, repeats=3, warmup=1)
+    assert calls == ["A", "B"] + ["A", "B"] * 3  # warm-up, then A, B, A, B, ...
+    assert len(medians) == 2 and all(seconds >= 0 for seconds in medians)
+
+
+def test_plot_writes_a_png(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "compare.png"
+    code = main(["compare", "--sizes", "8,16", "--operations", "sdpa", "--repeats", "2", "--quiet",
+                 "--plot", str(path)])
+    assert code == 0
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import matplotlib.figure now fails
+    assert main(["compare", "--sizes", "8", "--plot", "never.png"]) == 2
+    assert "pip install 'attention-reference[plot]'" in capsys.readouterr().err
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
+    backends, _ = benchmark.installed_backends()
+    kinds = {benchmark.framework_of(module).name for module in backends.values()}
+    if any(kind != "numpy" and benchmark._sees_gpu(kind) for kind in kinds):
+        pytest.skip("a GPU is visible here")
+    assert main(["compare", "--sizes", "8", "--device", "cuda"]) == 2
+    assert "--device cuda" in capsys.readouterr().err
+
+
+def test_targets_compute_every_ratio() -> None:
+    rows = benchmark.targets(L=64, repeats=2)
+    kinds = {benchmark.framework_of(module).name for module in benchmark.installed_backends()[0].values()}
+    expected = [(kind, operation) for kind in dict.fromkeys(t.framework for t in benchmark.TARGETS) if kind in kinds
+                for operation in benchmark.OPERATIONS for t in benchmark.TARGETS if t.framework == kind]
+    assert [(row.framework, row.operation) for row in rows] == expected
+    for row in rows:
+        assert math.isfinite(row.ratio) and row.ratio > 0, row
+        assert row.met == (row.ratio <= row.bound if row.relation == "<=" else row.ratio >= row.bound)
+    jax_rows = [row for row in rows if row.framework == "jax"]
+    assert all(row.denominator in ("jax plain", "jax.nn.dot_product_attention") for row in jax_rows)
+    assert "MET" in benchmark.format_targets(rows) or "MISSED" in benchmark.format_targets(rows)
