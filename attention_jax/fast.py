@@ -4,11 +4,12 @@ the weights, in the formulation XLA compiles best under jit.
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
-What makes it faster than the explicit path: the scale is folded into q, (..., L, E) instead of
-(..., L, S), and the softmax is normalised after the value product, dividing (..., L, Ev) instead of
-(..., L, S); XLA fuses the mask, the shift and the exponential into one pass. The dtype stays the
-inputs' dtype. (jax.nn.dot_product_attention is no faster on the CPU, computes its softmax in float32
-even for float64 inputs, and averages the values of a fully masked row.)
+Under jit the explicit formulation is already the fast one on the CPU: XLA fuses the mask, the shift, the
+exponential and the normalisation into one pass, and without the weights among the outputs it never
+writes the (..., L, S) probabilities to memory. Normalising after the value product, as the NumPy fast
+path does, is slower here (measured 99 ms against 78 ms at B=2, H=8, L=S=1024, E=64), and
+jax.nn.dot_product_attention is slower still on the CPU, computes its softmax in float32 even for float64
+inputs, and averages the values of a fully masked row.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .functional import _visible
+from .functional import _masked_softmax, _visible
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
@@ -26,12 +27,4 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     scores = (q * scale) @ jnp.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
     if bias is not None:
         scores = scores + jnp.asarray(bias, dtype=scores.dtype)
-    if visible is not None:
-        scores = jnp.where(visible, scores, -jnp.inf)  # hidden: exp(-inf) = 0
-    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))  # (..., L, 1)
-    if visible is not None:
-        row_max = jnp.where(row_max == -jnp.inf, 0, row_max)  # a fully masked row: any finite shift will do
-    exp = jnp.exp(scores - row_max)  # (..., L, S), unnormalised weights
-    total = jnp.sum(exp, axis=-1, keepdims=True)  # (..., L, 1)
-    out = exp @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
-    return out / (total if visible is None else jnp.where(total == 0, 1, total))  # normalise after the product
+    return _masked_softmax(scores, visible) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)

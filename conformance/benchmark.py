@@ -114,13 +114,17 @@ class Target(NamedTuple):
     denominators: tuple[str, ...]  # the fastest of these counts
     relation: str  # "<=" or ">="
     bound: float
+    operations: tuple[str, ...] = ("sdpa", "mha", "block")
 
 
+# The NumPy targets compare attention itself with the tutorial's formulation of it (matmul, divide,
+# masked_fill, softmax, matmul); around MHA and the block the projections and the FFN, the same BLAS
+# calls in both, dilute the ratio, so those rows are shown without a target.
 TARGETS = (
     Target("torch", "attention_torch", ("torch built-in",), "<=", 1.10),
     Target("jax", "attention_jax", ("jax plain", "jax.nn.dot_product_attention"), "<=", 1.10),
-    Target("numpy", "numpy tutorial", ("attention_np",), ">=", 1.3),
-    Target("numpy", "attention_np explicit", ("numpy tutorial",), "<=", 1.0),
+    Target("numpy", "numpy tutorial", ("attention_np",), ">=", 1.3, ("sdpa",)),
+    Target("numpy", "attention_np explicit", ("numpy tutorial",), "<=", 1.0, ("sdpa",)),
 )
 
 
@@ -149,7 +153,9 @@ def flops(operation: str, *, B: int, H: int, L: int, S: int, E: int) -> int:
 
 
 def measure(candidates: Sequence[Candidate], *, repeats: int, warmup: int = 1) -> list[float]:
-    """Median seconds per call of each candidate, their repeats interleaved: A, B, A, B, ...
+    """Median seconds per call of each candidate, their repeats interleaved and rotated: A, B, C, then
+    B, C, A, then C, A, B, ..., so that each candidate follows each other one equally often (a call that
+    leaves the caches cold or the allocator busy slows whichever call comes next).
 
     Interleave candidates of one framework only: a framework's idle threads spin for a while after each
     call (OpenMP, OpenBLAS, XLA's pool), and on a machine with few cores they slow the next framework's call
@@ -158,11 +164,12 @@ def measure(candidates: Sequence[Candidate], *, repeats: int, warmup: int = 1) -
         for _ in range(warmup):
             candidate.run()
     times: list[list[float]] = [[] for _ in candidates]
-    for _ in range(repeats):
-        for candidate, seconds in zip(candidates, times, strict=True):
+    for repeat in range(repeats):
+        for index in range(len(candidates)):
+            index = (index + repeat) % len(candidates)
             start = time.perf_counter()
-            candidate.run()
-            seconds.append(time.perf_counter() - start)
+            candidates[index].run()
+            times[index].append(time.perf_counter() - start)
     return [statistics.median(seconds) for seconds in times]
 
 
@@ -203,7 +210,10 @@ def targets(*, L: int = 1024, repeats: int = 10, device: str = "cpu",
             for operation in OPERATIONS:
                 bar.show(f"{kind} {operation}")
                 problem = make_problem(operation, B=2, H=8, L=L, E=64, dtype="float32")
-                mine = [target for target in chosen if target.framework == kind]
+                mine = [target for target in chosen if target.framework == kind and operation in target.operations]
+                if not mine:
+                    bar.step()
+                    continue
                 wanted = {name for target in mine for name in (target.numerator, *target.denominators)}
                 candidates = make_candidates(problem, backends, dtype="float32", devices=devices, wanted=wanted)
                 medians = dict(zip([c.name for c in candidates], measure(candidates, repeats=repeats), strict=True))
