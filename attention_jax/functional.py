@@ -53,6 +53,10 @@ def scaled_dot_product_attention(
     _checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
+    if L == 0 or S == 0:  # no queries, or no keys to see: nothing to attend, every output is zeros
+        _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
+        weights = jnp.zeros((*batch, L, S), q.dtype)
+        return jnp.zeros((*batch, L, v.shape[-1]), q.dtype), (weights if need_weights else None)
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
@@ -97,7 +101,10 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, is_causal: bool,
     visible = None
     if mask is not None:
         _checks.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
-        visible = jnp.asarray(mask) != 0
+        mask = jnp.asarray(mask)
+        binary = None if isinstance(mask, jax.core.Tracer) else bool(jnp.all((mask == 0) | (mask == 1)))
+        _checks.binary_mask(jnp.issubdtype(mask.dtype, jnp.floating), binary)  # jax: under jit, unseen
+        visible = mask != 0
     if bias is not None:
         _checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, jnp.asarray(bias) != -jnp.inf)

@@ -55,6 +55,13 @@ def same_floating_dtype(dtypes: Mapping[str, tuple[str, bool]], where: str = "")
         raise TypeError(f"{where}{', '.join(dtypes)} must share one dtype; got {listed}")
 
 
+def binary_mask(floating: bool, binary: bool | None) -> None:
+    """A floating mask holds 0 and 1 only (binary None: its values cannot be seen, as under jax.jit)."""
+    if floating and binary is False:
+        raise ValueError("mask holds values other than 0 and 1: a mask hides a key where it equals 0 and keeps "
+                         "it elsewhere; pass an additive mask (0 and -inf, say) as bias= instead")
+
+
 def probability(name: str, p: float) -> None:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"{name} must be in [0, 1); got {p}")

@@ -51,6 +51,10 @@ def scaled_dot_product_attention(
     _checks.probability("dropout_p", dropout_p)
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
+    if L == 0 or S == 0:  # no queries, or no keys to see: nothing to attend, every output is zeros
+        _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
+        weights = np.zeros((*batch, L, S), q.dtype)
+        return np.zeros((*batch, L, v.shape[-1]), q.dtype), (weights if need_weights else None)
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
@@ -95,7 +99,9 @@ def _visible(mask: np.ndarray | None, bias: np.ndarray | None, is_causal: bool,
     visible = None
     if mask is not None:
         _checks.broadcasts_to("mask", np.shape(mask), scores_shape, "..., L, S")
-        visible = np.asarray(mask) != 0
+        mask = np.asarray(mask)
+        _checks.binary_mask(np.issubdtype(mask.dtype, np.floating), bool(np.all((mask == 0) | (mask == 1))))
+        visible = mask != 0
     if bias is not None:
         _checks.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, np.asarray(bias) != -np.inf)

@@ -51,6 +51,10 @@ def scaled_dot_product_attention(
     _checks.probability("dropout_p", dropout_p)
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
+    if L == 0 or S == 0:  # no queries, or no keys to see: nothing to attend, every output is zeros
+        _visible(mask, bias, is_causal, (*batch, L, S), q.device)  # the masks' shapes are still checked
+        weights = q.new_zeros((*batch, L, S))
+        return q.new_zeros((*batch, L, v.shape[-1])), (weights if need_weights else None)
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
@@ -95,7 +99,9 @@ def _visible(mask: torch.Tensor | None, bias: torch.Tensor | None, is_causal: bo
     visible = None
     if mask is not None:
         _checks.broadcasts_to("mask", mask.shape, scores_shape, "..., L, S")
-        visible = torch.as_tensor(mask, device=device) != 0
+        mask = torch.as_tensor(mask, device=device)
+        _checks.binary_mask(mask.is_floating_point(), bool(((mask == 0) | (mask == 1)).all()))
+        visible = mask != 0
     if bias is not None:
         _checks.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
         visible = _both(visible, torch.as_tensor(bias, device=device) != -math.inf)
