@@ -102,9 +102,10 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, is_causal: bool,
     if mask is not None:
         _checks.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
         mask = jnp.asarray(mask)
-        binary = None if isinstance(mask, jax.core.Tracer) else bool(jnp.all((mask == 0) | (mask == 1)))
-        _checks.binary_mask(jnp.issubdtype(mask.dtype, jnp.floating), binary)  # jax: under jit, unseen
-        visible = mask != 0
+        floating = jnp.issubdtype(mask.dtype, jnp.floating)
+        traced = isinstance(mask, jax.core.Tracer)  # jax: under jit the values cannot be seen
+        _checks.binary_mask(floating, None if traced or not floating else bool(jnp.all((mask == 0.0) | (mask == 1.0))))
+        visible = mask.astype(bool)  # nonzero: visible (jax: a cast, as strict promotion forbids mask != 0)
     if bias is not None:
         _checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, jnp.asarray(bias) != -jnp.inf)
@@ -130,10 +131,10 @@ def _masked_softmax(scores: jax.Array, visible: jax.Array | None) -> jax.Array:
     scores = jnp.where(visible, scores, -jnp.inf)  # hidden entries become exp(-inf) = 0 below
     row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))  # (..., L, 1)
     # jax: stop_gradient, as the shift cancels in the softmax and needs no gradient
-    row_max = jnp.where(row_max == -jnp.inf, 0, row_max)  # fully masked row: any finite shift will do
+    row_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # fully masked row: any finite shift will do
     exp = jnp.exp(scores - row_max)  # (..., L, S)
     total = jnp.sum(exp, axis=-1, keepdims=True)  # (..., L, 1)
-    return exp / jnp.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
+    return exp / jnp.where(total == 0.0, 1.0, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
 
 
 def _dropout(x: jax.Array, p: float, rng: Rng) -> jax.Array:

@@ -288,7 +288,7 @@ class TransformerBlock(Module):
 def _activation(name: str, x: jax.Array) -> jax.Array:
     """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form."""
     if name == "relu":
-        return jnp.maximum(x, 0)
+        return jnp.maximum(x, 0.0)
     return x / 2 * (1 + jax.scipy.special.erf(x / math.sqrt(2)))
 
 

@@ -53,7 +53,8 @@ def _both(q: np.ndarray, k: np.ndarray, v: np.ndarray, **kwargs: Any) -> tuple[n
     ours, _ = M.scaled_dot_product_attention(*(M.asarray(x) for x in (q, k, v)),
                                              **{name: _native(M, x) for name, x in kwargs.items()})
     to_jax = [M.asarray(np.swapaxes(x, 1, 2)) for x in (q, k, v)]  # (B, H, n, E) -> (B, n, H, E)
-    theirs = jax.nn.dot_product_attention(*to_jax, **{name: _native(M, x) for name, x in kwargs.items()})
+    with jax.numpy_dtype_promotion("standard"):  # jax's own function mixes float32 into float64 inputs
+        theirs = jax.nn.dot_product_attention(*to_jax, **{name: _native(M, x) for name, x in kwargs.items()})
     return M.to_numpy(ours), np.swapaxes(M.to_numpy(theirs), 1, 2)  # (B, L, H, E) -> (B, H, L, E)
 
 
