@@ -83,9 +83,11 @@ class LayerNorm(Module):
         return cls(jnp.ones(d_model, dtype), jnp.zeros(d_model, dtype), eps)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        mean = jnp.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
-        var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
-        return (x - mean) / jnp.sqrt(var + self.eps) * self.weight + self.bias
+        y = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # statistics in at least float32
+        mean = jnp.mean(y, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+        var = jnp.mean((y - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
+        weight, bias = self.weight.astype(y.dtype), self.bias.astype(y.dtype)  # jax: strict promotion
+        return ((y - mean) / jnp.sqrt(var + self.eps) * weight + bias).astype(x.dtype)
 
 
 class MultiHeadAttention(Module):

@@ -55,10 +55,13 @@ def scaled_dot_product_attention(
         _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
         weights = np.zeros((*batch, L, S), q.dtype)
         return np.zeros((*batch, L, v.shape[-1]), q.dtype), (weights if need_weights else None)
+    dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
+    q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
-        return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
+        out = attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch)
+        return out.astype(dtype, copy=False), None
     visible = _visible(mask, bias, is_causal, (*batch, L, S))  # (..., L, S); None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
@@ -69,7 +72,7 @@ def scaled_dot_product_attention(
     # 2) softmax over the keys each query may see, then the weighted sum of the values
     weights = _masked_softmax(scores, visible)  # (..., L, S)
     out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
-    return out, (weights if need_weights else None)
+    return out.astype(dtype, copy=False), (weights.astype(dtype, copy=False) if need_weights else None)
 
 
 def causal_mask(L: int, S: int) -> np.ndarray:

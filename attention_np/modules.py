@@ -105,9 +105,10 @@ class LayerNorm(Module):
         return cls(np.ones(d_model, dtype), np.zeros(d_model, dtype), eps)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        mean = np.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
-        var = np.mean((x - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
-        return (x - mean) / np.sqrt(var + self.eps) * self.weight + self.bias
+        y = x.astype(np.promote_types(x.dtype, np.float32), copy=False)  # statistics in at least float32
+        mean = np.mean(y, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+        var = np.mean((y - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
+        return ((y - mean) / np.sqrt(var + self.eps) * self.weight + self.bias).astype(x.dtype, copy=False)
 
 
 class MultiHeadAttention(Module):

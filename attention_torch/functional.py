@@ -55,10 +55,13 @@ def scaled_dot_product_attention(
         _visible(mask, bias, is_causal, (*batch, L, S), q.device)  # the masks' shapes are still checked
         weights = q.new_zeros((*batch, L, S))
         return q.new_zeros((*batch, L, v.shape[-1])), (weights if need_weights else None)
+    dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: sums, softmax in float32
+    q, k, v = (x.to(work) for x in (q, k, v))
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
-        return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
+        out = attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch)
+        return out.to(dtype), None
     visible = _visible(mask, bias, is_causal, (*batch, L, S), q.device)  # (..., L, S); None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
@@ -69,7 +72,7 @@ def scaled_dot_product_attention(
     # 2) softmax over the keys each query may see, then the weighted sum of the values
     weights = _masked_softmax(scores, visible)  # (..., L, S)
     out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
-    return out, (weights if need_weights else None)
+    return out.to(dtype), (weights.to(dtype) if need_weights else None)
 
 
 def causal_mask(L: int, S: int) -> torch.Tensor:
