@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .functional import _masked_softmax, _visible
+from .functional import _masked_softmax, _ranked, _visible
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
@@ -26,5 +26,5 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     visible = _visible(mask, bias, is_causal, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
     scores = (q * scale) @ jnp.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
     if bias is not None:
-        scores = scores + jnp.asarray(bias, dtype=scores.dtype)
+        scores = scores + _ranked(jnp.asarray(bias, dtype=scores.dtype), scores.ndim)
     return _masked_softmax(scores, visible) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)

@@ -7,6 +7,7 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +58,8 @@ def scaled_dot_product_attention(
         _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
         weights = jnp.zeros((*batch, L, S), q.dtype)
         return jnp.zeros((*batch, L, v.shape[-1]), q.dtype), (weights if need_weights else None)
-    dtype, work = q.dtype, jnp.promote_types(q.dtype, jnp.float32)  # float16, bfloat16: sums, softmax in float32
-    q, k, v = (x.astype(work) for x in (q, k, v))
+    dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
+    q, k, v = (_ranked(x.astype(work), len(batch) + 2) for x in (q, k, v))
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
@@ -69,7 +70,7 @@ def scaled_dot_product_attention(
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
     scores = (q * scale) @ jnp.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
     if bias is not None:
-        scores = scores + jnp.asarray(bias, dtype=scores.dtype)
+        scores = scores + _ranked(jnp.asarray(bias, dtype=scores.dtype), scores.ndim)
 
     # 2) softmax over the keys each query may see, then the weighted sum of the values
     weights = _masked_softmax(scores, visible)  # (..., L, S)
@@ -88,7 +89,7 @@ def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
     The two singleton axes stand for H and L, so the mask broadcasts over (B, H, L, S) scores.
     """
     lengths = jnp.asarray(lengths)
-    return jnp.arange(S) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
+    return _ranked(jnp.arange(S), lengths.ndim + 3) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
 
 
 def _dtypes(**arrays: jax.Array) -> dict[str, tuple[str, bool]]:
@@ -108,13 +109,26 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, is_causal: bool,
         floating = jnp.issubdtype(mask.dtype, jnp.floating)
         traced = isinstance(mask, jax.core.Tracer)  # jax: under jit the values cannot be seen
         _checks.binary_mask(floating, None if traced or not floating else bool(jnp.all((mask == 0.0) | (mask == 1.0))))
-        visible = mask.astype(bool)  # nonzero: visible (jax: a cast, as strict promotion forbids mask != 0)
+        visible = _ranked(mask.astype(bool), len(scores_shape))  # nonzero: visible (jax: a cast, as strict
+        # promotion forbids mask != 0)
     if bias is not None:
         _checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
-        visible = _both(visible, jnp.asarray(bias) != -jnp.inf)
+        visible = _both(visible, _ranked(jnp.asarray(bias) != -jnp.inf, len(scores_shape)))
     if is_causal:
-        visible = _both(visible, causal_mask(L, S))
+        visible = _both(visible, _ranked(causal_mask(L, S), len(scores_shape)))
     return visible
+
+
+def _at_least_float32(dtype: Any) -> Any:
+    """float32 for float16 and bfloat16, the dtype itself otherwise. jax: jnp.promote_types obeys strict
+    promotion, which refuses to promote float64 with float32."""
+    return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
+
+
+def _ranked(x: jax.Array, ndim: int) -> jax.Array:
+    """x with leading axes of size 1 up to `ndim` axes. jax: broadcasting then needs no rank promotion, so
+    the backend works with jax_numpy_rank_promotion="raise"."""
+    return jnp.reshape(x, (1,) * (ndim - x.ndim) + x.shape)
 
 
 def _both(visible: jax.Array | None, rule: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ from attention_np import _checks
 from attention_np import modules as _np_modules
 
 from .arrays import asarray
-from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attention
+from .functional import Rng, _at_least_float32, _dropout, _dtypes, _ranked, _rngs, scaled_dot_product_attention
 
 
 class Module(_np_modules.Module):
@@ -65,7 +65,7 @@ class Linear(Module):
         return cls(weight, jax.random.uniform(rng_bias, (d_out,), dtype, -bound, bound))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.weight.T + self.bias  # (..., in) x (in, out) -> (..., out)
+        return x @ self.weight.T + _ranked(self.bias, x.ndim)  # (..., in) x (in, out) -> (..., out)
 
 
 class LayerNorm(Module):
@@ -83,10 +83,10 @@ class LayerNorm(Module):
         return cls(jnp.ones(d_model, dtype), jnp.zeros(d_model, dtype), eps)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x.astype(jnp.promote_types(x.dtype, jnp.float32))  # statistics in at least float32
+        y = x.astype(_at_least_float32(x.dtype))  # statistics in at least float32
         mean = jnp.mean(y, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
         var = jnp.mean((y - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
-        weight, bias = self.weight.astype(y.dtype), self.bias.astype(y.dtype)  # jax: strict promotion
+        weight, bias = (_ranked(p.astype(y.dtype), y.ndim) for p in (self.weight, self.bias))  # jax: strict modes
         return ((y - mean) / jnp.sqrt(var + self.eps) * weight + bias).astype(x.dtype)
 
 

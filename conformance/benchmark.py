@@ -373,6 +373,12 @@ def pinned(backends: dict[str, ModuleType]) -> Iterator[list[str]]:
     torch: TF32 off), so float32 means float32 on every device; yields their descriptions."""
     with contextlib.ExitStack() as stack:
         settings = [stack.enter_context(framework_of(module).pinned()) for module in backends.values()]
+        if any(framework_of(module).name == "jax" for module in backends.values()):
+            import jax
+
+            # the baselines are plain JAX, written with implicit broadcasting and promotion
+            stack.enter_context(jax.numpy_rank_promotion("allow"))
+            stack.enter_context(jax.numpy_dtype_promotion("standard"))
         yield [setting for setting in settings if setting]
 
 

@@ -1,7 +1,8 @@
 """Shared fixtures: each test that takes `backend` runs once per installed backend.
 
 JAX runs with 64-bit types enabled and "highest" matmul precision, as the conformance suite does, so
-float64 comparisons mean float64 on every backend.
+float64 comparisons mean float64 on every backend; and with rank promotion raising and strict dtype
+promotion, so the JAX backend is shown to need neither implicit broadcasting by rank nor promotion.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_default_matmul_precision", "highest")
+    jax.config.update("jax_numpy_rank_promotion", "raise")  # no implicit broadcasting by rank
+    jax.config.update("jax_numpy_dtype_promotion", "strict")  # no implicit dtype promotion
 
 
 def import_backend(name: str) -> ModuleType:

@@ -105,7 +105,8 @@ def test_jax_grad_matches_a_central_difference(kind: str):
     c = M.asarray(np.random.default_rng(2).standard_normal((B, L, D)))
 
     def loss(m, x):
-        return (f(m, x, mask)[0] * c).sum()
+        out = f(m, x, mask)[0]  # SDPA's carries a head axis: (B, 1, L, D)
+        return (out * c.reshape(out.shape)).sum()
 
     grads = jax.grad(loss, argnums=(0, 1))(module, x)
     # along a random direction u over every parameter and the input, (loss(p + h u) - loss(p - h u)) / 2h
