@@ -19,7 +19,7 @@ from tests.conftest import BACKENDS, import_backend
 
 LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width, "
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
-PUBLIC_FILES = {"__init__.py", "arrays.py", "functional.py", "gradients.py", "modules.py", "py.typed"}
+PUBLIC_FILES = {"__init__.py", "arrays.py", "fast.py", "functional.py", "gradients.py", "modules.py", "py.typed"}
 CLASSES = ("MultiHeadAttention", "TransformerBlock")
 
 
@@ -116,7 +116,7 @@ def test_docstring_args_name_the_signature_parameters():
                 assert documented == parameters, f"{M.__name__}.{name}: {documented} != {parameters}"
 
 
-@pytest.mark.parametrize("file", ["functional", "gradients", "modules"])
+@pytest.mark.parametrize("file", ["fast", "functional", "gradients", "modules"])
 def test_module_docstrings_hold_the_one_shape_legend(file: str):
     for M in _backends():
         doc = importlib.import_module(f"{M.__name__}.{file}").__doc__
