@@ -12,16 +12,13 @@ every check passes on every module.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
 from collections.abc import Sequence
-from types import ModuleType
 
 from . import benchmark, suite
-
-BUILT_IN = ("attention_np", "attention_jax", "attention_torch")
+from .frameworks import BUILT_IN, import_modules
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {FIGURES[args.name](args.output)}")
         return 0
     names = args.modules if args.command == "check" else BUILT_IN
-    modules, skipped = _import(names, required=args.command == "check")
+    modules, skipped = import_modules(names)
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     if not modules:
@@ -88,17 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{'all pass' if not failures else f'{len(failures)} of {len(names)} modules failed'}"
           f"; replay with --seed {args.seed}")
     return 0 if not failures else 1
-
-
-def _import(names: Sequence[str], *, required: bool) -> tuple[dict[str, ModuleType], dict[str, str]]:
-    """({name: module} for those that import, {name: why not} for the others)."""
-    modules, skipped = {}, {}
-    for name in names:
-        try:
-            modules[name] = importlib.import_module(name)
-        except Exception as error:  # a missing framework skips that backend only
-            skipped[name] = f"{type(error).__name__}: {error}"
-    return modules, skipped
 
 
 if __name__ == "__main__":

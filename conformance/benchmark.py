@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import baselines
-from .frameworks import framework_of
+from .frameworks import framework_of, import_modules
 
 BACKENDS = ("attention_np", "attention_torch", "attention_jax")
 OPERATIONS = ("sdpa", "mha", "block")
@@ -331,13 +331,7 @@ def _our_output(module: ModuleType, problem: Problem, convert: Callable) -> np.n
 
 def installed_backends() -> tuple[dict[str, ModuleType], dict[str, str]]:
     """({name: module} of the built-in backends that import, {name: why not} of the others)."""
-    backends, skipped = {}, {}
-    for name in BACKENDS:
-        try:
-            backends[name] = importlib.import_module(name)
-        except Exception as error:  # a missing framework skips that backend only
-            skipped[name] = f"{type(error).__name__}: {error}"
-    return backends, skipped
+    return import_modules(BACKENDS)
 
 
 def placement(backends: dict[str, ModuleType], device: str) -> dict[str, str]:

@@ -8,9 +8,23 @@ contract is checked the same way as ours.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import importlib
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
+
+BUILT_IN = ("attention_np", "attention_jax", "attention_torch")
+
+
+def import_modules(names: Sequence[str]) -> tuple[dict[str, ModuleType], dict[str, str]]:
+    """({name: module} for those that import, {name: why not} for the others)."""
+    modules, skipped = {}, {}
+    for name in names:
+        try:
+            modules[name] = importlib.import_module(name)
+        except Exception as error:  # a missing framework skips that backend only
+            skipped[name] = f"{type(error).__name__}: {error}"
+    return modules, skipped
 
 
 class Framework(NamedTuple):

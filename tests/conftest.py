@@ -34,6 +34,19 @@ def import_backend(name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
+def backend_rng(M: ModuleType, seed: int) -> object:
+    """The backend's rng for `seed`: an int seed (NumPy), a key (JAX), a seeded Generator (torch)."""
+    if M.__name__ == "attention_jax":
+        import jax
+
+        return jax.random.key(seed)
+    if M.__name__ == "attention_torch":
+        import torch
+
+        return torch.Generator().manual_seed(seed)
+    return seed
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> ModuleType:
     return import_backend(request.param)

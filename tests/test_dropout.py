@@ -9,25 +9,12 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests.conftest import import_backend
+from tests.conftest import backend_rng, import_backend
 
 D, H, F, B, L = 8, 2, 16, 2, 5  # d_model, heads, d_ff, batch, positions
 P = 0.5  # a large dropout probability, so that every output entry is affected
 KINDS = ("sdpa", "mha", "block")
 Run = Callable[[bool, object], tuple[np.ndarray, np.ndarray]]
-
-
-def _rng(M: ModuleType, seed: int) -> object:
-    """The backend's rng for `seed`: an int seed (NumPy), a key (JAX), a seeded Generator (torch)."""
-    if M.__name__ == "attention_jax":
-        import jax
-
-        return jax.random.key(seed)
-    if M.__name__ == "attention_torch":
-        import torch
-
-        return torch.Generator().manual_seed(seed)
-    return seed
 
 
 def _module(M: ModuleType, kind: str, dropout: float) -> object:
@@ -80,14 +67,14 @@ def test_eval_mode_is_deterministic_and_equals_no_dropout(backend, kind: str):
 @pytest.mark.parametrize("kind", KINDS)
 def test_training_mode_changes_the_output(backend, kind: str):
     run = _runner(backend, kind)
-    trained, evaluated = run(True, _rng(backend, 0))[0], run(False, None)[0]
+    trained, evaluated = run(True, backend_rng(backend, 0))[0], run(False, None)[0]
     assert not np.allclose(trained, evaluated)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_same_rng_reproduces_the_output(backend, kind: str):
     run = _runner(backend, kind)
-    first, second = run(True, _rng(backend, 0)), run(True, _rng(backend, 0))
+    first, second = run(True, backend_rng(backend, 0)), run(True, backend_rng(backend, 0))
     for a, b in zip(first, second, strict=True):
         assert np.array_equal(a, b)
 
@@ -95,13 +82,13 @@ def test_same_rng_reproduces_the_output(backend, kind: str):
 @pytest.mark.parametrize("kind", KINDS)
 def test_different_rngs_give_different_outputs(backend, kind: str):
     run = _runner(backend, kind)
-    assert not np.array_equal(run(True, _rng(backend, 0))[0], run(True, _rng(backend, 1))[0])
+    assert not np.array_equal(run(True, backend_rng(backend, 0))[0], run(True, backend_rng(backend, 1))[0])
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_weights_are_returned_before_dropout(backend, kind: str):
     run = _runner(backend, kind)
-    trained, evaluated = run(True, _rng(backend, 0))[1], run(False, None)[1]
+    trained, evaluated = run(True, backend_rng(backend, 0))[1], run(False, None)[1]
     np.testing.assert_allclose(trained.sum(axis=-1), 1.0, rtol=0, atol=1e-12)
     assert np.array_equal(trained, evaluated)
 
@@ -116,7 +103,7 @@ def test_sdpa_dropout_mean_over_draws_approaches_the_output_without_dropout(back
     out, weights = (backend.to_numpy(a) for a in backend.scaled_dot_product_attention(
         *(backend.asarray(a) for a in (q, k, v))))
     dropped, _ = backend.scaled_dot_product_attention(
-        *(backend.asarray(a) for a in (np.tile(q, (N, 1, 1)), k, v)), dropout_p=P, rng=_rng(backend, 0))
+        *(backend.asarray(a) for a in (np.tile(q, (N, 1, 1)), k, v)), dropout_p=P, rng=backend_rng(backend, 0))
     dropped = backend.to_numpy(dropped)  # (N, L, E)
     # Inverted dropout: out_ie = sum_j w_ij m_j / (1 - p) v_je with m_j ~ Bernoulli(1 - p), so the mean
     # is w v exactly and the variance of one draw is p / (1 - p) * sum_j w_ij^2 v_je^2. The mean of N
@@ -145,7 +132,7 @@ def test_jax_needs_no_rng_when_dropout_is_off(kind: str):
 def test_dropout_outside_the_unit_interval_raises(backend, p: float):
     x = backend.asarray(np.ones((L, D)))
     with pytest.raises(ValueError, match="dropout"):
-        backend.scaled_dot_product_attention(x, x, x, dropout_p=p, rng=_rng(backend, 0))
+        backend.scaled_dot_product_attention(x, x, x, dropout_p=p, rng=backend_rng(backend, 0))
     with pytest.raises(ValueError, match="dropout"):
         backend.MultiHeadAttention(D, H, p)
     with pytest.raises(ValueError, match="dropout"):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests._compare import TOLERANCE, assert_close
-from tests.conftest import import_backend
+from tests.conftest import backend_rng, import_backend
 
 D, H, F, B, L = 8, 2, 16, 2, 5  # d_model, heads, d_ff, batch, positions: small and fast
 MHA_NAMES = ["w_q.weight", "w_q.bias", "w_k.weight", "w_k.bias",
@@ -26,19 +26,6 @@ BLOCK_SHAPES = ({f"attn.{name}": shape for name, shape in MHA_SHAPES.items()}
 # (module kind, from_state_dict options) for the cross-backend comparison
 CASES = {"mha": ("mha", {}), "block post-LN relu": ("block", {}),
          "block pre-LN gelu": ("block", {"norm_first": True, "activation": "gelu"})}
-
-
-def _rng(M: ModuleType, seed: int) -> object:
-    """The backend's rng for `seed`: an int seed (NumPy), a key (JAX), a seeded Generator (torch)."""
-    if M.__name__ == "attention_jax":
-        import jax
-
-        return jax.random.key(seed)
-    if M.__name__ == "attention_torch":
-        import torch
-
-        return torch.Generator().manual_seed(seed)
-    return seed
 
 
 def _dtype(M: ModuleType, dtype: type) -> object:
@@ -76,12 +63,12 @@ def _eval_outputs(M: ModuleType, kind: str, options: dict, dtype: type) -> tuple
 
 
 def test_mha_state_dict_has_the_torch_names_in_order(backend):
-    mha = backend.MultiHeadAttention(D, H, rng=_rng(backend, 0))
+    mha = backend.MultiHeadAttention(D, H, rng=backend_rng(backend, 0))
     assert list(mha.state_dict()) == MHA_NAMES
 
 
 def test_block_state_dict_has_the_torch_names_in_order(backend):
-    block = backend.TransformerBlock(D, H, F, rng=_rng(backend, 0))
+    block = backend.TransformerBlock(D, H, F, rng=backend_rng(backend, 0))
     assert list(block.state_dict()) == BLOCK_NAMES
 
 
@@ -92,7 +79,7 @@ def test_torch_named_parameters_are_the_state_dict_names():
 
 
 def test_state_dict_shapes_use_the_nn_linear_layout(backend):
-    block = backend.TransformerBlock(D, H, F, rng=_rng(backend, 0))
+    block = backend.TransformerBlock(D, H, F, rng=backend_rng(backend, 0))
     shapes = {name: tuple(value.shape) for name, value in block.state_dict().items()}
     assert shapes == BLOCK_SHAPES
 
@@ -124,7 +111,7 @@ def test_from_state_dict_computes_in_the_state_dtype(backend, dtype: type):
 def test_file_round_trip_torch_jax_numpy_is_bit_exact(tmp_path, dtype: type):
     torch_M, jax_M, np_M = (import_backend(name) for name in ("attention_torch", "attention_jax",
                                                                "attention_np"))
-    original = torch_M.TransformerBlock(D, H, F, rng=_rng(torch_M, 0), dtype=_dtype(torch_M, dtype))
+    original = torch_M.TransformerBlock(D, H, F, rng=backend_rng(torch_M, 0), dtype=_dtype(torch_M, dtype))
     # torch -> file -> JAX module -> file -> NumPy module
     torch_M.save_state_dict(tmp_path / "torch.npz", original.state_dict())
     jax_block = jax_M.TransformerBlock.from_state_dict(jax_M.load_state_dict(tmp_path / "torch.npz"),
@@ -141,7 +128,7 @@ def test_file_round_trip_torch_jax_numpy_is_bit_exact(tmp_path, dtype: type):
 
 
 def test_saved_state_is_an_npz_readable_without_pickle(backend, tmp_path):
-    state = backend.MultiHeadAttention(D, H, rng=_rng(backend, 0)).state_dict()
+    state = backend.MultiHeadAttention(D, H, rng=backend_rng(backend, 0)).state_dict()
     backend.save_state_dict(tmp_path / "state.npz", state)
     with np.load(tmp_path / "state.npz", allow_pickle=False) as arrays:
         assert arrays.files == MHA_NAMES
@@ -151,7 +138,7 @@ def test_saved_state_is_an_npz_readable_without_pickle(backend, tmp_path):
 
 def test_saved_state_loads_from_the_exact_path_given(backend, tmp_path):
     # np.savez would append ".npz" to a bare path; the file must be where the caller said
-    state = backend.MultiHeadAttention(D, H, rng=_rng(backend, 0)).state_dict()
+    state = backend.MultiHeadAttention(D, H, rng=backend_rng(backend, 0)).state_dict()
     backend.save_state_dict(tmp_path / "weights", state)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]
     loaded = backend.load_state_dict(tmp_path / "weights")
@@ -195,7 +182,7 @@ def test_block_from_state_dict_names_every_bad_entry_in_one_error(backend):
 
 
 def test_initial_values_follow_nn_linear_and_layer_norm(backend):
-    state = _numpy_state(backend.TransformerBlock(D, H, F, rng=_rng(backend, 0)), backend)
+    state = _numpy_state(backend.TransformerBlock(D, H, F, rng=backend_rng(backend, 0)), backend)
     for name, value in state.items():
         assert value.dtype == np.float32, name  # dtype=None means float32
         if name.startswith("norm"):  # LayerNorm: weight ones, bias zeros
@@ -212,12 +199,12 @@ def test_initial_values_follow_nn_linear_and_layer_norm(backend):
 
 
 def test_initial_values_take_the_requested_dtype(backend):
-    block = backend.TransformerBlock(D, H, F, rng=_rng(backend, 0), dtype=_dtype(backend, np.float64))
+    block = backend.TransformerBlock(D, H, F, rng=backend_rng(backend, 0), dtype=_dtype(backend, np.float64))
     assert {value.dtype for value in _numpy_state(block, backend).values()} == {np.dtype(np.float64)}
 
 
 def test_same_rng_gives_the_same_initial_values(backend):
-    first, second, other = (_numpy_state(backend.TransformerBlock(D, H, F, rng=_rng(backend, seed)), backend)
+    first, second, other = (_numpy_state(backend.TransformerBlock(D, H, F, rng=backend_rng(backend, seed)), backend)
                             for seed in (0, 0, 1))
     for name in BLOCK_NAMES:
         assert np.array_equal(first[name], second[name]), name
