@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, example, given, seed, sett
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
-from . import checks, gradient_checks, strategies
+from . import checks, error_checks, gradient_checks, strategies
 from .checks import Runner
 from .snippets import describe, reproduce
 
@@ -63,6 +63,22 @@ GROUPS = (
           requires=gradient_checks.offers_gradients),
 )
 PROFILES = {"fast": 1, "thorough": 10}  # multiplies each group's examples
+
+
+class Table(NamedTuple):
+    """A check on fixed cases, without Hypothesis (conformance/error_checks.py): one row per operation,
+    examples = the cases run, worst = the cases failing, tolerance 0."""
+
+    check: str  # the row's name
+    dtype: str  # "-" when the cases mix dtypes
+    run: Callable[[Runner, str], Sequence[Any]]  # (runner, operation) -> results with .passed, .describe()
+
+
+TABLES = (
+    Table("errors", "-", lambda runner, operation: error_checks.errors(runner.module, [operation])),
+    Table("edge_cases", "float64",
+          lambda runner, operation: error_checks.edge_cases(runner.module, [operation], runner=runner)),
+)
 
 
 class Row(NamedTuple):
@@ -113,16 +129,29 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
     runner = Runner(module)
     rows = []
     with runner.framework.pinned() as pinned:
-        for group in GROUPS:
-            if group.operation not in operations:
+        for operation in dict.fromkeys(group.operation for group in GROUPS):
+            if operation not in operations:
                 continue
-            examples = max_examples or group.examples * PROFILES[profile]
-            why = group.requires(module, group.operation) if group.requires else None
-            for dtype in group.dtypes:
-                rows += ([Row(module.__name__, group.operation, group.check.__name__, dtype, 0, 0.0, 0.0, True,
-                              skipped=why)] if why else
-                         _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink))
+            for group in (group for group in GROUPS if group.operation == operation):
+                examples = max_examples or group.examples * PROFILES[profile]
+                why = group.requires(module, group.operation) if group.requires else None
+                for dtype in group.dtypes:
+                    rows += ([Row(module.__name__, group.operation, group.check.__name__, dtype, 0, 0.0, 0.0, True,
+                                  skipped=why)] if why else
+                             _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink))
+            rows += [_table_row(runner, table, operation) for table in TABLES]
     return Report(rows, seed, profile, [pinned] if pinned else [])
+
+
+def _table_row(runner: Runner, table: Table, operation: str) -> Row:
+    """The table's cases for `operation` as one row; the failure lists each failing case."""
+    name = runner.module.__name__
+    summary = error_checks.summarize(table.run(runner, operation))
+    failure = (None if summary.failure is None else
+               f"{name} {operation} {table.check} {table.dtype}: {summary.failing} of {summary.examples} cases "
+               f"fail\n{summary.failure}")
+    return Row(name, operation, table.check, table.dtype, summary.examples, float(summary.failing), 0.0,
+               summary.failing == 0, failure)
 
 
 def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_: int, shrink: bool) -> list[Row]:

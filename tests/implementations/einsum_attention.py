@@ -96,6 +96,8 @@ class Implementation:
         for name, extra in (("mask", mask), ("bias", bias)):
             if extra is not None:
                 self.check_broadcast(name, np.shape(extra), (*batch, L, S), "..., L, S")
+        if mask is not None:
+            self.check_mask_values(np.asarray(mask))
 
         # 1) scores, biased
         scores = self.scores(q, k, self.resolve_scale(scale, E), bias)  # (..., L, S)
@@ -334,6 +336,11 @@ class Implementation:
         if not fits:
             raise ValueError(f"{name} of shape {tuple(shape)} does not broadcast to {tuple(target)} "
                              f"({letters})")
+
+    def check_mask_values(self, mask: np.ndarray) -> None:
+        """A floating mask holds 0 and 1 only: other values are an additive mask, which belongs in bias=."""
+        if np.issubdtype(mask.dtype, np.floating) and not np.all((mask == 0) | (mask == 1)):
+            raise ValueError("mask holds values other than 0 and 1; pass an additive mask as bias= instead")
 
     def check_dtypes(self, where: str, **arrays: np.ndarray) -> None:
         """One floating dtype for all: TypeError otherwise."""

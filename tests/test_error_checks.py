@@ -1,0 +1,143 @@
+"""The suite's error checks: every backend raises the spec's exception for each mistake, and the checks
+reject a module that raises the wrong type, says too little, or silently accepts a bad mask."""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+import attention_np
+from conformance import check, error_checks
+from conformance.error_checks import EDGE_CASES, ERROR_CASES, ErrorCase
+from conformance.frameworks import framework_of
+from tests.implementations import einsum_attention
+
+SPEC = Path(__file__).resolve().parents[1] / "SPEC.md"
+FEW = 2  # Hypothesis examples per group where a test needs only the table rows
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda case: f"{case.operation}-{case.name}")
+def test_each_mistake_raises_the_spec_exception(backend: ModuleType, case: ErrorCase):
+    with framework_of(backend).pinned():
+        result = error_checks.check_error(backend, case)
+    assert result.skipped is None, result.skipped  # every built-in backend offers vjp
+    assert result.passed, result.describe()
+
+
+def test_the_third_party_implementation_raises_the_same_exceptions():
+    results = error_checks.errors(einsum_attention)
+    assert all(result.passed for result in results), "\n".join(r.describe() for r in results if not r.passed)
+    skipped = {result.case.name for result in results if result.skipped}
+    assert skipped == {"d_out_shape"}  # it offers no vjp: those cases do not apply
+
+
+def test_suite_reports_one_errors_and_one_edge_cases_row_per_operation():
+    report = check(attention_np, max_examples=1)
+    tables = {(row.operation, row.check): row for row in report.rows if row.check in ("errors", "edge_cases")}
+    assert set(tables) == {(op, name) for op in ("sdpa", "mha", "block") for name in ("errors", "edge_cases")}
+    for (operation, name), row in tables.items():
+        cases = ERROR_CASES if name == "errors" else EDGE_CASES
+        assert row.examples == sum(case.operation == operation for case in cases)
+        assert row.passed and row.worst == 0 and row.tolerance == 0
+        assert row.dtype == ("-" if name == "errors" else "float64")
+
+
+def test_spec_lists_every_case_of_both_tables():
+    section = SPEC.read_text().split("## 11. Error inputs and edge cases", 1)[1]
+    listed = set(re.findall(r"`(\w+)`", section))
+    missing = [f"{case.operation} {case.name}" for case in (*ERROR_CASES, *EDGE_CASES) if case.name not in listed]
+    assert not missing, f"SPEC.md section 11 does not list {missing}"
+
+
+# --- modules the error checks must reject ---------------------------------------------------------------
+
+def _sdpa_module(name: str, sdpa: Callable) -> ModuleType:
+    """attention_np with scaled_dot_product_attention replaced by `sdpa` (the rest unchanged)."""
+    module = types.ModuleType(name)
+    for attribute in attention_np.__all__:
+        setattr(module, attribute, getattr(attention_np, attribute))
+    module.scaled_dot_product_attention = sdpa
+    return module
+
+
+def _value_errors_as_runtime_errors(q, k, v, mask=None, **options):
+    try:
+        return attention_np.scaled_dot_product_attention(q, k, v, mask, **options)
+    except ValueError as error:
+        raise RuntimeError(str(error)) from None
+
+
+def _terse_messages(q, k, v, mask=None, **options):
+    try:
+        return attention_np.scaled_dot_product_attention(q, k, v, mask, **options)
+    except ValueError:
+        raise ValueError("invalid arguments") from None
+
+
+def _fits(mask: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> bool:
+    """Whether the mask broadcasts to (..., L, S) without adding axes (True where q, k, v are broken)."""
+    try:
+        scores = (*np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]), q.shape[-2], k.shape[-2])
+    except (ValueError, IndexError):
+        return True  # the real call reports q, k, v
+    try:
+        return np.broadcast_shapes(np.shape(mask), scores) == scores
+    except ValueError:
+        return False
+
+
+def _drop_bad_masks(q, k, v, mask=None, **options):
+    """A mask that does not fit is silently ignored: every key stays visible."""
+    return attention_np.scaled_dot_product_attention(q, k, v, mask if _fits(mask, q, k, v) else None, **options)
+
+
+def _drop_bad_masks_on_the_fast_path(q, k, v, mask=None, *, need_weights=True, **options):
+    keep = need_weights or _fits(mask, q, k, v)
+    return attention_np.scaled_dot_product_attention(q, k, v, mask if keep else None, need_weights=need_weights,
+                                                     **options)
+
+
+def _failing(module: ModuleType) -> dict[str, error_checks.ErrorResult]:
+    return {result.case.name: result for result in error_checks.errors(module, ["sdpa"]) if not result.passed}
+
+
+def test_wrong_exception_type_fails_the_errors_row():
+    module = _sdpa_module("runtime_errors", _value_errors_as_runtime_errors)
+    report = check(module, operations=["sdpa"], max_examples=FEW)
+    failed = [row for row in report.rows if not row.passed]
+    assert [row.check for row in failed] == ["errors"]  # every other check passes: only the type is wrong
+    value_errors = {case.name for case in ERROR_CASES
+                    if case.operation == "sdpa" and case.stage == "call" and case.error is ValueError}
+    assert failed[0].worst == len(value_errors)
+    for name in value_errors:
+        assert f"sdpa {name}: expected ValueError" in failed[0].failure
+    assert "got RuntimeError: q and k must have the same width E" in failed[0].failure
+
+
+def test_terse_message_fails_though_the_type_is_right():
+    failing = _failing(_sdpa_module("terse", _terse_messages))
+    assert failing and all(result.type_ok and not result.message_ok for result in failing.values())
+    assert "mask_adds_a_batch_axis" in failing
+
+
+def test_silently_accepting_a_bad_mask_fails_the_errors_row():
+    module = _sdpa_module("lenient_mask", _drop_bad_masks)
+    report = check(module, operations=["sdpa"], max_examples=FEW)
+    failed = [row for row in report.rows if not row.passed]
+    assert [row.check for row in failed] == ["errors"]
+    assert failed[0].worst == 2
+    assert "sdpa mask_does_not_broadcast: expected ValueError mentioning 'mask'" in failed[0].failure
+    assert "sdpa mask_adds_a_batch_axis: expected ValueError" in failed[0].failure
+    assert "got no exception" in failed[0].failure
+
+
+def test_a_check_skipped_on_the_fast_path_alone_is_caught():
+    failing = _failing(_sdpa_module("lenient_fast_path", _drop_bad_masks_on_the_fast_path))
+    assert set(failing) == {"mask_does_not_broadcast", "mask_adds_a_batch_axis"}
+    assert all(result.path == "need_weights=False" and result.raised is None for result in failing.values())
