@@ -23,7 +23,15 @@ def asarray(x: Any) -> torch.Tensor:
 
 def to_numpy(x: Any) -> np.ndarray:
     """This backend's array -> NumPy array."""
-    return x.detach().cpu().numpy()
+    x = x.detach().cpu()
+    if x.dtype == torch.bfloat16:  # torch: NumPy has no bfloat16; ml_dtypes (which JAX uses) provides one
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError("to_numpy of a bfloat16 tensor needs the ml_dtypes package (pip install ml_dtypes), "
+                            "as NumPy has no bfloat16 of its own") from None
+        return x.float().numpy().astype(ml_dtypes.bfloat16)  # bfloat16 -> float32 -> bfloat16 is exact
+    return x.numpy()
 
 
 def save_state_dict(path: str | os.PathLike, state: Mapping[str, Any]) -> None:

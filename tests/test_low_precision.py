@@ -88,3 +88,22 @@ def test_torch_block_error_is_at_most_twice_torchs_own(dtype: str):
         theirs = layer(tx)
     assert ours.dtype == tx.dtype
     assert _error(ours.detach().double().numpy(), exact) <= 2 * _error(theirs.double().numpy(), exact)
+
+
+def test_bfloat16_arrays_convert_to_numpy_exactly(backend):
+    # NumPy has no bfloat16: to_numpy gives ml_dtypes' bfloat16, value for value
+    pytest.importorskip("ml_dtypes")
+    if backend.__name__ == "attention_np":
+        pytest.skip("NumPy has no bfloat16 arithmetic")
+    values = np.array([1.0, -2.5, 3.140625, 1e-3], np.float32)
+    if backend.__name__ == "attention_torch":
+        import torch
+
+        native = torch.tensor(values).to(torch.bfloat16)
+    else:
+        import jax.numpy as jnp
+
+        native = jnp.asarray(values, jnp.bfloat16)
+    converted = backend.to_numpy(native)
+    assert converted.dtype.name == "bfloat16"
+    assert np.array_equal(converted.astype(np.float32), values.astype(converted.dtype).astype(np.float32))
