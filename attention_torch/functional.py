@@ -57,7 +57,9 @@ def scaled_dot_product_attention(
         return q.new_zeros((*batch, L, v.shape[-1])), (weights if need_weights else None)
     dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: sums, softmax in float32
     q, k, v = (x.to(work) for x in (q, k, v))
-    if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
+    # torch: the fused kernel returns finite rows for a NaN query, and its -inf masking lets a hidden NaN key
+    # reach rows that do not see it, so a NaN or inf in q or k keeps the explicit path (a pass over q and k)
+    if not need_weights and dropout_p == 0.0 and bool(torch.isfinite(q).all() and torch.isfinite(k).all()):
         from .fast import attention
 
         out = attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch)
