@@ -58,8 +58,9 @@ def scaled_dot_product_attention(
     dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: sums, softmax in float32
     q, k, v = (x.to(work) for x in (q, k, v))
     # torch: the fused kernel returns finite rows for a NaN query, and its -inf masking lets a hidden NaN key
-    # reach rows that do not see it, so a NaN or inf in q or k keeps the explicit path (a pass over q and k)
-    if not need_weights and dropout_p == 0.0 and bool(torch.isfinite(q).all() and torch.isfinite(k).all()):
+    # reach rows that do not see it, so a NaN or inf in q or k keeps the explicit path (their sum is then
+    # not finite: one read of q and k)
+    if not need_weights and dropout_p == 0.0 and bool(torch.isfinite(q.sum() + k.sum())):
         from .fast import attention
 
         out = attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch)
