@@ -87,27 +87,33 @@ class Runner:
     def sdpa(self, case: SdpaCase, dtype: str, *, dropout_p: float = 0.0, seed: int | None = None,
              need_weights: bool = True) -> Pair:
         arrays = {"q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "bias": case.bias}
-        return self._run(_call_sdpa, arrays, dtype, seed, is_causal=case.is_causal, scale=case.scale,
+        return self.call(_call_sdpa, arrays, dtype, seed, is_causal=case.is_causal, scale=case.scale,
                          dropout_p=dropout_p, need_weights=need_weights)
 
     def mha(self, case: MhaCase, dtype: str, *, training: bool = False, seed: int | None = None,
             need_weights: bool = True) -> Pair:
         arrays = {"state": case.state, "q": case.q, "k": case.k, "v": case.v, "mask": case.mask}
-        return self._run(_call_mha, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
+        return self.call(_call_mha, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
                          training=training, need_weights=need_weights)
 
     def block(self, case: BlockCase, dtype: str, *, training: bool = False, seed: int | None = None,
               need_weights: bool = True) -> Pair:
         arrays = {"state": case.state, "x": case.x, "mask": case.mask}
-        return self._run(_call_block, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
+        return self.call(_call_block, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
                          norm_first=case.norm_first, activation=case.activation, eps=case.eps,
                          training=training, need_weights=need_weights)
 
-    def _run(self, call: Callable, arrays: dict[str, Any], dtype: str, seed: int | None, **options: Any) -> Any:
-        """`call(module, native arrays, rng, **options)`, staged once per options; results as NumPy arrays."""
-        key = (call, tuple(sorted(options.items())))
+    def call(self, function: Callable, arrays: dict[str, Any], dtype: str, seed: int | None, **options: Any) -> Any:
+        """`function(module, native arrays, rng, **options)`, staged once per function and options (JAX: one
+        jit function); the results as NumPy arrays. The sdpa, mha and block methods go through it, and a check
+        may pass its own function the same way (a vjp's pullback, say).
+
+        arrays: NumPy arrays, None or nested state dicts (the floating ones cast to `dtype`); seed: the
+        framework's rng for `function`, or None; options: static and hashable.
+        """
+        key = (function, tuple(sorted(options.items())))
         if key not in self._staged:
-            self._staged[key] = self.framework.stage(functools.partial(call, self.module, **options))
+            self._staged[key] = self.framework.stage(functools.partial(function, self.module, **options))
         rng = None if seed is None else self.framework.rng(seed)
         return self._numpy(self._staged[key](self._native(cast(arrays, dtype)), rng))
 

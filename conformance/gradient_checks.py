@@ -69,15 +69,15 @@ def _pullback(runner: Runner, case: Case, d_out: np.ndarray, dtype: str) -> dict
     """{argument name: gradient} from the module's own vjp: q, k, v (x) and bias or the state-dict names."""
     if isinstance(case, SdpaCase):
         arrays = {"q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "bias": case.bias, "d_out": d_out}
-        dq, dk, dv, dbias = runner._run(_call_sdpa_vjp, arrays, dtype, None, is_causal=case.is_causal,
+        dq, dk, dv, dbias = runner.call(_call_sdpa_vjp, arrays, dtype, None, is_causal=case.is_causal,
                                         scale=case.scale)
         return {"q": dq, "k": dk, "v": dv} | ({} if case.bias is None else {"bias": dbias})
     if isinstance(case, MhaCase):
         arrays = {"state": case.state, "q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "d_out": d_out}
-        dq, dk, dv, dparams = runner._run(_call_mha_vjp, arrays, dtype, None, num_heads=case.num_heads)
+        dq, dk, dv, dparams = runner.call(_call_mha_vjp, arrays, dtype, None, num_heads=case.num_heads)
         return {"q": dq, "k": dk, "v": dv} | {name: dparams.get(name) for name in case.state}
     arrays = {"state": case.state, "x": case.x, "mask": case.mask, "d_out": d_out}
-    dx, dparams = runner._run(_call_block_vjp, arrays, dtype, None, num_heads=case.num_heads,
+    dx, dparams = runner.call(_call_block_vjp, arrays, dtype, None, num_heads=case.num_heads,
                               norm_first=case.norm_first, activation=case.activation, eps=case.eps)
     return {"x": dx} | {name: dparams.get(name) for name in case.state}
 

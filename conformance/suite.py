@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, example, given, seed, sett
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
-from . import checks, error_checks, gradient_checks, strategies
+from . import checks, edge_checks, error_checks, fixed_cases, gradient_checks, strategies
 from .checks import Runner
 from .snippets import describe, reproduce
 
@@ -66,8 +66,8 @@ PROFILES = {"fast": 1, "thorough": 10}  # multiplies each group's examples
 
 
 class Table(NamedTuple):
-    """A check on fixed cases, without Hypothesis (conformance/error_checks.py): one row per operation,
-    examples = the cases run, worst = the cases failing, tolerance 0."""
+    """A check on fixed cases, without Hypothesis (conformance/error_checks.py and edge_checks.py): one row
+    per operation, examples = the cases run, worst = the cases failing, tolerance 0."""
 
     check: str  # the row's name
     dtype: str  # "-" when the cases mix dtypes
@@ -77,7 +77,7 @@ class Table(NamedTuple):
 TABLES = (
     Table("errors", "-", lambda runner, operation: error_checks.errors(runner.module, [operation])),
     Table("edge_cases", "float64",
-          lambda runner, operation: error_checks.edge_cases(runner.module, [operation], runner=runner)),
+          lambda runner, operation: edge_checks.edge_cases(runner.module, [operation], runner=runner)),
 )
 
 
@@ -146,7 +146,7 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
 def _table_row(runner: Runner, table: Table, operation: str) -> Row:
     """The table's cases for `operation` as one row; the failure lists each failing case."""
     name = runner.module.__name__
-    summary = error_checks.summarize(table.run(runner, operation))
+    summary = fixed_cases.summarize(table.run(runner, operation))
     failure = (None if summary.failure is None else
                f"{name} {operation} {table.check} {table.dtype}: {summary.failing} of {summary.examples} cases "
                f"fail\n{summary.failure}")

@@ -1,8 +1,8 @@
-"""Every edge case of conformance/error_checks.py on every backend and both paths: the explicit path
+"""Every edge case of conformance/edge_checks.py on every backend and both paths: the explicit path
 (need_weights=True) and the fast path (need_weights=False), modules in eval mode.
 
 Each test checks the spec's rule for its case by hand (zeros, shapes, which rows are NaN), then the
-numbers against the float64 oracle with the rules for NaN and inf of `error_checks.compare`.
+numbers against the float64 oracle with the rules for NaN and inf of `edge_checks.compare`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from conformance import checks
 from conformance.checks import Runner
-from conformance.error_checks import EDGE_CASES, EdgeCase, compare
+from conformance.edge_checks import EDGE_CASES, EdgeCase, compare
 
 _RUNNERS: dict[str, Runner] = {}  # one per backend, so JAX compiles each shape once
 ALL = slice(None)

@@ -14,7 +14,8 @@ import pytest
 
 import attention_np
 from conformance import check, error_checks
-from conformance.error_checks import EDGE_CASES, ERROR_CASES, ErrorCase
+from conformance.edge_checks import EDGE_CASES
+from conformance.error_checks import ERROR_CASES, ErrorCase
 from conformance.frameworks import framework_of
 from tests.implementations import einsum_attention
 
