@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from . import benchmark, suite
+from . import compare, suite
 from .frameworks import BUILT_IN, import_modules
 
 
@@ -39,17 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     figure = commands.add_parser("figure", help="draw a figure for students with attention_np and matplotlib")
     figure.add_argument("name", choices=["scaling"], help="scaling: why the scores are divided by sqrt(d_k)")
     figure.add_argument("--output", default="docs/scaling.png", metavar="PATH", help="the PNG to write")
-    compare = commands.add_parser("compare", help="time the backends against the frameworks' built-ins",
-                                  description=benchmark.__doc__.split("\n\n")[0], epilog=benchmark.FOOTNOTE,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    benchmark.add_arguments(compare)
+    timing = commands.add_parser("compare", help="time the backends against the frameworks' built-ins",
+                                 description=compare.__doc__.split("\n\n")[0], epilog=compare.FOOTNOTE,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare.add_arguments(timing)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "compare":
-        return benchmark.main(args)
+        return compare.main(args)
     if args.command == "figure":
         from .figures import FIGURES  # matplotlib is imported only when a figure is drawn
 

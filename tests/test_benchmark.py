@@ -1,4 +1,5 @@
-"""`python -m conformance compare`: the table, the JSON rows, the plot, the targets and the baselines.
+"""`python -m conformance compare` (conformance/compare.py printing what conformance/benchmark.py measures):
+the table, the JSON rows, the plot, the targets and the baselines.
 
 Tiny sizes and two repeats keep these fast; no test looks at a timing value, only that it was measured.
 """
@@ -17,13 +18,13 @@ import numpy as np
 import pytest
 
 import attention_np
-from conformance import benchmark
+from conformance import benchmark, compare
 from conformance.__main__ import main
 from conformance.baselines import tutorial_attention
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW_KEYS = {"implementation", "framework", "device", "operation", "dtype", "B", "H", "E", "L", "S", "D", "F",
-            "flops", "repeats", "time_ms", "gflops", "peak_mib", "rel_error"}  # as the module docstring lists
+            "flops", "repeats", "time_ms", "gflops", "peak_mib", "rel_error"}  # as benchmark's docstring lists
 TINY = {"B": 1, "H": 2, "E": 4}
 
 
@@ -158,4 +159,5 @@ def test_targets_compute_every_ratio() -> None:
         assert row.met == (row.ratio <= row.bound if row.relation == "<=" else row.ratio >= row.bound)
     jax_rows = [row for row in rows if row.framework == "jax"]
     assert all(row.denominator in ("jax plain", "jax.nn.dot_product_attention") for row in jax_rows)
-    assert "MET" in benchmark.format_targets(rows) or "MISSED" in benchmark.format_targets(rows)
+    assert "MET" in compare.format_targets(rows) or "MISSED" in compare.format_targets(rows)
+

@@ -1,0 +1,248 @@
+"""`python -m conformance compare`: which backend is faster for my shapes, how far the readable (explicit)
+path is from the fast one, and how the cost grows with the sequence length.
+
+This module is the command line and what it prints: the table, the targets, the machine, the plot and the
+JSON. What is timed and how (the candidates, the interleaving, the FLOPs, the rows) is conformance/benchmark.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from . import benchmark
+from .frameworks import framework_of
+
+TORCH_BUILT_IN = {"sdpa": "F.scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
+                  "block": "nn.TransformerEncoderLayer"}  # what "torch built-in" is, per operation
+FOOTNOTE = """\
+time: median of the repeats after one warm-up call; the candidates of one framework, operation and L run
+  interleaved (A, B, A, B, ...). JAX: jit-compiled beforehand, timed to block_until_ready; torch: under
+  inference_mode (on CUDA: synchronized).
+GFLOP/s: matrix-product FLOPs / median time: sdpa 4 B H L S E; mha adds 4 projections of 2 B L D^2 (S = L);
+  block adds the feed-forward network, 2 * 2 B L D F.
+peak MiB: memory allocated by one call at its peak (temporaries and output; inputs and weights excluded).
+  NumPy: tracemalloc; torch on CUDA: the allocator's peak; JAX on CUDA: XLA's compiled memory plan (temporaries
+  + output; JAX's allocator keeps no peak that can be reset). "-": not measurable: torch and JAX on the CPU
+  (XLA:CPU runs fused attention in a library whose scratch memory its plan does not see).
+rel. error: max|a - b| / max|b| against attention_np's explicit path in float64, same inputs and weights.
+explicit: our backend with need_weights=True; the bare name is need_weights=False (the fast path).
+torch built-in: F.scaled_dot_product_attention, nn.MultiheadAttention(batch_first=True) called with
+  need_weights=False, nn.TransformerEncoderLayer(batch_first=True) in eval mode. numpy tutorial, jax plain,
+  jax.nn.dot_product_attention: for mha and block, the plain projections and FFN of conformance/baselines.py
+  around that attention. bfloat16 skips the NumPy candidates (NumPy has no bfloat16 arithmetic)."""
+
+
+# --- the tables, the machine and the plot --------------------------------------------------------------
+
+
+def format_table(rows: Sequence[benchmark.Row]) -> str:
+    """One line per row, grouped by operation and L."""
+    header = ("implementation", "operation", "L", "time ms", "GFLOP/s", "peak MiB", "rel. error")
+    lines, last = [header], None
+    for row in rows:
+        if last is not None and (row.operation, row.L) != last:
+            lines.append(())
+        last = (row.operation, row.L)
+        peak = "-" if row.peak_mib is None else f"{row.peak_mib:.1f}"
+        lines.append((row.implementation, row.operation, str(row.L), f"{row.time_ms:.2f}", f"{row.gflops:.1f}",
+                      peak, f"{row.rel_error:.1e}"))
+    return _columns(lines, right=(2, 3, 4, 5, 6))
+
+
+def format_targets(rows: Sequence[benchmark.TargetRow]) -> str:
+    """One line per target: the ratio measured, its target and MET or MISSED."""
+    header = ("framework", "operation", "ratio", "times ms", "measured", "target", "verdict")
+    lines = [header]
+    for row in rows:
+        names = " / ".join(_display(name, row.operation) for name in (row.numerator, row.denominator))
+        lines.append((row.framework, row.operation, names, f"{row.numerator_ms:.2f} / {row.denominator_ms:.2f}",
+                      f"{row.ratio:.3f}", f"{row.relation} {row.bound:.2f}", "MET" if row.met else "MISSED"))
+    return _columns(lines, right=(3, 4))
+
+
+def machine(backends: dict[str, ModuleType]) -> list[str]:
+    """The machine and the framework versions, one line each."""
+    lines = [f"machine: {os.cpu_count()} CPUs, {platform.machine()} {platform.system()}, "
+             f"Python {platform.python_version()}", f"numpy {np.__version__}, BLAS: {_blas()}"]
+    kinds = {framework_of(module).name for module in backends.values()}
+    if "torch" in kinds:
+        import torch
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+        lines.append(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CUDA GPU: {gpu}")
+    if "jax" in kinds:
+        import jax
+
+        lines.append(f"jax {jax.__version__}, devices: {', '.join(str(d) for d in jax.devices())}")
+    return lines
+
+
+def plot(rows: Sequence[benchmark.Row], path: str) -> None:
+    """PNG, one line of panels per operation: time vs L on log-log axes, each line's fitted slope in the
+    legend (2 is quadratic, drawn as a grey guide), and the relative error vs L in the same styles."""
+    Figure = _figure_class()
+    operations = list(dict.fromkeys(row.operation for row in rows))
+    figure = Figure(figsize=(13, 4.5 * len(operations)), layout="constrained")
+    axes = figure.subplots(len(operations), 2, squeeze=False)
+    for (time_axis, error_axis), operation in zip(axes, operations, strict=True):
+        mine = [row for row in rows if row.operation == operation]
+        sizes, starts = sorted({row.L for row in mine}), []
+        for name in dict.fromkeys(row.implementation for row in mine):
+            line = [row for row in mine if row.implementation == name]
+            lengths, ms = np.array([row.L for row in line]), np.array([row.time_ms for row in line])
+            slope = f" (slope {np.polyfit(np.log(lengths), np.log(ms), 1)[0]:.2f})" if len(lengths) > 1 else ""
+            style = _style(name, line[0].framework)
+            time_axis.loglog(lengths, ms, label=name + slope, **style)
+            error_axis.loglog(lengths, [max(row.rel_error, 1e-17) for row in line], **style)
+            starts.append(ms[0])
+        time_axis.loglog(sizes, np.median(starts) * (np.array(sizes) / sizes[0]) ** 2, color="grey", alpha=0.4, lw=3,
+                         zorder=0, label="L^2 (slope 2)")
+        errors = [max(row.rel_error, 1e-17) for row in mine]
+        error_axis.set_ylim(10 ** math.floor(math.log10(min(errors))), 10 ** math.ceil(math.log10(max(errors))))
+        for axis in (time_axis, error_axis):
+            axis.set_xticks(sizes, [str(size) for size in sizes])
+            axis.minorticks_off()
+            axis.grid(True, which="major", alpha=0.3)
+        time_axis.legend(fontsize=7, loc="upper left")
+        time_axis.set(title=f"{operation}: median time", xlabel="L = S", ylabel="ms")
+        error_axis.set(title=f"{operation}: relative error vs the float64 reference (styles as on the left)",
+                       xlabel="L = S", ylabel="max|a - b| / max|b| (0 drawn at 1e-17)")
+    figure.savefig(path, dpi=110)
+
+
+def _style(name: str, framework: str) -> dict[str, Any]:
+    """A colour per framework; solid: our fast path, dashed: our explicit path, dotted: a baseline."""
+    color = {"numpy": "tab:blue", "torch": "tab:red", "jax": "tab:green"}.get(framework, "tab:grey")
+    if name == "jax.nn.dot_product_attention":
+        color = "tab:olive"
+    if name in benchmark.BACKENDS:
+        return {"color": color, "linestyle": "-", "marker": "o"}
+    if name.endswith(" explicit"):
+        return {"color": color, "linestyle": "--", "marker": "s", "markersize": 4}
+    return {"color": color, "linestyle": ":", "marker": "^"}
+
+
+def _figure_class() -> Any:
+    try:
+        from matplotlib.figure import Figure  # a bare Figure: no pyplot, no global backend change
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: pip install 'attention-reference[plot]'") from None
+    return Figure
+
+
+def _display(name: str, operation: str) -> str:
+    return f"torch {TORCH_BUILT_IN[operation]}" if name == "torch built-in" else name
+
+
+def _blas() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (install threadpoolctl to see it)"
+    found = [info for info in threadpool_info() if info.get("user_api") == "blas"
+             and "numpy" in info.get("filepath", "")] or [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    return "; ".join(f"{info['internal_api']} {info.get('version')} ({info.get('architecture', '?')}, "
+                     f"{info['num_threads']} threads)" for info in found[:1]) or "none found"
+
+
+def _columns(lines: list[tuple[str, ...]], *, right: tuple[int, ...]) -> str:
+    widths = [max(len(line[i]) for line in lines if line) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(cell.rjust(width) if i in right else cell.ljust(width)
+                               for i, (cell, width) in enumerate(zip(line, widths, strict=False))).rstrip()
+                     for line in lines)  # an empty line separates groups
+
+
+# --- the command line ----------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `python -m conformance compare`."""
+    parser.add_argument("--sizes", type=_ints, default=benchmark.SIZES, metavar="L,L,...",
+                        help=f"sequence lengths L = S (default {','.join(map(str, benchmark.SIZES))})")
+    parser.add_argument("--operations", type=_operations, default=benchmark.OPERATIONS, metavar="OP,...",
+                        help="any of sdpa,mha,block (default: all three)")
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
+                        help="float32 (default), float64, or bfloat16 (torch and JAX only)")
+    parser.add_argument("--repeats", type=int, default=10, metavar="N", help="timed calls per candidate (default 10)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: torch and JAX on the GPU where they see one (NumPy stays on the CPU)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help='also write {"machine": [lines], "rows": [{key: value}]} as JSON')
+    parser.add_argument("--plot", default=None, metavar="PATH.png",
+                        help="time and error vs L; needs matplotlib: pip install 'attention-reference[plot]'")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--targets", action="store_true",
+                        help="only the performance targets (float32, B=2, H=8, L=S=1024, E=64); ignores "
+                             "--sizes, --operations and --dtype")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `python -m conformance compare` with parsed arguments; 0 unless it could not run (the verdicts
+    of --targets do not set the exit code: timings are noisy)."""
+    if args.plot:
+        try:
+            _figure_class()
+        except ImportError as error:
+            print(f"compare: {error}", file=sys.stderr)
+            return 2
+    backends, skipped = benchmark.installed_backends()
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    try:
+        devices = benchmark.placement(backends, args.device)
+    except ValueError as error:
+        print(f"compare: {error}", file=sys.stderr)
+        return 2
+    progress = not args.quiet and sys.stderr.isatty()
+    with benchmark.pinned(backends) as settings:
+        print("\n".join(machine(backends)))
+        print("; ".join(settings) or "no precision settings")
+        print("placement: " + ", ".join(f"{kind} on {device}" for kind, device in devices.items()))
+        if args.targets:
+            print(f"targets: float32, B=2, H=8, L=S=1024, E=64 (D=512, F=2048), need_weights=False; "
+                  f"{args.repeats} interleaved repeats, medians\n")
+            result: Sequence[Any] = benchmark.targets(repeats=args.repeats, device=args.device,
+                                                      backends=backends, progress=progress)
+            print(format_targets(result))
+        else:
+            print(f"{args.dtype}, B=2, H=8, E=64 (D=512, F=2048), L = S; {args.repeats} repeats per candidate, "
+                  "interleaved, medians\n")
+            result = benchmark.compare(sizes=args.sizes, operations=args.operations, dtype=args.dtype,
+                                       repeats=args.repeats, device=args.device, backends=backends, progress=progress)
+            print(format_table(result) + "\n\n" + FOOTNOTE)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"machine": machine(backends), "rows": [row._asdict() for row in result]}, file, indent=1)
+    if args.plot and not args.targets:
+        plot(result, args.plot)
+        print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return sizes
+
+
+def _operations(text: str) -> tuple[str, ...]:
+    operations = tuple(text.split(","))
+    known = benchmark.OPERATIONS
+    unknown = [name for name in operations if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown operation {unknown[0]!r}; choose from {','.join(known)}")
+    return operations
