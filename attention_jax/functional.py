@@ -58,13 +58,13 @@ def scaled_dot_product_attention(
         _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
         weights = jnp.zeros((*batch, L, S), q.dtype)
         return jnp.zeros((*batch, L, v.shape[-1]), q.dtype), (weights if need_weights else None)
-    dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
-    q, k, v = (_ranked(x.astype(work), len(batch) + 2) for x in (q, k, v))
+    q, k, v = (_ranked(x, len(batch) + 2) for x in (q, k, v))  # jax: one rank for all, no rank promotion
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
-        out = attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch)
-        return out.astype(dtype), None
+        return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
+    dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
+    q, k, v = (x.astype(work) for x in (q, k, v))
     visible = _visible(mask, bias, is_causal, (*batch, L, S))  # (..., L, S); None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S

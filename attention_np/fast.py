@@ -6,7 +6,8 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 What makes it faster than the explicit path: the scale is folded into q, (..., L, E) instead of
 (..., L, S); the scores are shifted, exponentiated and masked in place; and the softmax is normalised after
-the value product, dividing (..., L, Ev) instead of (..., L, S). The dtype stays the inputs' dtype.
+the value product, dividing (..., L, Ev) instead of (..., L, S). float16 is computed in float32, as on the
+explicit path; float32 stays float32.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from .functional import _visible
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *,
               bias: np.ndarray | None, is_causal: bool, scale: float, batch: tuple) -> np.ndarray:
     """softmax(Q K^T * scale + bias) V over the visible keys, as scaled_dot_product_attention's out."""
+    dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16: sums, softmax in float32
+    q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
     visible = _visible(mask, bias, is_causal, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
     scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
     if bias is not None:
@@ -34,7 +37,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     total = np.sum(scores, axis=-1, keepdims=True)  # (..., L, 1)
     out = scores @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     out /= total if visible is None else np.where(total == 0, 1, total)  # normalise after the value product
-    return out
+    return out.astype(dtype, copy=False)
 
 
 def _broadcast(scores: np.ndarray, shape: tuple) -> np.ndarray:

@@ -55,13 +55,12 @@ def scaled_dot_product_attention(
         _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
         weights = np.zeros((*batch, L, S), q.dtype)
         return np.zeros((*batch, L, v.shape[-1]), q.dtype), (weights if need_weights else None)
-    dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
-    q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
-        out = attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch)
-        return out.astype(dtype, copy=False), None
+        return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
+    dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
+    q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
     visible = _visible(mask, bias, is_causal, (*batch, L, S))  # (..., L, S); None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S

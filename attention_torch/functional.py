@@ -56,15 +56,14 @@ def scaled_dot_product_attention(
         weights = q.new_zeros((*batch, L, S))
         return q.new_zeros((*batch, L, v.shape[-1])), (weights if need_weights else None)
     dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: sums, softmax in float32
-    q, k, v = (x.to(work) for x in (q, k, v))
     # torch: the fused kernel returns finite rows for a NaN query, and its -inf masking lets a hidden NaN key
     # reach rows that do not see it, so a NaN or inf in q or k keeps the explicit path (their sum is then
     # not finite: one read of q and k)
-    if not need_weights and dropout_p == 0.0 and bool(torch.isfinite(q.sum() + k.sum())):
+    if not need_weights and dropout_p == 0.0 and bool(torch.isfinite(q.sum(dtype=work) + k.sum(dtype=work))):
         from .fast import attention
 
-        out = attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch)
-        return out.to(dtype), None
+        return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
+    q, k, v = (x.to(work) for x in (q, k, v))
     visible = _visible(mask, bias, is_causal, (*batch, L, S), q.device)  # (..., L, S); None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S

@@ -67,3 +67,67 @@ def test_active_dropout_keeps_the_explicit_path_and_its_rng(backend):
     first, none = backend.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.5, need_weights=False, rng=rng())
     again, _ = backend.scaled_dot_product_attention(q, k, v, mask, dropout_p=0.5, need_weights=False, rng=rng())
     assert none is None and np.array_equal(backend.to_numpy(first), backend.to_numpy(again))
+
+
+# --- JAX on CUDA: float16 and bfloat16 without a mask go to cuDNN's kernel -----------------------------------
+# The kernel itself needs a GPU. On the CPU the same call runs with implementation="xla" (fast.FUSED), which
+# tests everything around the kernel: the layout, the broadcasting, the scale, the causal rule, the dtype.
+
+
+@pytest.mark.parametrize(("q_shape", "kv_shape", "is_causal"), [
+    ((2, 3, 6, 8), (2, 3, 6, 8), False), ((2, 3, 6, 8), (2, 3, 6, 8), True), ((6, 8), (6, 8), True),
+    ((1, 6, 8), (2, 6, 8), False), ((2, 1, 6, 8), (1, 3, 7, 8), False)], ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_call_equals_the_explicit_path(monkeypatch, q_shape, kv_shape, is_causal, dtype):
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from attention_jax import fast, scaled_dot_product_attention
+
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in (q_shape, kv_shape, kv_shape))
+    batch = np.broadcast_shapes(q_shape[:-2], kv_shape[:-2])
+    monkeypatch.setattr(fast, "FUSED", "xla")
+    fused = fast._fused(q, k, v, is_causal=is_causal, scale=0.3, batch=batch)
+    explicit, _ = scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=0.3)
+    assert fused.dtype == q.dtype and fused.shape == explicit.shape
+    # bfloat16: both round to bfloat16 once at the end, from float32 sums in different orders: 1 ulp apart
+    assert_close(np.asarray(fused, np.float64), np.asarray(explicit, np.float64), 1e-6 if dtype == "float32" else 2**-7)
+
+
+@pytest.mark.parametrize(("change", "applies"), [
+    ({}, True), ({"dtype": "float16"}, True), ({"dtype": "float32"}, False), ({"mask": True}, False),
+    ({"bias": True}, False), ({"is_causal": True}, True), ({"is_causal": True, "S": 7}, False), ({"S": 7}, True),
+    ({"E": 12}, False), ({"E": 136}, False), ({"Ev": 16}, False), ({"batch": (2, 0)}, False),
+], ids=str)
+def test_fused_kernel_is_chosen_only_where_it_computes_our_result(change, applies):
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from attention_jax import fast
+
+    shape = {"dtype": "bfloat16", "batch": (2, 3), "L": 6, "S": 6, "E": 8, "Ev": 8} | change
+    batch, dtype = shape["batch"], shape["dtype"]
+    q = jnp.zeros((*batch, shape["L"], shape["E"]), dtype)
+    k, v = jnp.zeros((*batch, shape["S"], shape["E"]), dtype), jnp.zeros((*batch, shape["S"], shape["Ev"]), dtype)
+    hides = jnp.ones((shape["L"], shape["S"]), bool)
+    chosen = fast._fused_applies(q, k, v, mask=hides if change.get("mask") else None,
+                                 bias=jnp.zeros((1,), dtype) if change.get("bias") else None,
+                                 is_causal=change.get("is_causal", False), batch=batch)
+    assert chosen is applies
+
+
+def test_inputs_on_the_cpu_run_the_formulation_where_cuda_is_present(monkeypatch):
+    # a machine with a GPU can still place arrays on the CPU: the branch is chosen where the code is lowered
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from attention_jax import fast, scaled_dot_product_attention
+
+    monkeypatch.setattr(fast, "_cuda_present", lambda: True)
+    monkeypatch.setattr(fast, "_fused", lambda q, k, v, **_: jnp.full(q.shape[:-1] + v.shape[-1:], jnp.nan, q.dtype))
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in np.random.default_rng(2).standard_normal((3, 2, 6, 8)))
+    run = jax.jit(lambda q, k, v: scaled_dot_product_attention(q, k, v, need_weights=False)[0])
+    assert "platform_index" in str(jax.make_jaxpr(run)(q, k, v))  # both branches staged, one lowered
+    explicit, _ = scaled_dot_product_attention(q, k, v)
+    assert np.array_equal(np.asarray(run(q, k, v), np.float32), np.asarray(explicit, np.float32))
