@@ -35,9 +35,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import baselines
-from .frameworks import framework_of, import_modules
+from .frameworks import BUILT_IN, framework_of, import_modules
 
-BACKENDS = ("attention_np", "attention_torch", "attention_jax")
 OPERATIONS = ("sdpa", "mha", "block")
 SIZES = (128, 256, 512, 1024)
 
@@ -309,7 +308,7 @@ def _our_output(module: ModuleType, problem: Problem, convert: Callable) -> np.n
 
 def installed_backends() -> tuple[dict[str, ModuleType], dict[str, str]]:
     """({name: module} of the built-in backends that import, {name: why not} of the others)."""
-    return import_modules(BACKENDS)
+    return import_modules(BUILT_IN)
 
 
 def placement(backends: dict[str, ModuleType], device: str) -> dict[str, str]:

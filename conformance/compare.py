@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import benchmark
-from .frameworks import framework_of
+from .frameworks import BUILT_IN, framework_of
 
 TORCH_BUILT_IN = {"sdpa": "F.scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
                   "block": "nn.TransformerEncoderLayer"}  # what "torch built-in" is, per operation
@@ -125,7 +125,7 @@ def _style(name: str, framework: str) -> dict[str, Any]:
     color = {"numpy": "tab:blue", "torch": "tab:red", "jax": "tab:green"}.get(framework, "tab:grey")
     if name == "jax.nn.dot_product_attention":
         color = "tab:olive"
-    if name in benchmark.BACKENDS:
+    if name in BUILT_IN:
         return {"color": color, "linestyle": "-", "marker": "o"}
     if name.endswith(" explicit"):
         return {"color": color, "linestyle": "--", "marker": "s", "markersize": 4}
