@@ -17,13 +17,17 @@ import sys
 import time
 from collections.abc import Sequence
 
-from . import compare, suite
+from . import compare
 from .frameworks import BUILT_IN, import_modules
+
+# suite.PROFILES's names, written out so that building the parser imports neither the suite nor Hypothesis
+# (compare and figure need neither); tests/test_cli.py keeps the two in step
+PROFILES = ("fast", "thorough")
 
 
 def build_parser() -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(add_help=False)
-    options.add_argument("--profile", choices=sorted(suite.PROFILES), default="fast",
+    options.add_argument("--profile", choices=PROFILES, default="fast",
                          help="fast (default): a few examples per check; thorough: ten times as many")
     options.add_argument("--max-examples", type=int, default=None, metavar="N",
                          help="N examples for every check, instead of the profile's numbers")
@@ -55,6 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"wrote {FIGURES[args.name](args.output)}")
         return 0
+    return _check(args)
+
+
+def _check(args: argparse.Namespace) -> int:
+    """`check MODULE ...`, or without a command every built-in backend side by side."""
+    from . import suite  # Hypothesis is imported only when a check runs
+
     names = args.modules if args.command == "check" else BUILT_IN
     modules, skipped = import_modules(names)
     for name, why in skipped.items():

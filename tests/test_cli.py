@@ -8,7 +8,10 @@ import pathlib
 import subprocess
 import sys
 
-from conformance.__main__ import BUILT_IN
+import pytest
+
+from conformance import suite
+from conformance.__main__ import BUILT_IN, PROFILES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -53,3 +56,20 @@ def test_check_of_a_module_that_does_not_import_fails() -> None:
     result = _run("check", "no_such_attention_module", "--max-examples", "1")
     assert result.returncode == 1
     assert "skipped no_such_attention_module" in result.stdout
+
+
+def test_profile_choices_are_the_suites_profiles() -> None:
+    assert tuple(sorted(suite.PROFILES)) == PROFILES
+
+
+@pytest.mark.parametrize("command", ["compare", "figure"])
+def test_compare_and_figure_import_neither_the_suite_nor_hypothesis(command: str) -> None:
+    # `python -m conformance COMMAND --help`, run with runpy so that sys.modules can be read afterwards
+    code = (f"import runpy, sys\nsys.argv = ['conformance', {command!r}, '--help']\n"
+            "try:\n    runpy.run_module('conformance', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
+            "print('loaded:', [name for name in ('hypothesis', 'conformance.suite') if name in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "loaded: []", result.stdout
