@@ -29,7 +29,8 @@ time: median of the repeats after one warm-up call; the candidates of one framew
   interleaved (A, B, A, B, ...). JAX: jit-compiled beforehand, timed to block_until_ready; torch: under
   inference_mode (on CUDA: synchronized).
 GFLOP/s: matrix-product FLOPs / median time: sdpa 4 B H L S E; mha adds 4 projections of 2 B L D^2 (S = L);
-  block adds the feed-forward network, 2 * 2 B L D F.
+  block adds the feed-forward network, 2 * 2 B L D F. TFLOP/s (1000 GFLOP/s) when any row ran on CUDA; the
+  JSON rows keep gflops.
 peak MiB: memory allocated by one call at its peak (temporaries and output; inputs and weights excluded).
   NumPy: tracemalloc; torch on CUDA: the allocator's peak; JAX on CUDA: XLA's compiled memory plan (temporaries
   + output; JAX's allocator keeps no peak that can be reset). "-": not measurable: torch and JAX on the CPU
@@ -46,16 +47,20 @@ torch built-in: F.scaled_dot_product_attention, nn.MultiheadAttention(batch_firs
 
 
 def format_table(rows: Sequence[benchmark.Row]) -> str:
-    """One line per row, grouped by operation and L."""
-    header = ("implementation", "operation", "L", "time ms", "GFLOP/s", "peak MiB", "rel. error")
+    """One line per row, grouped by operation and L; the rate in TFLOP/s when any row ran on CUDA (GPU rates
+    run to hundreds of thousands of GFLOP/s), in GFLOP/s otherwise."""
+    on_gpu = any(row.device == "cuda" for row in rows)
+    unit, per_unit, decimals = ("TFLOP/s", 1000, 2) if on_gpu else ("GFLOP/s", 1, 1)
+    header = ("implementation", "operation", "L", "time ms", unit, "peak MiB", "rel. error")
     lines, last = [header], None
     for row in rows:
         if last is not None and (row.operation, row.L) != last:
             lines.append(())
         last = (row.operation, row.L)
         peak = "-" if row.peak_mib is None else f"{row.peak_mib:.1f}"
-        lines.append((row.implementation, row.operation, str(row.L), f"{row.time_ms:.2f}", f"{row.gflops:.1f}",
-                      peak, f"{row.rel_error:.1e}"))
+        rate = f"{row.gflops / per_unit:.{decimals}f}"
+        lines.append((row.implementation, row.operation, str(row.L), f"{row.time_ms:.2f}", rate, peak,
+                      f"{row.rel_error:.1e}"))
     return _columns(lines, right=(2, 3, 4, 5, 6))
 
 

@@ -161,3 +161,32 @@ def test_targets_compute_every_ratio() -> None:
     assert all(row.denominator in ("jax plain", "jax.nn.dot_product_attention") for row in jax_rows)
     assert "MET" in compare.format_targets(rows) or "MISSED" in compare.format_targets(rows)
 
+
+def _sdpa_row(implementation: str, framework: str, device: str, *, time_ms: float) -> benchmark.Row:
+    """A row as compare() makes it, for sdpa at B=2, H=8, L=S=1024, E=64."""
+    count = benchmark.flops("sdpa", B=2, H=8, L=1024, S=1024, E=64)
+    return benchmark.Row(implementation, framework, device, "sdpa", "float32", 2, 8, 64, 1024, 1024, 512, 2048,
+                         count, 2, time_ms, count / (time_ms / 1e3) / 1e9, None, 1e-7)
+
+
+def _rates(table: str) -> list[str]:
+    """The rate column (the fifth) of each line of a format_table table, its header first."""
+    return [re.split(r"\s{2,}", line.strip())[4] for line in table.splitlines() if line]
+
+
+def test_table_gives_the_rate_in_tflops_when_a_row_ran_on_cuda() -> None:
+    # 4 B H L S E = 4 * 2 * 8 * 1024 * 1024 * 64 = 2**32 FLOPs per call
+    # torch on the GPU, 0.016 ms: 2**32 / 16e-6 s = 268435.456 GFLOP/s = 268.44 TFLOP/s
+    # NumPy on the CPU, 40 ms: 2**32 / 0.04 s = 107.374 GFLOP/s = 0.11 TFLOP/s
+    rows = [_sdpa_row("attention_np", "numpy", "cpu", time_ms=40.0),
+            _sdpa_row("attention_torch", "torch", "cuda", time_ms=0.016)]
+    table = compare.format_table(rows)
+    assert _rates(table) == ["TFLOP/s", "0.11", "268.44"]
+    assert "GFLOP/s" not in table
+    assert rows[1].gflops == pytest.approx(268435.456)  # the row (and its JSON) keeps GFLOP/s
+
+
+def test_table_gives_the_rate_in_gflops_when_every_row_ran_on_the_cpu() -> None:
+    rows = [_sdpa_row("attention_np", "numpy", "cpu", time_ms=40.0),
+            _sdpa_row("attention_torch", "torch", "cpu", time_ms=0.016)]
+    assert _rates(compare.format_table(rows)) == ["GFLOP/s", "107.4", "268435.5"]
