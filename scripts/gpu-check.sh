@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run: the GPU tests (tests/test_gpu.py), the conformance suite with
+# JAX on its default device (the GPU), and `python -m conformance compare --device cuda` in float32 and
+# bfloat16. Logs and JSON go to the folder given as $1 (default gpu-results). Every step runs; the exit code
+# is 1 if any failed.
+#
+#   bash scripts/gpu-check.sh [OUTPUT_DIR]      # PYTHON=... to choose the interpreter (default python3)
+#
+# The interpreter needs torch with CUDA and/or jax with its CUDA plugin, and numpy, hypothesis and pytest;
+# the packages of this checkout are found through PYTHONPATH, so nothing needs to be installed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-gpu-results}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+failed=0
+
+step() {  # step NAME COMMAND...: run, log to $out/NAME.log, remember a failure
+    local name=$1
+    shift
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$out/$name.log" || failed=1
+}
+
+step devices "$python" -c "import torch, jax; print('torch', torch.__version__, torch.cuda.get_device_name()); print('jax', jax.__version__, jax.devices())"
+step test_gpu "$python" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_fast_path.py tests/test_low_precision.py
+step compare-float32 "$python" -m conformance compare --device cuda --sizes 512,1024,2048,4096 --quiet \
+    --json "$out/compare-float32.json"
+step compare-bfloat16 "$python" -m conformance compare --device cuda --dtype bfloat16 --sizes 512,1024,2048,4096,8192 \
+    --quiet --json "$out/compare-bfloat16.json"
+step conformance "$python" -m conformance --json "$out/conformance.json"
+echo "== $([ $failed = 0 ] && echo 'all steps passed' || echo 'a step failed'); results in $out/"
+exit $failed
