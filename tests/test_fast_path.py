@@ -131,3 +131,24 @@ def test_inputs_on_the_cpu_run_the_formulation_where_cuda_is_present(monkeypatch
     assert "platform_index" in str(jax.make_jaxpr(run)(q, k, v))  # both branches staged, one lowered
     explicit, _ = scaled_dot_product_attention(q, k, v)
     assert np.array_equal(np.asarray(run(q, k, v), np.float32), np.asarray(explicit, np.float32))
+
+
+def test_the_per_platform_choice_passes_through_grad_and_vmap(monkeypatch):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from attention_jax import fast, scaled_dot_product_attention
+
+    monkeypatch.setattr(fast, "_cuda_present", lambda: True)
+    monkeypatch.setattr(fast, "FUSED", "xla")  # the CUDA branch is traced everywhere: it must trace on the CPU
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in np.random.default_rng(3).standard_normal((3, 2, 6, 8)))
+
+    def total(q: jax.Array, need_weights: bool) -> jax.Array:
+        return scaled_dot_product_attention(q, k, v, need_weights=need_weights)[0].astype(jnp.float32).sum()
+
+    fast_dq, explicit_dq = (jax.grad(total)(q, need_weights) for need_weights in (False, True))
+    # both paths sum in float32 and round to bfloat16 once: at most an ulp apart
+    assert_close(np.asarray(fast_dq, np.float64), np.asarray(explicit_dq, np.float64), 2**-7, "dq")
+    batched = jax.vmap(lambda q: scaled_dot_product_attention(q, k, v, need_weights=False)[0])(q[None])
+    explicit, _ = scaled_dot_product_attention(q, k, v)
+    assert_close(np.asarray(batched[0], np.float64), np.asarray(explicit, np.float64), 2**-7, "vmap")
