@@ -107,8 +107,9 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, is_causal: bool,
         _checks.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
         mask = jnp.asarray(mask)
         floating = jnp.issubdtype(mask.dtype, jnp.floating)
-        traced = isinstance(mask, jax.core.Tracer)  # jax: under jit the values cannot be seen
-        _checks.binary_mask(floating, None if traced or not floating else bool(jnp.all((mask == 0.0) | (mask == 1.0))))
+        binary = jnp.all((mask == 0.0) | (mask == 1.0)) if floating else None
+        # jax: under jit the values cannot be seen, of an argument nor of a mask the jitted function captures
+        _checks.binary_mask(floating, None if binary is None or isinstance(binary, jax.core.Tracer) else bool(binary))
         visible = _ranked(mask.astype(bool), len(scores_shape))  # nonzero: visible (jax: a cast, as strict
         # promotion forbids mask != 0)
     if bias is not None:

@@ -24,10 +24,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
     visible = _visible(mask, bias, is_causal, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
     scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
+    scores = _broadcast(scores, bias, visible)  # the mask and the bias may carry leading axes that only v has
     if bias is not None:
         scores += np.asarray(bias, dtype=scores.dtype)
     if visible is not None:
-        scores = _broadcast(scores, visible.shape)  # the mask may carry leading axes that only v has
         np.copyto(scores, -np.inf, where=~visible)  # hidden: exp(-inf) = 0
     row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # (..., L, 1)
     if visible is not None:
@@ -40,7 +40,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     return out.astype(dtype, copy=False)
 
 
-def _broadcast(scores: np.ndarray, shape: tuple) -> np.ndarray:
-    """`scores` as an array of the broadcast shape that can be written in place."""
-    full = np.broadcast_shapes(scores.shape, shape)
+def _broadcast(scores: np.ndarray, *others: np.ndarray | None) -> np.ndarray:
+    """`scores` with the leading axes of `others` too, as an array that can be written in place."""
+    full = np.broadcast_shapes(scores.shape, *(np.shape(x) for x in others if x is not None))
     return scores if scores.shape == full else np.broadcast_to(scores, full).copy()

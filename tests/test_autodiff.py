@@ -69,6 +69,23 @@ def test_jax_jit_output_equals_eager(kind: str):
         assert_close(np.asarray(a), np.asarray(b), 1e-12, f"jit {kind}")
 
 
+@pytest.mark.parametrize("need_weights", [True, False], ids=["explicit", "fast"])
+def test_jax_jit_takes_a_float_mask_the_function_captures(need_weights: bool):
+    # a concrete 0/1 float mask closed over by a jitted function: its comparisons are traced there, so its
+    # values cannot be checked (as for a mask passed as an argument), and it hides what the bool mask hides
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import attention_jax
+
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((3, 4)))
+    mask = jnp.tril(jnp.ones((3, 3)))
+    jitted = jax.jit(lambda x: attention_jax.scaled_dot_product_attention(x, x, x, mask,
+                                                                        need_weights=need_weights)[0])
+    expected, _ = attention_jax.scaled_dot_product_attention(x, x, x, is_causal=True)
+    assert_close(np.asarray(jitted(x)), np.asarray(expected), 1e-12, "captured float mask")
+
+
 @pytest.mark.parametrize("kind", ["mha", "block"])
 def test_jax_jit_in_training_mode_draws_the_same_dropout_as_eager(kind: str):
     M = import_backend("attention_jax")

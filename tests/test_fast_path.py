@@ -31,6 +31,22 @@ def test_fast_path_equals_the_explicit_path(backend, options):
     assert_close(backend.to_numpy(fast), backend.to_numpy(explicit), 1e-12, "fast vs explicit")
 
 
+@pytest.mark.parametrize("options", [{"bias": True}, {"mask": True}, {"mask": True, "bias": True}], ids=str)
+def test_fast_path_broadcasts_mask_and_bias_over_axes_only_v_has(backend, options):
+    # q and k shared by two sequences of values, each with its own mask and bias: the scores (L, S) gain the
+    # batch axis from the mask and the bias, as on the explicit path
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((3, 4)), rng.standard_normal((5, 4)), rng.standard_normal((2, 5, 6))
+    mask, bias = rng.random((2, 1, 5)) > 0.3, rng.standard_normal((2, 3, 5))
+    kwargs = {"mask": backend.asarray(mask) if options.get("mask") else None,
+              "bias": backend.asarray(bias) if options.get("bias") else None}
+    q, k, v = (backend.asarray(x) for x in (q, k, v))
+    explicit, _ = backend.scaled_dot_product_attention(q, k, v, **kwargs)
+    fast, _ = backend.scaled_dot_product_attention(q, k, v, need_weights=False, **kwargs)
+    assert explicit.shape == (2, 3, 6)
+    assert_close(backend.to_numpy(fast), backend.to_numpy(explicit), 1e-12, "fast vs explicit")
+
+
 def test_fast_path_gives_zeros_for_a_fully_masked_row(backend):
     q, k, v, mask, _ = (backend.asarray(x) for x in _case())
     out, _ = backend.scaled_dot_product_attention(q, k, v, mask, need_weights=False)
