@@ -416,6 +416,10 @@ def _sdpa_edges(rng: np.random.Generator) -> list[SdpaCase]:
         SdpaCase(*qkv((), 4, 1), None, _normal(rng, 4, 1), True, 0.37),  # S = 1, causal: all see key 0
         SdpaCase(LARGE * _normal(rng, 2, 5, 4), LARGE * _normal(rng, 2, 5, 4), _normal(rng, 2, 5, 1),
                  None, None, False, 2.5),  # logits in the hundreds: the row maximum must be subtracted
+        SdpaCase(_normal(rng, 3, 2), _normal(rng, 4, 2), _normal(rng, 2, 4, 1), rng.random((2, 1, 4)) > 0.3,
+                 _normal(rng, 2, 3, 4), False, None),  # q, k shared; v, mask and bias give the batch axis
+        SdpaCase(_normal(rng, 2, 1, 3, 2), _normal(rng, 4, 4, 2), _normal(rng, 1, 4, 4, 1), None, None, True,
+                 None),  # leading axes (2, 1), (4,), (1, 4) broadcast to (2, 4)
     ]
 
 
