@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--profile", choices=PROFILES, default="fast",
                          help="fast (default): a few examples per check; thorough: ten times as many")
-    options.add_argument("--max-examples", type=int, default=None, metavar="N",
+    options.add_argument("--max-examples", type=compare.positive_int, default=None, metavar="N",
                          help="N examples for every check, instead of the profile's numbers")
     options.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0); a run is reproducible")
     options.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
@@ -68,6 +68,10 @@ def _check(args: argparse.Namespace) -> int:
 
     names = args.modules if args.command == "check" else BUILT_IN
     modules, skipped = import_modules(names)
+    gaps = {name: suite.missing(module) for name, module in modules.items()}
+    for name in (name for name, missing in gaps.items() if missing):
+        del modules[name]
+        skipped[name] = f"does not implement the attention contract: it has no {', '.join(gaps[name])}"
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     if not modules:

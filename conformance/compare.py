@@ -178,7 +178,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="any of sdpa,mha,block (default: all three)")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
                         help="float32 (default), float64, or bfloat16 (torch and JAX only)")
-    parser.add_argument("--repeats", type=int, default=10, metavar="N", help="timed calls per candidate (default 10)")
+    parser.add_argument("--repeats", type=positive_int, default=10, metavar="N",
+                        help="timed calls per candidate (default 10)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: torch and JAX on the GPU where they see one (NumPy stays on the CPU)")
     parser.add_argument("--json", default=None, metavar="PATH",
@@ -232,6 +233,17 @@ def main(args: argparse.Namespace) -> int:
         plot(result, args.plot)
         print(f"\nplot written to {args.plot}")
     return 0
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a count of repeats or examples)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -126,6 +126,12 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
     reproducible; shrink: reduce a failing case to a small one before reporting it.
     """
     module = importlib.import_module(module) if isinstance(module, str) else module
+    gaps = missing(module, operations)
+    if gaps:
+        raise AttributeError(f"{module.__name__} does not implement the attention contract (SPEC.md section 1): "
+                             f"it has no {', '.join(gaps)}")
+    if max_examples is not None and max_examples < 1:
+        raise ValueError(f"max_examples must be at least 1, got {max_examples}")
     runner = Runner(module)
     rows = []
     with runner.framework.pinned() as pinned:
@@ -133,7 +139,7 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
             if operation not in operations:
                 continue
             for group in (group for group in GROUPS if group.operation == operation):
-                examples = max_examples or group.examples * PROFILES[profile]
+                examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
                 why = group.requires(module, group.operation) if group.requires else None
                 for dtype in group.dtypes:
                     rows += ([Row(module.__name__, group.operation, group.check.__name__, dtype, 0, 0.0, 0.0, True,
@@ -141,6 +147,13 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                              _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink))
             rows += [_table_row(runner, table, operation) for table in TABLES]
     return Report(rows, seed, profile, [pinned] if pinned else [])
+
+
+def missing(module: ModuleType, operations: Sequence[str] = ("sdpa", "mha", "block")) -> list[str]:
+    """The names of the contract that the suite calls and `module` lacks, for these operations."""
+    needed = {"sdpa": "scaled_dot_product_attention", "mha": "MultiHeadAttention", "block": "TransformerBlock"}
+    names = ["asarray", "to_numpy", *(needed[operation] for operation in operations)]
+    return [name for name in names if not hasattr(module, name)]
 
 
 def _table_row(runner: Runner, table: Table, operation: str) -> Row:

@@ -58,6 +58,24 @@ def test_check_of_a_module_that_does_not_import_fails() -> None:
     assert "skipped no_such_attention_module" in result.stdout
 
 
+def test_check_of_a_module_without_the_contract_names_what_it_lacks() -> None:
+    result = _run("check", "math", "--max-examples", "1")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "skipped math: does not implement the attention contract: it has no asarray, to_numpy" in result.stdout
+    with pytest.raises(AttributeError, match=r"no asarray, to_numpy, scaled_dot_product_attention$"):
+        suite.check("math", operations=("sdpa",))
+
+
+@pytest.mark.parametrize("args", [("check", "attention_np", "--max-examples", "0"),
+                                  ("compare", "--repeats", "0"), ("compare", "--repeats", "-1")], ids=" ".join)
+def test_counts_below_one_are_usage_errors(args: tuple[str, ...]) -> None:
+    result = _run(*args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "expected a positive integer" in result.stderr
+    with pytest.raises(ValueError, match="max_examples must be at least 1, got 0"):
+        suite.check("attention_np", max_examples=0)
+
+
 def test_profile_choices_are_the_suites_profiles() -> None:
     assert tuple(sorted(suite.PROFILES)) == PROFILES
 
