@@ -74,7 +74,11 @@ def _check(args: argparse.Namespace) -> int:
         skipped[name] = f"does not implement the attention contract: it has no {', '.join(gaps[name])}"
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
+    # in the JSON a module that could not be checked has "passed" false under check, null (not run) otherwise
+    entries = {name: {"passed": False if args.command == "check" else None, "skipped": why}
+               for name, why in skipped.items()}
     if not modules:
+        _write_json(args.json, entries)
         print("no module to check")
         return 1
     print(f"profile {args.profile}, seed {args.seed}" + (f", {args.max_examples} examples per check"
@@ -88,9 +92,7 @@ def _check(args: argparse.Namespace) -> int:
     print()
     print(suite.format_side_by_side(reports) if args.command != "check" else
           "\n".join(suite.format_rows(report) for report in reports))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump({report.rows[0].module: report.to_json() for report in reports if report.rows}, file, indent=1)
+    _write_json(args.json, entries | {report.rows[0].module: report.to_json() for report in reports if report.rows})
     failures = [report for report in reports if not report.passed]
     for report in failures:
         print()
@@ -100,6 +102,12 @@ def _check(args: argparse.Namespace) -> int:
     print(f"\n{'all pass' if not failures else f'{len(failures)} of {len(names)} modules failed'}"
           f"; replay with --seed {args.seed}")
     return 0 if not failures else 1
+
+
+def _write_json(path: str | None, entries: dict) -> None:
+    if path:
+        with open(path, "w") as file:
+            json.dump(entries, file, indent=1)
 
 
 if __name__ == "__main__":

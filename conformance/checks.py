@@ -24,7 +24,6 @@ from .strategies import BlockCase, MhaCase, SdpaCase
 
 Case = SdpaCase | MhaCase | BlockCase
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
-TINY = np.finfo(np.float64).tiny
 DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
 
 
@@ -38,7 +37,8 @@ class Measure(NamedTuple):
 
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    """max|actual - expected| / max|expected| over the whole array, the expected array the reference.
+    """max|actual - expected| / max|expected| over the whole array, the expected array the reference;
+    max|actual - expected| where the reference is all zeros.
 
     Entries equal in both (NaN in both, or the same infinity) count as exact; NaN in only one of them,
     or a shape mismatch, gives inf.
@@ -50,13 +50,15 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     with np.errstate(invalid="ignore"):  # inf - inf in the entries `same` replaces
         diff = np.where(same, 0.0, np.abs(a - b))
     reference = np.max(np.abs(b), where=np.isfinite(b), initial=0.0)
-    return float(np.max(diff, initial=0.0) / max(reference, TINY))
+    return float(np.max(diff, initial=0.0) / (reference if reference > 0 else 1.0))
 
 
 def compare(name: str, actual: np.ndarray | None, expected: np.ndarray, dtype: str) -> Measure:
     """`actual` against the reference: kind first (present, shape, dtype, NaN places), then the error."""
     if actual is None:
         return Measure(math.inf, f"{name} is None")
+    if not isinstance(actual, np.ndarray):
+        return Measure(math.inf, f"{name} is a {type(actual).__name__}, not an array (the module's to_numpy)")
     if actual.shape != expected.shape:
         return Measure(math.inf, f"{name} has shape {actual.shape}, expected {expected.shape}")
     if actual.dtype != np.dtype(dtype):
@@ -73,6 +75,11 @@ def worst(*measures: Measure) -> Measure:
 
 # --- running a module ------------------------------------------------------------------------------------
 
+class ResultError(TypeError):
+    """A module returned something the contract does not allow: not a pair (out, weights), or arrays that
+    its own to_numpy cannot convert."""
+
+
 class Runner:
     """Runs one module's operations on NumPy inputs and returns NumPy outputs.
 
@@ -87,21 +94,24 @@ class Runner:
     def sdpa(self, case: SdpaCase, dtype: str, *, dropout_p: float = 0.0, seed: int | None = None,
              need_weights: bool = True) -> Pair:
         arrays = {"q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "bias": case.bias}
-        return self.call(_call_sdpa, arrays, dtype, seed, is_causal=case.is_causal, scale=case.scale,
-                         dropout_p=dropout_p, need_weights=need_weights)
+        return _pair("scaled_dot_product_attention", self.call(
+            _call_sdpa, arrays, dtype, seed, is_causal=case.is_causal, scale=case.scale, dropout_p=dropout_p,
+            need_weights=need_weights))
 
     def mha(self, case: MhaCase, dtype: str, *, training: bool = False, seed: int | None = None,
             need_weights: bool = True) -> Pair:
         arrays = {"state": case.state, "q": case.q, "k": case.k, "v": case.v, "mask": case.mask}
-        return self.call(_call_mha, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
-                         training=training, need_weights=need_weights)
+        return _pair("MultiHeadAttention", self.call(
+            _call_mha, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout, training=training,
+            need_weights=need_weights))
 
     def block(self, case: BlockCase, dtype: str, *, training: bool = False, seed: int | None = None,
               need_weights: bool = True) -> Pair:
         arrays = {"state": case.state, "x": case.x, "mask": case.mask}
-        return self.call(_call_block, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
-                         norm_first=case.norm_first, activation=case.activation, eps=case.eps,
-                         training=training, need_weights=need_weights)
+        return _pair("TransformerBlock", self.call(
+            _call_block, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
+            norm_first=case.norm_first, activation=case.activation, eps=case.eps, training=training,
+            need_weights=need_weights))
 
     def call(self, function: Callable, arrays: dict[str, Any], dtype: str, seed: int | None, **options: Any) -> Any:
         """`function(module, native arrays, rng, **options)`, staged once per function and options (JAX: one
@@ -127,7 +137,22 @@ class Runner:
             return type(results)(self._numpy(x) for x in results)
         if isinstance(results, Mapping):
             return {name: self._numpy(x) for name, x in results.items()}
-        return None if results is None else self.module.to_numpy(results)
+        if results is None:
+            return None
+        try:
+            return self.module.to_numpy(results)
+        except Exception as error:
+            raise ResultError(f"to_numpy cannot convert the {type(results).__name__} the module returned: "
+                              f"{type(error).__name__}: {error}") from error
+
+
+def _pair(operation: str, result: Any) -> Pair:
+    """The (out, weights) an operation must return, else a ResultError saying what came back."""
+    if not isinstance(result, tuple | list) or len(result) != 2:
+        got = f"a {len(result)}-{type(result).__name__}" if isinstance(result, tuple | list) else \
+            f"a {type(result).__name__}"
+        raise ResultError(f"{operation} returned {got}, expected a pair (out, weights)")
+    return tuple(result)
 
 
 def _call_sdpa(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> tuple:
@@ -150,12 +175,13 @@ def _call_block(module: ModuleType, arrays: dict, rng: Any, *, training: bool, n
 
 
 def cast(arrays: Mapping[str, Any], dtype: str) -> dict[str, Any]:
-    """Floating arrays (also inside nested state dicts) in `dtype`; masks, None and the rest unchanged."""
+    """Copies: floating arrays (also inside nested state dicts) in `dtype`, masks in their own dtype, so
+    a module that writes into its inputs cannot change the case the oracle sees; None and the rest as given."""
     def one(x: Any) -> Any:
         if isinstance(x, Mapping):
             return cast(x, dtype)
-        if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating):
-            return x.astype(dtype)
+        if isinstance(x, np.ndarray):
+            return x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x.copy()
         return x
     return {name: one(x) for name, x in arrays.items()}
 

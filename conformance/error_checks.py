@@ -264,6 +264,7 @@ def _attempt(module: ModuleType, case: ErrorCase, need_weights: bool) -> Excepti
 
 
 def _native(module: ModuleType, value: Any) -> Any:
+    """The module's arrays, made from copies: a module that writes into its inputs cannot change a case."""
     if isinstance(value, Mapping):
         return {name: _native(module, x) for name, x in value.items()}
-    return module.asarray(value) if isinstance(value, np.ndarray) else value
+    return module.asarray(value.copy()) if isinstance(value, np.ndarray) else value

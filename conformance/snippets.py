@@ -25,9 +25,10 @@ def reproduce(module: str, check: str, case: Any, dtype: str) -> str:
     """Code that rebuilds `case` exactly and runs the check on `module`, printing its measures."""
     fields = ",\n".join(f"    {name}={_literal(value)}" for name, value in case._asdict().items())
     return (f"import numpy as np\nfrom numpy import inf, nan\nimport {module}\n"
-            f"from conformance import checks, strategies\n"
+            f"from conformance import checks, strategies\nfrom conformance.frameworks import framework_of\n"
             f"case = strategies.{type(case).__name__}(\n{fields},\n)\n"
-            f"print(checks.{check}(checks.Runner({module}), case, {dtype!r}))")
+            f"with framework_of({module}).pinned():  # the suite's precision settings (JAX: float64 on)\n"
+            f"    print(checks.{check}(checks.Runner({module}), case, {dtype!r}))")
 
 
 def _literal(value: Any) -> str:
@@ -36,5 +37,5 @@ def _literal(value: Any) -> str:
     if isinstance(value, np.ndarray):
         text = np.array2string(value, separator=", ", threshold=sys.maxsize, floatmode="unique",
                                max_line_width=sys.maxsize)
-        return f"np.array({text}, dtype=np.{value.dtype})"
+        return f"np.array({text}, dtype={value.dtype.name!r})"  # a name every NumPy knows (np.bool is 2.x)
     return repr(value)

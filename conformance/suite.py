@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
 from . import checks, edge_checks, error_checks, fixed_cases, gradient_checks, strategies
-from .checks import Runner
+from .checks import ResultError, Runner
 from .snippets import describe, reproduce
 
 TOLERANCES: dict[str, dict[str, float]] = {
@@ -86,8 +86,8 @@ class Row(NamedTuple):
     operation: str
     check: str  # the measure's name
     dtype: str
-    examples: int
-    worst: float  # the largest measure seen (over the examples run before any failure)
+    examples: int  # the cases run, those Hypothesis tried while shrinking a failure included
+    worst: float  # the largest measure seen over those cases
     tolerance: float  # the largest tolerance applied: the table's, or a case's own where looser
     passed: bool
     failure: str | None = None  # the shrunk failing case, what went wrong, and a snippet to reproduce it
@@ -171,15 +171,17 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
     """Hypothesis drives the group's check over `examples` cases (plus the pinned edge cases); each measure
     becomes a row."""
     tolerance, worst, applied, count = TOLERANCES[dtype], {}, {}, [0]
+    first: dict[str, str] = {}  # each measure's first failure: a row fails on any case over its tolerance
     name = runner.module.__name__
 
     def body(case: Any) -> None:
         count[0] += 1
         try:
             measures = group.check(runner, case, dtype)
-        except Exception as error:  # the module raised: a failure of the module, not of the suite
-            message = f"raised {type(error).__name__}: {error}"
-            raise CheckFailure(_failure(name, group, dtype, case, message), ["call"]) from error
+        except Exception as error:  # the module raised, or returned what the contract does not allow
+            what = str(error) if isinstance(error, ResultError) else f"raised {type(error).__name__}: {error}"
+            first.setdefault("call", _failure(name, group, dtype, case, what))
+            raise CheckFailure(_failure(name, group, dtype, case, what), ["call"]) from error
         allowed = {m: max(tolerance[m], value.tolerance) for m, value in measures.items()}
         for measure, value in measures.items():
             worst[measure] = max(worst.get(measure, 0.0), value.error, key=lambda e: (math.isnan(e), e))
@@ -187,7 +189,10 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
         bad = {m: value for m, value in measures.items() if not value.error <= allowed[m]}
         if bad:
             what = "; ".join(f"{m} {v.error:.3g} > {allowed[m]:.1e}: {v.detail}" for m, v in bad.items())
-            raise CheckFailure(_failure(name, group, dtype, case, what), list(bad))
+            message = _failure(name, group, dtype, case, what)
+            for measure in bad:
+                first.setdefault(measure, message)
+            raise CheckFailure(message, list(bad))
 
     test = given(case=group.strategy())(body)
     for case in strategies.EDGE_CASES[group.operation] if group.pinned else ():
@@ -196,20 +201,20 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
     test = settings(max_examples=examples, deadline=None, database=None, derandomize=False, phases=phases,
                     verbosity=Verbosity.quiet, report_multiple_bugs=False,
                     suppress_health_check=list(HealthCheck))(seed(seed_)(test))
-    failed, failure = set(), None
+    shrunk: dict[str, str] = {}  # measure -> the failure Hypothesis reports: the shrunk case
     try:
         test()
     except CheckFailure as error:
-        failed, failure = set(error.measures), str(error)
-    except Flaky as error:  # a failure that did not repeat on the same case: the module is not deterministic
-        failed = {"deterministic"}
-        failure = (f"{name} {group.operation} {group.check.__name__} {dtype}: a failing case passed when run "
-                   f"again, so the module gives different results for the same inputs\n{error}")
+        shrunk = dict.fromkeys(error.measures, str(error))
+    except Flaky:  # a failure that did not repeat on the same case: the module is not deterministic
+        shrunk = {"deterministic": f"{name} {group.operation} {group.check.__name__} {dtype}: a failing case "
+                                   "passed when run again, so the module gives different results for the same "
+                                   "inputs; the first failure:\n" + next(iter(first.values()), "")}
+    failures = first | shrunk  # a case over a tolerance fails its row, also one left behind while shrinking
     names = list(worst) or ["call"]
-    names += [m for m in failed if m not in names]
+    names += [m for m in failures if m not in names]
     return [Row(name, group.operation, m, dtype, count[0], worst.get(m, math.inf),
-                applied.get(m, tolerance.get(m, 0.0)), m not in failed and m in worst,
-                failure if m in failed else None)
+                applied.get(m, tolerance.get(m, 0.0)), m not in failures and m in worst, failures.get(m))
             for m in names]
 
 

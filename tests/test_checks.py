@@ -101,3 +101,86 @@ def test_a_nondeterministic_module_is_reported_not_raised():
 
     report = suite.check(Flaky(), operations=["sdpa"], max_examples=5)
     assert not report.passed
+    _assert_no_row_passes_over_its_tolerance(report)
+
+
+def _assert_no_row_passes_over_its_tolerance(report: suite.Report) -> None:
+    for row in report.rows:
+        assert not (row.passed and not row.worst <= row.tolerance), f"{row.check} {row.dtype} passed at {row.worst}"
+        assert row.passed or row.failure, f"{row.check} {row.dtype} failed without saying why"
+
+
+def _wrapping(name: str, change) -> object:
+    """A module that is attention_np with scaled_dot_product_attention changed by `change(call, *args)`."""
+    class Module:
+        __name__ = name
+        asarray, to_numpy = staticmethod(np.asarray), staticmethod(np.asarray)
+
+        @staticmethod
+        def scaled_dot_product_attention(*args, **options):
+            return change(lambda *a: attention_np.scaled_dot_product_attention(*a, **options), *args)
+
+    return Module()
+
+
+def test_a_flaky_failure_fails_every_measure_it_broke():
+    # wrong on roughly one call in three: whichever measures a failing call broke fail their rows, with the
+    # case that broke them, even where Hypothesis's replay of the failure passed
+    calls = [0]
+
+    def sometimes_off(call, q, k, v, mask=None):
+        calls[0] += 1
+        out, weights = call(q, k, v, mask)
+        return (out + 1.0 if calls[0] % 3 == 0 else out), weights
+
+    report = suite.check(_wrapping("sometimes_off", sometimes_off), operations=["sdpa"], max_examples=10)
+    assert not report.passed
+    _assert_no_row_passes_over_its_tolerance(report)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda call, *args: (*call(*args), None), "scaled_dot_product_attention returned a 3-tuple, expected a pair"),
+    (lambda call, *args: call(*args)[0], "scaled_dot_product_attention returned a ndarray, expected a pair"),
+    (lambda call, *args: call(*args), "to_numpy cannot convert the ndarray the module returned"),
+], ids=["three", "bare_out", "foreign_arrays"])
+def test_a_result_outside_the_contract_fails_the_call_row_saying_what_came_back(change, message):
+    module = _wrapping("odd_result", change)
+    if "to_numpy" in message:  # a torch-like module whose to_numpy knows only its own arrays gets NumPy's back
+        module.to_numpy = staticmethod(lambda x: x.numpy())
+    report = suite.check(module, operations=["sdpa"], max_examples=2, shrink=False)
+    calls = [row for row in report.rows if row.check == "call"]
+    assert calls and not any(row.passed for row in calls)
+    assert all(message in row.failure and "raised" not in row.failure.splitlines()[0] for row in calls)
+
+
+def test_a_module_that_writes_into_its_mask_cannot_change_what_the_oracle_sees():
+    # it unmasks every key in place, then attends: the oracle must still see the case's mask
+    def unmasking(call, q, k, v, mask=None):
+        if mask is not None:
+            np.asarray(mask)[...] = True
+        return call(q, k, v, mask)
+
+    report = suite.check(_wrapping("unmasking", unmasking), operations=["sdpa"], max_examples=20, shrink=False)
+    assert {("values", "float64"), ("values", "float32")} <= {(r.check, r.dtype) for r in report.rows if not r.passed}
+
+
+def test_relative_error_against_an_all_zero_reference_is_the_absolute_error():
+    # max |[0, 1e-3] - 0| = 1e-3, where dividing by max |0| would give a meaningless huge number
+    assert checks.relative_error(np.array([0.0, 1e-3]), np.zeros(2)) == 1e-3
+
+
+def test_snippet_of_a_jax_float64_case_reruns_with_the_suites_precision():
+    jax = pytest.importorskip("jax")
+
+    case = strategies.EDGE_CASES["sdpa"][7]  # a bool mask: its literal must build on every NumPy
+    assert case.mask.dtype == bool
+    code = reproduce("attention_jax", "against_oracle", case, "float64")
+    assert "dtype='bool'" in code
+    printed, before = io.StringIO(), jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)  # as in a fresh session
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(code, {})
+    finally:
+        jax.config.update("jax_enable_x64", before)
+    assert "values" in printed.getvalue() and "inf" not in printed.getvalue()

@@ -52,10 +52,13 @@ def test_check_writes_json_rows_and_prints_the_seed(tmp_path: pathlib.Path) -> N
     assert all(row["examples"] >= 1 for row in report["rows"])
 
 
-def test_check_of_a_module_that_does_not_import_fails() -> None:
-    result = _run("check", "no_such_attention_module", "--max-examples", "1")
+def test_check_of_a_module_that_does_not_import_fails_also_in_the_json(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "report.json"
+    result = _run("check", "no_such_attention_module", "--max-examples", "1", "--json", str(path))
     assert result.returncode == 1
     assert "skipped no_such_attention_module" in result.stdout
+    entry = json.loads(path.read_text())["no_such_attention_module"]
+    assert entry["passed"] is False and "No module named 'no_such_attention_module'" in entry["skipped"]
 
 
 def test_check_of_a_module_without_the_contract_names_what_it_lacks() -> None:
