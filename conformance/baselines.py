@@ -8,7 +8,8 @@ Ev value width, D = d_model, F = d_ff.
   (every score is -1e9, so the softmax is flat) where the spec gives zeros.
 - `jax_plain_attention`: softmax(q k^T * scale) v with jax.nn.softmax, the way one writes it in JAX.
 - `jax_builtin_attention`: jax.nn.dot_product_attention, in our (B, H, L, E) layout: it takes (B, T, N, H)
-  (heads after the sequence), so the heads axis is swapped in and out around it, inside the jitted code.
+  (heads after the sequence), so the heads axis is swapped in and out around it, inside the jitted code;
+  on CUDA in bfloat16 the benchmark also runs it with implementation="cudnn".
 - `multi_head`, `block`: the projections and the feed-forward network around any of these, written once
   for NumPy and jax.numpy (`xp`): self-attention, post-LN, ReLU, as our default block.
 - `torch_multihead`, `torch_encoder_layer`: nn.MultiheadAttention and nn.TransformerEncoderLayer holding
@@ -50,13 +51,15 @@ def jax_plain_attention(q: Any, k: Any, v: Any) -> Any:
     return jax.nn.softmax(scores, axis=-1) @ v  # (B, H, L, S) x (B, H, S, Ev) -> (B, H, L, Ev)
 
 
-def jax_builtin_attention(q: Any, k: Any, v: Any) -> Any:
-    """jax.nn.dot_product_attention on (B, H, L, E) inputs: it wants (B, T, N, H), heads after the sequence."""
+def jax_builtin_attention(q: Any, k: Any, v: Any, *, implementation: str | None = None) -> Any:
+    """jax.nn.dot_product_attention on (B, H, L, E) inputs: it wants (B, T, N, H), heads after the sequence.
+    implementation: its own option (None: XLA; "cudnn": cuDNN's fused kernel, CUDA and half precision only)."""
     import jax
     import jax.numpy as jnp
 
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (B, H, L, E) -> (B, L, H, E)
-    return jnp.swapaxes(jax.nn.dot_product_attention(q, k, v), 1, 2)  # (B, L, H, Ev) -> (B, H, L, Ev)
+    out = jax.nn.dot_product_attention(q, k, v, implementation=implementation)  # (B, L, H, Ev)
+    return jnp.swapaxes(out, 1, 2)  # (B, L, H, Ev) -> (B, H, L, Ev)
 
 
 def multi_head(xp: ModuleType, state: Mapping[str, Any], x: Any, *, num_heads: int, attend: Attend) -> Any:

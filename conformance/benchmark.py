@@ -22,6 +22,7 @@ repeats, time_ms, gflops, peak_mib (null where not measurable), rel_error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import statistics
@@ -245,7 +246,7 @@ def make_candidates(problem: Problem, backends: dict[str, ModuleType], *, dtype:
         convert = _converter(kind, dtype, devices[kind])
         calls = {name: _our_call(module, problem, convert, need_weights=False),
                  f"{name} explicit": _our_call(module, problem, convert, need_weights=True)}
-        calls |= _baseline_calls(kind, problem, convert)
+        calls |= _baseline_calls(kind, problem, convert, fused=devices[kind] == "cuda" and dtype == "bfloat16")
         inputs = tuple(convert(x) for x in problem.inputs)
         for label, (call, params) in calls.items():
             if wanted is None or label in wanted:
@@ -267,8 +268,10 @@ def _our_call(module: ModuleType, problem: Problem, convert: Callable,
     return (lambda block, x: block(x, need_weights=need_weights)), block
 
 
-def _baseline_calls(kind: str, problem: Problem, convert: Callable) -> dict[str, tuple[Callable, Any]]:
-    """{label: (call, params)} for the baselines of framework `kind`."""
+def _baseline_calls(kind: str, problem: Problem, convert: Callable,
+                    *, fused: bool = False) -> dict[str, tuple[Callable, Any]]:
+    """{label: (call, params)} for the baselines of framework `kind`; fused (bfloat16 on CUDA): JAX's
+    built-in also with implementation="cudnn", the kernel our JAX fast path uses there."""
     operation, H = problem.operation, problem.H
     state = {name: convert(value) for name, value in problem.state.items()}
     if kind == "torch":
@@ -283,8 +286,12 @@ def _baseline_calls(kind: str, problem: Problem, convert: Callable) -> dict[str,
     if kind == "jax":
         import jax.numpy as jnp
 
-        return {"jax plain": (_plain(jnp, baselines.jax_plain_attention, operation, H), state),
-                "jax.nn.dot_product_attention": (_plain(jnp, baselines.jax_builtin_attention, operation, H), state)}
+        calls = {"jax plain": (_plain(jnp, baselines.jax_plain_attention, operation, H), state),
+                 "jax.nn.dot_product_attention": (_plain(jnp, baselines.jax_builtin_attention, operation, H), state)}
+        if fused:
+            cudnn = functools.partial(baselines.jax_builtin_attention, implementation="cudnn")
+            calls["jax.nn.dot_product_attention cudnn"] = (_plain(jnp, cudnn, operation, H), state)
+        return calls
     return {"numpy tutorial": (_plain(np, baselines.tutorial_attention, operation, H), state)}
 
 

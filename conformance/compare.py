@@ -40,7 +40,8 @@ explicit: our backend with need_weights=True; the bare name is need_weights=Fals
 torch built-in: F.scaled_dot_product_attention, nn.MultiheadAttention(batch_first=True) called with
   need_weights=False, nn.TransformerEncoderLayer(batch_first=True) in eval mode. numpy tutorial, jax plain,
   jax.nn.dot_product_attention: for mha and block, the plain projections and FFN of conformance/baselines.py
-  around that attention. bfloat16 skips the NumPy candidates (NumPy has no bfloat16 arithmetic)."""
+  around that attention; "jax.nn.dot_product_attention cudnn" (bfloat16 on CUDA): with implementation="cudnn".
+  bfloat16 skips the NumPy candidates (NumPy has no bfloat16 arithmetic)."""
 
 
 # --- the tables, the machine and the plot --------------------------------------------------------------
@@ -128,8 +129,8 @@ def plot(rows: Sequence[benchmark.Row], path: str) -> None:
 def _style(name: str, framework: str) -> dict[str, Any]:
     """A colour per framework; solid: our fast path, dashed: our explicit path, dotted: a baseline."""
     color = {"numpy": "tab:blue", "torch": "tab:red", "jax": "tab:green"}.get(framework, "tab:grey")
-    if name == "jax.nn.dot_product_attention":
-        color = "tab:olive"
+    if name.startswith("jax.nn.dot_product_attention"):
+        color = "tab:olive" if name == "jax.nn.dot_product_attention" else "tab:cyan"
     if name in BUILT_IN:
         return {"color": color, "linestyle": "-", "marker": "o"}
     if name.endswith(" explicit"):

@@ -21,6 +21,7 @@ import attention_np
 from conformance import benchmark, compare
 from conformance.__main__ import main
 from conformance.baselines import tutorial_attention
+from tests._compare import assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW_KEYS = {"implementation", "framework", "device", "operation", "dtype", "B", "H", "E", "L", "S", "D", "F",
@@ -190,3 +191,27 @@ def test_table_gives_the_rate_in_gflops_when_every_row_ran_on_the_cpu() -> None:
     rows = [_sdpa_row("attention_np", "numpy", "cpu", time_ms=40.0),
             _sdpa_row("attention_torch", "torch", "cpu", time_ms=0.016)]
     assert _rates(compare.format_table(rows)) == ["GFLOP/s", "107.4", "268435.5"]
+
+
+@pytest.mark.parametrize(("fused", "labels"), [
+    (False, {"jax plain", "jax.nn.dot_product_attention"}),
+    (True, {"jax plain", "jax.nn.dot_product_attention", "jax.nn.dot_product_attention cudnn"}),
+], ids=["cpu-or-float32", "cuda-bfloat16"])
+def test_jax_baselines_add_cudnn_only_where_the_fast_path_uses_it(fused: bool, labels: set[str]) -> None:
+    # built, not run: the cuDNN kernel needs a GPU (tests/test_gpu.py and scripts/gpu-check.sh run it)
+    pytest.importorskip("jax")
+    problem = benchmark.make_problem("sdpa", B=1, H=2, L=8, E=8, dtype="float32")
+    assert set(benchmark._baseline_calls("jax", problem, np.asarray, fused=fused)) == labels
+
+
+def test_jax_builtin_baseline_passes_its_implementation_on() -> None:
+    jax = pytest.importorskip("jax")
+    from conformance import baselines
+
+    q, k, v = (np.random.default_rng(1).standard_normal((1, 2, 5, 4)) for _ in range(3))
+    with jax.numpy_dtype_promotion("standard"):
+        xla = baselines.jax_builtin_attention(q, k, v, implementation="xla")
+        with pytest.raises(ValueError, match="Unsupported implementation option: nonsense"):
+            baselines.jax_builtin_attention(q, k, v, implementation="nonsense")
+    # its softmax runs in float32 also for float64 inputs (SPEC section 9): float32's tolerance
+    assert_close(np.asarray(xla), attention_np.scaled_dot_product_attention(q, k, v)[0], 1e-4, "xla")
