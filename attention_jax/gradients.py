@@ -18,7 +18,7 @@ import jax
 
 from attention_np import _checks
 
-from .functional import scaled_dot_product_attention
+from .functional import _dtypes, scaled_dot_product_attention
 
 Grads = dict[str, jax.Array]
 
@@ -49,7 +49,7 @@ def scaled_dot_product_attention_vjp(
     out, pull, weights = jax.vjp(attention, q, k, v, bias, has_aux=True)  # jax: autodiff of the forward
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-        _checks.cotangent("d_out", d_out.shape, out.shape)
+        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return pull(d_out)
 
     return out, weights, pullback
@@ -68,7 +68,7 @@ def multi_head_attention_vjp(mha: Any, q: jax.Array, k: jax.Array, v: jax.Array,
     out, pull, weights = jax.vjp(lambda m, q, k, v: m(q, k, v, mask), mha, q, k, v, has_aux=True)
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Grads]:
-        _checks.cotangent("d_out", d_out.shape, out.shape)
+        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_mha, dq, dk, dv = pull(d_out)
         return dq, dk, dv, d_mha.state_dict()  # jax: the gradient of a module is a module
 
@@ -86,7 +86,7 @@ def transformer_block_vjp(block: Any, x: jax.Array,
     y, pull, weights = jax.vjp(lambda b, x: b(x, mask), block, x, has_aux=True)
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, Grads]:
-        _checks.cotangent("d_out", d_out.shape, y.shape)
+        _checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         d_block, dx = pull(d_out)
         return dx, d_block.state_dict()
 

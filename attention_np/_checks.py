@@ -102,10 +102,13 @@ def no_dropout(what: str, p: float) -> None:
                          "training mode: call .eval() first, or build the module with dropout 0")
 
 
-def cotangent(name: str, shape: Sequence[int], expected: Sequence[int]) -> None:
-    """A pullback's argument has the shape of the output it belongs to."""
+def cotangent(name: str, shape: Sequence[int], expected: Sequence[int],
+              dtypes: Mapping[str, tuple[str, bool]]) -> None:
+    """A pullback's argument has the shape (else ValueError) and the dtype (else TypeError) of the output it
+    belongs to; `dtypes` maps the two names to (dtype name, is floating), as for same_floating_dtype."""
     if _shape(shape) != _shape(expected):
         raise ValueError(f"{name} must have the output's shape {_shape(expected)}; got {_shape(shape)}")
+    same_floating_dtype(dtypes, "a pullback's ")
 
 
 def mha_state_shapes(d_model: int) -> dict[str, Shape]:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _checks
-from .functional import scaled_dot_product_attention
+from .functional import _dtypes, scaled_dot_product_attention
 from .modules import _activation, _erf
 
 Grads = dict[str, np.ndarray]
@@ -55,7 +55,7 @@ def scaled_dot_product_attention_vjp(
     out, weights = scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        _checks.cotangent("d_out", d_out.shape, out.shape)
+        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         # 1) through the value product O = P V
         dv = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)
         d_weights = d_out @ np.swapaxes(v, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
@@ -64,7 +64,7 @@ def scaled_dot_product_attention_vjp(
         # 3) through the scores S = Q K^T * scale + bias
         dq = d_scores @ k * scale  # (..., L, S) x (..., S, E) -> (..., L, E)
         dk = np.swapaxes(d_scores, -1, -2) @ q * scale  # (..., S, L) x (..., L, E) -> (..., S, E)
-        dbias = None if bias is None else _sum_to(d_scores, np.shape(bias))
+        dbias = None if bias is None else _sum_to(d_scores, np.shape(bias)).astype(np.asarray(bias).dtype)
         return _sum_to(dq, q.shape), _sum_to(dk, k.shape), _sum_to(dv, v.shape), dbias
 
     return out, weights, pullback
@@ -89,7 +89,7 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
-        _checks.cotangent("d_out", d_out.shape, out.shape)
+        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_merged, grads_o = pull_o(d_out)  # (..., L, D)
         dq_h, dk_h, dv_h, _ = pull_attention(mha._split_heads(d_merged))  # (..., H, L|S, d_k)
         (dq, grads_q), (dk, grads_k), (dv, grads_v) = (
@@ -118,7 +118,7 @@ def transformer_block_vjp(block: Any, x: np.ndarray,
     y, weights, pullback = forward(block, x, mask)
 
     def checked(d_out: np.ndarray) -> tuple[np.ndarray, Grads]:
-        _checks.cotangent("d_out", d_out.shape, y.shape)
+        _checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         dx, grads = pullback(d_out)
         return dx, {name: grads[name] for name in block.state_dict()}  # in state-dict order
 

@@ -53,8 +53,9 @@ def scaled_dot_product_attention(
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     if L == 0 or S == 0:  # no queries, or no keys to see: nothing to attend, every output is zeros
         _visible(mask, bias, is_causal, (*batch, L, S), q.device)  # the masks' shapes are still checked
-        weights = q.new_zeros((*batch, L, S))
-        return q.new_zeros((*batch, L, v.shape[-1])), (weights if need_weights else None)
+        # torch: made from q, k and v, not new zeros, so that autograd reaches them (with zero gradients)
+        weights = (q @ k.transpose(-1, -2)).expand(*batch, L, S).contiguous()  # (..., L, S), empty
+        return weights @ v, (weights if need_weights else None)  # out (..., L, Ev): zeros, or empty
     dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: sums, softmax in float32
     # torch: the fused kernel returns finite rows for a NaN query, and its -inf masking lets a hidden NaN key
     # reach rows that do not see it, so a NaN or inf in q or k keeps the explicit path (their sum is then

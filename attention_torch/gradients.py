@@ -18,7 +18,7 @@ import torch
 
 from attention_np import _checks
 
-from .functional import scaled_dot_product_attention
+from .functional import _dtypes, scaled_dot_product_attention
 
 Grads = dict[str, torch.Tensor]
 
@@ -49,7 +49,7 @@ def scaled_dot_product_attention_vjp(
                                                     is_causal=is_causal, scale=scale)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        _checks.cotangent("d_out", d_out.shape, out.shape)
+        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, *dbias = _grad(out, inputs, d_out)
         return dq, dk, dv, dbias[0] if dbias else None
 
@@ -65,13 +65,13 @@ def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torc
         out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
         dparams {state-dict name: gradient}.
     """
-    _checks.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
-    inputs, params = [_leaf(x) for x in (q, k, v)], dict(mha.named_parameters())
+    _checks.no_dropout(type(mha).__name__, _active_dropout(mha))
+    inputs, params = [_leaf(x) for x in (q, k, v)], _leaves(mha)
     with torch.enable_grad():
-        out, weights = mha(*inputs, mask)
+        out, weights = torch.func.functional_call(mha, params, (*inputs, mask))
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Grads]:
-        _checks.cotangent("d_out", d_out.shape, out.shape)
+        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, *grads = _grad(out, [*inputs, *params.values()], d_out)
         return dq, dk, dv, dict(zip(params, grads, strict=True))
 
@@ -85,13 +85,13 @@ def transformer_block_vjp(block: Any, x: torch.Tensor,
     Returns:
         y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
     """
-    _checks.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
-    x, params = _leaf(x), dict(block.named_parameters())
+    _checks.no_dropout(type(block).__name__, _active_dropout(block))
+    x, params = _leaf(x), _leaves(block)
     with torch.enable_grad():
-        y, weights = block(x, mask)
+        y, weights = torch.func.functional_call(block, params, (x, mask))
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, Grads]:
-        _checks.cotangent("d_out", d_out.shape, y.shape)
+        _checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         dx, *grads = _grad(y, [x, *params.values()], d_out)
         return dx, dict(zip(params, grads, strict=True))
 
@@ -101,6 +101,19 @@ def transformer_block_vjp(block: Any, x: torch.Tensor,
 def _leaf(x: torch.Tensor) -> torch.Tensor:
     """x as a new leaf of the autograd graph, so gradients stop there."""
     return torch.as_tensor(x).detach().requires_grad_()
+
+
+def _leaves(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters as new leaves, by state-dict name: the vjp differentiates every parameter,
+    also one frozen with requires_grad=False, and leaves the module's own autograd state alone."""
+    return {name: _leaf(param) for name, param in module.named_parameters()}
+
+
+def _active_dropout(module: torch.nn.Module) -> float:
+    """The largest dropout probability in effect anywhere in `module`. torch: a submodule can be in
+    training mode while its parent is in eval mode."""
+    return max((m.dropout for m in module.modules() if m.training and isinstance(getattr(m, "dropout", None), float)),
+               default=0.0)
 
 
 def _grad(out: torch.Tensor, inputs: Sequence[torch.Tensor], d_out: torch.Tensor) -> list[torch.Tensor]:

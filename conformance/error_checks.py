@@ -116,6 +116,8 @@ _SDPA_ERRORS = [
     ErrorCase("sdpa", "dropout_p_negative", "call", _sdpa(dropout_p=-0.1), ValueError, ("dropout_p",)),
     ErrorCase("sdpa", "d_out_shape", "pullback", _sdpa(d_out=np.zeros((2, 3, 4))), ValueError,
               ("d_out", "(2, 3, 4)", "(2, 3, 3)")),
+    ErrorCase("sdpa", "d_out_dtype", "pullback", _sdpa(d_out=np.zeros((2, 3, 3), np.float32)), TypeError,
+              ("d_out", "float32", "float64")),
 ]
 
 _MHA_ERRORS = [
@@ -146,6 +148,8 @@ _MHA_ERRORS = [
               ("float32", "float64")),
     ErrorCase("mha", "d_out_shape", "pullback", _mha(d_out=np.zeros((2, 3, D + 1))), ValueError,
               ("d_out", "(2, 3, 5)", "(2, 3, 4)")),
+    ErrorCase("mha", "d_out_dtype", "pullback", _mha(d_out=np.zeros((2, 3, D), np.float32)), TypeError,
+              ("d_out", "float32", "float64")),
 ]
 
 _BLOCK_ERRORS = [
@@ -177,6 +181,8 @@ _BLOCK_ERRORS = [
               ("float32", "float64")),
     ErrorCase("block", "d_out_shape", "pullback", _block(d_out=np.zeros((2, 3, D + 1))), ValueError,
               ("d_out", "(2, 3, 5)", "(2, 3, 4)")),
+    ErrorCase("block", "d_out_dtype", "pullback", _block(d_out=np.zeros((2, 3, D), np.float32)), TypeError,
+              ("d_out", "float32", "float64")),
 ]
 
 ERROR_CASES: list[ErrorCase] = _SDPA_ERRORS + _MHA_ERRORS + _BLOCK_ERRORS

@@ -409,6 +409,53 @@ def test_gradients_have_the_dtype_of_the_inputs(backend: ModuleType, kind: str, 
         assert g.dtype == np.dtype(dtype), f"{kind} d{name}: {g.dtype} from {np.dtype(dtype)} inputs"
 
 
+@pytest.mark.parametrize("bias_dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_bias_gradient_has_the_bias_dtype(backend: ModuleType, bias_dtype: type) -> None:
+    # the bias may differ from q in dtype (it is cast to the scores' dtype); its gradient keeps its own
+    q_dtype = np.float64 if bias_dtype == np.float32 else np.float32
+    x = backend.asarray(np.random.default_rng(0).standard_normal((B, 3, 4)).astype(q_dtype))
+    bias = backend.asarray(np.zeros((3, 3), bias_dtype))
+    out, _, pullback = backend.scaled_dot_product_attention_vjp(x, x, x, bias=bias)
+    dbias = backend.to_numpy(pullback(backend.asarray(np.ones(out.shape, q_dtype)))[3])
+    assert dbias.dtype == np.dtype(bias_dtype) and dbias.shape == (3, 3)
+
+
+@pytest.mark.parametrize(("L", "S"), [(3, 0), (0, 4)], ids=["S=0", "L=0"])
+def test_empty_axes_give_zero_gradients_of_the_inputs_shapes(backend: ModuleType, L: int, S: int) -> None:
+    rng = np.random.default_rng(1)
+    q, k, v = (backend.asarray(rng.standard_normal(shape)) for shape in ((B, L, 4), (1, S, 4), (S, 2)))
+    out, weights, pullback = backend.scaled_dot_product_attention_vjp(q, k, v)
+    assert tuple(out.shape) == (B, L, 2) and tuple(weights.shape) == (B, L, S)
+    grads = [backend.to_numpy(g) for g in pullback(backend.asarray(np.ones((B, L, 2))))[:3]]
+    assert [g.shape for g in grads] == [(B, L, 4), (1, S, 4), (S, 2)]
+    assert all(not np.any(g) for g in grads)
+
+
+def test_torch_vjp_differentiates_frozen_parameters_and_leaves_them_frozen() -> None:
+    import attention_torch
+
+    state = random_state("mha", D, F, np.random.default_rng(2), F64)
+    mha = attention_torch.MultiHeadAttention.from_state_dict(state, num_heads=H).eval()
+    mha.w_q.requires_grad_(False)
+    x = torch.tensor(np.random.default_rng(3).standard_normal((B, 5, D)))
+    out, _, pullback = mha.vjp(x, x, x)
+    frozen = pullback(torch.ones_like(out))[3]
+    mha.w_q.requires_grad_(True)
+    out, _, pullback = mha.vjp(x, x, x)
+    assert not mha.w_q.weight.grad_fn and mha.w_q.weight.grad is None  # the module's own autograd state untouched
+    for name, grad in pullback(torch.ones_like(out))[3].items():
+        assert torch.equal(frozen[name], grad), name
+
+
+def test_torch_block_vjp_rejects_dropout_active_in_a_submodule() -> None:
+    import attention_torch
+
+    block = attention_torch.TransformerBlock(D, H, F, dropout=0.5).eval()
+    block.attn.train()  # torch: a submodule can be put back in training mode on its own
+    with pytest.raises(ValueError, match=r"dropout 0\.5 in training mode"):
+        block.vjp(torch.zeros(B, 5, D))
+
+
 # ---- 7) errors -----------------------------------------------------------------------------------------
 
 
@@ -436,6 +483,13 @@ def test_pullback_rejects_d_out_of_the_wrong_shape(backend: ModuleType, kind: st
     assert out_shape == (B, 5, D)
     with pytest.raises(ValueError, match=r"d_out .*\(2, 5, 8\)"):
         pullback(backend.asarray(np.zeros(shape)))
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "mha", "block"])
+def test_pullback_rejects_d_out_of_another_dtype(backend: ModuleType, kind: str) -> None:
+    pullback, out_shape = _pullback(backend, kind)  # float64 outputs
+    with pytest.raises(TypeError, match=r"d_out, out must share one dtype; got d_out .*float32, out .*float64"):
+        pullback(backend.asarray(np.zeros(out_shape, np.float32)))
 
 
 @pytest.mark.parametrize("kind", ["mha", "block"])
