@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import itertools
 import math
 import statistics
 import sys
@@ -131,9 +132,10 @@ def flops(operation: str, *, B: int, H: int, L: int, S: int, E: int) -> int:
 
 
 def measure(candidates: Sequence[Candidate], *, repeats: int, warmup: int = 1) -> list[float]:
-    """Median seconds per call of each candidate, their repeats interleaved and rotated: A, B, C, then
-    B, C, A, then C, A, B, ..., so that each candidate follows each other one equally often (a call that
-    leaves the caches cold or the allocator busy slows whichever call comes next).
+    """Median seconds per call of each candidate, their repeats interleaved in an order in which each
+    candidate follows every other one equally often (`balanced_order`): a call that leaves the caches cold
+    or the allocator busy slows whichever call comes next, and a plain rotation (A B C, B C A, C A B) puts
+    A after C twice as often as B.
 
     Interleave candidates of one framework only: a framework's idle threads spin for a while after each
     call (OpenMP, OpenBLAS, XLA's pool), and on a machine with few cores they slow the next framework's call
@@ -142,13 +144,29 @@ def measure(candidates: Sequence[Candidate], *, repeats: int, warmup: int = 1) -
         for _ in range(warmup):
             candidate.run()
     times: list[list[float]] = [[] for _ in candidates]
-    for repeat in range(repeats):
-        for index in range(len(candidates)):
-            index = (index + repeat) % len(candidates)
+    order = balanced_order(len(candidates))
+    for index in itertools.islice(itertools.cycle(order), math.ceil(repeats / order.count(0)) * len(order)):
+        if len(times[index]) < repeats:  # the last pass through `order` may need only some candidates
             start = time.perf_counter()
             candidates[index].run()
             times[index].append(time.perf_counter() - start)
     return [statistics.median(seconds) for seconds in times]
+
+
+def balanced_order(n: int) -> list[int]:
+    """Indices 0..n-1 in a cyclic order in which every ordered pair of distinct indices is adjacent exactly
+    once (i right before j): an Eulerian circuit of the complete directed graph, so each index appears n - 1
+    times (once where n is 1). For n = 3: [0, 2, 1, 2, 0, 1], then again: 0 follows 1 and 2 once each."""
+    if n == 1:
+        return [0]
+    unused = {i: [j for j in range(n) if j != i] for i in range(n)}  # the edges i -> j not yet walked
+    stack, circuit = [0], []
+    while stack:  # Hierholzer: walk unused edges; back out of a dead end into the circuit
+        if unused[stack[-1]]:
+            stack.append(unused[stack[-1]].pop())
+        else:
+            circuit.append(stack.pop())
+    return circuit[::-1][:-1]  # the walk ends where it began: that last step is the cycle's wrap-around
 
 
 def compare(*, sizes: Sequence[int] = SIZES, operations: Sequence[str] = OPERATIONS, dtype: str = "float32",

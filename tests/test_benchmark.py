@@ -7,6 +7,7 @@ Tiny sizes and two repeats keep these fast; no test looks at a timing value, onl
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import math
 import pathlib
@@ -113,14 +114,33 @@ def test_tutorial_baseline_averages_the_values_on_a_fully_masked_row() -> None:
     np.testing.assert_array_equal(attention_np.scaled_dot_product_attention(q, k, v, mask)[0][0, 1], 0)
 
 
-def test_measure_interleaves_and_rotates_the_candidates_repeats() -> None:
+def test_measure_interleaves_the_candidates_so_each_follows_every_other_equally_often() -> None:
     calls: list[str] = []
     candidates = [benchmark.Candidate(name, "sdpa", lambda name=name: calls.append(name), lambda: None)
                   for name in "ABC"]
-    medians = benchmark.measure(candidates, repeats=3, warmup=1)
-    # warm-up, then each repeat rotated by one: every candidate follows every other one equally often
-    assert calls == list("ABC" "ABC" "BCA" "CAB")  # warm-up A B C, then the three rotated repeats
+    medians = benchmark.measure(candidates, repeats=4, warmup=1)
+    assert calls[:3] == list("ABC")  # the warm-up
+    timed = calls[3:]
+    assert timed == list("ACBCAB" "ACBCAB")  # balanced_order(3) = [0, 2, 1, 2, 0, 1], twice: 4 calls each
+    # as a cycle: A -> C, C -> B, B -> C, C -> A, A -> B, B -> A, each ordered pair once per pass
+    assert sorted(itertools.pairwise(timed[:7])) == sorted(itertools.permutations("ABC", 2))
     assert len(medians) == 3 and all(seconds >= 0 for seconds in medians)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_balanced_order_puts_every_ordered_pair_side_by_side_once(n: int) -> None:
+    order = benchmark.balanced_order(n)
+    pairs = list(zip(order, order[1:] + order[:1], strict=True))  # cyclic: the last is followed by the first
+    expected = [(0, 0)] if n == 1 else list(itertools.permutations(range(n), 2))
+    assert sorted(pairs) == sorted(expected)
+
+
+def test_measure_stops_at_the_repeats_asked_for() -> None:
+    counts = {name: 0 for name in "ABCD"}
+    candidates = [benchmark.Candidate(name, "sdpa", lambda name=name: counts.__setitem__(name, counts[name] + 1),
+                                      lambda: None) for name in counts]
+    benchmark.measure(candidates, repeats=5, warmup=0)  # balanced_order(4) has 3 of each: a partial pass
+    assert counts == dict.fromkeys("ABCD", 5)
 
 
 def test_plot_writes_a_png(tmp_path: pathlib.Path) -> None:
