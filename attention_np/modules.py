@@ -29,7 +29,7 @@ class Module:
 
     def _init(self, **fields: Any) -> None:
         for name, value in fields.items():
-            object.__setattr__(self, name, value)
+            object.__setattr__(self, name, _owned(value) if isinstance(value, np.ndarray) else value)
 
     @classmethod
     def _build(cls, **fields: Any) -> Any:
@@ -322,3 +322,13 @@ def _prefixed(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     """The entries under `prefix.`, with the prefix removed."""
     return {name.removeprefix(f"{prefix}."): value for name, value in state.items()
             if name.startswith(f"{prefix}.")}
+
+
+def _owned(x: np.ndarray) -> np.ndarray:
+    """A parameter the module owns: a read-only copy, unless x already is one (a module's own, passed on by
+    eval(), train() or a sibling), so neither the caller's array nor the state_dict() it returns can change
+    an immutable module."""
+    if x.flags.writeable or x.base is not None:
+        x = np.array(x)
+        x.flags.writeable = False
+    return x

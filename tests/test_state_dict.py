@@ -209,3 +209,18 @@ def test_same_rng_gives_the_same_initial_values(backend):
     for name in BLOCK_NAMES:
         assert np.array_equal(first[name], second[name]), name
     assert not np.array_equal(first["attn.w_q.weight"], other["attn.w_q.weight"])
+
+
+def test_numpy_modules_cannot_be_changed_through_the_arrays_they_take_or_give():
+    # NumPy and JAX modules are immutable (SPEC section 1); NumPy arrays are not, so the module owns
+    # read-only copies
+    import attention_np
+
+    state = attention_np.TransformerBlock(4, 2, 8, 0.0, rng=0).state_dict()
+    given = {name: value.copy() for name, value in state.items()}
+    block = attention_np.TransformerBlock.from_state_dict(given, num_heads=2)
+    given["attn.w_q.weight"][...] = 0.0  # the caller's array changes, the module's does not
+    assert np.array_equal(block.state_dict()["attn.w_q.weight"], state["attn.w_q.weight"])
+    with pytest.raises(ValueError, match="read-only"):
+        block.state_dict()["norm1.weight"][0] = 2.0
+    assert block.eval().state_dict()["ffn.0.weight"] is block.state_dict()["ffn.0.weight"]  # no copy per mode
