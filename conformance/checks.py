@@ -57,8 +57,6 @@ def compare(name: str, actual: np.ndarray | None, expected: np.ndarray, dtype: s
     """`actual` against the reference: kind first (present, shape, dtype, NaN places), then the error."""
     if actual is None:
         return Measure(math.inf, f"{name} is None")
-    if not isinstance(actual, np.ndarray):
-        return Measure(math.inf, f"{name} is a {type(actual).__name__}, not an array (the module's to_numpy)")
     if actual.shape != expected.shape:
         return Measure(math.inf, f"{name} has shape {actual.shape}, expected {expected.shape}")
     if actual.dtype != np.dtype(dtype):
@@ -140,10 +138,13 @@ class Runner:
         if results is None:
             return None
         try:
-            return self.module.to_numpy(results)
+            converted = self.module.to_numpy(results)
         except Exception as error:
             raise ResultError(f"to_numpy cannot convert the {type(results).__name__} the module returned: "
                               f"{type(error).__name__}: {error}") from error
+        if not isinstance(converted, np.ndarray):
+            raise ResultError(f"to_numpy gave a {type(converted).__name__}, not a NumPy array")
+        return converted
 
 
 def _pair(operation: str, result: Any) -> Pair:

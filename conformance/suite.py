@@ -180,8 +180,9 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
             measures = group.check(runner, case, dtype)
         except Exception as error:  # the module raised, or returned what the contract does not allow
             what = str(error) if isinstance(error, ResultError) else f"raised {type(error).__name__}: {error}"
-            first.setdefault("call", _failure(name, group, dtype, case, what))
-            raise CheckFailure(_failure(name, group, dtype, case, what), ["call"]) from error
+            message = _failure(name, group, dtype, case, what)
+            first.setdefault("call", message)
+            raise CheckFailure(message, ["call"]) from error
         allowed = {m: max(tolerance[m], value.tolerance) for m, value in measures.items()}
         for measure, value in measures.items():
             worst[measure] = max(worst.get(measure, 0.0), value.error, key=lambda e: (math.isnan(e), e))

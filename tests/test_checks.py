@@ -138,15 +138,17 @@ def test_a_flaky_failure_fails_every_measure_it_broke():
     _assert_no_row_passes_over_its_tolerance(report)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda call, *args: (*call(*args), None), "scaled_dot_product_attention returned a 3-tuple, expected a pair"),
-    (lambda call, *args: call(*args)[0], "scaled_dot_product_attention returned a ndarray, expected a pair"),
-    (lambda call, *args: call(*args), "to_numpy cannot convert the ndarray the module returned"),
-], ids=["three", "bare_out", "foreign_arrays"])
-def test_a_result_outside_the_contract_fails_the_call_row_saying_what_came_back(change, message):
+@pytest.mark.parametrize(("change", "to_numpy", "message"), [
+    (lambda call, *args: (*call(*args), None), None, "scaled_dot_product_attention returned a 3-tuple, expected"),
+    (lambda call, *args: call(*args)[0], None, "scaled_dot_product_attention returned a ndarray, expected a pair"),
+    # a torch-like module whose to_numpy knows only its own arrays, given NumPy's back
+    (lambda call, *args: call(*args), lambda x: x.numpy(), "to_numpy cannot convert the ndarray the module returned"),
+    (lambda call, *args: call(*args), lambda x: np.asarray(x).tolist(), "to_numpy gave a list, not a NumPy array"),
+], ids=["three", "bare_out", "foreign_arrays", "to_numpy_lists"])
+def test_a_result_outside_the_contract_fails_the_call_row_saying_what_came_back(change, to_numpy, message):
     module = _wrapping("odd_result", change)
-    if "to_numpy" in message:  # a torch-like module whose to_numpy knows only its own arrays gets NumPy's back
-        module.to_numpy = staticmethod(lambda x: x.numpy())
+    if to_numpy is not None:
+        module.to_numpy = staticmethod(to_numpy)
     report = suite.check(module, operations=["sdpa"], max_examples=2, shrink=False)
     calls = [row for row in report.rows if row.check == "call"]
     assert calls and not any(row.passed for row in calls)
