@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+PROFILES = {"fast": 1, "thorough": 10}  # each check's examples in the fast profile, times this
+
 
 def check(module: Any, **options: Any) -> Any:
     """Run the whole suite on `module`; see conformance.suite.check for the options."""
@@ -19,4 +21,4 @@ def check(module: Any, **options: Any) -> Any:
     return run(module, **options)
 
 
-__all__ = ["check"]
+__all__ = ["PROFILES", "check"]

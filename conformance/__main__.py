@@ -12,17 +12,14 @@ every check passes on every module.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from . import compare
+from . import PROFILES, compare
 from .frameworks import BUILT_IN, import_modules
-
-# suite.PROFILES's names, written out so that building the parser imports neither the suite nor Hypothesis
-# (compare and figure need neither); tests/test_cli.py keeps the two in step
-PROFILES = ("fast", "thorough")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +65,7 @@ def _check(args: argparse.Namespace) -> int:
 
     names = args.modules if args.command == "check" else BUILT_IN
     modules, skipped = import_modules(names)
-    gaps = {name: suite.missing(module) for name, module in modules.items()}
+    gaps = {name: suite.contract_gaps(module) for name, module in modules.items()}
     for name in (name for name, missing in gaps.items() if missing):
         del modules[name]
         skipped[name] = f"does not implement the attention contract: it has no {', '.join(gaps[name])}"
@@ -86,7 +83,9 @@ def _check(args: argparse.Namespace) -> int:
     reports = []
     for name, module in modules.items():
         start = time.perf_counter()
-        report = suite.check(module, profile=args.profile, max_examples=args.max_examples, seed=args.seed)
+        with _progress(suite.planned(module, profile=args.profile, max_examples=args.max_examples)) as tell:
+            report = suite.check(module, profile=args.profile, max_examples=args.max_examples, seed=args.seed,
+                                 progress=tell)
         print(f"{name}: {time.perf_counter() - start:.1f} s" + "".join(f"; {s}" for s in report.settings))
         reports.append(report)
     print()
@@ -102,6 +101,18 @@ def _check(args: argparse.Namespace) -> int:
     print(f"\n{'all pass' if not failures else f'{len(failures)} of {len(names)} modules failed'}"
           f"; replay with --seed {args.seed}")
     return 0 if not failures else 1
+
+
+@contextlib.contextmanager
+def _progress(total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar on stderr, when it is a terminal: what runs and how many cases are done."""
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="case", file=sys.stderr, disable=None, leave=False, dynamic_ncols=True) as bar:
+        def tell(what: str) -> None:
+            bar.set_description(what, refresh=False)
+            bar.update()
+        yield tell
 
 
 def _write_json(path: str | None, entries: dict) -> None:

@@ -1,11 +1,13 @@
 """The checks: each runs a module on one drawn case and returns named measures, errors that the suite
-compares with the tolerance table (`tolerances.json`).
+compares with the tolerance table (conformance/tolerances.py).
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 A measure is a relative error (`relative_error`), or inf with a reason when no number can be fair:
-wrong shape, wrong dtype, NaN where the reference has a number (or the reverse).
+wrong shape, wrong dtype, NaN where the reference has a number (or the reverse). Every check works on any
+operation of conformance/operations.py; the metamorphic ones (permutation, causal prefix, single key)
+are written for the operations they fit.
 """
 
 from __future__ import annotations
@@ -18,15 +20,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import oracle
+from .cases import BlockCase, Case, MhaCase, SdpaCase
 from .frameworks import framework_of
-from .strategies import BlockCase, MhaCase, SdpaCase
+from .operations import Pair, arrays_and_options, operation_of
+from .tolerances import relative_error
 
-Case = SdpaCase | MhaCase | BlockCase
-Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
-
-
 LOW_PRECISION_FACTOR = 10  # a module may lose this many times what the oracle loses in the same dtype
 
 
@@ -34,23 +33,6 @@ class Measure(NamedTuple):
     error: float  # compared with the tolerance; inf when the result is wrong in kind, not degree
     detail: str = ""  # what was wrong, for the failure message
     tolerance: float = 0.0  # this case's own tolerance, where it is looser than the table's
-
-
-def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    """max|actual - expected| / max|expected| over the whole array, the expected array the reference;
-    max|actual - expected| where the reference is all zeros.
-
-    Entries equal in both (NaN in both, or the same infinity) count as exact; NaN in only one of them,
-    or a shape mismatch, gives inf.
-    """
-    a, b = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
-    if a.shape != b.shape or np.any(np.isnan(a) != np.isnan(b)):
-        return math.inf
-    same = (a == b) | np.isnan(b)  # also matching infinities, where a - b would be NaN
-    with np.errstate(invalid="ignore"):  # inf - inf in the entries `same` replaces
-        diff = np.where(same, 0.0, np.abs(a - b))
-    reference = np.max(np.abs(b), where=np.isfinite(b), initial=0.0)
-    return float(np.max(diff, initial=0.0) / (reference if reference > 0 else 1.0))
 
 
 def compare(name: str, actual: np.ndarray | None, expected: np.ndarray, dtype: str) -> Measure:
@@ -89,41 +71,33 @@ class Runner:
         self.module, self.framework = module, framework_of(module)
         self._staged: dict[tuple, Callable] = {}
 
-    def sdpa(self, case: SdpaCase, dtype: str, *, dropout_p: float = 0.0, seed: int | None = None,
-             need_weights: bool = True) -> Pair:
-        arrays = {"q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "bias": case.bias}
-        return _pair("scaled_dot_product_attention", self.call(
-            _call_sdpa, arrays, dtype, seed, is_causal=case.is_causal, scale=case.scale, dropout_p=dropout_p,
-            need_weights=need_weights))
-
-    def mha(self, case: MhaCase, dtype: str, *, training: bool = False, seed: int | None = None,
+    def run(self, case: Case, dtype: str, *, training: bool = False, seed: int | None = None,
             need_weights: bool = True) -> Pair:
-        arrays = {"state": case.state, "q": case.q, "k": case.k, "v": case.v, "mask": case.mask}
-        return _pair("MultiHeadAttention", self.call(
-            _call_mha, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout, training=training,
-            need_weights=need_weights))
+        """The module's (out, weights) for `case` in `dtype`: in eval mode, or in training mode with the
+        case's dropout and the framework's rng for `seed`."""
+        operation = operation_of(case)
+        arrays, options = arrays_and_options(case)
+        return _pair(operation.function, self.call(operation.call, arrays, dtype, seed, training=training,
+                                                   need_weights=need_weights, **options))
 
-    def block(self, case: BlockCase, dtype: str, *, training: bool = False, seed: int | None = None,
-              need_weights: bool = True) -> Pair:
-        arrays = {"state": case.state, "x": case.x, "mask": case.mask}
-        return _pair("TransformerBlock", self.call(
-            _call_block, arrays, dtype, seed, num_heads=case.num_heads, dropout=case.dropout,
-            norm_first=case.norm_first, activation=case.activation, eps=case.eps, training=training,
-            need_weights=need_weights))
-
-    def call(self, function: Callable, arrays: dict[str, Any], dtype: str, seed: int | None, **options: Any) -> Any:
+    def call(self, function: Callable, arrays: dict[str, Any], dtype: str | None, seed: int | None, *,
+             eager: bool = False, **options: Any) -> Any:
         """`function(module, native arrays, rng, **options)`, staged once per function and options (JAX: one
-        jit function); the results as NumPy arrays. The sdpa, mha and block methods go through it, and a check
-        may pass its own function the same way (a vjp's pullback, say).
+        jit function); the results as NumPy arrays. `run` goes through it, and a check may pass its own
+        function the same way (an operation's pullback, say).
 
-        arrays: NumPy arrays, None or nested state dicts (the floating ones cast to `dtype`); seed: the
-        framework's rng for `function`, or None; options: static and hashable.
+        arrays: NumPy arrays, None or nested state dicts (the floating ones cast to `dtype`; None keeps every
+        dtype); seed: the framework's rng for `function`, or None; eager: call it as it is, unstaged (the
+        error table: a check on values, such as a float mask's 0 / 1, cannot run inside jit); options:
+        static and hashable.
         """
+        native, rng = self._native(cast(arrays, dtype)), None if seed is None else self.framework.rng(seed)
+        if eager:
+            return self._numpy(function(self.module, native, rng, **options))
         key = (function, tuple(sorted(options.items())))
         if key not in self._staged:
             self._staged[key] = self.framework.stage(functools.partial(function, self.module, **options))
-        rng = None if seed is None else self.framework.rng(seed)
-        return self._numpy(self._staged[key](self._native(cast(arrays, dtype)), rng))
+        return self._numpy(self._staged[key](native, rng))
 
     def _native(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
         return {name: self._native(x) if isinstance(x, Mapping) else None if x is None else self.module.asarray(x)
@@ -156,33 +130,15 @@ def _pair(operation: str, result: Any) -> Pair:
     return tuple(result)
 
 
-def _call_sdpa(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> tuple:
-    return module.scaled_dot_product_attention(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
-                                               bias=arrays["bias"], rng=rng, **options)
-
-
-def _call_mha(module: ModuleType, arrays: dict, rng: Any, *, num_heads: int, dropout: float,
-              training: bool, need_weights: bool) -> tuple:
-    mha = module.MultiHeadAttention.from_state_dict(arrays["state"], num_heads=num_heads, dropout=dropout)
-    mha = mha.train() if training else mha.eval()
-    return mha(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], need_weights=need_weights, rng=rng)
-
-
-def _call_block(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
-                **options: Any) -> tuple:
-    block = module.TransformerBlock.from_state_dict(arrays["state"], **options)
-    block = block.train() if training else block.eval()
-    return block(arrays["x"], arrays["mask"], need_weights=need_weights, rng=rng)
-
-
-def cast(arrays: Mapping[str, Any], dtype: str) -> dict[str, Any]:
-    """Copies: floating arrays (also inside nested state dicts) in `dtype`, masks in their own dtype, so
-    a module that writes into its inputs cannot change the case the oracle sees; None and the rest as given."""
+def cast(arrays: Mapping[str, Any], dtype: str | None) -> dict[str, Any]:
+    """Copies: floating arrays (also inside nested state dicts) in `dtype` (None: their own), masks in their
+    own dtype, so a module that writes into its inputs cannot change the case the oracle sees; None and the
+    rest as given."""
     def one(x: Any) -> Any:
         if isinstance(x, Mapping):
             return cast(x, dtype)
         if isinstance(x, np.ndarray):
-            return x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x.copy()
+            return x.astype(dtype) if dtype is not None and np.issubdtype(x.dtype, np.floating) else x.copy()
         return x
     return {name: one(x) for name, x in arrays.items()}
 
@@ -197,24 +153,7 @@ def rounded(case: Case, dtype: str) -> Case:
 
 def expected(case: Case, precision: str = "float64") -> Pair:
     """The oracle's (out, weights) for `case` in eval mode, computed in `precision`."""
-    if isinstance(case, SdpaCase):
-        return oracle.sdpa(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
-                           scale=case.scale, dtype=precision)
-    if isinstance(case, MhaCase):
-        return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask,
-                                           num_heads=case.num_heads, dtype=precision)
-    return oracle.transformer_block(case.state, case.x, case.mask, num_heads=case.num_heads,
-                                    norm_first=case.norm_first, activation=case.activation, eps=case.eps,
-                                    dtype=precision)
-
-
-def run(runner: Runner, case: Case, dtype: str, **options: Any) -> Pair:
-    """The module's (out, weights) for `case`, in eval mode unless options say otherwise."""
-    if isinstance(case, SdpaCase):
-        return runner.sdpa(case, dtype, **options)
-    if isinstance(case, MhaCase):
-        return runner.mha(case, dtype, **options)
-    return runner.block(case, dtype, **options)
+    return operation_of(case).oracle(case, precision)
 
 
 def against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
@@ -225,12 +164,12 @@ def against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]
     against the oracle, and None for the weights;
     weights_rows: each weights row sums to 1 where a key is visible, to 0 where none is."""
     case = rounded(case, dtype)
-    out, weights = run(runner, case, dtype)
+    out, weights = runner.run(case, dtype)
     expected_out, expected_weights = expected(case)
     tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))
     values = worst(compare("out", out, expected_out, dtype), compare("weights", weights, expected_weights, dtype))
     values = values._replace(tolerance=tolerance)
-    fast_out, no_weights = run(runner, case, dtype, need_weights=False)
+    fast_out, no_weights = runner.run(case, dtype, need_weights=False)
     fast = compare("out with need_weights=False", fast_out, expected_out, dtype)._replace(tolerance=tolerance)
     if no_weights is not None:
         fast = Measure(math.inf, "need_weights=False returned weights, not None")
@@ -259,8 +198,8 @@ def sdpa_permutation(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Me
     perm = np.random.default_rng(S).permutation(S)
     permuted = case._replace(k=case.k[..., perm, :], v=case.v[..., perm, :],
                              mask=_permute_last(case.mask, perm), bias=_permute_last(case.bias, perm))
-    out, weights = runner.sdpa(case, dtype)
-    out_p, weights_p = runner.sdpa(permuted, dtype)
+    out, weights = runner.run(case, dtype)
+    out_p, weights_p = runner.run(permuted, dtype)
     weights_back = None if weights_p is None else weights_p[..., np.argsort(perm)]
     return {"permutation": worst(compare("out", out_p, out, dtype), compare("weights", weights_back, weights, dtype))}
 
@@ -271,8 +210,8 @@ def mha_permutation(runner: Runner, case: MhaCase, dtype: str) -> dict[str, Meas
     S = case.k.shape[-2]
     perm = np.random.default_rng(S).permutation(S)
     permuted = case._replace(k=case.k[..., perm, :], v=case.v[..., perm, :], mask=_permute_last(case.mask, perm))
-    out, _ = runner.mha(case, dtype)
-    out_p, _ = runner.mha(permuted, dtype)
+    out, _ = runner.run(case, dtype)
+    out_p, _ = runner.run(permuted, dtype)
     return {"permutation": compare("out", out_p, out, dtype)}
 
 
@@ -282,8 +221,8 @@ def block_permutation(runner: Runner, case: BlockCase, dtype: str) -> dict[str, 
     L = case.x.shape[-2]
     perm = np.random.default_rng(L).permutation(L)
     mask = None if case.mask is None else _permute_last(_permute_last(case.mask, perm, axis=-2), perm)
-    out, _ = runner.block(case, dtype)
-    out_p, _ = runner.block(case._replace(x=case.x[..., perm, :], mask=mask), dtype)
+    out, _ = runner.run(case, dtype)
+    out_p, _ = runner.run(case._replace(x=case.x[..., perm, :], mask=mask), dtype)
     return {"permutation": compare("out", out_p, out[..., perm, :], dtype)}
 
 
@@ -301,16 +240,16 @@ def sdpa_causal_prefix(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, 
     noise = np.random.default_rng(t)
     later = case._replace(q=_perturb_after(case.q, t, noise), k=_perturb_after(case.k, t, noise),
                           v=_perturb_after(case.v, t, noise))
-    out, _ = runner.sdpa(case, dtype)
-    out_later, _ = runner.sdpa(later, dtype)
+    out, _ = runner.run(case, dtype)
+    out_later, _ = runner.run(later, dtype)
     return {"causal_prefix": compare("out rows 0..t", out_later[..., : t + 1, :], out[..., : t + 1, :], dtype)}
 
 
 def block_causal_prefix(runner: Runner, case: BlockCase, dtype: str) -> dict[str, Measure]:
     """With a causal mask, output rows 0..t of the block ignore the inputs after t."""
     t = case.x.shape[-2] // 2
-    out, _ = runner.block(case, dtype)
-    out_later, _ = runner.block(case._replace(x=_perturb_after(case.x, t, np.random.default_rng(t))), dtype)
+    out, _ = runner.run(case, dtype)
+    out_later, _ = runner.run(case._replace(x=_perturb_after(case.x, t, np.random.default_rng(t))), dtype)
     return {"causal_prefix": compare("out rows 0..t", out_later[..., : t + 1, :], out[..., : t + 1, :], dtype)}
 
 
@@ -324,8 +263,8 @@ def _perturb_after(x: np.ndarray, t: int, rng: np.random.Generator) -> np.ndarra
 def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Measure]:
     """A query that sees exactly one key returns that key's value; one that sees none returns zeros."""
     case = rounded(case, dtype)
-    out, _ = runner.sdpa(case, dtype)
-    visible = _visible(case)  # (..., L, S)
+    out, _ = runner.run(case, dtype)
+    visible = operation_of(case).visible(case)  # (..., L, S)
     counts = visible.sum(axis=-1, keepdims=True)  # (..., L, 1)
     picked = np.where(counts == 1, visible, False).astype(np.float64) @ case.v  # (..., L, Ev)
     checked = np.broadcast_to(counts <= 1, picked.shape)
@@ -333,47 +272,37 @@ def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Mea
     return {"single_key": compare("out", actual.astype(dtype, copy=False), np.where(checked, picked, 0.0), dtype)}
 
 
-def _visible(case: SdpaCase) -> np.ndarray:
-    """Which keys each query sees, by the spec: mask, causal rule and -inf bias."""
-    L, S = case.q.shape[-2], case.k.shape[-2]
-    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
-    visible = np.ones((*batch, L, S), dtype=bool)
-    if case.mask is not None:
-        visible = visible & (case.mask != 0)
-    if case.bias is not None:
-        visible = visible & (case.bias != -np.inf)
-    if case.is_causal:
-        visible = visible & (np.arange(S) <= np.arange(L)[:, None])
-    return visible
-
-
 # --- dropout in training mode -------------------------------------------------------------------------------
 
 def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
-    """Dropout in training mode (SDPA with dropout_p 0.5, modules configured with dropout 0.5), on the case
-    repeated DROPOUT_DRAWS times along a new leading axis, so one call holds many independent draws:
+    """Dropout in training mode (every operation with dropout 0.5), on the case repeated DROPOUT_DRAWS times
+    along a new leading axis, so one call holds many independent draws:
 
     weights: the returned weights are the softmax probabilities before dropout (the eval weights);
     reproducible: the same rng gives the same output;
     varies: another rng gives another output (unless dropout has nothing to act on: all-zero output);
-    mean (SDPA and MHA, whose output is linear in the dropped weights): the mean over the draws approaches
-    the eval output. Each entry's mean has standard deviation sigma = sqrt(p / (1 - p) sum_j (w_j v_j)^2 / N)
-    (for MHA per head, then through |W_o|); the measure is max |mean - eval| / (6 sigma + rounding), and
-    above 1 fails, which a correct implementation reaches with probability below 1e-8 per entry.
+    mean (where the output is linear in the dropped weights: the operation declares dropout_sigma): the
+    mean over the draws approaches the eval output. Each entry's mean has standard deviation
+    sigma = sqrt(p / (1 - p) sum_j (w_j v_j)^2 / N) (for MHA per head, then through |W_o|); the measure is
+    max |mean - eval| / (6 sigma + rounding), and above 1 fails, which a correct implementation reaches
+    with probability below 1e-8 per entry.
     """
-    case = rounded(case if isinstance(case, SdpaCase) else case._replace(dropout=0.5), dtype)
-    options = {"dropout_p": 0.5} if isinstance(case, SdpaCase) else {"training": True}
+    operation = operation_of(case)
+    case = rounded(case._replace(dropout=0.5), dtype)
     draws = _tiled(case, DROPOUT_DRAWS)
-    (first, weights), (again, _), (other, _) = (run(runner, draws, dtype, seed=seed, **options) for seed in (1, 1, 2))
+    (first, weights), (again, _), (other, _) = (runner.run(draws, dtype, training=True, seed=seed)
+                                                for seed in (1, 1, 2))
     expected_out, expected_weights = expected(case)
-    spread = None if isinstance(case, BlockCase) else _dropout_sigma(case, expected_weights, 0.5)
+    spread = (None if operation.dropout_sigma is None else
+              operation.dropout_sigma(case, expected_weights, 0.5, DROPOUT_DRAWS))
+    shows = operation.dropout_shows(case) and (spread is None or bool(np.any(spread > 0)))
     before = compare("weights in training mode", weights, np.broadcast_to(expected_weights, first.shape[:1]
                      + expected_weights.shape), dtype)
     measures = {"weights": before._replace(tolerance=_low_precision_tolerance(case, dtype, (expected_out,
                                                                                             expected_weights))),
                 "reproducible": Measure(0.0) if np.array_equal(first, again, equal_nan=True)
                 else Measure(math.inf, "the same rng gave different outputs"),
-                "varies": Measure(0.0) if not np.array_equal(first, other) or not _dropout_shows(case, spread)
+                "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
                 else Measure(math.inf, "another rng gave the same output")}
     if spread is None:
         return measures  # the block: LayerNorm and the activation follow dropout, so the mean is not eval
@@ -385,35 +314,8 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     return measures
 
 
-def _dropout_shows(case: Case, spread: np.ndarray | None) -> bool:
-    """Whether dropout can change the output at all: not when every weight times value is zero (no
-    visible key), nor in a post-LN block of width 1 (LayerNorm over one feature returns its bias)."""
-    if spread is not None:
-        return bool(np.any(spread > 0))
-    return case.norm_first or case.x.shape[-1] > 1
-
-
 def _tiled(case: Case, n: int) -> Case:
     """The case with its inputs repeated n times along a new leading axis (masks broadcast over it)."""
-    def tile(x: np.ndarray) -> np.ndarray:
-        return np.broadcast_to(x, (n, *x.shape)).copy()
-    if isinstance(case, SdpaCase):
-        batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
-        q, k, v = (tile(np.broadcast_to(x, (*batch, *x.shape[-2:]))) for x in (case.q, case.k, case.v))
-        return case._replace(q=q, k=k, v=v)
-    if isinstance(case, MhaCase):
-        return case._replace(q=tile(case.q), k=tile(case.k), v=tile(case.v))
-    return case._replace(x=tile(case.x))
-
-
-def _dropout_sigma(case: SdpaCase | MhaCase, weights: np.ndarray, p: float) -> np.ndarray:
-    """Standard deviation of the mean of DROPOUT_DRAWS inverted-dropout draws of the output, per entry."""
-    if isinstance(case, SdpaCase):
-        return np.sqrt(p / (1 - p) * (weights**2) @ (case.v**2) / DROPOUT_DRAWS)  # (..., L, Ev)
-    state, H = case.state, case.num_heads
-    v = case.v @ state["w_v.weight"].T + state["w_v.bias"]  # (..., S, D)
-    *lead, S, D = v.shape
-    v = np.swapaxes(v.reshape(*lead, S, H, D // H), -2, -3)  # (..., H, S, d_k)
-    sigma = np.sqrt(p / (1 - p) * (weights**2) @ (v**2) / DROPOUT_DRAWS)  # (..., H, L, d_k)
-    sigma = np.swapaxes(sigma, -2, -3).reshape(*sigma.shape[:-3], sigma.shape[-2], D)  # (..., L, D)
-    return sigma @ np.abs(state["w_o.weight"]).T  # sd of a sum is at most the sum of |coefficient| x sd
+    inputs = {name: getattr(case, name) for name in operation_of(case).inputs}
+    batch = np.broadcast_shapes(*(x.shape[:-2] for x in inputs.values()))
+    return case._replace(**{name: np.broadcast_to(x, (n, *batch, *x.shape[-2:])).copy() for name, x in inputs.items()})

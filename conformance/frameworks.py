@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 BUILT_IN = ("attention_np", "attention_jax", "attention_torch")
+DTYPES = ("float16", "float32", "float64", "bool", "int32", "int64")  # every framework's
 
 
 def import_modules(names: Sequence[str]) -> tuple[dict[str, ModuleType], dict[str, str]]:
@@ -32,6 +33,7 @@ class Framework(NamedTuple):
     rng: Callable[[int], Any]  # seed -> the backend's rng argument
     stage: Callable[[Callable], Callable]  # how a whole operation runs (JAX: jit)
     pinned: Callable[[], contextlib.AbstractContextManager[str]]  # precision settings for a run
+    dtypes: tuple[str, ...] = ()  # the dtypes its arrays have, as NumPy names (bfloat16: ml_dtypes)
 
 
 def framework_of(module: ModuleType) -> Framework:
@@ -40,10 +42,10 @@ def framework_of(module: ModuleType) -> Framework:
 
     kind = type(module.asarray(np.zeros(1, np.float32))).__module__.split(".")[0]
     if kind in ("jax", "jaxlib"):
-        return Framework("jax", _jax_rng, _jax_stage, _jax_precision)
+        return Framework("jax", _jax_rng, _jax_stage, _jax_precision, (*DTYPES, "bfloat16"))
     if kind == "torch":
-        return Framework("torch", _torch_rng, _eager, _torch_precision)
-    return Framework("numpy", _numpy_rng, _eager, _no_settings)
+        return Framework("torch", _torch_rng, _eager, _torch_precision, (*DTYPES, "bfloat16"))
+    return Framework("numpy", _numpy_rng, _eager, _no_settings, DTYPES)
 
 
 def _eager(call: Callable) -> Callable:

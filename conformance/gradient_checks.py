@@ -12,28 +12,17 @@ checked, never as failing.
 from __future__ import annotations
 
 import math
-from types import ModuleType
-from typing import Any
 
 import numpy as np
 
-from .checks import Case, Measure, Runner, _visible, expected, rounded
-from .strategies import BlockCase, MhaCase, SdpaCase
+from .cases import Case
+from .checks import Measure, Runner, expected, rounded
+from .operations import arrays_and_options, operation_of
 
 STEP = 1e-6  # central differences: truncation ~ STEP^2 f''', rounding ~ eps |f| / STEP
 RELATIVE = 1e-6  # the directional derivative's accepted relative error
 DIFFERENCE_FACTOR = 10  # times the central difference's truncation error, estimated from steps h and 2h
 RESOLUTION = 10  # times the rounding of f, divided by the step
-
-
-def offers_gradients(module: ModuleType, operation: str) -> str | None:
-    """None when `module` offers the gradient interface for `operation`, else why not."""
-    if operation == "sdpa" and not hasattr(module, "scaled_dot_product_attention_vjp"):
-        return "no scaled_dot_product_attention_vjp"
-    cls = {"mha": "MultiHeadAttention", "block": "TransformerBlock"}.get(operation)
-    if cls is not None and not hasattr(getattr(module, cls, None), "vjp"):
-        return f"no {cls}.vjp"
-    return None
 
 
 def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
@@ -44,15 +33,16 @@ def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     (the gradient's own relative accuracy, the difference's truncation error estimated from a second step,
     and the rounding of f), for the argument worst off; it passes up to 1. NaN, a missing gradient or a
     wrong shape or dtype is inf.
-    masked_rows: a query that sees no key gets exactly zero gradient, and so does a key no query sees."""
+    masked_rows (where the operation declares which keys a query sees): a query that sees no key gets
+    exactly zero gradient, and so does a key no query sees."""
     case = rounded(case, dtype)
     rng = np.random.default_rng(_seed(case))
     out = expected(case)[0]
     d_out = rng.standard_normal(out.shape)
     grads = _pullback(runner, case, d_out, dtype)
     worst = Measure(0.0)
-    for name, grad in grads.items():
-        reference = _argument(case, name)
+    for name in _arguments(case):
+        grad, reference = grads.get(name), _argument(case, name)
         if grad is None or grad.shape != reference.shape or grad.dtype != np.dtype(dtype):
             found = None if grad is None else (grad.shape, grad.dtype)
             return {"gradients": Measure(math.inf, f"d{name} is {found}, expected {reference.shape} {dtype}")}
@@ -60,44 +50,24 @@ def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
             return {"gradients": Measure(math.inf, f"d{name} is not finite")}
         worst = max(worst, _directional(case, name, grad, d_out, out, rng), key=lambda m: m.error)
     measures = {"gradients": worst}
-    if not isinstance(case, BlockCase):
+    if operation_of(case).visible is not None:
         measures["masked_rows"] = _masked_rows(case, grads)
     return measures
 
 
 def _pullback(runner: Runner, case: Case, d_out: np.ndarray, dtype: str) -> dict[str, np.ndarray | None]:
-    """{argument name: gradient} from the module's own vjp: q, k, v (x) and bias or the state-dict names."""
-    if isinstance(case, SdpaCase):
-        arrays = {"q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "bias": case.bias, "d_out": d_out}
-        dq, dk, dv, dbias = runner.call(_call_sdpa_vjp, arrays, dtype, None, is_causal=case.is_causal,
-                                        scale=case.scale)
-        return {"q": dq, "k": dk, "v": dv} | ({} if case.bias is None else {"bias": dbias})
-    if isinstance(case, MhaCase):
-        arrays = {"state": case.state, "q": case.q, "k": case.k, "v": case.v, "mask": case.mask, "d_out": d_out}
-        dq, dk, dv, dparams = runner.call(_call_mha_vjp, arrays, dtype, None, num_heads=case.num_heads)
-        return {"q": dq, "k": dk, "v": dv} | {name: dparams.get(name) for name in case.state}
-    arrays = {"state": case.state, "x": case.x, "mask": case.mask, "d_out": d_out}
-    dx, dparams = runner.call(_call_block_vjp, arrays, dtype, None, num_heads=case.num_heads,
-                              norm_first=case.norm_first, activation=case.activation, eps=case.eps)
-    return {"x": dx} | {name: dparams.get(name) for name in case.state}
+    """{argument name: gradient} from the module's own vjp: the inputs, bias and the state-dict names."""
+    arrays, options = arrays_and_options(case)
+    return runner.call(operation_of(case).pullback, arrays | {"d_out": d_out}, dtype, None, **options)
 
 
-def _call_sdpa_vjp(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> tuple:
-    _, _, pullback = module.scaled_dot_product_attention_vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
-                                                             bias=arrays["bias"], **options)
-    return pullback(arrays["d_out"])
-
-
-def _call_mha_vjp(module: ModuleType, arrays: dict, rng: Any, *, num_heads: int) -> tuple:
-    mha = module.MultiHeadAttention.from_state_dict(arrays["state"], num_heads=num_heads, dropout=0.0)
-    _, _, pullback = mha.eval().vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"])
-    return pullback(arrays["d_out"])
-
-
-def _call_block_vjp(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> tuple:
-    block = module.TransformerBlock.from_state_dict(arrays["state"], dropout=0.0, **options)
-    _, _, pullback = block.eval().vjp(arrays["x"], arrays["mask"])
-    return pullback(arrays["d_out"])
+def _arguments(case: Case) -> list[str]:
+    """The arguments the operation differentiates that the case has: inputs, a bias, every parameter."""
+    names = []
+    for name in operation_of(case).differentiable:
+        value = getattr(case, name)
+        names += list(value) if name == "state" else [] if value is None else [name]
+    return names
 
 
 def _argument(case: Case, name: str) -> np.ndarray:
@@ -129,10 +99,10 @@ def _directional(case: Case, name: str, grad: np.ndarray, d_out: np.ndarray, out
     return Measure(error, f"d{name}: <grad, u> = {analytic:.6e} but the central difference gives {fine:.6e}")
 
 
-def _masked_rows(case: SdpaCase | MhaCase, grads: dict[str, np.ndarray]) -> Measure:
+def _masked_rows(case: Case, grads: dict[str, np.ndarray]) -> Measure:
     """Queries that see no key get exactly zero dq; keys that no query sees get exactly zero dk and dv.
     (For MHA, a query or key counts only when that holds in every head.)"""
-    visible = _visible(case) if isinstance(case, SdpaCase) else _mha_visible(case)  # (..., L, S)
+    visible = operation_of(case).visible(case)  # (..., L, S)
     blind = ~np.any(visible, axis=-1)  # (..., L): queries that see nothing
     unseen = ~np.any(visible, axis=-2)  # (..., S): keys nobody sees
     for name, grad, rows in (("q", grads["q"], blind), ("k", grads["k"], unseen), ("v", grads["v"], unseen)):
@@ -140,16 +110,6 @@ def _masked_rows(case: SdpaCase | MhaCase, grads: dict[str, np.ndarray]) -> Meas
         if np.any(grad[rows] != 0):
             return Measure(math.inf, f"d{name} is not exactly zero in a row that no attention reaches")
     return Measure(0.0)
-
-
-def _mha_visible(case: MhaCase) -> np.ndarray:
-    """(..., L, S): whether key j is visible to query i in at least one head."""
-    L, S = case.q.shape[-2], case.k.shape[-2]
-    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2])
-    if case.mask is None:
-        return np.ones((*batch, L, S), dtype=bool)
-    mask = np.broadcast_to(case.mask != 0, (*batch, case.num_heads, L, S))
-    return np.any(mask, axis=-3)
 
 
 def _reduce_to(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import pytest
 
+from . import PROFILES
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("conformance", "attention conformance suite")
     group.addoption("--conformance-module", action="append", default=[], metavar="NAME",
                     help="an importable implementation of the attention contract to check (repeatable)")
-    group.addoption("--conformance-profile", default="fast", choices=("fast", "thorough"),
+    group.addoption("--conformance-profile", default="fast", choices=tuple(PROFILES),
                     help="fast (default) or thorough")
     group.addoption("--conformance-seed", type=int, default=0, help="Hypothesis seed (default 0)")
 

@@ -25,8 +25,8 @@ def reproduce(module: str, check: str, case: Any, dtype: str) -> str:
     """Code that rebuilds `case` exactly and runs the check on `module`, printing its measures."""
     fields = ",\n".join(f"    {name}={_literal(value)}" for name, value in case._asdict().items())
     return (f"import numpy as np\nfrom numpy import inf, nan\nimport {module}\n"
-            f"from conformance import checks, strategies\nfrom conformance.frameworks import framework_of\n"
-            f"case = strategies.{type(case).__name__}(\n{fields},\n)\n"
+            f"from conformance import cases, checks\nfrom conformance.frameworks import framework_of\n"
+            f"case = cases.{type(case).__name__}(\n{fields},\n)\n"
             f"with framework_of({module}).pinned():  # the suite's precision settings (JAX: float64 on)\n"
             f"    print(checks.{check}(checks.Runner({module}), case, {dtype!r}))")
 

@@ -1,5 +1,5 @@
 """Hypothesis strategies for the conformance suite: random inputs of sdpa, multi-head attention and the
-transformer block, and the edge cases that random draws rarely hit, pinned in EDGE_CASES.
+transformer block (the cases that random draws rarely hit are pinned in conformance/table.py).
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
@@ -22,8 +22,7 @@ from typing import NamedTuple
 import numpy as np
 from hypothesis import strategies as st
 
-Batch = tuple[int, ...]
-State = dict[str, np.ndarray]
+from .cases import LARGE, SMALL, Batch, BlockCase, MhaCase, SdpaCase, State, block_state, mha_state
 
 BATCH_SHAPES: tuple[Batch, ...] = ((), (2,), (2, 3))
 LENGTHS = (1, 2, 3, 4, 5)  # L and S
@@ -37,48 +36,9 @@ EPSILONS = (1e-5, 1e-6, 1e-3)
 ACTIVATIONS = ("relu", "gelu")
 MASK_DTYPES = ("bool", "int32", "int64")
 MAGNITUDES = ("normal", "large", "small_variance")
-LARGE = 15.0  # q and k of this size give logits in the hundreds
-SMALL = 1e-3  # small_variance: x = c + SMALL * noise per row, variance ~1e-6, about or below every eps
 HIDDEN = 0.3  # share of keys a random mask hides
 
 SEEDS = st.integers(0, 2**32 - 1)
-
-
-class SdpaCase(NamedTuple):
-    """Inputs of scaled_dot_product_attention (and oracle.sdpa)."""
-
-    q: np.ndarray  # (..., L, E)
-    k: np.ndarray  # (..., S, E)
-    v: np.ndarray  # (..., S, Ev)
-    mask: np.ndarray | None  # broadcasts to (..., L, S) without adding axes; 0 / False hides a key
-    bias: np.ndarray | None  # broadcasts to (..., L, S); a -inf entry hides that key
-    is_causal: bool
-    scale: float | None
-
-
-class MhaCase(NamedTuple):
-    """A MultiHeadAttention (from_state_dict) and its inputs; value checks run it in eval mode."""
-
-    state: State  # w_q.weight (D, D), w_q.bias (D,), and the same for w_k, w_v, w_o
-    num_heads: int
-    dropout: float
-    q: np.ndarray  # (..., L, D)
-    k: np.ndarray  # (..., S, D)
-    v: np.ndarray  # (..., S, D)
-    mask: np.ndarray | None  # broadcasts to (..., H, L, S)
-
-
-class BlockCase(NamedTuple):
-    """A TransformerBlock (from_state_dict) and its input; value checks run it in eval mode."""
-
-    state: State  # attn.<MhaCase names>, norm1/norm2 .weight and .bias (D,), ffn.0 (F, D), ffn.3 (D, F)
-    num_heads: int
-    dropout: float
-    norm_first: bool
-    activation: str  # "relu" or "gelu"
-    eps: float
-    x: np.ndarray  # (..., L, D)
-    mask: np.ndarray | None  # broadcasts to (..., H, L, L)
 
 
 class LabelledMask(NamedTuple):
@@ -191,15 +151,23 @@ def _one_visible_key_mask(draw: Callable, batch: Batch, L: int, S: int, heads: i
 
 
 @st.composite
+def _stored_shape(draw: Callable, shape: Batch) -> Batch:
+    """A shape that broadcasts to `shape` without adding axes: rank 1 to len(shape), drawn evenly, each axis
+    but the last either its full size or 1; e.g. (S,), (1, S), (L, S), (1, H, 1, S) for (B, H, L, S)."""
+    rank = draw(st.integers(1, len(shape)))
+    stored = shape[len(shape) - rank:]
+    ones = draw(st.lists(st.booleans(), min_size=rank - 1, max_size=rank - 1))
+    return (*(1 if one else n for one, n in zip(ones, stored[:-1], strict=True)), stored[-1])
+
+
+@st.composite
 def _broadcast_mask(draw: Callable, batch: Batch, L: int, S: int, heads: int | None) -> np.ndarray:
-    """Random, stored with fewer axes: leading axes (L included) dropped or set to 1, at least one."""
+    """Random, stored with fewer axes or axes of size 1: every rank from 1 to the full one (S stays)."""
     shape = _target(batch, L, S, heads)
-    stored = list(shape[draw(st.integers(0, len(shape) - 1)):])  # drop leading axes; S stays
-    ones = draw(st.lists(st.booleans(), min_size=len(stored) - 1, max_size=len(stored) - 1))
-    stored[:-1] = [1 if one else n for one, n in zip(ones, stored[:-1], strict=True)]
-    if tuple(stored) == shape:  # nothing reduced: drop the first axis
+    stored = draw(_stored_shape(shape))
+    if stored == shape:  # nothing reduced: drop the first axis
         stored = stored[1:]
-    return _random(_rng(draw), tuple(stored))  # e.g. (1, [H,] L, S), ([H,] 1, S), (S,)
+    return _random(_rng(draw), stored)  # e.g. (1, [H,] L, S), ([H,] 1, S), (S,)
 
 
 MaskFamily = Callable[[Batch, int, int, int | None], st.SearchStrategy]
@@ -255,10 +223,10 @@ def _cast_mask(draw: Callable, mask: np.ndarray) -> np.ndarray:
 @st.composite
 def biases(draw: Callable, batch: Batch, L: int, S: int, *, allow_none: bool = True) -> np.ndarray | None:
     """None (if allowed), or N(0, 1) values with about 20% -inf (hidden keys) and sometimes a whole row
-    -inf; shaped (..., L, S) or (L, S), broadcast over the batch."""
+    -inf; of every rank from 1 to that of the scores (..., L, S), each axis but S full or 1."""
     if allow_none and not draw(st.booleans()):
         return None
-    shape = (L, S) if draw(st.booleans()) else (*batch, L, S)
+    shape = draw(_stored_shape((*batch, L, S)))
     rng = _rng(draw)
     bias = rng.standard_normal(shape)  # (..., L, S) or (L, S)
     bias[rng.random(shape) < 0.2] = -np.inf
@@ -312,41 +280,14 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
 
 # --- parameters --------------------------------------------------------------------------------------------
 
-def _linear(rng: np.random.Generator, name: str, d_in: int, d_out: int) -> State:
-    """nn.Linear's initialisation: weight (out, in) and bias (out,), both uniform in +-1/sqrt(in)."""
-    bound = 1.0 / math.sqrt(d_in)
-    return {f"{name}.weight": rng.uniform(-bound, bound, (d_out, d_in)),
-            f"{name}.bias": rng.uniform(-bound, bound, d_out)}
-
-
-def _layer_norm(rng: np.random.Generator, name: str, d_model: int) -> State:
-    """Gain uniform in 0.5..1.5 and bias in -0.5..0.5 (not nn.LayerNorm's 1 and 0), so a lost affine shows."""
-    return {f"{name}.weight": rng.uniform(0.5, 1.5, d_model), f"{name}.bias": rng.uniform(-0.5, 0.5, d_model)}
-
-
-def _mha_state(rng: np.random.Generator, d_model: int) -> State:
-    """w_q, w_k, w_v, w_o: .weight (D, D), .bias (D,)."""
-    state: State = {}
-    for name in ("w_q", "w_k", "w_v", "w_o"):
-        state |= _linear(rng, name, d_model, d_model)
-    return state
-
-
-def _block_state(rng: np.random.Generator, d_model: int, d_ff: int) -> State:
-    """attn.*, norm1.*, norm2.* (D,), ffn.0 weight (F, D) bias (F,), ffn.3 weight (D, F) bias (D,)."""
-    state = {f"attn.{name}": value for name, value in _mha_state(rng, d_model).items()}
-    state |= _layer_norm(rng, "norm1", d_model) | _layer_norm(rng, "norm2", d_model)
-    return state | _linear(rng, "ffn.0", d_model, d_ff) | _linear(rng, "ffn.3", d_ff, d_model)
-
-
 def mha_states(d_model: int) -> st.SearchStrategy[State]:
     """Random MultiHeadAttention parameters, nn.Linear's initialisation (biases are not zero)."""
-    return SEEDS.map(lambda seed: _mha_state(np.random.default_rng(seed), d_model))
+    return SEEDS.map(lambda seed: mha_state(np.random.default_rng(seed), d_model))
 
 
 def block_states(d_model: int, d_ff: int) -> st.SearchStrategy[State]:
     """Random TransformerBlock parameters; LayerNorm gains not 1 and LayerNorm biases not 0."""
-    return SEEDS.map(lambda seed: _block_state(np.random.default_rng(seed), d_model, d_ff))
+    return SEEDS.map(lambda seed: block_state(np.random.default_rng(seed), d_model, d_ff))
 
 
 # --- multi-head attention and the block --------------------------------------------------------------------
@@ -390,75 +331,3 @@ def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | N
     mask = np.tri(L, L, dtype=bool) if causal_mask else draw(masks(batch, L, L, heads=num_heads))
     return BlockCase(draw(block_states(d_model, d_ff)), num_heads, dropout, norm_first, activation, eps,
                      x, mask)
-
-
-# --- pinned edge cases -------------------------------------------------------------------------------------
-
-def _normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
-    return rng.standard_normal(shape)
-
-
-def _sdpa_edges(rng: np.random.Generator) -> list[SdpaCase]:
-    def qkv(batch: Batch, L: int, S: int, E: int = 2, Ev: int = 4) -> tuple[np.ndarray, ...]:
-        return _normal(rng, *batch, L, E), _normal(rng, *batch, S, E), _normal(rng, *batch, S, Ev)
-
-    hide_first = np.tri(3, 3, dtype=bool)
-    hide_first[0, 0] = False
-    return [
-        SdpaCase(*qkv((), 1, 1), None, None, False, None),  # L = S = 1: the single weight is 1, out = v
-        SdpaCase(*qkv((2,), 3, 4), np.zeros((2, 3, 4), bool), None, False, None),  # whole batch masked: zeros
-        SdpaCase(*qkv((2,), 3, 4), None, np.full((3, 4), -np.inf), False, None),  # bias -inf on every row
-        SdpaCase(*qkv((), 4, 5), np.array([0, 0, 1, 0, 0]), None, False, 1.0),  # one visible key: out = v_2
-        SdpaCase(*qkv((2, 3), 3, 4), np.ones((2, 3, 3, 4), np.int64), None, False, None),  # all visible 0/1
-        SdpaCase(*qkv((2,), 5, 3), None, None, True, None),  # causal L > S: queries 2..4 see every key
-        SdpaCase(*qkv((2,), 2, 5), None, None, True, None),  # causal L < S: keys 2..4 hidden from all
-        SdpaCase(*qkv((), 3, 3), hide_first, None, True, None),  # causal and mask: query 0 sees no key
-        SdpaCase(*qkv((), 4, 1), None, _normal(rng, 4, 1), True, 0.37),  # S = 1, causal: all see key 0
-        SdpaCase(LARGE * _normal(rng, 2, 5, 4), LARGE * _normal(rng, 2, 5, 4), _normal(rng, 2, 5, 1),
-                 None, None, False, 2.5),  # logits in the hundreds: the row maximum must be subtracted
-        SdpaCase(_normal(rng, 3, 2), _normal(rng, 4, 2), _normal(rng, 2, 4, 1), rng.random((2, 1, 4)) > 0.3,
-                 _normal(rng, 2, 3, 4), False, None),  # q, k shared; v, mask and bias give the batch axis
-        SdpaCase(_normal(rng, 2, 1, 3, 2), _normal(rng, 4, 4, 2), _normal(rng, 1, 4, 4, 1), None, None, True,
-                 None),  # leading axes (2, 1), (4,), (1, 4) broadcast to (2, 4)
-    ]
-
-
-def _mha_edges(rng: np.random.Generator) -> list[MhaCase]:
-    x, x1 = _normal(rng, 2, 3, 4), _normal(rng, 1, 8)
-    head_off = np.ones((2, 2, 3, 3), bool)
-    head_off[:, 1] = False
-    padding = np.arange(5) < np.reshape([5, 0], (2, 1, 1, 1))  # (B, 1, 1, S)
-    return [
-        MhaCase(_mha_state(rng, 4), 2, 0.0, x, x, x, head_off),  # head 1 fully masked: its output is zeros
-        MhaCase(_mha_state(rng, 8), 4, 0.1, x1, x1, x1, None),  # L = S = 1, four heads, dropout configured
-        MhaCase(_mha_state(rng, 4), 2, 0.0, _normal(rng, 2, 3, 4), _normal(rng, 2, 5, 4),
-                _normal(rng, 2, 5, 4), padding),  # cross-attention, sequence 1 all padding
-        MhaCase(_mha_state(rng, 2), 1, 0.5, x[..., :2], x[..., :2], x[..., :2],
-                np.zeros((1, 1), np.int32)),  # every key hidden everywhere: out = w_o.bias
-    ]
-
-
-def _block_edges(rng: np.random.Generator) -> list[BlockCase]:
-    row_off = np.tri(4, 4, dtype=bool)
-    row_off[2] = False
-    small = _normal(rng, 2, 3, 1) + SMALL * _normal(rng, 2, 3, 4)  # (B, L, 1) + (B, L, D)
-    return [
-        BlockCase(_block_state(rng, 4, 8), 2, 0.0, False, "relu", 1e-5, _normal(rng, 2, 4, 4),
-                  row_off),  # post-LN, query 2 fully masked: attention adds w_o.bias only
-        BlockCase(_block_state(rng, 4, 8), 2, 0.0, True, "gelu", 1e-3, small,
-                  None),  # pre-LN, variance ~1e-6 far below eps 1e-3
-        BlockCase(_block_state(rng, 4, 4), 4, 0.0, False, "gelu", 1e-6, small,
-                  None),  # post-LN, variance ~1e-6 close to eps 1e-6
-        BlockCase(_block_state(rng, 8, 8), 4, 0.1, True, "relu", 1e-5, _normal(rng, 1, 8),
-                  None),  # L = 1: one position, attention returns its projected value
-        BlockCase(_block_state(rng, 2, 4), 1, 0.5, False, "relu", 1e-5, _normal(rng, 2, 3, 2),
-                  np.zeros((2, 1, 3, 3), bool)),  # every row of every sequence fully masked
-    ]
-
-
-# Cases random draws rarely hit, pinned for @example: the key is the operation.
-EDGE_CASES: dict[str, list] = {
-    "sdpa": _sdpa_edges(np.random.default_rng(0)),
-    "mha": _mha_edges(np.random.default_rng(1)),
-    "block": _block_edges(np.random.default_rng(2)),
-}

@@ -8,10 +8,8 @@ A failure is shrunk to a small case and reported with a snippet that reproduces 
 from __future__ import annotations
 
 import importlib
-import json
 import math
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -19,66 +17,65 @@ from hypothesis import HealthCheck, Phase, Verbosity, example, given, seed, sett
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
-from . import checks, edge_checks, error_checks, fixed_cases, gradient_checks, strategies
+from . import PROFILES, checks, fixed_checks, gradient_checks, strategies, table
 from .checks import ResultError, Runner
+from .frameworks import framework_of
+from .operations import CONTRACT, OPERATIONS, missing
 from .snippets import describe, reproduce
+from .tolerances import TOLERANCES
 
-TOLERANCES: dict[str, dict[str, float]] = {
-    dtype: table for dtype, table in json.loads((Path(__file__).parent / "tolerances.json").read_text()).items()
-    if not dtype.startswith("_")
-}
 BOTH, FLOAT32, FLOAT64 = ("float32", "float64"), ("float32",), ("float64",)
+Progress = Callable[[str], None]  # told "module operation check dtype" once per case run
 
 
 class Group(NamedTuple):
     """One check on one operation: the cases it draws, the dtypes, and its examples in the fast profile."""
 
-    operation: str  # "sdpa", "mha" or "block"
-    strategy: Callable[[], st.SearchStrategy]
+    operation: str  # a name of OPERATIONS
     check: Callable[[Runner, Any, str], dict[str, checks.Measure]]
     dtypes: tuple[str, ...]
     examples: int
-    pinned: bool = False  # also run strategies.EDGE_CASES[operation]
-    requires: Callable[[ModuleType, str], str | None] | None = None  # why a module cannot be checked, or None
+    draw: dict[str, Any] | None = None  # options of the operation's strategy (is_causal=True, say)
+    pinned: bool = False  # also run the table's examples of the operation first
+    gradient: bool = False  # needs the operation's vjp: a module without one is reported as skipped
+
+    def strategy(self) -> st.SearchStrategy:
+        return getattr(strategies, OPERATIONS[self.operation].strategy)(**(self.draw or {}))
 
 
 GROUPS = (
-    Group("sdpa", strategies.sdpa_cases, checks.against_oracle, BOTH, 40, pinned=True),
-    Group("sdpa", lambda: strategies.sdpa_cases(is_causal=False), checks.sdpa_permutation, FLOAT64, 10),
-    Group("sdpa", lambda: strategies.sdpa_cases(is_causal=True), checks.sdpa_causal_prefix, FLOAT64, 10),
-    Group("sdpa", lambda: strategies.sdpa_cases(single_key=True), checks.sdpa_single_key, FLOAT64, 10),
-    Group("sdpa", strategies.sdpa_cases, checks.dropout, FLOAT32, 5),
-    Group("sdpa", strategies.sdpa_cases, gradient_checks.gradients, FLOAT64, 8, pinned=True,
-          requires=gradient_checks.offers_gradients),
-    Group("mha", strategies.mha_cases, checks.against_oracle, BOTH, 20, pinned=True),
-    Group("mha", lambda: strategies.mha_cases(cross=True), checks.mha_permutation, FLOAT64, 8),
-    Group("mha", strategies.mha_cases, checks.dropout, FLOAT32, 4),
-    Group("mha", strategies.mha_cases, gradient_checks.gradients, FLOAT64, 5, pinned=True,
-          requires=gradient_checks.offers_gradients),
-    Group("block", strategies.block_cases, checks.against_oracle, BOTH, 20, pinned=True),
-    Group("block", strategies.block_cases, checks.block_permutation, FLOAT64, 6),
-    Group("block", lambda: strategies.block_cases(causal_mask=True), checks.block_causal_prefix, FLOAT64, 6),
-    Group("block", strategies.block_cases, checks.dropout, FLOAT32, 4),
-    Group("block", strategies.block_cases, gradient_checks.gradients, FLOAT64, 3, pinned=True,
-          requires=gradient_checks.offers_gradients),
+    Group("sdpa", checks.against_oracle, BOTH, 40, pinned=True),
+    Group("sdpa", checks.sdpa_permutation, FLOAT64, 10, {"is_causal": False}),
+    Group("sdpa", checks.sdpa_causal_prefix, FLOAT64, 10, {"is_causal": True}),
+    Group("sdpa", checks.sdpa_single_key, FLOAT64, 10, {"single_key": True}),
+    Group("sdpa", checks.dropout, FLOAT32, 5),
+    Group("sdpa", gradient_checks.gradients, FLOAT64, 8, pinned=True, gradient=True),
+    Group("mha", checks.against_oracle, BOTH, 20, pinned=True),
+    Group("mha", checks.mha_permutation, FLOAT64, 8, {"cross": True}),
+    Group("mha", checks.dropout, FLOAT32, 4),
+    Group("mha", gradient_checks.gradients, FLOAT64, 5, pinned=True, gradient=True),
+    Group("block", checks.against_oracle, BOTH, 20, pinned=True),
+    Group("block", checks.block_permutation, FLOAT64, 6),
+    Group("block", checks.block_causal_prefix, FLOAT64, 6, {"causal_mask": True}),
+    Group("block", checks.dropout, FLOAT32, 4),
+    Group("block", gradient_checks.gradients, FLOAT64, 3, pinned=True, gradient=True),
 )
-PROFILES = {"fast": 1, "thorough": 10}  # multiplies each group's examples
 
 
 class Table(NamedTuple):
-    """A check on fixed cases, without Hypothesis (conformance/error_checks.py and edge_checks.py): one row
-    per operation, examples = the cases run, worst = the cases failing, tolerance 0."""
+    """Fixed cases, run without Hypothesis (conformance/fixed_checks.py): one row per operation, examples =
+    the cases run, worst = the cases failing, tolerance 0."""
 
     check: str  # the row's name
     dtype: str  # "-" when the cases mix dtypes
-    run: Callable[[Runner, str], Sequence[Any]]  # (runner, operation) -> results with .passed, .describe()
+    run: Callable[[Runner, str], Sequence[fixed_checks.Result]]  # (runner, operation) -> results
 
 
 TABLES = (
-    Table("errors", "-", lambda runner, operation: error_checks.errors(runner.module, [operation])),
-    Table("edge_cases", "float64",
-          lambda runner, operation: edge_checks.edge_cases(runner.module, [operation], runner=runner)),
+    Table("errors", "-", fixed_checks.errors),
+    Table("edge_cases", "float64", fixed_checks.edge_cases),
 )
+ROUND_TRIP = Table("round_trip", "-", lambda runner, operation: fixed_checks.round_trip(runner))
 
 
 class Row(NamedTuple):
@@ -118,57 +115,71 @@ class CheckFailure(AssertionError):
 
 
 def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int | None = None, seed: int = 0,
-          shrink: bool = True, operations: Sequence[str] = ("sdpa", "mha", "block")) -> Report:
+          shrink: bool = True, operations: Sequence[str] = tuple(OPERATIONS),
+          progress: Progress | None = None) -> Report:
     """Run every check on `module` (a module object or an importable name) and return the report.
 
     profile: "fast" (the default: a few examples per check) or "thorough" (ten times as many);
     max_examples: instead, this many examples for every check; seed: Hypothesis's seed, so a run is
-    reproducible; shrink: reduce a failing case to a small one before reporting it.
+    reproducible; shrink: reduce a failing case to a small one before reporting it; progress: called once
+    per case run with what runs ("module operation check dtype").
     """
     module = importlib.import_module(module) if isinstance(module, str) else module
-    gaps = missing(module, operations)
+    gaps = contract_gaps(module, operations)
     if gaps:
         raise AttributeError(f"{module.__name__} does not implement the attention contract (SPEC.md section 1): "
                              f"it has no {', '.join(gaps)}")
     if max_examples is not None and max_examples < 1:
         raise ValueError(f"max_examples must be at least 1, got {max_examples}")
-    runner = Runner(module)
-    rows = []
+    runner, tell = Runner(module), progress or (lambda what: None)
+    rows = [_table_row(runner, ROUND_TRIP, "arrays", tell)]
     with runner.framework.pinned() as pinned:
-        for operation in dict.fromkeys(group.operation for group in GROUPS):
-            if operation not in operations:
-                continue
+        for operation in (name for name in OPERATIONS if name in operations):
             for group in (group for group in GROUPS if group.operation == operation):
                 examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
-                why = group.requires(module, group.operation) if group.requires else None
+                lacking = missing(module, (OPERATIONS[operation].vjp,)) if group.gradient else []
                 for dtype in group.dtypes:
-                    rows += ([Row(module.__name__, group.operation, group.check.__name__, dtype, 0, 0.0, 0.0, True,
-                                  skipped=why)] if why else
-                             _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink))
-            rows += [_table_row(runner, table, operation) for table in TABLES]
+                    rows += ([Row(module.__name__, operation, group.check.__name__, dtype, 0, 0.0, 0.0, True,
+                                  skipped=f"no {lacking[0]}")] if lacking else
+                             _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink,
+                                        tell=tell))
+            rows += [_table_row(runner, table_, operation, tell) for table_ in TABLES]
     return Report(rows, seed, profile, [pinned] if pinned else [])
 
 
-def missing(module: ModuleType, operations: Sequence[str] = ("sdpa", "mha", "block")) -> list[str]:
+def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *, profile: str = "fast",
+            max_examples: int | None = None) -> int:
+    """How many cases `check` runs on `module` when every check passes (shrinking a failure runs more)."""
+    total = len(framework_of(module).dtypes)
+    for group in (group for group in GROUPS if group.operation in operations):
+        examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
+        examples += len(table.rows(group.operation, "example")) if group.pinned else 0
+        total += examples * len(group.dtypes)
+    return total + sum(len(table.rows(operation, use)) for operation in operations for use in ("edge", "error"))
+
+
+def contract_gaps(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS)) -> list[str]:
     """The names of the contract that the suite calls and `module` lacks, for these operations."""
-    needed = {"sdpa": "scaled_dot_product_attention", "mha": "MultiHeadAttention", "block": "TransformerBlock"}
-    names = ["asarray", "to_numpy", *(needed[operation] for operation in operations)]
-    return [name for name in names if not hasattr(module, name)]
+    return missing(module, (*CONTRACT, *(OPERATIONS[operation].function for operation in operations)))
 
 
-def _table_row(runner: Runner, table: Table, operation: str) -> Row:
+def _table_row(runner: Runner, table_: Table, operation: str, tell: Progress) -> Row:
     """The table's cases for `operation` as one row; the failure lists each failing case."""
     name = runner.module.__name__
-    summary = fixed_cases.summarize(table.run(runner, operation))
+    results = table_.run(runner, operation)
+    for _ in results:
+        tell(f"{name} {operation} {table_.check}")
+    summary = fixed_checks.summarize(results)
     failure = (None if summary.failure is None else
-               f"{name} {operation} {table.check} {table.dtype}: {summary.failing} of {summary.examples} cases "
+               f"{name} {operation} {table_.check} {table_.dtype}: {summary.failing} of {summary.examples} cases "
                f"fail\n{summary.failure}")
-    return Row(name, operation, table.check, table.dtype, summary.examples, float(summary.failing), 0.0,
+    return Row(name, operation, table_.check, table_.dtype, summary.examples, float(summary.failing), 0.0,
                summary.failing == 0, failure)
 
 
-def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_: int, shrink: bool) -> list[Row]:
-    """Hypothesis drives the group's check over `examples` cases (plus the pinned edge cases); each measure
+def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_: int, shrink: bool,
+               tell: Progress) -> list[Row]:
+    """Hypothesis drives the group's check over `examples` cases (plus the table's examples, if pinned); each measure
     becomes a row."""
     tolerance, worst, applied, count = TOLERANCES[dtype], {}, {}, [0]
     first: dict[str, str] = {}  # each measure's first failure: a row fails on any case over its tolerance
@@ -176,6 +187,7 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
 
     def body(case: Any) -> None:
         count[0] += 1
+        tell(f"{name} {group.operation} {group.check.__name__} {dtype}")
         try:
             measures = group.check(runner, case, dtype)
         except Exception as error:  # the module raised, or returned what the contract does not allow
@@ -196,8 +208,8 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
             raise CheckFailure(message, list(bad))
 
     test = given(case=group.strategy())(body)
-    for case in strategies.EDGE_CASES[group.operation] if group.pinned else ():
-        test = example(case=case)(test)
+    for row in table.rows(group.operation, "example") if group.pinned else ():
+        test = example(case=row.build())(test)
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
     test = settings(max_examples=examples, deadline=None, database=None, derandomize=False, phases=phases,
                     verbosity=Verbosity.quiet, report_multiple_bugs=False,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from conformance import suite
+from conformance.operations import OPERATIONS
 
 
-@pytest.mark.parametrize("operation", ["sdpa", "mha", "block"])
+@pytest.mark.parametrize("operation", list(OPERATIONS))
 def test_operation_conforms(conformance_module: str | None, operation: str, request: pytest.FixtureRequest) -> None:
     if conformance_module is None:
         pytest.skip("name the implementation to check with --conformance-module NAME")

@@ -1,18 +1,13 @@
-"""Comparison helpers for the tests: norm-wise relative error, as the spec defines it."""
+"""Comparison helpers for the tests: the suite's norm-wise relative error and tolerances (one home:
+conformance/tolerances.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-TOLERANCE = {np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-9}
+from conformance.tolerances import TOLERANCES, relative_error
 
-
-def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    """max |actual - expected| / max |expected| over the whole array (0 when both are all zeros)."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    scale = np.max(np.abs(expected), initial=0.0)
-    error = np.max(np.abs(actual - expected), initial=0.0)
-    return float(error / scale) if scale > 0 else float(error)
+TOLERANCE = {np.dtype(dtype): TOLERANCES[dtype]["values"] for dtype in ("float32", "float64")}
 
 
 def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float, what: str = "") -> None:
@@ -23,3 +18,6 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float, what: st
     assert np.array_equal(nan_a, nan_e), f"{what}: NaN positions differ"
     error = relative_error(np.where(nan_a, 0, actual), np.where(nan_e, 0, expected))
     assert error <= rtol, f"{what}: relative error {error:.3g} > {rtol:.3g}"
+
+
+__all__ = ["TOLERANCE", "assert_close", "relative_error"]

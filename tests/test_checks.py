@@ -10,19 +10,20 @@ import numpy as np
 import pytest
 
 import attention_np
-from conformance import checks, strategies, suite
+from conformance import cases, checks, suite, table
 from conformance.frameworks import framework_of
 from conformance.snippets import reproduce
+from conformance.tolerances import relative_error
 
 
 def test_relative_error_is_max_abs_error_over_max_abs_reference():
     # |[1.0, 2.5] - [1.0, 2.0]| = [0, 0.5]; max |reference| = 2 -> 0.5 / 2 = 0.25
-    assert checks.relative_error(np.array([1.0, 2.5]), np.array([1.0, 2.0])) == 0.25
+    assert relative_error(np.array([1.0, 2.5]), np.array([1.0, 2.0])) == 0.25
 
 
 def test_relative_error_counts_matching_nan_and_infinity_as_exact():
     reference = np.array([np.nan, np.inf, 1.0])
-    assert checks.relative_error(reference.copy(), reference) == 0.0
+    assert relative_error(reference.copy(), reference) == 0.0
 
 
 @pytest.mark.parametrize(("actual", "expected"), [
@@ -31,7 +32,7 @@ def test_relative_error_counts_matching_nan_and_infinity_as_exact():
     (np.zeros(3), np.zeros(2)),  # shapes differ
 ])
 def test_relative_error_is_infinite_for_results_wrong_in_kind(actual, expected):
-    assert checks.relative_error(actual, expected) == math.inf
+    assert relative_error(actual, expected) == math.inf
 
 
 def test_compare_names_wrong_shape_dtype_nan_and_missing():
@@ -46,7 +47,7 @@ def test_float32_tolerance_grows_with_the_oracles_own_float32_loss():
     # logits in the hundreds: softmax loses about |logit| x 6e-8 in float32, so the case's own
     # tolerance (ten times the oracle's loss) must be positive, and zero in float64
     rng = np.random.default_rng(0)
-    case = strategies.SdpaCase(15 * rng.standard_normal((3, 4)), 15 * rng.standard_normal((5, 4)),
+    case = cases.SdpaCase(15 * rng.standard_normal((3, 4)), 15 * rng.standard_normal((5, 4)),
                                rng.standard_normal((5, 2)), None, None, False, None)
     runner = checks.Runner(attention_np)
     assert checks.against_oracle(runner, case, "float32")["values"].tolerance > 0
@@ -54,7 +55,7 @@ def test_float32_tolerance_grows_with_the_oracles_own_float32_loss():
 
 
 def test_snippet_rebuilds_the_case_and_reruns_the_check():
-    case = strategies.EDGE_CASES["sdpa"][0]
+    case = table.named("sdpa", "one_query_one_key").build()
     code = reproduce("attention_np", "against_oracle", case, "float64")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -168,13 +169,14 @@ def test_a_module_that_writes_into_its_mask_cannot_change_what_the_oracle_sees()
 
 def test_relative_error_against_an_all_zero_reference_is_the_absolute_error():
     # max |[0, 1e-3] - 0| = 1e-3, where dividing by max |0| would give a meaningless huge number
-    assert checks.relative_error(np.array([0.0, 1e-3]), np.zeros(2)) == 1e-3
+    assert relative_error(np.array([0.0, 1e-3]), np.zeros(2)) == 1e-3
 
 
 def test_snippet_of_a_jax_float64_case_reruns_with_the_suites_precision():
     jax = pytest.importorskip("jax")
 
-    case = strategies.EDGE_CASES["sdpa"][7]  # a bool mask: its literal must build on every NumPy
+    case = table.named("sdpa", "causal_and_mask_hide_a_row").build()  # a bool mask: its literal must build on
+    # every NumPy
     assert case.mask.dtype == bool
     code = reproduce("attention_jax", "against_oracle", case, "float64")
     assert "dtype='bool'" in code

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conformance import suite
-from conformance.__main__ import BUILT_IN, PROFILES
+from conformance.__main__ import BUILT_IN
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -77,10 +77,6 @@ def test_counts_below_one_are_usage_errors(args: tuple[str, ...]) -> None:
     assert "expected a positive integer" in result.stderr
     with pytest.raises(ValueError, match="max_examples must be at least 1, got 0"):
         suite.check("attention_np", max_examples=0)
-
-
-def test_profile_choices_are_the_suites_profiles() -> None:
-    assert tuple(sorted(suite.PROFILES)) == PROFILES
 
 
 @pytest.mark.parametrize("command", ["compare", "figure"])

@@ -3,57 +3,54 @@ reject a module that raises the wrong type, says too little, or silently accepts
 
 from __future__ import annotations
 
-import re
 import types
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
 
 import attention_np
-from conformance import check, error_checks
-from conformance.edge_checks import EDGE_CASES
-from conformance.error_checks import ERROR_CASES, ErrorCase
-from conformance.frameworks import framework_of
+from conformance import check, fixed_checks, table
+from conformance.checks import Runner
+from conformance.operations import OPERATIONS
 from tests.implementations import einsum_attention
 
-SPEC = Path(__file__).resolve().parents[1] / "SPEC.md"
 FEW = 2  # Hypothesis examples per group where a test needs only the table rows
+ERRORS = [row for row in table.TABLE if row.use == "error"]
+_RUNNERS: dict[str, Runner] = {}
 
 
-@pytest.mark.parametrize("case", ERROR_CASES, ids=lambda case: f"{case.operation}-{case.name}")
-def test_each_mistake_raises_the_spec_exception(backend: ModuleType, case: ErrorCase):
-    with framework_of(backend).pinned():
-        result = error_checks.check_error(backend, case)
+@pytest.mark.parametrize("row", ERRORS, ids=lambda row: f"{row.operation}-{row.name}")
+def test_each_mistake_raises_the_spec_exception(backend: ModuleType, row: table.Fixed):
+    runner = _RUNNERS.setdefault(backend.__name__, Runner(backend))
+    with runner.framework.pinned():
+        result = fixed_checks.run_error(runner, row)
     assert result.skipped is None, result.skipped  # every built-in backend offers vjp
     assert result.passed, result.describe()
 
 
 def test_the_third_party_implementation_raises_the_same_exceptions():
-    results = error_checks.errors(einsum_attention)
+    runner = Runner(einsum_attention)
+    results = [result for operation in OPERATIONS for result in fixed_checks.errors(runner, operation)]
     assert all(result.passed for result in results), "\n".join(r.describe() for r in results if not r.passed)
-    skipped = {result.case.name for result in results if result.skipped}
+    skipped = {result.row.name for result in results if result.skipped}
     assert skipped == {"d_out_shape", "d_out_dtype"}  # it offers no vjp: those cases do not apply
 
 
-def test_suite_reports_one_errors_and_one_edge_cases_row_per_operation():
+def test_suite_reports_one_row_per_operation_for_each_kind_of_fixed_case():
     report = check(attention_np, max_examples=1)
     tables = {(row.operation, row.check): row for row in report.rows if row.check in ("errors", "edge_cases")}
-    assert set(tables) == {(op, name) for op in ("sdpa", "mha", "block") for name in ("errors", "edge_cases")}
+    assert set(tables) == {(op, name) for op in OPERATIONS for name in ("errors", "edge_cases")}
     for (operation, name), row in tables.items():
-        cases = ERROR_CASES if name == "errors" else EDGE_CASES
-        assert row.examples == sum(case.operation == operation for case in cases)
+        assert row.examples == len(table.rows(operation, "error" if name == "errors" else "edge"))
         assert row.passed and row.worst == 0 and row.tolerance == 0
         assert row.dtype == ("-" if name == "errors" else "float64")
 
 
-def test_spec_lists_every_case_of_both_tables():
-    section = SPEC.read_text().split("## 11. Error inputs and edge cases", 1)[1]
-    listed = set(re.findall(r"`(\w+)`", section))
-    missing = [f"{case.operation} {case.name}" for case in (*ERROR_CASES, *EDGE_CASES) if case.name not in listed]
-    assert not missing, f"SPEC.md section 11 does not list {missing}"
+def test_names_are_unique_within_each_operation():
+    names = [(row.operation, row.name) for row in table.TABLE]
+    assert len(names) == len(set(names))
 
 
 # --- modules the error checks must reject ---------------------------------------------------------------
@@ -104,8 +101,8 @@ def _drop_bad_masks_on_the_fast_path(q, k, v, mask=None, *, need_weights=True, *
                                                      **options)
 
 
-def _failing(module: ModuleType) -> dict[str, error_checks.ErrorResult]:
-    return {result.case.name: result for result in error_checks.errors(module, ["sdpa"]) if not result.passed}
+def _failing(module: ModuleType) -> dict[str, fixed_checks.Result]:
+    return {result.row.name: result for result in fixed_checks.errors(Runner(module), "sdpa") if not result.passed}
 
 
 def test_wrong_exception_type_fails_the_errors_row():
@@ -113,8 +110,7 @@ def test_wrong_exception_type_fails_the_errors_row():
     report = check(module, operations=["sdpa"], max_examples=FEW)
     failed = [row for row in report.rows if not row.passed]
     assert [row.check for row in failed] == ["errors"]  # every other check passes: only the type is wrong
-    value_errors = {case.name for case in ERROR_CASES
-                    if case.operation == "sdpa" and case.stage == "call" and case.error is ValueError}
+    value_errors = {row.name for row in table.rows("sdpa", "error") if row.stage == "call" and row.error is ValueError}
     assert failed[0].worst == len(value_errors)
     for name in value_errors:
         assert f"sdpa {name}: expected ValueError" in failed[0].failure
@@ -123,7 +119,8 @@ def test_wrong_exception_type_fails_the_errors_row():
 
 def test_terse_message_fails_though_the_type_is_right():
     failing = _failing(_sdpa_module("terse", _terse_messages))
-    assert failing and all(result.type_ok and not result.message_ok for result in failing.values())
+    # the right type, but a message that names neither the argument nor the shapes
+    assert failing and all(result.problems == ["ValueError: invalid arguments"] for result in failing.values())
     assert "mask_adds_a_batch_axis" in failing
 
 
@@ -141,4 +138,4 @@ def test_silently_accepting_a_bad_mask_fails_the_errors_row():
 def test_a_check_skipped_on_the_fast_path_alone_is_caught():
     failing = _failing(_sdpa_module("lenient_fast_path", _drop_bad_masks_on_the_fast_path))
     assert set(failing) == {"mask_does_not_broadcast", "mask_adds_a_batch_axis"}
-    assert all(result.path == "need_weights=False" and result.raised is None for result in failing.values())
+    assert all(result.problems == ["no exception (need_weights=False)"] for result in failing.values())

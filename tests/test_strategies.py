@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance import oracle
+from conformance import cases, table
 from conformance import strategies as cs
+from conformance.checks import expected
 
 FEW = settings(max_examples=25, deadline=None)
 MHA_NAMES = {f"w_{p}.{part}" for p in "qkvo" for part in ("weight", "bias")}
@@ -30,7 +31,7 @@ def _assert_mask_values(mask: np.ndarray | None) -> None:
         assert np.isin(mask, (0, 1)).all()
 
 
-def _assert_sdpa_contract(case: cs.SdpaCase) -> tuple[int, ...]:
+def _assert_sdpa_contract(case: cases.SdpaCase) -> tuple[int, ...]:
     """Shapes of one sdpa case agree; returns the scores' shape (..., L, S)."""
     (L, E), S = case.q.shape[-2:], case.v.shape[-2]
     assert case.k.shape[-1] == E and case.k.shape[-2] == S
@@ -44,7 +45,7 @@ def _assert_sdpa_contract(case: cs.SdpaCase) -> tuple[int, ...]:
     return target
 
 
-def _assert_mha_contract(case: cs.MhaCase) -> None:
+def _assert_mha_contract(case: cases.MhaCase) -> None:
     d_model = case.state["w_q.weight"].shape[0]
     assert d_model % case.num_heads == 0 and d_model <= 8
     (L, _), (S, _) = case.q.shape[-2:], case.k.shape[-2:]
@@ -55,7 +56,7 @@ def _assert_mha_contract(case: cs.MhaCase) -> None:
     assert case.dropout in cs.DROPOUTS
 
 
-def _assert_block_contract(case: cs.BlockCase) -> None:
+def _assert_block_contract(case: cases.BlockCase) -> None:
     L, d_model = case.x.shape[-2:]
     assert case.state["norm1.weight"].shape == (d_model,) and d_model % case.num_heads == 0
     _assert_broadcasts("mask", case.mask, (*case.x.shape[:-2], case.num_heads, L, L))
@@ -63,22 +64,15 @@ def _assert_block_contract(case: cs.BlockCase) -> None:
     assert case.activation in cs.ACTIVATIONS and case.eps in cs.EPSILONS and case.dropout in cs.DROPOUTS
 
 
-def _oracle(case: cs.SdpaCase | cs.MhaCase | cs.BlockCase) -> tuple[np.ndarray, np.ndarray]:
-    if isinstance(case, cs.SdpaCase):
-        return oracle.sdpa(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
-                           scale=case.scale)
-    if isinstance(case, cs.MhaCase):
-        return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask,
-                                           num_heads=case.num_heads)
-    return oracle.transformer_block(case.state, case.x, case.mask, num_heads=case.num_heads,
-                                    norm_first=case.norm_first, activation=case.activation, eps=case.eps)
+def _oracle(case: cases.Case) -> tuple[np.ndarray, np.ndarray]:
+    return expected(case)
 
 
 # --- shapes and dtypes ---------------------------------------------------------------------------------
 
 @FEW
 @given(cs.sdpa_cases())
-def test_sdpa_case_shapes_are_consistent(case: cs.SdpaCase) -> None:
+def test_sdpa_case_shapes_are_consistent(case: cases.SdpaCase) -> None:
     L, S = _assert_sdpa_contract(case)[-2:]
     assert case.q.shape[:-2] in cs.BATCH_SHAPES
     assert case.k.shape[:-2] == case.v.shape[:-2] == case.q.shape[:-2]
@@ -89,13 +83,13 @@ def test_sdpa_case_shapes_are_consistent(case: cs.SdpaCase) -> None:
 
 @FEW
 @given(cs.mha_cases())
-def test_mha_case_shapes_are_consistent(case: cs.MhaCase) -> None:
+def test_mha_case_shapes_are_consistent(case: cases.MhaCase) -> None:
     _assert_mha_contract(case)
 
 
 @FEW
 @given(cs.block_cases())
-def test_block_case_shapes_are_consistent(case: cs.BlockCase) -> None:
+def test_block_case_shapes_are_consistent(case: cases.BlockCase) -> None:
     _assert_block_contract(case)
 
 
@@ -177,13 +171,13 @@ def test_layer_norm_gains_are_not_one_and_biases_not_zero(state: dict) -> None:
 
 @FEW
 @given(cs.sdpa_cases(is_causal=True, mask=True, bias=False))
-def test_sdpa_forced_flags_are_honoured(case: cs.SdpaCase) -> None:
+def test_sdpa_forced_flags_are_honoured(case: cases.SdpaCase) -> None:
     assert case.is_causal is True and case.mask is not None and case.bias is None
 
 
 @FEW
 @given(cs.sdpa_cases(is_causal=False, mask=False, bias=True))
-def test_sdpa_forced_off_flags_are_honoured(case: cs.SdpaCase) -> None:
+def test_sdpa_forced_off_flags_are_honoured(case: cases.SdpaCase) -> None:
     assert case.is_causal is False and case.mask is None and case.bias is not None
 
 
@@ -204,7 +198,7 @@ def test_single_key_cases_see_exactly_one_key_per_query(data: st.DataObject, is_
 
 @FEW
 @given(cs.mha_cases(cross=True))
-def test_cross_attention_has_three_inputs_and_l_differs_from_s(case: cs.MhaCase) -> None:
+def test_cross_attention_has_three_inputs_and_l_differs_from_s(case: cases.MhaCase) -> None:
     _assert_mha_contract(case)
     assert case.q.shape[-2] != case.k.shape[-2]
     assert not np.array_equal(case.k, case.v)
@@ -212,20 +206,20 @@ def test_cross_attention_has_three_inputs_and_l_differs_from_s(case: cs.MhaCase)
 
 @FEW
 @given(cs.mha_cases(cross=False))
-def test_self_attention_passes_one_input_three_times(case: cs.MhaCase) -> None:
+def test_self_attention_passes_one_input_three_times(case: cases.MhaCase) -> None:
     assert case.q is case.k is case.v
 
 
 @FEW
 @given(cs.block_cases(causal_mask=True))
-def test_causal_block_mask_is_tril(case: cs.BlockCase) -> None:
+def test_causal_block_mask_is_tril(case: cases.BlockCase) -> None:
     L = case.x.shape[-2]
     assert case.mask.dtype == bool and np.array_equal(case.mask, np.tri(L, L))
 
 
 @FEW
 @given(cs.block_cases(magnitude="small_variance"))
-def test_small_variance_block_inputs_are_below_1e_minus_4(case: cs.BlockCase) -> None:
+def test_small_variance_block_inputs_are_below_1e_minus_4(case: cases.BlockCase) -> None:
     x = case.x
     mean = np.mean(x, axis=-1, keepdims=True)
     assert (np.mean((x - mean) ** 2, axis=-1) < 1e-4).all()
@@ -254,15 +248,29 @@ def test_masks_without_heads_never_draw_a_head_family() -> None:
         cs.labelled_masks((2,), 3, 4, families=["fully_masked_head"])
 
 
-# --- pinned edge cases ---------------------------------------------------------------------------------
+# --- pinned examples -----------------------------------------------------------------------------------
 
-EDGES = [pytest.param(op, case, id=f"{op}-{i}") for op, cases in cs.EDGE_CASES.items()
-         for i, case in enumerate(cases)]
+CONTRACTS = {"sdpa": _assert_sdpa_contract, "mha": _assert_mha_contract, "block": _assert_block_contract}
+EXAMPLES = [row for row in table.TABLE if row.use == "example"]
 
 
-@pytest.mark.parametrize(("op", "case"), EDGES)
-def test_edge_case_keeps_its_contract_and_the_oracle_gives_no_nan(op: str, case: tuple) -> None:
-    check = {"sdpa": _assert_sdpa_contract, "mha": _assert_mha_contract, "block": _assert_block_contract}
-    check[op](case)
+@pytest.mark.parametrize("row", EXAMPLES, ids=lambda row: f"{row.operation}-{row.name}")
+def test_pinned_example_keeps_its_contract_and_the_oracle_gives_no_nan(row: table.Fixed) -> None:
+    case = row.build()
+    CONTRACTS[row.operation](case)
     out, weights = _oracle(case)
     assert not np.isnan(out).any() and not np.isnan(weights).any()
+
+
+def test_masks_and_biases_are_drawn_at_every_rank() -> None:
+    ranks: dict[str, set[int]] = {"mask": set(), "bias": set()}
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.sdpa_cases(mask=True, bias=True))
+    def record(case: cases.SdpaCase) -> None:
+        if case.q.ndim == 4 and case.k.ndim == 4:
+            ranks["mask"].add(case.mask.ndim)
+            ranks["bias"].add(case.bias.ndim)
+
+    record()
+    assert ranks == {"mask": {1, 2, 3, 4}, "bias": {1, 2, 3, 4}}

@@ -100,6 +100,9 @@ class Implementation:
             self.check_mask_values(np.asarray(mask))
 
         # 1) scores, biased
+        if scale is None and E == 0:
+            raise ValueError(f"the default scale 1 / sqrt(E) needs E > 0; q {q.shape} and k {k.shape} have E = 0: "
+                             "pass scale= explicitly")
         scores = self.scores(q, k, self.resolve_scale(scale, E), bias)  # (..., L, S)
 
         # 2) one boolean of the keys each query sees, then the softmax over them

@@ -1,0 +1,209 @@
+"""The cases: what one call of each operation takes, the builders every fixed case is made with, and the
+rules a fixed case can require on top of the oracle.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+A case holds NumPy arrays (floating ones in float64; the suite casts them) and the operation's options.
+Hypothesis draws cases (conformance/strategies.py); the fixed ones, pinned examples, edge cases and error
+inputs, are declared once in conformance/table.py with the builders below. Imports NumPy alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+Batch = tuple[int, ...]
+State = dict[str, np.ndarray]
+
+LARGE = 15.0  # q and k of this size give logits in the hundreds
+SMALL = 1e-3  # x = c + SMALL * noise per row: variance ~1e-6, about or below every eps
+
+
+class SdpaCase(NamedTuple):
+    """Inputs of scaled_dot_product_attention (and oracle.sdpa)."""
+
+    q: np.ndarray  # (..., L, E)
+    k: np.ndarray  # (..., S, E)
+    v: np.ndarray  # (..., S, Ev)
+    mask: np.ndarray | None  # broadcasts to (..., L, S) without adding axes; 0 / False hides a key
+    bias: np.ndarray | None  # broadcasts to (..., L, S); a -inf entry hides that key
+    is_causal: bool
+    scale: float | None
+    dropout: float = 0.0  # dropout_p when the check runs it in training mode; eval runs pass 0
+
+
+class MhaCase(NamedTuple):
+    """A MultiHeadAttention (from_state_dict) and its inputs; value checks run it in eval mode."""
+
+    state: State  # w_q.weight (D, D), w_q.bias (D,), and the same for w_k, w_v, w_o
+    num_heads: int
+    dropout: float
+    q: np.ndarray  # (..., L, D)
+    k: np.ndarray  # (..., S, D)
+    v: np.ndarray  # (..., S, D)
+    mask: np.ndarray | None  # broadcasts to (..., H, L, S)
+
+
+class BlockCase(NamedTuple):
+    """A TransformerBlock (from_state_dict) and its input; value checks run it in eval mode."""
+
+    state: State  # attn.<MhaCase names>, norm1/norm2 .weight and .bias (D,), ffn.0 (F, D), ffn.3 (D, F)
+    num_heads: int
+    dropout: float
+    norm_first: bool
+    activation: str  # "relu" or "gelu"
+    eps: float
+    x: np.ndarray  # (..., L, D)
+    mask: np.ndarray | None  # broadcasts to (..., H, L, L)
+
+
+Case = SdpaCase | MhaCase | BlockCase
+
+
+# --- parameters --------------------------------------------------------------------------------------------
+
+def linear_state(rng: np.random.Generator, name: str, d_in: int, d_out: int) -> State:
+    """nn.Linear's initialisation: weight (out, in) and bias (out,), both uniform in +-1/sqrt(in)."""
+    bound = 1.0 / math.sqrt(d_in)
+    return {f"{name}.weight": rng.uniform(-bound, bound, (d_out, d_in)),
+            f"{name}.bias": rng.uniform(-bound, bound, d_out)}
+
+
+def layer_norm_state(rng: np.random.Generator, name: str, d_model: int) -> State:
+    """Gain uniform in 0.5..1.5 and bias in -0.5..0.5 (not nn.LayerNorm's 1 and 0), so a lost affine shows."""
+    return {f"{name}.weight": rng.uniform(0.5, 1.5, d_model), f"{name}.bias": rng.uniform(-0.5, 0.5, d_model)}
+
+
+def mha_state(rng: np.random.Generator, d_model: int) -> State:
+    """w_q, w_k, w_v, w_o: .weight (D, D), .bias (D,)."""
+    state: State = {}
+    for name in ("w_q", "w_k", "w_v", "w_o"):
+        state |= linear_state(rng, name, d_model, d_model)
+    return state
+
+
+def block_state(rng: np.random.Generator, d_model: int, d_ff: int) -> State:
+    """attn.*, norm1.*, norm2.* (D,), ffn.0 weight (F, D) bias (F,), ffn.3 weight (D, F) bias (D,)."""
+    state = {f"attn.{name}": value for name, value in mha_state(rng, d_model).items()}
+    state |= layer_norm_state(rng, "norm1", d_model) | layer_norm_state(rng, "norm2", d_model)
+    return state | linear_state(rng, "ffn.0", d_model, d_ff) | linear_state(rng, "ffn.3", d_ff, d_model)
+
+
+# --- fixed cases -------------------------------------------------------------------------------------------
+# Every fixed case is one of these three calls with a few fields changed: the sizes are the defaults unless
+# the case says otherwise, the numbers N(0, 1) from the seed.
+
+def sdpa_case(batch: Batch = (2,), L: int = 3, S: int = 4, E: int = 2, Ev: int = 3, *, seed: int = 0,
+              **fields: Any) -> SdpaCase:
+    """q (..., L, E), k (..., S, E), v (..., S, Ev), no mask, no bias, not causal, default scale."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((*batch, n, width)) for n, width in ((L, E), (S, E), (S, Ev)))
+    return SdpaCase(q, k, v, None, None, False, None)._replace(**fields)
+
+
+def mha_case(batch: Batch = (2,), L: int = 3, S: int = 5, D: int = 4, H: int = 2, *, seed: int = 1,
+             **fields: Any) -> MhaCase:
+    """Cross-attention: q (..., L, D), k and v (..., S, D) all different; dropout 0.1 configured."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((*batch, n, D)) for n in (L, S, S))
+    return MhaCase(mha_state(rng, D), H, 0.1, q, k, v, None)._replace(**fields)
+
+
+def block_case(batch: Batch = (2,), L: int = 4, D: int = 4, H: int = 2, F: int = 8, *, seed: int = 2,
+               **fields: Any) -> BlockCase:
+    """Post-LN, GELU, eps 1e-5, dropout 0.1 configured; x (..., L, D)."""
+    rng = np.random.default_rng(seed)
+    return BlockCase(block_state(rng, D, F), H, 0.1, False, "gelu", 1e-5, rng.standard_normal((*batch, L, D)),
+                     None)._replace(**fields)
+
+
+def normal(*shape: int, seed: int = 0) -> np.ndarray:
+    """N(0, 1) in float64."""
+    return np.random.default_rng(seed + sum(shape)).standard_normal(shape)
+
+
+def changed(x: np.ndarray, index: Any, value: Any) -> np.ndarray:
+    """A copy of x with x[index] = value."""
+    x = x.copy()
+    x[index] = value
+    return x
+
+
+def random_mask(*shape: int, seed: int = 3) -> np.ndarray:
+    """About 30% of the keys hidden, but every row sees key 0 (a case hides whole rows on purpose)."""
+    mask = np.random.default_rng(seed).random(shape) >= 0.3
+    mask[..., 0] = True
+    return mask
+
+
+# --- what a fixed case requires besides the oracle -----------------------------------------------------------
+
+class Rule(NamedTuple):
+    """A hand-derived requirement on `out` or `weights` (not checked on the fast path's None weights) at
+    `index` (NumPy indexing; () is the whole array): `kind` is "zero" or "one" (exactly), "finite", "nan",
+    "sums_to_one" (each row, to 1e-12), "only_nan" / "only_nan_or_inf" (there NaN, or NaN or inf, and finite
+    everywhere else), "equals" (`value(case)` broadcast, to 1e-15) or "shape" (`value` the shape)."""
+
+    name: str  # "out" or "weights"
+    kind: str
+    index: Any = ()
+    value: Any = None
+
+    def problem(self, case: Case, out: np.ndarray, weights: np.ndarray | None) -> str | None:
+        """What breaks the rule, or None."""
+        x = out if self.name == "out" else weights
+        if x is None:
+            return None
+        where = self.name if self.index == () else f"{self.name}[{_index_text(self.index)}]"
+        if self.kind == "shape":
+            return None if x.shape == self.value else f"{self.name} has shape {x.shape}, expected {self.value}"
+        try:
+            part = x[self.index]
+        except IndexError:
+            return f"{self.name} of shape {x.shape} has no {where}"
+        if self.kind == "equals":
+            expected = np.broadcast_to(self.value(case), part.shape)
+            ok = np.allclose(part, expected, rtol=1e-15, atol=0)
+            return None if ok else f"{where} is not {_VALUE_NAMES.get(self.value, 'the required value')}"
+        if self.kind.startswith("only_"):
+            poisoned = np.zeros(x.shape, bool)
+            poisoned[self.index] = True
+            bad = np.isnan(x) if self.kind == "only_nan" else ~np.isfinite(x)
+            if not np.all(bad[poisoned]):
+                return f"{where} holds a finite number, where {self.kind[5:].replace('_', ' ')} is required"
+            return None if np.all(np.isfinite(x[~poisoned])) else f"{self.name} is not finite outside {where}"
+        holds = _KINDS[self.kind](part)
+        return None if np.all(holds) else f"{where} is not {self.kind.replace('_', ' ')}"
+
+
+_KINDS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "zero": lambda y: y == 0,
+    "one": lambda y: y == 1,
+    "finite": np.isfinite,
+    "nan": np.isnan,
+    "sums_to_one": lambda y: np.abs(y.sum(axis=-1) - 1) <= 1e-12,
+}
+
+
+def w_o_bias(case: MhaCase) -> np.ndarray:
+    """MHA's output where every head sees no key: zero heads, then W_o 0 + b_o."""
+    return case.state["w_o.bias"]
+
+
+def first_value(case: SdpaCase) -> np.ndarray:
+    """v (..., 1, Ev): the one key, whose weight is exp(s - s) / exp(s - s) = 1 whatever s is."""
+    return case.v
+
+
+_VALUE_NAMES = {w_o_bias: "w_o.bias", first_value: "v[..., 0, :]"}
+
+
+def _index_text(index: Any) -> str:
+    parts = index if isinstance(index, tuple) else (index,)
+    return ", ".join(":" if part == slice(None) else
+                     f"{part.start or ''}:{part.stop}" if isinstance(part, slice) else str(part) for part in parts)

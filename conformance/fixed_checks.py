@@ -1,0 +1,209 @@
+"""The fixed cases of conformance/table.py, run on a module without Hypothesis: the edge cases against
+the oracle and their rules, the error inputs against the exceptions the spec requires, and the round trip
+of the module's array conversions.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+Each kind gives one row of the suite's report per operation: examples = the cases run, worst = the cases
+failing, tolerance 0, and the failure lists each failing case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .checks import Runner, expected
+from .operations import OPERATIONS, arrays_and_options, missing, operation_of
+from .table import Fixed, rows
+from .tolerances import TOLERANCES, relative_error
+
+VALUES = TOLERANCES["float64"]["values"]  # every edge case
+
+
+class Result(NamedTuple):
+    """What one fixed case did: `problems` holds one line per path that went wrong (empty: it passed);
+    `skipped` says why the case does not apply to the module (it offers no vjp, say)."""
+
+    row: Fixed
+    problems: list[str]
+    skipped: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def describe(self) -> str:
+        row = self.row
+        required = (f"expected {row.error.__name__} mentioning {', '.join(map(repr, row.contains))}"
+                    if row.use == "error" else f"requires {row.requires}")
+        return f"{row.operation} {row.name}: {required}; got " + "; ".join(self.problems)
+
+
+class Summary(NamedTuple):
+    """One operation's results of one kind, in the shape of a suite row."""
+
+    examples: int  # the cases run (skipped ones not counted)
+    failing: int
+    failure: str | None  # each failing case: what was required and what happened
+
+
+def summarize(results: Sequence[Result]) -> Summary:
+    ran = [result for result in results if result.skipped is None]
+    failing = [result for result in ran if not result.passed]
+    return Summary(len(ran), len(failing), "\n".join(f"  {result.describe()}" for result in failing) or None)
+
+
+# --- edge cases ----------------------------------------------------------------------------------------------
+
+def edge_cases(runner: Runner, operation: str) -> list[Result]:
+    """Every edge case of `operation` in float64 on both paths (need_weights True and False; modules in
+    eval mode), against the oracle and the case's own rules."""
+    with runner.framework.pinned():
+        return [run_edge(runner, row) for row in rows(operation, "edge")]
+
+
+def run_edge(runner: Runner, row: Fixed) -> Result:
+    case = row.build()
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf are the point of some cases
+        expected_out, expected_weights = expected(case)
+    blind = np.all(expected_weights == 0, axis=-1)  # (..., rows): queries that see no key (the oracle's zeros)
+    blind_out = blind if blind.shape == expected_out.shape[:-1] else None  # sdpa: out rows are the queries'
+    # (MHA and the block mix the heads, so a blind query's out row is not zero there)
+    problems = []
+    for need_weights in (True, False):
+        path = f"need_weights={need_weights}"
+        try:
+            with np.errstate(invalid="ignore", over="ignore"):
+                out, weights = runner.run(case, "float64", need_weights=need_weights)
+        except Exception as error:  # the module raised: a failure of this case
+            problems.append(f"{path} raised {type(error).__name__}: {error}")
+            continue
+        found = [compare("out", out, expected_out, blind_rows=blind_out)]
+        if need_weights:
+            found.append(compare("weights", weights, expected_weights, blind_rows=blind, nan_rows_may_fill=True))
+        elif weights is not None:
+            found.append("weights is not None")
+        found += [rule.problem(case, out, weights) for rule in row.rules]
+        problems += [f"{path}: {problem}" for problem in found if problem]
+    return Result(row, problems)
+
+
+def compare(name: str, actual: np.ndarray | None, expected: np.ndarray, *, blind_rows: np.ndarray | None = None,
+            nan_rows_may_fill: bool = False) -> str | None:
+    """What is wrong with `actual` against the oracle's `expected` (float64), or None:
+    the shape and dtype; NaN or inf exactly where the oracle has NaN or inf (either kind counts, as the
+    oracle may give NaN where inf - inf arises); the finite entries within VALUES (relative, as the suite's
+    `values`); rows in `blind_rows` (queries that see no key) exactly 0. With nan_rows_may_fill (weights):
+    in a row holding NaN or inf, a hidden key's 0 may be NaN too, as exp(-inf - NaN) is NaN."""
+    if actual is None:
+        return f"{name} is None"
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        return f"{name} is {actual.shape} {actual.dtype}, expected {expected.shape} {expected.dtype}"
+    poisoned = ~np.isfinite(expected)
+    free = np.zeros_like(poisoned)
+    if nan_rows_may_fill:
+        free = np.any(poisoned, axis=-1, keepdims=True) & (expected == 0)  # (..., rows, 1) & (..., rows, S)
+    if np.any(np.isfinite(actual[poisoned])):
+        return f"{name} is finite at {_where(poisoned & np.isfinite(actual))}, where NaN or inf is required"
+    stray = ~np.isfinite(actual) & ~poisoned & ~free
+    if np.any(stray):
+        return f"{name} is NaN or inf at {_where(stray)}, where the oracle is finite"
+    if blind_rows is not None and np.any(actual[blind_rows] != 0):
+        return f"{name} is not exactly 0 in rows that see no key: {_where(blind_rows[..., None] & (actual != 0))}"
+    settled = poisoned | free
+    error = relative_error(np.where(settled, 0.0, actual), np.where(settled, 0.0, expected))
+    return None if error <= VALUES else f"{name}: relative error {error:.2e} > {VALUES:.0e}"
+
+
+def _where(entries: np.ndarray, limit: int = 3) -> str:
+    """The first few indices where `entries` is True, as text."""
+    found = [tuple(int(i) for i in index) for index in np.argwhere(entries)[:limit]]
+    more = int(np.sum(entries)) - len(found)
+    return ", ".join(map(str, found)) + (f" and {more} more" if more > 0 else "")
+
+
+# --- error inputs --------------------------------------------------------------------------------------------
+
+def errors(runner: Runner, operation: str) -> list[Result]:
+    """Make every bad call of `operation`'s error rows (JAX with 64-bit types enabled) and report what each
+    raised. Calls of the operation itself run on both paths, need_weights True and False; a case passes when
+    both raise the expected type and message."""
+    with runner.framework.pinned():
+        return [run_error(runner, row) for row in rows(operation, "error")]
+
+
+def run_error(runner: Runner, row: Fixed) -> Result:
+    """One error row on the runner's module (run it where JAX has 64-bit types enabled, as `errors` does)."""
+    operation = OPERATIONS[row.operation]
+    if row.stage == "pullback" and (lacking := missing(runner.module, (operation.vjp,))):
+        return Result(row, [], skipped=f"no {lacking[0]}")
+    made = row.build()  # the case, or the constructor's keyword arguments
+    for need_weights in (True, False) if row.stage == "call" else (True,):
+        raised = _attempt(runner, row, made, need_weights)
+        type_ok = isinstance(raised, row.error)
+        message_ok = raised is not None and all(text in str(raised) for text in row.contains)
+        if not (type_ok and message_ok):
+            got = "no exception" if raised is None else f"{type(raised).__name__}: {raised}"
+            return Result(row, [got + ("" if need_weights else " (need_weights=False)")])
+    return Result(row, [])
+
+
+def _attempt(runner: Runner, row: Fixed, made: Any, need_weights: bool) -> Exception | None:
+    """The exception the bad call raises, or None when it returns."""
+    try:
+        _bad_call(runner, row, made, need_weights)
+    except Exception as error:  # any exception is reported; its type is then compared
+        return error
+    return None
+
+
+def _bad_call(runner: Runner, row: Fixed, case: Any, need_weights: bool) -> Any:
+    """`row`'s call, eager, with the arrays in the dtypes the row gives them (copies, through asarray)."""
+    if row.stage == "init":
+        return getattr(runner.module, OPERATIONS[row.operation].function)(**case)
+    operation = operation_of(case)
+    arrays, options = arrays_and_options(case)
+    if row.stage == "pullback":
+        return runner.call(operation.pullback, arrays | {"d_out": row.d_out}, None, None, eager=True, **options)
+    return runner.call(operation.call, arrays, None, 0, eager=True, training=True, need_weights=need_weights,
+                       **options)
+
+
+# --- the module's array conversions --------------------------------------------------------------------------
+
+def round_trip(runner: Runner) -> list[Result]:
+    """asarray then to_numpy gives back the same array, bit for bit, for every dtype of the framework."""
+    return [_round_trip(runner, dtype) for dtype in runner.framework.dtypes]
+
+
+ROUND_TRIP = Fixed("arrays", "round_trip", "round_trip", lambda: None,
+                   "to_numpy(asarray(x)) has x's dtype, shape and bits, for every dtype of the framework")
+
+
+def _round_trip(runner: Runner, dtype: str) -> Result:
+    row = ROUND_TRIP._replace(name=f"round_trip_{dtype}")
+    try:
+        x = np.random.default_rng(0).standard_normal((2, 3)).astype(_numpy_dtype(dtype))
+    except ImportError as error:  # bfloat16 needs ml_dtypes, which the framework may not have
+        return Result(row, [], skipped=str(error))
+    try:
+        back = runner.module.to_numpy(runner.module.asarray(x))
+    except Exception as error:
+        return Result(row, [f"raised {type(error).__name__}: {error}"])
+    if not isinstance(back, np.ndarray) or back.dtype != x.dtype or back.shape != x.shape:
+        got = f"{type(back).__name__} {getattr(back, 'dtype', '')} {getattr(back, 'shape', '')}"
+        return Result(row, [f"{got}, expected ndarray {x.dtype} {x.shape}"])
+    same = back.tobytes() == x.tobytes()
+    return Result(row, [] if same else ["other values"])
+
+
+def _numpy_dtype(name: str) -> Any:
+    if name == "bfloat16":  # NumPy has none of its own; ml_dtypes (which JAX uses) provides it
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)

@@ -1,0 +1,192 @@
+"""The operations the suite checks, declared once: everything the suite, the tables and the command line
+need to know about an operation is an entry of OPERATIONS, and nothing else dispatches on the kind of a case.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+Adding an operation is one entry here, its case type (conformance/cases.py), its oracle
+(conformance/oracle.py), its strategy (conformance/strategies.py) and its rows in conformance/table.py.
+Imports NumPy alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import oracle
+from .cases import BlockCase, Case, MhaCase, SdpaCase
+
+Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
+
+
+class Operation(NamedTuple):
+    """One operation of the contract (SPEC.md section 1)."""
+
+    name: str  # the short name in reports and on the command line
+    function: str  # the contract's name for it: a function or a class of the module
+    case: type  # its case type (conformance/cases.py)
+    options: tuple[str, ...]  # the case's fields that are static options (hashable), not arrays
+    inputs: tuple[str, ...]  # the case's arrays that carry positions: repeated for dropout draws
+    differentiable: tuple[str, ...]  # the arguments a vjp differentiates ("state": every parameter)
+    strategy: str  # its Hypothesis strategy, a name in conformance/strategies.py (imported only to draw)
+    oracle: Callable[[Any, str], Pair]  # (case, precision) -> the expected (out, weights) in eval mode
+    call: Callable[..., Any]  # (module, arrays, rng, *, training, need_weights, **options) -> (out, weights)
+    vjp: str  # the contract's name of the gradient interface, e.g. "MultiHeadAttention.vjp"
+    pullback: Callable[..., Any]  # (module, arrays, rng, **options) -> {argument: gradient} at arrays["d_out"]
+    visible: Callable[[Any], np.ndarray] | None  # (..., L, S): query i sees key j (in some head); None: not kept
+    dropout_sigma: Callable[[Any, np.ndarray, float, int], np.ndarray] | None  # sd of the mean of n draws
+    dropout_shows: Callable[[Any], bool]  # whether dropout can change the output at all
+
+
+def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The case's arrays (NumPy arrays, None or state dicts) and its static options."""
+    operation = operation_of(case)
+    fields = case._asdict()
+    return ({name: value for name, value in fields.items() if name not in operation.options},
+            {name: fields[name] for name in operation.options})
+
+
+def operation_of(case: Case) -> Operation:
+    """The operation whose case type `case` is."""
+    return _BY_CASE[type(case)]
+
+
+def missing(module: ModuleType, names: tuple[str, ...]) -> list[str]:
+    """The names (dotted for a method: "MultiHeadAttention.vjp") that `module` lacks."""
+    def has(name: str) -> bool:
+        owner: Any = module
+        for part in name.split("."):
+            if not hasattr(owner, part):
+                return False
+            owner = getattr(owner, part)
+        return True
+    return [name for name in names if not has(name)]
+
+
+# --- scaled dot-product attention --------------------------------------------------------------------------
+
+def _sdpa_oracle(case: SdpaCase, precision: str) -> Pair:
+    return oracle.sdpa(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
+                       scale=case.scale, dtype=precision)
+
+
+def _sdpa_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
+               dropout: float, **options: Any) -> Any:
+    return module.scaled_dot_product_attention(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
+                                               bias=arrays["bias"], dropout_p=dropout if training else 0.0,
+                                               need_weights=need_weights, rng=rng, **options)
+
+
+def _sdpa_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, **options: Any) -> dict:
+    _, _, pullback = module.scaled_dot_product_attention_vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
+                                                             bias=arrays["bias"], **options)
+    return dict(zip(("q", "k", "v", "bias"), pullback(arrays["d_out"]), strict=True))
+
+
+def _sdpa_visible(case: SdpaCase) -> np.ndarray:
+    """Which keys each query sees, by the spec: mask, causal rule and -inf bias; (..., L, S)."""
+    L, S = case.q.shape[-2], case.k.shape[-2]
+    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+    visible = np.ones((*batch, L, S), dtype=bool)
+    if case.mask is not None:
+        visible = visible & (case.mask != 0)
+    if case.bias is not None:
+        visible = visible & (case.bias != -np.inf)
+    if case.is_causal:
+        visible = visible & (np.arange(S) <= np.arange(L)[:, None])
+    return visible
+
+
+def _sdpa_dropout_sigma(case: SdpaCase, weights: np.ndarray, p: float, draws: int) -> np.ndarray:
+    """The standard deviation of the mean of `draws` inverted-dropout outputs, per entry (..., L, Ev)."""
+    return np.sqrt(p / (1 - p) * (weights**2) @ (case.v**2) / draws)
+
+
+# --- multi-head attention ----------------------------------------------------------------------------------
+
+def _mha_oracle(case: MhaCase, precision: str) -> Pair:
+    return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask, num_heads=case.num_heads,
+                                       dtype=precision)
+
+
+def _mha_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
+              num_heads: int, dropout: float) -> Any:
+    mha = module.MultiHeadAttention.from_state_dict(arrays["state"], num_heads=num_heads, dropout=dropout)
+    mha = mha.train() if training else mha.eval()
+    return mha(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], need_weights=need_weights, rng=rng)
+
+
+def _mha_pullback(module: ModuleType, arrays: dict, rng: Any, *, num_heads: int, dropout: float) -> dict:
+    mha = module.MultiHeadAttention.from_state_dict(arrays["state"], num_heads=num_heads, dropout=dropout)
+    _, _, pullback = mha.eval().vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"])
+    dq, dk, dv, dparams = pullback(arrays["d_out"])
+    return {"q": dq, "k": dk, "v": dv} | dict(dparams)
+
+
+def _mha_visible(case: MhaCase) -> np.ndarray:
+    """(..., L, S): whether key j is visible to query i in at least one head."""
+    L, S = case.q.shape[-2], case.k.shape[-2]
+    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+    if case.mask is None:
+        return np.ones((*batch, L, S), dtype=bool)
+    return np.any(np.broadcast_to(case.mask != 0, (*batch, case.num_heads, L, S)), axis=-3)
+
+
+def _mha_dropout_sigma(case: MhaCase, weights: np.ndarray, p: float, draws: int) -> np.ndarray:
+    """As for sdpa, per head on the projected values, then through |W_o|; (..., L, D)."""
+    state, H = case.state, case.num_heads
+    v = case.v @ state["w_v.weight"].T + state["w_v.bias"]  # (..., S, D)
+    *lead, S, D = v.shape
+    v = np.swapaxes(v.reshape(*lead, S, H, D // H), -2, -3)  # (..., H, S, d_k)
+    sigma = np.sqrt(p / (1 - p) * (weights**2) @ (v**2) / draws)  # (..., H, L, d_k)
+    sigma = np.swapaxes(sigma, -2, -3).reshape(*sigma.shape[:-3], sigma.shape[-2], D)  # (..., L, D)
+    return sigma @ np.abs(state["w_o.weight"]).T  # sd of a sum is at most the sum of |coefficient| x sd
+
+
+# --- the transformer block ---------------------------------------------------------------------------------
+
+def _block_oracle(case: BlockCase, precision: str) -> Pair:
+    return oracle.transformer_block(case.state, case.x, case.mask, num_heads=case.num_heads,
+                                    norm_first=case.norm_first, activation=case.activation, eps=case.eps,
+                                    dtype=precision)
+
+
+def _block_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
+                **options: Any) -> Any:
+    block = module.TransformerBlock.from_state_dict(arrays["state"], **options)
+    block = block.train() if training else block.eval()
+    return block(arrays["x"], arrays["mask"], need_weights=need_weights, rng=rng)
+
+
+def _block_pullback(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> dict:
+    block = module.TransformerBlock.from_state_dict(arrays["state"], **options)
+    _, _, pullback = block.eval().vjp(arrays["x"], arrays["mask"])
+    dx, dparams = pullback(arrays["d_out"])
+    return {"x": dx} | dict(dparams)
+
+
+def _block_dropout_shows(case: BlockCase) -> bool:
+    """Not in a post-LN block of width 1: LayerNorm over one feature returns its bias."""
+    return case.norm_first or case.x.shape[-1] > 1
+
+
+# --- the registry ------------------------------------------------------------------------------------------
+
+OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
+    Operation("sdpa", "scaled_dot_product_attention", SdpaCase, ("is_causal", "scale", "dropout"), ("q", "k", "v"),
+              ("q", "k", "v", "bias"), "sdpa_cases", _sdpa_oracle, _sdpa_call, "scaled_dot_product_attention_vjp",
+              _sdpa_pullback, _sdpa_visible, _sdpa_dropout_sigma, lambda case: True),
+    Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout"), ("q", "k", "v"),
+              ("q", "k", "v", "state"), "mha_cases", _mha_oracle, _mha_call, "MultiHeadAttention.vjp",
+              _mha_pullback, _mha_visible, _mha_dropout_sigma, lambda case: True),
+    Operation("block", "TransformerBlock", BlockCase, ("num_heads", "dropout", "norm_first", "activation", "eps"),
+              ("x",), ("x", "state"), "block_cases", _block_oracle, _block_call, "TransformerBlock.vjp",
+              _block_pullback, None, None, _block_dropout_shows),
+)}
+CONTRACT = ("asarray", "to_numpy")  # what every operation needs besides its own name
+
+_BY_CASE = {operation.case: operation for operation in OPERATIONS.values()}

@@ -1,0 +1,471 @@
+"""The fixed cases, declared once: pinned examples, edge cases and error inputs of every operation.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+- example: a case random draws rarely hit; the suite runs it first in every value and gradient group of
+  its operation, held to the oracle like any drawn case.
+- edge: inputs at a border of the spec (no keys, fully masked rows, NaN, inf); run in float64 on both paths,
+  modules in eval mode with dropout configured, held to the oracle with the rules for NaN and inf of
+  conformance/fixed_checks.py, and to the hand-derived `rules` written beside it.
+- error: a mistake a caller makes; the call must raise `error` with every string of `contains` in its
+  message, on both paths. stage "call" runs the operation (modules: from_state_dict, then the call, in
+  training mode with an rng, so a configured dropout reaches it), "init" the constructor with the row's
+  keyword arguments, "pullback" the function the operation's vjp returns, given `d_out`.
+
+Each row's name is unique within its operation. Imports NumPy alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .cases import (
+    LARGE,
+    SMALL,
+    Rule,
+    block_case,
+    changed,
+    first_value,
+    mha_case,
+    normal,
+    random_mask,
+    sdpa_case,
+    w_o_bias,
+)
+
+ALL = slice(None)
+
+
+class Fixed(NamedTuple):
+    """One row of the table; see the module docstring for what each use requires."""
+
+    operation: str  # a name of conformance.operations.OPERATIONS
+    name: str
+    use: str  # "example", "edge" or "error"
+    build: Callable[[], Any]  # the case (stage "init": the constructor's keyword arguments)
+    requires: str = ""  # the required result, in words
+    rules: tuple[Rule, ...] = ()  # edge: checked besides the oracle
+    error: type[Exception] | None = None  # error: the exception type every backend raises
+    contains: tuple[str, ...] = ()  # error: words its message contains
+    stage: str = "call"  # error: "call", "init" or "pullback"
+    d_out: np.ndarray | None = None  # error at stage "pullback": the cotangent
+
+
+def example(operation: str, name: str, build: Callable[[], Any], requires: str) -> Fixed:
+    return Fixed(operation, name, "example", build, requires)
+
+
+def edge(operation: str, name: str, build: Callable[[], Any], requires: str, *rules: Rule) -> Fixed:
+    return Fixed(operation, name, "edge", build, requires, rules)
+
+
+def error(operation: str, name: str, build: Callable[[], Any], raises: type[Exception], *contains: str,
+          stage: str = "call", d_out: np.ndarray | None = None) -> Fixed:
+    return Fixed(operation, name, "error", build, error=raises, contains=contains, stage=stage, d_out=d_out)
+
+
+def _small_variance(*shape: int, seed: int) -> np.ndarray:
+    """c + SMALL * N(0, 1), c ~ N(0, 1) per row: (..., L, 1) + (..., L, D)."""
+    return normal(*shape[:-1], 1, seed=seed) + SMALL * normal(*shape, seed=seed + 1)
+
+
+def _integers(x: np.ndarray) -> np.ndarray:
+    return np.round(3 * x).astype(np.int64)
+
+
+def _broken_entries(state: dict, prefix: str) -> dict:
+    """Without w_k.bias, with an unexpected entry and w_v.weight of the wrong shape: one error names all three."""
+    state = {name: value for name, value in state.items() if name != f"{prefix}w_k.bias"}
+    width = state[f"{prefix}w_q.weight"].shape[0]
+    return state | {f"{prefix}w_x.weight": np.zeros((width, width)),
+                    f"{prefix}w_v.weight": np.zeros((width, width - 1))}
+
+
+def _in(dtype: str, state: dict, name: str) -> dict:
+    return state | {name: state[name].astype(dtype)}
+
+
+# --- sdpa --------------------------------------------------------------------------------------------------
+
+def _sdpa_examples() -> list[Fixed]:
+    hide_first = changed(np.tri(3, 3, dtype=bool), (0, 0), False)
+    return [
+        example("sdpa", "one_query_one_key", lambda: sdpa_case((), 1, 1, Ev=4),
+                "L = S = 1: the single weight is 1, out = v"),
+        example("sdpa", "whole_batch_masked", lambda: sdpa_case(mask=np.zeros((2, 3, 4), bool)), "zeros"),
+        example("sdpa", "bias_hides_every_key", lambda: sdpa_case(bias=np.full((3, 4), -np.inf)), "zeros"),
+        example("sdpa", "one_visible_key", lambda: sdpa_case((), 4, 5, mask=np.array([0, 0, 1, 0, 0]), scale=1.0),
+                "out = v_2"),
+        example("sdpa", "all_visible_integer_mask", lambda: sdpa_case((2, 3), mask=np.ones((2, 3, 3, 4), np.int64)),
+                "as no mask"),
+        example("sdpa", "causal_more_queries", lambda: sdpa_case(L=5, S=3, is_causal=True),
+                "queries 2..4 see every key"),
+        example("sdpa", "causal_more_keys", lambda: sdpa_case(L=2, S=5, is_causal=True),
+                "keys 2..4 hidden from every query"),
+        example("sdpa", "causal_and_mask_hide_a_row", lambda: sdpa_case((), 3, 3, mask=hide_first, is_causal=True),
+                "query 0 sees no key"),
+        example("sdpa", "one_key_causal", lambda: sdpa_case((), 4, 1, bias=normal(4, 1), is_causal=True, scale=0.37),
+                "S = 1, causal: every query sees key 0"),
+        example("sdpa", "logits_in_the_hundreds", lambda: sdpa_case(
+            L=5, S=5, E=4, Ev=1, q=LARGE * normal(2, 5, 4), k=LARGE * normal(2, 5, 4, seed=1), scale=2.5),
+            "the row maximum must be subtracted"),
+        example("sdpa", "mask_and_bias_add_the_batch", lambda: sdpa_case(
+            (), v=normal(2, 4, 3), mask=random_mask(2, 1, 4), bias=normal(2, 3, 4)),
+            "q, k shared; v, mask and bias give the batch axis"),
+        example("sdpa", "leading_axes_broadcast", lambda: sdpa_case(
+            q=normal(2, 1, 3, 2), k=normal(4, 4, 2), v=normal(1, 4, 4, 3), is_causal=True),
+            "leading axes (2, 1), (4,), (1, 4) broadcast to (2, 4)"),
+        example("sdpa", "rank_one_mask", lambda: sdpa_case((2, 3), E=2, Ev=2, mask=np.array([1, 0, 1, 1], bool)),
+                "mask (S,) broadcasts to (B, H, L, S)"),
+        example("sdpa", "rank_one_bias", lambda: sdpa_case((2, 3), E=2, Ev=2, bias=changed(normal(4), 2, -np.inf)),
+                "bias (S,) broadcasts to (B, H, L, S)"),
+    ]
+
+
+def _sdpa_edges() -> list[Fixed]:
+    base = sdpa_case()  # q (B, L, E), k (B, S, E), v (B, S, Ev): B = 2, L = 3, S = 4, E = 2, Ev = 3
+    heads = sdpa_case((2, 2), Ev=2)  # (B, H, L, E) with Ev = E, as heads are: torch's fused kernels
+    bias = normal(2, 3, 4, seed=5)  # (B, L, S)
+    return [
+        edge("sdpa", "fully_masked_rows", lambda: base._replace(
+            mask=changed(changed(random_mask(2, 3, 4), (0, 0), False), (1, 2), False)),
+            "rows (0, 0) and (1, 2) see no key: out and weights rows exactly 0; the others as the oracle",
+            *(Rule(name, "zero", row) for name in ("out", "weights") for row in ((0, 0), (1, 2))),
+            Rule("weights", "sums_to_one", (0, slice(1, 3)))),
+        edge("sdpa", "fully_masked_head", lambda: heads._replace(mask=np.array([True, False])[:, None, None]),
+             "q (B, H, L, E), mask (H, 1, 1) hides head 1: out[:, 1] and weights[:, 1] exactly 0",
+             Rule("out", "zero", (ALL, 1)), Rule("weights", "zero", (ALL, 1))),
+        edge("sdpa", "fully_masked_batch_element", lambda: base._replace(
+            mask=changed(random_mask(2, 3, 4), 1, False)),
+            "batch element 1 sees no key: out[1] and weights[1] exactly 0; element 0 as the oracle",
+            Rule("out", "zero", (1,)), Rule("weights", "zero", (1,))),
+        edge("sdpa", "no_keys", lambda: sdpa_case(S=0, mask=np.ones((1, 0), bool)),
+             "S = 0: out zeros (B, L, Ev), weights (B, L, 0)",
+             Rule("out", "zero"), Rule("out", "shape", value=(2, 3, 3)), Rule("weights", "shape", value=(2, 3, 0))),
+        edge("sdpa", "no_queries", lambda: sdpa_case(L=0, is_causal=True), "L = 0: out (B, 0, Ev), weights (B, 0, S)",
+             Rule("out", "shape", value=(2, 0, 3)), Rule("weights", "shape", value=(2, 0, 4))),
+        edge("sdpa", "single_key", lambda: sdpa_case(S=1, bias=np.full((3, 1), 0.7)),
+             "S = 1: weights 1, out = v[..., 0, :] on every row",
+             Rule("out", "equals", value=first_value), Rule("weights", "one")),
+        edge("sdpa", "logits_in_the_thousands", _large_sdpa,
+             "logits +-5000 (+ O(1)): finite, as the oracle (no overflow, no 0 / 0)",
+             Rule("out", "finite"), Rule("weights", "sums_to_one")),
+        edge("sdpa", "nan_in_query", lambda: heads._replace(q=changed(heads.q, (0, 1, 1), np.nan)),
+             "q (B, H, L, E), q[0, 1, 1] NaN: out and weights row (0, 1, 1) NaN; every other row as the oracle",
+             Rule("out", "only_nan", (0, 1, 1)), Rule("weights", "only_nan", (0, 1, 1))),
+        # causal: query i sees keys 0..i, so key 2 reaches query 2 alone (whose hidden key 3 may read NaN)
+        edge("sdpa", "nan_in_key", lambda: base._replace(k=changed(base.k, (0, 2), np.nan), is_causal=True),
+             "k[0, 2] NaN, causal: rows (0, 2) NaN; rows (0, 0), (0, 1), which do not see key 2, and batch "
+             "element 1 as the oracle",
+             Rule("out", "only_nan", (0, 2)), Rule("weights", "nan", (0, 2, slice(0, 3))),
+             Rule("weights", "finite", (0, slice(0, 2))), Rule("weights", "finite", (1,))),
+        edge("sdpa", "nan_in_value", lambda: base._replace(v=changed(base.v, (0, 1, 2), np.nan)),
+             "v[0, 1, 2] NaN, every key visible: out[0, :, 2] NaN; every other entry and the weights as the oracle",
+             Rule("out", "only_nan", (0, ALL, 2)), Rule("weights", "finite")),
+        # bias[0, 2, 0] is NaN too, but the mask hides key 0 from query (0, 2): that row stays finite
+        edge("sdpa", "nan_in_bias", lambda: base._replace(
+            bias=changed(changed(bias, (0, 1, 3), np.nan), (0, 2, 0), np.nan),
+            mask=changed(np.ones((2, 3, 4), bool), (0, 2, 0), False)),
+            "bias[0, 1, 3] NaN (visible): row (0, 1) NaN; bias[0, 2, 0] NaN but hidden by the mask: row (0, 2) "
+            "finite; every other row as the oracle",
+            Rule("out", "only_nan", (0, 1)), Rule("weights", "only_nan", (0, 1))),
+        # +inf - max = inf - inf = NaN: never the finite one-hot limit
+        edge("sdpa", "inf_score", lambda: heads._replace(bias=changed(np.zeros((3, 4)), (1, 0), np.inf)),
+             "q (B, H, L, E), bias (L, S), bias[1, 0] = +inf (visible): out rows (:, :, 1) NaN or inf, never "
+             "finite; weights rows (:, :, 1) hold NaN or inf; every other row as the oracle",
+             Rule("out", "only_nan_or_inf", (ALL, ALL, 1))),
+    ]
+
+
+def _large_sdpa() -> Any:
+    """logits q_i . k_j = +-5000 + O(1): rows 0, 1 near +5000 (exp overflows without the row maximum),
+    rows 2, 3 near -5000 (exp underflows to 0 / 0)."""
+    a = np.sqrt(5000.0)
+    sign = np.array([1.0, 1.0, -1.0, -1.0])[:, None]  # (L, 1)
+    q = np.concatenate([np.broadcast_to(a * sign, (2, 4, 1)), normal(2, 4, 2, seed=4)], axis=-1)  # (B, L, E)
+    k = np.concatenate([np.full((2, 5, 1), a), normal(2, 5, 2, seed=4)], axis=-1)  # (B, S, E)
+    return sdpa_case(q=q, k=k, v=normal(2, 5, 3, seed=4), scale=1.0)
+
+
+FLOAT_MASK = np.array([[1.0, 0.5, 0.0, 1.0, 1.0]])  # (1, S): 0.5 is neither "hide" nor "keep"
+
+
+def _sdpa(**fields: Any) -> Callable[[], Any]:
+    """Good q (2, 3, 4), k (2, 5, 4), v (2, 5, 3), changed by `fields`: the mistake."""
+    return lambda: sdpa_case((2,), 3, 5, E=4, Ev=3, **fields)
+
+
+def _unbatched_sdpa(**fields: Any) -> Callable[[], Any]:
+    """q (3, 4), k (5, 4), v (5, 3), changed by `fields`."""
+    return lambda: sdpa_case((), 3, 5, E=4, Ev=3, **fields)
+
+
+def _sdpa_errors() -> list[Fixed]:
+    good = _sdpa()()
+    return [
+        error("sdpa", "q_k_widths_differ", _sdpa(k=normal(2, 5, 3)), ValueError, "q", "k", "(2, 3, 4)", "(2, 5, 3)"),
+        error("sdpa", "k_v_lengths_differ", _sdpa(v=normal(2, 4, 3)), ValueError, "k", "v", "(2, 5, 4)", "(2, 4, 3)"),
+        error("sdpa", "rank_below_2", _unbatched_sdpa(q=normal(4)), ValueError, "q", "(4,)"),
+        error("sdpa", "leading_axes_do_not_broadcast", lambda: sdpa_case((3,), 3, 5, E=4, Ev=3, q=normal(2, 3, 4)),
+              ValueError, "broadcast", "(2, 3, 4)", "(3, 5, 4)"),
+        error("sdpa", "mask_does_not_broadcast", _sdpa(mask=np.ones((4, 5), bool)), ValueError,
+              "mask", "(4, 5)", "(2, 3, 5)"),
+        error("sdpa", "mask_adds_a_batch_axis", _unbatched_sdpa(mask=np.ones((2, 3, 5), bool)), ValueError,
+              "mask", "(2, 3, 5)", "(3, 5)"),
+        error("sdpa", "bias_does_not_broadcast", _sdpa(bias=np.zeros((3, 4))), ValueError, "bias", "(3, 4)",
+              "(2, 3, 5)"),
+        error("sdpa", "bias_adds_a_batch_axis", _unbatched_sdpa(bias=np.zeros((2, 3, 5))), ValueError,
+              "bias", "(2, 3, 5)", "(3, 5)"),
+        error("sdpa", "float_mask_not_0_or_1", _sdpa(mask=FLOAT_MASK), ValueError, "mask", "bias"),
+        error("sdpa", "integer_inputs", _sdpa(**{name: _integers(getattr(good, name)) for name in "qkv"}),
+              TypeError, "q", "floating"),
+        error("sdpa", "dtypes_differ", _sdpa(k=good.k.astype(np.float32)), TypeError, "float32", "float64"),
+        error("sdpa", "zero_width_default_scale", lambda: sdpa_case((2,), 3, 5, E=0, Ev=3), ValueError,
+              "E", "(2, 3, 0)", "(2, 5, 0)"),
+        error("sdpa", "dropout_p_one", _sdpa(dropout=1.0), ValueError, "dropout_p"),
+        error("sdpa", "dropout_p_negative", _sdpa(dropout=-0.1), ValueError, "dropout_p"),
+        error("sdpa", "d_out_shape", _sdpa(), ValueError, "d_out", "(2, 3, 4)", "(2, 3, 3)", stage="pullback",
+              d_out=np.zeros((2, 3, 4))),
+        error("sdpa", "d_out_dtype", _sdpa(), TypeError, "d_out", "float32", "float64", stage="pullback",
+              d_out=np.zeros((2, 3, 3), np.float32)),
+    ]
+
+
+# --- multi-head attention ----------------------------------------------------------------------------------
+
+def _self_attention(case: Any) -> Any:
+    return case._replace(k=case.q, v=case.q)
+
+
+def _mha_examples() -> list[Fixed]:
+    head_off = changed(np.ones((2, 2, 3, 3), bool), (ALL, 1), False)
+    padding = np.arange(5) < np.reshape([5, 0], (2, 1, 1, 1))  # (B, 1, 1, S)
+    return [
+        example("mha", "one_head_fully_masked", lambda: _self_attention(mha_case(S=3, dropout=0.0, mask=head_off)),
+                "head 1 sees no key: its output is zeros"),
+        example("mha", "one_position_four_heads", lambda: _self_attention(mha_case((), 1, 1, D=8, H=4)),
+                "L = S = 1, four heads, dropout configured"),
+        example("mha", "cross_attention_one_sequence_padded", lambda: mha_case(dropout=0.0, mask=padding),
+                "sequence 1 all padding"),
+        example("mha", "every_key_hidden_integer_mask", lambda: _self_attention(mha_case(
+            D=2, H=1, S=3, dropout=0.5, mask=np.zeros((1, 1), np.int32))), "out = w_o.bias"),
+    ]
+
+
+def _mha_edges() -> list[Fixed]:
+    base = mha_case()  # D = 4, H = 2, q (2, 3, 4), k and v (2, 5, 4)
+    return [
+        edge("mha", "fully_masked_rows", lambda: mha_case(
+            mask=changed(changed(random_mask(2, 1, 3, 5), (0, 0, 1), False), (1, 0, 0), False)),
+            "queries (0, 1) and (1, 0) see no key in any head: their weights rows exactly 0, out rows w_o.bias",
+            Rule("out", "equals", (0, 1), w_o_bias), Rule("out", "equals", (1, 0), w_o_bias),
+            Rule("weights", "zero", (0, ALL, 1)), Rule("weights", "zero", (1, ALL, 0))),
+        edge("mha", "fully_masked_head", lambda: mha_case(mask=np.array([True, False])[:, None, None]),
+             "mask (H, 1, 1) hides head 1: weights[:, 1] exactly 0, out as the oracle",
+             Rule("weights", "zero", (ALL, 1)), Rule("weights", "sums_to_one", (ALL, 0))),
+        edge("mha", "fully_masked_batch_element", lambda: mha_case(
+            mask=np.arange(5) < np.reshape([3, 0], (2, 1, 1, 1))),
+             "padding lengths [3, 0]: weights[1] exactly 0, out[1] = w_o.bias on every row",
+             Rule("out", "equals", (1,), w_o_bias), Rule("weights", "zero", (1,))),
+        edge("mha", "no_keys", lambda: mha_case(S=0), "S = 0: weights (B, H, L, 0), out = w_o.bias on every row",
+             Rule("out", "equals", value=w_o_bias), Rule("weights", "shape", value=(2, 2, 3, 0))),
+        edge("mha", "no_queries", lambda: mha_case(L=0), "L = 0: out (B, 0, D), weights (B, H, 0, S)",
+             Rule("out", "shape", value=(2, 0, 4)), Rule("weights", "shape", value=(2, 2, 0, 5))),
+        edge("mha", "single_key", lambda: mha_case(S=1),
+             "S = 1: weights 1, out the projected value mixed by w_o, as the oracle", Rule("weights", "one")),
+        edge("mha", "logits_in_the_thousands", _large_mha, "self-attention logits up to +-5000: finite, as the oracle",
+             Rule("out", "finite"), Rule("weights", "sums_to_one")),
+        edge("mha", "nan_in_query", lambda: base._replace(q=changed(base.q, (0, 1), np.nan)),
+             "q[0, 1] NaN: out row (0, 1) and its weights rows NaN; every other row as the oracle",
+             Rule("out", "only_nan", (0, 1)), Rule("weights", "only_nan", (0, ALL, 1))),
+        # causal mask (3, 5): key 1 reaches queries 1 and 2 of sequence 0
+        edge("mha", "nan_in_key", lambda: base._replace(k=changed(base.k, (0, 1), np.nan),
+                                                       mask=np.tri(3, 5, dtype=bool)),
+             "k[0, 1] NaN, causal mask: rows (0, 1), (0, 2) NaN; row (0, 0), which does not see key 1, and batch "
+             "element 1 as the oracle", Rule("out", "only_nan", (0, slice(1, 3)))),
+        edge("mha", "inf_in_query", lambda: base._replace(q=changed(base.q, (1, 2), np.inf)),
+             "q[1, 2] = +inf: out row (1, 2) NaN or inf, never finite; every other row as the oracle",
+             Rule("out", "only_nan_or_inf", (1, 2))),
+    ]
+
+
+def _large_inputs(state: dict, x: np.ndarray, heads: int, prefix: str = "") -> np.ndarray:
+    """x scaled so that the largest attention logit |q_h . k_h| / sqrt(d_k) of self-attention is 5000."""
+    d_model = x.shape[-1]
+
+    def project(name: str) -> np.ndarray:
+        y = x @ state[f"{prefix}{name}.weight"].T  # (..., L, D)
+        return y.reshape(*y.shape[:-1], heads, d_model // heads)  # (..., L, H, d_k)
+    logits = np.einsum("...ihd,...jhd->...hij", project("w_q"), project("w_k")) / np.sqrt(d_model // heads)
+    return x * np.sqrt(5000.0 / np.max(np.abs(logits)))  # biases are O(1): logits scale as the square
+
+
+def _large_mha() -> Any:
+    case = mha_case(L=4, S=4)
+    x = _large_inputs(case.state, case.q, case.num_heads)
+    return case._replace(q=x, k=x, v=x)
+
+
+def _mha(**fields: Any) -> Callable[[], Any]:
+    """A MultiHeadAttention state (D = 4, H = 2, float64, dropout 0), q (2, 3, 4), k and v (2, 5, 4),
+    changed by `fields`."""
+    return lambda: mha_case(**({"dropout": 0.0, "seed": 0} | fields))
+
+
+def _mha_with_state(change: Callable[[dict], dict]) -> Callable[[], Any]:
+    return lambda: (case := _mha()())._replace(state=change(case.state))
+
+
+def _mha_errors() -> list[Fixed]:
+    return [
+        error("mha", "input_width_not_d_model", _mha(k=normal(2, 5, 3)), ValueError, "k", "(2, 5, 3)", "4"),
+        error("mha", "input_rank_below_2", _mha(q=normal(4)), ValueError, "q", "(4,)"),
+        error("mha", "k_v_lengths_differ", _mha(v=normal(2, 4, 4)), ValueError, "k", "v", "same length"),
+        error("mha", "leading_axes_do_not_broadcast", _mha(k=normal(3, 5, 4), v=normal(3, 5, 4)), ValueError,
+              "broadcast"),
+        error("mha", "mask_does_not_broadcast", _mha(mask=np.ones((3, 4), bool)), ValueError,
+              "mask", "(3, 4)", "(2, 2, 3, 5)"),
+        error("mha", "mask_adds_a_batch_axis", lambda: mha_case((), dropout=0.0, mask=np.ones((2, 1, 3, 5), bool)),
+              ValueError, "mask", "(2, 1, 3, 5)", "(2, 3, 5)"),
+        error("mha", "float_mask_not_0_or_1", _mha(mask=FLOAT_MASK), ValueError, "mask", "bias"),
+        error("mha", "integer_input", _mha(q=_integers(normal(2, 3, 4))), TypeError, "q", "floating"),
+        error("mha", "input_dtype_not_parameters", _mha(v=normal(2, 5, 4).astype(np.float32)), TypeError,
+              "float32", "float64"),
+        error("mha", "d_model_not_divisible", lambda: {"d_model": 6, "num_heads": 4}, ValueError, "d_model",
+              "num_heads", stage="init"),
+        error("mha", "d_model_zero", lambda: {"d_model": 0, "num_heads": 1}, ValueError, "d_model", stage="init"),
+        error("mha", "num_heads_zero", lambda: {"d_model": 4, "num_heads": 0}, ValueError, "num_heads", stage="init"),
+        error("mha", "dropout_one", lambda: {"d_model": 4, "num_heads": 2, "dropout": 1.0}, ValueError, "dropout",
+              stage="init"),
+        error("mha", "state_not_divisible", _mha(num_heads=3), ValueError, "d_model", "num_heads"),
+        error("mha", "state_dropout_negative", _mha(dropout=-0.5), ValueError, "dropout"),
+        error("mha", "state_entries", _mha_with_state(lambda state: _broken_entries(state, "")), ValueError,
+              "w_k.bias", "w_x.weight", "w_v.weight"),
+        error("mha", "state_dtypes_differ", _mha_with_state(lambda state: _in("float32", state, "w_o.bias")), TypeError,
+              "float32", "float64"),
+        error("mha", "d_out_shape", _mha(), ValueError, "d_out", "(2, 3, 5)", "(2, 3, 4)", stage="pullback",
+              d_out=np.zeros((2, 3, 5))),
+        error("mha", "d_out_dtype", _mha(), TypeError, "d_out", "float32", "float64", stage="pullback",
+              d_out=np.zeros((2, 3, 4), np.float32)),
+    ]
+
+
+# --- the transformer block ---------------------------------------------------------------------------------
+
+def _block_examples() -> list[Fixed]:
+    row_off = changed(np.tri(4, 4, dtype=bool), 2, False)
+    return [
+        example("block", "post_ln_row_fully_masked", lambda: block_case(
+            dropout=0.0, activation="relu", mask=row_off), "query 2 fully masked: attention adds w_o.bias only"),
+        example("block", "pre_ln_variance_below_eps", lambda: block_case(
+            L=3, dropout=0.0, norm_first=True, eps=1e-3, x=_small_variance(2, 3, 4, seed=6)),
+            "variance ~1e-6 far below eps 1e-3"),
+        example("block", "post_ln_variance_near_eps", lambda: block_case(
+            L=3, H=4, F=4, dropout=0.0, eps=1e-6, x=_small_variance(2, 3, 4, seed=7)),
+            "variance ~1e-6 close to eps 1e-6"),
+        example("block", "one_position", lambda: block_case((), 1, D=8, H=4, norm_first=True, activation="relu"),
+                "L = 1: attention returns its projected value"),
+        example("block", "every_row_fully_masked", lambda: block_case(
+            L=3, D=2, H=1, F=4, dropout=0.5, activation="relu", mask=np.zeros((2, 1, 3, 3), bool)),
+            "every row of every sequence fully masked"),
+    ]
+
+
+def _block_edges() -> list[Fixed]:
+    base = block_case()  # D = 4, H = 2, x (2, 4, 4)
+    return [
+        edge("block", "fully_masked_rows", lambda: block_case(
+            mask=changed(np.tri(4, 4, dtype=bool)[None, None].repeat(2, 0), (0, 0, 2), False)),
+            "causal, and query (0, 2) sees no key: its weights rows exactly 0; out as the oracle",
+            Rule("out", "finite"), Rule("weights", "zero", (0, ALL, 2))),
+        edge("block", "fully_masked_head", lambda: block_case(mask=np.array([False, True])[:, None, None],
+                                                              norm_first=True, activation="relu"),
+             "pre-LN, mask (H, 1, 1) hides head 0: weights[:, 0] exactly 0; out as the oracle",
+             Rule("out", "finite"), Rule("weights", "zero", (ALL, 0))),
+        edge("block", "fully_masked_batch_element", lambda: block_case(
+            mask=np.arange(4) < np.reshape([4, 0], (2, 1, 1, 1))),
+            "padding lengths [4, 0]: weights[1] exactly 0; out as the oracle",
+            Rule("out", "finite"), Rule("weights", "zero", (1,))),
+        edge("block", "empty_sequence", lambda: block_case(L=0), "L = S = 0: out (B, 0, D), weights (B, H, 0, 0)",
+             Rule("out", "shape", value=(2, 0, 4)), Rule("weights", "shape", value=(2, 2, 0, 0))),
+        edge("block", "single_position", lambda: block_case(L=1, norm_first=True),
+             "L = 1: weights 1; out as the oracle",
+             Rule("out", "finite"), Rule("weights", "one")),
+        edge("block", "logits_in_the_thousands", _large_block,
+             "post-LN, attention logits up to +-5000: finite, as the oracle",
+             Rule("out", "finite"), Rule("weights", "sums_to_one")),
+        # self-attention without a mask: every query of sequence 0 sees key 1; LayerNorm spreads NaN along D
+        edge("block", "nan_in_input", lambda: base._replace(x=changed(base.x, (0, 1), np.nan)),
+             "x[0, 1] NaN: every row of batch element 0 NaN (each query sees key 1); element 1 as the oracle",
+             Rule("out", "only_nan", (0,)), Rule("weights", "only_nan", (0,))),
+        edge("block", "inf_in_input", lambda: base._replace(x=changed(base.x, (1, 0), np.inf)),
+             "x[1, 0] = +inf: every row of batch element 1 NaN or inf, never finite; element 0 as the oracle",
+             Rule("out", "only_nan_or_inf", (1,))),
+    ]
+
+
+def _large_block() -> Any:
+    case = block_case()
+    return case._replace(x=_large_inputs(case.state, case.x, case.num_heads, "attn."))  # post-LN: attention sees x
+
+
+def _block(**fields: Any) -> Callable[[], Any]:
+    """A TransformerBlock state (D = 4, F = 8, H = 2, float64, ReLU, dropout 0), x (2, 3, 4), changed by
+    `fields`."""
+    return lambda: block_case(**({"L": 3, "seed": 0, "dropout": 0.0, "activation": "relu"} | fields))
+
+
+def _block_with_state(change: Callable[[dict], dict]) -> Callable[[], Any]:
+    return lambda: (case := _block()())._replace(state=change(case.state))
+
+
+def _block_errors() -> list[Fixed]:
+    init = {"d_model": 4, "num_heads": 2, "d_ff": 8}
+    return [
+        error("block", "input_width_not_d_model", _block(x=normal(2, 3, 5)), ValueError, "x", "(2, 3, 5)", "4"),
+        error("block", "input_rank_below_2", _block(x=normal(4)), ValueError, "x", "(4,)"),
+        error("block", "mask_does_not_broadcast", _block(mask=np.ones((3, 4), bool)), ValueError,
+              "mask", "(3, 4)", "(2, 2, 3, 3)"),
+        error("block", "mask_adds_a_batch_axis", _block(x=normal(3, 4), mask=np.ones((2, 1, 3, 3), bool)),
+              ValueError, "mask", "(2, 1, 3, 3)", "(2, 3, 3)"),
+        error("block", "float_mask_not_0_or_1", _block(mask=np.array([[1.0, 0.5, 1.0]])), ValueError, "mask", "bias"),
+        error("block", "integer_input", _block(x=_integers(normal(2, 3, 4))), TypeError, "x", "floating"),
+        error("block", "input_dtype_not_parameters", _block(x=normal(2, 3, 4).astype(np.float32)), TypeError,
+              "float32", "float64"),
+        error("block", "d_model_not_divisible", lambda: init | {"d_model": 6, "num_heads": 4}, ValueError,
+              "d_model", "num_heads", stage="init"),
+        error("block", "d_ff_zero", lambda: init | {"d_ff": 0}, ValueError, "d_ff", stage="init"),
+        error("block", "unknown_activation", lambda: init | {"activation": "tanh"}, ValueError, "activation", "tanh",
+              stage="init"),
+        error("block", "dropout_one", lambda: init | {"dropout": 1.0}, ValueError, "dropout", stage="init"),
+        error("block", "state_unknown_activation", _block(activation="swish"), ValueError, "activation", "swish"),
+        error("block", "state_dropout_negative", _block(dropout=-0.5), ValueError, "dropout"),
+        error("block", "state_entries", _block_with_state(lambda state: _broken_entries(state, "attn.")), ValueError,
+              "attn.w_k.bias", "attn.w_x.weight", "attn.w_v.weight"),
+        error("block", "state_dtypes_differ", _block_with_state(lambda state: _in("float32", state, "norm2.weight")),
+              TypeError, "float32", "float64"),
+        error("block", "d_out_shape", _block(), ValueError, "d_out", "(2, 3, 5)", "(2, 3, 4)", stage="pullback",
+              d_out=np.zeros((2, 3, 5))),
+        error("block", "d_out_dtype", _block(), TypeError, "d_out", "float32", "float64", stage="pullback",
+              d_out=np.zeros((2, 3, 4), np.float32)),
+    ]
+
+
+TABLE: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _mha_examples() + _mha_edges()
+                      + _mha_errors() + _block_examples() + _block_edges() + _block_errors())
+
+
+def rows(operation: str, use: str) -> list[Fixed]:
+    """The table's rows of one operation and use, in order."""
+    return [row for row in TABLE if row.operation == operation and row.use == use]
+
+
+def named(operation: str, name: str) -> Fixed:
+    """The row `name` of `operation`."""
+    (row,) = (row for row in TABLE if row.operation == operation and row.name == name)
+    return row
+
