@@ -3,8 +3,8 @@ suite must reject.
 
 Each class overrides one named piece of `Implementation`; its docstring says the bug and which check of
 the suite should catch it (the measure names of `conformance.check` rows: values, weights_rows,
-permutation, causal_prefix, single_key, reproducible, varies, mean). Every variant runs without error on
-ordinary inputs: the bug is a wrong answer, never a crash.
+permutation, causal_prefix, single_key, reproducible, varies, mean, fast_path, round_trip). Every variant
+runs without error on ordinary inputs: the bug is a wrong answer, never a crash.
 
 `BROKEN` maps a name to the variant as a module object exposing the contract, ready for `check`.
 """
@@ -324,6 +324,29 @@ class NormsSwapped(Implementation):
         return ln2, ln1
 
 
+# --- arrays and broadcasting ------------------------------------------------------------------------------
+
+class AsarrayWidensFloat16(Implementation):
+    """asarray turns float16 into float32 on the way in (an upcast for safety), so to_numpy(asarray(x)) is
+    not x. Caught by: round_trip."""
+
+    def asarray(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        return x.astype(np.float32) if x.dtype == np.float16 else x
+
+
+class RankOneMaskDroppedOnTheFastPath(Implementation):
+    """Without the weights, a mask of rank 1, (S,), is taken for "no mask" (a fused call that only reads
+    masks of rank 2 and more). Caught by: fast_path (the table's example rank_one_mask)."""
+
+    def scaled_dot_product_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                                     mask: np.ndarray | None = None, *, need_weights: bool = True,
+                                     **options: object) -> Pair:
+        if not need_weights and mask is not None and np.ndim(mask) == 1:
+            mask = None
+        return super().scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights, **options)
+
+
 VARIANTS: dict[str, type[Implementation]] = {
     "transposed_projection": TransposedProjection,
     "heads_interleaved": HeadsInterleaved,
@@ -356,6 +379,8 @@ VARIANTS: dict[str, type[Implementation]] = {
     "pre_ln_ignored": PreLnIgnored,
     "ffn_residual_missing": FfnResidualMissing,
     "norms_swapped": NormsSwapped,
+    "asarray_widens_float16": AsarrayWidensFloat16,
+    "rank_one_mask_dropped_on_the_fast_path": RankOneMaskDroppedOnTheFastPath,
 }
 
 BROKEN: dict[str, types.ModuleType] = {
