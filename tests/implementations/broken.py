@@ -336,13 +336,14 @@ class AsarrayWidensFloat16(Implementation):
 
 
 class RankOneMaskDroppedOnTheFastPath(Implementation):
-    """Without the weights, a mask of rank 1, (S,), is taken for "no mask" (a fused call that only reads
-    masks of rank 2 and more). Caught by: fast_path (the table's example rank_one_mask)."""
+    """Without the weights, on (B, H, L, E) inputs, a mask of rank 1, (S,), is taken for "no mask" (a fused
+    call for four-dimensional inputs that reads only masks of rank 2 and more, as torch's kernel once
+    tripped). Caught by: fast_path (the table's example rank_one_mask)."""
 
     def scaled_dot_product_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                                      mask: np.ndarray | None = None, *, need_weights: bool = True,
                                      **options: object) -> Pair:
-        if not need_weights and mask is not None and np.ndim(mask) == 1:
+        if not need_weights and mask is not None and np.ndim(mask) == 1 and np.ndim(q) == 4:
             mask = None
         return super().scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights, **options)
 
