@@ -18,7 +18,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from . import PROFILES, compare
+from . import PROFILES
+from .bench import report as compare  # the compare command: its options, run and output
 from .frameworks import BUILT_IN, import_modules
 
 

@@ -1,4 +1,4 @@
-"""The measurement behind `python -m conformance compare` (conformance/compare.py prints it): the
+"""The measurement behind `python -m conformance compare` (bench/report.py prints it): the
 candidates, their inputs, how they are timed, and the rows.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
@@ -6,7 +6,7 @@ D = d_model = H * E, F = d_ff = 4 * D.
 
 Every installed backend runs each operation twice, with need_weights=False (the fast path) and with
 need_weights=True (labelled "explicit"), next to each framework's own built-in and the plain formulations
-of conformance/baselines.py. The candidates of one framework, operation and L are timed interleaved (A, B,
+of bench/baselines.py. The candidates of one framework, operation and L are timed interleaved (A, B,
 C, A, B, C, ...) so that machine noise hits them alike, and each gets its median time, its rate, its peak
 memory and its relative error against a float64 reference.
 
@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..frameworks import BUILT_IN, framework_of, import_modules
 from . import baselines
-from .frameworks import BUILT_IN, framework_of, import_modules
 
 OPERATIONS = ("sdpa", "mha", "block")
 SIZES = (128, 256, 512, 1024)
