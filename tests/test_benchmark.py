@@ -20,8 +20,9 @@ import pytest
 
 import attention_np
 from conformance.__main__ import main
-from conformance.bench import report, timing
+from conformance.bench import baselines, report, timing
 from conformance.bench.baselines import tutorial_attention
+from conformance.frameworks import framework_of
 from tests._compare import assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -39,9 +40,9 @@ def _importable(name: str) -> bool:
 
 
 def _expected_implementations() -> set[str]:
-    baselines = {"attention_np": ["numpy tutorial"], "attention_torch": ["torch built-in"],
-                 "attention_jax": ["jax plain", "jax.nn.dot_product_attention"]}
-    return {name for backend, extra in baselines.items() if _importable(backend)
+    labels = {"attention_np": ["numpy tutorial"], "attention_torch": ["torch built-in"],
+              "attention_jax": ["jax plain", "jax.nn.dot_product_attention"]}
+    return {name for backend, extra in labels.items() if _importable(backend)
             for name in (backend, f"{backend} explicit", *extra)}
 
 
@@ -161,8 +162,7 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch: pytest.Monkey
 
 def test_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
     backends, _ = timing.installed_backends()
-    kinds = {timing.framework_of(module).name for module in backends.values()}
-    if any(kind != "numpy" and timing._sees_gpu(kind) for kind in kinds):
+    if any(framework_of(module).sees_gpu() for module in backends.values()):
         pytest.skip("a GPU is visible here")
     assert main(["compare", "--sizes", "8", "--device", "cuda"]) == 2
     assert "--device cuda" in capsys.readouterr().err
@@ -170,7 +170,7 @@ def test_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture) -> N
 
 def test_targets_compute_every_ratio() -> None:
     rows = timing.targets(L=64, repeats=2)
-    kinds = {timing.framework_of(module).name for module in timing.installed_backends()[0].values()}
+    kinds = {framework_of(module).name for module in timing.installed_backends()[0].values()}
     expected = [(kind, operation) for kind in dict.fromkeys(t.framework for t in timing.TARGETS) if kind in kinds
                 for operation in timing.OPERATIONS for t in timing.TARGETS
                 if t.framework == kind and operation in t.operations]
@@ -220,13 +220,11 @@ def test_table_gives_the_rate_in_gflops_when_every_row_ran_on_the_cpu() -> None:
 def test_jax_baselines_add_cudnn_only_where_the_fast_path_uses_it(fused: bool, labels: set[str]) -> None:
     # built, not run: the cuDNN kernel needs a GPU (tests/test_gpu.py and scripts/gpu-check.sh run it)
     pytest.importorskip("jax")
-    problem = timing.make_problem("sdpa", B=1, H=2, L=8, E=8, dtype="float32")
-    assert set(timing._baseline_calls("jax", problem, np.asarray, fused=fused)) == labels
+    assert set(baselines.calls("jax", "sdpa", {}, num_heads=2, fused=fused)) == labels
 
 
 def test_jax_builtin_baseline_passes_its_implementation_on() -> None:
     jax = pytest.importorskip("jax")
-    from conformance.bench import baselines
 
     q, k, v = (np.random.default_rng(1).standard_normal((1, 2, 5, 4)) for _ in range(3))
     with jax.numpy_dtype_promotion("standard"):

@@ -14,12 +14,14 @@ Ev value width, D = d_model, F = d_ff.
   for NumPy and jax.numpy (`xp`): self-attention, post-LN, ReLU, as our default block.
 - `torch_multihead`, `torch_encoder_layer`: nn.MultiheadAttention and nn.TransformerEncoderLayer holding
   our state dict, in eval mode.
+- `calls`: each framework's baselines by the label the benchmark prints, ready to time.
 
 Frameworks are imported inside the functions that use them, so this module imports with NumPy alone.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -114,6 +116,55 @@ def torch_encoder_layer(state: Mapping[str, Any], *, num_heads: int, eps: float 
         names |= {f"{theirs}.{part}": state[f"{ours}.{part}"] for part in ("weight", "bias")}
     layer.load_state_dict(names)  # strict: every parameter set, none left over
     return layer.eval()
+
+
+Call = tuple[Callable, Any]  # (call, params): call(params, *inputs) runs the operation, sdpa: q, k, v; else x
+
+
+def calls(framework: str, operation: str, state: Mapping[str, Any], *, num_heads: int,
+          fused: bool = False) -> dict[str, Call]:
+    """{label: (call, params)}: the baselines of `framework` ("numpy", "jax" or "torch") for `operation`,
+    `state` given in that framework's arrays. fused (bfloat16 on CUDA): JAX's built-in also with
+    implementation="cudnn", the kernel our JAX fast path uses there."""
+    return _CALLS[framework](operation, state, num_heads, fused)
+
+
+def _numpy_calls(operation: str, state: Mapping[str, Any], num_heads: int, fused: bool) -> dict[str, Call]:
+    return {"numpy tutorial": (_plain(np, tutorial_attention, operation, num_heads), state)}
+
+
+def _jax_calls(operation: str, state: Mapping[str, Any], num_heads: int, fused: bool) -> dict[str, Call]:
+    import jax.numpy as jnp
+
+    found = {"jax plain": (_plain(jnp, jax_plain_attention, operation, num_heads), state),
+             "jax.nn.dot_product_attention": (_plain(jnp, jax_builtin_attention, operation, num_heads), state)}
+    if fused:
+        cudnn = functools.partial(jax_builtin_attention, implementation="cudnn")
+        found["jax.nn.dot_product_attention cudnn"] = (_plain(jnp, cudnn, operation, num_heads), state)
+    return found
+
+
+def _torch_calls(operation: str, state: Mapping[str, Any], num_heads: int, fused: bool) -> dict[str, Call]:
+    import torch.nn.functional as F
+
+    if operation == "sdpa":
+        return {"torch built-in": (lambda _, q, k, v: F.scaled_dot_product_attention(q, k, v), None)}
+    if operation == "mha":
+        return {"torch built-in": (lambda mha, x: mha(x, x, x, need_weights=False),
+                                   torch_multihead(state, num_heads=num_heads))}
+    return {"torch built-in": (lambda layer, x: layer(x), torch_encoder_layer(state, num_heads=num_heads))}
+
+
+_CALLS = {"numpy": _numpy_calls, "jax": _jax_calls, "torch": _torch_calls}
+
+
+def _plain(xp: ModuleType, attend: Attend, operation: str, num_heads: int) -> Callable:
+    """call(state, *inputs): `attend` alone (sdpa), or with the projections and FFN above around it."""
+    if operation == "sdpa":
+        return lambda _, q, k, v: attend(q, k, v)
+    if operation == "mha":
+        return lambda state, x: multi_head(xp, state, x, num_heads=num_heads, attend=attend)
+    return lambda state, x: block(xp, state, x, num_heads=num_heads, attend=attend)
 
 
 def _linear(state: Mapping[str, Any], name: str, x: Any) -> Any:

@@ -19,11 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from ..frameworks import BUILT_IN, framework_of
+from ..frameworks import BUILT_IN, NUMPY, TORCH, framework_of
 from . import timing
 
-TORCH_BUILT_IN = {"sdpa": "F.scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
-                  "block": "nn.TransformerEncoderLayer"}  # what "torch built-in" is, per operation
 FOOTNOTE = """\
 time: median of the repeats after one warm-up call; the candidates of one framework, operation and L run
   interleaved (A, B, A, B, ...). JAX: jit-compiled beforehand, timed to block_until_ready; torch: under
@@ -77,20 +75,10 @@ def format_targets(rows: Sequence[timing.TargetRow]) -> str:
 
 
 def machine(backends: dict[str, ModuleType]) -> list[str]:
-    """The machine and the framework versions, one line each."""
-    lines = [f"machine: {os.cpu_count()} CPUs, {platform.machine()} {platform.system()}, "
-             f"Python {platform.python_version()}", f"numpy {np.__version__}, BLAS: {_blas()}"]
-    kinds = {framework_of(module).name for module in backends.values()}
-    if "torch" in kinds:
-        import torch
-
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-        lines.append(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CUDA GPU: {gpu}")
-    if "jax" in kinds:
-        import jax
-
-        lines.append(f"jax {jax.__version__}, devices: {', '.join(str(d) for d in jax.devices())}")
-    return lines
+    """The machine and the framework versions, one line each (NumPy always: the reference runs in it)."""
+    frameworks = {framework.name: framework for framework in (NUMPY, *map(framework_of, backends.values()))}
+    return [f"machine: {os.cpu_count()} CPUs, {platform.machine()} {platform.system()}, "
+            f"Python {platform.python_version()}", *(framework.describe() for framework in frameworks.values())]
 
 
 def plot(rows: Sequence[timing.Row], path: str) -> None:
@@ -147,18 +135,8 @@ def _figure_class() -> Any:
 
 
 def _display(name: str, operation: str) -> str:
-    return f"torch {TORCH_BUILT_IN[operation]}" if name == "torch built-in" else name
-
-
-def _blas() -> str:
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "unknown (install threadpoolctl to see it)"
-    found = [info for info in threadpool_info() if info.get("user_api") == "blas"
-             and "numpy" in info.get("filepath", "")] or [i for i in threadpool_info() if i.get("user_api") == "blas"]
-    return "; ".join(f"{info['internal_api']} {info.get('version')} ({info.get('architecture', '?')}, "
-                     f"{info['num_threads']} threads)" for info in found[:1]) or "none found"
+    """A label as the targets show it: "torch built-in" names the built-in of that operation."""
+    return f"torch {TORCH.built_ins[operation]}" if name == "torch built-in" else name
 
 
 def _columns(lines: list[tuple[str, ...]], *, right: tuple[int, ...]) -> str:
