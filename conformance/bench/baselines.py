@@ -12,9 +12,11 @@ Ev value width, D = d_model, F = d_ff.
   on CUDA in bfloat16 the benchmark also runs it with implementation="cudnn".
 - `multi_head`, `block`: the projections and the feed-forward network around any of these, written once
   for NumPy and jax.numpy (`xp`): self-attention, post-LN, ReLU, as our default block.
-- `torch_multihead`, `torch_encoder_layer`: nn.MultiheadAttention and nn.TransformerEncoderLayer holding
-  our state dict, in eval mode.
 - `calls`: each framework's baselines by the label the benchmark prints, ready to time.
+- `torch_multihead`, `torch_encoder_layer`: nn.MultiheadAttention and nn.TransformerEncoderLayer holding
+  our state dict, in eval mode (torch's built-ins here, and the tests' reference); `torch_state_dict` and
+  `torch_parameter` map our parameter names to theirs, `torch_attn_mask` our mask to their convention.
+- `random_state`: parameters for any of these and for our modules, named as in the state-dict contract.
 
 Frameworks are imported inside the functions that use them, so this module imports with NumPy alone.
 """
@@ -89,34 +91,17 @@ def block(xp: ModuleType, state: Mapping[str, Any], x: Any, *, num_heads: int, a
     return _layer_norm(xp, state, "norm2", x + _linear(state, "ffn.3", h), eps)  # (B, L, F) -> (B, L, D)
 
 
-def torch_multihead(state: Mapping[str, Any], *, num_heads: int) -> Any:
-    """nn.MultiheadAttention(batch_first=True, dropout=0) in eval mode, holding our MHA state (torch tensors);
-    its in_proj_weight (3D, D) stacks our w_q, w_k, w_v."""
-    from torch import nn
-
-    weight = state["w_q.weight"]
-    mha = nn.MultiheadAttention(weight.shape[1], num_heads, dropout=0.0, batch_first=True,
-                                dtype=weight.dtype, device=weight.device)
-    mha.load_state_dict(_torch_mha_names(state))  # strict: every parameter set, none left over
-    return mha.eval()
+def _linear(state: Mapping[str, Any], name: str, x: Any) -> Any:
+    return x @ state[f"{name}.weight"].T + state[f"{name}.bias"]  # (..., in) x (in, out) -> (..., out)
 
 
-def torch_encoder_layer(state: Mapping[str, Any], *, num_heads: int, eps: float = 1e-5) -> Any:
-    """nn.TransformerEncoderLayer(batch_first=True, dropout=0, post-LN, ReLU) in eval mode, holding our
-    block state (torch tensors)."""
-    from torch import nn
+def _layer_norm(xp: ModuleType, state: Mapping[str, Any], name: str, x: Any, eps: float) -> Any:
+    mean = xp.mean(x, axis=-1, keepdims=True)  # (B, L, D) -> (B, L, 1)
+    var = xp.mean((x - mean) ** 2, axis=-1, keepdims=True)  # biased, as nn.LayerNorm
+    return (x - mean) / xp.sqrt(var + eps) * state[f"{name}.weight"] + state[f"{name}.bias"]
 
-    weight = state["ffn.0.weight"]  # (F, D)
-    layer = nn.TransformerEncoderLayer(weight.shape[1], num_heads, weight.shape[0], dropout=0.0,
-                                       layer_norm_eps=eps, batch_first=True, dtype=weight.dtype,
-                                       device=weight.device)
-    attn = {name.removeprefix("attn."): value for name, value in state.items() if name.startswith("attn.")}
-    names = {f"self_attn.{name}": value for name, value in _torch_mha_names(attn).items()}
-    for ours, theirs in {"ffn.0": "linear1", "ffn.3": "linear2", "norm1": "norm1", "norm2": "norm2"}.items():
-        names |= {f"{theirs}.{part}": state[f"{ours}.{part}"] for part in ("weight", "bias")}
-    layer.load_state_dict(names)  # strict: every parameter set, none left over
-    return layer.eval()
 
+# --- each framework's baselines, ready to time ----------------------------------------------------------
 
 Call = tuple[Callable, Any]  # (call, params): call(params, *inputs) runs the operation, sdpa: q, k, v; else x
 
@@ -167,20 +152,112 @@ def _plain(xp: ModuleType, attend: Attend, operation: str, num_heads: int) -> Ca
     return lambda state, x: block(xp, state, x, num_heads=num_heads, attend=attend)
 
 
-def _linear(state: Mapping[str, Any], name: str, x: Any) -> Any:
-    return x @ state[f"{name}.weight"].T + state[f"{name}.bias"]  # (..., in) x (in, out) -> (..., out)
+# --- our state dicts in torch's built-in layers ---------------------------------------------------------
+
+_IN_PROJ = ("w_q", "w_k", "w_v")  # nn.MultiheadAttention stacks these, in this order, in in_proj_weight / _bias
+_LAYER_NAMES = {"ffn.0": "linear1", "ffn.3": "linear2", "norm1": "norm1", "norm2": "norm2"}  # the block's others
 
 
-def _layer_norm(xp: ModuleType, state: Mapping[str, Any], name: str, x: Any, eps: float) -> Any:
-    mean = xp.mean(x, axis=-1, keepdims=True)  # (B, L, D) -> (B, L, 1)
-    var = xp.mean((x - mean) ** 2, axis=-1, keepdims=True)  # biased, as nn.LayerNorm
-    return (x - mean) / xp.sqrt(var + eps) * state[f"{name}.weight"] + state[f"{name}.bias"]
+def torch_multihead(state: Mapping[str, Any], *, num_heads: int, dtype: Any = None, device: Any = None) -> Any:
+    """nn.MultiheadAttention(batch_first=True, dropout=0) in eval mode, holding our MHA `state` (NumPy arrays
+    or torch tensors) in `dtype` (a NumPy dtype) on `device`; None keeps the state's own."""
+    from torch import nn
+
+    theirs = torch_state_dict(_tensors(state, dtype, device))
+    weight = theirs["in_proj_weight"]  # (3D, D)
+    mha = nn.MultiheadAttention(weight.shape[1], num_heads, dropout=0.0, batch_first=True, dtype=weight.dtype,
+                                device=weight.device)
+    mha.load_state_dict(theirs)  # strict: every parameter set, none left over
+    return mha.eval()
 
 
-def _torch_mha_names(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Our MHA state -> nn.MultiheadAttention's names, w_q/w_k/w_v stacked in that order."""
+def torch_encoder_layer(state: Mapping[str, Any], *, num_heads: int, norm_first: bool = False,
+                        activation: str = "relu", eps: float = 1e-5, dtype: Any = None, device: Any = None) -> Any:
+    """nn.TransformerEncoderLayer(batch_first=True, dropout=0) in eval mode, holding our block `state` (NumPy
+    arrays or torch tensors) in `dtype` (a NumPy dtype) on `device`; None keeps the state's own. The defaults
+    are our block's: post-LN, ReLU, eps 1e-5."""
+    from torch import nn
+
+    theirs = torch_state_dict(_tensors(state, dtype, device))
+    weight = theirs["linear1.weight"]  # (F, D)
+    layer = nn.TransformerEncoderLayer(weight.shape[1], num_heads, weight.shape[0], dropout=0.0,
+                                       activation=activation, layer_norm_eps=eps, batch_first=True,
+                                       norm_first=norm_first, dtype=weight.dtype, device=weight.device)
+    layer.load_state_dict(theirs)  # strict: every parameter set, none left over
+    return layer.eval()
+
+
+def torch_parameter(name: str, d_model: int) -> tuple[str, slice]:
+    """Our state-dict name -> (the torch layer's parameter that holds it, its rows there): w_q, w_k, w_v are
+    rows [0:D], [D:2D], [2D:3D] of in_proj_weight and in_proj_bias, w_o is out_proj, and in the block attn.*
+    is self_attn.*, ffn.0 linear1, ffn.3 linear2."""
+    module, part = name.rsplit(".", 1)  # "attn.w_q", "weight"
+    prefix, projection = ("self_attn.", module.removeprefix("attn.")) if module.startswith("attn.") else ("", module)
+    if projection in _IN_PROJ:
+        i = _IN_PROJ.index(projection)
+        return f"{prefix}in_proj_{part}", slice(i * d_model, (i + 1) * d_model)
+    if projection == "w_o":
+        return f"{prefix}out_proj.{part}", slice(None)
+    return f"{_LAYER_NAMES[module]}.{part}", slice(None)
+
+
+def torch_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Our MHA or block state (torch tensors) -> the torch layer's state dict, each of our parameters in its
+    rows as torch_parameter places it: w_q, w_k, w_v stacked in that order."""
     import torch
 
-    return {"in_proj_weight": torch.cat([state[f"w_{x}.weight"] for x in "qkv"]),  # 3 x (D, D) -> (3D, D)
-            "in_proj_bias": torch.cat([state[f"w_{x}.bias"] for x in "qkv"]),  # 3 x (D,) -> (3D,)
-            "out_proj.weight": state["w_o.weight"], "out_proj.bias": state["w_o.bias"]}
+    d_model = next(value.shape[1] for name, value in state.items() if name.endswith("w_o.weight"))  # (D, D)
+    rows: dict[str, dict[int, Any]] = {}  # their name -> {first row: our tensor}
+    for name, value in state.items():
+        theirs, where = torch_parameter(name, d_model)
+        rows.setdefault(theirs, {})[where.start or 0] = value
+    return {name: torch.cat([parts[start] for start in sorted(parts)])  # 3 x (D, D) -> (3D, D); 3 x (D,) -> (3D,)
+            for name, parts in rows.items()}
+
+
+def torch_attn_mask(mask: np.ndarray, num_heads: int) -> Any:
+    """Our keep-mask (B, 1|H, L, S), True = visible, -> nn.MultiheadAttention's 3-D attn_mask
+    (B*H, L, S), True = NOT allowed to attend."""
+    import torch
+
+    B, _, L, S = mask.shape
+    mask = np.broadcast_to(np.asarray(mask) != 0, (B, num_heads, L, S))  # (B, 1|H, L, S) -> (B, H, L, S)
+    return torch.from_numpy(~mask.reshape(B * num_heads, L, S))  # (B, H, L, S) -> (B*H, L, S)
+
+
+def _tensors(state: Mapping[str, Any], dtype: Any, device: Any) -> dict[str, Any]:
+    """NumPy arrays or torch tensors -> torch tensors in `dtype` (a NumPy dtype) on `device`; None: as they are."""
+    import torch
+
+    to = None if dtype is None else torch.from_numpy(np.zeros(0, dtype)).dtype
+    # a NumPy array is copied: torch wants writable memory, and ours may be read-only
+    return {name: (value if isinstance(value, torch.Tensor) else torch.from_numpy(np.array(value))).to(
+        device=device, dtype=to) for name, value in state.items()}
+
+
+# --- random parameters ----------------------------------------------------------------------------------
+
+
+def random_state(kind: str, d_model: int, d_ff: int, rng: np.random.Generator,
+                 dtype: Any = np.float64) -> dict[str, np.ndarray]:
+    """Random parameters for kind "mha" (d_ff unused) or "block": weights of nn.Linear's scale,
+    biases not 0 and LayerNorm gains not 1, so a mixed-up or ignored parameter shows in the output."""
+    state = {}
+    for name in ("w_q", "w_k", "w_v", "w_o"):
+        state |= _random_linear(name, d_model, d_model, rng)
+    if kind == "block":
+        state = {f"attn.{name}": value for name, value in state.items()}
+        state |= _random_linear("ffn.0", d_model, d_ff, rng) | _random_linear("ffn.3", d_ff, d_model, rng)
+        for name in ("norm1", "norm2"):
+            state |= {f"{name}.weight": rng.uniform(0.5, 1.5, d_model),
+                      f"{name}.bias": rng.uniform(-0.5, 0.5, d_model)}
+    elif kind != "mha":
+        raise ValueError(f"random_state: kind must be 'mha' or 'block', got {kind!r}")
+    return {name: value.astype(dtype) for name, value in state.items()}
+
+
+def _random_linear(name: str, d_in: int, d_out: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """nn.Linear's range, uniform in [-1/sqrt(d_in), 1/sqrt(d_in)], for the weight (out, in) and bias."""
+    bound = 1 / math.sqrt(d_in)
+    return {f"{name}.weight": rng.uniform(-bound, bound, (d_out, d_in)),
+            f"{name}.bias": rng.uniform(-bound, bound, d_out)}

@@ -235,18 +235,7 @@ def make_problem(operation: str, *, B: int, H: int, L: int, E: int, dtype: str, 
         inputs, state = tuple(rng.standard_normal((B, H, L, E)) for _ in "qkv"), {}
     else:
         inputs = (rng.standard_normal((B, L, D)),)
-        shapes = {f"w_{name}": (D, D) for name in "qkvo"}  # (out, in)
-        if operation == "block":
-            shapes = {f"attn.{name}": shape for name, shape in shapes.items()} | {"ffn.0": (4 * D, D),
-                                                                                  "ffn.3": (D, 4 * D)}
-        state = {}
-        for name, (d_out, d_in) in shapes.items():
-            bound = 1 / math.sqrt(d_in)
-            state[f"{name}.weight"] = rng.uniform(-bound, bound, (d_out, d_in))
-            state[f"{name}.bias"] = rng.uniform(-bound, bound, d_out)
-        if operation == "block":
-            for name in ("norm1", "norm2"):
-                state |= {f"{name}.weight": rng.uniform(0.5, 1.5, D), f"{name}.bias": rng.uniform(-0.5, 0.5, D)}
+        state = baselines.random_state(operation, D, 4 * D, rng)
     rounded = {name: _rounded(value, dtype) for name, value in state.items()}
     return Problem(operation, B, H, L, E, tuple(_rounded(x, dtype) for x in inputs), rounded)
 
