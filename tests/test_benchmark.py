@@ -7,6 +7,7 @@ Tiny sizes and two repeats keep these fast; no test looks at a timing value, onl
 from __future__ import annotations
 
 import importlib
+import io
 import itertools
 import json
 import math
@@ -142,6 +143,24 @@ def test_measure_stops_at_the_repeats_asked_for() -> None:
                                       lambda: None) for name in counts]
     timing.measure(candidates, repeats=5, warmup=0)  # balanced_order(4) has 3 of each: a partial pass
     assert counts == dict.fromkeys("ABCD", 5)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("stderr", "enabled", "drawn"), [(_Terminal, True, True), (_Terminal, False, False),
+                                                          (io.StringIO, True, False)],
+                         ids=["terminal", "quiet", "captured-or-piped"])
+def test_progress_bar_is_drawn_on_stderr_only_where_it_is_a_terminal(
+        monkeypatch: pytest.MonkeyPatch, stderr: type, enabled: bool, drawn: bool) -> None:
+    if drawn:
+        pytest.importorskip("tqdm")
+    monkeypatch.setattr(sys, "stderr", stderr())
+    assert list(timing._progress([("sdpa L=8", 8), ("sdpa L=16", 16)], enabled)) == [8, 16]
+    assert ("sdpa L=16" in sys.stderr.getvalue()) == drawn
+    assert ("2/2" in sys.stderr.getvalue()) == drawn
 
 
 def test_plot_writes_a_png(tmp_path: pathlib.Path) -> None:

@@ -188,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"compare: {error}", file=sys.stderr)
         return 2
-    progress = not args.quiet and sys.stderr.isatty()
+    progress = not args.quiet  # drawn only where stderr is a terminal
     with timing.pinned(backends) as settings:
         print("\n".join(machine(backends)))
         print("; ".join(settings) or "no precision settings")

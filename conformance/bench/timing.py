@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from . import baselines
 
 OPERATIONS = ("sdpa", "mha", "block")
 SIZES = (128, 256, 512, 1024)
+T = TypeVar("T")  # the value of a step of the progress bar
 
 
 class Candidate(NamedTuple):
@@ -170,51 +171,58 @@ def balanced_order(n: int) -> list[int]:
 def compare(*, sizes: Sequence[int] = SIZES, operations: Sequence[str] = OPERATIONS, dtype: str = "float32",
             repeats: int = 10, device: str = "cpu", B: int = 2, H: int = 8, E: int = 64,
             backends: dict[str, ModuleType] | None = None, progress: bool = False) -> list[Row]:
-    """Time every candidate on every operation and size; one Row per candidate, operation and L."""
+    """Time every candidate on every operation and size; one Row per candidate, operation and L. progress:
+    a progress bar on stderr where that is a terminal."""
     backends = installed_backends()[0] if backends is None else backends
     devices, rows = placement(backends, device), []
-    bar = _Progress(len(operations) * len(sizes), progress)
+    steps = [(f"{operation} L={L}", (operation, L)) for operation in operations for L in sizes]
     with pinned(backends):
-        for operation in operations:
-            for L in sizes:
-                bar.show(f"{operation} L={L}")
-                problem = make_problem(operation, B=B, H=H, L=L, E=E, dtype=dtype)
-                reference = _our_output(importlib.import_module("attention_np"), problem, np.asarray)
-                candidates = make_candidates(problem, backends, dtype=dtype, devices=devices)
-                for kind in dict.fromkeys(candidate.framework for candidate in candidates):
-                    group = [candidate for candidate in candidates if candidate.framework == kind]
-                    for candidate, seconds in zip(group, measure(group, repeats=repeats), strict=True):
-                        rows.append(_row(candidate, problem, dtype, repeats, seconds, reference))
-                bar.step()
-    bar.close()
+        for operation, L in _progress(steps, progress):
+            problem = make_problem(operation, B=B, H=H, L=L, E=E, dtype=dtype)
+            reference = _our_output(importlib.import_module("attention_np"), problem, np.asarray)
+            candidates = make_candidates(problem, backends, dtype=dtype, devices=devices)
+            for kind in dict.fromkeys(candidate.framework for candidate in candidates):
+                group = [candidate for candidate in candidates if candidate.framework == kind]
+                for candidate, seconds in zip(group, measure(group, repeats=repeats), strict=True):
+                    rows.append(_row(candidate, problem, dtype, repeats, seconds, reference))
     return rows
 
 
 def targets(*, L: int = 1024, repeats: int = 10, device: str = "cpu",
             backends: dict[str, ModuleType] | None = None, progress: bool = False) -> list[TargetRow]:
     """The performance targets: float32, B=2, H=8, L=S, E=64, need_weights=False; one TargetRow per
-    target and operation, its candidates timed interleaved."""
+    target and operation, its candidates timed interleaved. progress: as for compare."""
     backends = installed_backends()[0] if backends is None else backends
     devices, rows = placement(backends, device), []
     present = {framework_of(module).name for module in backends.values()}
     chosen = [target for target in TARGETS if target.framework in present]
-    bar = _Progress(len(OPERATIONS) * len({target.framework for target in chosen}), progress)
+    steps = [(f"{kind} {operation}", (kind, operation))
+             for kind in dict.fromkeys(target.framework for target in chosen) for operation in OPERATIONS]
     with pinned(backends):
-        for kind in dict.fromkeys(target.framework for target in chosen):
-            for operation in OPERATIONS:
-                bar.show(f"{kind} {operation}")
-                problem = make_problem(operation, B=2, H=8, L=L, E=64, dtype="float32")
-                mine = [target for target in chosen if target.framework == kind and operation in target.operations]
-                if not mine:
-                    bar.step()
-                    continue
-                wanted = {name for target in mine for name in (target.numerator, *target.denominators)}
-                candidates = make_candidates(problem, backends, dtype="float32", devices=devices, wanted=wanted)
-                medians = dict(zip([c.name for c in candidates], measure(candidates, repeats=repeats), strict=True))
-                rows += [_target_row(target, operation, medians) for target in mine]
-                bar.step()
-    bar.close()
+        for kind, operation in _progress(steps, progress):
+            mine = [target for target in chosen if target.framework == kind and operation in target.operations]
+            if not mine:
+                continue
+            problem = make_problem(operation, B=2, H=8, L=L, E=64, dtype="float32")
+            wanted = {name for target in mine for name in (target.numerator, *target.denominators)}
+            candidates = make_candidates(problem, backends, dtype="float32", devices=devices, wanted=wanted)
+            medians = dict(zip([c.name for c in candidates], measure(candidates, repeats=repeats), strict=True))
+            rows += [_target_row(target, operation, medians) for target in mine]
     return rows
+
+
+def _progress(steps: Sequence[tuple[str, T]], enabled: bool) -> Iterator[T]:
+    """The steps' values, in order. Where enabled and stderr is a terminal (not a file, a pipe or a test's
+    capture), tqdm draws a bar on stderr with the label of the step under way; tqdm is imported only then."""
+    if not (enabled and sys.stderr.isatty()):
+        yield from (value for _, value in steps)
+        return
+    from tqdm import tqdm
+
+    with tqdm(steps, file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
+        for label, value in bar:
+            bar.set_postfix_str(label)
+            yield value
 
 
 def _target_row(target: Target, operation: str, medians: dict[str, float]) -> TargetRow:
@@ -346,24 +354,3 @@ def _row(candidate: Candidate, problem: Problem, dtype: str, repeats: int, secon
     return Row(candidate.name, candidate.framework, candidate.device, problem.operation, dtype, B, H, E, L, L,
                H * E, 4 * H * E, count, repeats, 1e3 * seconds, count / seconds / 1e9,
                None if peak is None else peak / 2**20, float(error))
-
-
-class _Progress:
-    """A text progress bar on stderr: [#####.....] 3/12 mha L=512 (compare and targets draw it while they
-    measure, with progress=True)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled and total > 0
-
-    def show(self, label: str) -> None:
-        if self.enabled:
-            filled = 30 * self.done // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label:<16}")
-            sys.stderr.flush()
-
-    def step(self) -> None:
-        self.done += 1
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write(f"\r[{'#' * 30}] {self.done}/{self.total} done{' ' * 14}\n")
