@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "compare":
         return compare.main(args)
     if args.command == "figure":
-        from .figures import FIGURES  # matplotlib is imported only when a figure is drawn
+        from attention_np.figures import FIGURES  # matplotlib is imported only when a figure is drawn
 
         print(f"wrote {FIGURES[args.name](args.output)}")
         return 0
