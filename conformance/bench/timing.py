@@ -179,7 +179,7 @@ def compare(*, sizes: Sequence[int] = SIZES, operations: Sequence[str] = OPERATI
     with pinned(backends):
         for operation, L in _progress(steps, progress):
             problem = make_problem(operation, B=B, H=H, L=L, E=E, dtype=dtype)
-            reference = _our_output(importlib.import_module("attention_np"), problem, np.asarray)
+            reference = _our_output(importlib.import_module("attention_np"), problem)
             candidates = make_candidates(problem, backends, dtype=dtype, devices=devices)
             for kind in dict.fromkeys(candidate.framework for candidate in candidates):
                 group = [candidate for candidate in candidates if candidate.framework == kind]
@@ -259,9 +259,9 @@ def make_candidates(problem: Problem, backends: dict[str, ModuleType], *, dtype:
             continue
         device = devices[framework.name]
         convert = framework.converter(dtype, device)
-        state = {name: convert(value) for name, value in problem.state.items()}
-        calls = {name: _our_call(module, problem, convert, need_weights=False),
-                 f"{name} explicit": _our_call(module, problem, convert, need_weights=True)}
+        state = {key: convert(value) for key, value in problem.state.items()}
+        calls = {name: _our_call(module, problem, state, need_weights=False),
+                 f"{name} explicit": _our_call(module, problem, state, need_weights=True)}
         calls |= baselines.calls(framework.name, problem.operation, state, num_heads=problem.H,
                                  fused=device == "cuda" and dtype == "bfloat16")
         inputs = tuple(convert(x) for x in problem.inputs)
@@ -272,12 +272,12 @@ def make_candidates(problem: Problem, backends: dict[str, ModuleType], *, dtype:
     return candidates
 
 
-def _our_call(module: ModuleType, problem: Problem, convert: Callable,
+def _our_call(module: ModuleType, problem: Problem, state: dict[str, Any],
               *, need_weights: bool) -> tuple[Callable, Any]:
-    """(call, params): call(params, *inputs) runs our operation; params holds the module (None for sdpa)."""
+    """(call, params): call(params, *inputs) runs our operation; params holds the module (None for sdpa), built
+    from `state`, the problem's parameters in the module's arrays."""
     if problem.operation == "sdpa":
         return (lambda _, q, k, v: module.scaled_dot_product_attention(q, k, v, need_weights=need_weights)), None
-    state = {name: convert(value) for name, value in problem.state.items()}
     if problem.operation == "mha":
         mha = module.MultiHeadAttention.from_state_dict(state, num_heads=problem.H).eval()
         return (lambda mha, x: mha(x, x, x, need_weights=need_weights)), mha
@@ -285,10 +285,10 @@ def _our_call(module: ModuleType, problem: Problem, convert: Callable,
     return (lambda block, x: block(x, need_weights=need_weights)), block
 
 
-def _our_output(module: ModuleType, problem: Problem, convert: Callable) -> np.ndarray:
-    """The operation's output from `module`'s explicit path, as float64: the reference with attention_np."""
-    call, params = _our_call(module, problem, convert, need_weights=True)
-    return _as_float64(call(params, *(convert(x) for x in problem.inputs)), framework_of(module).name)
+def _our_output(module: ModuleType, problem: Problem) -> np.ndarray:
+    """The operation's output from a NumPy module's explicit path, as float64: the reference with attention_np."""
+    call, params = _our_call(module, problem, problem.state, need_weights=True)
+    return _as_float64(call(params, *problem.inputs), framework_of(module).name)
 
 
 # --- the frameworks ------------------------------------------------------------------------------------
