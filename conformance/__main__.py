@@ -18,7 +18,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from . import PROFILES, compare
+from . import PROFILES
+from .bench import report as compare  # the compare command: its options, run and output
 from .frameworks import BUILT_IN, import_modules
 
 
@@ -52,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "compare":
         return compare.main(args)
     if args.command == "figure":
-        from .figures import FIGURES  # matplotlib is imported only when a figure is drawn
+        from attention_np.figures import FIGURES  # matplotlib is imported only when a figure is drawn
 
         print(f"wrote {FIGURES[args.name](args.output)}")
         return 0

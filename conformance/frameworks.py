@@ -1,5 +1,7 @@
-"""What the suite needs to know about the framework behind a module: its randomness, how its code runs
-best (JAX: traced once per shape with jit), and the precision settings that make float32 mean float32.
+"""What the suite and the benchmark need to know about the framework behind a module, declared once per
+framework: its randomness, how its code runs best (JAX: traced once per shape with jit), the precision
+settings that make float32 mean float32, the dtypes its arrays have, and for `python -m conformance compare`
+its built-ins, how it places arrays on a device, finishes a call, measures peak memory and describes itself.
 
 The framework is read off the module itself (the type `asarray` returns), so any implementation of the
 contract is checked the same way as ours.
@@ -9,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Iterator, Sequence
+import tracemalloc
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
 
 BUILT_IN = ("attention_np", "attention_jax", "attention_torch")
 DTYPES = ("float16", "float32", "float64", "bool", "int32", "int64")  # every framework's
+
+Timed = tuple[Callable[[], Any], Callable[[], "int | None"]]  # (run, peak), see Framework.timed
 
 
 def import_modules(names: Sequence[str]) -> tuple[dict[str, ModuleType], dict[str, str]]:
@@ -33,7 +38,15 @@ class Framework(NamedTuple):
     rng: Callable[[int], Any]  # seed -> the backend's rng argument
     stage: Callable[[Callable], Callable]  # how a whole operation runs (JAX: jit)
     pinned: Callable[[], contextlib.AbstractContextManager[str]]  # precision settings for a run
-    dtypes: tuple[str, ...] = ()  # the dtypes its arrays have, as NumPy names (bfloat16: ml_dtypes)
+    dtypes: tuple[str, ...]  # the dtypes its arrays have, as NumPy names (bfloat16: ml_dtypes)
+    # what the benchmark (conformance/bench) reads as well
+    built_ins: Mapping[str, str]  # operation -> the framework's own implementation of it
+    sees_gpu: Callable[[], bool]  # whether it sees a CUDA GPU
+    converter: Callable[[str, str], Callable[[Any], Any]]  # (dtype, device) -> NumPy array -> its array there
+    to_float64: Callable[[Any], Any]  # its array, any dtype, any device -> a float64 NumPy array
+    timed: Callable[[Callable, tuple, str], Timed]  # (call, args, device) -> (run, peak), see _numpy_timed
+    permissive: Callable[[], contextlib.AbstractContextManager[None]]  # its default promotion rules
+    describe: Callable[[], str]  # its version and what it runs on, one line
 
 
 def framework_of(module: ModuleType) -> Framework:
@@ -41,11 +54,10 @@ def framework_of(module: ModuleType) -> Framework:
     import numpy as np
 
     kind = type(module.asarray(np.zeros(1, np.float32))).__module__.split(".")[0]
-    if kind in ("jax", "jaxlib"):
-        return Framework("jax", _jax_rng, _jax_stage, _jax_precision, (*DTYPES, "bfloat16"))
-    if kind == "torch":
-        return Framework("torch", _torch_rng, _eager, _torch_precision, (*DTYPES, "bfloat16"))
-    return Framework("numpy", _numpy_rng, _eager, _no_settings, DTYPES)
+    return FRAMEWORKS.get("jax" if kind == "jaxlib" else kind, NUMPY)
+
+
+# --- randomness and staging (the suite) ----------------------------------------------------------------
 
 
 def _eager(call: Callable) -> Callable:
@@ -89,6 +101,9 @@ def _jax_stage(call: Callable) -> Callable:
     return run
 
 
+# --- precision and promotion settings ------------------------------------------------------------------
+
+
 @contextlib.contextmanager
 def _no_settings() -> Iterator[str]:
     yield ""
@@ -123,3 +138,175 @@ def _torch_precision() -> Iterator[str]:
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
         torch.set_float32_matmul_precision(saved[2])
+
+
+@contextlib.contextmanager
+def _jax_permissive() -> Iterator[None]:
+    """Implicit broadcasting by rank and standard dtype promotion, whatever a test configuration made strict:
+    plain JAX code (the benchmark's baselines) is written against these defaults."""
+    import jax
+
+    with jax.numpy_rank_promotion("allow"), jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+# --- devices and arrays (the benchmark) ----------------------------------------------------------------
+
+
+def _no_gpu() -> bool:
+    return False
+
+
+def _jax_sees_gpu() -> bool:
+    import jax
+
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:  # jax: no GPU backend in this jaxlib
+        return False
+
+
+def _torch_sees_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _numpy_converter(dtype: str, device: str) -> Callable[[Any], Any]:
+    return lambda x: x.astype(dtype)  # NumPy: always on the CPU
+
+
+def _jax_converter(dtype: str, device: str) -> Callable[[Any], Any]:
+    import jax
+    import jax.numpy as jnp
+
+    place = jax.devices("gpu" if device == "cuda" else "cpu")[0]
+    return lambda x: jax.device_put(x.astype(jnp.dtype(dtype)), place)
+
+
+def _torch_converter(dtype: str, device: str) -> Callable[[Any], Any]:
+    import torch
+
+    return lambda x: torch.from_numpy(x).to(device=device, dtype=getattr(torch, dtype))
+
+
+def _numpy_to_float64(x: Any) -> Any:
+    import numpy as np
+
+    return np.asarray(x).astype(np.float64)  # JAX's arrays too: bfloat16 comes as ml_dtypes' bfloat16
+
+
+def _torch_to_float64(x: Any) -> Any:
+    import torch
+
+    return x.detach().to(device="cpu", dtype=torch.float64).numpy()  # NumPy has no bfloat16; it may be on a GPU
+
+
+# --- timing: a call made ready to time, and its peak memory ---------------------------------------------
+
+
+def _numpy_timed(call: Callable, args: tuple, device: str) -> Timed:
+    """(run, peak) for call(*args): run() makes one call and returns when its result is finished; peak()
+    makes one and returns the bytes it allocated at its peak, None where that is not measurable.
+    NumPy: plain calls; tracemalloc sees its buffers."""
+    run = lambda: call(*args)  # noqa: E731
+    return run, lambda: _traced_peak(run)
+
+
+def _jax_timed(call: Callable, args: tuple, device: str) -> Timed:
+    """JAX: compiled ahead, timed to block_until_ready; on CUDA the peak is XLA's memory plan (on the CPU it
+    misses the scratch of the library that runs fused attention, so none is given)."""
+    import jax
+
+    compiled = jax.jit(call).lower(*args).compile()
+    plan = compiled.memory_analysis() if device == "cuda" else None
+    planned = None if plan is None else plan.temp_size_in_bytes + plan.output_size_in_bytes
+    return (lambda: jax.block_until_ready(compiled(*args))), (lambda: planned)
+
+
+def _torch_timed(call: Callable, args: tuple, device: str) -> Timed:
+    """torch: under inference_mode, synchronised on CUDA; the peak is the CUDA allocator's (none on the CPU)."""
+    import torch
+
+    def run() -> Any:
+        with torch.inference_mode():
+            result = call(*args)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return result
+
+    return run, (lambda: _cuda_peak(run)) if device == "cuda" else (lambda: None)
+
+
+def _traced_peak(run: Callable[[], Any]) -> int:
+    """Bytes that one call allocates at its peak, by tracemalloc (NumPy reports its buffers to it)."""
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        run()
+        return tracemalloc.get_traced_memory()[1] - before
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+
+
+def _cuda_peak(run: Callable[[], Any]) -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run()
+    return torch.cuda.max_memory_allocated() - before
+
+
+# --- descriptions ---------------------------------------------------------------------------------------
+
+
+def _numpy_description() -> str:
+    import numpy as np
+
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return f"numpy {np.__version__}, BLAS: unknown (install threadpoolctl to see it)"
+    found = [info for info in threadpool_info() if info.get("user_api") == "blas"
+             and "numpy" in info.get("filepath", "")] or [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    blas = "; ".join(f"{info['internal_api']} {info.get('version')} ({info.get('architecture', '?')}, "
+                     f"{info['num_threads']} threads)" for info in found[:1]) or "none found"
+    return f"numpy {np.__version__}, BLAS: {blas}"
+
+
+def _jax_description() -> str:
+    import jax
+
+    return f"jax {jax.__version__}, devices: {', '.join(str(d) for d in jax.devices())}"
+
+
+def _torch_description() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return f"torch {torch.__version__}, {torch.get_num_threads()} threads, CUDA GPU: {gpu}"
+
+
+# --- the table ------------------------------------------------------------------------------------------
+
+NUMPY = Framework(
+    "numpy", rng=_numpy_rng, stage=_eager, pinned=_no_settings, dtypes=DTYPES,
+    built_ins={}, sees_gpu=_no_gpu, converter=_numpy_converter, to_float64=_numpy_to_float64, timed=_numpy_timed,
+    permissive=contextlib.nullcontext, describe=_numpy_description)
+JAX = Framework(
+    "jax", rng=_jax_rng, stage=_jax_stage, pinned=_jax_precision, dtypes=(*DTYPES, "bfloat16"),
+    built_ins={"sdpa": "jax.nn.dot_product_attention"}, sees_gpu=_jax_sees_gpu, converter=_jax_converter,
+    to_float64=_numpy_to_float64, timed=_jax_timed, permissive=_jax_permissive, describe=_jax_description)
+TORCH = Framework(
+    "torch", rng=_torch_rng, stage=_eager, pinned=_torch_precision, dtypes=(*DTYPES, "bfloat16"),
+    built_ins={"sdpa": "F.scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
+               "block": "nn.TransformerEncoderLayer"},
+    sees_gpu=_torch_sees_gpu, converter=_torch_converter, to_float64=_torch_to_float64, timed=_torch_timed,
+    permissive=contextlib.nullcontext, describe=_torch_description)
+FRAMEWORKS = {framework.name: framework for framework in (NUMPY, JAX, TORCH)}

@@ -23,7 +23,12 @@ from tests._compare import TOLERANCE, assert_close
 
 torch = pytest.importorskip("torch")
 
-from tests.torch_builtins import random_state, torch_attn_mask, torch_encoder_layer, torch_mha  # noqa: E402
+from conformance.bench.baselines import (  # noqa: E402
+    random_state,
+    torch_attn_mask,
+    torch_encoder_layer,
+    torch_multihead,
+)
 
 sdpa = torch.nn.functional.scaled_dot_product_attention
 B, H, D, F = 2, 2, 8, 32
@@ -222,7 +227,7 @@ def test_mha_output_and_weights_match_nn_multihead_attention(backend: ModuleType
     state = random_state("mha", D, F, rng, dtype)
     case = _mha_case(backend, kind, rng, dtype)
     with torch.no_grad():
-        expected_out, expected_weights = torch_mha(state, H, dtype)(
+        expected_out, expected_weights = torch_multihead(state, num_heads=H, dtype=dtype)(
             _t(case.q), _t(case.k), _t(case.v), **case.theirs, need_weights=True,
             average_attn_weights=False)  # (B, L, D), (B, H, L, S)
     mha = backend.MultiHeadAttention.from_state_dict(state, num_heads=H).eval()
@@ -258,7 +263,8 @@ def test_block_output_and_weights_match_nn_transformer_encoder_layer(
     state = random_state("block", d_model, F, rng, dtype)
     x = rng.standard_normal((B, L, d_model)).astype(dtype)
     mask, theirs = _block_masks(backend, mask_kind, L)
-    layer = torch_encoder_layer(state, H, norm_first=norm_first, activation=activation, eps=EPS, dtype=dtype)
+    layer = torch_encoder_layer(state, num_heads=H, norm_first=norm_first, activation=activation, eps=EPS,
+                                dtype=dtype)
     with torch.no_grad():
         expected_x = layer(_t(x), **theirs)  # (B, L, D)
         # the weights: the layer's own attention on the block's attention input (x, or LN_1(x) in pre-LN)

@@ -1,4 +1,4 @@
-"""`python -m conformance compare` (conformance/compare.py printing what conformance/benchmark.py measures):
+"""`python -m conformance compare` (conformance/bench/report.py printing what bench/timing.py measures):
 the table, the JSON rows, the plot, the targets and the baselines.
 
 Tiny sizes and two repeats keep these fast; no test looks at a timing value, only that it was measured.
@@ -7,6 +7,7 @@ Tiny sizes and two repeats keep these fast; no test looks at a timing value, onl
 from __future__ import annotations
 
 import importlib
+import io
 import itertools
 import json
 import math
@@ -19,14 +20,15 @@ import numpy as np
 import pytest
 
 import attention_np
-from conformance import benchmark, compare
 from conformance.__main__ import main
-from conformance.baselines import tutorial_attention
+from conformance.bench import baselines, report, timing
+from conformance.bench.baselines import tutorial_attention
+from conformance.frameworks import framework_of
 from tests._compare import assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW_KEYS = {"implementation", "framework", "device", "operation", "dtype", "B", "H", "E", "L", "S", "D", "F",
-            "flops", "repeats", "time_ms", "gflops", "peak_mib", "rel_error"}  # as benchmark's docstring lists
+            "flops", "repeats", "time_ms", "gflops", "peak_mib", "rel_error"}  # as timing's docstring lists
 TINY = {"B": 1, "H": 2, "E": 4}
 
 
@@ -39,9 +41,9 @@ def _importable(name: str) -> bool:
 
 
 def _expected_implementations() -> set[str]:
-    baselines = {"attention_np": ["numpy tutorial"], "attention_torch": ["torch built-in"],
-                 "attention_jax": ["jax plain", "jax.nn.dot_product_attention"]}
-    return {name for backend, extra in baselines.items() if _importable(backend)
+    labels = {"attention_np": ["numpy tutorial"], "attention_torch": ["torch built-in"],
+              "attention_jax": ["jax plain", "jax.nn.dot_product_attention"]}
+    return {name for backend, extra in labels.items() if _importable(backend)
             for name in (backend, f"{backend} explicit", *extra)}
 
 
@@ -59,7 +61,7 @@ def test_compare_prints_a_row_for_every_available_implementation(cli_run: tuple[
     stdout, _ = cli_run
     printed = {tuple(re.split(r"\s{2,}", line.strip())[:3]) for line in stdout.splitlines()}
     for name in _expected_implementations():
-        for operation in benchmark.OPERATIONS:
+        for operation in timing.OPERATIONS:
             for L in ("8", "16"):
                 assert (name, operation, L) in printed, f"no row for {name} {operation} L={L}:\n{stdout}"
     assert "GFLOP/s" in stdout and "peak MiB" in stdout and "rel. error" in stdout
@@ -67,16 +69,16 @@ def test_compare_prints_a_row_for_every_available_implementation(cli_run: tuple[
 
 def test_json_rows_have_the_documented_keys(cli_run: tuple[str, list[dict]]) -> None:
     _, rows = cli_run
-    assert len(rows) == len(_expected_implementations()) * len(benchmark.OPERATIONS) * 2
+    assert len(rows) == len(_expected_implementations()) * len(timing.OPERATIONS) * 2
     for row in rows:
         assert set(row) == ROW_KEYS
         assert row["time_ms"] > 0 and math.isfinite(row["gflops"]) and row["dtype"] == "float32"
         assert row["peak_mib"] is None or row["peak_mib"] >= 0
-    assert set(ROW_KEYS) == set(benchmark.Row._fields)
+    assert set(ROW_KEYS) == set(timing.Row._fields)
 
 
 def test_every_candidate_agrees_with_the_float64_reference() -> None:
-    rows = benchmark.compare(sizes=(8,), operations=benchmark.OPERATIONS, repeats=1, **TINY)
+    rows = timing.compare(sizes=(8,), operations=timing.OPERATIONS, repeats=1, **TINY)
     assert {row.implementation for row in rows} == _expected_implementations()
     for row in rows:
         assert row.rel_error < 1e-4, row  # float32 against float64: a wiring mistake would be off by far more
@@ -88,9 +90,9 @@ def test_flops_on_a_hand_computed_case() -> None:
     # mha   288 + 4 * 2 * 1 * 3 * 8 * 8 = 288 + 1536 = 1824
     # block 1824 + 2 * 2 * 1 * 3 * 8 * 32 = 1824 + 3072 = 4896
     sizes = {"B": 1, "H": 2, "L": 3, "S": 3, "E": 4}
-    assert benchmark.flops("sdpa", **sizes) == 288
-    assert benchmark.flops("mha", **sizes) == 1824
-    assert benchmark.flops("block", **sizes) == 4896
+    assert timing.flops("sdpa", **sizes) == 288
+    assert timing.flops("mha", **sizes) == 1824
+    assert timing.flops("block", **sizes) == 4896
 
 
 def test_tutorial_baseline_equals_attention_np_without_fully_masked_rows() -> None:
@@ -116,9 +118,9 @@ def test_tutorial_baseline_averages_the_values_on_a_fully_masked_row() -> None:
 
 def test_measure_interleaves_the_candidates_so_each_follows_every_other_equally_often() -> None:
     calls: list[str] = []
-    candidates = [benchmark.Candidate(name, "sdpa", lambda name=name: calls.append(name), lambda: None)
+    candidates = [timing.Candidate(name, "sdpa", lambda name=name: calls.append(name), lambda: None)
                   for name in "ABC"]
-    medians = benchmark.measure(candidates, repeats=4, warmup=1)
+    medians = timing.measure(candidates, repeats=4, warmup=1)
     assert calls[:3] == list("ABC")  # the warm-up
     timed = calls[3:]
     assert timed == list("ACBCAB" "ACBCAB")  # balanced_order(3) = [0, 2, 1, 2, 0, 1], twice: 4 calls each
@@ -129,7 +131,7 @@ def test_measure_interleaves_the_candidates_so_each_follows_every_other_equally_
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 def test_balanced_order_puts_every_ordered_pair_side_by_side_once(n: int) -> None:
-    order = benchmark.balanced_order(n)
+    order = timing.balanced_order(n)
     pairs = list(zip(order, order[1:] + order[:1], strict=True))  # cyclic: the last is followed by the first
     expected = [(0, 0)] if n == 1 else list(itertools.permutations(range(n), 2))
     assert sorted(pairs) == sorted(expected)
@@ -137,10 +139,28 @@ def test_balanced_order_puts_every_ordered_pair_side_by_side_once(n: int) -> Non
 
 def test_measure_stops_at_the_repeats_asked_for() -> None:
     counts = {name: 0 for name in "ABCD"}
-    candidates = [benchmark.Candidate(name, "sdpa", lambda name=name: counts.__setitem__(name, counts[name] + 1),
+    candidates = [timing.Candidate(name, "sdpa", lambda name=name: counts.__setitem__(name, counts[name] + 1),
                                       lambda: None) for name in counts]
-    benchmark.measure(candidates, repeats=5, warmup=0)  # balanced_order(4) has 3 of each: a partial pass
+    timing.measure(candidates, repeats=5, warmup=0)  # balanced_order(4) has 3 of each: a partial pass
     assert counts == dict.fromkeys("ABCD", 5)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("stderr", "enabled", "drawn"), [(_Terminal, True, True), (_Terminal, False, False),
+                                                          (io.StringIO, True, False)],
+                         ids=["terminal", "quiet", "captured-or-piped"])
+def test_progress_bar_is_drawn_on_stderr_only_where_it_is_a_terminal(
+        monkeypatch: pytest.MonkeyPatch, stderr: type, enabled: bool, drawn: bool) -> None:
+    if drawn:
+        pytest.importorskip("tqdm")
+    monkeypatch.setattr(sys, "stderr", stderr())
+    assert list(timing._progress([("sdpa L=8", 8), ("sdpa L=16", 16)], enabled)) == [8, 16]
+    assert ("sdpa L=16" in sys.stderr.getvalue()) == drawn
+    assert ("2/2" in sys.stderr.getvalue()) == drawn
 
 
 def test_plot_writes_a_png(tmp_path: pathlib.Path) -> None:
@@ -160,19 +180,18 @@ def test_plot_without_matplotlib_says_what_to_install(monkeypatch: pytest.Monkey
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
-    backends, _ = benchmark.installed_backends()
-    kinds = {benchmark.framework_of(module).name for module in backends.values()}
-    if any(kind != "numpy" and benchmark._sees_gpu(kind) for kind in kinds):
+    backends, _ = timing.installed_backends()
+    if any(framework_of(module).sees_gpu() for module in backends.values()):
         pytest.skip("a GPU is visible here")
     assert main(["compare", "--sizes", "8", "--device", "cuda"]) == 2
     assert "--device cuda" in capsys.readouterr().err
 
 
 def test_targets_compute_every_ratio() -> None:
-    rows = benchmark.targets(L=64, repeats=2)
-    kinds = {benchmark.framework_of(module).name for module in benchmark.installed_backends()[0].values()}
-    expected = [(kind, operation) for kind in dict.fromkeys(t.framework for t in benchmark.TARGETS) if kind in kinds
-                for operation in benchmark.OPERATIONS for t in benchmark.TARGETS
+    rows = timing.targets(L=64, repeats=2)
+    kinds = {framework_of(module).name for module in timing.installed_backends()[0].values()}
+    expected = [(kind, operation) for kind in dict.fromkeys(t.framework for t in timing.TARGETS) if kind in kinds
+                for operation in timing.OPERATIONS for t in timing.TARGETS
                 if t.framework == kind and operation in t.operations]
     assert [(row.framework, row.operation) for row in rows] == expected
     for row in rows:
@@ -180,13 +199,13 @@ def test_targets_compute_every_ratio() -> None:
         assert row.met == (row.ratio <= row.bound if row.relation == "<=" else row.ratio >= row.bound)
     jax_rows = [row for row in rows if row.framework == "jax"]
     assert all(row.denominator in ("jax plain", "jax.nn.dot_product_attention") for row in jax_rows)
-    assert "MET" in compare.format_targets(rows) or "MISSED" in compare.format_targets(rows)
+    assert "MET" in report.format_targets(rows) or "MISSED" in report.format_targets(rows)
 
 
-def _sdpa_row(implementation: str, framework: str, device: str, *, time_ms: float) -> benchmark.Row:
+def _sdpa_row(implementation: str, framework: str, device: str, *, time_ms: float) -> timing.Row:
     """A row as compare() makes it, for sdpa at B=2, H=8, L=S=1024, E=64."""
-    count = benchmark.flops("sdpa", B=2, H=8, L=1024, S=1024, E=64)
-    return benchmark.Row(implementation, framework, device, "sdpa", "float32", 2, 8, 64, 1024, 1024, 512, 2048,
+    count = timing.flops("sdpa", B=2, H=8, L=1024, S=1024, E=64)
+    return timing.Row(implementation, framework, device, "sdpa", "float32", 2, 8, 64, 1024, 1024, 512, 2048,
                          count, 2, time_ms, count / (time_ms / 1e3) / 1e9, None, 1e-7)
 
 
@@ -201,7 +220,7 @@ def test_table_gives_the_rate_in_tflops_when_a_row_ran_on_cuda() -> None:
     # NumPy on the CPU, 40 ms: 2**32 / 0.04 s = 107.374 GFLOP/s = 0.11 TFLOP/s
     rows = [_sdpa_row("attention_np", "numpy", "cpu", time_ms=40.0),
             _sdpa_row("attention_torch", "torch", "cuda", time_ms=0.016)]
-    table = compare.format_table(rows)
+    table = report.format_table(rows)
     assert _rates(table) == ["TFLOP/s", "0.11", "268.44"]
     assert "GFLOP/s" not in table
     assert rows[1].gflops == pytest.approx(268435.456)  # the row (and its JSON) keeps GFLOP/s
@@ -210,7 +229,7 @@ def test_table_gives_the_rate_in_tflops_when_a_row_ran_on_cuda() -> None:
 def test_table_gives_the_rate_in_gflops_when_every_row_ran_on_the_cpu() -> None:
     rows = [_sdpa_row("attention_np", "numpy", "cpu", time_ms=40.0),
             _sdpa_row("attention_torch", "torch", "cpu", time_ms=0.016)]
-    assert _rates(compare.format_table(rows)) == ["GFLOP/s", "107.4", "268435.5"]
+    assert _rates(report.format_table(rows)) == ["GFLOP/s", "107.4", "268435.5"]
 
 
 @pytest.mark.parametrize(("fused", "labels"), [
@@ -220,13 +239,11 @@ def test_table_gives_the_rate_in_gflops_when_every_row_ran_on_the_cpu() -> None:
 def test_jax_baselines_add_cudnn_only_where_the_fast_path_uses_it(fused: bool, labels: set[str]) -> None:
     # built, not run: the cuDNN kernel needs a GPU (tests/test_gpu.py and scripts/gpu-check.sh run it)
     pytest.importorskip("jax")
-    problem = benchmark.make_problem("sdpa", B=1, H=2, L=8, E=8, dtype="float32")
-    assert set(benchmark._baseline_calls("jax", problem, np.asarray, fused=fused)) == labels
+    assert set(baselines.calls("jax", "sdpa", {}, num_heads=2, fused=fused)) == labels
 
 
 def test_jax_builtin_baseline_passes_its_implementation_on() -> None:
     jax = pytest.importorskip("jax")
-    from conformance import baselines
 
     q, k, v = (np.random.default_rng(1).standard_normal((1, 2, 5, 4)) for _ in range(3))
     with jax.numpy_dtype_promotion("standard"):

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conformance import figures
+from attention_np import figures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SWEEP = (4, 64, 1024)
@@ -58,3 +58,13 @@ def test_figure_command_writes_a_png(tmp_path: pathlib.Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert str(path) in result.stdout
+
+
+def test_figures_import_matplotlib_only_when_they_draw() -> None:
+    code = ("import sys\nimport attention_np\nimport attention_np.figures\n"
+            "attention_np.figures.score_std((4,), scaled=True)\n"
+            "print('loaded:', [name for name in sys.modules if name.partition('.')[0] == 'matplotlib'])")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "loaded: []", result.stdout

@@ -31,7 +31,12 @@ from tests._compare import relative_error
 
 torch = pytest.importorskip("torch")
 
-from tests.torch_builtins import random_state, torch_encoder_layer, torch_mha  # noqa: E402
+from conformance.bench.baselines import (  # noqa: E402
+    random_state,
+    torch_encoder_layer,
+    torch_multihead,
+    torch_parameter,
+)
 
 sdpa = torch.nn.functional.scaled_dot_product_attention
 B, H, D, F = 2, 2, 8, 16
@@ -190,25 +195,6 @@ def test_torch_sdpa_gives_a_fully_masked_row_zero_output_and_zero_gradient() -> 
 
 # ---- 2) multi-head attention vs torch autograd through nn.MultiheadAttention --------------------------
 
-_IN_PROJ = {"w_q": 0, "w_k": 1, "w_v": 2}  # nn.MultiheadAttention stacks q, k, v in in_proj_* rows
-_LAYER = {"ffn.0": "linear1", "ffn.3": "linear2", "norm1": "norm1", "norm2": "norm2"}
-
-
-def _their_parameter(name: str, d_model: int) -> tuple[str, slice]:
-    """Our state-dict name -> (nn.MultiheadAttention's or nn.TransformerEncoderLayer's parameter, rows):
-    w_q / w_k / w_v are rows [0:D], [D:2D], [2D:3D] of in_proj_weight and in_proj_bias, w_o is out_proj,
-    and in the block attn.* is self_attn.*, ffn.0 linear1, ffn.3 linear2."""
-    module, part = name.rsplit(".", 1)  # "attn.w_q", "weight"
-    prefix, projection = ("self_attn.", module.removeprefix("attn.")) if module.startswith("attn.") else (
-        "", module)
-    if projection in _IN_PROJ:
-        i = _IN_PROJ[projection]
-        return f"{prefix}in_proj_{part}", slice(i * d_model, (i + 1) * d_model)
-    if projection == "w_o":
-        return f"{prefix}out_proj.{part}", slice(None)
-    return f"{_LAYER[module]}.{part}", slice(None)
-
-
 def _torch_parameter_gradients(module: Any, names: list[str], leaves: list[Any], out: Any,
                                d_out: np.ndarray) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
     """Gradients of <out, d_out> w.r.t. `leaves` and every parameter of `module`, the latter under our names."""
@@ -218,7 +204,7 @@ def _torch_parameter_gradients(module: Any, names: list[str], leaves: list[Any],
     d_model = out.shape[-1]
     by_name = {}
     for name in names:
-        their_name, rows = _their_parameter(name, d_model)
+        their_name, rows = torch_parameter(name, d_model)
         by_name[name] = theirs[their_name][rows]
     return [g.numpy() for g in grads[:len(leaves)]], by_name
 
@@ -236,7 +222,7 @@ def test_mha_vjp_gradients_match_torch_autograd(backend: ModuleType, attention: 
     d_out = rng.standard_normal((B, L, D))
 
     # torch: q, k, v as three leaves, so each gets its own gradient, also in self-attention
-    layer, leaves = torch_mha(state, H, F64), [_t(x, True) for x in (q, k, v)]
+    layer, leaves = torch_multihead(state, num_heads=H, dtype=F64), [_t(x, True) for x in (q, k, v)]
     theirs = {} if mask is None else {"key_padding_mask": _t(~mask[:, 0, 0, :])}  # (B, S), True = padding
     out, _ = layer(*leaves, **theirs, need_weights=False)
     (dq_t, dk_t, dv_t), expected = _torch_parameter_gradients(layer, list(state), leaves, out, d_out)
@@ -264,7 +250,8 @@ def test_block_vjp_gradients_match_torch_autograd(backend: ModuleType, block: tu
     x, d_out = rng.standard_normal((B, L, D)), rng.standard_normal((B, L, D))
     mask = np.tril(np.ones((L, L), bool)) if causal else None  # (L, L), True = visible
 
-    layer = torch_encoder_layer(state, H, norm_first=norm_first, activation=activation, eps=EPS, dtype=F64)
+    layer = torch_encoder_layer(state, num_heads=H, norm_first=norm_first, activation=activation, eps=EPS,
+                                dtype=F64)
     x_t = _t(x, True)
     out = layer(x_t, src_mask=None if mask is None else _t(~mask))  # dropout 0, eval; True = hidden
     (dx_t,), expected = _torch_parameter_gradients(layer, list(state), [x_t], out, d_out)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import attention_np
-from tests.torch_builtins import random_state, torch_encoder_layer
+from conformance.bench.baselines import random_state, torch_encoder_layer
 
 B, H, L, E = 2, 4, 48, 16
 
@@ -82,7 +82,7 @@ def test_torch_block_error_is_at_most_twice_torchs_own(dtype: str):
     exact = attention_np.TransformerBlock.from_state_dict({n: t.double().numpy() for n, t in low.items()},
                                                           num_heads=H).eval()(tx.double().numpy())[0]
     ours = attention_torch.TransformerBlock.from_state_dict(low, num_heads=H).eval()(tx)[0]
-    layer = torch_encoder_layer({n: t.double().numpy() for n, t in low.items()}, H, norm_first=False,
+    layer = torch_encoder_layer({n: t.double().numpy() for n, t in low.items()}, num_heads=H, norm_first=False,
                                 activation="relu", eps=1e-5, dtype=np.float64).to(getattr(torch, dtype))
     with torch.no_grad():
         theirs = layer(tx)

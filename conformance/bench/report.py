@@ -2,7 +2,7 @@
 path is from the fast one, and how the cost grows with the sequence length.
 
 This module is the command line and what it prints: the table, the targets, the machine, the plot and the
-JSON. What is timed and how (the candidates, the interleaving, the FLOPs, the rows) is conformance/benchmark.py.
+JSON. What is timed and how (the candidates, the interleaving, the FLOPs, the rows) is bench/timing.py.
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from . import benchmark
-from .frameworks import BUILT_IN, framework_of
+from ..frameworks import BUILT_IN, NUMPY, TORCH, framework_of
+from . import timing
 
-TORCH_BUILT_IN = {"sdpa": "F.scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
-                  "block": "nn.TransformerEncoderLayer"}  # what "torch built-in" is, per operation
 FOOTNOTE = """\
 time: median of the repeats after one warm-up call; the candidates of one framework, operation and L run
   interleaved (A, B, A, B, ...). JAX: jit-compiled beforehand, timed to block_until_ready; torch: under
@@ -39,7 +37,7 @@ rel. error: max|a - b| / max|b| against attention_np's explicit path in float64,
 explicit: our backend with need_weights=True; the bare name is need_weights=False (the fast path).
 torch built-in: F.scaled_dot_product_attention, nn.MultiheadAttention(batch_first=True) called with
   need_weights=False, nn.TransformerEncoderLayer(batch_first=True) in eval mode. numpy tutorial, jax plain,
-  jax.nn.dot_product_attention: for mha and block, the plain projections and FFN of conformance/baselines.py
+  jax.nn.dot_product_attention: for mha and block, the plain projections and FFN of conformance/bench/baselines.py
   around that attention; "jax.nn.dot_product_attention cudnn" (bfloat16 on CUDA): with implementation="cudnn".
   bfloat16 skips the NumPy candidates (NumPy has no bfloat16 arithmetic)."""
 
@@ -47,7 +45,7 @@ torch built-in: F.scaled_dot_product_attention, nn.MultiheadAttention(batch_firs
 # --- the tables, the machine and the plot --------------------------------------------------------------
 
 
-def format_table(rows: Sequence[benchmark.Row]) -> str:
+def format_table(rows: Sequence[timing.Row]) -> str:
     """One line per row, grouped by operation and L; the rate in TFLOP/s when any row ran on CUDA (GPU rates
     run to hundreds of thousands of GFLOP/s), in GFLOP/s otherwise."""
     on_gpu = any(row.device == "cuda" for row in rows)
@@ -65,7 +63,7 @@ def format_table(rows: Sequence[benchmark.Row]) -> str:
     return _columns(lines, right=(2, 3, 4, 5, 6))
 
 
-def format_targets(rows: Sequence[benchmark.TargetRow]) -> str:
+def format_targets(rows: Sequence[timing.TargetRow]) -> str:
     """One line per target: the ratio measured, its target and MET or MISSED."""
     header = ("framework", "operation", "ratio", "times ms", "measured", "target", "verdict")
     lines = [header]
@@ -77,23 +75,13 @@ def format_targets(rows: Sequence[benchmark.TargetRow]) -> str:
 
 
 def machine(backends: dict[str, ModuleType]) -> list[str]:
-    """The machine and the framework versions, one line each."""
-    lines = [f"machine: {os.cpu_count()} CPUs, {platform.machine()} {platform.system()}, "
-             f"Python {platform.python_version()}", f"numpy {np.__version__}, BLAS: {_blas()}"]
-    kinds = {framework_of(module).name for module in backends.values()}
-    if "torch" in kinds:
-        import torch
-
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-        lines.append(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CUDA GPU: {gpu}")
-    if "jax" in kinds:
-        import jax
-
-        lines.append(f"jax {jax.__version__}, devices: {', '.join(str(d) for d in jax.devices())}")
-    return lines
+    """The machine and the framework versions, one line each (NumPy always: the reference runs in it)."""
+    frameworks = {framework.name: framework for framework in (NUMPY, *map(framework_of, backends.values()))}
+    return [f"machine: {os.cpu_count()} CPUs, {platform.machine()} {platform.system()}, "
+            f"Python {platform.python_version()}", *(framework.describe() for framework in frameworks.values())]
 
 
-def plot(rows: Sequence[benchmark.Row], path: str) -> None:
+def plot(rows: Sequence[timing.Row], path: str) -> None:
     """PNG, one line of panels per operation: time vs L on log-log axes, each line's fitted slope in the
     legend (2 is quadratic, drawn as a grey guide), and the relative error vs L in the same styles."""
     Figure = _figure_class()
@@ -147,18 +135,8 @@ def _figure_class() -> Any:
 
 
 def _display(name: str, operation: str) -> str:
-    return f"torch {TORCH_BUILT_IN[operation]}" if name == "torch built-in" else name
-
-
-def _blas() -> str:
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        return "unknown (install threadpoolctl to see it)"
-    found = [info for info in threadpool_info() if info.get("user_api") == "blas"
-             and "numpy" in info.get("filepath", "")] or [i for i in threadpool_info() if i.get("user_api") == "blas"]
-    return "; ".join(f"{info['internal_api']} {info.get('version')} ({info.get('architecture', '?')}, "
-                     f"{info['num_threads']} threads)" for info in found[:1]) or "none found"
+    """A label as the targets show it: "torch built-in" names the built-in of that operation."""
+    return f"torch {TORCH.built_ins[operation]}" if name == "torch built-in" else name
 
 
 def _columns(lines: list[tuple[str, ...]], *, right: tuple[int, ...]) -> str:
@@ -173,9 +151,9 @@ def _columns(lines: list[tuple[str, ...]], *, right: tuple[int, ...]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `python -m conformance compare`."""
-    parser.add_argument("--sizes", type=_ints, default=benchmark.SIZES, metavar="L,L,...",
-                        help=f"sequence lengths L = S (default {','.join(map(str, benchmark.SIZES))})")
-    parser.add_argument("--operations", type=_operations, default=benchmark.OPERATIONS, metavar="OP,...",
+    parser.add_argument("--sizes", type=_ints, default=timing.SIZES, metavar="L,L,...",
+                        help=f"sequence lengths L = S (default {','.join(map(str, timing.SIZES))})")
+    parser.add_argument("--operations", type=_operations, default=timing.OPERATIONS, metavar="OP,...",
                         help="any of sdpa,mha,block (default: all three)")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
                         help="float32 (default), float64, or bfloat16 (torch and JAX only)")
@@ -202,29 +180,29 @@ def main(args: argparse.Namespace) -> int:
         except ImportError as error:
             print(f"compare: {error}", file=sys.stderr)
             return 2
-    backends, skipped = benchmark.installed_backends()
+    backends, skipped = timing.installed_backends()
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     try:
-        devices = benchmark.placement(backends, args.device)
+        devices = timing.placement(backends, args.device)
     except ValueError as error:
         print(f"compare: {error}", file=sys.stderr)
         return 2
-    progress = not args.quiet and sys.stderr.isatty()
-    with benchmark.pinned(backends) as settings:
+    progress = not args.quiet  # drawn only where stderr is a terminal
+    with timing.pinned(backends) as settings:
         print("\n".join(machine(backends)))
         print("; ".join(settings) or "no precision settings")
         print("placement: " + ", ".join(f"{kind} on {device}" for kind, device in devices.items()))
         if args.targets:
             print(f"targets: float32, B=2, H=8, L=S=1024, E=64 (D=512, F=2048), need_weights=False; "
                   f"{args.repeats} interleaved repeats, medians\n")
-            result: Sequence[Any] = benchmark.targets(repeats=args.repeats, device=args.device,
+            result: Sequence[Any] = timing.targets(repeats=args.repeats, device=args.device,
                                                       backends=backends, progress=progress)
             print(format_targets(result))
         else:
             print(f"{args.dtype}, B=2, H=8, E=64 (D=512, F=2048), L = S; {args.repeats} repeats per candidate, "
                   "interleaved, medians\n")
-            result = benchmark.compare(sizes=args.sizes, operations=args.operations, dtype=args.dtype,
+            result = timing.compare(sizes=args.sizes, operations=args.operations, dtype=args.dtype,
                                        repeats=args.repeats, device=args.device, backends=backends, progress=progress)
             print(format_table(result) + "\n\n" + FOOTNOTE)
     if args.json:
@@ -259,7 +237,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _operations(text: str) -> tuple[str, ...]:
     operations = tuple(text.split(","))
-    known = benchmark.OPERATIONS
+    known = timing.OPERATIONS
     unknown = [name for name in operations if name not in known]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown operation {unknown[0]!r}; choose from {','.join(known)}")

@@ -1,6 +1,8 @@
-"""Figures for students, computed with attention_np and drawn with matplotlib (the optional extra `plot`).
+"""Figures for students, computed with this package and drawn with matplotlib (the optional extra `plot`).
 
     python -m conformance figure scaling [--output docs/scaling.png]
+
+Not imported by `import attention_np`; matplotlib is imported only inside the function that draws.
 
 Shape legend: B batch (here: independent random draws), L query positions, S key/value positions,
 E query/key width (= d_k), Ev value width.
@@ -20,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from attention_np import scaled_dot_product_attention, scaled_dot_product_attention_vjp
+from .functional import scaled_dot_product_attention
+from .gradients import scaled_dot_product_attention_vjp
 
 D_K = tuple(2**n for n in range(2, 11))  # 4, 8, ..., 1024
 L, S, EV, DRAWS = 64, 64, 64, 16
@@ -77,7 +80,7 @@ def score_gradient_norm(d_ks: Sequence[int] = D_K, *, scaled: bool, seed: int = 
     """Quantiles over queries of ||dL/dS_i||, the gradient reaching query i's row of scores through the
     softmax, dS = P * (dP - rowsum(dP * P)), for a random d_out (unit normal entries).
 
-    The gradient comes from attention_np.scaled_dot_product_attention_vjp: with a zero bias added to the
+    The gradient comes from scaled_dot_product_attention_vjp (gradients.py): with a zero bias added to the
     scores, dbias is dS itself. The value width Ev is fixed, so dP = dO V^T has the same size at every d_k
     and only the softmax changes. A one-hot row has dS_i = 0; a row whose two top scores nearly tie keeps
     some gradient, so the median (the typical query) falls faster than the upper quantiles.

@@ -1,4 +1,4 @@
-"""The measurement behind `python -m conformance compare` (conformance/compare.py prints it): the
+"""The measurement behind `python -m conformance compare` (bench/report.py prints it): the
 candidates, their inputs, how they are timed, and the rows.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
@@ -6,7 +6,7 @@ D = d_model = H * E, F = d_ff = 4 * D.
 
 Every installed backend runs each operation twice, with need_weights=False (the fast path) and with
 need_weights=True (labelled "explicit"), next to each framework's own built-in and the plain formulations
-of conformance/baselines.py. The candidates of one framework, operation and L are timed interleaved (A, B,
+of bench/baselines.py. The candidates of one framework, operation and L are timed interleaved (A, B,
 C, A, B, C, ...) so that machine noise hits them alike, and each gets its median time, its rate, its peak
 memory and its relative error against a float64 reference.
 
@@ -22,25 +22,24 @@ repeats, time_ms, gflops, peak_mib (null where not measurable), rel_error.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import itertools
 import math
 import statistics
 import sys
 import time
-import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from ..frameworks import BUILT_IN, FRAMEWORKS, framework_of, import_modules
 from . import baselines
-from .frameworks import BUILT_IN, framework_of, import_modules
 
 OPERATIONS = ("sdpa", "mha", "block")
 SIZES = (128, 256, 512, 1024)
+T = TypeVar("T")  # the value of a step of the progress bar
 
 
 class Candidate(NamedTuple):
@@ -172,51 +171,58 @@ def balanced_order(n: int) -> list[int]:
 def compare(*, sizes: Sequence[int] = SIZES, operations: Sequence[str] = OPERATIONS, dtype: str = "float32",
             repeats: int = 10, device: str = "cpu", B: int = 2, H: int = 8, E: int = 64,
             backends: dict[str, ModuleType] | None = None, progress: bool = False) -> list[Row]:
-    """Time every candidate on every operation and size; one Row per candidate, operation and L."""
+    """Time every candidate on every operation and size; one Row per candidate, operation and L. progress:
+    a progress bar on stderr where that is a terminal."""
     backends = installed_backends()[0] if backends is None else backends
     devices, rows = placement(backends, device), []
-    bar = _Progress(len(operations) * len(sizes), progress)
+    steps = [(f"{operation} L={L}", (operation, L)) for operation in operations for L in sizes]
     with pinned(backends):
-        for operation in operations:
-            for L in sizes:
-                bar.show(f"{operation} L={L}")
-                problem = make_problem(operation, B=B, H=H, L=L, E=E, dtype=dtype)
-                reference = _our_output(importlib.import_module("attention_np"), problem, np.asarray)
-                candidates = make_candidates(problem, backends, dtype=dtype, devices=devices)
-                for kind in dict.fromkeys(candidate.framework for candidate in candidates):
-                    group = [candidate for candidate in candidates if candidate.framework == kind]
-                    for candidate, seconds in zip(group, measure(group, repeats=repeats), strict=True):
-                        rows.append(_row(candidate, problem, dtype, repeats, seconds, reference))
-                bar.step()
-    bar.close()
+        for operation, L in _progress(steps, progress):
+            problem = make_problem(operation, B=B, H=H, L=L, E=E, dtype=dtype)
+            reference = _our_output(importlib.import_module("attention_np"), problem)
+            candidates = make_candidates(problem, backends, dtype=dtype, devices=devices)
+            for kind in dict.fromkeys(candidate.framework for candidate in candidates):
+                group = [candidate for candidate in candidates if candidate.framework == kind]
+                for candidate, seconds in zip(group, measure(group, repeats=repeats), strict=True):
+                    rows.append(_row(candidate, problem, dtype, repeats, seconds, reference))
     return rows
 
 
 def targets(*, L: int = 1024, repeats: int = 10, device: str = "cpu",
             backends: dict[str, ModuleType] | None = None, progress: bool = False) -> list[TargetRow]:
     """The performance targets: float32, B=2, H=8, L=S, E=64, need_weights=False; one TargetRow per
-    target and operation, its candidates timed interleaved."""
+    target and operation, its candidates timed interleaved. progress: as for compare."""
     backends = installed_backends()[0] if backends is None else backends
     devices, rows = placement(backends, device), []
     present = {framework_of(module).name for module in backends.values()}
     chosen = [target for target in TARGETS if target.framework in present]
-    bar = _Progress(len(OPERATIONS) * len({target.framework for target in chosen}), progress)
+    steps = [(f"{kind} {operation}", (kind, operation))
+             for kind in dict.fromkeys(target.framework for target in chosen) for operation in OPERATIONS]
     with pinned(backends):
-        for kind in dict.fromkeys(target.framework for target in chosen):
-            for operation in OPERATIONS:
-                bar.show(f"{kind} {operation}")
-                problem = make_problem(operation, B=2, H=8, L=L, E=64, dtype="float32")
-                mine = [target for target in chosen if target.framework == kind and operation in target.operations]
-                if not mine:
-                    bar.step()
-                    continue
-                wanted = {name for target in mine for name in (target.numerator, *target.denominators)}
-                candidates = make_candidates(problem, backends, dtype="float32", devices=devices, wanted=wanted)
-                medians = dict(zip([c.name for c in candidates], measure(candidates, repeats=repeats), strict=True))
-                rows += [_target_row(target, operation, medians) for target in mine]
-                bar.step()
-    bar.close()
+        for kind, operation in _progress(steps, progress):
+            mine = [target for target in chosen if target.framework == kind and operation in target.operations]
+            if not mine:
+                continue
+            problem = make_problem(operation, B=2, H=8, L=L, E=64, dtype="float32")
+            wanted = {name for target in mine for name in (target.numerator, *target.denominators)}
+            candidates = make_candidates(problem, backends, dtype="float32", devices=devices, wanted=wanted)
+            medians = dict(zip([c.name for c in candidates], measure(candidates, repeats=repeats), strict=True))
+            rows += [_target_row(target, operation, medians) for target in mine]
     return rows
+
+
+def _progress(steps: Sequence[tuple[str, T]], enabled: bool) -> Iterator[T]:
+    """The steps' values, in order. Where enabled and stderr is a terminal (not a file, a pipe or a test's
+    capture), tqdm draws a bar on stderr with the label of the step under way; tqdm is imported only then."""
+    if not (enabled and sys.stderr.isatty()):
+        yield from (value for _, value in steps)
+        return
+    from tqdm import tqdm
+
+    with tqdm(steps, file=sys.stderr, unit="step", dynamic_ncols=True) as bar:
+        for label, value in bar:
+            bar.set_postfix_str(label)
+            yield value
 
 
 def _target_row(target: Target, operation: str, medians: dict[str, float]) -> TargetRow:
@@ -237,48 +243,41 @@ def make_problem(operation: str, *, B: int, H: int, L: int, E: int, dtype: str, 
         inputs, state = tuple(rng.standard_normal((B, H, L, E)) for _ in "qkv"), {}
     else:
         inputs = (rng.standard_normal((B, L, D)),)
-        shapes = {f"w_{name}": (D, D) for name in "qkvo"}  # (out, in)
-        if operation == "block":
-            shapes = {f"attn.{name}": shape for name, shape in shapes.items()} | {"ffn.0": (4 * D, D),
-                                                                                  "ffn.3": (D, 4 * D)}
-        state = {}
-        for name, (d_out, d_in) in shapes.items():
-            bound = 1 / math.sqrt(d_in)
-            state[f"{name}.weight"] = rng.uniform(-bound, bound, (d_out, d_in))
-            state[f"{name}.bias"] = rng.uniform(-bound, bound, d_out)
-        if operation == "block":
-            for name in ("norm1", "norm2"):
-                state |= {f"{name}.weight": rng.uniform(0.5, 1.5, D), f"{name}.bias": rng.uniform(-0.5, 0.5, D)}
+        state = baselines.random_state(operation, D, 4 * D, rng)
     rounded = {name: _rounded(value, dtype) for name, value in state.items()}
     return Problem(operation, B, H, L, E, tuple(_rounded(x, dtype) for x in inputs), rounded)
 
 
 def make_candidates(problem: Problem, backends: dict[str, ModuleType], *, dtype: str, devices: dict[str, str],
                     wanted: set[str] | None = None) -> list[Candidate]:
-    """Each backend with need_weights=False and True ("explicit"), then its framework's baselines."""
+    """Each backend with need_weights=False and True ("explicit"), then its framework's baselines; backends
+    whose framework has no `dtype` (NumPy: bfloat16) are left out."""
     candidates = []
     for name, module in backends.items():
-        kind = framework_of(module).name
-        if dtype == "bfloat16" and kind == "numpy":
-            continue  # NumPy has no bfloat16 arithmetic
-        convert = _converter(kind, dtype, devices[kind])
-        calls = {name: _our_call(module, problem, convert, need_weights=False),
-                 f"{name} explicit": _our_call(module, problem, convert, need_weights=True)}
-        calls |= _baseline_calls(kind, problem, convert, fused=devices[kind] == "cuda" and dtype == "bfloat16")
+        framework = framework_of(module)
+        if dtype not in framework.dtypes:
+            continue
+        device = devices[framework.name]
+        convert = framework.converter(dtype, device)
+        state = {key: convert(value) for key, value in problem.state.items()}
+        calls = {name: _our_call(module, problem, state, need_weights=False),
+                 f"{name} explicit": _our_call(module, problem, state, need_weights=True)}
+        calls |= baselines.calls(framework.name, problem.operation, state, num_heads=problem.H,
+                                 fused=device == "cuda" and dtype == "bfloat16")
         inputs = tuple(convert(x) for x in problem.inputs)
         for label, (call, params) in calls.items():
             if wanted is None or label in wanted:
-                run, peak = _staged(kind, devices[kind], call, params, inputs)
-                candidates.append(Candidate(label, problem.operation, run, peak, kind, devices[kind]))
+                run, peak = framework.timed(call, (params, *inputs), device)
+                candidates.append(Candidate(label, problem.operation, run, peak, framework.name, device))
     return candidates
 
 
-def _our_call(module: ModuleType, problem: Problem, convert: Callable,
+def _our_call(module: ModuleType, problem: Problem, state: dict[str, Any],
               *, need_weights: bool) -> tuple[Callable, Any]:
-    """(call, params): call(params, *inputs) runs our operation; params holds the module (None for sdpa)."""
+    """(call, params): call(params, *inputs) runs our operation; params holds the module (None for sdpa), built
+    from `state`, the problem's parameters in the module's arrays."""
     if problem.operation == "sdpa":
         return (lambda _, q, k, v: module.scaled_dot_product_attention(q, k, v, need_weights=need_weights)), None
-    state = {name: convert(value) for name, value in problem.state.items()}
     if problem.operation == "mha":
         mha = module.MultiHeadAttention.from_state_dict(state, num_heads=problem.H).eval()
         return (lambda mha, x: mha(x, x, x, need_weights=need_weights)), mha
@@ -286,46 +285,10 @@ def _our_call(module: ModuleType, problem: Problem, convert: Callable,
     return (lambda block, x: block(x, need_weights=need_weights)), block
 
 
-def _baseline_calls(kind: str, problem: Problem, convert: Callable,
-                    *, fused: bool = False) -> dict[str, tuple[Callable, Any]]:
-    """{label: (call, params)} for the baselines of framework `kind`; fused (bfloat16 on CUDA): JAX's
-    built-in also with implementation="cudnn", the kernel our JAX fast path uses there."""
-    operation, H = problem.operation, problem.H
-    state = {name: convert(value) for name, value in problem.state.items()}
-    if kind == "torch":
-        import torch.nn.functional as F
-
-        if operation == "sdpa":
-            return {"torch built-in": (lambda _, q, k, v: F.scaled_dot_product_attention(q, k, v), None)}
-        if operation == "mha":
-            return {"torch built-in": (lambda mha, x: mha(x, x, x, need_weights=False),
-                                       baselines.torch_multihead(state, num_heads=H))}
-        return {"torch built-in": (lambda layer, x: layer(x), baselines.torch_encoder_layer(state, num_heads=H))}
-    if kind == "jax":
-        import jax.numpy as jnp
-
-        calls = {"jax plain": (_plain(jnp, baselines.jax_plain_attention, operation, H), state),
-                 "jax.nn.dot_product_attention": (_plain(jnp, baselines.jax_builtin_attention, operation, H), state)}
-        if fused:
-            cudnn = functools.partial(baselines.jax_builtin_attention, implementation="cudnn")
-            calls["jax.nn.dot_product_attention cudnn"] = (_plain(jnp, cudnn, operation, H), state)
-        return calls
-    return {"numpy tutorial": (_plain(np, baselines.tutorial_attention, operation, H), state)}
-
-
-def _plain(xp: ModuleType, attend: Callable, operation: str, H: int) -> Callable:
-    """call(state, *inputs): `attend` alone (sdpa), or with baselines.py's projections and FFN around it."""
-    if operation == "sdpa":
-        return lambda _, q, k, v: attend(q, k, v)
-    if operation == "mha":
-        return lambda state, x: baselines.multi_head(xp, state, x, num_heads=H, attend=attend)
-    return lambda state, x: baselines.block(xp, state, x, num_heads=H, attend=attend)
-
-
-def _our_output(module: ModuleType, problem: Problem, convert: Callable) -> np.ndarray:
-    """The operation's output from `module`'s explicit path, as float64: the reference with attention_np."""
-    call, params = _our_call(module, problem, convert, need_weights=True)
-    return _as_float64(call(params, *(convert(x) for x in problem.inputs)))
+def _our_output(module: ModuleType, problem: Problem) -> np.ndarray:
+    """The operation's output from a NumPy module's explicit path, as float64: the reference with attention_np."""
+    call, params = _our_call(module, problem, problem.state, need_weights=True)
+    return _as_float64(call(params, *problem.inputs), framework_of(module).name)
 
 
 # --- the frameworks ------------------------------------------------------------------------------------
@@ -337,111 +300,31 @@ def installed_backends() -> tuple[dict[str, ModuleType], dict[str, str]]:
 
 
 def placement(backends: dict[str, ModuleType], device: str) -> dict[str, str]:
-    """{framework: "cpu" or "cuda"}; with device "cuda", torch and JAX go to the GPU where they see one."""
-    kinds = [framework_of(module).name for module in backends.values()]
+    """{framework: "cpu" or "cuda"}; with device "cuda", the frameworks that see a GPU go there (torch and JAX;
+    NumPy stays on the CPU)."""
+    frameworks = {framework.name: framework for framework in map(framework_of, backends.values())}
     if device == "cpu":
-        return dict.fromkeys(kinds, "cpu")
+        return dict.fromkeys(frameworks, "cpu")
     if device != "cuda":
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    devices = {kind: "cuda" if kind != "numpy" and _sees_gpu(kind) else "cpu" for kind in kinds}
+    devices = {name: "cuda" if framework.sees_gpu() else "cpu" for name, framework in frameworks.items()}
     if "cuda" not in devices.values():
         raise ValueError("--device cuda: neither torch nor JAX sees a CUDA GPU here "
                          f"(installed: {', '.join(backends)}); run with --device cpu")
     return devices
 
 
-def _sees_gpu(kind: str) -> bool:
-    if kind == "torch":
-        import torch
-
-        return torch.cuda.is_available()
-    import jax
-
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:  # jax: no GPU backend in this jaxlib
-        return False
-
-
 @contextlib.contextmanager
 def pinned(backends: dict[str, ModuleType]) -> Iterator[list[str]]:
     """The frameworks' precision settings of the conformance runs (JAX: x64 and "highest" matmuls;
-    torch: TF32 off), so float32 means float32 on every device; yields their descriptions."""
+    torch: TF32 off), so float32 means float32 on every device, and their default promotion rules, which
+    the plain baselines are written against; yields the settings' descriptions."""
+    frameworks = {framework.name: framework for framework in map(framework_of, backends.values())}
     with contextlib.ExitStack() as stack:
-        settings = [stack.enter_context(framework_of(module).pinned()) for module in backends.values()]
-        if any(framework_of(module).name == "jax" for module in backends.values()):
-            import jax
-
-            # the baselines are plain JAX, written with implicit broadcasting and promotion
-            stack.enter_context(jax.numpy_rank_promotion("allow"))
-            stack.enter_context(jax.numpy_dtype_promotion("standard"))
+        settings = [stack.enter_context(framework.pinned()) for framework in frameworks.values()]
+        for framework in frameworks.values():
+            stack.enter_context(framework.permissive())
         yield [setting for setting in settings if setting]
-
-
-def _converter(kind: str, dtype: str, device: str) -> Callable[[np.ndarray], Any]:
-    """float64 NumPy array -> the framework's array of `dtype` on `device`."""
-    if kind == "torch":
-        import torch
-
-        return lambda x: torch.from_numpy(x).to(device=device, dtype=getattr(torch, dtype))
-    if kind == "jax":
-        import jax
-        import jax.numpy as jnp
-
-        place = jax.devices("gpu" if device == "cuda" else "cpu")[0]
-        return lambda x: jax.device_put(x.astype(jnp.dtype(dtype)), place)
-    return lambda x: x.astype(dtype)
-
-
-def _staged(kind: str, device: str, call: Callable, params: Any,
-            inputs: tuple) -> tuple[Callable[[], Any], Callable[[], int | None]]:
-    """(run, peak) for call(params, *inputs): JAX compiled ahead, torch under inference_mode."""
-    if kind == "jax":
-        import jax
-
-        compiled = jax.jit(call).lower(params, *inputs).compile()
-        # XLA's memory plan; on the CPU it misses the scratch of the library that runs fused attention
-        plan = compiled.memory_analysis() if device == "cuda" else None
-        planned = None if plan is None else plan.temp_size_in_bytes + plan.output_size_in_bytes
-        return (lambda: jax.block_until_ready(compiled(params, *inputs))), (lambda: planned)
-    if kind == "torch":
-        import torch
-
-        def run() -> Any:
-            with torch.inference_mode():
-                result = call(params, *inputs)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            return result
-
-        return run, (lambda: _cuda_peak(run)) if device == "cuda" else (lambda: None)
-    run = lambda: call(params, *inputs)  # noqa: E731
-    return run, lambda: _traced_peak(run)
-
-
-def _traced_peak(run: Callable[[], Any]) -> int:
-    """Bytes that one call allocates at its peak, by tracemalloc (NumPy reports its buffers to it)."""
-    tracing = tracemalloc.is_tracing()
-    if not tracing:
-        tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        before = tracemalloc.get_traced_memory()[0]
-        run()
-        return tracemalloc.get_traced_memory()[1] - before
-    finally:
-        if not tracing:
-            tracemalloc.stop()
-
-
-def _cuda_peak(run: Callable[[], Any]) -> int:
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    run()
-    return torch.cuda.max_memory_allocated() - before
 
 
 def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -457,43 +340,17 @@ def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
-def _as_float64(result: Any) -> np.ndarray:
-    """The output (first of a tuple) as a float64 NumPy array, whatever the framework and dtype."""
-    out = result[0] if isinstance(result, tuple) else result
-    if hasattr(out, "detach"):  # torch: NumPy has no bfloat16, and the tensor may live on the GPU
-        import torch
-
-        return out.detach().to(device="cpu", dtype=torch.float64).numpy()
-    return np.asarray(out).astype(np.float64)
+def _as_float64(result: Any, framework: str) -> np.ndarray:
+    """The output (first of a tuple) as a float64 NumPy array, whatever the framework, dtype and device."""
+    return FRAMEWORKS[framework].to_float64(result[0] if isinstance(result, tuple) else result)
 
 
 def _row(candidate: Candidate, problem: Problem, dtype: str, repeats: int, seconds: float,
          reference: np.ndarray) -> Row:
     B, H, L, E = problem.B, problem.H, problem.L, problem.E
     count = flops(problem.operation, B=B, H=H, L=L, S=L, E=E)
-    error = np.max(np.abs(_as_float64(candidate.run()) - reference)) / np.max(np.abs(reference))
+    error = np.max(np.abs(_as_float64(candidate.run(), candidate.framework) - reference)) / np.max(np.abs(reference))
     peak = candidate.peak()
     return Row(candidate.name, candidate.framework, candidate.device, problem.operation, dtype, B, H, E, L, L,
                H * E, 4 * H * E, count, repeats, 1e3 * seconds, count / seconds / 1e9,
                None if peak is None else peak / 2**20, float(error))
-
-
-class _Progress:
-    """A text progress bar on stderr: [#####.....] 3/12 mha L=512 (compare and targets draw it while they
-    measure, with progress=True)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled and total > 0
-
-    def show(self, label: str) -> None:
-        if self.enabled:
-            filled = 30 * self.done // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label:<16}")
-            sys.stderr.flush()
-
-    def step(self) -> None:
-        self.done += 1
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write(f"\r[{'#' * 30}] {self.done}/{self.total} done{' ' * 14}\n")
