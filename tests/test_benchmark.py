@@ -57,6 +57,7 @@ def cli_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
     return result.stdout, json.loads(path.read_text())["rows"]
 
 
+@pytest.mark.slow
 def test_compare_prints_a_row_for_every_available_implementation(cli_run: tuple[str, list[dict]]) -> None:
     stdout, _ = cli_run
     printed = {tuple(re.split(r"\s{2,}", line.strip())[:3]) for line in stdout.splitlines()}
@@ -67,6 +68,7 @@ def test_compare_prints_a_row_for_every_available_implementation(cli_run: tuple[
     assert "GFLOP/s" in stdout and "peak MiB" in stdout and "rel. error" in stdout
 
 
+@pytest.mark.slow
 def test_json_rows_have_the_documented_keys(cli_run: tuple[str, list[dict]]) -> None:
     _, rows = cli_run
     assert len(rows) == len(_expected_implementations()) * len(timing.OPERATIONS) * 2
@@ -163,6 +165,7 @@ def test_progress_bar_is_drawn_on_stderr_only_where_it_is_a_terminal(
     assert ("2/2" in sys.stderr.getvalue()) == drawn
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "compare.png"

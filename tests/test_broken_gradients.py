@@ -8,6 +8,8 @@ import attention_np
 from conformance import check
 from tests.implementations.broken_gradients import BROKEN_GRADIENTS
 
+pytestmark = pytest.mark.slow  # the whole gradient suite on every mutant
+
 # mutant -> the operations whose backward pass the bug reaches
 REACHES = {
     "softmax_jvp_without_rowsum": ["sdpa"],

@@ -13,6 +13,8 @@ from conformance import check
 from tests.implementations import einsum_attention
 from tests.implementations.broken import BROKEN
 
+pytestmark = pytest.mark.slow  # the whole suite on every variant
+
 MUTANT_EXAMPLES = 15  # per check: every variant below is caught well within this many cases
 
 # variant -> the checks (row measures) of which at least one must fail

@@ -72,6 +72,7 @@ def test_framework_is_read_off_the_arrays_a_module_makes():
     assert isinstance(framework_of(attention_torch).rng(0), torch.Generator)
 
 
+@pytest.mark.slow
 def test_a_module_that_raises_fails_with_the_exception_named():
     class Raising:
         __name__ = "raising"
@@ -86,6 +87,7 @@ def test_a_module_that_raises_fails_with_the_exception_named():
     assert any("raised RuntimeError: not implemented" in (row.failure or "") for row in report.rows)
 
 
+@pytest.mark.slow
 def test_a_nondeterministic_module_is_reported_not_raised():
     # correct only every other call: a failure that does not repeat on the same case
     calls = [0]
@@ -124,6 +126,7 @@ def _wrapping(name: str, change) -> object:
     return Module()
 
 
+@pytest.mark.slow
 def test_a_flaky_failure_fails_every_measure_it_broke():
     # wrong on roughly one call in three: whichever measures a failing call broke fail their rows, with the
     # case that broke them, even where Hypothesis's replay of the failure passed
@@ -146,6 +149,7 @@ def test_a_flaky_failure_fails_every_measure_it_broke():
     (lambda call, *args: call(*args), lambda x: x.numpy(), "to_numpy cannot convert the ndarray the module returned"),
     (lambda call, *args: call(*args), lambda x: np.asarray(x).tolist(), "to_numpy gave a list, not a NumPy array"),
 ], ids=["three", "bare_out", "foreign_arrays", "to_numpy_lists"])
+@pytest.mark.slow
 def test_a_result_outside_the_contract_fails_the_call_row_saying_what_came_back(change, to_numpy, message):
     module = _wrapping("odd_result", change)
     if to_numpy is not None:
@@ -156,6 +160,7 @@ def test_a_result_outside_the_contract_fails_the_call_row_saying_what_came_back(
     assert all(message in row.failure and "raised" not in row.failure.splitlines()[0] for row in calls)
 
 
+@pytest.mark.slow
 def test_a_module_that_writes_into_its_mask_cannot_change_what_the_oracle_sees():
     # it unmasks every key in place, then attends: the oracle must still see the case's mask
     def unmasking(call, q, k, v, mask=None):

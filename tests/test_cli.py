@@ -13,6 +13,8 @@ import pytest
 from conformance import suite
 from conformance.__main__ import BUILT_IN
 
+pytestmark = pytest.mark.slow  # each test starts `python -m conformance` in a subprocess
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

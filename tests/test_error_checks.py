@@ -38,6 +38,7 @@ def test_the_third_party_implementation_raises_the_same_exceptions():
     assert skipped == {"d_out_shape", "d_out_dtype"}  # it offers no vjp: those cases do not apply
 
 
+@pytest.mark.slow
 def test_suite_reports_one_row_per_operation_for_each_kind_of_fixed_case():
     report = check(attention_np, max_examples=1)
     tables = {(row.operation, row.check): row for row in report.rows if row.check in ("errors", "edge_cases")}
@@ -105,6 +106,7 @@ def _failing(module: ModuleType) -> dict[str, fixed_checks.Result]:
     return {result.row.name: result for result in fixed_checks.errors(Runner(module), "sdpa") if not result.passed}
 
 
+@pytest.mark.slow
 def test_wrong_exception_type_fails_the_errors_row():
     module = _sdpa_module("runtime_errors", _value_errors_as_runtime_errors)
     report = check(module, operations=["sdpa"], max_examples=FEW)
@@ -124,6 +126,7 @@ def test_terse_message_fails_though_the_type_is_right():
     assert "mask_adds_a_batch_axis" in failing
 
 
+@pytest.mark.slow
 def test_silently_accepting_a_bad_mask_fails_the_errors_row():
     module = _sdpa_module("lenient_mask", _drop_bad_masks)
     report = check(module, operations=["sdpa"], max_examples=FEW)

@@ -50,6 +50,7 @@ def test_numbers_are_reproducible_and_independent_of_the_sweep() -> None:
     assert not np.array_equal(alone, figures.score_gradient_norm((64,), scaled=False, seed=1))
 
 
+@pytest.mark.slow
 def test_figure_command_writes_a_png(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "figures" / "scaling.png"
@@ -60,6 +61,7 @@ def test_figure_command_writes_a_png(tmp_path: pathlib.Path) -> None:
     assert str(path) in result.stdout
 
 
+@pytest.mark.slow
 def test_figures_import_matplotlib_only_when_they_draw() -> None:
     code = ("import sys\nimport attention_np\nimport attention_np.figures\n"
             "attention_np.figures.score_std((4,), scaled=True)\n"

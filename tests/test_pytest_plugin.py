@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each test starts pytest in a subprocess
+
 # mask polarity inverted in SDPA only: MHA and the block still use attention_np's own attention
 INVERTED_MASK = '''
 import attention_np as _np

@@ -26,6 +26,7 @@ def test_main_job_runs_the_conformance_report() -> None:
     assert _blocks("bash")[0].strip().endswith("python -m conformance")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
 def test_python_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     code = _blocks("python")[index]
