@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attention_np import _checks
+from attention_np.common import checks
 
 Rng = jax.Array | None
 
@@ -48,10 +48,10 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
-    batch = _checks.attention_batch(q.shape, k.shape, v.shape)
-    _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    _checks.probability("dropout_p", dropout_p)
-    _checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")
+    batch = checks.attention_batch(q.shape, k.shape, v.shape)
+    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    checks.probability("dropout_p", dropout_p)
+    checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     if L == 0 or S == 0:  # no queries, or no keys to see: nothing to attend, every output is zeros
@@ -104,16 +104,16 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, is_causal: bool,
     L, S = scores_shape[-2:]
     visible = None
     if mask is not None:
-        _checks.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
+        checks.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
         mask = jnp.asarray(mask)
         floating = jnp.issubdtype(mask.dtype, jnp.floating)
         binary = jnp.all((mask == 0.0) | (mask == 1.0)) if floating else None
         # jax: under jit the values cannot be seen, of an argument nor of a mask the jitted function captures
-        _checks.binary_mask(floating, None if binary is None or isinstance(binary, jax.core.Tracer) else bool(binary))
+        checks.binary_mask(floating, None if binary is None or isinstance(binary, jax.core.Tracer) else bool(binary))
         visible = _ranked(mask.astype(bool), len(scores_shape))  # nonzero: visible (jax: a cast, as strict
         # promotion forbids mask != 0)
     if bias is not None:
-        _checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
+        checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, _ranked(jnp.asarray(bias) != -jnp.inf, len(scores_shape)))
     if is_causal:
         visible = _both(visible, _ranked(causal_mask(L, S), len(scores_shape)))

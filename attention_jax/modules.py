@@ -18,17 +18,16 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special
 
-from attention_np import _checks
-from attention_np import modules as _np_modules
+from attention_np.common import checks, module
 
 from .arrays import asarray
 from .functional import Rng, _at_least_float32, _dropout, _dtypes, _ranked, _rngs, scaled_dot_product_attention
 
 
-class Module(_np_modules.Module):
+class Module(module.Module):
     """An immutable module: `_children` are arrays or modules, `_settings` are plain Python values."""
 
-    # jax: NumPy's immutable module, registered as a pytree (children are leaves or sub-trees, settings
+    # jax: the shared immutable module, registered as a pytree (children are leaves or sub-trees, settings
     # are static), so jit, vmap and grad take modules as arguments and the gradient of a module is a module
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -100,8 +99,8 @@ class MultiHeadAttention(Module):
                  rng: Rng = None, dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights; rng and dtype (float32 by default)
         for the initial parameters, drawn as nn.Linear draws them."""
-        _checks.module_sizes(d_model, num_heads)
-        _checks.probability("dropout", dropout)
+        checks.module_sizes(d_model, num_heads)
+        checks.probability("dropout", dropout)
         rngs, dtype = _rngs(_fresh(rng), 4), jnp.float32 if dtype is None else dtype
         projections = {name: Linear.initialized(d_model, d_model, rng, dtype)
                        for name, rng in zip(self._children, rngs, strict=True)}
@@ -113,11 +112,11 @@ class MultiHeadAttention(Module):
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        (d_model,) = _checks.state_widths(shapes, {"w_q.weight": 1})
-        _checks.module_sizes(d_model, num_heads)
-        _checks.probability("dropout", dropout)
-        _checks.state(cls.__name__, shapes, _checks.mha_state_shapes(d_model))
-        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        (d_model,) = checks.state_widths(shapes, {"w_q.weight": 1})
+        checks.module_sizes(d_model, num_heads)
+        checks.probability("dropout", dropout)
+        checks.state(cls.__name__, shapes, checks.mha_state_shapes(d_model))
+        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         projections = {name: Linear(state[f"{name}.weight"], state[f"{name}.bias"]) for name in cls._children}
         return cls._build(**projections, num_heads=num_heads, dropout=dropout, training=True)
 
@@ -146,7 +145,7 @@ class MultiHeadAttention(Module):
 
         # 2) attend, every head at once
         dropout_p = self.dropout if self.training else 0.0
-        _checks.dropout_rng(dropout_p, rng, type(self).__name__)
+        checks.dropout_rng(dropout_p, rng, type(self).__name__)
         out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
                                                     need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
 
@@ -163,8 +162,8 @@ class MultiHeadAttention(Module):
     def _check_inputs(self, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
         d_model = self.w_q.weight.shape[1]
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            _checks.module_input(name, x.shape, d_model, letter)
-        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+            checks.module_input(name, x.shape, d_model, letter)
+        checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
 
     def _split_heads(self, x: jax.Array) -> jax.Array:
         *lead, length, d_model = x.shape
@@ -207,8 +206,8 @@ class TransformerBlock(Module):
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
         activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
         rng and dtype (float32 by default) for the initial parameters."""
-        _checks.module_sizes(d_model, num_heads, d_ff)
-        _checks.activation(activation)
+        checks.module_sizes(d_model, num_heads, d_ff)
+        checks.activation(activation)
         rngs, dtype = _rngs(_fresh(rng), 3), jnp.float32 if dtype is None else dtype
         ffn = FeedForward(Linear.initialized(d_model, d_ff, rngs[1], dtype),
                           Linear.initialized(d_ff, d_model, rngs[2], dtype), activation, dropout)
@@ -224,11 +223,11 @@ class TransformerBlock(Module):
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        d_model, d_ff = _checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
-        _checks.module_sizes(d_model, num_heads, d_ff)
-        _checks.activation(activation)
-        _checks.state(cls.__name__, shapes, _checks.block_state_shapes(d_model, d_ff))
-        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        d_model, d_ff = checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
+        checks.module_sizes(d_model, num_heads, d_ff)
+        checks.activation(activation)
+        checks.state(cls.__name__, shapes, checks.block_state_shapes(d_model, d_ff))
+        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
                                                   dropout=dropout)
         norm1, norm2 = (LayerNorm(state[f"{name}.weight"], state[f"{name}.bias"], eps)
@@ -253,7 +252,7 @@ class TransformerBlock(Module):
             x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
         """
         self._check_input(x)
-        _checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)
+        checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)
         rngs = _rngs(rng, 4)
         if self.norm_first:  # pre-LN
             h, weights = self._attention_branch(self.norm1(x), mask, need_weights, rngs[:2])
@@ -272,8 +271,8 @@ class TransformerBlock(Module):
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: jax.Array) -> None:
-        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
-        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
 
     def _attention_branch(self, x: jax.Array, mask: jax.Array | None, need_weights: bool,
                           rngs: list) -> tuple[jax.Array, jax.Array | None]:

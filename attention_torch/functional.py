@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from attention_np import _checks
+from attention_np.common import checks
 
 Rng = torch.Generator | None
 
@@ -46,9 +46,9 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
-    batch = _checks.attention_batch(q.shape, k.shape, v.shape)
-    _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    _checks.probability("dropout_p", dropout_p)
+    batch = checks.attention_batch(q.shape, k.shape, v.shape)
+    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    checks.probability("dropout_p", dropout_p)
     L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     if L == 0 or S == 0:  # no queries, or no keys to see: nothing to attend, every output is zeros
@@ -104,12 +104,12 @@ def _visible(mask: torch.Tensor | None, bias: torch.Tensor | None, is_causal: bo
     L, S = scores_shape[-2:]
     visible = None
     if mask is not None:
-        _checks.broadcasts_to("mask", mask.shape, scores_shape, "..., L, S")
+        checks.broadcasts_to("mask", mask.shape, scores_shape, "..., L, S")
         mask = torch.as_tensor(mask, device=device)
-        _checks.binary_mask(mask.is_floating_point(), bool(((mask == 0) | (mask == 1)).all()))
+        checks.binary_mask(mask.is_floating_point(), bool(((mask == 0) | (mask == 1)).all()))
         visible = mask != 0
     if bias is not None:
-        _checks.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
+        checks.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
         visible = _both(visible, torch.as_tensor(bias, device=device) != -math.inf)
     if is_causal:
         visible = _both(visible, causal_mask(L, S).to(device))  # torch: masks are made on the CPU

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from attention_np import _checks
+from attention_np.common import checks
 
 from .functional import _dtypes, scaled_dot_product_attention
 
@@ -49,7 +49,7 @@ def scaled_dot_product_attention_vjp(
                                                     is_causal=is_causal, scale=scale)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, *dbias = _grad(out, inputs, d_out)
         return dq, dk, dv, dbias[0] if dbias else None
 
@@ -65,13 +65,13 @@ def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torc
         out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
         dparams {state-dict name: gradient}.
     """
-    _checks.no_dropout(type(mha).__name__, _active_dropout(mha))
+    checks.no_dropout(type(mha).__name__, _active_dropout(mha))
     inputs, params = [_leaf(x) for x in (q, k, v)], _leaves(mha)
     with torch.enable_grad():
         out, weights = torch.func.functional_call(mha, params, (*inputs, mask))
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Grads]:
-        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, *grads = _grad(out, [*inputs, *params.values()], d_out)
         return dq, dk, dv, dict(zip(params, grads, strict=True))
 
@@ -85,13 +85,13 @@ def transformer_block_vjp(block: Any, x: torch.Tensor,
     Returns:
         y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
     """
-    _checks.no_dropout(type(block).__name__, _active_dropout(block))
+    checks.no_dropout(type(block).__name__, _active_dropout(block))
     x, params = _leaf(x), _leaves(block)
     with torch.enable_grad():
         y, weights = torch.func.functional_call(block, params, (x, mask))
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, Grads]:
-        _checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
+        checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         dx, *grads = _grad(y, [x, *params.values()], d_out)
         return dx, dict(zip(params, grads, strict=True))
 

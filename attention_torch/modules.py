@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention_np import _checks
+from attention_np.common import checks
 
 from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attention
@@ -46,8 +46,8 @@ class MultiHeadAttention(nn.Module):
         """Args: sizes as named; dropout on the attention weights; rng and dtype (torch's default dtype,
         float32, when None) for the initial parameters, drawn as nn.Linear draws them."""
         super().__init__()
-        _checks.module_sizes(d_model, num_heads)
-        _checks.probability("dropout", dropout)
+        checks.module_sizes(d_model, num_heads)
+        checks.probability("dropout", dropout)
         self.w_q, self.w_k, self.w_v, self.w_o = (_linear(d_model, d_model, rng, dtype) for _ in range(4))
         self.num_heads, self.dropout = num_heads, dropout
 
@@ -57,11 +57,11 @@ class MultiHeadAttention(nn.Module):
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        (d_model,) = _checks.state_widths(shapes, {"w_q.weight": 1})
-        _checks.module_sizes(d_model, num_heads)
-        _checks.probability("dropout", dropout)
-        _checks.state(cls.__name__, shapes, _checks.mha_state_shapes(d_model))
-        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        (d_model,) = checks.state_widths(shapes, {"w_q.weight": 1})
+        checks.module_sizes(d_model, num_heads)
+        checks.probability("dropout", dropout)
+        checks.state(cls.__name__, shapes, checks.mha_state_shapes(d_model))
+        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(d_model, num_heads, dropout)
         return _load(module, state)
@@ -107,8 +107,8 @@ class MultiHeadAttention(nn.Module):
     def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         d_model = self.w_q.weight.shape[1]
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            _checks.module_input(name, x.shape, d_model, letter)
-        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+            checks.module_input(name, x.shape, d_model, letter)
+        checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         *lead, length, d_model = x.shape
@@ -160,8 +160,8 @@ class TransformerBlock(nn.Module):
         activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
         rng and dtype (torch's default dtype, float32, when None) for the initial parameters."""
         super().__init__()
-        _checks.module_sizes(d_model, num_heads, d_ff)
-        _checks.activation(activation)
+        checks.module_sizes(d_model, num_heads, d_ff)
+        checks.activation(activation)
         self.attn = MultiHeadAttention(d_model, num_heads, dropout, rng=rng, dtype=dtype)
         self.norm1 = nn.LayerNorm(d_model, eps=eps, dtype=dtype)
         self.norm2 = nn.LayerNorm(d_model, eps=eps, dtype=dtype)
@@ -176,12 +176,12 @@ class TransformerBlock(nn.Module):
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        d_model, d_ff = _checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
-        _checks.module_sizes(d_model, num_heads, d_ff)
-        _checks.activation(activation)
-        _checks.probability("dropout", dropout)
-        _checks.state(cls.__name__, shapes, _checks.block_state_shapes(d_model, d_ff))
-        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        d_model, d_ff = checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
+        checks.module_sizes(d_model, num_heads, d_ff)
+        checks.activation(activation)
+        checks.probability("dropout", dropout)
+        checks.state(cls.__name__, shapes, checks.block_state_shapes(d_model, d_ff))
+        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(d_model, num_heads, d_ff, dropout, norm_first=norm_first, activation=activation,
                          eps=eps)
@@ -220,8 +220,8 @@ class TransformerBlock(nn.Module):
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: torch.Tensor) -> None:
-        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
-        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
 
     def _attention_branch(self, x: torch.Tensor, mask: torch.Tensor | None, need_weights: bool,
                           rngs: list) -> tuple[torch.Tensor, torch.Tensor | None]:

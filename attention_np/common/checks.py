@@ -1,4 +1,4 @@
-"""Argument checks shared by the three backends.
+"""The argument checks of the three backends.
 
 Everything here works on plain Python values (shapes as tuples, dtypes as names), so NumPy, JAX and
 torch raise the same exception with the same message for the same mistake.
