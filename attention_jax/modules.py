@@ -3,8 +3,10 @@
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
-Parameter names and layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and
-computes y = x W^T + b; LayerNorm keeps weight (D,) and bias (D,).
+The classes users read come first, MultiHeadAttention and TransformerBlock; the pieces they are built
+from (Linear, LayerNorm, FeedForward, the activation) follow. Parameter names and layouts are those of the
+PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b; LayerNorm keeps weight (D,)
+and bias (D,).
 """
 
 from __future__ import annotations
@@ -46,47 +48,6 @@ class Module(module.Module):
     def _unflatten(cls, settings: tuple, children: list) -> Any:
         return cls._build(**dict(zip(cls._children, children, strict=True)),
                           **dict(zip(cls._settings, settings, strict=True)))
-
-
-class Linear(Module):
-    """y = x W^T + b, with weight W (out, in) and bias b (out,)."""
-
-    _children = ("weight", "bias")
-
-    def __init__(self, weight: jax.Array, bias: jax.Array) -> None:
-        self._init(weight=weight, bias=bias)
-
-    @classmethod
-    def initialized(cls, d_in: int, d_out: int, rng: jax.Array, dtype: Any) -> Linear:
-        """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
-        bound, (rng_weight, rng_bias) = 1 / math.sqrt(d_in), _rngs(rng, 2)
-        weight = jax.random.uniform(rng_weight, (d_out, d_in), dtype, -bound, bound)  # (out, in)
-        return cls(weight, jax.random.uniform(rng_bias, (d_out,), dtype, -bound, bound))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.weight.T + _ranked(self.bias, x.ndim)  # (..., in) x (in, out) -> (..., out)
-
-
-class LayerNorm(Module):
-    """LayerNorm(x) = (x - mean) / sqrt(var + eps) * weight + bias, over the last axis (biased variance)."""
-
-    _children = ("weight", "bias")
-    _settings = ("eps",)
-
-    def __init__(self, weight: jax.Array, bias: jax.Array, eps: float = 1e-5) -> None:
-        self._init(weight=weight, bias=bias, eps=eps)
-
-    @classmethod
-    def initialized(cls, d_model: int, eps: float, dtype: Any) -> LayerNorm:
-        """nn.LayerNorm's default: weight ones, bias zeros."""
-        return cls(jnp.ones(d_model, dtype), jnp.zeros(d_model, dtype), eps)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = x.astype(_at_least_float32(x.dtype))  # statistics in at least float32
-        mean = jnp.mean(y, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
-        var = jnp.mean((y - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
-        weight, bias = (_ranked(p.astype(y.dtype), y.ndim) for p in (self.weight, self.bias))  # jax: strict modes
-        return ((y - mean) / jnp.sqrt(var + self.eps) * weight + bias).astype(x.dtype)
 
 
 class MultiHeadAttention(Module):
@@ -145,7 +106,7 @@ class MultiHeadAttention(Module):
 
         # 2) attend, every head at once
         dropout_p = self.dropout if self.training else 0.0
-        checks.dropout_rng(dropout_p, rng, type(self).__name__)
+        checks.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
         out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
                                                     need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
 
@@ -173,24 +134,6 @@ class MultiHeadAttention(Module):
     def _merge_heads(self, x: jax.Array) -> jax.Array:
         *lead, heads, length, d_k = x.shape
         return jnp.swapaxes(x, -2, -3).reshape(*lead, length, heads * d_k)  # (..., H, L, d_k) -> (..., L, D)
-
-
-class FeedForward(Module):
-    """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
-    the original nn.Sequential(Linear, activation, Dropout, Linear)."""
-
-    _children = ("linear1", "linear2")
-    _settings = ("activation", "dropout", "training")
-    _state_names: ClassVar[Mapping[str, str]] = {"linear1": "0", "linear2": "3"}
-
-    def __init__(self, linear1: Linear, linear2: Linear, activation: str = "relu",
-                 dropout: float = 0.0) -> None:
-        self._init(linear1=linear1, linear2=linear2, activation=activation, dropout=dropout, training=True)
-
-    def __call__(self, x: jax.Array, *, rng: Rng = None) -> jax.Array:
-        h = _activation(self.activation, self.linear1(x))  # (..., L, D) -> (..., L, F)
-        h = _dropout(h, self.dropout if self.training else 0.0, rng)
-        return self.linear2(h)  # (..., L, F) -> (..., L, D)
 
 
 class TransformerBlock(Module):
@@ -252,7 +195,7 @@ class TransformerBlock(Module):
             x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
         """
         self._check_input(x)
-        checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)
+        checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)  # jax: no global RNG
         rngs = _rngs(rng, 4)
         if self.norm_first:  # pre-LN
             h, weights = self._attention_branch(self.norm1(x), mask, need_weights, rngs[:2])
@@ -284,6 +227,65 @@ class TransformerBlock(Module):
         """Drop(FFN(x))."""
         h = self.ffn(x, rng=rngs[0])  # (..., L, D) -> (..., L, F) -> (..., L, D)
         return _dropout(h, self.dropout if self.training else 0.0, rngs[1])
+
+
+class Linear(Module):
+    """y = x W^T + b, with weight W (out, in) and bias b (out,)."""
+
+    _children = ("weight", "bias")
+
+    def __init__(self, weight: jax.Array, bias: jax.Array) -> None:
+        self._init(weight=weight, bias=bias)
+
+    @classmethod
+    def initialized(cls, d_in: int, d_out: int, rng: jax.Array, dtype: Any) -> Linear:
+        """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
+        bound, (rng_weight, rng_bias) = 1 / math.sqrt(d_in), _rngs(rng, 2)
+        weight = jax.random.uniform(rng_weight, (d_out, d_in), dtype, -bound, bound)  # (out, in)
+        return cls(weight, jax.random.uniform(rng_bias, (d_out,), dtype, -bound, bound))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x @ self.weight.T + _ranked(self.bias, x.ndim)  # (..., in) x (in, out) -> (..., out)
+
+
+class LayerNorm(Module):
+    """LayerNorm(x) = (x - mean) / sqrt(var + eps) * weight + bias, over the last axis (biased variance)."""
+
+    _children = ("weight", "bias")
+    _settings = ("eps",)
+
+    def __init__(self, weight: jax.Array, bias: jax.Array, eps: float = 1e-5) -> None:
+        self._init(weight=weight, bias=bias, eps=eps)
+
+    @classmethod
+    def initialized(cls, d_model: int, eps: float, dtype: Any) -> LayerNorm:
+        """nn.LayerNorm's default: weight ones, bias zeros."""
+        return cls(jnp.ones(d_model, dtype), jnp.zeros(d_model, dtype), eps)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x.astype(_at_least_float32(x.dtype))  # statistics in at least float32
+        mean = jnp.mean(y, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+        var = jnp.mean((y - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
+        weight, bias = (_ranked(p.astype(y.dtype), y.ndim) for p in (self.weight, self.bias))  # jax: strict modes
+        return ((y - mean) / jnp.sqrt(var + self.eps) * weight + bias).astype(x.dtype)
+
+
+class FeedForward(Module):
+    """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
+    the original nn.Sequential(Linear, activation, Dropout, Linear)."""
+
+    _children = ("linear1", "linear2")
+    _settings = ("activation", "dropout", "training")
+    _state_names: ClassVar[Mapping[str, str]] = {"linear1": "0", "linear2": "3"}
+
+    def __init__(self, linear1: Linear, linear2: Linear, activation: str = "relu",
+                 dropout: float = 0.0) -> None:
+        self._init(linear1=linear1, linear2=linear2, activation=activation, dropout=dropout, training=True)
+
+    def __call__(self, x: jax.Array, *, rng: Rng = None) -> jax.Array:
+        h = _activation(self.activation, self.linear1(x))  # (..., L, D) -> (..., L, F)
+        h = _dropout(h, self.dropout if self.training else 0.0, rng)
+        return self.linear2(h)  # (..., L, F) -> (..., L, D)
 
 
 def _activation(name: str, x: jax.Array) -> jax.Array:

@@ -3,8 +3,10 @@
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
-Parameter names and layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and
-computes y = x W^T + b; LayerNorm keeps weight (D,) and bias (D,).
+The classes users read come first, MultiHeadAttention and TransformerBlock; the pieces they are built
+from (Linear, LayerNorm, FeedForward, the activation) follow. Parameter names and layouts are those of the
+PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b; LayerNorm keeps weight (D,)
+and bias (D,).
 """
 
 from __future__ import annotations
@@ -20,46 +22,6 @@ from attention_np.common.module import Module
 
 from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attention
-
-
-class Linear(Module):
-    """y = x W^T + b, with weight W (out, in) and bias b (out,)."""
-
-    _children = ("weight", "bias")
-
-    def __init__(self, weight: np.ndarray, bias: np.ndarray) -> None:
-        self._init(weight=weight, bias=bias)
-
-    @classmethod
-    def initialized(cls, d_in: int, d_out: int, rng: np.random.Generator, dtype: Any) -> Linear:
-        """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
-        bound, (rng_weight, rng_bias) = 1 / math.sqrt(d_in), _rngs(rng, 2)
-        weight = rng_weight.uniform(-bound, bound, (d_out, d_in)).astype(dtype)  # (out, in)
-        return cls(weight, rng_bias.uniform(-bound, bound, d_out).astype(dtype))
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return x @ self.weight.T + self.bias  # (..., in) x (in, out) -> (..., out)
-
-
-class LayerNorm(Module):
-    """LayerNorm(x) = (x - mean) / sqrt(var + eps) * weight + bias, over the last axis (biased variance)."""
-
-    _children = ("weight", "bias")
-    _settings = ("eps",)
-
-    def __init__(self, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-5) -> None:
-        self._init(weight=weight, bias=bias, eps=eps)
-
-    @classmethod
-    def initialized(cls, d_model: int, eps: float, dtype: Any) -> LayerNorm:
-        """nn.LayerNorm's default: weight ones, bias zeros."""
-        return cls(np.ones(d_model, dtype), np.zeros(d_model, dtype), eps)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        y = x.astype(np.promote_types(x.dtype, np.float32), copy=False)  # statistics in at least float32
-        mean = np.mean(y, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
-        var = np.mean((y - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
-        return ((y - mean) / np.sqrt(var + self.eps) * self.weight + self.bias).astype(x.dtype, copy=False)
 
 
 class MultiHeadAttention(Module):
@@ -145,24 +107,6 @@ class MultiHeadAttention(Module):
     def _merge_heads(self, x: np.ndarray) -> np.ndarray:
         *lead, heads, length, d_k = x.shape
         return np.swapaxes(x, -2, -3).reshape(*lead, length, heads * d_k)  # (..., H, L, d_k) -> (..., L, D)
-
-
-class FeedForward(Module):
-    """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
-    the original nn.Sequential(Linear, activation, Dropout, Linear)."""
-
-    _children = ("linear1", "linear2")
-    _settings = ("activation", "dropout", "training")
-    _state_names: ClassVar[Mapping[str, str]] = {"linear1": "0", "linear2": "3"}
-
-    def __init__(self, linear1: Linear, linear2: Linear, activation: str = "relu",
-                 dropout: float = 0.0) -> None:
-        self._init(linear1=linear1, linear2=linear2, activation=activation, dropout=dropout, training=True)
-
-    def __call__(self, x: np.ndarray, *, rng: Rng = None) -> np.ndarray:
-        h = _activation(self.activation, self.linear1(x))  # (..., L, D) -> (..., L, F)
-        h = _dropout(h, self.dropout if self.training else 0.0, rng)
-        return self.linear2(h)  # (..., L, F) -> (..., L, D)
 
 
 class TransformerBlock(Module):
@@ -255,6 +199,64 @@ class TransformerBlock(Module):
         """Drop(FFN(x))."""
         h = self.ffn(x, rng=rngs[0])  # (..., L, D) -> (..., L, F) -> (..., L, D)
         return _dropout(h, self.dropout if self.training else 0.0, rngs[1])
+
+
+class Linear(Module):
+    """y = x W^T + b, with weight W (out, in) and bias b (out,)."""
+
+    _children = ("weight", "bias")
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray) -> None:
+        self._init(weight=weight, bias=bias)
+
+    @classmethod
+    def initialized(cls, d_in: int, d_out: int, rng: np.random.Generator, dtype: Any) -> Linear:
+        """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
+        bound, (rng_weight, rng_bias) = 1 / math.sqrt(d_in), _rngs(rng, 2)
+        weight = rng_weight.uniform(-bound, bound, (d_out, d_in)).astype(dtype)  # (out, in)
+        return cls(weight, rng_bias.uniform(-bound, bound, d_out).astype(dtype))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.weight.T + self.bias  # (..., in) x (in, out) -> (..., out)
+
+
+class LayerNorm(Module):
+    """LayerNorm(x) = (x - mean) / sqrt(var + eps) * weight + bias, over the last axis (biased variance)."""
+
+    _children = ("weight", "bias")
+    _settings = ("eps",)
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-5) -> None:
+        self._init(weight=weight, bias=bias, eps=eps)
+
+    @classmethod
+    def initialized(cls, d_model: int, eps: float, dtype: Any) -> LayerNorm:
+        """nn.LayerNorm's default: weight ones, bias zeros."""
+        return cls(np.ones(d_model, dtype), np.zeros(d_model, dtype), eps)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = x.astype(np.promote_types(x.dtype, np.float32), copy=False)  # statistics in at least float32
+        mean = np.mean(y, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+        var = np.mean((y - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
+        return ((y - mean) / np.sqrt(var + self.eps) * self.weight + self.bias).astype(x.dtype, copy=False)
+
+
+class FeedForward(Module):
+    """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
+    the original nn.Sequential(Linear, activation, Dropout, Linear)."""
+
+    _children = ("linear1", "linear2")
+    _settings = ("activation", "dropout", "training")
+    _state_names: ClassVar[Mapping[str, str]] = {"linear1": "0", "linear2": "3"}
+
+    def __init__(self, linear1: Linear, linear2: Linear, activation: str = "relu",
+                 dropout: float = 0.0) -> None:
+        self._init(linear1=linear1, linear2=linear2, activation=activation, dropout=dropout, training=True)
+
+    def __call__(self, x: np.ndarray, *, rng: Rng = None) -> np.ndarray:
+        h = _activation(self.activation, self.linear1(x))  # (..., L, D) -> (..., L, F)
+        h = _dropout(h, self.dropout if self.training else 0.0, rng)
+        return self.linear2(h)  # (..., L, F) -> (..., L, D)
 
 
 def _activation(name: str, x: np.ndarray) -> np.ndarray:
