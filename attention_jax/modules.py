@@ -150,6 +150,7 @@ class TransformerBlock(Module):
         activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
         rng and dtype (float32 by default) for the initial parameters."""
         checks.module_sizes(d_model, num_heads, d_ff)
+        checks.probability("dropout", dropout)
         checks.activation(activation)
         rngs, dtype = _rngs(_fresh(rng), 3), jnp.float32 if dtype is None else dtype
         ffn = FeedForward(Linear.initialized(d_model, d_ff, rngs[1], dtype),
@@ -168,6 +169,7 @@ class TransformerBlock(Module):
         shapes = {name: value.shape for name, value in state.items()}
         d_model, d_ff = checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
         checks.module_sizes(d_model, num_heads, d_ff)
+        checks.probability("dropout", dropout)
         checks.activation(activation)
         checks.state(cls.__name__, shapes, checks.block_state_shapes(d_model, d_ff))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")

@@ -173,6 +173,38 @@ def test_docstring_args_name_the_signature_parameters():
                 assert documented == parameters, f"{M.__name__}.{name}: {documented} != {parameters}"
 
 
+def _state(M: ModuleType, cls_name: str) -> dict:
+    """A valid state of d_model 4 (and d_ff 8) as M's arrays, made by the NumPy backend."""
+    numpy_backend = import_backend("attention_np")
+    module = getattr(numpy_backend, cls_name)(*((4, 2) if cls_name == "MultiHeadAttention" else (4, 2, 8)), rng=0)
+    return {name: M.asarray(value) for name, value in module.state_dict().items()}
+
+
+# several mistakes at once: every backend checks the same things in the same order (sizes, dropout, activation,
+# the state's entries, their dtypes), so each reports the same first mistake
+SEVERAL_MISTAKES = {
+    "mha init": lambda M: M.MultiHeadAttention(6, 4, 1.0),
+    "mha load": lambda M: M.MultiHeadAttention.from_state_dict(_state(M, "MultiHeadAttention"), num_heads=3,
+                                                               dropout=1.0),
+    "block init": lambda M: M.TransformerBlock(4, 2, 8, 1.0, activation="tanh"),
+    "block load": lambda M: M.TransformerBlock.from_state_dict(_state(M, "TransformerBlock"), num_heads=2,
+                                                               dropout=1.0, activation="tanh"),
+    "block load entries": lambda M: M.TransformerBlock.from_state_dict(
+        {name: value for name, value in _state(M, "TransformerBlock").items() if name != "norm1.bias"},
+        num_heads=2, dropout=-0.5),
+}
+
+
+@pytest.mark.parametrize("call", SEVERAL_MISTAKES.values(), ids=SEVERAL_MISTAKES.keys())
+def test_backends_report_the_same_first_of_several_mistakes(call: Callable):
+    messages = {}
+    for M in _backends():
+        with pytest.raises(ValueError) as raised:
+            call(M)
+        messages[M.__name__] = str(raised.value)
+    assert len(set(messages.values())) == 1, messages
+
+
 @pytest.mark.parametrize("file", ["fast", "functional", "gradients", "modules"])
 def test_module_docstrings_hold_the_one_shape_legend(file: str):
     for M in _backends():
