@@ -17,7 +17,8 @@ from attention_np.common import npz
 
 
 def asarray(x: Any) -> np.ndarray:
-    """NumPy array -> this backend's array, same dtype (NumPy: the array itself)."""
+    """NumPy array -> this backend's array, same dtype (NumPy: the array itself; ml_dtypes' bfloat16 too, which
+    the NumPy backend holds but does not compute with: its functions take float16, float32 and float64)."""
     return np.asarray(x)
 
 

@@ -19,6 +19,10 @@ from attention_np.common import npz
 
 def asarray(x: Any) -> torch.Tensor:
     """NumPy array -> this backend's array, same dtype (torch: a CPU tensor sharing the memory)."""
+    if isinstance(x, np.ndarray):
+        x = x if x.flags.writeable else x.copy()  # torch: a tensor cannot be read-only, so it gets a copy
+        if x.dtype.name == "bfloat16":  # torch: as_tensor refuses ml_dtypes' bfloat16; the same bits, reinterpreted
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
     return torch.as_tensor(x)
 
 
@@ -31,7 +35,7 @@ def to_numpy(x: Any) -> np.ndarray:
         except ImportError:
             raise TypeError("to_numpy of a bfloat16 tensor needs the ml_dtypes package (pip install ml_dtypes), "
                             "as NumPy has no bfloat16 of its own") from None
-        return x.float().numpy().astype(ml_dtypes.bfloat16)  # bfloat16 -> float32 -> bfloat16 is exact
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # the same bits, reinterpreted
     return x.numpy()
 
 
