@@ -6,7 +6,6 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -96,8 +95,8 @@ def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
     checks.probability("dropout_p", dropout_p)
     checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")  # jax: no global RNG to fall back on
-    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    scale = checks.default_scale(scale, q.shape, k.shape)
+    L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
     # no queries, or no keys to see: every output is zeros

@@ -6,8 +6,6 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from attention_np.common import checks
@@ -92,8 +90,8 @@ def _prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     batch = checks.attention_batch(q.shape, k.shape, v.shape)
     checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
     checks.probability("dropout_p", dropout_p)
-    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    scale = checks.default_scale(scale, q.shape, k.shape)
+    L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
     # no queries, or no keys to see: every output is zeros

@@ -52,8 +52,8 @@ def scaled_dot_product_attention_vjp(
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
         dbias None when bias is None.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, weights = scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale)
+    scale = checks.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))

@@ -95,8 +95,8 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     batch = checks.attention_batch(q.shape, k.shape, v.shape)
     checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
     checks.probability("dropout_p", dropout_p)
-    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    scale = checks.default_scale(scale, q.shape, k.shape)
+    L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
     # no queries, or no keys to see: every output is zeros

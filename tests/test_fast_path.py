@@ -143,7 +143,8 @@ def test_fused_call_equals_the_explicit_path(monkeypatch, q_shape, kv_shape, is_
 @pytest.mark.parametrize(("change", "applies"), [
     ({}, True), ({"dtype": "float16"}, True), ({"dtype": "float32"}, False), ({"mask": True}, False),
     ({"bias": True}, False), ({"is_causal": True}, True), ({"is_causal": True, "S": 7}, False), ({"S": 7}, True),
-    ({"E": 12}, False), ({"E": 136}, False), ({"Ev": 16}, False), ({"batch": (2, 0)}, False),
+    ({"E": 12}, False), ({"E": 136}, False), ({"E": 0, "Ev": 0}, False), ({"Ev": 16}, False),
+    ({"batch": (2, 0)}, False),
 ], ids=str)
 def test_fused_kernel_is_chosen_only_where_it_computes_our_result(change, applies):
     pytest.importorskip("jax")
