@@ -1,7 +1,8 @@
 """Conversions between NumPy and this backend's arrays, and state dicts saved as files.
 
-A state dict is saved as an uncompressed `.npz` holding one array per name, read back without pickle,
-so the same file loads into every backend and every array comes back bit for bit.
+A state dict is saved in the one file format of `attention_np.common.npz`: an uncompressed `.npz` holding
+one array per name, read back without pickle, so the same file loads into every backend and every array
+comes back bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_np import arrays as _np_arrays  # the file format is written once, in NumPy
+from attention_np.common import npz
 
 
 def asarray(x: Any) -> jax.Array:
@@ -33,9 +34,9 @@ def to_numpy(x: Any) -> np.ndarray:
 
 def save_state_dict(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
     """Write {name: array} to an `.npz` file (no pickle); load_state_dict of any backend reads it."""
-    _np_arrays.save_state_dict(path, {name: to_numpy(value) for name, value in state.items()})
+    npz.save(path, {name: to_numpy(value) for name, value in state.items()})
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, jax.Array]:
     """Read a file written by save_state_dict into {name: array of this backend}."""
-    return {name: asarray(value) for name, value in _np_arrays.load_state_dict(path).items()}
+    return {name: asarray(value) for name, value in npz.load(path).items()}

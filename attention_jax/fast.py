@@ -14,7 +14,7 @@ inputs, and averages the values of a fully masked row.
 On CUDA, float16 and bfloat16 go to jax.nn.dot_product_attention(implementation="cudnn"), the fused flash
 kernel, where it needs no mask of ours: no mask, no bias, and is_causal only with L = S (the one shape
 where its causal rule and ours agree; no row is then fully masked). It also needs E = Ev, a multiple of 8
-and at most 128. The choice is made when the function is lowered (jax.lax.platform_dependent), so the
+from 8 to 128. The choice is made when the function is lowered (jax.lax.platform_dependent), so the
 same jitted function still runs the formulation below when its inputs live on the CPU. Everything else,
 float32 and float64 included, takes the formulation, float16 and bfloat16 in float32 as on the explicit
 path.
@@ -76,7 +76,7 @@ def _fused_applies(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array 
     L, S, E, Ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     half = q.dtype in (jnp.float16, jnp.bfloat16)
     unmasked = mask is None and bias is None and (L == S or not is_causal)
-    widths = Ev == E and E % 8 == 0 and E <= 128
+    widths = Ev == E and E % 8 == 0 and 0 < E <= 128  # E = 0 (with an explicit scale): the formulation
     return half and unmasked and widths and math.prod(batch) > 0
 
 

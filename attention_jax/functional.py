@@ -6,13 +6,12 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from attention_np import _checks
+from attention_np.common import checks
 
 Rng = jax.Array | None
 
@@ -48,24 +47,18 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
-    batch = _checks.attention_batch(q.shape, k.shape, v.shape)
-    _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    _checks.probability("dropout_p", dropout_p)
-    _checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")
-    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(E) if scale is None else scale
-    if L == 0 or S == 0:  # no queries, or no keys to see: nothing to attend, every output is zeros
-        _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
-        weights = jnp.zeros((*batch, L, S), q.dtype)
-        return jnp.zeros((*batch, L, v.shape[-1]), q.dtype), (weights if need_weights else None)
+    batch, scale, empty = _prepare(q, k, v, mask, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                   need_weights=need_weights, rng=rng)
+    if empty is not None:  # L = 0 or S = 0: nothing to attend
+        return empty
     q, k, v = (_ranked(x, len(batch) + 2) for x in (q, k, v))  # jax: one rank for all, no rank promotion
+    dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
         return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
-    dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
     q, k, v = (x.astype(work) for x in (q, k, v))
-    visible = _visible(mask, bias, is_causal, (*batch, L, S))  # (..., L, S); None: every key
+    visible = _visible(mask, bias, is_causal, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
     scores = (q * scale) @ jnp.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
@@ -92,6 +85,26 @@ def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
     return _ranked(jnp.arange(S), lengths.ndim + 3) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
 
 
+def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None, *,
+             is_causal: bool, scale: float | None, dropout_p: float,
+             need_weights: bool, rng: Rng) -> tuple[tuple, float, tuple | None]:
+    """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
+    (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
+    (else None)."""
+    batch = checks.attention_batch(q.shape, k.shape, v.shape)
+    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    checks.probability("dropout_p", dropout_p)
+    checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")  # jax: no global RNG to fall back on
+    scale = checks.default_scale(scale, q.shape, k.shape)
+    L, S = q.shape[-2], k.shape[-2]
+    if L > 0 and S > 0:
+        return batch, scale, None
+    # no queries, or no keys to see: every output is zeros
+    _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
+    weights = jnp.zeros((*batch, L, S), q.dtype)
+    return batch, scale, (jnp.zeros((*batch, L, v.shape[-1]), q.dtype), weights if need_weights else None)
+
+
 def _dtypes(**arrays: jax.Array) -> dict[str, tuple[str, bool]]:
     """{argument name: (dtype name, is floating)}, for the dtype checks shared by the backends."""
     return {name: (str(x.dtype), jnp.issubdtype(x.dtype, jnp.floating)) for name, x in arrays.items()}
@@ -104,16 +117,16 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, is_causal: bool,
     L, S = scores_shape[-2:]
     visible = None
     if mask is not None:
-        _checks.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
+        checks.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
         mask = jnp.asarray(mask)
         floating = jnp.issubdtype(mask.dtype, jnp.floating)
         binary = jnp.all((mask == 0.0) | (mask == 1.0)) if floating else None
         # jax: under jit the values cannot be seen, of an argument nor of a mask the jitted function captures
-        _checks.binary_mask(floating, None if binary is None or isinstance(binary, jax.core.Tracer) else bool(binary))
+        checks.binary_mask(floating, None if binary is None or isinstance(binary, jax.core.Tracer) else bool(binary))
         visible = _ranked(mask.astype(bool), len(scores_shape))  # nonzero: visible (jax: a cast, as strict
         # promotion forbids mask != 0)
     if bias is not None:
-        _checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
+        checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, _ranked(jnp.asarray(bias) != -jnp.inf, len(scores_shape)))
     if is_causal:
         visible = _both(visible, _ranked(causal_mask(L, S), len(scores_shape)))

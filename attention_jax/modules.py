@@ -3,8 +3,10 @@
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
-Parameter names and layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and
-computes y = x W^T + b; LayerNorm keeps weight (D,) and bias (D,).
+The classes users read come first, MultiHeadAttention and TransformerBlock; the pieces they are built
+from (Linear, LayerNorm, FeedForward, the activation) follow. Parameter names and layouts are those of the
+PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b; LayerNorm keeps weight (D,)
+and bias (D,).
 """
 
 from __future__ import annotations
@@ -18,17 +20,16 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special
 
-from attention_np import _checks
-from attention_np import modules as _np_modules
+from attention_np.common import checks, module
 
 from .arrays import asarray
 from .functional import Rng, _at_least_float32, _dropout, _dtypes, _ranked, _rngs, scaled_dot_product_attention
 
 
-class Module(_np_modules.Module):
+class Module(module.Module):
     """An immutable module: `_children` are arrays or modules, `_settings` are plain Python values."""
 
-    # jax: NumPy's immutable module, registered as a pytree (children are leaves or sub-trees, settings
+    # jax: the shared immutable module, registered as a pytree (children are leaves or sub-trees, settings
     # are static), so jit, vmap and grad take modules as arguments and the gradient of a module is a module
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -47,6 +48,187 @@ class Module(_np_modules.Module):
     def _unflatten(cls, settings: tuple, children: list) -> Any:
         return cls._build(**dict(zip(cls._children, children, strict=True)),
                           **dict(zip(cls._settings, settings, strict=True)))
+
+
+class MultiHeadAttention(Module):
+    """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice."""
+
+    _children = ("w_q", "w_k", "w_v", "w_o")
+    _settings = ("num_heads", "dropout", "training")
+
+    def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
+                 rng: Rng = None, dtype: Any = None) -> None:
+        """Args: sizes as named; dropout on the attention weights; rng and dtype (float32 by default)
+        for the initial parameters, drawn as nn.Linear draws them."""
+        checks.module_sizes(d_model, num_heads)
+        checks.probability("dropout", dropout)
+        rngs, dtype = _rngs(_fresh(rng), 4), jnp.float32 if dtype is None else dtype
+        projections = {name: Linear.initialized(d_model, d_model, rng, dtype)
+                       for name, rng in zip(self._children, rngs, strict=True)}
+        self._init(**projections, num_heads=num_heads, dropout=dropout, training=True)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
+                        dropout: float = 0.1) -> MultiHeadAttention:
+        """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
+        state = {name: asarray(value) for name, value in state.items()}
+        shapes = {name: value.shape for name, value in state.items()}
+        (d_model,) = checks.state_widths(shapes, {"w_q.weight": 1})
+        checks.module_sizes(d_model, num_heads)
+        checks.probability("dropout", dropout)
+        checks.state(cls.__name__, shapes, checks.mha_state_shapes(d_model))
+        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        projections = {name: Linear(state[f"{name}.weight"], state[f"{name}.bias"]) for name in cls._children}
+        return cls._build(**projections, num_heads=num_heads, dropout=dropout, training=True)
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, *,
+                 need_weights: bool = True, rng: Rng = None) -> tuple[jax.Array, jax.Array | None]:
+        """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
+        head_h = Attention(Q W_q,h^T + b_q,h, K W_k,h^T + b_k,h, V W_v,h^T + b_v,h).
+
+        Args:
+            q: queries (..., L, D).
+            k: keys (..., S, D).
+            v: values (..., S, D).
+            mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key.
+            need_weights: return the weights; with False the second result is None.
+            rng: dropout randomness: a jax.random key (required while dropout is active).
+
+        Returns:
+            out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None).
+        """
+        self._check_inputs(q, k, v)
+
+        # 1) project, then split D into H heads of width d_k
+        q = self._split_heads(self.w_q(q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(k))  # (..., S, D) -> (..., H, S, d_k)
+        v = self._split_heads(self.w_v(v))  # (..., S, D) -> (..., H, S, d_k)
+
+        # 2) attend, every head at once
+        dropout_p = self.dropout if self.training else 0.0
+        checks.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
+        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
+                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+
+        # 3) concatenate the heads and mix them
+        return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
+
+    def vjp(self, q: jax.Array, k: jax.Array, v: jax.Array,
+            mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
+        """out, weights and pullback(d_out) -> (dq, dk, dv, {state-dict name: gradient}), without dropout."""
+        from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
+
+        return multi_head_attention_vjp(self, q, k, v, mask)
+
+    def _check_inputs(self, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+        d_model = self.w_q.weight.shape[1]
+        for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
+            checks.module_input(name, x.shape, d_model, letter)
+        checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+
+    def _split_heads(self, x: jax.Array) -> jax.Array:
+        *lead, length, d_model = x.shape
+        x = x.reshape(*lead, length, self.num_heads, d_model // self.num_heads)  # (..., L, H, d_k)
+        return jnp.swapaxes(x, -2, -3)  # (..., L, H, d_k) -> (..., H, L, d_k)
+
+    def _merge_heads(self, x: jax.Array) -> jax.Array:
+        *lead, heads, length, d_k = x.shape
+        return jnp.swapaxes(x, -2, -3).reshape(*lead, length, heads * d_k)  # (..., H, L, d_k) -> (..., L, D)
+
+
+class TransformerBlock(Module):
+    """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
+    with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN)."""
+
+    _children = ("attn", "norm1", "norm2", "ffn")
+    _settings = ("dropout", "norm_first", "training")
+
+    def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
+                 norm_first: bool = False, activation: str = "relu", eps: float = 1e-5,
+                 rng: Rng = None, dtype: Any = None) -> None:
+        """Args: sizes as named; dropout on the attention weights, both residual branches and after the
+        activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
+        rng and dtype (float32 by default) for the initial parameters."""
+        checks.module_sizes(d_model, num_heads, d_ff)
+        checks.probability("dropout", dropout)
+        checks.activation(activation)
+        rngs, dtype = _rngs(_fresh(rng), 3), jnp.float32 if dtype is None else dtype
+        ffn = FeedForward(Linear.initialized(d_model, d_ff, rngs[1], dtype),
+                          Linear.initialized(d_ff, d_model, rngs[2], dtype), activation, dropout)
+        self._init(attn=MultiHeadAttention(d_model, num_heads, dropout, rng=rngs[0], dtype=dtype),
+                   norm1=LayerNorm.initialized(d_model, eps, dtype),
+                   norm2=LayerNorm.initialized(d_model, eps, dtype),
+                   ffn=ffn, dropout=dropout, norm_first=norm_first, training=True)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
+                        norm_first: bool = False, activation: str = "relu",
+                        eps: float = 1e-5) -> TransformerBlock:
+        """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
+        state = {name: asarray(value) for name, value in state.items()}
+        shapes = {name: value.shape for name, value in state.items()}
+        d_model, d_ff = checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
+        checks.module_sizes(d_model, num_heads, d_ff)
+        checks.probability("dropout", dropout)
+        checks.activation(activation)
+        checks.state(cls.__name__, shapes, checks.block_state_shapes(d_model, d_ff))
+        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
+                                                  dropout=dropout)
+        norm1, norm2 = (LayerNorm(state[f"{name}.weight"], state[f"{name}.bias"], eps)
+                        for name in ("norm1", "norm2"))
+        ffn = FeedForward(Linear(state["ffn.0.weight"], state["ffn.0.bias"]),
+                          Linear(state["ffn.3.weight"], state["ffn.3.bias"]), activation, dropout)
+        return cls._build(attn=attn, norm1=norm1, norm2=norm2, ffn=ffn, dropout=dropout,
+                          norm_first=norm_first, training=True)
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, need_weights: bool = True,
+                 rng: Rng = None) -> tuple[jax.Array, jax.Array | None]:
+        """post-LN: x = LN_1(x + Drop(MHA(x))),   x = LN_2(x + Drop(FFN(x)));
+        pre-LN:  x = x + Drop(MHA(LN_1(x))),   x = x + Drop(FFN(LN_2(x))).
+
+        Args:
+            x: inputs (..., L, D).
+            mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key.
+            need_weights: return the attention weights; with False the second result is None.
+            rng: dropout randomness: a jax.random key (required while dropout is active).
+
+        Returns:
+            x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
+        """
+        self._check_input(x)
+        checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)  # jax: no global RNG
+        rngs = _rngs(rng, 4)
+        if self.norm_first:  # pre-LN
+            h, weights = self._attention_branch(self.norm1(x), mask, need_weights, rngs[:2])
+            x = x + h
+            x = x + self._feed_forward_branch(self.norm2(x), rngs[2:])
+        else:  # post-LN, as the original
+            h, weights = self._attention_branch(x, mask, need_weights, rngs[:2])
+            x = self.norm1(x + h)
+            x = self.norm2(x + self._feed_forward_branch(x, rngs[2:]))
+        return x, weights
+
+    def vjp(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
+        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
+        from .gradients import transformer_block_vjp  # the backward passes build on these modules
+
+        return transformer_block_vjp(self, x, mask)
+
+    def _check_input(self, x: jax.Array) -> None:
+        checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+
+    def _attention_branch(self, x: jax.Array, mask: jax.Array | None, need_weights: bool,
+                          rngs: list) -> tuple[jax.Array, jax.Array | None]:
+        """Drop(MHA(x, x, x)) and the attention weights."""
+        h, weights = self.attn(x, x, x, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
+        return _dropout(h, self.dropout if self.training else 0.0, rngs[1]), weights
+
+    def _feed_forward_branch(self, x: jax.Array, rngs: list) -> jax.Array:
+        """Drop(FFN(x))."""
+        h = self.ffn(x, rng=rngs[0])  # (..., L, D) -> (..., L, F) -> (..., L, D)
+        return _dropout(h, self.dropout if self.training else 0.0, rngs[1])
 
 
 class Linear(Module):
@@ -90,92 +272,6 @@ class LayerNorm(Module):
         return ((y - mean) / jnp.sqrt(var + self.eps) * weight + bias).astype(x.dtype)
 
 
-class MultiHeadAttention(Module):
-    """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice."""
-
-    _children = ("w_q", "w_k", "w_v", "w_o")
-    _settings = ("num_heads", "dropout", "training")
-
-    def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
-                 rng: Rng = None, dtype: Any = None) -> None:
-        """Args: sizes as named; dropout on the attention weights; rng and dtype (float32 by default)
-        for the initial parameters, drawn as nn.Linear draws them."""
-        _checks.module_sizes(d_model, num_heads)
-        _checks.probability("dropout", dropout)
-        rngs, dtype = _rngs(_fresh(rng), 4), jnp.float32 if dtype is None else dtype
-        projections = {name: Linear.initialized(d_model, d_model, rng, dtype)
-                       for name, rng in zip(self._children, rngs, strict=True)}
-        self._init(**projections, num_heads=num_heads, dropout=dropout, training=True)
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
-                        dropout: float = 0.1) -> MultiHeadAttention:
-        """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
-        state = {name: asarray(value) for name, value in state.items()}
-        shapes = {name: value.shape for name, value in state.items()}
-        (d_model,) = _checks.state_widths(shapes, {"w_q.weight": 1})
-        _checks.module_sizes(d_model, num_heads)
-        _checks.probability("dropout", dropout)
-        _checks.state(cls.__name__, shapes, _checks.mha_state_shapes(d_model))
-        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
-        projections = {name: Linear(state[f"{name}.weight"], state[f"{name}.bias"]) for name in cls._children}
-        return cls._build(**projections, num_heads=num_heads, dropout=dropout, training=True)
-
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, *,
-                 need_weights: bool = True, rng: Rng = None) -> tuple[jax.Array, jax.Array | None]:
-        """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
-        head_h = Attention(Q W_q,h^T + b_q,h, K W_k,h^T + b_k,h, V W_v,h^T + b_v,h).
-
-        Args:
-            q: queries (..., L, D).
-            k: keys (..., S, D).
-            v: values (..., S, D).
-            mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key.
-            need_weights: return the weights; with False the second result is None.
-            rng: dropout randomness: a jax.random key (required while dropout is active).
-
-        Returns:
-            out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None).
-        """
-        self._check_inputs(q, k, v)
-
-        # 1) project, then split D into H heads of width d_k
-        q = self._split_heads(self.w_q(q))  # (..., L, D) -> (..., H, L, d_k)
-        k = self._split_heads(self.w_k(k))  # (..., S, D) -> (..., H, S, d_k)
-        v = self._split_heads(self.w_v(v))  # (..., S, D) -> (..., H, S, d_k)
-
-        # 2) attend, every head at once
-        dropout_p = self.dropout if self.training else 0.0
-        _checks.dropout_rng(dropout_p, rng, type(self).__name__)
-        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
-                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
-
-        # 3) concatenate the heads and mix them
-        return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
-
-    def vjp(self, q: jax.Array, k: jax.Array, v: jax.Array,
-            mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
-        """out, weights and pullback(d_out) -> (dq, dk, dv, {state-dict name: gradient}), without dropout."""
-        from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
-
-        return multi_head_attention_vjp(self, q, k, v, mask)
-
-    def _check_inputs(self, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
-        d_model = self.w_q.weight.shape[1]
-        for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            _checks.module_input(name, x.shape, d_model, letter)
-        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
-
-    def _split_heads(self, x: jax.Array) -> jax.Array:
-        *lead, length, d_model = x.shape
-        x = x.reshape(*lead, length, self.num_heads, d_model // self.num_heads)  # (..., L, H, d_k)
-        return jnp.swapaxes(x, -2, -3)  # (..., L, H, d_k) -> (..., H, L, d_k)
-
-    def _merge_heads(self, x: jax.Array) -> jax.Array:
-        *lead, heads, length, d_k = x.shape
-        return jnp.swapaxes(x, -2, -3).reshape(*lead, length, heads * d_k)  # (..., H, L, d_k) -> (..., L, D)
-
-
 class FeedForward(Module):
     """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
     the original nn.Sequential(Linear, activation, Dropout, Linear)."""
@@ -192,99 +288,6 @@ class FeedForward(Module):
         h = _activation(self.activation, self.linear1(x))  # (..., L, D) -> (..., L, F)
         h = _dropout(h, self.dropout if self.training else 0.0, rng)
         return self.linear2(h)  # (..., L, F) -> (..., L, D)
-
-
-class TransformerBlock(Module):
-    """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
-    with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN)."""
-
-    _children = ("attn", "norm1", "norm2", "ffn")
-    _settings = ("dropout", "norm_first", "training")
-
-    def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
-                 norm_first: bool = False, activation: str = "relu", eps: float = 1e-5,
-                 rng: Rng = None, dtype: Any = None) -> None:
-        """Args: sizes as named; dropout on the attention weights, both residual branches and after the
-        activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
-        rng and dtype (float32 by default) for the initial parameters."""
-        _checks.module_sizes(d_model, num_heads, d_ff)
-        _checks.activation(activation)
-        rngs, dtype = _rngs(_fresh(rng), 3), jnp.float32 if dtype is None else dtype
-        ffn = FeedForward(Linear.initialized(d_model, d_ff, rngs[1], dtype),
-                          Linear.initialized(d_ff, d_model, rngs[2], dtype), activation, dropout)
-        self._init(attn=MultiHeadAttention(d_model, num_heads, dropout, rng=rngs[0], dtype=dtype),
-                   norm1=LayerNorm.initialized(d_model, eps, dtype),
-                   norm2=LayerNorm.initialized(d_model, eps, dtype),
-                   ffn=ffn, dropout=dropout, norm_first=norm_first, training=True)
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
-                        norm_first: bool = False, activation: str = "relu",
-                        eps: float = 1e-5) -> TransformerBlock:
-        """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
-        state = {name: asarray(value) for name, value in state.items()}
-        shapes = {name: value.shape for name, value in state.items()}
-        d_model, d_ff = _checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
-        _checks.module_sizes(d_model, num_heads, d_ff)
-        _checks.activation(activation)
-        _checks.state(cls.__name__, shapes, _checks.block_state_shapes(d_model, d_ff))
-        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
-        attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
-                                                  dropout=dropout)
-        norm1, norm2 = (LayerNorm(state[f"{name}.weight"], state[f"{name}.bias"], eps)
-                        for name in ("norm1", "norm2"))
-        ffn = FeedForward(Linear(state["ffn.0.weight"], state["ffn.0.bias"]),
-                          Linear(state["ffn.3.weight"], state["ffn.3.bias"]), activation, dropout)
-        return cls._build(attn=attn, norm1=norm1, norm2=norm2, ffn=ffn, dropout=dropout,
-                          norm_first=norm_first, training=True)
-
-    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, need_weights: bool = True,
-                 rng: Rng = None) -> tuple[jax.Array, jax.Array | None]:
-        """post-LN: x = LN_1(x + Drop(MHA(x))),   x = LN_2(x + Drop(FFN(x)));
-        pre-LN:  x = x + Drop(MHA(LN_1(x))),   x = x + Drop(FFN(LN_2(x))).
-
-        Args:
-            x: inputs (..., L, D).
-            mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key.
-            need_weights: return the attention weights; with False the second result is None.
-            rng: dropout randomness: a jax.random key (required while dropout is active).
-
-        Returns:
-            x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
-        """
-        self._check_input(x)
-        _checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)
-        rngs = _rngs(rng, 4)
-        if self.norm_first:  # pre-LN
-            h, weights = self._attention_branch(self.norm1(x), mask, need_weights, rngs[:2])
-            x = x + h
-            x = x + self._feed_forward_branch(self.norm2(x), rngs[2:])
-        else:  # post-LN, as the original
-            h, weights = self._attention_branch(x, mask, need_weights, rngs[:2])
-            x = self.norm1(x + h)
-            x = self.norm2(x + self._feed_forward_branch(x, rngs[2:]))
-        return x, weights
-
-    def vjp(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
-        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
-        from .gradients import transformer_block_vjp  # the backward passes build on these modules
-
-        return transformer_block_vjp(self, x, mask)
-
-    def _check_input(self, x: jax.Array) -> None:
-        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
-        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
-
-    def _attention_branch(self, x: jax.Array, mask: jax.Array | None, need_weights: bool,
-                          rngs: list) -> tuple[jax.Array, jax.Array | None]:
-        """Drop(MHA(x, x, x)) and the attention weights."""
-        h, weights = self.attn(x, x, x, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
-        return _dropout(h, self.dropout if self.training else 0.0, rngs[1]), weights
-
-    def _feed_forward_branch(self, x: jax.Array, rngs: list) -> jax.Array:
-        """Drop(FFN(x))."""
-        h = self.ffn(x, rng=rngs[0])  # (..., L, D) -> (..., L, F) -> (..., L, D)
-        return _dropout(h, self.dropout if self.training else 0.0, rngs[1])
 
 
 def _activation(name: str, x: jax.Array) -> jax.Array:

@@ -1,7 +1,8 @@
 """Conversions between NumPy and this backend's arrays, and state dicts saved as files.
 
-A state dict is saved as an uncompressed `.npz` holding one array per name, read back without pickle,
-so the same file loads into every backend and every array comes back bit for bit.
+A state dict is saved in the one file format of `attention_np.common.npz`: an uncompressed `.npz` holding
+one array per name, read back without pickle, so the same file loads into every backend and every array
+comes back bit for bit.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from attention_np.common import npz
+
 
 def asarray(x: Any) -> np.ndarray:
-    """NumPy array -> this backend's array, same dtype (NumPy: the array itself)."""
+    """NumPy array -> this backend's array, same dtype (NumPy: the array itself; ml_dtypes' bfloat16 too, which
+    the NumPy backend holds but does not compute with: its functions take float16, float32 and float64)."""
     return np.asarray(x)
 
 
@@ -25,11 +29,9 @@ def to_numpy(x: Any) -> np.ndarray:
 
 def save_state_dict(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
     """Write {name: array} to an `.npz` file (no pickle); load_state_dict of any backend reads it."""
-    with open(path, "wb") as file:  # a file object, so that np.savez keeps the path as given
-        np.savez(file, **{name: to_numpy(value) for name, value in state.items()})
+    npz.save(path, {name: to_numpy(value) for name, value in state.items()})
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read a file written by save_state_dict into {name: array of this backend}."""
-    with np.load(path, allow_pickle=False) as arrays:
-        return {name: asarray(arrays[name]) for name in arrays.files}
+    return {name: asarray(value) for name, value in npz.load(path).items()}

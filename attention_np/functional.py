@@ -6,11 +6,9 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from . import _checks
+from attention_np.common import checks
 
 Rng = np.random.Generator | int | None
 
@@ -46,22 +44,17 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
-    batch = _checks.attention_batch(q.shape, k.shape, v.shape)
-    _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    _checks.probability("dropout_p", dropout_p)
-    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(E) if scale is None else scale
-    if L == 0 or S == 0:  # no queries, or no keys to see: nothing to attend, every output is zeros
-        _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
-        weights = np.zeros((*batch, L, S), q.dtype)
-        return np.zeros((*batch, L, v.shape[-1]), q.dtype), (weights if need_weights else None)
+    batch, scale, empty = _prepare(q, k, v, mask, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                   need_weights=need_weights)
+    if empty is not None:  # L = 0 or S = 0: nothing to attend
+        return empty
+    dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
         return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
-    dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
-    visible = _visible(mask, bias, is_causal, (*batch, L, S))  # (..., L, S); None: every key
+    visible = _visible(mask, bias, is_causal, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
     scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
@@ -88,6 +81,25 @@ def padding_mask(lengths: np.ndarray, S: int) -> np.ndarray:
     return np.arange(S) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
 
 
+def _prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None, *,
+             is_causal: bool, scale: float | None, dropout_p: float,
+             need_weights: bool) -> tuple[tuple, float, tuple | None]:
+    """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
+    (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
+    (else None)."""
+    batch = checks.attention_batch(q.shape, k.shape, v.shape)
+    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    checks.probability("dropout_p", dropout_p)
+    scale = checks.default_scale(scale, q.shape, k.shape)
+    L, S = q.shape[-2], k.shape[-2]
+    if L > 0 and S > 0:
+        return batch, scale, None
+    # no queries, or no keys to see: every output is zeros
+    _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
+    weights = np.zeros((*batch, L, S), q.dtype)
+    return batch, scale, (np.zeros((*batch, L, v.shape[-1]), q.dtype), weights if need_weights else None)
+
+
 def _dtypes(**arrays: np.ndarray) -> dict[str, tuple[str, bool]]:
     """{argument name: (dtype name, is floating)}, for the dtype checks shared by the backends."""
     return {name: (str(x.dtype), np.issubdtype(x.dtype, np.floating)) for name, x in arrays.items()}
@@ -100,12 +112,12 @@ def _visible(mask: np.ndarray | None, bias: np.ndarray | None, is_causal: bool,
     L, S = scores_shape[-2:]
     visible = None
     if mask is not None:
-        _checks.broadcasts_to("mask", np.shape(mask), scores_shape, "..., L, S")
+        checks.broadcasts_to("mask", np.shape(mask), scores_shape, "..., L, S")
         mask = np.asarray(mask)
-        _checks.binary_mask(np.issubdtype(mask.dtype, np.floating), bool(np.all((mask == 0) | (mask == 1))))
+        checks.binary_mask(np.issubdtype(mask.dtype, np.floating), bool(np.all((mask == 0) | (mask == 1))))
         visible = mask != 0
     if bias is not None:
-        _checks.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
+        checks.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, np.asarray(bias) != -np.inf)
     if is_causal:
         visible = _both(visible, causal_mask(L, S))

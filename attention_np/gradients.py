@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks
+from attention_np.common import checks
+
 from .functional import _dtypes, scaled_dot_product_attention
 from .modules import _activation, _erf
 
@@ -51,11 +52,11 @@ def scaled_dot_product_attention_vjp(
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
         dbias None when bias is None.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, weights = scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale)
+    scale = checks.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         # 1) through the value product O = P V
         dv = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)
         d_weights = d_out @ np.swapaxes(v, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
@@ -80,7 +81,7 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
         out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
         dparams {state-dict name: gradient}.
     """
-    _checks.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
+    checks.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
     mha._check_inputs(q, k, v)
     (q_p, pull_q), (k_p, pull_k), (v_p, pull_v) = (_linear_vjp(w, x) for w, x in
                                                   ((mha.w_q, q), (mha.w_k, k), (mha.w_v, v)))
@@ -89,7 +90,7 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
-        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_merged, grads_o = pull_o(d_out)  # (..., L, D)
         dq_h, dk_h, dv_h, _ = pull_attention(mha._split_heads(d_merged))  # (..., H, L|S, d_k)
         (dq, grads_q), (dk, grads_k), (dv, grads_v) = (
@@ -112,13 +113,13 @@ def transformer_block_vjp(block: Any, x: np.ndarray,
     Returns:
         y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
     """
-    _checks.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
+    checks.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
     block._check_input(x)
     forward = _pre_ln_vjp if block.norm_first else _post_ln_vjp
     y, weights, pullback = forward(block, x, mask)
 
     def checked(d_out: np.ndarray) -> tuple[np.ndarray, Grads]:
-        _checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
+        checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         dx, grads = pullback(d_out)
         return dx, {name: grads[name] for name in block.state_dict()}  # in state-dict order
 

@@ -3,8 +3,10 @@
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
-Parameter names and layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and
-computes y = x W^T + b; LayerNorm keeps weight (D,) and bias (D,).
+The classes users read come first, MultiHeadAttention and TransformerBlock; the pieces they are built
+from (Linear, LayerNorm, FeedForward, the activation) follow. Parameter names and layouts are those of the
+PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b; LayerNorm keeps weight (D,)
+and bias (D,).
 """
 
 from __future__ import annotations
@@ -15,100 +17,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _checks
+from attention_np.common import checks
+from attention_np.common.module import Module
+
 from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attention
-
-
-class Module:
-    """An immutable module: `_children` are arrays or modules, `_settings` are plain Python values."""
-
-    _children: tuple[str, ...] = ()  # parameters and sub-modules, in state-dict order
-    _settings: tuple[str, ...] = ()  # hyper-parameters and the training flag
-    _state_names: ClassVar[Mapping[str, str]] = {}  # a child whose state-dict name differs from its attribute
-
-    def _init(self, **fields: Any) -> None:
-        for name, value in fields.items():
-            object.__setattr__(self, name, _owned(value) if isinstance(value, np.ndarray) else value)
-
-    @classmethod
-    def _build(cls, **fields: Any) -> Any:
-        module = object.__new__(cls)
-        module._init(**fields)
-        return module
-
-    def _replace(self, **changes: Any) -> Any:
-        fields = {name: getattr(self, name) for name in self._children + self._settings}
-        return self._build(**(fields | changes))
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"{type(self).__name__} is immutable: eval(), train() and from_state_dict() "
-                             "return new modules")
-
-    def __repr__(self) -> str:
-        settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._settings)
-        return f"{type(self).__name__}({settings})"
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """{name: array}, with the names and layouts of the PyTorch classes."""
-        state = {}
-        for name in self._children:
-            child, prefix = getattr(self, name), self._state_names.get(name, name)
-            if isinstance(child, Module):
-                state |= {f"{prefix}.{key}": value for key, value in child.state_dict().items()}
-            else:
-                state[prefix] = child
-        return state
-
-    def train(self, mode: bool = True) -> Any:
-        """This module in training mode (dropout active), or in inference mode with mode=False."""
-        changes = {name: getattr(self, name).train(mode) for name in self._children
-                   if isinstance(getattr(self, name), Module)}
-        return self._replace(**changes, **({"training": mode} if "training" in self._settings else {}))
-
-    def eval(self) -> Any:
-        """This module in inference mode: no dropout."""
-        return self.train(False)
-
-
-class Linear(Module):
-    """y = x W^T + b, with weight W (out, in) and bias b (out,)."""
-
-    _children = ("weight", "bias")
-
-    def __init__(self, weight: np.ndarray, bias: np.ndarray) -> None:
-        self._init(weight=weight, bias=bias)
-
-    @classmethod
-    def initialized(cls, d_in: int, d_out: int, rng: np.random.Generator, dtype: Any) -> Linear:
-        """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
-        bound, (rng_weight, rng_bias) = 1 / math.sqrt(d_in), _rngs(rng, 2)
-        weight = rng_weight.uniform(-bound, bound, (d_out, d_in)).astype(dtype)  # (out, in)
-        return cls(weight, rng_bias.uniform(-bound, bound, d_out).astype(dtype))
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return x @ self.weight.T + self.bias  # (..., in) x (in, out) -> (..., out)
-
-
-class LayerNorm(Module):
-    """LayerNorm(x) = (x - mean) / sqrt(var + eps) * weight + bias, over the last axis (biased variance)."""
-
-    _children = ("weight", "bias")
-    _settings = ("eps",)
-
-    def __init__(self, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-5) -> None:
-        self._init(weight=weight, bias=bias, eps=eps)
-
-    @classmethod
-    def initialized(cls, d_model: int, eps: float, dtype: Any) -> LayerNorm:
-        """nn.LayerNorm's default: weight ones, bias zeros."""
-        return cls(np.ones(d_model, dtype), np.zeros(d_model, dtype), eps)
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        y = x.astype(np.promote_types(x.dtype, np.float32), copy=False)  # statistics in at least float32
-        mean = np.mean(y, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
-        var = np.mean((y - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
-        return ((y - mean) / np.sqrt(var + self.eps) * self.weight + self.bias).astype(x.dtype, copy=False)
 
 
 class MultiHeadAttention(Module):
@@ -121,8 +34,8 @@ class MultiHeadAttention(Module):
                  rng: Rng = None, dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights; rng and dtype (float32 by default)
         for the initial parameters, drawn as nn.Linear draws them."""
-        _checks.module_sizes(d_model, num_heads)
-        _checks.probability("dropout", dropout)
+        checks.module_sizes(d_model, num_heads)
+        checks.probability("dropout", dropout)
         rngs, dtype = _rngs(rng, 4), np.float32 if dtype is None else dtype
         projections = {name: Linear.initialized(d_model, d_model, rng, dtype)
                        for name, rng in zip(self._children, rngs, strict=True)}
@@ -134,11 +47,11 @@ class MultiHeadAttention(Module):
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        (d_model,) = _checks.state_widths(shapes, {"w_q.weight": 1})
-        _checks.module_sizes(d_model, num_heads)
-        _checks.probability("dropout", dropout)
-        _checks.state(cls.__name__, shapes, _checks.mha_state_shapes(d_model))
-        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        (d_model,) = checks.state_widths(shapes, {"w_q.weight": 1})
+        checks.module_sizes(d_model, num_heads)
+        checks.probability("dropout", dropout)
+        checks.state(cls.__name__, shapes, checks.mha_state_shapes(d_model))
+        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         projections = {name: Linear(state[f"{name}.weight"], state[f"{name}.bias"]) for name in cls._children}
         return cls._build(**projections, num_heads=num_heads, dropout=dropout, training=True)
 
@@ -183,8 +96,8 @@ class MultiHeadAttention(Module):
     def _check_inputs(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         d_model = self.w_q.weight.shape[1]
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            _checks.module_input(name, x.shape, d_model, letter)
-        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+            checks.module_input(name, x.shape, d_model, letter)
+        checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
 
     def _split_heads(self, x: np.ndarray) -> np.ndarray:
         *lead, length, d_model = x.shape
@@ -194,24 +107,6 @@ class MultiHeadAttention(Module):
     def _merge_heads(self, x: np.ndarray) -> np.ndarray:
         *lead, heads, length, d_k = x.shape
         return np.swapaxes(x, -2, -3).reshape(*lead, length, heads * d_k)  # (..., H, L, d_k) -> (..., L, D)
-
-
-class FeedForward(Module):
-    """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
-    the original nn.Sequential(Linear, activation, Dropout, Linear)."""
-
-    _children = ("linear1", "linear2")
-    _settings = ("activation", "dropout", "training")
-    _state_names: ClassVar[Mapping[str, str]] = {"linear1": "0", "linear2": "3"}
-
-    def __init__(self, linear1: Linear, linear2: Linear, activation: str = "relu",
-                 dropout: float = 0.0) -> None:
-        self._init(linear1=linear1, linear2=linear2, activation=activation, dropout=dropout, training=True)
-
-    def __call__(self, x: np.ndarray, *, rng: Rng = None) -> np.ndarray:
-        h = _activation(self.activation, self.linear1(x))  # (..., L, D) -> (..., L, F)
-        h = _dropout(h, self.dropout if self.training else 0.0, rng)
-        return self.linear2(h)  # (..., L, F) -> (..., L, D)
 
 
 class TransformerBlock(Module):
@@ -227,8 +122,9 @@ class TransformerBlock(Module):
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
         activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
         rng and dtype (float32 by default) for the initial parameters."""
-        _checks.module_sizes(d_model, num_heads, d_ff)
-        _checks.activation(activation)
+        checks.module_sizes(d_model, num_heads, d_ff)
+        checks.probability("dropout", dropout)
+        checks.activation(activation)
         rngs, dtype = _rngs(rng, 3), np.float32 if dtype is None else dtype
         ffn = FeedForward(Linear.initialized(d_model, d_ff, rngs[1], dtype),
                           Linear.initialized(d_ff, d_model, rngs[2], dtype), activation, dropout)
@@ -244,11 +140,12 @@ class TransformerBlock(Module):
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        d_model, d_ff = _checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
-        _checks.module_sizes(d_model, num_heads, d_ff)
-        _checks.activation(activation)
-        _checks.state(cls.__name__, shapes, _checks.block_state_shapes(d_model, d_ff))
-        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        d_model, d_ff = checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
+        checks.module_sizes(d_model, num_heads, d_ff)
+        checks.probability("dropout", dropout)
+        checks.activation(activation)
+        checks.state(cls.__name__, shapes, checks.block_state_shapes(d_model, d_ff))
+        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
                                                   dropout=dropout)
         norm1, norm2 = (LayerNorm(state[f"{name}.weight"], state[f"{name}.bias"], eps)
@@ -291,8 +188,8 @@ class TransformerBlock(Module):
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: np.ndarray) -> None:
-        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
-        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
 
     def _attention_branch(self, x: np.ndarray, mask: np.ndarray | None, need_weights: bool,
                           rngs: list) -> tuple[np.ndarray, np.ndarray | None]:
@@ -304,6 +201,64 @@ class TransformerBlock(Module):
         """Drop(FFN(x))."""
         h = self.ffn(x, rng=rngs[0])  # (..., L, D) -> (..., L, F) -> (..., L, D)
         return _dropout(h, self.dropout if self.training else 0.0, rngs[1])
+
+
+class Linear(Module):
+    """y = x W^T + b, with weight W (out, in) and bias b (out,)."""
+
+    _children = ("weight", "bias")
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray) -> None:
+        self._init(weight=weight, bias=bias)
+
+    @classmethod
+    def initialized(cls, d_in: int, d_out: int, rng: np.random.Generator, dtype: Any) -> Linear:
+        """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
+        bound, (rng_weight, rng_bias) = 1 / math.sqrt(d_in), _rngs(rng, 2)
+        weight = rng_weight.uniform(-bound, bound, (d_out, d_in)).astype(dtype)  # (out, in)
+        return cls(weight, rng_bias.uniform(-bound, bound, d_out).astype(dtype))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return x @ self.weight.T + self.bias  # (..., in) x (in, out) -> (..., out)
+
+
+class LayerNorm(Module):
+    """LayerNorm(x) = (x - mean) / sqrt(var + eps) * weight + bias, over the last axis (biased variance)."""
+
+    _children = ("weight", "bias")
+    _settings = ("eps",)
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-5) -> None:
+        self._init(weight=weight, bias=bias, eps=eps)
+
+    @classmethod
+    def initialized(cls, d_model: int, eps: float, dtype: Any) -> LayerNorm:
+        """nn.LayerNorm's default: weight ones, bias zeros."""
+        return cls(np.ones(d_model, dtype), np.zeros(d_model, dtype), eps)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = x.astype(np.promote_types(x.dtype, np.float32), copy=False)  # statistics in at least float32
+        mean = np.mean(y, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+        var = np.mean((y - mean) ** 2, axis=-1, keepdims=True)  # biased: divide by D, not D - 1
+        return ((y - mean) / np.sqrt(var + self.eps) * self.weight + self.bias).astype(x.dtype, copy=False)
+
+
+class FeedForward(Module):
+    """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
+    the original nn.Sequential(Linear, activation, Dropout, Linear)."""
+
+    _children = ("linear1", "linear2")
+    _settings = ("activation", "dropout", "training")
+    _state_names: ClassVar[Mapping[str, str]] = {"linear1": "0", "linear2": "3"}
+
+    def __init__(self, linear1: Linear, linear2: Linear, activation: str = "relu",
+                 dropout: float = 0.0) -> None:
+        self._init(linear1=linear1, linear2=linear2, activation=activation, dropout=dropout, training=True)
+
+    def __call__(self, x: np.ndarray, *, rng: Rng = None) -> np.ndarray:
+        h = _activation(self.activation, self.linear1(x))  # (..., L, D) -> (..., L, F)
+        h = _dropout(h, self.dropout if self.training else 0.0, rng)
+        return self.linear2(h)  # (..., L, F) -> (..., L, D)
 
 
 def _activation(name: str, x: np.ndarray) -> np.ndarray:
@@ -322,13 +277,3 @@ def _prefixed(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     """The entries under `prefix.`, with the prefix removed."""
     return {name.removeprefix(f"{prefix}."): value for name, value in state.items()
             if name.startswith(f"{prefix}.")}
-
-
-def _owned(x: np.ndarray) -> np.ndarray:
-    """A parameter the module owns: a read-only copy, unless x already is one (a module's own, passed on by
-    eval(), train() or a sibling), so neither the caller's array nor the state_dict() it returns can change
-    an immutable module."""
-    if x.flags.writeable or x.base is not None:
-        x = np.array(x)
-        x.flags.writeable = False
-    return x

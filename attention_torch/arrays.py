@@ -1,7 +1,8 @@
 """Conversions between NumPy and this backend's arrays, and state dicts saved as files.
 
-A state dict is saved as an uncompressed `.npz` holding one array per name, read back without pickle,
-so the same file loads into every backend and every array comes back bit for bit.
+A state dict is saved in the one file format of `attention_np.common.npz`: an uncompressed `.npz` holding
+one array per name, read back without pickle, so the same file loads into every backend and every array
+comes back bit for bit.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from attention_np import arrays as _np_arrays  # the file format is written once, in NumPy
+from attention_np.common import npz
 
 
 def asarray(x: Any) -> torch.Tensor:
     """NumPy array -> this backend's array, same dtype (torch: a CPU tensor sharing the memory)."""
+    if isinstance(x, np.ndarray):
+        x = x if x.flags.writeable else x.copy()  # torch: a tensor cannot be read-only, so it gets a copy
+        if x.dtype.name == "bfloat16":  # torch: as_tensor refuses ml_dtypes' bfloat16; the same bits, reinterpreted
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
     return torch.as_tensor(x)
 
 
@@ -30,15 +35,15 @@ def to_numpy(x: Any) -> np.ndarray:
         except ImportError:
             raise TypeError("to_numpy of a bfloat16 tensor needs the ml_dtypes package (pip install ml_dtypes), "
                             "as NumPy has no bfloat16 of its own") from None
-        return x.float().numpy().astype(ml_dtypes.bfloat16)  # bfloat16 -> float32 -> bfloat16 is exact
+        return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # the same bits, reinterpreted
     return x.numpy()
 
 
 def save_state_dict(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
     """Write {name: array} to an `.npz` file (no pickle); load_state_dict of any backend reads it."""
-    _np_arrays.save_state_dict(path, {name: to_numpy(value) for name, value in state.items()})
+    npz.save(path, {name: to_numpy(value) for name, value in state.items()})
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Read a file written by save_state_dict into {name: array of this backend}."""
-    return {name: asarray(value) for name, value in _np_arrays.load_state_dict(path).items()}
+    return {name: asarray(value) for name, value in npz.load(path).items()}

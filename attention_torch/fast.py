@@ -38,6 +38,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if bias is not None:
         bias = torch.as_tensor(bias, dtype=q.dtype, device=q.device)
     attn_mask = visible if bias is None else torch.where(visible, bias, -math.inf)
+    attn_mask = attn_mask[(None,) * (q.ndim - attn_mask.ndim)]  # torch: at q's rank, as the kernel raised
+    # IndexError for an (S,) mask with inputs of rank 4
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)  # (..., L, Ev)
     return torch.where(visible.any(dim=-1, keepdim=True), out, 0).to(dtype)  # a fully masked row: zeros
 

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from attention_np import _checks
+from attention_np.common import checks
 
 Rng = torch.Generator | None
 
@@ -46,16 +46,10 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
-    batch = _checks.attention_batch(q.shape, k.shape, v.shape)
-    _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    _checks.probability("dropout_p", dropout_p)
-    L, S, E = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(E) if scale is None else scale
-    if L == 0 or S == 0:  # no queries, or no keys to see: nothing to attend, every output is zeros
-        _visible(mask, bias, is_causal, (*batch, L, S), q.device)  # the masks' shapes are still checked
-        # torch: made from q, k and v, not new zeros, so that autograd reaches them (with zero gradients)
-        weights = (q @ k.transpose(-1, -2)).expand(*batch, L, S).contiguous()  # (..., L, S), empty
-        return weights @ v, (weights if need_weights else None)  # out (..., L, Ev): zeros, or empty
+    batch, scale, empty = _prepare(q, k, v, mask, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                   need_weights=need_weights)
+    if empty is not None:  # L = 0 or S = 0: nothing to attend
+        return empty
     dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: sums, softmax in float32
     # torch: the fused kernel returns finite rows for a NaN query, and its -inf masking lets a hidden NaN key
     # reach rows that do not see it, so a NaN or inf in q or k keeps the explicit path (their sum is then
@@ -65,7 +59,7 @@ def scaled_dot_product_attention(
 
         return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
     q, k, v = (x.to(work) for x in (q, k, v))
-    visible = _visible(mask, bias, is_causal, (*batch, L, S), q.device)  # (..., L, S); None: every key
+    visible = _visible(mask, bias, is_causal, (*batch, q.shape[-2], k.shape[-2]), q.device)  # None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
     scores = (q * scale) @ k.transpose(-1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
@@ -92,6 +86,26 @@ def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
     return torch.arange(S, device=lengths.device) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
 
 
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None, *,
+             is_causal: bool, scale: float | None, dropout_p: float,
+             need_weights: bool) -> tuple[tuple, float, tuple | None]:
+    """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
+    (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
+    (else None)."""
+    batch = checks.attention_batch(q.shape, k.shape, v.shape)
+    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    checks.probability("dropout_p", dropout_p)
+    scale = checks.default_scale(scale, q.shape, k.shape)
+    L, S = q.shape[-2], k.shape[-2]
+    if L > 0 and S > 0:
+        return batch, scale, None
+    # no queries, or no keys to see: every output is zeros
+    _visible(mask, bias, is_causal, (*batch, L, S), q.device)  # the masks' shapes are still checked
+    # torch: made from q, k and v, not new zeros, so that autograd reaches them (with zero gradients)
+    weights = (q @ k.transpose(-1, -2)).expand(*batch, L, S).contiguous()  # (..., L, S), empty
+    return batch, scale, (weights @ v, weights if need_weights else None)  # out (..., L, Ev): zeros, or empty
+
+
 def _dtypes(**arrays: torch.Tensor) -> dict[str, tuple[str, bool]]:
     """{argument name: (dtype name, is floating)}, for the dtype checks shared by the backends."""
     return {name: (str(x.dtype), x.is_floating_point()) for name, x in arrays.items()}
@@ -104,12 +118,12 @@ def _visible(mask: torch.Tensor | None, bias: torch.Tensor | None, is_causal: bo
     L, S = scores_shape[-2:]
     visible = None
     if mask is not None:
-        _checks.broadcasts_to("mask", mask.shape, scores_shape, "..., L, S")
+        checks.broadcasts_to("mask", mask.shape, scores_shape, "..., L, S")
         mask = torch.as_tensor(mask, device=device)
-        _checks.binary_mask(mask.is_floating_point(), bool(((mask == 0) | (mask == 1)).all()))
+        checks.binary_mask(mask.is_floating_point(), bool(((mask == 0) | (mask == 1)).all()))
         visible = mask != 0
     if bias is not None:
-        _checks.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
+        checks.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
         visible = _both(visible, torch.as_tensor(bias, device=device) != -math.inf)
     if is_causal:
         visible = _both(visible, causal_mask(L, S).to(device))  # torch: masks are made on the CPU

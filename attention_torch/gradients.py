@@ -6,17 +6,20 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 The same functions as the NumPy backend's, whose backward passes are derived by hand; here autograd
 differentiates the forward code itself, so nothing is written twice. Modules are differentiated
-without dropout: in eval mode, or with dropout 0.
+without dropout: in eval mode, or with dropout 0. Autograd records the forward pass wherever the vjp is
+called, also inside torch.no_grad() and torch.inference_mode(): it leaves them for its own work, and copies
+the inference tensors among the inputs and parameters (made in inference mode), which cannot join a graph.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from attention_np import _checks
+from attention_np.common import checks
 
 from .functional import _dtypes, scaled_dot_product_attention
 
@@ -43,13 +46,13 @@ def scaled_dot_product_attention_vjp(
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
         dbias None when bias is None.
     """
-    inputs = [_leaf(x) for x in (q, k, v, bias) if x is not None]
-    with torch.enable_grad():  # torch: autograd records the forward, even inside torch.no_grad()
+    with _recording():
+        inputs = [_leaf(x) for x in (q, k, v, bias) if x is not None]
         out, weights = scaled_dot_product_attention(*inputs[:3], mask, bias=None if bias is None else inputs[3],
                                                     is_causal=is_causal, scale=scale)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, *dbias = _grad(out, inputs, d_out)
         return dq, dk, dv, dbias[0] if dbias else None
 
@@ -65,13 +68,13 @@ def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torc
         out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
         dparams {state-dict name: gradient}.
     """
-    _checks.no_dropout(type(mha).__name__, _active_dropout(mha))
-    inputs, params = [_leaf(x) for x in (q, k, v)], _leaves(mha)
-    with torch.enable_grad():
+    checks.no_dropout(type(mha).__name__, _active_dropout(mha))
+    with _recording():
+        inputs, params = [_leaf(x) for x in (q, k, v)], _leaves(mha)
         out, weights = torch.func.functional_call(mha, params, (*inputs, mask))
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Grads]:
-        _checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, *grads = _grad(out, [*inputs, *params.values()], d_out)
         return dq, dk, dv, dict(zip(params, grads, strict=True))
 
@@ -85,22 +88,32 @@ def transformer_block_vjp(block: Any, x: torch.Tensor,
     Returns:
         y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
     """
-    _checks.no_dropout(type(block).__name__, _active_dropout(block))
-    x, params = _leaf(x), _leaves(block)
-    with torch.enable_grad():
+    checks.no_dropout(type(block).__name__, _active_dropout(block))
+    with _recording():
+        x, params = _leaf(x), _leaves(block)
         y, weights = torch.func.functional_call(block, params, (x, mask))
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, Grads]:
-        _checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
+        checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         dx, *grads = _grad(y, [x, *params.values()], d_out)
         return dx, dict(zip(params, grads, strict=True))
 
     return y.detach(), weights.detach(), pullback
 
 
+@contextlib.contextmanager
+def _recording() -> Iterator[None]:
+    """torch: autograd records what runs inside, even where the caller is in torch.no_grad() or
+    torch.inference_mode()."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
 def _leaf(x: torch.Tensor) -> torch.Tensor:
-    """x as a new leaf of the autograd graph, so gradients stop there."""
-    return torch.as_tensor(x).detach().requires_grad_()
+    """x as a new leaf of the autograd graph, so gradients stop there; an inference tensor (made under
+    torch.inference_mode()) as a copy, which can join a graph. Called while _recording()."""
+    x = torch.as_tensor(x).detach()
+    return (x.clone() if x.is_inference() else x).requires_grad_()
 
 
 def _leaves(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -118,6 +131,8 @@ def _active_dropout(module: torch.nn.Module) -> float:
 
 def _grad(out: torch.Tensor, inputs: Sequence[torch.Tensor], d_out: torch.Tensor) -> list[torch.Tensor]:
     """Gradients of <out, d_out> with respect to inputs; zeros for an input out does not depend on.
-    The graph is kept, so a pullback can be called again."""
-    grads = torch.autograd.grad(out, inputs, d_out, retain_graph=True, allow_unused=True)
+    The graph is kept, so a pullback can be called again; outside inference mode, so that the gradients are
+    ordinary tensors, usable in autograd later, also when the pullback is called in inference mode."""
+    with _recording():
+        grads = torch.autograd.grad(out, inputs, d_out, retain_graph=True, allow_unused=True)
     return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads, strict=True)]

@@ -3,8 +3,10 @@
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
-Parameter names and layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and
-computes y = x W^T + b; LayerNorm keeps weight (D,) and bias (D,).
+The classes users read come first, MultiHeadAttention and TransformerBlock; the pieces they are built
+from (Linear, LayerNorm, FeedForward, the activation) follow. Parameter names and layouts are those of the
+PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b; LayerNorm keeps weight (D,)
+and bias (D,).
 """
 
 from __future__ import annotations
@@ -16,26 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention_np import _checks
+from attention_np.common import checks
 
 from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attention
-
-
-def _linear(d_in: int, d_out: int, rng: Rng, dtype: torch.dtype | None) -> nn.Linear:
-    """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
-    linear, bound = nn.Linear(d_in, d_out, dtype=dtype), 1 / math.sqrt(d_in)
-    with torch.no_grad():  # torch: redrawn so that `rng` decides the initial values
-        linear.weight.uniform_(-bound, bound, generator=rng)
-        linear.bias.uniform_(-bound, bound, generator=rng)
-    return linear
-
-
-def _load(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Any:
-    """`module` holding copies of `state`, in the state's dtype and device."""
-    tensors = {name: value.detach().clone() for name, value in state.items()}
-    module.load_state_dict(tensors, assign=True)  # torch: assign takes the state's dtype and device
-    return module
 
 
 class MultiHeadAttention(nn.Module):
@@ -46,9 +32,10 @@ class MultiHeadAttention(nn.Module):
         """Args: sizes as named; dropout on the attention weights; rng and dtype (torch's default dtype,
         float32, when None) for the initial parameters, drawn as nn.Linear draws them."""
         super().__init__()
-        _checks.module_sizes(d_model, num_heads)
-        _checks.probability("dropout", dropout)
-        self.w_q, self.w_k, self.w_v, self.w_o = (_linear(d_model, d_model, rng, dtype) for _ in range(4))
+        checks.module_sizes(d_model, num_heads)
+        checks.probability("dropout", dropout)
+        rngs = _rngs(rng, 4)
+        self.w_q, self.w_k, self.w_v, self.w_o = (Linear.initialized(d_model, d_model, rng, dtype) for rng in rngs)
         self.num_heads, self.dropout = num_heads, dropout
 
     @classmethod
@@ -57,11 +44,11 @@ class MultiHeadAttention(nn.Module):
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        (d_model,) = _checks.state_widths(shapes, {"w_q.weight": 1})
-        _checks.module_sizes(d_model, num_heads)
-        _checks.probability("dropout", dropout)
-        _checks.state(cls.__name__, shapes, _checks.mha_state_shapes(d_model))
-        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        (d_model,) = checks.state_widths(shapes, {"w_q.weight": 1})
+        checks.module_sizes(d_model, num_heads)
+        checks.probability("dropout", dropout)
+        checks.state(cls.__name__, shapes, checks.mha_state_shapes(d_model))
+        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(d_model, num_heads, dropout)
         return _load(module, state)
@@ -107,8 +94,8 @@ class MultiHeadAttention(nn.Module):
     def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         d_model = self.w_q.weight.shape[1]
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            _checks.module_input(name, x.shape, d_model, letter)
-        _checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+            checks.module_input(name, x.shape, d_model, letter)
+        checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         *lead, length, d_model = x.shape
@@ -118,35 +105,6 @@ class MultiHeadAttention(nn.Module):
     def _merge_heads(self, x: torch.Tensor) -> torch.Tensor:
         *lead, heads, length, d_k = x.shape
         return x.transpose(-2, -3).reshape(*lead, length, heads * d_k)  # (..., H, L, d_k) -> (..., L, D)
-
-
-class FeedForward(nn.Sequential):
-    """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
-    the original nn.Sequential(Linear, activation, Dropout, Linear)."""
-
-    # torch: an nn.Sequential, so the parameters are named 0.* and 3.* as in the original
-
-    def __init__(self, linear1: nn.Linear, linear2: nn.Linear, activation: str = "relu",
-                 dropout: float = 0.0) -> None:
-        super().__init__(linear1, _ACTIVATIONS[activation](), nn.Dropout(dropout), linear2)
-        self.activation = activation
-
-    @property
-    def linear1(self) -> nn.Linear:
-        return self[0]
-
-    @property
-    def linear2(self) -> nn.Linear:
-        return self[3]
-
-    @property
-    def dropout(self) -> float:
-        return self[2].p
-
-    def forward(self, x: torch.Tensor, *, rng: Rng = None) -> torch.Tensor:
-        h = self[1](self.linear1(x))  # (..., L, D) -> (..., L, F)
-        h = _dropout(h, self.dropout if self.training else 0.0, rng)  # torch: nn.Dropout cannot take rng
-        return self.linear2(h)  # (..., L, F) -> (..., L, D)
 
 
 class TransformerBlock(nn.Module):
@@ -160,14 +118,16 @@ class TransformerBlock(nn.Module):
         activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
         rng and dtype (torch's default dtype, float32, when None) for the initial parameters."""
         super().__init__()
-        _checks.module_sizes(d_model, num_heads, d_ff)
-        _checks.activation(activation)
-        self.attn = MultiHeadAttention(d_model, num_heads, dropout, rng=rng, dtype=dtype)
-        self.norm1 = nn.LayerNorm(d_model, eps=eps, dtype=dtype)
-        self.norm2 = nn.LayerNorm(d_model, eps=eps, dtype=dtype)
-        self.ffn = FeedForward(_linear(d_model, d_ff, rng, dtype), _linear(d_ff, d_model, rng, dtype),
-                               activation, dropout)
-        self.dropout, self.norm_first = dropout, norm_first
+        checks.module_sizes(d_model, num_heads, d_ff)
+        checks.probability("dropout", dropout)
+        checks.activation(activation)
+        rngs = _rngs(rng, 3)
+        ffn = FeedForward(Linear.initialized(d_model, d_ff, rngs[1], dtype),
+                          Linear.initialized(d_ff, d_model, rngs[2], dtype), activation, dropout)
+        self.attn = MultiHeadAttention(d_model, num_heads, dropout, rng=rngs[0], dtype=dtype)
+        self.norm1 = LayerNorm.initialized(d_model, eps, dtype)
+        self.norm2 = LayerNorm.initialized(d_model, eps, dtype)
+        self.ffn, self.dropout, self.norm_first = ffn, dropout, norm_first  # torch: registered in state-dict order
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
@@ -176,12 +136,12 @@ class TransformerBlock(nn.Module):
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        d_model, d_ff = _checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
-        _checks.module_sizes(d_model, num_heads, d_ff)
-        _checks.activation(activation)
-        _checks.probability("dropout", dropout)
-        _checks.state(cls.__name__, shapes, _checks.block_state_shapes(d_model, d_ff))
-        _checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        d_model, d_ff = checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
+        checks.module_sizes(d_model, num_heads, d_ff)
+        checks.probability("dropout", dropout)
+        checks.activation(activation)
+        checks.state(cls.__name__, shapes, checks.block_state_shapes(d_model, d_ff))
+        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(d_model, num_heads, d_ff, dropout, norm_first=norm_first, activation=activation,
                          eps=eps)
@@ -220,8 +180,8 @@ class TransformerBlock(nn.Module):
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: torch.Tensor) -> None:
-        _checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
-        _checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
 
     def _attention_branch(self, x: torch.Tensor, mask: torch.Tensor | None, need_weights: bool,
                           rngs: list) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -235,5 +195,67 @@ class TransformerBlock(nn.Module):
         return _dropout(h, self.dropout if self.training else 0.0, rngs[1])
 
 
+class Linear(nn.Linear):
+    """y = x W^T + b, with weight W (out, in) and bias b (out,)."""
+
+    # torch: nn.Linear itself, with the constructor of initial values the other backends have
+
+    @classmethod
+    def initialized(cls, d_in: int, d_out: int, rng: Rng, dtype: torch.dtype | None) -> Linear:
+        """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
+        linear, bound = cls(d_in, d_out, dtype=dtype), 1 / math.sqrt(d_in)
+        with torch.no_grad():  # torch: redrawn so that `rng` decides the initial values
+            linear.weight.uniform_(-bound, bound, generator=rng)  # (out, in)
+            linear.bias.uniform_(-bound, bound, generator=rng)
+        return linear
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm(x) = (x - mean) / sqrt(var + eps) * weight + bias, over the last axis (biased variance)."""
+
+    # torch: nn.LayerNorm itself, with the constructor of initial values the other backends have
+
+    @classmethod
+    def initialized(cls, d_model: int, eps: float, dtype: torch.dtype | None) -> LayerNorm:
+        """nn.LayerNorm's default: weight ones, bias zeros."""
+        return cls(d_model, eps=eps, dtype=dtype)
+
+
+class FeedForward(nn.Sequential):
+    """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
+    the original nn.Sequential(Linear, activation, Dropout, Linear)."""
+
+    # torch: an nn.Sequential, so the parameters are named 0.* and 3.* as in the original
+
+    def __init__(self, linear1: Linear, linear2: Linear, activation: str = "relu",
+                 dropout: float = 0.0) -> None:
+        super().__init__(linear1, _ACTIVATIONS[activation](), nn.Dropout(dropout), linear2)
+        self.activation = activation
+
+    @property
+    def linear1(self) -> Linear:
+        return self[0]
+
+    @property
+    def linear2(self) -> Linear:
+        return self[3]
+
+    @property
+    def dropout(self) -> float:
+        return self[2].p
+
+    def forward(self, x: torch.Tensor, *, rng: Rng = None) -> torch.Tensor:
+        h = self[1](self.linear1(x))  # (..., L, D) -> (..., L, F)
+        h = _dropout(h, self.dropout if self.training else 0.0, rng)  # torch: nn.Dropout cannot take rng
+        return self.linear2(h)  # (..., L, F) -> (..., L, D)
+
+
 # relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form
 _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
+
+
+def _load(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Any:
+    """`module` holding copies of `state`, in the state's dtype and device."""
+    tensors = {name: value.detach().clone() for name, value in state.items()}
+    module.load_state_dict(tensors, assign=True)  # torch: assign takes the state's dtype and device
+    return module

@@ -1,8 +1,10 @@
 """The three backends keep in step: same public names, module files, signatures, defaults, docstring
-blocks and shape legend; and the NumPy package imports without JAX or torch."""
+blocks and shape legend; what they share lives in attention_np.common, the one place a backend imports from
+another; and the NumPy package imports without JAX or torch."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
@@ -20,6 +22,9 @@ from tests.conftest import BACKENDS, import_backend
 LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width, "
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
 PUBLIC_FILES = {"__init__.py", "arrays.py", "fast.py", "functional.py", "gradients.py", "modules.py", "py.typed"}
+COMMON_FILES = {"__init__.py", "checks.py", "module.py", "npz.py"}
+SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
+NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
 CLASSES = ("MultiHeadAttention", "TransformerBlock")
 
 
@@ -78,11 +83,63 @@ def test_backends_export_the_same_public_names():
         assert not missing, f"{M.__name__}.__all__ names missing attributes: {missing}"
 
 
+def _entries(directory: Path) -> set[str]:
+    """The names of the files and folders in `directory`, without Python's bytecode cache."""
+    return {path.name for path in directory.iterdir() if path.name != "__pycache__"}
+
+
 def test_backends_have_the_same_module_files():
     for M in _backends():
-        files = {path.name for path in Path(M.__file__).parent.iterdir()  # private files may differ
-                 if path.is_file() and (not path.name.startswith("_") or path.name == "__init__.py")}
+        files = _entries(Path(M.__file__).parent)
+        if M.__name__ == "attention_np":
+            files -= NUMPY_ONLY
         assert files == PUBLIC_FILES, f"{M.__name__}: {sorted(files)}"
+
+
+def test_shared_code_has_its_own_files():
+    common = importlib.import_module(SHARED)
+    assert _entries(Path(common.__file__).parent) == COMMON_FILES
+    assert common.__doc__ and "share" in common.__doc__
+
+
+def _imports(path: Path, package: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every module a source file imports and every name it imports from one, relative
+    imports resolved against `package`, the file's own package."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from . import x, from ..y import x
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _foreign_import_problems(M: ModuleType) -> list[str]:
+    """Imports from another package that reach a private name (one starting with _), or reach into another
+    backend anywhere but attention_np.common; and, for the shared code, any import of the NumPy backend."""
+    root, problems = Path(M.__file__).parent, []
+    for path in sorted(root.rglob("*.py")):
+        package = ".".join([M.__name__, *path.relative_to(root).parent.parts])
+        for line, name in _imports(path, package):
+            where, top = f"{path.relative_to(root.parent)}:{line} imports {name}", name.partition(".")[0]
+            if package == SHARED and not (name == SHARED or name.startswith(f"{SHARED}.")) and top == M.__name__:
+                problems.append(f"{where}: the shared code depends on no backend")
+            if top in (M.__name__, "__future__"):
+                continue
+            if any(part.startswith("_") for part in name.split(".")):
+                problems.append(f"{where}: a private name of another package")
+            if top in BACKENDS and not (name == SHARED or name.startswith(f"{SHARED}.")):
+                problems.append(f"{where}: another backend's module other than {SHARED}")
+    return problems
+
+
+def test_backends_import_no_private_module_of_another_package():
+    problems = [problem for M in _backends() for problem in _foreign_import_problems(M)]
+    assert not problems, "\n".join(problems)
 
 
 def test_public_signatures_have_the_same_names_kinds_and_defaults():
@@ -114,6 +171,38 @@ def test_docstring_args_name_the_signature_parameters():
             if documented:  # a one-line "Args: sizes as named" summary has no per-name block
                 parameters = [p for p in inspect.signature(f).parameters if p not in ("self", "cls")]
                 assert documented == parameters, f"{M.__name__}.{name}: {documented} != {parameters}"
+
+
+def _state(M: ModuleType, cls_name: str) -> dict:
+    """A valid state of d_model 4 (and d_ff 8) as M's arrays, made by the NumPy backend."""
+    numpy_backend = import_backend("attention_np")
+    module = getattr(numpy_backend, cls_name)(*((4, 2) if cls_name == "MultiHeadAttention" else (4, 2, 8)), rng=0)
+    return {name: M.asarray(value) for name, value in module.state_dict().items()}
+
+
+# several mistakes at once: every backend checks the same things in the same order (sizes, dropout, activation,
+# the state's entries, their dtypes), so each reports the same first mistake
+SEVERAL_MISTAKES = {
+    "mha init": lambda M: M.MultiHeadAttention(6, 4, 1.0),
+    "mha load": lambda M: M.MultiHeadAttention.from_state_dict(_state(M, "MultiHeadAttention"), num_heads=3,
+                                                               dropout=1.0),
+    "block init": lambda M: M.TransformerBlock(4, 2, 8, 1.0, activation="tanh"),
+    "block load": lambda M: M.TransformerBlock.from_state_dict(_state(M, "TransformerBlock"), num_heads=2,
+                                                               dropout=1.0, activation="tanh"),
+    "block load entries": lambda M: M.TransformerBlock.from_state_dict(
+        {name: value for name, value in _state(M, "TransformerBlock").items() if name != "norm1.bias"},
+        num_heads=2, dropout=-0.5),
+}
+
+
+@pytest.mark.parametrize("call", SEVERAL_MISTAKES.values(), ids=SEVERAL_MISTAKES.keys())
+def test_backends_report_the_same_first_of_several_mistakes(call: Callable):
+    messages = {}
+    for M in _backends():
+        with pytest.raises(ValueError) as raised:
+            call(M)
+        messages[M.__name__] = str(raised.value)
+    assert len(set(messages.values())) == 1, messages
 
 
 @pytest.mark.parametrize("file", ["fast", "functional", "gradients", "modules"])

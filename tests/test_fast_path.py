@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import attention_np
 from tests._compare import assert_close
 
 
@@ -45,6 +46,25 @@ def test_fast_path_broadcasts_mask_and_bias_over_axes_only_v_has(backend, option
     fast, _ = backend.scaled_dot_product_attention(q, k, v, need_weights=False, **kwargs)
     assert explicit.shape == (2, 3, 6)
     assert_close(backend.to_numpy(fast), backend.to_numpy(explicit), 1e-12, "fast vs explicit")
+
+
+@pytest.mark.parametrize(("batch", "rank"), [(batch, rank) for batch in ((), (2,), (2, 3))
+                                             for rank in range(1, len(batch) + 3)], ids=str)
+@pytest.mark.parametrize("given", ["mask", "bias", "mask and bias"])
+def test_mask_and_bias_of_every_rank_give_the_same_out_on_both_paths(backend, batch, rank, given):
+    # a mask or bias of the last `rank` axes of the scores (..., L, S), from (S,) up to the scores' own rank,
+    # broadcasts to the scores on both paths: the same out as NumPy's explicit path
+    rng = np.random.default_rng(rank)
+    q, k, v = (rng.standard_normal((*batch, n, width)) for n, width in ((4, 3), (5, 3), (5, 2)))
+    shape = (*batch, 4, 5)[-rank:]  # (S,), (L, S), (..., L, S)
+    mask, bias = rng.random(shape) > 0.3, rng.standard_normal(shape)
+    mask, bias = (mask if "mask" in given else None), (bias if "bias" in given else None)
+    expected, _ = attention_np.scaled_dot_product_attention(q, k, v, mask, bias=bias)
+    for need_weights in (True, False):
+        out, _ = backend.scaled_dot_product_attention(
+            *(backend.asarray(x) for x in (q, k, v)), None if mask is None else backend.asarray(mask),
+            bias=None if bias is None else backend.asarray(bias), need_weights=need_weights)
+        assert_close(backend.to_numpy(out), expected, 1e-12, f"need_weights={need_weights}")
 
 
 @pytest.mark.parametrize("need_weights", [True, False], ids=["explicit", "fast"])
@@ -123,7 +143,8 @@ def test_fused_call_equals_the_explicit_path(monkeypatch, q_shape, kv_shape, is_
 @pytest.mark.parametrize(("change", "applies"), [
     ({}, True), ({"dtype": "float16"}, True), ({"dtype": "float32"}, False), ({"mask": True}, False),
     ({"bias": True}, False), ({"is_causal": True}, True), ({"is_causal": True, "S": 7}, False), ({"S": 7}, True),
-    ({"E": 12}, False), ({"E": 136}, False), ({"Ev": 16}, False), ({"batch": (2, 0)}, False),
+    ({"E": 12}, False), ({"E": 136}, False), ({"E": 0, "Ev": 0}, False), ({"Ev": 16}, False),
+    ({"batch": (2, 0)}, False),
 ], ids=str)
 def test_fused_kernel_is_chosen_only_where_it_computes_our_result(change, applies):
     pytest.importorskip("jax")

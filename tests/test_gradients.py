@@ -443,6 +443,49 @@ def test_torch_block_vjp_rejects_dropout_active_in_a_submodule() -> None:
         block.vjp(torch.zeros(B, 5, D))
 
 
+def _torch_vjp_run(kind: str, inside: set[str]) -> list[Any]:
+    """out, weights and every gradient of a float64 `kind` with a mask (and, for sdpa, a bias), each stage in
+    `inside` ("make": the inputs and the module; "vjp"; "pullback") run under torch.inference_mode()."""
+    import contextlib
+
+    import attention_torch
+
+    def stage(name: str) -> contextlib.AbstractContextManager:
+        return torch.inference_mode() if name in inside else contextlib.nullcontext()
+
+    rng = np.random.default_rng(5)
+    with stage("make"):
+        x, d_out, bias = (torch.tensor(rng.standard_normal(shape)) for shape in ((B, 5, D), (B, 5, D), (5, 5)))
+        if kind == "sdpa":
+            mask = torch.tensor(_keep_mask(rng, (B, 5, 5)))
+        else:
+            mask = torch.tensor(np.arange(5) < np.array([5, 3])[:, None, None, None])  # (B, 1, 1, S)
+            cls = attention_torch.MultiHeadAttention if kind == "mha" else attention_torch.TransformerBlock
+            module = cls.from_state_dict(random_state(kind, D, F, rng, F64), num_heads=H).eval()
+    with stage("vjp"):
+        if kind == "sdpa":
+            out, weights, pullback = attention_torch.scaled_dot_product_attention_vjp(x, x, x, mask, bias=bias)
+        else:
+            out, weights, pullback = module.vjp(x, x, x, mask) if kind == "mha" else module.vjp(x, mask)
+    with stage("pullback"):
+        grads = pullback(d_out)
+    flat = [g for grad in grads for g in (grad.values() if isinstance(grad, dict) else [grad])]
+    return [out, weights, *flat]
+
+
+@pytest.mark.parametrize("inside", [{"make", "vjp", "pullback"}, {"vjp", "pullback"}, {"vjp"}, {"pullback"},
+                                    {"make"}], ids=["everything", "vjp-and-pullback", "vjp", "pullback", "inputs"])
+@pytest.mark.parametrize("kind", ["sdpa", "mha", "block"])
+def test_torch_vjp_works_under_inference_mode(kind: str, inside: set[str]) -> None:
+    # inference mode records no graph and makes inference tensors, which cannot join one; the vjp leaves the
+    # mode for its own forward pass and pullback, so every result equals the one computed outside it
+    expected, actual = _torch_vjp_run(kind, set()), _torch_vjp_run(kind, inside)
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert torch.equal(a, e), f"result {i} differs under inference mode"
+        assert not a.is_inference(), f"result {i} is an inference tensor, which autograd cannot take later"
+
+
 # ---- 7) errors -----------------------------------------------------------------------------------------
 
 

@@ -142,6 +142,41 @@ def test_custom_scale_multiplies_the_scores(backend):
     assert_close(weights, np.array([[1, math.sqrt(math.e)]]) / (1 + math.sqrt(math.e)), 1e-15, "weights")
 
 
+@pytest.mark.parametrize("call", ["explicit", "fast", "vjp"])
+def test_default_scale_with_E_zero_raises_naming_E_and_the_shapes(backend, call: str):
+    # 1 / sqrt(E) has no value for E = 0: the shared checks raise one ValueError in every backend
+    q, k, v = _arrays(backend, np.zeros((2, 3, 0)), np.zeros((2, 4, 0)), np.zeros((2, 4, 2)))
+    with pytest.raises(ValueError) as error:
+        if call == "vjp":
+            backend.scaled_dot_product_attention_vjp(q, k, v)
+        else:
+            backend.scaled_dot_product_attention(q, k, v, need_weights=call == "explicit")
+    assert str(error.value) == ("the default scale 1 / sqrt(E) needs E > 0; q (2, 3, 0) and k (2, 4, 0) have "
+                                "width E = 0: pass scale= explicitly")
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["explicit", "fast"])
+def test_explicit_scale_with_E_zero_gives_scores_of_zero(backend, need_weights: bool):
+    # E = 0: each q.k is an empty sum, 0, so every score is 0 and the weights are uniform over the visible keys;
+    # key 0 hidden from query 1: weights [[1/3, 1/3, 1/3], [0, 1/2, 1/2]], out = weights v
+    v, mask = np.arange(6.0).reshape(3, 2), np.array([[True, True, True], [False, True, True]])
+    expected = np.array([[1 / 3, 1 / 3, 1 / 3], [0, 1 / 2, 1 / 2]])
+    out, weights = _sdpa(backend, np.zeros((2, 0)), np.zeros((3, 0)), v, mask=mask, scale=1.0,
+                         need_weights=need_weights)
+    assert_close(out, expected @ v, 1e-15, "out")
+    if need_weights:
+        assert_close(weights, expected, 1e-15, "weights")
+
+
+def test_explicit_scale_with_E_zero_has_gradients(backend):
+    # scores 0 whatever q and k are: dq (2, 0) and dk (3, 0) are empty; dv = weights^T d_out, weights 1/3 each
+    q, k, v = _arrays(backend, np.zeros((2, 0)), np.zeros((3, 0)), np.ones((3, 2)))
+    _, _, pullback = backend.scaled_dot_product_attention_vjp(q, k, v, scale=1.0)
+    dq, dk, dv, _ = (None if g is None else backend.to_numpy(g) for g in pullback(backend.asarray(np.ones((2, 2)))))
+    assert dq.shape == (2, 0) and dk.shape == (3, 0)
+    assert_close(dv, np.full((3, 2), 2 / 3), 1e-15, "dv")
+
+
 def test_weights_rows_sum_to_one_where_any_key_is_visible(backend):
     mask = np.random.default_rng(3).random((2, 3, 4, 5)) < 0.5
     mask[0, 1, 2] = False  # at least one fully masked row

@@ -127,6 +127,44 @@ def test_file_round_trip_torch_jax_numpy_is_bit_exact(tmp_path, dtype: type):
         assert np.array_equal(actual[name], expected[name]), name
 
 
+# every dtype a backend holds: asarray -> to_numpy gives back the same bits (NaN payloads, -0.0, subnormals
+# included). NumPy has no bfloat16 of its own: ml_dtypes' passes through attention_np.asarray unchanged, as
+# every NumPy array does, though the NumPy backend computes in float16, float32 and float64 only
+ROUND_TRIP_DTYPES = ("float16", "bfloat16", "float32", "float64", "bool", "int32", "int64")
+
+
+def _every_bit_pattern(name: str) -> np.ndarray:
+    """(4, 6) entries of dtype `name` with random bits (bool: random truth values), and -0.0, inf, NaN."""
+    dtype = np.dtype(pytest.importorskip("ml_dtypes").bfloat16 if name == "bfloat16" else name)
+    rng = np.random.default_rng(7)
+    if name == "bool":
+        return rng.random((4, 6)) < 0.5
+    x = rng.integers(0, 256, 24 * dtype.itemsize, dtype=np.uint8).view(dtype).reshape(4, 6)
+    if name not in ("int32", "int64"):
+        x[0, :3] = np.array([-0.0, np.inf, np.nan]).astype(dtype)
+    return x
+
+
+@pytest.mark.parametrize("name", ROUND_TRIP_DTYPES)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_asarray_then_to_numpy_gives_back_the_same_bits(backend, name: str, layout: str):
+    x = _every_bit_pattern(name)
+    x = x if layout == "contiguous" else x.T  # a view with other strides
+    native = backend.asarray(x)
+    back = backend.to_numpy(native)
+    assert back.dtype == x.dtype and back.shape == x.shape
+    assert back.tobytes() == x.tobytes(), f"{backend.__name__} {name}: the bits changed"
+
+
+def test_torch_asarray_of_a_read_only_array_is_a_copy():
+    # a NumPy module's parameters are read-only; a tensor cannot be, so writing into it must not reach them
+    M = import_backend("attention_torch")
+    x = np.zeros(3, np.float32)
+    x.flags.writeable = False
+    M.asarray(x)[0] = 1.0
+    assert np.array_equal(x, np.zeros(3))
+
+
 def test_saved_state_is_an_npz_readable_without_pickle(backend, tmp_path):
     state = backend.MultiHeadAttention(D, H, rng=backend_rng(backend, 0)).state_dict()
     backend.save_state_dict(tmp_path / "state.npz", state)

@@ -1,4 +1,4 @@
-"""Argument checks shared by the three backends.
+"""The argument checks of the three backends.
 
 Everything here works on plain Python values (shapes as tuples, dtypes as names), so NumPy, JAX and
 torch raise the same exception with the same message for the same mistake.
@@ -6,6 +6,7 @@ torch raise the same exception with the same message for the same mistake.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -32,6 +33,18 @@ def attention_batch(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> Sha
         return _shape(np.broadcast_shapes(q[:-2], k[:-2], v[:-2]))
     except ValueError:
         raise ValueError(f"the leading axes of q {q}, k {k} and v {v} do not broadcast") from None
+
+
+def default_scale(scale: float | None, q: Sequence[int], k: Sequence[int]) -> float:
+    """The scale of the scores: `scale` as given, else 1 / sqrt(E), which needs E > 0 (with an explicit
+    scale, E = 0 is fine: every score is an empty sum, 0)."""
+    if scale is not None:
+        return scale
+    q, k = _shape(q), _shape(k)
+    if q[-1] == 0:
+        raise ValueError(f"the default scale 1 / sqrt(E) needs E > 0; q {q} and k {k} have width E = 0: "
+                         "pass scale= explicitly")
+    return 1.0 / math.sqrt(q[-1])
 
 
 def broadcasts_to(name: str, shape: Sequence[int], target: Sequence[int], letters: str) -> None:
