@@ -214,6 +214,7 @@ def test_module_docstrings_hold_the_one_shape_legend(file: str):
         assert legends == [LEGEND], f"{M.__name__}.{file}: {legends}"
 
 
+@pytest.mark.slow
 def test_numpy_backend_imports_without_jax_or_torch():
     # A meta-path finder that refuses jax, jaxlib and torch makes any import of them fail, so the
     # script succeeds only if attention_np (and a call into it) never imports either framework.
