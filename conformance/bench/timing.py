@@ -34,10 +34,11 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from .. import operations
 from ..frameworks import BUILT_IN, FRAMEWORKS, framework_of, import_modules
 from . import baselines
 
-OPERATIONS = ("sdpa", "mha", "block")
+OPERATIONS = tuple(operations.OPERATIONS)  # the registry's, which the benchmark times all of
 SIZES = (128, 256, 512, 1024)
 T = TypeVar("T")  # the value of a step of the progress bar
 
@@ -92,7 +93,7 @@ class Target(NamedTuple):
     denominators: tuple[str, ...]  # the fastest of these counts
     relation: str  # "<=" or ">="
     bound: float
-    operations: tuple[str, ...] = ("sdpa", "mha", "block")
+    operations: tuple[str, ...] = OPERATIONS
 
 
 # The NumPy targets compare attention itself with the tutorial's formulation of it (matmul, divide,
