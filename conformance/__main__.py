@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from . import compare
-from .frameworks import BUILT_IN, import_modules
+from .frameworks import BUILT_IN, import_modules, quick_compiles
 
 # suite.PROFILES's names, written out so that building the parser imports neither the suite nor Hypothesis
 # (compare and figure need neither); tests/test_cli.py keeps the two in step
@@ -84,11 +84,12 @@ def _check(args: argparse.Namespace) -> int:
     print(f"profile {args.profile}, seed {args.seed}" + (f", {args.max_examples} examples per check"
                                                          if args.max_examples else ""))
     reports = []
-    for name, module in modules.items():
-        start = time.perf_counter()
-        report = suite.check(module, profile=args.profile, max_examples=args.max_examples, seed=args.seed)
-        print(f"{name}: {time.perf_counter() - start:.1f} s" + "".join(f"; {s}" for s in report.settings))
-        reports.append(report)
+    with quick_compiles():
+        for name, module in modules.items():
+            start = time.perf_counter()
+            report = suite.check(module, profile=args.profile, max_examples=args.max_examples, seed=args.seed)
+            print(f"{name}: {time.perf_counter() - start:.1f} s" + "".join(f"; {s}" for s in report.settings))
+            reports.append(report)
     print()
     print(suite.format_side_by_side(reports) if args.command != "check" else
           "\n".join(suite.format_rows(report) for report in reports))
