@@ -19,7 +19,7 @@ from hypothesis.errors import Flaky
 
 from . import PROFILES, checks, fixed_checks, gradient_checks, strategies, table
 from .checks import ResultError, Runner
-from .frameworks import framework_of
+from .frameworks import framework_of, quick_compiles
 from .operations import CONTRACT, OPERATIONS, missing
 from .snippets import describe, reproduce
 from .tolerances import TOLERANCES
@@ -133,7 +133,7 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
         raise ValueError(f"max_examples must be at least 1, got {max_examples}")
     runner, tell = Runner(module), progress or (lambda what: None)
     rows = [_table_row(runner, ROUND_TRIP, "arrays", tell)]
-    with runner.framework.pinned() as pinned:
+    with runner.framework.pinned() as pinned, quick_compiles():
         for operation in (name for name in OPERATIONS if name in operations):
             for group in (group for group in GROUPS if group.operation == operation):
                 examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
