@@ -20,7 +20,9 @@ from attention_np.common import npz
 
 def asarray(x: Any) -> jax.Array:
     """NumPy array -> this backend's array, same dtype (JAX: float64 needs jax_enable_x64)."""
-    array = jnp.asarray(x)
+    # jax: device_put copies a NumPy array onto the device without compiling anything, where jnp.asarray
+    # compiles a small copy program for every new shape and dtype
+    array = jax.device_put(x) if isinstance(x, np.ndarray) else jnp.asarray(x)
     if hasattr(x, "dtype") and array.dtype != x.dtype:  # jax: without x64, float64 would become float32
         raise TypeError(f"asarray: JAX would turn {x.dtype} into {array.dtype}; enable 64-bit types with "
                         'jax.config.update("jax_enable_x64", True)')

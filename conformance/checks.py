@@ -80,6 +80,14 @@ class Runner:
         return _pair(operation.function, self.call(operation.call, arrays, dtype, seed, training=training,
                                                    need_weights=need_weights, **options))
 
+    def run_both_paths(self, case: Case, dtype: str) -> tuple[Pair, Pair]:
+        """The module's (out, weights) for `case` in eval mode with need_weights=True and with False, from one
+        staged call (JAX: one compile for both paths)."""
+        operation = operation_of(case)
+        arrays, options = arrays_and_options(case)
+        explicit, fast = self.call(_both_paths, arrays, dtype, None, call=operation.call, **options)
+        return _pair(operation.function, explicit), _pair(operation.function, fast)
+
     def call(self, function: Callable, arrays: dict[str, Any], dtype: str | None, seed: int | None, *,
              eager: bool = False, **options: Any) -> Any:
         """`function(module, native arrays, rng, **options)`, staged once per function and options (JAX: one
@@ -119,6 +127,11 @@ class Runner:
         if not isinstance(converted, np.ndarray):
             raise ResultError(f"to_numpy gave a {type(converted).__name__}, not a NumPy array")
         return converted
+
+
+def _both_paths(module: ModuleType, arrays: dict, rng: Any, *, call: Callable, **options: Any) -> tuple:
+    return (call(module, arrays, rng, training=False, need_weights=True, **options),
+            call(module, arrays, rng, training=False, need_weights=False, **options))
 
 
 def _pair(operation: str, result: Any) -> Pair:
@@ -164,12 +177,11 @@ def against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]
     against the oracle, and None for the weights;
     weights_rows: each weights row sums to 1 where a key is visible, to 0 where none is."""
     case = rounded(case, dtype)
-    out, weights = runner.run(case, dtype)
+    (out, weights), (fast_out, no_weights) = runner.run_both_paths(case, dtype)
     expected_out, expected_weights = expected(case)
     tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))
     values = worst(compare("out", out, expected_out, dtype), compare("weights", weights, expected_weights, dtype))
     values = values._replace(tolerance=tolerance)
-    fast_out, no_weights = runner.run(case, dtype, need_weights=False)
     fast = compare("out with need_weights=False", fast_out, expected_out, dtype)._replace(tolerance=tolerance)
     if no_weights is not None:
         fast = Measure(math.inf, "need_weights=False returned weights, not None")

@@ -132,8 +132,8 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
     if max_examples is not None and max_examples < 1:
         raise ValueError(f"max_examples must be at least 1, got {max_examples}")
     runner, tell = Runner(module), progress or (lambda what: None)
-    rows = [_table_row(runner, ROUND_TRIP, "arrays", tell)]
     with runner.framework.pinned() as pinned, quick_compiles():
+        rows = [_table_row(runner, ROUND_TRIP, "arrays", tell)]  # under the pinned settings (JAX: x64)
         for operation in (name for name in OPERATIONS if name in operations):
             for group in (group for group in GROUPS if group.operation == operation):
                 examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
