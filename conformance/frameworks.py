@@ -90,7 +90,7 @@ def _torch_rng(seed: int) -> Any:
 # optimisation level 0 (no LLVM optimisation), the older per-operation code emitters (the fusion emitters
 # cost more to compile at this size), and one LLVM module per program instead of up to 32 compiled in
 # parallel. The results stay within rounding (float64 results change by at most 5e-16).
-_JAX_CPU_COMPILER_OPTIONS = {
+JAX_CPU_COMPILER_OPTIONS = {
     "xla_backend_optimization_level": 0,
     "xla_llvm_disable_expensive_passes": True,
     "xla_cpu_use_fusion_emitters": False,
@@ -100,14 +100,14 @@ _JAX_CPU_COMPILER_OPTIONS = {
 
 @functools.cache
 def _jax_compiler_options() -> dict[str, Any] | None:
-    """The options of _JAX_CPU_COMPILER_OPTIONS that this jaxlib accepts (each tried once on a tiny
+    """The options of JAX_CPU_COMPILER_OPTIONS that this jaxlib accepts (each tried once on a tiny
     program), where JAX runs on the CPU; None elsewhere, or where jax.jit takes no compiler options."""
     import jax
 
     if jax.default_backend() != "cpu":
         return None
     accepted = {}
-    for name, value in _JAX_CPU_COMPILER_OPTIONS.items():
+    for name, value in JAX_CPU_COMPILER_OPTIONS.items():
         try:
             jax.jit(lambda x: x + 1, compiler_options={name: value})(0)
         except TypeError:  # jax: an older jax.jit, without compiler_options
@@ -122,7 +122,7 @@ def _jax_stage(call: Callable) -> Callable:
     """Trace `call` once per shape with jax.jit, the way JAX code runs: eager JAX compiles every
     primitive anew for each shape, which is many times slower. An implementation that cannot be traced
     (it converts tracers to NumPy, say) runs eagerly instead. On the CPU the program is compiled for
-    compile time, not run time (_JAX_CPU_COMPILER_OPTIONS)."""
+    compile time, not run time (JAX_CPU_COMPILER_OPTIONS)."""
     import jax
 
     options = _jax_compiler_options()

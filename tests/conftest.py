@@ -1,5 +1,7 @@
 """Shared fixtures: each test that takes `backend` runs once per installed backend.
 
+XLA compiles the tests' tiny JAX programs for compile time, as the suite does (`_quick_jax_compiles`).
+
 JAX runs with 64-bit types enabled and "highest" matmul precision, as the conformance suite does, so
 float64 comparisons mean float64 on every backend; and with rank promotion raising and strict dtype
 promotion, so the JAX backend is shown to need neither implicit broadcasting by rank nor promotion.
@@ -8,11 +10,33 @@ promotion, so the JAX backend is shown to need neither implicit broadcasting by 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import os
 from types import ModuleType
 
 import pytest
 
+from conformance.frameworks import JAX_CPU_COMPILER_OPTIONS
+
 BACKENDS = ("attention_np", "attention_jax", "attention_torch")
+QUICK_COMPILES_FROM = (0, 10)  # the jaxlib whose XLA knows every flag below: an unknown one aborts the process
+
+
+def _quick_jax_compiles() -> None:
+    """The tests' JAX programs are tiny, so compiling them costs far more than running them: XLA compiles
+    them for compile time, with the suite's own options (conformance/frameworks.py), here as XLA_FLAGS,
+    which XLA reads once, when JAX starts, so before any test imports it. Results change within rounding
+    (float64: 5e-16 at most)."""
+    try:
+        version = tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return
+    if version >= QUICK_COMPILES_FROM:
+        flags = " ".join(f"--{name}={str(value).lower()}" for name, value in JAX_CPU_COMPILER_OPTIONS.items())
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+
+
+_quick_jax_compiles()
 
 
 def pytest_configure(config: pytest.Config) -> None:
