@@ -12,6 +12,7 @@ import pytest
 
 from conformance import suite
 from conformance.__main__ import BUILT_IN
+from conformance.operations import OPERATIONS
 
 pytestmark = pytest.mark.slow  # each test starts `python -m conformance` in a subprocess
 
@@ -50,7 +51,7 @@ def test_check_writes_json_rows_and_prints_the_seed(tmp_path: pathlib.Path) -> N
     assert "seed 7" in result.stdout
     report = json.loads(path.read_text())["attention_np"]
     assert report["passed"] is True and report["seed"] == 7
-    assert {row["operation"] for row in report["rows"]} == {"sdpa", "mha", "block"}
+    assert {row["operation"] for row in report["rows"]} == {"arrays", *OPERATIONS}  # arrays: round_trip
     assert all(row["examples"] >= 1 for row in report["rows"])
 
 
