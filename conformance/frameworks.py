@@ -41,6 +41,9 @@ class Framework(NamedTuple):
     stage: Callable[[Callable], Callable]  # how a whole operation runs (JAX: jit)
     pinned: Callable[[], contextlib.AbstractContextManager[str]]  # precision settings for a run
     dtypes: tuple[str, ...]  # the dtypes its arrays have, as NumPy names (bfloat16: ml_dtypes)
+    # where its users switch automatic differentiation off (torch: inference mode), in which a vjp must still
+    # work and give the same gradients; None: no such mode
+    no_autograd: Callable[[], contextlib.AbstractContextManager[Any]] | None
     # what the benchmark (conformance/bench) reads as well
     built_ins: Mapping[str, str]  # operation -> the framework's own implementation of it
     sees_gpu: Callable[[], bool]  # whether it sees a CUDA GPU
@@ -194,6 +197,12 @@ def _torch_precision() -> Iterator[str]:
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
         torch.set_float32_matmul_precision(saved[2])
+
+
+def _torch_inference_mode() -> contextlib.AbstractContextManager[Any]:
+    import torch
+
+    return torch.inference_mode()
 
 
 @contextlib.contextmanager
@@ -352,15 +361,16 @@ def _torch_description() -> str:
 # --- the table ------------------------------------------------------------------------------------------
 
 NUMPY = Framework(
-    "numpy", rng=_numpy_rng, stage=_eager, pinned=_no_settings, dtypes=DTYPES,
+    "numpy", rng=_numpy_rng, stage=_eager, pinned=_no_settings, dtypes=DTYPES, no_autograd=None,
     built_ins={}, sees_gpu=_no_gpu, converter=_numpy_converter, to_float64=_numpy_to_float64, timed=_numpy_timed,
     permissive=contextlib.nullcontext, describe=_numpy_description)
 JAX = Framework(
-    "jax", rng=_jax_rng, stage=_jax_stage, pinned=_jax_precision, dtypes=(*DTYPES, "bfloat16"),
+    "jax", rng=_jax_rng, stage=_jax_stage, pinned=_jax_precision, dtypes=(*DTYPES, "bfloat16"), no_autograd=None,
     built_ins={"sdpa": "jax.nn.dot_product_attention"}, sees_gpu=_jax_sees_gpu, converter=_jax_converter,
     to_float64=_numpy_to_float64, timed=_jax_timed, permissive=_jax_permissive, describe=_jax_description)
 TORCH = Framework(
     "torch", rng=_torch_rng, stage=_eager, pinned=_torch_precision, dtypes=(*DTYPES, "bfloat16"),
+    no_autograd=_torch_inference_mode,
     built_ins={"sdpa": "F.scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
                "block": "nn.TransformerEncoderLayer"},
     sees_gpu=_torch_sees_gpu, converter=_torch_converter, to_float64=_torch_to_float64, timed=_torch_timed,

@@ -34,7 +34,9 @@ def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     and the rounding of f), for the argument worst off; it passes up to 1. NaN, a missing gradient or a
     wrong shape or dtype is inf.
     masked_rows (where the operation declares which keys a query sees): a query that sees no key gets
-    exactly zero gradient, and so does a key no query sees."""
+    exactly zero gradient, and so does a key no query sees.
+    no_autograd (where the framework has a mode without autograd: torch's inference mode): the vjp works
+    there too and gives the same gradients."""
     case = rounded(case, dtype)
     rng = np.random.default_rng(_seed(case))
     out = expected(case)[0]
@@ -52,7 +54,22 @@ def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     measures = {"gradients": worst}
     if operation_of(case).visible is not None:
         measures["masked_rows"] = _masked_rows(case, grads)
+    if runner.framework.no_autograd is not None:
+        measures["no_autograd"] = _without_autograd(runner, case, d_out, dtype, grads)
     return measures
+
+
+def _without_autograd(runner: Runner, case: Case, d_out: np.ndarray, dtype: str,
+                      grads: dict[str, np.ndarray | None]) -> Measure:
+    """The vjp called where the framework's autograd is off (torch: inference mode) gives the same
+    gradients, bit for bit."""
+    try:
+        with runner.framework.no_autograd():
+            again = _pullback(runner, case, d_out, dtype)
+    except Exception as error:  # it must work there too
+        return Measure(math.inf, f"the vjp raised where autograd is off: {type(error).__name__}: {error}")
+    same = all(np.array_equal(again.get(name), grads[name], equal_nan=True) for name in _arguments(case))
+    return Measure(0.0) if same else Measure(math.inf, "where autograd is off the vjp gives other gradients")
 
 
 def _pullback(runner: Runner, case: Case, d_out: np.ndarray, dtype: str) -> dict[str, np.ndarray | None]:
