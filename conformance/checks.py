@@ -101,11 +101,30 @@ class Runner:
         """
         native, rng = self._native(cast(arrays, dtype)), None if seed is None else self.framework.rng(seed)
         if eager:
-            return self._numpy(function(self.module, native, rng, **options))
-        key = (function, tuple(sorted(options.items())))
-        if key not in self._staged:
-            self._staged[key] = self.framework.stage(functools.partial(function, self.module, **options))
-        return self._numpy(self._staged[key](native, rng))
+            results = function(self.module, native, rng, **options)
+        else:
+            key = (function, tuple(sorted(options.items())))
+            if key not in self._staged:
+                self._staged[key] = self.framework.stage(functools.partial(function, self.module, **options))
+            results = self._staged[key](native, rng)
+        results = self._numpy(results)
+        if changed := self._changed(cast(arrays, dtype), native):  # what was sent, cast afresh: the copies
+            # sent may share memory with the native arrays
+            raise ResultError(f"the call changed its inputs in place: {', '.join(changed)}")
+        return results
+
+    def _changed(self, sent: Mapping[str, Any], native: Mapping[str, Any], prefix: str = "") -> list[str]:
+        """The inputs (state-dict entries by name) whose native array no longer holds, bit for bit, what was
+        sent: a module must not write into the caller's arrays."""
+        changed = []
+        for name, x in sent.items():
+            if isinstance(x, Mapping):
+                changed += self._changed(x, native[name], f"{prefix}{name}.")
+            elif isinstance(x, np.ndarray):
+                after = self._numpy(native[name])
+                if after.shape != x.shape or after.dtype != x.dtype or after.tobytes() != x.tobytes():
+                    changed.append(f"{prefix}{name}")
+        return changed
 
     def _native(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
         return {name: self._native(x) if isinstance(x, Mapping) else None if x is None else self.module.asarray(x)

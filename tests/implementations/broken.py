@@ -3,8 +3,8 @@ suite must reject.
 
 Each class overrides one named piece of `Implementation`; its docstring says the bug and which check of
 the suite should catch it (the measure names of `conformance.check` rows: values, weights_rows,
-permutation, causal_prefix, single_key, reproducible, varies, mean, fast_path, round_trip). Every variant
-runs without error on ordinary inputs: the bug is a wrong answer, never a crash.
+permutation, causal_prefix, single_key, reproducible, varies, mean, fast_path, round_trip, call). Every
+variant runs without error on ordinary inputs: the bug is a wrong answer, never a crash.
 
 `BROKEN` maps a name to the variant as a module object exposing the contract, ready for `check`.
 """
@@ -348,6 +348,15 @@ class RankOneMaskDroppedOnTheFastPath(Implementation):
         return super().scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights, **options)
 
 
+class QueriesScaledInPlace(Implementation):
+    """The scale is folded into q in place (q *= scale, to save a copy of q): the numbers are right, but
+    the caller's q has changed. Caught by: call (every input must hold the same bits after the call)."""
+
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
+        q *= scale  # writes into the caller's array
+        return super().scores(q, k, 1.0, bias)
+
+
 VARIANTS: dict[str, type[Implementation]] = {
     "transposed_projection": TransposedProjection,
     "heads_interleaved": HeadsInterleaved,
@@ -382,6 +391,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "norms_swapped": NormsSwapped,
     "asarray_widens_float16": AsarrayWidensFloat16,
     "rank_one_mask_dropped_on_the_fast_path": RankOneMaskDroppedOnTheFastPath,
+    "queries_scaled_in_place": QueriesScaledInPlace,
 }
 
 BROKEN: dict[str, types.ModuleType] = {
