@@ -30,7 +30,7 @@ WIDTHS = (1, 2, 4)  # E and Ev
 HEADS = (1, 2, 3, 4)
 D_K = (1, 2)  # D = H * d_k
 D_FF = (4, 8)
-SCALES = (None, 0.125, 0.37, 1.0, 2.5)  # None: 1 / sqrt(E)
+SCALES = (None, 0.0, 1e-3, 0.125, 0.37, 1.0, 2.5, 10.0)  # None: 1 / sqrt(E); 0 and the extremes on purpose
 DROPOUTS = (0.0, 0.1, 0.5)
 EPSILONS = (1e-5, 1e-6, 1e-3)
 ACTIVATIONS = ("relu", "gelu")

@@ -25,6 +25,7 @@ EXPECTED: dict[str, set[str]] = {
     "weights_averaged_over_heads": {"values", "weights_rows"},
     "scale_one_over_e": {"values"},
     "custom_scale_ignored": {"values"},
+    "zero_scale_taken_for_default": {"values"},
     "bias_ignored": {"values", "single_key"},
     "bias_scaled": {"values"},
     "float64_output": {"values"},  # a float32 input gives a float64 output: wrong dtype

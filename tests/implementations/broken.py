@@ -73,6 +73,14 @@ class CustomScaleIgnored(Implementation):
         return self.default_scale(E)
 
 
+class ZeroScaleTakenForDefault(Implementation):
+    """`scale or 1 / sqrt(E)`: a scale of 0 (uniform weights over the visible keys) is taken for "no scale
+    given". Caught by: values (sdpa with scale 0)."""
+
+    def resolve_scale(self, scale: float | None, E: int) -> float:
+        return scale or self.default_scale(E)
+
+
 class BiasIgnored(Implementation):
     """The `bias` argument is accepted and dropped. Caught by: values (sdpa with bias); single_key
     (a -inf bias no longer hides)."""
@@ -364,6 +372,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "weights_averaged_over_heads": WeightsAveragedOverHeads,
     "scale_one_over_e": ScaleOneOverE,
     "custom_scale_ignored": CustomScaleIgnored,
+    "zero_scale_taken_for_default": ZeroScaleTakenForDefault,
     "bias_ignored": BiasIgnored,
     "bias_scaled": BiasScaled,
     "float64_output": Float64Output,
