@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import oracle
 from .checks import Runner, expected
 from .operations import OPERATIONS, arrays_and_options, missing, operation_of
 from .table import Fixed, rows
@@ -207,3 +208,37 @@ def _numpy_dtype(name: str) -> Any:
 
         return ml_dtypes.bfloat16
     return np.dtype(name)
+
+
+# --- the module's mask helpers -------------------------------------------------------------------------------
+
+MASK_HELPERS = Fixed("masks", "helpers", "helpers", lambda: None,
+                     "causal_mask(L, S) and padding_mask(lengths, S) as the oracle builds them: bool, (L, S) "
+                     "and (B, 1, 1, S)")
+CAUSAL_SIZES = ((1, 1), (3, 3), (2, 5), (5, 2), (0, 3), (3, 0))  # (L, S)
+PADDING_LENGTHS = (([0, 1, 3], 3), ([5, 2], 5), ([4], 6))  # (lengths, S)
+
+
+def mask_helpers(runner: Runner) -> list[Result]:
+    """The public mask helpers against the oracle's own construction, on a few sizes, the empty ones too."""
+    module = runner.module
+    calls = [(f"causal_mask_{L}_{S}", "causal_mask", lambda L=L, S=S: module.causal_mask(L, S),
+              oracle.causal_mask(L, S)) for L, S in CAUSAL_SIZES]
+    calls += [(f"padding_mask_{'_'.join(map(str, lengths))}_{S}", "padding_mask",
+               lambda lengths=lengths, S=S: module.padding_mask(module.asarray(np.array(lengths)), S),
+               oracle.padding_mask(lengths, S)) for lengths, S in PADDING_LENGTHS]
+    return [_helper(MASK_HELPERS._replace(name=name), runner, function, call, want)
+            for name, function, call, want in calls]
+
+
+def _helper(row: Fixed, runner: Runner, function: str, call: Any, want: np.ndarray) -> Result:
+    if missing(runner.module, (function,)):
+        return Result(row, [], skipped=f"no {function}")
+    try:
+        got = runner.module.to_numpy(call())
+    except Exception as error:
+        return Result(row, [f"raised {type(error).__name__}: {error}"])
+    if got.dtype != np.bool_ or got.shape != want.shape:
+        return Result(row, [f"{got.dtype} {got.shape}, expected bool {want.shape}"])
+    return Result(row, [] if np.array_equal(got, want) else [f"True at {np.argwhere(got != want)[:3].tolist()} "
+                                                            "where the oracle differs"])

@@ -166,6 +166,17 @@ def transformer_block(
     return x, weights
 
 
+def causal_mask(L: int, S: int) -> np.ndarray:
+    """bool (L, S), row by row: query i sees key j when j <= i (top-left aligned)."""
+    return np.array([[j <= i for j in range(S)] for i in range(L)], dtype=bool).reshape(L, S)
+
+
+def padding_mask(lengths: ArrayLike, S: int) -> np.ndarray:
+    """bool (B, 1, 1, S), sequence by sequence: sequence b sees its first lengths[b] keys."""
+    rows = [[j < int(n) for j in range(S)] for n in np.asarray(lengths).ravel()]
+    return np.array(rows, dtype=bool).reshape(-1, 1, 1, S)
+
+
 def _visible_keys(i: int, mask_row: np.ndarray, bias_row: np.ndarray, is_causal: bool) -> list[int]:
     """The keys j query i may see: kept by the mask, not -inf in the bias, and j <= i when causal."""
     return [j for j in range(len(mask_row))

@@ -75,7 +75,11 @@ TABLES = (
     Table("errors", "-", fixed_checks.errors),
     Table("edge_cases", "float64", fixed_checks.edge_cases),
 )
-ROUND_TRIP = Table("round_trip", "-", lambda runner, operation: fixed_checks.round_trip(runner))
+# what every module offers besides its operations, one row each under a name of its own
+CONTRACT_TABLES = {
+    "arrays": Table("round_trip", "-", lambda runner, operation: fixed_checks.round_trip(runner)),
+    "masks": Table("helpers", "-", lambda runner, operation: fixed_checks.mask_helpers(runner)),
+}
 
 
 class Row(NamedTuple):
@@ -133,7 +137,7 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
         raise ValueError(f"max_examples must be at least 1, got {max_examples}")
     runner, tell = Runner(module), progress or (lambda what: None)
     with runner.framework.pinned() as pinned, quick_compiles():
-        rows = [_table_row(runner, ROUND_TRIP, "arrays", tell)]  # under the pinned settings (JAX: x64)
+        rows = [_table_row(runner, table_, name, tell) for name, table_ in CONTRACT_TABLES.items()]  # pinned: x64
         for operation in (name for name in OPERATIONS if name in operations):
             for group in (group for group in GROUPS if group.operation == operation):
                 examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
@@ -150,7 +154,7 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
 def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *, profile: str = "fast",
             max_examples: int | None = None) -> int:
     """How many cases `check` runs on `module` when every check passes (shrinking a failure runs more)."""
-    total = len(framework_of(module).dtypes)
+    total = len(framework_of(module).dtypes) + len(fixed_checks.CAUSAL_SIZES) + len(fixed_checks.PADDING_LENGTHS)
     for group in (group for group in GROUPS if group.operation in operations):
         examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
         examples += len(table.rows(group.operation, "example")) if group.pinned else 0

@@ -54,6 +54,7 @@ EXPECTED: dict[str, set[str]] = {
     "asarray_widens_float16": {"round_trip"},
     "rank_one_mask_dropped_on_the_fast_path": {"fast_path"},
     "queries_scaled_in_place": {"call"},
+    "padding_mask_off_by_one": {"helpers"},
 }
 
 

@@ -13,6 +13,7 @@ import pytest
 from conformance import suite
 from conformance.__main__ import BUILT_IN
 from conformance.operations import OPERATIONS
+from conformance.suite import CONTRACT_TABLES
 
 pytestmark = pytest.mark.slow  # each test starts `python -m conformance` in a subprocess
 
@@ -51,7 +52,7 @@ def test_check_writes_json_rows_and_prints_the_seed(tmp_path: pathlib.Path) -> N
     assert "seed 7" in result.stdout
     report = json.loads(path.read_text())["attention_np"]
     assert report["passed"] is True and report["seed"] == 7
-    assert {row["operation"] for row in report["rows"]} == {"arrays", *OPERATIONS}  # arrays: round_trip
+    assert {row["operation"] for row in report["rows"]} == {*CONTRACT_TABLES, *OPERATIONS}
     assert all(row["examples"] >= 1 for row in report["rows"])
 
 

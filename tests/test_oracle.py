@@ -176,3 +176,10 @@ def test_agrees_with_torch_sdpa_in_float64(L: int, S: int) -> None:
     check(sdpa(tq, tk, tv, attn_mask=torch.from_numpy(mask)), mask=mask)
     check(sdpa(tq, tk, tv, is_causal=True), is_causal=True)  # torch's causal mask is top-left aligned too
     check(sdpa(tq, tk, tv, attn_mask=torch.from_numpy(bias), scale=0.3), bias=bias, scale=0.3)
+
+
+def test_the_oracles_mask_helpers_by_hand():
+    # causal: query i sees keys 0..i; padding: sequence b sees its first lengths[b] keys, as (B, 1, 1, S)
+    np.testing.assert_array_equal(oracle.causal_mask(2, 3), [[True, False, False], [True, True, False]])
+    assert oracle.causal_mask(0, 3).shape == (0, 3) and oracle.causal_mask(3, 0).shape == (3, 0)
+    np.testing.assert_array_equal(oracle.padding_mask([2, 0], 3), [[[[True, True, False]]], [[[False, False, False]]]])

@@ -3,8 +3,8 @@ suite must reject.
 
 Each class overrides one named piece of `Implementation`; its docstring says the bug and which check of
 the suite should catch it (the measure names of `conformance.check` rows: values, weights_rows,
-permutation, causal_prefix, single_key, reproducible, varies, mean, fast_path, round_trip, call). Every
-variant runs without error on ordinary inputs: the bug is a wrong answer, never a crash.
+permutation, causal_prefix, single_key, reproducible, varies, mean, fast_path, round_trip, call, helpers).
+Every variant runs without error on ordinary inputs: the bug is a wrong answer, never a crash.
 
 `BROKEN` maps a name to the variant as a module object exposing the contract, ready for `check`.
 """
@@ -356,6 +356,14 @@ class RankOneMaskDroppedOnTheFastPath(Implementation):
         return super().scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights, **options)
 
 
+class PaddingMaskOffByOne(Implementation):
+    """padding_mask keeps lengths[b] + 1 keys (`<=` for `<`): every attention call is right, the helper
+    that builds its mask is not. Caught by: helpers."""
+
+    def padding_mask(self, lengths: object, S: int) -> np.ndarray:
+        return np.arange(S) <= np.asarray(lengths)[:, None, None, None]  # (B,) -> (B, 1, 1, S)
+
+
 class QueriesScaledInPlace(Implementation):
     """The scale is folded into q in place (q *= scale, to save a copy of q): the numbers are right, but
     the caller's q has changed. Caught by: call (every input must hold the same bits after the call)."""
@@ -401,6 +409,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "asarray_widens_float16": AsarrayWidensFloat16,
     "rank_one_mask_dropped_on_the_fast_path": RankOneMaskDroppedOnTheFastPath,
     "queries_scaled_in_place": QueriesScaledInPlace,
+    "padding_mask_off_by_one": PaddingMaskOffByOne,
 }
 
 BROKEN: dict[str, types.ModuleType] = {
