@@ -79,6 +79,7 @@ def test_json_rows_have_the_documented_keys(cli_run: tuple[str, list[dict]]) -> 
     assert set(ROW_KEYS) == set(timing.Row._fields)
 
 
+@pytest.mark.slow  # runs every candidate of the benchmark
 def test_every_candidate_agrees_with_the_float64_reference() -> None:
     rows = timing.compare(sizes=(8,), operations=timing.OPERATIONS, repeats=1, **TINY)
     assert {row.implementation for row in rows} == _expected_implementations()
@@ -190,6 +191,7 @@ def test_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture) -> N
     assert "--device cuda" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # runs every candidate of the benchmark
 def test_targets_compute_every_ratio() -> None:
     rows = timing.targets(L=64, repeats=2)
     kinds = {framework_of(module).name for module in timing.installed_backends()[0].values()}

@@ -5,6 +5,9 @@ from __future__ import annotations
 from types import ModuleType
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # the original's default sizes: d_model 512, d_ff 2048
 
 B, L, D, H = 2, 10, 512, 8  # the tutorial's batch, sequence length, d_model and heads
 
