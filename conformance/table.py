@@ -173,6 +173,12 @@ def _sdpa_edges() -> list[Fixed]:
             "bias[0, 1, 3] NaN (visible): row (0, 1) NaN; bias[0, 2, 0] NaN but hidden by the mask: row (0, 2) "
             "finite; every other row as the oracle",
             Rule("out", "only_nan", (0, 1)), Rule("weights", "only_nan", (0, 1))),
+        # q[0, 0] = +inf against k[:, 0] = -1: every score of row 0 is -inf, from the inputs, not the bias
+        edge("sdpa", "neg_inf_scores_from_the_inputs", lambda: sdpa_case(
+            (), 2, 3, q=changed(normal(2, 2), (0, 0), np.inf), k=changed(normal(3, 2, seed=1), (ALL, 0), -1.0)),
+            "q[0, 0] = +inf, k[:, 0] = -1: every score of row 0 is -inf, which hides nothing (only a -inf bias "
+            "hides a key): out and weights row 0 NaN, never the zeros of a fully masked row; row 1 as the oracle",
+            Rule("out", "only_nan", 0), Rule("weights", "only_nan", 0)),
         # +inf - max = inf - inf = NaN: never the finite one-hot limit
         edge("sdpa", "inf_score", lambda: heads._replace(bias=changed(np.zeros((3, 4)), (1, 0), np.inf)),
              "q (B, H, L, E), bias (L, S), bias[1, 0] = +inf (visible): out rows (:, :, 1) NaN or inf, never "

@@ -3,8 +3,8 @@ suite must reject.
 
 Each class overrides one named piece of `Implementation`; its docstring says the bug and which check of
 the suite should catch it (the measure names of `conformance.check` rows: values, weights_rows,
-permutation, causal_prefix, single_key, reproducible, varies, mean, fast_path, round_trip, call, helpers).
-Every variant runs without error on ordinary inputs: the bug is a wrong answer, never a crash.
+permutation, causal_prefix, single_key, reproducible, varies, mean, fast_path, round_trip, call, helpers,
+edge_cases). Every variant runs without error on ordinary inputs: the bug is a wrong answer, never a crash.
 
 `BROKEN` maps a name to the variant as a module object exposing the contract, ready for `check`.
 """
@@ -132,8 +132,9 @@ class IsCausalIgnored(Implementation):
     """`is_causal=True` is accepted and ignored. Caught by: values (sdpa with is_causal);
     causal_prefix (sdpa)."""
 
-    def visible(self, scores: np.ndarray, mask: np.ndarray | None, is_causal: bool) -> np.ndarray:
-        return super().visible(scores, mask, False)
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+                is_causal: bool) -> np.ndarray:
+        return super().visible(scores, mask, bias, False)
 
 
 class CausalBottomRight(Implementation):
@@ -158,13 +159,24 @@ class NegInfBiasNotHidden(Implementation):
     (through the bias alone) has max = -inf and gives exp(-inf - -inf) = NaN instead of zeros.
     Caught by: values (sdpa with a bias row of all -inf)."""
 
-    def visible(self, scores: np.ndarray, mask: np.ndarray | None, is_causal: bool) -> np.ndarray:
-        visible = np.ones(scores.shape, dtype=bool)
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+                is_causal: bool) -> np.ndarray:
+        visible = np.ones(scores.shape, dtype=bool)  # the bias is left out
         if mask is not None:
             visible = visible & self.mask_visible(mask)
         if is_causal:
             visible = visible & self.causal(*scores.shape[-2:])
         return visible
+
+
+class NegInfScoreHidden(Implementation):
+    """Any score of -inf is taken for a hidden key, also one that comes from the inputs (an infinite q
+    against a key of the opposite sign), so a row whose visible scores are all -inf returns zeros instead
+    of NaN. Caught by: edge_cases (sdpa neg_inf_scores_from_the_inputs)."""
+
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+                is_causal: bool) -> np.ndarray:
+        return super().visible(scores, mask, bias, is_causal) & (scores != -np.inf)
 
 
 # --- softmax -------------------------------------------------------------------------------------------
@@ -390,6 +402,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "causal_bottom_right": CausalBottomRight,
     "causal_strict": CausalStrict,
     "neg_inf_bias_not_hidden": NegInfBiasNotHidden,
+    "neg_inf_score_hidden": NegInfScoreHidden,
     "softmax_wrong_axis": SoftmaxWrongAxis,
     "softmax_without_max_subtraction": SoftmaxWithoutMaxSubtraction,
     "masked_row_uniform": MaskedRowUniform,

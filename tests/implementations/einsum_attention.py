@@ -106,7 +106,7 @@ class Implementation:
         scores = self.scores(q, k, self.resolve_scale(scale, E), bias)  # (..., L, S)
 
         # 2) one boolean of the keys each query sees, then the softmax over them
-        visible = self.visible(scores, mask, is_causal)  # (..., L, S)
+        visible = self.visible(scores, mask, bias, is_causal)  # (..., L, S)
         weights = self.softmax(scores, visible)  # (..., L, S)
 
         # 3) the weighted sum of the values
@@ -128,9 +128,13 @@ class Implementation:
         """The bias in the dtype of the scores (a float64 bias must not promote float32 scores)."""
         return scores if bias is None else scores + np.asarray(bias, dtype=scores.dtype)
 
-    def visible(self, scores: np.ndarray, mask: np.ndarray | None, is_causal: bool) -> np.ndarray:
-        """True where a query may see a key: kept by the mask, causal when asked, score not -inf."""
-        visible = scores != -np.inf  # a NaN score stays visible, so NaN propagates
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+                is_causal: bool) -> np.ndarray:
+        """True where a query may see a key: kept by the mask, causal when asked, bias not -inf. A -inf
+        score that comes from infinite q or k hides nothing (SPEC section 2): its row becomes NaN."""
+        visible = np.ones(scores.shape, dtype=bool)
+        if bias is not None:
+            visible = visible & (np.asarray(bias) != -np.inf)  # a NaN bias stays visible, so NaN propagates
         if mask is not None:
             visible = visible & self.mask_visible(mask)
         if is_causal:
