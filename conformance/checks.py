@@ -307,7 +307,8 @@ def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Mea
 
 def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     """Dropout in training mode (every operation with dropout 0.5), on the case repeated DROPOUT_DRAWS times
-    along a new leading axis, so one call holds many independent draws:
+    along a new leading axis, so one call holds many independent draws; reproducible, varies and mean hold
+    on both paths (need_weights True and False), each measure the worse of the two:
 
     weights: the returned weights are the softmax probabilities before dropout (the eval weights);
     reproducible: the same rng gives the same output;
@@ -321,28 +322,36 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     operation = operation_of(case)
     case = rounded(case._replace(dropout=0.5), dtype)
     draws = _tiled(case, DROPOUT_DRAWS)
-    (first, weights), (again, _), (other, _) = (runner.run(draws, dtype, training=True, seed=seed)
-                                                for seed in (1, 1, 2))
     expected_out, expected_weights = expected(case)
     spread = (None if operation.dropout_sigma is None else
               operation.dropout_sigma(case, expected_weights, 0.5, DROPOUT_DRAWS))
     shows = operation.dropout_shows(case) and (spread is None or bool(np.any(spread > 0)))
-    before = compare("weights in training mode", weights, np.broadcast_to(expected_weights, first.shape[:1]
-                     + expected_weights.shape), dtype)
-    measures = {"weights": before._replace(tolerance=_low_precision_tolerance(case, dtype, (expected_out,
-                                                                                            expected_weights))),
-                "reproducible": Measure(0.0) if np.array_equal(first, again, equal_nan=True)
-                else Measure(math.inf, "the same rng gave different outputs"),
-                "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
-                else Measure(math.inf, "another rng gave the same output")}
-    if spread is None:
-        return measures  # the block: LayerNorm and the activation follow dropout, so the mean is not eval
+    weights, measures = None, {}
+    for need_weights in (True, False):  # both paths: a fused path may not skip dropout
+        path = "" if need_weights else " with need_weights=False"
+        (first, returned), (again, _), (other, _) = (
+            runner.run(draws, dtype, training=True, seed=seed, need_weights=need_weights) for seed in (1, 1, 2))
+        weights = returned if need_weights else weights
+        found = {"reproducible": Measure(0.0) if np.array_equal(first, again, equal_nan=True)
+                 else Measure(math.inf, f"the same rng gave different outputs{path}"),
+                 "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
+                 else Measure(math.inf, f"another rng gave the same output{path}")}
+        if spread is not None:  # not the block: LayerNorm and the activation follow dropout, its mean is not eval
+            found["mean"] = _dropout_mean(first, expected_out, spread, dtype, path)
+        measures = {name: worst(measure, measures.get(name, Measure(0.0))) for name, measure in found.items()}
+    expected_draws = np.broadcast_to(expected_weights, (DROPOUT_DRAWS, *expected_weights.shape))
+    before = compare("weights in training mode", weights, expected_draws, dtype)
+    tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))
+    return {"weights": before._replace(tolerance=tolerance)} | measures
+
+
+def _dropout_mean(draws: np.ndarray, expected_out: np.ndarray, spread: np.ndarray, dtype: str, path: str) -> Measure:
+    """max |mean of the draws - eval| in units of its 6-sigma bound (plus rounding)."""
     rounding = 10 * np.finfo(dtype).eps * np.max(np.abs(expected_out), initial=1.0)
-    mean = first.astype(np.float64).mean(axis=0)
+    mean = draws.astype(np.float64).mean(axis=0)
     ratio = (float(np.max(np.abs(mean - expected_out) / (6 * spread + rounding), initial=0.0))
              if mean.shape == expected_out.shape else math.inf)
-    measures["mean"] = Measure(ratio, f"the mean of {DROPOUT_DRAWS} draws is {ratio:.1f} x its 6-sigma bound off")
-    return measures
+    return Measure(ratio, f"the mean of {DROPOUT_DRAWS} draws{path} is {ratio:.1f} x its 6-sigma bound off")
 
 
 def _tiled(case: Case, n: int) -> Case:

@@ -368,6 +368,18 @@ class RankOneMaskDroppedOnTheFastPath(Implementation):
         return super().scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights, **options)
 
 
+class DropoutSkippedWithoutWeights(Implementation):
+    """The path without the weights (a fused call) silently leaves dropout out in training mode. Caught
+    by: varies, mean (the dropout checks run on both paths)."""
+
+    def scaled_dot_product_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                                     mask: np.ndarray | None = None, *, need_weights: bool = True,
+                                     dropout_p: float = 0.0, **options: object) -> Pair:
+        self.check_probability("dropout_p", dropout_p)  # still checked, then dropped
+        return super().scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights,
+                                                    dropout_p=dropout_p if need_weights else 0.0, **options)
+
+
 class PaddingMaskOffByOne(Implementation):
     """padding_mask keeps lengths[b] + 1 keys (`<=` for `<`): every attention call is right, the helper
     that builds its mask is not. Caught by: helpers."""
@@ -423,6 +435,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "rank_one_mask_dropped_on_the_fast_path": RankOneMaskDroppedOnTheFastPath,
     "queries_scaled_in_place": QueriesScaledInPlace,
     "padding_mask_off_by_one": PaddingMaskOffByOne,
+    "dropout_skipped_without_weights": DropoutSkippedWithoutWeights,
 }
 
 BROKEN: dict[str, types.ModuleType] = {
