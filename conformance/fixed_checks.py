@@ -240,5 +240,5 @@ def _helper(row: Fixed, runner: Runner, function: str, call: Any, want: np.ndarr
         return Result(row, [f"raised {type(error).__name__}: {error}"])
     if got.dtype != np.bool_ or got.shape != want.shape:
         return Result(row, [f"{got.dtype} {got.shape}, expected bool {want.shape}"])
-    return Result(row, [] if np.array_equal(got, want) else [f"True at {np.argwhere(got != want)[:3].tolist()} "
-                                                            "where the oracle differs"])
+    differs = np.argwhere(got != want)[:3].tolist()
+    return Result(row, [] if not differs else [f"differs from the oracle at {differs}"])

@@ -85,6 +85,11 @@ def _broken_entries(state: dict, prefix: str) -> dict:
                     f"{prefix}w_v.weight": np.zeros((width, width - 1))}
 
 
+def _with_state(make: Callable[[], Any], change: Callable[[dict], dict]) -> Callable[[], Any]:
+    """`make`'s case with `change` applied to its state dict."""
+    return lambda: (case := make())._replace(state=change(case.state))
+
+
 def _in(dtype: str, state: dict, name: str) -> dict:
     return state | {name: state[name].astype(dtype)}
 
@@ -322,10 +327,6 @@ def _mha(**fields: Any) -> Callable[[], Any]:
     return lambda: mha_case(**({"dropout": 0.0, "seed": 0} | fields))
 
 
-def _mha_with_state(change: Callable[[dict], dict]) -> Callable[[], Any]:
-    return lambda: (case := _mha()())._replace(state=change(case.state))
-
-
 def _mha_errors() -> list[Fixed]:
     return [
         error("mha", "input_width_not_d_model", _mha(k=normal(2, 5, 3)), ValueError, "k", "(2, 5, 3)", "4"),
@@ -349,10 +350,10 @@ def _mha_errors() -> list[Fixed]:
               stage="init"),
         error("mha", "state_not_divisible", _mha(num_heads=3), ValueError, "d_model", "num_heads"),
         error("mha", "state_dropout_negative", _mha(dropout=-0.5), ValueError, "dropout"),
-        error("mha", "state_entries", _mha_with_state(lambda state: _broken_entries(state, "")), ValueError,
+        error("mha", "state_entries", _with_state(_mha(), lambda state: _broken_entries(state, "")), ValueError,
               "w_k.bias", "w_x.weight", "w_v.weight"),
-        error("mha", "state_dtypes_differ", _mha_with_state(lambda state: _in("float32", state, "w_o.bias")), TypeError,
-              "float32", "float64"),
+        error("mha", "state_dtypes_differ", _with_state(_mha(), lambda state: _in("float32", state, "w_o.bias")),
+              TypeError, "float32", "float64"),
         error("mha", "d_out_shape", _mha(), ValueError, "d_out", "(2, 3, 5)", "(2, 3, 4)", stage="pullback",
               d_out=np.zeros((2, 3, 5))),
         error("mha", "d_out_dtype", _mha(), TypeError, "d_out", "float32", "float64", stage="pullback",
@@ -425,10 +426,6 @@ def _block(**fields: Any) -> Callable[[], Any]:
     return lambda: block_case(**({"L": 3, "seed": 0, "dropout": 0.0, "activation": "relu"} | fields))
 
 
-def _block_with_state(change: Callable[[dict], dict]) -> Callable[[], Any]:
-    return lambda: (case := _block()())._replace(state=change(case.state))
-
-
 def _block_errors() -> list[Fixed]:
     init = {"d_model": 4, "num_heads": 2, "d_ff": 8}
     return [
@@ -450,10 +447,11 @@ def _block_errors() -> list[Fixed]:
         error("block", "dropout_one", lambda: init | {"dropout": 1.0}, ValueError, "dropout", stage="init"),
         error("block", "state_unknown_activation", _block(activation="swish"), ValueError, "activation", "swish"),
         error("block", "state_dropout_negative", _block(dropout=-0.5), ValueError, "dropout"),
-        error("block", "state_entries", _block_with_state(lambda state: _broken_entries(state, "attn.")), ValueError,
-              "attn.w_k.bias", "attn.w_x.weight", "attn.w_v.weight"),
-        error("block", "state_dtypes_differ", _block_with_state(lambda state: _in("float32", state, "norm2.weight")),
-              TypeError, "float32", "float64"),
+        error("block", "state_entries", _with_state(_block(), lambda state: _broken_entries(state, "attn.")),
+              ValueError, "attn.w_k.bias", "attn.w_x.weight", "attn.w_v.weight"),
+        error("block", "state_dtypes_differ",
+              _with_state(_block(), lambda state: _in("float32", state, "norm2.weight")), TypeError,
+              "float32", "float64"),
         error("block", "d_out_shape", _block(), ValueError, "d_out", "(2, 3, 5)", "(2, 3, 4)", stage="pullback",
               d_out=np.zeros((2, 3, 5))),
         error("block", "d_out_dtype", _block(), TypeError, "d_out", "float32", "float64", stage="pullback",
