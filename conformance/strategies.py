@@ -4,9 +4,11 @@ transformer block (the cases that random draws rarely hit are pinned in conforma
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
-JAX compiles once per distinct shape (and per static argument), so every size comes from a few small
-values: L, S in 1..5; E, Ev in {1, 2, 4}; H in 1..4 with d_k in {1, 2}, so D = H * d_k <= 8; F in {4, 8};
-leading axes (), (2,) or (2, 3); scale, dropout and eps from short fixed lists.
+JAX compiles once per distinct shape (and per static argument), so every size comes from a few fixed
+values: L, S mostly in 1..5, and about one draw in eight from LONG_LENGTHS (8 to 65, at and just above
+powers of two: tile, chunk and vector-width boundaries); E, Ev in {1, 2, 4}; H in 1..4 with d_k in {1, 2},
+so D = H * d_k <= 8; F in {4, 8}; leading axes (), (2,) or (2, 3); scale, dropout and eps from short fixed
+lists.
 
 Hypothesis draws every shape, flag and mask family, so it can shrink them; the numbers come from a NumPy
 Generator seeded by one drawn integer (fast, and the seed is part of the example). Floating arrays are
@@ -25,7 +27,9 @@ from hypothesis import strategies as st
 from .cases import LARGE, SMALL, Batch, BlockCase, MhaCase, SdpaCase, State, block_state, mha_state
 
 BATCH_SHAPES: tuple[Batch, ...] = ((), (2,), (2, 3))
-LENGTHS = (1, 2, 3, 4, 5)  # L and S
+LENGTHS = (1, 2, 3, 4, 5)  # L and S, most draws
+LONG_LENGTHS = (8, 9, 16, 17, 32, 33, 64, 65)  # L and S, about one draw in eight: past a tile, a remainder
+SHORT_WEIGHT = 12  # each short length this many times as likely as each long one
 WIDTHS = (1, 2, 4)  # E and Ev
 HEADS = (1, 2, 3, 4)
 D_K = (1, 2)  # D = H * d_k
@@ -37,6 +41,9 @@ ACTIVATIONS = ("relu", "gelu")
 MASK_DTYPES = ("bool", "int32", "int64")
 MAGNITUDES = ("normal", "large", "small_variance")
 HIDDEN = 0.3  # share of keys a random mask hides
+BIAS_MAGNITUDES = ("normal", "large", "offset")
+LARGE_BIAS = 1000.0  # "large" biases: N(0, 1) * LARGE_BIAS, hundreds to thousands
+OFFSETS = (1e4, 1e5)  # "offset" biases: each row shifted by -U(1e4, 1e5), below masked-fill constants
 
 SEEDS = st.integers(0, 2**32 - 1)
 
@@ -53,6 +60,12 @@ class LabelledMask(NamedTuple):
 def batch_shapes() -> st.SearchStrategy[Batch]:
     """Leading axes: none, (2,) or (2, 3)."""
     return st.sampled_from(BATCH_SHAPES)
+
+
+def lengths(*, exclude: int | None = None) -> st.SearchStrategy[int]:
+    """A sequence length (not `exclude`): each of LENGTHS SHORT_WEIGHT times as likely as each of LONG_LENGTHS,
+    so about one length in eight is long; shrinks towards 1."""
+    return st.sampled_from([n for n in LENGTHS * SHORT_WEIGHT + LONG_LENGTHS if n != exclude])
 
 
 def _rng(draw: Callable) -> np.random.Generator:
@@ -222,13 +235,20 @@ def _cast_mask(draw: Callable, mask: np.ndarray) -> np.ndarray:
 
 @st.composite
 def biases(draw: Callable, batch: Batch, L: int, S: int, *, allow_none: bool = True) -> np.ndarray | None:
-    """None (if allowed), or N(0, 1) values with about 20% -inf (hidden keys) and sometimes a whole row
-    -inf; of every rank from 1 to that of the scores (..., L, S), each axis but S full or 1."""
+    """None (if allowed), or finite values with about 20% -inf (hidden keys) and sometimes a whole row -inf;
+    of every rank from 1 to that of the scores (..., L, S), each axis but S full or 1. The finite values
+    are drawn from BIAS_MAGNITUDES: "normal" N(0, 1); "large" LARGE_BIAS * N(0, 1), which decides the row
+    maximum alone; "offset" N(0, 1) - c, c ~ U(1e4, 1e5) per row, so every visible score of a row lies
+    tens of thousands below zero, under the constants a masked fill would use (-1e4)."""
     if allow_none and not draw(st.booleans()):
         return None
-    shape = draw(_stored_shape((*batch, L, S)))
+    shape, magnitude = draw(_stored_shape((*batch, L, S))), draw(st.sampled_from(BIAS_MAGNITUDES))
     rng = _rng(draw)
-    bias = rng.standard_normal(shape)  # (..., L, S) or (L, S)
+    bias = rng.standard_normal(shape)  # (..., L, S) or fewer axes
+    if magnitude == "large":
+        bias *= LARGE_BIAS
+    elif magnitude == "offset":
+        bias -= rng.uniform(*OFFSETS, (*shape[:-1], 1))  # (..., L, 1): one shift per row
     bias[rng.random(shape) < 0.2] = -np.inf
     if draw(st.booleans()):  # one query row sees no key through the bias alone
         n_rows = math.prod(shape[:-1])
@@ -255,8 +275,8 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     causal window when is_causal), or, with mask=False, S == 1 and no mask; a drawn bias is then 0
     wherever it was -inf on that visible key, so it hides nothing more.
     """
-    batch, L = draw(batch_shapes()), draw(st.sampled_from(LENGTHS))
-    S = 1 if single_key and mask is False else draw(st.sampled_from(LENGTHS))
+    batch, L = draw(batch_shapes()), draw(lengths())
+    S = 1 if single_key and mask is False else draw(lengths())
     E, Ev = draw(st.sampled_from(WIDTHS)), draw(st.sampled_from(WIDTHS))
     is_causal = draw(st.booleans()) if is_causal is None else is_causal
     magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
@@ -304,9 +324,9 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     """Self-attention (q, k, v the same array, L == S) or cross-attention (three different arrays, L != S);
     `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head."""
     num_heads, d_model = draw(_heads_and_width())
-    batch, L = draw(batch_shapes()), draw(st.sampled_from(LENGTHS))
+    batch, L = draw(batch_shapes()), draw(lengths())
     cross = draw(st.booleans()) if cross is None else cross
-    S = draw(st.sampled_from([n for n in LENGTHS if n != L])) if cross else L
+    S = draw(lengths(exclude=L)) if cross else L
     magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
     rng = _rng(draw)
     q = _values(rng, (*batch, L, d_model), magnitude)  # (..., L, D)
@@ -323,7 +343,7 @@ def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | N
     causal_mask=True gives mask = tril(L, L), bool (L, L); otherwise a mask per head is drawn."""
     num_heads, d_model = draw(_heads_and_width())
     d_ff = draw(st.sampled_from(D_FF))
-    batch, L = draw(batch_shapes()), draw(st.sampled_from(LENGTHS))
+    batch, L = draw(batch_shapes()), draw(lengths())
     norm_first, activation = draw(st.booleans()), draw(st.sampled_from(ACTIVATIONS))
     eps, dropout = draw(st.sampled_from(EPSILONS)), draw(st.sampled_from(DROPOUTS))
     magnitude = draw(st.sampled_from(MAGNITUDES)) if magnitude is None else magnitude

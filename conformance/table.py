@@ -128,7 +128,24 @@ def _sdpa_examples() -> list[Fixed]:
                 "mask (S,) broadcasts to (B, H, L, S)"),
         example("sdpa", "rank_one_bias", lambda: sdpa_case((2, 3), E=2, Ev=2, bias=changed(normal(4), 2, -np.inf)),
                 "bias (S,) broadcasts to (B, H, L, S)"),
+        example("sdpa", "long_sequences", lambda: sdpa_case(
+            (2,), 65, 129, E=4, mask=random_mask(2, 65, 129), bias=LONG_BIAS * normal(65, 129)),
+            "L = 65, S = 129: past every tile of 16, 32, 64 or 128 keys, by one; the row maximum anywhere"),
+        example("sdpa", "visible_scores_near_minus_1e5", _far_below_fill(-1e5),
+                "every visible score about -1e5, a hidden key in every row: a masked fill above -1e5 wins"),
     ]
+
+
+LONG_BIAS = 3.0  # spreads the scores of a long row, so its weights are not all about 1 / S
+
+
+def _far_below_fill(offset: float) -> Callable[[], Any]:
+    """scale 0, so the scores are the bias exactly: offset + k / 8 (representable in float32 near -1e5 and
+    in float64 near -2^40), and key 1 hidden in every row; the weights are those of the k / 8 alone."""
+    def build() -> Any:
+        steps = np.round(8 * normal(2, 3, 4, seed=8)) / 8  # (B, L, S), multiples of 1 / 8
+        return sdpa_case(bias=offset + steps, mask=changed(np.ones((3, 4), bool), (ALL, 1), False), scale=0.0)
+    return build
 
 
 def _sdpa_edges() -> list[Fixed]:
@@ -184,6 +201,10 @@ def _sdpa_edges() -> list[Fixed]:
             "q[0, 0] = +inf, k[:, 0] = -1: every score of row 0 is -inf, which hides nothing (only a -inf bias "
             "hides a key): out and weights row 0 NaN, never the zeros of a fully masked row; row 1 as the oracle",
             Rule("out", "only_nan", 0), Rule("weights", "only_nan", 0)),
+        edge("sdpa", "visible_scores_below_minus_1e9", _far_below_fill(-2.0**40),
+             "every visible score about -1.1e12, key 1 hidden in every row: the weights of the visible keys as "
+             "the oracle, never a masked fill constant (-1e9, The Annotated Transformer's) that outweighs them",
+             Rule("weights", "zero", (ALL, ALL, 1)), Rule("weights", "sums_to_one")),
         # +inf - max = inf - inf = NaN: never the finite one-hot limit
         edge("sdpa", "inf_score", lambda: heads._replace(bias=changed(np.zeros((3, 4)), (1, 0), np.inf)),
              "q (B, H, L, E), bias (L, S), bias[1, 0] = +inf (visible): out rows (:, :, 1) NaN or inf, never "
@@ -262,6 +283,9 @@ def _mha_examples() -> list[Fixed]:
                 "L = S = 1, four heads, dropout configured"),
         example("mha", "cross_attention_one_sequence_padded", lambda: mha_case(dropout=0.0, mask=padding),
                 "sequence 1 all padding"),
+        example("mha", "long_cross_attention", lambda: mha_case(
+            (), 65, 129, D=8, H=2, dropout=0.0, mask=random_mask(2, 65, 129)),
+            "L = 65, S = 129, a mask per head: past every tile of keys, by one"),
         example("mha", "every_key_hidden_integer_mask", lambda: _self_attention(mha_case(
             D=2, H=1, S=3, dropout=0.5, mask=np.zeros((1, 1), np.int32))), "out = w_o.bias"),
     ]

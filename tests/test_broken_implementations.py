@@ -38,8 +38,12 @@ EXPECTED: dict[str, set[str]] = {
     "neg_inf_score_hidden": {"edge_cases"},  # zeros in a row whose scores are all -inf through infinite q
     "softmax_wrong_axis": {"values", "weights_rows"},
     "softmax_without_max_subtraction": {"values"},  # logits in the hundreds overflow exp
+    "row_maximum_before_bias": {"values"},  # biases in the thousands overflow exp
     "masked_row_uniform": {"values", "single_key"},
     "masked_row_nan": {"values", "single_key"},
+    "hidden_filled_with_minus_1e4": {"values"},  # visible scores tens of thousands below zero
+    "hidden_filled_with_minus_1e9": {"edge_cases"},  # visible scores about -1.1e12, float64 only
+    "online_softmax_without_rescale": {"values", "weights_rows"},  # S past one tile of 16 keys
     "mask_after_softmax": {"values", "weights_rows"},
     "weights_after_dropout": {"weights"},  # the dropout check compares training-mode weights with eval
     "dropout_in_eval": {"values"},  # modules are checked in eval mode with dropout configured

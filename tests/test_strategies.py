@@ -76,7 +76,7 @@ def test_sdpa_case_shapes_are_consistent(case: cases.SdpaCase) -> None:
     L, S = _assert_sdpa_contract(case)[-2:]
     assert case.q.shape[:-2] in cs.BATCH_SHAPES
     assert case.k.shape[:-2] == case.v.shape[:-2] == case.q.shape[:-2]
-    assert L in cs.LENGTHS and S in cs.LENGTHS
+    assert {L, S} <= {*cs.LENGTHS, *cs.LONG_LENGTHS}
     assert case.q.shape[-1] in cs.WIDTHS and case.v.shape[-1] in cs.WIDTHS
     assert case.q.dtype == case.k.dtype == case.v.dtype == np.float64
 
@@ -274,3 +274,37 @@ def test_masks_and_biases_are_drawn_at_every_rank() -> None:
 
     record()
     assert ranks == {"mask": {1, 2, 3, 4}, "bias": {1, 2, 3, 4}}
+
+
+def test_lengths_reach_every_long_size_in_few_draws() -> None:
+    drawn: list[tuple[int, int]] = []
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.sdpa_cases())
+    def record(case: cases.SdpaCase) -> None:
+        drawn.append((case.q.shape[-2], case.k.shape[-2]))
+
+    record()
+    sizes = {n for pair in drawn for n in pair}
+    assert set(cs.LONG_LENGTHS) <= sizes and set(cs.LENGTHS) <= sizes
+    long = sum(max(pair) > max(cs.LENGTHS) for pair in drawn) / len(drawn)
+    assert 0.1 < long < 0.35  # few large cases, so few compiles
+
+
+def _bias_magnitude(bias: np.ndarray) -> str:
+    finite = bias[np.isfinite(bias)]
+    if finite.size and finite.max() < -cs.OFFSETS[0] + 10:
+        return "offset"
+    return "large" if finite.size and np.abs(finite).max() > 10 else "normal"
+
+
+def test_biases_reach_every_magnitude() -> None:
+    magnitudes: set[str] = set()
+
+    @settings(max_examples=200, derandomize=True, database=None, deadline=None)
+    @given(cs.biases((2,), 4, 5, allow_none=False))
+    def record(bias: np.ndarray) -> None:
+        magnitudes.add(_bias_magnitude(bias))
+
+    record()
+    assert magnitudes == set(cs.BIAS_MAGNITUDES)

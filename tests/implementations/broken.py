@@ -193,6 +193,23 @@ class SoftmaxWrongAxis(Implementation):
         return np.where(visible, exp / np.where(seen, exp.sum(axis=-2, keepdims=True), 1), 0)
 
 
+class RowMaximumBeforeBias(Implementation):
+    """The row maximum over the visible keys is taken from q k^T * scale before the bias is added (a fused
+    kernel that adds the bias late) and subtracted after: exp(s + b - max s) overflows to inf / inf = NaN
+    once a bias reaches the hundreds (float32) or about 700 (float64).
+    Caught by: values (biases of large finite magnitude)."""
+
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
+        self.unbiased = super().scores(q, k, scale, None)  # (..., L, S), kept for the softmax
+        return self.add_bias(self.unbiased, bias)
+
+    def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+        seen = np.any(visible, axis=-1, keepdims=True)
+        row_max = np.max(np.where(visible, self.unbiased, -np.inf), axis=-1, keepdims=True, initial=-np.inf)
+        exp = np.exp(np.where(visible, scores, -np.inf) - np.where(seen, row_max, 0))
+        return np.where(visible, exp / np.where(seen, exp.sum(axis=-1, keepdims=True), 1), 0)
+
+
 class SoftmaxWithoutMaxSubtraction(Implementation):
     """exp(scores) without subtracting the row maximum: logits in the hundreds overflow to inf, and
     inf / inf = NaN. Caught by: values (large logits: float32 overflows above 88, float64 above 709)."""
@@ -212,6 +229,52 @@ class MaskedRowUniform(Implementation):
         filled = np.where(visible, scores, -1e9)
         exp = np.exp(filled - filled.max(axis=-1, keepdims=True))
         return exp / exp.sum(axis=-1, keepdims=True)
+
+
+class HiddenFilledWithMinus1e4(Implementation):
+    """Hidden scores filled with -1e4 (a masked_fill constant that float16 can hold) instead of left out;
+    rows that see no key are still zeroed. Right while every visible score stays far above -1e4.
+    Caught by: values (biases that shift a row's scores by tens of thousands; the example
+    visible_scores_near_minus_1e5)."""
+
+    FILL = -1e4
+
+    def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+        seen = np.any(visible, axis=-1, keepdims=True)
+        filled = np.where(visible, scores, self.FILL)  # a hidden key keeps exp(FILL - max) of the weight
+        return np.where(seen, super().softmax(filled, np.ones(filled.shape, bool)), 0)
+
+
+class HiddenFilledWithMinus1e9(HiddenFilledWithMinus1e4):
+    """As HiddenFilledWithMinus1e4 with The Annotated Transformer's -1e9: right while every visible score
+    stays far above -1e9. Caught by: edge_cases (visible_scores_below_minus_1e9)."""
+
+    FILL = -1e9
+
+
+class OnlineSoftmaxWithoutRescale(Implementation):
+    """The softmax over tiles of BLOCK keys with a running row maximum (the online softmax of tiled
+    kernels), but the running sum is not rescaled by exp(old max - new max) when a later tile raises the
+    maximum: exact while S <= BLOCK, rows that sum to more than 1 past it.
+    Caught by: values, weights_rows (S > 16: the drawn long sequences, the example long_sequences)."""
+
+    BLOCK = 16
+
+    def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
+        seen = np.any(visible, axis=-1, keepdims=True)  # (..., L, 1)
+        kept = np.where(visible, scores, -np.inf)
+        row_max = np.full(seen.shape, -np.inf)
+        total = np.zeros(seen.shape)
+        for start in range(0, kept.shape[-1], self.BLOCK):
+            tile = kept[..., start:start + self.BLOCK]  # (..., L, BLOCK)
+            row_max = np.maximum(row_max, tile.max(axis=-1, keepdims=True, initial=-np.inf))
+            total = total + np.exp(tile - self.shift(row_max)).sum(axis=-1, keepdims=True)  # the bug: no rescale
+        exp = np.exp(kept - self.shift(row_max))
+        return np.where(visible, exp / np.where(seen, total, 1), 0).astype(scores.dtype, copy=False)
+
+    @staticmethod
+    def shift(row_max: np.ndarray) -> np.ndarray:
+        return np.where(np.isneginf(row_max), 0, row_max)  # no visible key so far: nothing to subtract
 
 
 class MaskedRowNaN(Implementation):
@@ -417,8 +480,12 @@ VARIANTS: dict[str, type[Implementation]] = {
     "neg_inf_score_hidden": NegInfScoreHidden,
     "softmax_wrong_axis": SoftmaxWrongAxis,
     "softmax_without_max_subtraction": SoftmaxWithoutMaxSubtraction,
+    "row_maximum_before_bias": RowMaximumBeforeBias,
     "masked_row_uniform": MaskedRowUniform,
     "masked_row_nan": MaskedRowNaN,
+    "hidden_filled_with_minus_1e4": HiddenFilledWithMinus1e4,
+    "hidden_filled_with_minus_1e9": HiddenFilledWithMinus1e9,
+    "online_softmax_without_rescale": OnlineSoftmaxWithoutRescale,
     "mask_after_softmax": MaskAfterSoftmax,
     "weights_after_dropout": WeightsAfterDropout,
     "dropout_in_eval": DropoutInEval,
