@@ -41,6 +41,7 @@ EXPECTED: dict[str, set[str]] = {
     "masked_row_uniform": {"values", "single_key"},
     "masked_row_nan": {"values", "single_key"},
     "mask_after_softmax": {"values", "weights_rows"},
+    "softmax_in_half_precision": {"values"},  # float16 logits in the hundreds, rounded before the softmax
     "weights_after_dropout": {"weights"},  # the dropout check compares training-mode weights with eval
     "dropout_in_eval": {"values"},  # modules are checked in eval mode with dropout configured
     "dropout_without_rescale": {"mean"},
