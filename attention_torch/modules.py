@@ -220,6 +220,14 @@ class LayerNorm(nn.LayerNorm):
         """nn.LayerNorm's default: weight ones, bias zeros."""
         return cls(d_model, eps=eps, dtype=dtype)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch: half precision goes through the float32 kernel and is cast back (SPEC 2); the CPU's half kernel
+        # computes x * a + c with c = bias - mean * a, which cancels where the variance is far below eps
+        # (D = 1: the output, which is the bias, off by |x| / sqrt(eps) float32 rounding errors)
+        work = torch.promote_types(x.dtype, torch.float32)
+        weight, bias = self.weight.to(work), self.bias.to(work)
+        return nn.functional.layer_norm(x.to(work), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
 
 class FeedForward(nn.Sequential):
     """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in

@@ -188,7 +188,7 @@ ROUND_TRIP = Fixed("arrays", "round_trip", "round_trip", lambda: None,
 def _round_trip(runner: Runner, dtype: str) -> Result:
     row = ROUND_TRIP._replace(name=f"round_trip_{dtype}")
     try:
-        x = np.random.default_rng(0).standard_normal((2, 3)).astype(_numpy_dtype(dtype))
+        x = np.random.default_rng(0).standard_normal((2, 3)).astype(numpy_dtype(dtype))
     except ImportError as error:  # bfloat16 needs ml_dtypes, which the framework may not have
         return Result(row, [], skipped=str(error))
     try:
@@ -202,7 +202,8 @@ def _round_trip(runner: Runner, dtype: str) -> Result:
     return Result(row, [] if same else ["other values"])
 
 
-def _numpy_dtype(name: str) -> Any:
+def numpy_dtype(name: str) -> Any:
+    """The NumPy dtype of a name of Framework.dtypes; ImportError for bfloat16 without ml_dtypes."""
     if name == "bfloat16":  # NumPy has none of its own; ml_dtypes (which JAX uses) provides it
         import ml_dtypes
 

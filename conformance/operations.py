@@ -33,7 +33,7 @@ class Operation(NamedTuple):
     inputs: tuple[str, ...]  # the case's arrays that carry positions: repeated for dropout draws
     differentiable: tuple[str, ...]  # the arguments a vjp differentiates ("state": every parameter)
     strategy: str  # its Hypothesis strategy, a name in conformance/strategies.py (imported only to draw)
-    oracle: Callable[[Any, str], Pair]  # (case, precision) -> the expected (out, weights) in eval mode
+    oracle: Callable[[Any, str, bool], Pair]  # (case, precision, fused_bias) -> the expected (out, weights), eval
     call: Callable[..., Any]  # (module, arrays, rng, *, training, need_weights, **options) -> (out, weights)
     vjp: str  # the contract's name of the gradient interface, e.g. "MultiHeadAttention.vjp"
     pullback: Callable[..., Any]  # (module, arrays, rng, **options) -> {argument: gradient} at arrays["d_out"]
@@ -69,7 +69,7 @@ def missing(module: ModuleType, names: tuple[str, ...]) -> list[str]:
 
 # --- scaled dot-product attention --------------------------------------------------------------------------
 
-def _sdpa_oracle(case: SdpaCase, precision: str) -> Pair:
+def _sdpa_oracle(case: SdpaCase, precision: str, fused_bias: bool) -> Pair:  # sdpa has no Linear: no bias to fuse
     return oracle.sdpa(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
                        scale=case.scale, dtype=precision)
 
@@ -108,9 +108,9 @@ def _sdpa_dropout_sigma(case: SdpaCase, weights: np.ndarray, p: float, draws: in
 
 # --- multi-head attention ----------------------------------------------------------------------------------
 
-def _mha_oracle(case: MhaCase, precision: str) -> Pair:
+def _mha_oracle(case: MhaCase, precision: str, fused_bias: bool) -> Pair:
     return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask, num_heads=case.num_heads,
-                                       dtype=precision)
+                                       dtype=precision, fused_bias=fused_bias)
 
 
 def _mha_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -149,10 +149,10 @@ def _mha_dropout_sigma(case: MhaCase, weights: np.ndarray, p: float, draws: int)
 
 # --- the transformer block ---------------------------------------------------------------------------------
 
-def _block_oracle(case: BlockCase, precision: str) -> Pair:
+def _block_oracle(case: BlockCase, precision: str, fused_bias: bool) -> Pair:
     return oracle.transformer_block(case.state, case.x, case.mask, num_heads=case.num_heads,
                                     norm_first=case.norm_first, activation=case.activation, eps=case.eps,
-                                    dtype=precision)
+                                    dtype=precision, fused_bias=fused_bias)
 
 
 def _block_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,

@@ -10,7 +10,15 @@ converted to float64 first; speed is not a goal.
 
 `dtype=np.float32` runs the same formula in float32 throughout: its distance from the float64 result
 measures how much any correct float32 computation of a case may lose (ill-conditioned cases lose more),
-which the suite uses to scale its float32 tolerance.
+which the suite uses to scale its float32 tolerance. `dtype` float16 or bfloat16 (ml_dtypes) follows
+SPEC.md section 2 instead: the arithmetic runs in float32, and a tensor is rounded to `dtype` wherever a
+module built of layers of that dtype stores one: the inputs and parameters; sdpa's out and weights; each
+projection of multi-head attention, each head's output and the mixed output; in the block each Linear, the
+activation, each residual sum and each LayerNorm. That is the loss of a conformant half-precision module,
+never that of a softmax computed in half precision. A Linear rounds x W^T + b once (`fused_bias`, as
+torch's addmm), or with `fused_bias=False` the product and then the sum (NumPy's and XLA's half-precision
+matmul and add); conformant modules do either, and which loses more depends on the case. In float32 and
+float64 every operation rounds, so both are the same.
 """
 
 from __future__ import annotations
@@ -55,15 +63,16 @@ def sdpa(
     v = np.broadcast_to(v, (*batch, S, Ev))
     mask = np.ones((L, S), bool) if mask is None else np.asarray(mask) != 0
     mask = np.broadcast_to(mask, (*batch, L, S))
-    bias = np.broadcast_to(np.zeros((L, S), dtype) if bias is None else _cast(bias, dtype), (*batch, L, S))
+    bias = np.zeros((L, S)) if bias is None else bias
+    bias = np.broadcast_to(np.asarray(bias, _work(dtype)), (*batch, L, S))  # in the scores' dtype (SPEC 2)
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
 
-    out, weights = np.zeros((*batch, L, Ev), dtype), np.zeros((*batch, L, S), dtype)
+    out, weights = np.zeros((*batch, L, Ev), _work(dtype)), np.zeros((*batch, L, S), _work(dtype))
     for b in np.ndindex(*batch):
         for i in range(L):
             keys = _visible_keys(i, mask[(*b, i)], bias[(*b, i)], is_causal)
             out[(*b, i)], weights[(*b, i)] = _attend(q[(*b, i)], k[b], v[b], keys, bias[(*b, i)], scale)
-    return out, weights
+    return out.astype(dtype), weights.astype(dtype)  # half precision: computed in float32, stored in dtype
 
 
 def multi_head_attention(
@@ -75,6 +84,7 @@ def multi_head_attention(
     *,
     num_heads: int,
     dtype: DTypeLike = np.float64,
+    fused_bias: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
     head_h = Attention(Q W_q,h^T + b_q,h, K W_k,h^T + b_k,h, V W_v,h^T + b_v,h), computed one head at a time.
@@ -84,6 +94,7 @@ def multi_head_attention(
         q: queries (..., L, D); k: keys (..., S, D); v: values (..., S, D).
         mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key.
         num_heads: H; head h works on the contiguous slice h*d_k:(h+1)*d_k of D, d_k = D / H.
+        dtype: see the module docstring; fused_bias: each Linear rounds once (else twice) in half precision.
 
     Returns:
         out (..., L, D) and weights (..., H, L, S), in `dtype`.
@@ -95,9 +106,9 @@ def multi_head_attention(
     d_k = d_model // num_heads
 
     # 1) project
-    q = _linear(state, "w_q", _cast(q, dtype))  # (..., L, D) -> (..., L, D)
-    k = _linear(state, "w_k", _cast(k, dtype))  # (..., S, D) -> (..., S, D)
-    v = _linear(state, "w_v", _cast(v, dtype))  # (..., S, D) -> (..., S, D)
+    q = _linear(state, "w_q", _cast(q, dtype), dtype, fused_bias)  # (..., L, D) -> (..., L, D)
+    k = _linear(state, "w_k", _cast(k, dtype), dtype, fused_bias)  # (..., S, D) -> (..., S, D)
+    v = _linear(state, "w_v", _cast(v, dtype), dtype, fused_bias)  # (..., S, D) -> (..., S, D)
     if mask is not None:
         batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         mask = np.broadcast_to(np.asarray(mask), (*batch, num_heads, q.shape[-2], k.shape[-2]))
@@ -113,8 +124,9 @@ def multi_head_attention(
         weights.append(weights_h)
 
     # 3) concatenate the heads and mix them
-    out = _linear(state, "w_o", np.concatenate(heads, axis=-1))  # H x (..., L, d_k) -> (..., L, D)
-    return out, np.stack(weights, axis=-3)  # H x (..., L, S) -> (..., H, L, S)
+    mixed = _cast(np.concatenate(heads, axis=-1), dtype)  # H x (..., L, d_k) -> (..., L, D)
+    out = _linear(state, "w_o", mixed, dtype, fused_bias)  # (..., L, D) -> (..., L, D)
+    return out.astype(dtype), np.stack(weights, axis=-3)  # H x (..., L, S) -> (..., H, L, S)
 
 
 def transformer_block(
@@ -127,6 +139,7 @@ def transformer_block(
     activation: str = "relu",
     eps: float = 1e-5,
     dtype: DTypeLike = np.float64,
+    fused_bias: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """post-LN: x = LN_1(x + MHA(x, x, x)),  x = LN_2(x + FFN(x));
     pre-LN:  x = x + MHA(LN_1(x)),         x = x + FFN(LN_2(x));   FFN(x) = W_3 act(W_0 x + b_0) + b_3.
@@ -138,6 +151,7 @@ def transformer_block(
         mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key.
         num_heads: H. norm_first: pre-LN instead of post-LN. activation: "relu" or "gelu" (exact erf form).
         eps: added to the variance inside LayerNorm's square root.
+        dtype: see the module docstring; fused_bias: each Linear rounds once (else twice) in half precision.
 
     Returns:
         x (..., L, D) and the attention weights (..., H, L, L), in `dtype`.
@@ -149,21 +163,24 @@ def transformer_block(
     x = _cast(x, dtype)
 
     def attend(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return multi_head_attention(attn, y, y, y, mask, num_heads=num_heads, dtype=dtype)  # (..., L, D)
+        h, weights = multi_head_attention(attn, y, y, y, mask, num_heads=num_heads, dtype=dtype,
+                                          fused_bias=fused_bias)  # (..., L, D)
+        return _cast(h, dtype), weights
 
     def feed_forward(y: np.ndarray) -> np.ndarray:
-        h = _activation(activation, _linear(state, "ffn.0", y))  # (..., L, D) -> (..., L, F)
-        return _linear(state, "ffn.3", h)  # (..., L, F) -> (..., L, D)
+        h = _activation(activation, _linear(state, "ffn.0", y, dtype, fused_bias), dtype)  # (..., L, D) -> (..., L, F)
+        return _linear(state, "ffn.3", h, dtype, fused_bias)  # (..., L, F) -> (..., L, D)
 
+    # each residual sum is stored in dtype, as a module adding two tensors of that dtype stores it
     if norm_first:  # pre-LN
-        h, weights = attend(_layer_norm(state, "norm1", x, eps))
-        x = x + h
-        x = x + feed_forward(_layer_norm(state, "norm2", x, eps))
+        h, weights = attend(_layer_norm(state, "norm1", x, eps, dtype))
+        x = _cast(x + h, dtype)
+        x = _cast(x + feed_forward(_layer_norm(state, "norm2", x, eps, dtype)), dtype)
     else:  # post-LN
         h, weights = attend(x)
-        x = _layer_norm(state, "norm1", x + h, eps)
-        x = _layer_norm(state, "norm2", x + feed_forward(x), eps)
-    return x, weights
+        x = _layer_norm(state, "norm1", _cast(x + h, dtype), eps, dtype)
+        x = _layer_norm(state, "norm2", _cast(x + feed_forward(x), dtype), eps, dtype)
+    return x.astype(dtype), weights
 
 
 def causal_mask(L: int, S: int) -> np.ndarray:
@@ -197,26 +214,38 @@ def _attend(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, keys: list[int], bias
     return out_i, weights_i
 
 
-def _linear(state: Mapping[str, np.ndarray], name: str, x: np.ndarray) -> np.ndarray:
-    """y = x W^T + b, W (out, in): y_o = sum_i x_i W_oi + b_o."""
-    return np.einsum("...i,oi->...o", x, state[f"{name}.weight"]) + state[f"{name}.bias"]
+def _linear(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, dtype: DTypeLike,
+            fused_bias: bool) -> np.ndarray:
+    """y = x W^T + b, W (out, in): y_o = sum_i x_i W_oi + b_o; stored in dtype, the product also before the
+    bias is added unless fused_bias."""
+    product = np.einsum("...i,oi->...o", x, state[f"{name}.weight"])  # (..., in) -> (..., out)
+    return _cast((product if fused_bias else _cast(product, dtype)) + state[f"{name}.bias"], dtype)
 
 
-def _layer_norm(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, eps: float) -> np.ndarray:
-    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, var the biased variance."""
+def _layer_norm(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, eps: float,
+                dtype: DTypeLike) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, var the biased variance; stored in
+    dtype."""
     d_model = x.shape[-1]
     mean = np.sum(x, axis=-1, keepdims=True) / d_model  # (..., D) -> (..., 1)
     var = np.sum((x - mean) ** 2, axis=-1, keepdims=True) / d_model  # biased: divide by D, not D - 1
-    return (x - mean) / np.sqrt(var + eps) * state[f"{name}.weight"] + state[f"{name}.bias"]
+    return _cast((x - mean) / np.sqrt(var + eps) * state[f"{name}.weight"] + state[f"{name}.bias"], dtype)
 
 
-def _activation(name: str, x: np.ndarray) -> np.ndarray:
-    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x * (1 + erf(x / sqrt(2))) / 2, one entry at a time."""
+def _activation(name: str, x: np.ndarray, dtype: DTypeLike) -> np.ndarray:
+    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x * (1 + erf(x / sqrt(2))) / 2, one entry at a time;
+    stored in dtype."""
     if name == "relu":
-        return np.maximum(x, 0.0)
+        return _cast(np.maximum(x, 0.0), dtype)
     gelu = (t * (1 + math.erf(t / math.sqrt(2))) / 2 for t in x.ravel().tolist())
-    return np.fromiter(gelu, x.dtype, count=x.size).reshape(x.shape)
+    return _cast(np.fromiter(gelu, x.dtype, count=x.size).reshape(x.shape), dtype)
+
+
+def _work(dtype: DTypeLike) -> np.dtype:
+    """The dtype the arithmetic runs in: float32 for float16 and bfloat16 (SPEC.md section 2), else dtype."""
+    return np.dtype(np.float32) if np.dtype(dtype).itemsize < 4 else np.dtype(dtype)
 
 
 def _cast(x: ArrayLike, dtype: DTypeLike) -> np.ndarray:
-    return np.asarray(x, dtype=dtype)
+    """x as a tensor of dtype holds it: rounded to dtype, in the dtype the arithmetic runs in (_work)."""
+    return np.asarray(x, dtype=dtype).astype(_work(dtype))

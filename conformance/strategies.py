@@ -44,6 +44,7 @@ HIDDEN = 0.3  # share of keys a random mask hides
 BIAS_MAGNITUDES = ("normal", "large", "offset")
 LARGE_BIAS = 1000.0  # "large" biases: N(0, 1) * LARGE_BIAS, hundreds to thousands
 OFFSETS = (1e4, 1e5)  # "offset" biases: each row shifted by -U(1e4, 1e5), below masked-fill constants
+KEY_OFFSET = 300.0  # the size of the vector that key_offset adds to every key
 
 SEEDS = st.integers(0, 2**32 - 1)
 
@@ -266,7 +267,8 @@ def _finite_where_visible(bias: np.ndarray, mask: np.ndarray | None) -> np.ndarr
 
 @st.composite
 def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | None = None,
-               bias: bool | None = None, single_key: bool = False, magnitude: str | None = None) -> SdpaCase:
+               bias: bool | None = None, single_key: bool = False, magnitude: str | None = None,
+               key_offset: bool = False) -> SdpaCase:
     """Random sdpa inputs. None draws a setting; True / False force it: `mask=True` always gives a mask
     array, `mask=False` none, likewise `bias`; `is_causal` as given. `magnitude` is drawn from "normal"
     and "large" (q, k scaled by LARGE, logits in the hundreds); v is always N(0, 1).
@@ -274,6 +276,10 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     single_key=True: every query sees exactly one key. The mask is one-hot per row (the key chosen in the
     causal window when is_causal), or, with mask=False, S == 1 and no mask; a drawn bias is then 0
     wherever it was -inf on that visible key, so it hides nothing more.
+
+    key_offset=True: every key adds one vector of KEY_OFFSET * N(0, 1) entries, so with normal q the scores
+    of a query share a term in the hundreds and differ by about one: scores rounded to half precision lose
+    those differences, scores in float32 keep them (SPEC 2).
     """
     batch, L = draw(batch_shapes()), draw(lengths())
     S = 1 if single_key and mask is False else draw(lengths())
@@ -285,6 +291,8 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     q = _values(rng, (*batch, L, E), magnitude)  # (..., L, E)
     k = _values(rng, (*batch, S, E), magnitude)  # (..., S, E)
     v = rng.standard_normal((*batch, S, Ev))  # (..., S, Ev)
+    if key_offset:  # one vector shared by every key
+        k = k + KEY_OFFSET * rng.standard_normal((*batch, 1, E))  # (..., S, E) + (..., 1, E)
 
     if mask is False:
         mask_ = None

@@ -19,12 +19,13 @@ from hypothesis.errors import Flaky
 
 from . import PROFILES, checks, fixed_checks, gradient_checks, strategies, table
 from .checks import ResultError, Runner
-from .frameworks import framework_of, quick_compiles
+from .frameworks import Framework, framework_of, quick_compiles
 from .operations import CONTRACT, OPERATIONS, missing
 from .snippets import describe, reproduce
 from .tolerances import TOLERANCES
 
 BOTH, FLOAT32, FLOAT64 = ("float32", "float64"), ("float32",), ("float64",)
+HALF = ("float16", "bfloat16")  # computed in float32, stored in half precision (SPEC 2)
 Progress = Callable[[str], None]  # told "module operation check dtype" once per case run
 
 
@@ -33,7 +34,7 @@ class Group(NamedTuple):
 
     operation: str  # a name of OPERATIONS
     check: Callable[[Runner, Any, str], dict[str, checks.Measure]]
-    dtypes: tuple[str, ...]
+    dtypes: tuple[str, ...]  # each run where the module's framework has it (NumPy has no bfloat16)
     examples: int
     draw: dict[str, Any] | None = None  # options of the operation's strategy (is_causal=True, say)
     pinned: bool = False  # also run the table's examples of the operation first
@@ -45,16 +46,19 @@ class Group(NamedTuple):
 
 GROUPS = (
     Group("sdpa", checks.against_oracle, BOTH, 40, pinned=True),
+    Group("sdpa", checks.against_oracle, HALF, 10, {"magnitude": "normal", "key_offset": True}),
     Group("sdpa", checks.sdpa_permutation, FLOAT64, 10, {"is_causal": False}),
     Group("sdpa", checks.sdpa_causal_prefix, FLOAT64, 10, {"is_causal": True}),
     Group("sdpa", checks.sdpa_single_key, FLOAT64, 10, {"single_key": True}),
     Group("sdpa", checks.dropout, FLOAT32, 5),
     Group("sdpa", gradient_checks.gradients, FLOAT64, 8, pinned=True, gradient=True),
     Group("mha", checks.against_oracle, BOTH, 20, pinned=True),
+    Group("mha", checks.against_oracle, HALF, 4),
     Group("mha", checks.mha_permutation, FLOAT64, 8, {"cross": True}),
     Group("mha", checks.dropout, FLOAT32, 4),
     Group("mha", gradient_checks.gradients, FLOAT64, 5, pinned=True, gradient=True),
     Group("block", checks.against_oracle, BOTH, 20, pinned=True),
+    Group("block", checks.against_oracle, HALF, 4),
     Group("block", checks.block_permutation, FLOAT64, 6),
     Group("block", checks.block_causal_prefix, FLOAT64, 6, {"causal_mask": True}),
     Group("block", checks.dropout, FLOAT32, 4),
@@ -142,9 +146,10 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
             for group in (group for group in GROUPS if group.operation == operation):
                 examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
                 lacking = missing(module, (OPERATIONS[operation].vjp,)) if group.gradient else []
-                for dtype in group.dtypes:
+                for dtype in _dtypes(group, runner.framework):
+                    why = f"no {lacking[0]}" if lacking else _unnamed(dtype)
                     rows += ([Row(module.__name__, operation, group.check.__name__, dtype, 0, 0.0, 0.0, True,
-                                  skipped=f"no {lacking[0]}")] if lacking else
+                                  skipped=why)] if why else
                              _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink,
                                         tell=tell))
             rows += [_table_row(runner, table_, operation, tell) for table_ in TABLES]
@@ -154,17 +159,32 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
 def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *, profile: str = "fast",
             max_examples: int | None = None) -> int:
     """How many cases `check` runs on `module` when every check passes (shrinking a failure runs more)."""
-    total = len(framework_of(module).dtypes) + len(fixed_checks.CAUSAL_SIZES) + len(fixed_checks.PADDING_LENGTHS)
+    framework = framework_of(module)
+    total = len(framework.dtypes) + len(fixed_checks.CAUSAL_SIZES) + len(fixed_checks.PADDING_LENGTHS)
     for group in (group for group in GROUPS if group.operation in operations):
         examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
         examples += len(table.rows(group.operation, "example")) if group.pinned else 0
-        total += examples * len(group.dtypes)
+        total += examples * len(_dtypes(group, framework))
     return total + sum(len(table.rows(operation, use)) for operation in operations for use in ("edge", "error"))
 
 
 def contract_gaps(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS)) -> list[str]:
     """The names of the contract that the suite calls and `module` lacks, for these operations."""
     return missing(module, (*CONTRACT, *(OPERATIONS[operation].function for operation in operations)))
+
+
+def _dtypes(group: Group, framework: Framework) -> tuple[str, ...]:
+    """The group's dtypes that the framework's arrays have."""
+    return tuple(dtype for dtype in group.dtypes if dtype in framework.dtypes)
+
+
+def _unnamed(dtype: str) -> str | None:
+    """Why NumPy cannot hold `dtype` here (bfloat16 without ml_dtypes), or None."""
+    try:
+        fixed_checks.numpy_dtype(dtype)  # bfloat16: importing ml_dtypes gives NumPy the name
+    except ImportError as error:
+        return f"no {error.name or error}"
+    return None
 
 
 def _table_row(runner: Runner, table_: Table, operation: str, tell: Progress) -> Row:

@@ -54,6 +54,12 @@ def test_float32_tolerance_grows_with_the_oracles_own_float32_loss():
     assert checks.against_oracle(runner, case, "float64")["values"].tolerance == 0
 
 
+def test_half_precision_rows_run_where_the_framework_has_the_dtype():
+    # NumPy has float16 and no bfloat16: its report holds float16 rows and no bfloat16 row
+    rows = suite.check(attention_np, operations=["sdpa"], max_examples=1).rows
+    assert {row.dtype for row in rows if row.check == "values"} == {"float32", "float64", "float16"}
+
+
 def test_snippet_rebuilds_the_case_and_reruns_the_check():
     case = table.named("sdpa", "one_query_one_key").build()
     code = reproduce("attention_np", "against_oracle", case, "float64")

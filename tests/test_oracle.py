@@ -117,6 +117,30 @@ def test_mha_heads_are_contiguous_slices_with_identity_weights() -> None:
     np.testing.assert_allclose(weights, [[[[p, 1 - p], [0.5, 0.5]], [[0.5, 0.5], [1 - p, p]]]], rtol=1e-14)
 
 
+def test_half_precision_is_computed_in_float32_and_stored_in_half() -> None:
+    # SPEC 2: float16 inputs give the float32 result on the same numbers, rounded once to float16
+    q, k, v = (np.random.default_rng(seed).normal(size=(2, 3, 4)).astype(np.float16) for seed in range(3))
+    k = k + np.float16(300)  # every score of a query shares a term near 300: float16 scores would lose the rest
+    out, weights = oracle.sdpa(q, k, v, dtype=np.float16)
+    out32, weights32 = oracle.sdpa(q, k, v, dtype=np.float32)
+    assert out.dtype == weights.dtype == np.float16
+    np.testing.assert_array_equal(out, out32.astype(np.float16))
+    np.testing.assert_array_equal(weights, weights32.astype(np.float16))
+
+
+def test_half_precision_linear_rounds_its_bias_in_once_or_after_the_product() -> None:
+    # L = S = 1, D = 2, H = 1: the one weight is 1, so out = W_o v + b_o with v = [1, 2^-11] (W_v = I).
+    # W_o's first row [1, 1] gives the product 1 + 2^-11, between the float16 neighbours 1 and 1 + 2^-10;
+    # b_o = 2^-11. Fused: 1 + 2^-11 + 2^-11 = 1 + 2^-10 is rounded once, exactly. Apart: the product rounds
+    # to 1 (a tie, to the even neighbour), then 1 + 2^-11 rounds to 1 again. float32 holds every sum.
+    state = _mha_state(2, b_o=np.array([2.0**-11, 0])) | {"w_o.weight": np.array([[1.0, 1], [0, 1]])}
+    v = np.array([[1.0, 2.0**-11]])  # (S, D)
+    for dtype, fused_bias, expected in ((np.float16, True, 1 + 2.0**-10), (np.float16, False, 1.0),
+                                        (np.float32, False, 1 + 2.0**-10)):
+        out, _ = oracle.multi_head_attention(state, v, v, v, num_heads=1, dtype=dtype, fused_bias=fused_bias)
+        assert out[0, 0] == expected, (dtype, fused_bias)
+
+
 def test_mha_mask_broadcasts_over_heads() -> None:
     # a (B, 1, 1, S) padding mask hiding key 1: every head of every query puts all its weight on key 0
     x = np.random.default_rng(2).normal(size=(1, 3, 4))

@@ -288,6 +288,15 @@ class MaskedRowNaN(Implementation):
             return exp / exp.sum(axis=-1, keepdims=True)
 
 
+class SoftmaxInHalfPrecision(Implementation):
+    """float16 inputs get their scores, softmax and value product in float16 instead of float32 (SPEC
+    section 2): scores near a hundred are rounded to a few hundredths, so the weights are off by percents.
+    Caught by: values (sdpa float16: scores that share a term in the hundreds and differ by about one)."""
+
+    def work_dtype(self, dtype: np.dtype) -> np.dtype:
+        return dtype
+
+
 class MaskAfterSoftmax(Implementation):
     """The mask is applied after the softmax (weights zeroed, not renormalised): rows no longer sum to 1.
     Caught by: values; weights_rows."""
@@ -487,6 +496,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "hidden_filled_with_minus_1e9": HiddenFilledWithMinus1e9,
     "online_softmax_without_rescale": OnlineSoftmaxWithoutRescale,
     "mask_after_softmax": MaskAfterSoftmax,
+    "softmax_in_half_precision": SoftmaxInHalfPrecision,
     "weights_after_dropout": WeightsAfterDropout,
     "dropout_in_eval": DropoutInEval,
     "dropout_without_rescale": DropoutWithoutRescale,

@@ -99,10 +99,12 @@ class Implementation:
         if mask is not None:
             self.check_mask_values(np.asarray(mask))
 
-        # 1) scores, biased
+        # 1) scores, biased, in at least float32
         if scale is None and E == 0:
             raise ValueError(f"the default scale 1 / sqrt(E) needs E > 0; q {q.shape} and k {k.shape} have E = 0: "
                              "pass scale= explicitly")
+        dtype, work = q.dtype, self.work_dtype(q.dtype)
+        q, k, v = (x.astype(work, copy=False) for x in (q, k, v))  # float16: computed in float32
         scores = self.scores(q, k, self.resolve_scale(scale, E), bias)  # (..., L, S)
 
         # 2) one boolean of the keys each query sees, then the softmax over them
@@ -111,7 +113,13 @@ class Implementation:
 
         # 3) the weighted sum of the values
         out, weights = self.attend(weights, v, dropout_p, rng)  # (..., L, Ev), (..., L, S)
+        if work != dtype:  # half precision: the outputs cast back
+            out, weights = out.astype(dtype), weights.astype(dtype)
         return out, (weights if need_weights else None)
+
+    def work_dtype(self, dtype: np.dtype) -> np.dtype:
+        """The dtype attention computes in: float32 for float16 (SPEC section 2), else the inputs' own."""
+        return np.promote_types(dtype, np.float32)
 
     def resolve_scale(self, scale: float | None, E: int) -> float:
         return self.default_scale(E) if scale is None else scale
@@ -273,10 +281,11 @@ class Implementation:
 
     def layer_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
         """(x - mean) / sqrt(var + eps) * weight + bias, var = mean((x - mean)^2) over D (biased)."""
-        d_model = x.shape[-1]
+        d_model, dtype = x.shape[-1], x.dtype
+        x = x.astype(np.promote_types(dtype, np.float32))  # float16: the statistics in float32 (SPEC section 2)
         centred = x - np.einsum("...d->...", x)[..., None] / d_model  # (..., D)
         var = np.einsum("...d,...d->...", centred, centred)[..., None] / d_model  # (..., 1)
-        return centred / np.sqrt(var + eps) * weight + bias
+        return (centred / np.sqrt(var + eps) * weight + bias).astype(dtype)
 
     def feed_forward(self, state: Mapping[str, np.ndarray], x: np.ndarray, activation: str, dropout_p: float,
                      rng: Rng) -> np.ndarray:
