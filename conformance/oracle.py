@@ -194,24 +194,22 @@ def padding_mask(lengths: ArrayLike, S: int) -> np.ndarray:
     return np.array(rows, dtype=bool).reshape(-1, 1, 1, S)
 
 
-def _visible_keys(i: int, mask_row: np.ndarray, bias_row: np.ndarray, is_causal: bool) -> list[int]:
-    """The keys j query i may see: kept by the mask, not -inf in the bias, and j <= i when causal."""
-    return [j for j in range(len(mask_row))
-            if mask_row[j] and bias_row[j] != -np.inf and not (is_causal and j > i)]
+def _visible_keys(i: int, mask_row: np.ndarray, bias_row: np.ndarray, is_causal: bool) -> np.ndarray:
+    """The keys j query i may see, as indices: kept by the mask, not -inf in the bias, and j <= i when causal."""
+    j = np.arange(len(mask_row))
+    return j[mask_row & (bias_row != -np.inf) & ~(is_causal & (j > i))]
 
 
-def _attend(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, keys: list[int], bias_row: np.ndarray,
+def _attend(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, bias_row: np.ndarray,
             scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """One query row: out_i = sum_j w_j v_j, w = softmax(q_i . k_j * scale + bias_ij) over the visible j."""
+    """One query row: out_i = sum_j w_j v_j, w = softmax(q_i . k_j * scale + bias_ij) over the visible j alone."""
     out_i, weights_i = np.zeros(v.shape[-1], v.dtype), np.zeros(k.shape[-2], v.dtype)  # (Ev,), (S,)
-    if not keys:  # the spec's rule: a query with no visible key gets zeros, never 0 / 0 = NaN
+    if not len(keys):  # the spec's rule: a query with no visible key gets zeros, never 0 / 0 = NaN
         return out_i, weights_i
-    logits = np.array([np.dot(q_i, k[j]) * scale + bias_row[j] for j in keys])  # (visible,)
+    logits = k[keys] @ q_i * scale + bias_row[keys]  # (visible, E) x (E,) -> (visible,)
     exp = np.exp(logits - np.max(logits))  # subtracting the max changes nothing but keeps exp finite
     weights_i[keys] = exp / np.sum(exp)
-    for j in keys:
-        out_i += weights_i[j] * v[j]  # (Ev,)
-    return out_i, weights_i
+    return weights_i[keys] @ v[keys], weights_i  # (visible,) x (visible, Ev) -> (Ev,)
 
 
 def _linear(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, dtype: DTypeLike,
