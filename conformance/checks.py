@@ -12,6 +12,7 @@ are written for the operations they fit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -21,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .cases import BlockCase, Case, MhaCase, SdpaCase
-from .frameworks import framework_of
+from .frameworks import RngForm, framework_of
 from .operations import Pair, arrays_and_options, operation_of
 from .tolerances import relative_error
 
@@ -72,41 +73,46 @@ class Runner:
         self._staged: dict[tuple, Callable] = {}
 
     def run(self, case: Case, dtype: str, *, training: bool = False, seed: int | None = None,
-            need_weights: bool = True) -> Pair:
+            need_weights: bool = True, rng_form: RngForm | None = None) -> Pair:
         """The module's (out, weights) for `case` in `dtype`: in eval mode, or in training mode with the
-        case's dropout and the framework's rng for `seed`."""
+        case's dropout and the framework's rng for `seed` (in `rng_form`, by default its usual one)."""
         operation = operation_of(case)
         arrays, options = arrays_and_options(case)
         return _pair(operation.function, self.call(operation.call, arrays, dtype, seed, training=training,
-                                                   need_weights=need_weights, **options))
+                                                   need_weights=need_weights, rng_form=rng_form, **options))
 
-    def run_both_paths(self, case: Case, dtype: str) -> tuple[Pair, Pair]:
-        """The module's (out, weights) for `case` in eval mode with need_weights=True and with False, from one
-        staged call (JAX: one compile for both paths)."""
+    def run_both_paths(self, case: Case, dtype: str, *, training: bool = False, seed: int | None = None,
+                       rng_form: RngForm | None = None) -> tuple[Pair, Pair]:
+        """The module's (out, weights) for `case` with need_weights=True and with False, from one staged call
+        (JAX: one compile for both paths); eval mode, or training mode as for `run` (one rng for both calls:
+        the same key, or a generator that the first call advances)."""
         operation = operation_of(case)
         arrays, options = arrays_and_options(case)
-        explicit, fast = self.call(_both_paths, arrays, dtype, None, call=operation.call, **options)
+        explicit, fast = self.call(_both_paths, arrays, dtype, seed, call=operation.call, training=training,
+                                   rng_form=rng_form, **options)
         return _pair(operation.function, explicit), _pair(operation.function, fast)
 
     def call(self, function: Callable, arrays: dict[str, Any], dtype: str | None, seed: int | None, *,
-             eager: bool = False, **options: Any) -> Any:
+             eager: bool = False, rng_form: RngForm | None = None, **options: Any) -> Any:
         """`function(module, native arrays, rng, **options)`, staged once per function and options (JAX: one
         jit function); the results as NumPy arrays. `run` goes through it, and a check may pass its own
         function the same way (an operation's pullback, say).
 
         arrays: NumPy arrays, None or nested state dicts (the floating ones cast to `dtype`; None keeps every
         dtype); seed: the framework's rng for `function`, or None; eager: call it as it is, unstaged (the
-        error table: a check on values, such as a float mask's 0 / 1, cannot run inside jit); options:
-        static and hashable.
+        error table: a check on values, such as a float mask's 0 / 1, cannot run inside jit); rng_form: the
+        form of that rng (SPEC.md section 6), by default the framework's usual one; options: static and
+        hashable.
         """
-        native, rng = self._native(cast(arrays, dtype)), None if seed is None else self.framework.rng(seed)
-        if eager:
-            results = function(self.module, native, rng, **options)
-        else:
-            key = (function, tuple(sorted(options.items())))
-            if key not in self._staged:
-                self._staged[key] = self.framework.stage(functools.partial(function, self.module, **options))
-            results = self._staged[key](native, rng)
+        native, form = self._native(cast(arrays, dtype)), rng_form or self.framework.rngs[0]
+        with contextlib.nullcontext() if seed is None else form.given(seed) as rng:
+            if eager:
+                results = function(self.module, native, rng, **options)
+            else:
+                key = (function, tuple(sorted(options.items())))
+                if key not in self._staged:
+                    self._staged[key] = self.framework.stage(functools.partial(function, self.module, **options))
+                results = self._staged[key](native, rng)
         results = self._numpy(results)
         if changed := self._changed(cast(arrays, dtype), native):  # what was sent, cast afresh: the copies
             # sent may share memory with the native arrays
@@ -148,9 +154,9 @@ class Runner:
         return converted
 
 
-def _both_paths(module: ModuleType, arrays: dict, rng: Any, *, call: Callable, **options: Any) -> tuple:
-    return (call(module, arrays, rng, training=False, need_weights=True, **options),
-            call(module, arrays, rng, training=False, need_weights=False, **options))
+def _both_paths(module: ModuleType, arrays: dict, rng: Any, *, call: Callable, training: bool, **options: Any) -> tuple:
+    return (call(module, arrays, rng, training=training, need_weights=True, **options),
+            call(module, arrays, rng, training=training, need_weights=False, **options))
 
 
 def _pair(operation: str, result: Any) -> Pair:
@@ -308,11 +314,13 @@ def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Mea
 def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     """Dropout in training mode (every operation with dropout 0.5), on the case repeated DROPOUT_DRAWS times
     along a new leading axis, so one call holds many independent draws; reproducible, varies and mean hold
-    on both paths (need_weights True and False), each measure the worse of the two:
+    on both paths (need_weights True and False) with every form of rng the framework allows (SPEC.md
+    section 6: a Generator or an int seed, say), each measure the worst of them:
 
     weights: the returned weights are the softmax probabilities before dropout (the eval weights);
-    reproducible: the same rng gives the same output;
-    varies: another rng gives another output (unless dropout has nothing to act on: all-zero output);
+    reproducible: the same rng (form and seed) gives the same output;
+    varies: another seed in the same form gives another output (unless dropout has nothing to act on:
+    all-zero output);
     mean (where the output is linear in the dropped weights: the operation declares dropout_sigma): the
     mean over the draws approaches the eval output. Each entry's mean has standard deviation
     sigma = sqrt(p / (1 - p) sum_j (w_j v_j)^2 / N) (for MHA per head, then through |W_o|); the measure is
@@ -326,19 +334,20 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     spread = (None if operation.dropout_sigma is None else
               operation.dropout_sigma(case, expected_weights, 0.5, DROPOUT_DRAWS))
     shows = operation.dropout_shows(case) and (spread is None or bool(np.any(spread > 0)))
-    weights, measures = None, {}
-    for need_weights in (True, False):  # both paths: a fused path may not skip dropout
-        path = "" if need_weights else " with need_weights=False"
-        (first, returned), (again, _), (other, _) = (
-            runner.run(draws, dtype, training=True, seed=seed, need_weights=need_weights) for seed in (1, 1, 2))
-        weights = returned if need_weights else weights
-        found = {"reproducible": Measure(0.0) if np.array_equal(first, again, equal_nan=True)
-                 else Measure(math.inf, f"the same rng gave different outputs{path}"),
-                 "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
-                 else Measure(math.inf, f"another rng gave the same output{path}")}
-        if spread is not None:  # not the block: LayerNorm and the activation follow dropout, its mean is not eval
-            found["mean"] = _dropout_mean(first, expected_out, spread, dtype, path)
-        measures = {name: worst(measure, measures.get(name, Measure(0.0))) for name, measure in found.items()}
+    measures = {}
+    for form in runner.framework.rngs:  # every form: an int seed may not be taken for a Generator, say
+        runs = [runner.run_both_paths(draws, dtype, training=True, seed=seed, rng_form=form) for seed in (1, 1, 2)]
+        for path, ((first, _), (again, _), (other, _)) in enumerate(zip(*runs, strict=True)):  # a fused
+            # path (need_weights=False) may not skip dropout
+            said = f" with {form.name}" + ("" if path == 0 else " and need_weights=False")
+            found = {"reproducible": Measure(0.0) if np.array_equal(first, again, equal_nan=True)
+                     else Measure(math.inf, f"the same rng gave different outputs{said}"),
+                     "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
+                     else Measure(math.inf, f"another seed gave the same output{said}")}
+            if spread is not None:  # not the block: LayerNorm and the activation follow dropout, its mean is not eval
+                found["mean"] = _dropout_mean(first, expected_out, spread, dtype, said)
+            measures = {name: worst(measure, measures.get(name, Measure(0.0))) for name, measure in found.items()}
+    weights = runs[0][0][1]  # the weights returned with need_weights=True
     expected_draws = np.broadcast_to(expected_weights, (DROPOUT_DRAWS, *expected_weights.shape))
     before = compare("weights in training mode", weights, expected_draws, dtype)
     tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))

@@ -69,7 +69,20 @@ def test_framework_is_read_off_the_arrays_a_module_makes():
     import attention_torch
 
     assert framework_of(attention_torch).name == "torch"
-    assert isinstance(framework_of(attention_torch).rng(0), torch.Generator)
+    with framework_of(attention_torch).rngs[0].given(0) as rng:  # the usual form: a torch.Generator
+        assert isinstance(rng, torch.Generator)
+
+
+def test_torch_global_rng_form_seeds_the_global_rng_and_restores_it():
+    torch = pytest.importorskip("torch")
+    import attention_torch
+
+    form = framework_of(attention_torch).rngs[1]
+    before = torch.random.get_rng_state()
+    with form.given(3) as rng:
+        assert rng is None  # the module draws from the global RNG, seeded with 3
+        assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(torch.random.get_rng_state(), before)
 
 
 @pytest.mark.slow
