@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -27,6 +28,8 @@ from .operations import Pair, arrays_and_options, operation_of
 from .tolerances import relative_error
 
 DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
+INDEPENDENT_P = 0.5  # the independence check's dropout: pairs dropped together at p^2 = 0.25, not p
+INDEPENDENT_PAIRS = 2000  # at least this many pairs of decisions in each family it compares
 LOW_PRECISION_FACTOR = 10  # a module may lose this many times what the oracle loses in the same dtype
 
 
@@ -361,6 +364,62 @@ def _dropout_mean(draws: np.ndarray, expected_out: np.ndarray, spread: np.ndarra
     ratio = (float(np.max(np.abs(mean - expected_out) / (6 * spread + rounding), initial=0.0))
              if mean.shape == expected_out.shape else math.inf)
     return Measure(ratio, f"the mean of {DROPOUT_DRAWS} draws{path} is {ratio:.1f} x its 6-sigma bound off")
+
+
+def dropout_independence(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
+    """Every keep / drop decision of dropout is drawn independently of the others, with every form of rng
+    the framework allows, on both paths. The operation's probe (Operation.dropout_probe) keeps the case's
+    sizes and chooses values whose output shows each site's decisions exactly; it runs with dropout
+    INDEPENDENT_P, repeated along a new leading axis so that every family below holds at least
+    INDEPENDENT_PAIRS pairs.
+
+    independent: along each axis of a site's decisions (the draws, each batch axis, the heads, queries,
+    keys or features), disjoint pairs of entries (0 and 1, 2 and 3, ...) are both dropped at rate p^2, and
+    so are the same entries of two sites (the block's residual branches); each site drops at rate p. Over
+    M pairs (or entries) the rate has sigma = sqrt(e (1 - e) / M), e its expectation; the measure is
+    max |rate - e| / (6 sigma), and above 1 fails, which a correct implementation reaches with probability
+    below 3e-9 per family. A mask shared by two heads, or two sites that replay one stream, drop together
+    at rate p: at least four times the bound.
+    """
+    probe = operation_of(case).dropout_probe(case)
+    per_call = math.prod(probe.shape)
+    n = 2 * math.ceil(1.5 * INDEPENDENT_PAIRS / per_call)  # >= 3 INDEPENDENT_PAIRS decisions per site
+    draws = _tiled(probe.case._replace(dropout=INDEPENDENT_P), n)
+    names = ("draws", *(f"batch axis {i}" for i in range(len(probe.shape) - len(probe.axes))), *probe.axes)
+    found = Measure(0.0)
+    for form in runner.framework.rngs:
+        for path, (out, _) in enumerate(runner.run_both_paths(draws, dtype, training=True, seed=1, rng_form=form)):
+            said = f" with {form.name}" + ("" if path == 0 else " and need_weights=False")
+            sites = probe.sites(out.astype(np.float64), INDEPENDENT_P) if out.shape[:1] == (n,) else None
+            if sites is None or any(dropped.shape != (n, *probe.shape) for dropped in sites.values()):
+                return {"independent": Measure(math.inf, f"the probe's output{said} is not what dropout's keep / "
+                                                          "drop decisions give (conformance/operations.py)")}
+            found = worst(found, *(_rate(*rate, said) for rate in _drop_rates(sites, names, INDEPENDENT_P)))
+    return {"independent": found}
+
+
+def _drop_rates(sites: dict[str, np.ndarray], names: tuple[str, ...], p: float) -> list[tuple[str, float, float, int]]:
+    """(what, rate, expected rate, count): each site's drop rate, the rate at which the disjoint pairs along
+    each of its axes are both dropped, and the rate at which two sites both drop the same entry."""
+    rates = [(f"{site} dropped", float(dropped.mean()), p, dropped.size) for site, dropped in sites.items()]
+    for site, dropped in sites.items():
+        for axis, name in enumerate(names):
+            m = dropped.shape[axis]
+            even, odd = (np.take(dropped, range(start, m - 1 + start, 2), axis=axis) for start in (0, 1))
+            if even.size:  # an axis of length 1 has no pairs
+                rates.append((f"{site}, pairs along the {name}, both dropped", float((even & odd).mean()), p * p,
+                              even.size))
+    for (one, a), (other, b) in itertools.combinations(sites.items(), 2):
+        rates.append((f"{one} and {other} both dropped", float((a & b).mean()), p * p, a.size))
+    return rates
+
+
+def _rate(what: str, rate: float, expected_rate: float, count: int, path: str) -> Measure:
+    """|rate - expected| in units of its 6-sigma bound."""
+    bound = 6 * math.sqrt(expected_rate * (1 - expected_rate) / count)
+    ratio = abs(rate - expected_rate) / bound
+    return Measure(ratio, f"{what}{path}: rate {rate:.3f} over {count}, expected {expected_rate:.3f} +- {bound:.3f} "
+                          f"(6 sigma)")
 
 
 def _tiled(case: Case, n: int) -> Case:

@@ -49,15 +49,18 @@ GROUPS = (
     Group("sdpa", checks.sdpa_causal_prefix, FLOAT64, 10, {"is_causal": True}),
     Group("sdpa", checks.sdpa_single_key, FLOAT64, 10, {"single_key": True}),
     Group("sdpa", checks.dropout, FLOAT32, 5),
+    Group("sdpa", checks.dropout_independence, FLOAT32, 3),
     Group("sdpa", gradient_checks.gradients, FLOAT64, 8, pinned=True, gradient=True),
     Group("mha", checks.against_oracle, BOTH, 20, pinned=True),
     Group("mha", checks.mha_permutation, FLOAT64, 8, {"cross": True}),
     Group("mha", checks.dropout, FLOAT32, 4),
+    Group("mha", checks.dropout_independence, FLOAT32, 3),
     Group("mha", gradient_checks.gradients, FLOAT64, 5, pinned=True, gradient=True),
     Group("block", checks.against_oracle, BOTH, 20, pinned=True),
     Group("block", checks.block_permutation, FLOAT64, 6),
     Group("block", checks.block_causal_prefix, FLOAT64, 6, {"causal_mask": True}),
     Group("block", checks.dropout, FLOAT32, 4),
+    Group("block", checks.dropout_independence, FLOAT32, 3),
     Group("block", gradient_checks.gradients, FLOAT64, 3, pinned=True, gradient=True),
 )
 

@@ -85,6 +85,12 @@ def test_torch_global_rng_form_seeds_the_global_rng_and_restores_it():
     assert torch.equal(torch.random.get_rng_state(), before)
 
 
+@pytest.mark.parametrize("case", [cases.sdpa_case(), cases.mha_case(H=4), cases.block_case()],
+                         ids=["sdpa", "mha", "block"])
+def test_independent_dropout_is_within_its_bound(case):
+    assert checks.dropout_independence(checks.Runner(attention_np), case, "float32")["independent"].error <= 1
+
+
 @pytest.mark.slow
 def test_a_module_that_raises_fails_with_the_exception_named():
     class Raising:
