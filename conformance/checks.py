@@ -28,6 +28,7 @@ from .operations import Pair, arrays_and_options, operation_of
 from .tolerances import relative_error
 
 DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
+FORM_DRAWS = 40  # draws for the other rng forms: another seed repeats one decision a draw with chance 2^-40
 INDEPENDENT_P = 0.5  # the independence check's dropout: pairs dropped together at p^2 = 0.25, not p
 INDEPENDENT_PAIRS = 2000  # at least this many pairs of decisions in each family it compares
 LOW_PRECISION_FACTOR = 10  # a module may lose this many times what the oracle loses in the same dtype
@@ -317,8 +318,9 @@ def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Mea
 def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     """Dropout in training mode (every operation with dropout 0.5), on the case repeated DROPOUT_DRAWS times
     along a new leading axis, so one call holds many independent draws; reproducible, varies and mean hold
-    on both paths (need_weights True and False) with every form of rng the framework allows (SPEC.md
-    section 6: a Generator or an int seed, say), each measure the worst of them:
+    on both paths (need_weights True and False), each measure the worse of the two; reproducible and varies
+    also with every other form of rng the framework allows (SPEC.md section 6: an int seed besides a
+    Generator, say), on FORM_DRAWS draws (JAX compiles each form anyway; the mean needs one form):
 
     weights: the returned weights are the softmax probabilities before dropout (the eval weights);
     reproducible: the same rng (form and seed) gives the same output;
@@ -337,9 +339,12 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     spread = (None if operation.dropout_sigma is None else
               operation.dropout_sigma(case, expected_weights, 0.5, DROPOUT_DRAWS))
     shows = operation.dropout_shows(case) and (spread is None or bool(np.any(spread > 0)))
-    measures = {}
+    measures, weights = {}, None
     for form in runner.framework.rngs:  # every form: an int seed may not be taken for a Generator, say
-        runs = [runner.run_both_paths(draws, dtype, training=True, seed=seed, rng_form=form) for seed in (1, 1, 2)]
+        usual = form is runner.framework.rngs[0]
+        tiled = draws if usual else _tiled(case, FORM_DRAWS)
+        runs = [runner.run_both_paths(tiled, dtype, training=True, seed=seed, rng_form=form) for seed in (1, 1, 2)]
+        weights = runs[0][0][1] if usual else weights  # returned with need_weights=True
         for path, ((first, _), (again, _), (other, _)) in enumerate(zip(*runs, strict=True)):  # a fused
             # path (need_weights=False) may not skip dropout
             said = f" with {form.name}" + ("" if path == 0 else " and need_weights=False")
@@ -347,10 +352,9 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
                      else Measure(math.inf, f"the same rng gave different outputs{said}"),
                      "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
                      else Measure(math.inf, f"another seed gave the same output{said}")}
-            if spread is not None:  # not the block: LayerNorm and the activation follow dropout, its mean is not eval
+            if spread is not None and usual:  # not the block: LayerNorm and the activation follow dropout
                 found["mean"] = _dropout_mean(first, expected_out, spread, dtype, said)
-            measures = {name: worst(measure, measures.get(name, Measure(0.0))) for name, measure in found.items()}
-    weights = runs[0][0][1]  # the weights returned with need_weights=True
+            measures |= {name: worst(measure, measures.get(name, Measure(0.0))) for name, measure in found.items()}
     expected_draws = np.broadcast_to(expected_weights, (DROPOUT_DRAWS, *expected_weights.shape))
     before = compare("weights in training mode", weights, expected_draws, dtype)
     tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))
