@@ -12,7 +12,9 @@ are written for the operations they fit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from types import ModuleType
@@ -21,11 +23,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .cases import BlockCase, Case, MhaCase, SdpaCase
-from .frameworks import framework_of
+from .frameworks import RngForm, framework_of
 from .operations import Pair, arrays_and_options, operation_of
 from .tolerances import relative_error
 
 DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
+FORM_DRAWS = 40  # draws for the other rng forms: another seed repeats one decision a draw with chance 2^-40
+INDEPENDENT_P = 0.5  # the independence check's dropout: pairs dropped together at p^2 = 0.25, not p
+INDEPENDENT_PAIRS = 2000  # at least this many pairs of decisions in each family it compares
 LOW_PRECISION_FACTOR = 10  # a module may lose this many times what the oracle loses in the same dtype
 
 
@@ -72,41 +77,46 @@ class Runner:
         self._staged: dict[tuple, Callable] = {}
 
     def run(self, case: Case, dtype: str, *, training: bool = False, seed: int | None = None,
-            need_weights: bool = True) -> Pair:
+            need_weights: bool = True, rng_form: RngForm | None = None) -> Pair:
         """The module's (out, weights) for `case` in `dtype`: in eval mode, or in training mode with the
-        case's dropout and the framework's rng for `seed`."""
+        case's dropout and the framework's rng for `seed` (in `rng_form`, by default its usual one)."""
         operation = operation_of(case)
         arrays, options = arrays_and_options(case)
         return _pair(operation.function, self.call(operation.call, arrays, dtype, seed, training=training,
-                                                   need_weights=need_weights, **options))
+                                                   need_weights=need_weights, rng_form=rng_form, **options))
 
-    def run_both_paths(self, case: Case, dtype: str) -> tuple[Pair, Pair]:
-        """The module's (out, weights) for `case` in eval mode with need_weights=True and with False, from one
-        staged call (JAX: one compile for both paths)."""
+    def run_both_paths(self, case: Case, dtype: str, *, training: bool = False, seed: int | None = None,
+                       rng_form: RngForm | None = None) -> tuple[Pair, Pair]:
+        """The module's (out, weights) for `case` with need_weights=True and with False, from one staged call
+        (JAX: one compile for both paths); eval mode, or training mode as for `run` (one rng for both calls:
+        the same key, or a generator that the first call advances)."""
         operation = operation_of(case)
         arrays, options = arrays_and_options(case)
-        explicit, fast = self.call(_both_paths, arrays, dtype, None, call=operation.call, **options)
+        explicit, fast = self.call(_both_paths, arrays, dtype, seed, call=operation.call, training=training,
+                                   rng_form=rng_form, **options)
         return _pair(operation.function, explicit), _pair(operation.function, fast)
 
     def call(self, function: Callable, arrays: dict[str, Any], dtype: str | None, seed: int | None, *,
-             eager: bool = False, **options: Any) -> Any:
+             eager: bool = False, rng_form: RngForm | None = None, **options: Any) -> Any:
         """`function(module, native arrays, rng, **options)`, staged once per function and options (JAX: one
         jit function); the results as NumPy arrays. `run` goes through it, and a check may pass its own
         function the same way (an operation's pullback, say).
 
         arrays: NumPy arrays, None or nested state dicts (the floating ones cast to `dtype`; None keeps every
         dtype); seed: the framework's rng for `function`, or None; eager: call it as it is, unstaged (the
-        error table: a check on values, such as a float mask's 0 / 1, cannot run inside jit); options:
-        static and hashable.
+        error table: a check on values, such as a float mask's 0 / 1, cannot run inside jit); rng_form: the
+        form of that rng (SPEC.md section 6), by default the framework's usual one; options: static and
+        hashable.
         """
-        native, rng = self._native(cast(arrays, dtype)), None if seed is None else self.framework.rng(seed)
-        if eager:
-            results = function(self.module, native, rng, **options)
-        else:
-            key = (function, tuple(sorted(options.items())))
-            if key not in self._staged:
-                self._staged[key] = self.framework.stage(functools.partial(function, self.module, **options))
-            results = self._staged[key](native, rng)
+        native, form = self._native(cast(arrays, dtype)), rng_form or self.framework.rngs[0]
+        with contextlib.nullcontext() if seed is None else form.given(seed) as rng:
+            if eager:
+                results = function(self.module, native, rng, **options)
+            else:
+                key = (function, tuple(sorted(options.items())))
+                if key not in self._staged:
+                    self._staged[key] = self.framework.stage(functools.partial(function, self.module, **options))
+                results = self._staged[key](native, rng)
         results = self._numpy(results)
         if changed := self._changed(cast(arrays, dtype), native):  # what was sent, cast afresh: the copies
             # sent may share memory with the native arrays
@@ -148,9 +158,9 @@ class Runner:
         return converted
 
 
-def _both_paths(module: ModuleType, arrays: dict, rng: Any, *, call: Callable, **options: Any) -> tuple:
-    return (call(module, arrays, rng, training=False, need_weights=True, **options),
-            call(module, arrays, rng, training=False, need_weights=False, **options))
+def _both_paths(module: ModuleType, arrays: dict, rng: Any, *, call: Callable, training: bool, **options: Any) -> tuple:
+    return (call(module, arrays, rng, training=training, need_weights=True, **options),
+            call(module, arrays, rng, training=training, need_weights=False, **options))
 
 
 def _pair(operation: str, result: Any) -> Pair:
@@ -313,11 +323,14 @@ def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Mea
 def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     """Dropout in training mode (every operation with dropout 0.5), on the case repeated DROPOUT_DRAWS times
     along a new leading axis, so one call holds many independent draws; reproducible, varies and mean hold
-    on both paths (need_weights True and False), each measure the worse of the two:
+    on both paths (need_weights True and False), each measure the worse of the two; reproducible and varies
+    also with every other form of rng the framework allows (SPEC.md section 6: an int seed besides a
+    Generator, say), on FORM_DRAWS draws (JAX compiles each form anyway; the mean needs one form):
 
     weights: the returned weights are the softmax probabilities before dropout (the eval weights);
-    reproducible: the same rng gives the same output;
-    varies: another rng gives another output (unless dropout has nothing to act on: all-zero output);
+    reproducible: the same rng (form and seed) gives the same output;
+    varies: another seed in the same form gives another output (unless dropout has nothing to act on:
+    all-zero output);
     mean (where the output is linear in the dropped weights: the operation declares dropout_sigma): the
     mean over the draws approaches the eval output. Each entry's mean has standard deviation
     sigma = sqrt(p / (1 - p) sum_j (w_j v_j)^2 / N) (for MHA per head, then through |W_o|); the measure is
@@ -331,19 +344,22 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     spread = (None if operation.dropout_sigma is None else
               operation.dropout_sigma(case, expected_weights, 0.5, DROPOUT_DRAWS))
     shows = operation.dropout_shows(case) and (spread is None or bool(np.any(spread > 0)))
-    weights, measures = None, {}
-    for need_weights in (True, False):  # both paths: a fused path may not skip dropout
-        path = "" if need_weights else " with need_weights=False"
-        (first, returned), (again, _), (other, _) = (
-            runner.run(draws, dtype, training=True, seed=seed, need_weights=need_weights) for seed in (1, 1, 2))
-        weights = returned if need_weights else weights
-        found = {"reproducible": Measure(0.0) if np.array_equal(first, again, equal_nan=True)
-                 else Measure(math.inf, f"the same rng gave different outputs{path}"),
-                 "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
-                 else Measure(math.inf, f"another rng gave the same output{path}")}
-        if spread is not None:  # not the block: LayerNorm and the activation follow dropout, its mean is not eval
-            found["mean"] = _dropout_mean(first, expected_out, spread, dtype, path)
-        measures = {name: worst(measure, measures.get(name, Measure(0.0))) for name, measure in found.items()}
+    measures, weights = {}, None
+    for form in runner.framework.rngs:  # every form: an int seed may not be taken for a Generator, say
+        usual = form is runner.framework.rngs[0]
+        tiled = draws if usual else _tiled(case, FORM_DRAWS)
+        runs = [runner.run_both_paths(tiled, dtype, training=True, seed=seed, rng_form=form) for seed in (1, 1, 2)]
+        weights = runs[0][0][1] if usual else weights  # returned with need_weights=True
+        for path, ((first, _), (again, _), (other, _)) in enumerate(zip(*runs, strict=True)):  # a fused
+            # path (need_weights=False) may not skip dropout
+            said = f" with {form.name}" + ("" if path == 0 else " and need_weights=False")
+            found = {"reproducible": Measure(0.0) if np.array_equal(first, again, equal_nan=True)
+                     else Measure(math.inf, f"the same rng gave different outputs{said}"),
+                     "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
+                     else Measure(math.inf, f"another seed gave the same output{said}")}
+            if spread is not None and usual:  # not the block: LayerNorm and the activation follow dropout
+                found["mean"] = _dropout_mean(first, expected_out, spread, dtype, said)
+            measures |= {name: worst(measure, measures.get(name, Measure(0.0))) for name, measure in found.items()}
     expected_draws = np.broadcast_to(expected_weights, (DROPOUT_DRAWS, *expected_weights.shape))
     before = compare("weights in training mode", weights, expected_draws, dtype)
     tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))
@@ -357,6 +373,62 @@ def _dropout_mean(draws: np.ndarray, expected_out: np.ndarray, spread: np.ndarra
     ratio = (float(np.max(np.abs(mean - expected_out) / (6 * spread + rounding), initial=0.0))
              if mean.shape == expected_out.shape else math.inf)
     return Measure(ratio, f"the mean of {DROPOUT_DRAWS} draws{path} is {ratio:.1f} x its 6-sigma bound off")
+
+
+def dropout_independence(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
+    """Every keep / drop decision of dropout is drawn independently of the others, with every form of rng
+    the framework allows, on both paths. The operation's probe (Operation.dropout_probe) keeps the case's
+    sizes and chooses values whose output shows each site's decisions exactly; it runs with dropout
+    INDEPENDENT_P, repeated along a new leading axis so that every family below holds at least
+    INDEPENDENT_PAIRS pairs.
+
+    independent: along each axis of a site's decisions (the draws, each batch axis, the heads, queries,
+    keys or features), disjoint pairs of entries (0 and 1, 2 and 3, ...) are both dropped at rate p^2, and
+    so are the same entries of two sites (the block's residual branches); each site drops at rate p. Over
+    M pairs (or entries) the rate has sigma = sqrt(e (1 - e) / M), e its expectation; the measure is
+    max |rate - e| / (6 sigma), and above 1 fails, which a correct implementation reaches with probability
+    below 3e-9 per family. A mask shared by two heads, or two sites that replay one stream, drop together
+    at rate p: at least four times the bound.
+    """
+    probe = operation_of(case).dropout_probe(case)
+    per_call = math.prod(probe.shape)
+    n = 2 * math.ceil(1.5 * INDEPENDENT_PAIRS / per_call)  # >= 3 INDEPENDENT_PAIRS decisions per site
+    draws = _tiled(probe.case._replace(dropout=INDEPENDENT_P), n)
+    names = ("draws", *(f"batch axis {i}" for i in range(len(probe.shape) - len(probe.axes))), *probe.axes)
+    found = Measure(0.0)
+    for form in runner.framework.rngs:
+        for path, (out, _) in enumerate(runner.run_both_paths(draws, dtype, training=True, seed=1, rng_form=form)):
+            said = f" with {form.name}" + ("" if path == 0 else " and need_weights=False")
+            sites = probe.sites(out.astype(np.float64), INDEPENDENT_P) if out.shape[:1] == (n,) else None
+            if sites is None or any(dropped.shape != (n, *probe.shape) for dropped in sites.values()):
+                return {"independent": Measure(math.inf, f"the probe's output{said} is not what dropout's keep / "
+                                                          "drop decisions give (conformance/operations.py)")}
+            found = worst(found, *(_rate(*rate, said) for rate in _drop_rates(sites, names, INDEPENDENT_P)))
+    return {"independent": found}
+
+
+def _drop_rates(sites: dict[str, np.ndarray], names: tuple[str, ...], p: float) -> list[tuple[str, float, float, int]]:
+    """(what, rate, expected rate, count): each site's drop rate, the rate at which the disjoint pairs along
+    each of its axes are both dropped, and the rate at which two sites both drop the same entry."""
+    rates = [(f"{site} dropped", float(dropped.mean()), p, dropped.size) for site, dropped in sites.items()]
+    for site, dropped in sites.items():
+        for axis, name in enumerate(names):
+            m = dropped.shape[axis]
+            even, odd = (np.take(dropped, range(start, m - 1 + start, 2), axis=axis) for start in (0, 1))
+            if even.size:  # an axis of length 1 has no pairs
+                rates.append((f"{site}, pairs along the {name}, both dropped", float((even & odd).mean()), p * p,
+                              even.size))
+    for (one, a), (other, b) in itertools.combinations(sites.items(), 2):
+        rates.append((f"{one} and {other} both dropped", float((a & b).mean()), p * p, a.size))
+    return rates
+
+
+def _rate(what: str, rate: float, expected_rate: float, count: int, path: str) -> Measure:
+    """|rate - expected| in units of its 6-sigma bound."""
+    bound = 6 * math.sqrt(expected_rate * (1 - expected_rate) / count)
+    ratio = abs(rate - expected_rate) / bound
+    return Measure(ratio, f"{what}{path}: rate {rate:.3f} over {count}, expected {expected_rate:.3f} +- {bound:.3f} "
+                          f"(6 sigma)")
 
 
 def _tiled(case: Case, n: int) -> Case:

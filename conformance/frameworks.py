@@ -1,5 +1,5 @@
 """What the suite and the benchmark need to know about the framework behind a module, declared once per
-framework: its randomness, how its code runs best (JAX: traced once per shape with jit), the precision
+framework: the forms of its rng argument, how its code runs best (JAX: traced once per shape with jit), the precision
 settings that make float32 mean float32, the dtypes its arrays have, and for `python -m conformance compare`
 its built-ins, how it places arrays on a device, finishes a call, measures peak memory and describes itself.
 
@@ -35,9 +35,16 @@ def import_modules(names: Sequence[str]) -> tuple[dict[str, ModuleType], dict[st
     return modules, skipped
 
 
+class RngForm(NamedTuple):
+    """One form of the rng argument that SPEC.md section 6 allows the framework's modules."""
+
+    name: str  # as a failure names it: "an int seed", "jax.random.PRNGKey", ...
+    given: Callable[[int], contextlib.AbstractContextManager[Any]]  # seed -> a context that gives the rng argument
+
+
 class Framework(NamedTuple):
     name: str  # "numpy", "jax" or "torch"
-    rng: Callable[[int], Any]  # seed -> the backend's rng argument
+    rngs: tuple[RngForm, ...]  # every form of the rng argument, the usual one first
     stage: Callable[[Callable], Callable]  # how a whole operation runs (JAX: jit)
     pinned: Callable[[], contextlib.AbstractContextManager[str]]  # precision settings for a run
     dtypes: tuple[str, ...]  # the dtypes its arrays have, as NumPy names (bfloat16: ml_dtypes)
@@ -69,22 +76,50 @@ def _eager(call: Callable) -> Callable:
     return call
 
 
-def _numpy_rng(seed: int) -> Any:
+def _passed(make: Callable[[int], Any]) -> Callable[[int], contextlib.AbstractContextManager[Any]]:
+    """A form that is an object made from the seed and passed as it is."""
+    return lambda seed: contextlib.nullcontext(make(seed))
+
+
+def _numpy_generator(seed: int) -> Any:
     import numpy as np
 
     return np.random.default_rng(seed)
 
 
-def _jax_rng(seed: int) -> Any:
+def _jax_key(seed: int) -> Any:
     import jax
 
     return jax.random.key(seed)
 
 
-def _torch_rng(seed: int) -> Any:
+def _jax_raw_key(seed: int) -> Any:
+    import jax
+
+    return jax.random.PRNGKey(seed)  # jax: the legacy uint32[2] key, which jax.random takes too
+
+
+def _torch_generator(seed: int) -> Any:
     import torch
 
     return torch.Generator().manual_seed(seed)
+
+
+@contextlib.contextmanager
+def _torch_global(seed: int) -> Iterator[None]:
+    """rng=None, torch's global RNG seeded with `seed`; its state is restored afterwards (the suite's arrays
+    live on the CPU, so only the CPU's generator is forked)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield None
+
+
+NUMPY_RNGS = (RngForm("a Generator", _passed(_numpy_generator)), RngForm("an int seed", _passed(lambda seed: seed)))
+JAX_RNGS = (RngForm("jax.random.key", _passed(_jax_key)), RngForm("jax.random.PRNGKey", _passed(_jax_raw_key)))
+TORCH_RNGS = (RngForm("a torch.Generator", _passed(_torch_generator)),
+              RngForm("None after torch.manual_seed", _torch_global))
 
 
 # XLA:CPU options for the suite's programs: each runs once or twice on a few dozen numbers, so compiling
@@ -361,15 +396,15 @@ def _torch_description() -> str:
 # --- the table ------------------------------------------------------------------------------------------
 
 NUMPY = Framework(
-    "numpy", rng=_numpy_rng, stage=_eager, pinned=_no_settings, dtypes=DTYPES, no_autograd=None,
+    "numpy", rngs=NUMPY_RNGS, stage=_eager, pinned=_no_settings, dtypes=DTYPES, no_autograd=None,
     built_ins={}, sees_gpu=_no_gpu, converter=_numpy_converter, to_float64=_numpy_to_float64, timed=_numpy_timed,
     permissive=contextlib.nullcontext, describe=_numpy_description)
 JAX = Framework(
-    "jax", rng=_jax_rng, stage=_jax_stage, pinned=_jax_precision, dtypes=(*DTYPES, "bfloat16"), no_autograd=None,
+    "jax", rngs=JAX_RNGS, stage=_jax_stage, pinned=_jax_precision, dtypes=(*DTYPES, "bfloat16"), no_autograd=None,
     built_ins={"sdpa": "jax.nn.dot_product_attention"}, sees_gpu=_jax_sees_gpu, converter=_jax_converter,
     to_float64=_numpy_to_float64, timed=_jax_timed, permissive=_jax_permissive, describe=_jax_description)
 TORCH = Framework(
-    "torch", rng=_torch_rng, stage=_eager, pinned=_torch_precision, dtypes=(*DTYPES, "bfloat16"),
+    "torch", rngs=TORCH_RNGS, stage=_eager, pinned=_torch_precision, dtypes=(*DTYPES, "bfloat16"),
     no_autograd=_torch_inference_mode,
     built_ins={"sdpa": "F.scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
                "block": "nn.TransformerEncoderLayer"},

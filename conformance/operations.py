@@ -23,6 +23,17 @@ from .cases import BlockCase, Case, MhaCase, SdpaCase
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 
 
+class Probe(NamedTuple):
+    """A case made from a drawn one whose output in training mode shows the keep / drop decisions of the
+    dropout sites exactly (checks.dropout_independence): the drawn sizes, chosen values."""
+
+    case: Any  # the operation's case
+    shape: tuple[int, ...]  # the decisions of one site that one call of `case` shows: (..., *axes)
+    axes: tuple[str, ...]  # the names of the last axes of `shape`, after the leading (batch) axes
+    sites: Callable[[np.ndarray, float], dict[str, np.ndarray] | None]  # (out, p) -> {site: True where
+    # dropped}; None where out holds a value that no keep / drop decision gives
+
+
 class Operation(NamedTuple):
     """One operation of the contract (SPEC.md section 1)."""
 
@@ -40,6 +51,7 @@ class Operation(NamedTuple):
     visible: Callable[[Any], np.ndarray] | None  # (..., L, S): query i sees key j (in some head); None: not kept
     dropout_sigma: Callable[[Any, np.ndarray, float, int], np.ndarray] | None  # sd of the mean of n draws
     dropout_shows: Callable[[Any], bool]  # whether dropout can change the output at all
+    dropout_probe: Callable[[Any], Probe]  # the case -> a probe of its dropout sites
 
 
 def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -106,6 +118,27 @@ def _sdpa_dropout_sigma(case: SdpaCase, weights: np.ndarray, p: float, draws: in
     return np.sqrt(p / (1 - p) * (weights**2) @ (case.v**2) / draws)
 
 
+def _sdpa_dropout_probe(case: SdpaCase) -> Probe:
+    """q = 0, no mask, no bias, not causal: every weight is 1 / S; v = I (Ev = S): out_ls = keep_ls / (S (1 - p)),
+    0 exactly where weight (l, s) was dropped."""
+    (L, S), batch = (case.q.shape[-2], case.k.shape[-2]), _batch(case)
+    v = np.broadcast_to(np.eye(S), (*case.v.shape[:-2], S, S)).copy()  # (..., S, S)
+    probe = case._replace(q=np.zeros_like(case.q), v=v, mask=None, bias=None, is_causal=False)
+    return Probe(probe, (*batch, L, S), ("queries", "keys"),
+                 lambda out, p: _dropped({"attention weights": out}, 1 / (S * (1 - p))))
+
+
+def _batch(case: SdpaCase | MhaCase) -> tuple[int, ...]:
+    return np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+
+
+def _dropped(outputs: dict[str, np.ndarray], kept: float) -> dict[str, np.ndarray] | None:
+    """{site: True where its output is 0}, if every output is 0 or `kept` (to 1e-4); None otherwise."""
+    dropped = {site: out == 0 for site, out in outputs.items()}
+    ok = all(np.all(dropped[site] | (np.abs(out - kept) <= 1e-4 * kept)) for site, out in outputs.items())
+    return dropped if ok else None
+
+
 # --- multi-head attention ----------------------------------------------------------------------------------
 
 def _mha_oracle(case: MhaCase, precision: str, fused_bias: bool) -> Pair:
@@ -147,6 +180,23 @@ def _mha_dropout_sigma(case: MhaCase, weights: np.ndarray, p: float, draws: int)
     return sigma @ np.abs(state["w_o.weight"]).T  # sd of a sum is at most the sum of |coefficient| x sd
 
 
+def _mha_dropout_probe(case: MhaCase) -> Probe:
+    """One key (S = 1: every weight is 1), no mask, v = 1, w_v and w_o the identity with zero biases: the
+    d_k features of head h at query l are keep_hl / (1 - p), so out[..., l, h d_k] shows head h's decision."""
+    (L, D), H = case.q.shape[-2:], case.num_heads
+    identities = {f"{name}.{part}": np.eye(D) if part == "weight" else np.zeros(D)
+                  for name in ("w_v", "w_o") for part in ("weight", "bias")}
+    one_key = (*case.k.shape[:-2], 1, D)
+    probe = case._replace(state=case.state | identities, q=np.zeros_like(case.q), k=np.zeros(one_key),
+                          v=np.ones(one_key), mask=None)
+
+    def sites(out: np.ndarray, p: float) -> dict[str, np.ndarray] | None:
+        heads = np.swapaxes(out[..., :: D // H], -1, -2)  # (..., L, D) -> (..., L, H) -> (..., H, L)
+        return _dropped({"attention weights": heads}, 1 / (1 - p))
+
+    return Probe(probe, (*_batch(case), H, L), ("heads", "queries"), sites)
+
+
 # --- the transformer block ---------------------------------------------------------------------------------
 
 def _block_oracle(case: BlockCase, precision: str, fused_bias: bool) -> Pair:
@@ -169,6 +219,25 @@ def _block_pullback(module: ModuleType, arrays: dict, rng: Any, **options: Any) 
     return {"x": dx} | dict(dparams)
 
 
+def _block_dropout_probe(case: BlockCase) -> Probe:
+    """Pre-LN, x = 0, no mask; w_o = 0 with bias 1 and ffn.3 = 0 with bias 2, so each branch is a constant:
+    out = 0 + Drop(1) + Drop(2) = (K_1 + 2 K_2) / (1 - p) shows the decisions K_1, K_2 of the two residual
+    sites (those inside the branches are multiplied by the zero weights)."""
+    L, D = case.x.shape[-2:]
+    constants = {"attn.w_o.weight": np.zeros((D, D)), "attn.w_o.bias": np.ones(D),
+                 "ffn.3.weight": np.zeros_like(case.state["ffn.3.weight"]), "ffn.3.bias": np.full(D, 2.0)}
+    probe = case._replace(state=case.state | constants, norm_first=True, x=np.zeros_like(case.x), mask=None)
+
+    def sites(out: np.ndarray, p: float) -> dict[str, np.ndarray] | None:
+        code = out.astype(np.float64) * (1 - p)  # K_1 + 2 K_2, in 0..3
+        whole = np.round(code)
+        if not np.all((np.abs(code - whole) <= 1e-4) & (whole >= 0) & (whole <= 3)):
+            return None
+        return {"attention branch": whole % 2 == 0, "feed-forward branch": whole < 2}
+
+    return Probe(probe, (*case.x.shape[:-2], L, D), ("positions", "features"), sites)
+
+
 def _block_dropout_shows(case: BlockCase) -> bool:
     """Not in a post-LN block of width 1: LayerNorm over one feature returns its bias."""
     return case.norm_first or case.x.shape[-1] > 1
@@ -179,13 +248,13 @@ def _block_dropout_shows(case: BlockCase) -> bool:
 OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
     Operation("sdpa", "scaled_dot_product_attention", SdpaCase, ("is_causal", "scale", "dropout"), ("q", "k", "v"),
               ("q", "k", "v", "bias"), "sdpa_cases", _sdpa_oracle, _sdpa_call, "scaled_dot_product_attention_vjp",
-              _sdpa_pullback, _sdpa_visible, _sdpa_dropout_sigma, lambda case: True),
+              _sdpa_pullback, _sdpa_visible, _sdpa_dropout_sigma, lambda case: True, _sdpa_dropout_probe),
     Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout"), ("q", "k", "v"),
               ("q", "k", "v", "state"), "mha_cases", _mha_oracle, _mha_call, "MultiHeadAttention.vjp",
-              _mha_pullback, _mha_visible, _mha_dropout_sigma, lambda case: True),
+              _mha_pullback, _mha_visible, _mha_dropout_sigma, lambda case: True, _mha_dropout_probe),
     Operation("block", "TransformerBlock", BlockCase, ("num_heads", "dropout", "norm_first", "activation", "eps"),
               ("x",), ("x", "state"), "block_cases", _block_oracle, _block_call, "TransformerBlock.vjp",
-              _block_pullback, None, None, _block_dropout_shows),
+              _block_pullback, None, None, _block_dropout_shows, _block_dropout_probe),
 )}
 CONTRACT = ("asarray", "to_numpy")  # what every operation needs besides its own name
 

@@ -51,6 +51,8 @@ EXPECTED: dict[str, set[str]] = {
     "dropout_without_rescale": {"mean"},
     "rng_ignored_fixed_seed": {"varies"},
     "rng_ignored_fresh": {"reproducible"},
+    "dropout_shared_by_heads": {"independent"},  # passes the mean: each head alone is right
+    "seed_restarted_at_every_site": {"independent"},  # only an int seed shows it
     "layernorm_unbiased": {"values"},
     "layernorm_eps_outside_sqrt": {"values"},
     "gelu_tanh": {"values"},

@@ -14,6 +14,7 @@ from conformance import cases, checks, suite, table
 from conformance.frameworks import framework_of
 from conformance.snippets import reproduce
 from conformance.tolerances import relative_error
+from tests.implementations.broken import BROKEN
 
 
 def test_relative_error_is_max_abs_error_over_max_abs_reference():
@@ -75,7 +76,37 @@ def test_framework_is_read_off_the_arrays_a_module_makes():
     import attention_torch
 
     assert framework_of(attention_torch).name == "torch"
-    assert isinstance(framework_of(attention_torch).rng(0), torch.Generator)
+    with framework_of(attention_torch).rngs[0].given(0) as rng:  # the usual form: a torch.Generator
+        assert isinstance(rng, torch.Generator)
+
+
+def test_torch_global_rng_form_seeds_the_global_rng_and_restores_it():
+    torch = pytest.importorskip("torch")
+    import attention_torch
+
+    form = framework_of(attention_torch).rngs[1]
+    before = torch.random.get_rng_state()
+    with form.given(3) as rng:
+        assert rng is None  # the module draws from the global RNG, seeded with 3
+        assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("case", [cases.sdpa_case(), cases.mha_case(H=4), cases.block_case()],
+                         ids=["sdpa", "mha", "block"])
+def test_independent_dropout_is_within_its_bound(case):
+    assert checks.dropout_independence(checks.Runner(attention_np), case, "float32")["independent"].error <= 1
+
+
+@pytest.mark.parametrize(("name", "case", "shown_by"), [
+    ("dropout_shared_by_heads", cases.mha_case(H=2), "pairs along the heads, both dropped with a Generator"),
+    ("seed_restarted_at_every_site", cases.block_case(), "feed-forward branch both dropped with an int seed"),
+])
+def test_decisions_that_are_one_drop_together_at_p_not_p_squared(name, case, shown_by):
+    # two decisions that are one are both dropped at rate p = 0.5, not p^2 = 0.25; over at least 2000 pairs
+    # sigma = sqrt(0.25 * 0.75 / 2000) <= 0.0097, so the measure is at least 0.25 / (6 * 0.0097) = 4.3
+    measure = checks.dropout_independence(checks.Runner(BROKEN[name]), case, "float32")["independent"]
+    assert measure.error >= 4.3 and shown_by in measure.detail
 
 
 @pytest.mark.slow

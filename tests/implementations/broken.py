@@ -3,8 +3,9 @@ suite must reject.
 
 Each class overrides one named piece of `Implementation`; its docstring says the bug and which check of
 the suite should catch it (the measure names of `conformance.check` rows: values, weights_rows,
-permutation, causal_prefix, single_key, reproducible, varies, mean, fast_path, round_trip, call, helpers,
-edge_cases). Every variant runs without error on ordinary inputs: the bug is a wrong answer, never a crash.
+permutation, causal_prefix, single_key, reproducible, varies, mean, independent, fast_path, round_trip,
+call, helpers, edge_cases). Every variant runs without error on ordinary inputs: the bug is a wrong answer,
+never a crash.
 
 `BROKEN` maps a name to the variant as a module object exposing the contract, ready for `check`.
 """
@@ -351,6 +352,32 @@ class RngIgnoredFresh(Implementation):
         return np.random.default_rng()
 
 
+class DropoutSharedByHeads(Implementation):
+    """MHA draws its dropout mask with the head axis of size 1, (..., 1, L, S), so every head drops the same
+    weights (a mask shaped like padding_mask's, broadcast over the heads). Each head alone is right: the
+    mean is the eval output and the mask varies with the rng. Caught by: independent (mha, H > 1)."""
+
+    def multi_head_attention(self, *args: object, **options: object) -> Pair:
+        return _OneMaskPerHeadAxis().multi_head_attention(*args, **options)  # its attention sees (..., H, L, S)
+
+
+class _OneMaskPerHeadAxis(Implementation):
+    def dropout(self, x: np.ndarray, p: float, rng: Rng) -> np.ndarray:
+        if p == 0.0:
+            return x
+        keep = self.generator(rng).random((*x.shape[:-3], 1, *x.shape[-2:])) >= p  # one mask for axis -3
+        return np.where(keep, x / (1 - p), 0).astype(x.dtype)
+
+
+class SeedRestartedAtEverySite(Implementation):
+    """The block hands its rng on as it came, and each dropout site seeds a Generator from it: a Generator
+    passes through and advances, but an int seed restarts one stream at every site, so the two residual
+    sites, of one shape, drop the same entries. Caught by: independent (block, with an int seed)."""
+
+    def block_generator(self, rng: Rng) -> Rng:
+        return rng
+
+
 # --- the block -----------------------------------------------------------------------------------------
 
 
@@ -502,6 +529,8 @@ VARIANTS: dict[str, type[Implementation]] = {
     "dropout_without_rescale": DropoutWithoutRescale,
     "rng_ignored_fixed_seed": RngIgnoredFixedSeed,
     "rng_ignored_fresh": RngIgnoredFresh,
+    "dropout_shared_by_heads": DropoutSharedByHeads,
+    "seed_restarted_at_every_site": SeedRestartedAtEverySite,
     "layernorm_unbiased": LayerNormUnbiased,
     "layernorm_eps_outside_sqrt": LayerNormEpsOutsideSqrt,
     "gelu_tanh": GeluTanh,

@@ -242,7 +242,7 @@ class Implementation:
                           need_weights: bool, rng: Rng) -> Pair:
         """post-LN: x = LN_1(x + Drop(MHA(x))), x = LN_2(x + Drop(FFN(x)));
         pre-LN: x = x + Drop(MHA(LN_1(x))), x = x + Drop(FFN(LN_2(x))). One generator feeds every site."""
-        rng = self.generator(rng)
+        rng = self.block_generator(rng)
         attn = {name.removeprefix("attn."): x for name, x in state.items() if name.startswith("attn.")}
         ln1, ln2 = self.norms(state, eps)
 
@@ -257,6 +257,10 @@ class Implementation:
             return self.dropout(y, dropout_p, rng)
 
         return self.wiring(norm_first)(x, attend, feed_forward, drop, ln1, ln2)
+
+    def block_generator(self, rng: Rng) -> Rng:
+        """The block's rng as one Generator, made once, whose state every site advances in turn."""
+        return self.generator(rng)
 
     def wiring(self, norm_first: bool) -> Callable[..., Pair]:
         return self.pre_ln if norm_first else self.post_ln
