@@ -28,7 +28,6 @@ from .operations import Pair, arrays_and_options, operation_of
 from .tolerances import relative_error
 
 DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
-FORM_DRAWS = 40  # draws for the other rng forms: another seed repeats one decision a draw with chance 2^-40
 INDEPENDENT_P = 0.5  # the independence check's dropout: pairs dropped together at p^2 = 0.25, not p
 INDEPENDENT_PAIRS = 2000  # at least this many pairs of decisions in each family it compares
 LOW_PRECISION_FACTOR = 10  # a module may lose this many times what the oracle loses in the same dtype
@@ -323,14 +322,12 @@ def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Mea
 def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     """Dropout in training mode (every operation with dropout 0.5), on the case repeated DROPOUT_DRAWS times
     along a new leading axis, so one call holds many independent draws; reproducible, varies and mean hold
-    on both paths (need_weights True and False), each measure the worse of the two; reproducible and varies
-    also with every other form of rng the framework allows (SPEC.md section 6: an int seed besides a
-    Generator, say), on FORM_DRAWS draws (JAX compiles each form anyway; the mean needs one form):
+    on both paths (need_weights True and False), each measure the worse of the two, with the framework's
+    usual form of rng (the other forms: dropout_independence):
 
     weights: the returned weights are the softmax probabilities before dropout (the eval weights);
-    reproducible: the same rng (form and seed) gives the same output;
-    varies: another seed in the same form gives another output (unless dropout has nothing to act on:
-    all-zero output);
+    reproducible: the same rng (the same seed) gives the same output;
+    varies: another seed gives another output (unless dropout has nothing to act on: all-zero output);
     mean (where the output is linear in the dropped weights: the operation declares dropout_sigma): the
     mean over the draws approaches the eval output. Each entry's mean has standard deviation
     sigma = sqrt(p / (1 - p) sum_j (w_j v_j)^2 / N) (for MHA per head, then through |W_o|); the measure is
@@ -344,22 +341,18 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     spread = (None if operation.dropout_sigma is None else
               operation.dropout_sigma(case, expected_weights, 0.5, DROPOUT_DRAWS))
     shows = operation.dropout_shows(case) and (spread is None or bool(np.any(spread > 0)))
-    measures, weights = {}, None
-    for form in runner.framework.rngs:  # every form: an int seed may not be taken for a Generator, say
-        usual = form is runner.framework.rngs[0]
-        tiled = draws if usual else _tiled(case, FORM_DRAWS)
-        runs = [runner.run_both_paths(tiled, dtype, training=True, seed=seed, rng_form=form) for seed in (1, 1, 2)]
-        weights = runs[0][0][1] if usual else weights  # returned with need_weights=True
-        for path, ((first, _), (again, _), (other, _)) in enumerate(zip(*runs, strict=True)):  # a fused
-            # path (need_weights=False) may not skip dropout
-            said = f" with {form.name}" + ("" if path == 0 else " and need_weights=False")
-            found = {"reproducible": Measure(0.0) if np.array_equal(first, again, equal_nan=True)
-                     else Measure(math.inf, f"the same rng gave different outputs{said}"),
-                     "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
-                     else Measure(math.inf, f"another seed gave the same output{said}")}
-            if spread is not None and usual:  # not the block: LayerNorm and the activation follow dropout
-                found["mean"] = _dropout_mean(first, expected_out, spread, dtype, said)
-            measures |= {name: worst(measure, measures.get(name, Measure(0.0))) for name, measure in found.items()}
+    runs = [runner.run_both_paths(draws, dtype, training=True, seed=seed) for seed in (1, 1, 2)]
+    weights, measures = runs[0][0][1], {}  # returned with need_weights=True
+    for path, ((first, _), (again, _), (other, _)) in enumerate(zip(*runs, strict=True)):  # a fused path
+        # (need_weights=False) may not skip dropout
+        said = "" if path == 0 else " with need_weights=False"
+        found = {"reproducible": Measure(0.0) if np.array_equal(first, again, equal_nan=True)
+                 else Measure(math.inf, f"the same rng gave different outputs{said}"),
+                 "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
+                 else Measure(math.inf, f"another seed gave the same output{said}")}
+        if spread is not None:  # not the block: LayerNorm and the activation follow dropout
+            found["mean"] = _dropout_mean(first, expected_out, spread, dtype, said)
+        measures |= {name: worst(measure, measures.get(name, Measure(0.0))) for name, measure in found.items()}
     expected_draws = np.broadcast_to(expected_weights, (DROPOUT_DRAWS, *expected_weights.shape))
     before = compare("weights in training mode", weights, expected_draws, dtype)
     tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))
@@ -389,22 +382,32 @@ def dropout_independence(runner: Runner, case: Case, dtype: str) -> dict[str, Me
     max |rate - e| / (6 sigma), and above 1 fails, which a correct implementation reaches with probability
     below 3e-9 per family. A mask shared by two heads, or two sites that replay one stream, drop together
     at rate p: at least four times the bound.
+    rng_forms: with every form of rng the framework allows (SPEC.md section 6: an int seed besides a
+    Generator, a raw key besides a typed one), the same seed reproduces the probe's output bit for bit and
+    another seed changes it (each draw shows thousands of decisions, so a correct one repeats them all
+    with chance about 2^-3000).
     """
     probe = operation_of(case).dropout_probe(case)
     per_call = math.prod(probe.shape)
     n = 2 * math.ceil(1.5 * INDEPENDENT_PAIRS / per_call)  # >= 3 INDEPENDENT_PAIRS decisions per site
     draws = _tiled(probe.case._replace(dropout=INDEPENDENT_P), n)
     names = ("draws", *(f"batch axis {i}" for i in range(len(probe.shape) - len(probe.axes))), *probe.axes)
-    found = Measure(0.0)
+    found, forms = Measure(0.0), Measure(0.0)
     for form in runner.framework.rngs:
-        for path, (out, _) in enumerate(runner.run_both_paths(draws, dtype, training=True, seed=1, rng_form=form)):
+        runs = [runner.run_both_paths(draws, dtype, training=True, seed=seed, rng_form=form) for seed in (1, 1, 2)]
+        for path, ((out, _), (again, _), (other, _)) in enumerate(zip(*runs, strict=True)):
             said = f" with {form.name}" + ("" if path == 0 else " and need_weights=False")
             sites = probe.sites(out.astype(np.float64), INDEPENDENT_P) if out.shape[:1] == (n,) else None
             if sites is None or any(dropped.shape != (n, *probe.shape) for dropped in sites.values()):
-                return {"independent": Measure(math.inf, f"the probe's output{said} is not what dropout's keep / "
-                                                          "drop decisions give (conformance/operations.py)")}
+                wrong = Measure(math.inf, f"the probe's output{said} is not what dropout's keep / drop decisions "
+                                          "give (conformance/operations.py)")
+                return {"independent": wrong, "rng_forms": wrong}
             found = worst(found, *(_rate(*rate, said) for rate in _drop_rates(sites, names, INDEPENDENT_P)))
-    return {"independent": found}
+            if not np.array_equal(out, again, equal_nan=True):
+                forms = worst(forms, Measure(math.inf, f"the same seed gave different outputs{said}"))
+            elif np.array_equal(out, other):
+                forms = worst(forms, Measure(math.inf, f"another seed gave the same output{said}"))
+    return {"independent": found, "rng_forms": forms}
 
 
 def _drop_rates(sites: dict[str, np.ndarray], names: tuple[str, ...], p: float) -> list[tuple[str, float, float, int]]:

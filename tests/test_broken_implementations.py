@@ -51,6 +51,7 @@ EXPECTED: dict[str, set[str]] = {
     "dropout_without_rescale": {"mean"},
     "rng_ignored_fixed_seed": {"varies"},
     "rng_ignored_fresh": {"reproducible"},
+    "int_seed_taken_for_none": {"rng_forms"},  # only an int seed shows it
     "dropout_shared_by_heads": {"independent"},  # passes the mean: each head alone is right
     "seed_restarted_at_every_site": {"independent"},  # only an int seed shows it
     "layernorm_unbiased": {"values"},

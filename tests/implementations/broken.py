@@ -352,6 +352,14 @@ class RngIgnoredFresh(Implementation):
         return np.random.default_rng()
 
 
+class IntSeedTakenForNone(Implementation):
+    """Only a Generator is taken as the rng; anything else, an int seed too, falls back to fresh OS
+    randomness, so a seed does not reproduce. Caught by: rng_forms (the int seed form)."""
+
+    def generator(self, rng: Rng) -> np.random.Generator:
+        return rng if isinstance(rng, np.random.Generator) else np.random.default_rng()
+
+
 class DropoutSharedByHeads(Implementation):
     """MHA draws its dropout mask with the head axis of size 1, (..., 1, L, S), so every head drops the same
     weights (a mask shaped like padding_mask's, broadcast over the heads). Each head alone is right: the
@@ -529,6 +537,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "dropout_without_rescale": DropoutWithoutRescale,
     "rng_ignored_fixed_seed": RngIgnoredFixedSeed,
     "rng_ignored_fresh": RngIgnoredFresh,
+    "int_seed_taken_for_none": IntSeedTakenForNone,
     "dropout_shared_by_heads": DropoutSharedByHeads,
     "seed_restarted_at_every_site": SeedRestartedAtEverySite,
     "layernorm_unbiased": LayerNormUnbiased,
