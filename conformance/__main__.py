@@ -5,18 +5,23 @@
     python -m conformance compare [--sizes ...] [--targets] ...  time the backends against the built-ins
     python -m conformance figure scaling [--output PATH.png]      a figure for students (needs matplotlib)
 
-Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH. The exit code is 0 only when
-every check passes on every module.
+Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH, --jobs N. The exit code is 0
+only when every check passes on every module.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
+import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import Any
 
 from . import PROFILES
 from .bench import report as compare  # the compare command: its options, run and output
@@ -31,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="N examples for every check, instead of the profile's numbers")
     options.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0); a run is reproducible")
     options.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    options.add_argument("--jobs", type=compare.positive_int, default=None, metavar="N",
+                         help="check up to N modules at once, each in a process of its own (default: one per "
+                              "CPU core, at most one per module); the report is the same")
     parser = argparse.ArgumentParser(
         prog="python -m conformance", parents=[options],
         description="Check implementations of the attention contract against a float64 oracle. Without a "
@@ -81,14 +89,12 @@ def _check(args: argparse.Namespace) -> int:
         return 1
     print(f"profile {args.profile}, seed {args.seed}" + (f", {args.max_examples} examples per check"
                                                          if args.max_examples else ""))
-    reports = []
-    for name, module in modules.items():
-        start = time.perf_counter()
-        with _progress(suite.planned(module, profile=args.profile, max_examples=args.max_examples)) as tell:
-            report = suite.check(module, profile=args.profile, max_examples=args.max_examples, seed=args.seed,
-                                 progress=tell)
-        print(f"{name}: {time.perf_counter() - start:.1f} s" + "".join(f"; {s}" for s in report.settings))
-        reports.append(report)
+    jobs = min(len(modules), args.jobs or os.cpu_count() or 1)
+    reports = (_reports_at_once(list(modules), args, jobs) if jobs > 1 else
+               [_report(module, args) for module in modules.values()])
+    for name, (report, seconds) in zip(modules, reports, strict=True):
+        print(f"{name}: {seconds:.1f} s" + "".join(f"; {s}" for s in report.settings))
+    reports = [report for report, _ in reports]
     print()
     print(suite.format_side_by_side(reports) if args.command != "check" else
           "\n".join(suite.format_rows(report) for report in reports))
@@ -102,6 +108,33 @@ def _check(args: argparse.Namespace) -> int:
     print(f"\n{'all pass' if not failures else f'{len(failures)} of {len(names)} modules failed'}"
           f"; replay with --seed {args.seed}")
     return 0 if not failures else 1
+
+
+def _report(module: ModuleType, args: argparse.Namespace) -> tuple[Any, float]:
+    """One module's report and the seconds it took, with a progress bar on stderr."""
+    from . import suite
+
+    start = time.perf_counter()
+    with _progress(suite.planned(module, profile=args.profile, max_examples=args.max_examples)) as tell:
+        report = suite.check(module, profile=args.profile, max_examples=args.max_examples, seed=args.seed,
+                             progress=tell)
+    return report, time.perf_counter() - start
+
+
+def _reports_at_once(names: list[str], args: argparse.Namespace, jobs: int) -> list[tuple[Any, float]]:
+    """The modules' reports, up to `jobs` checked at once, each in a fresh process (spawned, so no framework
+    state is shared; JAX compiles on one core, so NumPy and torch run beside it). No per-case progress:
+    stderr says when each module is done."""
+    from . import suite
+
+    context = multiprocessing.get_context("spawn")
+    options = {"profile": args.profile, "max_examples": args.max_examples, "seed": args.seed}
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = {pool.submit(suite.timed_check, name, **options): name for name in names}
+        for future in concurrent.futures.as_completed(futures):
+            print(f"checked {futures[future]}", file=sys.stderr, flush=True)
+        results = {name: future.result() for future, name in futures.items()}
+    return [results[name] for name in names]
 
 
 @contextlib.contextmanager

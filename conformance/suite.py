@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -157,6 +158,14 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                                         tell=tell))
             rows += [_table_row(runner, table_, operation, tell) for table_ in TABLES]
     return Report(rows, seed, profile, [pinned] if pinned else [])
+
+
+def timed_check(name: str, **options: Any) -> tuple[Report, float]:
+    """`check(name, **options)` and the seconds it took: what `python -m conformance --jobs N` runs in each
+    process of its own (a module object cannot cross a process boundary; its name can)."""
+    start = time.perf_counter()
+    report = check(name, **options)
+    return report, time.perf_counter() - start
 
 
 def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *, profile: str = "fast",

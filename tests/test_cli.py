@@ -94,3 +94,15 @@ def test_compare_and_figure_import_neither_the_suite_nor_hypothesis(command: str
                             check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == "loaded: []", result.stdout
+
+
+def test_modules_checked_at_once_give_the_same_report(tmp_path: pathlib.Path) -> None:
+    names = ("attention_np", "tests.implementations.einsum_attention")
+    rows = {}
+    for jobs in ("1", "2"):
+        path = tmp_path / f"report-{jobs}.json"
+        result = _run("check", *names, "--max-examples", "2", "--jobs", jobs, "--json", str(path))
+        assert result.returncode == 0, result.stdout + result.stderr
+        rows[jobs] = {name: json.loads(path.read_text())[name]["rows"] for name in names}
+    assert rows["1"] == rows["2"]
+    assert all(f"checked {name}" in result.stderr for name in names)  # the last run: two processes
