@@ -87,7 +87,7 @@ def scaled_dot_product_attention(
 def causal_mask(L: int, S: int, *, q_offset: int | jax.Array = 0) -> jax.Array:
     """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
     query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
-    p, j = _positions(L, S, _offsets(q_offset))  # (..., L, 1), (S,)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
     return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
 
 
@@ -96,10 +96,11 @@ def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
     """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
     p_i = q_offset + i; a side that is None is unbounded."""
     left, right = checks.window(window)
-    p, j = _positions(L, S, _offsets(q_offset))  # (..., L, 1), (S,)
-    after_left = True if left is None else j >= p - left  # (..., L, S)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    every = jnp.ones((*p.shape[:-2], L, S), dtype=bool)  # (..., L, S)
+    after_left = every if left is None else j >= p - left  # (..., L, S)
     before_right = True if right is None else j <= p + right  # (..., L, S)
-    return jnp.broadcast_to(after_left & before_right, (*jnp.shape(q_offset), L, S))
+    return after_left & before_right  # (..., L, S)
 
 
 def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
@@ -156,19 +157,19 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, structure: dict,
     if bias is not None:
         checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, _ranked(jnp.asarray(bias) != -jnp.inf, len(scores_shape)))
-    q_offset = _offsets(structure["q_offset"], "q_offset", scores_shape[:-2])  # jax: may be a tracer under jit
+    q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2])  # jax: may be a tracer under jit
     if structure["is_causal"]:
         visible = _both(visible, _ranked(causal_mask(L, S, q_offset=q_offset), len(scores_shape)))
     if structure["window"] is not None:
         visible = _both(visible, _ranked(window_mask(L, S, structure["window"], q_offset=q_offset), len(scores_shape)))
     if structure["key_lengths"] is not None:
-        key_lengths = _offsets(structure["key_lengths"], "key_lengths", scores_shape[:-2])
+        key_lengths = _integers(structure["key_lengths"], "key_lengths", scores_shape[:-2])
         keys = _ranked(jnp.arange(S), len(scores_shape)) < _ranked(key_lengths[..., None, None], len(scores_shape))
         visible = _both(visible, keys)  # (S,) against (..., 1, 1)
     return visible
 
 
-def _offsets(x: int | jax.Array, name: str = "q_offset", batch: tuple | None = None) -> jax.Array:
+def _integers(x: int | jax.Array, name: str = "q_offset", batch: tuple | None = None) -> jax.Array:
     """q_offset or key_lengths as an array of JAX's default int, checked: integer, and (given the scores'
     leading axes `batch`) broadcasting to them."""
     x = jnp.asarray(x)

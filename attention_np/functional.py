@@ -83,7 +83,7 @@ def scaled_dot_product_attention(
 def causal_mask(L: int, S: int, *, q_offset: int | np.ndarray = 0) -> np.ndarray:
     """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
     query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
-    p, j = _positions(L, S, _offsets(q_offset))  # (..., L, 1), (S,)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
     return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
 
 
@@ -92,10 +92,11 @@ def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
     """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
     p_i = q_offset + i; a side that is None is unbounded."""
     left, right = checks.window(window)
-    p, j = _positions(L, S, _offsets(q_offset))  # (..., L, 1), (S,)
-    after_left = True if left is None else j >= p - left  # (..., L, S)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    every = np.ones((*p.shape[:-2], L, S), dtype=bool)  # (..., L, S)
+    after_left = every if left is None else j >= p - left  # (..., L, S)
     before_right = True if right is None else j <= p + right  # (..., L, S)
-    return np.broadcast_to(after_left & before_right, (*np.shape(q_offset), L, S))
+    return after_left & before_right  # (..., L, S)
 
 
 def padding_mask(lengths: np.ndarray, S: int) -> np.ndarray:
@@ -147,18 +148,18 @@ def _visible(mask: np.ndarray | None, bias: np.ndarray | None, structure: dict,
     if bias is not None:
         checks.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, np.asarray(bias) != -np.inf)
-    q_offset = _offsets(structure["q_offset"], "q_offset", scores_shape[:-2])
+    q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2])
     if structure["is_causal"]:
         visible = _both(visible, causal_mask(L, S, q_offset=q_offset))  # (..., L, S)
     if structure["window"] is not None:
         visible = _both(visible, window_mask(L, S, structure["window"], q_offset=q_offset))  # (..., L, S)
     if structure["key_lengths"] is not None:
-        key_lengths = _offsets(structure["key_lengths"], "key_lengths", scores_shape[:-2])
+        key_lengths = _integers(structure["key_lengths"], "key_lengths", scores_shape[:-2])
         visible = _both(visible, np.arange(S) < key_lengths[..., None, None])  # (S,) against (..., 1, 1)
     return visible
 
 
-def _offsets(x: int | np.ndarray, name: str = "q_offset", batch: tuple | None = None) -> np.ndarray:
+def _integers(x: int | np.ndarray, name: str = "q_offset", batch: tuple | None = None) -> np.ndarray:
     """q_offset or key_lengths as an int64 array, checked: integer, and (given the scores' leading axes
     `batch`) broadcasting to them."""
     x = np.asarray(x)

@@ -89,7 +89,7 @@ def scaled_dot_product_attention(
 def causal_mask(L: int, S: int, *, q_offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
     query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
-    p, j = _positions(L, S, _offsets(q_offset))  # (..., L, 1), (S,)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
     return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
 
 
@@ -98,11 +98,11 @@ def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
     """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
     p_i = q_offset + i; a side that is None is unbounded."""
     left, right = checks.window(window)
-    p, j = _positions(L, S, _offsets(q_offset))  # (..., L, 1), (S,)
-    after_left = torch.ones((), dtype=torch.bool) if left is None else j >= p - left  # (..., L, S)
-    before_right = torch.ones((), dtype=torch.bool) if right is None else j <= p + right  # (..., L, S)
-    # torch: a tensor, not True, on each side, as bool & bool would be a Python bool
-    return (after_left & before_right).expand(*torch.as_tensor(q_offset).shape, L, S)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    every = torch.ones((*p.shape[:-2], L, S), dtype=torch.bool, device=p.device)  # (..., L, S)
+    after_left = every if left is None else j >= p - left  # (..., L, S)
+    before_right = True if right is None else j <= p + right  # (..., L, S)
+    return after_left & before_right  # (..., L, S)
 
 
 def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
@@ -155,18 +155,18 @@ def _visible(mask: torch.Tensor | None, bias: torch.Tensor | None, structure: di
     if bias is not None:
         checks.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
         visible = _both(visible, torch.as_tensor(bias, device=device) != -math.inf)
-    q_offset = _offsets(structure["q_offset"], "q_offset", scores_shape[:-2]).to(device)
+    q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2]).to(device)
     if structure["is_causal"]:
         visible = _both(visible, causal_mask(L, S, q_offset=q_offset))  # (..., L, S)
     if structure["window"] is not None:
         visible = _both(visible, window_mask(L, S, structure["window"], q_offset=q_offset))  # (..., L, S)
     if structure["key_lengths"] is not None:
-        key_lengths = _offsets(structure["key_lengths"], "key_lengths", scores_shape[:-2]).to(device)
+        key_lengths = _integers(structure["key_lengths"], "key_lengths", scores_shape[:-2]).to(device)
         visible = _both(visible, torch.arange(S, device=device) < key_lengths[..., None, None])  # (..., 1, S)
     return visible
 
 
-def _offsets(x: int | torch.Tensor, name: str = "q_offset", batch: tuple | None = None) -> torch.Tensor:
+def _integers(x: int | torch.Tensor, name: str = "q_offset", batch: tuple | None = None) -> torch.Tensor:
     """q_offset or key_lengths as an int64 tensor, checked: integer, and (given the scores' leading axes
     `batch`) broadcasting to them."""
     x = torch.as_tensor(x)
