@@ -439,3 +439,20 @@ def test_errors_hold_with_empty_queries_and_in_the_mask_helpers(backend: ModuleT
         backend.window_mask(2, 3, (None, -2))
     with pytest.raises(TypeError, match="q_offset"):
         backend.causal_mask(2, 3, q_offset=0.5)
+
+
+def test_jax_checks_the_dtype_and_shape_of_traced_offsets_and_lengths():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import attention_jax
+
+    q, k, v = (jnp.asarray(x) for x in _qkv(lead=(2,), L=3, S=4))
+    attend = jax.jit(lambda q_offset, key_lengths: attention_jax.scaled_dot_product_attention(
+        q, k, v, is_causal=True, q_offset=q_offset, key_lengths=key_lengths)[0])
+    with pytest.raises(TypeError, match="q_offset"):
+        attend(jnp.asarray([0.5, 1.0]), jnp.asarray([4, 4]))
+    with pytest.raises(ValueError, match=r"key_lengths.*\(3,\).*\(2,\)"):
+        attend(jnp.asarray([0, 1]), jnp.asarray([4, 4, 4]))
+    out = attend(jnp.asarray([1, -3]), jnp.asarray([4, 2]))  # traced values: batch 1 sees no key at all
+    assert not np.asarray(out[1]).any() and np.isfinite(np.asarray(out)).all()
