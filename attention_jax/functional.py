@@ -97,8 +97,8 @@ def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
     p_i = q_offset + i; a side that is None is unbounded."""
     left, right = checks.window(window)
     p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    every = jnp.ones((*p.shape[:-2], L, S), dtype=bool)  # (..., L, S)
-    after_left = every if left is None else j >= p - left  # (..., L, S)
+    shape = (*p.shape[:-2], L, S)  # (..., L, S)
+    after_left = jnp.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
     before_right = True if right is None else j <= p + right  # (..., L, S)
     return after_left & before_right  # (..., L, S)
 
