@@ -17,7 +17,9 @@ where its causal rule and ours agree; no row is then fully masked). It also need
 from 8 to 128. The choice is made when the function is lowered (jax.lax.platform_dependent), so the
 same jitted function still runs the formulation below when its inputs live on the CPU. Everything else,
 float32 and float64 included, takes the formulation, float16 and bfloat16 in float32 as on the explicit
-path.
+path. So do q_offset, window, key_lengths and softcap: jax.nn.dot_product_attention's local_window_size and
+key_value_seq_lengths are not used, as the row it leaves with no visible key averages the values where ours
+gives zeros, and it has no offset for the queries.
 """
 
 from __future__ import annotations
@@ -34,24 +36,29 @@ FUSED = "cudnn"  # jax.nn.dot_product_attention's implementation on CUDA ("xla" 
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
-              bias: jax.Array | None, is_causal: bool, scale: float, batch: tuple) -> jax.Array:
-    """softmax(Q K^T * scale + bias) V over the visible keys, as scaled_dot_product_attention's out."""
-    formulated = functools.partial(_formulated, mask=mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch)
-    if not (_fused_applies(q, k, v, mask=mask, bias=bias, is_causal=is_causal, batch=batch) and _cuda_present()):
+              bias: jax.Array | None, structure: dict, scale: float, softcap: float | None,
+              batch: tuple) -> jax.Array:
+    """softmax(softcap(Q K^T * scale) + bias) V over the visible keys, as scaled_dot_product_attention's out."""
+    formulated = functools.partial(_formulated, mask=mask, bias=bias, structure=structure, scale=scale,
+                                   softcap=softcap, batch=batch)
+    if not (_fused_applies(q, k, v, mask=mask, bias=bias, structure=structure, softcap=softcap, batch=batch)
+            and _cuda_present()):
         return formulated(q, k, v)
-    fused = functools.partial(_fused, is_causal=is_causal, scale=scale, batch=batch)
+    fused = functools.partial(_fused, is_causal=structure["is_causal"], scale=scale, batch=batch)
     return jax.lax.platform_dependent(q, k, v, cuda=fused, default=formulated)  # chosen where it is lowered
 
 
 def _formulated(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None, bias: jax.Array | None,
-                is_causal: bool, scale: float, batch: tuple) -> jax.Array:
+                structure: dict, scale: float, softcap: float | None, batch: tuple) -> jax.Array:
     """The explicit formulation without the weights, in at least float32; out in the inputs' dtype."""
     dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
     q, k, v = (x.astype(work) for x in (q, k, v))
-    visible = _visible(mask, bias, is_causal, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
+    visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
     scores = (q * scale) @ jnp.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
     # the scale first, as on the explicit path: q k^T may overflow where (q * scale) k^T does not. Scaling
     # after the product lets XLA fuse it into the softmax's pass, 3% faster alone, not worth that difference
+    if softcap is not None:  # soft-capping, before the bias and the masks
+        scores = softcap * jnp.tanh(scores / softcap)
     if bias is not None:
         scores = scores + _ranked(jnp.asarray(bias, dtype=scores.dtype), scores.ndim)
     out = _masked_softmax(scores, visible) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
@@ -71,11 +78,13 @@ def _fused(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: 
 
 
 def _fused_applies(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None,
-                   bias: jax.Array | None, is_causal: bool, batch: tuple) -> bool:
+                   bias: jax.Array | None, structure: dict, softcap: float | None, batch: tuple) -> bool:
     """Whether cuDNN's kernel computes exactly our result for these inputs (see the module docstring)."""
     L, S, E, Ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     half = q.dtype in (jnp.float16, jnp.bfloat16)
-    unmasked = mask is None and bias is None and (L == S or not is_causal)
+    plain = (isinstance(structure["q_offset"], int) and structure["q_offset"] == 0 and structure["window"] is None
+             and structure["key_lengths"] is None and softcap is None)  # positions, windows, lengths: ours
+    unmasked = plain and mask is None and bias is None and (L == S or not structure["is_causal"])
     widths = Ev == E and E % 8 == 0 and 0 < E <= 128  # E = 0 (with an explicit scale): the formulation
     return half and unmasked and widths and math.prod(batch) > 0
 

@@ -25,11 +25,16 @@ def scaled_dot_product_attention(
     bias: jax.Array | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    q_offset: int | jax.Array = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: jax.Array | None = None,
+    softcap: float | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Attention(Q, K, V) = softmax(Q K^T * scale + bias) V, the softmax over the visible keys only.
+    """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, the softmax over the visible keys only,
+    softcap(x) = softcap * tanh(x / softcap) (x itself when softcap is None).
 
     Args:
         q: queries (..., L, E).
@@ -37,8 +42,12 @@ def scaled_dot_product_attention(
         v: values (..., S, Ev).
         mask: broadcasts to (..., L, S); an entry equal to 0 / False hides key j from query i.
         bias: added to the scores, broadcasts to (..., L, S); a -inf entry hides that key too.
-        is_causal: hide keys j > i (top-left aligned when L != S); applies together with `mask`.
+        is_causal: hide keys j > p_i, p_i = q_offset + i (top-left aligned when q_offset is 0).
         scale: multiplies Q K^T; defaults to 1 / sqrt(E).
+        q_offset: the position of query 0, an int or an integer array broadcasting to (...); keys are at 0..S-1.
+        window: (left, right), ints or None: hide keys outside p_i - left <= j <= p_i + right.
+        key_lengths: integer array broadcasting to (...): hide keys j >= key_lengths.
+        softcap: a positive number: raw scores become softcap * tanh(raw / softcap) before bias and masks.
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a jax.random key (required while dropout is active).
@@ -47,8 +56,9 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
-    batch, scale, empty = _prepare(q, k, v, mask, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                   need_weights=need_weights, rng=rng)
+    structure = dict(is_causal=is_causal, q_offset=q_offset, window=checks.window(window), key_lengths=key_lengths)
+    batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
+                                   dropout_p=dropout_p, need_weights=need_weights, rng=rng)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
         return empty
     q, k, v = (_ranked(x, len(batch) + 2) for x in (q, k, v))  # jax: one rank for all, no rank promotion
@@ -56,12 +66,15 @@ def scaled_dot_product_attention(
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
-        return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
+        return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, softcap=softcap,
+                         batch=batch), None
     q, k, v = (x.astype(work) for x in (q, k, v))
-    visible = _visible(mask, bias, is_causal, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
+    visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
     scores = (q * scale) @ jnp.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
+    if softcap is not None:  # soft-capping, before the bias and the masks: a hidden key stays hidden
+        scores = softcap * jnp.tanh(scores / softcap)
     if bias is not None:
         scores = scores + _ranked(jnp.asarray(bias, dtype=scores.dtype), scores.ndim)
 
@@ -71,9 +84,23 @@ def scaled_dot_product_attention(
     return out.astype(dtype), (weights.astype(dtype) if need_weights else None)
 
 
-def causal_mask(L: int, S: int) -> jax.Array:
-    """Boolean (L, S): True where key j <= query i (top-left aligned), i.e. the keys a query may see."""
-    return jnp.tril(jnp.ones((L, S), dtype=bool))
+def causal_mask(L: int, S: int, *, q_offset: int | jax.Array = 0) -> jax.Array:
+    """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
+    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
+
+
+def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
+                q_offset: int | jax.Array = 0) -> jax.Array:
+    """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
+    p_i = q_offset + i; a side that is None is unbounded."""
+    left, right = checks.window(window)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    shape = (*p.shape[:-2], L, S)  # (..., L, S)
+    after_left = jnp.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
+    before_right = True if right is None else j <= p + right  # (..., L, S)
+    return after_left & before_right  # (..., L, S)
 
 
 def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
@@ -85,8 +112,8 @@ def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
     return _ranked(jnp.arange(S), lengths.ndim + 3) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
 
 
-def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None, *,
-             is_causal: bool, scale: float | None, dropout_p: float,
+def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
+             structure: dict, *, scale: float | None, softcap: float | None, dropout_p: float,
              need_weights: bool, rng: Rng) -> tuple[tuple, float, tuple | None]:
     """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
     (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
@@ -95,12 +122,13 @@ def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
     checks.probability("dropout_p", dropout_p)
     checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")  # jax: no global RNG to fall back on
+    checks.softcap(softcap)
     scale = checks.default_scale(scale, q.shape, k.shape)
     L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
     # no queries, or no keys to see: every output is zeros
-    _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
+    _visible(mask, bias, structure, (*batch, L, S))  # the masks' shapes are still checked
     weights = jnp.zeros((*batch, L, S), q.dtype)
     return batch, scale, (jnp.zeros((*batch, L, v.shape[-1]), q.dtype), weights if need_weights else None)
 
@@ -110,10 +138,11 @@ def _dtypes(**arrays: jax.Array) -> dict[str, tuple[str, bool]]:
     return {name: (str(x.dtype), jnp.issubdtype(x.dtype, jnp.floating)) for name, x in arrays.items()}
 
 
-def _visible(mask: jax.Array | None, bias: jax.Array | None, is_causal: bool,
+def _visible(mask: jax.Array | None, bias: jax.Array | None, structure: dict,
              scores_shape: tuple) -> jax.Array | None:
-    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by causality.
-    Broadcasts to the scores' shape (..., L, S); None when nothing hides a key."""
+    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by the structure
+    (is_causal, q_offset, window, key_lengths; built from positions). Broadcasts to the scores' shape
+    (..., L, S); None when nothing hides a key."""
     L, S = scores_shape[-2:]
     visible = None
     if mask is not None:
@@ -128,9 +157,31 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, is_causal: bool,
     if bias is not None:
         checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, _ranked(jnp.asarray(bias) != -jnp.inf, len(scores_shape)))
-    if is_causal:
-        visible = _both(visible, _ranked(causal_mask(L, S), len(scores_shape)))
+    q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2])  # jax: may be a tracer under jit
+    if structure["is_causal"]:
+        visible = _both(visible, _ranked(causal_mask(L, S, q_offset=q_offset), len(scores_shape)))
+    if structure["window"] is not None:
+        visible = _both(visible, _ranked(window_mask(L, S, structure["window"], q_offset=q_offset), len(scores_shape)))
+    if structure["key_lengths"] is not None:
+        key_lengths = _integers(structure["key_lengths"], "key_lengths", scores_shape[:-2])
+        keys = _ranked(jnp.arange(S), len(scores_shape)) < _ranked(key_lengths[..., None, None], len(scores_shape))
+        visible = _both(visible, keys)  # (S,) against (..., 1, 1)
     return visible
+
+
+def _integers(x: int | jax.Array, name: str = "q_offset", batch: tuple | None = None) -> jax.Array:
+    """q_offset or key_lengths as an array of JAX's default int, checked: integer, and (given the scores'
+    leading axes `batch`) broadcasting to them."""
+    x = jnp.asarray(x)
+    checks.positions(name, x.shape, str(x.dtype), jnp.issubdtype(x.dtype, jnp.integer),
+                     x.shape if batch is None else batch)
+    return x.astype(int)  # jax: one int dtype for the positions, as strict promotion forbids mixing them
+
+
+def _positions(L: int, S: int, q_offset: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,) at the same rank."""
+    p = q_offset[..., None, None] + _ranked(jnp.arange(L)[:, None], q_offset.ndim + 2)  # (..., L, 1)
+    return p, _ranked(jnp.arange(S), p.ndim)  # jax: the same rank, as rank promotion may be refused
 
 
 def _at_least_float32(dtype: Any) -> Any:

@@ -32,19 +32,28 @@ def scaled_dot_product_attention_vjp(
     bias: jax.Array | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    q_offset: int | jax.Array = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: jax.Array | None = None,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
+    With softcap, S = c tanh(R / c) + bias, R = Q K^T * scale: dR = dS * (1 - tanh^2(R / c)), and dQ, dK
+    take dR in place of dS (dbias is still dS). q_offset, window and key_lengths take no gradient.
 
     Args:
-        q, k, v, mask, bias, is_causal, scale: as for scaled_dot_product_attention (no dropout).
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap: as for
+            scaled_dot_product_attention (no dropout).
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
         dbias None when bias is None.
     """
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None) -> tuple:
-        return scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale)
+        return scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale,
+                                            q_offset=q_offset, window=window, key_lengths=key_lengths,
+                                            softcap=softcap)
 
     out, pull, weights = jax.vjp(attention, q, k, v, bias, has_aux=True)  # jax: autodiff of the forward
 

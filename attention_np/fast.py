@@ -18,12 +18,17 @@ from .functional import _visible
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *,
-              bias: np.ndarray | None, is_causal: bool, scale: float, batch: tuple) -> np.ndarray:
-    """softmax(Q K^T * scale + bias) V over the visible keys, as scaled_dot_product_attention's out."""
+              bias: np.ndarray | None, structure: dict, scale: float, softcap: float | None,
+              batch: tuple) -> np.ndarray:
+    """softmax(softcap(Q K^T * scale) + bias) V over the visible keys, as scaled_dot_product_attention's out."""
     dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16: sums, softmax in float32
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
-    visible = _visible(mask, bias, is_causal, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
+    visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
     scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
+    if softcap is not None:  # softcap * tanh(raw / softcap), in place, before the bias and the masks
+        np.divide(scores, softcap, out=scores)
+        np.tanh(scores, out=scores)
+        np.multiply(scores, softcap, out=scores)
     scores = _broadcast(scores, bias, visible)  # the mask and the bias may carry leading axes that only v has
     if bias is not None:
         scores += np.asarray(bias, dtype=scores.dtype)

@@ -22,11 +22,16 @@ def scaled_dot_product_attention(
     bias: np.ndarray | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    q_offset: int | np.ndarray = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: np.ndarray | None = None,
+    softcap: float | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Attention(Q, K, V) = softmax(Q K^T * scale + bias) V, the softmax over the visible keys only.
+    """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, the softmax over the visible keys only,
+    softcap(x) = softcap * tanh(x / softcap) (x itself when softcap is None).
 
     Args:
         q: queries (..., L, E).
@@ -34,8 +39,12 @@ def scaled_dot_product_attention(
         v: values (..., S, Ev).
         mask: broadcasts to (..., L, S); an entry equal to 0 / False hides key j from query i.
         bias: added to the scores, broadcasts to (..., L, S); a -inf entry hides that key too.
-        is_causal: hide keys j > i (top-left aligned when L != S); applies together with `mask`.
+        is_causal: hide keys j > p_i, p_i = q_offset + i (top-left aligned when q_offset is 0).
         scale: multiplies Q K^T; defaults to 1 / sqrt(E).
+        q_offset: the position of query 0, an int or an integer array broadcasting to (...); keys are at 0..S-1.
+        window: (left, right), ints or None: hide keys outside p_i - left <= j <= p_i + right.
+        key_lengths: integer array broadcasting to (...): hide keys j >= key_lengths.
+        softcap: a positive number: raw scores become softcap * tanh(raw / softcap) before bias and masks.
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a NumPy Generator or an int seed (None: fresh randomness).
@@ -44,20 +53,24 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
-    batch, scale, empty = _prepare(q, k, v, mask, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                   need_weights=need_weights)
+    structure = dict(is_causal=is_causal, q_offset=q_offset, window=checks.window(window), key_lengths=key_lengths)
+    batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
+                                   dropout_p=dropout_p, need_weights=need_weights)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
         return empty
     dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         from .fast import attention
 
-        return attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, batch=batch), None
+        return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, softcap=softcap,
+                         batch=batch), None
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
-    visible = _visible(mask, bias, is_causal, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
+    visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
     scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
+    if softcap is not None:  # soft-capping, before the bias and the masks: a hidden key stays hidden
+        scores = softcap * np.tanh(scores / softcap)
     if bias is not None:
         scores = scores + np.asarray(bias, dtype=scores.dtype)
 
@@ -67,9 +80,23 @@ def scaled_dot_product_attention(
     return out.astype(dtype, copy=False), (weights.astype(dtype, copy=False) if need_weights else None)
 
 
-def causal_mask(L: int, S: int) -> np.ndarray:
-    """Boolean (L, S): True where key j <= query i (top-left aligned), i.e. the keys a query may see."""
-    return np.tril(np.ones((L, S), dtype=bool))
+def causal_mask(L: int, S: int, *, q_offset: int | np.ndarray = 0) -> np.ndarray:
+    """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
+    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
+
+
+def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
+                q_offset: int | np.ndarray = 0) -> np.ndarray:
+    """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
+    p_i = q_offset + i; a side that is None is unbounded."""
+    left, right = checks.window(window)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    shape = (*p.shape[:-2], L, S)  # (..., L, S)
+    after_left = np.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
+    before_right = True if right is None else j <= p + right  # (..., L, S)
+    return after_left & before_right  # (..., L, S)
 
 
 def padding_mask(lengths: np.ndarray, S: int) -> np.ndarray:
@@ -81,8 +108,8 @@ def padding_mask(lengths: np.ndarray, S: int) -> np.ndarray:
     return np.arange(S) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
 
 
-def _prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None, *,
-             is_causal: bool, scale: float | None, dropout_p: float,
+def _prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+             structure: dict, *, scale: float | None, softcap: float | None, dropout_p: float,
              need_weights: bool) -> tuple[tuple, float, tuple | None]:
     """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
     (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
@@ -90,12 +117,13 @@ def _prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     batch = checks.attention_batch(q.shape, k.shape, v.shape)
     checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
     checks.probability("dropout_p", dropout_p)
+    checks.softcap(softcap)
     scale = checks.default_scale(scale, q.shape, k.shape)
     L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
     # no queries, or no keys to see: every output is zeros
-    _visible(mask, bias, is_causal, (*batch, L, S))  # the masks' shapes are still checked
+    _visible(mask, bias, structure, (*batch, L, S))  # the masks' shapes are still checked
     weights = np.zeros((*batch, L, S), q.dtype)
     return batch, scale, (np.zeros((*batch, L, v.shape[-1]), q.dtype), weights if need_weights else None)
 
@@ -105,10 +133,11 @@ def _dtypes(**arrays: np.ndarray) -> dict[str, tuple[str, bool]]:
     return {name: (str(x.dtype), np.issubdtype(x.dtype, np.floating)) for name, x in arrays.items()}
 
 
-def _visible(mask: np.ndarray | None, bias: np.ndarray | None, is_causal: bool,
+def _visible(mask: np.ndarray | None, bias: np.ndarray | None, structure: dict,
              scores_shape: tuple) -> np.ndarray | None:
-    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by causality.
-    Broadcasts to the scores' shape (..., L, S); None when nothing hides a key."""
+    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by the structure
+    (is_causal, q_offset, window, key_lengths; built from positions). Broadcasts to the scores' shape
+    (..., L, S); None when nothing hides a key."""
     L, S = scores_shape[-2:]
     visible = None
     if mask is not None:
@@ -119,9 +148,29 @@ def _visible(mask: np.ndarray | None, bias: np.ndarray | None, is_causal: bool,
     if bias is not None:
         checks.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, np.asarray(bias) != -np.inf)
-    if is_causal:
-        visible = _both(visible, causal_mask(L, S))
+    q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2])
+    if structure["is_causal"]:
+        visible = _both(visible, causal_mask(L, S, q_offset=q_offset))  # (..., L, S)
+    if structure["window"] is not None:
+        visible = _both(visible, window_mask(L, S, structure["window"], q_offset=q_offset))  # (..., L, S)
+    if structure["key_lengths"] is not None:
+        key_lengths = _integers(structure["key_lengths"], "key_lengths", scores_shape[:-2])
+        visible = _both(visible, np.arange(S) < key_lengths[..., None, None])  # (S,) against (..., 1, 1)
     return visible
+
+
+def _integers(x: int | np.ndarray, name: str = "q_offset", batch: tuple | None = None) -> np.ndarray:
+    """q_offset or key_lengths as an int64 array, checked: integer, and (given the scores' leading axes
+    `batch`) broadcasting to them."""
+    x = np.asarray(x)
+    checks.positions(name, x.shape, str(x.dtype), np.issubdtype(x.dtype, np.integer),
+                     x.shape if batch is None else batch)
+    return x.astype(np.int64, copy=False)
+
+
+def _positions(L: int, S: int, q_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,)."""
+    return q_offset[..., None, None] + np.arange(L)[:, None], np.arange(S)
 
 
 def _both(visible: np.ndarray | None, rule: np.ndarray) -> np.ndarray:

@@ -35,24 +35,34 @@ def scaled_dot_product_attention_vjp(
     bias: np.ndarray | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    q_offset: int | np.ndarray = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: np.ndarray | None = None,
+    softcap: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
+    With softcap, S = c tanh(R / c) + bias, R = Q K^T * scale: dR = dS * (1 - tanh^2(R / c)), and dQ, dK
+    take dR in place of dS (dbias is still dS).
 
     The softmax step: P_ij = exp(S_ij) / sum_j' exp(S_ij'), so dP_ij/dS_ij' = P_ij (delta_jj' - P_ij'), and
     dS_ij' = sum_j dP_ij P_ij (delta_jj' - P_ij') = P_ij' (dP_ij' - sum_j dP_ij P_ij). A hidden key has
     P_ij = 0, so dS_ij = 0: no gradient reaches it through that query; a query with no visible key has a
     row of zeros, so its gradient is zero too, never NaN. Each gradient is summed over the axes its input
-    was broadcast along, so it has that input's shape.
+    was broadcast along, so it has that input's shape. q_offset, window and key_lengths only choose the
+    visible keys: they take no gradient.
 
     Args:
-        q, k, v, mask, bias, is_causal, scale: as for scaled_dot_product_attention (no dropout).
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap: as for
+            scaled_dot_product_attention (no dropout).
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
         dbias None when bias is None.
     """
-    out, weights = scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale)
+    out, weights = scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale,
+                                                q_offset=q_offset, window=window, key_lengths=key_lengths,
+                                                softcap=softcap)
     scale = checks.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
@@ -62,10 +72,16 @@ def scaled_dot_product_attention_vjp(
         d_weights = d_out @ np.swapaxes(v, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
         # 2) through the softmax
         d_scores = weights * (d_weights - np.sum(d_weights * weights, axis=-1, keepdims=True))  # (..., L, S)
-        # 3) through the scores S = Q K^T * scale + bias
+        # 3) through the bias, S = softcap(R) + bias: dbias = dS
+        dbias = None if bias is None else _sum_to(d_scores, np.shape(bias)).astype(np.asarray(bias).dtype)
+        # 4) through the soft-capping softcap(R) = c tanh(R / c): dR = dS * (1 - tanh^2(R / c)), from here on
+        # in d_scores
+        if softcap is not None:
+            raw = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S), as forward
+            d_scores = d_scores * (1 - np.tanh(raw / softcap) ** 2)  # (..., L, S)
+        # 5) through the raw scores R = Q K^T * scale
         dq = d_scores @ k * scale  # (..., L, S) x (..., S, E) -> (..., L, E)
         dk = np.swapaxes(d_scores, -1, -2) @ q * scale  # (..., S, L) x (..., L, E) -> (..., S, E)
-        dbias = None if bias is None else _sum_to(d_scores, np.shape(bias)).astype(np.asarray(bias).dtype)
         return _sum_to(dq, q.shape), _sum_to(dk, k.shape), _sum_to(dv, v.shape), dbias
 
     return out, weights, pullback

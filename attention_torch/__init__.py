@@ -1,7 +1,7 @@
 """Attention in PyTorch: nn.Modules and functions that work under autograd."""
 
 from .arrays import asarray, load_state_dict, save_state_dict, to_numpy
-from .functional import causal_mask, padding_mask, scaled_dot_product_attention
+from .functional import causal_mask, padding_mask, scaled_dot_product_attention, window_mask
 from .gradients import scaled_dot_product_attention_vjp
 from .modules import MultiHeadAttention, TransformerBlock
 
@@ -16,4 +16,5 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp",
     "to_numpy",
+    "window_mask",
 ]

@@ -35,12 +35,19 @@ def scaled_dot_product_attention_vjp(
     bias: torch.Tensor | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    q_offset: int | torch.Tensor = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
+    With softcap, S = c tanh(R / c) + bias, R = Q K^T * scale: dR = dS * (1 - tanh^2(R / c)), and dQ, dK
+    take dR in place of dS (dbias is still dS). q_offset, window and key_lengths take no gradient.
 
     Args:
-        q, k, v, mask, bias, is_causal, scale: as for scaled_dot_product_attention (no dropout).
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap: as for
+            scaled_dot_product_attention (no dropout).
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
@@ -49,7 +56,8 @@ def scaled_dot_product_attention_vjp(
     with _recording():
         inputs = [_leaf(x) for x in (q, k, v, bias) if x is not None]
         out, weights = scaled_dot_product_attention(*inputs[:3], mask, bias=None if bias is None else inputs[3],
-                                                    is_causal=is_causal, scale=scale)
+                                                    is_causal=is_causal, scale=scale, q_offset=q_offset,
+                                                    window=window, key_lengths=key_lengths, softcap=softcap)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))

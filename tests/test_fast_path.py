@@ -144,7 +144,8 @@ def test_fused_call_equals_the_explicit_path(monkeypatch, q_shape, kv_shape, is_
     ({}, True), ({"dtype": "float16"}, True), ({"dtype": "float32"}, False), ({"mask": True}, False),
     ({"bias": True}, False), ({"is_causal": True}, True), ({"is_causal": True, "S": 7}, False), ({"S": 7}, True),
     ({"E": 12}, False), ({"E": 136}, False), ({"E": 0, "Ev": 0}, False), ({"Ev": 16}, False),
-    ({"batch": (2, 0)}, False),
+    ({"batch": (2, 0)}, False), ({"q_offset": 0}, True), ({"is_causal": True, "q_offset": 2}, False),
+    ({"window": (1, 0)}, False), ({"key_lengths": 3}, False), ({"softcap": 5.0}, False),
 ], ids=str)
 def test_fused_kernel_is_chosen_only_where_it_computes_our_result(change, applies):
     pytest.importorskip("jax")
@@ -157,9 +158,11 @@ def test_fused_kernel_is_chosen_only_where_it_computes_our_result(change, applie
     q = jnp.zeros((*batch, shape["L"], shape["E"]), dtype)
     k, v = jnp.zeros((*batch, shape["S"], shape["E"]), dtype), jnp.zeros((*batch, shape["S"], shape["Ev"]), dtype)
     hides = jnp.ones((shape["L"], shape["S"]), bool)
+    structure = {"is_causal": change.get("is_causal", False), "q_offset": change.get("q_offset", 0),
+                 "window": change.get("window"), "key_lengths": change.get("key_lengths")}
     chosen = fast._fused_applies(q, k, v, mask=hides if change.get("mask") else None,
                                  bias=jnp.zeros((1,), dtype) if change.get("bias") else None,
-                                 is_causal=change.get("is_causal", False), batch=batch)
+                                 structure=structure, softcap=change.get("softcap"), batch=batch)
     assert chosen is applies
 
 

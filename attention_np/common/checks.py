@@ -58,6 +58,39 @@ def broadcasts_to(name: str, shape: Sequence[int], target: Sequence[int], letter
         raise ValueError(f"{name} of shape {shape} does not broadcast to {target} ({letters})")
 
 
+def window(window: object) -> tuple[int | None, int | None] | None:
+    """`window` is None or (left, right), each a non-negative int or None (unbounded on that side)."""
+    if window is None:
+        return None
+    pair = tuple(window) if isinstance(window, tuple | list) else ()
+    sides_ok = all(side is None or (isinstance(side, int | np.integer) and not isinstance(side, bool) and side >= 0)
+                   for side in pair)
+    if len(pair) != 2 or not sides_ok:
+        raise ValueError(f"window must be None or a pair (left, right) of non-negative ints or None; got {window!r}")
+    return tuple(None if side is None else int(side) for side in pair)
+
+
+def softcap(softcap: object) -> None:
+    """`softcap` is None or a positive finite number (softcap * tanh(raw / softcap) of inf is NaN)."""
+    number = isinstance(softcap, int | float | np.integer | np.floating) and not isinstance(softcap, bool)
+    if softcap is not None and not (number and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be None or a positive finite number; got {softcap!r}")
+
+
+def positions(name: str, shape: Sequence[int], dtype: str, integer: bool, batch: Sequence[int]) -> None:
+    """`q_offset` or `key_lengths`: integer, and broadcasting to the scores' leading axes (...) without
+    enlarging them (one value per sequence, never per query or key)."""
+    if not integer:
+        raise TypeError(f"{name} must be an int or an integer array; got dtype {dtype}")
+    shape, batch = _shape(shape), _shape(batch)
+    try:
+        fits = _shape(np.broadcast_shapes(shape, batch)) == batch
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} of shape {shape} does not broadcast to the scores' leading axes {batch} (...)")
+
+
 def same_floating_dtype(dtypes: Mapping[str, tuple[str, bool]], where: str = "") -> None:
     """`dtypes` maps an argument name to (dtype name, is floating); all must be one floating dtype."""
     for name, (dtype, floating) in dtypes.items():
