@@ -94,17 +94,19 @@ class BiasScaled(Implementation):
     """Computes (q k^T + bias) * scale: the bias is scaled along with the logits.
     Caught by: values (sdpa with a finite bias and scale != 1)."""
 
-    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
-        return self.add_bias(np.einsum("...le,...se->...ls", q, k), bias) * scale
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
+        return self.add_bias(self.cap(np.einsum("...le,...se->...ls", q, k), softcap), bias) * scale
 
 
 class Float64Output(Implementation):
     """Upcasts the scores to float64 "for accuracy" and never casts back: float32 inputs give float64
     outputs. Caught by: values (float32: wrong dtype)."""
 
-    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
         q, k = q.astype(np.float64), k.astype(np.float64)
-        return self.add_bias(np.einsum("...le,...se->...ls", q, k) * scale, bias)
+        return self.add_bias(self.cap(np.einsum("...le,...se->...ls", q, k) * scale, softcap), bias)
 
 
 # --- which keys are visible ------------------------------------------------------------------------------
@@ -134,8 +136,8 @@ class IsCausalIgnored(Implementation):
     causal_prefix (sdpa)."""
 
     def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-                is_causal: bool) -> np.ndarray:
-        return super().visible(scores, mask, bias, False)
+                is_causal: bool, q_offset: object = 0) -> np.ndarray:
+        return super().visible(scores, mask, bias, False, q_offset)
 
 
 class CausalBottomRight(Implementation):
@@ -143,16 +145,16 @@ class CausalBottomRight(Implementation):
     convention for L != S) instead of the top-left. Identical when L == S.
     Caught by: values (sdpa with is_causal and L != S); causal_prefix (sdpa, L < S)."""
 
-    def causal(self, L: int, S: int) -> np.ndarray:
-        return np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L)
+    def causal(self, L: int, S: int, q_offset: object = 0) -> np.ndarray:
+        return np.arange(S) <= self.positions(L, q_offset) + (S - L)
 
 
 class CausalStrict(Implementation):
     """Causal mask off by one, j < i instead of j <= i: a query no longer sees its own key (and query 0
     sees none). Caught by: values (sdpa with is_causal; block with causal_mask); single_key."""
 
-    def causal(self, L: int, S: int) -> np.ndarray:
-        return np.arange(S)[None, :] < np.arange(L)[:, None]
+    def causal(self, L: int, S: int, q_offset: object = 0) -> np.ndarray:
+        return np.arange(S) < self.positions(L, q_offset)
 
 
 class NegInfBiasNotHidden(Implementation):
@@ -161,12 +163,12 @@ class NegInfBiasNotHidden(Implementation):
     Caught by: values (sdpa with a bias row of all -inf)."""
 
     def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-                is_causal: bool) -> np.ndarray:
+                is_causal: bool, q_offset: object = 0) -> np.ndarray:
         visible = np.ones(scores.shape, dtype=bool)  # the bias is left out
         if mask is not None:
             visible = visible & self.mask_visible(mask)
         if is_causal:
-            visible = visible & self.causal(*scores.shape[-2:])
+            visible = visible & self.causal(*scores.shape[-2:], q_offset)
         return visible
 
 
@@ -176,8 +178,8 @@ class NegInfScoreHidden(Implementation):
     of NaN. Caught by: edge_cases (sdpa neg_inf_scores_from_the_inputs)."""
 
     def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-                is_causal: bool) -> np.ndarray:
-        return super().visible(scores, mask, bias, is_causal) & (scores != -np.inf)
+                is_causal: bool, q_offset: object = 0) -> np.ndarray:
+        return super().visible(scores, mask, bias, is_causal, q_offset) & (scores != -np.inf)
 
 
 # --- softmax -------------------------------------------------------------------------------------------
@@ -200,8 +202,9 @@ class RowMaximumBeforeBias(Implementation):
     once a bias reaches the hundreds (float32) or about 700 (float64).
     Caught by: values (biases of large finite magnitude)."""
 
-    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
-        self.unbiased = super().scores(q, k, scale, None)  # (..., L, S), kept for the softmax
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
+        self.unbiased = super().scores(q, k, scale, None, softcap)  # (..., L, S), kept for the softmax
         return self.add_bias(self.unbiased, bias)
 
     def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
@@ -499,9 +502,10 @@ class QueriesScaledInPlace(Implementation):
     """The scale is folded into q in place (q *= scale, to save a copy of q): the numbers are right, but
     the caller's q has changed. Caught by: call (every input must hold the same bits after the call)."""
 
-    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
         q *= scale  # writes into the caller's array
-        return super().scores(q, k, 1.0, bias)
+        return super().scores(q, k, 1.0, bias, softcap)
 
 
 VARIANTS: dict[str, type[Implementation]] = {
