@@ -163,7 +163,8 @@ def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *
             max_examples: int | None = None) -> int:
     """How many cases `check` runs on `module` when every check passes (shrinking a failure runs more)."""
     framework = framework_of(module)
-    total = len(framework.dtypes) + len(fixed_checks.CAUSAL_SIZES) + len(fixed_checks.PADDING_LENGTHS)
+    total = len(framework.dtypes) + sum(len(helpers) for helpers in (
+        fixed_checks.CAUSAL_SIZES, fixed_checks.CAUSAL_OFFSETS, fixed_checks.WINDOWS, fixed_checks.PADDING_LENGTHS))
     for group in (group for group in GROUPS if group.operation in operations):
         examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
         examples += len(table.rows(group.operation, "example")) if group.pinned else 0
