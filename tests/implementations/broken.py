@@ -182,6 +182,56 @@ class NegInfScoreHidden(Implementation):
         return super().visible(scores, mask, bias, is_causal, q_offset) & (scores != -np.inf)
 
 
+# --- positions, windows, key lengths and soft-capping (SPEC 2a) ---------------------------------------
+
+
+class WindowOffByOne(Implementation):
+    """The window's left edge is exclusive, p_i - left < j instead of <=: a sliding window (left, 0) sees
+    left keys, not left + 1. Caught by: values (sdpa with a window whose left side is bounded)."""
+
+    def in_window(self, L: int, S: int, window: tuple, q_offset: object = 0) -> np.ndarray:
+        left, right = window
+        return super().in_window(L, S, (None if left is None else left - 1, right), q_offset)
+
+
+class SoftcapAfterBias(Implementation):
+    """The softcap is applied to the biased scores, softcap tanh((raw + bias) / softcap), and a key counts
+    as hidden where its score is -inf (the masks folded into the bias): tanh(-inf) = -1, so a -inf bias
+    becomes a score of -softcap and the key it hid is visible. Caught by: values (sdpa with a softcap and a
+    bias); edge_cases (softcap_keeps_neg_inf_bias_hidden)."""
+
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
+        raw = np.einsum("...le,...se->...ls", q, k) * scale  # (..., L, S)
+        return self.cap(self.add_bias(raw, bias), softcap)
+
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+                is_causal: bool, q_offset: object = 0) -> np.ndarray:
+        return super().visible(scores, mask, None, is_causal, q_offset) & (scores != -np.inf)
+
+
+class QOffsetIgnoredOnTheFastPath(Implementation):
+    """Without the weights (a fused call that takes no offset), q_offset is dropped: the causal rule and the
+    window read query i's position as i. Caught by: fast_path (sdpa with q_offset and causal or a window)."""
+
+    def scaled_dot_product_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                                     mask: np.ndarray | None = None, *, need_weights: bool = True,
+                                     q_offset: object = 0, **options: object) -> Pair:
+        return super().scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights,
+                                                    q_offset=q_offset if need_weights else 0, **options)
+
+
+class KeyLengthsOnQueries(Implementation):
+    """key_lengths hides the queries i >= key_lengths (padding of the queries) instead of the keys
+    j >= key_lengths. Caught by: values (sdpa with key lengths)."""
+
+    def in_range(self, L: int, S: int, q_offset: object, window: object, key_lengths: object) -> np.ndarray | bool:
+        visible = super().in_range(L, S, q_offset, window, None)
+        if key_lengths is None:
+            return visible
+        return visible & (np.arange(L)[:, None] < np.asarray(key_lengths)[..., None, None])  # (..., L, 1)
+
+
 # --- softmax -------------------------------------------------------------------------------------------
 
 
@@ -526,6 +576,10 @@ VARIANTS: dict[str, type[Implementation]] = {
     "causal_strict": CausalStrict,
     "neg_inf_bias_not_hidden": NegInfBiasNotHidden,
     "neg_inf_score_hidden": NegInfScoreHidden,
+    "window_off_by_one": WindowOffByOne,
+    "softcap_after_bias": SoftcapAfterBias,
+    "q_offset_ignored_on_the_fast_path": QOffsetIgnoredOnTheFastPath,
+    "key_lengths_on_queries": KeyLengthsOnQueries,
     "softmax_wrong_axis": SoftmaxWrongAxis,
     "softmax_without_max_subtraction": SoftmaxWithoutMaxSubtraction,
     "row_maximum_before_bias": RowMaximumBeforeBias,
