@@ -377,3 +377,14 @@ def test_positions_reach_every_form_in_a_third_of_the_cases() -> None:
                    "with mask, bias and causal", "window, causal and an int offset"})
     assert expected <= seen, sorted(expected - seen)
     assert 0.2 < np.mean(positioned) < 0.45  # a minority: each static option is a compile for JAX
+
+
+@settings(max_examples=40, deadline=None)
+@given(cs.sdpa_cases(positioned=True))
+def test_the_operations_visible_keys_are_those_the_oracle_weighs(case: cases.SdpaCase) -> None:
+    # masked_rows and single_key read Operation.visible: a key it hides has weight 0 in the oracle, and a
+    # row it leaves a key sums to 1 (a weight may underflow to 0, a row cannot)
+    visible = operations.OPERATIONS["sdpa"].visible(case)
+    weights = _oracle(case)[1]
+    assert not np.any(weights[~visible])
+    np.testing.assert_allclose(weights.sum(axis=-1), np.any(visible, axis=-1), atol=1e-12)
