@@ -35,6 +35,10 @@ class SdpaCase(NamedTuple):
     is_causal: bool
     scale: float | None
     dropout: float = 0.0  # dropout_p when the check runs it in training mode; eval runs pass 0
+    q_offset: int | np.ndarray = 0  # query i's position is q_offset + i; integers broadcasting to (...)
+    window: tuple[int | None, int | None] | None = None  # (left, right): keys p_i - left..p_i + right
+    key_lengths: np.ndarray | None = None  # integers broadcasting to (...): keys j < key_lengths visible
+    softcap: float | None = None  # raw scores -> softcap * tanh(raw / softcap), before the bias
 
 
 class MhaCase(NamedTuple):

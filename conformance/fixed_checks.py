@@ -18,7 +18,7 @@ import numpy as np
 
 from . import oracle
 from .checks import Runner, expected
-from .operations import OPERATIONS, arrays_and_options, missing, operation_of
+from .operations import OPERATIONS, arrays_and_options, keywords_used, missing, operation_of
 from .table import Fixed, rows
 from .tolerances import TOLERANCES, relative_error
 
@@ -41,7 +41,10 @@ class Result(NamedTuple):
         row = self.row
         required = (f"expected {row.error.__name__} mentioning {', '.join(map(repr, row.contains))}"
                     if row.use == "error" else f"requires {row.requires}")
-        return f"{row.operation} {row.name}: {required}; got " + "; ".join(self.problems)
+        made = row.build()  # a case, or a constructor's keyword arguments
+        used = keywords_used(made) if hasattr(made, "_asdict") else {}
+        note = f" (uses the keywords of SPEC 2a: {', '.join(used)})" if used else ""
+        return f"{row.operation} {row.name}{note}: {required}; got " + "; ".join(self.problems)
 
 
 class Summary(NamedTuple):
@@ -214,22 +217,43 @@ def numpy_dtype(name: str) -> Any:
 # --- the module's mask helpers -------------------------------------------------------------------------------
 
 MASK_HELPERS = Fixed("masks", "helpers", "helpers", lambda: None,
-                     "causal_mask(L, S) and padding_mask(lengths, S) as the oracle builds them: bool, (L, S) "
-                     "and (B, 1, 1, S)")
+                     "causal_mask(L, S, q_offset=...), window_mask(L, S, window, q_offset=...) and "
+                     "padding_mask(lengths, S) as the oracle builds them: bool, (..., L, S) and (B, 1, 1, S)")
 CAUSAL_SIZES = ((1, 1), (3, 3), (2, 5), (5, 2), (0, 3), (3, 0))  # (L, S)
 PADDING_LENGTHS = (([0, 1, 3], 3), ([5, 2], 5), ([4], 6))  # (lengths, S)
+# SPEC 2a: (L, S, q_offset) for causal_mask; (L, S, window, q_offset) for window_mask
+CAUSAL_OFFSETS = ((2, 5, 3), (3, 3, -1), (3, 4, [0, -2, 4]))
+WINDOWS = ((4, 4, (1, 0), 0), (3, 5, (0, 0), 2), (3, 4, (None, 1), -3), (2, 6, (2, None), [[0], [3]]))
 
 
 def mask_helpers(runner: Runner) -> list[Result]:
-    """The public mask helpers against the oracle's own construction, on a few sizes, the empty ones too."""
+    """The public mask helpers against the oracle's own construction, on a few sizes, the empty ones too, and
+    with the offsets and windows of SPEC 2a (an array offset as the module's array)."""
     module = runner.module
     calls = [(f"causal_mask_{L}_{S}", "causal_mask", lambda L=L, S=S: module.causal_mask(L, S),
               oracle.causal_mask(L, S)) for L, S in CAUSAL_SIZES]
+    calls += [(f"causal_mask_{L}_{S}_q_offset_{_text(offset)}", "causal_mask",
+               lambda L=L, S=S, offset=offset: module.causal_mask(L, S, q_offset=_offset(module, offset)),
+               oracle.causal_mask(L, S, q_offset=np.array(offset))) for L, S, offset in CAUSAL_OFFSETS]
+    calls += [(f"window_mask_{L}_{S}_{_text(window)}_q_offset_{_text(offset)}", "window_mask",
+               lambda L=L, S=S, window=window, offset=offset: module.window_mask(L, S, window,
+                                                                                 q_offset=_offset(module, offset)),
+               oracle.window_mask(L, S, window, q_offset=np.array(offset))) for L, S, window, offset in WINDOWS]
     calls += [(f"padding_mask_{'_'.join(map(str, lengths))}_{S}", "padding_mask",
                lambda lengths=lengths, S=S: module.padding_mask(module.asarray(np.array(lengths)), S),
                oracle.padding_mask(lengths, S)) for lengths, S in PADDING_LENGTHS]
     return [_helper(MASK_HELPERS._replace(name=name), runner, function, call, want)
             for name, function, call, want in calls]
+
+
+def _offset(module: Any, offset: int | list) -> Any:
+    """An int as it is; a list as the module's integer array."""
+    return offset if isinstance(offset, int) else module.asarray(np.array(offset))
+
+
+def _text(value: Any) -> str:
+    """An offset or a window for a case's name: 3, 0_-2_4, 1_None."""
+    return str(value) if isinstance(value, int) else "_".join(map(str, np.ravel(np.array(value, dtype=object))))
 
 
 def _helper(row: Fixed, runner: Runner, function: str, call: Any, want: np.ndarray) -> Result:

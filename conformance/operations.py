@@ -55,11 +55,25 @@ class Operation(NamedTuple):
 
 
 def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The case's arrays (NumPy arrays, None or state dicts) and its static options."""
+    """The case's arrays (NumPy arrays, None or state dicts) and its static options. An option given as an
+    array (sdpa's q_offset per sequence) is an array input: JAX traces it instead of compiling it in."""
     operation = operation_of(case)
     fields = case._asdict()
-    return ({name: value for name, value in fields.items() if name not in operation.options},
-            {name: fields[name] for name in operation.options})
+    static = [name for name in operation.options if not isinstance(fields[name], np.ndarray)]
+    return ({name: value for name, value in fields.items() if name not in static},
+            {name: fields[name] for name in static})
+
+
+def keywords_used(case: Case) -> dict[str, Any]:
+    """The case's keywords of SPEC.md section 2a that differ from their defaults (OPTIONAL_KEYWORDS): passed
+    to the module only then, so a module without them still runs every case that does not use them."""
+    fields = case._asdict()
+    return {name: fields[name] for name, default in OPTIONAL_KEYWORDS.items()
+            if name in fields and not _is_default(fields[name], default)}
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return not isinstance(value, np.ndarray) and value == default
 
 
 def operation_of(case: Case) -> Operation:
@@ -81,26 +95,42 @@ def missing(module: ModuleType, names: tuple[str, ...]) -> list[str]:
 
 # --- scaled dot-product attention --------------------------------------------------------------------------
 
+# The keywords of SPEC.md section 2a and their defaults; a case passes one only where it differs.
+OPTIONAL_KEYWORDS: dict[str, Any] = {"q_offset": 0, "window": None, "key_lengths": None, "softcap": None}
+
+
 def _sdpa_oracle(case: SdpaCase, precision: str, fused_bias: bool) -> Pair:  # sdpa has no Linear: no bias to fuse
     return oracle.sdpa(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
-                       scale=case.scale, dtype=precision)
+                       scale=case.scale, q_offset=case.q_offset, window=case.window, key_lengths=case.key_lengths,
+                       softcap=case.softcap, dtype=precision)
+
+
+def _sdpa_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
+    """The options without the section 2a keywords, and those keywords (static or arrays) that differ from
+    their defaults: only they reach the module."""
+    given = {name: options.pop(name) if name in options else arrays.get(name) for name in OPTIONAL_KEYWORDS}
+    return options, {name: value for name, value in given.items()
+                     if not _is_default(value, OPTIONAL_KEYWORDS[name])}
 
 
 def _sdpa_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
                dropout: float, **options: Any) -> Any:
+    options, keywords = _sdpa_keywords(arrays, options)
     return module.scaled_dot_product_attention(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
                                                bias=arrays["bias"], dropout_p=dropout if training else 0.0,
-                                               need_weights=need_weights, rng=rng, **options)
+                                               need_weights=need_weights, rng=rng, **options, **keywords)
 
 
 def _sdpa_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, **options: Any) -> dict:
+    options, keywords = _sdpa_keywords(arrays, options)
     _, _, pullback = module.scaled_dot_product_attention_vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
-                                                             bias=arrays["bias"], **options)
+                                                             bias=arrays["bias"], **options, **keywords)
     return dict(zip(("q", "k", "v", "bias"), pullback(arrays["d_out"]), strict=True))
 
 
 def _sdpa_visible(case: SdpaCase) -> np.ndarray:
-    """Which keys each query sees, by the spec: mask, causal rule and -inf bias; (..., L, S)."""
+    """Which keys each query sees, by the spec: mask, -inf bias, and the positions' rules (causal, window,
+    key lengths); (..., L, S)."""
     L, S = case.q.shape[-2], case.k.shape[-2]
     batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
     visible = np.ones((*batch, L, S), dtype=bool)
@@ -108,8 +138,15 @@ def _sdpa_visible(case: SdpaCase) -> np.ndarray:
         visible = visible & (case.mask != 0)
     if case.bias is not None:
         visible = visible & (case.bias != -np.inf)
+    offset = np.reshape(case.q_offset, (*np.shape(case.q_offset), 1, 1))  # (...) -> (..., 1, 1)
+    position, j = offset + np.arange(L)[:, None], np.arange(S)  # (..., L, 1), (S,)
     if case.is_causal:
-        visible = visible & (np.arange(S) <= np.arange(L)[:, None])
+        visible = visible & (j <= position)
+    if case.window is not None:
+        left, right = case.window
+        visible = visible & (left is None or j >= position - left) & (right is None or j <= position + right)
+    if case.key_lengths is not None:
+        visible = visible & (j < np.reshape(case.key_lengths, (*np.shape(case.key_lengths), 1, 1)))
     return visible
 
 
@@ -123,7 +160,8 @@ def _sdpa_dropout_probe(case: SdpaCase) -> Probe:
     0 exactly where weight (l, s) was dropped."""
     (L, S), batch = (case.q.shape[-2], case.k.shape[-2]), _batch(case)
     v = np.broadcast_to(np.eye(S), (*case.v.shape[:-2], S, S)).copy()  # (..., S, S)
-    probe = case._replace(q=np.zeros_like(case.q), v=v, mask=None, bias=None, is_causal=False)
+    probe = case._replace(q=np.zeros_like(case.q), v=v, mask=None, bias=None, is_causal=False,
+                          **OPTIONAL_KEYWORDS)
     return Probe(probe, (*batch, L, S), ("queries", "keys"),
                  lambda out, p: _dropped({"attention weights": out}, 1 / (S * (1 - p))))
 
@@ -246,7 +284,8 @@ def _block_dropout_shows(case: BlockCase) -> bool:
 # --- the registry ------------------------------------------------------------------------------------------
 
 OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
-    Operation("sdpa", "scaled_dot_product_attention", SdpaCase, ("is_causal", "scale", "dropout"), ("q", "k", "v"),
+    Operation("sdpa", "scaled_dot_product_attention", SdpaCase,
+              ("is_causal", "scale", "dropout", "q_offset", "window", "softcap"), ("q", "k", "v"),
               ("q", "k", "v", "bias"), "sdpa_cases", _sdpa_oracle, _sdpa_call, "scaled_dot_product_attention_vjp",
               _sdpa_pullback, _sdpa_visible, _sdpa_dropout_sigma, lambda case: True, _sdpa_dropout_probe),
     Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout"), ("q", "k", "v"),

@@ -24,7 +24,7 @@ float64 every operation rounds, so both are the same.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
@@ -41,16 +41,25 @@ def sdpa(
     bias: ArrayLike | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    q_offset: int | ArrayLike = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: ArrayLike | None = None,
+    softcap: float | None = None,
     dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Attention(Q, K, V) = softmax(Q K^T * scale + bias) V, the softmax over the visible keys only.
+    """Attention(Q, K, V) = softmax(softcap tanh(Q K^T * scale / softcap) + bias) V, the softmax over the
+    visible keys only (SPEC.md sections 2 and 2a).
 
     Args:
         q: queries (..., L, E); k: keys (..., S, E); v: values (..., S, Ev). Leading axes broadcast.
         mask: broadcasts to (..., L, S); an entry equal to 0 / False hides key j from query i.
         bias: added to the scores, broadcasts to (..., L, S); a -inf entry hides that key too.
-        is_causal: hide keys j > i (top-left aligned when L != S), together with `mask`.
+        is_causal: query i, at position p_i = q_offset + i, sees keys j <= p_i, together with `mask`.
         scale: multiplies Q K^T; defaults to 1 / sqrt(E).
+        q_offset: an int, or integers broadcasting to the leading axes (...): the position of query 0.
+        window: (left, right), None for an unbounded side: query i sees keys p_i - left <= j <= p_i + right.
+        key_lengths: integers broadcasting to (...): a sequence sees its keys j < key_lengths.
+        softcap: the raw scores become softcap * tanh(raw / softcap), before the bias; None: unchanged.
 
     Returns:
         out (..., L, Ev) and weights (..., L, S), in `dtype`. A query with no visible key gets zeros in both.
@@ -66,12 +75,15 @@ def sdpa(
     bias = np.zeros((L, S)) if bias is None else bias
     bias = np.broadcast_to(np.asarray(bias, _work(dtype)), (*batch, L, S))  # in the scores' dtype (SPEC 2)
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    offsets = np.broadcast_to(np.asarray(q_offset), batch)  # one position of query 0 per sequence
+    lengths = np.broadcast_to(np.asarray(S if key_lengths is None else key_lengths), batch)
 
     out, weights = np.zeros((*batch, L, Ev), _work(dtype)), np.zeros((*batch, L, S), _work(dtype))
     for b in np.ndindex(*batch):
         for i in range(L):
-            keys = _visible_keys(i, mask[(*b, i)], bias[(*b, i)], is_causal)
-            out[(*b, i)], weights[(*b, i)] = _attend(q[(*b, i)], k[b], v[b], keys, bias[(*b, i)], scale)
+            position = int(offsets[b]) + i  # p_i; key j's position is j
+            keys = _visible_keys(position, mask[(*b, i)], bias[(*b, i)], is_causal, window, int(lengths[b]))
+            out[(*b, i)], weights[(*b, i)] = _attend(q[(*b, i)], k[b], v[b], keys, bias[(*b, i)], scale, softcap)
     return out.astype(dtype), weights.astype(dtype)  # half precision: computed in float32, stored in dtype
 
 
@@ -183,9 +195,29 @@ def transformer_block(
     return x.astype(dtype), weights
 
 
-def causal_mask(L: int, S: int) -> np.ndarray:
-    """bool (L, S), row by row: query i sees key j when j <= i (top-left aligned)."""
-    return np.array([[j <= i for j in range(S)] for i in range(L)], dtype=bool).reshape(L, S)
+def causal_mask(L: int, S: int, *, q_offset: int | ArrayLike = 0) -> np.ndarray:
+    """bool (..., L, S), row by row: query i sees key j when j <= q_offset + i; (...) is q_offset's shape."""
+    return _position_mask(L, S, q_offset, lambda p, j: j <= p)
+
+
+def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
+                q_offset: int | ArrayLike = 0) -> np.ndarray:
+    """bool (..., L, S), row by row: query i sees key j when p_i - left <= j <= p_i + right, p_i = q_offset + i
+    (None: that side unbounded); (...) is q_offset's shape."""
+    return _position_mask(L, S, q_offset, lambda p, j: _in_window(p, j, window))
+
+
+def _position_mask(L: int, S: int, q_offset: int | ArrayLike, sees: Callable[[int, int], bool]) -> np.ndarray:
+    """bool (..., L, S): sees(p_i, j) for each offset of q_offset (...), query i and key j."""
+    offsets = np.asarray(q_offset)
+    rows = [[[sees(int(offset) + i, j) for j in range(S)] for i in range(L)] for offset in offsets.ravel()]
+    return np.array(rows, dtype=bool).reshape(*offsets.shape, L, S)
+
+
+def _in_window(position: int, j: int, window: tuple[int | None, int | None]) -> bool:
+    """position - left <= j <= position + right, a None side unbounded."""
+    left, right = window
+    return (left is None or position - left <= j) and (right is None or j <= position + right)
 
 
 def padding_mask(lengths: ArrayLike, S: int) -> np.ndarray:
@@ -194,19 +226,28 @@ def padding_mask(lengths: ArrayLike, S: int) -> np.ndarray:
     return np.array(rows, dtype=bool).reshape(-1, 1, 1, S)
 
 
-def _visible_keys(i: int, mask_row: np.ndarray, bias_row: np.ndarray, is_causal: bool) -> np.ndarray:
-    """The keys j query i may see, as indices: kept by the mask, not -inf in the bias, and j <= i when causal."""
+def _visible_keys(position: int, mask_row: np.ndarray, bias_row: np.ndarray, is_causal: bool,
+                  window: tuple[int | None, int | None] | None, length: int) -> np.ndarray:
+    """The keys j the query at `position` may see, as indices: kept by the mask, not -inf in the bias,
+    j <= position when causal, inside the window, and j < length (its sequence's keys)."""
     j = np.arange(len(mask_row))
-    return j[mask_row & (bias_row != -np.inf) & ~(is_causal & (j > i))]
+    seen = mask_row & (bias_row != -np.inf) & (j < length) & ~(is_causal & (j > position))
+    if window is not None:
+        seen &= np.array([_in_window(position, key, window) for key in j.tolist()], dtype=bool)
+    return j[seen]
 
 
 def _attend(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, bias_row: np.ndarray,
-            scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """One query row: out_i = sum_j w_j v_j, w = softmax(q_i . k_j * scale + bias_ij) over the visible j alone."""
+            scale: float, softcap: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """One query row: out_i = sum_j w_j v_j, w = softmax(cap(q_i . k_j * scale) + bias_ij) over the visible j
+    alone, cap(x) = softcap tanh(x / softcap) (the identity when softcap is None)."""
     out_i, weights_i = np.zeros(v.shape[-1], v.dtype), np.zeros(k.shape[-2], v.dtype)  # (Ev,), (S,)
     if not len(keys):  # the spec's rule: a query with no visible key gets zeros, never 0 / 0 = NaN
         return out_i, weights_i
-    logits = k[keys] @ q_i * scale + bias_row[keys]  # (visible, E) x (E,) -> (visible,)
+    raw = k[keys] @ q_i * scale  # (visible, E) x (E,) -> (visible,)
+    if softcap is not None:  # capped before the bias (Gemma 2), so the bias still decides what is hidden
+        raw = (softcap * np.tanh(raw / softcap)).astype(raw.dtype)
+    logits = raw + bias_row[keys]  # (visible,)
     exp = np.exp(logits - np.max(logits))  # subtracting the max changes nothing but keeps exp finite
     weights_i[keys] = exp / np.sum(exp)
     return weights_i[keys] @ v[keys], weights_i  # (visible,) x (visible, Ev) -> (Ev,)

@@ -45,6 +45,10 @@ BIAS_MAGNITUDES = ("normal", "large", "offset")
 LARGE_BIAS = 1000.0  # "large" biases: N(0, 1) * LARGE_BIAS, hundreds to thousands
 OFFSETS = (1e4, 1e5)  # "offset" biases: each row shifted by -U(1e4, 1e5), below masked-fill constants
 KEY_OFFSET = 300.0  # the size of the vector that key_offset adds to every key
+POSITIONED = (False, False, True)  # about one sdpa case in three draws the keywords of SPEC 2a
+OFFSET_FORMS = ("zero", "int", "array")  # q_offset: the default, a Python int (static), one per sequence
+WINDOW_SIDES = (None, 0, 1, 3)  # each side of a window: unbounded, the query's own key, one, three
+SOFTCAPS = (0.5, 1.0, 5.0, 50.0)  # 0.5 and 1 saturate ordinary logits; 50 barely touches them
 
 SEEDS = st.integers(0, 2**32 - 1)
 
@@ -263,12 +267,58 @@ def _finite_where_visible(bias: np.ndarray, mask: np.ndarray | None) -> np.ndarr
     return np.where(np.isneginf(bias) & visible, 0.0, bias)  # broadcast of the two shapes
 
 
+# --- positions, windows, key lengths and soft-capping (SPEC 2a) ------------------------------------------
+
+class Positions(NamedTuple):
+    """The keywords of SPEC 2a that one sdpa case passes; the defaults where it passes none."""
+
+    q_offset: int | np.ndarray = 0
+    window: tuple[int | None, int | None] | None = None
+    key_lengths: np.ndarray | None = None
+    softcap: float | None = None
+
+
+def offsets(L: int, S: int) -> tuple[int, ...]:
+    """q_offset's values: S - L (bottom-right causal), negative (rows that see no key when causal), small,
+    and at or past the last key."""
+    return (S - L, -S, -1, 1, S, S + L)
+
+
+def key_lengths(S: int) -> tuple[int, ...]:
+    """key_lengths' values: 0 hides every key, S or more none."""
+    return (0, 1, S // 2, S, S + 2)
+
+
+@st.composite
+def _per_sequence(draw: Callable, batch: Batch, values: Sequence[int]) -> np.ndarray:
+    """int64 (...) broadcasting to `batch` without adding axes (rank 0 to len(batch), each axis full or 1),
+    each entry one of `values`."""
+    rank = draw(st.integers(0, len(batch)))
+    shape = tuple(n if draw(st.booleans()) else 1 for n in batch[len(batch) - rank:])
+    n = math.prod(shape)
+    return np.reshape(draw(st.lists(st.sampled_from(values), min_size=n, max_size=n)), shape).astype(np.int64)
+
+
+@st.composite
+def positions(draw: Callable, batch: Batch, L: int, S: int) -> Positions:
+    """Each keyword of SPEC 2a set or left at its default, each set one from a short fixed list (JAX compiles
+    once per static q_offset, window and softcap): q_offset in OFFSET_FORMS, from `offsets`; a window of
+    WINDOW_SIDES (a side 0 with a negative offset leaves whole rows without a key); key lengths from
+    `key_lengths`, per sequence; a softcap of SOFTCAPS."""
+    form = draw(st.sampled_from(OFFSET_FORMS))
+    q_offset = (0 if form == "zero" else draw(st.sampled_from(offsets(L, S))) if form == "int"
+                else draw(_per_sequence(batch, offsets(L, S))))
+    window = draw(st.none() | st.tuples(st.sampled_from(WINDOW_SIDES), st.sampled_from(WINDOW_SIDES)))
+    lengths_ = draw(st.none() | _per_sequence(batch, key_lengths(S)))
+    return Positions(q_offset, window, lengths_, draw(st.none() | st.sampled_from(SOFTCAPS)))
+
+
 # --- scaled dot-product attention --------------------------------------------------------------------------
 
 @st.composite
 def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | None = None,
                bias: bool | None = None, single_key: bool = False, magnitude: str | None = None,
-               key_offset: bool = False) -> SdpaCase:
+               key_offset: bool = False, positioned: bool | None = None) -> SdpaCase:
     """Random sdpa inputs. None draws a setting; True / False force it: `mask=True` always gives a mask
     array, `mask=False` none, likewise `bias`; `is_causal` as given. `magnitude` is drawn from "normal"
     and "large" (q, k scaled by LARGE, logits in the hundreds); v is always N(0, 1).
@@ -280,6 +330,10 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     key_offset=True: every key adds one vector of KEY_OFFSET * N(0, 1) entries, so with normal q the scores
     of a query share a term in the hundreds and differ by about one: scores rounded to half precision lose
     those differences, scores in float32 keep them (SPEC 2).
+
+    positioned: whether the case passes the keywords of SPEC 2a (`positions`); None draws it, True in
+    about one case of three (POSITIONED), never with single_key. False for the checks whose property they
+    break (a permutation of the keys, a causal prefix).
     """
     batch, L = draw(batch_shapes()), draw(lengths())
     S = 1 if single_key and mask is False else draw(lengths())
@@ -303,7 +357,10 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     bias_ = None if bias is False else draw(biases(batch, L, S, allow_none=bias is None))
     if single_key and bias_ is not None:
         bias_ = _finite_where_visible(bias_, mask_)
-    return SdpaCase(q, k, v, mask_, bias_, is_causal, scale)
+    if positioned is None:  # a single-key case keeps its one key: the keywords could hide it
+        positioned = False if single_key else draw(st.sampled_from(POSITIONED))
+    extra = draw(positions(batch, L, S)) if positioned else Positions()
+    return SdpaCase(q, k, v, mask_, bias_, is_causal, scale, 0.0, *extra)
 
 
 # --- parameters --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from hypothesis.errors import Flaky
 from . import PROFILES, checks, fixed_checks, gradient_checks, strategies, table
 from .checks import ResultError, Runner
 from .frameworks import Framework, framework_of, quick_compiles
-from .operations import CONTRACT, OPERATIONS, missing
+from .operations import CONTRACT, OPERATIONS, keywords_used, missing
 from .snippets import describe, reproduce
 from .tolerances import TOLERANCES
 
@@ -48,8 +48,8 @@ class Group(NamedTuple):
 GROUPS = (
     Group("sdpa", checks.against_oracle, BOTH, 40, pinned=True),
     Group("sdpa", checks.against_oracle, HALF, 10, {"magnitude": "normal", "key_offset": True}),
-    Group("sdpa", checks.sdpa_permutation, FLOAT64, 10, {"is_causal": False}),
-    Group("sdpa", checks.sdpa_causal_prefix, FLOAT64, 10, {"is_causal": True}),
+    Group("sdpa", checks.sdpa_permutation, FLOAT64, 10, {"is_causal": False, "positioned": False}),
+    Group("sdpa", checks.sdpa_causal_prefix, FLOAT64, 10, {"is_causal": True, "positioned": False}),
     Group("sdpa", checks.sdpa_single_key, FLOAT64, 10, {"single_key": True}),
     Group("sdpa", checks.dropout, FLOAT32, 5),
     Group("sdpa", checks.dropout_independence, FLOAT32, 3),
@@ -172,7 +172,8 @@ def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *
             max_examples: int | None = None) -> int:
     """How many cases `check` runs on `module` when every check passes (shrinking a failure runs more)."""
     framework = framework_of(module)
-    total = len(framework.dtypes) + len(fixed_checks.CAUSAL_SIZES) + len(fixed_checks.PADDING_LENGTHS)
+    total = len(framework.dtypes) + sum(len(helpers) for helpers in (
+        fixed_checks.CAUSAL_SIZES, fixed_checks.CAUSAL_OFFSETS, fixed_checks.WINDOWS, fixed_checks.PADDING_LENGTHS))
     for group in (group for group in GROUPS if group.operation in operations):
         examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
         examples += len(table.rows(group.operation, "example")) if group.pinned else 0
@@ -270,8 +271,14 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
 def _failure(module: str, group: Group, dtype: str, case: Any, what: str) -> str:
     check_name = group.check.__name__
     return (f"{module} {group.operation} {check_name} {dtype}: {what}\n"
-            f"case: {describe(case)}\n"
+            f"case: {describe(case)}\n{_keywords_note(case)}"
             f"reproduce:\n{reproduce(module, check_name, case, dtype)}")
+
+
+def _keywords_note(case: Any) -> str:
+    """A line naming the keywords of SPEC 2a the case passes, which a module from before them refuses."""
+    used = keywords_used(case)
+    return f"uses the keywords of SPEC 2a: {', '.join(used)}\n" if used else ""
 
 
 def _finite(value: float) -> float | str:

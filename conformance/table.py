@@ -133,6 +133,27 @@ def _sdpa_examples() -> list[Fixed]:
             "L = 65, S = 129: past every tile of 16, 32, 64 or 128 keys, by one; the row maximum anywhere"),
         example("sdpa", "visible_scores_near_minus_1e5", _far_below_fill(-1e5),
                 "every visible score about -1e5, a hidden key in every row: a masked fill above -1e5 wins"),
+        *_positions_examples(),
+    ]
+
+
+def _positions_examples() -> list[Fixed]:
+    """SPEC 2a: positions, windows, key lengths and soft-capping (rows a module without them fails)."""
+    hide_key_1 = changed(normal(3, 4, seed=9), (ALL, 1), -np.inf)  # (L, S)
+    return [
+        example("sdpa", "causal_bottom_right", lambda: sdpa_case(L=2, S=5, is_causal=True, q_offset=3),
+                "q_offset = S - L: query i sees keys 0..i + 3 (a cache of 3 earlier keys)"),
+        example("sdpa", "sliding_window_causal", lambda: sdpa_case((), 6, 6, is_causal=True, window=(2, 0)),
+                "window (2, 0) with causal: query i sees keys i - 2..i (Mistral)"),
+        example("sdpa", "window_past_the_keys", lambda: sdpa_case(L=4, S=3, window=(0, 1), q_offset=-2),
+                "window (0, 1), q_offset -2: query 0 sees no key, query 3 keys 1, 2"),
+        example("sdpa", "offset_per_sequence", lambda: sdpa_case(is_causal=True, q_offset=np.array([-1, 2])),
+                "q_offset [-1, 2]: query 0 of sequence 0 sees no key, sequence 1 sees every key"),
+        example("sdpa", "key_lengths_zero_for_one_sequence", lambda: sdpa_case(
+            key_lengths=np.array([0, 4]), bias=normal(3, 4, seed=9)), "sequence 0 sees no key: zeros"),
+        example("sdpa", "softcap_saturated_with_neg_inf_bias", lambda: sdpa_case(
+            L=3, S=4, q=LARGE * normal(2, 3, 2), k=LARGE * normal(2, 4, 2, seed=1), softcap=1.0, bias=hide_key_1),
+            "logits in the hundreds capped at +-1, then the bias: key 1 (-inf) stays hidden"),
     ]
 
 
@@ -206,6 +227,14 @@ def _sdpa_edges() -> list[Fixed]:
              "the oracle, never a masked fill constant (-1e9, The Annotated Transformer's) that outweighs them",
              Rule("weights", "zero", (ALL, ALL, 1)), Rule("weights", "sums_to_one")),
         # +inf - max = inf - inf = NaN: never the finite one-hot limit
+        edge("sdpa", "key_lengths_zero", lambda: base._replace(key_lengths=np.array([3, 0]), is_causal=True),
+             "key_lengths [3, 0]: batch element 1 sees no key, out[1] and weights[1] exactly 0; key 3 of element "
+             "0 hidden (SPEC 2a)", Rule("out", "zero", (1,)), Rule("weights", "zero", (1,)),
+             Rule("weights", "zero", (0, ALL, 3))),
+        edge("sdpa", "softcap_keeps_neg_inf_bias_hidden", lambda: base._replace(
+            bias=changed(np.zeros((3, 4)), (ALL, 2), -np.inf), softcap=0.5),
+            "softcap 0.5, bias -inf on key 2: weights[..., 2] exactly 0 (capped before the bias, SPEC 2a)",
+            Rule("weights", "zero", (ALL, ALL, 2)), Rule("weights", "sums_to_one")),
         edge("sdpa", "inf_score", lambda: heads._replace(bias=changed(np.zeros((3, 4)), (1, 0), np.inf)),
              "q (B, H, L, E), bias (L, S), bias[1, 0] = +inf (visible): out rows (:, :, 1) NaN or inf, never "
              "finite; weights rows (:, :, 1) hold NaN or inf; every other row as the oracle",
@@ -260,6 +289,18 @@ def _sdpa_errors() -> list[Fixed]:
               "E", "(2, 3, 0)", "(2, 5, 0)"),
         error("sdpa", "dropout_p_one", _sdpa(dropout=1.0), ValueError, "dropout_p"),
         error("sdpa", "dropout_p_negative", _sdpa(dropout=-0.1), ValueError, "dropout_p"),
+        # SPEC 2a: a module without these keywords fails these rows (its TypeError names no dtype)
+        error("sdpa", "window_negative", _sdpa(window=(-1, 0)), ValueError, "window"),
+        error("sdpa", "softcap_zero", _sdpa(softcap=0.0), ValueError, "softcap"),
+        error("sdpa", "softcap_negative", _sdpa(softcap=-1.0), ValueError, "softcap"),
+        error("sdpa", "q_offset_float", _sdpa(q_offset=1.5), TypeError, "q_offset", "float"),
+        error("sdpa", "q_offset_float_array", _sdpa(q_offset=np.array([1.0, 2.0])), TypeError, "q_offset", "float64"),
+        error("sdpa", "key_lengths_float", _sdpa(key_lengths=np.array([2.0, 3.0])), TypeError, "key_lengths",
+              "float64"),
+        error("sdpa", "q_offset_does_not_broadcast", _sdpa(q_offset=np.array([1, 2, 3])), ValueError, "q_offset",
+              "(3,)", "(2,)"),
+        error("sdpa", "key_lengths_do_not_broadcast", _sdpa(key_lengths=np.array([[1, 2, 3]])), ValueError,
+              "key_lengths", "(1, 3)", "(2,)"),
         error("sdpa", "d_out_shape", _sdpa(), ValueError, "d_out", "(2, 3, 4)", "(2, 3, 3)", stage="pullback",
               d_out=np.zeros((2, 3, 4))),
         error("sdpa", "d_out_dtype", _sdpa(), TypeError, "d_out", "float32", "float64", stage="pullback",

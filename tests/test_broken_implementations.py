@@ -34,6 +34,10 @@ EXPECTED: dict[str, set[str]] = {
     "causal_strict": {"values", "single_key"},
     "neg_inf_bias_not_hidden": {"values"},  # NaN in a row whose keys are all -inf through the bias
     "neg_inf_score_hidden": {"edge_cases"},  # zeros in a row whose scores are all -inf through infinite q
+    "window_off_by_one": {"values"},  # a bounded left side sees one key fewer
+    "softcap_after_bias": {"values", "edge_cases"},  # tanh(-inf) = -1: a -inf bias no longer hides
+    "q_offset_ignored_on_the_fast_path": {"fast_path"},  # need_weights=False reads query i's position as i
+    "key_lengths_on_queries": {"values"},  # the lengths hide queries instead of keys
     "softmax_wrong_axis": {"values", "weights_rows"},
     "softmax_without_max_subtraction": {"values"},  # logits in the hundreds overflow exp
     "row_maximum_before_bias": {"values"},  # biases in the thousands overflow exp

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import types
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 import attention_np
-from conformance import cases, checks, suite, table
+from conformance import cases, checks, gradient_checks, operations, suite, table
 from conformance.frameworks import framework_of
 from conformance.snippets import reproduce
 from conformance.tolerances import relative_error
@@ -232,3 +234,77 @@ def test_snippet_of_a_jax_float64_case_reruns_with_the_suites_precision():
     finally:
         jax.config.update("jax_enable_x64", before)
     assert "values" in printed.getvalue() and "inf" not in printed.getvalue()
+
+
+# --- gradients with the keywords of SPEC 2a --------------------------------------------------------------
+
+def _differenced_vjp(received: list[dict], *, drop: tuple[str, ...] = ()) -> Callable:
+    """scaled_dot_product_attention_vjp for einsum_attention, its pullback by central differences of the
+    forward pass, entry by entry (exact to about 1e-9: enough for the gradient check); it records the
+    keywords it is given, and differentiates without those in `drop` (a backward pass that forgets one)."""
+    from tests.implementations import einsum_attention
+
+    def vjp(q, k, v, mask=None, *, bias=None, **options):
+        received.append(options)
+
+        def forward(q, k, v, bias):
+            kept = {name: value for name, value in options.items() if name not in drop}
+            return einsum_attention.scaled_dot_product_attention(q, k, v, mask, bias=bias, **kept)[0]
+
+        def pullback(d_out):
+            inputs = [q, k, v, bias]
+            grads = []
+            for a, x in enumerate(inputs):
+                if x is None:
+                    grads.append(None)
+                    continue
+                grad = np.zeros_like(x)
+                for index in zip(*np.nonzero(np.isfinite(x)), strict=True):  # a -inf bias entry has none
+                    shifted = [[y if b != a else y.copy() for b, y in enumerate(inputs)] for _ in (1, -1)]
+                    shifted[0][a][index] += 1e-6
+                    shifted[1][a][index] -= 1e-6
+                    grad[index] = np.sum(d_out * (forward(*shifted[0]) - forward(*shifted[1]))) / 2e-6
+                grads.append(grad)
+            return tuple(grads)
+
+        return (*einsum_attention.scaled_dot_product_attention(q, k, v, mask, bias=bias, **options), pullback)
+
+    return vjp
+
+
+POSITIONED_EXAMPLES = ["causal_bottom_right", "sliding_window_causal", "offset_per_sequence",
+                       "key_lengths_zero_for_one_sequence", "softcap_saturated_with_neg_inf_bias"]
+
+
+def _with_vjp(vjp: Callable) -> types.SimpleNamespace:
+    from tests.implementations import einsum_attention
+
+    module = types.SimpleNamespace(**{name: getattr(einsum_attention, name) for name in einsum_attention.__all__})
+    module.__name__ = "einsum_with_differenced_vjp"
+    module.scaled_dot_product_attention_vjp = vjp
+    return module
+
+
+@pytest.mark.parametrize("name", POSITIONED_EXAMPLES)
+def test_gradient_check_passes_the_keywords_of_spec_2a_to_the_vjp(name: str) -> None:
+    # a vjp that differentiates the right function passes; q_offset and key_lengths reach it as given
+    # (an array q_offset as an array input), and no gradient is asked of them
+    received: list[dict] = []
+    case = table.named("sdpa", name).build()
+    measures = gradient_checks.gradients(checks.Runner(_with_vjp(_differenced_vjp(received))), case, "float64")
+    assert all(measure.error <= 1 for measure in measures.values()), measures
+    used = operations.keywords_used(case)
+    assert used and all(set(used) <= set(options) for options in received)
+    for keyword, value in used.items():
+        assert np.array_equal(received[0][keyword], value)
+
+
+@pytest.mark.parametrize(("name", "forgotten"), [("sliding_window_causal", "window"),
+                                                 ("causal_bottom_right", "q_offset"),
+                                                 ("key_lengths_zero_for_one_sequence", "key_lengths"),
+                                                 ("softcap_saturated_with_neg_inf_bias", "softcap")])
+def test_gradient_check_rejects_a_backward_pass_that_forgets_a_keyword(name: str, forgotten: str) -> None:
+    case = table.named("sdpa", name).build()
+    module = _with_vjp(_differenced_vjp([], drop=(forgotten,)))
+    measures = gradient_checks.gradients(checks.Runner(module), case, "float64")
+    assert measures["gradients"].error > 1 or measures["masked_rows"].error > 1, measures

@@ -207,3 +207,42 @@ def test_the_oracles_mask_helpers_by_hand():
     np.testing.assert_array_equal(oracle.causal_mask(2, 3), [[True, False, False], [True, True, False]])
     assert oracle.causal_mask(0, 3).shape == (0, 3) and oracle.causal_mask(3, 0).shape == (3, 0)
     np.testing.assert_array_equal(oracle.padding_mask([2, 0], 3), [[[[True, True, False]]], [[[False, False, False]]]])
+
+
+# --- SPEC 2a: positions, windows, key lengths and soft-capping ------------------------------------------
+
+def test_q_offset_s_minus_l_is_the_bottom_right_causal_rule() -> None:
+    # L = 2, S = 4, q_offset = 2: query 0 at position 2 sees keys 0..2, query 1 at position 3 sees 0..3
+    weights = oracle.sdpa(np.zeros((2, 1)), np.zeros((4, 1)), np.eye(4), is_causal=True, q_offset=2)[1]
+    np.testing.assert_array_equal(weights, [[1 / 3, 1 / 3, 1 / 3, 0], [1 / 4] * 4])
+
+
+def test_negative_offset_with_a_zero_right_side_hides_whole_rows() -> None:
+    # window (None, 0), q_offset -1: query 0 at position -1 sees no key (zeros), query 1 key 0 alone
+    out, weights = oracle.sdpa(np.zeros((2, 1)), np.zeros((3, 1)), np.eye(3), window=(None, 0), q_offset=-1)
+    np.testing.assert_array_equal(weights, [[0, 0, 0], [1, 0, 0]])
+    np.testing.assert_array_equal(out, weights)
+
+
+def test_key_lengths_per_sequence() -> None:
+    # equal scores: sequence 0 (length 1) puts weight 1 on key 0, sequence 1 (length 0) sees nothing
+    weights = oracle.sdpa(np.zeros((2, 1, 1)), np.zeros((2, 3, 1)), np.zeros((2, 3, 1)),
+                          key_lengths=np.array([1, 0]))[1]
+    np.testing.assert_array_equal(weights, [[[1, 0, 0]], [[0, 0, 0]]])
+
+
+def test_softcap_caps_before_the_bias() -> None:
+    # raw logits [0, 100], softcap 1: capped [0, tanh(100)] = [0, 1] (to 1e-86), then bias [0, -inf]
+    # hides key 1: weights [1, 0]; without the bias softmax([0, 1]) = [1, e] / (1 + e)
+    q, k = np.array([[1.0]]), np.array([[0.0], [100.0]])
+    capped = oracle.sdpa(q, k, np.eye(2), softcap=1.0)[1]
+    np.testing.assert_allclose(capped, [[1 / (1 + math.e), math.e / (1 + math.e)]], rtol=1e-15)
+    hidden = oracle.sdpa(q, k, np.eye(2), bias=np.array([0.0, -np.inf]), softcap=1.0)[1]
+    np.testing.assert_array_equal(hidden, [[1, 0]])
+
+
+def test_window_mask_and_causal_mask_with_offsets() -> None:
+    # window (1, 0) at positions [2, 3]: keys 1..2 and 2..3; causal at the same positions: keys 0..2, 0..3
+    np.testing.assert_array_equal(oracle.window_mask(2, 4, (1, 0), q_offset=2), [[0, 1, 1, 0], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(oracle.causal_mask(2, 4, q_offset=2), [[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert oracle.causal_mask(2, 4, q_offset=np.array([0, 2, 1])).shape == (3, 2, 4)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance import cases, table
+from conformance import cases, operations, table
 from conformance import strategies as cs
 from conformance.checks import expected
 
@@ -42,7 +42,20 @@ def _assert_sdpa_contract(case: cases.SdpaCase) -> tuple[int, ...]:
     _assert_mask_values(case.mask)
     assert case.bias is None or not (np.isnan(case.bias).any() or np.isposinf(case.bias).any())
     assert case.scale in cs.SCALES
+    _assert_positions(case, batch)
     return target
+
+
+def _assert_positions(case: cases.SdpaCase, batch: tuple[int, ...]) -> None:
+    """SPEC 2a's keywords: integer offsets and lengths that broadcast to the leading axes, windows of
+    WINDOW_SIDES, softcaps of SOFTCAPS."""
+    for name, value in (("q_offset", case.q_offset), ("key_lengths", case.key_lengths)):
+        if isinstance(value, np.ndarray):
+            assert np.issubdtype(value.dtype, np.integer), f"{name} {value.dtype}"
+            _assert_broadcasts(name, value, batch)
+    assert isinstance(case.q_offset, int | np.ndarray)
+    assert case.window is None or all(side is None or side >= 0 for side in case.window)
+    assert case.softcap is None or case.softcap in cs.SOFTCAPS
 
 
 def _assert_mha_contract(case: cases.MhaCase) -> None:
@@ -182,6 +195,12 @@ def test_sdpa_forced_off_flags_are_honoured(case: cases.SdpaCase) -> None:
 
 
 @FEW
+@given(cs.sdpa_cases(positioned=False))
+def test_sdpa_cases_without_positions_pass_no_keyword_of_spec_2a(case: cases.SdpaCase) -> None:
+    assert (case.q_offset, case.window, case.key_lengths, case.softcap) == (0, None, None, None)
+
+
+@FEW
 @given(st.data(), st.sampled_from((None, True, False)), st.sampled_from((None, True, False)),
        st.sampled_from((None, True, False)))
 def test_single_key_cases_see_exactly_one_key_per_query(data: st.DataObject, is_causal: bool | None,
@@ -282,7 +301,9 @@ def test_masks_and_biases_are_drawn_at_every_rank() -> None:
 def test_lengths_reach_every_long_size_in_few_draws() -> None:
     drawn: list[tuple[int, int]] = []
 
-    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    # 400 draws: Hypothesis's derandomized draws are far from uniform over the 13 sizes, and since the
+    # keywords of SPEC 2a lengthened each case's choices, 300 draws missed a long size
+    @settings(max_examples=400, derandomize=True, database=None, deadline=None)
     @given(cs.sdpa_cases())
     def record(case: cases.SdpaCase) -> None:
         drawn.append((case.q.shape[-2], case.k.shape[-2]))
@@ -311,3 +332,59 @@ def test_biases_reach_every_magnitude() -> None:
 
     record()
     assert magnitudes == set(cs.BIAS_MAGNITUDES)
+
+
+def _offset_forms(case: cases.SdpaCase) -> set[str]:
+    """What q_offset is: "array", or for an int "zero", "negative", "bottom_right" (S - L), "past_the_keys"
+    (S or more), "positive"."""
+    L, S = case.q.shape[-2], case.k.shape[-2]
+    if isinstance(case.q_offset, np.ndarray):
+        return {"array"} | ({"array_mixed"} if np.unique(case.q_offset).size > 1 else set())
+    forms = {"zero"} if case.q_offset == 0 else {"negative"} if case.q_offset < 0 else {"positive"}
+    forms |= {"bottom_right"} if case.q_offset == S - L and L != S else set()
+    return forms | ({"past_the_keys"} if case.q_offset >= S else set())
+
+
+def test_positions_reach_every_form_in_a_third_of_the_cases() -> None:
+    seen: set[str] = set()
+    positioned: list[bool] = []
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.sdpa_cases())
+    def record(case: cases.SdpaCase) -> None:
+        S = case.k.shape[-2]
+        used = operations.keywords_used(case)
+        positioned.append(bool(used))
+        seen.update(f"q_offset {form}" for form in _offset_forms(case))
+        if case.window is not None:
+            seen.update(f"window side {side}" for side in case.window)
+        if case.key_lengths is not None:
+            seen.update({"key_lengths 0"} if (case.key_lengths == 0).any() else set())
+            seen.update({"key_lengths S or more"} if (case.key_lengths >= S).any() else set())
+            seen.add(f"key_lengths rank {case.key_lengths.ndim}")
+        if case.softcap is not None:
+            seen.add(f"softcap {case.softcap}")
+        if used and case.mask is not None and case.bias is not None and case.is_causal:
+            seen.add("with mask, bias and causal")
+        if case.window is not None and case.is_causal and not _offset_forms(case) & {"zero", "array"}:
+            seen.add("window, causal and an int offset")
+
+    record()
+    expected = ({f"q_offset {form}" for form in ("zero", "negative", "positive", "bottom_right", "past_the_keys",
+                                                  "array", "array_mixed")}
+                | {f"window side {side}" for side in cs.WINDOW_SIDES} | {f"softcap {cap}" for cap in cs.SOFTCAPS}
+                | {"key_lengths 0", "key_lengths S or more", "key_lengths rank 0", "key_lengths rank 1",
+                   "with mask, bias and causal", "window, causal and an int offset"})
+    assert expected <= seen, sorted(expected - seen)
+    assert 0.2 < np.mean(positioned) < 0.45  # a minority: each static option is a compile for JAX
+
+
+@settings(max_examples=40, deadline=None)
+@given(cs.sdpa_cases(positioned=True))
+def test_the_operations_visible_keys_are_those_the_oracle_weighs(case: cases.SdpaCase) -> None:
+    # masked_rows and single_key read Operation.visible: a key it hides has weight 0 in the oracle, and a
+    # row it leaves a key sums to 1 (a weight may underflow to 0, a row cannot)
+    visible = operations.OPERATIONS["sdpa"].visible(case)
+    weights = _oracle(case)[1]
+    assert not np.any(weights[~visible])
+    np.testing.assert_allclose(weights.sum(axis=-1), np.any(visible, axis=-1), atol=1e-12)

@@ -94,17 +94,19 @@ class BiasScaled(Implementation):
     """Computes (q k^T + bias) * scale: the bias is scaled along with the logits.
     Caught by: values (sdpa with a finite bias and scale != 1)."""
 
-    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
-        return self.add_bias(np.einsum("...le,...se->...ls", q, k), bias) * scale
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
+        return self.add_bias(self.cap(np.einsum("...le,...se->...ls", q, k), softcap), bias) * scale
 
 
 class Float64Output(Implementation):
     """Upcasts the scores to float64 "for accuracy" and never casts back: float32 inputs give float64
     outputs. Caught by: values (float32: wrong dtype)."""
 
-    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
         q, k = q.astype(np.float64), k.astype(np.float64)
-        return self.add_bias(np.einsum("...le,...se->...ls", q, k) * scale, bias)
+        return self.add_bias(self.cap(np.einsum("...le,...se->...ls", q, k) * scale, softcap), bias)
 
 
 # --- which keys are visible ------------------------------------------------------------------------------
@@ -134,8 +136,8 @@ class IsCausalIgnored(Implementation):
     causal_prefix (sdpa)."""
 
     def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-                is_causal: bool) -> np.ndarray:
-        return super().visible(scores, mask, bias, False)
+                is_causal: bool, q_offset: object = 0) -> np.ndarray:
+        return super().visible(scores, mask, bias, False, q_offset)
 
 
 class CausalBottomRight(Implementation):
@@ -143,16 +145,16 @@ class CausalBottomRight(Implementation):
     convention for L != S) instead of the top-left. Identical when L == S.
     Caught by: values (sdpa with is_causal and L != S); causal_prefix (sdpa, L < S)."""
 
-    def causal(self, L: int, S: int) -> np.ndarray:
-        return np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L)
+    def causal(self, L: int, S: int, q_offset: object = 0) -> np.ndarray:
+        return np.arange(S) <= self.positions(L, q_offset) + (S - L)
 
 
 class CausalStrict(Implementation):
     """Causal mask off by one, j < i instead of j <= i: a query no longer sees its own key (and query 0
     sees none). Caught by: values (sdpa with is_causal; block with causal_mask); single_key."""
 
-    def causal(self, L: int, S: int) -> np.ndarray:
-        return np.arange(S)[None, :] < np.arange(L)[:, None]
+    def causal(self, L: int, S: int, q_offset: object = 0) -> np.ndarray:
+        return np.arange(S) < self.positions(L, q_offset)
 
 
 class NegInfBiasNotHidden(Implementation):
@@ -161,12 +163,12 @@ class NegInfBiasNotHidden(Implementation):
     Caught by: values (sdpa with a bias row of all -inf)."""
 
     def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-                is_causal: bool) -> np.ndarray:
+                is_causal: bool, q_offset: object = 0) -> np.ndarray:
         visible = np.ones(scores.shape, dtype=bool)  # the bias is left out
         if mask is not None:
             visible = visible & self.mask_visible(mask)
         if is_causal:
-            visible = visible & self.causal(*scores.shape[-2:])
+            visible = visible & self.causal(*scores.shape[-2:], q_offset)
         return visible
 
 
@@ -176,8 +178,58 @@ class NegInfScoreHidden(Implementation):
     of NaN. Caught by: edge_cases (sdpa neg_inf_scores_from_the_inputs)."""
 
     def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-                is_causal: bool) -> np.ndarray:
-        return super().visible(scores, mask, bias, is_causal) & (scores != -np.inf)
+                is_causal: bool, q_offset: object = 0) -> np.ndarray:
+        return super().visible(scores, mask, bias, is_causal, q_offset) & (scores != -np.inf)
+
+
+# --- positions, windows, key lengths and soft-capping (SPEC 2a) ---------------------------------------
+
+
+class WindowOffByOne(Implementation):
+    """The window's left edge is exclusive, p_i - left < j instead of <=: a sliding window (left, 0) sees
+    left keys, not left + 1. Caught by: values (sdpa with a window whose left side is bounded)."""
+
+    def in_window(self, L: int, S: int, window: tuple, q_offset: object = 0) -> np.ndarray:
+        left, right = window
+        return super().in_window(L, S, (None if left is None else left - 1, right), q_offset)
+
+
+class SoftcapAfterBias(Implementation):
+    """The softcap is applied to the biased scores, softcap tanh((raw + bias) / softcap), and a key counts
+    as hidden where its score is -inf (the masks folded into the bias): tanh(-inf) = -1, so a -inf bias
+    becomes a score of -softcap and the key it hid is visible. Caught by: values (sdpa with a softcap and a
+    bias); edge_cases (softcap_keeps_neg_inf_bias_hidden)."""
+
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
+        raw = np.einsum("...le,...se->...ls", q, k) * scale  # (..., L, S)
+        return self.cap(self.add_bias(raw, bias), softcap)
+
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+                is_causal: bool, q_offset: object = 0) -> np.ndarray:
+        return super().visible(scores, mask, None, is_causal, q_offset) & (scores != -np.inf)
+
+
+class QOffsetIgnoredOnTheFastPath(Implementation):
+    """Without the weights (a fused call that takes no offset), q_offset is dropped: the causal rule and the
+    window read query i's position as i. Caught by: fast_path (sdpa with q_offset and causal or a window)."""
+
+    def scaled_dot_product_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                                     mask: np.ndarray | None = None, *, need_weights: bool = True,
+                                     q_offset: object = 0, **options: object) -> Pair:
+        return super().scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights,
+                                                    q_offset=q_offset if need_weights else 0, **options)
+
+
+class KeyLengthsOnQueries(Implementation):
+    """key_lengths hides the queries i >= key_lengths (padding of the queries) instead of the keys
+    j >= key_lengths. Caught by: values (sdpa with key lengths)."""
+
+    def in_range(self, L: int, S: int, q_offset: object, window: object, key_lengths: object) -> np.ndarray | bool:
+        visible = super().in_range(L, S, q_offset, window, None)
+        if key_lengths is None:
+            return visible
+        return visible & (np.arange(L)[:, None] < np.asarray(key_lengths)[..., None, None])  # (..., L, 1)
 
 
 # --- softmax -------------------------------------------------------------------------------------------
@@ -200,8 +252,9 @@ class RowMaximumBeforeBias(Implementation):
     once a bias reaches the hundreds (float32) or about 700 (float64).
     Caught by: values (biases of large finite magnitude)."""
 
-    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
-        self.unbiased = super().scores(q, k, scale, None)  # (..., L, S), kept for the softmax
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
+        self.unbiased = super().scores(q, k, scale, None, softcap)  # (..., L, S), kept for the softmax
         return self.add_bias(self.unbiased, bias)
 
     def softmax(self, scores: np.ndarray, visible: np.ndarray) -> np.ndarray:
@@ -499,9 +552,10 @@ class QueriesScaledInPlace(Implementation):
     """The scale is folded into q in place (q *= scale, to save a copy of q): the numbers are right, but
     the caller's q has changed. Caught by: call (every input must hold the same bits after the call)."""
 
-    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
         q *= scale  # writes into the caller's array
-        return super().scores(q, k, 1.0, bias)
+        return super().scores(q, k, 1.0, bias, softcap)
 
 
 VARIANTS: dict[str, type[Implementation]] = {
@@ -522,6 +576,10 @@ VARIANTS: dict[str, type[Implementation]] = {
     "causal_strict": CausalStrict,
     "neg_inf_bias_not_hidden": NegInfBiasNotHidden,
     "neg_inf_score_hidden": NegInfScoreHidden,
+    "window_off_by_one": WindowOffByOne,
+    "softcap_after_bias": SoftcapAfterBias,
+    "q_offset_ignored_on_the_fast_path": QOffsetIgnoredOnTheFastPath,
+    "key_lengths_on_queries": KeyLengthsOnQueries,
     "softmax_wrong_axis": SoftmaxWrongAxis,
     "softmax_without_max_subtraction": SoftmaxWithoutMaxSubtraction,
     "row_maximum_before_bias": RowMaximumBeforeBias,

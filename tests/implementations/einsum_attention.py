@@ -26,8 +26,9 @@ import numpy as np
 Rng = np.random.Generator | int | None
 Pair = tuple[np.ndarray, np.ndarray | None]
 
-CONTRACT = ("asarray", "to_numpy", "save_state_dict", "load_state_dict", "causal_mask", "padding_mask",
-            "scaled_dot_product_attention", "MultiHeadAttention", "TransformerBlock")
+FUNCTIONS = ("asarray", "to_numpy", "save_state_dict", "load_state_dict", "causal_mask", "window_mask",
+             "padding_mask", "scaled_dot_product_attention")
+CONTRACT = (*FUNCTIONS, "MultiHeadAttention", "TransformerBlock")
 PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
 ACTIVATIONS = ("relu", "gelu")
 
@@ -57,32 +58,62 @@ class Implementation:
 
     # --- masks -------------------------------------------------------------------------------------------
 
-    def causal_mask(self, L: int, S: int) -> np.ndarray:
-        """bool (L, S), True where key j <= query i: top-left aligned."""
-        return self.causal(L, S)
+    def causal_mask(self, L: int, S: int, *, q_offset: Any = 0) -> np.ndarray:
+        """bool (..., L, S), True where key j <= q_offset + i; (...) is q_offset's shape."""
+        self.check_positions("q_offset", q_offset, np.shape(q_offset))
+        return self.causal(L, S, np.asarray(q_offset))
+
+    def window_mask(self, L: int, S: int, window: Any, *, q_offset: Any = 0) -> np.ndarray:
+        """bool (..., L, S), True where p_i - left <= j <= p_i + right, p_i = q_offset + i."""
+        self.check_window(window)
+        self.check_positions("q_offset", q_offset, np.shape(q_offset))
+        return self.in_window(L, S, window, np.asarray(q_offset))
 
     def padding_mask(self, lengths: Any, S: int) -> np.ndarray:
         """bool (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys."""
         return np.arange(S) < np.asarray(lengths)[:, None, None, None]  # (B,) -> (B, 1, 1, S)
 
-    def causal(self, L: int, S: int) -> np.ndarray:
-        i, j = np.arange(L)[:, None], np.arange(S)[None, :]
-        return j <= i  # (L, S)
+    def positions(self, L: int, q_offset: Any) -> np.ndarray:
+        """p_i = q_offset + i: (..., L, 1), (...) the shape of q_offset."""
+        offset = np.asarray(q_offset)
+        return offset[..., None, None] + np.arange(L)[:, None]  # (..., 1, 1) + (L, 1) -> (..., L, 1)
+
+    def causal(self, L: int, S: int, q_offset: Any = 0) -> np.ndarray:
+        """(..., L, S): key j <= p_i."""
+        return np.arange(S) <= self.positions(L, q_offset)  # (S,) vs (..., L, 1) -> (..., L, S)
+
+    def in_window(self, L: int, S: int, window: tuple, q_offset: Any = 0) -> np.ndarray:
+        """(..., L, S): p_i - left <= j <= p_i + right, a None side unbounded."""
+        left, right = window
+        p, j = self.positions(L, q_offset), np.arange(S)  # (..., L, 1), (S,)
+        after_left = True if left is None else j >= p - left
+        before_right = True if right is None else j <= p + right
+        return np.broadcast_to(after_left & before_right, (*p.shape[:-1], S))
+
+    def in_lengths(self, S: int, key_lengths: Any) -> np.ndarray:
+        """(..., 1, S): key j < key_lengths of its sequence."""
+        return np.arange(S) < np.asarray(key_lengths)[..., None, None]
 
     # --- scaled dot-product attention --------------------------------------------------------------------
 
     def scaled_dot_product_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                                      mask: np.ndarray | None = None, *, bias: np.ndarray | None = None,
-                                     is_causal: bool = False, scale: float | None = None,
+                                     is_causal: bool = False, scale: float | None = None, q_offset: Any = 0,
+                                     window: Any = None, key_lengths: Any = None, softcap: float | None = None,
                                      dropout_p: float = 0.0, need_weights: bool = True,
                                      rng: Rng = None) -> Pair:
-        """Attention(Q, K, V) = softmax(Q K^T * scale + bias) V, the softmax over the visible keys.
+        """Attention(Q, K, V) = softmax(cap(Q K^T * scale) + bias) V, the softmax over the visible keys,
+        cap(x) = softcap tanh(x / softcap).
 
         Args:
             q (..., L, E), k (..., S, E), v (..., S, Ev): leading axes broadcast.
             mask: broadcasts to (..., L, S); 0 / False hides key j from query i.
             bias: added to the scores, broadcasts to (..., L, S); -inf hides.
-            is_causal: hide keys j > i (top-left). scale: defaults to 1 / sqrt(E).
+            is_causal: hide keys j > p_i = q_offset + i. scale: defaults to 1 / sqrt(E).
+            q_offset: int or integers broadcasting to (...): query i's position is q_offset + i.
+            window: (left, right), ints >= 0 or None: keys p_i - left..p_i + right visible.
+            key_lengths: integers broadcasting to (...): keys j < key_lengths visible.
+            softcap: a positive float capping the raw scores before the bias, or None.
             dropout_p: inverted dropout on the weights. rng: Generator, int seed or None (fresh).
 
         Returns:
@@ -98,17 +129,23 @@ class Implementation:
                 self.check_broadcast(name, np.shape(extra), (*batch, L, S), "..., L, S")
         if mask is not None:
             self.check_mask_values(np.asarray(mask))
+        self.check_window(window)
+        self.check_softcap(softcap)
+        self.check_positions("q_offset", q_offset, batch)
+        if key_lengths is not None:
+            self.check_positions("key_lengths", key_lengths, batch)
 
-        # 1) scores, biased, in at least float32
+        # 1) scores, capped, then biased, in at least float32
         if scale is None and E == 0:
             raise ValueError(f"the default scale 1 / sqrt(E) needs E > 0; q {q.shape} and k {k.shape} have E = 0: "
                              "pass scale= explicitly")
         dtype, work = q.dtype, self.work_dtype(q.dtype)
         q, k, v = (x.astype(work, copy=False) for x in (q, k, v))  # float16: computed in float32
-        scores = self.scores(q, k, self.resolve_scale(scale, E), bias)  # (..., L, S)
+        scores = self.scores(q, k, self.resolve_scale(scale, E), bias, softcap)  # (..., L, S)
 
         # 2) one boolean of the keys each query sees, then the softmax over them
-        visible = self.visible(scores, mask, bias, is_causal)  # (..., L, S)
+        visible = self.visible(scores, mask, bias, is_causal, q_offset)  # (..., L, S)
+        visible = visible & self.in_range(L, S, q_offset, window, key_lengths)  # (..., L, S)
         weights = self.softmax(scores, visible)  # (..., L, S)
 
         # 3) the weighted sum of the values
@@ -127,17 +164,22 @@ class Implementation:
     def default_scale(self, E: int) -> float:
         return 1.0 / math.sqrt(E)
 
-    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray:
-        """s_ls = scale * sum_e q_le k_se + bias_ls."""
+    def scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+               softcap: float | None) -> np.ndarray:
+        """s_ls = cap(scale * sum_e q_le k_se) + bias_ls."""
         scores = np.einsum("...le,...se->...ls", q, k) * scale  # (..., L, E) x (..., S, E) -> (..., L, S)
-        return self.add_bias(scores, bias)
+        return self.add_bias(self.cap(scores, softcap), bias)
+
+    def cap(self, raw: np.ndarray, softcap: float | None) -> np.ndarray:
+        """softcap * tanh(raw / softcap), in raw's dtype; raw itself without a softcap."""
+        return raw if softcap is None else (softcap * np.tanh(raw / softcap)).astype(raw.dtype)
 
     def add_bias(self, scores: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         """The bias in the dtype of the scores (a float64 bias must not promote float32 scores)."""
         return scores if bias is None else scores + np.asarray(bias, dtype=scores.dtype)
 
     def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-                is_causal: bool) -> np.ndarray:
+                is_causal: bool, q_offset: Any = 0) -> np.ndarray:
         """True where a query may see a key: kept by the mask, causal when asked, bias not -inf. A -inf
         score that comes from infinite q or k hides nothing (SPEC section 2): its row becomes NaN."""
         visible = np.ones(scores.shape, dtype=bool)
@@ -146,7 +188,16 @@ class Implementation:
         if mask is not None:
             visible = visible & self.mask_visible(mask)
         if is_causal:
-            visible = visible & self.causal(*scores.shape[-2:])
+            visible = visible & self.causal(*scores.shape[-2:], q_offset)
+        return visible
+
+    def in_range(self, L: int, S: int, q_offset: Any, window: Any, key_lengths: Any) -> np.ndarray | bool:
+        """The window and the key lengths: True where both let query i see key j; (..., L, S) or True."""
+        visible: np.ndarray | bool = True
+        if window is not None:
+            visible = visible & self.in_window(L, S, tuple(window), q_offset)
+        if key_lengths is not None:
+            visible = visible & self.in_lengths(S, key_lengths)
         return visible
 
     def mask_visible(self, mask: np.ndarray) -> np.ndarray:
@@ -371,6 +422,25 @@ class Implementation:
             listed = ", ".join(f"{name} {x.dtype}" for name, x in arrays.items())
             raise TypeError(f"{where}{', '.join(arrays)} must share one dtype; got {listed}")
 
+    def check_window(self, window: Any) -> None:
+        """None, or (left, right), each a non-negative int or None."""
+        def side(n: Any) -> bool:
+            return n is None or (isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 0)
+        if window is not None and not (isinstance(window, tuple | list) and len(window) == 2
+                                       and all(side(n) for n in window)):
+            raise ValueError(f"window must be (left, right), each a non-negative int or None; got {window!r}")
+
+    def check_softcap(self, softcap: Any) -> None:
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be a positive float or None; got {softcap!r}")
+
+    def check_positions(self, name: str, value: Any, batch: tuple[int, ...]) -> None:
+        """An int, or integers that broadcast to the leading axes `batch` without adding axes."""
+        dtype = np.asarray(value).dtype
+        if not np.issubdtype(dtype, np.integer):
+            raise TypeError(f"{name} must be an int or an integer array; got dtype {dtype}")
+        self.check_broadcast(name, np.shape(value), batch, "...")
+
     def check_probability(self, name: str, p: float) -> None:
         if not 0.0 <= p < 1.0:
             raise ValueError(f"{name} must be a probability in [0, 1); got {p}")
@@ -531,7 +601,7 @@ class _TransformerBlock(_Module):
 def as_module(impl: Implementation, name: str) -> types.ModuleType:
     """A module object exposing exactly the contract's names, every one bound to `impl`."""
     module = types.ModuleType(name, f"The attention contract, computed by {type(impl).__name__}.")
-    for function in CONTRACT[:7]:
+    for function in FUNCTIONS:
         setattr(module, function, getattr(impl, function))
     for base in (_MultiHeadAttention, _TransformerBlock):
         cls_name = base.__name__.lstrip("_")
@@ -546,6 +616,7 @@ to_numpy = _default.to_numpy
 save_state_dict = _default.save_state_dict
 load_state_dict = _default.load_state_dict
 causal_mask = _default.causal_mask
+window_mask = _default.window_mask
 padding_mask = _default.padding_mask
 scaled_dot_product_attention = _default.scaled_dot_product_attention
 MultiHeadAttention = _default.MultiHeadAttention
