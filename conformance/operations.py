@@ -73,7 +73,9 @@ def keywords_used(case: Case) -> dict[str, Any]:
 
 
 def _is_default(value: Any, default: Any) -> bool:
-    return not isinstance(value, np.ndarray) and value == default
+    """Whether a keyword's value is its default; an array (NumPy's, or the module's own inside a staged call)
+    never is."""
+    return value is default or (isinstance(value, int | float | tuple) and value == default)
 
 
 def operation_of(case: Case) -> Operation:
