@@ -50,12 +50,16 @@ def default_scale(scale: float | None, q: Sequence[int], k: Sequence[int]) -> fl
 def broadcasts_to(name: str, shape: Sequence[int], target: Sequence[int], letters: str) -> None:
     """`shape` must broadcast to `target` without enlarging it (a mask never adds batch axes)."""
     shape, target = _shape(shape), _shape(target)
-    try:
-        fits = _shape(np.broadcast_shapes(shape, target)) == target
-    except ValueError:
-        fits = False
-    if not fits:
+    if not _fits(shape, target):
         raise ValueError(f"{name} of shape {shape} does not broadcast to {target} ({letters})")
+
+
+def _fits(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether `shape` broadcasts to `target` without enlarging it."""
+    try:
+        return _shape(np.broadcast_shapes(shape, target)) == target
+    except ValueError:
+        return False
 
 
 def window(window: object) -> tuple[int | None, int | None] | None:
@@ -83,11 +87,7 @@ def positions(name: str, shape: Sequence[int], dtype: str, integer: bool, batch:
     if not integer:
         raise TypeError(f"{name} must be an int or an integer array; got dtype {dtype}")
     shape, batch = _shape(shape), _shape(batch)
-    try:
-        fits = _shape(np.broadcast_shapes(shape, batch)) == batch
-    except ValueError:
-        fits = False
-    if not fits:
+    if not _fits(shape, batch):
         raise ValueError(f"{name} of shape {shape} does not broadcast to the scores' leading axes {batch} (...)")
 
 
