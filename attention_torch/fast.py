@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .functional import _integers, _visible
+from .functional import _visible
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
@@ -38,7 +38,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     positions = structure["window"] is not None or structure["key_lengths"] is not None or (
         structure["is_causal"] and offset)  # keys hidden by positions: ours, in the one boolean mask
     if mask is None and bias is None and not positions:  # torch: its own is_causal is ours without an offset
-        _integers(structure["q_offset"], "q_offset", batch)  # unused here, but checked as on the explicit path
         return F.scaled_dot_product_attention(q, k, v, is_causal=structure["is_causal"], scale=scale).to(dtype)
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]), q.device)  # (..., L, S)
     if bias is not None:

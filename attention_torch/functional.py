@@ -124,6 +124,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
     checks.probability("dropout_p", dropout_p)
     checks.softcap(softcap)
+    _integers(structure["q_offset"], "q_offset", batch)  # torch: the plain fused path never builds a mask from it
     scale = checks.default_scale(scale, q.shape, k.shape)
     L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
