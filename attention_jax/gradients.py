@@ -36,14 +36,16 @@ def scaled_dot_product_attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     key_lengths: jax.Array | None = None,
     softcap: float | None = None,
+    enable_gqa: bool = False,
 ) -> tuple[jax.Array, jax.Array, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
     With softcap, S = c tanh(R / c) + bias, R = Q K^T * scale: dR = dS * (1 - tanh^2(R / c)), and dQ, dK
-    take dR in place of dS (dbias is still dS). q_offset, window and key_lengths take no gradient.
+    take dR in place of dS (dbias is still dS). q_offset, window and key_lengths take no gradient. With
+    enable_gqa, k and v are broadcast over each group of query heads, so dK and dV are summed over the group.
 
     Args:
-        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap: as for
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout).
 
     Returns:
@@ -53,7 +55,7 @@ def scaled_dot_product_attention_vjp(
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None) -> tuple:
         return scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale,
                                             q_offset=q_offset, window=window, key_lengths=key_lengths,
-                                            softcap=softcap)
+                                            softcap=softcap, enable_gqa=enable_gqa)
 
     out, pull, weights = jax.vjp(attention, q, k, v, bias, has_aux=True)  # jax: autodiff of the forward
 

@@ -6,13 +6,17 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 What makes it faster than the explicit path: the scale is folded into q, (..., L, E) instead of
 (..., L, S); the scores are shifted, exponentiated and masked in place; and the softmax is normalised after
-the value product, dividing (..., L, Ev) instead of (..., L, S). float16 is computed in float32, as on the
-explicit path; float32 stays float32.
+the value product, dividing (..., L, Ev) instead of (..., L, S). Where k and v hold one head for several
+query heads (grouped-query attention's groups, multi-query attention), each group is one matmul of G * L
+rows, and k and v are never copied per head. float16 is computed in float32, as on the explicit path;
+float32 stays float32.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from attention_np.common import checks
 
 from .functional import _visible
 
@@ -24,7 +28,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16: sums, softmax in float32
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
-    scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
+    scores = _grouped_matmul(q * scale, np.swapaxes(k, -1, -2))  # (..., L, E) x (..., E, S) -> (..., L, S)
     if softcap is not None:  # softcap * tanh(raw / softcap), in place, before the bias and the masks
         np.divide(scores, softcap, out=scores)
         np.tanh(scores, out=scores)
@@ -40,9 +44,21 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
     np.subtract(scores, row_max, out=scores)
     np.exp(scores, out=scores)  # (..., L, S), unnormalised weights
     total = np.sum(scores, axis=-1, keepdims=True)  # (..., L, 1)
-    out = scores @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
+    out = _grouped_matmul(scores, v)  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     out /= total if visible is None else np.where(total == 0, 1, total)  # normalise after the value product
     return out.astype(dtype, copy=False)
+
+
+def _grouped_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b, (..., G, L, N) x (..., 1, N, M) -> (..., G, L, M). Where b holds one head that G heads of a
+    share (GQA's groups, multi-query attention), the G heads become one matrix of G * L rows, so each group
+    takes one matmul, not one per head, and b is never copied per head."""
+    if not checks.shared_kv_head(a.shape, b.shape, b.shape):
+        return a @ b
+    (G, L, N), M = a.shape[-3:], b.shape[-1]
+    b = b.reshape(*b.shape[:-3], N, M) if b.ndim >= 3 else b  # (..., 1, N, M) -> (..., N, M)
+    out = a.reshape(*a.shape[:-3], G * L, N) @ b  # (..., G * L, N) x (..., N, M) -> (..., G * L, M)
+    return out.reshape(*out.shape[:-2], G, L, M)
 
 
 def _broadcast(scores: np.ndarray, *others: np.ndarray | None) -> np.ndarray:

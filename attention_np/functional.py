@@ -26,6 +26,7 @@ def scaled_dot_product_attention(
     window: tuple[int | None, int | None] | None = None,
     key_lengths: np.ndarray | None = None,
     softcap: float | None = None,
+    enable_gqa: bool = False,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
@@ -45,6 +46,8 @@ def scaled_dot_product_attention(
         window: (left, right), ints or None: hide keys outside p_i - left <= j <= p_i + right.
         key_lengths: integer array broadcasting to (...): hide keys j >= key_lengths.
         softcap: a positive number: raw scores become softcap * tanh(raw / softcap) before bias and masks.
+        enable_gqa: grouped-query attention: q has H heads (axis -3), k and v Hkv, H a multiple of Hkv; query
+            head h uses key/value head h // (H // Hkv). mask, bias, q_offset, key_lengths follow q's heads.
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a NumPy Generator or an int seed (None: fresh randomness).
@@ -53,6 +56,12 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
+    if enable_gqa:  # grouped-query attention is attention with k and v broadcast over each group of query heads
+        q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
+        out, weights = scaled_dot_product_attention(
+            q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
+            key_lengths=key_lengths, softcap=softcap, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
+        return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
     structure = dict(is_causal=is_causal, q_offset=q_offset, window=checks.window(window), key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights)
@@ -126,6 +135,34 @@ def _prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     _visible(mask, bias, structure, (*batch, L, S))  # the masks' shapes are still checked
     weights = np.zeros((*batch, L, S), q.dtype)
     return batch, scale, (np.zeros((*batch, L, v.shape[-1]), q.dtype), weights if need_weights else None)
+
+
+def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+             q_offset: int | np.ndarray, key_lengths: np.ndarray | None) -> tuple:
+    """Grouped-query attention as broadcasting: q (..., H, L, E) -> (..., Hkv, G, L, E) and k, v
+    (..., Hkv, S, E | Ev) -> (..., Hkv, 1, S, E | Ev), G = H // Hkv, so query head h = (h // G, h % G) meets
+    key/value head h // G. mask and bias (..., H, L, S) and q_offset, key_lengths (..., H) split their head
+    axis alike, after their shapes are checked against q's H heads. Reshapes only: nothing is copied."""
+    H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
+    q, k, v = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
+    batch = (*checks.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
+    scores_shape = (*batch, q.shape[-2], k.shape[-2])  # (..., H, L, S)
+    for name, x in (("mask", mask), ("bias", bias)):
+        if x is not None:
+            checks.broadcasts_to(name, np.shape(x), scores_shape, "..., H, L, S")
+    for name, x in (("q_offset", q_offset), ("key_lengths", key_lengths)):
+        if x is not None:
+            _integers(x, name, batch)
+
+    def split(x: np.ndarray | None, trailing: int) -> np.ndarray | None:
+        return x if np.ndim(x) <= trailing else np.reshape(x, checks.grouped_shape(np.shape(x), H, Hkv, trailing))
+
+    return q, k, v, split(mask, 2), split(bias, 2), split(q_offset, 0), split(key_lengths, 0)
+
+
+def _ungrouped(x: np.ndarray | None) -> np.ndarray | None:
+    """(..., Hkv, G, L, *) -> (..., H, L, *): the groups' heads in order again, H = Hkv * G."""
+    return None if x is None else x.reshape(*x.shape[:-4], x.shape[-4] * x.shape[-3], *x.shape[-2:])
 
 
 def _dtypes(**arrays: np.ndarray) -> dict[str, tuple[str, bool]]:

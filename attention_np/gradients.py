@@ -20,7 +20,7 @@ import numpy as np
 
 from attention_np.common import checks
 
-from .functional import _dtypes, scaled_dot_product_attention
+from .functional import _dtypes, _grouped, _ungrouped, scaled_dot_product_attention
 from .modules import _activation, _erf
 
 Grads = dict[str, np.ndarray]
@@ -39,6 +39,7 @@ def scaled_dot_product_attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     key_lengths: np.ndarray | None = None,
     softcap: float | None = None,
+    enable_gqa: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
@@ -50,16 +51,20 @@ def scaled_dot_product_attention_vjp(
     P_ij = 0, so dS_ij = 0: no gradient reaches it through that query; a query with no visible key has a
     row of zeros, so its gradient is zero too, never NaN. Each gradient is summed over the axes its input
     was broadcast along, so it has that input's shape. q_offset, window and key_lengths only choose the
-    visible keys: they take no gradient.
+    visible keys: they take no gradient. With enable_gqa, k and v are broadcast over each group of query
+    heads, so dK and dV are summed over the group: dK_kv = sum over h in group kv of dS_h^T Q_h * scale.
 
     Args:
-        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap: as for
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout).
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
         dbias None when bias is None.
     """
+    if enable_gqa:  # the grouped call's pullback (k, v broadcast over each group), its gradients reshaped back
+        return _grouped_vjp(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset,
+                            window=window, key_lengths=key_lengths, softcap=softcap)
     out, weights = scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale,
                                                 q_offset=q_offset, window=window, key_lengths=key_lengths,
                                                 softcap=softcap)
@@ -85,6 +90,25 @@ def scaled_dot_product_attention_vjp(
         return _sum_to(dq, q.shape), _sum_to(dk, k.shape), _sum_to(dv, v.shape), dbias
 
     return out, weights, pullback
+
+
+def _grouped_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *,
+                 bias: np.ndarray | None, **options: Any) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """scaled_dot_product_attention_vjp with enable_gqa: the vjp of the grouped call (functional._grouped).
+    Its dk and dv come back summed over each group, with the grouped k's and v's shape (..., Hkv, 1, S, E),
+    and every gradient takes its input's shape again; d_out (..., H, L, Ev) is split into the groups."""
+    q_g, k_g, v_g, mask_g, bias_g, q_offset, key_lengths = _grouped(q, k, v, mask, bias, options.pop("q_offset"),
+                                                                    options.pop("key_lengths"))
+    out_g, weights_g, pull = scaled_dot_product_attention_vjp(q_g, k_g, v_g, mask_g, bias=bias_g, q_offset=q_offset,
+                                                              key_lengths=key_lengths, **options)
+    out = _ungrouped(out_g)  # (..., Hkv, G, L, Ev) -> (..., H, L, Ev)
+
+    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        grads = pull(d_out.reshape(out_g.shape))  # (..., H, L, Ev) -> (..., Hkv, G, L, Ev)
+        return tuple(None if g is None else g.reshape(np.shape(x)) for g, x in zip(grads, (q, k, v, bias)))
+
+    return out, _ungrouped(weights_g), pullback
 
 
 def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,

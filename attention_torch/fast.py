@@ -10,7 +10,9 @@ aligned, as ours) keeps the fused kernels available. q_offset, window and key_le
 one boolean mask; softcap keeps the explicit path (the kernel cannot cap the raw scores). A fully masked
 row is set to zeros explicitly, so the rule holds on every kernel and device.
 scaled_dot_product_attention sends inputs with a NaN or inf in q or k to the explicit path instead (see
-there).
+there). Where k and v hold one head for several query heads (grouped-query attention's groups,
+multi-query attention by broadcasting), the kernel's enable_gqa shares it: k and v are never copied per
+query head (the kernel does not broadcast, and expanded inputs of rank 5 were copied, measured).
 
 float16 and bfloat16: on CUDA the kernel takes them as they are (its flash and memory-efficient kernels
 accumulate in float32 and need half precision to run at full speed); on the CPU they are computed in
@@ -25,26 +27,54 @@ import math
 import torch
 import torch.nn.functional as F
 
+from attention_np.common import checks
+
 from .functional import _visible
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
               bias: torch.Tensor | None, structure: dict, scale: float, batch: tuple) -> torch.Tensor:
     """softmax(Q K^T * scale + bias) V over the visible keys, as scaled_dot_product_attention's out."""
-    dtype = q.dtype
+    dtype, (L, S, Ev) = q.dtype, (q.shape[-2], k.shape[-2], v.shape[-1])
     work = dtype if q.is_cuda else torch.promote_types(dtype, torch.float32)  # see the module docstring
-    q, k, v = (x.to(work).expand(*batch, *x.shape[-2:]) for x in (q, k, v))  # torch: the kernel does not broadcast
+    shared = checks.shared_kv_head(q.shape, k.shape, v.shape)  # one key/value head per group: enable_gqa
+    q, k, v = _kernel_heads(*(x.to(work) for x in (q, k, v)), batch=batch, shared=shared)
     offset = not (isinstance(structure["q_offset"], int) and structure["q_offset"] == 0)
     positions = structure["window"] is not None or structure["key_lengths"] is not None or (
         structure["is_causal"] and offset)  # keys hidden by positions: ours, in the one boolean mask
     if mask is None and bias is None and not positions:  # torch: its own is_causal is ours without an offset
-        return F.scaled_dot_product_attention(q, k, v, is_causal=structure["is_causal"], scale=scale).to(dtype)
-    visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]), q.device)  # (..., L, S)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=structure["is_causal"], scale=scale,
+                                             enable_gqa=shared)
+        return out.reshape(*batch, L, Ev).to(dtype)
+    visible = _visible(mask, bias, structure, (*batch, L, S), q.device)  # (..., L, S)
     if bias is not None:
         bias = torch.as_tensor(bias, dtype=q.dtype, device=q.device)
     attn_mask = visible if bias is None else torch.where(visible, bias, -math.inf)
-    attn_mask = attn_mask[(None,) * (q.ndim - attn_mask.ndim)]  # torch: at q's rank, as the kernel raised
-    # IndexError for an (S,) mask with inputs of rank 4
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)  # (..., L, Ev)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_kernel_mask(attn_mask, batch, shared, q.ndim),
+                                         scale=scale, enable_gqa=shared).reshape(*batch, L, Ev)
     return torch.where(visible.any(dim=-1, keepdim=True), out, 0).to(dtype)  # a fully masked row: zeros
 
+
+def _kernel_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, batch: tuple,
+                  shared: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v expanded to the leading axes (...), as the kernel does not broadcast. When k and v hold one head
+    that the G query heads of axis -3 share (`shared`: GQA's groups (..., Hkv, G), multi-query attention), the
+    kernel takes the last two leading axes as Hkv * G query heads against Hkv key/value heads, with its
+    enable_gqa: k and v are never copied per query head."""
+    if not shared:
+        return tuple(x.expand(*batch, *x.shape[-2:]) for x in (q, k, v))
+    lead = batch[:-1] or (1,)  # (..., Hkv)
+    q = q.expand(*batch, *q.shape[-2:]).reshape(*lead[:-1], lead[-1] * batch[-1], *q.shape[-2:])  # (..., H, L, E)
+    k, v = (x.expand(*lead, 1, *x.shape[-2:]).reshape(*lead, *x.shape[-2:]) for x in (k, v))  # (..., Hkv, S, E)
+    return q, k, v
+
+
+def _kernel_mask(attn_mask: torch.Tensor, batch: tuple, shared: bool, ndim: int) -> torch.Tensor:
+    """The mask (broadcasting to (..., L, S)) in the kernel's layout (`_kernel_heads`), at its rank `ndim`:
+    torch's kernel raised IndexError for an (S,) mask with inputs of rank 4."""
+    if shared and len(batch) >= 2:  # (..., Hkv | 1, G | 1, L, S) -> (..., H | 1, L, S), a copy only per head
+        attn_mask = attn_mask[(None,) * (len(batch) + 2 - attn_mask.ndim)]
+        if attn_mask.shape[-4:-2] != (1, 1):
+            attn_mask = attn_mask.expand(*attn_mask.shape[:-4], *batch[-2:], *attn_mask.shape[-2:])
+        attn_mask = attn_mask.flatten(-4, -3)
+    return attn_mask[(None,) * (ndim - attn_mask.ndim)]

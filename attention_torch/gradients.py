@@ -39,14 +39,16 @@ def scaled_dot_product_attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     key_lengths: torch.Tensor | None = None,
     softcap: float | None = None,
+    enable_gqa: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
     With softcap, S = c tanh(R / c) + bias, R = Q K^T * scale: dR = dS * (1 - tanh^2(R / c)), and dQ, dK
-    take dR in place of dS (dbias is still dS). q_offset, window and key_lengths take no gradient.
+    take dR in place of dS (dbias is still dS). q_offset, window and key_lengths take no gradient. With
+    enable_gqa, k and v are broadcast over each group of query heads, so dK and dV are summed over the group.
 
     Args:
-        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap: as for
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout).
 
     Returns:
@@ -57,7 +59,8 @@ def scaled_dot_product_attention_vjp(
         inputs = [_leaf(x) for x in (q, k, v, bias) if x is not None]
         out, weights = scaled_dot_product_attention(*inputs[:3], mask, bias=None if bias is None else inputs[3],
                                                     is_causal=is_causal, scale=scale, q_offset=q_offset,
-                                                    window=window, key_lengths=key_lengths, softcap=softcap)
+                                                    window=window, key_lengths=key_lengths, softcap=softcap,
+                                                    enable_gqa=enable_gqa)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))

@@ -91,6 +91,45 @@ def positions(name: str, shape: Sequence[int], dtype: str, integer: bool, batch:
         raise ValueError(f"{name} of shape {shape} does not broadcast to the scores' leading axes {batch} (...)")
 
 
+def grouped_heads(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> tuple[int, int]:
+    """enable_gqa: q (..., H, L, E), k (..., Hkv, S, E), v (..., Hkv, S, Ev), H a multiple of Hkv; returns
+    (H, Hkv)."""
+    q, k, v = _shape(q), _shape(k), _shape(v)
+    for name, shape, letters in (("q", q, "H, L, E"), ("k", k, "Hkv, S, E"), ("v", v, "Hkv, S, Ev")):
+        if len(shape) < 3:
+            raise ValueError(f"enable_gqa needs a head axis: {name} must have shape (..., {letters}); got {shape}")
+    H, Hkv = q[-3], k[-3]
+    if v[-3] != Hkv:
+        raise ValueError(f"enable_gqa: k and v must have the same number of heads Hkv; k {k} is (..., Hkv, S, E), "
+                         f"v {v} is (..., Hkv, S, Ev)")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"enable_gqa: the H = {H} query heads must be a multiple of the Hkv = {Hkv} key/value "
+                         f"heads; q {q} is (..., H, L, E), k {k} is (..., Hkv, S, E)")
+    return H, Hkv
+
+
+def grouped_shape(shape: Sequence[int], H: int, Hkv: int, trailing: int) -> Shape:
+    """The shape of an array with its head axis (the one before its `trailing` last axes) split into groups:
+    H -> (Hkv, G), Hkv -> (Hkv, 1), 1 -> (1, 1), G = H // Hkv; unchanged without a head axis. Query head h is
+    then (h // G, h % G), and key/value head h // G broadcasts over its group."""
+    shape = _shape(shape)
+    if len(shape) <= trailing:
+        return shape
+    axis = len(shape) - trailing - 1
+    heads = shape[axis]
+    split = (Hkv, H // Hkv) if heads == H else (heads, 1)  # H == Hkv: (H, 1) either way
+    return shape[:axis] + split + shape[axis + 1:]
+
+
+def shared_kv_head(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> bool:
+    """Whether k and v hold one head (axis -3, or none) that several query heads of q's axis -3 share: GQA's
+    groups (enable_gqa), or multi-query attention by broadcasting. A fast path then needs no copy of k and v
+    per query head."""
+    def heads(shape: Sequence[int]) -> int:
+        return shape[-3] if len(shape) >= 3 else 1
+    return heads(q) > 1 and heads(k) == heads(v) == 1
+
+
 def same_floating_dtype(dtypes: Mapping[str, tuple[str, bool]], where: str = "") -> None:
     """`dtypes` maps an argument name to (dtype name, is floating); all must be one floating dtype."""
     for name, (dtype, floating) in dtypes.items():
