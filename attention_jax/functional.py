@@ -160,7 +160,9 @@ def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
             _integers(x, name, batch)
 
     def split(x: jax.Array | None, trailing: int) -> jax.Array | None:
-        return x if jnp.ndim(x) <= trailing else jnp.reshape(x, checks.grouped_shape(jnp.shape(x), H, Hkv, trailing))
+        if x is None or jnp.ndim(x) <= trailing:  # no head axis: it broadcasts over the groups as it is
+            return x
+        return jnp.reshape(x, checks.grouped_shape(jnp.shape(x), H, Hkv, trailing))
 
     return q, k, v, split(mask, 2), split(bias, 2), split(q_offset, 0), split(key_lengths, 0)
 

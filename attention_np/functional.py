@@ -155,7 +155,9 @@ def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
             _integers(x, name, batch)
 
     def split(x: np.ndarray | None, trailing: int) -> np.ndarray | None:
-        return x if np.ndim(x) <= trailing else np.reshape(x, checks.grouped_shape(np.shape(x), H, Hkv, trailing))
+        if x is None or np.ndim(x) <= trailing:  # no head axis: it broadcasts over the groups as it is
+            return x
+        return np.reshape(x, checks.grouped_shape(np.shape(x), H, Hkv, trailing))
 
     return q, k, v, split(mask, 2), split(bias, 2), split(q_offset, 0), split(key_lengths, 0)
 

@@ -163,8 +163,9 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
             _integers(x, name, batch)
 
     def split(x: torch.Tensor | None, trailing: int) -> torch.Tensor | None:
-        ndim = x.ndim if isinstance(x, torch.Tensor) else 0  # torch: q_offset may be a Python int
-        return x if ndim <= trailing else x.reshape(checks.grouped_shape(x.shape, H, Hkv, trailing))
+        if x is None or not isinstance(x, torch.Tensor) or x.ndim <= trailing:  # no head axis: it broadcasts
+            return x  # over the groups as it is (torch: q_offset may be a Python int, which has no ndim)
+        return x.reshape(checks.grouped_shape(x.shape, H, Hkv, trailing))
 
     return q, k, v, split(mask, 2), split(bias, 2), split(q_offset, 0), split(key_lengths, 0)
 

@@ -39,6 +39,7 @@ class SdpaCase(NamedTuple):
     window: tuple[int | None, int | None] | None = None  # (left, right): keys p_i - left..p_i + right
     key_lengths: np.ndarray | None = None  # integers broadcasting to (...): keys j < key_lengths visible
     softcap: float | None = None  # raw scores -> softcap * tanh(raw / softcap), before the bias
+    enable_gqa: bool = False  # q (..., H, L, E), k and v (..., Hkv, S, *): query head h uses head h // (H / Hkv)
 
 
 class MhaCase(NamedTuple):
@@ -192,6 +193,16 @@ _KINDS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "nan": np.isnan,
     "sums_to_one": lambda y: np.abs(y.sum(axis=-1) - 1) <= 1e-12,
 }
+
+
+def per_query_head(case: SdpaCase) -> tuple[np.ndarray, np.ndarray]:
+    """k and v as each query head sees them: with enable_gqa, key/value head h // G for query head h,
+    (..., Hkv, S, *) -> (..., H, S, *), G = H / Hkv; else k and v as they are."""
+    if not case.enable_gqa:
+        return case.k, case.v
+    H, Hkv = case.q.shape[-3], case.k.shape[-3]
+    heads = np.arange(H) // (H // Hkv)  # query head h -> its key/value head
+    return np.take(case.k, heads, axis=-3), np.take(case.v, heads, axis=-3)
 
 
 def w_o_bias(case: MhaCase) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .cases import BlockCase, Case, MhaCase, SdpaCase
+from .cases import BlockCase, Case, MhaCase, SdpaCase, per_query_head
 from .frameworks import RngForm, framework_of
 from .operations import Pair, arrays_and_options, operation_of
 from .tolerances import relative_error
@@ -311,7 +311,7 @@ def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Mea
     out, _ = runner.run(case, dtype)
     visible = operation_of(case).visible(case)  # (..., L, S)
     counts = visible.sum(axis=-1, keepdims=True)  # (..., L, 1)
-    picked = np.where(counts == 1, visible, False).astype(np.float64) @ case.v  # (..., L, Ev)
+    picked = np.where(counts == 1, visible, False).astype(np.float64) @ per_query_head(case)[1]  # (..., L, Ev)
     checked = np.broadcast_to(counts <= 1, picked.shape)
     actual = np.where(checked, out, 0.0) if out.shape == picked.shape else out
     return {"single_key": compare("out", actual.astype(dtype, copy=False), np.where(checked, picked, 0.0), dtype)}

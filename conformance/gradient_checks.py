@@ -130,11 +130,15 @@ def _masked_rows(case: Case, grads: dict[str, np.ndarray]) -> Measure:
 
 
 def _reduce_to(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """A row is blind in an input broadcast over batch axes only if it is blind in every broadcast copy."""
+    """A row is blind in an input shared by several copies only if it is blind in every copy: an input
+    broadcast over an axis is shared by all of it, a key/value head (enable_gqa) by its group of query heads."""
     extra = rows.ndim - len(shape)
     rows = np.all(rows, axis=tuple(range(extra))) if extra > 0 else rows
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and rows.shape[i] != 1)
-    return np.all(rows, axis=axes, keepdims=True) if axes else np.broadcast_to(rows, shape)
+    for axis, n in enumerate(shape):
+        if rows.shape[axis] not in (1, n):  # n groups of rows.shape[axis] / n copies (n = 1: one group of all)
+            split = (*rows.shape[:axis], n, rows.shape[axis] // n, *rows.shape[axis + 1:])
+            rows = np.all(rows.reshape(split), axis=axis + 1)
+    return np.broadcast_to(rows, shape)
 
 
 def _seed(case: Case) -> int:

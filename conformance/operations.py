@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import oracle
-from .cases import BlockCase, Case, MhaCase, SdpaCase
+from .cases import BlockCase, Case, MhaCase, SdpaCase, per_query_head
 
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 
@@ -98,13 +98,14 @@ def missing(module: ModuleType, names: tuple[str, ...]) -> list[str]:
 # --- scaled dot-product attention --------------------------------------------------------------------------
 
 # The keywords of SPEC.md section 2a and their defaults; a case passes one only where it differs.
-OPTIONAL_KEYWORDS: dict[str, Any] = {"q_offset": 0, "window": None, "key_lengths": None, "softcap": None}
+OPTIONAL_KEYWORDS: dict[str, Any] = {"q_offset": 0, "window": None, "key_lengths": None, "softcap": None,
+                                     "enable_gqa": False}
 
 
 def _sdpa_oracle(case: SdpaCase, precision: str, fused_bias: bool) -> Pair:  # sdpa has no Linear: no bias to fuse
     return oracle.sdpa(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
                        scale=case.scale, q_offset=case.q_offset, window=case.window, key_lengths=case.key_lengths,
-                       softcap=case.softcap, dtype=precision)
+                       softcap=case.softcap, enable_gqa=case.enable_gqa, dtype=precision)
 
 
 def _sdpa_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
@@ -134,8 +135,7 @@ def _sdpa_visible(case: SdpaCase) -> np.ndarray:
     """Which keys each query sees, by the spec: mask, -inf bias, and the positions' rules (causal, window,
     key lengths); (..., L, S)."""
     L, S = case.q.shape[-2], case.k.shape[-2]
-    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
-    visible = np.ones((*batch, L, S), dtype=bool)
+    visible = np.ones((*_batch(case), L, S), dtype=bool)
     if case.mask is not None:
         visible = visible & (case.mask != 0)
     if case.bias is not None:
@@ -154,7 +154,7 @@ def _sdpa_visible(case: SdpaCase) -> np.ndarray:
 
 def _sdpa_dropout_sigma(case: SdpaCase, weights: np.ndarray, p: float, draws: int) -> np.ndarray:
     """The standard deviation of the mean of `draws` inverted-dropout outputs, per entry (..., L, Ev)."""
-    return np.sqrt(p / (1 - p) * (weights**2) @ (case.v**2) / draws)
+    return np.sqrt(p / (1 - p) * (weights**2) @ (per_query_head(case)[1] ** 2) / draws)
 
 
 def _sdpa_dropout_probe(case: SdpaCase) -> Probe:
@@ -169,7 +169,9 @@ def _sdpa_dropout_probe(case: SdpaCase) -> Probe:
 
 
 def _batch(case: SdpaCase | MhaCase) -> tuple[int, ...]:
-    return np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+    """The leading axes of the scores (..., H with enable_gqa)."""
+    k, v = per_query_head(case) if isinstance(case, SdpaCase) else (case.k, case.v)
+    return np.broadcast_shapes(case.q.shape[:-2], k.shape[:-2], v.shape[:-2])
 
 
 def _dropped(outputs: dict[str, np.ndarray], kept: float) -> dict[str, np.ndarray] | None:
@@ -287,7 +289,7 @@ def _block_dropout_shows(case: BlockCase) -> bool:
 
 OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
     Operation("sdpa", "scaled_dot_product_attention", SdpaCase,
-              ("is_causal", "scale", "dropout", "q_offset", "window", "softcap"), ("q", "k", "v"),
+              ("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa"), ("q", "k", "v"),
               ("q", "k", "v", "bias"), "sdpa_cases", _sdpa_oracle, _sdpa_call, "scaled_dot_product_attention_vjp",
               _sdpa_pullback, _sdpa_visible, _sdpa_dropout_sigma, lambda case: True, _sdpa_dropout_probe),
     Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout"), ("q", "k", "v"),

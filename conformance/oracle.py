@@ -45,6 +45,7 @@ def sdpa(
     window: tuple[int | None, int | None] | None = None,
     key_lengths: ArrayLike | None = None,
     softcap: float | None = None,
+    enable_gqa: bool = False,
     dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Attention(Q, K, V) = softmax(softcap tanh(Q K^T * scale / softcap) + bias) V, the softmax over the
@@ -60,11 +61,15 @@ def sdpa(
         window: (left, right), None for an unbounded side: query i sees keys p_i - left <= j <= p_i + right.
         key_lengths: integers broadcasting to (...): a sequence sees its keys j < key_lengths.
         softcap: the raw scores become softcap * tanh(raw / softcap), before the bias; None: unchanged.
+        enable_gqa: q has H heads (axis -3), k and v Hkv; query head h reads key/value head h // (H / Hkv).
 
     Returns:
         out (..., L, Ev) and weights (..., L, S), in `dtype`. A query with no visible key gets zeros in both.
     """
     q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    if enable_gqa:  # each query head gets its own copy of the key/value head it reads
+        group = q.shape[-3] // k.shape[-3]
+        k, v = (np.stack([x[..., h // group, :, :] for h in range(q.shape[-3])], axis=-3) for x in (k, v))
     (L, E), (S, Ev) = q.shape[-2:], v.shape[-2:]
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     q = np.broadcast_to(q, (*batch, L, E))

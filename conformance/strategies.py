@@ -49,6 +49,8 @@ POSITIONED = (False, False, True)  # about one sdpa case in three draws the keyw
 OFFSET_FORMS = ("zero", "int", "array")  # q_offset: the default, a Python int (static), one per sequence
 WINDOW_SIDES = (None, 0, 1, 3)  # each side of a window: unbounded, the query's own key, one, three
 SOFTCAPS = (0.5, 1.0, 5.0, 50.0)  # 0.5 and 1 saturate ordinary logits; 50 barely touches them
+GROUPED = (False, True)  # about one positioned sdpa case in two uses enable_gqa
+QUERY_HEADS = (2, 4)  # H of an enable_gqa case; its key/value heads Hkv are 1, H / 2 or H
 
 SEEDS = st.integers(0, 2**32 - 1)
 
@@ -313,6 +315,16 @@ def positions(draw: Callable, batch: Batch, L: int, S: int) -> Positions:
     return Positions(q_offset, window, lengths_, draw(st.none() | st.sampled_from(SOFTCAPS)))
 
 
+@st.composite
+def grouped_heads(draw: Callable, batch: Batch) -> tuple[Batch, Batch]:
+    """The leading axes of q and of k, v in an enable_gqa case: `batch` with its last axis (or a new one)
+    holding H query heads from QUERY_HEADS, and Hkv in {1, H / 2, H} key/value heads (multi-query, grouped,
+    one each)."""
+    H = draw(st.sampled_from(QUERY_HEADS))
+    Hkv = draw(st.sampled_from((1, H // 2, H)))
+    return (*batch[:-1], H), (*batch[:-1], Hkv)
+
+
 # --- scaled dot-product attention --------------------------------------------------------------------------
 
 @st.composite
@@ -333,9 +345,14 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
 
     positioned: whether the case passes the keywords of SPEC 2a (`positions`); None draws it, True in
     about one case of three (POSITIONED), never with single_key. False for the checks whose property they
-    break (a permutation of the keys, a causal prefix).
+    break (a permutation of the keys, a causal prefix). About one positioned case in two (GROUPED) is also
+    grouped-query attention (`grouped_heads`): masks, bias and positions then follow q's heads.
     """
+    if positioned is None:  # a single-key case keeps its one key: the keywords could hide it
+        positioned = False if single_key else draw(st.sampled_from(POSITIONED))
     batch, L = draw(batch_shapes()), draw(lengths())
+    grouped = positioned and draw(st.sampled_from(GROUPED))
+    batch, kv_batch = draw(grouped_heads(batch)) if grouped else (batch, batch)  # q's, and k's and v's
     S = 1 if single_key and mask is False else draw(lengths())
     E, Ev = draw(st.sampled_from(WIDTHS)), draw(st.sampled_from(WIDTHS))
     is_causal = draw(st.booleans()) if is_causal is None else is_causal
@@ -343,10 +360,10 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     scale = draw(st.sampled_from(SCALES))
     rng = _rng(draw)
     q = _values(rng, (*batch, L, E), magnitude)  # (..., L, E)
-    k = _values(rng, (*batch, S, E), magnitude)  # (..., S, E)
-    v = rng.standard_normal((*batch, S, Ev))  # (..., S, Ev)
+    k = _values(rng, (*kv_batch, S, E), magnitude)  # (..., S, E)
+    v = rng.standard_normal((*kv_batch, S, Ev))  # (..., S, Ev)
     if key_offset:  # one vector shared by every key
-        k = k + KEY_OFFSET * rng.standard_normal((*batch, 1, E))  # (..., S, E) + (..., 1, E)
+        k = k + KEY_OFFSET * rng.standard_normal((*kv_batch, 1, E))  # (..., S, E) + (..., 1, E)
 
     if mask is False:
         mask_ = None
@@ -357,10 +374,8 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     bias_ = None if bias is False else draw(biases(batch, L, S, allow_none=bias is None))
     if single_key and bias_ is not None:
         bias_ = _finite_where_visible(bias_, mask_)
-    if positioned is None:  # a single-key case keeps its one key: the keywords could hide it
-        positioned = False if single_key else draw(st.sampled_from(POSITIONED))
     extra = draw(positions(batch, L, S)) if positioned else Positions()
-    return SdpaCase(q, k, v, mask_, bias_, is_causal, scale, 0.0, *extra)
+    return SdpaCase(q, k, v, mask_, bias_, is_causal, scale, 0.0, *extra, enable_gqa=grouped)
 
 
 # --- parameters --------------------------------------------------------------------------------------------

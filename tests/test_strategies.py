@@ -35,7 +35,11 @@ def _assert_sdpa_contract(case: cases.SdpaCase) -> tuple[int, ...]:
     """Shapes of one sdpa case agree; returns the scores' shape (..., L, S)."""
     (L, E), S = case.q.shape[-2:], case.v.shape[-2]
     assert case.k.shape[-1] == E and case.k.shape[-2] == S
-    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+    if case.enable_gqa:  # q's H heads in groups over k's and v's Hkv: the leading axes differ there only
+        H, Hkv = case.q.shape[-3], case.k.shape[-3]
+        assert H in cs.QUERY_HEADS and Hkv in (1, H // 2, H) and case.v.shape[-3] == Hkv
+        assert case.q.shape[:-3] == case.k.shape[:-3] == case.v.shape[:-3]
+    batch = np.broadcast_shapes(case.q.shape[:-2], *(x.shape[:-2] for x in cases.per_query_head(case)))
     target = (*batch, L, S)
     _assert_broadcasts("mask", case.mask, target)
     _assert_broadcasts("bias", case.bias, target)
@@ -87,8 +91,9 @@ def _oracle(case: cases.Case) -> tuple[np.ndarray, np.ndarray]:
 @given(cs.sdpa_cases())
 def test_sdpa_case_shapes_are_consistent(case: cases.SdpaCase) -> None:
     L, S = _assert_sdpa_contract(case)[-2:]
-    assert case.q.shape[:-2] in cs.BATCH_SHAPES
-    assert case.k.shape[:-2] == case.v.shape[:-2] == case.q.shape[:-2]
+    if not case.enable_gqa:
+        assert case.q.shape[:-2] in cs.BATCH_SHAPES
+        assert case.k.shape[:-2] == case.v.shape[:-2] == case.q.shape[:-2]
     assert {L, S} <= {*cs.LENGTHS, *cs.LONG_LENGTHS}
     assert case.q.shape[-1] in cs.WIDTHS and case.v.shape[-1] in cs.WIDTHS
     assert case.q.dtype == case.k.dtype == case.v.dtype == np.float64
@@ -197,7 +202,7 @@ def test_sdpa_forced_off_flags_are_honoured(case: cases.SdpaCase) -> None:
 @FEW
 @given(cs.sdpa_cases(positioned=False))
 def test_sdpa_cases_without_positions_pass_no_keyword_of_spec_2a(case: cases.SdpaCase) -> None:
-    assert (case.q_offset, case.window, case.key_lengths, case.softcap) == (0, None, None, None)
+    assert (case.q_offset, case.window, case.key_lengths, case.softcap, case.enable_gqa) == (0, None, None, None, False)
 
 
 @FEW
@@ -345,7 +350,7 @@ def _offset_forms(case: cases.SdpaCase) -> set[str]:
     return forms | ({"past_the_keys"} if case.q_offset >= S else set())
 
 
-def test_positions_reach_every_form_in_a_third_of_the_cases() -> None:
+def test_positions_and_groups_reach_every_form_in_a_third_of_the_cases() -> None:
     seen: set[str] = set()
     positioned: list[bool] = []
 
@@ -368,13 +373,20 @@ def test_positions_reach_every_form_in_a_third_of_the_cases() -> None:
             seen.add("with mask, bias and causal")
         if case.window is not None and case.is_causal and not _offset_forms(case) & {"zero", "array"}:
             seen.add("window, causal and an int offset")
+        if case.enable_gqa:
+            H, Hkv = case.q.shape[-3], case.k.shape[-3]
+            seen.add(f"gqa {'Hkv = 1' if Hkv == 1 else 'Hkv = H' if Hkv == H else 'Hkv = H / 2'} of H = {H}")
+            seen.update({"gqa with mask, bias and causal"} if case.mask is not None and case.bias is not None
+                        and case.is_causal else set())
 
     record()
     expected = ({f"q_offset {form}" for form in ("zero", "negative", "positive", "bottom_right", "past_the_keys",
                                                   "array", "array_mixed")}
                 | {f"window side {side}" for side in cs.WINDOW_SIDES} | {f"softcap {cap}" for cap in cs.SOFTCAPS}
                 | {"key_lengths 0", "key_lengths S or more", "key_lengths rank 0", "key_lengths rank 1",
-                   "with mask, bias and causal", "window, causal and an int offset"})
+                   "with mask, bias and causal", "window, causal and an int offset", "gqa with mask, bias and causal"}
+                | {f"gqa Hkv = {kv} of H = {H}" for H in cs.QUERY_HEADS for kv in ("1", "H / 2", "H")
+                   if (H, kv) != (2, "H / 2")})  # H = 2: H / 2 is 1
     assert expected <= seen, sorted(expected - seen)
     assert 0.2 < np.mean(positioned) < 0.45  # a minority: each static option is a compile for JAX
 
