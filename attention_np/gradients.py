@@ -94,19 +94,23 @@ def scaled_dot_product_attention_vjp(
 
 def _grouped_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *,
                  bias: np.ndarray | None, **options: Any) -> tuple[np.ndarray, np.ndarray, Callable]:
-    """scaled_dot_product_attention_vjp with enable_gqa: the vjp of the grouped call (functional._grouped).
-    Its dk and dv come back summed over each group, with the grouped k's and v's shape (..., Hkv, 1, S, E),
-    and every gradient takes its input's shape again; d_out (..., H, L, Ev) is split into the groups."""
+    """scaled_dot_product_attention_vjp with enable_gqa: the vjp of the grouped call (functional._grouped),
+    with each query head of a group given its own view of k and v, (..., Hkv, G, S, E | Ev), so their
+    gradients come back per query head. The G heads of a group share k and v, so the gradients of k and v
+    are the sums over the group: dK_kv = sum over h in group kv of dK_h, and dV alike."""
     q_g, k_g, v_g, mask_g, bias_g, q_offset, key_lengths = _grouped(q, k, v, mask, bias, options.pop("q_offset"),
                                                                     options.pop("key_lengths"))
-    out_g, weights_g, pull = scaled_dot_product_attention_vjp(q_g, k_g, v_g, mask_g, bias=bias_g, q_offset=q_offset,
+    G = q_g.shape[-3]
+    k_h, v_h = (np.broadcast_to(x, (*x.shape[:-3], G, *x.shape[-2:])) for x in (k_g, v_g))  # views: no copy
+    out_g, weights_g, pull = scaled_dot_product_attention_vjp(q_g, k_h, v_h, mask_g, bias=bias_g, q_offset=q_offset,
                                                               key_lengths=key_lengths, **options)
     out = _ungrouped(out_g)  # (..., Hkv, G, L, Ev) -> (..., H, L, Ev)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        grads = pull(d_out.reshape(out_g.shape))  # (..., H, L, Ev) -> (..., Hkv, G, L, Ev)
-        return tuple(None if g is None else g.reshape(np.shape(x)) for g, x in zip(grads, (q, k, v, bias)))
+        dq, dk, dv, dbias = pull(d_out.reshape(out_g.shape))  # (..., H, L, Ev) -> (..., Hkv, G, L, Ev)
+        dk, dv = (np.sum(d, axis=-3) for d in (dk, dv))  # each group's sum: (..., Hkv, G, S, *) -> (..., Hkv, S, *)
+        return dq.reshape(q.shape), dk, dv, None if dbias is None else dbias.reshape(np.shape(bias))
 
     return out, _ungrouped(weights_g), pullback
 

@@ -154,7 +154,19 @@ def _positions_examples() -> list[Fixed]:
         example("sdpa", "softcap_saturated_with_neg_inf_bias", lambda: sdpa_case(
             L=3, S=4, q=LARGE * normal(2, 3, 2), k=LARGE * normal(2, 4, 2, seed=1), softcap=1.0, bias=hide_key_1),
             "logits in the hundreds capped at +-1, then the bias: key 1 (-inf) stays hidden"),
+        example("sdpa", "grouped_query_heads", lambda: _grouped(4, 2, is_causal=True, mask=random_mask(4, 3, 5)),
+                "H = 4 query heads, Hkv = 2: heads 0, 1 read key/value head 0, heads 2, 3 head 1 (h // G, G = 2); "
+                "a mask per query head, causal"),
+        example("sdpa", "multi_query_offset_per_head", lambda: _grouped(
+            3, 1, is_causal=True, q_offset=np.array([0, 2, -1]), window=(1, None), bias=normal(3, 1, 5, seed=4)),
+            "Hkv = 1 for H = 3 heads, each head its own q_offset [0, 2, -1] and a bias: head 2 query 0 sees no key"),
     ]
+
+
+def _grouped(H: int, Hkv: int, **fields: Any) -> Any:
+    """enable_gqa: q (2, H, 3, 2), k (2, Hkv, 5, 2), v (2, Hkv, 5, 3)."""
+    case = sdpa_case((2, H), 3, 5, **fields)
+    return case._replace(k=case.k[:, :Hkv], v=case.v[:, :Hkv], enable_gqa=True)
 
 
 LONG_BIAS = 3.0  # spreads the scores of a long row, so its weights are not all about 1 / S
@@ -235,6 +247,11 @@ def _sdpa_edges() -> list[Fixed]:
             bias=changed(np.zeros((3, 4)), (ALL, 2), -np.inf), softcap=0.5),
             "softcap 0.5, bias -inf on key 2: weights[..., 2] exactly 0 (capped before the bias, SPEC 2a)",
             Rule("weights", "zero", (ALL, ALL, 2)), Rule("weights", "sums_to_one")),
+        edge("sdpa", "grouped_heads_one_fully_masked", lambda: _grouped(
+            4, 2, mask=changed(np.ones((4, 1, 5), bool), (1,), False)),
+            "enable_gqa, H = 4, Hkv = 2, query head 1 sees no key: out[:, 1] and weights[:, 1] exactly 0; the "
+            "other head of its group, 0, as the oracle", Rule("out", "zero", (ALL, 1)),
+            Rule("weights", "zero", (ALL, 1)), Rule("weights", "sums_to_one", (ALL, 0))),
         edge("sdpa", "inf_score", lambda: heads._replace(bias=changed(np.zeros((3, 4)), (1, 0), np.inf)),
              "q (B, H, L, E), bias (L, S), bias[1, 0] = +inf (visible): out rows (:, :, 1) NaN or inf, never "
              "finite; weights rows (:, :, 1) hold NaN or inf; every other row as the oracle",
@@ -301,6 +318,11 @@ def _sdpa_errors() -> list[Fixed]:
               "(3,)", "(2,)"),
         error("sdpa", "key_lengths_do_not_broadcast", _sdpa(key_lengths=np.array([[1, 2, 3]])), ValueError,
               "key_lengths", "(1, 3)", "(2,)"),
+        error("sdpa", "gqa_heads_not_a_multiple", lambda: _grouped(3, 2), ValueError, "(2, 3, 3, 2)", "(2, 2, 5, 2)"),
+        error("sdpa", "gqa_q_rank_below_3", _unbatched_sdpa(enable_gqa=True), ValueError, "enable_gqa", "q",
+              "(3, 4)"),
+        error("sdpa", "gqa_mask_per_key_value_head", lambda: _grouped(4, 2, mask=np.ones((2, 3, 5), bool)),
+              ValueError, "mask", "(2, 3, 5)", "(2, 4, 3, 5)"),
         error("sdpa", "d_out_shape", _sdpa(), ValueError, "d_out", "(2, 3, 4)", "(2, 3, 3)", stage="pullback",
               d_out=np.zeros((2, 3, 4))),
         error("sdpa", "d_out_dtype", _sdpa(), TypeError, "d_out", "float32", "float64", stage="pullback",

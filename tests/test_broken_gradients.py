@@ -15,6 +15,7 @@ REACHES = {
     "softmax_jvp_without_rowsum": ["sdpa"],
     "dk_not_scaled": ["sdpa"],
     "dbias_not_reduced": ["sdpa"],
+    "gqa_group_gradient_averaged": ["sdpa"],
     "layer_norm_without_variance_term": ["block"],
     "linear_weight_gradient_transposed": ["mha"],
     "gelu_derivative_cdf_only": ["block"],

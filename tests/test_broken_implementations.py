@@ -38,6 +38,7 @@ EXPECTED: dict[str, set[str]] = {
     "softcap_after_bias": {"values", "edge_cases"},  # tanh(-inf) = -1: a -inf bias no longer hides
     "q_offset_ignored_on_the_fast_path": {"fast_path"},  # need_weights=False reads query i's position as i
     "key_lengths_on_queries": {"values"},  # the lengths hide queries instead of keys
+    "groups_interleaved": {"values"},  # query head h reads key/value head h % Hkv, not h // G
     "softmax_wrong_axis": {"values", "weights_rows"},
     "softmax_without_max_subtraction": {"values"},  # logits in the hundreds overflow exp
     "row_maximum_before_bias": {"values"},  # biases in the thousands overflow exp

@@ -37,7 +37,7 @@ def _assert_sdpa_contract(case: cases.SdpaCase) -> tuple[int, ...]:
     assert case.k.shape[-1] == E and case.k.shape[-2] == S
     if case.enable_gqa:  # q's H heads in groups over k's and v's Hkv: the leading axes differ there only
         H, Hkv = case.q.shape[-3], case.k.shape[-3]
-        assert H in cs.QUERY_HEADS and Hkv in (1, H // 2, H) and case.v.shape[-3] == Hkv
+        assert Hkv > 0 and H % Hkv == 0 and case.v.shape[-3] == Hkv
         assert case.q.shape[:-3] == case.k.shape[:-3] == case.v.shape[:-3]
     batch = np.broadcast_shapes(case.q.shape[:-2], *(x.shape[:-2] for x in cases.per_query_head(case)))
     target = (*batch, L, S)
@@ -91,7 +91,10 @@ def _oracle(case: cases.Case) -> tuple[np.ndarray, np.ndarray]:
 @given(cs.sdpa_cases())
 def test_sdpa_case_shapes_are_consistent(case: cases.SdpaCase) -> None:
     L, S = _assert_sdpa_contract(case)[-2:]
-    if not case.enable_gqa:
+    if case.enable_gqa:  # H query heads of QUERY_HEADS, Hkv of 1, H / 2 and H
+        H, Hkv = case.q.shape[-3], case.k.shape[-3]
+        assert H in cs.QUERY_HEADS and Hkv in (1, H // 2, H)
+    else:
         assert case.q.shape[:-2] in cs.BATCH_SHAPES
         assert case.k.shape[:-2] == case.v.shape[:-2] == case.q.shape[:-2]
     assert {L, S} <= {*cs.LENGTHS, *cs.LONG_LENGTHS}

@@ -232,6 +232,15 @@ class KeyLengthsOnQueries(Implementation):
         return visible & (np.arange(L)[:, None] < np.asarray(key_lengths)[..., None, None])  # (..., L, 1)
 
 
+class GroupsInterleaved(Implementation):
+    """enable_gqa reads key/value head h % Hkv for query head h (the groups interleaved, as after a repeat of
+    the whole head axis) instead of h // G (consecutive query heads sharing one, as torch's repeat_interleave
+    and ONNX). Caught by: values (sdpa with enable_gqa, 1 < Hkv < H)."""
+
+    def kv_heads(self, H: int, Hkv: int) -> np.ndarray:
+        return np.arange(H) % Hkv
+
+
 # --- softmax -------------------------------------------------------------------------------------------
 
 
@@ -580,6 +589,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "softcap_after_bias": SoftcapAfterBias,
     "q_offset_ignored_on_the_fast_path": QOffsetIgnoredOnTheFastPath,
     "key_lengths_on_queries": KeyLengthsOnQueries,
+    "groups_interleaved": GroupsInterleaved,
     "softmax_wrong_axis": SoftmaxWrongAxis,
     "softmax_without_max_subtraction": SoftmaxWithoutMaxSubtraction,
     "row_maximum_before_bias": RowMaximumBeforeBias,

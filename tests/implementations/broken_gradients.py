@@ -33,6 +33,9 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     "gelu_derivative_cdf_only": ("return cdf + h * np.exp(-(h**2) / 2) / math.sqrt(2 * math.pi)", "return cdf"),
     # post-LN self-attention: only the query path's gradient flows back to x
     "self_attention_gradients_not_summed": ("return dh1 + dq + dk + dv, grads", "return dh1 + dq, grads"),
+    # grouped-query attention: a key/value head's gradient averaged over its group of query heads, not summed
+    "gqa_group_gradient_averaged": ("dk, dv = (np.sum(d, axis=-3) for d in (dk, dv))",
+                                    "dk, dv = (np.mean(d, axis=-3) for d in (dk, dv))"),
     # pre-LN: the residual's gradient is dropped in the backward pass
     "pre_ln_residual_dropped": ("dh = dy + dh_norm2  # the residual passes dy on unchanged", "dh = dh_norm2"),
 }

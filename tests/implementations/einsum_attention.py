@@ -100,7 +100,7 @@ class Implementation:
                                      mask: np.ndarray | None = None, *, bias: np.ndarray | None = None,
                                      is_causal: bool = False, scale: float | None = None, q_offset: Any = 0,
                                      window: Any = None, key_lengths: Any = None, softcap: float | None = None,
-                                     dropout_p: float = 0.0, need_weights: bool = True,
+                                     enable_gqa: bool = False, dropout_p: float = 0.0, need_weights: bool = True,
                                      rng: Rng = None) -> Pair:
         """Attention(Q, K, V) = softmax(cap(Q K^T * scale) + bias) V, the softmax over the visible keys,
         cap(x) = softcap tanh(x / softcap).
@@ -114,12 +114,15 @@ class Implementation:
             window: (left, right), ints >= 0 or None: keys p_i - left..p_i + right visible.
             key_lengths: integers broadcasting to (...): keys j < key_lengths visible.
             softcap: a positive float capping the raw scores before the bias, or None.
+            enable_gqa: q (..., H, L, E) against k, v (..., Hkv, S, *): query head h reads head h // (H / Hkv).
             dropout_p: inverted dropout on the weights. rng: Generator, int seed or None (fresh).
 
         Returns:
             out (..., L, Ev) and weights (..., L, S) before dropout (None unless need_weights).
         """
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+        if enable_gqa:  # each query head gets its key/value head, indexed out
+            k, v = self.per_query_head(q, k, v)
         batch = self.check_attention(q, k, v)
         self.check_dtypes("", q=q, k=k, v=v)
         self.check_probability("dropout_p", dropout_p)
@@ -153,6 +156,16 @@ class Implementation:
         if work != dtype:  # half precision: the outputs cast back
             out, weights = out.astype(dtype), weights.astype(dtype)
         return out, (weights if need_weights else None)
+
+    def per_query_head(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """enable_gqa: k, v (..., Hkv, S, *) -> (..., H, S, *), head h of them key/value head kv_heads[h]."""
+        self.check_groups(q, k, v)
+        heads = self.kv_heads(q.shape[-3], k.shape[-3])  # (H,)
+        return np.take(k, heads, axis=-3), np.take(v, heads, axis=-3)
+
+    def kv_heads(self, H: int, Hkv: int) -> np.ndarray:
+        """The key/value head of each query head: h // G, G = H / Hkv consecutive query heads per group."""
+        return np.arange(H) // (H // Hkv)
 
     def work_dtype(self, dtype: np.dtype) -> np.dtype:
         """The dtype attention computes in: float32 for float16 (SPEC section 2), else the inputs' own."""
@@ -396,6 +409,16 @@ class Implementation:
         except ValueError:
             raise ValueError(f"the leading axes of q {q.shape}, k {k.shape} and v {v.shape} "
                              "do not broadcast") from None
+
+    def check_groups(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """enable_gqa: q, k, v of rank 3 or more, k and v with one head count Hkv that divides q's H."""
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.ndim < 3:
+                raise ValueError(f"enable_gqa: {name} {x.shape} has no head axis (..., heads, positions, width)")
+        H, Hkv = q.shape[-3], k.shape[-3]
+        if v.shape[-3] != Hkv or Hkv == 0 or H % Hkv:
+            raise ValueError(f"enable_gqa: q {q.shape} has H = {H} heads, k {k.shape} and v {v.shape} must have "
+                             "one count Hkv of heads that divides it")
 
     def check_broadcast(self, name: str, shape: tuple[int, ...], target: tuple[int, ...],
                         letters: str) -> None:
