@@ -110,7 +110,8 @@ def _grouped_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray |
         checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, dbias = pull(d_out.reshape(out_g.shape))  # (..., H, L, Ev) -> (..., Hkv, G, L, Ev)
         dk, dv = (np.sum(d, axis=-3) for d in (dk, dv))  # each group's sum: (..., Hkv, G, S, *) -> (..., Hkv, S, *)
-        return dq.reshape(q.shape), dk, dv, None if dbias is None else dbias.reshape(np.shape(bias))
+        dbias = dbias if dbias is None or np.ndim(bias) <= 2 else _ungrouped(dbias)  # bias (..., H | 1, L, S)
+        return _ungrouped(dq), dk, dv, dbias  # (..., Hkv, G, L, *) -> (..., H, L, *)
 
     return out, _ungrouped(weights_g), pullback
 

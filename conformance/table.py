@@ -150,7 +150,8 @@ def _positions_examples() -> list[Fixed]:
         example("sdpa", "offset_per_sequence", lambda: sdpa_case(is_causal=True, q_offset=np.array([-1, 2])),
                 "q_offset [-1, 2]: query 0 of sequence 0 sees no key, sequence 1 sees every key"),
         example("sdpa", "key_lengths_zero_for_one_sequence", lambda: sdpa_case(
-            key_lengths=np.array([0, 4]), bias=normal(3, 4, seed=9)), "sequence 0 sees no key: zeros"),
+            key_lengths=np.array([0, 2]), bias=normal(3, 4, seed=9)),
+            "key_lengths [0, 2]: sequence 0 sees no key (zeros), every query of sequence 1 keys 0, 1"),
         example("sdpa", "softcap_saturated_with_neg_inf_bias", lambda: sdpa_case(
             L=3, S=4, q=LARGE * normal(2, 3, 2), k=LARGE * normal(2, 4, 2, seed=1), softcap=1.0, bias=hide_key_1),
             "logits in the hundreds capped at +-1, then the bias: key 1 (-inf) stays hidden"),
