@@ -435,7 +435,9 @@ def _rate(what: str, rate: float, expected_rate: float, count: int, path: str) -
 
 
 def _tiled(case: Case, n: int) -> Case:
-    """The case with its inputs repeated n times along a new leading axis (masks broadcast over it)."""
+    """The case with its inputs repeated n times along a new leading axis (masks broadcast over it); each
+    input keeps its own leading axes (k and v their Hkv heads with enable_gqa), at the rank of the largest."""
     inputs = {name: getattr(case, name) for name in operation_of(case).inputs}
-    batch = np.broadcast_shapes(*(x.shape[:-2] for x in inputs.values()))
-    return case._replace(**{name: np.broadcast_to(x, (n, *batch, *x.shape[-2:])).copy() for name, x in inputs.items()})
+    rank = max(x.ndim for x in inputs.values())
+    return case._replace(**{name: np.broadcast_to(x, (n, *(1,) * (rank - x.ndim), *x.shape)).copy()
+                            for name, x in inputs.items()})

@@ -163,7 +163,7 @@ def _sdpa_dropout_probe(case: SdpaCase) -> Probe:
     (L, S), batch = (case.q.shape[-2], case.k.shape[-2]), _batch(case)
     v = np.broadcast_to(np.eye(S), (*case.v.shape[:-2], S, S)).copy()  # (..., S, S)
     probe = case._replace(q=np.zeros_like(case.q), v=v, mask=None, bias=None, is_causal=False,
-                          **OPTIONAL_KEYWORDS)
+                          **OPTIONAL_KEYWORDS | {"enable_gqa": case.enable_gqa})  # the heads as drawn
     return Probe(probe, (*batch, L, S), ("queries", "keys"),
                  lambda out, p: _dropped({"attention weights": out}, 1 / (S * (1 - p))))
 

@@ -177,6 +177,19 @@ def test_numpy_vjp_matches_central_differences_of_k():
     assert np.sum(dk * u) == pytest.approx(np.sum(d_out * (plus - minus)) / (2 * h), rel=1e-7)
 
 
+# ---- dropout: each query head draws its own decisions, also within a group
+
+
+def test_the_suites_dropout_checks_hold_on_grouped_heads(backend: ModuleType):
+    from conformance import cases, checks
+
+    case = cases.sdpa_case((2, 4), 3, 5)
+    case = case._replace(k=case.k[:, :2], v=case.v[:, :2], enable_gqa=True, dropout=0.5)
+    runner = checks.Runner(backend)
+    measures = checks.dropout(runner, case, "float32") | checks.dropout_independence(runner, case, "float32")
+    assert all(measure.error <= 1 for measure in measures.values()), measures
+
+
 # ---- errors (SPEC 7)
 
 ERRORS = {
