@@ -7,8 +7,8 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 JAX compiles once per distinct shape (and per static argument), so every size comes from a few fixed
 values: L, S mostly in 1..5, and about one draw in eight from LONG_LENGTHS (8 to 65, at and just above
 powers of two: tile, chunk and vector-width boundaries); E, Ev in {1, 2, 4}; H in 1..4 with d_k in {1, 2},
-so D = H * d_k <= 8; F in {4, 8}; leading axes (), (2,) or (2, 3); scale, dropout and eps from short fixed
-lists.
+so D = H * d_k <= 8; F in {4, 8}; leading axes (), (2,) or (2, 3) (grouped-query sdpa cases: the last one
+H in {2, 4} query heads, Hkv in {1, H / 2, H} for k and v); scale, dropout and eps from short fixed lists.
 
 Hypothesis draws every shape, flag and mask family, so it can shrink them; the numbers come from a NumPy
 Generator seeded by one drawn integer (fast, and the seed is part of the example). Floating arrays are
