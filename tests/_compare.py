@@ -1,7 +1,9 @@
 """Comparison helpers for the tests: the suite's norm-wise relative error and tolerances (one home:
-conformance/tolerances.py)."""
+conformance/tolerances.py), and a backend's attention on NumPy inputs."""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import numpy as np
 
@@ -20,4 +22,16 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float, what: st
     assert error <= rtol, f"{what}: relative error {error:.3g} > {rtol:.3g}"
 
 
-__all__ = ["TOLERANCE", "assert_close", "relative_error"]
+def converted(M: ModuleType, value: object) -> object:
+    """NumPy arrays become M's arrays; Python values stay as they are."""
+    return M.asarray(value) if isinstance(value, np.ndarray) else value
+
+
+def sdpa(M: ModuleType, q, k, v, mask=None, **options) -> tuple[np.ndarray, np.ndarray | None]:
+    """M's attention on NumPy inputs, every array option converted to M's arrays; outputs as NumPy arrays."""
+    options = {name: converted(M, value) for name, value in options.items()}
+    out, weights = M.scaled_dot_product_attention(*(M.asarray(x) for x in (q, k, v)), converted(M, mask), **options)
+    return M.to_numpy(out), None if weights is None else M.to_numpy(weights)
+
+
+__all__ = ["TOLERANCE", "assert_close", "converted", "relative_error", "sdpa"]

@@ -5,6 +5,7 @@ query head, measured."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import assert_close
+from tests._compare import assert_close, converted, sdpa
 from tests.conftest import import_backend
 
 RTOL = 1e-12  # float64 on every backend
@@ -36,16 +37,6 @@ def _repeated(x: np.ndarray) -> np.ndarray:
     return np.stack([x[:, h // (H // x.shape[1])] for h in range(H)], axis=1)
 
 
-def _convert(M: ModuleType, value: object) -> object:
-    return M.asarray(value) if isinstance(value, np.ndarray) else value
-
-
-def _sdpa(M: ModuleType, q, k, v, mask=None, **options) -> tuple[np.ndarray, np.ndarray | None]:
-    options = {name: _convert(M, value) for name, value in options.items()}
-    out, weights = M.scaled_dot_product_attention(*(M.asarray(x) for x in (q, k, v)), _convert(M, mask), **options)
-    return M.to_numpy(out), None if weights is None else M.to_numpy(weights)
-
-
 # Every keyword that follows q's heads: a mask per head, a bias per head, offsets and lengths per head
 KEYWORDS = {
     "plain": dict(),
@@ -64,8 +55,8 @@ def test_grouped_heads_equal_repeated_keys_and_values(backend: ModuleType, optio
     q, k, v = _grouped_qkv(Hkv)
     options = dict(options)
     mask = options.pop("mask", None)
-    out, weights = _sdpa(backend, q, k, v, mask, enable_gqa=True, need_weights=need_weights, **options)
-    expected, expected_weights = _sdpa(import_backend("attention_np"), q, _repeated(k), _repeated(v), mask,
+    out, weights = sdpa(backend, q, k, v, mask, enable_gqa=True, need_weights=need_weights, **options)
+    expected, expected_weights = sdpa(import_backend("attention_np"), q, _repeated(k), _repeated(v), mask,
                                        **options)
     assert out.shape == (B, H, L, Ev)
     assert_close(out, expected, RTOL, "out")
@@ -78,7 +69,7 @@ def test_query_head_h_reads_key_value_head_h_over_g(backend: ModuleType):
     # one key per head, v holding the head's index: out[:, h] = h // G exactly, G = 2 (not h % Hkv)
     q, k = _random(1, 4, 2, 2), _random(1, 2, 1, 2)
     v = np.arange(2.0).reshape(1, 2, 1, 1)  # kv head 0 holds 0, kv head 1 holds 1
-    out, _ = _sdpa(backend, q, k, v, enable_gqa=True)
+    out, _ = sdpa(backend, q, k, v, enable_gqa=True)
     np.testing.assert_array_equal(out[0, :, :, 0], [[0, 0], [0, 0], [1, 1], [1, 1]])
 
 
@@ -86,8 +77,8 @@ def test_one_key_value_head_equals_broadcasting_it(backend: ModuleType):
     # multi-query attention: Hkv = 1 with the flag is k (B, 1, S, E) broadcast over the heads without it
     q, k, v = _grouped_qkv(1, seed=3)
     for need_weights in (True, False):
-        grouped, _ = _sdpa(backend, q, k, v, enable_gqa=True, need_weights=need_weights, is_causal=True)
-        broadcast, _ = _sdpa(backend, q, k, v, need_weights=need_weights, is_causal=True)
+        grouped, _ = sdpa(backend, q, k, v, enable_gqa=True, need_weights=need_weights, is_causal=True)
+        broadcast, _ = sdpa(backend, q, k, v, need_weights=need_weights, is_causal=True)
         assert_close(grouped, broadcast, RTOL, f"need_weights={need_weights}")
 
 
@@ -98,9 +89,9 @@ def test_grouped_heads_with_more_leading_axes_and_rank_3(backend: ModuleType):
         k, v = rng.standard_normal((*kv_lead, S, E)), rng.standard_normal((*kv_lead, S, Ev))
         G = q_shape[-3] // kv_lead[-1]
         repeat = [np.repeat(x, G, axis=-3) for x in (k, v)]
-        expected, _ = _sdpa(import_backend("attention_np"), q, *repeat)
+        expected, _ = sdpa(import_backend("attention_np"), q, *repeat)
         for need_weights in (True, False):
-            out, _ = _sdpa(backend, q, k, v, enable_gqa=True, need_weights=need_weights)
+            out, _ = sdpa(backend, q, k, v, enable_gqa=True, need_weights=need_weights)
             assert_close(out, expected, RTOL, f"{q_shape} against {kv_lead}, need_weights={need_weights}")
 
 
@@ -120,7 +111,7 @@ def test_against_torch_sdpa_enable_gqa(backend: ModuleType, Hkv: int, is_causal:
                                             attn_mask=None if is_causal else torch.from_numpy(mask),
                                             is_causal=is_causal, enable_gqa=True).numpy()
     for need_weights in (True, False):
-        ours, _ = _sdpa(backend, q, k, v, None if is_causal else mask, is_causal=is_causal, enable_gqa=True,
+        ours, _ = sdpa(backend, q, k, v, None if is_causal else mask, is_causal=is_causal, enable_gqa=True,
                         need_weights=need_weights)
         assert_close(ours, theirs, RTOL, "against torch")
 
@@ -136,7 +127,7 @@ def test_against_jax_nn_with_fewer_key_value_heads(backend: ModuleType, Hkv: int
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):  # jax: its own code mixes
         theirs = jax.nn.dot_product_attention(*(jnp.asarray(np.swapaxes(x, 1, 2)) for x in (q, k, v)),
                                               is_causal=True, implementation="xla")  # (B, L, H, Ev)
-    ours, _ = _sdpa(backend, q, k, v, is_causal=True, enable_gqa=True, need_weights=False)
+    ours, _ = sdpa(backend, q, k, v, is_causal=True, enable_gqa=True, need_weights=False)
     # jax.nn: its softmax runs in float32 even for float64 inputs; a wrong head would be off by far more
     assert_close(ours, np.swapaxes(np.asarray(theirs), 1, 2), 1e-6, "against jax.nn")
 
@@ -145,8 +136,8 @@ def test_against_jax_nn_with_fewer_key_value_heads(backend: ModuleType, Hkv: int
 
 
 def _vjp(M: ModuleType, inputs: list, d_out: np.ndarray, options: dict) -> list[np.ndarray | None]:
-    converted = {name: _convert(M, value) for name, value in options.items()}
-    _, _, pullback = M.scaled_dot_product_attention_vjp(*(M.asarray(x) for x in inputs), **converted)
+    keywords = {name: converted(M, value) for name, value in options.items()}
+    _, _, pullback = M.scaled_dot_product_attention_vjp(*(M.asarray(x) for x in inputs), **keywords)
     return [None if g is None else M.to_numpy(g) for g in pullback(M.asarray(d_out))]
 
 
@@ -210,7 +201,7 @@ ERRORS = {
 def test_each_grouping_mistake_raises_the_same_error(backend: ModuleType, q_shape, k_shape, v_shape, options: dict,
                                                      words: list, vjp: bool):
     q, k, v = (backend.asarray(np.zeros(shape)) for shape in (q_shape, k_shape, v_shape))
-    options = {name: _convert(backend, value) for name, value in options.items()}
+    options = {name: converted(backend, value) for name, value in options.items()}
     function = backend.scaled_dot_product_attention_vjp if vjp else backend.scaled_dot_product_attention
     with pytest.raises(ValueError) as raised:
         function(q, k, v, enable_gqa=True, **options)
@@ -262,12 +253,16 @@ def test_jax_compiles_no_copy_per_head():
     def temporaries(function, *args) -> float:
         return jax.jit(function).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
 
+    def grouped_call(q, k, v, need_weights):
+        return M.scaled_dot_product_attention(q, k, v, enable_gqa=True, need_weights=need_weights)
+
+    def repeated_call(q, k, v, need_weights):
+        k, v = (jnp.repeat(x, MEMORY["H"], axis=1) for x in (k, v))
+        return M.scaled_dot_product_attention(q, k, v, need_weights=need_weights)
+
     for need_weights in (True, False):
-        grouped = temporaries(lambda q, k, v: M.scaled_dot_product_attention(
-            q, k, v, enable_gqa=True, need_weights=need_weights), q, k, v)
-        repeated = temporaries(lambda q, k, v: M.scaled_dot_product_attention(
-            q, jnp.repeat(k, MEMORY["H"], axis=1), jnp.repeat(v, MEMORY["H"], axis=1), need_weights=need_weights),
-            q, k, v)
+        grouped = temporaries(functools.partial(grouped_call, need_weights=need_weights), q, k, v)
+        repeated = temporaries(functools.partial(repeated_call, need_weights=need_weights), q, k, v)
         assert repeated - grouped > _copies_mib(**MEMORY) / 2, (grouped, repeated)
         assert grouped < _copies_mib(**MEMORY) / 2, grouped
 

@@ -9,7 +9,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import assert_close
+from tests._compare import assert_close, converted, sdpa
 from tests.conftest import BACKENDS, import_backend
 
 RTOL = 1e-12  # float64 on every backend
@@ -21,18 +21,6 @@ def _random(*shape: int, seed: int = 0) -> np.ndarray:
 
 def _qkv(lead: tuple[int, ...] = (2, 3), L: int = 4, S: int = 6, E: int = 5, Ev: int = 3, seed: int = 0) -> list:
     return [_random(*lead, L, E, seed=seed), _random(*lead, S, E, seed=seed + 1), _random(*lead, S, Ev, seed=seed + 2)]
-
-
-def _convert(M: ModuleType, value: object) -> object:
-    """NumPy arrays become M's arrays; Python values stay as they are."""
-    return M.asarray(value) if isinstance(value, np.ndarray) else value
-
-
-def _sdpa(M: ModuleType, q, k, v, mask=None, **options) -> tuple[np.ndarray, np.ndarray | None]:
-    """M's attention on NumPy inputs, every array option converted to M's arrays; outputs as NumPy arrays."""
-    options = {name: _convert(M, value) for name, value in options.items()}
-    out, weights = M.scaled_dot_product_attention(*(M.asarray(x) for x in (q, k, v)), _convert(M, mask), **options)
-    return M.to_numpy(out), None if weights is None else M.to_numpy(weights)
 
 
 def _reference(q, k, v, visible, *, bias=None, softcap=None, scale=None) -> tuple[np.ndarray, np.ndarray]:
@@ -89,14 +77,14 @@ def test_bottom_right_causal_equals_torchs_causal_lower_right(backend: ModuleTyp
         theirs = F.scaled_dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)),
                                                 attn_mask=causal_lower_right(L, S)).numpy()
         for need_weights in (True, False):
-            ours, _ = _sdpa(backend, q, k, v, is_causal=True, q_offset=S - L, need_weights=need_weights)
+            ours, _ = sdpa(backend, q, k, v, is_causal=True, q_offset=S - L, need_weights=need_weights)
             assert_close(ours, theirs, RTOL, f"L={L}, S={S}, need_weights={need_weights}")
 
 
 @pytest.mark.parametrize("window", [(1, 2), (0, 0), (None, 1), (2, None), (None, None)], ids=str)
 def test_window_mask_per_offset_matches_the_loops(backend: ModuleType, window):
     q_offset = np.array([0, 3, -2])
-    got = backend.to_numpy(backend.window_mask(4, 6, window, q_offset=_convert(backend, q_offset)))
+    got = backend.to_numpy(backend.window_mask(4, 6, window, q_offset=converted(backend, q_offset)))
     assert got.shape == (3, 4, 6) and got.dtype == bool
     assert np.array_equal(got, _positions_mask(4, 6, lead=(3,), q_offset=q_offset, window=window))
 
@@ -131,28 +119,28 @@ def _explicit(options: dict, L=4, S=6, lead=(2, 3)) -> np.ndarray:
 @pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
 def test_keywords_equal_the_explicit_mask(backend: ModuleType, options: dict, need_weights: bool):
     q, k, v = _qkv()
-    out, weights = _sdpa(backend, q, k, v, **options, need_weights=need_weights)
+    out, weights = sdpa(backend, q, k, v, **options, need_weights=need_weights)
     expected_out, expected_weights = _reference(q, k, v, _explicit(options))
     assert_close(out, expected_out, RTOL, "out")
     if need_weights:
         assert_close(weights, expected_weights, RTOL, "weights")
     # the same through the caller's own mask: the keywords are a mask built from positions
-    via_mask, _ = _sdpa(backend, q, k, v, _explicit(options), need_weights=need_weights)
+    via_mask, _ = sdpa(backend, q, k, v, _explicit(options), need_weights=need_weights)
     assert_close(out, via_mask, RTOL, "keywords against mask=")
 
 
 def test_q_offset_alone_changes_nothing(backend: ModuleType):
     q, k, v = _qkv()
-    plain, _ = _sdpa(backend, q, k, v)
-    moved, _ = _sdpa(backend, q, k, v, q_offset=np.array([[7], [-3]]))
+    plain, _ = sdpa(backend, q, k, v)
+    moved, _ = sdpa(backend, q, k, v, q_offset=np.array([[7], [-3]]))
     assert_close(moved, plain, 0.0, "q_offset without is_causal or window")
 
 
 def test_key_lengths_equal_the_padding_mask(backend: ModuleType):
     q, k, v = _qkv(lead=(3,), S=5)
     lengths = np.array([5, 2, 1])
-    padded, _ = _sdpa(backend, q, k, v, backend.to_numpy(backend.padding_mask(backend.asarray(lengths), 5))[:, 0])
-    by_lengths, _ = _sdpa(backend, q, k, v, key_lengths=lengths)
+    padded, _ = sdpa(backend, q, k, v, backend.to_numpy(backend.padding_mask(backend.asarray(lengths), 5))[:, 0])
+    by_lengths, _ = sdpa(backend, q, k, v, key_lengths=lengths)
     assert_close(by_lengths, padded, 0.0, "key_lengths against padding_mask")
 
 
@@ -167,7 +155,7 @@ def test_fully_masked_rows_from_positions_are_zeros(backend: ModuleType, need_we
     for name, options in cases.items():
         visible = _positions_mask(3, 4, lead=(2,), **options)
         assert not visible.any(axis=-1).all(), name  # the case does hide whole rows
-        out, weights = _sdpa(backend, q, k, v, **options, need_weights=need_weights)
+        out, weights = sdpa(backend, q, k, v, **options, need_weights=need_weights)
         assert np.all(out[~visible.any(axis=-1)] == 0), name
         assert np.all(np.isfinite(out)), name
         assert_close(out, _reference(q, k, v, visible)[0], RTOL, name)
@@ -180,7 +168,7 @@ def test_nan_behind_a_window_or_key_length_reaches_no_row(backend: ModuleType, n
     q, k, v = _qkv(lead=(), L=3, S=5)
     k[4] = np.nan  # key 4: hidden by key_lengths 4 from every row (a NaN score, SPEC 2's rule)
     k[0] = np.nan  # key 0: seen only by query 0 under the window (0, 1)
-    out, _ = _sdpa(backend, q, k, v, window=(0, 1), key_lengths=np.array(4), need_weights=need_weights)
+    out, _ = sdpa(backend, q, k, v, window=(0, 1), key_lengths=np.array(4), need_weights=need_weights)
     assert np.isnan(out[0]).all() and np.isfinite(out[1:]).all()
 
 
@@ -190,7 +178,7 @@ def test_empty_queries_or_keys_with_every_keyword(backend: ModuleType, need_weig
                    softcap=3.0)
     for L, S in ((0, 4), (3, 0)):
         q, k, v = _qkv(lead=(2,), L=L, S=S)
-        out, weights = _sdpa(backend, q, k, v, **options, need_weights=need_weights)
+        out, weights = sdpa(backend, q, k, v, **options, need_weights=need_weights)
         assert out.shape == (2, L, 3) and not out.any()
         if need_weights:
             assert weights.shape == (2, L, S)
@@ -204,7 +192,7 @@ def test_softcap_known_value(backend: ModuleType):
     # weights [1, e^(2 tanh 2)] / (1 + e^(2 tanh 2)); v = [[0], [1]] gives out = the second weight
     q, k, v = np.array([[1.0, 0.0]]), np.array([[0.0, 0.0], [4.0, 0.0]]), np.array([[0.0], [1.0]])
     capped = np.exp(2 * np.tanh(2.0))
-    out, weights = _sdpa(backend, q, k, v, scale=1.0, softcap=2.0)
+    out, weights = sdpa(backend, q, k, v, scale=1.0, softcap=2.0)
     assert_close(weights, np.array([[1, capped]]) / (1 + capped), RTOL, "weights")
     assert_close(out, np.array([[capped / (1 + capped)]]), RTOL, "out")
 
@@ -216,7 +204,7 @@ def test_softcap_before_bias_and_masks(backend: ModuleType, need_weights: bool):
     bias = _random(3, 4, 6, seed=9)
     bias[0, 0, 1] = -np.inf  # a -inf bias still hides
     mask = _random(2, 1, 4, 6, seed=8) > -0.7
-    out, weights = _sdpa(backend, q, k, v, mask, bias=bias, softcap=1.5, need_weights=need_weights)
+    out, weights = sdpa(backend, q, k, v, mask, bias=bias, softcap=1.5, need_weights=need_weights)
     expected_out, expected_weights = _reference(q, k, v, mask & (bias != -np.inf), bias=bias, softcap=1.5)
     assert_close(out, expected_out, RTOL, "out")
     if need_weights:
@@ -242,7 +230,7 @@ def test_backends_and_paths_agree_with_every_keyword(seed: int):
     for name in BACKENDS:
         M = import_backend(name)
         for need_weights in (True, False):
-            out, _ = _sdpa(M, q, k, v, mask, **options, need_weights=need_weights)
+            out, _ = sdpa(M, q, k, v, mask, **options, need_weights=need_weights)
             assert_close(out, expected, RTOL, f"{name} need_weights={need_weights}")
 
 
@@ -252,7 +240,7 @@ def test_half_precision_is_computed_in_float32(backend: ModuleType):
                    softcap=2.0)
     expected, _ = _reference(*(x.astype(np.float64) for x in (q, k, v)), _explicit(options), softcap=2.0)
     for need_weights in (True, False):
-        out, _ = _sdpa(backend, q, k, v, **options, need_weights=need_weights)
+        out, _ = sdpa(backend, q, k, v, **options, need_weights=need_weights)
         assert out.dtype == np.float16
         assert_close(out.astype(np.float64), expected.astype(np.float16).astype(np.float64), 2e-3, "float16")
 
@@ -270,7 +258,7 @@ def test_against_torch_sdpa_with_the_explicit_boolean_mask(backend: ModuleType, 
     theirs = F.scaled_dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)),
                                             attn_mask=torch.from_numpy(visible)).numpy()
     theirs = np.where(visible.any(axis=-1, keepdims=True), theirs, 0)  # torch: NaN rows where none is visible
-    ours, _ = _sdpa(backend, q, k, v, **options, need_weights=False)
+    ours, _ = sdpa(backend, q, k, v, **options, need_weights=False)
     assert_close(ours, theirs, RTOL, "against torch")
 
 
@@ -290,7 +278,7 @@ def test_against_jax_nn_local_window_and_key_value_lengths(backend: ModuleType, 
                                               local_window_size=window,
                                               key_value_seq_lengths=jnp.asarray(lengths, jnp.int32),
                                               implementation="xla")  # (B, L, N, E)
-    ours, _ = _sdpa(backend, q, k, v, window=window, key_lengths=lengths[:, None], need_weights=False)
+    ours, _ = sdpa(backend, q, k, v, window=window, key_lengths=lengths[:, None], need_weights=False)
     # jax.nn: its softmax runs in float32 even for float64 inputs; a wrong key would be off by far more
     assert_close(ours, np.swapaxes(np.asarray(theirs), 1, 2), 1e-6, "against jax.nn")
 
@@ -317,8 +305,8 @@ def _gradient_case(options: dict) -> tuple[list, np.ndarray, dict]:
 
 
 def _vjp(M: ModuleType, inputs: list, d_out: np.ndarray, options: dict) -> dict[str, np.ndarray]:
-    converted = {name: _convert(M, value) for name, value in options.items()}
-    _, _, pullback = M.scaled_dot_product_attention_vjp(*(M.asarray(x) for x in inputs), **converted)
+    keywords = {name: converted(M, value) for name, value in options.items()}
+    _, _, pullback = M.scaled_dot_product_attention_vjp(*(M.asarray(x) for x in inputs), **keywords)
     grads = pullback(M.asarray(d_out))
     return {name: M.to_numpy(g) for name, g in zip(("dq", "dk", "dv", "dbias"), grads, strict=True) if g is not None}
 
@@ -390,8 +378,8 @@ def test_torch_autograd_matches_the_numpy_vjp():
 
     inputs, d_out, options = _gradient_case(GRADIENT_CASES["everything"])
     leaves = [torch.tensor(x, requires_grad=True) for x in (*inputs, options["bias"])]
-    converted = {name: _convert(attention_torch, value) for name, value in options.items() if name != "bias"}
-    out, _ = attention_torch.scaled_dot_product_attention(*leaves[:3], bias=leaves[3], **converted)
+    keywords = {name: converted(attention_torch, value) for name, value in options.items() if name != "bias"}
+    out, _ = attention_torch.scaled_dot_product_attention(*leaves[:3], bias=leaves[3], **keywords)
     out.backward(torch.from_numpy(d_out))
     expected = _vjp(attention_np, inputs, d_out, options)
     for name, leaf in zip(("dq", "dk", "dv", "dbias"), leaves, strict=True):
@@ -422,7 +410,7 @@ ERRORS = {
 @pytest.mark.parametrize(("options", "error", "words"), ERRORS.values(), ids=ERRORS.keys())
 def test_each_mistake_raises_the_same_error(backend: ModuleType, options: dict, error: type, words: list, vjp: bool):
     q, k, v = (backend.asarray(x) for x in _qkv(lead=(2,), L=3, S=4))
-    options = {name: _convert(backend, value) for name, value in options.items()}
+    options = {name: converted(backend, value) for name, value in options.items()}
     function = backend.scaled_dot_product_attention_vjp if vjp else backend.scaled_dot_product_attention
     with pytest.raises(error) as raised:
         function(q, k, v, **options)
