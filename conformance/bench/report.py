@@ -204,6 +204,11 @@ def main(args: argparse.Namespace) -> int:
         except ImportError as error:
             print(f"compare: {error}", file=sys.stderr)
             return 2
+    variant = variants.VARIANTS[args.variant]
+    operations = args.operations or variant.operations
+    if not set(operations) <= set(variant.operations):
+        print(f"compare: --variant {variant.name} times {','.join(variant.operations)} only", file=sys.stderr)
+        return 2
     backends, skipped = timing.installed_backends()
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
@@ -211,11 +216,6 @@ def main(args: argparse.Namespace) -> int:
         devices = timing.placement(backends, args.device)
     except ValueError as error:
         print(f"compare: {error}", file=sys.stderr)
-        return 2
-    variant = variants.VARIANTS[args.variant]
-    operations = args.operations or variant.operations
-    if not set(operations) <= set(variant.operations):
-        print(f"compare: --variant {variant.name} times {','.join(variant.operations)} only", file=sys.stderr)
         return 2
     progress = not args.quiet  # drawn only where stderr is a terminal
     ratios: list[timing.TargetRow] = []
