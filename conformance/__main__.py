@@ -2,7 +2,7 @@
 
     python -m conformance [options]                      every installed built-in backend, side by side
     python -m conformance check MODULE [MODULE ...] [options]   any implementation of the contract
-    python -m conformance compare [--sizes ...] [--targets] ...  time the backends against the built-ins
+    python -m conformance compare [--variant V] [--targets] ...  time the backends against the built-ins
     python -m conformance figure scaling [--output PATH.png]      a figure for students (needs matplotlib)
 
 Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH, --jobs N. The exit code is 0

@@ -21,14 +21,14 @@ import pytest
 
 import attention_np
 from conformance.__main__ import main
-from conformance.bench import baselines, report, timing
+from conformance.bench import baselines, report, timing, variants
 from conformance.bench.baselines import tutorial_attention
 from conformance.frameworks import framework_of
 from tests._compare import assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ROW_KEYS = {"implementation", "framework", "device", "operation", "dtype", "B", "H", "E", "L", "S", "D", "F",
-            "flops", "repeats", "time_ms", "gflops", "peak_mib", "rel_error"}  # as timing's docstring lists
+ROW_KEYS = {"implementation", "framework", "device", "operation", "variant", "dtype", "B", "H", "E", "L", "S", "D",
+            "F", "flops", "repeats", "time_ms", "gflops", "peak_mib", "rel_error"}  # as timing's docstring lists
 TINY = {"B": 1, "H": 2, "E": 4}
 
 
@@ -60,11 +60,11 @@ def cli_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
 @pytest.mark.slow
 def test_compare_prints_a_row_for_every_available_implementation(cli_run: tuple[str, list[dict]]) -> None:
     stdout, _ = cli_run
-    printed = {tuple(re.split(r"\s{2,}", line.strip())[:3]) for line in stdout.splitlines()}
+    printed = {tuple(re.split(r"\s{2,}", line.strip())[:4]) for line in stdout.splitlines()}
     for name in _expected_implementations():
         for operation in timing.OPERATIONS:
             for L in ("8", "16"):
-                assert (name, operation, L) in printed, f"no row for {name} {operation} L={L}:\n{stdout}"
+                assert (name, operation, "plain", L) in printed, f"no row for {name} {operation} L={L}:\n{stdout}"
     assert "GFLOP/s" in stdout and "peak MiB" in stdout and "rel. error" in stdout
 
 
@@ -75,13 +75,14 @@ def test_json_rows_have_the_documented_keys(cli_run: tuple[str, list[dict]]) -> 
     for row in rows:
         assert set(row) == ROW_KEYS
         assert row["time_ms"] > 0 and math.isfinite(row["gflops"]) and row["dtype"] == "float32"
+        assert row["variant"] == "plain"
         assert row["peak_mib"] is None or row["peak_mib"] >= 0
     assert set(ROW_KEYS) == set(timing.Row._fields)
 
 
 @pytest.mark.slow  # runs every candidate of the benchmark
 def test_every_candidate_agrees_with_the_float64_reference() -> None:
-    rows = timing.compare(sizes=(8,), operations=timing.OPERATIONS, repeats=1, **TINY)
+    rows = timing.compare(variant=variants.PLAIN, sizes=(8,), operations=timing.OPERATIONS, repeats=1, **TINY)
     assert {row.implementation for row in rows} == _expected_implementations()
     for row in rows:
         assert row.rel_error < 1e-4, row  # float32 against float64: a wiring mistake would be off by far more
@@ -193,15 +194,15 @@ def test_cuda_without_a_gpu_is_a_clear_error(capsys: pytest.CaptureFixture) -> N
 
 @pytest.mark.slow  # runs every candidate of the benchmark
 def test_targets_compute_every_ratio() -> None:
-    rows = timing.targets(L=64, repeats=2)
+    rows = timing.targets(variant=variants.PLAIN, L=64, repeats=2)
     kinds = {framework_of(module).name for module in timing.installed_backends()[0].values()}
-    expected = [(kind, operation) for kind in dict.fromkeys(t.framework for t in timing.TARGETS) if kind in kinds
-                for operation in timing.OPERATIONS for t in timing.TARGETS
+    expected = [(kind, operation) for kind in dict.fromkeys(t.framework for t in variants.TARGETS) if kind in kinds
+                for operation in timing.OPERATIONS for t in variants.TARGETS
                 if t.framework == kind and operation in t.operations]
     assert [(row.framework, row.operation) for row in rows] == expected
     for row in rows:
-        assert math.isfinite(row.ratio) and row.ratio > 0, row
-        assert row.met == (row.ratio <= row.bound if row.relation == "<=" else row.ratio >= row.bound)
+        assert math.isfinite(row.measured) and row.measured > 0, row
+        assert row.met == (row.measured <= row.bound if row.relation == "<=" else row.measured >= row.bound)
     jax_rows = [row for row in rows if row.framework == "jax"]
     assert all(row.denominator in ("jax plain", "jax.nn.dot_product_attention") for row in jax_rows)
     assert "MET" in report.format_targets(rows) or "MISSED" in report.format_targets(rows)
@@ -215,8 +216,8 @@ def _sdpa_row(implementation: str, framework: str, device: str, *, time_ms: floa
 
 
 def _rates(table: str) -> list[str]:
-    """The rate column (the fifth) of each line of a format_table table, its header first."""
-    return [re.split(r"\s{2,}", line.strip())[4] for line in table.splitlines() if line]
+    """The rate column (the sixth) of each line of a format_table table, its header first."""
+    return [re.split(r"\s{2,}", line.strip())[5] for line in table.splitlines() if line]
 
 
 def test_table_gives_the_rate_in_tflops_when_a_row_ran_on_cuda() -> None:
@@ -257,3 +258,95 @@ def test_jax_builtin_baseline_passes_its_implementation_on() -> None:
             baselines.jax_builtin_attention(q, k, v, implementation="nonsense")
     # its softmax runs in float32 also for float64 inputs (SPEC section 9): float32's tolerance
     assert_close(np.asarray(xla), attention_np.scaled_dot_product_attention(q, k, v)[0], 1e-4, "xla")
+
+
+# --- variants ------------------------------------------------------------------------------------------
+
+_VARIANT_LABELS = {
+    "gqa": {"attention_np": ["attention_np", "attention_np explicit", "attention_np np.repeat"],
+            "attention_jax": ["attention_jax", "attention_jax explicit", "jax plain", "jax.nn.dot_product_attention"],
+            "attention_torch": ["attention_torch", "attention_torch explicit", "torch built-in",
+                                "torch built-in repeat_interleave"]},
+    "window": {backend: [f"{backend} window", f"{backend} causal"]
+               for backend in ("attention_np", "attention_jax", "attention_torch")},
+}
+
+
+@pytest.mark.parametrize("name", ["plain", "gqa", "window"])
+def test_cli_parses_each_variant(name: str) -> None:
+    from conformance.__main__ import build_parser
+
+    assert build_parser().parse_args(["compare", "--variant", name]).variant == name
+    assert build_parser().parse_args(["compare"]).variant == "plain"  # today's run, unchanged
+
+
+def test_cli_refuses_an_unknown_variant_and_an_operation_the_variant_lacks(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["compare", "--variant", "nonsense"])
+    assert exit.value.code == 2
+    assert main(["compare", "--variant", "gqa", "--operations", "mha", "--sizes", "8"]) == 2
+    assert "--variant gqa times sdpa only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["gqa", "window"])
+def test_variant_runs_at_a_tiny_size_with_labelled_rows_and_json(name: str, tmp_path: pathlib.Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "rows.json"
+    assert main(["compare", "--variant", name, "--sizes", "8", "--repeats", "1", "--quiet",
+                 "--json", str(path)]) == 0
+    stdout = capsys.readouterr().out
+    printed = {tuple(re.split(r"\s{2,}", line.strip())[:4]) for line in stdout.splitlines()}
+    expected = {label for backend, labels in _VARIANT_LABELS[name].items() if _importable(backend) for label in labels}
+    assert {(label, "sdpa", name, "8") for label in expected} <= printed, stdout
+    document = json.loads(path.read_text())
+    assert document["variant"] == name
+    assert {row["implementation"] for row in document["rows"]} == expected
+    for row in document["rows"]:
+        assert row["variant"] == name and set(row) == ROW_KEYS
+        assert row["rel_error"] < 1e-4, row  # against attention_np's explicit path with the variant's keywords
+    # window: the ratios side by side, printed and in the JSON; gqa has none outside --targets
+    ratios = document["ratios"]
+    assert [(r["numerator"], r["denominator"]) for r in ratios] == [
+        (f"{backend} window", f"{backend} causal") for backend in _VARIANT_LABELS[name]
+        if _importable(backend)] * (name == "window")
+    assert ("side by side" in stdout) == (name == "window")
+
+
+def test_gqa_rows_hold_every_target_with_the_right_sizes() -> None:
+    assert {name for target in variants.GQA.targets for name in (target.numerator, *target.denominators)} <= {
+        label for labels in _VARIANT_LABELS["gqa"].values() for label in labels}
+    problem = variants.gqa_problem("sdpa", B=1, H=4, L=3, E=2, dtype="float32")
+    q, k, v = problem.inputs
+    assert q.shape == (1, 4, 3, 2) and k.shape == v.shape == (1, 1, 3, 2)  # Hkv = H / 4
+
+
+def test_gqa_target_rows_from_fake_medians() -> None:
+    # the targets' size, B=2, H=32, L=S=1024, E=64; the repeated copies of k and v, (B, H, S, E) float32 each:
+    # 2 * 2 * 32 * 1024 * 64 * 4 bytes = 33554432 bytes = 32 MiB, so the memory bound is 0.99 * 32 = 31.68 MiB
+    problem = timing.Problem("sdpa", 2, 32, 1024, 64, (), {})
+    assert variants.repeated_kv_mib(problem) == 32.0
+    measured = {"time": {"attention_torch": 10.5, "torch built-in": 10.0,  # 10.5 / 10 = 1.05 <= 1.10
+                         "attention_jax": 30.0, "jax plain": 20.0, "jax.nn.dot_product_attention": 25.0,  # 1.5
+                         "attention_np": 50.0, "attention_np np.repeat": 60.0},  # 50 / 60 = 0.833 <= 1.00
+                "peak": {"attention_np": 272.0, "attention_np np.repeat": 304.0}}  # 304 - 272 = 32 >= 31.68
+    rows = [timing.target_row(target, problem, "gqa", measured) for target in variants.GQA.targets]
+    got = [(row.framework, row.compared, row.denominator, round(row.measured, 3), row.bound, row.met) for row in rows]
+    assert got == [("torch", "time ratio", "torch built-in", 1.05, 1.10, True),
+                   ("jax", "time ratio", "jax plain", 1.5, 1.10, False),  # the faster JAX baseline counts
+                   ("numpy", "time ratio", "attention_np np.repeat", 0.833, 1.00, True),
+                   ("numpy", "peak difference", "attention_np", 32.0, pytest.approx(31.68), True)]
+    assert all(row.variant == "gqa" and row.L == 1024 for row in rows)
+    measured["peak"]["attention_np np.repeat"] = 300.5  # 28.5 MiB saved: less than the copies
+    missed = timing.target_row(variants.GQA.targets[3], problem, "gqa", measured)
+    assert (missed.measured, missed.met) == (28.5, False)
+    table = report.format_targets(rows)
+    assert "attention_np np.repeat - attention_np" in table and "304.00 - 272.00 MiB" in table
+    assert ">= 31.7 MiB" in table and table.count("MET") == 3 and table.count("MISSED") == 1
+
+
+def test_a_ratio_without_a_bound_has_no_verdict() -> None:
+    problem = timing.Problem("sdpa", 1, 8, 4096, 64, (), {})
+    row = timing.target_row(variants.WINDOW_RATIOS[0], problem, "window",
+                            {"time": {"attention_np window": 30.0, "attention_np causal": 120.0}})
+    assert (row.measured, row.bound, row.met) == (0.25, None, None)
+    assert report.format_targets([row]).splitlines()[1].split()[-3:] == ["0.250", "-", "-"]

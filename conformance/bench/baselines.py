@@ -10,6 +10,8 @@ Ev value width, D = d_model, F = d_ff.
 - `jax_builtin_attention`: jax.nn.dot_product_attention, in our (B, H, L, E) layout: it takes (B, T, N, H)
   (heads after the sequence), so the heads axis is swapped in and out around it, inside the jitted code;
   on CUDA in bfloat16 the benchmark also runs it with implementation="cudnn".
+- `jax_plain_grouped_attention`, `torch_repeated_attention`: grouped-query attention (k and v with Hkv heads,
+  each shared by G = H / Hkv query heads) written plainly: q split into its groups, and k, v repeated per head.
 - `multi_head`, `block`: the projections and the feed-forward network around any of these, written once
   for NumPy and jax.numpy (`xp`): self-attention, post-LN, ReLU, as our default block.
 - `calls`: each framework's baselines by the label the benchmark prints, ready to time.
@@ -64,6 +66,30 @@ def jax_builtin_attention(q: Any, k: Any, v: Any, *, implementation: str | None 
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # (B, H, L, E) -> (B, L, H, E)
     out = jax.nn.dot_product_attention(q, k, v, implementation=implementation)  # (B, L, H, Ev)
     return jnp.swapaxes(out, 1, 2)  # (B, L, H, Ev) -> (B, H, L, Ev)
+
+
+def jax_plain_grouped_attention(q: Any, k: Any, v: Any) -> Any:
+    """Grouped-query softmax(Q K^T * scale) V with jax.nn.softmax: q split into Hkv groups of G heads, each group
+    against its key/value head; jit it around the caller."""
+    import jax
+    import jax.numpy as jnp
+
+    B, H, L, E = q.shape
+    Hkv = k.shape[1]
+    q = q.reshape(B, Hkv, H // Hkv, L, E)  # (B, H, L, E) -> (B, Hkv, G, L, E)
+    scores = jnp.einsum("bkgle,bkse->bkgls", q, k) * (1 / math.sqrt(E))  # x (B, Hkv, S, E) -> (B, Hkv, G, L, S)
+    out = jnp.einsum("bkgls,bksd->bkgld", jax.nn.softmax(scores, axis=-1), v)  # x (B, Hkv, S, Ev) -> (B, Hkv, G, L, Ev)
+    return out.reshape(B, H, L, v.shape[-1])  # (B, Hkv, G, L, Ev) -> (B, H, L, Ev)
+
+
+def torch_repeated_attention(q: Any, k: Any, v: Any) -> Any:
+    """Grouped-query attention as F.scaled_dot_product_attention without enable_gqa: k and v repeated to the H
+    query heads first (repeat_interleave: head h gets key/value head h // G)."""
+    import torch.nn.functional as F
+
+    G = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(G, dim=1) for x in (k, v))  # (B, Hkv, S, E) -> (B, H, S, E)
+    return F.scaled_dot_product_attention(q, k, v)  # (B, H, L, Ev)
 
 
 def multi_head(xp: ModuleType, state: Mapping[str, Any], x: Any, *, num_heads: int, attend: Attend) -> Any:

@@ -2,7 +2,8 @@
 path is from the fast one, and how the cost grows with the sequence length.
 
 This module is the command line and what it prints: the table, the targets, the machine, the plot and the
-JSON. What is timed and how (the candidates, the interleaving, the FLOPs, the rows) is bench/timing.py.
+JSON. What is timed and how (the candidates, the interleaving, the FLOPs, the rows) is bench/timing.py; the
+variants (--variant) are declared in bench/variants.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..frameworks import BUILT_IN, NUMPY, TORCH, framework_of
-from . import timing
+from . import timing, variants
 
 FOOTNOTE = """\
 time: median of the repeats after one warm-up call; the candidates of one framework, operation and L run
@@ -33,13 +34,18 @@ peak MiB: memory allocated by one call at its peak (temporaries and output; inpu
   NumPy: tracemalloc; torch on CUDA: the allocator's peak; JAX on CUDA: XLA's compiled memory plan (temporaries
   + output; JAX's allocator keeps no peak that can be reset). "-": not measurable: torch and JAX on the CPU
   (XLA:CPU runs fused attention in a library whose scratch memory its plan does not see).
-rel. error: max|a - b| / max|b| against attention_np's explicit path in float64, same inputs and weights.
+rel. error: max|a - b| / max|b| against attention_np's explicit path in float64, same inputs, weights and
+  keywords (gqa: enable_gqa=True; window: is_causal=True with or without the window).
 explicit: our backend with need_weights=True; the bare name is need_weights=False (the fast path).
 torch built-in: F.scaled_dot_product_attention, nn.MultiheadAttention(batch_first=True) called with
   need_weights=False, nn.TransformerEncoderLayer(batch_first=True) in eval mode. numpy tutorial, jax plain,
   jax.nn.dot_product_attention: for mha and block, the plain projections and FFN of conformance/bench/baselines.py
   around that attention; "jax.nn.dot_product_attention cudnn" (bfloat16 on CUDA): with implementation="cudnn".
-  bfloat16 skips the NumPy candidates (NumPy has no bfloat16 arithmetic)."""
+  bfloat16 skips the NumPy candidates (NumPy has no bfloat16 arithmetic).
+--variant gqa: enable_gqa=True, H=32 query heads on Hkv=8; "torch built-in" is F.scaled_dot_product_attention(
+  enable_gqa=True), "repeat_interleave" and "np.repeat" repeat k and v to H heads inside the timed call, "jax plain"
+  is the grouped einsum formulation. --variant window: "window" is is_causal=True with window=(256, 0), "causal"
+  is_causal=True alone, both fast paths; FLOPs counted as for full attention in both."""
 
 
 # --- the tables, the machine and the plot --------------------------------------------------------------
@@ -50,7 +56,7 @@ def format_table(rows: Sequence[timing.Row]) -> str:
     run to hundreds of thousands of GFLOP/s), in GFLOP/s otherwise."""
     on_gpu = any(row.device == "cuda" for row in rows)
     unit, per_unit, decimals = ("TFLOP/s", 1000, 2) if on_gpu else ("GFLOP/s", 1, 1)
-    header = ("implementation", "operation", "L", "time ms", unit, "peak MiB", "rel. error")
+    header = ("implementation", "operation", "variant", "L", "time ms", unit, "peak MiB", "rel. error")
     lines, last = [header], None
     for row in rows:
         if last is not None and (row.operation, row.L) != last:
@@ -58,20 +64,26 @@ def format_table(rows: Sequence[timing.Row]) -> str:
         last = (row.operation, row.L)
         peak = "-" if row.peak_mib is None else f"{row.peak_mib:.1f}"
         rate = f"{row.gflops / per_unit:.{decimals}f}"
-        lines.append((row.implementation, row.operation, str(row.L), f"{row.time_ms:.2f}", rate, peak,
+        lines.append((row.implementation, row.operation, row.variant, str(row.L), f"{row.time_ms:.2f}", rate, peak,
                       f"{row.rel_error:.1e}"))
-    return _columns(lines, right=(2, 3, 4, 5, 6))
+    return _columns(lines, right=(3, 4, 5, 6, 7))
 
 
 def format_targets(rows: Sequence[timing.TargetRow]) -> str:
-    """One line per target: the ratio measured, its target and MET or MISSED."""
-    header = ("framework", "operation", "ratio", "times ms", "measured", "target", "verdict")
+    """One line per target: what is compared, the two values, the value measured, its target and MET or
+    MISSED ("-" for a ratio shown without a target)."""
+    header = ("framework", "operation", "variant", "L", "compared", "values", "measured", "target", "verdict")
     lines = [header]
     for row in rows:
-        names = " / ".join(_display(name, row.operation) for name in (row.numerator, row.denominator))
-        lines.append((row.framework, row.operation, names, f"{row.numerator_ms:.2f} / {row.denominator_ms:.2f}",
-                      f"{row.ratio:.3f}", f"{row.relation} {row.bound:.2f}", "MET" if row.met else "MISSED"))
-    return _columns(lines, right=(3, 4))
+        comparison = timing.COMPARISONS[row.compared]
+        names = f" {comparison.symbol} ".join(_display(name, row.operation)
+                                              for name in (row.numerator, row.denominator))
+        values = f"{row.numerator_value:.2f} {comparison.symbol} {row.denominator_value:.2f} {comparison.unit}"
+        target = "-" if row.bound is None else f"{row.relation} {comparison.shown.format(row.bound)}"
+        verdict = {None: "-", True: "MET", False: "MISSED"}[row.met]
+        lines.append((row.framework, row.operation, row.variant, str(row.L), names, values,
+                      comparison.shown.format(row.measured), target, verdict))
+    return _columns(lines, right=(3, 5, 6))
 
 
 def machine(backends: dict[str, ModuleType]) -> list[str]:
@@ -90,6 +102,7 @@ def plot(rows: Sequence[timing.Row], path: str) -> None:
     axes = figure.subplots(len(operations), 2, squeeze=False)
     for (time_axis, error_axis), operation in zip(axes, operations, strict=True):
         mine = [row for row in rows if row.operation == operation]
+        variant = mine[0].variant  # one run, one variant
         sizes, starts = sorted({row.L for row in mine}), []
         for name in dict.fromkeys(row.implementation for row in mine):
             line = [row for row in mine if row.implementation == name]
@@ -108,21 +121,28 @@ def plot(rows: Sequence[timing.Row], path: str) -> None:
             axis.minorticks_off()
             axis.grid(True, which="major", alpha=0.3)
         time_axis.legend(fontsize=7, loc="upper left")
-        time_axis.set(title=f"{operation}: median time", xlabel="L = S", ylabel="ms")
-        error_axis.set(title=f"{operation}: relative error vs the float64 reference (styles as on the left)",
+        time_axis.set(title=f"{operation} ({variant} variant): median time", xlabel="L = S", ylabel="ms")
+        error_axis.set(title=f"{operation} ({variant}): relative error vs the float64 reference (styles as on "
+                             "the left)",
                        xlabel="L = S", ylabel="max|a - b| / max|b| (0 drawn at 1e-17)")
     figure.savefig(path, dpi=110)
 
 
+# our own lines by what follows the backend's name: solid the fast path (or the variant's subject, the window),
+# dashed the explicit path, dash-dotted full causal attention beside the window; anything else is a baseline
+_OUR_LINES = {"": {"linestyle": "-", "marker": "o"}, "window": {"linestyle": "-", "marker": "o"},
+              "explicit": {"linestyle": "--", "marker": "s", "markersize": 4},
+              "causal": {"linestyle": "-.", "marker": "D", "markersize": 4}}
+
+
 def _style(name: str, framework: str) -> dict[str, Any]:
-    """A colour per framework; solid: our fast path, dashed: our explicit path, dotted: a baseline."""
+    """A colour per framework; our paths as _OUR_LINES says, a baseline dotted."""
     color = {"numpy": "tab:blue", "torch": "tab:red", "jax": "tab:green"}.get(framework, "tab:grey")
     if name.startswith("jax.nn.dot_product_attention"):
         color = "tab:olive" if name == "jax.nn.dot_product_attention" else "tab:cyan"
-    if name in BUILT_IN:
-        return {"color": color, "linestyle": "-", "marker": "o"}
-    if name.endswith(" explicit"):
-        return {"color": color, "linestyle": "--", "marker": "s", "markersize": 4}
+    backend, _, path = name.partition(" ")
+    if backend in BUILT_IN and path in _OUR_LINES:
+        return {"color": color, **_OUR_LINES[path]}
     return {"color": color, "linestyle": ":", "marker": "^"}
 
 
@@ -153,8 +173,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `python -m conformance compare`."""
     parser.add_argument("--sizes", type=_ints, default=timing.SIZES, metavar="L,L,...",
                         help=f"sequence lengths L = S (default {','.join(map(str, timing.SIZES))})")
-    parser.add_argument("--operations", type=_operations, default=timing.OPERATIONS, metavar="OP,...",
-                        help="any of sdpa,mha,block (default: all three)")
+    parser.add_argument("--operations", type=_operations, default=None, metavar="OP,...",
+                        help="any of sdpa,mha,block (default: all three; gqa and window: sdpa only)")
+    parser.add_argument("--variant", choices=tuple(variants.VARIANTS), default="plain",
+                        help="plain (default); gqa: grouped-query attention, H=32 query heads on 8 key/value "
+                             "heads; window: is_causal with window=(256, 0) beside full causal (B=1)")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
                         help="float32 (default), float64, or bfloat16 (torch and JAX only)")
     parser.add_argument("--repeats", type=positive_int, default=10, metavar="N",
@@ -167,7 +190,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time and error vs L; needs matplotlib: pip install 'attention-reference[plot]'")
     parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--targets", action="store_true",
-                        help="only the performance targets (float32, B=2, H=8, L=S=1024, E=64); ignores "
+                        help="only the performance targets of the variant (plain: float32, B=2, H=8, L=S=1024, "
+                             "E=64; gqa: H=32, Hkv=8; window: its ratios at L=S=4096, no targets); ignores "
                              "--sizes, --operations and --dtype")
 
 
@@ -180,6 +204,11 @@ def main(args: argparse.Namespace) -> int:
         except ImportError as error:
             print(f"compare: {error}", file=sys.stderr)
             return 2
+    variant = variants.VARIANTS[args.variant]
+    operations = args.operations or variant.operations
+    if not set(operations) <= set(variant.operations):
+        print(f"compare: --variant {variant.name} times {','.join(variant.operations)} only", file=sys.stderr)
+        return 2
     backends, skipped = timing.installed_backends()
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
@@ -189,25 +218,31 @@ def main(args: argparse.Namespace) -> int:
         print(f"compare: {error}", file=sys.stderr)
         return 2
     progress = not args.quiet  # drawn only where stderr is a terminal
+    ratios: list[timing.TargetRow] = []
     with timing.pinned(backends) as settings:
         print("\n".join(machine(backends)))
         print("; ".join(settings) or "no precision settings")
         print("placement: " + ", ".join(f"{kind} on {device}" for kind, device in devices.items()))
         if args.targets:
-            print(f"targets: float32, B=2, H=8, L=S=1024, E=64 (D=512, F=2048), need_weights=False; "
-                  f"{args.repeats} interleaved repeats, medians\n")
-            result: Sequence[Any] = timing.targets(repeats=args.repeats, device=args.device,
+            print(f"targets ({variant.name}): float32, {variant.describe(**variant.dims)}, L=S={variant.target_L}, "
+                  f"need_weights=False; {args.repeats} interleaved repeats, medians\n")
+            result: Sequence[Any] = timing.targets(repeats=args.repeats, device=args.device, variant=variant,
                                                       backends=backends, progress=progress)
             print(format_targets(result))
         else:
-            print(f"{args.dtype}, B=2, H=8, E=64 (D=512, F=2048), L = S; {args.repeats} repeats per candidate, "
-                  "interleaved, medians\n")
-            result = timing.compare(sizes=args.sizes, operations=args.operations, dtype=args.dtype,
-                                       repeats=args.repeats, device=args.device, backends=backends, progress=progress)
+            print(f"{args.dtype}, {variant.describe(**variant.dims)}, L = S ({variant.name}); {args.repeats} repeats "
+                  "per candidate, interleaved, medians\n")
+            result = timing.compare(sizes=args.sizes, operations=operations, dtype=args.dtype, repeats=args.repeats,
+                                       device=args.device, variant=variant, backends=backends, progress=progress)
             print(format_table(result) + "\n\n" + FOOTNOTE)
+            ratios = timing.ratios(result, variant)
+            if ratios:
+                print("\nside by side, from the table's medians:\n" + format_targets(ratios))
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"machine": machine(backends), "rows": [row._asdict() for row in result]}, file, indent=1)
+            json.dump({"machine": machine(backends), "variant": variant.name,
+                       "rows": [row._asdict() for row in result], "ratios": [row._asdict() for row in ratios]},
+                      file, indent=1)
     if args.plot and not args.targets:
         plot(result, args.plot)
         print(f"\nplot written to {args.plot}")

@@ -15,8 +15,12 @@ FLOPs count the matrix products only, 2 per multiply-add:
     mha    sdpa + 4 * 2 B L D^2   self-attention (S = L) and the projections w_q, w_k, w_v, w_o
     block  mha + 2 * 2 B L D F    and the feed-forward network's two linears
 
-JSON rows (--json) hold: implementation, framework, device, operation, dtype, B, H, E, L, S, D, F, flops,
-repeats, time_ms, gflops, peak_mib (null where not measurable), rel_error.
+What is timed is declared by a `Variant`: its problem maker, its candidates (`calls`) and its targets;
+bench/variants.py declares each (plain: the problems and candidates above; grouped-query attention; a
+sliding window). This module holds the structures, the problems and our calls, and the measuring.
+
+JSON rows (--json) hold: implementation, framework, device, operation, variant, dtype, B, H, E, L, S, D, F,
+flops, repeats, time_ms, gflops, peak_mib (null where not measurable), rel_error.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import contextlib
 import importlib
 import itertools
 import math
+import operator
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple, TypeVar
 
@@ -41,6 +46,8 @@ from . import baselines
 OPERATIONS = tuple(operations.OPERATIONS)  # the registry's, which the benchmark times all of
 SIZES = (128, 256, 512, 1024)
 T = TypeVar("T")  # the value of a step of the progress bar
+Options = tuple[tuple[str, Any], ...]  # keywords of scaled_dot_product_attention as (name, value) pairs
+Call = tuple[Callable, Any, Options]  # (call, params, options): call(params, *inputs); options: what it computes
 
 
 class Candidate(NamedTuple):
@@ -52,6 +59,7 @@ class Candidate(NamedTuple):
     peak: Callable[[], int | None]  # bytes one call allocates at its peak, None where not measurable
     framework: str = "numpy"
     device: str = "cpu"
+    options: Options = ()  # the keywords whose result it computes; its reference is our explicit path with them
 
 
 class Problem(NamedTuple):
@@ -62,7 +70,7 @@ class Problem(NamedTuple):
     H: int
     L: int
     E: int
-    inputs: tuple[np.ndarray, ...]  # sdpa: q, k, v (B, H, L, E); mha, block: x (B, L, D)
+    inputs: tuple[np.ndarray, ...]  # sdpa: q, k, v (B, H, L, E) (gqa: k, v (B, Hkv, S, E)); mha, block: x (B, L, D)
     state: dict[str, np.ndarray]  # the module's parameters, named as in the state-dict contract ({} for sdpa)
 
 
@@ -85,39 +93,70 @@ class Row(NamedTuple):
     gflops: float
     peak_mib: float | None
     rel_error: float
+    variant: str = "plain"
+
+
+class Comparison(NamedTuple):
+    """What a target compares: one quantity of two candidates, combined into the value held to the bound."""
+
+    quantity: str  # "time" (median ms) or "peak" (peak MiB)
+    symbol: str  # how the targets table joins the two names and values: "/" or "-"
+    combine: Callable[[float, float], float]  # (numerator's, denominator's) -> measured
+    unit: str  # of the quantity
+    shown: str  # how the targets table writes the measured value and the bound
+
+
+COMPARISONS = {
+    "time ratio": Comparison("time", "/", operator.truediv, "ms", "{:.3f}"),
+    "peak difference": Comparison("peak", "-", operator.sub, "MiB", "{:.1f} MiB"),
+}
+
+
+def _unscaled(problem: Problem) -> float:
+    return 1.0
 
 
 class Target(NamedTuple):
+    """numerator (op) the best denominator, held to `relation bound`; bound None: measured, no target."""
+
     framework: str
     numerator: str
-    denominators: tuple[str, ...]  # the fastest of these counts
+    denominators: tuple[str, ...]  # the smallest of their quantity counts: the fastest, or the leanest
     relation: str  # "<=" or ">="
-    bound: float
+    bound: float | None
     operations: tuple[str, ...] = OPERATIONS
-
-
-# The NumPy targets compare attention itself with the tutorial's formulation of it (matmul, divide,
-# masked_fill, softmax, matmul); around MHA and the block the projections and the FFN, the same BLAS
-# calls in both, dilute the ratio, so those rows are shown without a target.
-TARGETS = (
-    Target("torch", "attention_torch", ("torch built-in",), "<=", 1.10),
-    Target("jax", "attention_jax", ("jax plain", "jax.nn.dot_product_attention"), "<=", 1.10),
-    Target("numpy", "numpy tutorial", ("attention_np",), ">=", 1.3, ("sdpa",)),
-    Target("numpy", "attention_np explicit", ("numpy tutorial",), "<=", 1.0, ("sdpa",)),
-)
+    compared: str = "time ratio"  # a key of COMPARISONS
+    scale: Callable[[Problem], float] = _unscaled  # the bound is bound * scale(problem) (a size in MiB, say)
 
 
 class TargetRow(NamedTuple):
     framework: str
     operation: str
+    variant: str
+    L: int
+    compared: str  # a key of COMPARISONS: "time ratio" or "peak difference"
     numerator: str
-    denominator: str  # the fastest of the target's denominators
-    numerator_ms: float
-    denominator_ms: float
-    ratio: float
+    denominator: str  # the best of the target's denominators
+    numerator_value: float  # in the comparison's unit: ms or MiB
+    denominator_value: float
+    measured: float  # numerator_value / denominator_value, or numerator_value - denominator_value
     relation: str
-    bound: float
-    met: bool
+    bound: float | None  # None: no target
+    met: bool | None
+
+
+class Variant(NamedTuple):
+    """What `compare --variant NAME` times: one declaration read by compare() and targets()."""
+
+    name: str
+    operations: tuple[str, ...]
+    dims: Mapping[str, int]  # B, H, E by default
+    problem: Callable[..., Problem]  # (operation, *, B, H, L, E, dtype) -> Problem
+    calls: Callable[..., dict[str, Call]]  # (name, module, problem, state, *, fused) -> {label: Call}
+    targets: tuple[Target, ...]  # what --targets measures, at L = target_L
+    describe: Callable[..., str]  # (B, H, E) -> the shapes, one line
+    target_L: int = 1024
+    ratios: tuple[Target, ...] = ()  # printed under compare's table at every L
 
 
 def flops(operation: str, *, B: int, H: int, L: int, S: int, E: int) -> int:
@@ -169,47 +208,102 @@ def balanced_order(n: int) -> list[int]:
     return circuit[::-1][:-1]  # the walk ends where it began: that last step is the cycle's wrap-around
 
 
-def compare(*, sizes: Sequence[int] = SIZES, operations: Sequence[str] = OPERATIONS, dtype: str = "float32",
-            repeats: int = 10, device: str = "cpu", B: int = 2, H: int = 8, E: int = 64,
-            backends: dict[str, ModuleType] | None = None, progress: bool = False) -> list[Row]:
-    """Time every candidate on every operation and size; one Row per candidate, operation and L. progress:
-    a progress bar on stderr where that is a terminal."""
+def compare(*, variant: Variant, sizes: Sequence[int] = SIZES, operations: Sequence[str] | None = None,
+            dtype: str = "float32", repeats: int = 10, device: str = "cpu", B: int | None = None, H: int | None = None,
+            E: int | None = None, backends: dict[str, ModuleType] | None = None, progress: bool = False) -> list[Row]:
+    """Time every candidate of `variant` on every operation and size; one Row per candidate, operation and L.
+    B, H, E, operations: the variant's unless given. progress: a progress bar on stderr where that is a
+    terminal."""
+    dims = _dims(variant, B=B, H=H, E=E)
     backends = installed_backends()[0] if backends is None else backends
     devices, rows = placement(backends, device), []
-    steps = [(f"{operation} L={L}", (operation, L)) for operation in operations for L in sizes]
+    steps = [(f"{operation} L={L}", (operation, L)) for operation in operations or variant.operations for L in sizes]
     with pinned(backends):
         for operation, L in _progress(steps, progress):
-            problem = make_problem(operation, B=B, H=H, L=L, E=E, dtype=dtype)
-            reference = _our_output(importlib.import_module("attention_np"), problem)
-            candidates = make_candidates(problem, backends, dtype=dtype, devices=devices)
+            problem = variant.problem(operation, L=L, dtype=dtype, **dims)
+            candidates = make_candidates(problem, backends, dtype=dtype, devices=devices, calls=variant.calls)
+            references = {options: _our_output(importlib.import_module("attention_np"), problem, options)
+                          for options in dict.fromkeys(candidate.options for candidate in candidates)}
             for kind in dict.fromkeys(candidate.framework for candidate in candidates):
                 group = [candidate for candidate in candidates if candidate.framework == kind]
                 for candidate, seconds in zip(group, measure(group, repeats=repeats), strict=True):
-                    rows.append(_row(candidate, problem, dtype, repeats, seconds, reference))
+                    rows.append(_row(candidate, problem, variant.name, dtype, repeats, seconds,
+                                     references[candidate.options]))
     return rows
 
 
-def targets(*, L: int = 1024, repeats: int = 10, device: str = "cpu",
+def targets(*, variant: Variant, L: int | None = None, repeats: int = 10, device: str = "cpu",
             backends: dict[str, ModuleType] | None = None, progress: bool = False) -> list[TargetRow]:
-    """The performance targets: float32, B=2, H=8, L=S, E=64, need_weights=False; one TargetRow per
-    target and operation, its candidates timed interleaved. progress: as for compare."""
+    """The performance targets of `variant`, float32 at its dims and L = S = its target_L unless given; one
+    TargetRow per target and operation, its candidates timed interleaved. progress: as for compare."""
+    L = variant.target_L if L is None else L
     backends = installed_backends()[0] if backends is None else backends
     devices, rows = placement(backends, device), []
     present = {framework_of(module).name for module in backends.values()}
-    chosen = [target for target in TARGETS if target.framework in present]
+    chosen = [target for target in variant.targets if target.framework in present]
     steps = [(f"{kind} {operation}", (kind, operation))
-             for kind in dict.fromkeys(target.framework for target in chosen) for operation in OPERATIONS]
+             for kind in dict.fromkeys(target.framework for target in chosen) for operation in variant.operations]
     with pinned(backends):
         for kind, operation in _progress(steps, progress):
             mine = [target for target in chosen if target.framework == kind and operation in target.operations]
             if not mine:
                 continue
-            problem = make_problem(operation, B=2, H=8, L=L, E=64, dtype="float32")
+            problem = variant.problem(operation, L=L, dtype="float32", **variant.dims)
             wanted = {name for target in mine for name in (target.numerator, *target.denominators)}
-            candidates = make_candidates(problem, backends, dtype="float32", devices=devices, wanted=wanted)
-            medians = dict(zip([c.name for c in candidates], measure(candidates, repeats=repeats), strict=True))
-            rows += [_target_row(target, operation, medians) for target in mine]
+            candidates = make_candidates(problem, backends, dtype="float32", devices=devices, wanted=wanted,
+                                         calls=variant.calls)
+            measured = {"time": dict(zip([c.name for c in candidates],
+                                         [1e3 * seconds for seconds in measure(candidates, repeats=repeats)],
+                                         strict=True))}
+            if any(COMPARISONS[target.compared].quantity == "peak" for target in mine):  # one more call each
+                measured["peak"] = {c.name: _mib(c.peak()) for c in candidates}
+            rows += [target_row(target, problem, variant.name, measured) for target in mine]
     return rows
+
+
+def target_row(target: Target, problem: Problem, variant: str,
+               measured: Mapping[str, Mapping[str, float | None]]) -> TargetRow:
+    """The target's row from measured[quantity][candidate] (ms or MiB): the best (smallest) denominator, the
+    value the comparison makes of the two, and the verdict against bound * scale(problem)."""
+    comparison = COMPARISONS[target.compared]
+    values = measured[comparison.quantity]
+    denominator = min(target.denominators, key=lambda name: _known(values[name], name))
+    mine, theirs = _known(values[target.numerator], target.numerator), _known(values[denominator], denominator)
+    value = comparison.combine(mine, theirs)
+    bound = None if target.bound is None else target.bound * target.scale(problem)
+    met = None if bound is None else value <= bound if target.relation == "<=" else value >= bound
+    return TargetRow(target.framework, problem.operation, variant, problem.L, target.compared, target.numerator,
+                     denominator, mine, theirs, value, target.relation, bound, met)
+
+
+def ratios(rows: Sequence[Row], variant: Variant) -> list[TargetRow]:
+    """The variant's `ratios` from compare's rows (time and peak as measured there), at each operation and L
+    where both sides ran; rows come grouped by operation and L, as compare() makes them."""
+    found = []
+    for (operation, L), group in itertools.groupby(rows, key=lambda row: (row.operation, row.L)):
+        mine = list(group)
+        measured = {"time": {row.implementation: row.time_ms for row in mine},
+                    "peak": {row.implementation: row.peak_mib for row in mine}}
+        problem = Problem(operation, mine[0].B, mine[0].H, L, mine[0].E, (), {})  # the sizes only
+        ran = set(measured["time"])
+        found += [target_row(target, problem, variant.name, measured) for target in variant.ratios
+                  if operation in target.operations and {target.numerator, *target.denominators} <= ran]
+    return found
+
+
+def _known(value: float | None, name: str) -> float:
+    if value is None:
+        raise ValueError(f"{name}: this quantity is not measurable here (a peak on torch or JAX on the CPU)")
+    return value
+
+
+def _mib(size: int | None) -> float | None:
+    return None if size is None else size / 2**20
+
+
+def _dims(variant: Variant, **given: int | None) -> dict[str, int]:
+    """The variant's B, H, E, with those given (not None) instead."""
+    return {**variant.dims, **{name: value for name, value in given.items() if value is not None}}
 
 
 def _progress(steps: Sequence[tuple[str, T]], enabled: bool) -> Iterator[T]:
@@ -226,14 +320,6 @@ def _progress(steps: Sequence[tuple[str, T]], enabled: bool) -> Iterator[T]:
             yield value
 
 
-def _target_row(target: Target, operation: str, medians: dict[str, float]) -> TargetRow:
-    denominator = min(target.denominators, key=medians.__getitem__)
-    ratio = medians[target.numerator] / medians[denominator]
-    met = ratio <= target.bound if target.relation == "<=" else ratio >= target.bound
-    return TargetRow(target.framework, operation, target.numerator, denominator, 1e3 * medians[target.numerator],
-                     1e3 * medians[denominator], ratio, target.relation, target.bound, met)
-
-
 # --- the inputs and the candidates ---------------------------------------------------------------------
 
 
@@ -245,14 +331,14 @@ def make_problem(operation: str, *, B: int, H: int, L: int, E: int, dtype: str, 
     else:
         inputs = (rng.standard_normal((B, L, D)),)
         state = baselines.random_state(operation, D, 4 * D, rng)
-    rounded = {name: _rounded(value, dtype) for name, value in state.items()}
-    return Problem(operation, B, H, L, E, tuple(_rounded(x, dtype) for x in inputs), rounded)
+    return Problem(operation, B, H, L, E, tuple(rounded(x, dtype) for x in inputs),
+                   {name: rounded(value, dtype) for name, value in state.items()})
 
 
 def make_candidates(problem: Problem, backends: dict[str, ModuleType], *, dtype: str, devices: dict[str, str],
-                    wanted: set[str] | None = None) -> list[Candidate]:
-    """Each backend with need_weights=False and True ("explicit"), then its framework's baselines; backends
-    whose framework has no `dtype` (NumPy: bfloat16) are left out."""
+                    calls: Callable[..., dict[str, Call]], wanted: set[str] | None = None) -> list[Candidate]:
+    """Each backend's candidates by `calls` (a variant's), ready to time on its device; backends whose
+    framework has no `dtype` (NumPy: bfloat16) are left out."""
     candidates = []
     for name, module in backends.items():
         framework = framework_of(module)
@@ -261,24 +347,22 @@ def make_candidates(problem: Problem, backends: dict[str, ModuleType], *, dtype:
         device = devices[framework.name]
         convert = framework.converter(dtype, device)
         state = {key: convert(value) for key, value in problem.state.items()}
-        calls = {name: _our_call(module, problem, state, need_weights=False),
-                 f"{name} explicit": _our_call(module, problem, state, need_weights=True)}
-        calls |= baselines.calls(framework.name, problem.operation, state, num_heads=problem.H,
-                                 fused=device == "cuda" and dtype == "bfloat16")
         inputs = tuple(convert(x) for x in problem.inputs)
-        for label, (call, params) in calls.items():
+        for label, (call, params, options) in calls(name, module, problem, state,
+                                                    fused=device == "cuda" and dtype == "bfloat16").items():
             if wanted is None or label in wanted:
                 run, peak = framework.timed(call, (params, *inputs), device)
-                candidates.append(Candidate(label, problem.operation, run, peak, framework.name, device))
+                candidates.append(Candidate(label, problem.operation, run, peak, framework.name, device, options))
     return candidates
 
 
-def _our_call(module: ModuleType, problem: Problem, state: dict[str, Any],
-              *, need_weights: bool) -> tuple[Callable, Any]:
+def our_call(module: ModuleType, problem: Problem, state: dict[str, Any], *,
+             need_weights: bool, **options: Any) -> tuple[Callable, Any]:
     """(call, params): call(params, *inputs) runs our operation; params holds the module (None for sdpa), built
-    from `state`, the problem's parameters in the module's arrays."""
+    from `state`, the problem's parameters in the module's arrays. options: further keywords of sdpa."""
     if problem.operation == "sdpa":
-        return (lambda _, q, k, v: module.scaled_dot_product_attention(q, k, v, need_weights=need_weights)), None
+        return (lambda _, q, k, v: module.scaled_dot_product_attention(q, k, v, need_weights=need_weights,
+                                                                       **options)), None
     if problem.operation == "mha":
         mha = module.MultiHeadAttention.from_state_dict(state, num_heads=problem.H).eval()
         return (lambda mha, x: mha(x, x, x, need_weights=need_weights)), mha
@@ -286,9 +370,10 @@ def _our_call(module: ModuleType, problem: Problem, state: dict[str, Any],
     return (lambda block, x: block(x, need_weights=need_weights)), block
 
 
-def _our_output(module: ModuleType, problem: Problem) -> np.ndarray:
-    """The operation's output from a NumPy module's explicit path, as float64: the reference with attention_np."""
-    call, params = _our_call(module, problem, problem.state, need_weights=True)
+def _our_output(module: ModuleType, problem: Problem, options: Options = ()) -> np.ndarray:
+    """The operation's output from a NumPy module's explicit path with `options`, as float64: the reference with
+    attention_np."""
+    call, params = our_call(module, problem, problem.state, need_weights=True, **dict(options))
     return _as_float64(call(params, *problem.inputs), framework_of(module).name)
 
 
@@ -328,7 +413,7 @@ def pinned(backends: dict[str, ModuleType]) -> Iterator[list[str]]:
         yield [setting for setting in settings if setting]
 
 
-def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
     """x rounded to `dtype` and back to float64, so the reference sees exactly the benchmark's inputs."""
     if dtype != "bfloat16":
         return x.astype(dtype).astype(np.float64)
@@ -346,7 +431,7 @@ def _as_float64(result: Any, framework: str) -> np.ndarray:
     return FRAMEWORKS[framework].to_float64(result[0] if isinstance(result, tuple) else result)
 
 
-def _row(candidate: Candidate, problem: Problem, dtype: str, repeats: int, seconds: float,
+def _row(candidate: Candidate, problem: Problem, variant: str, dtype: str, repeats: int, seconds: float,
          reference: np.ndarray) -> Row:
     B, H, L, E = problem.B, problem.H, problem.L, problem.E
     count = flops(problem.operation, B=B, H=H, L=L, S=L, E=E)
@@ -354,4 +439,4 @@ def _row(candidate: Candidate, problem: Problem, dtype: str, repeats: int, secon
     peak = candidate.peak()
     return Row(candidate.name, candidate.framework, candidate.device, problem.operation, dtype, B, H, E, L, L,
                H * E, 4 * H * E, count, repeats, 1e3 * seconds, count / seconds / 1e9,
-               None if peak is None else peak / 2**20, float(error))
+               _mib(peak), float(error), variant)

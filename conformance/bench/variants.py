@@ -1,0 +1,155 @@
+"""The variants of `python -m conformance compare --variant NAME`, each declared once as a `timing.Variant`:
+its problem maker, its candidates and its targets; VARIANTS is the table the command line reads.
+
+Shape legend: B batch, H (query) heads, Hkv key/value heads, G = H / Hkv query heads per key/value head,
+L query positions, S key/value positions (S = L), E query/key width.
+
+- plain (the default): sdpa, mha and block, float32, B=2, H=8, E=64: each backend's fast and explicit paths
+  beside its framework's built-in and the plain formulations of bench/baselines.py.
+- gqa: grouped-query attention, float32, B=2, H=32, Hkv=8, E=64, sdpa with enable_gqa=True: our fast and
+  explicit paths beside F.scaled_dot_product_attention(enable_gqa=True) and the same with k and v
+  repeat_interleave'd to H heads, jax.nn.dot_product_attention (N=H query heads, K=Hkv key/value heads) and
+  a plain grouped JAX formulation (both jitted), and our NumPy fast path given np.repeat'ed k and v (the
+  repeat inside the timed call). Targets: ours / the framework's built-in (or best plain) time, and NumPy's
+  memory: the repeat's peak minus ours at least the two repeated copies, 2 B H S E float32 values (to 1 %).
+- window: a sliding window, float32, B=1 (one batch keeps L=S=4096's (B, H, L, S) float32 scores at 512 MiB),
+  H=8, E=64: each backend's fast path with is_causal=True and window=(256, 0) beside full causal attention
+  (is_causal=True alone); no targets, the two times side by side (`ratios`). FLOPs are counted as for full
+  attention (4 B H L S E) in both rows, so their rates compare as their times do.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ..frameworks import framework_of
+from . import baselines, timing
+from .timing import OPERATIONS, Call, Problem, Target
+
+GROUP = 4  # G: query heads per key/value head (H=32 on Hkv=8)
+GQA_OPTIONS = (("enable_gqa", True),)
+WINDOW = (256, 0)
+WINDOW_OPTIONS = {"window": (("is_causal", True), ("window", WINDOW)), "causal": (("is_causal", True),)}
+OURS = (("numpy", "attention_np"), ("jax", "attention_jax"), ("torch", "attention_torch"))  # framework, backend
+
+
+# --- plain ---
+
+
+# The NumPy targets compare attention itself with the tutorial's formulation of it (matmul, divide,
+# masked_fill, softmax, matmul); around MHA and the block the projections and the FFN, the same BLAS
+# calls in both, dilute the ratio, so those rows are shown without a target.
+TARGETS = (
+    Target("torch", "attention_torch", ("torch built-in",), "<=", 1.10),
+    Target("jax", "attention_jax", ("jax plain", "jax.nn.dot_product_attention"), "<=", 1.10),
+    Target("numpy", "numpy tutorial", ("attention_np",), ">=", 1.3, ("sdpa",)),
+    Target("numpy", "attention_np explicit", ("numpy tutorial",), "<=", 1.0, ("sdpa",)),
+)
+
+
+def plain_calls(name: str, module: ModuleType, problem: Problem, state: dict[str, Any],
+                *, fused: bool) -> dict[str, Call]:
+    """The plain variant: the backend with need_weights=False and True ("explicit"), then its framework's
+    baselines (bench/baselines.py). fused: on CUDA in bfloat16."""
+    ours = {name: timing.our_call(module, problem, state, need_weights=False),
+            f"{name} explicit": timing.our_call(module, problem, state, need_weights=True)}
+    theirs = baselines.calls(framework_of(module).name, problem.operation, state, num_heads=problem.H, fused=fused)
+    return {label: (call, params, ()) for label, (call, params) in (ours | theirs).items()}
+
+
+PLAIN = timing.Variant("plain", OPERATIONS, {"B": 2, "H": 8, "E": 64}, timing.make_problem, plain_calls, TARGETS,
+                       describe=lambda B, H, E: f"B={B}, H={H}, E={E} (D={H * E}, F={4 * H * E})")
+
+
+# --- gqa ---------------------------------------------------------------------------------------------------
+
+
+def gqa_problem(operation: str, *, B: int, H: int, L: int, E: int, dtype: str, seed: int = 0) -> Problem:
+    """q (B, H, L, E), k and v (B, Hkv, S, E) with Hkv = H / GROUP and S = L, rounded to `dtype`."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, L, E))  # (B, H, L, E)
+    k, v = (rng.standard_normal((B, H // GROUP, L, E)) for _ in "kv")  # (B, Hkv, S, E)
+    return Problem(operation, B, H, L, E, tuple(timing.rounded(x, dtype) for x in (q, k, v)), {})
+
+
+def gqa_calls(name: str, module: ModuleType, problem: Problem, state: dict[str, Any],
+              *, fused: bool) -> dict[str, Call]:
+    """Our backend with enable_gqa=True, both paths, then its framework's grouped-query baselines."""
+    ours = {name: timing.our_call(module, problem, state, need_weights=False, enable_gqa=True),
+            f"{name} explicit": timing.our_call(module, problem, state, need_weights=True, enable_gqa=True)}
+    theirs = _GQA_BASELINES[framework_of(module).name](name, module, fused)
+    return {label: (call, params, GQA_OPTIONS) for label, (call, params) in (ours | theirs).items()}
+
+
+def _numpy_gqa(name: str, module: ModuleType, fused: bool) -> dict[str, tuple[Any, None]]:
+    def repeated(_: None, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Any:
+        G = q.shape[-3] // k.shape[-3]
+        k, v = (np.repeat(x, G, axis=-3) for x in (k, v))  # (B, Hkv, S, E) -> (B, H, S, E): head h gets h // G
+        return module.scaled_dot_product_attention(q, k, v, need_weights=False)
+
+    return {f"{name} np.repeat": (repeated, None)}
+
+
+def _jax_gqa(name: str, module: ModuleType, fused: bool) -> dict[str, tuple[Any, None]]:
+    # jax.nn.dot_product_attention takes K < N key/value heads itself; jitted by the framework's timing
+    found = {"jax plain": (lambda _, q, k, v: baselines.jax_plain_grouped_attention(q, k, v), None),
+             "jax.nn.dot_product_attention": (lambda _, q, k, v: baselines.jax_builtin_attention(q, k, v), None)}
+    if fused:
+        found["jax.nn.dot_product_attention cudnn"] = (
+            lambda _, q, k, v: baselines.jax_builtin_attention(q, k, v, implementation="cudnn"), None)
+    return found
+
+
+def _torch_gqa(name: str, module: ModuleType, fused: bool) -> dict[str, tuple[Any, None]]:
+    import torch.nn.functional as F
+
+    return {"torch built-in": (lambda _, q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), None),
+            "torch built-in repeat_interleave": (lambda _, q, k, v: baselines.torch_repeated_attention(q, k, v), None)}
+
+
+_GQA_BASELINES = {"numpy": _numpy_gqa, "jax": _jax_gqa, "torch": _torch_gqa}
+
+
+def repeated_kv_mib(problem: Problem) -> float:
+    """MiB of the copies np.repeat makes: k and v at (B, H, S, E), 4 bytes a float32 value, 2 B H S E * 4 bytes
+    (the (B, Hkv, S, E) originals are inputs, which no peak counts)."""
+    return 2 * problem.B * problem.H * problem.L * problem.E * 4 / 2**20
+
+
+GQA_TARGETS = (
+    Target("torch", "attention_torch", ("torch built-in",), "<=", 1.10, ("sdpa",)),
+    Target("jax", "attention_jax", ("jax plain", "jax.nn.dot_product_attention"), "<=", 1.10, ("sdpa",)),
+    Target("numpy", "attention_np", ("attention_np np.repeat",), "<=", 1.00, ("sdpa",)),
+    # the repeat's peak minus ours: at least the copies it makes, but for 1 %: tracemalloc counts Python's objects
+    # too, and at its peak the enable_gqa call holds about a kilobyte more of them (one more frame, its keywords)
+    Target("numpy", "attention_np np.repeat", ("attention_np",), ">=", 0.99, ("sdpa",), "peak difference",
+           repeated_kv_mib),
+)
+
+GQA = timing.Variant(
+    "gqa", ("sdpa",), {"B": 2, "H": 32, "E": 64}, gqa_problem, gqa_calls, GQA_TARGETS,
+    describe=lambda B, H, E: f"B={B}, H={H} query heads on Hkv={H // GROUP} key/value heads, E={E}, enable_gqa=True")
+
+
+# --- window ------------------------------------------------------------------------------------------------
+
+
+def window_calls(name: str, module: ModuleType, problem: Problem, state: dict[str, Any],
+                 *, fused: bool) -> dict[str, Call]:
+    """Our fast path with the sliding window ("window") and with full causal attention ("causal")."""
+    return {f"{name} {label}": (*timing.our_call(module, problem, state, need_weights=False, **dict(options)), options)
+            for label, options in WINDOW_OPTIONS.items()}
+
+
+WINDOW_RATIOS = tuple(Target(framework, f"{name} window", (f"{name} causal",), "<=", None, ("sdpa",))
+                      for framework, name in OURS)
+
+WINDOW_VARIANT = timing.Variant(
+    "window", ("sdpa",), {"B": 1, "H": 8, "E": 64}, timing.make_problem, window_calls, WINDOW_RATIOS,
+    describe=lambda B, H, E: f"B={B}, H={H}, E={E}, is_causal=True with window={WINDOW} against full causal",
+    target_L=4096, ratios=WINDOW_RATIOS)
+
+VARIANTS = {variant.name: variant for variant in (PLAIN, GQA, WINDOW_VARIANT)}
