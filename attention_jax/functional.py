@@ -121,6 +121,37 @@ def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
     return _ranked(jnp.arange(S), lengths.ndim + 3) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
 
 
+def apply_rope(x: jax.Array, positions: int | jax.Array, *, theta: float = 10000.0,
+               interleaved: bool = False) -> jax.Array:
+    """RoPE(x) at position p: each pair (x1, x2) of x turned by the angle p * theta^(-2j / E), j its index,
+    (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos); the pairs are (x_j, x_{j + E/2}) (half rotation: Llama,
+    Hugging Face's rotate_half, ONNX RotaryEmbedding with interleaved=0) or (x_2j, x_2j+1) (interleaved).
+
+    Args:
+        x: (..., L, E), E even: each row a query or key of one head.
+        positions: integers broadcasting to (...,  L): each row's absolute position (an int: every row's).
+        theta: the base of the angles' geometric progression.
+        interleaved: the pairs' layout, as above.
+
+    Returns:
+        (..., L, E) in x's dtype, computed in at least float32. Rotations keep lengths, and the dot product
+        of two rotated rows depends on their positions only through their difference.
+    """
+    positions = jnp.asarray(positions)
+    checks.rope(x.shape, positions.shape, str(positions.dtype), jnp.issubdtype(positions.dtype, jnp.integer), theta)
+    dtype, work = x.dtype, _at_least_float32(x.dtype)  # float16, bfloat16: in float32
+    E = x.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, E, 2, dtype=work) / E)  # (E/2,): theta^(-2j / E)
+    angles = _ranked(positions, x.ndim - 1)[..., None].astype(work) * _ranked(inv_freq, x.ndim)  # (..., L, E/2)
+    # jax: both at x's rank, as rank promotion may be refused
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x = x.astype(work)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : E // 2], x[..., E // 2:])  # (..., L, E/2)
+    turned = (x1 * cos - x2 * sin, x1 * sin + x2 * cos)  # (..., L, E/2) each
+    out = jnp.stack(turned, axis=-1).reshape(x.shape) if interleaved else jnp.concatenate(turned, axis=-1)
+    return out.astype(dtype)  # (..., L, E)
+
+
 def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
              structure: dict, *, scale: float | None, softcap: float | None, dropout_p: float,
              need_weights: bool, rng: Rng) -> tuple[tuple, float, tuple | None]:

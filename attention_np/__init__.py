@@ -1,13 +1,14 @@
 """Attention in NumPy: the textbook backend, explicit and vectorised."""
 
 from .arrays import asarray, load_state_dict, save_state_dict, to_numpy
-from .functional import causal_mask, padding_mask, scaled_dot_product_attention, window_mask
+from .functional import apply_rope, causal_mask, padding_mask, scaled_dot_product_attention, window_mask
 from .gradients import scaled_dot_product_attention_vjp
 from .modules import MultiHeadAttention, TransformerBlock
 
 __all__ = [
     "MultiHeadAttention",
     "TransformerBlock",
+    "apply_rope",
     "asarray",
     "causal_mask",
     "load_state_dict",

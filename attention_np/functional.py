@@ -117,6 +117,36 @@ def padding_mask(lengths: np.ndarray, S: int) -> np.ndarray:
     return np.arange(S) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
 
 
+def apply_rope(x: np.ndarray, positions: int | np.ndarray, *, theta: float = 10000.0,
+               interleaved: bool = False) -> np.ndarray:
+    """RoPE(x) at position p: each pair (x1, x2) of x turned by the angle p * theta^(-2j / E), j its index,
+    (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos); the pairs are (x_j, x_{j + E/2}) (half rotation: Llama,
+    Hugging Face's rotate_half, ONNX RotaryEmbedding with interleaved=0) or (x_2j, x_2j+1) (interleaved).
+
+    Args:
+        x: (..., L, E), E even: each row a query or key of one head.
+        positions: integers broadcasting to (...,  L): each row's absolute position (an int: every row's).
+        theta: the base of the angles' geometric progression.
+        interleaved: the pairs' layout, as above.
+
+    Returns:
+        (..., L, E) in x's dtype, computed in at least float32. Rotations keep lengths, and the dot product
+        of two rotated rows depends on their positions only through their difference.
+    """
+    positions = np.asarray(positions)
+    checks.rope(x.shape, positions.shape, str(positions.dtype), np.issubdtype(positions.dtype, np.integer), theta)
+    dtype, work = x.dtype, np.promote_types(x.dtype, np.float32)  # float16, bfloat16: in float32
+    E = x.shape[-1]
+    inv_freq = 1.0 / theta ** (np.arange(0, E, 2, dtype=work) / E)  # (E/2,): theta^(-2j / E)
+    angles = positions[..., None].astype(work) * inv_freq  # (..., L, 1) x (E/2,) -> (..., L, E/2)
+    cos, sin = np.cos(angles), np.sin(angles)
+    x = x.astype(work, copy=False)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : E // 2], x[..., E // 2:])  # (..., L, E/2)
+    turned = (x1 * cos - x2 * sin, x1 * sin + x2 * cos)  # (..., L, E/2) each
+    out = np.stack(turned, axis=-1).reshape(x.shape) if interleaved else np.concatenate(turned, axis=-1)
+    return out.astype(dtype, copy=False)  # (..., L, E)
+
+
 def _prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
              structure: dict, *, scale: float | None, softcap: float | None, dropout_p: float,
              need_weights: bool) -> tuple[tuple, float, tuple | None]:

@@ -123,6 +123,37 @@ def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
     return torch.arange(S, device=lengths.device) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
 
 
+def apply_rope(x: torch.Tensor, positions: int | torch.Tensor, *, theta: float = 10000.0,
+               interleaved: bool = False) -> torch.Tensor:
+    """RoPE(x) at position p: each pair (x1, x2) of x turned by the angle p * theta^(-2j / E), j its index,
+    (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos); the pairs are (x_j, x_{j + E/2}) (half rotation: Llama,
+    Hugging Face's rotate_half, ONNX RotaryEmbedding with interleaved=0) or (x_2j, x_2j+1) (interleaved).
+
+    Args:
+        x: (..., L, E), E even: each row a query or key of one head.
+        positions: integers broadcasting to (...,  L): each row's absolute position (an int: every row's).
+        theta: the base of the angles' geometric progression.
+        interleaved: the pairs' layout, as above.
+
+    Returns:
+        (..., L, E) in x's dtype, computed in at least float32. Rotations keep lengths, and the dot product
+        of two rotated rows depends on their positions only through their difference.
+    """
+    positions = torch.as_tensor(positions, device=x.device)
+    integer = not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool)
+    checks.rope(x.shape, positions.shape, str(positions.dtype), integer, theta)
+    dtype, work = x.dtype, torch.promote_types(x.dtype, torch.float32)  # float16, bfloat16: in float32
+    E = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, E, 2, dtype=work, device=x.device) / E)  # (E/2,): theta^(-2j / E)
+    angles = positions[..., None].to(work) * inv_freq  # (..., L, 1) x (E/2,) -> (..., L, E/2)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    x = x.to(work)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : E // 2], x[..., E // 2:])  # (..., L, E/2)
+    turned = (x1 * cos - x2 * sin, x1 * sin + x2 * cos)  # (..., L, E/2) each
+    out = torch.stack(turned, dim=-1).reshape(x.shape) if interleaved else torch.cat(turned, dim=-1)
+    return out.to(dtype)  # (..., L, E)
+
+
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None,
              structure: dict, *, scale: float | None, softcap: float | None, dropout_p: float,
              need_weights: bool) -> tuple[tuple, float, tuple | None]:

@@ -267,3 +267,46 @@ def _helper(row: Fixed, runner: Runner, function: str, call: Any, want: np.ndarr
         return Result(row, [f"{got.dtype} {got.shape}, expected bool {want.shape}"])
     differs = np.argwhere(got != want)[:3].tolist()
     return Result(row, [] if not differs else [f"differs from the oracle at {differs}"])
+
+
+# --- the module's rotary position embeddings --------------------------------------------------------------
+
+ROPE = Fixed("positions", "rope", "helpers", lambda: None,
+             "apply_rope(x, positions, theta=..., interleaved=...) as the oracle turns each pair: (..., L, E), "
+             "x's dtype, to float64 rounding")
+# (x's shape, positions, theta, interleaved): positions broadcast to (..., L); far positions and a small theta
+# turn the pairs many times round; E = 2 is one pair
+ROPE_CASES = (((4, 6), [0, 1, 2, 3], 10000.0, False),
+              ((4, 6), [0, 1, 2, 3], 10000.0, True),
+              ((2, 3, 5, 8), [[[0, 1, 2, 3, 4]], [[4093, 4094, 4095, 4096, 4097]]], 10000.0, False),
+              ((2, 3, 5, 8), [[[0, 1, 2, 3, 4]], [[4093, 4094, 4095, 4096, 4097]]], 500.0, True),
+              ((3, 2), 7, 1.5, False),
+              ((2, 4, 4), [-2, 0, 3, 9], 10.0, True))
+ROPE_TOLERANCE = 1e-12  # float64: the relative error of a few rounded products
+
+
+def rope(runner: Runner) -> list[Result]:
+    """The public apply_rope against the oracle's complex rotation, both layouts, in float64 (positions as the
+    module's integer array, or an int)."""
+    module = runner.module
+    results = []
+    for shape, positions, theta, interleaved in ROPE_CASES:
+        name = f"rope_{'x'.join(map(str, shape))}_theta_{theta:g}_{'interleaved' if interleaved else 'half'}"
+        x = np.random.default_rng(len(shape)).standard_normal(shape)
+        want = oracle.rope(x, np.array(positions), theta=theta, interleaved=interleaved)
+        row = ROPE._replace(name=name)
+        if missing(module, ("apply_rope",)):
+            results.append(Result(row, [], skipped="no apply_rope"))
+            continue
+        try:
+            got = module.to_numpy(module.apply_rope(module.asarray(x), _offset(module, positions), theta=theta,
+                                                    interleaved=interleaved))
+        except Exception as error:
+            results.append(Result(row, [f"raised {type(error).__name__}: {error}"]))
+            continue
+        if got.dtype != x.dtype or got.shape != want.shape:
+            results.append(Result(row, [f"{got.dtype} {got.shape}, expected float64 {want.shape}"]))
+            continue
+        error = relative_error(got, want)
+        results.append(Result(row, [] if error <= ROPE_TOLERANCE else [f"relative error {error:.2e} from the oracle"]))
+    return results

@@ -23,6 +23,7 @@ float64 every operation rounds, so both are the same.
 
 from __future__ import annotations
 
+import cmath
 import math
 from collections.abc import Callable, Mapping
 
@@ -223,6 +224,23 @@ def _in_window(position: int, j: int, window: tuple[int | None, int | None]) -> 
     """position - left <= j <= position + right, a None side unbounded."""
     left, right = window
     return (left is None or position - left <= j) and (right is None or j <= position + right)
+
+
+def rope(x: ArrayLike, positions: int | ArrayLike, *, theta: float = 10000.0, interleaved: bool = False,
+         dtype: DTypeLike = np.float64) -> np.ndarray:
+    """Rotary position embeddings, row by row: the row at position p is E/2 complex numbers
+    z_j = x_a + i x_b, each multiplied by exp(i p theta^(-2j / E)); (a, b) = (j, j + E/2) in the half
+    layout, (2j, 2j + 1) interleaved. x (..., L, E); positions integers broadcasting to (..., L)."""
+    x = _cast(x, dtype)
+    positions = np.broadcast_to(np.asarray(positions), x.shape[:-1])
+    E = x.shape[-1]
+    pairs = [(2 * j, 2 * j + 1) if interleaved else (j, j + E // 2) for j in range(E // 2)]
+    out = np.empty_like(x)
+    for row in np.ndindex(*x.shape[:-1]):
+        for j, (a, b) in enumerate(pairs):
+            z = complex(x[(*row, a)], x[(*row, b)]) * cmath.exp(1j * int(positions[row]) * theta ** (-2 * j / E))
+            out[(*row, a)], out[(*row, b)] = z.real, z.imag
+    return out.astype(dtype)
 
 
 def padding_mask(lengths: ArrayLike, S: int) -> np.ndarray:

@@ -87,6 +87,7 @@ TABLES = (
 CONTRACT_TABLES = {
     "arrays": Table("round_trip", "-", lambda runner, operation: fixed_checks.round_trip(runner)),
     "masks": Table("helpers", "-", lambda runner, operation: fixed_checks.mask_helpers(runner)),
+    "positions": Table("rope", "float64", lambda runner, operation: fixed_checks.rope(runner)),
 }
 
 
@@ -173,7 +174,8 @@ def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *
     """How many cases `check` runs on `module` when every check passes (shrinking a failure runs more)."""
     framework = framework_of(module)
     total = len(framework.dtypes) + sum(len(helpers) for helpers in (
-        fixed_checks.CAUSAL_SIZES, fixed_checks.CAUSAL_OFFSETS, fixed_checks.WINDOWS, fixed_checks.PADDING_LENGTHS))
+        fixed_checks.CAUSAL_SIZES, fixed_checks.CAUSAL_OFFSETS, fixed_checks.WINDOWS, fixed_checks.PADDING_LENGTHS,
+        fixed_checks.ROPE_CASES))
     for group in (group for group in GROUPS if group.operation in operations):
         examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
         examples += len(table.rows(group.operation, "example")) if group.pinned else 0

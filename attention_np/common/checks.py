@@ -130,6 +130,21 @@ def shared_kv_head(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> bool
     return heads(q) > 1 and heads(k) == heads(v) == 1
 
 
+def rope(x: Sequence[int], positions: Sequence[int], dtype: str, integer: bool, theta: object) -> None:
+    """apply_rope: x (..., L, E) with E even; positions integer, broadcasting to x's (..., L) without
+    enlarging it; theta a positive finite number."""
+    x, positions = _shape(x), _shape(positions)
+    if len(x) < 2 or x[-1] % 2:
+        raise ValueError(f"apply_rope rotates pairs of entries: x must have shape (..., L, E) with E even; got {x}")
+    if not integer:
+        raise TypeError(f"positions must be an int or an integer array; got dtype {dtype}")
+    if not _fits(positions, x[:-1]):
+        raise ValueError(f"positions of shape {positions} does not broadcast to x's (..., L) {x[:-1]}; x is {x}")
+    number = isinstance(theta, int | float | np.integer | np.floating) and not isinstance(theta, bool)
+    if not (number and 0 < theta < math.inf):
+        raise ValueError(f"theta must be a positive finite number; got {theta!r}")
+
+
 def same_floating_dtype(dtypes: Mapping[str, tuple[str, bool]], where: str = "") -> None:
     """`dtypes` maps an argument name to (dtype name, is floating); all must be one floating dtype."""
     for name, (dtype, floating) in dtypes.items():

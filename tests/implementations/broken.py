@@ -241,6 +241,17 @@ class GroupsInterleaved(Implementation):
         return np.arange(H) % Hkv
 
 
+class RopeInterleavedForHalf(Implementation):
+    """apply_rope pairs (x_2j, x_2j+1) where the half layout (x_j, x_j+E/2) is asked for, the mix-up between
+    the paper's and GPT-J's layout and Llama's (Hugging Face's rotate_half). Caught by: rope (positions)."""
+
+    def rope_pairs(self, x: np.ndarray, interleaved: bool) -> np.ndarray:
+        return super().rope_pairs(x, True)
+
+    def rope_unpairs(self, pairs: np.ndarray, interleaved: bool) -> np.ndarray:
+        return super().rope_unpairs(pairs, True)
+
+
 # --- softmax -------------------------------------------------------------------------------------------
 
 
@@ -590,6 +601,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "q_offset_ignored_on_the_fast_path": QOffsetIgnoredOnTheFastPath,
     "key_lengths_on_queries": KeyLengthsOnQueries,
     "groups_interleaved": GroupsInterleaved,
+    "rope_interleaved_for_half": RopeInterleavedForHalf,
     "softmax_wrong_axis": SoftmaxWrongAxis,
     "softmax_without_max_subtraction": SoftmaxWithoutMaxSubtraction,
     "row_maximum_before_bias": RowMaximumBeforeBias,

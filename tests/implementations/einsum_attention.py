@@ -27,7 +27,7 @@ Rng = np.random.Generator | int | None
 Pair = tuple[np.ndarray, np.ndarray | None]
 
 FUNCTIONS = ("asarray", "to_numpy", "save_state_dict", "load_state_dict", "causal_mask", "window_mask",
-             "padding_mask", "scaled_dot_product_attention")
+             "padding_mask", "scaled_dot_product_attention", "apply_rope")
 CONTRACT = (*FUNCTIONS, "MultiHeadAttention", "TransformerBlock")
 PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
 ACTIVATIONS = ("relu", "gelu")
@@ -72,6 +72,38 @@ class Implementation:
     def padding_mask(self, lengths: Any, S: int) -> np.ndarray:
         """bool (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys."""
         return np.arange(S) < np.asarray(lengths)[:, None, None, None]  # (B,) -> (B, 1, 1, S)
+
+    # --- rotary position embeddings -----------------------------------------------------------------------
+
+    def apply_rope(self, x: Any, positions: Any, *, theta: float = 10000.0, interleaved: bool = False) -> np.ndarray:
+        """Each pair of x turned by a 2 x 2 rotation R(p * theta^(-2j / E)), applied by einsum."""
+        x, positions = np.asarray(x), np.asarray(positions)
+        E = x.shape[-1]
+        if x.ndim < 2 or E % 2:
+            raise ValueError(f"apply_rope needs x (..., L, E) with E even; got {x.shape}")
+        if not np.issubdtype(positions.dtype, np.integer):
+            raise TypeError(f"positions must be integers; got dtype {positions.dtype}")
+        self.check_broadcast("positions", positions.shape, x.shape[:-1], "..., L")
+        if not theta > 0:
+            raise ValueError(f"theta must be positive; got {theta!r}")
+        work = self.work_dtype(x.dtype)
+        angles = positions[..., None] * theta ** (-np.arange(0, E, 2) / E)  # (..., L, E/2)
+        rotation = np.stack([np.stack([np.cos(angles), -np.sin(angles)], -1),
+                             np.stack([np.sin(angles), np.cos(angles)], -1)], -2)  # (..., L, E/2, 2, 2)
+        pairs = self.rope_pairs(x.astype(work), interleaved)  # (..., L, E/2, 2)
+        turned = np.einsum("...jab,...jb->...ja", rotation, pairs)  # (..., L, E/2, 2)
+        return self.rope_unpairs(turned, interleaved).astype(x.dtype)
+
+    def rope_pairs(self, x: np.ndarray, interleaved: bool) -> np.ndarray:
+        """(..., E) -> (..., E/2, 2): the pairs (x_2j, x_2j+1) interleaved, else (x_j, x_j+E/2)."""
+        E = x.shape[-1]
+        return x.reshape(*x.shape[:-1], E // 2, 2) if interleaved else np.stack([x[..., : E // 2], x[..., E // 2:]], -1)
+
+    def rope_unpairs(self, pairs: np.ndarray, interleaved: bool) -> np.ndarray:
+        """The inverse of rope_pairs: (..., E/2, 2) -> (..., E)."""
+        if interleaved:
+            return pairs.reshape(*pairs.shape[:-2], -1)
+        return np.concatenate([pairs[..., 0], pairs[..., 1]], -1)
 
     def positions(self, L: int, q_offset: Any) -> np.ndarray:
         """p_i = q_offset + i: (..., L, 1), (...) the shape of q_offset."""
@@ -642,6 +674,7 @@ causal_mask = _default.causal_mask
 window_mask = _default.window_mask
 padding_mask = _default.padding_mask
 scaled_dot_product_attention = _default.scaled_dot_product_attention
+apply_rope = _default.apply_rope
 MultiHeadAttention = _default.MultiHeadAttention
 TransformerBlock = _default.TransformerBlock
 
