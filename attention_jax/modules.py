@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,16 @@ class Module(module.Module):
     def _unflatten(cls, settings: tuple, children: list) -> Any:
         return cls._build(**dict(zip(cls._children, children, strict=True)),
                           **dict(zip(cls._settings, settings, strict=True)))
+
+
+class KVCache(NamedTuple):
+    """The keys and values of the positions seen so far, each (..., H, capacity, d_k), filled at positions
+    0 .. length - 1. jax: a pytree whose length is an int32 array, so one jitted extend serves every length
+    (the capacity, an array's shape, is static); extend returns new arrays, as JAX arrays never change."""
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
 
 
 class MultiHeadAttention(Module):
@@ -119,6 +129,69 @@ class MultiHeadAttention(Module):
         from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
 
         return multi_head_attention_vjp(self, q, k, v, mask)
+
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
+        """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
+        values (*batch_shape, H, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default)."""
+        batch_shape = checks.cache_size(batch_shape, capacity)
+        d_k = self.w_q.weight.shape[1] // self.num_heads
+        shape = (*batch_shape, self.num_heads, capacity, d_k)  # (..., H, capacity, d_k)
+        dtype = self.w_q.weight.dtype if dtype is None else dtype
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+    def extend(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None = None, *,
+               need_weights: bool = True, rng: Rng = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
+        """Attention of L new positions over the cache and themselves: the keys and values of x_kv join the
+        cache at positions p = length .. length + L - 1, where the queries of x_q stand too, so each query
+        sees the keys at positions up to its own (causal, q_offset = length).
+
+        Args:
+            x_q: the new queries' inputs (..., L, D).
+            x_kv: the new keys' and values' inputs (..., L, D).
+            cache: from init_cache, or the cache the last extend returned.
+            mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            need_weights: return the weights; with False the second result is None.
+            rng: dropout randomness, as for __call__.
+
+        Returns:
+            out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
+            holding length + L positions.
+        """
+        L = self._check_extend(x_q, x_kv, cache, mask)
+        start = cache.length  # jax: an array, traced under jit
+
+        # 1) project the new positions, then write their keys and values into the cache
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        zero = jnp.zeros_like(start)  # jax: the indices of dynamic_update_slice share one int dtype
+        at = (zero,) * (cache.k.ndim - 2) + (start, zero)  # (..., H, capacity, d_k): rows start .. start + L - 1
+        k = jax.lax.dynamic_update_slice(cache.k, self._split_heads(self.w_k(x_kv)), at)
+        v = jax.lax.dynamic_update_slice(cache.v, self._split_heads(self.w_v(x_kv)), at)
+
+        # 2) attend over every position of the cache: causal from start hides those not yet filled
+        # (jax: the shapes stay static, so one compile serves every length)
+        dropout_p = self.dropout if self.training else 0.0
+        checks.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
+        out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start,
+                                                    dropout_p=dropout_p, need_weights=need_weights,
+                                                    rng=rng)  # (..., H, L, d_k)
+        # jax: under jit a full cache cannot raise (the length is traced): its output is NaN, never a silent
+        # result from keys written where they do not belong
+        out = jnp.where(start + L > cache.k.shape[-2], jnp.nan, out)
+
+        # 3) concatenate the heads and mix them
+        return self.w_o(self._merge_heads(out)), weights, KVCache(k, v, start + L)
+
+    def _check_extend(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None) -> int:
+        """The checks of extend (the cache's room only where its length is known, outside jit); returns L."""
+        d_model, capacity = self.w_q.weight.shape[1], cache.k.shape[-2]
+        L = checks.cache_inputs(("x_q", "x_kv"), (x_q.shape, x_kv.shape), cache.k.shape, d_model)
+        checks.same_floating_dtype(_dtypes(x_q=x_q, x_kv=x_kv, cache=cache.k, parameters=self.w_q.weight))
+        if mask is not None:
+            checks.broadcasts_to("mask", jnp.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
+                                 "..., H, L, capacity")
+        if not isinstance(cache.length, jax.core.Tracer):
+            checks.cache_room(capacity, int(cache.length), L)
+        return L
 
     def _check_inputs(self, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
         d_model = self.w_q.weight.shape[1]
@@ -199,15 +272,40 @@ class TransformerBlock(Module):
         self._check_input(x)
         checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)  # jax: no global RNG
         rngs = _rngs(rng, 4)
-        if self.norm_first:  # pre-LN
-            h, weights = self._attention_branch(self.norm1(x), mask, need_weights, rngs[:2])
-            x = x + h
-            x = x + self._feed_forward_branch(self.norm2(x), rngs[2:])
-        else:  # post-LN, as the original
-            h, weights = self._attention_branch(x, mask, need_weights, rngs[:2])
-            x = self.norm1(x + h)
-            x = self.norm2(x + self._feed_forward_branch(x, rngs[2:]))
+
+        def attend(h: jax.Array) -> tuple[jax.Array, jax.Array | None, None]:
+            return *self.attn(h, h, h, mask, need_weights=need_weights, rng=rngs[0]), None  # (..., L, D)
+
+        x, weights, _ = self._layers(x, attend, rngs)
         return x, weights
+
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
+        """An empty cache of the block's attention (MultiHeadAttention.init_cache)."""
+        return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
+
+    def extend(self, x: jax.Array, cache: KVCache, mask: jax.Array | None = None, *, need_weights: bool = True,
+               rng: Rng = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
+        """The block on L new positions after those in the cache: as __call__ with a causal mask over the
+        whole sequence, the attention through MultiHeadAttention.extend.
+
+        Args:
+            x: the new positions' inputs (..., L, D).
+            cache: from init_cache, or the cache the last extend returned.
+            mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            need_weights, rng: as for __call__.
+
+        Returns:
+            x (..., L, D), the attention weights (..., H, L, capacity) (or None), and the cache holding the new
+            positions too.
+        """
+        self._check_input(x)
+        checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)  # jax: no global RNG
+        rngs = _rngs(rng, 4)
+
+        def attend(h: jax.Array) -> tuple[jax.Array, jax.Array | None, KVCache]:
+            return self.attn.extend(h, h, cache, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
+
+        return self._layers(x, attend, rngs)
 
     def vjp(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
@@ -219,11 +317,25 @@ class TransformerBlock(Module):
         checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
         checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
 
-    def _attention_branch(self, x: jax.Array, mask: jax.Array | None, need_weights: bool,
-                          rngs: list) -> tuple[jax.Array, jax.Array | None]:
-        """Drop(MHA(x, x, x)) and the attention weights."""
-        h, weights = self.attn(x, x, x, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
-        return _dropout(h, self.dropout if self.training else 0.0, rngs[1]), weights
+    def _layers(self, x: jax.Array, attend: Callable,
+                rngs: list) -> tuple[jax.Array, jax.Array | None, Any]:
+        """The two residual branches around `attend`, self-attention h -> (out, weights, cache or None),
+        post- or pre-LN; returns x, the weights and attend's cache."""
+        if self.norm_first:  # pre-LN
+            h, weights, cache = self._attention_branch(self.norm1(x), attend, rngs[1])
+            x = x + h
+            x = x + self._feed_forward_branch(self.norm2(x), rngs[2:])
+        else:  # post-LN, as the original
+            h, weights, cache = self._attention_branch(x, attend, rngs[1])
+            x = self.norm1(x + h)
+            x = self.norm2(x + self._feed_forward_branch(x, rngs[2:]))
+        return x, weights, cache
+
+    def _attention_branch(self, x: jax.Array, attend: Callable,
+                          rng: Rng) -> tuple[jax.Array, jax.Array | None, Any]:
+        """Drop(MHA(x, x, x)), the attention weights and attend's cache."""
+        h, weights, cache = attend(x)  # (..., L, D)
+        return _dropout(h, self.dropout if self.training else 0.0, rng), weights, cache
 
     def _feed_forward_branch(self, x: jax.Array, rngs: list) -> jax.Array:
         """Drop(FFN(x))."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -22,6 +22,16 @@ from attention_np.common import checks
 
 from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attention
+
+
+class KVCache(NamedTuple):
+    """The keys and values of the positions seen so far, each (..., H, capacity, d_k), filled at positions
+    0 .. length - 1. torch: preallocated tensors that extend writes into in place and returns with the longer
+    length (no torch.cat per step); the positions an older cache covers never change."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int
 
 
 class MultiHeadAttention(nn.Module):
@@ -90,6 +100,65 @@ class MultiHeadAttention(nn.Module):
         from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
 
         return multi_head_attention_vjp(self, q, k, v, mask)
+
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
+        values (*batch_shape, H, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default)."""
+        batch_shape = checks.cache_size(batch_shape, capacity)
+        d_k = self.w_q.weight.shape[1] // self.num_heads
+        shape = (*batch_shape, self.num_heads, capacity, d_k)  # (..., H, capacity, d_k)
+        options = dict(dtype=self.w_q.weight.dtype if dtype is None else dtype, device=self.w_q.weight.device)
+        return KVCache(torch.zeros(shape, **options), torch.zeros(shape, **options), 0)
+
+    def extend(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None, *,
+               need_weights: bool = True, rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
+        """Attention of L new positions over the cache and themselves: the keys and values of x_kv join the
+        cache at positions p = length .. length + L - 1, where the queries of x_q stand too, so each query
+        sees the keys at positions up to its own (causal, q_offset = length).
+
+        Args:
+            x_q: the new queries' inputs (..., L, D).
+            x_kv: the new keys' and values' inputs (..., L, D).
+            cache: from init_cache, or the cache the last extend returned.
+            mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            need_weights: return the weights; with False the second result is None.
+            rng: dropout randomness, as for forward.
+
+        Returns:
+            out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
+            holding length + L positions.
+        """
+        start, end = self._check_extend(x_q, x_kv, cache, mask)
+
+        # 1) project the new positions, then write their keys and values into the cache, in place
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        cache.k[..., start:end, :] = self._split_heads(self.w_k(x_kv))  # (..., H, L, d_k) at start .. end - 1
+        cache.v[..., start:end, :] = self._split_heads(self.w_v(x_kv))
+
+        # 2) attend over the filled positions, the new queries at positions start .. end - 1
+        if mask is not None and mask.shape[-1] > 1:
+            mask = mask[..., :end]  # (..., H, L, capacity) -> (..., H, L, end)
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = scaled_dot_product_attention(q, cache.k[..., :end, :], cache.v[..., :end, :], mask,
+                                                    is_causal=True, q_offset=start, dropout_p=dropout_p,
+                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+        if need_weights:  # the positions not yet filled get 0
+            weights = nn.functional.pad(weights, (0, cache.k.shape[-2] - end))  # (..., H, L, capacity)
+
+        # 3) concatenate the heads and mix them
+        return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, end)
+
+    def _check_extend(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache,
+                      mask: torch.Tensor | None) -> tuple[int, int]:
+        """The checks of extend; returns the new positions' range (start, end)."""
+        d_model, (capacity, length) = self.w_q.weight.shape[1], (cache.k.shape[-2], cache.length)
+        L = checks.cache_inputs(("x_q", "x_kv"), (x_q.shape, x_kv.shape), cache.k.shape, d_model)
+        checks.same_floating_dtype(_dtypes(x_q=x_q, x_kv=x_kv, cache=cache.k, parameters=self.w_q.weight))
+        if mask is not None:
+            checks.broadcasts_to("mask", mask.shape, (*cache.k.shape[:-3], self.num_heads, L, capacity),
+                                 "..., H, L, capacity")
+        checks.cache_room(capacity, length, L)
+        return length, length + L
 
     def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         d_model = self.w_q.weight.shape[1]
@@ -163,15 +232,39 @@ class TransformerBlock(nn.Module):
         """
         self._check_input(x)
         rngs = _rngs(rng, 4)
-        if self.norm_first:  # pre-LN
-            h, weights = self._attention_branch(self.norm1(x), mask, need_weights, rngs[:2])
-            x = x + h
-            x = x + self._feed_forward_branch(self.norm2(x), rngs[2:])
-        else:  # post-LN, as the original
-            h, weights = self._attention_branch(x, mask, need_weights, rngs[:2])
-            x = self.norm1(x + h)
-            x = self.norm2(x + self._feed_forward_branch(x, rngs[2:]))
+
+        def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+            return *self.attn(h, h, h, mask, need_weights=need_weights, rng=rngs[0]), None  # (..., L, D)
+
+        x, weights, _ = self._layers(x, attend, rngs)
         return x, weights
+
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache of the block's attention (MultiHeadAttention.init_cache)."""
+        return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
+
+    def extend(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None, *, need_weights: bool = True,
+               rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
+        """The block on L new positions after those in the cache: as forward with a causal mask over the
+        whole sequence, the attention through MultiHeadAttention.extend.
+
+        Args:
+            x: the new positions' inputs (..., L, D).
+            cache: from init_cache, or the cache the last extend returned.
+            mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            need_weights, rng: as for forward.
+
+        Returns:
+            x (..., L, D), the attention weights (..., H, L, capacity) (or None), and the cache holding the new
+            positions too.
+        """
+        self._check_input(x)
+        rngs = _rngs(rng, 4)
+
+        def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
+            return self.attn.extend(h, h, cache, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
+
+        return self._layers(x, attend, rngs)
 
     def vjp(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
@@ -183,11 +276,25 @@ class TransformerBlock(nn.Module):
         checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
         checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
 
-    def _attention_branch(self, x: torch.Tensor, mask: torch.Tensor | None, need_weights: bool,
-                          rngs: list) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Drop(MHA(x, x, x)) and the attention weights."""
-        h, weights = self.attn(x, x, x, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
-        return _dropout(h, self.dropout if self.training else 0.0, rngs[1]), weights
+    def _layers(self, x: torch.Tensor, attend: Callable,
+                rngs: list) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """The two residual branches around `attend`, self-attention h -> (out, weights, cache or None),
+        post- or pre-LN; returns x, the weights and attend's cache."""
+        if self.norm_first:  # pre-LN
+            h, weights, cache = self._attention_branch(self.norm1(x), attend, rngs[1])
+            x = x + h
+            x = x + self._feed_forward_branch(self.norm2(x), rngs[2:])
+        else:  # post-LN, as the original
+            h, weights, cache = self._attention_branch(x, attend, rngs[1])
+            x = self.norm1(x + h)
+            x = self.norm2(x + self._feed_forward_branch(x, rngs[2:]))
+        return x, weights, cache
+
+    def _attention_branch(self, x: torch.Tensor, attend: Callable,
+                          rng: Rng) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """Drop(MHA(x, x, x)), the attention weights and attend's cache."""
+        h, weights, cache = attend(x)  # (..., L, D)
+        return _dropout(h, self.dropout if self.training else 0.0, rng), weights, cache
 
     def _feed_forward_branch(self, x: torch.Tensor, rngs: list) -> torch.Tensor:
         """Drop(FFN(x))."""

@@ -211,6 +211,43 @@ def cotangent(name: str, shape: Sequence[int], expected: Sequence[int],
     same_floating_dtype(dtypes, "a pullback's ")
 
 
+def cache_size(batch_shape: object, capacity: object) -> Shape:
+    """init_cache: batch_shape a tuple of non-negative ints (the inputs' leading axes), capacity a
+    non-negative int (the positions the cache can hold); returns batch_shape as a tuple."""
+    def size(n: object) -> bool:
+        return isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 0
+    if not (isinstance(batch_shape, tuple | list) and all(size(n) for n in batch_shape)):
+        raise ValueError(f"batch_shape must be a tuple of non-negative ints (the inputs' leading axes); "
+                         f"got {batch_shape!r}")
+    if not size(capacity):
+        raise ValueError(f"capacity must be a non-negative int; got {capacity!r}")
+    return _shape(batch_shape)
+
+
+def cache_inputs(names: Sequence[str], shapes: Sequence[Sequence[int]], cache: Sequence[int], d_model: int) -> int:
+    """extend: each input (..., L, D), one L for all, with the cache's leading axes (...); `cache` is the
+    cache's keys' shape (..., heads, capacity, d_k). Returns L."""
+    cache = _shape(cache)
+    batch = cache[:-3]
+    for name, shape in zip(names, shapes, strict=True):
+        shape = _shape(shape)
+        if len(shape) < 2 or shape[-1] != d_model or shape[:-2] != batch:
+            raise ValueError(f"{name} must have shape (..., L, D) with the cache's leading axes (...) = {batch} "
+                             f"and D = d_model = {d_model}; got {shape} (the cache's keys are {cache})")
+    lengths = {_shape(shape)[-2] for shape in shapes}
+    if len(lengths) > 1:
+        listed = ", ".join(f"{name} {_shape(shape)}" for name, shape in zip(names, shapes, strict=True))
+        raise ValueError(f"the new queries and keys stand at the same positions: one length L for {listed}")
+    return lengths.pop()
+
+
+def cache_room(capacity: int, length: int, new: int) -> None:
+    """extend: the cache must hold its `length` positions and the `new` ones."""
+    if length + new > capacity:
+        raise ValueError(f"the cache is full: its capacity is {capacity} positions, {length} are filled, and "
+                         f"extend asks for {new} more ({length + new} in all); start from a larger init_cache")
+
+
 def mha_state_shapes(d_model: int) -> dict[str, Shape]:
     """State-dict names and shapes of MultiHeadAttention (nn.Linear layout: weight (out, in))."""
     return {f"{proj}.{part}": (d_model, d_model) if part == "weight" else (d_model,)

@@ -1,0 +1,199 @@
+"""The key/value cache on every backend: extend chunk by chunk equals one causal pass over the whole
+sequence (outputs and weights rows), for multi-head attention and the block; the cache's errors, the same
+everywhere; and how each framework keeps it: NumPy and torch write in place (no copy of the cache per
+step), JAX compiles one extend per chunk length and turns a full cache into NaN under jit."""
+
+from __future__ import annotations
+
+import tracemalloc
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from tests._compare import assert_close
+from tests.conftest import import_backend
+
+B, L, D, H, F = 2, 7, 8, 2, 16
+SPLITS = {"prefill_then_decode": (4, 1, 1, 1), "chunks": (3, 1, 3), "one_by_one": (1,) * L, "whole": (L,)}
+
+
+def _random(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def _module(M: ModuleType, kind: str, **options):
+    """An MHA or a block with seeded parameters from the NumPy backend's, in eval mode, float64."""
+    reference = import_backend("attention_np")
+    if kind == "mha":
+        state = reference.MultiHeadAttention(D, H, rng=0, dtype=np.float64).state_dict()
+        return M.MultiHeadAttention.from_state_dict({n: M.asarray(x) for n, x in state.items()}, num_heads=H).eval()
+    state = reference.TransformerBlock(D, H, F, rng=0, dtype=np.float64, **options).state_dict()
+    return M.TransformerBlock.from_state_dict({n: M.asarray(x) for n, x in state.items()}, num_heads=H,
+                                              **options).eval()
+
+
+def _chunks(sizes: tuple[int, ...]) -> list[slice]:
+    ends = np.cumsum(sizes)
+    return [slice(int(end - size), int(end)) for size, end in zip(sizes, ends, strict=True)]
+
+
+def _extended(M: ModuleType, module, inputs: list[np.ndarray], sizes: tuple[int, ...], capacity: int):
+    """extend chunk by chunk; the outputs and weights rows concatenated along the positions."""
+    cache = module.init_cache((B,), capacity)
+    outs, weights = [], []
+    for chunk in _chunks(sizes):
+        args = [M.asarray(x[:, chunk]) for x in inputs]
+        out, w, cache = module.extend(*args, cache)
+        outs.append(M.to_numpy(out))
+        weights.append(M.to_numpy(w))
+    return np.concatenate(outs, axis=-2), np.concatenate(weights, axis=-2), cache
+
+
+@pytest.mark.parametrize("sizes", SPLITS.values(), ids=SPLITS.keys())
+def test_mha_extend_equals_one_causal_pass(backend: ModuleType, sizes):
+    mha = _module(backend, "mha")
+    x_q, x_kv = _random(B, L, D, seed=1), _random(B, L, D, seed=2)  # the queries' and keys' inputs differ
+    full, full_weights = mha(*(backend.asarray(x) for x in (x_q, x_kv, x_kv)), backend.causal_mask(L, L))
+    out, weights, cache = _extended(backend, mha, [x_q, x_kv], sizes, capacity=L + 3)
+    assert_close(out, backend.to_numpy(full), 1e-12, "out")
+    assert weights.shape == (B, H, L, L + 3)
+    assert_close(weights[..., :L], backend.to_numpy(full_weights), 1e-12, "weights")
+    np.testing.assert_array_equal(weights[..., L:], 0)  # the positions not yet filled
+    assert int(cache.length) == L
+
+
+@pytest.mark.parametrize("options", [{}, {"norm_first": True, "activation": "gelu"}], ids=["post_ln", "pre_ln"])
+@pytest.mark.parametrize("sizes", SPLITS.values(), ids=SPLITS.keys())
+def test_block_extend_equals_one_causal_pass(backend: ModuleType, sizes, options):
+    block = _module(backend, "block", **options)
+    x = _random(B, L, D, seed=3)
+    full, full_weights = block(backend.asarray(x), backend.causal_mask(L, L))
+    out, weights, _ = _extended(backend, block, [x], sizes, capacity=L)
+    assert_close(out, backend.to_numpy(full), 1e-12, "out")
+    assert_close(weights, backend.to_numpy(full_weights), 1e-12, "weights")
+
+
+def test_a_mask_hides_cached_keys_too(backend: ModuleType):
+    mha = _module(backend, "mha")
+    x = _random(B, L, D, seed=4)
+    mask = _random(B, 1, 1, L, seed=5) > -0.5  # a padding mask over the capacity's keys
+    mask[..., 0] = True
+    full, _ = mha(*(backend.asarray(x),) * 3, backend.asarray(mask & np.tril(np.ones((L, L), bool))))
+    cache, outs = mha.init_cache((B,), L), []
+    for chunk in _chunks((3, 2, 2)):
+        out, _, cache = mha.extend(backend.asarray(x[:, chunk]), backend.asarray(x[:, chunk]), cache,
+                                   backend.asarray(mask))
+        outs.append(backend.to_numpy(out))
+    assert_close(np.concatenate(outs, axis=-2), backend.to_numpy(full), 1e-12, "masked")
+
+
+def test_without_weights(backend: ModuleType):
+    block = _module(backend, "block")
+    x = backend.asarray(_random(B, 3, D, seed=6))
+    out, weights, cache = block.extend(x, block.init_cache((B,), 5), need_weights=False)
+    assert weights is None and int(cache.length) == 3
+    expected, _ = block(x, backend.causal_mask(3, 3))
+    assert_close(backend.to_numpy(out), backend.to_numpy(expected), 1e-12, "fast path")
+
+
+def test_init_cache_shapes_and_dtype(backend: ModuleType):
+    mha = _module(backend, "mha")
+    cache = mha.init_cache((2, 3), 11)
+    assert tuple(cache.k.shape) == tuple(cache.v.shape) == (2, 3, H, 11, D // H)
+    assert backend.to_numpy(cache.k).dtype == np.float64 and int(cache.length) == 0
+    assert backend.to_numpy(mha.init_cache((), 4, dtype=backend.asarray(np.zeros(1, np.float32)).dtype).k).dtype \
+        == np.float32
+
+
+# ---- errors, the same on every backend
+
+ERRORS = {
+    "full": (lambda M, mha: mha.extend(*_inputs(M, 4), _filled(M, mha, 3, capacity=6)), ValueError,
+             ["capacity is 6", "3 are filled", "4 more"]),
+    "batch shape": (lambda M, mha: mha.extend(*_inputs(M, 2, batch=3), mha.init_cache((B,), 5)), ValueError,
+                    ["x_q", "(3, 2, 8)", "(2,)"]),
+    "width": (lambda M, mha: mha.extend(M.asarray(_random(B, 2, 4)), M.asarray(_random(B, 2, 4)),
+                                        mha.init_cache((B,), 5)), ValueError, ["x_q", "D = d_model = 8"]),
+    "lengths differ": (lambda M, mha: mha.extend(M.asarray(_random(B, 2, D)), M.asarray(_random(B, 3, D)),
+                                                 mha.init_cache((B,), 5)), ValueError, ["one length L", "x_kv"]),
+    "dtype": (lambda M, mha: mha.extend(*_inputs(M, 2), mha.init_cache(
+        (B,), 5, dtype=M.asarray(np.zeros(1, np.float32)).dtype)), TypeError, ["cache", "float32", "float64"]),
+    "mask": (lambda M, mha: mha.extend(*_inputs(M, 2), mha.init_cache((B,), 5), M.asarray(np.ones((2, 3), bool))),
+             ValueError, ["mask", "(2, 3)", "capacity"]),
+    "capacity": (lambda M, mha: mha.init_cache((B,), -1), ValueError, ["capacity", "-1"]),
+    "batch_shape": (lambda M, mha: mha.init_cache(B, 4), ValueError, ["batch_shape", "2"]),
+}
+
+
+def _inputs(M: ModuleType, n: int, batch: int = B) -> tuple:
+    x = M.asarray(_random(batch, n, D, seed=n))
+    return x, x
+
+
+def _filled(M: ModuleType, mha, n: int, capacity: int):
+    return mha.extend(*_inputs(M, n), mha.init_cache((B,), capacity))[2]
+
+
+@pytest.mark.parametrize(("call", "error", "words"), ERRORS.values(), ids=ERRORS.keys())
+def test_each_cache_mistake_raises_the_same_error(backend: ModuleType, call, error, words):
+    with pytest.raises(error) as raised:
+        call(backend, _module(backend, "mha"))
+    assert all(word in str(raised.value) for word in words), str(raised.value)
+
+
+# ---- how each framework keeps the cache
+
+
+def test_numpy_writes_in_place_and_copies_no_cache_per_step():
+    M = import_backend("attention_np")
+    mha = _module(M, "mha")
+    cache = mha.init_cache((B,), 4096)
+    _, _, cache = mha.extend(*_inputs(M, 64), cache)
+    before = cache.k
+    tracemalloc.start()
+    _, _, cache = mha.extend(*_inputs(M, 1), cache, need_weights=False)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert cache.k is before and int(cache.length) == 65
+    assert peak < before.nbytes / 8, f"a decode step allocated {peak} bytes; the cache's keys are {before.nbytes}"
+
+
+def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole():
+    torch = pytest.importorskip("torch")
+    M = import_backend("attention_torch")
+    block = _module(M, "block")
+    cache = block.init_cache((B,), 16)
+    pointer = cache.k.data_ptr()
+    step = torch.compile(block.extend, fullgraph=True, dynamic=True, backend="aot_eager")  # no graph break
+    outs = []
+    with torch.no_grad():  # decoding
+        _, _, cache = block.extend(M.asarray(_random(B, 5, D)), cache)
+        for t in range(5, 8):
+            out, _, cache = step(M.asarray(_random(B, 1, D, seed=t)), cache)
+            outs.append(out)
+    assert cache.k.data_ptr() == pointer and cache.length == 8  # written in place: no torch.cat
+    x = np.concatenate([_random(B, 5, D)] + [_random(B, 1, D, seed=t) for t in range(5, 8)], axis=1)
+    full, _ = block(M.asarray(x), M.causal_mask(8, 8))
+    assert_close(torch.cat(outs, dim=1).numpy(), full[:, 5:].detach().numpy(), 1e-12, "compiled steps")
+
+
+def test_jax_compiles_one_extend_per_chunk_length_and_a_full_cache_is_nan():
+    jax = pytest.importorskip("jax")
+    M = import_backend("attention_jax")
+    block = _module(M, "block")
+    traces = []
+
+    def step(block, x, cache):
+        traces.append(x.shape)  # runs once per trace, so once per compile
+        return block.extend(x, cache)
+
+    step = jax.jit(step)
+    cache = block.init_cache((B,), 6)
+    _, _, cache = step(block, M.asarray(_random(B, 3, D)), cache)
+    for t in range(3):
+        out, _, cache = step(block, M.asarray(_random(B, 1, D, seed=t)), cache)
+    assert traces == [(B, 3, D), (B, 1, D)] and int(cache.length) == 6
+    assert np.isfinite(np.asarray(out)).all()
+    out, _, _ = step(block, M.asarray(_random(B, 1, D, seed=9)), cache)  # a seventh position in six
+    assert np.isnan(np.asarray(out)).all()
