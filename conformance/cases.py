@@ -67,7 +67,23 @@ class BlockCase(NamedTuple):
     mask: np.ndarray | None  # broadcasts to (..., H, L, L)
 
 
-Case = SdpaCase | MhaCase | BlockCase
+class DecodeCase(NamedTuple):
+    """A TransformerBlock (from_state_dict, eval mode) fed x chunk by chunk through a key/value cache of
+    `capacity` positions (init_cache, then extend once per chunk): the block's fields, no mask (extend is
+    causal), and the chunks' sizes."""
+
+    state: State  # as BlockCase
+    num_heads: int
+    dropout: float
+    norm_first: bool
+    activation: str
+    eps: float
+    x: np.ndarray  # (..., L, D)
+    chunks: tuple[int, ...]  # sizes >= 1 summing to L: a prefill, then decode steps of 1, or any split
+    capacity: int  # >= L: the cache's positions
+
+
+Case = SdpaCase | MhaCase | BlockCase | DecodeCase
 
 
 # --- parameters --------------------------------------------------------------------------------------------
@@ -125,6 +141,15 @@ def block_case(batch: Batch = (2,), L: int = 4, D: int = 4, H: int = 2, F: int =
     rng = np.random.default_rng(seed)
     return BlockCase(block_state(rng, D, F), H, 0.1, False, "gelu", 1e-5, rng.standard_normal((*batch, L, D)),
                      None)._replace(**fields)
+
+
+def decode_case(batch: Batch = (2,), chunks: tuple[int, ...] = (3, 1, 1), capacity: int | None = None, *,
+                D: int = 4, H: int = 2, F: int = 8, seed: int = 2, **fields: Any) -> DecodeCase:
+    """The block of block_case (post-LN, GELU) fed chunks of these sizes; capacity L by default."""
+    L = sum(chunks)
+    block = block_case(batch, L, D, H, F, seed=seed)
+    return DecodeCase(block.state, H, block.dropout, block.norm_first, block.activation, block.eps, block.x,
+                      chunks, L if capacity is None else capacity)._replace(**fields)
 
 
 def normal(*shape: int, seed: int = 0) -> np.ndarray:

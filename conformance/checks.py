@@ -81,8 +81,9 @@ class Runner:
         case's dropout and the framework's rng for `seed` (in `rng_form`, by default its usual one)."""
         operation = operation_of(case)
         arrays, options = arrays_and_options(case)
-        return _pair(operation.function, self.call(operation.call, arrays, dtype, seed, training=training,
-                                                   need_weights=need_weights, rng_form=rng_form, **options))
+        return _pair(operation.function, operation.pair(self.call(
+            operation.call, arrays, dtype, seed, training=training, need_weights=need_weights, rng_form=rng_form,
+            **options)))
 
     def run_both_paths(self, case: Case, dtype: str, *, training: bool = False, seed: int | None = None,
                        rng_form: RngForm | None = None) -> tuple[Pair, Pair]:
@@ -93,7 +94,8 @@ class Runner:
         arrays, options = arrays_and_options(case)
         explicit, fast = self.call(_both_paths, arrays, dtype, seed, call=operation.call, training=training,
                                    rng_form=rng_form, **options)
-        return _pair(operation.function, explicit), _pair(operation.function, fast)
+        return (_pair(operation.function, operation.pair(explicit)),
+                _pair(operation.function, operation.pair(fast)))
 
     def call(self, function: Callable, arrays: dict[str, Any], dtype: str | None, seed: int | None, *,
              eager: bool = False, rng_form: RngForm | None = None, **options: Any) -> Any:

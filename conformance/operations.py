@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import oracle
-from .cases import BlockCase, Case, MhaCase, SdpaCase, per_query_head
+from .cases import BlockCase, Case, DecodeCase, MhaCase, SdpaCase, per_query_head
 
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 
@@ -51,7 +51,8 @@ class Operation(NamedTuple):
     visible: Callable[[Any], np.ndarray] | None  # (..., L, S): query i sees key j (in some head); None: not kept
     dropout_sigma: Callable[[Any, np.ndarray, float, int], np.ndarray] | None  # sd of the mean of n draws
     dropout_shows: Callable[[Any], bool]  # whether dropout can change the output at all
-    dropout_probe: Callable[[Any], Probe]  # the case -> a probe of its dropout sites
+    dropout_probe: Callable[[Any], Probe] | None  # the case -> a probe of its dropout sites
+    pair: Callable[[Any], Pair] = lambda result: result  # the call's result, as NumPy arrays -> (out, weights)
 
 
 def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -285,6 +286,40 @@ def _block_dropout_shows(case: BlockCase) -> bool:
     return case.norm_first or case.x.shape[-1] > 1
 
 
+# --- decoding through a key/value cache ---------------------------------------------------------------------
+
+def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
+    """One causal pass of the block over the whole sequence; the weights padded with zeros to the capacity."""
+    L = case.x.shape[-2]
+    out, weights = oracle.transformer_block(case.state, case.x, np.tri(L, L, dtype=bool), num_heads=case.num_heads,
+                                            norm_first=case.norm_first, activation=case.activation, eps=case.eps,
+                                            dtype=precision, fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
+    unfilled = np.zeros((*weights.shape[:-1], case.capacity - L), weights.dtype)
+    return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
+
+
+def _decode_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
+                 chunks: tuple[int, ...], capacity: int, **options: Any) -> Any:
+    """init_cache, then extend once per chunk: the chunks' outputs and weights, in order."""
+    block = module.TransformerBlock.from_state_dict(arrays["state"], **options)
+    block = block.train() if training else block.eval()
+    x = arrays["x"]
+    cache, outs, weights, start = block.init_cache(tuple(x.shape[:-2]), capacity), [], [], 0
+    for size in chunks:
+        out, w, cache = block.extend(x[..., start:start + size, :], cache, need_weights=need_weights, rng=rng)
+        outs.append(out)
+        weights.append(w)
+        start += size
+    return outs, weights
+
+
+def _decode_pair(result: tuple[list, list]) -> Pair:
+    """The chunks' outputs (..., L_c, D) and weights (..., H, L_c, capacity), joined along the positions."""
+    outs, weights = result
+    joined = None if any(w is None for w in weights) else np.concatenate(weights, axis=-2)
+    return np.concatenate(outs, axis=-2), joined
+
+
 # --- the registry ------------------------------------------------------------------------------------------
 
 OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
@@ -298,6 +333,10 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
     Operation("block", "TransformerBlock", BlockCase, ("num_heads", "dropout", "norm_first", "activation", "eps"),
               ("x",), ("x", "state"), "block_cases", _block_oracle, _block_call, "TransformerBlock.vjp",
               _block_pullback, None, None, _block_dropout_shows, _block_dropout_probe),
+    Operation("decode", "TransformerBlock.extend", DecodeCase,
+              ("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity"), ("x",), (),
+              "decode_cases", _decode_oracle, _decode_call, "", None, None, None, lambda case: False, None,
+              _decode_pair),
 )}
 CONTRACT = ("asarray", "to_numpy")  # what every operation needs besides its own name
 

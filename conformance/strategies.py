@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 from hypothesis import strategies as st
 
-from .cases import LARGE, SMALL, Batch, BlockCase, MhaCase, SdpaCase, State, block_state, mha_state
+from .cases import LARGE, SMALL, Batch, BlockCase, DecodeCase, MhaCase, SdpaCase, State, block_state, mha_state
 
 BATCH_SHAPES: tuple[Batch, ...] = ((), (2,), (2, 3))
 LENGTHS = (1, 2, 3, 4, 5)  # L and S, most draws
@@ -431,3 +431,35 @@ def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | N
     mask = np.tri(L, L, dtype=bool) if causal_mask else draw(masks(batch, L, L, heads=num_heads))
     return BlockCase(draw(block_states(d_model, d_ff)), num_heads, dropout, norm_first, activation, eps,
                      x, mask)
+
+
+# --- decoding through a key/value cache --------------------------------------------------------------------
+
+CHUNKINGS = ("prefill_then_steps", "steps", "random")  # how a sequence is cut into chunks for extend
+SPARE = (0, 1, 3)  # the cache's capacity beyond the sequence
+
+
+@st.composite
+def chunk_sizes(draw: Callable, L: int) -> tuple[int, ...]:
+    """Sizes >= 1 summing to L: a prefill then steps of one position (decoding), one position at a time, or
+    a random split."""
+    kind = draw(st.sampled_from(CHUNKINGS))
+    if kind == "steps":
+        return (1,) * L
+    if kind == "prefill_then_steps":
+        prefill = draw(st.integers(1, L))
+        return (prefill,) + (1,) * (L - prefill)
+    cuts = sorted(draw(st.sets(st.integers(1, L - 1), max_size=3))) if L > 1 else []
+    return tuple(int(b - a) for a, b in zip([0, *cuts], [*cuts, L], strict=True))
+
+
+@st.composite
+def decode_cases(draw: Callable) -> DecodeCase:
+    """A drawn block (block_cases) fed chunk by chunk: L of LENGTHS or 8 (each chunk is a call, which JAX
+    compiles into one program per case), the chunks from `chunk_sizes`, a capacity of L plus SPARE."""
+    block = draw(block_cases(causal_mask=True))
+    L = draw(st.sampled_from((*LENGTHS, 8)))
+    x = block.x[..., :L, :] if block.x.shape[-2] >= L else _values(_rng(draw), (*block.x.shape[:-2], L,
+                                                                               block.x.shape[-1]), "normal")
+    return DecodeCase(block.state, block.num_heads, block.dropout, block.norm_first, block.activation, block.eps,
+                      x, draw(chunk_sizes(L)), L + draw(st.sampled_from(SPARE)))

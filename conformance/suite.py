@@ -67,6 +67,7 @@ GROUPS = (
     Group("block", checks.dropout, FLOAT32, 4),
     Group("block", checks.dropout_independence, FLOAT32, 3),
     Group("block", gradient_checks.gradients, FLOAT64, 3, pinned=True, gradient=True),
+    Group("decode", checks.against_oracle, BOTH, 3, pinned=True),
 )
 
 

@@ -29,6 +29,7 @@ from .cases import (
     Rule,
     block_case,
     changed,
+    decode_case,
     first_value,
     mha_case,
     normal,
@@ -547,8 +548,25 @@ def _block_errors() -> list[Fixed]:
     ]
 
 
+def _decode_rows() -> list[Fixed]:
+    """SPEC 3a: a block fed chunk by chunk through its key/value cache."""
+    return [
+        example("decode", "prefill_then_steps_with_room", lambda: decode_case((2,), (3, 1, 1), capacity=8),
+                "a prefill of 3 positions, two decode steps, three positions of the cache left unfilled (weight 0)"),
+        example("decode", "one_position_at_a_time_pre_ln", lambda: decode_case((), (1, 1, 1, 1), norm_first=True),
+                "pre-LN, four steps of one position, the cache exactly full at the end"),
+        edge("decode", "unfilled_positions_weigh_zero", lambda: decode_case((2,), (2, 1), capacity=7),
+             "3 positions in a cache of 7: the weights of positions 3..6 are exactly 0 in every row",
+             Rule("weights", "zero", (ALL, ALL, ALL, slice(3, None))), Rule("weights", "sums_to_one")),
+        error("decode", "cache_full", lambda: decode_case((2,), (3, 2), capacity=4), ValueError, "capacity", "4",
+              "3", "2"),
+        error("decode", "capacity_negative", lambda: decode_case((2,), (1,), capacity=-1), ValueError, "capacity",
+              "-1"),
+    ]
+
+
 TABLE: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _mha_examples() + _mha_edges()
-                      + _mha_errors() + _block_examples() + _block_edges() + _block_errors())
+                      + _mha_errors() + _block_examples() + _block_edges() + _block_errors() + _decode_rows())
 
 
 def rows(operation: str, use: str) -> list[Fixed]:

@@ -40,6 +40,7 @@ EXPECTED: dict[str, set[str]] = {
     "key_lengths_on_queries": {"values"},  # the lengths hide queries instead of keys
     "groups_interleaved": {"values"},  # query head h reads key/value head h % Hkv, not h // G
     "rope_interleaved_for_half": {"rope"},  # the pairs (2j, 2j + 1) where (j, j + E/2) are asked for
+    "cache_length_not_advanced": {"values"},  # each chunk overwrites the last
     "softmax_wrong_axis": {"values", "weights_rows"},
     "softmax_without_max_subtraction": {"values"},  # logits in the hundreds overflow exp
     "row_maximum_before_bias": {"values"},  # biases in the thousands overflow exp

@@ -103,6 +103,12 @@ def test_sdpa_case_shapes_are_consistent(case: cases.SdpaCase) -> None:
 
 
 @FEW
+@given(cs.decode_cases())
+def test_decode_cases_split_the_sequence_into_chunks_within_the_capacity(case: cases.DecodeCase) -> None:
+    _assert_decode_contract(case)
+
+
+@FEW
 @given(cs.mha_cases())
 def test_mha_case_shapes_are_consistent(case: cases.MhaCase) -> None:
     _assert_mha_contract(case)
@@ -277,7 +283,14 @@ def test_masks_without_heads_never_draw_a_head_family() -> None:
 
 # --- pinned examples -----------------------------------------------------------------------------------
 
-CONTRACTS = {"sdpa": _assert_sdpa_contract, "mha": _assert_mha_contract, "block": _assert_block_contract}
+def _assert_decode_contract(case: cases.DecodeCase) -> None:
+    L, d_model = case.x.shape[-2:]
+    assert case.state["norm1.weight"].shape == (d_model,) and d_model % case.num_heads == 0
+    assert all(size >= 1 for size in case.chunks) and sum(case.chunks) == L <= case.capacity
+
+
+CONTRACTS = {"sdpa": _assert_sdpa_contract, "mha": _assert_mha_contract, "block": _assert_block_contract,
+             "decode": _assert_decode_contract}
 EXAMPLES = [row for row in table.TABLE if row.use == "example"]
 
 

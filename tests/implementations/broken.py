@@ -252,6 +252,14 @@ class RopeInterleavedForHalf(Implementation):
         return super().rope_unpairs(pairs, True)
 
 
+class CacheLengthNotAdvanced(Implementation):
+    """extend returns the cache with its old length: the next chunk is written over this one, as if the
+    earlier positions had never been seen. Caught by: values (decode with two chunks or more)."""
+
+    def advanced(self, start: int, end: int) -> int:
+        return start
+
+
 # --- softmax -------------------------------------------------------------------------------------------
 
 
@@ -602,6 +610,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "key_lengths_on_queries": KeyLengthsOnQueries,
     "groups_interleaved": GroupsInterleaved,
     "rope_interleaved_for_half": RopeInterleavedForHalf,
+    "cache_length_not_advanced": CacheLengthNotAdvanced,
     "softmax_wrong_axis": SoftmaxWrongAxis,
     "softmax_without_max_subtraction": SoftmaxWithoutMaxSubtraction,
     "row_maximum_before_bias": RowMaximumBeforeBias,

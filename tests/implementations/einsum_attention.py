@@ -19,7 +19,7 @@ import math
 import os
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -198,6 +198,14 @@ class Implementation:
     def kv_heads(self, H: int, Hkv: int) -> np.ndarray:
         """The key/value head of each query head: h // G, G = H / Hkv consecutive query heads per group."""
         return np.arange(H) // (H // Hkv)
+
+    def cache_end(self, length: int, new: int) -> int:
+        """The end of the positions an extend fills: length + new."""
+        return length + new
+
+    def advanced(self, start: int, end: int) -> int:
+        """The length of the cache after an extend of positions start .. end - 1."""
+        return end
 
     def work_dtype(self, dtype: np.dtype) -> np.dtype:
         """The dtype attention computes in: float32 for float16 (SPEC section 2), else the inputs' own."""
@@ -651,6 +659,36 @@ class _TransformerBlock(_Module):
                                       norm_first=self.norm_first, activation=self.activation, eps=self.eps,
                                       dropout_p=impl.active_dropout(self.dropout, self.training),
                                       need_weights=need_weights, rng=rng)
+
+
+    # --- decoding: the cache keeps the inputs, and each extend recomputes the causal pass over them -------------
+
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> _InputCache:
+        """The inputs seen so far, (*batch_shape, capacity, D), length 0."""
+        if not (isinstance(capacity, int) and capacity >= 0):
+            raise ValueError(f"capacity must be a non-negative int; got {capacity!r}")
+        D = self._state["norm1.weight"].shape[0]
+        return _InputCache(np.zeros((*batch_shape, capacity, D), dtype or self._a_parameter().dtype), 0)
+
+    def extend(self, x: np.ndarray, cache: _InputCache, mask: np.ndarray | None = None, *, need_weights: bool = True,
+               rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None, _InputCache]:
+        """The rows of the new positions in one causal pass over every input so far (mask: not supported)."""
+        x = np.asarray(x)
+        capacity, L = cache.x.shape[-2], x.shape[-2]
+        start, end = cache.length, self._impl.cache_end(cache.length, L)
+        if end > capacity:
+            raise ValueError(f"the cache's capacity is {capacity}: {start} positions held, {L} more asked")
+        seen = cache.x.copy()
+        seen[..., start:end, :] = x
+        y, weights = self(seen[..., :end, :], self._impl.causal(end, end), need_weights=need_weights, rng=rng)
+        if weights is not None:  # (..., H, end, end) -> the new rows, (..., H, L, capacity)
+            weights = np.pad(weights[..., start:end, :], [(0, 0)] * (weights.ndim - 1) + [(0, capacity - end)])
+        return y[..., start:end, :], weights, _InputCache(seen, self._impl.advanced(start, end))
+
+
+class _InputCache(NamedTuple):
+    x: np.ndarray  # (..., capacity, D)
+    length: int
 
 
 def as_module(impl: Implementation, name: str) -> types.ModuleType:
