@@ -21,7 +21,7 @@ from hypothesis.errors import Flaky
 from . import PROFILES, checks, fixed_checks, gradient_checks, strategies, table
 from .checks import ResultError, Runner
 from .frameworks import Framework, framework_of, quick_compiles
-from .operations import CONTRACT, OPERATIONS, keywords_used, missing
+from .operations import CONTRACT, OPERATIONS, keywords_used, missing, options_used
 from .snippets import describe, reproduce
 from .tolerances import TOLERANCES
 
@@ -277,8 +277,13 @@ def _failure(module: str, group: Group, dtype: str, case: Any, what: str) -> str
 
 def _keywords_note(case: Any) -> str:
     """A line naming the keywords of SPEC 2a the case passes, which a module from before them refuses."""
-    used = keywords_used(case)
-    return f"uses the keywords of SPEC 2a: {', '.join(used)}\n" if used else ""
+    used, options = keywords_used(case), options_used(case)
+    note = f"uses the keywords of SPEC 2a: {', '.join(used)}\n" if used else ""
+    return note + (f"uses the module options of SPEC 5: {_listed(options)}\n" if options else "")
+
+
+def _listed(options: dict) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in options.items())
 
 
 def _finite(value: float) -> float | str:
