@@ -77,9 +77,8 @@ def options_used(case: Case) -> dict[str, Any]:
     layout of its state (num_kv_heads, bias, norm) and activation "swiglu". A state dict carries its layout,
     which from_state_dict reads off the shapes, so only activation reaches the module as an argument; a module
     from before these options still runs every case that keeps the seed's."""
-    fields = case._asdict()
-    return {name: fields[name] for name, default in MODULE_OPTIONS.items()
-            if name in fields and fields[name] not in default}
+    fields, options = case._asdict(), operation_of(case).options  # sdpa's bias is an array, not this option
+    return {name: fields[name] for name, seed in MODULE_OPTIONS.items() if name in options and fields[name] not in seed}
 
 
 def _is_default(value: Any, default: Any) -> bool:
