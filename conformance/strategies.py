@@ -42,6 +42,7 @@ DROPOUTS = (0.0, 0.1, 0.5)
 EPSILONS = (1e-5, 1e-6, 1e-3)
 ACTIVATIONS = ("relu", "gelu")
 OPTIONED = (False, False, True)  # about one mha or block case in three draws the module options of SPEC 5
+OPTIONED_HEADS = (4, 2, 3, 1)  # H of an optioned case: 4 first, for Hkv = 2 of 4
 NORMS = ("layer", "rms")
 OPTIONED_ACTIVATIONS = ("relu", "gelu", "swiglu", "swiglu")  # swiglu in half of the optioned blocks
 MASK_DTYPES = ("bool", "int32", "int64")
@@ -400,22 +401,31 @@ def block_states(d_model: int, d_ff: int, **layout: Any) -> st.SearchStrategy[St
 
 
 @st.composite
+def heads_and_options(draw: Callable) -> tuple[int, int, dict[str, Any]]:
+    """H, D and the module options: about one case in three (OPTIONED) is optioned, and then H comes from
+    OPTIONED_HEADS, 4 first, so that key/value heads shared in groups (Hkv = 2 of 4) are drawn often."""
+    optioned = draw(st.sampled_from(OPTIONED))
+    num_heads, d_model = draw(_heads_and_width(OPTIONED_HEADS if optioned else HEADS))
+    return num_heads, d_model, draw(module_options(num_heads)) if optioned else SEED_OPTIONS
+
+
+SEED_OPTIONS: dict[str, Any] = {"num_kv_heads": None, "bias": True}
+
+
+@st.composite
 def module_options(draw: Callable, num_heads: int) -> dict[str, Any]:
-    """The options of SPEC 5 that MultiHeadAttention and the block share, in about one case in three
-    (OPTIONED): num_kv_heads among the divisors of H (1, H / 2 and H where they exist) and bias; else the seed's
-    (None and True)."""
-    if not draw(st.sampled_from(OPTIONED)):
-        return {"num_kv_heads": None, "bias": True}
-    divisors = [n for n in range(1, num_heads + 1) if num_heads % n == 0]
-    return {"num_kv_heads": draw(st.sampled_from(divisors)), "bias": draw(st.booleans())}
+    """The options of SPEC 5 that MultiHeadAttention and the block share:
+    num_kv_heads H / 2 (where it divides H), 1 or H, and bias; else the seed's (None and True)."""
+    groups = [n for n in dict.fromkeys((num_heads // 2, 1, num_heads)) if n and num_heads % n == 0]  # H / 2 first
+    return {"num_kv_heads": draw(st.sampled_from(groups)), "bias": draw(st.booleans())}
 
 
 # --- multi-head attention and the block --------------------------------------------------------------------
 
 @st.composite
-def _heads_and_width(draw: Callable) -> tuple[int, int]:
-    """H and D = H * d_k <= 8."""
-    num_heads = draw(st.sampled_from(HEADS))
+def _heads_and_width(draw: Callable, heads: tuple[int, ...] = HEADS) -> tuple[int, int]:
+    """H from `heads` and D = H * d_k <= 8."""
+    num_heads = draw(st.sampled_from(heads))
     return num_heads, num_heads * draw(st.sampled_from(D_K))
 
 
@@ -424,8 +434,7 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     """Self-attention (q, k, v the same array, L == S) or cross-attention (three different arrays, L != S);
     `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head; num_kv_heads
     and bias from `module_options`."""
-    num_heads, d_model = draw(_heads_and_width())
-    options = draw(module_options(num_heads))
+    num_heads, d_model, options = draw(heads_and_options())
     batch, L = draw(batch_shapes()), draw(lengths())
     cross = draw(st.booleans()) if cross is None else cross
     S = draw(lengths(exclude=L)) if cross else L
@@ -444,11 +453,10 @@ def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | N
     (c + 1e-3 * noise per row, variance ~1e-6, so eps matters) unless `magnitude` is given.
     causal_mask=True gives mask = tril(L, L), bool (L, L); otherwise a mask per head is drawn. An optioned
     case (`module_options`) also draws norm and activation among ReLU, GELU and SwiGLU."""
-    num_heads, d_model = draw(_heads_and_width())
+    num_heads, d_model, options = draw(heads_and_options())
     d_ff = draw(st.sampled_from(D_FF))
     batch, L = draw(batch_shapes()), draw(lengths())
-    options = draw(module_options(num_heads))
-    optioned = options != {"num_kv_heads": None, "bias": True}
+    optioned = options is not SEED_OPTIONS
     norm = draw(st.sampled_from(NORMS)) if optioned else "layer"
     norm_first = draw(st.booleans())
     activation = draw(st.sampled_from(OPTIONED_ACTIVATIONS if optioned else ACTIVATIONS))
