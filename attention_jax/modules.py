@@ -135,7 +135,9 @@ class MultiHeadAttention(Module):
         """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
         return self.num_kv_heads != self.num_heads
 
-    def _split_heads(self, x: jax.Array, heads: int) -> jax.Array:
+    def _split_heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
+        """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""
+        heads = self.num_heads if heads is None else heads
         *lead, length, width = x.shape
         x = x.reshape(*lead, length, heads, width // heads)  # (..., L, H, d_k)
         return jnp.swapaxes(x, -2, -3)  # (..., L, H, d_k) -> (..., H, L, d_k)

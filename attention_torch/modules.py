@@ -109,7 +109,9 @@ class MultiHeadAttention(nn.Module):
         """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
         return self.num_kv_heads != self.num_heads
 
-    def _split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+    def _split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""
+        heads = self.num_heads if heads is None else heads
         *lead, length, width = x.shape
         x = x.reshape(*lead, length, heads, width // heads)  # (..., L, H, d_k)
         return x.transpose(-2, -3)  # (..., L, H, d_k) -> (..., H, L, d_k)

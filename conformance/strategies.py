@@ -401,15 +401,13 @@ def block_states(d_model: int, d_ff: int, **layout: Any) -> st.SearchStrategy[St
 
 
 @st.composite
-def heads_and_options(draw: Callable) -> tuple[int, int, dict[str, Any]]:
-    """H, D and the module options: about one case in three (OPTIONED) is optioned, and then H comes from
-    OPTIONED_HEADS, 4 first, so that key/value heads shared in groups (Hkv = 2 of 4) are drawn often."""
+def heads_and_options(draw: Callable) -> tuple[int, int, bool, dict[str, Any]]:
+    """H, D, whether the case is optioned and the module options: about one case in three (OPTIONED) is, and
+    then H comes from OPTIONED_HEADS, so that key/value heads shared in groups (Hkv = 2 of 4) are drawn often."""
     optioned = draw(st.sampled_from(OPTIONED))
     num_heads, d_model = draw(_heads_and_width(OPTIONED_HEADS if optioned else HEADS))
-    return num_heads, d_model, draw(module_options(num_heads)) if optioned else SEED_OPTIONS
-
-
-SEED_OPTIONS: dict[str, Any] = {"num_kv_heads": None, "bias": True}
+    options = draw(module_options(num_heads)) if optioned else {"num_kv_heads": None, "bias": True}
+    return num_heads, d_model, optioned, options
 
 
 @st.composite
@@ -434,7 +432,7 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     """Self-attention (q, k, v the same array, L == S) or cross-attention (three different arrays, L != S);
     `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head; num_kv_heads
     and bias from `module_options`."""
-    num_heads, d_model, options = draw(heads_and_options())
+    num_heads, d_model, _, options = draw(heads_and_options())
     batch, L = draw(batch_shapes()), draw(lengths())
     cross = draw(st.booleans()) if cross is None else cross
     S = draw(lengths(exclude=L)) if cross else L
@@ -453,10 +451,9 @@ def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | N
     (c + 1e-3 * noise per row, variance ~1e-6, so eps matters) unless `magnitude` is given.
     causal_mask=True gives mask = tril(L, L), bool (L, L); otherwise a mask per head is drawn. An optioned
     case (`module_options`) also draws norm and activation among ReLU, GELU and SwiGLU."""
-    num_heads, d_model, options = draw(heads_and_options())
+    num_heads, d_model, optioned, options = draw(heads_and_options())
     d_ff = draw(st.sampled_from(D_FF))
     batch, L = draw(batch_shapes()), draw(lengths())
-    optioned = options is not SEED_OPTIONS
     norm = draw(st.sampled_from(NORMS)) if optioned else "layer"
     norm_first = draw(st.booleans())
     activation = draw(st.sampled_from(OPTIONED_ACTIVATIONS if optioned else ACTIVATIONS))
