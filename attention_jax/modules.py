@@ -4,9 +4,9 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 The classes users read come first, MultiHeadAttention and TransformerBlock; the pieces they are built
-from (Linear, LayerNorm, FeedForward, the activation) follow. Parameter names and layouts are those of the
-PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b; LayerNorm keeps weight (D,)
-and bias (D,).
+from (Linear, LayerNorm, RMSNorm, FeedForward, GatedFeedForward, the activation) follow. Parameter names and
+layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b (no b
+with bias=False); LayerNorm keeps weight (D,) and bias (D,), RMSNorm weight (D,).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Module(module.Module):
 
 
 class KVCache(NamedTuple):
-    """The keys and values of the positions seen so far, each (..., H, capacity, d_k), filled at positions
+    """The keys and values of the positions seen so far, each (..., Hkv, capacity, d_k), filled at positions
     0 .. length - 1. jax: a pytree whose length is an int32 array, so one jitted extend serves every length
     (the capacity, an array's shape, is static); extend returns new arrays, as JAX arrays never change."""
 
@@ -61,21 +61,25 @@ class KVCache(NamedTuple):
 
 
 class MultiHeadAttention(Module):
-    """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice."""
+    """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice; with
+    num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads."""
 
     _children = ("w_q", "w_k", "w_v", "w_o")
-    _settings = ("num_heads", "dropout", "training")
+    _settings = ("num_heads", "num_kv_heads", "dropout", "training")
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
-                 rng: Rng = None, dtype: Any = None) -> None:
-        """Args: sizes as named; dropout on the attention weights; rng and dtype (float32 by default)
-        for the initial parameters, drawn as nn.Linear draws them."""
+                 num_kv_heads: int | None = None, bias: bool = True, rng: Rng = None, dtype: Any = None) -> None:
+        """Args: sizes as named; dropout on the attention weights; num_kv_heads Hkv, dividing num_heads
+        (None: num_heads), sizes w_k and w_v (Hkv * d_k, D); bias=False drops the four projections' biases;
+        rng and dtype (float32 by default) for the initial parameters, drawn as nn.Linear draws them."""
         checks.module_sizes(d_model, num_heads)
+        num_kv_heads = checks.kv_heads(num_heads, num_kv_heads)
         checks.probability("dropout", dropout)
         rngs, dtype = _rngs(_fresh(rng), 4), jnp.float32 if dtype is None else dtype
-        projections = {name: Linear.initialized(d_model, d_model, rng, dtype)
+        shapes = checks.mha_state_shapes(d_model, num_heads, num_kv_heads)
+        projections = {name: Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
                        for name, rng in zip(self._children, rngs, strict=True)}
-        self._init(**projections, num_heads=num_heads, dropout=dropout, training=True)
+        self._init(**projections, num_heads=num_heads, num_kv_heads=num_kv_heads, dropout=dropout, training=True)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
@@ -83,18 +87,18 @@ class MultiHeadAttention(Module):
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        (d_model,) = checks.state_widths(shapes, {"w_q.weight": 1})
-        checks.module_sizes(d_model, num_heads)
+        layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
         checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.mha_state_shapes(d_model))
+        checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
-        projections = {name: Linear(state[f"{name}.weight"], state[f"{name}.bias"]) for name in cls._children}
-        return cls._build(**projections, num_heads=num_heads, dropout=dropout, training=True)
+        projections = {name: Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in cls._children}
+        return cls._build(**projections, num_heads=num_heads, num_kv_heads=layout["num_kv_heads"],
+                          dropout=dropout, training=True)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, *,
                  need_weights: bool = True, rng: Rng = None) -> tuple[jax.Array, jax.Array | None]:
         """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
-        head_h = Attention(Q W_q,h^T + b_q,h, K W_k,h^T + b_k,h, V W_v,h^T + b_v,h).
+        head_h = Attention(Q W_q,h^T + b_q,h, K W_k,g^T + b_k,g, V W_v,g^T + b_v,g), g = h // (H / Hkv).
 
         Args:
             q: queries (..., L, D).
@@ -109,16 +113,16 @@ class MultiHeadAttention(Module):
         """
         self._check_inputs(q, k, v)
 
-        # 1) project, then split D into H heads of width d_k
-        q = self._split_heads(self.w_q(q))  # (..., L, D) -> (..., H, L, d_k)
-        k = self._split_heads(self.w_k(k))  # (..., S, D) -> (..., H, S, d_k)
-        v = self._split_heads(self.w_v(v))  # (..., S, D) -> (..., H, S, d_k)
+        # 1) project, then split into heads of width d_k: H query heads, Hkv key/value heads
+        q = self._split_heads(self.w_q(q), self.num_heads)  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(k), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
+        v = self._split_heads(self.w_v(v), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
 
-        # 2) attend, every head at once
+        # 2) attend, every head at once; query head h reads key/value head h // (H / Hkv)
         dropout_p = self.dropout if self.training else 0.0
         checks.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
-        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
-                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights,
+                                                    rng=rng, enable_gqa=self.grouped)  # (..., H, L, d_k)
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
@@ -132,10 +136,10 @@ class MultiHeadAttention(Module):
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
         """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
-        values (*batch_shape, H, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default)."""
+        values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default)."""
         batch_shape = checks.cache_size(batch_shape, capacity)
         d_k = self.w_q.weight.shape[1] // self.num_heads
-        shape = (*batch_shape, self.num_heads, capacity, d_k)  # (..., H, capacity, d_k)
+        shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
         dtype = self.w_q.weight.dtype if dtype is None else dtype
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
@@ -164,16 +168,16 @@ class MultiHeadAttention(Module):
         q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
         zero = jnp.zeros_like(start)  # jax: the indices of dynamic_update_slice share one int dtype
         at = (zero,) * (cache.k.ndim - 2) + (start, zero)  # (..., H, capacity, d_k): rows start .. start + L - 1
-        k = jax.lax.dynamic_update_slice(cache.k, self._split_heads(self.w_k(x_kv)), at)
-        v = jax.lax.dynamic_update_slice(cache.v, self._split_heads(self.w_v(x_kv)), at)
+        k = jax.lax.dynamic_update_slice(cache.k, self._split_heads(self.w_k(x_kv), self.num_kv_heads), at)
+        v = jax.lax.dynamic_update_slice(cache.v, self._split_heads(self.w_v(x_kv), self.num_kv_heads), at)
 
         # 2) attend over every position of the cache: causal from start hides those not yet filled
         # (jax: the shapes stay static, so one compile serves every length)
         dropout_p = self.dropout if self.training else 0.0
         checks.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
         out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start,
-                                                    dropout_p=dropout_p, need_weights=need_weights,
-                                                    rng=rng)  # (..., H, L, d_k)
+                                                    enable_gqa=self.grouped, dropout_p=dropout_p,
+                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
         # jax: under jit a full cache cannot raise (the length is traced): its output is NaN, never a silent
         # result from keys written where they do not belong
         out = jnp.where(start + L > cache.k.shape[-2], jnp.nan, out)
@@ -199,9 +203,16 @@ class MultiHeadAttention(Module):
             checks.module_input(name, x.shape, d_model, letter)
         checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
 
-    def _split_heads(self, x: jax.Array) -> jax.Array:
-        *lead, length, d_model = x.shape
-        x = x.reshape(*lead, length, self.num_heads, d_model // self.num_heads)  # (..., L, H, d_k)
+    @property
+    def grouped(self) -> bool:
+        """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
+        return self.num_kv_heads != self.num_heads
+
+    def _split_heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
+        """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""
+        heads = self.num_heads if heads is None else heads
+        *lead, length, width = x.shape
+        x = x.reshape(*lead, length, heads, width // heads)  # (..., L, H, d_k)
         return jnp.swapaxes(x, -2, -3)  # (..., L, H, d_k) -> (..., H, L, d_k)
 
     def _merge_heads(self, x: jax.Array) -> jax.Array:
@@ -211,27 +222,32 @@ class MultiHeadAttention(Module):
 
 class TransformerBlock(Module):
     """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
-    with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN)."""
+    with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN).
+    A Llama decoder layer without RoPE: norm_first=True, norm="rms", activation="swiglu", bias=False."""
 
     _children = ("attn", "norm1", "norm2", "ffn")
     _settings = ("dropout", "norm_first", "training")
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
-                 norm_first: bool = False, activation: str = "relu", eps: float = 1e-5,
+                 norm_first: bool = False, activation: str = "relu", norm: str = "layer",
+                 num_kv_heads: int | None = None, bias: bool = True, eps: float = 1e-5,
                  rng: Rng = None, dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
-        activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
-        rng and dtype (float32 by default) for the initial parameters."""
+        activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
+        "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
+        the feed-forward network; eps inside the norm's square root; rng and dtype (float32 by default) for
+        the initial parameters."""
         checks.module_sizes(d_model, num_heads, d_ff)
         checks.probability("dropout", dropout)
         checks.activation(activation)
-        rngs, dtype = _rngs(_fresh(rng), 3), jnp.float32 if dtype is None else dtype
-        ffn = FeedForward(Linear.initialized(d_model, d_ff, rngs[1], dtype),
-                          Linear.initialized(d_ff, d_model, rngs[2], dtype), activation, dropout)
-        self._init(attn=MultiHeadAttention(d_model, num_heads, dropout, rng=rngs[0], dtype=dtype),
-                   norm1=LayerNorm.initialized(d_model, eps, dtype),
-                   norm2=LayerNorm.initialized(d_model, eps, dtype),
-                   ffn=ffn, dropout=dropout, norm_first=norm_first, training=True)
+        checks.norm(norm)
+        rngs, dtype = _rngs(_fresh(rng), 4 if activation == "swiglu" else 3), jnp.float32 if dtype is None else dtype
+        attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias, rng=rngs[0],
+                                  dtype=dtype)
+        norm1, norm2 = (_NORMS[norm].initialized(d_model, eps, dtype) for _ in range(2))
+        self._init(attn=attn, norm1=norm1, norm2=norm2,
+                   ffn=_feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype),
+                   dropout=dropout, norm_first=norm_first, training=True)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
@@ -240,20 +256,17 @@ class TransformerBlock(Module):
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        d_model, d_ff = checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
-        checks.module_sizes(d_model, num_heads, d_ff)
+        layout = checks.block_layout(shapes, num_heads, activation)  # sizes, num_kv_heads, bias, norm
         checks.probability("dropout", dropout)
-        checks.activation(activation)
-        checks.state(cls.__name__, shapes, checks.block_state_shapes(d_model, d_ff))
+        checks.state(cls.__name__, shapes, checks.block_state_shapes(num_heads=num_heads, activation=activation,
+                                                                     **layout))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
                                                   dropout=dropout)
-        norm1, norm2 = (LayerNorm(state[f"{name}.weight"], state[f"{name}.bias"], eps)
-                        for name in ("norm1", "norm2"))
-        ffn = FeedForward(Linear(state["ffn.0.weight"], state["ffn.0.bias"]),
-                          Linear(state["ffn.3.weight"], state["ffn.3.bias"]), activation, dropout)
-        return cls._build(attn=attn, norm1=norm1, norm2=norm2, ffn=ffn, dropout=dropout,
-                          norm_first=norm_first, training=True)
+        norm1, norm2 = (_NORMS[layout["norm"]].from_state(_prefixed(state, name), eps) for name in ("norm1", "norm2"))
+        return cls._build(attn=attn, norm1=norm1, norm2=norm2,
+                          ffn=_FEED_FORWARDS[activation].from_state(_prefixed(state, "ffn"), activation, dropout),
+                          dropout=dropout, norm_first=norm_first, training=True)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, need_weights: bool = True,
                  rng: Rng = None) -> tuple[jax.Array, jax.Array | None]:
@@ -344,22 +357,23 @@ class TransformerBlock(Module):
 
 
 class Linear(Module):
-    """y = x W^T + b, with weight W (out, in) and bias b (out,)."""
+    """y = x W^T + b, with weight W (out, in) and bias b (out,); y = x W^T with bias None."""
 
     _children = ("weight", "bias")
 
-    def __init__(self, weight: jax.Array, bias: jax.Array) -> None:
+    def __init__(self, weight: jax.Array, bias: jax.Array | None = None) -> None:
         self._init(weight=weight, bias=bias)
 
     @classmethod
-    def initialized(cls, d_in: int, d_out: int, rng: jax.Array, dtype: Any) -> Linear:
+    def initialized(cls, d_in: int, d_out: int, rng: jax.Array, dtype: Any, *, bias: bool = True) -> Linear:
         """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
         bound, (rng_weight, rng_bias) = 1 / math.sqrt(d_in), _rngs(rng, 2)
         weight = jax.random.uniform(rng_weight, (d_out, d_in), dtype, -bound, bound)  # (out, in)
-        return cls(weight, jax.random.uniform(rng_bias, (d_out,), dtype, -bound, bound))
+        return cls(weight, jax.random.uniform(rng_bias, (d_out,), dtype, -bound, bound) if bias else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.weight.T + _ranked(self.bias, x.ndim)  # (..., in) x (in, out) -> (..., out)
+        y = x @ self.weight.T  # (..., in) x (in, out) -> (..., out)
+        return y if self.bias is None else y + _ranked(self.bias, x.ndim)
 
 
 class LayerNorm(Module):
@@ -383,6 +397,35 @@ class LayerNorm(Module):
         weight, bias = (_ranked(p.astype(y.dtype), y.ndim) for p in (self.weight, self.bias))  # jax: strict modes
         return ((y - mean) / jnp.sqrt(var + self.eps) * weight + bias).astype(x.dtype)
 
+    @classmethod
+    def from_state(cls, state: Mapping[str, jax.Array], eps: float) -> LayerNorm:
+        return cls(state["weight"], state["bias"], eps)
+
+
+class RMSNorm(Module):
+    """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight, over the last axis: no mean removed, no bias."""
+
+    _children = ("weight",)
+    _settings = ("eps",)
+
+    def __init__(self, weight: jax.Array, eps: float = 1e-5) -> None:
+        self._init(weight=weight, eps=eps)
+
+    @classmethod
+    def initialized(cls, d_model: int, eps: float, dtype: Any) -> RMSNorm:
+        """nn.RMSNorm's default: weight ones."""
+        return cls(jnp.ones(d_model, dtype), eps)
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, jax.Array], eps: float) -> RMSNorm:
+        return cls(state["weight"], eps)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x.astype(_at_least_float32(x.dtype))  # statistics in at least float32
+        mean_square = jnp.mean(y**2, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+        weight = _ranked(self.weight.astype(y.dtype), y.ndim)  # jax: strict modes
+        return (y / jnp.sqrt(mean_square + self.eps) * weight).astype(x.dtype)
+
 
 class FeedForward(Module):
     """FFN(x) = W_2 Dropout(activation(W_1 x + b_1)) + b_2, named ffn.0 and ffn.3 as in
@@ -396,10 +439,47 @@ class FeedForward(Module):
                  dropout: float = 0.0) -> None:
         self._init(linear1=linear1, linear2=linear2, activation=activation, dropout=dropout, training=True)
 
+    @classmethod
+    def from_state(cls, state: Mapping[str, jax.Array], activation: str, dropout: float) -> FeedForward:
+        linear1, linear2 = (Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in ("0", "3"))
+        return cls(linear1, linear2, activation, dropout)
+
     def __call__(self, x: jax.Array, *, rng: Rng = None) -> jax.Array:
         h = _activation(self.activation, self.linear1(x))  # (..., L, D) -> (..., L, F)
         h = _dropout(h, self.dropout if self.training else 0.0, rng)
         return self.linear2(h)  # (..., L, F) -> (..., L, D)
+
+
+class GatedFeedForward(Module):
+    """SwiGLU: FFN(x) = W_down Dropout(silu(W_gate x + b_gate) * (W_up x + b_up)) + b_down, silu(x) =
+    x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down."""
+
+    _children = ("w_gate", "w_up", "w_down")
+    _settings = ("activation", "dropout", "training")
+
+    def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0) -> None:
+        self._init(w_gate=w_gate, w_up=w_up, w_down=w_down, activation="swiglu", dropout=dropout, training=True)
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, jax.Array], activation: str, dropout: float) -> GatedFeedForward:
+        linears = (Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in cls._children)
+        return cls(*linears, dropout)
+
+    def __call__(self, x: jax.Array, *, rng: Rng = None) -> jax.Array:
+        h = _silu(self.w_gate(x)) * self.w_up(x)  # (..., L, D) -> (..., L, F)
+        h = _dropout(h, self.dropout if self.training else 0.0, rng)
+        return self.w_down(h)  # (..., L, F) -> (..., L, D)
+
+
+def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias: bool, rngs: list,
+                  dtype: Any) -> FeedForward | GatedFeedForward:
+    """The feed-forward network of `activation`, drawn as nn.Linear draws its parameters."""
+    if activation == "swiglu":  # w_gate, w_up (F, D), w_down (D, F)
+        return GatedFeedForward(*(Linear.initialized(d_in, d_out, rng, dtype, bias=bias) for (d_in, d_out), rng in
+                                  zip(((d_model, d_ff), (d_model, d_ff), (d_ff, d_model)), rngs, strict=True)),
+                                dropout)
+    return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
+                       Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
 
 
 def _activation(name: str, x: jax.Array) -> jax.Array:
@@ -409,10 +489,19 @@ def _activation(name: str, x: jax.Array) -> jax.Array:
     return x / 2 * (1 + jax.scipy.special.erf(x / math.sqrt(2)))
 
 
+def _silu(x: jax.Array) -> jax.Array:
+    """silu(x) = x * sigmoid(x)."""
+    return x * jax.nn.sigmoid(x)
+
+
 def _fresh(rng: jax.Array | None) -> jax.Array:
     """jax: there is no global RNG, so rng=None seeds a fresh key from the OS, as NumPy and torch
     draw fresh initial values."""
     return jax.random.key(secrets.randbits(63)) if rng is None else rng
+
+
+_NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}
+_FEED_FORWARDS: dict[str, Any] = {"relu": FeedForward, "gelu": FeedForward, "swiglu": GatedFeedForward}
 
 
 def _prefixed(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import numpy as np
 from attention_np.common import checks
 
 from .functional import _dtypes, _grouped, _ungrouped, scaled_dot_product_attention
-from .modules import _activation, _erf
+from .modules import GatedFeedForward, RMSNorm, _activation, _erf, _sigmoid
 
 Grads = dict[str, np.ndarray]
 
@@ -121,6 +121,8 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     """Backward through MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o, step by step in
     reverse: the output projection, the heads' merge (its adjoint is the split), attention per head, the
     input projections. Splitting and merging heads only move entries, so their adjoints are each other.
+    With Hkv < H key/value heads, attention runs with enable_gqa, whose backward pass sums the gradients of
+    each key/value head over the query heads of its group.
 
     Returns:
         out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
@@ -130,14 +132,16 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     mha._check_inputs(q, k, v)
     (q_p, pull_q), (k_p, pull_k), (v_p, pull_v) = (_linear_vjp(w, x) for w, x in
                                                   ((mha.w_q, q), (mha.w_k, k), (mha.w_v, v)))
+    H, Hkv = mha.num_heads, mha.num_kv_heads
     heads, weights, pull_attention = scaled_dot_product_attention_vjp(
-        mha._split_heads(q_p), mha._split_heads(k_p), mha._split_heads(v_p), mask)  # (..., H, L, d_k)
+        mha._split_heads(q_p, H), mha._split_heads(k_p, Hkv), mha._split_heads(v_p, Hkv), mask,
+        enable_gqa=mha.grouped)  # (..., H, L, d_k), k and v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
         checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_merged, grads_o = pull_o(d_out)  # (..., L, D)
-        dq_h, dk_h, dv_h, _ = pull_attention(mha._split_heads(d_merged))  # (..., H, L|S, d_k)
+        dq_h, dk_h, dv_h, _ = pull_attention(mha._split_heads(d_merged, H))  # (..., H | Hkv, L | S, d_k)
         (dq, grads_q), (dk, grads_k), (dv, grads_v) = (
             pull(mha._merge_heads(d)) for pull, d in ((pull_q, dq_h), (pull_k, dk_h), (pull_v, dv_h)))
         grads = _prefixed("w_q", grads_q) | _prefixed("w_k", grads_k) | _prefixed("w_v", grads_v)
@@ -173,9 +177,9 @@ def transformer_block_vjp(block: Any, x: np.ndarray,
 
 def _post_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, Callable]:
     a, weights, pull_attn = multi_head_attention_vjp(block.attn, x, x, x, mask)
-    y1, pull_norm1 = _layer_norm_vjp(block.norm1, x + a)
-    f, pull_ffn = _feed_forward_vjp(block.ffn, y1)
-    y, pull_norm2 = _layer_norm_vjp(block.norm2, y1 + f)
+    y1, pull_norm1 = _norm_vjp(block.norm1, x + a)
+    f, pull_ffn = _ffn_vjp(block.ffn, y1)
+    y, pull_norm2 = _norm_vjp(block.norm2, y1 + f)
 
     def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
         dh2, grads_norm2 = pull_norm2(dy)
@@ -189,11 +193,11 @@ def _post_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np
 
 
 def _pre_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, Callable]:
-    n1, pull_norm1 = _layer_norm_vjp(block.norm1, x)
+    n1, pull_norm1 = _norm_vjp(block.norm1, x)
     a, weights, pull_attn = multi_head_attention_vjp(block.attn, n1, n1, n1, mask)
     h = x + a
-    n2, pull_norm2 = _layer_norm_vjp(block.norm2, h)
-    f, pull_ffn = _feed_forward_vjp(block.ffn, n2)
+    n2, pull_norm2 = _norm_vjp(block.norm2, h)
+    f, pull_ffn = _ffn_vjp(block.ffn, n2)
 
     def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
         dn2, grads_ffn = pull_ffn(dy)
@@ -208,12 +212,35 @@ def _pre_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np.
 
 
 def _linear_vjp(linear: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
-    """y = x W^T + b:  dx = dy W,  dW = dy^T x,  db = sum of dy, both summed over every position."""
+    """y = x W^T + b:  dx = dy W,  dW = dy^T x,  db = sum of dy, both summed over every position
+    (no db for a Linear without bias)."""
     def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
         dy_rows, x_rows = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # (N, out), (N, in)
-        return dy @ linear.weight, {"weight": dy_rows.T @ x_rows, "bias": np.sum(dy_rows, axis=0)}
+        bias = {} if linear.bias is None else {"bias": np.sum(dy_rows, axis=0)}
+        return dy @ linear.weight, {"weight": dy_rows.T @ x_rows} | bias
 
     return linear(x), pullback
+
+
+def _norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
+    """The block's norm: RMSNorm (norm="rms") or LayerNorm."""
+    return _rms_norm_vjp(norm, x) if isinstance(norm, RMSNorm) else _layer_norm_vjp(norm, x)
+
+
+def _rms_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
+    """y = x_hat * weight, x_hat = x r, r = 1 / sqrt(mean(x^2) + eps), over the last axis (D entries):
+        d_hat = dy * weight,  dx = (d_hat - x_hat * mean(d_hat * x_hat)) * r,  dweight = sum of dy * x_hat.
+    From dr/dx_j = -r^3 x_j / D: dx_j = r d_hat_j - r^3 x_j / D sum_i d_hat_i x_i; no mean term, as no mean
+    is removed."""
+    inv_rms = 1 / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + norm.eps)  # (..., D) -> (..., 1)
+    x_hat = x * inv_rms  # (..., D)
+
+    def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        d_hat = dy * norm.weight
+        dx = (d_hat - x_hat * np.mean(d_hat * x_hat, axis=-1, keepdims=True)) * inv_rms
+        return dx, {"weight": np.sum((dy * x_hat).reshape(-1, x.shape[-1]), axis=0)}
+
+    return x_hat * norm.weight, pullback
 
 
 def _layer_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
@@ -233,6 +260,31 @@ def _layer_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
         return dx, {"weight": np.sum((dy * x_hat).reshape(rows), axis=0), "bias": np.sum(dy.reshape(rows), axis=0)}
 
     return x_hat * norm.weight + norm.bias, pullback
+
+
+def _ffn_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
+    """The block's feed-forward network: SwiGLU (activation="swiglu") or relu / gelu."""
+    return _swiglu_vjp(ffn, x) if isinstance(ffn, GatedFeedForward) else _feed_forward_vjp(ffn, x)
+
+
+def _swiglu_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
+    """FFN(x) = W_down (silu(g) * u), g = W_gate x + b_gate, u = W_up x + b_up:
+        dh = dy W_down,  dg = dh * u * silu'(g),  du = dh * silu(g),  dx = dg W_gate + du W_up,
+    silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g))), from d/dg [g sigmoid(g)] and sigmoid' = sigmoid (1 - sigmoid).
+    x feeds both W_gate and W_up, so its two gradients add up."""
+    g, pull_gate = _linear_vjp(ffn.w_gate, x)  # (..., L, D) -> (..., L, F)
+    u, pull_up = _linear_vjp(ffn.w_up, x)  # (..., L, D) -> (..., L, F)
+    sigmoid = _sigmoid(g)
+    y, pull_down = _linear_vjp(ffn.w_down, g * sigmoid * u)  # (..., L, F) -> (..., L, D)
+
+    def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        dh, grads_down = pull_down(dy)  # (..., L, F)
+        dx_gate, grads_gate = pull_gate(dh * u * sigmoid * (1 + g * (1 - sigmoid)))  # (..., L, D)
+        dx_up, grads_up = pull_up(dh * g * sigmoid)  # (..., L, D)
+        grads = _prefixed("w_gate", grads_gate) | _prefixed("w_up", grads_up)
+        return dx_gate + dx_up, grads | _prefixed("w_down", grads_down)
+
+    return y, pullback
 
 
 def _feed_forward_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:

@@ -4,9 +4,9 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 The classes users read come first, MultiHeadAttention and TransformerBlock; the pieces they are built
-from (Linear, LayerNorm, FeedForward, the activation) follow. Parameter names and layouts are those of the
-PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b; LayerNorm keeps weight (D,)
-and bias (D,).
+from (Linear, LayerNorm, RMSNorm, FeedForward, GatedFeedForward, the activation) follow. Parameter names and
+layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b (no b
+with bias=False); LayerNorm keeps weight (D,) and bias (D,), RMSNorm weight (D,).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attent
 
 
 class KVCache(NamedTuple):
-    """The keys and values of the positions seen so far, each (..., H, capacity, d_k), filled at positions
+    """The keys and values of the positions seen so far, each (..., Hkv, capacity, d_k), filled at positions
     0 .. length - 1. torch: preallocated tensors that extend writes into in place and returns with the longer
     length (no torch.cat per step); the positions an older cache covers never change."""
 
@@ -35,18 +35,25 @@ class KVCache(NamedTuple):
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice."""
+    """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice; with
+    num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads."""
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
-                 rng: Rng = None, dtype: torch.dtype | None = None) -> None:
-        """Args: sizes as named; dropout on the attention weights; rng and dtype (torch's default dtype,
-        float32, when None) for the initial parameters, drawn as nn.Linear draws them."""
+                 num_kv_heads: int | None = None, bias: bool = True, rng: Rng = None,
+                 dtype: torch.dtype | None = None) -> None:
+        """Args: sizes as named; dropout on the attention weights; num_kv_heads Hkv, dividing num_heads
+        (None: num_heads), sizes w_k and w_v (Hkv * d_k, D); bias=False drops the four projections' biases;
+        rng and dtype (torch's default dtype, float32, when None) for the initial parameters, drawn as
+        nn.Linear draws them."""
         super().__init__()
         checks.module_sizes(d_model, num_heads)
+        num_kv_heads = checks.kv_heads(num_heads, num_kv_heads)
         checks.probability("dropout", dropout)
-        rngs = _rngs(rng, 4)
-        self.w_q, self.w_k, self.w_v, self.w_o = (Linear.initialized(d_model, d_model, rng, dtype) for rng in rngs)
-        self.num_heads, self.dropout = num_heads, dropout
+        rngs, shapes = _rngs(rng, 4), checks.mha_state_shapes(d_model, num_heads, num_kv_heads)
+        self.w_q, self.w_k, self.w_v, self.w_o = (
+            Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
+            for name, rng in zip(("w_q", "w_k", "w_v", "w_o"), rngs, strict=True))
+        self.num_heads, self.num_kv_heads, self.dropout = num_heads, num_kv_heads, dropout
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
@@ -54,19 +61,19 @@ class MultiHeadAttention(nn.Module):
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        (d_model,) = checks.state_widths(shapes, {"w_q.weight": 1})
-        checks.module_sizes(d_model, num_heads)
+        layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
         checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.mha_state_shapes(d_model))
+        checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
-            module = cls(d_model, num_heads, dropout)
+            module = cls(layout["d_model"], num_heads, dropout, num_kv_heads=layout["num_kv_heads"],
+                         bias=layout["bias"])
         return _load(module, state)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
                 need_weights: bool = True, rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
-        head_h = Attention(Q W_q,h^T + b_q,h, K W_k,h^T + b_k,h, V W_v,h^T + b_v,h).
+        head_h = Attention(Q W_q,h^T + b_q,h, K W_k,g^T + b_k,g, V W_v,g^T + b_v,g), g = h // (H / Hkv).
 
         Args:
             q: queries (..., L, D).
@@ -81,15 +88,15 @@ class MultiHeadAttention(nn.Module):
         """
         self._check_inputs(q, k, v)
 
-        # 1) project, then split D into H heads of width d_k
-        q = self._split_heads(self.w_q(q))  # (..., L, D) -> (..., H, L, d_k)
-        k = self._split_heads(self.w_k(k))  # (..., S, D) -> (..., H, S, d_k)
-        v = self._split_heads(self.w_v(v))  # (..., S, D) -> (..., H, S, d_k)
+        # 1) project, then split into heads of width d_k: H query heads, Hkv key/value heads
+        q = self._split_heads(self.w_q(q), self.num_heads)  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(k), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
+        v = self._split_heads(self.w_v(v), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
 
-        # 2) attend, every head at once
+        # 2) attend, every head at once; query head h reads key/value head h // (H / Hkv)
         dropout_p = self.dropout if self.training else 0.0
-        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
-                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights,
+                                                    rng=rng, enable_gqa=self.grouped)  # (..., H, L, d_k)
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
@@ -103,10 +110,10 @@ class MultiHeadAttention(nn.Module):
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
         """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
-        values (*batch_shape, H, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default)."""
+        values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default)."""
         batch_shape = checks.cache_size(batch_shape, capacity)
         d_k = self.w_q.weight.shape[1] // self.num_heads
-        shape = (*batch_shape, self.num_heads, capacity, d_k)  # (..., H, capacity, d_k)
+        shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
         options = dict(dtype=self.w_q.weight.dtype if dtype is None else dtype, device=self.w_q.weight.device)
         return KVCache(torch.zeros(shape, **options), torch.zeros(shape, **options), 0)
 
@@ -132,16 +139,17 @@ class MultiHeadAttention(nn.Module):
 
         # 1) project the new positions, then write their keys and values into the cache, in place
         q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
-        cache.k[..., start:end, :] = self._split_heads(self.w_k(x_kv))  # (..., H, L, d_k) at start .. end - 1
-        cache.v[..., start:end, :] = self._split_heads(self.w_v(x_kv))
+        cache.k[..., start:end, :] = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., Hkv, L, d_k)
+        cache.v[..., start:end, :] = self._split_heads(self.w_v(x_kv), self.num_kv_heads)  # at start .. end - 1
 
         # 2) attend over the filled positions, the new queries at positions start .. end - 1
         if mask is not None and mask.shape[-1] > 1:
             mask = mask[..., :end]  # (..., H, L, capacity) -> (..., H, L, end)
         dropout_p = self.dropout if self.training else 0.0
         out, weights = scaled_dot_product_attention(q, cache.k[..., :end, :], cache.v[..., :end, :], mask,
-                                                    is_causal=True, q_offset=start, dropout_p=dropout_p,
-                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+                                                    is_causal=True, q_offset=start, enable_gqa=self.grouped,
+                                                    dropout_p=dropout_p, need_weights=need_weights,
+                                                    rng=rng)  # (..., H, L, d_k)
         if need_weights:  # the positions not yet filled get 0
             weights = nn.functional.pad(weights, (0, cache.k.shape[-2] - end))  # (..., H, L, capacity)
 
@@ -166,9 +174,16 @@ class MultiHeadAttention(nn.Module):
             checks.module_input(name, x.shape, d_model, letter)
         checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        *lead, length, d_model = x.shape
-        x = x.reshape(*lead, length, self.num_heads, d_model // self.num_heads)  # (..., L, H, d_k)
+    @property
+    def grouped(self) -> bool:
+        """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
+        return self.num_kv_heads != self.num_heads
+
+    def _split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""
+        heads = self.num_heads if heads is None else heads
+        *lead, length, width = x.shape
+        x = x.reshape(*lead, length, heads, width // heads)  # (..., L, H, d_k)
         return x.transpose(-2, -3)  # (..., L, H, d_k) -> (..., H, L, d_k)
 
     def _merge_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,24 +193,29 @@ class MultiHeadAttention(nn.Module):
 
 class TransformerBlock(nn.Module):
     """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
-    with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN)."""
+    with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN).
+    A Llama decoder layer without RoPE: norm_first=True, norm="rms", activation="swiglu", bias=False."""
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
-                 norm_first: bool = False, activation: str = "relu", eps: float = 1e-5,
+                 norm_first: bool = False, activation: str = "relu", norm: str = "layer",
+                 num_kv_heads: int | None = None, bias: bool = True, eps: float = 1e-5,
                  rng: Rng = None, dtype: torch.dtype | None = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
-        activation; activation "relu" or "gelu" (exact erf form); eps inside LayerNorm's square root;
-        rng and dtype (torch's default dtype, float32, when None) for the initial parameters."""
+        activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
+        "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
+        the feed-forward network; eps inside the norm's square root; rng and dtype (torch's default dtype,
+        float32, when None) for the initial parameters."""
         super().__init__()
         checks.module_sizes(d_model, num_heads, d_ff)
         checks.probability("dropout", dropout)
         checks.activation(activation)
-        rngs = _rngs(rng, 3)
-        ffn = FeedForward(Linear.initialized(d_model, d_ff, rngs[1], dtype),
-                          Linear.initialized(d_ff, d_model, rngs[2], dtype), activation, dropout)
-        self.attn = MultiHeadAttention(d_model, num_heads, dropout, rng=rngs[0], dtype=dtype)
-        self.norm1 = LayerNorm.initialized(d_model, eps, dtype)
-        self.norm2 = LayerNorm.initialized(d_model, eps, dtype)
+        checks.norm(norm)
+        rngs = _rngs(rng, 4 if activation == "swiglu" else 3)
+        self.attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
+                                       rng=rngs[0], dtype=dtype)
+        self.norm1 = _NORMS[norm].initialized(d_model, eps, dtype)
+        self.norm2 = _NORMS[norm].initialized(d_model, eps, dtype)
+        ffn = _feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype)
         self.ffn, self.dropout, self.norm_first = ffn, dropout, norm_first  # torch: registered in state-dict order
 
     @classmethod
@@ -205,15 +225,15 @@ class TransformerBlock(nn.Module):
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        d_model, d_ff = checks.state_widths(shapes, {"attn.w_q.weight": 1, "ffn.0.weight": 0})
-        checks.module_sizes(d_model, num_heads, d_ff)
+        layout = checks.block_layout(shapes, num_heads, activation)  # sizes, num_kv_heads, bias, norm
         checks.probability("dropout", dropout)
-        checks.activation(activation)
-        checks.state(cls.__name__, shapes, checks.block_state_shapes(d_model, d_ff))
+        checks.state(cls.__name__, shapes, checks.block_state_shapes(num_heads=num_heads, activation=activation,
+                                                                     **layout))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
-            module = cls(d_model, num_heads, d_ff, dropout, norm_first=norm_first, activation=activation,
-                         eps=eps)
+            module = cls(layout["d_model"], num_heads, layout["d_ff"], dropout, norm_first=norm_first,
+                         activation=activation, norm=layout["norm"], num_kv_heads=layout["num_kv_heads"],
+                         bias=layout["bias"], eps=eps)
         return _load(module, state)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, need_weights: bool = True,
@@ -308,12 +328,14 @@ class Linear(nn.Linear):
     # torch: nn.Linear itself, with the constructor of initial values the other backends have
 
     @classmethod
-    def initialized(cls, d_in: int, d_out: int, rng: Rng, dtype: torch.dtype | None) -> Linear:
+    def initialized(cls, d_in: int, d_out: int, rng: Rng, dtype: torch.dtype | None, *,
+                    bias: bool = True) -> Linear:
         """nn.Linear's default: weight and bias uniform in [-1/sqrt(d_in), 1/sqrt(d_in)]."""
-        linear, bound = cls(d_in, d_out, dtype=dtype), 1 / math.sqrt(d_in)
+        linear, bound = cls(d_in, d_out, bias=bias, dtype=dtype), 1 / math.sqrt(d_in)
         with torch.no_grad():  # torch: redrawn so that `rng` decides the initial values
             linear.weight.uniform_(-bound, bound, generator=rng)  # (out, in)
-            linear.bias.uniform_(-bound, bound, generator=rng)
+            if bias:  # torch: nn.Linear(bias=False) registers bias as None
+                linear.bias.uniform_(-bound, bound, generator=rng)
         return linear
 
 
@@ -334,6 +356,21 @@ class LayerNorm(nn.LayerNorm):
         work = torch.promote_types(x.dtype, torch.float32)
         weight, bias = self.weight.to(work), self.bias.to(work)
         return nn.functional.layer_norm(x.to(work), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight, over the last axis: no mean removed, no bias."""
+
+    # torch: nn.RMSNorm itself, with the constructor of initial values the other backends have
+
+    @classmethod
+    def initialized(cls, d_model: int, eps: float, dtype: torch.dtype | None) -> RMSNorm:
+        """nn.RMSNorm's default: weight ones."""
+        return cls(d_model, eps=eps, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        work = torch.promote_types(x.dtype, torch.float32)  # torch: statistics in at least float32, as LayerNorm
+        return nn.functional.rms_norm(x.to(work), self.normalized_shape, self.weight.to(work), self.eps).to(x.dtype)
 
 
 class FeedForward(nn.Sequential):
@@ -365,8 +402,35 @@ class FeedForward(nn.Sequential):
         return self.linear2(h)  # (..., L, F) -> (..., L, D)
 
 
+class GatedFeedForward(nn.Module):
+    """SwiGLU: FFN(x) = W_down Dropout(silu(W_gate x + b_gate) * (W_up x + b_up)) + b_down, silu(x) =
+    x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down."""
+
+    def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down  # torch: registered in state-dict order
+        self.activation, self.dropout = "swiglu", dropout
+
+    def forward(self, x: torch.Tensor, *, rng: Rng = None) -> torch.Tensor:
+        h = nn.functional.silu(self.w_gate(x)) * self.w_up(x)  # (..., L, D) -> (..., L, F)
+        h = _dropout(h, self.dropout if self.training else 0.0, rng)
+        return self.w_down(h)  # (..., L, F) -> (..., L, D)
+
+
+def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias: bool, rngs: list,
+                  dtype: torch.dtype | None) -> FeedForward | GatedFeedForward:
+    """The feed-forward network of `activation`, drawn as nn.Linear draws its parameters."""
+    if activation == "swiglu":  # w_gate, w_up (F, D), w_down (D, F)
+        return GatedFeedForward(*(Linear.initialized(d_in, d_out, rng, dtype, bias=bias) for (d_in, d_out), rng in
+                                  zip(((d_model, d_ff), (d_model, d_ff), (d_ff, d_model)), rngs, strict=True)),
+                                dropout)
+    return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
+                       Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
+
+
 # relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form
 _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
+_NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}
 
 
 def _load(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Any:

@@ -45,26 +45,32 @@ class SdpaCase(NamedTuple):
 class MhaCase(NamedTuple):
     """A MultiHeadAttention (from_state_dict) and its inputs; value checks run it in eval mode."""
 
-    state: State  # w_q.weight (D, D), w_q.bias (D,), and the same for w_k, w_v, w_o
+    state: State  # w_q, w_o .weight (D, D), w_k, w_v .weight (Hkv * d_k, D), each .bias (out,) with bias
     num_heads: int
     dropout: float
     q: np.ndarray  # (..., L, D)
     k: np.ndarray  # (..., S, D)
     v: np.ndarray  # (..., S, D)
     mask: np.ndarray | None  # broadcasts to (..., H, L, S)
+    num_kv_heads: int | None = None  # Hkv, dividing H (None: H); the state's w_k, w_v have Hkv * d_k rows
+    bias: bool = True  # whether the state holds the projections' biases
 
 
 class BlockCase(NamedTuple):
     """A TransformerBlock (from_state_dict) and its input; value checks run it in eval mode."""
 
-    state: State  # attn.<MhaCase names>, norm1/norm2 .weight and .bias (D,), ffn.0 (F, D), ffn.3 (D, F)
+    state: State  # attn.<MhaCase names>, norm1/norm2 .weight (and .bias with norm "layer") (D,), ffn.0 (F, D),
+    # ffn.3 (D, F), or with "swiglu" ffn.w_gate, ffn.w_up (F, D), ffn.w_down (D, F); Linear biases with bias
     num_heads: int
     dropout: float
     norm_first: bool
-    activation: str  # "relu" or "gelu"
+    activation: str  # "relu", "gelu" or "swiglu"
     eps: float
     x: np.ndarray  # (..., L, D)
     mask: np.ndarray | None  # broadcasts to (..., H, L, L)
+    norm: str = "layer"  # "layer" or "rms"
+    num_kv_heads: int | None = None  # attention's Hkv, as in MhaCase
+    bias: bool = True  # whether the state holds the Linears' biases (LayerNorm keeps its own regardless)
 
 
 class DecodeCase(NamedTuple):
@@ -81,6 +87,9 @@ class DecodeCase(NamedTuple):
     x: np.ndarray  # (..., L, D)
     chunks: tuple[int, ...]  # sizes >= 1 summing to L: a prefill, then decode steps of 1, or any split
     capacity: int  # >= L: the cache's positions
+    norm: str = "layer"  # as BlockCase
+    num_kv_heads: int | None = None
+    bias: bool = True
 
 
 Case = SdpaCase | MhaCase | BlockCase | DecodeCase
@@ -88,11 +97,12 @@ Case = SdpaCase | MhaCase | BlockCase | DecodeCase
 
 # --- parameters --------------------------------------------------------------------------------------------
 
-def linear_state(rng: np.random.Generator, name: str, d_in: int, d_out: int) -> State:
-    """nn.Linear's initialisation: weight (out, in) and bias (out,), both uniform in +-1/sqrt(in)."""
+def linear_state(rng: np.random.Generator, name: str, d_in: int, d_out: int, bias: bool = True) -> State:
+    """nn.Linear's initialisation: weight (out, in) and bias (out,), both uniform in +-1/sqrt(in); no bias
+    entry (none drawn) with bias=False."""
     bound = 1.0 / math.sqrt(d_in)
-    return {f"{name}.weight": rng.uniform(-bound, bound, (d_out, d_in)),
-            f"{name}.bias": rng.uniform(-bound, bound, d_out)}
+    weight = {f"{name}.weight": rng.uniform(-bound, bound, (d_out, d_in))}
+    return weight | ({f"{name}.bias": rng.uniform(-bound, bound, d_out)} if bias else {})
 
 
 def layer_norm_state(rng: np.random.Generator, name: str, d_model: int) -> State:
@@ -100,19 +110,37 @@ def layer_norm_state(rng: np.random.Generator, name: str, d_model: int) -> State
     return {f"{name}.weight": rng.uniform(0.5, 1.5, d_model), f"{name}.bias": rng.uniform(-0.5, 0.5, d_model)}
 
 
-def mha_state(rng: np.random.Generator, d_model: int) -> State:
-    """w_q, w_k, w_v, w_o: .weight (D, D), .bias (D,)."""
+def rms_norm_state(rng: np.random.Generator, name: str, d_model: int) -> State:
+    """Gain uniform in 0.5..1.5 (not nn.RMSNorm's 1), so a lost gain shows; no bias."""
+    return {f"{name}.weight": rng.uniform(0.5, 1.5, d_model)}
+
+
+def mha_state(rng: np.random.Generator, d_model: int, num_heads: int = 1, num_kv_heads: int | None = None,
+              bias: bool = True) -> State:
+    """w_q, w_o: .weight (D, D); w_k, w_v: .weight (Hkv * d_k, D), d_k = D / H (Hkv None: H); each .bias (out,)
+    unless bias is False. The defaults draw the seed layout (and the same numbers)."""
+    d_kv = d_model // num_heads * (num_heads if num_kv_heads is None else num_kv_heads)
     state: State = {}
-    for name in ("w_q", "w_k", "w_v", "w_o"):
-        state |= linear_state(rng, name, d_model, d_model)
+    for name, d_out in (("w_q", d_model), ("w_k", d_kv), ("w_v", d_kv), ("w_o", d_model)):
+        state |= linear_state(rng, name, d_model, d_out, bias)
     return state
 
 
-def block_state(rng: np.random.Generator, d_model: int, d_ff: int) -> State:
-    """attn.*, norm1.*, norm2.* (D,), ffn.0 weight (F, D) bias (F,), ffn.3 weight (D, F) bias (D,)."""
-    state = {f"attn.{name}": value for name, value in mha_state(rng, d_model).items()}
-    state |= layer_norm_state(rng, "norm1", d_model) | layer_norm_state(rng, "norm2", d_model)
-    return state | linear_state(rng, "ffn.0", d_model, d_ff) | linear_state(rng, "ffn.3", d_ff, d_model)
+def block_state(rng: np.random.Generator, d_model: int, d_ff: int, *, num_heads: int = 1,
+                num_kv_heads: int | None = None, bias: bool = True, norm: str = "layer",
+                activation: str = "relu") -> State:
+    """attn.* (mha_state), norm1.*, norm2.* (D,), ffn.0 weight (F, D) bias (F,), ffn.3 weight (D, F) bias (D,);
+    or RMSNorm gains alone with norm "rms", ffn.w_gate, ffn.w_up (F, D) and ffn.w_down (D, F) with activation
+    "swiglu", no Linear biases with bias=False. The defaults draw the seed layout (and the same numbers)."""
+    attn = mha_state(rng, d_model, num_heads, num_kv_heads, bias)
+    state = {f"attn.{name}": value for name, value in attn.items()}
+    norm_state = layer_norm_state if norm == "layer" else rms_norm_state
+    state |= norm_state(rng, "norm1", d_model) | norm_state(rng, "norm2", d_model)
+    linears = ((("w_gate", d_model, d_ff), ("w_up", d_model, d_ff), ("w_down", d_ff, d_model))
+               if activation == "swiglu" else (("0", d_model, d_ff), ("3", d_ff, d_model)))
+    for name, d_in, d_out in linears:
+        state |= linear_state(rng, f"ffn.{name}", d_in, d_out, bias)
+    return state
 
 
 # --- fixed cases -------------------------------------------------------------------------------------------
@@ -128,19 +156,25 @@ def sdpa_case(batch: Batch = (2,), L: int = 3, S: int = 4, E: int = 2, Ev: int =
 
 
 def mha_case(batch: Batch = (2,), L: int = 3, S: int = 5, D: int = 4, H: int = 2, *, seed: int = 1,
-             **fields: Any) -> MhaCase:
-    """Cross-attention: q (..., L, D), k and v (..., S, D) all different; dropout 0.1 configured."""
+             num_kv_heads: int | None = None, bias: bool = True, **fields: Any) -> MhaCase:
+    """Cross-attention: q (..., L, D), k and v (..., S, D) all different; dropout 0.1 configured; the state in
+    the layout of num_kv_heads and bias."""
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((*batch, n, D)) for n in (L, S, S))
-    return MhaCase(mha_state(rng, D), H, 0.1, q, k, v, None)._replace(**fields)
+    state = mha_state(rng, D, H, num_kv_heads, bias)
+    return MhaCase(state, H, 0.1, q, k, v, None, num_kv_heads, bias)._replace(**fields)
 
 
 def block_case(batch: Batch = (2,), L: int = 4, D: int = 4, H: int = 2, F: int = 8, *, seed: int = 2,
+               activation: str = "gelu", norm: str = "layer", num_kv_heads: int | None = None, bias: bool = True,
                **fields: Any) -> BlockCase:
-    """Post-LN, GELU, eps 1e-5, dropout 0.1 configured; x (..., L, D)."""
+    """Post-LN, GELU, eps 1e-5, dropout 0.1 configured; x (..., L, D); the state in the layout of activation,
+    norm, num_kv_heads and bias."""
     rng = np.random.default_rng(seed)
-    return BlockCase(block_state(rng, D, F), H, 0.1, False, "gelu", 1e-5, rng.standard_normal((*batch, L, D)),
-                     None)._replace(**fields)
+    state = block_state(rng, D, F, num_heads=H, num_kv_heads=num_kv_heads, bias=bias, norm=norm,
+                        activation=activation)
+    return BlockCase(state, H, 0.1, False, activation, 1e-5, rng.standard_normal((*batch, L, D)), None, norm,
+                     num_kv_heads, bias)._replace(**fields)
 
 
 def decode_case(batch: Batch = (2,), chunks: tuple[int, ...] = (3, 1, 1), capacity: int | None = None, *,
@@ -231,8 +265,8 @@ def per_query_head(case: SdpaCase) -> tuple[np.ndarray, np.ndarray]:
 
 
 def w_o_bias(case: MhaCase) -> np.ndarray:
-    """MHA's output where every head sees no key: zero heads, then W_o 0 + b_o."""
-    return case.state["w_o.bias"]
+    """MHA's output where every head sees no key: zero heads, then W_o 0 + b_o (0 without biases)."""
+    return case.state.get("w_o.bias", np.zeros(case.q.shape[-1]))
 
 
 def first_value(case: SdpaCase) -> np.ndarray:

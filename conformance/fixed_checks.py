@@ -18,7 +18,7 @@ import numpy as np
 
 from . import oracle
 from .checks import Runner, expected
-from .operations import OPERATIONS, arrays_and_options, keywords_used, missing, operation_of
+from .operations import OPERATIONS, arrays_and_options, keywords_used, missing, operation_of, options_used
 from .table import Fixed, rows
 from .tolerances import TOLERANCES, relative_error
 
@@ -43,7 +43,9 @@ class Result(NamedTuple):
                     if row.use == "error" else f"requires {row.requires}")
         made = row.build()  # a case, or a constructor's keyword arguments
         used = keywords_used(made) if hasattr(made, "_asdict") else {}
+        options = options_used(made) if hasattr(made, "_asdict") else {}
         note = f" (uses the keywords of SPEC 2a: {', '.join(used)})" if used else ""
+        note += f" (uses the module options of SPEC 5: {', '.join(options)})" if options else ""
         return f"{row.operation} {row.name}{note}: {required}; got " + "; ".join(self.problems)
 
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import oracle
-from .cases import BlockCase, Case, DecodeCase, MhaCase, SdpaCase, per_query_head
+from .cases import BlockCase, Case, DecodeCase, MhaCase, SdpaCase, block_case, per_query_head
 
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 
@@ -71,6 +71,15 @@ def keywords_used(case: Case) -> dict[str, Any]:
     fields = case._asdict()
     return {name: fields[name] for name, default in OPTIONAL_KEYWORDS.items()
             if name in fields and not _is_default(fields[name], default)}
+
+
+def options_used(case: Case) -> dict[str, Any]:
+    """The case's module options of SPEC.md section 5 that differ from the seed's (MODULE_OPTIONS): the
+    layout of its state (num_kv_heads, bias, norm) and activation "swiglu". A state dict carries its layout,
+    which from_state_dict reads off the shapes, so only activation reaches the module as an argument; a module
+    from before these options still runs every case that keeps the seed's."""
+    fields, options = case._asdict(), operation_of(case).options  # sdpa's bias is an array, not this option
+    return {name: fields[name] for name, seed in MODULE_OPTIONS.items() if name in options and fields[name] not in seed}
 
 
 def _is_default(value: Any, default: Any) -> bool:
@@ -184,20 +193,32 @@ def _dropped(outputs: dict[str, np.ndarray], kept: float) -> dict[str, np.ndarra
 
 # --- multi-head attention ----------------------------------------------------------------------------------
 
+# The module options of SPEC.md section 5 and the values the seed layout has: the layout options are the state
+# dict's shapes (from_state_dict infers them: they are the oracle's, never the module's, arguments).
+MODULE_OPTIONS: dict[str, tuple[Any, ...]] = {"num_kv_heads": (None,), "bias": (True,), "norm": ("layer",),
+                                               "activation": ("relu", "gelu")}
+LAYOUT_OPTIONS = ("num_kv_heads", "bias", "norm")
+
+
+def _from_state(options: dict[str, Any]) -> dict[str, Any]:
+    """The options from_state_dict takes: all but the layout, which the state's shapes carry."""
+    return {name: value for name, value in options.items() if name not in LAYOUT_OPTIONS}
+
+
 def _mha_oracle(case: MhaCase, precision: str, fused_bias: bool) -> Pair:
     return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask, num_heads=case.num_heads,
-                                       dtype=precision, fused_bias=fused_bias)
+                                       num_kv_heads=case.num_kv_heads, dtype=precision, fused_bias=fused_bias)
 
 
 def _mha_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
-              num_heads: int, dropout: float) -> Any:
-    mha = module.MultiHeadAttention.from_state_dict(arrays["state"], num_heads=num_heads, dropout=dropout)
+              **options: Any) -> Any:
+    mha = module.MultiHeadAttention.from_state_dict(arrays["state"], **_from_state(options))
     mha = mha.train() if training else mha.eval()
     return mha(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], need_weights=need_weights, rng=rng)
 
 
-def _mha_pullback(module: ModuleType, arrays: dict, rng: Any, *, num_heads: int, dropout: float) -> dict:
-    mha = module.MultiHeadAttention.from_state_dict(arrays["state"], num_heads=num_heads, dropout=dropout)
+def _mha_pullback(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> dict:
+    mha = module.MultiHeadAttention.from_state_dict(arrays["state"], **_from_state(options))
     _, _, pullback = mha.eval().vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"])
     dq, dk, dv, dparams = pullback(arrays["d_out"])
     return {"q": dq, "k": dk, "v": dv} | dict(dparams)
@@ -213,11 +234,14 @@ def _mha_visible(case: MhaCase) -> np.ndarray:
 
 
 def _mha_dropout_sigma(case: MhaCase, weights: np.ndarray, p: float, draws: int) -> np.ndarray:
-    """As for sdpa, per head on the projected values, then through |W_o|; (..., L, D)."""
-    state, H = case.state, case.num_heads
-    v = case.v @ state["w_v.weight"].T + state["w_v.bias"]  # (..., S, D)
-    *lead, S, D = v.shape
-    v = np.swapaxes(v.reshape(*lead, S, H, D // H), -2, -3)  # (..., H, S, d_k)
+    """As for sdpa, per head on the projected values (query head h on key/value head h // (H / Hkv)), then
+    through |W_o|; (..., L, D)."""
+    state, H, D = case.state, case.num_heads, case.q.shape[-1]
+    Hkv = H if case.num_kv_heads is None else case.num_kv_heads
+    v = case.v @ state["w_v.weight"].T + state.get("w_v.bias", 0.0)  # (..., S, Hkv * d_k)
+    *lead, S, _ = v.shape
+    v = np.swapaxes(v.reshape(*lead, S, Hkv, D // H), -2, -3)  # (..., Hkv, S, d_k)
+    v = np.take(v, np.arange(H) // (H // Hkv), axis=-3)  # (..., Hkv, S, d_k) -> (..., H, S, d_k)
     sigma = np.sqrt(p / (1 - p) * (weights**2) @ (v**2) / draws)  # (..., H, L, d_k)
     sigma = np.swapaxes(sigma, -2, -3).reshape(*sigma.shape[:-3], sigma.shape[-2], D)  # (..., L, D)
     return sigma @ np.abs(state["w_o.weight"]).T  # sd of a sum is at most the sum of |coefficient| x sd
@@ -227,8 +251,9 @@ def _mha_dropout_probe(case: MhaCase) -> Probe:
     """One key (S = 1: every weight is 1), no mask, v = 1, w_v and w_o the identity with zero biases: the
     d_k features of head h at query l are keep_hl / (1 - p), so out[..., l, h d_k] shows head h's decision."""
     (L, D), H = case.q.shape[-2:], case.num_heads
-    identities = {f"{name}.{part}": np.eye(D) if part == "weight" else np.zeros(D)
-                  for name in ("w_v", "w_o") for part in ("weight", "bias")}
+    rows = {"w_v": case.state["w_v.weight"].shape[0], "w_o": D}  # w_v: the first Hkv * d_k rows of I
+    identities = {f"{name}.{part}": np.eye(D)[:rows[name]] if part == "weight" else np.zeros(rows[name])
+                  for name in ("w_v", "w_o") for part in ("weight", "bias") if f"{name}.{part}" in case.state}
     one_key = (*case.k.shape[:-2], 1, D)
     probe = case._replace(state=case.state | identities, q=np.zeros_like(case.q), k=np.zeros(one_key),
                           v=np.ones(one_key), mask=None)
@@ -245,30 +270,36 @@ def _mha_dropout_probe(case: MhaCase) -> Probe:
 def _block_oracle(case: BlockCase, precision: str, fused_bias: bool) -> Pair:
     return oracle.transformer_block(case.state, case.x, case.mask, num_heads=case.num_heads,
                                     norm_first=case.norm_first, activation=case.activation, eps=case.eps,
-                                    dtype=precision, fused_bias=fused_bias)
+                                    norm=case.norm, num_kv_heads=case.num_kv_heads, dtype=precision,
+                                    fused_bias=fused_bias)
 
 
 def _block_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
                 **options: Any) -> Any:
-    block = module.TransformerBlock.from_state_dict(arrays["state"], **options)
+    block = module.TransformerBlock.from_state_dict(arrays["state"], **_from_state(options))
     block = block.train() if training else block.eval()
     return block(arrays["x"], arrays["mask"], need_weights=need_weights, rng=rng)
 
 
 def _block_pullback(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> dict:
-    block = module.TransformerBlock.from_state_dict(arrays["state"], **options)
+    block = module.TransformerBlock.from_state_dict(arrays["state"], **_from_state(options))
     _, _, pullback = block.eval().vjp(arrays["x"], arrays["mask"])
     dx, dparams = pullback(arrays["d_out"])
     return {"x": dx} | dict(dparams)
 
 
 def _block_dropout_probe(case: BlockCase) -> Probe:
-    """Pre-LN, x = 0, no mask; w_o = 0 with bias 1 and ffn.3 = 0 with bias 2, so each branch is a constant:
-    out = 0 + Drop(1) + Drop(2) = (K_1 + 2 K_2) / (1 - p) shows the decisions K_1, K_2 of the two residual
-    sites (those inside the branches are multiplied by the zero weights)."""
+    """Pre-LN, x = 0, no mask; w_o = 0 with bias 1 and the last feed-forward Linear 0 with bias 2, so each
+    branch is a constant: out = 0 + Drop(1) + Drop(2) = (K_1 + 2 K_2) / (1 - p) shows the decisions K_1, K_2 of
+    the two residual sites (those inside the branches are multiplied by the zero weights). A case without
+    biases is probed with them: the residual sites are the same whatever the Linears hold."""
     L, D = case.x.shape[-2:]
+    if not case.bias:
+        case = block_case(case.x.shape[:-2], L, D, case.num_heads, _d_ff(case), activation=case.activation,
+                          norm=case.norm, num_kv_heads=case.num_kv_heads)._replace(dropout=case.dropout, eps=case.eps)
+    down = "ffn.w_down" if case.activation == "swiglu" else "ffn.3"
     constants = {"attn.w_o.weight": np.zeros((D, D)), "attn.w_o.bias": np.ones(D),
-                 "ffn.3.weight": np.zeros_like(case.state["ffn.3.weight"]), "ffn.3.bias": np.full(D, 2.0)}
+                 f"{down}.weight": np.zeros_like(case.state[f"{down}.weight"]), f"{down}.bias": np.full(D, 2.0)}
     probe = case._replace(state=case.state | constants, norm_first=True, x=np.zeros_like(case.x), mask=None)
 
     def sites(out: np.ndarray, p: float) -> dict[str, np.ndarray] | None:
@@ -282,8 +313,12 @@ def _block_dropout_probe(case: BlockCase) -> Probe:
 
 
 def _block_dropout_shows(case: BlockCase) -> bool:
-    """Not in a post-LN block of width 1: LayerNorm over one feature returns its bias."""
-    return case.norm_first or case.x.shape[-1] > 1
+    """Not in a post-LN LayerNorm block of width 1: LayerNorm over one feature returns its bias."""
+    return case.norm_first or case.x.shape[-1] > 1 or case.norm == "rms"
+
+
+def _d_ff(case: BlockCase) -> int:
+    return case.state["ffn.w_gate.weight" if case.activation == "swiglu" else "ffn.0.weight"].shape[0]
 
 
 # --- decoding through a key/value cache ---------------------------------------------------------------------
@@ -293,7 +328,8 @@ def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
     L = case.x.shape[-2]
     out, weights = oracle.transformer_block(case.state, case.x, np.tri(L, L, dtype=bool), num_heads=case.num_heads,
                                             norm_first=case.norm_first, activation=case.activation, eps=case.eps,
-                                            dtype=precision, fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
+                                            norm=case.norm, num_kv_heads=case.num_kv_heads, dtype=precision,
+                                            fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
     unfilled = np.zeros((*weights.shape[:-1], case.capacity - L), weights.dtype)
     return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
 
@@ -301,7 +337,7 @@ def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
 def _decode_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
                  chunks: tuple[int, ...], capacity: int, **options: Any) -> Any:
     """init_cache, then extend once per chunk: the chunks' outputs and weights, in order."""
-    block = module.TransformerBlock.from_state_dict(arrays["state"], **options)
+    block = module.TransformerBlock.from_state_dict(arrays["state"], **_from_state(options))
     block = block.train() if training else block.eval()
     x = arrays["x"]
     cache, outs, weights, start = block.init_cache(tuple(x.shape[:-2]), capacity), [], [], 0
@@ -327,14 +363,16 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
               ("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa"), ("q", "k", "v"),
               ("q", "k", "v", "bias"), "sdpa_cases", _sdpa_oracle, _sdpa_call, "scaled_dot_product_attention_vjp",
               _sdpa_pullback, _sdpa_visible, _sdpa_dropout_sigma, lambda case: True, _sdpa_dropout_probe),
-    Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout"), ("q", "k", "v"),
+    Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout", "num_kv_heads", "bias"), ("q", "k", "v"),
               ("q", "k", "v", "state"), "mha_cases", _mha_oracle, _mha_call, "MultiHeadAttention.vjp",
               _mha_pullback, _mha_visible, _mha_dropout_sigma, lambda case: True, _mha_dropout_probe),
-    Operation("block", "TransformerBlock", BlockCase, ("num_heads", "dropout", "norm_first", "activation", "eps"),
-              ("x",), ("x", "state"), "block_cases", _block_oracle, _block_call, "TransformerBlock.vjp",
+    Operation("block", "TransformerBlock", BlockCase,
+              ("num_heads", "dropout", "norm_first", "activation", "eps", "norm", "num_kv_heads", "bias"), ("x",),
+              ("x", "state"), "block_cases", _block_oracle, _block_call, "TransformerBlock.vjp",
               _block_pullback, None, None, _block_dropout_shows, _block_dropout_probe),
     Operation("decode", "TransformerBlock.extend", DecodeCase,
-              ("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity"), ("x",), (),
+              ("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity", "norm",
+               "num_kv_heads", "bias"), ("x",), (),
               "decode_cases", _decode_oracle, _decode_call, "", None, None, None, lambda case: False, None,
               _decode_pair),
 )}

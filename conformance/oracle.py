@@ -30,7 +30,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+NORMS = ("layer", "rms")
 
 
 def sdpa(
@@ -101,17 +102,22 @@ def multi_head_attention(
     mask: ArrayLike | None = None,
     *,
     num_heads: int,
+    num_kv_heads: int | None = None,
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
-    head_h = Attention(Q W_q,h^T + b_q,h, K W_k,h^T + b_k,h, V W_v,h^T + b_v,h), computed one head at a time.
+    head_h = Attention(Q W_q,h^T + b_q,h, K W_k,g^T + b_k,g, V W_v,g^T + b_v,g), g = h // (H / Hkv),
+    computed one head at a time.
 
     Args:
-        state: w_q, w_k, w_v, w_o, each .weight (D, D) and .bias (D,), nn.Linear layout.
+        state: w_q, w_o .weight (D, D), w_k, w_v .weight (Hkv * d_k, D), nn.Linear layout; each .bias (out,)
+            where the state has it (none: y = x W^T).
         q: queries (..., L, D); k: keys (..., S, D); v: values (..., S, D).
         mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key.
-        num_heads: H; head h works on the contiguous slice h*d_k:(h+1)*d_k of D, d_k = D / H.
+        num_heads: H; query head h works on the contiguous slice h*d_k:(h+1)*d_k of D, d_k = D / H.
+        num_kv_heads: Hkv (None: H); key/value head g on the slice g*d_k:(g+1)*d_k of the Hkv * d_k columns,
+            read by the query heads h with h // (H / Hkv) = g.
         dtype: see the module docstring; fused_bias: each Linear rounds once (else twice) in half precision.
 
     Returns:
@@ -121,12 +127,12 @@ def multi_head_attention(
     d_model = state["w_q.weight"].shape[1]
     if d_model % num_heads:
         raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
-    d_k = d_model // num_heads
+    d_k, group = d_model // num_heads, num_heads // (num_heads if num_kv_heads is None else num_kv_heads)
 
     # 1) project
     q = _linear(state, "w_q", _cast(q, dtype), dtype, fused_bias)  # (..., L, D) -> (..., L, D)
-    k = _linear(state, "w_k", _cast(k, dtype), dtype, fused_bias)  # (..., S, D) -> (..., S, D)
-    v = _linear(state, "w_v", _cast(v, dtype), dtype, fused_bias)  # (..., S, D) -> (..., S, D)
+    k = _linear(state, "w_k", _cast(k, dtype), dtype, fused_bias)  # (..., S, D) -> (..., S, Hkv * d_k)
+    v = _linear(state, "w_v", _cast(v, dtype), dtype, fused_bias)  # (..., S, D) -> (..., S, Hkv * d_k)
     if mask is not None:
         batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         mask = np.broadcast_to(np.asarray(mask), (*batch, num_heads, q.shape[-2], k.shape[-2]))
@@ -134,9 +140,9 @@ def multi_head_attention(
     # 2) attend, one head at a time
     heads, weights = [], []
     for h in range(num_heads):
-        cols = slice(h * d_k, (h + 1) * d_k)
+        cols, kv_cols = slice(h * d_k, (h + 1) * d_k), slice(h // group * d_k, (h // group + 1) * d_k)
         head_mask = None if mask is None else mask[..., h, :, :]  # (..., H, L, S) -> (..., L, S)
-        out_h, weights_h = sdpa(q[..., cols], k[..., cols], v[..., cols], head_mask,
+        out_h, weights_h = sdpa(q[..., cols], k[..., kv_cols], v[..., kv_cols], head_mask,
                                 scale=1.0 / math.sqrt(d_k), dtype=dtype)  # (..., L, d_k), (..., L, S)
         heads.append(out_h)
         weights.append(weights_h)
@@ -156,19 +162,26 @@ def transformer_block(
     norm_first: bool = False,
     activation: str = "relu",
     eps: float = 1e-5,
+    norm: str = "layer",
+    num_kv_heads: int | None = None,
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """post-LN: x = LN_1(x + MHA(x, x, x)),  x = LN_2(x + FFN(x));
-    pre-LN:  x = x + MHA(LN_1(x)),         x = x + FFN(LN_2(x));   FFN(x) = W_3 act(W_0 x + b_0) + b_3.
+    pre-LN:  x = x + MHA(LN_1(x)),         x = x + FFN(LN_2(x));   FFN(x) = W_3 act(W_0 x + b_0) + b_3,
+    or with activation "swiglu" FFN(x) = W_down (silu(W_gate x + b_gate) * (W_up x + b_up)) + b_down.
 
     Args:
-        state: attn.<multi-head names>, norm1/norm2 .weight and .bias (D,), ffn.0.weight (F, D),
-            ffn.0.bias (F,), ffn.3.weight (D, F), ffn.3.bias (D,).
+        state: attn.<multi-head names>, norm1/norm2 .weight (D,) and, with norm "layer", .bias (D,);
+            ffn.0.weight (F, D), ffn.3.weight (D, F), or with "swiglu" ffn.w_gate.weight, ffn.w_up.weight
+            (F, D) and ffn.w_down.weight (D, F); each Linear's .bias (out,) where the state has it.
         x: inputs (..., L, D).
         mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key.
-        num_heads: H. norm_first: pre-LN instead of post-LN. activation: "relu" or "gelu" (exact erf form).
-        eps: added to the variance inside LayerNorm's square root.
+        num_heads: H. norm_first: pre-LN instead of post-LN. activation: "relu", "gelu" (exact erf form) or
+            "swiglu" (silu(x) = x / (1 + exp(-x))).
+        eps: added to the variance (LayerNorm) or the mean square (RMSNorm) inside the square root.
+        norm: "layer", (x - mean) / sqrt(var + eps) * weight + bias, or "rms", x / sqrt(mean(x^2) + eps) * weight.
+        num_kv_heads: attention's key/value heads Hkv (None: H).
         dtype: see the module docstring; fused_bias: each Linear rounds once (else twice) in half precision.
 
     Returns:
@@ -176,28 +189,35 @@ def transformer_block(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
+    normalize = _layer_norm if norm == "layer" else _rms_norm
     state = {name: _cast(value, dtype) for name, value in state.items()}
     attn = {name.removeprefix("attn."): value for name, value in state.items() if name.startswith("attn.")}
     x = _cast(x, dtype)
 
     def attend(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        h, weights = multi_head_attention(attn, y, y, y, mask, num_heads=num_heads, dtype=dtype,
-                                          fused_bias=fused_bias)  # (..., L, D)
+        h, weights = multi_head_attention(attn, y, y, y, mask, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                          dtype=dtype, fused_bias=fused_bias)  # (..., L, D)
         return _cast(h, dtype), weights
 
     def feed_forward(y: np.ndarray) -> np.ndarray:
+        if activation == "swiglu":  # silu(gate) * up, each entry on its own
+            gate, up = (_linear(state, f"ffn.{name}", y, dtype, fused_bias) for name in ("w_gate", "w_up"))
+            h = _cast(_activation("silu", gate, dtype) * up, dtype)  # (..., L, D) -> (..., L, F)
+            return _linear(state, "ffn.w_down", h, dtype, fused_bias)  # (..., L, F) -> (..., L, D)
         h = _activation(activation, _linear(state, "ffn.0", y, dtype, fused_bias), dtype)  # (..., L, D) -> (..., L, F)
         return _linear(state, "ffn.3", h, dtype, fused_bias)  # (..., L, F) -> (..., L, D)
 
     # each residual sum is stored in dtype, as a module adding two tensors of that dtype stores it
     if norm_first:  # pre-LN
-        h, weights = attend(_layer_norm(state, "norm1", x, eps, dtype))
+        h, weights = attend(normalize(state, "norm1", x, eps, dtype))
         x = _cast(x + h, dtype)
-        x = _cast(x + feed_forward(_layer_norm(state, "norm2", x, eps, dtype)), dtype)
+        x = _cast(x + feed_forward(normalize(state, "norm2", x, eps, dtype)), dtype)
     else:  # post-LN
         h, weights = attend(x)
-        x = _layer_norm(state, "norm1", _cast(x + h, dtype), eps, dtype)
-        x = _layer_norm(state, "norm2", _cast(x + feed_forward(x), dtype), eps, dtype)
+        x = normalize(state, "norm1", _cast(x + h, dtype), eps, dtype)
+        x = normalize(state, "norm2", _cast(x + feed_forward(x), dtype), eps, dtype)
     return x.astype(dtype), weights
 
 
@@ -279,8 +299,10 @@ def _attend(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, bia
 def _linear(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, dtype: DTypeLike,
             fused_bias: bool) -> np.ndarray:
     """y = x W^T + b, W (out, in): y_o = sum_i x_i W_oi + b_o; stored in dtype, the product also before the
-    bias is added unless fused_bias."""
+    bias is added unless fused_bias. A Linear without bias (no name.bias in the state) is the product alone."""
     product = np.einsum("...i,oi->...o", x, state[f"{name}.weight"])  # (..., in) -> (..., out)
+    if f"{name}.bias" not in state:
+        return _cast(product, dtype)
     return _cast((product if fused_bias else _cast(product, dtype)) + state[f"{name}.bias"], dtype)
 
 
@@ -294,11 +316,22 @@ def _layer_norm(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, eps: 
     return _cast((x - mean) / np.sqrt(var + eps) * state[f"{name}.weight"] + state[f"{name}.bias"], dtype)
 
 
+def _rms_norm(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, eps: float,
+              dtype: DTypeLike) -> np.ndarray:
+    """x / sqrt(sum(x^2) / D + eps) * weight over the last axis, no mean removed and no bias; stored in dtype."""
+    d_model = x.shape[-1]
+    mean_square = np.sum(x * x, axis=-1, keepdims=True) / d_model  # (..., D) -> (..., 1)
+    return _cast(x / np.sqrt(mean_square + eps) * state[f"{name}.weight"], dtype)
+
+
 def _activation(name: str, x: np.ndarray, dtype: DTypeLike) -> np.ndarray:
-    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x * (1 + erf(x / sqrt(2))) / 2, one entry at a time;
-    stored in dtype."""
+    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x * (1 + erf(x / sqrt(2))) / 2 and silu(x) = x / (1 + e^-x),
+    one entry at a time; stored in dtype."""
     if name == "relu":
         return _cast(np.maximum(x, 0.0), dtype)
+    if name == "silu":  # x / (1 + e^-x) overflows for x below about -709: its limit there is -0 (x e^x)
+        silu = (t / (1 + math.exp(-t)) if t > -700 else t * math.exp(t) for t in x.ravel().tolist())
+        return _cast(np.fromiter(silu, x.dtype, count=x.size).reshape(x.shape), dtype)
     gelu = (t * (1 + math.erf(t / math.sqrt(2))) / 2 for t in x.ravel().tolist())
     return _cast(np.fromiter(gelu, x.dtype, count=x.size).reshape(x.shape), dtype)
 

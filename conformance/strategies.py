@@ -9,6 +9,9 @@ values: L, S mostly in 1..5, and about one draw in eight from LONG_LENGTHS (8 to
 powers of two: tile, chunk and vector-width boundaries); E, Ev in {1, 2, 4}; H in 1..4 with d_k in {1, 2},
 so D = H * d_k <= 8; F in {4, 8}; leading axes (), (2,) or (2, 3) (grouped-query sdpa cases: the last one
 H in {2, 4} query heads, Hkv in {1, H / 2, H} for k and v); scale, dropout and eps from short fixed lists.
+About one module case in three (OPTIONED) draws the module options of SPEC 5 (num_kv_heads among the divisors
+of H, bias; in the block also norm and activation "swiglu"); the rest keep the seed's layout, so JAX compiles
+few new shapes.
 
 Hypothesis draws every shape, flag and mask family, so it can shrink them; the numbers come from a NumPy
 Generator seeded by one drawn integer (fast, and the seed is part of the example). Floating arrays are
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from hypothesis import strategies as st
@@ -38,6 +41,10 @@ SCALES = (None, 0.0, 1e-3, 0.125, 0.37, 1.0, 2.5, 10.0)  # None: 1 / sqrt(E); 0 
 DROPOUTS = (0.0, 0.1, 0.5)
 EPSILONS = (1e-5, 1e-6, 1e-3)
 ACTIVATIONS = ("relu", "gelu")
+OPTIONED = (False, False, True)  # about one mha or block case in three draws the module options of SPEC 5
+OPTIONED_HEADS = (4, 2, 3, 1)  # H of an optioned case: 4 first, for Hkv = 2 of 4
+NORMS = ("layer", "rms")
+OPTIONED_ACTIVATIONS = ("relu", "gelu", "swiglu", "swiglu")  # swiglu in half of the optioned blocks
 MASK_DTYPES = ("bool", "int32", "int64")
 MAGNITUDES = ("normal", "large", "small_variance")
 HIDDEN = 0.3  # share of keys a random mask hides
@@ -69,10 +76,11 @@ def batch_shapes() -> st.SearchStrategy[Batch]:
     return st.sampled_from(BATCH_SHAPES)
 
 
-def lengths(*, exclude: int | None = None) -> st.SearchStrategy[int]:
+def lengths(*, exclude: int | None = None, long: bool = True) -> st.SearchStrategy[int]:
     """A sequence length (not `exclude`): each of LENGTHS SHORT_WEIGHT times as likely as each of LONG_LENGTHS,
-    so about one length in eight is long; shrinks towards 1."""
-    return st.sampled_from([n for n in LENGTHS * SHORT_WEIGHT + LONG_LENGTHS if n != exclude])
+    so about one length in eight is long; shrinks towards 1. long=False: LENGTHS only (the dropout checks,
+    which repeat each case hundreds of times)."""
+    return st.sampled_from([n for n in LENGTHS * SHORT_WEIGHT + (LONG_LENGTHS if long else ()) if n != exclude])
 
 
 def _rng(draw: Callable) -> np.random.Generator:
@@ -330,7 +338,7 @@ def grouped_heads(draw: Callable, batch: Batch) -> tuple[Batch, Batch]:
 @st.composite
 def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | None = None,
                bias: bool | None = None, single_key: bool = False, magnitude: str | None = None,
-               key_offset: bool = False, positioned: bool | None = None) -> SdpaCase:
+               key_offset: bool = False, positioned: bool | None = None, long: bool = True) -> SdpaCase:
     """Random sdpa inputs. None draws a setting; True / False force it: `mask=True` always gives a mask
     array, `mask=False` none, likewise `bias`; `is_causal` as given. `magnitude` is drawn from "normal"
     and "large" (q, k scaled by LARGE, logits in the hundreds); v is always N(0, 1).
@@ -350,10 +358,10 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     """
     if positioned is None:  # a single-key case keeps its one key: the keywords could hide it
         positioned = False if single_key else draw(st.sampled_from(POSITIONED))
-    batch, L = draw(batch_shapes()), draw(lengths())
+    batch, L = draw(batch_shapes()), draw(lengths(long=long))
     grouped = positioned and draw(st.sampled_from(GROUPED))
     batch, kv_batch = draw(grouped_heads(batch)) if grouped else (batch, batch)  # q's, and k's and v's
-    S = 1 if single_key and mask is False else draw(lengths())
+    S = 1 if single_key and mask is False else draw(lengths(long=long))
     E, Ev = draw(st.sampled_from(WIDTHS)), draw(st.sampled_from(WIDTHS))
     is_causal = draw(st.booleans()) if is_causal is None else is_causal
     magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
@@ -380,57 +388,85 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
 
 # --- parameters --------------------------------------------------------------------------------------------
 
-def mha_states(d_model: int) -> st.SearchStrategy[State]:
-    """Random MultiHeadAttention parameters, nn.Linear's initialisation (biases are not zero)."""
-    return SEEDS.map(lambda seed: mha_state(np.random.default_rng(seed), d_model))
+def mha_states(d_model: int, num_heads: int = 1, num_kv_heads: int | None = None,
+               bias: bool = True) -> st.SearchStrategy[State]:
+    """Random MultiHeadAttention parameters, nn.Linear's initialisation (biases are not zero), in the layout of
+    num_kv_heads and bias."""
+    return SEEDS.map(lambda seed: mha_state(np.random.default_rng(seed), d_model, num_heads, num_kv_heads, bias))
 
 
-def block_states(d_model: int, d_ff: int) -> st.SearchStrategy[State]:
-    """Random TransformerBlock parameters; LayerNorm gains not 1 and LayerNorm biases not 0."""
-    return SEEDS.map(lambda seed: block_state(np.random.default_rng(seed), d_model, d_ff))
+def block_states(d_model: int, d_ff: int, **layout: Any) -> st.SearchStrategy[State]:
+    """Random TransformerBlock parameters; norm gains not 1 and LayerNorm biases not 0; `layout` as for
+    cases.block_state (num_heads, num_kv_heads, bias, norm, activation)."""
+    return SEEDS.map(lambda seed: block_state(np.random.default_rng(seed), d_model, d_ff, **layout))
+
+
+@st.composite
+def heads_and_options(draw: Callable) -> tuple[int, int, bool, dict[str, Any]]:
+    """H, D, whether the case is optioned and the module options: about one case in three (OPTIONED) is, and
+    then H comes from OPTIONED_HEADS, so that key/value heads shared in groups (Hkv = 2 of 4) are drawn often."""
+    optioned = draw(st.sampled_from(OPTIONED))
+    num_heads, d_model = draw(_heads_and_width(OPTIONED_HEADS if optioned else HEADS))
+    options = draw(module_options(num_heads)) if optioned else {"num_kv_heads": None, "bias": True}
+    return num_heads, d_model, optioned, options
+
+
+@st.composite
+def module_options(draw: Callable, num_heads: int) -> dict[str, Any]:
+    """The options of SPEC 5 that MultiHeadAttention and the block share:
+    num_kv_heads H / 2 (where it divides H), 1 or H, and bias; else the seed's (None and True)."""
+    groups = [n for n in dict.fromkeys((num_heads // 2, 1, num_heads)) if n and num_heads % n == 0]  # H / 2 first
+    return {"num_kv_heads": draw(st.sampled_from(groups)), "bias": draw(st.booleans())}
 
 
 # --- multi-head attention and the block --------------------------------------------------------------------
 
 @st.composite
-def _heads_and_width(draw: Callable) -> tuple[int, int]:
-    """H and D = H * d_k <= 8."""
-    num_heads = draw(st.sampled_from(HEADS))
+def _heads_and_width(draw: Callable, heads: tuple[int, ...] = HEADS) -> tuple[int, int]:
+    """H from `heads` and D = H * d_k <= 8."""
+    num_heads = draw(st.sampled_from(heads))
     return num_heads, num_heads * draw(st.sampled_from(D_K))
 
 
 @st.composite
-def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | None = None) -> MhaCase:
+def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | None = None,
+              long: bool = True) -> MhaCase:
     """Self-attention (q, k, v the same array, L == S) or cross-attention (three different arrays, L != S);
-    `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head."""
-    num_heads, d_model = draw(_heads_and_width())
-    batch, L = draw(batch_shapes()), draw(lengths())
+    `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head; num_kv_heads
+    and bias from `module_options`."""
+    num_heads, d_model, _, options = draw(heads_and_options())
+    batch, L = draw(batch_shapes()), draw(lengths(long=long))
     cross = draw(st.booleans()) if cross is None else cross
-    S = draw(lengths(exclude=L)) if cross else L
+    S = draw(lengths(exclude=L, long=long)) if cross else L
     magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
     rng = _rng(draw)
     q = _values(rng, (*batch, L, d_model), magnitude)  # (..., L, D)
     k, v = (_values(rng, (*batch, S, d_model), magnitude),  # (..., S, D)
             _values(rng, (*batch, S, d_model), magnitude)) if cross else (q, q)
-    return MhaCase(draw(mha_states(d_model)), num_heads, draw(st.sampled_from(DROPOUTS)), q, k, v,
-                   draw(masks(batch, L, S, heads=num_heads)))
+    return MhaCase(draw(mha_states(d_model, num_heads, **options)), num_heads, draw(st.sampled_from(DROPOUTS)),
+                   q, k, v, draw(masks(batch, L, S, heads=num_heads)), **options)
 
 
 @st.composite
-def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | None = None) -> BlockCase:
+def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | None = None,
+                long: bool = True) -> BlockCase:
     """Pre-LN or post-LN, ReLU or GELU, eps from EPSILONS; x "normal", "large" or "small_variance"
     (c + 1e-3 * noise per row, variance ~1e-6, so eps matters) unless `magnitude` is given.
-    causal_mask=True gives mask = tril(L, L), bool (L, L); otherwise a mask per head is drawn."""
-    num_heads, d_model = draw(_heads_and_width())
+    causal_mask=True gives mask = tril(L, L), bool (L, L); otherwise a mask per head is drawn. An optioned
+    case (`module_options`) also draws norm and activation among ReLU, GELU and SwiGLU."""
+    num_heads, d_model, optioned, options = draw(heads_and_options())
     d_ff = draw(st.sampled_from(D_FF))
-    batch, L = draw(batch_shapes()), draw(lengths())
-    norm_first, activation = draw(st.booleans()), draw(st.sampled_from(ACTIVATIONS))
+    batch, L = draw(batch_shapes()), draw(lengths(long=long))
+    norm = draw(st.sampled_from(NORMS)) if optioned else "layer"
+    norm_first = draw(st.booleans())
+    activation = draw(st.sampled_from(OPTIONED_ACTIVATIONS if optioned else ACTIVATIONS))
     eps, dropout = draw(st.sampled_from(EPSILONS)), draw(st.sampled_from(DROPOUTS))
     magnitude = draw(st.sampled_from(MAGNITUDES)) if magnitude is None else magnitude
     x = _values(_rng(draw), (*batch, L, d_model), magnitude)  # (..., L, D)
     mask = np.tri(L, L, dtype=bool) if causal_mask else draw(masks(batch, L, L, heads=num_heads))
-    return BlockCase(draw(block_states(d_model, d_ff)), num_heads, dropout, norm_first, activation, eps,
-                     x, mask)
+    state = draw(block_states(d_model, d_ff, num_heads=num_heads, norm=norm, activation=activation, **options))
+    return BlockCase(state, num_heads, dropout, norm_first, activation, eps, x, mask, norm, **options)
+
 
 
 # --- decoding through a key/value cache --------------------------------------------------------------------
@@ -462,4 +498,5 @@ def decode_cases(draw: Callable) -> DecodeCase:
     x = block.x[..., :L, :] if block.x.shape[-2] >= L else _values(_rng(draw), (*block.x.shape[:-2], L,
                                                                                block.x.shape[-1]), "normal")
     return DecodeCase(block.state, block.num_heads, block.dropout, block.norm_first, block.activation, block.eps,
-                      x, draw(chunk_sizes(L)), L + draw(st.sampled_from(SPARE)))
+                      x, draw(chunk_sizes(L)), L + draw(st.sampled_from(SPARE)), block.norm, block.num_kv_heads,
+                      block.bias)

@@ -91,6 +91,10 @@ def _with_state(make: Callable[[], Any], change: Callable[[dict], dict]) -> Call
     return lambda: (case := make())._replace(state=change(case.state))
 
 
+def _without(state: dict, *names: str) -> dict:
+    return {name: value for name, value in state.items() if name not in names}
+
+
 def _in(dtype: str, state: dict, name: str) -> dict:
     return state | {name: state[name].astype(dtype)}
 
@@ -353,6 +357,10 @@ def _mha_examples() -> list[Fixed]:
             "L = 65, S = 129, a mask per head: past every tile of keys, by one"),
         example("mha", "every_key_hidden_integer_mask", lambda: _self_attention(mha_case(
             D=2, H=1, S=3, dropout=0.5, mask=np.zeros((1, 1), np.int32))), "out = w_o.bias"),
+        example("mha", "one_kv_head", lambda: mha_case(D=8, H=4, num_kv_heads=1, mask=random_mask(2, 4, 3, 5)),
+                "multi-query: w_k, w_v (2, 8), every query head reads the one key/value head, a mask per head"),
+        example("mha", "grouped_without_bias", lambda: mha_case(D=8, H=4, num_kv_heads=2, bias=False, dropout=0.0),
+                "Hkv = 2 of H = 4, no biases: query heads 0, 1 read key/value head 0, heads 2, 3 head 1"),
     ]
 
 
@@ -441,6 +449,14 @@ def _mha_errors() -> list[Fixed]:
         error("mha", "state_dropout_negative", _mha(dropout=-0.5), ValueError, "dropout"),
         error("mha", "state_entries", _with_state(_mha(), lambda state: _broken_entries(state, "")), ValueError,
               "w_k.bias", "w_x.weight", "w_v.weight"),
+        error("mha", "num_kv_heads_not_dividing", lambda: {"d_model": 8, "num_heads": 4, "num_kv_heads": 3},
+              ValueError, "num_kv_heads", "num_heads", stage="init"),
+        error("mha", "num_kv_heads_zero", lambda: {"d_model": 8, "num_heads": 4, "num_kv_heads": 0},
+              ValueError, "num_kv_heads", stage="init"),
+        error("mha", "state_partial_bias", _with_state(_mha(), lambda state: _without(state, "w_q.bias", "w_o.bias")),
+              ValueError, "w_q.bias", "w_o.bias"),
+        error("mha", "state_kv_rows_not_heads", _with_state(_mha(), lambda state: state | {
+            "w_k.weight": np.zeros((3, 4)), "w_k.bias": np.zeros(3)}), ValueError, "w_k.weight", "(3, 4)"),
         error("mha", "state_dtypes_differ", _with_state(_mha(), lambda state: _in("float32", state, "w_o.bias")),
               TypeError, "float32", "float64"),
         error("mha", "d_out_shape", _mha(), ValueError, "d_out", "(2, 3, 5)", "(2, 3, 4)", stage="pullback",
@@ -455,6 +471,12 @@ def _mha_errors() -> list[Fixed]:
 def _block_examples() -> list[Fixed]:
     row_off = changed(np.tri(4, 4, dtype=bool), 2, False)
     return [
+        example("block", "llama_style", lambda: block_case(
+            D=8, H=4, F=8, dropout=0.0, norm_first=True, norm="rms", activation="swiglu", bias=False, num_kv_heads=2,
+            mask=np.tri(4, 4, dtype=bool)), "pre-norm, RMSNorm, SwiGLU, no Linear biases, Hkv = 2 of H = 4, causal"),
+        example("block", "post_rms_swiglu_with_bias", lambda: block_case(
+            L=3, norm="rms", activation="swiglu", num_kv_heads=1, x=_small_variance(2, 3, 4, seed=8)),
+            "post-norm RMSNorm, SwiGLU with biases, one key/value head, mean square ~1 (rows near a constant)"),
         example("block", "post_ln_row_fully_masked", lambda: block_case(
             dropout=0.0, activation="relu", mask=row_off), "query 2 fully masked: attention adds w_o.bias only"),
         example("block", "pre_ln_variance_below_eps", lambda: block_case(
@@ -535,6 +557,16 @@ def _block_errors() -> list[Fixed]:
               stage="init"),
         error("block", "dropout_one", lambda: init | {"dropout": 1.0}, ValueError, "dropout", stage="init"),
         error("block", "state_unknown_activation", _block(activation="swish"), ValueError, "activation", "swish"),
+        error("block", "unknown_norm", lambda: init | {"norm": "batch"}, ValueError, "norm", "batch", stage="init"),
+        error("block", "num_kv_heads_not_dividing", lambda: init | {"num_kv_heads": 3}, ValueError, "num_kv_heads",
+              "num_heads", stage="init"),
+        error("block", "relu_with_a_swiglu_state", lambda: _block(activation="swiglu")()._replace(activation="relu"),
+              ValueError, "activation", "'relu'", "ffn.w_gate"),
+        error("block", "swiglu_with_an_ffn_0_state", lambda: _block()()._replace(activation="swiglu"),
+              ValueError, "activation", "'swiglu'", "ffn.0"),
+        error("block", "state_partial_bias", _with_state(_block(), lambda state: _without(state, "ffn.0.bias",
+                                                                                          "attn.w_v.bias")),
+              ValueError, "ffn.0.bias", "attn.w_v.bias"),
         error("block", "state_dropout_negative", _block(dropout=-0.5), ValueError, "dropout"),
         error("block", "state_entries", _with_state(_block(), lambda state: _broken_entries(state, "attn.")),
               ValueError, "attn.w_k.bias", "attn.w_x.weight", "attn.w_v.weight"),

@@ -21,6 +21,8 @@ REACHES = {
     "gelu_derivative_cdf_only": ["block"],
     "self_attention_gradients_not_summed": ["block"],
     "pre_ln_residual_dropped": ["block"],
+    "silu_derivative_sigmoid_only": ["block"],
+    "rms_norm_without_mean_square_term": ["block"],
 }
 
 

@@ -65,6 +65,9 @@ EXPECTED: dict[str, set[str]] = {
     "pre_ln_ignored": {"values"},
     "ffn_residual_missing": {"values"},
     "norms_swapped": {"values"},
+    "rms_norm_centred": {"values"},
+    "swiglu_gate_and_up_swapped": {"values"},
+    "kv_heads_interleaved": {"values"},  # query head h reads key/value head h % Hkv, not h // (H / Hkv)
     "asarray_widens_float16": {"round_trip"},
     "rank_one_mask_dropped_on_the_fast_path": {"fast_path"},
     "queries_scaled_in_place": {"call"},

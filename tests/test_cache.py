@@ -149,10 +149,10 @@ def test_numpy_writes_in_place_and_copies_no_cache_per_step():
     M = import_backend("attention_np")
     mha = _module(M, "mha")
     cache = mha.init_cache((B,), 4096)
-    _, _, cache = mha.extend(*_inputs(M, 64), cache)
+    _, _, cache = mha.extend(*_inputs(M, 64), cache, need_weights=False)  # the prefill (imports the fast path)
     before = cache.k
     tracemalloc.start()
-    _, _, cache = mha.extend(*_inputs(M, 1), cache, need_weights=False)
+    _, _, cache = mha.extend(*_inputs(M, 1), cache, need_weights=False)  # a decode step
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert cache.k is before and int(cache.length) == 65

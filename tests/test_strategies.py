@@ -71,6 +71,15 @@ def _assert_mha_contract(case: cases.MhaCase) -> None:
     _assert_broadcasts("mask", case.mask, (*case.q.shape[:-2], case.num_heads, L, S))
     _assert_mask_values(case.mask)
     assert case.dropout in cs.DROPOUTS
+    _assert_layout(case.state, "", case)
+
+
+def _assert_layout(state: dict, prefix: str, case: cases.MhaCase | cases.BlockCase) -> None:
+    """The state is in the layout the case records: w_k rows Hkv * d_k, Hkv dividing H; biases with bias."""
+    d_model, H = state[f"{prefix}w_q.weight"].shape[1], case.num_heads
+    Hkv = H if case.num_kv_heads is None else case.num_kv_heads
+    assert H % Hkv == 0 and state[f"{prefix}w_k.weight"].shape == (Hkv * d_model // H, d_model)
+    assert all((f"{prefix}{name}.bias" in state) == case.bias for name in ("w_q", "w_k", "w_v", "w_o"))
 
 
 def _assert_block_contract(case: cases.BlockCase) -> None:
@@ -78,7 +87,10 @@ def _assert_block_contract(case: cases.BlockCase) -> None:
     assert case.state["norm1.weight"].shape == (d_model,) and d_model % case.num_heads == 0
     _assert_broadcasts("mask", case.mask, (*case.x.shape[:-2], case.num_heads, L, L))
     _assert_mask_values(case.mask)
-    assert case.activation in cs.ACTIVATIONS and case.eps in cs.EPSILONS and case.dropout in cs.DROPOUTS
+    assert case.activation in cs.OPTIONED_ACTIVATIONS and case.eps in cs.EPSILONS and case.dropout in cs.DROPOUTS
+    assert case.norm in cs.NORMS and ("norm1.bias" in case.state) == (case.norm == "layer")
+    assert ("ffn.w_gate.weight" in case.state) == (case.activation == "swiglu")
+    _assert_layout(case.state, "attn.", case)
 
 
 def _oracle(case: cases.Case) -> tuple[np.ndarray, np.ndarray]:
@@ -416,3 +428,21 @@ def test_the_operations_visible_keys_are_those_the_oracle_weighs(case: cases.Sdp
     weights = _oracle(case)[1]
     assert not np.any(weights[~visible])
     np.testing.assert_allclose(weights.sum(axis=-1), np.any(visible, axis=-1), atol=1e-12)
+
+
+def test_module_options_reach_every_form_in_a_third_of_the_cases() -> None:
+    seen: set[str] = set()
+    optioned: list[bool] = []
+
+    @settings(max_examples=150, derandomize=True, database=None, deadline=None)
+    @given(cs.block_cases())
+    def record(case: cases.BlockCase) -> None:
+        used = operations.options_used(case)
+        optioned.append(bool(used))
+        H, Hkv = case.num_heads, case.num_kv_heads or case.num_heads
+        seen.update(f"{name} {value}" for name, value in used.items() if name != "num_kv_heads")  # norm rms, ...
+        seen.update({"Hkv 1 < H"} if Hkv == 1 < H else {"1 < Hkv < H"} if 1 < Hkv < H else set())
+
+    record()
+    assert {"bias False", "norm rms", "activation swiglu", "Hkv 1 < H", "1 < Hkv < H"} <= seen, seen
+    assert 0.15 <= np.mean(optioned) <= 0.5, np.mean(optioned)

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 Shape = tuple[int, ...]
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+NORMS = ("layer", "rms")
+PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
+SWIGLU = ("w_gate", "w_up", "w_down")  # the feed-forward Linears of activation="swiglu"
 
 
 def _shape(shape: Iterable[int]) -> Shape:
@@ -181,6 +185,22 @@ def activation(name: str) -> None:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {name!r}")
 
 
+def norm(name: str) -> None:
+    if name not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}; got {name!r}")
+
+
+def kv_heads(num_heads: int, num_kv_heads: int | None) -> int:
+    """num_kv_heads None (one key/value head per query head) or a positive int dividing num_heads; returns Hkv."""
+    if num_kv_heads is None:
+        return num_heads
+    integer = isinstance(num_kv_heads, int | np.integer) and not isinstance(num_kv_heads, bool)
+    if not (integer and num_kv_heads > 0 and num_heads % num_kv_heads == 0):
+        raise ValueError(f"num_kv_heads must be a positive integer dividing num_heads={num_heads}; "
+                         f"got num_kv_heads={num_kv_heads!r}")
+    return int(num_kv_heads)
+
+
 def module_input(name: str, shape: Sequence[int], d_model: int, letter: str) -> None:
     shape = _shape(shape)
     if len(shape) < 2 or shape[-1] != d_model:
@@ -248,18 +268,67 @@ def cache_room(capacity: int, length: int, new: int) -> None:
                          f"extend asks for {new} more ({length + new} in all); start from a larger init_cache")
 
 
-def mha_state_shapes(d_model: int) -> dict[str, Shape]:
-    """State-dict names and shapes of MultiHeadAttention (nn.Linear layout: weight (out, in))."""
-    return {f"{proj}.{part}": (d_model, d_model) if part == "weight" else (d_model,)
-            for proj in ("w_q", "w_k", "w_v", "w_o") for part in ("weight", "bias")}
+def mha_state_shapes(d_model: int, num_heads: int = 1, num_kv_heads: int | None = None,
+                     bias: bool = True) -> dict[str, Shape]:
+    """State-dict names and shapes of MultiHeadAttention (nn.Linear layout: weight (out, in)): w_q and w_o
+    (D, D), w_k and w_v (Hkv * d_k, D), d_k = D / H; each with its bias (out,) unless bias is False."""
+    d_kv = d_model // num_heads * kv_heads(num_heads, num_kv_heads)
+    return _linear_shapes({"w_q": (d_model, d_model), "w_k": (d_kv, d_model), "w_v": (d_kv, d_model),
+                           "w_o": (d_model, d_model)}, bias)
 
 
-def block_state_shapes(d_model: int, d_ff: int) -> dict[str, Shape]:
-    """State-dict names and shapes of TransformerBlock: attn.*, norm1, norm2, ffn.0 and ffn.3."""
-    return ({f"attn.{name}": shape for name, shape in mha_state_shapes(d_model).items()}
-            | {f"{norm}.{part}": (d_model,) for norm in ("norm1", "norm2") for part in ("weight", "bias")}
-            | {"ffn.0.weight": (d_ff, d_model), "ffn.0.bias": (d_ff,),
-               "ffn.3.weight": (d_model, d_ff), "ffn.3.bias": (d_model,)})
+def block_state_shapes(d_model: int, d_ff: int, *, num_heads: int = 1, num_kv_heads: int | None = None,
+                       bias: bool = True, norm: str = "layer", activation: str = "relu") -> dict[str, Shape]:
+    """State-dict names and shapes of TransformerBlock: attn.*, norm1 and norm2 (weight, and bias with
+    norm="layer"), then ffn.0 (F, D) and ffn.3 (D, F), or with activation="swiglu" ffn.w_gate, ffn.w_up (F, D)
+    and ffn.w_down (D, F); the Linears' biases unless bias is False."""
+    attn = mha_state_shapes(d_model, num_heads, num_kv_heads, bias)
+    norms = {f"{name}.{part}": (d_model,) for name in ("norm1", "norm2")
+             for part in (("weight", "bias") if norm == "layer" else ("weight",))}
+    linears = ({"w_gate": (d_ff, d_model), "w_up": (d_ff, d_model), "w_down": (d_model, d_ff)}
+               if activation == "swiglu" else {"0": (d_ff, d_model), "3": (d_model, d_ff)})
+    return ({f"attn.{name}": shape for name, shape in attn.items()} | norms
+            | {f"ffn.{name}": shape for name, shape in _linear_shapes(linears, bias).items()})
+
+
+def _linear_shapes(linears: Mapping[str, Shape], bias: bool) -> dict[str, Shape]:
+    """name.weight (out, in) and, with bias, name.bias (out,), for each name: (out, in)."""
+    shapes: dict[str, Shape] = {}
+    for name, (d_out, d_in) in linears.items():
+        shapes[f"{name}.weight"] = (d_out, d_in)
+        shapes |= {f"{name}.bias": (d_out,)} if bias else {}
+    return shapes
+
+
+def mha_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, prefix: str = "") -> dict[str, Any]:
+    """A MultiHeadAttention state's sizes and options, read off its shapes: d_model (w_q.weight's columns),
+    num_kv_heads (w_k.weight's rows / d_k) and bias (whether any projection has one; checks.state then names
+    those missing from a partial set). A shape that fits no Hkv gives Hkv = H, so that checks.state names it."""
+    (d_model,) = state_widths(shapes, {f"{prefix}w_q.weight": 1})
+    module_sizes(d_model, num_heads)
+    d_k, rows = d_model // num_heads, _shape(shapes.get(f"{prefix}w_k.weight", (d_model,)))[0]
+    fits = rows % d_k == 0 and rows > 0 and num_heads % (rows // d_k) == 0
+    return {"d_model": d_model, "num_kv_heads": rows // d_k if fits else num_heads,
+            "bias": any(f"{prefix}{name}.bias" in shapes for name in PROJECTIONS)}
+
+
+def block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, activation_: str) -> dict[str, Any]:
+    """A TransformerBlock state's sizes and options, read off its shapes as mha_layout does, and d_ff, norm
+    ("rms" without norm1.bias) and whether the feed-forward is SwiGLU (ffn.w_gate, ffn.w_up, ffn.w_down),
+    which `activation_` must agree with: "swiglu" for those entries, "relu" or "gelu" for ffn.0 and ffn.3."""
+    activation(activation_)
+    swiglu = any(name.startswith(tuple(f"ffn.{linear}." for linear in SWIGLU)) for name in shapes)
+    if swiglu != (activation_ == "swiglu"):
+        found = "ffn.w_gate, ffn.w_up and ffn.w_down (SwiGLU)" if swiglu else "ffn.0 and ffn.3"
+        raise ValueError(f"TransformerBlock.from_state_dict: activation={activation_!r} does not match the state's "
+                         f"feed-forward entries {found}; pass activation="
+                         + ("'swiglu'" if swiglu else "'relu' or 'gelu'"))
+    layout = mha_layout(shapes, num_heads, "attn.")
+    (d_ff,) = state_widths(shapes, {"ffn.w_gate.weight" if swiglu else "ffn.0.weight": 0})
+    module_sizes(layout["d_model"], num_heads, d_ff)
+    ffn_bias = any(name.startswith("ffn.") and name.endswith(".bias") for name in shapes)
+    return layout | {"d_ff": d_ff, "bias": layout["bias"] or ffn_bias,
+                     "norm": "layer" if "norm1.bias" in shapes else "rms"}
 
 
 def state(cls_name: str, shapes: Mapping[str, Sequence[int]], expected: Mapping[str, Shape]) -> None:

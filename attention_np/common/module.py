@@ -47,6 +47,8 @@ class Module:
         state = {}
         for name in self._children:
             child, prefix = getattr(self, name), self._state_names.get(name, name)
+            if child is None:  # a parameter the module does without (Linear's bias with bias=False)
+                continue
             if isinstance(child, Module):
                 state |= {f"{prefix}.{key}": value for key, value in child.state_dict().items()}
             else:

@@ -532,6 +532,31 @@ class NormsSwapped(Implementation):
         return ln2, ln1
 
 
+class RmsNormCentred(Implementation):
+    """RMSNorm subtracting the mean first, (x - mean) / sqrt(var + eps) * weight: LayerNorm without its bias
+    where the spec's RMSNorm keeps the mean. Caught by: values (block, norm "rms")."""
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        centred = x - x.mean(axis=-1, keepdims=True)
+        return centred / np.sqrt((centred**2).mean(axis=-1, keepdims=True) + eps) * weight
+
+
+class SwigluGateAndUpSwapped(Implementation):
+    """SwiGLU with w_gate and w_up swapped: silu(W_up x) * (W_gate x), a state-dict mapping mix-up.
+    Caught by: values (block, activation "swiglu")."""
+
+    def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return super().swiglu(up, gate)
+
+
+class KvHeadsInterleaved(Implementation):
+    """MultiHeadAttention with num_kv_heads: query head h reads key/value head h % Hkv instead of h // (H / Hkv).
+    Caught by: values (mha, block; 1 < Hkv < H)."""
+
+    def shared_kv_head(self, H: int, Hkv: int) -> np.ndarray:
+        return np.arange(H) % Hkv
+
+
 # --- arrays and broadcasting ------------------------------------------------------------------------------
 
 class AsarrayWidensFloat16(Implementation):
@@ -635,6 +660,9 @@ VARIANTS: dict[str, type[Implementation]] = {
     "pre_ln_ignored": PreLnIgnored,
     "ffn_residual_missing": FfnResidualMissing,
     "norms_swapped": NormsSwapped,
+    "rms_norm_centred": RmsNormCentred,
+    "swiglu_gate_and_up_swapped": SwigluGateAndUpSwapped,
+    "kv_heads_interleaved": KvHeadsInterleaved,
     "asarray_widens_float16": AsarrayWidensFloat16,
     "rank_one_mask_dropped_on_the_fast_path": RankOneMaskDroppedOnTheFastPath,
     "queries_scaled_in_place": QueriesScaledInPlace,

@@ -26,9 +26,10 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     "dbias_not_reduced": ("dbias = None if bias is None else _sum_to(d_scores, np.shape(bias))",
                           "dbias = None if bias is None else d_scores"),
     # LayerNorm's backward forgets what the variance takes from each entry
-    "layer_norm_without_variance_term": ("- x_hat * np.mean(d_hat * x_hat, axis=-1, keepdims=True)", ""),
+    "layer_norm_without_variance_term": ("- x_hat * np.mean(d_hat * x_hat, axis=-1, keepdims=True)) * inv_sigma",
+                                         ") * inv_sigma"),
     # a Linear layer's weight gradient transposed: x^T dy instead of dy^T x
-    "linear_weight_gradient_transposed": ('{"weight": dy_rows.T @ x_rows,', '{"weight": x_rows.T @ dy_rows,'),
+    "linear_weight_gradient_transposed": ('{"weight": dy_rows.T @ x_rows}', '{"weight": x_rows.T @ dy_rows}'),
     # GELU's derivative without the h * phi(h) term
     "gelu_derivative_cdf_only": ("return cdf + h * np.exp(-(h**2) / 2) / math.sqrt(2 * math.pi)", "return cdf"),
     # post-LN self-attention: only the query path's gradient flows back to x
@@ -36,6 +37,11 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     # grouped-query attention: a key/value head's gradient averaged over its group of query heads, not summed
     "gqa_group_gradient_averaged": ("dk, dv = (np.sum(d, axis=-3) for d in (dk, dv))",
                                     "dk, dv = (np.mean(d, axis=-3) for d in (dk, dv))"),
+    # SwiGLU: silu'(g) taken as sigmoid(g), without its second term g sigmoid(g) (1 - sigmoid(g))
+    "silu_derivative_sigmoid_only": ("dh * u * sigmoid * (1 + g * (1 - sigmoid))", "dh * u * sigmoid"),
+    # RMSNorm's backward forgets what the mean square takes from each entry
+    "rms_norm_without_mean_square_term": ("(d_hat - x_hat * np.mean(d_hat * x_hat, axis=-1, keepdims=True)) * inv_rms",
+                                          "d_hat * inv_rms"),
     # pre-LN: the residual's gradient is dropped in the backward pass
     "pre_ln_residual_dropped": ("dh = dy + dh_norm2  # the residual passes dy on unchanged", "dh = dh_norm2"),
 }

@@ -30,7 +30,9 @@ FUNCTIONS = ("asarray", "to_numpy", "save_state_dict", "load_state_dict", "causa
              "padding_mask", "scaled_dot_product_attention", "apply_rope")
 CONTRACT = (*FUNCTIONS, "MultiHeadAttention", "TransformerBlock")
 PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+NORMS = ("layer", "rms")
+SWIGLU = ("w_gate", "w_up", "w_down")
 
 
 class Implementation:
@@ -301,14 +303,16 @@ class Implementation:
         """
         d_model = state["w_q.weight"].shape[1]
         d_k = d_model // num_heads
+        num_kv_heads = state["w_k.weight"].shape[0] // d_k
 
-        # 1) project straight into heads
-        def projected(x: np.ndarray, name: str) -> np.ndarray:
-            return self.project(x, state[f"{name}.weight"], state[f"{name}.bias"], num_heads)
+        # 1) project straight into heads: H query heads, Hkv key/value heads, each copied to its query heads
+        def projected(x: np.ndarray, name: str, heads: int) -> np.ndarray:
+            return self.project(x, state[f"{name}.weight"], state.get(f"{name}.bias"), heads)
 
-        q = projected(q, "w_q")  # (..., L, D) -> (..., H, L, K)
-        k = projected(k, "w_k")  # (..., S, D) -> (..., H, S, K)
-        v = projected(v, "w_v")  # (..., S, D) -> (..., H, S, K)
+        shared = self.shared_kv_head(num_heads, num_kv_heads)  # (H,): the key/value head of each query head
+        q = projected(q, "w_q", num_heads)  # (..., L, D) -> (..., H, L, K)
+        k = np.take(projected(k, "w_k", num_kv_heads), shared, axis=-3)  # (..., S, D) -> (..., H, S, K)
+        v = np.take(projected(v, "w_v", num_kv_heads), shared, axis=-3)  # (..., S, D) -> (..., H, S, K)
 
         # 2) attend, every head at once
         heads, weights = self.scaled_dot_product_attention(
@@ -316,22 +320,27 @@ class Implementation:
             need_weights=need_weights, rng=rng)  # (..., H, L, K), (..., H, L, S)
 
         # 3) mix the heads back into D
-        out = self.merge_heads(heads, state["w_o.weight"], state["w_o.bias"])  # (..., H, L, K) -> (..., L, D)
+        out = self.merge_heads(heads, state["w_o.weight"], state.get("w_o.bias"))  # (..., H, L, K) -> (..., L, D)
         return out, (None if weights is None else self.head_weights(weights))
+
+    def shared_kv_head(self, H: int, Hkv: int) -> np.ndarray:
+        """Grouped-query attention: query head h reads key/value head h // (H / Hkv)."""
+        return np.arange(H) * Hkv // H
 
     def split_heads(self, w: np.ndarray, num_heads: int) -> np.ndarray:
         """View the first axis, D, as (H, K): head h owns the contiguous rows h*K:(h+1)*K."""
         return w.reshape(num_heads, w.shape[0] // num_heads, *w.shape[1:])  # (D, ...) -> (H, K, ...)
 
-    def project(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, num_heads: int) -> np.ndarray:
-        """x W^T + b with W (D, D) viewed as (H, K, D): y_hlk = sum_d x_ld W_hkd + b_hk."""
-        w, b = self.split_heads(weight, num_heads), self.split_heads(bias, num_heads)  # (H, K, D), (H, K)
-        return np.einsum("...ld,hkd->...hlk", x, w) + b[:, None, :]  # (..., L, D) -> (..., H, L, K)
+    def project(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, num_heads: int) -> np.ndarray:
+        """x W^T + b with W (H K, D) viewed as (H, K, D): y_hlk = sum_d x_ld W_hkd + b_hk (no b without bias)."""
+        y = np.einsum("...ld,hkd->...hlk", x, self.split_heads(weight, num_heads))  # (..., L, D) -> (..., H, L, K)
+        return y if bias is None else y + self.split_heads(bias, num_heads)[:, None, :]  # + (H, 1, K)
 
-    def merge_heads(self, heads: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    def merge_heads(self, heads: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         """Concat(heads) W_o^T + b_o, W_o^T (D, D) viewed as (H, K, D): y_lo = sum_hk x_hlk W_hko + b_o."""
         w = self.split_heads(weight.T, heads.shape[-3])  # (D_in, D_out) -> (H, K, D)
-        return np.einsum("...hlk,hko->...lo", heads, w) + bias  # (..., H, L, K) -> (..., L, D)
+        y = np.einsum("...hlk,hko->...lo", heads, w)  # (..., H, L, K) -> (..., L, D)
+        return y if bias is None else y + bias
 
     def head_scale(self, d_k: int, d_model: int) -> float:
         return 1.0 / math.sqrt(d_k)
@@ -382,10 +391,20 @@ class Implementation:
         return x + drop(feed_forward(ln2(x))), weights
 
     def norms(self, state: Mapping[str, np.ndarray], eps: float) -> tuple[Callable, Callable]:
+        """LayerNorm where the state holds the norms' biases, else RMSNorm."""
         def norm(name: str) -> Callable:
+            if f"{name}.bias" not in state:
+                return lambda x: self.rms_norm(x, state[f"{name}.weight"], eps)
             return lambda x: self.layer_norm(x, state[f"{name}.weight"], state[f"{name}.bias"], eps)
 
         return norm("norm1"), norm("norm2")
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """x / sqrt(mean(x^2) + eps) * weight over D."""
+        d_model, dtype = x.shape[-1], x.dtype
+        x = x.astype(np.promote_types(dtype, np.float32))  # float16: the statistics in float32 (SPEC section 2)
+        mean_square = np.einsum("...d,...d->...", x, x)[..., None] / d_model  # (..., 1)
+        return (x / np.sqrt(mean_square + eps) * weight).astype(dtype)
 
     def layer_norm(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
         """(x - mean) / sqrt(var + eps) * weight + bias, var = mean((x - mean)^2) over D (biased)."""
@@ -397,15 +416,25 @@ class Implementation:
 
     def feed_forward(self, state: Mapping[str, np.ndarray], x: np.ndarray, activation: str, dropout_p: float,
                      rng: Rng) -> np.ndarray:
-        """FFN(x) = W_3 Drop(act(W_0 x + b_0)) + b_3."""
-        h = self.linear(x, state["ffn.0.weight"], state["ffn.0.bias"])  # (..., L, D) -> (..., L, F)
-        h = self.activation(activation, h)
-        h = self.dropout(h, dropout_p, rng)
-        return self.linear(h, state["ffn.3.weight"], state["ffn.3.bias"])  # (..., F) -> (..., D)
+        """FFN(x) = W_3 Drop(act(W_0 x + b_0)) + b_3; SwiGLU: W_down Drop(silu(W_gate x + b) * (W_up x + b)) + b."""
+        def linear(y: np.ndarray, name: str) -> np.ndarray:
+            return self.linear(y, state[f"ffn.{name}.weight"], state.get(f"ffn.{name}.bias"))
 
-    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
-        """y = x W^T + b, W (out, in)."""
-        return np.einsum("...i,oi->...o", x, weight) + bias
+        if activation == "swiglu":
+            h = self.swiglu(linear(x, "w_gate"), linear(x, "w_up"))  # (..., L, D) -> (..., L, F)
+            return linear(self.dropout(h, dropout_p, rng), "w_down")  # (..., F) -> (..., D)
+        h = self.activation(activation, linear(x, "0"))  # (..., L, D) -> (..., L, F)
+        h = self.dropout(h, dropout_p, rng)
+        return linear(h, "3")  # (..., F) -> (..., D)
+
+    def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """silu(gate) * up, silu(x) = x * sigmoid(x) = x / 2 * (1 + tanh(x / 2))."""
+        return gate / 2 * (1 + np.tanh(gate / 2)) * up
+
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        """y = x W^T + b, W (out, in); no b without bias."""
+        y = np.einsum("...i,oi->...o", x, weight)
+        return y if bias is None else y + bias
 
     def activation(self, name: str, x: np.ndarray) -> np.ndarray:
         """relu(x) = max(x, 0); gelu(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form."""
@@ -417,21 +446,40 @@ class Implementation:
     # --- parameters --------------------------------------------------------------------------------------
 
     def init_linear(self, name: str, d_in: int, d_out: int, rng: np.random.Generator,
-                    dtype: Any) -> dict[str, np.ndarray]:
+                    dtype: Any, bias: bool = True) -> dict[str, np.ndarray]:
         """nn.Linear's initial values: weight (out, in) and bias (out,) uniform in +-1/sqrt(in)."""
         bound = 1 / math.sqrt(d_in)
-        return {f"{name}.weight": rng.uniform(-bound, bound, (d_out, d_in)).astype(dtype),
-                f"{name}.bias": rng.uniform(-bound, bound, d_out).astype(dtype)}
+        state = {f"{name}.weight": rng.uniform(-bound, bound, (d_out, d_in)).astype(dtype)}
+        return state | ({f"{name}.bias": rng.uniform(-bound, bound, d_out).astype(dtype)} if bias else {})
 
-    def mha_shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
-        return {f"{p}.{part}": (d_model, d_model) if part == "weight" else (d_model,)
-                for p in PROJECTIONS for part in ("weight", "bias")}
+    def linear_shapes(self, prefix: str, rows: dict[str, tuple[int, int]], bias: bool) -> dict[str, tuple]:
+        return {f"{prefix}{name}.{part}": shape if part == "weight" else shape[:1]
+                for name, shape in rows.items() for part in (("weight", "bias") if bias else ("weight",))}
 
-    def block_shapes(self, d_model: int, d_ff: int) -> dict[str, tuple[int, ...]]:
-        return ({f"attn.{name}": shape for name, shape in self.mha_shapes(d_model).items()}
-                | {f"norm{i}.{part}": (d_model,) for i in (1, 2) for part in ("weight", "bias")}
-                | {"ffn.0.weight": (d_ff, d_model), "ffn.0.bias": (d_ff,),
-                   "ffn.3.weight": (d_model, d_ff), "ffn.3.bias": (d_model,)})
+    def mha_shapes(self, d_model: int, num_heads: int = 1, num_kv_heads: int | None = None, bias: bool = True,
+                   prefix: str = "") -> dict[str, tuple[int, ...]]:
+        d_kv = d_model // num_heads * (num_kv_heads or num_heads)
+        rows = {"w_q": (d_model, d_model), "w_k": (d_kv, d_model), "w_v": (d_kv, d_model), "w_o": (d_model, d_model)}
+        return self.linear_shapes(prefix, rows, bias)
+
+    def block_shapes(self, d_model: int, d_ff: int, num_heads: int = 1, num_kv_heads: int | None = None,
+                     bias: bool = True, norm: str = "layer", activation: str = "relu") -> dict[str, tuple[int, ...]]:
+        ffn = ({"w_gate": (d_ff, d_model), "w_up": (d_ff, d_model), "w_down": (d_model, d_ff)}
+               if activation == "swiglu" else {"0": (d_ff, d_model), "3": (d_model, d_ff)})
+        return (self.mha_shapes(d_model, num_heads, num_kv_heads, bias, "attn.")
+                | {f"norm{i}.{part}": (d_model,) for i in (1, 2)
+                   for part in (("weight", "bias") if norm == "layer" else ("weight",))}
+                | self.linear_shapes("ffn.", ffn, bias))
+
+    def kv_heads_in(self, state: Mapping[str, np.ndarray], prefix: str, d_model: int, num_heads: int) -> int:
+        """Hkv from w_k's rows (Hkv * d_k), or H where the rows fit no divisor of H (check_state names them)."""
+        rows, d_k = state[f"{prefix}w_k.weight"].shape[0] if f"{prefix}w_k.weight" in state else 0, d_model // num_heads
+        fits = rows and rows % d_k == 0 and num_heads % (rows // d_k) == 0
+        return rows // d_k if fits else num_heads
+
+    def biased(self, state: Mapping[str, np.ndarray]) -> bool:
+        """Whether the state holds any Linear bias (check_state then names those missing from a partial set)."""
+        return any(name.endswith(".bias") and not name.startswith("norm") for name in state)
 
     # --- argument checks ---------------------------------------------------------------------------------
 
@@ -519,6 +567,25 @@ class Implementation:
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
 
+    def check_norm(self, norm: str) -> None:
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
+
+    def check_kv_heads(self, num_heads: int, num_kv_heads: Any) -> int:
+        if num_kv_heads is None:
+            return num_heads
+        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0 \
+                or num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads!r} must be a positive divisor of num_heads={num_heads}")
+        return num_kv_heads
+
+    def check_feed_forward(self, state: Mapping[str, np.ndarray], activation: str) -> None:
+        """activation "swiglu" for a state with ffn.w_gate, ffn.w_up, ffn.w_down; "relu" or "gelu" for ffn.0, ffn.3."""
+        gated = any(name.startswith("ffn.w_") for name in state)
+        if gated != (activation == "swiglu"):
+            entries = "ffn.w_gate, ffn.w_up, ffn.w_down" if gated else "ffn.0, ffn.3"
+            raise ValueError(f"activation={activation!r} does not fit a state with {entries}")
+
     def check_module_input(self, name: str, x: np.ndarray, d_model: int, letter: str) -> None:
         if x.ndim < 2 or x.shape[-1] != d_model:
             raise ValueError(f"{name} must have shape (..., {letter}, D) with D = d_model = {d_model}; "
@@ -574,15 +641,16 @@ class _Module:
 
 
 class _MultiHeadAttention(_Module):
-    def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *, rng: Rng = None,
-                 dtype: Any = None) -> None:
+    def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
+                 num_kv_heads: int | None = None, bias: bool = True, rng: Rng = None, dtype: Any = None) -> None:
         impl = self._impl
         impl.check_sizes(d_model=d_model, num_heads=num_heads)
+        num_kv_heads = impl.check_kv_heads(num_heads, num_kv_heads)
         impl.check_probability("dropout", dropout)
         rng, dtype = impl.generator(rng), np.float32 if dtype is None else dtype
         state = {}
-        for name in PROJECTIONS:
-            state |= impl.init_linear(name, d_model, d_model, rng, dtype)
+        for name, (d_out, d_in) in impl.mha_shapes(d_model, num_heads, num_kv_heads, bias=False).items():
+            state |= impl.init_linear(name.removesuffix(".weight"), d_in, d_out, rng, dtype, bias)
         self._state, self.num_heads, self.dropout, self.training = state, num_heads, dropout, True
 
     @classmethod
@@ -592,7 +660,8 @@ class _MultiHeadAttention(_Module):
         d_model = impl.size_of(cls.__name__, state, "w_q.weight", 1)
         impl.check_sizes(d_model=d_model, num_heads=num_heads)
         impl.check_probability("dropout", dropout)
-        impl.check_state(cls.__name__, state, impl.mha_shapes(d_model))
+        num_kv_heads = impl.kv_heads_in(state, "", d_model, num_heads)
+        impl.check_state(cls.__name__, state, impl.mha_shapes(d_model, num_heads, num_kv_heads, impl.biased(state)))
         module = object.__new__(cls)
         module._state, module.num_heads, module.dropout, module.training = state, num_heads, dropout, True
         return module
@@ -613,20 +682,25 @@ class _MultiHeadAttention(_Module):
 
 class _TransformerBlock(_Module):
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
-                 norm_first: bool = False, activation: str = "relu", eps: float = 1e-5, rng: Rng = None,
+                 norm_first: bool = False, activation: str = "relu", norm: str = "layer",
+                 num_kv_heads: int | None = None, bias: bool = True, eps: float = 1e-5, rng: Rng = None,
                  dtype: Any = None) -> None:
         impl = self._impl
         impl.check_sizes(d_model=d_model, num_heads=num_heads, d_ff=d_ff)
         impl.check_probability("dropout", dropout)
         impl.check_activation(activation)
+        impl.check_norm(norm)
+        num_kv_heads = impl.check_kv_heads(num_heads, num_kv_heads)
         rng, dtype = impl.generator(rng), np.float32 if dtype is None else dtype
         state = {}
-        for name in PROJECTIONS:
-            state |= impl.init_linear(f"attn.{name}", d_model, d_model, rng, dtype)
-        for name in ("norm1", "norm2"):
-            state |= {f"{name}.weight": np.ones(d_model, dtype), f"{name}.bias": np.zeros(d_model, dtype)}
-        state |= impl.init_linear("ffn.0", d_model, d_ff, rng, dtype)
-        state |= impl.init_linear("ffn.3", d_ff, d_model, rng, dtype)
+        shapes = impl.block_shapes(d_model, d_ff, num_heads, num_kv_heads, bias=False, norm=norm,
+                                   activation=activation)
+        for name, shape in shapes.items():
+            if name.startswith("norm"):  # gains one, biases zero
+                state[name] = np.ones(shape, dtype)
+                state |= {name.replace("weight", "bias"): np.zeros(shape, dtype)} if norm == "layer" else {}
+            else:
+                state |= impl.init_linear(name.removesuffix(".weight"), shape[1], shape[0], rng, dtype, bias)
         self._setup(state, num_heads, dropout, norm_first, activation, eps)
 
     def _setup(self, state: dict[str, np.ndarray], num_heads: int, dropout: float, norm_first: bool,
@@ -639,12 +713,16 @@ class _TransformerBlock(_Module):
                         norm_first: bool = False, activation: str = "relu", eps: float = 1e-5) -> Any:
         """A block holding `state`, computing in its dtype, in training mode."""
         impl, state = cls._impl, cls._loaded(state)
+        impl.check_activation(activation)
+        impl.check_feed_forward(state, activation)
         d_model = impl.size_of(cls.__name__, state, "attn.w_q.weight", 1)
-        d_ff = impl.size_of(cls.__name__, state, "ffn.0.weight", 0)
+        d_ff = impl.size_of(cls.__name__, state, "ffn.w_gate.weight" if activation == "swiglu" else "ffn.0.weight", 0)
         impl.check_sizes(d_model=d_model, num_heads=num_heads, d_ff=d_ff)
         impl.check_probability("dropout", dropout)
-        impl.check_activation(activation)
-        impl.check_state(cls.__name__, state, impl.block_shapes(d_model, d_ff))
+        num_kv_heads = impl.kv_heads_in(state, "attn.", d_model, num_heads)
+        norm = "layer" if "norm1.bias" in state else "rms"
+        impl.check_state(cls.__name__, state, impl.block_shapes(d_model, d_ff, num_heads, num_kv_heads,
+                                                                impl.biased(state), norm, activation))
         module = object.__new__(cls)
         module._setup(state, num_heads, dropout, norm_first, activation, eps)
         return module
