@@ -491,10 +491,10 @@ def chunk_sizes(draw: Callable, L: int) -> tuple[int, ...]:
 
 @st.composite
 def decode_cases(draw: Callable) -> DecodeCase:
-    """A drawn block (block_cases) fed chunk by chunk: L of LENGTHS or 8 (each chunk is a call, which JAX
-    compiles into one program per case), the chunks from `chunk_sizes`, a capacity of L plus SPARE."""
-    block = draw(block_cases(causal_mask=True))
-    L = draw(st.sampled_from((*LENGTHS, 8)))
+    """A drawn block (block_cases) fed chunk by chunk: L of LENGTHS (each chunk is a call, which JAX compiles
+    into one program per case), the chunks from `chunk_sizes`, a capacity of L plus SPARE."""
+    block = draw(block_cases(causal_mask=True, long=False))
+    L = draw(st.sampled_from(LENGTHS))
     x = block.x[..., :L, :] if block.x.shape[-2] >= L else _values(_rng(draw), (*block.x.shape[:-2], L,
                                                                                block.x.shape[-1]), "normal")
     return DecodeCase(block.state, block.num_heads, block.dropout, block.norm_first, block.activation, block.eps,
