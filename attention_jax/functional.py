@@ -129,7 +129,7 @@ def apply_rope(x: jax.Array, positions: int | jax.Array, *, theta: float = 10000
 
     Args:
         x: (..., L, E), E even: each row a query or key of one head.
-        positions: integers broadcasting to (...,  L): each row's absolute position (an int: every row's).
+        positions: integers broadcasting to (..., L): each row's absolute position (an int: every row's).
         theta: the base of the angles' geometric progression.
         interleaved: the pairs' layout, as above.
 
