@@ -12,6 +12,7 @@ only when every check passes on every module.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import json
@@ -37,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0); a run is reproducible")
     options.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     options.add_argument("--jobs", type=compare.positive_int, default=None, metavar="N",
-                         help="check up to N modules at once, each in a process of its own (default: one per "
-                              "CPU core, at most one per module); the report is the same")
+                         help="check up to N parts (a module's operation) at once, each in a process of its own "
+                              "(default: one per CPU core); the report is the same")
     parser = argparse.ArgumentParser(
         prog="python -m conformance", parents=[options],
         description="Check implementations of the attention contract against a float64 oracle. Without a "
@@ -89,7 +90,7 @@ def _check(args: argparse.Namespace) -> int:
         return 1
     print(f"profile {args.profile}, seed {args.seed}" + (f", {args.max_examples} examples per check"
                                                          if args.max_examples else ""))
-    jobs = min(len(modules), args.jobs or os.cpu_count() or 1)
+    jobs = args.jobs or os.cpu_count() or 1
     reports = (_reports_at_once(list(modules), args, jobs) if jobs > 1 else
                [_report(module, args) for module in modules.values()])
     for name, (report, seconds) in zip(modules, reports, strict=True):
@@ -122,19 +123,34 @@ def _report(module: ModuleType, args: argparse.Namespace) -> tuple[Any, float]:
 
 
 def _reports_at_once(names: list[str], args: argparse.Namespace, jobs: int) -> list[tuple[Any, float]]:
-    """The modules' reports, up to `jobs` checked at once, each in a fresh process (spawned, so no framework
-    state is shared; JAX compiles on one core, so NumPy and torch run beside it). No per-case progress:
-    stderr says when each module is done."""
+    """The modules' reports, up to `jobs` parts checked at once in processes of their own (spawned, so no
+    framework state is shared with this one). A part is one module's one operation (the first also checks the
+    contract's tables): JAX compiles every case, so its parts take several workers while NumPy and torch
+    fill the gaps. The parts of a module, joined in order, are its report. No per-case progress: stderr says
+    when each module is done. Each module's seconds are the sum of its parts'."""
     from . import suite
+    from .operations import OPERATIONS
 
     context = multiprocessing.get_context("spawn")
     options = {"profile": args.profile, "max_examples": args.max_examples, "seed": args.seed}
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = {pool.submit(suite.timed_check, name, **options): name for name in names}
+    parts = [(name, operation, index == 0) for index, operation in enumerate(OPERATIONS) for name in names]
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(parts)), mp_context=context) as pool:
+        futures = {pool.submit(suite.timed_check, name, operations=(operation,), contract=contract, **options):
+                   name for name, operation, contract in parts}
+        left = collections.Counter(name for name, _, _ in parts)
         for future in concurrent.futures.as_completed(futures):
-            print(f"checked {futures[future]}", file=sys.stderr, flush=True)
-        results = {name: future.result() for future, name in futures.items()}
-    return [results[name] for name in names]
+            left[futures[future]] -= 1
+            if not left[futures[future]]:
+                print(f"checked {futures[future]}", file=sys.stderr, flush=True)
+        results = [(name, future.result()) for future, name in futures.items()]
+    return [_joined([result for part, result in results if part == name]) for name in names]
+
+
+def _joined(parts: list[tuple[Any, float]]) -> tuple[Any, float]:
+    """One report of a module's parts, in order, and the seconds they took together."""
+    first = parts[0][0]
+    rows = [row for report, _ in parts for row in report.rows]
+    return first._replace(rows=rows), sum(seconds for _, seconds in parts)
 
 
 @contextlib.contextmanager

@@ -130,14 +130,16 @@ class CheckFailure(AssertionError):
 
 
 def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int | None = None, seed: int = 0,
-          shrink: bool = True, operations: Sequence[str] = tuple(OPERATIONS),
+          shrink: bool = True, operations: Sequence[str] = tuple(OPERATIONS), contract: bool = True,
           progress: Progress | None = None) -> Report:
     """Run every check on `module` (a module object or an importable name) and return the report.
 
     profile: "fast" (the default: a few examples per check) or "thorough" (ten times as many);
     max_examples: instead, this many examples for every check; seed: Hypothesis's seed, so a run is
-    reproducible; shrink: reduce a failing case to a small one before reporting it; progress: called once
-    per case run with what runs ("module operation check dtype").
+    reproducible; shrink: reduce a failing case to a small one before reporting it; operations: the
+    operations to check; contract: also check the contract's own tables (arrays, masks, positions), which
+    belong to no operation; progress: called once per case run with what runs ("module operation check
+    dtype"). The rows of separate calls, each with its part of the operations, in order, are those of one call.
     """
     module = importlib.import_module(module) if isinstance(module, str) else module
     gaps = contract_gaps(module, operations)
@@ -148,7 +150,8 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
         raise ValueError(f"max_examples must be at least 1, got {max_examples}")
     runner, tell = Runner(module), progress or (lambda what: None)
     with runner.framework.pinned() as pinned, quick_compiles(), _reproducible_draws():
-        rows = [_table_row(runner, table_, name, tell) for name, table_ in CONTRACT_TABLES.items()]  # pinned: x64
+        rows = [_table_row(runner, table_, name, tell) for name, table_ in CONTRACT_TABLES.items()
+                if contract]  # pinned: x64
         for operation in (name for name in OPERATIONS if name in operations):
             for group in (group for group in GROUPS if group.operation == operation):
                 examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
