@@ -23,7 +23,16 @@ import jax.scipy.special
 from attention_np.common import checks, module
 
 from .arrays import asarray
-from .functional import Rng, _at_least_float32, _dropout, _dtypes, _ranked, _rngs, scaled_dot_product_attention
+from .functional import (
+    Rng,
+    _at_least_float32,
+    _dropout,
+    _dtypes,
+    _ranked,
+    _rngs,
+    apply_rope,
+    scaled_dot_product_attention,
+)
 
 
 class Module(module.Module):
@@ -65,35 +74,41 @@ class MultiHeadAttention(Module):
     num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads."""
 
     _children = ("w_q", "w_k", "w_v", "w_o")
-    _settings = ("num_heads", "num_kv_heads", "dropout", "training")
+    _settings = ("num_heads", "num_kv_heads", "rope_theta", "dropout", "training")
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
-                 num_kv_heads: int | None = None, bias: bool = True, rng: Rng = None, dtype: Any = None) -> None:
+                 num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
+                 rng: Rng = None, dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights; num_kv_heads Hkv, dividing num_heads
         (None: num_heads), sizes w_k and w_v (Hkv * d_k, D); bias=False drops the four projections' biases;
+        rope_theta (None: off) turns each head's queries and keys by their positions (apply_rope, half
+        rotation, base rope_theta);
         rng and dtype (float32 by default) for the initial parameters, drawn as nn.Linear draws them."""
         checks.module_sizes(d_model, num_heads)
         num_kv_heads = checks.kv_heads(num_heads, num_kv_heads)
+        rope_theta = checks.rope_theta(rope_theta, d_model, num_heads)
         checks.probability("dropout", dropout)
         rngs, dtype = _rngs(_fresh(rng), 4), jnp.float32 if dtype is None else dtype
         shapes = checks.mha_state_shapes(d_model, num_heads, num_kv_heads)
         projections = {name: Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
                        for name, rng in zip(self._children, rngs, strict=True)}
-        self._init(**projections, num_heads=num_heads, num_kv_heads=num_kv_heads, dropout=dropout, training=True)
+        self._init(**projections, num_heads=num_heads, num_kv_heads=num_kv_heads, rope_theta=rope_theta,
+                   dropout=dropout, training=True)
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
-                        dropout: float = 0.1) -> MultiHeadAttention:
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
+                        rope_theta: float | None = None) -> MultiHeadAttention:
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
         layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
+        rope_theta = checks.rope_theta(rope_theta, layout["d_model"], num_heads)
         checks.probability("dropout", dropout)
         checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         projections = {name: Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in cls._children}
         return cls._build(**projections, num_heads=num_heads, num_kv_heads=layout["num_kv_heads"],
-                          dropout=dropout, training=True)
+                          rope_theta=rope_theta, dropout=dropout, training=True)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, *,
                  need_weights: bool = True, rng: Rng = None) -> tuple[jax.Array, jax.Array | None]:
@@ -117,6 +132,7 @@ class MultiHeadAttention(Module):
         q = self._split_heads(self.w_q(q), self.num_heads)  # (..., L, D) -> (..., H, L, d_k)
         k = self._split_heads(self.w_k(k), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
         v = self._split_heads(self.w_v(v), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
+        q, k = self._rotated(q, 0), self._rotated(k, 0)  # RoPE: query i at position i, key j at j
 
         # 2) attend, every head at once; query head h reads key/value head h // (H / Hkv)
         dropout_p = self.dropout if self.training else 0.0
@@ -147,7 +163,8 @@ class MultiHeadAttention(Module):
                need_weights: bool = True, rng: Rng = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """Attention of L new positions over the cache and themselves: the keys and values of x_kv join the
         cache at positions p = length .. length + L - 1, where the queries of x_q stand too, so each query
-        sees the keys at positions up to its own (causal, q_offset = length).
+        sees the keys at positions up to its own (causal, q_offset = length). With rope_theta, the new queries
+        and keys are turned at those positions, and the cache holds turned keys.
 
         Args:
             x_q: the new queries' inputs (..., L, D).
@@ -165,10 +182,11 @@ class MultiHeadAttention(Module):
         start = cache.length  # jax: an array, traced under jit
 
         # 1) project the new positions, then write their keys and values into the cache
-        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        q = self._rotated(self._split_heads(self.w_q(x_q)), start)  # (..., L, D) -> (..., H, L, d_k)
         zero = jnp.zeros_like(start)  # jax: the indices of dynamic_update_slice share one int dtype
         at = (zero,) * (cache.k.ndim - 2) + (start, zero)  # (..., H, capacity, d_k): rows start .. start + L - 1
-        k = jax.lax.dynamic_update_slice(cache.k, self._split_heads(self.w_k(x_kv), self.num_kv_heads), at)
+        k_new = self._rotated(self._split_heads(self.w_k(x_kv), self.num_kv_heads), start)  # (..., Hkv, L, d_k)
+        k = jax.lax.dynamic_update_slice(cache.k, k_new, at)
         v = jax.lax.dynamic_update_slice(cache.v, self._split_heads(self.w_v(x_kv), self.num_kv_heads), at)
 
         # 2) attend over every position of the cache: causal from start hides those not yet filled
@@ -208,6 +226,12 @@ class MultiHeadAttention(Module):
         """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
         return self.num_kv_heads != self.num_heads
 
+    def _rotated(self, x: jax.Array, start: int | jax.Array) -> jax.Array:
+        """x (..., heads, L, d_k) turned by RoPE at positions start .. start + L - 1 (x itself without rope_theta)."""
+        if self.rope_theta is None:
+            return x
+        return apply_rope(x, start + jnp.arange(x.shape[-2]), theta=self.rope_theta)  # positions (L,)
+
     def _split_heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
         """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""
         heads = self.num_heads if heads is None else heads
@@ -223,27 +247,27 @@ class MultiHeadAttention(Module):
 class TransformerBlock(Module):
     """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
     with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN).
-    A Llama decoder layer without RoPE: norm_first=True, norm="rms", activation="swiglu", bias=False."""
+    A Llama decoder layer: norm_first=True, norm="rms", activation="swiglu", bias=False, rope_theta."""
 
     _children = ("attn", "norm1", "norm2", "ffn")
     _settings = ("dropout", "norm_first", "training")
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layer",
-                 num_kv_heads: int | None = None, bias: bool = True, eps: float = 1e-5,
-                 rng: Rng = None, dtype: Any = None) -> None:
+                 num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
+                 eps: float = 1e-5, rng: Rng = None, dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
         activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
-        the feed-forward network; eps inside the norm's square root; rng and dtype (float32 by default) for
-        the initial parameters."""
+        the feed-forward network; rope_theta for attention (None: no rotary embeddings); eps inside the norm's
+        square root; rng and dtype (float32 by default) for the initial parameters."""
         checks.module_sizes(d_model, num_heads, d_ff)
         checks.probability("dropout", dropout)
         checks.activation(activation)
         checks.norm(norm)
         rngs, dtype = _rngs(_fresh(rng), 4 if activation == "swiglu" else 3), jnp.float32 if dtype is None else dtype
-        attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias, rng=rngs[0],
-                                  dtype=dtype)
+        attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
+                                  rope_theta=rope_theta, rng=rngs[0], dtype=dtype)
         norm1, norm2 = (_NORMS[norm].initialized(d_model, eps, dtype) for _ in range(2))
         self._init(attn=attn, norm1=norm1, norm2=norm2,
                    ffn=_feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype),
@@ -251,21 +275,21 @@ class TransformerBlock(Module):
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
-                        norm_first: bool = False, activation: str = "relu",
-                        eps: float = 1e-5) -> TransformerBlock:
+                        norm_first: bool = False, activation: str | None = None,
+                        rope_theta: float | None = None, eps: float = 1e-5) -> TransformerBlock:
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        layout = checks.block_layout(shapes, num_heads, activation)  # sizes, num_kv_heads, bias, norm
+        layout = checks.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
         checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.block_state_shapes(num_heads=num_heads, activation=activation,
-                                                                     **layout))
+        checks.state(cls.__name__, shapes, checks.block_state_shapes(num_heads=num_heads, **layout))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
-                                                  dropout=dropout)
+                                                  dropout=dropout, rope_theta=rope_theta)
         norm1, norm2 = (_NORMS[layout["norm"]].from_state(_prefixed(state, name), eps) for name in ("norm1", "norm2"))
         return cls._build(attn=attn, norm1=norm1, norm2=norm2,
-                          ffn=_FEED_FORWARDS[activation].from_state(_prefixed(state, "ffn"), activation, dropout),
+                          ffn=_FEED_FORWARDS[layout["activation"]].from_state(_prefixed(state, "ffn"),
+                                                                             layout["activation"], dropout),
                           dropout=dropout, norm_first=norm_first, training=True)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, need_weights: bool = True,

@@ -20,7 +20,7 @@ import numpy as np
 
 from attention_np.common import checks
 
-from .functional import _dtypes, _grouped, _ungrouped, scaled_dot_product_attention
+from .functional import _dtypes, _grouped, _ungrouped, apply_rope, scaled_dot_product_attention
 from .modules import GatedFeedForward, RMSNorm, _activation, _erf, _sigmoid
 
 Grads = dict[str, np.ndarray]
@@ -122,7 +122,8 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     reverse: the output projection, the heads' merge (its adjoint is the split), attention per head, the
     input projections. Splitting and merging heads only move entries, so their adjoints are each other.
     With Hkv < H key/value heads, attention runs with enable_gqa, whose backward pass sums the gradients of
-    each key/value head over the query heads of its group.
+    each key/value head over the query heads of its group. With rope_theta, the queries and keys are turned
+    after the split, and their gradients turned back before the projections' adjoints.
 
     Returns:
         out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
@@ -134,20 +135,29 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
                                                   ((mha.w_q, q), (mha.w_k, k), (mha.w_v, v)))
     H, Hkv = mha.num_heads, mha.num_kv_heads
     heads, weights, pull_attention = scaled_dot_product_attention_vjp(
-        mha._split_heads(q_p, H), mha._split_heads(k_p, Hkv), mha._split_heads(v_p, Hkv), mask,
-        enable_gqa=mha.grouped)  # (..., H, L, d_k), k and v (..., Hkv, S, d_k)
+        mha._rotated(mha._split_heads(q_p, H), 0), mha._rotated(mha._split_heads(k_p, Hkv), 0),
+        mha._split_heads(v_p, Hkv), mask, enable_gqa=mha.grouped)  # (..., H, L, d_k), k and v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
         checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_merged, grads_o = pull_o(d_out)  # (..., L, D)
         dq_h, dk_h, dv_h, _ = pull_attention(mha._split_heads(d_merged, H))  # (..., H | Hkv, L | S, d_k)
+        dq_h, dk_h = _rope_vjp(mha, dq_h), _rope_vjp(mha, dk_h)  # RoPE turned back
         (dq, grads_q), (dk, grads_k), (dv, grads_v) = (
             pull(mha._merge_heads(d)) for pull, d in ((pull_q, dq_h), (pull_k, dk_h), (pull_v, dv_h)))
         grads = _prefixed("w_q", grads_q) | _prefixed("w_k", grads_k) | _prefixed("w_v", grads_v)
         return dq, dk, dv, grads | _prefixed("w_o", grads_o)
 
     return out, weights, pullback
+
+
+def _rope_vjp(mha: Any, d: np.ndarray) -> np.ndarray:
+    """The gradient through RoPE at positions 0 .. L - 1 of d (..., heads, L, d_k): a rotation is orthogonal,
+    so its adjoint turns back by the same angles, apply_rope(d, -positions) (d itself without rope_theta)."""
+    if mha.rope_theta is None:
+        return d
+    return apply_rope(d, -np.arange(d.shape[-2]), theta=mha.rope_theta)
 
 
 def transformer_block_vjp(block: Any, x: np.ndarray,

@@ -21,7 +21,7 @@ from torch import nn
 from attention_np.common import checks
 
 from .arrays import asarray
-from .functional import Rng, _dropout, _dtypes, _rngs, scaled_dot_product_attention
+from .functional import Rng, _dropout, _dtypes, _rngs, apply_rope, scaled_dot_product_attention
 
 
 class KVCache(NamedTuple):
@@ -39,35 +39,40 @@ class MultiHeadAttention(nn.Module):
     num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads."""
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
-                 num_kv_heads: int | None = None, bias: bool = True, rng: Rng = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
+                 rng: Rng = None, dtype: torch.dtype | None = None) -> None:
         """Args: sizes as named; dropout on the attention weights; num_kv_heads Hkv, dividing num_heads
         (None: num_heads), sizes w_k and w_v (Hkv * d_k, D); bias=False drops the four projections' biases;
+        rope_theta (None: off) turns each head's queries and keys by their positions (apply_rope, half
+        rotation, base rope_theta);
         rng and dtype (torch's default dtype, float32, when None) for the initial parameters, drawn as
         nn.Linear draws them."""
         super().__init__()
         checks.module_sizes(d_model, num_heads)
         num_kv_heads = checks.kv_heads(num_heads, num_kv_heads)
+        rope_theta = checks.rope_theta(rope_theta, d_model, num_heads)
         checks.probability("dropout", dropout)
         rngs, shapes = _rngs(rng, 4), checks.mha_state_shapes(d_model, num_heads, num_kv_heads)
         self.w_q, self.w_k, self.w_v, self.w_o = (
             Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
             for name, rng in zip(("w_q", "w_k", "w_v", "w_o"), rngs, strict=True))
         self.num_heads, self.num_kv_heads, self.dropout = num_heads, num_kv_heads, dropout
+        self.rope_theta = rope_theta
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
-                        dropout: float = 0.1) -> MultiHeadAttention:
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
+                        rope_theta: float | None = None) -> MultiHeadAttention:
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
         layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
+        rope_theta = checks.rope_theta(rope_theta, layout["d_model"], num_heads)
         checks.probability("dropout", dropout)
         checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(layout["d_model"], num_heads, dropout, num_kv_heads=layout["num_kv_heads"],
-                         bias=layout["bias"])
+                         bias=layout["bias"], rope_theta=rope_theta)
         return _load(module, state)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
@@ -92,6 +97,7 @@ class MultiHeadAttention(nn.Module):
         q = self._split_heads(self.w_q(q), self.num_heads)  # (..., L, D) -> (..., H, L, d_k)
         k = self._split_heads(self.w_k(k), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
         v = self._split_heads(self.w_v(v), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
+        q, k = self._rotated(q, 0), self._rotated(k, 0)  # RoPE: query i at position i, key j at j
 
         # 2) attend, every head at once; query head h reads key/value head h // (H / Hkv)
         dropout_p = self.dropout if self.training else 0.0
@@ -121,7 +127,8 @@ class MultiHeadAttention(nn.Module):
                need_weights: bool = True, rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
         """Attention of L new positions over the cache and themselves: the keys and values of x_kv join the
         cache at positions p = length .. length + L - 1, where the queries of x_q stand too, so each query
-        sees the keys at positions up to its own (causal, q_offset = length).
+        sees the keys at positions up to its own (causal, q_offset = length). With rope_theta, the new queries
+        and keys are turned at those positions, and the cache holds turned keys.
 
         Args:
             x_q: the new queries' inputs (..., L, D).
@@ -138,8 +145,9 @@ class MultiHeadAttention(nn.Module):
         start, end = self._check_extend(x_q, x_kv, cache, mask)
 
         # 1) project the new positions, then write their keys and values into the cache, in place
-        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
-        cache.k[..., start:end, :] = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., Hkv, L, d_k)
+        q = self._rotated(self._split_heads(self.w_q(x_q)), start)  # (..., L, D) -> (..., H, L, d_k)
+        k = self._rotated(self._split_heads(self.w_k(x_kv), self.num_kv_heads), start)  # (..., Hkv, L, d_k)
+        cache.k[..., start:end, :] = k
         cache.v[..., start:end, :] = self._split_heads(self.w_v(x_kv), self.num_kv_heads)  # at start .. end - 1
 
         # 2) attend over the filled positions, the new queries at positions start .. end - 1
@@ -179,6 +187,13 @@ class MultiHeadAttention(nn.Module):
         """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
         return self.num_kv_heads != self.num_heads
 
+    def _rotated(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x (..., heads, L, d_k) turned by RoPE at positions start .. start + L - 1 (x itself without rope_theta)."""
+        if self.rope_theta is None:
+            return x
+        positions = start + torch.arange(x.shape[-2], device=x.device)  # (L,)
+        return apply_rope(x, positions, theta=self.rope_theta)
+
     def _split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""
         heads = self.num_heads if heads is None else heads
@@ -194,17 +209,17 @@ class MultiHeadAttention(nn.Module):
 class TransformerBlock(nn.Module):
     """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
     with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN).
-    A Llama decoder layer without RoPE: norm_first=True, norm="rms", activation="swiglu", bias=False."""
+    A Llama decoder layer: norm_first=True, norm="rms", activation="swiglu", bias=False, rope_theta."""
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layer",
-                 num_kv_heads: int | None = None, bias: bool = True, eps: float = 1e-5,
-                 rng: Rng = None, dtype: torch.dtype | None = None) -> None:
+                 num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
+                 eps: float = 1e-5, rng: Rng = None, dtype: torch.dtype | None = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
         activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
-        the feed-forward network; eps inside the norm's square root; rng and dtype (torch's default dtype,
-        float32, when None) for the initial parameters."""
+        the feed-forward network; rope_theta for attention (None: no rotary embeddings); eps inside the norm's
+        square root; rng and dtype (torch's default dtype, float32, when None) for the initial parameters."""
         super().__init__()
         checks.module_sizes(d_model, num_heads, d_ff)
         checks.probability("dropout", dropout)
@@ -212,7 +227,7 @@ class TransformerBlock(nn.Module):
         checks.norm(norm)
         rngs = _rngs(rng, 4 if activation == "swiglu" else 3)
         self.attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
-                                       rng=rngs[0], dtype=dtype)
+                                       rope_theta=rope_theta, rng=rngs[0], dtype=dtype)
         self.norm1 = _NORMS[norm].initialized(d_model, eps, dtype)
         self.norm2 = _NORMS[norm].initialized(d_model, eps, dtype)
         ffn = _feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype)
@@ -220,20 +235,19 @@ class TransformerBlock(nn.Module):
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
-                        norm_first: bool = False, activation: str = "relu",
-                        eps: float = 1e-5) -> TransformerBlock:
+                        norm_first: bool = False, activation: str | None = None,
+                        rope_theta: float | None = None, eps: float = 1e-5) -> TransformerBlock:
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        layout = checks.block_layout(shapes, num_heads, activation)  # sizes, num_kv_heads, bias, norm
+        layout = checks.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
         checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.block_state_shapes(num_heads=num_heads, activation=activation,
-                                                                     **layout))
+        checks.state(cls.__name__, shapes, checks.block_state_shapes(num_heads=num_heads, **layout))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(layout["d_model"], num_heads, layout["d_ff"], dropout, norm_first=norm_first,
-                         activation=activation, norm=layout["norm"], num_kv_heads=layout["num_kv_heads"],
-                         bias=layout["bias"], eps=eps)
+                         activation=layout["activation"], norm=layout["norm"],
+                         num_kv_heads=layout["num_kv_heads"], bias=layout["bias"], rope_theta=rope_theta, eps=eps)
         return _load(module, state)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, need_weights: bool = True,

@@ -190,6 +190,20 @@ def norm(name: str) -> None:
         raise ValueError(f"norm must be one of {NORMS}; got {name!r}")
 
 
+def rope_theta(theta: object, d_model: int, num_heads: int) -> float | None:
+    """rope_theta None (no rotary embeddings) or a positive finite number; RoPE turns pairs of each head's
+    entries, so d_k = d_model / num_heads must be even. Returns the theta as a float (or None)."""
+    if theta is None:
+        return None
+    number = isinstance(theta, int | float | np.integer | np.floating) and not isinstance(theta, bool)
+    if not (number and 0 < theta < math.inf):
+        raise ValueError(f"rope_theta must be None or a positive finite number; got {theta!r}")
+    if (d_model // num_heads) % 2:
+        raise ValueError(f"rope_theta turns pairs of each head's entries: d_k = d_model / num_heads = "
+                         f"{d_model} / {num_heads} = {d_model // num_heads} must be even")
+    return float(theta)
+
+
 def kv_heads(num_heads: int, num_kv_heads: int | None) -> int:
     """num_kv_heads None (one key/value head per query head) or a positive int dividing num_heads; returns Hkv."""
     if num_kv_heads is None:
@@ -312,12 +326,14 @@ def mha_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, prefix: str 
             "bias": any(f"{prefix}{name}.bias" in shapes for name in PROJECTIONS)}
 
 
-def block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, activation_: str) -> dict[str, Any]:
+def block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, activation_: str | None) -> dict[str, Any]:
     """A TransformerBlock state's sizes and options, read off its shapes as mha_layout does, and d_ff, norm
-    ("rms" without norm1.bias) and whether the feed-forward is SwiGLU (ffn.w_gate, ffn.w_up, ffn.w_down),
-    which `activation_` must agree with: "swiglu" for those entries, "relu" or "gelu" for ffn.0 and ffn.3."""
-    activation(activation_)
+    ("rms" without norm1.bias) and the activation: whether the feed-forward is SwiGLU (ffn.w_gate, ffn.w_up,
+    ffn.w_down), which `activation_` must agree with: "swiglu" for those entries, "relu" or "gelu" for ffn.0
+    and ffn.3; None takes "swiglu" or "relu" (the shapes cannot tell ReLU from GELU)."""
     swiglu = any(name.startswith(tuple(f"ffn.{linear}." for linear in SWIGLU)) for name in shapes)
+    activation_ = ("swiglu" if swiglu else "relu") if activation_ is None else activation_
+    activation(activation_)
     if swiglu != (activation_ == "swiglu"):
         found = "ffn.w_gate, ffn.w_up and ffn.w_down (SwiGLU)" if swiglu else "ffn.0 and ffn.3"
         raise ValueError(f"TransformerBlock.from_state_dict: activation={activation_!r} does not match the state's "
@@ -328,7 +344,7 @@ def block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, activation
     module_sizes(layout["d_model"], num_heads, d_ff)
     ffn_bias = any(name.startswith("ffn.") and name.endswith(".bias") for name in shapes)
     return layout | {"d_ff": d_ff, "bias": layout["bias"] or ffn_bias,
-                     "norm": "layer" if "norm1.bias" in shapes else "rms"}
+                     "norm": "layer" if "norm1.bias" in shapes else "rms", "activation": activation_}
 
 
 def state(cls_name: str, shapes: Mapping[str, Sequence[int]], expected: Mapping[str, Shape]) -> None:
