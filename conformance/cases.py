@@ -54,6 +54,7 @@ class MhaCase(NamedTuple):
     mask: np.ndarray | None  # broadcasts to (..., H, L, S)
     num_kv_heads: int | None = None  # Hkv, dividing H (None: H); the state's w_k, w_v have Hkv * d_k rows
     bias: bool = True  # whether the state holds the projections' biases
+    rope_theta: float | None = None  # RoPE on each head's queries and keys (None: none); d_k even
 
 
 class BlockCase(NamedTuple):
@@ -71,6 +72,7 @@ class BlockCase(NamedTuple):
     norm: str = "layer"  # "layer" or "rms"
     num_kv_heads: int | None = None  # attention's Hkv, as in MhaCase
     bias: bool = True  # whether the state holds the Linears' biases (LayerNorm keeps its own regardless)
+    rope_theta: float | None = None  # attention's, as in MhaCase
 
 
 class DecodeCase(NamedTuple):
@@ -90,6 +92,7 @@ class DecodeCase(NamedTuple):
     norm: str = "layer"  # as BlockCase
     num_kv_heads: int | None = None
     bias: bool = True
+    rope_theta: float | None = None  # the queries and keys turned at their positions in the whole sequence
 
 
 Case = SdpaCase | MhaCase | BlockCase | DecodeCase
@@ -179,11 +182,14 @@ def block_case(batch: Batch = (2,), L: int = 4, D: int = 4, H: int = 2, F: int =
 
 def decode_case(batch: Batch = (2,), chunks: tuple[int, ...] = (3, 1, 1), capacity: int | None = None, *,
                 D: int = 4, H: int = 2, F: int = 8, seed: int = 2, **fields: Any) -> DecodeCase:
-    """The block of block_case (post-LN, GELU) fed chunks of these sizes; capacity L by default."""
+    """The block of block_case (post-LN, GELU; the layout of the fields activation, norm, num_kv_heads and
+    bias) fed chunks of these sizes; capacity L by default."""
     L = sum(chunks)
-    block = block_case(batch, L, D, H, F, seed=seed)
+    layout = {name: fields.pop(name) for name in ("activation", "norm", "num_kv_heads", "bias") if name in fields}
+    block = block_case(batch, L, D, H, F, seed=seed, **layout)
     return DecodeCase(block.state, H, block.dropout, block.norm_first, block.activation, block.eps, block.x,
-                      chunks, L if capacity is None else capacity)._replace(**fields)
+                      chunks, L if capacity is None else capacity, block.norm, block.num_kv_heads,
+                      block.bias)._replace(**fields)
 
 
 def normal(*shape: int, seed: int = 0) -> np.ndarray:

@@ -75,9 +75,9 @@ def keywords_used(case: Case) -> dict[str, Any]:
 
 def options_used(case: Case) -> dict[str, Any]:
     """The case's module options of SPEC.md section 5 that differ from the seed's (MODULE_OPTIONS): the
-    layout of its state (num_kv_heads, bias, norm) and activation "swiglu". A state dict carries its layout,
-    which from_state_dict reads off the shapes, so only activation reaches the module as an argument; a module
-    from before these options still runs every case that keeps the seed's."""
+    layout of its state (num_kv_heads, bias, norm), activation "swiglu" and rope_theta. A state dict carries
+    its layout, which from_state_dict reads off the shapes, so only activation and rope_theta reach the module
+    as arguments; a module from before these options still runs every case that keeps the seed's."""
     fields, options = case._asdict(), operation_of(case).options  # sdpa's bias is an array, not this option
     return {name: fields[name] for name, seed in MODULE_OPTIONS.items() if name in options and fields[name] not in seed}
 
@@ -196,18 +196,21 @@ def _dropped(outputs: dict[str, np.ndarray], kept: float) -> dict[str, np.ndarra
 # The module options of SPEC.md section 5 and the values the seed layout has: the layout options are the state
 # dict's shapes (from_state_dict infers them: they are the oracle's, never the module's, arguments).
 MODULE_OPTIONS: dict[str, tuple[Any, ...]] = {"num_kv_heads": (None,), "bias": (True,), "norm": ("layer",),
-                                               "activation": ("relu", "gelu")}
+                                               "activation": ("relu", "gelu"), "rope_theta": (None,)}
 LAYOUT_OPTIONS = ("num_kv_heads", "bias", "norm")
 
 
 def _from_state(options: dict[str, Any]) -> dict[str, Any]:
-    """The options from_state_dict takes: all but the layout, which the state's shapes carry."""
-    return {name: value for name, value in options.items() if name not in LAYOUT_OPTIONS}
+    """The options from_state_dict takes: all but the layout, which the state's shapes carry, and rope_theta
+    only where a case turns its queries and keys (a module from before RoPE runs the other cases)."""
+    return {name: value for name, value in options.items()
+            if name not in LAYOUT_OPTIONS and not (name == "rope_theta" and value is None)}
 
 
 def _mha_oracle(case: MhaCase, precision: str, fused_bias: bool) -> Pair:
     return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask, num_heads=case.num_heads,
-                                       num_kv_heads=case.num_kv_heads, dtype=precision, fused_bias=fused_bias)
+                                       num_kv_heads=case.num_kv_heads, rope_theta=case.rope_theta, dtype=precision,
+                                       fused_bias=fused_bias)
 
 
 def _mha_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -270,8 +273,8 @@ def _mha_dropout_probe(case: MhaCase) -> Probe:
 def _block_oracle(case: BlockCase, precision: str, fused_bias: bool) -> Pair:
     return oracle.transformer_block(case.state, case.x, case.mask, num_heads=case.num_heads,
                                     norm_first=case.norm_first, activation=case.activation, eps=case.eps,
-                                    norm=case.norm, num_kv_heads=case.num_kv_heads, dtype=precision,
-                                    fused_bias=fused_bias)
+                                    norm=case.norm, num_kv_heads=case.num_kv_heads, rope_theta=case.rope_theta,
+                                    dtype=precision, fused_bias=fused_bias)
 
 
 def _block_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -296,7 +299,8 @@ def _block_dropout_probe(case: BlockCase) -> Probe:
     L, D = case.x.shape[-2:]
     if not case.bias:
         case = block_case(case.x.shape[:-2], L, D, case.num_heads, _d_ff(case), activation=case.activation,
-                          norm=case.norm, num_kv_heads=case.num_kv_heads)._replace(dropout=case.dropout, eps=case.eps)
+                          norm=case.norm, num_kv_heads=case.num_kv_heads)._replace(dropout=case.dropout, eps=case.eps,
+                                                                                    rope_theta=case.rope_theta)
     down = "ffn.w_down" if case.activation == "swiglu" else "ffn.3"
     constants = {"attn.w_o.weight": np.zeros((D, D)), "attn.w_o.bias": np.ones(D),
                  f"{down}.weight": np.zeros_like(case.state[f"{down}.weight"]), f"{down}.bias": np.full(D, 2.0)}
@@ -328,7 +332,8 @@ def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
     L = case.x.shape[-2]
     out, weights = oracle.transformer_block(case.state, case.x, np.tri(L, L, dtype=bool), num_heads=case.num_heads,
                                             norm_first=case.norm_first, activation=case.activation, eps=case.eps,
-                                            norm=case.norm, num_kv_heads=case.num_kv_heads, dtype=precision,
+                                            norm=case.norm, num_kv_heads=case.num_kv_heads,
+                                            rope_theta=case.rope_theta, dtype=precision,
                                             fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
     unfilled = np.zeros((*weights.shape[:-1], case.capacity - L), weights.dtype)
     return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
@@ -363,16 +368,18 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
               ("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa"), ("q", "k", "v"),
               ("q", "k", "v", "bias"), "sdpa_cases", _sdpa_oracle, _sdpa_call, "scaled_dot_product_attention_vjp",
               _sdpa_pullback, _sdpa_visible, _sdpa_dropout_sigma, lambda case: True, _sdpa_dropout_probe),
-    Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout", "num_kv_heads", "bias"), ("q", "k", "v"),
+    Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta"),
+              ("q", "k", "v"),
               ("q", "k", "v", "state"), "mha_cases", _mha_oracle, _mha_call, "MultiHeadAttention.vjp",
               _mha_pullback, _mha_visible, _mha_dropout_sigma, lambda case: True, _mha_dropout_probe),
     Operation("block", "TransformerBlock", BlockCase,
-              ("num_heads", "dropout", "norm_first", "activation", "eps", "norm", "num_kv_heads", "bias"), ("x",),
+              ("num_heads", "dropout", "norm_first", "activation", "eps", "norm", "num_kv_heads", "bias",
+               "rope_theta"), ("x",),
               ("x", "state"), "block_cases", _block_oracle, _block_call, "TransformerBlock.vjp",
               _block_pullback, None, None, _block_dropout_shows, _block_dropout_probe),
     Operation("decode", "TransformerBlock.extend", DecodeCase,
               ("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity", "norm",
-               "num_kv_heads", "bias"), ("x",), (),
+               "num_kv_heads", "bias", "rope_theta"), ("x",), (),
               "decode_cases", _decode_oracle, _decode_call, "", None, None, None, lambda case: False, None,
               _decode_pair),
 )}

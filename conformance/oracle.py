@@ -103,6 +103,7 @@ def multi_head_attention(
     *,
     num_heads: int,
     num_kv_heads: int | None = None,
+    rope_theta: float | None = None,
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -118,6 +119,8 @@ def multi_head_attention(
         num_heads: H; query head h works on the contiguous slice h*d_k:(h+1)*d_k of D, d_k = D / H.
         num_kv_heads: Hkv (None: H); key/value head g on the slice g*d_k:(g+1)*d_k of the Hkv * d_k columns,
             read by the query heads h with h // (H / Hkv) = g.
+        rope_theta: None, or each head's queries turned by `rope` at positions 0 .. L - 1 and its keys at
+            0 .. S - 1, half layout, base rope_theta.
         dtype: see the module docstring; fused_bias: each Linear rounds once (else twice) in half precision.
 
     Returns:
@@ -142,7 +145,11 @@ def multi_head_attention(
     for h in range(num_heads):
         cols, kv_cols = slice(h * d_k, (h + 1) * d_k), slice(h // group * d_k, (h // group + 1) * d_k)
         head_mask = None if mask is None else mask[..., h, :, :]  # (..., H, L, S) -> (..., L, S)
-        out_h, weights_h = sdpa(q[..., cols], k[..., kv_cols], v[..., kv_cols], head_mask,
+        q_h, k_g = q[..., cols], k[..., kv_cols]  # (..., L, d_k), (..., S, d_k)
+        if rope_theta is not None:
+            q_h = rope(q_h, np.arange(q_h.shape[-2]), theta=rope_theta, dtype=dtype)
+            k_g = rope(k_g, np.arange(k_g.shape[-2]), theta=rope_theta, dtype=dtype)
+        out_h, weights_h = sdpa(q_h, k_g, v[..., kv_cols], head_mask,
                                 scale=1.0 / math.sqrt(d_k), dtype=dtype)  # (..., L, d_k), (..., L, S)
         heads.append(out_h)
         weights.append(weights_h)
@@ -164,6 +171,7 @@ def transformer_block(
     eps: float = 1e-5,
     norm: str = "layer",
     num_kv_heads: int | None = None,
+    rope_theta: float | None = None,
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -181,7 +189,7 @@ def transformer_block(
             "swiglu" (silu(x) = x / (1 + exp(-x))).
         eps: added to the variance (LayerNorm) or the mean square (RMSNorm) inside the square root.
         norm: "layer", (x - mean) / sqrt(var + eps) * weight + bias, or "rms", x / sqrt(mean(x^2) + eps) * weight.
-        num_kv_heads: attention's key/value heads Hkv (None: H).
+        num_kv_heads: attention's key/value heads Hkv (None: H); rope_theta: attention's RoPE (None: none).
         dtype: see the module docstring; fused_bias: each Linear rounds once (else twice) in half precision.
 
     Returns:
@@ -198,7 +206,7 @@ def transformer_block(
 
     def attend(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         h, weights = multi_head_attention(attn, y, y, y, mask, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                          dtype=dtype, fused_bias=fused_bias)  # (..., L, D)
+                                          rope_theta=rope_theta, dtype=dtype, fused_bias=fused_bias)  # (..., L, D)
         return _cast(h, dtype), weights
 
     def feed_forward(y: np.ndarray) -> np.ndarray:

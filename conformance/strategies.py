@@ -10,8 +10,8 @@ powers of two: tile, chunk and vector-width boundaries); E, Ev in {1, 2, 4}; H i
 so D = H * d_k <= 8; F in {4, 8}; leading axes (), (2,) or (2, 3) (grouped-query sdpa cases: the last one
 H in {2, 4} query heads, Hkv in {1, H / 2, H} for k and v); scale, dropout and eps from short fixed lists.
 About one module case in three (OPTIONED) draws the module options of SPEC 5 (num_kv_heads among the divisors
-of H, bias; in the block also norm and activation "swiglu"); the rest keep the seed's layout, so JAX compiles
-few new shapes.
+of H, bias, rope_theta with d_k = 4; in the block also norm and activation "swiglu"); the rest keep the seed's
+layout, so JAX compiles few new shapes.
 
 Hypothesis draws every shape, flag and mask family, so it can shrink them; the numbers come from a NumPy
 Generator seeded by one drawn integer (fast, and the seed is part of the example). Floating arrays are
@@ -45,6 +45,8 @@ OPTIONED = (False, False, True)  # about one mha or block case in three draws th
 OPTIONED_HEADS = (4, 2, 3, 1)  # H of an optioned case: 4 first, for Hkv = 2 of 4
 NORMS = ("layer", "rms")
 OPTIONED_ACTIVATIONS = ("relu", "gelu", "swiglu", "swiglu")  # swiglu in half of the optioned blocks
+ROPE_THETAS = (None, None, 10.0, 10000.0)  # an optioned case's rope_theta: RoPE in half of them
+ROPE_D_K = 4  # d_k with RoPE: two pairs per head, so their layout and theta matter (one pair turns by p alone)
 MASK_DTYPES = ("bool", "int32", "int64")
 MAGNITUDES = ("normal", "large", "small_variance")
 HIDDEN = 0.3  # share of keys a random mask hides
@@ -402,12 +404,16 @@ def block_states(d_model: int, d_ff: int, **layout: Any) -> st.SearchStrategy[St
 
 
 @st.composite
-def heads_and_options(draw: Callable) -> tuple[int, int, bool, dict[str, Any]]:
+def heads_and_options(draw: Callable, *, rope: bool = True) -> tuple[int, int, bool, dict[str, Any]]:
     """H, D, whether the case is optioned and the module options: about one case in three (OPTIONED) is, and
-    then H comes from OPTIONED_HEADS, so that key/value heads shared in groups (Hkv = 2 of 4) are drawn often."""
+    then H comes from OPTIONED_HEADS, so that key/value heads shared in groups (Hkv = 2 of 4) are drawn often;
+    with RoPE (rope_theta from ROPE_THETAS; never with rope=False), D = H * ROPE_D_K."""
     optioned = draw(st.sampled_from(OPTIONED))
     num_heads, d_model = draw(_heads_and_width(OPTIONED_HEADS if optioned else HEADS))
-    options = draw(module_options(num_heads)) if optioned else {"num_kv_heads": None, "bias": True}
+    if not optioned:
+        return num_heads, d_model, optioned, {"num_kv_heads": None, "bias": True, "rope_theta": None}
+    options = draw(module_options(num_heads)) | {"rope_theta": draw(st.sampled_from(ROPE_THETAS)) if rope else None}
+    d_model = d_model if options["rope_theta"] is None else num_heads * ROPE_D_K
     return num_heads, d_model, optioned, options
 
 
@@ -430,11 +436,11 @@ def _heads_and_width(draw: Callable, heads: tuple[int, ...] = HEADS) -> tuple[in
 
 @st.composite
 def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | None = None,
-              long: bool = True) -> MhaCase:
+              long: bool = True, rope: bool = True) -> MhaCase:
     """Self-attention (q, k, v the same array, L == S) or cross-attention (three different arrays, L != S);
-    `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head; num_kv_heads
-    and bias from `module_options`."""
-    num_heads, d_model, _, options = draw(heads_and_options())
+    `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head; num_kv_heads,
+    bias and rope_theta from `heads_and_options` (rope=False: none, for properties of unpositioned attention)."""
+    num_heads, d_model, _, options = draw(heads_and_options(rope=rope))
     batch, L = draw(batch_shapes()), draw(lengths(long=long))
     cross = draw(st.booleans()) if cross is None else cross
     S = draw(lengths(exclude=L, long=long)) if cross else L
@@ -443,18 +449,19 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     q = _values(rng, (*batch, L, d_model), magnitude)  # (..., L, D)
     k, v = (_values(rng, (*batch, S, d_model), magnitude),  # (..., S, D)
             _values(rng, (*batch, S, d_model), magnitude)) if cross else (q, q)
-    return MhaCase(draw(mha_states(d_model, num_heads, **options)), num_heads, draw(st.sampled_from(DROPOUTS)),
-                   q, k, v, draw(masks(batch, L, S, heads=num_heads)), **options)
+    state = draw(mha_states(d_model, num_heads, options["num_kv_heads"], options["bias"]))
+    return MhaCase(state, num_heads, draw(st.sampled_from(DROPOUTS)), q, k, v,
+                   draw(masks(batch, L, S, heads=num_heads)), **options)
 
 
 @st.composite
 def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | None = None,
-                long: bool = True) -> BlockCase:
+                long: bool = True, rope: bool = True) -> BlockCase:
     """Pre-LN or post-LN, ReLU or GELU, eps from EPSILONS; x "normal", "large" or "small_variance"
     (c + 1e-3 * noise per row, variance ~1e-6, so eps matters) unless `magnitude` is given.
     causal_mask=True gives mask = tril(L, L), bool (L, L); otherwise a mask per head is drawn. An optioned
-    case (`module_options`) also draws norm and activation among ReLU, GELU and SwiGLU."""
-    num_heads, d_model, optioned, options = draw(heads_and_options())
+    case (`module_options`) also draws norm and activation among ReLU, GELU and SwiGLU; rope as for mha_cases."""
+    num_heads, d_model, optioned, options = draw(heads_and_options(rope=rope))
     d_ff = draw(st.sampled_from(D_FF))
     batch, L = draw(batch_shapes()), draw(lengths(long=long))
     norm = draw(st.sampled_from(NORMS)) if optioned else "layer"
@@ -464,7 +471,8 @@ def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | N
     magnitude = draw(st.sampled_from(MAGNITUDES)) if magnitude is None else magnitude
     x = _values(_rng(draw), (*batch, L, d_model), magnitude)  # (..., L, D)
     mask = np.tri(L, L, dtype=bool) if causal_mask else draw(masks(batch, L, L, heads=num_heads))
-    state = draw(block_states(d_model, d_ff, num_heads=num_heads, norm=norm, activation=activation, **options))
+    state = draw(block_states(d_model, d_ff, num_heads=num_heads, norm=norm, activation=activation,
+                              num_kv_heads=options["num_kv_heads"], bias=options["bias"]))
     return BlockCase(state, num_heads, dropout, norm_first, activation, eps, x, mask, norm, **options)
 
 
@@ -499,4 +507,4 @@ def decode_cases(draw: Callable) -> DecodeCase:
                                                                                block.x.shape[-1]), "normal")
     return DecodeCase(block.state, block.num_heads, block.dropout, block.norm_first, block.activation, block.eps,
                       x, draw(chunk_sizes(L)), L + draw(st.sampled_from(SPARE)), block.norm, block.num_kv_heads,
-                      block.bias)
+                      block.bias, block.rope_theta)

@@ -361,6 +361,9 @@ def _mha_examples() -> list[Fixed]:
                 "multi-query: w_k, w_v (2, 8), every query head reads the one key/value head, a mask per head"),
         example("mha", "grouped_without_bias", lambda: mha_case(D=8, H=4, num_kv_heads=2, bias=False, dropout=0.0),
                 "Hkv = 2 of H = 4, no biases: query heads 0, 1 read key/value head 0, heads 2, 3 head 1"),
+        example("mha", "rope_cross_attention", lambda: mha_case(D=8, H=2, num_kv_heads=1, rope_theta=10.0,
+                                                                mask=random_mask(2, 2, 3, 5)),
+                "RoPE (d_k = 4, two pairs, theta 10): queries turned at positions 0..2, keys at 0..4"),
     ]
 
 
@@ -453,6 +456,12 @@ def _mha_errors() -> list[Fixed]:
               ValueError, "num_kv_heads", "num_heads", stage="init"),
         error("mha", "num_kv_heads_zero", lambda: {"d_model": 8, "num_heads": 4, "num_kv_heads": 0},
               ValueError, "num_kv_heads", stage="init"),
+        error("mha", "rope_theta_negative", lambda: {"d_model": 8, "num_heads": 2, "rope_theta": -1.0},
+              ValueError, "rope_theta", "-1.0", stage="init"),
+        error("mha", "rope_with_odd_head_width", lambda: {"d_model": 6, "num_heads": 2, "rope_theta": 10000.0},
+              ValueError, "rope_theta", "6", "2", stage="init"),
+        error("mha", "state_rope_with_odd_head_width", _mha(num_heads=4, rope_theta=10.0), ValueError,
+              "rope_theta", "4"),
         error("mha", "state_partial_bias", _with_state(_mha(), lambda state: _without(state, "w_q.bias", "w_o.bias")),
               ValueError, "w_q.bias", "w_o.bias"),
         error("mha", "state_kv_rows_not_heads", _with_state(_mha(), lambda state: state | {
@@ -472,8 +481,9 @@ def _block_examples() -> list[Fixed]:
     row_off = changed(np.tri(4, 4, dtype=bool), 2, False)
     return [
         example("block", "llama_style", lambda: block_case(
-            D=8, H=4, F=8, dropout=0.0, norm_first=True, norm="rms", activation="swiglu", bias=False, num_kv_heads=2,
-            mask=np.tri(4, 4, dtype=bool)), "pre-norm, RMSNorm, SwiGLU, no Linear biases, Hkv = 2 of H = 4, causal"),
+            D=16, H=4, F=8, dropout=0.0, norm_first=True, norm="rms", activation="swiglu", bias=False, num_kv_heads=2,
+            rope_theta=10000.0, mask=np.tri(4, 4, dtype=bool)),
+            "pre-norm, RMSNorm, SwiGLU, no Linear biases, Hkv = 2 of H = 4, RoPE (d_k = 4, theta 10000), causal"),
         example("block", "post_rms_swiglu_with_bias", lambda: block_case(
             L=3, norm="rms", activation="swiglu", num_kv_heads=1, x=_small_variance(2, 3, 4, seed=8)),
             "post-norm RMSNorm, SwiGLU with biases, one key/value head, mean square ~1 (rows near a constant)"),
@@ -560,6 +570,8 @@ def _block_errors() -> list[Fixed]:
         error("block", "unknown_norm", lambda: init | {"norm": "batch"}, ValueError, "norm", "batch", stage="init"),
         error("block", "num_kv_heads_not_dividing", lambda: init | {"num_kv_heads": 3}, ValueError, "num_kv_heads",
               "num_heads", stage="init"),
+        error("block", "rope_theta_infinite", lambda: init | {"rope_theta": float("inf")}, ValueError, "rope_theta",
+              stage="init"),
         error("block", "relu_with_a_swiglu_state", lambda: _block(activation="swiglu")()._replace(activation="relu"),
               ValueError, "activation", "'relu'", "ffn.w_gate"),
         error("block", "swiglu_with_an_ffn_0_state", lambda: _block()()._replace(activation="swiglu"),
@@ -587,6 +599,10 @@ def _decode_rows() -> list[Fixed]:
                 "a prefill of 3 positions, two decode steps, three positions of the cache left unfilled (weight 0)"),
         example("decode", "one_position_at_a_time_pre_ln", lambda: decode_case((), (1, 1, 1, 1), norm_first=True),
                 "pre-LN, four steps of one position, the cache exactly full at the end"),
+        example("decode", "llama_style_prefill_then_steps", lambda: decode_case(
+            (2,), (3, 1, 2), capacity=7, D=16, H=4, norm_first=True, norm="rms", activation="swiglu", bias=False,
+            num_kv_heads=2, rope_theta=10.0),
+            "pre-norm RMSNorm SwiGLU block, Hkv = 2 of 4, RoPE (theta 10) at the positions in the whole sequence"),
         edge("decode", "unfilled_positions_weigh_zero", lambda: decode_case((2,), (2, 1), capacity=7),
              "3 positions in a cache of 7: the weights of positions 3..6 are exactly 0 in every row",
              Rule("weights", "zero", (ALL, ALL, ALL, slice(3, None))), Rule("weights", "sums_to_one")),

@@ -23,6 +23,7 @@ REACHES = {
     "pre_ln_residual_dropped": ["block"],
     "silu_derivative_sigmoid_only": ["block"],
     "rms_norm_without_mean_square_term": ["block"],
+    "rope_gradient_turned_forward": ["mha"],
 }
 
 

@@ -44,6 +44,8 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "groups_interleaved": ("sdpa", {"values"}),  # query head h reads key/value head h % Hkv, not h // G
     "rope_interleaved_for_half": ("positions", {"rope"}),  # the pairs (2j, 2j + 1) where (j, j + E/2) are asked for
     "cache_length_not_advanced": ("decode", {"values"}),  # each chunk overwrites the last
+    "rope_positions_from_the_chunk": ("decode", {"values"}),  # RoPE at 0.. in every chunk
+    "rope_keys_not_turned": ("mha", {"values"}),  # the scores depend on the query's position, not the distance
     "softmax_wrong_axis": ("sdpa", {"values", "weights_rows"}),
     "softmax_without_max_subtraction": ("sdpa", {"values"}),  # logits in the hundreds overflow exp
     "row_maximum_before_bias": ("sdpa", {"values"}),  # biases in the thousands overflow exp

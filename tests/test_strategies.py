@@ -444,5 +444,6 @@ def test_module_options_reach_every_form_in_a_third_of_the_cases() -> None:
         seen.update({"Hkv 1 < H"} if Hkv == 1 < H else {"1 < Hkv < H"} if 1 < Hkv < H else set())
 
     record()
-    assert {"bias False", "norm rms", "activation swiglu", "Hkv 1 < H", "1 < Hkv < H"} <= seen, seen
+    assert {"bias False", "norm rms", "activation swiglu", "rope_theta 10.0", "rope_theta 10000.0", "Hkv 1 < H",
+            "1 < Hkv < H"} <= seen, seen
     assert 0.15 <= np.mean(optioned) <= 0.5, np.mean(optioned)

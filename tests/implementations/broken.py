@@ -260,6 +260,25 @@ class CacheLengthNotAdvanced(Implementation):
         return start
 
 
+class RopePositionsFromTheChunk(Implementation):
+    """extend turns each chunk's queries and keys at positions 0 .. L - 1 of the chunk instead of
+    length .. length + L - 1 in the sequence (the positions of a full pass forgotten once a cache holds the
+    earlier ones). Caught by: values (decode with RoPE and two chunks or more)."""
+
+    def new_positions(self, start: int, end: int) -> np.ndarray:
+        return np.arange(end - start)
+
+
+class RopeKeysNotTurned(Implementation):
+    """RoPE turns the queries only; the keys keep their projections (half of the rotation forgotten: the
+    scores then depend on the query's absolute position, not on the distance). Caught by: values (mha and
+    block with rope_theta)."""
+
+    def rope_heads(self, q: np.ndarray, k: np.ndarray, theta: float,
+                   positions: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+        return super().rope_heads(q, k, theta, positions)[0], k
+
+
 # --- softmax -------------------------------------------------------------------------------------------
 
 
@@ -636,6 +655,8 @@ VARIANTS: dict[str, type[Implementation]] = {
     "groups_interleaved": GroupsInterleaved,
     "rope_interleaved_for_half": RopeInterleavedForHalf,
     "cache_length_not_advanced": CacheLengthNotAdvanced,
+    "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
+    "rope_keys_not_turned": RopeKeysNotTurned,
     "softmax_wrong_axis": SoftmaxWrongAxis,
     "softmax_without_max_subtraction": SoftmaxWithoutMaxSubtraction,
     "row_maximum_before_bias": RowMaximumBeforeBias,

@@ -42,6 +42,9 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     # RMSNorm's backward forgets what the mean square takes from each entry
     "rms_norm_without_mean_square_term": ("(d_hat - x_hat * np.mean(d_hat * x_hat, axis=-1, keepdims=True)) * inv_rms",
                                           "d_hat * inv_rms"),
+    # RoPE's adjoint turned forward again (R instead of R^T): the gradient of a turned query or key is wrong
+    "rope_gradient_turned_forward": ("apply_rope(d, -np.arange(d.shape[-2]), theta=mha.rope_theta)",
+                                     "apply_rope(d, np.arange(d.shape[-2]), theta=mha.rope_theta)"),
     # pre-LN: the residual's gradient is dropped in the backward pass
     "pre_ln_residual_dropped": ("dh = dy + dh_norm2  # the residual passes dy on unchanged", "dh = dh_norm2"),
 }

@@ -209,6 +209,10 @@ class Implementation:
         """The length of the cache after an extend of positions start .. end - 1."""
         return end
 
+    def new_positions(self, start: int, end: int) -> np.ndarray:
+        """The positions of an extend's new rows, where RoPE turns them: start .. end - 1."""
+        return np.arange(start, end)
+
     def work_dtype(self, dtype: np.dtype) -> np.dtype:
         """The dtype attention computes in: float32 for float16 (SPEC section 2), else the inputs' own."""
         return np.promote_types(dtype, np.float32)
@@ -296,8 +300,10 @@ class Implementation:
 
     def multi_head_attention(self, state: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray,
                              v: np.ndarray, mask: np.ndarray | None, *, num_heads: int, dropout_p: float,
-                             need_weights: bool, rng: Rng) -> Pair:
-        """MultiHead(Q, K, V) = Concat_h(Attention(Q W_q,h^T + b_q,h, ...)) W_o^T + b_o, heads as an axis.
+                             need_weights: bool, rng: Rng, rope_theta: float | None = None,
+                             positions: tuple[np.ndarray, np.ndarray] | None = None) -> Pair:
+        """MultiHead(Q, K, V) = Concat_h(Attention(Q W_q,h^T + b_q,h, ...)) W_o^T + b_o, heads as an axis;
+        with rope_theta, each head's queries and keys turned at `positions` ((L,), (S,); None: 0.. each).
 
         Returns out (..., L, D) and weights (..., H, L, S).
         """
@@ -313,6 +319,8 @@ class Implementation:
         q = projected(q, "w_q", num_heads)  # (..., L, D) -> (..., H, L, K)
         k = np.take(projected(k, "w_k", num_kv_heads), shared, axis=-3)  # (..., S, D) -> (..., H, S, K)
         v = np.take(projected(v, "w_v", num_kv_heads), shared, axis=-3)  # (..., S, D) -> (..., H, S, K)
+        if rope_theta is not None:
+            q, k = self.rope_heads(q, k, rope_theta, positions)
 
         # 2) attend, every head at once
         heads, weights = self.scaled_dot_product_attention(
@@ -322,6 +330,12 @@ class Implementation:
         # 3) mix the heads back into D
         out = self.merge_heads(heads, state["w_o.weight"], state.get("w_o.bias"))  # (..., H, L, K) -> (..., L, D)
         return out, (None if weights is None else self.head_weights(weights))
+
+    def rope_heads(self, q: np.ndarray, k: np.ndarray, theta: float,
+                   positions: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+        """q (..., H, L, K) and k (..., H, S, K) turned at their positions ((L,), (S,); None: 0.. each)."""
+        q_at, k_at = (np.arange(q.shape[-2]), np.arange(k.shape[-2])) if positions is None else positions
+        return self.apply_rope(q, q_at, theta=theta), self.apply_rope(k, k_at, theta=theta)
 
     def shared_kv_head(self, H: int, Hkv: int) -> np.ndarray:
         """Grouped-query attention: query head h reads key/value head h // (H / Hkv)."""
@@ -352,7 +366,8 @@ class Implementation:
 
     def transformer_block(self, state: Mapping[str, np.ndarray], x: np.ndarray, mask: np.ndarray | None, *,
                           num_heads: int, norm_first: bool, activation: str, eps: float, dropout_p: float,
-                          need_weights: bool, rng: Rng) -> Pair:
+                          need_weights: bool, rng: Rng, rope_theta: float | None = None,
+                          positions: np.ndarray | None = None) -> Pair:
         """post-LN: x = LN_1(x + Drop(MHA(x))), x = LN_2(x + Drop(FFN(x)));
         pre-LN: x = x + Drop(MHA(LN_1(x))), x = x + Drop(FFN(LN_2(x))). One generator feeds every site."""
         rng = self.block_generator(rng)
@@ -361,7 +376,8 @@ class Implementation:
 
         def attend(y: np.ndarray) -> Pair:
             return self.multi_head_attention(attn, y, y, y, mask, num_heads=num_heads, dropout_p=dropout_p,
-                                             need_weights=need_weights, rng=rng)
+                                             need_weights=need_weights, rng=rng, rope_theta=rope_theta,
+                                             positions=None if positions is None else (positions, positions))
 
         def feed_forward(y: np.ndarray) -> np.ndarray:
             return self.feed_forward(state, y, activation, dropout_p, rng)
@@ -571,6 +587,15 @@ class Implementation:
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
 
+    def check_rope_theta(self, rope_theta: Any, d_model: int, num_heads: int) -> float | None:
+        if rope_theta is None:
+            return None
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, int | float) or not 0 < rope_theta < math.inf:
+            raise ValueError(f"rope_theta={rope_theta!r} must be None or a positive finite number")
+        if d_model // num_heads % 2:
+            raise ValueError(f"rope_theta needs an even head width; d_model={d_model}, num_heads={num_heads}")
+        return float(rope_theta)
+
     def check_kv_heads(self, num_heads: int, num_kv_heads: Any) -> int:
         if num_kv_heads is None:
             return num_heads
@@ -642,10 +667,12 @@ class _Module:
 
 class _MultiHeadAttention(_Module):
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
-                 num_kv_heads: int | None = None, bias: bool = True, rng: Rng = None, dtype: Any = None) -> None:
+                 num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
+                 rng: Rng = None, dtype: Any = None) -> None:
         impl = self._impl
         impl.check_sizes(d_model=d_model, num_heads=num_heads)
         num_kv_heads = impl.check_kv_heads(num_heads, num_kv_heads)
+        self.rope_theta = impl.check_rope_theta(rope_theta, d_model, num_heads)
         impl.check_probability("dropout", dropout)
         rng, dtype = impl.generator(rng), np.float32 if dtype is None else dtype
         state = {}
@@ -654,16 +681,19 @@ class _MultiHeadAttention(_Module):
         self._state, self.num_heads, self.dropout, self.training = state, num_heads, dropout, True
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1) -> Any:
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
+                        rope_theta: float | None = None) -> Any:
         """A module holding `state`, computing in its dtype, in training mode."""
         impl, state = cls._impl, cls._loaded(state)
         d_model = impl.size_of(cls.__name__, state, "w_q.weight", 1)
         impl.check_sizes(d_model=d_model, num_heads=num_heads)
+        rope_theta = impl.check_rope_theta(rope_theta, d_model, num_heads)
         impl.check_probability("dropout", dropout)
         num_kv_heads = impl.kv_heads_in(state, "", d_model, num_heads)
         impl.check_state(cls.__name__, state, impl.mha_shapes(d_model, num_heads, num_kv_heads, impl.biased(state)))
         module = object.__new__(cls)
         module._state, module.num_heads, module.dropout, module.training = state, num_heads, dropout, True
+        module.rope_theta = rope_theta
         return module
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
@@ -677,20 +707,21 @@ class _MultiHeadAttention(_Module):
         impl.check_dtypes("", q=q, k=k, v=v, parameters=self._a_parameter())
         return impl.multi_head_attention(self._state, q, k, v, mask, num_heads=self.num_heads,
                                          dropout_p=impl.active_dropout(self.dropout, self.training),
-                                         need_weights=need_weights, rng=rng)
+                                         need_weights=need_weights, rng=rng, rope_theta=self.rope_theta)
 
 
 class _TransformerBlock(_Module):
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layer",
-                 num_kv_heads: int | None = None, bias: bool = True, eps: float = 1e-5, rng: Rng = None,
-                 dtype: Any = None) -> None:
+                 num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
+                 eps: float = 1e-5, rng: Rng = None, dtype: Any = None) -> None:
         impl = self._impl
         impl.check_sizes(d_model=d_model, num_heads=num_heads, d_ff=d_ff)
         impl.check_probability("dropout", dropout)
         impl.check_activation(activation)
         impl.check_norm(norm)
         num_kv_heads = impl.check_kv_heads(num_heads, num_kv_heads)
+        rope_theta = impl.check_rope_theta(rope_theta, d_model, num_heads)
         rng, dtype = impl.generator(rng), np.float32 if dtype is None else dtype
         state = {}
         shapes = impl.block_shapes(d_model, d_ff, num_heads, num_kv_heads, bias=False, norm=norm,
@@ -701,18 +732,22 @@ class _TransformerBlock(_Module):
                 state |= {name.replace("weight", "bias"): np.zeros(shape, dtype)} if norm == "layer" else {}
             else:
                 state |= impl.init_linear(name.removesuffix(".weight"), shape[1], shape[0], rng, dtype, bias)
-        self._setup(state, num_heads, dropout, norm_first, activation, eps)
+        self._setup(state, num_heads, dropout, norm_first, activation, eps, rope_theta)
 
     def _setup(self, state: dict[str, np.ndarray], num_heads: int, dropout: float, norm_first: bool,
-               activation: str, eps: float) -> None:
+               activation: str, eps: float, rope_theta: float | None) -> None:
         self._state, self.num_heads, self.dropout, self.training = state, num_heads, dropout, True
-        self.norm_first, self.activation, self.eps = norm_first, activation, eps
+        self.norm_first, self.activation, self.eps, self.rope_theta = norm_first, activation, eps, rope_theta
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
-                        norm_first: bool = False, activation: str = "relu", eps: float = 1e-5) -> Any:
-        """A block holding `state`, computing in its dtype, in training mode."""
+                        norm_first: bool = False, activation: str | None = None, rope_theta: float | None = None,
+                        eps: float = 1e-5) -> Any:
+        """A block holding `state`, computing in its dtype, in training mode; activation None: SwiGLU where the
+        state has its entries, else ReLU."""
         impl, state = cls._impl, cls._loaded(state)
+        if activation is None:
+            activation = "swiglu" if "ffn.w_gate.weight" in state else "relu"
         impl.check_activation(activation)
         impl.check_feed_forward(state, activation)
         d_model = impl.size_of(cls.__name__, state, "attn.w_q.weight", 1)
@@ -720,33 +755,41 @@ class _TransformerBlock(_Module):
         impl.check_sizes(d_model=d_model, num_heads=num_heads, d_ff=d_ff)
         impl.check_probability("dropout", dropout)
         num_kv_heads = impl.kv_heads_in(state, "attn.", d_model, num_heads)
+        rope_theta = impl.check_rope_theta(rope_theta, d_model, num_heads)
         norm = "layer" if "norm1.bias" in state else "rms"
         impl.check_state(cls.__name__, state, impl.block_shapes(d_model, d_ff, num_heads, num_kv_heads,
                                                                 impl.biased(state), norm, activation))
         module = object.__new__(cls)
-        module._setup(state, num_heads, dropout, norm_first, activation, eps)
+        module._setup(state, num_heads, dropout, norm_first, activation, eps, rope_theta)
         return module
 
     def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, *, need_weights: bool = True,
                  rng: Rng = None) -> Pair:
         """x (..., L, D), mask broadcasting to (..., H, L, L) -> x (..., L, D), weights (..., H, L, L)."""
-        impl, x = self._impl, np.asarray(x)
+        return self._forward(np.asarray(x), mask, need_weights=need_weights, rng=rng)
+
+    def _forward(self, x: np.ndarray, mask: np.ndarray | None, *, need_weights: bool, rng: Rng,
+                 positions: np.ndarray | None = None) -> Pair:
+        """__call__, with RoPE at `positions` (L,) (None: 0 .. L - 1)."""
+        impl = self._impl
         impl.check_module_input("x", x, self._state["norm1.weight"].shape[0], "L")
         impl.check_dtypes("", x=x, parameters=self._a_parameter())
         return impl.transformer_block(self._state, x, mask, num_heads=self.num_heads,
                                       norm_first=self.norm_first, activation=self.activation, eps=self.eps,
                                       dropout_p=impl.active_dropout(self.dropout, self.training),
-                                      need_weights=need_weights, rng=rng)
+                                      need_weights=need_weights, rng=rng, rope_theta=self.rope_theta,
+                                      positions=positions)
 
 
     # --- decoding: the cache keeps the inputs, and each extend recomputes the causal pass over them -------------
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> _InputCache:
-        """The inputs seen so far, (*batch_shape, capacity, D), length 0."""
+        """The inputs seen so far, (*batch_shape, capacity, D), and their positions (capacity,), length 0."""
         if not (isinstance(capacity, int) and capacity >= 0):
             raise ValueError(f"capacity must be a non-negative int; got {capacity!r}")
         D = self._state["norm1.weight"].shape[0]
-        return _InputCache(np.zeros((*batch_shape, capacity, D), dtype or self._a_parameter().dtype), 0)
+        inputs = np.zeros((*batch_shape, capacity, D), dtype or self._a_parameter().dtype)
+        return _InputCache(inputs, np.zeros(capacity, np.int64), 0)
 
     def extend(self, x: np.ndarray, cache: _InputCache, mask: np.ndarray | None = None, *, need_weights: bool = True,
                rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None, _InputCache]:
@@ -756,16 +799,18 @@ class _TransformerBlock(_Module):
         start, end = cache.length, self._impl.cache_end(cache.length, L)
         if end > capacity:
             raise ValueError(f"the cache's capacity is {capacity}: {start} positions held, {L} more asked")
-        seen = cache.x.copy()
-        seen[..., start:end, :] = x
-        y, weights = self(seen[..., :end, :], self._impl.causal(end, end), need_weights=need_weights, rng=rng)
+        seen, positions = cache.x.copy(), cache.positions.copy()
+        seen[..., start:end, :], positions[start:end] = x, self._impl.new_positions(start, end)
+        y, weights = self._forward(seen[..., :end, :], self._impl.causal(end, end), need_weights=need_weights,
+                                   rng=rng, positions=positions[:end])
         if weights is not None:  # (..., H, end, end) -> the new rows, (..., H, L, capacity)
             weights = np.pad(weights[..., start:end, :], [(0, 0)] * (weights.ndim - 1) + [(0, capacity - end)])
-        return y[..., start:end, :], weights, _InputCache(seen, self._impl.advanced(start, end))
+        return y[..., start:end, :], weights, _InputCache(seen, positions, self._impl.advanced(start, end))
 
 
 class _InputCache(NamedTuple):
     x: np.ndarray  # (..., capacity, D)
+    positions: np.ndarray  # (capacity,): where RoPE turns each input
     length: int
 
 
