@@ -230,7 +230,8 @@ class MultiHeadAttention(Module):
         """x (..., heads, L, d_k) turned by RoPE at positions start .. start + L - 1 (x itself without rope_theta)."""
         if self.rope_theta is None:
             return x
-        return apply_rope(x, start + jnp.arange(x.shape[-2]), theta=self.rope_theta)  # positions (L,)
+        positions = start + jnp.arange(x.shape[-2], dtype=jnp.asarray(start).dtype)  # (L,); jax: the length's int
+        return apply_rope(x, positions, theta=self.rope_theta)
 
     def _split_heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
         """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""

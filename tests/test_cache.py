@@ -16,6 +16,10 @@ from tests.conftest import import_backend
 
 B, L, D, H, F = 2, 7, 8, 2, 16
 SPLITS = {"prefill_then_decode": (4, 1, 1, 1), "chunks": (3, 1, 3), "one_by_one": (1,) * L, "whole": (L,)}
+# a Llama decoder layer's options (d_k = 4: two RoPE pairs); theta 10 turns both pairs visibly in 7 positions
+LLAMA = {"norm_first": True, "norm": "rms", "activation": "swiglu", "bias": False, "num_kv_heads": 1,
+         "rope_theta": 10.0}
+LAYOUT = ("norm", "bias", "num_kv_heads")  # the options the state's shapes carry (from_state_dict infers them)
 
 
 def _random(*shape: int, seed: int = 0) -> np.ndarray:
@@ -25,12 +29,14 @@ def _random(*shape: int, seed: int = 0) -> np.ndarray:
 def _module(M: ModuleType, kind: str, **options):
     """An MHA or a block with seeded parameters from the NumPy backend's, in eval mode, float64."""
     reference = import_backend("attention_np")
+    loaded = {name: value for name, value in options.items() if name not in LAYOUT}
     if kind == "mha":
-        state = reference.MultiHeadAttention(D, H, rng=0, dtype=np.float64).state_dict()
-        return M.MultiHeadAttention.from_state_dict({n: M.asarray(x) for n, x in state.items()}, num_heads=H).eval()
+        state = reference.MultiHeadAttention(D, H, rng=0, dtype=np.float64, **options).state_dict()
+        return M.MultiHeadAttention.from_state_dict({n: M.asarray(x) for n, x in state.items()}, num_heads=H,
+                                                    **loaded).eval()
     state = reference.TransformerBlock(D, H, F, rng=0, dtype=np.float64, **options).state_dict()
     return M.TransformerBlock.from_state_dict({n: M.asarray(x) for n, x in state.items()}, num_heads=H,
-                                              **options).eval()
+                                              **loaded).eval()
 
 
 def _chunks(sizes: tuple[int, ...]) -> list[slice]:
@@ -50,9 +56,10 @@ def _extended(M: ModuleType, module, inputs: list[np.ndarray], sizes: tuple[int,
     return np.concatenate(outs, axis=-2), np.concatenate(weights, axis=-2), cache
 
 
+@pytest.mark.parametrize("options", [{}, {"num_kv_heads": 1, "rope_theta": 10.0}], ids=["plain", "mqa_rope"])
 @pytest.mark.parametrize("sizes", SPLITS.values(), ids=SPLITS.keys())
-def test_mha_extend_equals_one_causal_pass(backend: ModuleType, sizes):
-    mha = _module(backend, "mha")
+def test_mha_extend_equals_one_causal_pass(backend: ModuleType, sizes, options):
+    mha = _module(backend, "mha", **options)
     x_q, x_kv = _random(B, L, D, seed=1), _random(B, L, D, seed=2)  # the queries' and keys' inputs differ
     full, full_weights = mha(*(backend.asarray(x) for x in (x_q, x_kv, x_kv)), backend.causal_mask(L, L))
     out, weights, cache = _extended(backend, mha, [x_q, x_kv], sizes, capacity=L + 3)
@@ -63,7 +70,8 @@ def test_mha_extend_equals_one_causal_pass(backend: ModuleType, sizes):
     assert int(cache.length) == L
 
 
-@pytest.mark.parametrize("options", [{}, {"norm_first": True, "activation": "gelu"}], ids=["post_ln", "pre_ln"])
+@pytest.mark.parametrize("options", [{}, {"norm_first": True, "activation": "gelu"}, LLAMA],
+                         ids=["post_ln", "pre_ln", "llama"])
 @pytest.mark.parametrize("sizes", SPLITS.values(), ids=SPLITS.keys())
 def test_block_extend_equals_one_causal_pass(backend: ModuleType, sizes, options):
     block = _module(backend, "block", **options)
@@ -162,7 +170,7 @@ def test_numpy_writes_in_place_and_copies_no_cache_per_step():
 def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole():
     torch = pytest.importorskip("torch")
     M = import_backend("attention_torch")
-    block = _module(M, "block")
+    block = _module(M, "block", **LLAMA)  # RoPE's positions follow the cache's length inside the graph
     cache = block.init_cache((B,), 16)
     pointer = cache.k.data_ptr()
     step = torch.compile(block.extend, fullgraph=True, dynamic=True, backend="aot_eager")  # no graph break
@@ -181,7 +189,7 @@ def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole():
 def test_jax_compiles_one_extend_per_chunk_length_and_a_full_cache_is_nan():
     jax = pytest.importorskip("jax")
     M = import_backend("attention_jax")
-    block = _module(M, "block")
+    block = _module(M, "block", **LLAMA)  # RoPE's positions follow the traced length
     traces = []
 
     def step(block, x, cache):
