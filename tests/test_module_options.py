@@ -1,7 +1,8 @@
-"""The module options of SPEC section 5: num_kv_heads (grouped-query attention), bias=False, norm="rms" and
-activation="swiglu". Checked against torch's own pieces (nn.RMSNorm, F.silu, nn.Linear(bias=False),
-F.scaled_dot_product_attention's enable_gqa) written plainly in float64, across the three backends on both
-paths, through from_state_dict's inference and errors, and through NumPy's hand-derived backward pass."""
+"""The module options of SPEC sections 3 to 5: num_kv_heads (grouped-query attention), bias=False, rope_theta,
+norm="rms" and activation="swiglu". Checked against torch's own pieces (nn.RMSNorm, F.silu,
+nn.Linear(bias=False), F.scaled_dot_product_attention's enable_gqa, Hugging Face's rotate_half written out)
+in float64, across the three backends on both paths, through from_state_dict's inference and errors, and
+through NumPy's hand-derived backward pass."""
 
 from __future__ import annotations
 
@@ -121,6 +122,44 @@ def test_mha_one_kv_head_is_every_query_head_reading_it(name: str) -> None:
         assert_close(M.to_numpy(a), M.to_numpy(b), 1e-13, name)
 
 
+def _rotate_half_rope(x: object, positions: object, theta: float) -> object:
+    """Hugging Face's RoPE, written out: x * cos + rotate_half(x) * sin, angles p * theta^(-2j / E) repeated
+    over both halves; x (..., n, E) torch, positions (n,)."""
+    import torch
+
+    E = x.shape[-1]
+    angles = positions[:, None].double() * theta ** (-torch.arange(0, E, 2, dtype=torch.float64) / E)
+    angles = torch.cat([angles, angles], dim=-1)  # (n, E)
+    rotated = torch.cat([-x[..., E // 2:], x[..., : E // 2]], dim=-1)  # rotate_half
+    return x * torch.cos(angles) + rotated * torch.sin(angles)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_mha_with_rope_matches_torch_pieces_in_cross_attention(name: str) -> None:
+    # queries turned at 0 .. L - 1 and keys at 0 .. S - 1 (each sequence counts its own), values not turned;
+    # grouped heads, on both paths
+    torch = pytest.importorskip("torch")
+    M, S, theta = import_backend(name), L + 3, 10.0
+    mha = M.MultiHeadAttention(D, H, 0.0, num_kv_heads=HKV, rope_theta=theta, rng=_rng(M),
+                               dtype=_float64(M)).eval()
+    state, q, kv = _numpy_state(mha, M), _x(B, L, D), _x(B, S, D, seed=2)
+    t = {n: torch.tensor(v) for n, v in state.items()}
+
+    def heads(x: np.ndarray, name: str, count: int) -> object:
+        y = torch.nn.functional.linear(torch.tensor(x), t[f"{name}.weight"], t[f"{name}.bias"])
+        return y.unflatten(-1, (count, D_K)).transpose(-2, -3)  # (B, count, n, d_k)
+
+    q_h = _rotate_half_rope(heads(q, "w_q", H), torch.arange(L), theta)
+    k_h = _rotate_half_rope(heads(kv, "w_k", HKV), torch.arange(S), theta)
+    out = torch.nn.functional.scaled_dot_product_attention(q_h, k_h, heads(kv, "w_v", HKV), enable_gqa=True)
+    expected = torch.nn.functional.linear(out.transpose(-2, -3).flatten(-2), t["w_o.weight"], t["w_o.bias"])
+    for need_weights in (True, False):
+        got, _ = mha(M.asarray(q), M.asarray(kv), M.asarray(kv), need_weights=need_weights)
+        assert_close(M.to_numpy(got), expected.numpy(), 1e-12, f"{name} need_weights={need_weights}")
+    plain = M.MultiHeadAttention.from_state_dict({n: M.asarray(v) for n, v in state.items()}, num_heads=H).eval()
+    assert np.max(np.abs(M.to_numpy(plain(M.asarray(q), M.asarray(kv), M.asarray(kv))[0]) - expected.numpy())) > 1e-3
+
+
 def _rng(M: ModuleType) -> object:
     from tests.conftest import backend_rng
 
@@ -167,6 +206,18 @@ def test_from_state_dict_infers_the_layout(name: str, layout: str) -> None:
     assert block.ffn.activation == options.get("activation", "relu")
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_from_state_dict_reads_swiglu_off_the_entries(name: str) -> None:
+    # activation=None (the default): SwiGLU for ffn.w_gate, w_up, w_down; ReLU, the seed's, for ffn.0, ffn.3
+    M = import_backend(name)
+    for options, activation in ((LLAMA, "swiglu"), ({}, "relu")):
+        state = {n: M.asarray(v) for n, v in _state(options).items()}
+        assert M.TransformerBlock.from_state_dict(state, num_heads=H).ffn.activation == activation
+    gelu = M.TransformerBlock.from_state_dict({n: M.asarray(v) for n, v in _state({}).items()}, num_heads=H,
+                                              activation="gelu")
+    assert gelu.ffn.activation == "gelu"  # the shapes cannot tell GELU from ReLU: it is still an argument
+
+
 def _errors(make: object) -> set[tuple[str, str]]:
     """The (type, message) that building raises on every backend."""
     seen = set()
@@ -182,6 +233,12 @@ def _errors(make: object) -> set[tuple[str, str]]:
     (lambda M: M.MultiHeadAttention(D, H, num_kv_heads=True), ("num_kv_heads",)),
     (lambda M: M.TransformerBlock(D, H, F, norm="batch"), ("norm", "'batch'")),
     (lambda M: M.TransformerBlock(D, H, F, activation="geglu"), ("activation", "'geglu'")),
+    (lambda M: M.MultiHeadAttention(D, H, rope_theta=0.0), ("rope_theta", "0.0")),
+    (lambda M: M.TransformerBlock(D, H, F, rope_theta=True), ("rope_theta", "True")),
+    (lambda M: M.MultiHeadAttention(6, 2, rope_theta=1e4), ("rope_theta", "6 / 2 = 3", "even")),
+    (lambda M: M.MultiHeadAttention.from_state_dict(
+        {n.removeprefix("attn."): M.asarray(v) for n, v in _state({}).items() if n.startswith("attn.")},
+        num_heads=8, rope_theta=10.0), ("rope_theta", "8 / 8 = 1")),
 ])
 def test_bad_options_raise_one_error_on_every_backend(build: object, words: tuple[str, ...]) -> None:
     (seen,) = _errors(build)  # one type and message on all three backends
