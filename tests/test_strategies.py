@@ -64,7 +64,10 @@ def _assert_positions(case: cases.SdpaCase, batch: tuple[int, ...]) -> None:
 
 def _assert_mha_contract(case: cases.MhaCase) -> None:
     d_model = case.state["w_q.weight"].shape[0]
-    assert d_model % case.num_heads == 0 and d_model <= 8
+    assert d_model % case.num_heads == 0
+    # d_k of D_K (D <= 8), or ROPE_D_K with RoPE: two pairs per head
+    assert d_model // case.num_heads == cs.ROPE_D_K if case.rope_theta is not None else d_model <= 8
+    assert case.rope_theta is None or case.rope_theta in cs.ROPE_THETAS
     (L, _), (S, _) = case.q.shape[-2:], case.k.shape[-2:]
     assert case.q.shape[-1] == case.k.shape[-1] == case.v.shape[-1] == d_model
     assert case.k.shape == case.v.shape and case.q.shape[:-2] == case.k.shape[:-2]
@@ -85,6 +88,7 @@ def _assert_layout(state: dict, prefix: str, case: cases.MhaCase | cases.BlockCa
 def _assert_block_contract(case: cases.BlockCase) -> None:
     L, d_model = case.x.shape[-2:]
     assert case.state["norm1.weight"].shape == (d_model,) and d_model % case.num_heads == 0
+    assert d_model // case.num_heads == cs.ROPE_D_K if case.rope_theta is not None else d_model <= 8
     _assert_broadcasts("mask", case.mask, (*case.x.shape[:-2], case.num_heads, L, L))
     _assert_mask_values(case.mask)
     assert case.activation in cs.OPTIONED_ACTIVATIONS and case.eps in cs.EPSILONS and case.dropout in cs.DROPOUTS
@@ -298,6 +302,7 @@ def test_masks_without_heads_never_draw_a_head_family() -> None:
 def _assert_decode_contract(case: cases.DecodeCase) -> None:
     L, d_model = case.x.shape[-2:]
     assert case.state["norm1.weight"].shape == (d_model,) and d_model % case.num_heads == 0
+    assert d_model // case.num_heads == cs.ROPE_D_K if case.rope_theta is not None else d_model <= 8
     assert all(size >= 1 for size in case.chunks) and sum(case.chunks) == L <= case.capacity
 
 
