@@ -69,7 +69,7 @@ class DecodeRow(NamedTuple):
 
 
 class Backend(NamedTuple):
-    """How one framework runs the benchmark: `prepare(module, state, config)` -> the calls below."""
+    """How one framework runs the benchmark: PREPARE[framework](module, block, capacity) -> the calls below."""
 
     init: Callable[[], Any]  # () -> an empty cache of capacity P + T
     extend: Callable[[Any, Any], tuple[Any, Any]]  # (x, cache) -> (out, cache), need_weights=False
@@ -79,6 +79,8 @@ class Backend(NamedTuple):
 
 
 class Config(NamedTuple):
+    """The sizes (the defaults: the command's), the repeats, and EVERY for the sampled recompute."""
+
     prefill: int = PREFILL
     tokens: int = TOKENS
     repeats: int = 5
