@@ -21,7 +21,7 @@ import pytest
 
 import attention_np
 from conformance.__main__ import main
-from conformance.bench import baselines, report, timing, variants
+from conformance.bench import baselines, decode, report, timing, variants
 from conformance.bench.baselines import tutorial_attention
 from conformance.frameworks import framework_of
 from tests._compare import assert_close
@@ -350,3 +350,55 @@ def test_a_ratio_without_a_bound_has_no_verdict() -> None:
                             {"time": {"attention_np window": 30.0, "attention_np causal": 120.0}})
     assert (row.measured, row.bound, row.met) == (0.25, None, None)
     assert report.format_targets([row]).splitlines()[1].split()[-3:] == ["0.250", "-", "-"]
+
+
+# --- compare --decode (bench/decode.py) ---------------------------------------------------------------
+
+
+@pytest.mark.slow  # three backends' prefill, steps and full passes, JAX's compiles
+def test_decode_runs_at_a_tiny_size_with_a_row_per_backend(tmp_path: pathlib.Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "decode.json"
+    assert main(["compare", "--decode", "--prefill", "8", "--tokens", "4", "--repeats", "1",
+                 "--json", str(path)]) == 0
+    stdout = capsys.readouterr().out
+    document = json.loads(path.read_text())
+    rows = {row["backend"]: row for row in document["rows"]}
+    installed = [name for name in ("attention_np", "attention_jax", "attention_torch") if _importable(name)]
+    assert list(rows) == installed and document["variant"] == "decode"
+    assert all(any(line.startswith(name) for line in stdout.splitlines()) for name in installed), stdout
+    # p = 9 and 12: the first new position and the last (every 32nd of four)
+    assert all(row["sampled"] == [9, 12] for row in rows.values())
+    if "attention_jax" in rows:  # one trace of the prefill (L = 8), one for all four steps (L = 1)
+        assert (rows["attention_jax"]["prefill_compiles"], rows["attention_jax"]["step_compiles"]) == (1, 1)
+        assert "attention_jax 1 (target 1): MET" in stdout
+    if "attention_torch" in rows:  # the pieces' outputs were compared with ours before timing
+        assert rows["attention_torch"]["pieces_error"] <= decode.ATOL
+    expected = [(f"{name} recompute", f"{name} decode") for name in installed]
+    expected += [("attention_torch decode", "torch pieces decode")] * ("attention_torch" in rows)
+    targets = document["targets"]
+    assert [(row["numerator"], row["denominator"]) for row in targets] == expected
+    for value in [row["measured"] for row in targets] + [row["speedup"] for row in rows.values()]:
+        assert math.isfinite(value) and value > 0  # no timing target is asserted: timings are noisy
+
+
+@pytest.mark.slow  # every backend at a tiny size
+def test_decode_with_rope_checks_the_pieces_and_the_recompute(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the switch ROPE_THETA turns RoPE on in our blocks (rope_theta=) and in the torch pieces (cos/sin tables):
+    # run() raises if the pieces or the last full pass differ from our last steps by more than ATOL
+    monkeypatch.setattr(decode, "ROPE_THETA", 10000.0)
+    config = decode.Config(prefill=8, tokens=4, repeats=1, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48)
+    backends, _ = timing.installed_backends()
+    with timing.pinned(backends):
+        rows, _ = decode.run(config, backends)
+    assert [row.backend for row in rows] == list(backends)
+    assert all(row.pieces_error <= decode.ATOL for row in rows if row.pieces_error is not None)
+    assert "rope_theta=10000.0" in decode.describe(config)
+
+
+def test_decode_recompute_sum_is_exact_for_a_linear_cost() -> None:
+    # every 32nd p timed, the rest interpolated: for t(p) = p ms over p = 1025 .. 1280 the sum is
+    # 256 * (1025 + 1280) / 2 = 295040 ms exactly
+    sampled = decode.sampled_positions(1024, 256, 32)
+    assert sampled == (1025, 1057, 1089, 1121, 1153, 1185, 1217, 1249, 1280)
+    assert decode.summed(sampled, sampled, 1024, 256) == 295040

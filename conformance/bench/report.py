@@ -3,7 +3,7 @@ path is from the fast one, and how the cost grows with the sequence length.
 
 This module is the command line and what it prints: the table, the targets, the machine, the plot and the
 JSON. What is timed and how (the candidates, the interleaving, the FLOPs, the rows) is bench/timing.py; the
-variants (--variant) are declared in bench/variants.py.
+variants (--variant) are declared in bench/variants.py, the decode benchmark (--decode) in bench/decode.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..frameworks import BUILT_IN, NUMPY, TORCH, framework_of
-from . import timing, variants
+from . import decode, timing, variants
 
 FOOTNOTE = """\
 time: median of the repeats after one warm-up call; the candidates of one framework, operation and L run
@@ -48,6 +48,18 @@ torch built-in: F.scaled_dot_product_attention, nn.MultiheadAttention(batch_firs
   is_causal=True alone, both fast paths; FLOPs counted as for full attention in both."""
 
 
+DECODE_FOOTNOTE = """\
+decode ms: the loop of T one-token extend calls after the prefill (need_weights=False), median over the repeats
+  after one warm-up loop; tokens/s = T / those seconds. prefill ms: the one extend of P positions before it.
+recompute s: the full causal pass block(x[:, :p], causal_mask(p, p), need_weights=False) for each new token,
+  p = P+1 .. P+T: every 32nd p timed (and the last), median over the repeats, the rest interpolated linearly
+  and summed (the trapezoid rule); speed-up = recompute / decode. The last pass equals the last step (1e-4).
+jit traces: JAX's jitted extend traced (and compiled) once per input length: prefill (L=P) / step (L=1).
+torch pieces: the same step from nn.Linear, nn.RMSNorm, a preallocated cache written in place and
+  F.scaled_dot_product_attention(enable_gqa=True); max|diff|: its T outputs against ours, checked <= 1e-4
+  before timing; its loops run interleaved with ours."""
+
+
 # --- the tables, the machine and the plot --------------------------------------------------------------
 
 
@@ -67,6 +79,23 @@ def format_table(rows: Sequence[timing.Row]) -> str:
         lines.append((row.implementation, row.operation, row.variant, str(row.L), f"{row.time_ms:.2f}", rate, peak,
                       f"{row.rel_error:.1e}"))
     return _columns(lines, right=(3, 4, 5, 6, 7))
+
+
+def format_decode(rows: Sequence[decode.DecodeRow]) -> str:
+    """One line per backend: prefill, decode (ms/token and tokens/s), the estimated recompute and the
+    speed-up, JAX's traces and the torch pieces."""
+    header = ("backend", "prefill ms", "decode ms", "ms/token", "tokens/s", "recompute s", "speed-up",
+              "jit traces", "pieces ms/token", "max|diff|")
+    lines = [header]
+    for row in rows:
+        T = row.tokens_per_s * row.decode_ms / 1e3  # the steps
+        traces = "-" if row.step_compiles is None else f"{row.prefill_compiles} / {row.step_compiles}"
+        pieces = "-" if row.pieces_ms is None else f"{row.pieces_ms / T:.3f}"
+        error = "-" if row.pieces_error is None else f"{row.pieces_error:.1e}"
+        lines.append((row.backend, f"{row.prefill_ms:.1f}", f"{row.decode_ms:.1f}", f"{row.decode_ms / T:.3f}",
+                      f"{row.tokens_per_s:.0f}", f"{row.recompute_ms / 1e3:.2f}", f"{row.speedup:.1f}", traces,
+                      pieces, error))
+    return _columns(lines, right=tuple(range(1, 10)))
 
 
 def format_targets(rows: Sequence[timing.TargetRow]) -> str:
@@ -180,8 +209,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "heads; window: is_causal with window=(256, 0) beside full causal (B=1)")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
                         help="float32 (default), float64, or bfloat16 (torch and JAX only)")
-    parser.add_argument("--repeats", type=positive_int, default=10, metavar="N",
-                        help="timed calls per candidate (default 10)")
+    parser.add_argument("--repeats", type=positive_int, default=None, metavar="N",
+                        help="timed calls per candidate (default 10; --decode: timed loops and passes, default 5)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: torch and JAX on the GPU where they see one (NumPy stays on the CPU)")
     parser.add_argument("--json", default=None, metavar="PATH",
@@ -193,11 +222,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only the performance targets of the variant (plain: float32, B=2, H=8, L=S=1024, "
                              "E=64; gqa: H=32, Hkv=8; window: its ratios at L=S=4096, no targets); ignores "
                              "--sizes, --operations and --dtype")
+    parser.add_argument("--decode", action="store_true",
+                        help="the decode benchmark (bench/decode.py): one Llama-style block, a prefill of --prefill "
+                             "positions, then --tokens one-token steps with the cache, against recomputing the "
+                             "full causal pass per token; torch also against a step from torch.nn pieces "
+                             "(float32, CPU; ignores --sizes, --operations, --variant, --dtype, --device, --plot)")
+    parser.add_argument("--prefill", type=positive_int, default=decode.PREFILL, metavar="N",
+                        help=f"--decode: the prompt's positions P (default {decode.PREFILL})")
+    parser.add_argument("--tokens", type=positive_int, default=decode.TOKENS, metavar="N",
+                        help=f"--decode: the decode steps T (default {decode.TOKENS})")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run `python -m conformance compare` with parsed arguments; 0 unless it could not run (the verdicts
     of --targets do not set the exit code: timings are noisy)."""
+    if args.decode:
+        return decode_main(args)
+    args.repeats = args.repeats or 10
     if args.plot:
         try:
             _figure_class()
@@ -246,6 +287,34 @@ def main(args: argparse.Namespace) -> int:
     if args.plot and not args.targets:
         plot(result, args.plot)
         print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def decode_main(args: argparse.Namespace) -> int:
+    """`compare --decode`: the decode table, its targets and the JAX step's compile count; 0 unless it could
+    not run (the verdicts do not set the exit code)."""
+    backends, skipped = timing.installed_backends()
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    config = decode.Config(prefill=args.prefill, tokens=args.tokens, repeats=args.repeats or 5)
+    with timing.pinned(backends) as settings:
+        print("\n".join(machine(backends)))
+        print("; ".join(settings) or "no precision settings")
+        print(decode.describe(config) + "\n")
+        rows, targets = decode.run(config, backends)
+    print(format_decode(rows) + "\n\n" + DECODE_FOOTNOTE + "\n")
+    print("targets: speed-up over recomputing >= 20 (recompute / decode); torch: ours / pieces <= 1.2\n"
+          + format_targets(targets))
+    compiled = decode.compiles_met(rows)
+    if compiled is not None:
+        counts = ", ".join(f"{row.backend} {row.step_compiles}" for row in rows if row.step_compiles is not None)
+        print(f"\njax compiles of the decode step over all {args.tokens} steps: {counts} (target 1): "
+              + ("MET" if compiled else "MISSED"))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"machine": machine(backends), "variant": "decode", "config": config._asdict(),
+                       "rows": [row._asdict() for row in rows], "targets": [row._asdict() for row in targets]},
+                      file, indent=1)
     return 0
 
 
