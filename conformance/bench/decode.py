@@ -43,7 +43,7 @@ import numpy as np
 from ..frameworks import framework_of
 from .timing import Target, TargetRow
 
-ROPE_THETA: float | None = None  # rotary embeddings' base; None: the block without RoPE
+ROPE_THETA: float | None = 10000.0  # rotary embeddings' base (Llama's); None: the block without RoPE
 D_MODEL, NUM_HEADS, NUM_KV_HEADS, D_FF, EPS = 512, 8, 2, 1408, 1e-5
 PREFILL, TOKENS, EVERY = 1024, 256, 32  # P, T, and every how many positions the recompute is timed
 ATOL = 1e-4  # float32 outputs of the same block that must agree: ours and the pieces, decode and recompute
