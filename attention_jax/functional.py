@@ -139,13 +139,24 @@ def apply_rope(x: jax.Array, positions: int | jax.Array, *, theta: float = 10000
     """
     positions = jnp.asarray(positions)
     checks.rope(x.shape, positions.shape, str(positions.dtype), jnp.issubdtype(positions.dtype, jnp.integer), theta)
-    dtype, work = x.dtype, _at_least_float32(x.dtype)  # float16, bfloat16: in float32
-    E = x.shape[-1]
+    work = _at_least_float32(x.dtype)  # float16, bfloat16: in float32
+    cos, sin = _rope_table(_ranked(positions, x.ndim - 1), x.shape[-1], theta, work)
+    return _turned(x, cos, sin, interleaved)
+
+
+def _rope_table(positions: jax.Array, E: int, theta: float, work: Any) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of the angles p * theta^(-2j / E), (..., L, E/2), for positions (..., L), in dtype `work`."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, E, 2, dtype=work) / E)  # (E/2,): theta^(-2j / E)
-    angles = _ranked(positions, x.ndim - 1)[..., None].astype(work) * _ranked(inv_freq, x.ndim)  # (..., L, E/2)
-    # jax: both at x's rank, as rank promotion may be refused
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x = x.astype(work)
+    # jax: both at the positions' rank plus one, as rank promotion may be refused
+    angles = positions[..., None].astype(work) * _ranked(inv_freq, positions.ndim + 1)  # (..., L, E/2)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _turned(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
+    """x (..., L, E) with each pair turned by the angles whose cos and sin (..., L, E/2) are given, computed in
+    their dtype and returned in x's."""
+    dtype, E = x.dtype, x.shape[-1]
+    cos, sin, x = _ranked(cos, x.ndim), _ranked(sin, x.ndim), x.astype(cos.dtype)  # jax: at x's rank, as above
     x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : E // 2], x[..., E // 2:])  # (..., L, E/2)
     turned = (x1 * cos - x2 * sin, x1 * sin + x2 * cos)  # (..., L, E/2) each
     out = jnp.stack(turned, axis=-1).reshape(x.shape) if interleaved else jnp.concatenate(turned, axis=-1)

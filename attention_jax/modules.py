@@ -30,7 +30,8 @@ from .functional import (
     _dtypes,
     _ranked,
     _rngs,
-    apply_rope,
+    _rope_table,
+    _turned,
     scaled_dot_product_attention,
 )
 
@@ -132,7 +133,7 @@ class MultiHeadAttention(Module):
         q = self._split_heads(self.w_q(q), self.num_heads)  # (..., L, D) -> (..., H, L, d_k)
         k = self._split_heads(self.w_k(k), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
         v = self._split_heads(self.w_v(v), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
-        q, k = self._rotated(q, 0), self._rotated(k, 0)  # RoPE: query i at position i, key j at j
+        q, k = self._rotated(q, k, 0)  # RoPE: query i at position i, key j at j
 
         # 2) attend, every head at once; query head h reads key/value head h // (H / Hkv)
         dropout_p = self.dropout if self.training else 0.0
@@ -182,10 +183,11 @@ class MultiHeadAttention(Module):
         start = cache.length  # jax: an array, traced under jit
 
         # 1) project the new positions, then write their keys and values into the cache
-        q = self._rotated(self._split_heads(self.w_q(x_q)), start)  # (..., L, D) -> (..., H, L, d_k)
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        k_new = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
+        q, k_new = self._rotated(q, k_new, start)  # RoPE at positions start .. start + L - 1
         zero = jnp.zeros_like(start)  # jax: the indices of dynamic_update_slice share one int dtype
         at = (zero,) * (cache.k.ndim - 2) + (start, zero)  # (..., H, capacity, d_k): rows start .. start + L - 1
-        k_new = self._rotated(self._split_heads(self.w_k(x_kv), self.num_kv_heads), start)  # (..., Hkv, L, d_k)
         k = jax.lax.dynamic_update_slice(cache.k, k_new, at)
         v = jax.lax.dynamic_update_slice(cache.v, self._split_heads(self.w_v(x_kv), self.num_kv_heads), at)
 
@@ -226,12 +228,16 @@ class MultiHeadAttention(Module):
         """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
         return self.num_kv_heads != self.num_heads
 
-    def _rotated(self, x: jax.Array, start: int | jax.Array) -> jax.Array:
-        """x (..., heads, L, d_k) turned by RoPE at positions start .. start + L - 1 (x itself without rope_theta)."""
+    def _rotated(self, q: jax.Array, k: jax.Array, start: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q (..., H, L, d_k) and k (..., Hkv, S, d_k) turned by RoPE (apply_rope's half rotation), row i of each
+        at position start + i, from one table of angles; q and k themselves without rope_theta."""
         if self.rope_theta is None:
-            return x
-        positions = start + jnp.arange(x.shape[-2], dtype=jnp.asarray(start).dtype)  # (L,); jax: the length's int
-        return apply_rope(x, positions, theta=self.rope_theta)
+            return q, k
+        L, S = q.shape[-2], k.shape[-2]
+        work, count = _at_least_float32(q.dtype), max(L, S)
+        positions = start + jnp.arange(count, dtype=jnp.asarray(start).dtype)  # jax: the length's int dtype
+        cos, sin = _rope_table(positions, q.shape[-1], self.rope_theta, work)  # (max(L, S), d_k / 2)
+        return _turned(q, cos[:L], sin[:L], False), _turned(k, cos[:S], sin[:S], False)
 
     def _split_heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
         """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""

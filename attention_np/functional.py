@@ -135,12 +135,23 @@ def apply_rope(x: np.ndarray, positions: int | np.ndarray, *, theta: float = 100
     """
     positions = np.asarray(positions)
     checks.rope(x.shape, positions.shape, str(positions.dtype), np.issubdtype(positions.dtype, np.integer), theta)
-    dtype, work = x.dtype, np.promote_types(x.dtype, np.float32)  # float16, bfloat16: in float32
-    E = x.shape[-1]
+    work = np.promote_types(x.dtype, np.float32)  # float16, bfloat16: in float32
+    cos, sin = _rope_table(positions, x.shape[-1], theta, work)
+    return _turned(x, cos, sin, interleaved)
+
+
+def _rope_table(positions: np.ndarray, E: int, theta: float, work: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the angles p * theta^(-2j / E), (..., L, E/2), for positions (..., L), in dtype `work`."""
     inv_freq = 1.0 / theta ** (np.arange(0, E, 2, dtype=work) / E)  # (E/2,): theta^(-2j / E)
     angles = positions[..., None].astype(work) * inv_freq  # (..., L, 1) x (E/2,) -> (..., L, E/2)
-    cos, sin = np.cos(angles), np.sin(angles)
-    x = x.astype(work, copy=False)
+    return np.cos(angles), np.sin(angles)
+
+
+def _turned(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
+    """x (..., L, E) with each pair turned by the angles whose cos and sin (..., L, E/2) are given, computed in
+    their dtype and returned in x's."""
+    dtype, E = x.dtype, x.shape[-1]
+    x = x.astype(cos.dtype, copy=False)
     x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : E // 2], x[..., E // 2:])  # (..., L, E/2)
     turned = (x1 * cos - x2 * sin, x1 * sin + x2 * cos)  # (..., L, E/2) each
     out = np.stack(turned, axis=-1).reshape(x.shape) if interleaved else np.concatenate(turned, axis=-1)

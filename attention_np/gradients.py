@@ -134,9 +134,9 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     (q_p, pull_q), (k_p, pull_k), (v_p, pull_v) = (_linear_vjp(w, x) for w, x in
                                                   ((mha.w_q, q), (mha.w_k, k), (mha.w_v, v)))
     H, Hkv = mha.num_heads, mha.num_kv_heads
+    q_h, k_h = mha._rotated(mha._split_heads(q_p, H), mha._split_heads(k_p, Hkv), 0)  # RoPE at 0.., 0..
     heads, weights, pull_attention = scaled_dot_product_attention_vjp(
-        mha._rotated(mha._split_heads(q_p, H), 0), mha._rotated(mha._split_heads(k_p, Hkv), 0),
-        mha._split_heads(v_p, Hkv), mask, enable_gqa=mha.grouped)  # (..., H, L, d_k), k and v (..., Hkv, S, d_k)
+        q_h, k_h, mha._split_heads(v_p, Hkv), mask, enable_gqa=mha.grouped)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:

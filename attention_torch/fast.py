@@ -39,12 +39,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     work = dtype if q.is_cuda else torch.promote_types(dtype, torch.float32)  # see the module docstring
     shared = checks.shared_kv_head(q.shape, k.shape, v.shape)  # one key/value head per group: enable_gqa
     q, k, v = _kernel_heads(*(x.to(work) for x in (q, k, v)), batch=batch, shared=shared)
-    offset = not (isinstance(structure["q_offset"], int) and structure["q_offset"] == 0)
+    offset = structure["q_offset"]
+    # causal with query 0 at position S - 1 or later hides no key (a decode step: one query after the cache)
+    causal = structure["is_causal"] and not (isinstance(offset, int) and offset >= S - 1)
     positions = structure["window"] is not None or structure["key_lengths"] is not None or (
-        structure["is_causal"] and offset)  # keys hidden by positions: ours, in the one boolean mask
+        causal and not (isinstance(offset, int) and offset == 0))  # keys hidden by positions: in the one mask
     if mask is None and bias is None and not positions:  # torch: its own is_causal is ours without an offset
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=structure["is_causal"], scale=scale,
-                                             enable_gqa=shared)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=shared)
         return out.reshape(*batch, L, Ev).to(dtype)
     visible = _visible(mask, bias, structure, (*batch, L, S), q.device)  # (..., L, S)
     if bias is not None:
@@ -53,6 +54,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=_kernel_mask(attn_mask, batch, shared, q.ndim),
                                          scale=scale, enable_gqa=shared).reshape(*batch, L, Ev)
     return torch.where(visible.any(dim=-1, keepdim=True), out, 0).to(dtype)  # a fully masked row: zeros
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, q_offset: int,
+                      scale: float | None) -> torch.Tensor:
+    """Grouped-query attention with nothing to split per query head (functional._kernel_groups): q (..., H, L, E)
+    and k, v (..., Hkv, S, E | Ev) straight to the kernel's enable_gqa; causal from q_offset as in `attention`
+    (a query 0 at S - 1 or later hides no key, q_offset 0 is the kernel's own is_causal, any other a mask)."""
+    dtype, (L, S) = q.dtype, (q.shape[-2], k.shape[-2])
+    work = dtype if q.is_cuda else torch.promote_types(dtype, torch.float32)  # see the module docstring
+    q, k, v = (x.to(work) for x in (q, k, v))
+    scale = checks.default_scale(scale, q.shape, k.shape)
+    causal = is_causal and q_offset < S - 1  # hides some key
+    if causal and q_offset != 0:  # ours is p_i = q_offset + i: a boolean mask of the visible keys
+        visible = torch.arange(S, device=q.device) <= torch.arange(q_offset, q_offset + L, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+        return torch.where(visible.any(dim=-1, keepdim=True), out, 0).to(dtype)  # a fully masked row: zeros
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True).to(dtype)
 
 
 def _kernel_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, batch: tuple,

@@ -58,6 +58,11 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
+    if enable_gqa and _kernel_groups(q, k, v, mask, bias, q_offset, window, key_lengths, softcap, dropout_p,
+                                     need_weights):  # torch: the kernel's own enable_gqa, without the reshapes
+        from .fast import grouped_attention
+
+        return grouped_attention(q, k, v, is_causal=is_causal, q_offset=q_offset, scale=scale), None
     if enable_gqa:  # grouped-query attention is attention with k and v broadcast over each group of query heads
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
         out, weights = scaled_dot_product_attention(
@@ -142,12 +147,25 @@ def apply_rope(x: torch.Tensor, positions: int | torch.Tensor, *, theta: float =
     positions = torch.as_tensor(positions, device=x.device)
     integer = not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool)
     checks.rope(x.shape, positions.shape, str(positions.dtype), integer, theta)
-    dtype, work = x.dtype, torch.promote_types(x.dtype, torch.float32)  # float16, bfloat16: in float32
-    E = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, E, 2, dtype=work, device=x.device) / E)  # (E/2,): theta^(-2j / E)
+    work = torch.promote_types(x.dtype, torch.float32)  # float16, bfloat16: in float32
+    cos, sin = _rope_table(positions, x.shape[-1], theta, work)
+    return _turned(x, cos, sin, interleaved)
+
+
+def _rope_table(positions: torch.Tensor, E: int, theta: float, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles p * theta^(-2j / E), (..., L, E/2), for positions (..., L), in dtype `work`."""
+    exponents = torch.arange(0, E, 2, dtype=work, device=positions.device) / E  # 2j / E
+    inv_freq = torch.reciprocal(torch.pow(theta, exponents))  # (E/2,): 1 / theta^(2j / E), as 1.0 / theta ** ...
+    # torch: the same numbers as the operators, without their Python float dispatch (twice as fast)
     angles = positions[..., None].to(work) * inv_freq  # (..., L, 1) x (E/2,) -> (..., L, E/2)
-    cos, sin = torch.cos(angles), torch.sin(angles)
-    x = x.to(work)
+    return torch.cos(angles), torch.sin(angles)
+
+
+def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x (..., L, E) with each pair turned by the angles whose cos and sin (..., L, E/2) are given, computed in
+    their dtype and returned in x's."""
+    dtype, E = x.dtype, x.shape[-1]
+    x = x.to(cos.dtype)
     x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : E // 2], x[..., E // 2:])  # (..., L, E/2)
     turned = (x1 * cos - x2 * sin, x1 * sin + x2 * cos)  # (..., L, E/2) each
     out = torch.stack(turned, dim=-1).reshape(x.shape) if interleaved else torch.cat(turned, dim=-1)
@@ -164,7 +182,8 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
     checks.probability("dropout_p", dropout_p)
     checks.softcap(softcap)
-    _integers(structure["q_offset"], "q_offset", batch)  # torch: the plain fused path never builds a mask from it
+    if type(structure["q_offset"]) is not int:  # a Python int is an integer of every batch's shape
+        _integers(structure["q_offset"], "q_offset", batch)  # torch: the plain fused path never builds a mask from it
     scale = checks.default_scale(scale, q.shape, k.shape)
     L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
@@ -174,6 +193,28 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     # torch: made from q, k and v, not new zeros, so that autograd reaches them (with zero gradients)
     weights = (q @ k.transpose(-1, -2)).expand(*batch, L, S).contiguous()  # (..., L, S), empty
     return batch, scale, (weights @ v, weights if need_weights else None)  # out (..., L, Ev): zeros, or empty
+
+
+def _kernel_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   bias: torch.Tensor | None, q_offset: int | torch.Tensor, window: tuple | None,
+                   key_lengths: torch.Tensor | None, softcap: float | None, dropout_p: float,
+                   need_weights: bool) -> bool:
+    """Whether grouped-query attention can go straight to torch's kernel with its enable_gqa: the fast path
+    (no weights, no dropout, no softcap) with nothing to split per query head (no mask, bias, window, key
+    lengths or offset array), q, k, v of equal leading axes and H query heads a multiple of Hkv (else the
+    general route raises the errors), no empty axis, and no NaN or inf in q or k (see the fast path below).
+    A decode step with a key/value cache is such a call."""
+    if (need_weights or dropout_p != 0.0 or softcap is not None or mask is not None or bias is not None
+            or window is not None or key_lengths is not None or type(q_offset) is not int):
+        return False
+    if not (q.ndim == k.ndim == v.ndim >= 3 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3]):
+        return False
+    (H, L, E), (Hkv, S, E_k), (Hkv_v, S_v, _) = q.shape[-3:], k.shape[-3:], v.shape[-3:]
+    if not (Hkv == Hkv_v > 0 and H % Hkv == 0 and E == E_k > 0 and S_v == S and L > 0 and S > 0):
+        return False
+    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    work = torch.promote_types(q.dtype, torch.float32)
+    return bool(torch.isfinite(q.sum(dtype=work) + k.sum(dtype=work)))
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None,
@@ -190,7 +231,7 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         if x is not None:
             checks.broadcasts_to(name, x.shape, scores_shape, "..., H, L, S")
     for name, x in (("q_offset", q_offset), ("key_lengths", key_lengths)):
-        if x is not None:
+        if x is not None and type(x) is not int:  # a Python int fits every batch
             _integers(x, name, batch)
 
     def split(x: torch.Tensor | None, trailing: int) -> torch.Tensor | None:

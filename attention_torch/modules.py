@@ -21,7 +21,7 @@ from torch import nn
 from attention_np.common import checks
 
 from .arrays import asarray
-from .functional import Rng, _dropout, _dtypes, _rngs, apply_rope, scaled_dot_product_attention
+from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, scaled_dot_product_attention
 
 
 class KVCache(NamedTuple):
@@ -97,7 +97,7 @@ class MultiHeadAttention(nn.Module):
         q = self._split_heads(self.w_q(q), self.num_heads)  # (..., L, D) -> (..., H, L, d_k)
         k = self._split_heads(self.w_k(k), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
         v = self._split_heads(self.w_v(v), self.num_kv_heads)  # (..., S, D) -> (..., Hkv, S, d_k)
-        q, k = self._rotated(q, 0), self._rotated(k, 0)  # RoPE: query i at position i, key j at j
+        q, k = self._rotated(q, k, 0)  # RoPE: query i at position i, key j at j
 
         # 2) attend, every head at once; query head h reads key/value head h // (H / Hkv)
         dropout_p = self.dropout if self.training else 0.0
@@ -145,8 +145,9 @@ class MultiHeadAttention(nn.Module):
         start, end = self._check_extend(x_q, x_kv, cache, mask)
 
         # 1) project the new positions, then write their keys and values into the cache, in place
-        q = self._rotated(self._split_heads(self.w_q(x_q)), start)  # (..., L, D) -> (..., H, L, d_k)
-        k = self._rotated(self._split_heads(self.w_k(x_kv), self.num_kv_heads), start)  # (..., Hkv, L, d_k)
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
+        q, k = self._rotated(q, k, start)  # RoPE at positions start .. end - 1
         cache.k[..., start:end, :] = k
         cache.v[..., start:end, :] = self._split_heads(self.w_v(x_kv), self.num_kv_heads)  # at start .. end - 1
 
@@ -187,12 +188,15 @@ class MultiHeadAttention(nn.Module):
         """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
         return self.num_kv_heads != self.num_heads
 
-    def _rotated(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x (..., heads, L, d_k) turned by RoPE at positions start .. start + L - 1 (x itself without rope_theta)."""
+    def _rotated(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (..., H, L, d_k) and k (..., Hkv, S, d_k) turned by RoPE (apply_rope's half rotation), row i of each
+        at position start + i, from one table of angles; q and k themselves without rope_theta."""
         if self.rope_theta is None:
-            return x
-        positions = start + torch.arange(x.shape[-2], device=x.device)  # (L,)
-        return apply_rope(x, positions, theta=self.rope_theta)
+            return q, k
+        L, S = q.shape[-2], k.shape[-2]
+        work, positions = torch.promote_types(q.dtype, torch.float32), start + torch.arange(max(L, S), device=q.device)
+        cos, sin = _rope_table(positions, q.shape[-1], self.rope_theta, work)  # (max(L, S), d_k / 2)
+        return _turned(q, cos[:L], sin[:L], False), _turned(k, cos[:S], sin[:S], False)
 
     def _split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""

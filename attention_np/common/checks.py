@@ -20,7 +20,7 @@ SWIGLU = ("w_gate", "w_up", "w_down")  # the feed-forward Linears of activation=
 
 
 def _shape(shape: Iterable[int]) -> Shape:
-    return tuple(int(d) for d in shape)
+    return tuple(map(int, shape))
 
 
 def attention_batch(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> Shape:
@@ -33,10 +33,25 @@ def attention_batch(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> Sha
         raise ValueError(f"q and k must have the same width E: q {q} is (..., L, E), k {k} is (..., S, E)")
     if k[-2] != v[-2]:
         raise ValueError(f"k and v must have the same length S: k {k} is (..., S, E), v {v} is (..., S, Ev)")
-    try:
-        return _shape(np.broadcast_shapes(q[:-2], k[:-2], v[:-2]))
-    except ValueError:
-        raise ValueError(f"the leading axes of q {q}, k {k} and v {v} do not broadcast") from None
+    batch = _broadcast(q[:-2], k[:-2], v[:-2])
+    if batch is None:
+        raise ValueError(f"the leading axes of q {q}, k {k} and v {v} do not broadcast")
+    return batch
+
+
+def _broadcast(*shapes: Shape) -> Shape | None:
+    """The shape the `shapes` broadcast to (NumPy's rule, aligned at the right), or None where they do not.
+    Plain Python: these checks run on every call, where np.broadcast_shapes costs microseconds."""
+    rank = 0
+    for shape in shapes:  # a plain loop: torch.compile traces these checks too
+        rank = max(rank, len(shape))
+    out = [1] * rank
+    for shape in shapes:
+        for axis, n in enumerate(shape, start=len(out) - len(shape)):
+            if n != out[axis] and out[axis] != 1 and n != 1:
+                return None
+            out[axis] = n if out[axis] == 1 else out[axis]
+    return tuple(out)
 
 
 def default_scale(scale: float | None, q: Sequence[int], k: Sequence[int]) -> float:
@@ -60,10 +75,7 @@ def broadcasts_to(name: str, shape: Sequence[int], target: Sequence[int], letter
 
 def _fits(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     """Whether `shape` broadcasts to `target` without enlarging it."""
-    try:
-        return _shape(np.broadcast_shapes(shape, target)) == target
-    except ValueError:
-        return False
+    return _broadcast(shape, target) == target
 
 
 def window(window: object) -> tuple[int | None, int | None] | None:
