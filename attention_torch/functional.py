@@ -79,8 +79,8 @@ def scaled_dot_product_attention(
     # reach rows that do not see it, so a NaN or inf in q or k keeps the explicit path (their sum is then
     # not finite: one read of q and k). The kernel has no soft-capping of the raw scores either, so softcap too
     # keeps the explicit path
-    fused = softcap is None and bool(torch.isfinite(q.sum(dtype=work) + k.sum(dtype=work)))
-    if not need_weights and dropout_p == 0.0 and fused:
+    fused = not need_weights and dropout_p == 0.0 and softcap is None  # the explicit path reads no sum
+    if fused and bool(torch.isfinite(q.sum(dtype=work) + k.sum(dtype=work))):
         from .fast import attention
 
         return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, batch=batch), None
