@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from attention_np.common import checks
 
-from .functional import _visible
+from .functional import _visible, causal_mask
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
@@ -40,8 +40,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     shared = checks.shared_kv_head(q.shape, k.shape, v.shape)  # one key/value head per group: enable_gqa
     q, k, v = _kernel_heads(*(x.to(work) for x in (q, k, v)), batch=batch, shared=shared)
     offset = structure["q_offset"]
-    # causal with query 0 at position S - 1 or later hides no key (a decode step: one query after the cache)
-    causal = structure["is_causal"] and not (isinstance(offset, int) and offset >= S - 1)
+    causal = _hides_keys(structure["is_causal"], offset, S)
     positions = structure["window"] is not None or structure["key_lengths"] is not None or (
         causal and not (isinstance(offset, int) and offset == 0))  # keys hidden by positions: in the one mask
     if mask is None and bias is None and not positions:  # torch: its own is_causal is ours without an offset
@@ -65,12 +64,18 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     work = dtype if q.is_cuda else torch.promote_types(dtype, torch.float32)  # see the module docstring
     q, k, v = (x.to(work) for x in (q, k, v))
     scale = checks.default_scale(scale, q.shape, k.shape)
-    causal = is_causal and q_offset < S - 1  # hides some key
+    causal = _hides_keys(is_causal, q_offset, S)
     if causal and q_offset != 0:  # ours is p_i = q_offset + i: a boolean mask of the visible keys
-        visible = torch.arange(S, device=q.device) <= torch.arange(q_offset, q_offset + L, device=q.device)[:, None]
+        visible = causal_mask(L, S, q_offset=q_offset).to(q.device)  # (L, S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
         return torch.where(visible.any(dim=-1, keepdim=True), out, 0).to(dtype)  # a fully masked row: zeros
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True).to(dtype)
+
+
+def _hides_keys(is_causal: bool, q_offset: int | torch.Tensor, S: int) -> bool:
+    """Whether the causal rule may hide a key: not when query 0 stands at position S - 1 or later (a decode
+    step, one query after the cache), which every key precedes; a kernel call then takes no mask."""
+    return is_causal and not (isinstance(q_offset, int) and q_offset >= S - 1)
 
 
 def _kernel_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, batch: tuple,

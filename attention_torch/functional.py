@@ -80,7 +80,7 @@ def scaled_dot_product_attention(
     # not finite: one read of q and k). The kernel has no soft-capping of the raw scores either, so softcap too
     # keeps the explicit path
     fused = not need_weights and dropout_p == 0.0 and softcap is None  # the explicit path reads no sum
-    if fused and bool(torch.isfinite(q.sum(dtype=work) + k.sum(dtype=work))):
+    if fused and _finite(q, k):
         from .fast import attention
 
         return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, batch=batch), None
@@ -213,6 +213,12 @@ def _kernel_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     if not (Hkv == Hkv_v > 0 and H % Hkv == 0 and E == E_k > 0 and S_v == S and L > 0 and S > 0):
         return False
     checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    return _finite(q, k)
+
+
+def _finite(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether q and k hold no NaN or inf, which the fused kernel mishandles (see scaled_dot_product_attention):
+    one read of each, as their sum in at least float32 is then finite."""
     work = torch.promote_types(q.dtype, torch.float32)
     return bool(torch.isfinite(q.sum(dtype=work) + k.sum(dtype=work)))
 

@@ -156,9 +156,14 @@ def rope(x: Sequence[int], positions: Sequence[int], dtype: str, integer: bool, 
         raise TypeError(f"positions must be an int or an integer array; got dtype {dtype}")
     if not _fits(positions, x[:-1]):
         raise ValueError(f"positions of shape {positions} does not broadcast to x's (..., L) {x[:-1]}; x is {x}")
-    number = isinstance(theta, int | float | np.integer | np.floating) and not isinstance(theta, bool)
-    if not (number and 0 < theta < math.inf):
+    if not _positive_finite(theta):
         raise ValueError(f"theta must be a positive finite number; got {theta!r}")
+
+
+def _positive_finite(x: object) -> bool:
+    """Whether x is a real number (not a bool) in (0, inf)."""
+    number = isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+    return number and 0 < x < math.inf
 
 
 def same_floating_dtype(dtypes: Mapping[str, tuple[str, bool]], where: str = "") -> None:
@@ -207,8 +212,7 @@ def rope_theta(theta: object, d_model: int, num_heads: int) -> float | None:
     entries, so d_k = d_model / num_heads must be even. Returns the theta as a float (or None)."""
     if theta is None:
         return None
-    number = isinstance(theta, int | float | np.integer | np.floating) and not isinstance(theta, bool)
-    if not (number and 0 < theta < math.inf):
+    if not _positive_finite(theta):
         raise ValueError(f"rope_theta must be None or a positive finite number; got {theta!r}")
     if (d_model // num_heads) % 2:
         raise ValueError(f"rope_theta turns pairs of each head's entries: d_k = d_model / num_heads = "
