@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..frameworks import framework_of
-from .timing import Target, TargetRow
+from .timing import Target, TargetRow, meets
 
 ROPE_THETA: float | None = 10000.0  # rotary embeddings' base (Llama's); None: the block without RoPE
 D_MODEL, NUM_HEADS, NUM_KV_HEADS, D_FF, EPS = 512, 8, 2, 1408, 1e-5
@@ -225,7 +225,7 @@ def _target_row(target: Target, config: Config, numerator: tuple[str, float],
                 denominator: tuple[str, float]) -> TargetRow:
     """A time-ratio row as `compare --targets` prints it (the operation "block", L = P + T)."""
     measured = numerator[1] / denominator[1]
-    met = measured >= target.bound if target.relation == ">=" else measured <= target.bound
+    met = meets(measured, target.relation, target.bound)
     return TargetRow(target.framework, "block", "decode", config.prefill + config.tokens, "time ratio",
                      numerator[0], denominator[0], numerator[1], denominator[1], measured, target.relation,
                      target.bound, met)

@@ -270,9 +270,14 @@ def target_row(target: Target, problem: Problem, variant: str,
     mine, theirs = _known(values[target.numerator], target.numerator), _known(values[denominator], denominator)
     value = comparison.combine(mine, theirs)
     bound = None if target.bound is None else target.bound * target.scale(problem)
-    met = None if bound is None else value <= bound if target.relation == "<=" else value >= bound
+    met = None if bound is None else meets(value, target.relation, bound)
     return TargetRow(target.framework, problem.operation, variant, problem.L, target.compared, target.numerator,
                      denominator, mine, theirs, value, target.relation, bound, met)
+
+
+def meets(value: float, relation: str, bound: float) -> bool:
+    """Whether a measured value keeps its target: value <= bound or value >= bound, as `relation` says."""
+    return value <= bound if relation == "<=" else value >= bound
 
 
 def ratios(rows: Sequence[Row], variant: Variant) -> list[TargetRow]:
