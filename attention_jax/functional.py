@@ -140,27 +140,42 @@ def apply_rope(x: jax.Array, positions: int | jax.Array, *, theta: float = 10000
     positions = jnp.asarray(positions)
     checks.rope(x.shape, positions.shape, str(positions.dtype), jnp.issubdtype(positions.dtype, jnp.integer), theta)
     work = _at_least_float32(x.dtype)  # float16, bfloat16: in float32
-    cos, sin = _rope_table(_ranked(positions, x.ndim - 1), x.shape[-1], theta, work)
+    cos, sin = _rope_table(_ranked(positions, x.ndim - 1), x.shape[-1], theta, work, interleaved)
     return _turned(x, cos, sin, interleaved)
 
 
-def _rope_table(positions: jax.Array, E: int, theta: float, work: Any) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of the angles p * theta^(-2j / E), (..., L, E/2), for positions (..., L), in dtype `work`."""
+def _rope_table(positions: jax.Array, E: int, theta: float, work: Any,
+                interleaved: bool) -> tuple[jax.Array, jax.Array]:
+    """cos and sin (..., L, E) of each entry's angle p * theta^(-2j / E), j the index of its pair, for positions
+    (..., L), in dtype `work`, laid out as the pairs are (`interleaved`); sin is negated on each pair's first
+    entry, so that turning is x cos + partner(x) sin (_turned)."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, E, 2, dtype=work) / E)  # (E/2,): theta^(-2j / E)
     # jax: both at the positions' rank plus one, as rank promotion may be refused
     angles = positions[..., None].astype(work) * _ranked(inv_freq, positions.ndim + 1)  # (..., L, E/2)
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    return _paired(cos, cos, interleaved), _paired(-sin, sin, interleaved)  # (..., L, E) each
+
+
+def _paired(first: jax.Array, second: jax.Array, interleaved: bool) -> jax.Array:
+    """(..., E/2) each -> (..., E): `first` on each pair's first entry, `second` on its second, in the pairs'
+    layout: (x_2j, x_2j+1) interleaved, else (x_j, x_{j + E/2})."""
+    if interleaved:
+        return jnp.stack((first, second), axis=-1).reshape(*first.shape[:-1], -1)
+    return jnp.concatenate((first, second), axis=-1)
 
 
 def _turned(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> jax.Array:
-    """x (..., L, E) with each pair turned by the angles whose cos and sin (..., L, E/2) are given, computed in
-    their dtype and returned in x's."""
+    """x (..., L, E) with each pair (x1, x2) turned, (x1 cos - x2 sin, x2 cos + x1 sin) = x cos + partner(x) sin,
+    partner(x) holding x2 where x holds x1 and x1 where x2, the tables cos and sin (..., L, E) from _rope_table;
+    computed in their dtype and returned in x's."""
     dtype, E = x.dtype, x.shape[-1]
     cos, sin, x = _ranked(cos, x.ndim), _ranked(sin, x.ndim), x.astype(cos.dtype)  # jax: at x's rank, as above
-    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : E // 2], x[..., E // 2:])  # (..., L, E/2)
-    turned = (x1 * cos - x2 * sin, x1 * sin + x2 * cos)  # (..., L, E/2) each
-    out = jnp.stack(turned, axis=-1).reshape(x.shape) if interleaved else jnp.concatenate(turned, axis=-1)
-    return out.astype(dtype)  # (..., L, E)
+    # the partner: each pair's two entries swapped, (x_2j+1, x_2j) interleaved, else the halves (x2, x1)
+    if interleaved:
+        partner = x.reshape(*x.shape[:-1], E // 2, 2)[..., ::-1].reshape(x.shape)
+    else:
+        partner = jnp.roll(x, E // 2, axis=-1)
+    return (x * cos + partner * sin).astype(dtype)  # (..., L, E)
 
 
 def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,

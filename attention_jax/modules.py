@@ -63,11 +63,15 @@ class Module(module.Module):
 class KVCache(NamedTuple):
     """The keys and values of the positions seen so far, each (..., Hkv, capacity, d_k), filled at positions
     0 .. length - 1. jax: a pytree whose length is an int32 array, so one jitted extend serves every length
-    (the capacity, an array's shape, is static); extend returns new arrays, as JAX arrays never change."""
+    (the capacity, an array's shape, is static); extend returns new arrays, as JAX arrays never change.
+    `rope`: RoPE's cos and sin tables (capacity, d_k) for the positions 0 .. capacity - 1, which init_cache
+    makes once for a module with rope_theta, so that a step reads its angles (None: extend makes the angles
+    of its positions)."""
 
     k: jax.Array
     v: jax.Array
     length: jax.Array
+    rope: tuple[jax.Array, jax.Array] | None = None
 
 
 class MultiHeadAttention(Module):
@@ -153,12 +157,16 @@ class MultiHeadAttention(Module):
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
         """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
-        values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default)."""
+        values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
+        with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32."""
         batch_shape = checks.cache_size(batch_shape, capacity)
         d_k = self.w_q.weight.shape[1] // self.num_heads
         shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
         dtype = self.w_q.weight.dtype if dtype is None else dtype
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+        rope = None
+        if self.rope_theta is not None:  # made once, for positions 0 .. capacity - 1: a step slices its angles
+            rope = _rope_table(jnp.arange(capacity), d_k, self.rope_theta, _at_least_float32(dtype), False)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32), rope)
 
     def extend(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None = None, *,
                need_weights: bool = True, rng: Rng = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
@@ -179,13 +187,18 @@ class MultiHeadAttention(Module):
             out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
             holding length + L positions.
         """
-        L = self._check_extend(x_q, x_kv, cache, mask)
-        start = cache.length  # jax: an array, traced under jit
+        self._check_extend({"x_q": x_q, "x_kv": x_kv}, cache, mask)
+        return self._extended(x_q, x_kv, cache, mask, need_weights=need_weights, rng=rng)
+
+    def _extended(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None, *,
+                  need_weights: bool, rng: Rng) -> tuple[jax.Array, jax.Array | None, KVCache]:
+        """extend once its inputs are checked (TransformerBlock.extend checks its own against the cache)."""
+        start, L = cache.length, x_q.shape[-2]  # jax: the length is an array, traced under jit
 
         # 1) project the new positions, then write their keys and values into the cache
         q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
         k_new = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
-        q, k_new = self._rotated(q, k_new, start)  # RoPE at positions start .. start + L - 1
+        q, k_new = self._rotated(q, k_new, start, cache.rope)  # RoPE at positions start .. start + L - 1
         zero = jnp.zeros_like(start)  # jax: the indices of dynamic_update_slice share one int dtype
         at = (zero,) * (cache.k.ndim - 2) + (start, zero)  # (..., H, capacity, d_k): rows start .. start + L - 1
         k = jax.lax.dynamic_update_slice(cache.k, k_new, at)
@@ -203,19 +216,20 @@ class MultiHeadAttention(Module):
         out = jnp.where(start + L > cache.k.shape[-2], jnp.nan, out)
 
         # 3) concatenate the heads and mix them
-        return self.w_o(self._merge_heads(out)), weights, KVCache(k, v, start + L)
+        return self.w_o(self._merge_heads(out)), weights, KVCache(k, v, start + L, cache.rope)
 
-    def _check_extend(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None) -> int:
-        """The checks of extend (the cache's room only where its length is known, outside jit); returns L."""
-        d_model, capacity = self.w_q.weight.shape[1], cache.k.shape[-2]
-        L = checks.cache_inputs(("x_q", "x_kv"), (x_q.shape, x_kv.shape), cache.k.shape, d_model)
-        checks.same_floating_dtype(_dtypes(x_q=x_q, x_kv=x_kv, cache=cache.k, parameters=self.w_q.weight))
+    def _check_extend(self, inputs: dict[str, jax.Array], cache: KVCache, mask: jax.Array | None) -> None:
+        """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters (the
+        cache's room only where its length is known, outside jit)."""
+        weight, capacity = self.w_q.weight, cache.k.shape[-2]
+        L = checks.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
+                                weight.shape[1])
+        checks.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
         if mask is not None:
             checks.broadcasts_to("mask", jnp.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
                                  "..., H, L, capacity")
         if not isinstance(cache.length, jax.core.Tracer):
             checks.cache_room(capacity, int(cache.length), L)
-        return L
 
     def _check_inputs(self, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
         d_model = self.w_q.weight.shape[1]
@@ -228,15 +242,20 @@ class MultiHeadAttention(Module):
         """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
         return self.num_kv_heads != self.num_heads
 
-    def _rotated(self, q: jax.Array, k: jax.Array, start: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _rotated(self, q: jax.Array, k: jax.Array, start: int | jax.Array,
+                 tables: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
         """q (..., H, L, d_k) and k (..., Hkv, S, d_k) turned by RoPE (apply_rope's half rotation), row i of each
-        at position start + i, from one table of angles; q and k themselves without rope_theta."""
+        at position start + i, from one table of angles: `tables` (cos, sin) of positions 0, 1, ... (a cache's),
+        or made here for positions start ..; q and k themselves without rope_theta."""
         if self.rope_theta is None:
             return q, k
         L, S = q.shape[-2], k.shape[-2]
-        work, count = _at_least_float32(q.dtype), max(L, S)
-        positions = start + jnp.arange(count, dtype=jnp.asarray(start).dtype)  # jax: the length's int dtype
-        cos, sin = _rope_table(positions, q.shape[-1], self.rope_theta, work)  # (max(L, S), d_k / 2)
+        if tables is None:  # row r of the tables: position start + r
+            work, count = _at_least_float32(q.dtype), max(L, S)
+            positions = start + jnp.arange(count, dtype=jnp.asarray(start).dtype)  # jax: the length's int dtype
+            tables, start = _rope_table(positions, q.shape[-1], self.rope_theta, work, False), 0  # (max(L, S), d_k)
+        # row start + i: position start + i (jax: start may be traced, so the rows are a dynamic slice)
+        cos, sin = (jax.lax.dynamic_slice_in_dim(table, start, max(L, S)) for table in tables)
         return _turned(q, cos[:L], sin[:L], False), _turned(k, cos[:S], sin[:S], False)
 
     def _split_heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
@@ -342,12 +361,12 @@ class TransformerBlock(Module):
             x (..., L, D), the attention weights (..., H, L, capacity) (or None), and the cache holding the new
             positions too.
         """
-        self._check_input(x)
+        self.attn._check_extend({"x": x}, cache, mask)  # once: the attention's input, a norm of x or x, is alike
         checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)  # jax: no global RNG
         rngs = _rngs(rng, 4)
 
         def attend(h: jax.Array) -> tuple[jax.Array, jax.Array | None, KVCache]:
-            return self.attn.extend(h, h, cache, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
+            return self.attn._extended(h, h, cache, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
 
         return self._layers(x, attend, rngs)
 

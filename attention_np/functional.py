@@ -136,26 +136,41 @@ def apply_rope(x: np.ndarray, positions: int | np.ndarray, *, theta: float = 100
     positions = np.asarray(positions)
     checks.rope(x.shape, positions.shape, str(positions.dtype), np.issubdtype(positions.dtype, np.integer), theta)
     work = np.promote_types(x.dtype, np.float32)  # float16, bfloat16: in float32
-    cos, sin = _rope_table(positions, x.shape[-1], theta, work)
+    cos, sin = _rope_table(positions, x.shape[-1], theta, work, interleaved)
     return _turned(x, cos, sin, interleaved)
 
 
-def _rope_table(positions: np.ndarray, E: int, theta: float, work: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of the angles p * theta^(-2j / E), (..., L, E/2), for positions (..., L), in dtype `work`."""
+def _rope_table(positions: np.ndarray, E: int, theta: float, work: np.dtype,
+                interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (..., L, E) of each entry's angle p * theta^(-2j / E), j the index of its pair, for positions
+    (..., L), in dtype `work`, laid out as the pairs are (`interleaved`); sin is negated on each pair's first
+    entry, so that turning is x cos + partner(x) sin (_turned)."""
     inv_freq = 1.0 / theta ** (np.arange(0, E, 2, dtype=work) / E)  # (E/2,): theta^(-2j / E)
     angles = positions[..., None].astype(work) * inv_freq  # (..., L, 1) x (E/2,) -> (..., L, E/2)
-    return np.cos(angles), np.sin(angles)
+    cos, sin = np.cos(angles), np.sin(angles)
+    return _paired(cos, cos, interleaved), _paired(-sin, sin, interleaved)  # (..., L, E) each
+
+
+def _paired(first: np.ndarray, second: np.ndarray, interleaved: bool) -> np.ndarray:
+    """(..., E/2) each -> (..., E): `first` on each pair's first entry, `second` on its second, in the pairs'
+    layout: (x_2j, x_2j+1) interleaved, else (x_j, x_{j + E/2})."""
+    if interleaved:
+        return np.stack((first, second), axis=-1).reshape(*first.shape[:-1], -1)
+    return np.concatenate((first, second), axis=-1)
 
 
 def _turned(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> np.ndarray:
-    """x (..., L, E) with each pair turned by the angles whose cos and sin (..., L, E/2) are given, computed in
-    their dtype and returned in x's."""
+    """x (..., L, E) with each pair (x1, x2) turned, (x1 cos - x2 sin, x2 cos + x1 sin) = x cos + partner(x) sin,
+    partner(x) holding x2 where x holds x1 and x1 where x2, the tables cos and sin (..., L, E) from _rope_table;
+    computed in their dtype and returned in x's."""
     dtype, E = x.dtype, x.shape[-1]
     x = x.astype(cos.dtype, copy=False)
-    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : E // 2], x[..., E // 2:])  # (..., L, E/2)
-    turned = (x1 * cos - x2 * sin, x1 * sin + x2 * cos)  # (..., L, E/2) each
-    out = np.stack(turned, axis=-1).reshape(x.shape) if interleaved else np.concatenate(turned, axis=-1)
-    return out.astype(dtype, copy=False)  # (..., L, E)
+    # the partner: each pair's two entries swapped, (x_2j+1, x_2j) interleaved, else the halves (x2, x1)
+    if interleaved:
+        partner = x.reshape(*x.shape[:-1], E // 2, 2)[..., ::-1].reshape(x.shape)
+    else:
+        partner = np.roll(x, E // 2, axis=-1)
+    return (x * cos + partner * sin).astype(dtype, copy=False)  # (..., L, E)
 
 
 def _prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,

@@ -27,11 +27,14 @@ from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, sca
 class KVCache(NamedTuple):
     """The keys and values of the positions seen so far, each (..., Hkv, capacity, d_k), filled at positions
     0 .. length - 1. NumPy: extend writes the new positions into these arrays in place and returns a cache
-    with the longer length; the positions an older cache covers never change."""
+    with the longer length; the positions an older cache covers never change. `rope`: RoPE's cos and sin
+    tables (capacity, d_k) for the positions 0 .. capacity - 1, which init_cache makes once for a module with
+    rope_theta, so that a step reads its angles (None: extend makes the angles of its positions)."""
 
     k: np.ndarray
     v: np.ndarray
     length: int
+    rope: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class MultiHeadAttention(Module):
@@ -116,12 +119,16 @@ class MultiHeadAttention(Module):
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
         """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
-        values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default)."""
+        values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
+        with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32."""
         batch_shape = checks.cache_size(batch_shape, capacity)
         d_k = self.w_q.weight.shape[1] // self.num_heads
         shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
         dtype = self.w_q.weight.dtype if dtype is None else dtype
-        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), 0)
+        rope = None
+        if self.rope_theta is not None:  # made once, for positions 0 .. capacity - 1: a step slices its angles
+            rope = _rope_table(np.arange(capacity), d_k, self.rope_theta, np.promote_types(dtype, np.float32), False)
+        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), 0, rope)
 
     def extend(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache, mask: np.ndarray | None = None, *,
                need_weights: bool = True, rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
@@ -142,12 +149,18 @@ class MultiHeadAttention(Module):
             out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
             holding length + L positions.
         """
-        start, end = self._check_extend(x_q, x_kv, cache, mask)
+        self._check_extend({"x_q": x_q, "x_kv": x_kv}, cache, mask)
+        return self._extended(x_q, x_kv, cache, mask, need_weights=need_weights, rng=rng)
+
+    def _extended(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache, mask: np.ndarray | None, *,
+                  need_weights: bool, rng: Rng) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
+        """extend once its inputs are checked (TransformerBlock.extend checks its own against the cache)."""
+        start, end = cache.length, cache.length + x_q.shape[-2]
 
         # 1) project the new positions, then write their keys and values into the cache, in place
         q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
         k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
-        q, k = self._rotated(q, k, start)  # RoPE at positions start .. end - 1
+        q, k = self._rotated(q, k, start, cache.rope)  # RoPE at positions start .. end - 1
         cache.k[..., start:end, :] = k
         cache.v[..., start:end, :] = self._split_heads(self.w_v(x_kv), self.num_kv_heads)  # at start .. end - 1
 
@@ -164,19 +177,18 @@ class MultiHeadAttention(Module):
                                                         weights.dtype)], axis=-1)  # (..., H, L, capacity)
 
         # 3) concatenate the heads and mix them
-        return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, end)
+        return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, end, cache.rope)
 
-    def _check_extend(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache,
-                      mask: np.ndarray | None) -> tuple[int, int]:
-        """The checks of extend; returns the new positions' range (start, end)."""
-        d_model, (capacity, length) = self.w_q.weight.shape[1], (cache.k.shape[-2], cache.length)
-        L = checks.cache_inputs(("x_q", "x_kv"), (x_q.shape, x_kv.shape), cache.k.shape, d_model)
-        checks.same_floating_dtype(_dtypes(x_q=x_q, x_kv=x_kv, cache=cache.k, parameters=self.w_q.weight))
+    def _check_extend(self, inputs: dict[str, np.ndarray], cache: KVCache, mask: np.ndarray | None) -> None:
+        """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""
+        weight, capacity = self.w_q.weight, cache.k.shape[-2]
+        L = checks.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
+                                weight.shape[1])
+        checks.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
         if mask is not None:
             checks.broadcasts_to("mask", np.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
                                  "..., H, L, capacity")
-        checks.cache_room(capacity, length, L)
-        return length, length + L
+        checks.cache_room(capacity, cache.length, L)
 
     def _check_inputs(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         d_model = self.w_q.weight.shape[1]
@@ -189,15 +201,20 @@ class MultiHeadAttention(Module):
         """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
         return self.num_kv_heads != self.num_heads
 
-    def _rotated(self, q: np.ndarray, k: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+    def _rotated(self, q: np.ndarray, k: np.ndarray, start: int,
+                 tables: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """q (..., H, L, d_k) and k (..., Hkv, S, d_k) turned by RoPE (apply_rope's half rotation), row i of each
-        at position start + i, from one table of angles; q and k themselves without rope_theta."""
+        at position start + i, from one table of angles: `tables` (cos, sin) of positions 0, 1, ... (a cache's),
+        or made here for positions start ..; q and k themselves without rope_theta."""
         if self.rope_theta is None:
             return q, k
         L, S = q.shape[-2], k.shape[-2]
-        work = np.promote_types(q.dtype, np.float32)
-        cos, sin = _rope_table(start + np.arange(max(L, S)), q.shape[-1], self.rope_theta, work)  # (max(L, S), d_k / 2)
-        return _turned(q, cos[:L], sin[:L], False), _turned(k, cos[:S], sin[:S], False)
+        if tables is None:  # row r of the tables: position start + r
+            work, positions = np.promote_types(q.dtype, np.float32), start + np.arange(max(L, S))
+            tables, start = _rope_table(positions, q.shape[-1], self.rope_theta, work, False), 0  # (max(L, S), d_k)
+        cos, sin = tables  # row start + i: position start + i
+        return (_turned(q, cos[start:start + L], sin[start:start + L], False),
+                _turned(k, cos[start:start + S], sin[start:start + S], False))
 
     def _split_heads(self, x: np.ndarray, heads: int | None = None) -> np.ndarray:
         """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""
@@ -301,11 +318,11 @@ class TransformerBlock(Module):
             x (..., L, D), the attention weights (..., H, L, capacity) (or None), and the cache holding the new
             positions too.
         """
-        self._check_input(x)
+        self.attn._check_extend({"x": x}, cache, mask)  # once: the attention's input, a norm of x or x, is alike
         rngs = _rngs(rng, 4)
 
         def attend(h: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
-            return self.attn.extend(h, h, cache, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
+            return self.attn._extended(h, h, cache, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
 
         return self._layers(x, attend, rngs)
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from attention_np.common import checks
 
-from .functional import _visible, causal_mask
+from .functional import _cast, _visible, causal_mask
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
@@ -62,14 +62,15 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     (a query 0 at S - 1 or later hides no key, q_offset 0 is the kernel's own is_causal, any other a mask)."""
     dtype, (L, S) = q.dtype, (q.shape[-2], k.shape[-2])
     work = dtype if q.is_cuda else torch.promote_types(dtype, torch.float32)  # see the module docstring
-    q, k, v = (x.to(work) for x in (q, k, v))
-    scale = checks.default_scale(scale, q.shape, k.shape)
+    q, k, v = (_cast(x, work) for x in (q, k, v))
+    # scale None is the kernel's default, ours: 1 / sqrt(E), E > 0 here
     causal = _hides_keys(is_causal, q_offset, S)
     if causal and q_offset != 0:  # ours is p_i = q_offset + i: a boolean mask of the visible keys
         visible = causal_mask(L, S, q_offset=q_offset).to(q.device)  # (L, S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
         return torch.where(visible.any(dim=-1, keepdim=True), out, 0).to(dtype)  # a fully masked row: zeros
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True).to(dtype)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+    return _cast(out, dtype)
 
 
 def _hides_keys(is_causal: bool, q_offset: int | torch.Tensor, S: int) -> bool:

@@ -148,28 +148,38 @@ def apply_rope(x: torch.Tensor, positions: int | torch.Tensor, *, theta: float =
     integer = not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool)
     checks.rope(x.shape, positions.shape, str(positions.dtype), integer, theta)
     work = torch.promote_types(x.dtype, torch.float32)  # float16, bfloat16: in float32
-    cos, sin = _rope_table(positions, x.shape[-1], theta, work)
+    cos, sin = _rope_table(positions, x.shape[-1], theta, work, interleaved)
     return _turned(x, cos, sin, interleaved)
 
 
-def _rope_table(positions: torch.Tensor, E: int, theta: float, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the angles p * theta^(-2j / E), (..., L, E/2), for positions (..., L), in dtype `work`."""
+def _rope_table(positions: torch.Tensor, E: int, theta: float, work: torch.dtype,
+                interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (..., L, E) of each entry's angle p * theta^(-2j / E), j the index of its pair, for positions
+    (..., L), in dtype `work`, laid out as the pairs are (`interleaved`); sin is negated on each pair's first
+    entry, so that turning is x cos + partner(x) sin (_turned)."""
     exponents = torch.arange(0, E, 2, dtype=work, device=positions.device) / E  # 2j / E
     inv_freq = torch.reciprocal(torch.pow(theta, exponents))  # (E/2,): 1 / theta^(2j / E), as 1.0 / theta ** ...
     # torch: the same numbers as the operators, without their Python float dispatch (twice as fast)
     angles = positions[..., None].to(work) * inv_freq  # (..., L, 1) x (E/2,) -> (..., L, E/2)
-    return torch.cos(angles), torch.sin(angles)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    return _paired(cos, cos, interleaved), _paired(-sin, sin, interleaved)  # (..., L, E) each
+
+
+def _paired(first: torch.Tensor, second: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """(..., E/2) each -> (..., E): `first` on each pair's first entry, `second` on its second, in the pairs'
+    layout: (x_2j, x_2j+1) interleaved, else (x_j, x_{j + E/2})."""
+    return torch.stack((first, second), dim=-1).flatten(-2) if interleaved else torch.cat((first, second), dim=-1)
 
 
 def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x (..., L, E) with each pair turned by the angles whose cos and sin (..., L, E/2) are given, computed in
-    their dtype and returned in x's."""
+    """x (..., L, E) with each pair (x1, x2) turned, (x1 cos - x2 sin, x2 cos + x1 sin) = x cos + partner(x) sin,
+    partner(x) holding x2 where x holds x1 and x1 where x2, the tables cos and sin (..., L, E) from _rope_table;
+    computed in their dtype and returned in x's."""
     dtype, E = x.dtype, x.shape[-1]
-    x = x.to(cos.dtype)
-    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : E // 2], x[..., E // 2:])  # (..., L, E/2)
-    turned = (x1 * cos - x2 * sin, x1 * sin + x2 * cos)  # (..., L, E/2) each
-    out = torch.stack(turned, dim=-1).reshape(x.shape) if interleaved else torch.cat(turned, dim=-1)
-    return out.to(dtype)  # (..., L, E)
+    x = _cast(x, cos.dtype)
+    # the partner: each pair's two entries swapped, (x_2j+1, x_2j) interleaved, else the halves (x2, x1)
+    partner = x.unflatten(-1, (E // 2, 2)).flip(-1).flatten(-2) if interleaved else x.roll(E // 2, dims=-1)
+    return _cast(x * cos + partner * sin, dtype)  # (..., L, E)
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None,
@@ -201,8 +211,9 @@ def _kernel_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                    need_weights: bool) -> bool:
     """Whether grouped-query attention can go straight to torch's kernel with its enable_gqa: the fast path
     (no weights, no dropout, no softcap) with nothing to split per query head (no mask, bias, window, key
-    lengths or offset array), q, k, v of equal leading axes and H query heads a multiple of Hkv (else the
-    general route raises the errors), no empty axis, and no NaN or inf in q or k (see the fast path below).
+    lengths or offset array), q, k, v of equal leading axes, one floating dtype and H query heads a multiple
+    of Hkv (else the general route raises the errors), no empty axis, and no NaN or inf in q or k (see the
+    fast path below).
     A decode step with a key/value cache is such a call."""
     if (need_weights or dropout_p != 0.0 or softcap is not None or mask is not None or bias is not None
             or window is not None or key_lengths is not None or type(q_offset) is not int):
@@ -212,7 +223,8 @@ def _kernel_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     (H, L, E), (Hkv, S, E_k), (Hkv_v, S_v, _) = q.shape[-3:], k.shape[-3:], v.shape[-3:]
     if not (Hkv == Hkv_v > 0 and H % Hkv == 0 and E == E_k > 0 and S_v == S and L > 0 and S > 0):
         return False
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    if not (q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point):  # the general route raises the error
+        return False
     return _finite(q, k)
 
 
@@ -220,7 +232,8 @@ def _finite(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether q and k hold no NaN or inf, which the fused kernel mishandles (see scaled_dot_product_attention):
     one read of each, as their sum in at least float32 is then finite."""
     work = torch.promote_types(q.dtype, torch.float32)
-    return bool(torch.isfinite(q.sum(dtype=work) + k.sum(dtype=work)))
+    total = q.detach().sum(dtype=work) + k.detach().sum(dtype=work)  # a value read, outside autograd
+    return math.isfinite(total)  # torch: one dispatch, where torch.isfinite and bool() take four
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None,
@@ -251,6 +264,12 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 def _ungrouped(x: torch.Tensor | None) -> torch.Tensor | None:
     """(..., Hkv, G, L, *) -> (..., H, L, *): the groups' heads in order again, H = Hkv * G."""
     return None if x is None else x.reshape(*x.shape[:-4], x.shape[-4] * x.shape[-3], *x.shape[-2:])
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`. torch: x.to(dtype) costs a dispatch even when x has that dtype, and a decode step makes
+    a dozen such calls."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _dtypes(**arrays: torch.Tensor) -> dict[str, tuple[str, bool]]:

@@ -21,17 +21,31 @@ from torch import nn
 from attention_np.common import checks
 
 from .arrays import asarray
-from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, scaled_dot_product_attention
+from .fast import grouped_attention
+from .functional import (
+    Rng,
+    _cast,
+    _dropout,
+    _dtypes,
+    _finite,
+    _rngs,
+    _rope_table,
+    _turned,
+    scaled_dot_product_attention,
+)
 
 
 class KVCache(NamedTuple):
     """The keys and values of the positions seen so far, each (..., Hkv, capacity, d_k), filled at positions
     0 .. length - 1. torch: preallocated tensors that extend writes into in place and returns with the longer
-    length (no torch.cat per step); the positions an older cache covers never change."""
+    length (no torch.cat per step); the positions an older cache covers never change. `rope`: RoPE's cos and
+    sin tables (capacity, d_k) for the positions 0 .. capacity - 1, which init_cache makes once for a module
+    with rope_theta, so that a step reads its angles (None: extend makes the angles of its positions)."""
 
     k: torch.Tensor
     v: torch.Tensor
     length: int
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class MultiHeadAttention(nn.Module):
@@ -116,12 +130,17 @@ class MultiHeadAttention(nn.Module):
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
         """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
-        values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default)."""
+        values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
+        with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32."""
         batch_shape = checks.cache_size(batch_shape, capacity)
         d_k = self.w_q.weight.shape[1] // self.num_heads
         shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
         options = dict(dtype=self.w_q.weight.dtype if dtype is None else dtype, device=self.w_q.weight.device)
-        return KVCache(torch.zeros(shape, **options), torch.zeros(shape, **options), 0)
+        rope = None
+        if self.rope_theta is not None:  # made once, for positions 0 .. capacity - 1: a step slices its angles
+            work = torch.promote_types(options["dtype"], torch.float32)
+            rope = _rope_table(torch.arange(capacity, device=options["device"]), d_k, self.rope_theta, work, False)
+        return KVCache(torch.zeros(shape, **options), torch.zeros(shape, **options), 0, rope)
 
     def extend(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None, *,
                need_weights: bool = True, rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
@@ -142,12 +161,18 @@ class MultiHeadAttention(nn.Module):
             out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
             holding length + L positions.
         """
-        start, end = self._check_extend(x_q, x_kv, cache, mask)
+        self._check_extend({"x_q": x_q, "x_kv": x_kv}, cache, mask)
+        return self._extended(x_q, x_kv, cache, mask, need_weights=need_weights, rng=rng)
+
+    def _extended(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, *,
+                  need_weights: bool, rng: Rng) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
+        """extend once its inputs are checked (TransformerBlock.extend checks its own against the cache)."""
+        start, end = cache.length, cache.length + x_q.shape[-2]
 
         # 1) project the new positions, then write their keys and values into the cache, in place
         q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
         k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
-        q, k = self._rotated(q, k, start)  # RoPE at positions start .. end - 1
+        q, k = self._rotated(q, k, start, cache.rope)  # RoPE at positions start .. end - 1
         cache.k[..., start:end, :] = k
         cache.v[..., start:end, :] = self._split_heads(self.w_v(x_kv), self.num_kv_heads)  # at start .. end - 1
 
@@ -155,27 +180,31 @@ class MultiHeadAttention(nn.Module):
         if mask is not None and mask.shape[-1] > 1:
             mask = mask[..., :end]  # (..., H, L, capacity) -> (..., H, L, end)
         dropout_p = self.dropout if self.training else 0.0
-        out, weights = scaled_dot_product_attention(q, cache.k[..., :end, :], cache.v[..., :end, :], mask,
-                                                    is_causal=True, q_offset=start, enable_gqa=self.grouped,
-                                                    dropout_p=dropout_p, need_weights=need_weights,
-                                                    rng=rng)  # (..., H, L, d_k)
+        k, v = cache.k[..., :end, :], cache.v[..., :end, :]  # (..., Hkv, end, d_k)
+        if mask is None and not need_weights and dropout_p == 0.0 and start < end and _finite(q, k):
+            # torch: the kernel call that scaled_dot_product_attention's route (_kernel_groups) makes of these
+            # arguments, without its tests of what extend has checked: a decode step spends no more on them
+            out, weights = grouped_attention(q, k, v, is_causal=True, q_offset=start, scale=None), None
+        else:
+            out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start,
+                                                        enable_gqa=self.grouped, dropout_p=dropout_p,
+                                                        need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
         if need_weights:  # the positions not yet filled get 0
             weights = nn.functional.pad(weights, (0, cache.k.shape[-2] - end))  # (..., H, L, capacity)
 
         # 3) concatenate the heads and mix them
-        return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, end)
+        return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, end, cache.rope)
 
-    def _check_extend(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache,
-                      mask: torch.Tensor | None) -> tuple[int, int]:
-        """The checks of extend; returns the new positions' range (start, end)."""
-        d_model, (capacity, length) = self.w_q.weight.shape[1], (cache.k.shape[-2], cache.length)
-        L = checks.cache_inputs(("x_q", "x_kv"), (x_q.shape, x_kv.shape), cache.k.shape, d_model)
-        checks.same_floating_dtype(_dtypes(x_q=x_q, x_kv=x_kv, cache=cache.k, parameters=self.w_q.weight))
+    def _check_extend(self, inputs: dict[str, torch.Tensor], cache: KVCache, mask: torch.Tensor | None) -> None:
+        """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""
+        weight, capacity = self.w_q.weight, cache.k.shape[-2]
+        L = checks.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
+                                weight.shape[1])
+        checks.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
         if mask is not None:
             checks.broadcasts_to("mask", mask.shape, (*cache.k.shape[:-3], self.num_heads, L, capacity),
                                  "..., H, L, capacity")
-        checks.cache_room(capacity, length, L)
-        return length, length + L
+        checks.cache_room(capacity, cache.length, L)
 
     def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         d_model = self.w_q.weight.shape[1]
@@ -188,15 +217,21 @@ class MultiHeadAttention(nn.Module):
         """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
         return self.num_kv_heads != self.num_heads
 
-    def _rotated(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotated(self, q: torch.Tensor, k: torch.Tensor, start: int,
+                 tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q (..., H, L, d_k) and k (..., Hkv, S, d_k) turned by RoPE (apply_rope's half rotation), row i of each
-        at position start + i, from one table of angles; q and k themselves without rope_theta."""
+        at position start + i, from one table of angles: `tables` (cos, sin) of positions 0, 1, ... (a cache's),
+        or made here for positions start ..; q and k themselves without rope_theta."""
         if self.rope_theta is None:
             return q, k
         L, S = q.shape[-2], k.shape[-2]
-        work, positions = torch.promote_types(q.dtype, torch.float32), start + torch.arange(max(L, S), device=q.device)
-        cos, sin = _rope_table(positions, q.shape[-1], self.rope_theta, work)  # (max(L, S), d_k / 2)
-        return _turned(q, cos[:L], sin[:L], False), _turned(k, cos[:S], sin[:S], False)
+        if tables is None:  # row r of the tables: position start + r
+            work = torch.promote_types(q.dtype, torch.float32)
+            positions = start + torch.arange(max(L, S), device=q.device)
+            tables, start = _rope_table(positions, q.shape[-1], self.rope_theta, work, False), 0  # (max(L, S), d_k)
+        cos, sin = tables  # row start + i: position start + i
+        return (_turned(q, cos[start:start + L], sin[start:start + L], False),
+                _turned(k, cos[start:start + S], sin[start:start + S], False))
 
     def _split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""
@@ -296,11 +331,11 @@ class TransformerBlock(nn.Module):
             x (..., L, D), the attention weights (..., H, L, capacity) (or None), and the cache holding the new
             positions too.
         """
-        self._check_input(x)
+        self.attn._check_extend({"x": x}, cache, mask)  # once: the attention's input, a norm of x or x, is alike
         rngs = _rngs(rng, 4)
 
         def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
-            return self.attn.extend(h, h, cache, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
+            return self.attn._extended(h, h, cache, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
 
         return self._layers(x, attend, rngs)
 
@@ -311,8 +346,9 @@ class TransformerBlock(nn.Module):
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: torch.Tensor) -> None:
-        checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
-        checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        weight = self.norm1.weight
+        checks.module_input("x", x.shape, weight.shape[0], "L")
+        checks.same_floating_dtype(_dtypes(x=x, parameters=weight))
 
     def _layers(self, x: torch.Tensor, attend: Callable,
                 rngs: list) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
@@ -372,8 +408,8 @@ class LayerNorm(nn.LayerNorm):
         # computes x * a + c with c = bias - mean * a, which cancels where the variance is far below eps
         # (D = 1: the output, which is the bias, off by |x| / sqrt(eps) float32 rounding errors)
         work = torch.promote_types(x.dtype, torch.float32)
-        weight, bias = self.weight.to(work), self.bias.to(work)
-        return nn.functional.layer_norm(x.to(work), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+        weight, bias = _cast(self.weight, work), _cast(self.bias, work)
+        return _cast(nn.functional.layer_norm(_cast(x, work), self.normalized_shape, weight, bias, self.eps), x.dtype)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -388,7 +424,8 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         work = torch.promote_types(x.dtype, torch.float32)  # torch: statistics in at least float32, as LayerNorm
-        return nn.functional.rms_norm(x.to(work), self.normalized_shape, self.weight.to(work), self.eps).to(x.dtype)
+        out = nn.functional.rms_norm(_cast(x, work), self.normalized_shape, _cast(self.weight, work), self.eps)
+        return _cast(out, x.dtype)
 
 
 class FeedForward(nn.Sequential):

@@ -105,6 +105,25 @@ def test_without_weights(backend: ModuleType):
     assert_close(backend.to_numpy(out), backend.to_numpy(expected), 1e-12, "fast path")
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's invalid-value warnings on the NaN it spreads
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_a_non_finite_position_spreads_alike_with_and_without_weights(backend: ModuleType, bad: float):
+    # position 2 of batch row 0 is not finite: every later query of that row sees its key; the fast path
+    # without weights (torch: its fused kernel) must spread it exactly as the explicit path does
+    x = _random(B, L, D, seed=9)
+    x[0, 2, 1] = bad
+    results = {}
+    for need_weights in (True, False):
+        module, outs = _module(backend, "block", **LLAMA), []
+        cache = module.init_cache((B,), L)
+        for chunk in _chunks(SPLITS["prefill_then_decode"]):
+            out, _, cache = module.extend(backend.asarray(x[:, chunk]), cache, need_weights=need_weights)
+            outs.append(backend.to_numpy(out))
+        results[need_weights] = np.concatenate(outs, axis=-2)
+    assert np.isnan(results[True][0, 2:]).all() and not np.isnan(results[True][1]).any()
+    assert_close(results[False], results[True], 1e-12, "without weights")
+
+
 def test_init_cache_shapes_and_dtype(backend: ModuleType):
     mha = _module(backend, "mha")
     cache = mha.init_cache((2, 3), 11)
@@ -112,6 +131,30 @@ def test_init_cache_shapes_and_dtype(backend: ModuleType):
     assert backend.to_numpy(cache.k).dtype == np.float64 and int(cache.length) == 0
     assert backend.to_numpy(mha.init_cache((), 4, dtype=backend.asarray(np.zeros(1, np.float32)).dtype).k).dtype \
         == np.float32
+
+
+def test_init_cache_makes_rope_tables_of_every_position(backend: ModuleType):
+    # d_k = 4: pairs (x_0, x_2) and (x_1, x_3), angles p * theta^(-2j / 4), j = 0, 1, written out by hand
+    cache = _module(backend, "mha", rope_theta=10.0).init_cache((B,), 5)
+    cos, sin = (backend.to_numpy(table) for table in cache.rope)
+    angles = np.arange(5)[:, None] * np.array([1.0, 10.0 ** -0.5])  # (capacity, 2)
+    assert_close(cos, np.cos(angles)[:, [0, 1, 0, 1]], 1e-12, "cos")
+    assert_close(sin, np.sin(angles)[:, [0, 1, 0, 1]] * [-1, -1, 1, 1], 1e-12, "sin: each pair's first negated")
+    assert _module(backend, "mha").init_cache((B,), 5).rope is None
+
+
+def test_a_cache_built_by_hand_has_no_tables_and_gives_the_same_outputs(backend: ModuleType):
+    block = _module(backend, "block", **LLAMA)
+    x = _random(B, L, D, seed=8)
+    made, _, _ = _extended(backend, block, [x], SPLITS["chunks"], capacity=9)
+    empty = block.init_cache((B,), 9)
+    cache, outs = type(empty)(empty.k, empty.v, empty.length), []  # rope=None: extend computes the angles
+    assert cache.rope is None
+    for chunk in _chunks(SPLITS["chunks"]):
+        out, _, cache = block.extend(backend.asarray(x[:, chunk]), cache)
+        outs.append(backend.to_numpy(out))
+    assert cache.rope is None
+    assert_close(np.concatenate(outs, axis=-2), made, 1e-12, "hand-built cache")
 
 
 # ---- errors, the same on every backend

@@ -277,16 +277,15 @@ def cache_size(batch_shape: object, capacity: object) -> Shape:
 def cache_inputs(names: Sequence[str], shapes: Sequence[Sequence[int]], cache: Sequence[int], d_model: int) -> int:
     """extend: each input (..., L, D), one L for all, with the cache's leading axes (...); `cache` is the
     cache's keys' shape (..., heads, capacity, d_k). Returns L."""
-    cache = _shape(cache)
+    cache, shapes = _shape(cache), [_shape(shape) for shape in shapes]
     batch = cache[:-3]
     for name, shape in zip(names, shapes, strict=True):
-        shape = _shape(shape)
         if len(shape) < 2 or shape[-1] != d_model or shape[:-2] != batch:
             raise ValueError(f"{name} must have shape (..., L, D) with the cache's leading axes (...) = {batch} "
                              f"and D = d_model = {d_model}; got {shape} (the cache's keys are {cache})")
-    lengths = {_shape(shape)[-2] for shape in shapes}
+    lengths = {shape[-2] for shape in shapes}
     if len(lengths) > 1:
-        listed = ", ".join(f"{name} {_shape(shape)}" for name, shape in zip(names, shapes, strict=True))
+        listed = ", ".join(f"{name} {shape}" for name, shape in zip(names, shapes, strict=True))
         raise ValueError(f"the new queries and keys stand at the same positions: one length L for {listed}")
     return lengths.pop()
 
