@@ -83,14 +83,14 @@ def format_table(rows: Sequence[timing.Row]) -> str:
 
 def format_decode(rows: Sequence[decode.DecodeRow]) -> str:
     """One line per backend: prefill, decode (ms/token and tokens/s), the estimated recompute and the
-    speed-up, JAX's traces and the torch pieces."""
+    speed-up, JAX's traces and the torch pieces (timed in turns with ours: bench/decode.py)."""
     header = ("backend", "prefill ms", "decode ms", "ms/token", "tokens/s", "recompute s", "speed-up",
-              "jit traces", "pieces ms/token", "max|diff|")
+              "jit traces", "in turns: ours / pieces ms/token", "max|diff|")
     lines = [header]
     for row in rows:
         T = row.tokens_per_s * row.decode_ms / 1e3  # the steps
         traces = "-" if row.step_compiles is None else f"{row.prefill_compiles} / {row.step_compiles}"
-        pieces = "-" if row.pieces_ms is None else f"{row.pieces_ms / T:.3f}"
+        pieces = "-" if row.pieces_ms is None else f"{row.turns_ms / T:.3f} / {row.pieces_ms / T:.3f}"
         error = "-" if row.pieces_error is None else f"{row.pieces_error:.1e}"
         lines.append((row.backend, f"{row.prefill_ms:.1f}", f"{row.decode_ms:.1f}", f"{row.decode_ms / T:.3f}",
                       f"{row.tokens_per_s:.0f}", f"{row.recompute_ms / 1e3:.2f}", f"{row.speedup:.1f}", traces,

@@ -26,6 +26,7 @@ flops, repeats, time_ms, gflops, peak_mib (null where not measurable), rel_error
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import itertools
 import math
@@ -183,12 +184,28 @@ def measure(candidates: Sequence[Candidate], *, repeats: int, warmup: int = 1) -
             candidate.run()
     times: list[list[float]] = [[] for _ in candidates]
     order = balanced_order(len(candidates))
-    for index in itertools.islice(itertools.cycle(order), math.ceil(repeats / order.count(0)) * len(order)):
-        if len(times[index]) < repeats:  # the last pass through `order` may need only some candidates
-            start = time.perf_counter()
-            candidates[index].run()
-            times[index].append(time.perf_counter() - start)
+    with collector_paused():
+        for index in itertools.islice(itertools.cycle(order), math.ceil(repeats / order.count(0)) * len(order)):
+            if len(times[index]) < repeats:  # the last pass through `order` may need only some candidates
+                start = time.perf_counter()
+                candidates[index].run()
+                times[index].append(time.perf_counter() - start)
     return [statistics.median(seconds) for seconds in times]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a timed region, after a full collection, as timeit does. A
+    full collection walks every Python object (about 60 ms with torch imported, on the 2-core machine of the
+    README's tables) and lands in whichever timed call crosses its threshold, whoever allocated the objects."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def balanced_order(n: int) -> list[int]:
