@@ -106,21 +106,28 @@ def test_without_weights(backend: ModuleType):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's invalid-value warnings on the NaN it spreads
+@pytest.mark.parametrize("position", [2, 5], ids=["in_the_prefill", "in_a_step"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
-def test_a_non_finite_position_spreads_alike_with_and_without_weights(backend: ModuleType, bad: float):
-    # position 2 of batch row 0 is not finite: every later query of that row sees its key; the fast path
-    # without weights (torch: its fused kernel) must spread it exactly as the explicit path does
+def test_a_non_finite_position_spreads_alike_with_and_without_weights(backend: ModuleType, bad: float,
+                                                                      position: int):
+    # a position of batch row 0 is not finite: every later query of that row sees its key (a cached one in
+    # the later steps); the fast path without weights (torch: its fused kernel) must spread it exactly as the
+    # explicit path does. The chunks before the one that takes it in never see it (within that chunk, the
+    # earlier queries may: the value of a key they hide is multiplied by a weight of 0, SPEC 11)
     x = _random(B, L, D, seed=9)
-    x[0, 2, 1] = bad
+    x[0, position, 1] = bad
+    chunks = _chunks(SPLITS["prefill_then_decode"])
+    first = max(chunk.start for chunk in chunks if chunk.start <= position)  # the chunk holding the position
     results = {}
     for need_weights in (True, False):
         module, outs = _module(backend, "block", **LLAMA), []
         cache = module.init_cache((B,), L)
-        for chunk in _chunks(SPLITS["prefill_then_decode"]):
+        for chunk in chunks:
             out, _, cache = module.extend(backend.asarray(x[:, chunk]), cache, need_weights=need_weights)
             outs.append(backend.to_numpy(out))
         results[need_weights] = np.concatenate(outs, axis=-2)
-    assert np.isnan(results[True][0, 2:]).all() and not np.isnan(results[True][1]).any()
+    assert np.isnan(results[True][0, position:]).all() and not np.isnan(results[True][0, :first]).any()
+    assert not np.isnan(results[True][1]).any()
     assert_close(results[False], results[True], 1e-12, "without weights")
 
 
