@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .cases import BlockCase, Case, MhaCase, SdpaCase, per_query_head
+from .features import declaration_of
 from .frameworks import RngForm, framework_of
 from .operations import Pair, arrays_and_options, operation_of
 from .tolerances import relative_error
@@ -37,6 +38,12 @@ class Measure(NamedTuple):
     error: float  # compared with the tolerance; inf when the result is wrong in kind, not degree
     detail: str = ""  # what was wrong, for the failure message
     tolerance: float = 0.0  # this case's own tolerance, where it is looser than the table's
+    skipped: str | None = None  # why the module cannot be measured so (its declaration, SPEC 12)
+
+
+def skipped(why: str | None) -> Measure:
+    """A measure the module's declaration rules out: its row is SKIP with `why`."""
+    return Measure(0.0, skipped=why)
 
 
 def compare(name: str, actual: np.ndarray | None, expected: np.ndarray, dtype: str) -> Measure:
@@ -73,6 +80,7 @@ class Runner:
 
     def __init__(self, module: ModuleType) -> None:
         self.module, self.framework = module, framework_of(module)
+        self.declaration = declaration_of(module)  # what it lacks of the contract (SPEC 12)
         self._staged: dict[tuple, Callable] = {}
 
     def run(self, case: Case, dtype: str, *, training: bool = False, seed: int | None = None,
@@ -201,22 +209,47 @@ def expected(case: Case, precision: str = "float64", *, fused_bias: bool = True)
     return operation_of(case).oracle(case, precision, fused_bias)
 
 
+def specified(runner: Runner, case: Case, pair: Pair) -> Pair:
+    """(out, weights) with what the module's declaration leaves unspecified taken out (SPEC 12): the rows of
+    queries that see no key set to 0 where it lacks masked_rows, the weights None where it lacks weights.
+    Applied to the module's result and the reference alike; a result of the wrong shape is left as it is."""
+    out, weights = pair
+    rows = operation_of(case).blind(case) if "masked_rows" in runner.declaration else None
+    if "weights" in runner.declaration:
+        weights = None
+    return (out, weights) if rows is None else (_zeroed(out, rows[0]), _zeroed(weights, rows[1]))
+
+
+def _zeroed(x: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None:
+    """x (..., rows, n) with the rows where `rows` is True set to 0, in x's dtype."""
+    if x is None or x.shape[:-1] != rows.shape:
+        return x
+    return np.where(rows[..., None], np.zeros((), x.dtype), x)
+
+
 def against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     """values: out and weights against the oracle (dropout configured but off in eval mode); below float64
     the case may lose LOW_PRECISION_FACTOR times what the oracle itself loses in that dtype, as inputs of
     large logits or small variance are ill-conditioned for any correct low-precision computation;
     fast_path: with need_weights=False (where an implementation may take a fused path) the same out
     against the oracle, and None for the weights;
-    weights_rows: each weights row sums to 1 where a key is visible, to 0 where none is."""
+    weights_rows: each weights row sums to 1 where a key is visible, to 0 where none is.
+    What the module's declaration leaves unspecified is not compared (`specified`)."""
     case = rounded(case, dtype)
-    (out, weights), (fast_out, no_weights) = runner.run_both_paths(case, dtype)
-    expected_out, expected_weights = expected(case)
-    tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))
-    values = worst(compare("out", out, expected_out, dtype), compare("weights", weights, expected_weights, dtype))
+    explicit, fast_pair = runner.run_both_paths(case, dtype)
+    reference = expected(case)
+    tolerance = _low_precision_tolerance(case, dtype, reference)
+    (out, weights), (fast_out, _), (expected_out, expected_weights) = (
+        specified(runner, case, pair) for pair in (explicit, fast_pair, reference))
+    values = compare("out", out, expected_out, dtype)
+    if expected_weights is not None:
+        values = worst(values, compare("weights", weights, expected_weights, dtype))
     values = values._replace(tolerance=tolerance)
     fast = compare("out with need_weights=False", fast_out, expected_out, dtype)._replace(tolerance=tolerance)
-    if no_weights is not None:
+    if fast_pair[1] is not None and expected_weights is not None:
         fast = Measure(math.inf, "need_weights=False returned weights, not None")
+    if expected_weights is None:
+        return {"values": values, "fast_path": fast, "weights_rows": skipped(runner.declaration.reason("weights"))}
     if weights is None or weights.shape != expected_weights.shape:
         return {"values": values, "fast_path": fast, "weights_rows": values}
     row_sums, expected_sums = weights.sum(axis=-1, dtype=np.float64), expected_weights.sum(axis=-1)
@@ -245,10 +278,13 @@ def sdpa_permutation(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Me
     perm = np.random.default_rng(S).permutation(S)
     permuted = case._replace(k=case.k[..., perm, :], v=case.v[..., perm, :],
                              mask=_permute_last(case.mask, perm), bias=_permute_last(case.bias, perm))
-    out, weights = runner.run(case, dtype)
-    out_p, weights_p = runner.run(permuted, dtype)
+    out, weights = specified(runner, case, runner.run(case, dtype))
+    out_p, weights_p = specified(runner, permuted, runner.run(permuted, dtype))
+    found = compare("out", out_p, out, dtype)
+    if "weights" in runner.declaration:
+        return {"permutation": found}
     weights_back = None if weights_p is None else weights_p[..., np.argsort(perm)]
-    return {"permutation": worst(compare("out", out_p, out, dtype), compare("weights", weights_back, weights, dtype))}
+    return {"permutation": worst(found, compare("weights", weights_back, weights, dtype))}
 
 
 def mha_permutation(runner: Runner, case: MhaCase, dtype: str) -> dict[str, Measure]:
@@ -308,13 +344,15 @@ def _perturb_after(x: np.ndarray, t: int, rng: np.random.Generator) -> np.ndarra
 
 
 def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Measure]:
-    """A query that sees exactly one key returns that key's value; one that sees none returns zeros."""
+    """A query that sees exactly one key returns that key's value; one that sees none returns zeros (unless the
+    module lacks masked_rows)."""
     case = rounded(case, dtype)
     out, _ = runner.run(case, dtype)
     visible = operation_of(case).visible(case)  # (..., L, S)
     counts = visible.sum(axis=-1, keepdims=True)  # (..., L, 1)
     picked = np.where(counts == 1, visible, False).astype(np.float64) @ per_query_head(case)[1]  # (..., L, Ev)
-    checked = np.broadcast_to(counts <= 1, picked.shape)
+    checked = np.broadcast_to((counts == 1) | ((counts == 0) & ("masked_rows" not in runner.declaration)),
+                              picked.shape)
     actual = np.where(checked, out, 0.0) if out.shape == picked.shape else out
     return {"single_key": compare("out", actual.astype(dtype, copy=False), np.where(checked, picked, 0.0), dtype)}
 
@@ -353,18 +391,21 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
                  "varies": Measure(0.0) if not np.array_equal(first, other) or not shows
                  else Measure(math.inf, f"another seed gave the same output{said}")}
         if spread is not None:  # not the block: LayerNorm and the activation follow dropout
-            found["mean"] = _dropout_mean(first, expected_out, spread, dtype, said)
+            mean = first.astype(np.float64).mean(axis=0) if first.shape[1:] == expected_out.shape else first
+            found["mean"] = _dropout_mean(specified(runner, case, (mean, None))[0],
+                                          specified(runner, case, (expected_out, None))[0], spread, dtype, said)
         measures |= {name: worst(measure, measures.get(name, Measure(0.0))) for name, measure in found.items()}
+    tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))
+    if "weights" in runner.declaration:
+        return {"weights": skipped(runner.declaration.reason("weights"))} | measures
     expected_draws = np.broadcast_to(expected_weights, (DROPOUT_DRAWS, *expected_weights.shape))
     before = compare("weights in training mode", weights, expected_draws, dtype)
-    tolerance = _low_precision_tolerance(case, dtype, (expected_out, expected_weights))
     return {"weights": before._replace(tolerance=tolerance)} | measures
 
 
-def _dropout_mean(draws: np.ndarray, expected_out: np.ndarray, spread: np.ndarray, dtype: str, path: str) -> Measure:
+def _dropout_mean(mean: np.ndarray, expected_out: np.ndarray, spread: np.ndarray, dtype: str, path: str) -> Measure:
     """max |mean of the draws - eval| in units of its 6-sigma bound (plus rounding)."""
     rounding = 10 * np.finfo(dtype).eps * np.max(np.abs(expected_out), initial=1.0)
-    mean = draws.astype(np.float64).mean(axis=0)
     ratio = (float(np.max(np.abs(mean - expected_out) / (6 * spread + rounding), initial=0.0))
              if mean.shape == expected_out.shape else math.inf)
     return Measure(ratio, f"the mean of {DROPOUT_DRAWS} draws{path} is {ratio:.1f} x its 6-sigma bound off")

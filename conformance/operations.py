@@ -19,6 +19,7 @@ import numpy as np
 
 from . import oracle
 from .cases import BlockCase, Case, DecodeCase, MhaCase, SdpaCase, block_case, per_query_head
+from .features import Declaration
 
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 
@@ -52,6 +53,10 @@ class Operation(NamedTuple):
     dropout_sigma: Callable[[Any, np.ndarray, float, int], np.ndarray] | None  # sd of the mean of n draws
     dropout_shows: Callable[[Any], bool]  # whether dropout can change the output at all
     dropout_probe: Callable[[Any], Probe] | None  # the case -> a probe of its dropout sites
+    uses: Callable[[Any], set[str]]  # the case -> the arguments and options of conformance.features it uses
+    leave_out: Callable[[Any, Declaration], Any]  # (case, lacks) -> the case without them, or None (SPEC 12)
+    blind: Callable[[Any], tuple[np.ndarray, np.ndarray] | None]  # the case -> (out rows, weights rows) where a
+    # query sees no key ((..., L) and (..., [H,] L)), or None where every query sees one
     pair: Callable[[Any], Pair] = lambda result: result  # the call's result, as NumPy arrays -> (out, weights)
 
 
@@ -103,6 +108,51 @@ def missing(module: ModuleType, names: tuple[str, ...]) -> list[str]:
             owner = getattr(owner, part)
         return True
     return [name for name in names if not has(name)]
+
+
+def features_used(case: Case) -> set[str]:
+    """The features of conformance.features that `case` uses: its operation's arguments and options, and the
+    rules its inputs reach (masked_rows: a query that sees no key; non_finite: NaN or inf in an input, a -inf
+    bias entry aside; empty: an axis of length 0)."""
+    arrays = {name: value for name, value in case._asdict().items() if isinstance(value, np.ndarray | dict)}
+    inputs = [value for name, value in arrays.items() if name not in ("state", "bias", "mask")]
+    inputs += list(arrays.get("state", {}).values())
+    bias = arrays.get("bias")
+    try:
+        blind = operation_of(case).blind(case) is not None
+    except (ValueError, IndexError):  # an error row's mask may not broadcast: no query counts as blind
+        blind = False
+    rules = {"masked_rows": blind,
+             "non_finite": any(not np.all(np.isfinite(x)) for x in inputs if x.dtype.kind == "f")
+             or (bias is not None and bool(np.any(np.isnan(bias) | (bias == np.inf)))),
+             "empty": any(x.ndim >= 2 and x.shape[-2] == 0 for x in inputs)}  # L = 0 or S = 0
+    return operation_of(case).uses(case) | {name for name, reached in rules.items() if reached}
+
+
+def leave_out(case: Case, declaration: Declaration) -> Case | None:
+    """`case` as a module that lacks the declared features runs it: their arguments at the defaults (grouped
+    heads repeated per query head, the same attention), no dropout configured where the module lacks dropout,
+    or None where the case needs a lacking module option (SPEC 12)."""
+    return operation_of(case).leave_out(without_dropout(case, declaration), declaration) if declaration.lacks \
+        else case
+
+
+def without_dropout(case: Case, declaration: Declaration) -> Case:
+    """The case with no dropout configured where the module lacks dropout (in eval mode nothing changes)."""
+    return case._replace(dropout=0.0) if "dropout" in declaration else case
+
+
+# A constructor's keyword arguments (an error row at stage "init"): the feature each needs, and when it does
+INIT_FEATURES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "dropout": ("dropout", lambda value: value != 0), "num_kv_heads": ("num_kv_heads", lambda value: value is not None),
+    "bias": ("no_bias", lambda value: value is False), "rope_theta": ("rope", lambda value: value is not None),
+    "norm": ("rms_norm", lambda value: value != "layer")}
+
+
+def init_features_used(arguments: dict[str, Any]) -> set[str]:
+    """The features a constructor call with these keyword arguments needs."""
+    return {INIT_FEATURES[name][0] for name, value in arguments.items()
+            if name in INIT_FEATURES and INIT_FEATURES[name][1](value)}
 
 
 # --- scaled dot-product attention --------------------------------------------------------------------------
@@ -160,6 +210,30 @@ def _sdpa_visible(case: SdpaCase) -> np.ndarray:
     if case.key_lengths is not None:
         visible = visible & (j < np.reshape(case.key_lengths, (*np.shape(case.key_lengths), 1, 1)))
     return visible
+
+
+def _sdpa_uses(case: SdpaCase) -> set[str]:
+    """mask, bias, is_causal, scale (given), the keywords of SPEC 2a that differ from their defaults, and
+    dropout where one is configured (the dropout groups, an error row)."""
+    given = {"mask": case.mask is not None, "bias": case.bias is not None, "is_causal": case.is_causal,
+             "scale": case.scale is not None, "dropout": case.dropout != 0}
+    return {name for name, used in given.items() if used} | set(keywords_used(case))
+
+
+SDPA_DEFAULTS = {"mask": None, "bias": None, "is_causal": False, "scale": None} | OPTIONAL_KEYWORDS
+
+
+def _sdpa_leave_out(case: SdpaCase, declaration: Declaration) -> SdpaCase:
+    """The lacking arguments at their defaults; with enable_gqa lacking, k and v repeated per query head."""
+    if case.enable_gqa and "enable_gqa" in declaration:
+        case = case._replace(**dict(zip(("k", "v"), per_query_head(case), strict=True)))
+    return case._replace(**{name: default for name, default in SDPA_DEFAULTS.items() if name in declaration})
+
+
+def _sdpa_blind(case: SdpaCase) -> tuple[np.ndarray, np.ndarray] | None:
+    """The queries that see no key (..., L), for out and weights alike."""
+    blind = ~np.any(_sdpa_visible(case), axis=-1)  # (..., L)
+    return (blind, blind) if np.any(blind) else None
 
 
 def _sdpa_dropout_sigma(case: SdpaCase, weights: np.ndarray, p: float, draws: int) -> np.ndarray:
@@ -234,6 +308,45 @@ def _mha_visible(case: MhaCase) -> np.ndarray:
     if case.mask is None:
         return np.ones((*batch, L, S), dtype=bool)
     return np.any(np.broadcast_to(case.mask != 0, (*batch, case.num_heads, L, S)), axis=-3)
+
+
+# A module case's features (conformance.features) by its fields: the options beyond the seed's layout, a mask,
+# a configured dropout
+MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
+    "dropout": lambda case: case.dropout != 0,
+    "num_kv_heads": lambda case: case.num_kv_heads not in (None, case.num_heads),
+    "no_bias": lambda case: not case.bias,
+    "rope": lambda case: case.rope_theta is not None,
+    "rms_norm": lambda case: getattr(case, "norm", "layer") == "rms",
+    "gelu": lambda case: getattr(case, "activation", "relu") == "gelu",
+    "swiglu": lambda case: getattr(case, "activation", "relu") == "swiglu",
+    "mask": lambda case: getattr(case, "mask", None) is not None,
+}
+
+
+def _module_uses(case: MhaCase | BlockCase | DecodeCase) -> set[str]:
+    return {name for name, used in MODULE_FEATURES.items() if used(case)}
+
+
+def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Declaration) -> Any:
+    """No mask where the module lacks masks; None where the case needs a lacking option (its state is drawn in
+    that layout)."""
+    options = [name for name in declaration.lacks if name in MODULE_FEATURES and name not in ("mask", "dropout")]
+    if any(MODULE_FEATURES[name](case) for name in options):
+        return None
+    return case._replace(mask=None) if "mask" in declaration and "mask" in case._fields else case
+
+
+def _module_blind(case: MhaCase | BlockCase) -> tuple[np.ndarray, np.ndarray] | None:
+    """The queries that see no key in some head: (..., L) for out (the heads mix), (..., H, L) for weights."""
+    if case.mask is None:
+        return None
+    blind = ~np.any(case.mask != 0, axis=-1)  # (..., [H,] L) as stored
+    if not np.any(blind):
+        return None
+    q = case.q if isinstance(case, MhaCase) else case.x
+    weights_rows = np.broadcast_to(blind, (*q.shape[:-2], case.num_heads, q.shape[-2]))  # (..., H, L)
+    return np.any(weights_rows, axis=-2), weights_rows
 
 
 def _mha_dropout_sigma(case: MhaCase, weights: np.ndarray, p: float, draws: int) -> np.ndarray:
@@ -367,21 +480,24 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
     Operation("sdpa", "scaled_dot_product_attention", SdpaCase,
               ("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa"), ("q", "k", "v"),
               ("q", "k", "v", "bias"), "sdpa_cases", _sdpa_oracle, _sdpa_call, "scaled_dot_product_attention_vjp",
-              _sdpa_pullback, _sdpa_visible, _sdpa_dropout_sigma, lambda case: True, _sdpa_dropout_probe),
+              _sdpa_pullback, _sdpa_visible, _sdpa_dropout_sigma, lambda case: True, _sdpa_dropout_probe,
+              _sdpa_uses, _sdpa_leave_out, _sdpa_blind),
     Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta"),
               ("q", "k", "v"),
               ("q", "k", "v", "state"), "mha_cases", _mha_oracle, _mha_call, "MultiHeadAttention.vjp",
-              _mha_pullback, _mha_visible, _mha_dropout_sigma, lambda case: True, _mha_dropout_probe),
+              _mha_pullback, _mha_visible, _mha_dropout_sigma, lambda case: True, _mha_dropout_probe,
+              _module_uses, _module_leave_out, _module_blind),
     Operation("block", "TransformerBlock", BlockCase,
               ("num_heads", "dropout", "norm_first", "activation", "eps", "norm", "num_kv_heads", "bias",
                "rope_theta"), ("x",),
               ("x", "state"), "block_cases", _block_oracle, _block_call, "TransformerBlock.vjp",
-              _block_pullback, None, None, _block_dropout_shows, _block_dropout_probe),
+              _block_pullback, None, None, _block_dropout_shows, _block_dropout_probe,
+              _module_uses, _module_leave_out, _module_blind),
     Operation("decode", "TransformerBlock.extend", DecodeCase,
               ("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity", "norm",
                "num_kv_heads", "bias", "rope_theta"), ("x",), (),
               "decode_cases", _decode_oracle, _decode_call, "", None, None, None, lambda case: False, None,
-              _decode_pair),
+              _module_uses, _module_leave_out, lambda case: None, _decode_pair),
 )}
 CONTRACT = ("asarray", "to_numpy")  # what every operation needs besides its own name
 

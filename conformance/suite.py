@@ -22,7 +22,7 @@ from hypothesis.errors import Flaky
 from . import PROFILES, checks, fixed_checks, gradient_checks, strategies, table
 from .checks import ResultError, Runner
 from .frameworks import Framework, framework_of, quick_compiles
-from .operations import CONTRACT, OPERATIONS, keywords_used, missing, options_used
+from .operations import CONTRACT, OPERATIONS, keywords_used, leave_out, missing, options_used
 from .snippets import describe, reproduce
 from .tolerances import TOLERANCES
 
@@ -41,6 +41,8 @@ class Group(NamedTuple):
     draw: dict[str, Any] | None = None  # options of the operation's strategy (is_causal=True, say)
     pinned: bool = False  # also run the table's examples of the operation first
     gradient: bool = False  # needs the operation's vjp: a module without one is reported as skipped
+    needs: tuple[str, ...] = ()  # features (conformance.features) the check cannot do without: a module that
+    # declares one of them lacking is reported as skipped
 
     def strategy(self) -> st.SearchStrategy:
         return getattr(strategies, OPERATIONS[self.operation].strategy)(**(self.draw or {}))
@@ -50,23 +52,24 @@ GROUPS = (
     Group("sdpa", checks.against_oracle, BOTH, 40, pinned=True),
     Group("sdpa", checks.against_oracle, HALF, 10, {"magnitude": "normal", "key_offset": True}),
     Group("sdpa", checks.sdpa_permutation, FLOAT64, 10, {"is_causal": False, "positioned": False}),
-    Group("sdpa", checks.sdpa_causal_prefix, FLOAT64, 10, {"is_causal": True, "positioned": False}),
+    Group("sdpa", checks.sdpa_causal_prefix, FLOAT64, 10, {"is_causal": True, "positioned": False},
+          needs=("is_causal",)),
     Group("sdpa", checks.sdpa_single_key, FLOAT64, 10, {"single_key": True}),
-    Group("sdpa", checks.dropout, FLOAT32, 5, {"long": False}),
-    Group("sdpa", checks.dropout_independence, FLOAT32, 3, {"long": False}),
+    Group("sdpa", checks.dropout, FLOAT32, 5, {"long": False}, needs=("dropout",)),
+    Group("sdpa", checks.dropout_independence, FLOAT32, 3, {"long": False}, needs=("dropout",)),
     Group("sdpa", gradient_checks.gradients, FLOAT64, 8, pinned=True, gradient=True),
     Group("mha", checks.against_oracle, BOTH, 20, pinned=True),
     Group("mha", checks.against_oracle, HALF, 4),
     Group("mha", checks.mha_permutation, FLOAT64, 8, {"cross": True, "rope": False}),  # RoPE: positions matter
-    Group("mha", checks.dropout, FLOAT32, 4, {"long": False}),
-    Group("mha", checks.dropout_independence, FLOAT32, 3, {"long": False}),
+    Group("mha", checks.dropout, FLOAT32, 4, {"long": False}, needs=("dropout",)),
+    Group("mha", checks.dropout_independence, FLOAT32, 3, {"long": False}, needs=("dropout",)),
     Group("mha", gradient_checks.gradients, FLOAT64, 5, pinned=True, gradient=True),
     Group("block", checks.against_oracle, BOTH, 20, pinned=True),
     Group("block", checks.against_oracle, HALF, 4),
     Group("block", checks.block_permutation, FLOAT64, 6, {"rope": False}),
-    Group("block", checks.block_causal_prefix, FLOAT64, 6, {"causal_mask": True}),
-    Group("block", checks.dropout, FLOAT32, 4, {"long": False}),
-    Group("block", checks.dropout_independence, FLOAT32, 3, {"long": False}),
+    Group("block", checks.block_causal_prefix, FLOAT64, 6, {"causal_mask": True}, needs=("mask",)),
+    Group("block", checks.dropout, FLOAT32, 4, {"long": False}, needs=("dropout",)),
+    Group("block", checks.dropout_independence, FLOAT32, 3, {"long": False}, needs=("dropout",)),
     Group("block", gradient_checks.gradients, FLOAT64, 3, pinned=True, gradient=True),
     Group("decode", checks.against_oracle, BOTH, 3, pinned=True),
 )
@@ -142,28 +145,38 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
     dtype"). The rows of separate calls, each with its part of the operations, in order, are those of one call.
     """
     module = importlib.import_module(module) if isinstance(module, str) else module
-    gaps = contract_gaps(module, operations)
+    gaps = contract_gaps(module)
     if gaps:
         raise AttributeError(f"{module.__name__} does not implement the attention contract (SPEC.md section 1): "
                              f"it has no {', '.join(gaps)}")
     if max_examples is not None and max_examples < 1:
         raise ValueError(f"max_examples must be at least 1, got {max_examples}")
     runner, tell = Runner(module), progress or (lambda what: None)
+    name = module.__name__
     with runner.framework.pinned() as pinned, quick_compiles(), _reproducible_draws():
-        rows = [_table_row(runner, table_, name, tell) for name, table_ in CONTRACT_TABLES.items()
+        rows = [_table_row(runner, table_, operation, tell) for operation, table_ in CONTRACT_TABLES.items()
                 if contract]  # pinned: x64
-        for operation in (name for name in OPERATIONS if name in operations):
+        for operation in (operation for operation in OPERATIONS if operation in operations):
+            if absent := missing(module, (OPERATIONS[operation].function,)):  # a partial module (SPEC 12)
+                rows.append(Row(name, operation, "-", "-", 0, 0.0, 0.0, True, skipped=f"no {absent[0]}"))
+                continue
             for group in (group for group in GROUPS if group.operation == operation):
                 examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
-                lacking = missing(module, (OPERATIONS[operation].vjp,)) if group.gradient else []
                 for dtype in _dtypes(group, runner.framework):
-                    why = f"no {lacking[0]}" if lacking else _unnamed(dtype)
-                    rows += ([Row(module.__name__, operation, group.check.__name__, dtype, 0, 0.0, 0.0, True,
-                                  skipped=why)] if why else
+                    why = _cannot_run(runner, group, dtype)
+                    rows += ([Row(name, operation, group.check.__name__, dtype, 0, 0.0, 0.0, True, skipped=why)]
+                             if why else
                              _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink,
                                         tell=tell))
             rows += [_table_row(runner, table_, operation, tell) for table_ in TABLES]
     return Report(rows, seed, profile, [pinned] if pinned else [])
+
+
+def _cannot_run(runner: Runner, group: Group, dtype: str) -> str | None:
+    """Why `group` cannot run on the runner's module in `dtype` (a missing vjp, a feature or the dtype it declares
+    lacking, bfloat16 without ml_dtypes), or None."""
+    lacking = missing(runner.module, (OPERATIONS[group.operation].vjp,)) if group.gradient else []
+    return f"no {lacking[0]}" if lacking else runner.declaration.reason(dtype, *group.needs) or _unnamed(dtype)
 
 
 def timed_check(name: str, **options: Any) -> tuple[Report, float]:
@@ -203,6 +216,7 @@ def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *
             max_examples: int | None = None) -> int:
     """How many cases `check` runs on `module` when every check passes (shrinking a failure runs more)."""
     framework = framework_of(module)
+    operations = [operation for operation in operations if not missing(module, (OPERATIONS[operation].function,))]
     total = len(framework.dtypes) + sum(len(helpers) for helpers in (
         fixed_checks.CAUSAL_SIZES, fixed_checks.CAUSAL_OFFSETS, fixed_checks.WINDOWS, fixed_checks.PADDING_LENGTHS,
         fixed_checks.ROPE_CASES))
@@ -213,9 +227,12 @@ def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *
     return total + sum(len(table.rows(operation, use)) for operation in operations for use in ("edge", "error"))
 
 
-def contract_gaps(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS)) -> list[str]:
-    """The names of the contract that the suite calls and `module` lacks, for these operations."""
-    return missing(module, (*CONTRACT, *(OPERATIONS[operation].function for operation in operations)))
+def contract_gaps(module: ModuleType) -> list[str]:
+    """The names of the contract that the suite needs and `module` lacks: asarray, to_numpy and at least one
+    operation (a partial module's other operations are reported as skipped, SPEC 12)."""
+    functions = tuple(operation.function for operation in OPERATIONS.values() if "." not in operation.function)
+    return missing(module, CONTRACT) + ([f"any of {', '.join(functions)}"]
+                                        if len(missing(module, functions)) == len(functions) else [])
 
 
 def _dtypes(group: Group, framework: Framework) -> tuple[str, ...]:
@@ -252,6 +269,7 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
     becomes a row."""
     tolerance, worst, applied, count = TOLERANCES[dtype], {}, {}, [0]
     first: dict[str, str] = {}  # each measure's first failure: a row fails on any case over its tolerance
+    skips: dict[str, str] = {}  # measure -> why the module's declaration rules it out (SPEC 12)
     name = runner.module.__name__
 
     def body(case: Any) -> None:
@@ -264,6 +282,9 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
             message = _failure(name, group, dtype, case, what)
             first.setdefault("call", message)
             raise CheckFailure(message, ["call"]) from error
+        passes = {m: value.skipped for m, value in measures.items() if value.skipped}  # the declaration's
+        skips.update(passes)
+        measures = {m: value for m, value in measures.items() if m not in passes}
         allowed = {m: max(tolerance[m], value.tolerance) for m, value in measures.items()}
         for measure, value in measures.items():
             worst[measure] = max(worst.get(measure, 0.0), value.error, key=lambda e: (math.isnan(e), e))
@@ -276,9 +297,15 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
                 first.setdefault(measure, message)
             raise CheckFailure(message, list(bad))
 
-    test = given(case=group.strategy())(body)
-    for row in table.rows(group.operation, "example") if group.pinned else ():
-        test = example(case=row.build())(test)
+    declaration = runner.declaration  # a partial module gets the cases it can run (SPEC 12)
+    drawn = group.strategy()
+    if declaration.lacks:
+        drawn = drawn.map(lambda case: leave_out(case, declaration)).filter(lambda case: case is not None)
+    test = given(case=drawn)(body)
+    pinned = (leave_out(row.build(), declaration) for row in table.rows(group.operation, "example")) \
+        if group.pinned else ()
+    for case in (case for case in pinned if case is not None):
+        test = example(case=case)(test)
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
     test = settings(max_examples=examples, deadline=None, database=None, derandomize=False, phases=phases,
                     verbosity=Verbosity.quiet, report_multiple_bugs=False,
@@ -293,11 +320,12 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
                                    "passed when run again, so the module gives different results for the same "
                                    "inputs; the first failure:\n" + next(iter(first.values()), "")}
     failures = first | shrunk  # a case over a tolerance fails its row, also one left behind while shrinking
-    names = list(worst) or ["call"]
+    names = list(worst) or ([] if skips and not failures else ["call"])
     names += [m for m in failures if m not in names]
     return [Row(name, group.operation, m, dtype, count[0], worst.get(m, math.inf),
                 applied.get(m, tolerance.get(m, 0.0)), m not in failures and m in worst, failures.get(m))
-            for m in names]
+            for m in names] + [Row(name, group.operation, m, dtype, 0, 0.0, 0.0, True, skipped=why)
+                               for m, why in skips.items() if m not in names]
 
 
 def _failure(module: str, group: Group, dtype: str, case: Any, what: str) -> str:

@@ -1,0 +1,116 @@
+"""The partial contract (SPEC.md section 12): the features of the contract that a module may declare it lacks,
+declared once, and the declaration a module makes.
+
+A kernel author's module often has scaled_dot_product_attention alone, returns no weights, or takes no
+boolean mask. It says so in one module-level name, and the suite checks the rest:
+
+    from conformance import Declaration
+    CONFORMANCE = Declaration(lacks={"weights": "a fused kernel", "dropout": "inference only"})
+
+Each lacking feature turns the rows that need it into SKIP with the reason, and keeps the cases that use it
+away from the module; only a contradiction of the spec is a FAIL. `FEATURES` says, for each feature, what the
+contract asks and what the suite does without it; the suite's code reads the names of this table only.
+Imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType, ModuleType
+from typing import NamedTuple
+
+DECLARATION = "CONFORMANCE"  # the module-level name the suite reads
+
+
+class Feature(NamedTuple):
+    """One feature of the contract, as SPEC.md section 12's table has it."""
+
+    name: str
+    kind: str  # "result", "training", "argument", "option", "rule", "dtype" or "errors": how the suite leaves it out
+    asks: str  # what the contract asks, in words
+    without: str  # what the suite does for a module that lacks it
+
+
+_DRAWN = "drawn cases do without it; fixed cases that use it are skipped"
+FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for feature in (
+    Feature("weights", "result", "need_weights=True returns the attention weights, before dropout",
+            "the weights a call returns are not compared: weights_rows and dropout's weights rows are skipped"),
+    Feature("dropout", "training", "dropout (dropout_p, a module's dropout) in training mode, drawn from rng",
+            "the dropout groups are skipped; value checks configure no dropout; its error rows are skipped"),
+    *(Feature(name, "argument", f"sdpa's {name}{what}", _DRAWN) for name, what in (
+        ("mask", " (modules' too): an entry equal to 0 / False hides a key"),
+        ("bias", ": added to the scores, -inf hides a key"),
+        ("is_causal", ": hide keys j > p_i"), ("scale", ": multiplies q k^T"),
+        ("q_offset", ": query i at position q_offset + i (SPEC 2a)"), ("window", ": a sliding window (SPEC 2a)"),
+        ("key_lengths", ": keys j >= key_lengths hidden (SPEC 2a)"),
+        ("softcap", ": raw scores capped by softcap * tanh (SPEC 2a)"),
+        ("enable_gqa", ": grouped-query heads, k and v with fewer heads than q (SPEC 2a)"))),
+    *(Feature(name, "option", f"modules with {what}", "drawn module cases keep the seed's layout; fixed cases "
+                                                       "that use it are skipped") for name, what in (
+        ("num_kv_heads", "num_kv_heads below num_heads (grouped-query attention)"),
+        ("no_bias", "bias=False (Linears without biases)"), ("rope", "rope_theta (rotary position embeddings)"),
+        ("rms_norm", 'norm="rms" (a block with RMSNorm)'), ("gelu", 'activation="gelu" (a block with GELU)'),
+        ("swiglu", 'activation="swiglu" (a block with a SwiGLU feed-forward network)'))),
+    Feature("masked_rows", "rule", "a query that sees no key gets an output row (sdpa) and a weights row of zeros",
+            "the rows of such queries are left out of every comparison (modules: a position where a head sees no "
+            "key); the edge cases and the gradient rule about them are skipped"),
+    Feature("non_finite", "rule", "NaN and inf in the inputs reach exactly the rows that see them (SPEC 11)",
+            "the edge cases with NaN or inf inputs are skipped"),
+    Feature("empty", "rule", "L = 0 or S = 0 gives empty outputs and zeros", "the edge cases with an empty axis are "
+                                                                             "skipped"),
+    *(Feature(dtype, "dtype", f"inputs in {dtype}", f"the rows in {dtype} are skipped")
+      for dtype in ("float16", "bfloat16", "float64")),
+    Feature("exceptions", "errors", "bad input raises the exception type of SPEC 7, its message naming the "
+                                    "arguments and shapes",
+            "a bad call must still raise, but any exception will do"),
+)})
+
+
+class Declaration:
+    """What a module lacks of the contract: the names of FEATURES, each with why (optional). The suite reads it
+    from the module's CONFORMANCE; a module without one lacks nothing.
+
+    Declaration(lacks=("weights", "dropout")) or Declaration(lacks={"weights": "a fused kernel"}); two
+    declarations join with |."""
+
+    lacks: Mapping[str, str]  # feature -> why ("" where not given), read-only
+
+    def __init__(self, lacks: Iterable[str] | Mapping[str, str] = ()) -> None:
+        reasons = dict(lacks) if isinstance(lacks, Mapping) else dict.fromkeys(lacks, "")
+        unknown = sorted(name for name in reasons if name not in FEATURES)
+        if unknown:
+            raise ValueError(f"Declaration: unknown features {unknown}; the features are {sorted(FEATURES)}")
+        self.lacks = MappingProxyType(dict(sorted(reasons.items())))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Declaration) and dict(self.lacks) == dict(other.lacks)
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, as the dict it holds
+
+    def __contains__(self, feature: str) -> bool:
+        return feature in self.lacks
+
+    def __or__(self, other: Declaration) -> Declaration:
+        return Declaration({**self.lacks, **{name: why or self.lacks.get(name, "")
+                                             for name, why in other.lacks.items()}})
+
+    def reason(self, *features: str) -> str | None:
+        """Why a row that needs these features is skipped ("lacks weights: a fused kernel"), or None when the
+        module has them all."""
+        lacking = [name for name in features if name in self.lacks]
+        return "; ".join(f"lacks {name}" + (f": {self.lacks[name]}" if self.lacks[name] else "")
+                         for name in lacking) or None
+
+    def __repr__(self) -> str:
+        return f"Declaration({dict(self.lacks)!r})"
+
+
+def declaration_of(module: ModuleType) -> Declaration:
+    """The module's declaration (CONFORMANCE), or one that lacks nothing."""
+    declared = getattr(module, DECLARATION, None)
+    if declared is None:
+        return Declaration()
+    if not isinstance(declared, Declaration):
+        raise TypeError(f"{module.__name__}.{DECLARATION} must be a conformance.Declaration, got "
+                        f"{type(declared).__name__}")
+    return declared
