@@ -45,6 +45,8 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
         ("key_lengths", ": keys j >= key_lengths hidden (SPEC 2a)"),
         ("softcap", ": raw scores capped by softcap * tanh (SPEC 2a)"),
         ("enable_gqa", ": grouped-query heads, k and v with fewer heads than q (SPEC 2a)"))),
+    Feature("mask_per_head", "argument", "modules' masks that differ between the heads, (..., H, L, S)",
+            "drawn module cases give every head the first head's mask; fixed cases that use it are skipped"),
     *(Feature(name, "option", f"modules with {what}", "drawn module cases keep the seed's layout; fixed cases "
                                                        "that use it are skipped") for name, what in (
         ("num_kv_heads", "num_kv_heads below num_heads (grouped-query attention)"),

@@ -321,7 +321,13 @@ MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "gelu": lambda case: getattr(case, "activation", "relu") == "gelu",
     "swiglu": lambda case: getattr(case, "activation", "relu") == "swiglu",
     "mask": lambda case: getattr(case, "mask", None) is not None,
+    "mask_per_head": lambda case: _head_masks(getattr(case, "mask", None)),
 }
+
+
+def _head_masks(mask: np.ndarray | None) -> bool:
+    """Whether a module's mask (broadcasting to (..., H, L, S)) differs between the heads."""
+    return mask is not None and mask.ndim >= 3 and bool(np.any(mask != mask[..., :1, :, :]))
 
 
 def _module_uses(case: MhaCase | BlockCase | DecodeCase) -> set[str]:
@@ -331,10 +337,19 @@ def _module_uses(case: MhaCase | BlockCase | DecodeCase) -> set[str]:
 def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Declaration) -> Any:
     """No mask where the module lacks masks; None where the case needs a lacking option (its state is drawn in
     that layout)."""
-    options = [name for name in declaration.lacks if name in MODULE_FEATURES and name not in ("mask", "dropout")]
+    options = [name for name in declaration.lacks if name in MODULE_FEATURES and name not in _MODULE_ARGUMENTS]
     if any(MODULE_FEATURES[name](case) for name in options):
         return None
-    return case._replace(mask=None) if "mask" in declaration and "mask" in case._fields else case
+    if "mask" not in case._fields or case.mask is None:
+        return case
+    if "mask" in declaration:
+        return case._replace(mask=None)
+    if "mask_per_head" in declaration and _head_masks(case.mask):
+        return case._replace(mask=case.mask[..., :1, :, :])  # every head the first head's mask
+    return case
+
+
+_MODULE_ARGUMENTS = ("mask", "mask_per_head", "dropout")  # what a module case can do without (the rest: options)
 
 
 def _module_blind(case: MhaCase | BlockCase) -> tuple[np.ndarray, np.ndarray] | None:
