@@ -1,22 +1,20 @@
 """The command line.
 
     python -m conformance [options]                      every installed built-in backend, side by side
-    python -m conformance check MODULE [MODULE ...] [options]   any implementation of the contract
+    python -m conformance check MODULE [MODULE ...] [options]   any implementation of the contract, or a part
+    python -m conformance frameworks [--only NAME,...] [--markdown]  the frameworks' built-ins against the spec
     python -m conformance compare [--variant V] [--targets] ...  time the backends against the built-ins
     python -m conformance figure scaling [--output PATH.png]      a figure for students (needs matplotlib)
 
-Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH, --jobs N. The exit code is 0
-only when every check passes on every module.
+Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH, --jobs N; check: --operations OP,...
+The exit code is 0 only when every check passes on every module (frameworks: when every built-in measured).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import concurrent.futures
 import contextlib
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -26,7 +24,9 @@ from typing import Any
 
 from . import PROFILES
 from .bench import report as compare  # the compare command: its options, run and output
+from .builtins import BUILT_INS as BUILT_INS_OF_THE_FRAMEWORKS
 from .frameworks import BUILT_IN, import_modules
+from .operations import OPERATIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     check = commands.add_parser("check", parents=[options], help="check the named modules")
     check.add_argument("modules", nargs="+", metavar="MODULE", help="an importable module implementing the contract")
+    check.add_argument("--operations", type=_operations, default=tuple(OPERATIONS), metavar="OP,...",
+                       help=f"only these of {','.join(OPERATIONS)} (default: all; a module's missing ones are SKIP)")
+    builtins = commands.add_parser(
+        "frameworks", parents=[options], help="the frameworks' built-ins measured against the spec, side by side",
+        description="Run the rules on which the frameworks' built-ins disagree, and the suite, on each built-in "
+                    "whose framework is installed (conformance/builtins; Flax and Keras: pip install "
+                    "'attention-reference[frameworks]'), and print the matrix: rows the rules, columns the "
+                    "built-ins, each cell 'holds' or the measured deviation.")
+    builtins.add_argument("--only", type=_names, default=None, metavar="NAME,...",
+                          help=f"only these of {','.join(BUILT_INS_OF_THE_FRAMEWORKS)}")
+    builtins.add_argument("--markdown", action="store_true", help="print the matrix as a markdown table")
+    builtins.add_argument("--rules-only", action="store_true", help="the rules alone, without the suite's row")
     figure = commands.add_parser("figure", help="draw a figure for students with attention_np and matplotlib")
     figure.add_argument("name", choices=["scaling"], help="scaling: why the scores are divided by sqrt(d_k)")
     figure.add_argument("--output", default="docs/scaling.png", metavar="PATH", help="the PNG to write")
@@ -61,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "compare":
         return compare.main(args)
+    if args.command == "frameworks":
+        return _frameworks(args)
     if args.command == "figure":
         from attention_np.figures import FIGURES  # matplotlib is imported only when a figure is drawn
 
@@ -90,9 +104,10 @@ def _check(args: argparse.Namespace) -> int:
         return 1
     print(f"profile {args.profile}, seed {args.seed}" + (f", {args.max_examples} examples per check"
                                                          if args.max_examples else ""))
-    jobs = args.jobs or os.cpu_count() or 1
-    reports = (_reports_at_once(list(modules), args, jobs) if jobs > 1 else
-               [_report(module, args) for module in modules.values()])
+    jobs, operations = args.jobs or os.cpu_count() or 1, getattr(args, "operations", tuple(OPERATIONS))
+    reports = (suite.reports_in_parts(list(modules), operations=operations, jobs=jobs, done=_done,
+                                      **_options(args)) if jobs > 1 else
+               [_report(module, args, operations) for module in modules.values()])
     for name, (report, seconds) in zip(modules, reports, strict=True):
         print(f"{name}: {seconds:.1f} s" + "".join(f"; {s}" for s in report.settings))
     reports = [report for report, _ in reports]
@@ -111,46 +126,59 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if not failures else 1
 
 
-def _report(module: ModuleType, args: argparse.Namespace) -> tuple[Any, float]:
+def _frameworks(args: argparse.Namespace) -> int:
+    """`frameworks`: the matrix of the built-ins, measured; 1 where a built-in could not be measured."""
+    from . import matrix as matrices
+
+    names = [f"conformance.builtins.{name}" for name in args.only or BUILT_INS_OF_THE_FRAMEWORKS]
+    print(f"profile {args.profile}, seed {args.seed}" + (f", {args.max_examples} examples per check"
+                                                         if args.max_examples else ""))
+    found = matrices.run(names, jobs=args.jobs or os.cpu_count() or 1, suite_too=not args.rules_only,
+                         done=_done, **_options(args))
+    for name, why in found.skipped.items():
+        print(f"skipped {name}: {why}")
+    for column in found.columns:
+        print(f"{column.title} ({column.name}): {column.seconds:.1f} s")
+    print()
+    print(matrices.format_text(found, markdown=args.markdown))
+    _write_json(args.json, matrices.to_json(found))
+    return 0
+
+
+def _operations(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in OPERATIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown operations {unknown}; choose from {','.join(OPERATIONS)}")
+    return names
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in BUILT_INS_OF_THE_FRAMEWORKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown built-ins {unknown}; choose from "
+                                         f"{','.join(BUILT_INS_OF_THE_FRAMEWORKS)}")
+    return names
+
+
+def _report(module: ModuleType, args: argparse.Namespace, operations: Sequence[str]) -> tuple[Any, float]:
     """One module's report and the seconds it took, with a progress bar on stderr."""
     from . import suite
 
     start = time.perf_counter()
-    with _progress(suite.planned(module, profile=args.profile, max_examples=args.max_examples)) as tell:
-        report = suite.check(module, profile=args.profile, max_examples=args.max_examples, seed=args.seed,
-                             progress=tell)
+    with _progress(suite.planned(module, operations, profile=args.profile, max_examples=args.max_examples)) as tell:
+        report = suite.check(module, operations=operations, progress=tell, **_options(args))
     return report, time.perf_counter() - start
 
 
-def _reports_at_once(names: list[str], args: argparse.Namespace, jobs: int) -> list[tuple[Any, float]]:
-    """The modules' reports, up to `jobs` parts checked at once in processes of their own (spawned, so no
-    framework state is shared with this one). A part is one module's one operation (the first also checks the
-    contract's tables): JAX compiles every case, so its parts take several workers while NumPy and torch
-    fill the gaps. The parts of a module, joined in order, are its report. No per-case progress: stderr says
-    when each module is done. Each module's seconds are the sum of its parts'."""
-    from . import suite
-    from .operations import OPERATIONS
-
-    context = multiprocessing.get_context("spawn")
-    options = {"profile": args.profile, "max_examples": args.max_examples, "seed": args.seed}
-    parts = [(name, operation, index == 0) for index, operation in enumerate(OPERATIONS) for name in names]
-    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(parts)), mp_context=context) as pool:
-        futures = {pool.submit(suite.timed_check, name, operations=(operation,), contract=contract, **options):
-                   name for name, operation, contract in parts}
-        left = collections.Counter(name for name, _, _ in parts)
-        for future in concurrent.futures.as_completed(futures):
-            left[futures[future]] -= 1
-            if not left[futures[future]]:
-                print(f"checked {futures[future]}", file=sys.stderr, flush=True)
-        results = [(name, future.result()) for future, name in futures.items()]
-    return [_joined([result for part, result in results if part == name]) for name in names]
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The suite's options from the command line."""
+    return {"profile": args.profile, "max_examples": args.max_examples, "seed": args.seed}
 
 
-def _joined(parts: list[tuple[Any, float]]) -> tuple[Any, float]:
-    """One report of a module's parts, in order, and the seconds they took together."""
-    first = parts[0][0]
-    rows = [row for report, _ in parts for row in report.rows]
-    return first._replace(rows=rows), sum(seconds for _, seconds in parts)
+def _done(name: str) -> None:
+    print(f"checked {name}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

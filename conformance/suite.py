@@ -7,9 +7,12 @@ A failure is shrunk to a small case and reported with a snippet that reproduces 
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import importlib
 import math
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
@@ -185,6 +188,33 @@ def timed_check(name: str, **options: Any) -> tuple[Report, float]:
     start = time.perf_counter()
     report = check(name, **options)
     return report, time.perf_counter() - start
+
+
+def reports_in_parts(names: Sequence[str], *, operations: Sequence[str] = tuple(OPERATIONS), jobs: int,
+                     done: Callable[[str], None] | None = None, **options: Any) -> list[tuple[Report, float]]:
+    """Each module's (report, seconds), up to `jobs` parts checked at once in processes of their own (spawned,
+    so no framework state is shared with this one). A part is one module's one operation (the first also checks
+    the contract's tables): JAX compiles every case, so its parts take several workers while NumPy and torch
+    fill the gaps. The parts of a module, joined in order, are its report; its seconds, the sum of its parts'.
+    done(name) is told when a module's last part is done; options go to `check`."""
+    context = multiprocessing.get_context("spawn")
+    parts = [(name, operation, index == 0) for index, operation in enumerate(operations) for name in names]
+    with concurrent.futures.ProcessPoolExecutor(max(1, min(jobs, len(parts))), mp_context=context) as pool:
+        futures = {pool.submit(timed_check, name, operations=(operation,), contract=contract, **options): name
+                   for name, operation, contract in parts}
+        left = collections.Counter(name for name, _, _ in parts)
+        for future in concurrent.futures.as_completed(futures):
+            left[futures[future]] -= 1
+            if not left[futures[future]] and done is not None:
+                done(futures[future])
+        results = [(name, future.result()) for future, name in futures.items()]
+    return [_joined([result for part, result in results if part == name]) for name in names]
+
+
+def _joined(parts: list[tuple[Report, float]]) -> tuple[Report, float]:
+    """One report of a module's parts, in order, and the seconds they took together."""
+    first = parts[0][0]
+    return first._replace(rows=[row for report, _ in parts for row in report.rows]), sum(s for _, s in parts)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,102 @@
+"""`python -m conformance frameworks`: the frameworks' built-ins (conformance/builtins) measured against the spec,
+one column each: the rules on which they disagree in meaning (conformance/rules.py), and the suite's verdict on
+the rest of their contract, as a matrix of cells in a few words, every one produced by a run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from . import rules
+from .frameworks import import_modules
+
+SUITE = "the suite"  # the last row: the suite's verdict on what the module declares it has
+
+
+class Column(NamedTuple):
+    name: str  # the module's importable name
+    title: str  # its TITLE
+    cells: dict[str, rules.Cell]  # rule -> cell, the suite's row included
+    seconds: float
+    report: Any  # the suite's Report
+
+
+class Matrix(NamedTuple):
+    columns: list[Column]
+    skipped: dict[str, str]  # module -> why it could not be measured (its framework is not installed)
+
+
+def measure_one(name: str) -> tuple[str, dict[str, rules.Cell], float]:
+    """A module's TITLE and rule cells, and the seconds they took: one process's work."""
+    start = time.perf_counter()
+    module = __import__(name, fromlist=["_"])
+    return getattr(module, "TITLE", name), rules.measure(module), time.perf_counter() - start
+
+
+def run(names: Sequence[str], *, jobs: int = 1, suite_too: bool = True, done: Callable[[str], None] | None = None,
+        **options: Any) -> Matrix:
+    """Every module's rules and (suite_too) its suite report (options: `check`'s), up to `jobs` processes at once
+    (spawned: no framework state shared): the rules one process per module, the suite in parts
+    (suite.reports_in_parts)."""
+    from . import suite
+
+    modules, skipped = import_modules(names)
+    names = list(modules)
+    with concurrent.futures.ProcessPoolExecutor(max(1, min(jobs, len(names) or 1)),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        measured = list(pool.map(measure_one, names))
+    reports = suite.reports_in_parts(names, jobs=jobs, done=done, **options) if suite_too and names else \
+        [(None, 0.0)] * len(names)
+    columns = []
+    for name, (title, cells, seconds), (report, suite_seconds) in zip(names, measured, reports, strict=True):
+        if report is not None:
+            cells = cells | {SUITE: suite_cell(report)}
+        columns.append(Column(name, title, cells, seconds + suite_seconds, report))
+    return Matrix(columns, skipped)
+
+
+def suite_cell(report: Any) -> rules.Cell:
+    """The suite's verdict in a few words: the rows that ran and passed, those the declaration skips, or the
+    failing ones."""
+    ran = [row for row in report.rows if not row.skipped]
+    failing = [row for row in ran if not row.passed]
+    if failing:
+        named = sorted({f"{row.check} ({row.operation})" for row in failing})
+        return rules.Cell(False, f"fails {', '.join(named[:3])}" + (f" and {len(named) - 3} more" if len(named) > 3
+                                                                      else ""))
+    skipped = len(report.rows) - len(ran)
+    return rules.Cell(True, f"{len(ran)} rows pass, {skipped} skip")
+
+
+def rows(matrix: Matrix) -> list[tuple[str, str]]:
+    """(rule, what the spec says) for each row of the matrix."""
+    found = [(rule.name, rule.spec) for rule in rules.RULES]
+    if any(SUITE in column.cells for column in matrix.columns):
+        found.append((SUITE, "what it declares it has"))
+    return found
+
+
+def format_text(matrix: Matrix, *, markdown: bool = False) -> str:
+    """The matrix as a table: rows the rules, columns the built-ins; markdown for a README."""
+    header = ["rule", "spec", *(column.title for column in matrix.columns)]
+    table = [[rule, spec, *(column.cells.get(rule, rules.Cell(None, "-")).text for column in matrix.columns)]
+             for rule, spec in rows(matrix)]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(line) + " |" for line in table])
+    widths = [max(len(line[i]) for line in [header, *table]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+                     for line in [header, *table])
+
+
+def to_json(matrix: Matrix) -> dict[str, Any]:
+    return {"rules": [{"rule": rule, "spec": spec} for rule, spec in rows(matrix)],
+            "columns": [{"module": column.name, "title": column.title, "seconds": round(column.seconds, 1),
+                         "cells": {rule: cell._asdict() for rule, cell in column.cells.items()},
+                         "suite": None if column.report is None else column.report.to_json()}
+                        for column in matrix.columns],
+            "skipped": matrix.skipped}

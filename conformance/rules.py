@@ -1,0 +1,273 @@
+"""The rules on which the frameworks' built-ins disagree in meaning, each measured on any module of the contract:
+the rows of `python -m conformance frameworks` (SPEC.md section 12).
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+A rule is a probe: a few fixed cases of the first operation the module has among those the rule reads, run
+as they are (the module's declaration does not excuse anything here: a declared deviation is measured like any
+other), and a verdict in a few words: "holds", or what the module does instead, or why the rule does not apply
+("no is_causal": an argument the module lacks). Every cell of the matrix comes from a probe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import gradient_checks
+from .cases import Case, changed, mha_case, random_mask, sdpa_case
+from .checks import Runner, expected, rounded
+from .features import Declaration
+from .operations import OPERATIONS, missing
+from .tolerances import TOLERANCES, relative_error
+
+HOLDS = "holds"
+DROPOUT = 0.5  # the probes' dropout in training mode
+
+
+class Cell(NamedTuple):
+    """One module's verdict on one rule."""
+
+    holds: bool | None  # None: the rule does not apply to the module
+    text: str  # "holds", the measured deviation in a few words, or why it does not apply
+
+
+class Rule(NamedTuple):
+    """One row of the matrix."""
+
+    name: str
+    spec: str  # what the spec says, in a few words
+    operations: tuple[str, ...]  # the operations it can probe, in order of preference
+    probe: Callable[[Runner, str], Cell]  # (runner, operation) -> the verdict
+
+
+def measure(module: Any, rules: Sequence[Rule] | None = None) -> dict[str, Cell]:
+    """{rule name: cell} of `module` for every rule (default: RULES)."""
+    runner = Runner(module)
+    lacks = runner.declaration
+    runner.declaration = Declaration()  # the probes measure what the module does, declared or not
+    cells = {}
+    with runner.framework.pinned():
+        for rule in RULES if rules is None else rules:
+            operation = next((name for name in rule.operations
+                              if not missing(module, (OPERATIONS[name].function,))), None)
+            if operation is None:
+                cells[rule.name] = Cell(None, "-")
+                continue
+            try:
+                cells[rule.name] = _with_lacks(rule.probe, lacks)(runner, operation)
+            except Exception as error:  # a probe's call raised: that is the measurement
+                cells[rule.name] = Cell(False, f"raises {type(error).__name__}: {_first_line(error)}")
+    return cells
+
+
+class _Lacking(Exception):  # a probe needs a feature the module declares lacking
+    pass
+
+
+def _with_lacks(probe: Callable[[Runner, str], Cell], lacks: Declaration) -> Callable[[Runner, str], Cell]:
+    """The probe, told which arguments the module lacks (it cannot be given them)."""
+    def run(runner: Runner, operation: str) -> Cell:
+        runner.lacks = lacks  # type: ignore[attr-defined]
+        try:
+            return probe(runner, operation)
+        except _Lacking as lacking:
+            return Cell(None, f"no {lacking}")
+    return run
+
+
+def _needs(runner: Runner, *features: str) -> None:
+    for feature in features:
+        if feature in runner.lacks:  # type: ignore[attr-defined]
+            raise _Lacking(feature)
+
+
+def _first_line(error: Exception, width: int = 60) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+# --- fully masked rows -----------------------------------------------------------------------------------
+
+def _masked_rows_case(operation: str) -> Case:
+    """Query 1 of batch element 0 sees no key (in every head); the other rows see some."""
+    if operation == "sdpa":
+        return sdpa_case((2,), 3, 4, mask=changed(random_mask(2, 3, 4), (0, 1), False))
+    return mha_case((2,), 3, 5, mask=changed(random_mask(2, 2, 3, 5), (0, slice(None), 1), False))._replace(dropout=0.0)
+
+
+def fully_masked_rows(runner: Runner, operation: str) -> Cell:
+    """A query that sees no key: sdpa's out row is zeros, MHA's the output bias (the heads give zeros)."""
+    _needs(runner, "mask")
+    case = _masked_rows_case(operation)
+    out = runner.run(case, "float64", need_weights=False)[0][0, 1]
+    want = expected(case)[0][0, 1]
+    if np.allclose(out, want, rtol=1e-9, atol=1e-12):
+        return Cell(True, HOLDS)
+    if np.all(np.isnan(out)):
+        return Cell(False, "NaN")
+    if np.allclose(out, _uniform(case)[0, 1], rtol=1e-9, atol=1e-12):
+        return Cell(False, "the mean of all values (uniform weights)")
+    return Cell(False, "finite, not zeros" if np.all(np.isfinite(out)) else "partly NaN")
+
+
+def _uniform(case: Case) -> np.ndarray:
+    """The output where every query weighs every key alike (the mask ignored): sdpa the mean of v; MHA the mean
+    of each head's values, mixed by W_o."""
+    if hasattr(case, "is_causal"):
+        return np.broadcast_to(case.v.mean(axis=-2, keepdims=True), (*case.v.shape[:-2], case.q.shape[-2],
+                                                                       case.v.shape[-1]))
+    state = case.state
+    values = case.v @ state["w_v.weight"].T + state["w_v.bias"]  # (..., S, D): every head's columns
+    mean = np.broadcast_to(values.mean(axis=-2, keepdims=True), (*values.shape[:-2], case.q.shape[-2],
+                                                                values.shape[-1]))
+    return mean @ state["w_o.weight"].T + state["w_o.bias"]  # (..., L, D)
+
+
+# --- causal with L != S ----------------------------------------------------------------------------------
+
+def causal_corner(runner: Runner, operation: str) -> Cell:
+    """is_causal with more keys than queries and more queries than keys: top-left aligned (query i sees keys
+    0..i), not bottom-right."""
+    _needs(runner, "is_causal")
+    found = []
+    for L, S in ((2, 5), (5, 3)):
+        case = sdpa_case((2,), L, S, is_causal=True)
+        out = runner.run(case, "float64", need_weights=False)[0]
+        if _close(out, expected(case)[0]):
+            continue
+        bottom_right = case._replace(q_offset=S - L, is_causal=True)
+        found.append("bottom-right aligned" if _close(out, expected(bottom_right)[0]) else
+                     f"other values (L={L}, S={S})")
+    return Cell(True, HOLDS) if not found else Cell(False, found[0])
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-9, atol=1e-12, equal_nan=True))
+
+
+# --- the weights: before dropout, per head ---------------------------------------------------------------
+
+def weights_before_dropout(runner: Runner, operation: str) -> Cell:
+    """In training mode the returned weights are the softmax probabilities before dropout."""
+    _needs(runner, "dropout")
+    case = _weights_case(operation)._replace(dropout=DROPOUT)
+    weights = runner.run(case, "float64", training=True, seed=1)[1]
+    if weights is None:
+        return Cell(None, "no weights returned")
+    want = expected(case)[1]
+    if weights.shape != want.shape:  # averaged over the heads, say: compare alike
+        want = want.mean(axis=-3) if weights.shape == want.shape[:-3] + want.shape[-2:] else None
+    if want is None:
+        return Cell(False, f"weights of shape {weights.shape}")
+    if _close(weights, want):
+        return Cell(True, HOLDS)
+    scaled = weights * (1 - DROPOUT)
+    if np.any(weights == 0) and np.allclose(np.where(weights == 0, want, scaled), want, rtol=1e-9, atol=1e-12):
+        return Cell(False, "after dropout")
+    return Cell(False, "other values")
+
+
+def weights_per_head(runner: Runner, operation: str) -> Cell:
+    """A module returns one weights matrix per head, (..., H, L, S)."""
+    case = _weights_case(operation)
+    weights, want = runner.run(case, "float64")[1], expected(case)[1]
+    if weights is None:
+        return Cell(None, "no weights returned")
+    if _close(weights, want):
+        return Cell(True, HOLDS)
+    if weights.shape == want.shape[:-3] + want.shape[-2:] and _close(weights, want.mean(axis=-3)):
+        return Cell(False, "averaged over the heads")
+    return Cell(False, f"other weights {weights.shape}")
+
+
+def _weights_case(operation: str) -> Case:
+    if operation == "sdpa":
+        return sdpa_case((2,), 3, 4, mask=random_mask(2, 3, 4))
+    return mha_case((2,), 3, 5, mask=random_mask(2, 2, 3, 5))
+
+
+# --- NaN propagation -------------------------------------------------------------------------------------
+
+def nan_propagation(runner: Runner, operation: str) -> Cell:
+    """A NaN reaches exactly the rows that see it: a NaN key makes the rows that see it NaN and leaves the rows
+    that hide it (by the mask, by is_causal) finite; a NaN query makes its row NaN."""
+    _needs(runner, "mask")
+    found = []
+    for what, case, rows in _nan_cases(runner, operation):
+        out, want = runner.run(case, "float64", need_weights=False)[0], expected(case)[0]
+        nan_rows = np.any(np.isnan(want), axis=-1)
+        got = np.any(np.isnan(out), axis=-1)
+        if np.array_equal(got, nan_rows) and _close(np.where(nan_rows[..., None], 0, out),
+                                                    np.where(nan_rows[..., None], 0, want)):
+            continue
+        if np.any(got & ~nan_rows):
+            found.append(f"a NaN {what} reaches rows that hide it")
+        elif np.any(nan_rows & ~got):
+            found.append(f"a NaN {rows} gives finite rows")
+        else:
+            found.append(f"other values beside a NaN {what}")
+    return Cell(True, HOLDS) if not found else Cell(False, "; ".join(found))
+
+
+def _nan_cases(runner: Runner, operation: str) -> list[tuple[str, Case, str]]:
+    """(what hides it, the case, what is NaN): a NaN key hidden from query 0 by the mask, a NaN key hidden by
+    is_causal (sdpa, where the module has it), a NaN query."""
+    if operation == "sdpa":
+        mask = changed(np.ones((2, 3, 4), bool), (0, 0, 2), False)  # key 2 hidden from query 0 of sequence 0
+        base = sdpa_case((2,), 3, 4, mask=mask)
+        cases = [("key hidden by the mask", base._replace(k=changed(base.k, (0, 2), np.nan)), "key"),
+                 ("query", base._replace(q=changed(base.q, (1, 0), np.nan)), "query")]
+        if "is_causal" not in runner.lacks:  # type: ignore[attr-defined]
+            causal = sdpa_case((2,), 4, 4, is_causal=True)  # key 3 seen by query 3 alone
+            cases.insert(1, ("key hidden by is_causal", causal._replace(k=changed(causal.k, (0, 3), np.nan)), "key"))
+        return cases
+    mask = changed(np.ones((2, 2, 3, 5), bool), (0, slice(None), 0, 2), False)  # key 2 hidden from query 0
+    base = mha_case((2,), 3, 5, mask=mask)._replace(dropout=0.0)
+    return [("key hidden by the mask", base._replace(k=changed(base.k, (0, 2), np.nan)), "key"),
+            ("query", base._replace(q=changed(base.q, (1, 0), np.nan)), "query")]
+
+
+# --- float16 -----------------------------------------------------------------------------------------------
+
+def float16_error(runner: Runner, operation: str) -> Cell:
+    """The relative error in float16 against float64 on the same (rounded) inputs, within the suite's tolerance:
+    the larger of the table's and ten times what the oracle itself loses in float16."""
+    _needs(runner, "float16")
+    case = rounded(sdpa_case((2, 2), 16, 16, E=8, Ev=8) if operation == "sdpa" else
+                   mha_case((2,), 16, 16, D=8, H=2)._replace(dropout=0.0), "float16")
+    out = runner.run(case, "float16", need_weights=False)[0]
+    reference = expected(case)[0]
+    error = relative_error(out.astype(np.float64), reference)
+    allowed = max(TOLERANCES["float16"]["values"], 10 * relative_error(expected(case, "float16")[0], reference))
+    if not error <= allowed:
+        return Cell(False, f"{error:.1e}, above {allowed:.0e}")
+    return Cell(True, f"{HOLDS}: {error:.1e}")
+
+
+# --- gradients ---------------------------------------------------------------------------------------------
+
+def gradients(runner: Runner, operation: str) -> Cell:
+    """The vjp's gradients against central differences of the oracle, and exact zeros where no attention
+    reaches (a query that sees no key, a key no query sees); float64."""
+    if missing(runner.module, (OPERATIONS[operation].vjp,)):
+        return Cell(None, "no vjp")
+    _needs(runner, "mask")
+    case = _masked_rows_case(operation)
+    measures = gradient_checks.gradients(runner, case, "float64")
+    problems = [value.detail for name, value in measures.items() if not value.error <= TOLERANCES["float64"][name]]
+    return Cell(True, HOLDS) if not problems else Cell(False, problems[0])
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("fully masked rows", "zeros", ("sdpa", "mha"), fully_masked_rows),
+    Rule("is_causal with L != S", "top-left aligned", ("sdpa",), causal_corner),
+    Rule("weights in training", "before dropout", ("mha", "sdpa"), weights_before_dropout),
+    Rule("weights per head", "(..., H, L, S)", ("mha",), weights_per_head),
+    Rule("NaN propagation", "to the rows that see it", ("sdpa", "mha"), nan_propagation),
+    Rule("float16 error", "float32 work", ("sdpa", "mha"), float16_error),
+    Rule("gradients", "= the oracle's; zeros where unseen", ("sdpa", "mha"), gradients),
+)
