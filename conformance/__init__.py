@@ -4,12 +4,16 @@
     report = check("my_attention")          # or a module object
     report.passed, report.rows
 
+A module with part of the contract declares what it lacks (SPEC.md section 12): `CONFORMANCE =
+Declaration(lacks=("weights", "dropout"))`; `conformance.adapters` wraps a kernel of another layout.
 Importing this package loads neither JAX nor torch; `check` imports only the module it is given.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from .features import Declaration
 
 PROFILES = {"fast": 1, "thorough": 10}  # each check's examples in the fast profile, times this
 
@@ -21,4 +25,4 @@ def check(module: Any, **options: Any) -> Any:
     return run(module, **options)
 
 
-__all__ = ["PROFILES", "check"]
+__all__ = ["PROFILES", "Declaration", "check"]

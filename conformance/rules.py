@@ -18,13 +18,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import gradient_checks
-from .cases import Case, changed, mha_case, random_mask, sdpa_case
+from .cases import BlockCase, Case, SdpaCase, block_case, changed, mha_case, random_mask, sdpa_case
 from .checks import Runner, expected, rounded
 from .features import Declaration
 from .operations import OPERATIONS, missing
 from .tolerances import TOLERANCES, relative_error
 
 HOLDS = "holds"
+ALL = slice(None)
 DROPOUT = 0.5  # the probes' dropout in training mode
 
 
@@ -96,7 +97,9 @@ def _masked_rows_case(operation: str) -> Case:
     """Query 1 of batch element 0 sees no key (in every head); the other rows see some."""
     if operation == "sdpa":
         return sdpa_case((2,), 3, 4, mask=changed(random_mask(2, 3, 4), (0, 1), False))
-    return mha_case((2,), 3, 5, mask=changed(random_mask(2, 2, 3, 5), (0, slice(None), 1), False))._replace(dropout=0.0)
+    if operation == "mha":
+        return mha_case((2,), 3, 5, mask=changed(random_mask(2, 2, 3, 5), (0, ALL, 1), False))._replace(dropout=0.0)
+    return block_case((2,), 4, mask=changed(random_mask(2, 2, 4, 4), (0, ALL, 1), False))._replace(dropout=0.0)
 
 
 def fully_masked_rows(runner: Runner, operation: str) -> Cell:
@@ -109,15 +112,18 @@ def fully_masked_rows(runner: Runner, operation: str) -> Cell:
         return Cell(True, HOLDS)
     if np.all(np.isnan(out)):
         return Cell(False, "NaN")
-    if np.allclose(out, _uniform(case)[0, 1], rtol=1e-9, atol=1e-12):
+    uniform = _uniform(case)
+    if uniform is not None and np.allclose(out, uniform[0, 1], rtol=1e-9, atol=1e-12):
         return Cell(False, "the mean of all values (uniform weights)")
     return Cell(False, "finite, not zeros" if np.all(np.isfinite(out)) else "partly NaN")
 
 
-def _uniform(case: Case) -> np.ndarray:
+def _uniform(case: Case) -> np.ndarray | None:
     """The output where every query weighs every key alike (the mask ignored): sdpa the mean of v; MHA the mean
-    of each head's values, mixed by W_o."""
-    if hasattr(case, "is_causal"):
+    of each head's values, mixed by W_o; None for the block."""
+    if isinstance(case, BlockCase):
+        return None
+    if isinstance(case, SdpaCase):
         return np.broadcast_to(case.v.mean(axis=-2, keepdims=True), (*case.v.shape[:-2], case.q.shape[-2],
                                                                        case.v.shape[-1]))
     state = case.state
@@ -187,7 +193,9 @@ def weights_per_head(runner: Runner, operation: str) -> Cell:
 def _weights_case(operation: str) -> Case:
     if operation == "sdpa":
         return sdpa_case((2,), 3, 4, mask=random_mask(2, 3, 4))
-    return mha_case((2,), 3, 5, mask=random_mask(2, 2, 3, 5))
+    if operation == "mha":
+        return mha_case((2,), 3, 5, mask=random_mask(2, 2, 3, 5))
+    return block_case((2,), 4, mask=random_mask(2, 2, 4, 4))
 
 
 # --- NaN propagation -------------------------------------------------------------------------------------
@@ -214,21 +222,38 @@ def nan_propagation(runner: Runner, operation: str) -> Cell:
 
 
 def _nan_cases(runner: Runner, operation: str) -> list[tuple[str, Case, str]]:
+    return _NAN_CASES[operation](runner)
+
+
+def _nan_cases_sdpa(runner: Runner) -> list[tuple[str, Case, str]]:
     """(what hides it, the case, what is NaN): a NaN key hidden from query 0 by the mask, a NaN key hidden by
     is_causal (sdpa, where the module has it), a NaN query."""
-    if operation == "sdpa":
-        mask = changed(np.ones((2, 3, 4), bool), (0, 0, 2), False)  # key 2 hidden from query 0 of sequence 0
-        base = sdpa_case((2,), 3, 4, mask=mask)
-        cases = [("key hidden by the mask", base._replace(k=changed(base.k, (0, 2), np.nan)), "key"),
-                 ("query", base._replace(q=changed(base.q, (1, 0), np.nan)), "query")]
-        if "is_causal" not in runner.lacks:  # type: ignore[attr-defined]
-            causal = sdpa_case((2,), 4, 4, is_causal=True)  # key 3 seen by query 3 alone
-            cases.insert(1, ("key hidden by is_causal", causal._replace(k=changed(causal.k, (0, 3), np.nan)), "key"))
-        return cases
-    mask = changed(np.ones((2, 2, 3, 5), bool), (0, slice(None), 0, 2), False)  # key 2 hidden from query 0
+    mask = changed(np.ones((2, 3, 4), bool), (0, 0, 2), False)  # key 2 hidden from query 0 of sequence 0
+    base = sdpa_case((2,), 3, 4, mask=mask)
+    cases = [("key hidden by the mask", base._replace(k=changed(base.k, (0, 2), np.nan)), "key"),
+             ("query", base._replace(q=changed(base.q, (1, 0), np.nan)), "query")]
+    if "is_causal" not in runner.lacks:  # type: ignore[attr-defined]
+        causal = sdpa_case((2,), 4, 4, is_causal=True)  # key 3 seen by query 3 alone
+        cases.insert(1, ("key hidden by is_causal", causal._replace(k=changed(causal.k, (0, 3), np.nan)), "key"))
+    return cases
+
+
+def _nan_cases_mha(runner: Runner) -> list[tuple[str, Case, str]]:
+    """Cross-attention: a NaN in the keys' input at position 2, hidden from query 0; a NaN query input."""
+    mask = changed(np.ones((2, 2, 3, 5), bool), (0, ALL, 0, 2), False)  # key 2 hidden from query 0
     base = mha_case((2,), 3, 5, mask=mask)._replace(dropout=0.0)
     return [("key hidden by the mask", base._replace(k=changed(base.k, (0, 2), np.nan)), "key"),
             ("query", base._replace(q=changed(base.q, (1, 0), np.nan)), "query")]
+
+
+def _nan_cases_block(runner: Runner) -> list[tuple[str, Case, str]]:
+    """Self-attention: a NaN at position 2 of sequence 0, a key hidden from query 0 (its own row is NaN too)."""
+    mask = changed(np.ones((2, 2, 4, 4), bool), (0, ALL, 0, 2), False)
+    base = block_case((2,), 4, mask=mask)._replace(dropout=0.0)
+    return [("key hidden by the mask", base._replace(x=changed(base.x, (0, 2), np.nan)), "position")]
+
+
+_NAN_CASES = {"sdpa": _nan_cases_sdpa, "mha": _nan_cases_mha, "block": _nan_cases_block}
 
 
 # --- float16 -----------------------------------------------------------------------------------------------
@@ -237,8 +262,7 @@ def float16_error(runner: Runner, operation: str) -> Cell:
     """The relative error in float16 against float64 on the same (rounded) inputs, within the suite's tolerance:
     the larger of the table's and ten times what the oracle itself loses in float16."""
     _needs(runner, "float16")
-    case = rounded(sdpa_case((2, 2), 16, 16, E=8, Ev=8) if operation == "sdpa" else
-                   mha_case((2,), 16, 16, D=8, H=2)._replace(dropout=0.0), "float16")
+    case = rounded(_FLOAT16_CASES[operation]()._replace(dropout=0.0), "float16")
     out = runner.run(case, "float16", need_weights=False)[0]
     reference = expected(case)[0]
     error = relative_error(out.astype(np.float64), reference)
@@ -246,6 +270,11 @@ def float16_error(runner: Runner, operation: str) -> Cell:
     if not error <= allowed:
         return Cell(False, f"{error:.1e}, above {allowed:.0e}")
     return Cell(True, f"{HOLDS}: {error:.1e}")
+
+
+_FLOAT16_CASES: dict[str, Callable[[], Case]] = {
+    "sdpa": lambda: sdpa_case((2, 2), 16, 16, E=8, Ev=8), "mha": lambda: mha_case((2,), 16, 16, D=8, H=2),
+    "block": lambda: block_case((2,), 16, D=8, H=2, F=16)}
 
 
 # --- gradients ---------------------------------------------------------------------------------------------
@@ -262,12 +291,13 @@ def gradients(runner: Runner, operation: str) -> Cell:
     return Cell(True, HOLDS) if not problems else Cell(False, problems[0])
 
 
+EVERY = ("sdpa", "mha", "block")
 RULES: tuple[Rule, ...] = (
-    Rule("fully masked rows", "zeros", ("sdpa", "mha"), fully_masked_rows),
+    Rule("fully masked rows", "zeros", EVERY, fully_masked_rows),
     Rule("is_causal with L != S", "top-left aligned", ("sdpa",), causal_corner),
-    Rule("weights in training", "before dropout", ("mha", "sdpa"), weights_before_dropout),
-    Rule("weights per head", "(..., H, L, S)", ("mha",), weights_per_head),
-    Rule("NaN propagation", "to the rows that see it", ("sdpa", "mha"), nan_propagation),
-    Rule("float16 error", "float32 work", ("sdpa", "mha"), float16_error),
-    Rule("gradients", "= the oracle's; zeros where unseen", ("sdpa", "mha"), gradients),
+    Rule("weights in training", "before dropout", ("mha", "block", "sdpa"), weights_before_dropout),
+    Rule("weights per head", "(..., H, L, S)", ("mha", "block"), weights_per_head),
+    Rule("NaN propagation", "to the rows that see it", EVERY, nan_propagation),
+    Rule("float16 error", "float32 work", EVERY, float16_error),
+    Rule("gradients", "= the oracle's; zeros where unseen", EVERY, gradients),
 )

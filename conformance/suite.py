@@ -385,10 +385,11 @@ def _finite(value: float) -> float | str:
 def format_rows(report: Report) -> str:
     """One line per row: module x operation x check x dtype, with examples, worst, tolerance, result."""
     width = max(18, *(len(row.module) + 2 for row in report.rows))
-    lines = [f"{'module':<{width}}{'operation':<10}{'check':<14}{'dtype':<9}{'examples':>9}  "
+    check = max(14, *(len(row.check) + 1 for row in report.rows))  # a skipped group is named by its check
+    lines = [f"{'module':<{width}}{'operation':<10}{'check':<{check}}{'dtype':<9}{'examples':>9}  "
              f"{'worst':<10}{'tolerance':<11}result"]
     for row in report.rows:
-        lines.append(f"{row.module:<{width}}{row.operation:<10}{row.check:<14}{row.dtype:<9}{row.examples:>9}  "
+        lines.append(f"{row.module:<{width}}{row.operation:<10}{row.check:<{check}}{row.dtype:<9}{row.examples:>9}  "
                      f"{row.worst:<10.2e}{row.tolerance:<11.0e}{_result(row)}")
     return "\n".join(lines)
 

@@ -26,6 +26,9 @@ def test_main_job_runs_the_conformance_report() -> None:
     assert _blocks("bash")[0].strip().endswith("python -m conformance")
 
 
+MODULE_FILE = re.compile(r"# (\w+)\.py: python -m conformance check \1\n")  # a block that is a module to check
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
 def test_python_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,4 +37,19 @@ def test_python_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.Mon
         if f"import {framework}" in code:
             pytest.importorskip(framework)
     monkeypatch.chdir(tmp_path)  # examples that write files write them here
+    if module := MODULE_FILE.match(code):  # a file of its own, checked by the suite as its comment says
+        (tmp_path / f"{module[1]}.py").write_text(code)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        from conformance import check
+
+        report = check(module[1])
+        assert report.passed, "\n\n".join(row.failure for row in report.rows if row.failure)
+        assert any(row.skipped for row in report.rows)  # a partial module: what it lacks is SKIP
+        return
     exec(compile(code, f"README.md python block {index}", "exec"), {})
+
+
+def test_a_kernel_is_wrapped_and_checked_in_under_15_lines() -> None:
+    module = next(code for code in _blocks("python") if MODULE_FILE.match(code))
+    lines = [line for line in module.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(lines) < 15, module
