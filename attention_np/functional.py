@@ -83,7 +83,9 @@ def scaled_dot_product_attention(
     if bias is not None:
         scores = scores + np.asarray(bias, dtype=scores.dtype)
 
-    # 2) softmax over the keys each query may see, then the weighted sum of the values
+    # 2) softmax over the keys each query may see, then the weighted sum of the values; the scores of q and k
+    # are shared by the batch axes only v or the masks carry, the weights and their dropout are not
+    scores = np.broadcast_to(scores, (*batch, *scores.shape[-2:]))  # (..., L, S): each batch element its own
     weights = _masked_softmax(scores, visible)  # (..., L, S)
     out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out.astype(dtype, copy=False), (weights.astype(dtype, copy=False) if need_weights else None)

@@ -126,6 +126,8 @@ def _sdpa_examples() -> list[Fixed]:
         example("sdpa", "mask_and_bias_add_the_batch", lambda: sdpa_case(
             (), v=normal(2, 4, 3), mask=random_mask(2, 1, 4), bias=normal(2, 3, 4)),
             "q, k shared; v, mask and bias give the batch axis"),
+        example("sdpa", "values_add_the_batch", lambda: sdpa_case((), v=normal(2, 4, 3)),
+                "q, k shared, no mask: v alone gives the batch axis, so the weights are (2, L, S), one per element"),
         example("sdpa", "leading_axes_broadcast", lambda: sdpa_case(
             q=normal(2, 1, 3, 2), k=normal(4, 4, 2), v=normal(1, 4, 4, 3), is_causal=True),
             "leading axes (2, 1), (4,), (1, 4) broadcast to (2, 4)"),

@@ -180,7 +180,9 @@ class Implementation:
         q, k, v = (x.astype(work, copy=False) for x in (q, k, v))  # float16: computed in float32
         scores = self.scores(q, k, self.resolve_scale(scale, E), bias, softcap)  # (..., L, S)
 
-        # 2) one boolean of the keys each query sees, then the softmax over them
+        # 2) one boolean of the keys each query sees, then the softmax over them, one per batch element (v and
+        # the masks may carry batch axes that q and k lack)
+        scores = np.broadcast_to(scores, (*batch, L, S))  # (..., L, S)
         visible = self.visible(scores, mask, bias, is_causal, q_offset)  # (..., L, S)
         visible = visible & self.in_range(L, S, q_offset, window, key_lengths)  # (..., L, S)
         weights = self.softmax(scores, visible)  # (..., L, S)
