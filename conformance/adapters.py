@@ -161,14 +161,18 @@ class Adapted:
 
         # 3) back to the contract's shapes
         out, weights = result if "need_weights" in self.takes else (result, None)
+        frame.expect("the kernel's output", out, frame.laid_out(frame.H, L, v.shape[-1]))
         out = frame.output(ops, out)  # (..., L, Ev)
+        if weights is not None and need_weights:
+            frame.expect("the kernel's weights", weights, (*frame.lead(frame.H), L, S))  # the masks' layout
         weights = None if weights is None or not need_weights else frame.scores(ops, weights)  # (..., L, S)
         return out, weights
 
     def _masks(self, ops: _Ops, frame: _Frame, given: dict, q: Any, sizes: tuple[int, int]) -> dict[str, Any]:
         """The mask and bias as the kernel takes them, each (B, H, L, S) or (N, L, S)."""
         mask, bias = given.get("mask"), given.get("bias")
-        keep = None if mask is None else mask != 0
+        keep = None if mask is None or ops.dtype(mask)[0] == "bool" else mask != ops.scalar(0, mask)  # 0 hides
+        keep = mask if keep is None else keep  # (a boolean mask as it is: JAX's strict promotion refuses != 0)
         bias = None if bias is None else ops.cast(bias, q)  # the scores' dtype (SPEC 2)
         if self.mask == "additive":  # one float array: the bias, and -inf where a key is hidden
             if keep is None and bias is None:
@@ -198,15 +202,25 @@ class _Frame:
         self.layout, self.batch, (self.H, self.Hkv) = layout, batch, heads  # batch: the scores' (...), maybe ()
         self.B = math.prod(batch[:-1])  # () and (H,): one sequence
 
-    def _lead(self, H: int) -> tuple[int, ...]:
+    def lead(self, H: int) -> tuple[int, ...]:
         return (self.B * H,) if self.layout == "NLE" else (self.B, H)
 
     def inputs(self, ops: _Ops, x: Any, which: str) -> Any:
         """q (..., H, L, E) or k, v (..., Hkv, S, *) in the kernel's layout."""
         H = self.H if which == "q" else self.Hkv
         x = ops.broadcast(x, (*self.batch[:-1], H, *x.shape[-2:]) if self.batch else x.shape)
-        x = x.reshape(*self._lead(H), *x.shape[-2:])  # (..., H, L, E) -> (B, H, L, E) or (N, L, E)
+        x = x.reshape(*self.lead(H), *x.shape[-2:])  # (..., H, L, E) -> (B, H, L, E) or (N, L, E)
         return ops.permute(x, (0, 2, 1, 3)) if self.layout == "BLHE" else x  # (B, H, L, E) -> (B, L, H, E)
+
+    def laid_out(self, H: int, L: int, width: int) -> tuple[int, ...]:
+        """The kernel's shape of H heads of L rows of `width`: (B, H, L, width), (B, L, H, width) or (N, L, width)."""
+        return (self.B, L, H, width) if self.layout == "BLHE" else (*self.lead(H), L, width)
+
+    def expect(self, name: str, x: Any, shape: tuple[int, ...]) -> None:
+        """A kernel's result must have `shape`: else a ValueError naming the layout and both shapes (a BLHE
+        kernel's output in (B, H, L, E) is no reshape away from the right numbers)."""
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} in layout {self.layout}; got {tuple(x.shape)}")
 
     def output(self, ops: _Ops, out: Any) -> Any:
         """The kernel's output -> (..., L, Ev)."""
@@ -215,7 +229,7 @@ class _Frame:
 
     def scores_in(self, ops: _Ops, x: Any, sizes: tuple[int, int]) -> Any:
         """A mask or bias broadcasting to (..., L, S) -> (B, H, L, S) or (N, L, S), every axis full."""
-        return ops.broadcast(x, (*self.batch, *sizes)).reshape(*self._lead(self.H), *sizes)
+        return ops.broadcast(x, (*self.batch, *sizes)).reshape(*self.lead(self.H), *sizes)
 
     def scores(self, ops: _Ops, x: Any) -> Any:
         """The kernel's weights (B, H, L, S) or (N, L, S) -> (..., L, S)."""
@@ -223,7 +237,7 @@ class _Frame:
 
     def per_sequence(self, ops: _Ops, x: Any) -> Any:
         """q_offset or key_lengths broadcasting to (...) -> (B, H) or (N,)."""
-        return ops.broadcast(x, self.batch).reshape(self._lead(self.H))
+        return ops.broadcast(x, self.batch).reshape(self.lead(self.H))
 
 
 def _checked(ops: _Ops, q: Any, k: Any, v: Any, given: dict, dropout_p: float) -> tuple[tuple, tuple[int, int]]:
@@ -260,8 +274,8 @@ def _checked(ops: _Ops, q: Any, k: Any, v: Any, given: dict, dropout_p: float) -
 
 
 def _is_default(value: Any, default: Any) -> bool:
-    """Whether a keyword is at its default; an array never is."""
-    return value is default or (isinstance(value, int | float | tuple) and value == default)
+    """Whether a keyword is at its default; an array never is (a NumPy scalar is a number)."""
+    return value is default or (isinstance(value, int | float | np.integer | np.floating | tuple) and value == default)
 
 
 def arrays(framework: str) -> tuple[Callable[[Any], Any], Callable[[Any], np.ndarray]]:
@@ -314,7 +328,9 @@ def _torch_autodiff(function: Callable, arrays: dict[str, Any], names: list[str]
 
     with torch.inference_mode(False), torch.enable_grad():
         leaves = {name: fresh(arrays[name]) for name in names}
-        out, weights = function(**arrays | leaves)
+        others = {name: x.clone() if isinstance(x, torch.Tensor) else x  # a mask, say: no inference tensors
+                  for name, x in arrays.items() if name not in leaves}
+        out, weights = function(**others | leaves)
 
     def pullback(d_out: Any) -> dict[str, Any]:
         _check_cotangent(d_out, out)
@@ -354,10 +370,11 @@ def vjp(sdpa_: Callable) -> Callable:
     (q, k, v, mask, **keywords) -> (out, weights, pullback), pullback(d_out) -> (dq, dk, dv, dbias)."""
     def scaled_dot_product_attention_vjp(q: Any, k: Any, v: Any, mask: Any = None, *, bias: Any = None,
                                          **keywords: Any) -> tuple[Any, Any, Callable]:
-        def call(q: Any, k: Any, v: Any, bias: Any) -> tuple[Any, Any]:
-            return sdpa_(q, k, v, mask, bias=bias, **keywords)
+        def call(q: Any, k: Any, v: Any, mask: Any, **keywords: Any) -> tuple[Any, Any]:
+            return sdpa_(q, k, v, mask, **keywords)
 
-        out, weights, pullback = autodiff(call, {"q": q, "k": k, "v": v, "bias": bias}, ("q", "k", "v", "bias"))
+        arrays = {"q": q, "k": k, "v": v, "mask": mask, "bias": bias} | keywords  # every array through autodiff
+        out, weights, pullback = autodiff(call, arrays, ("q", "k", "v", "bias"))
         return out, weights, lambda d_out: tuple(pullback(d_out).get(name) for name in ("q", "k", "v", "bias"))
 
     return scaled_dot_product_attention_vjp

@@ -221,8 +221,9 @@ def specified(runner: Runner, case: Case, pair: Pair) -> Pair:
 
 
 def _zeroed(x: np.ndarray | None, rows: np.ndarray) -> np.ndarray | None:
-    """x (..., rows, n) with the rows where `rows` is True set to 0, in x's dtype."""
-    if x is None or x.shape[:-1] != rows.shape:
+    """x (draws..., rows, n) with the rows where `rows` is True set to 0, in x's dtype (leading axes of x beyond
+    those of rows, such as dropout's draws, share them)."""
+    if x is None or x.shape[:-1][x.ndim - 1 - rows.ndim:] != rows.shape:
         return x
     return np.where(rows[..., None], np.zeros((), x.dtype), x)
 
@@ -323,16 +324,17 @@ def sdpa_causal_prefix(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, 
     noise = np.random.default_rng(t)
     later = case._replace(q=_perturb_after(case.q, t, noise), k=_perturb_after(case.k, t, noise),
                           v=_perturb_after(case.v, t, noise))
-    out, _ = runner.run(case, dtype)
-    out_later, _ = runner.run(later, dtype)
+    out, _ = specified(runner, case, runner.run(case, dtype))
+    out_later, _ = specified(runner, later, runner.run(later, dtype))
     return {"causal_prefix": compare("out rows 0..t", out_later[..., : t + 1, :], out[..., : t + 1, :], dtype)}
 
 
 def block_causal_prefix(runner: Runner, case: BlockCase, dtype: str) -> dict[str, Measure]:
     """With a causal mask, output rows 0..t of the block ignore the inputs after t."""
     t = case.x.shape[-2] // 2
-    out, _ = runner.run(case, dtype)
-    out_later, _ = runner.run(case._replace(x=_perturb_after(case.x, t, np.random.default_rng(t))), dtype)
+    later = case._replace(x=_perturb_after(case.x, t, np.random.default_rng(t)))
+    out, _ = specified(runner, case, runner.run(case, dtype))
+    out_later, _ = specified(runner, later, runner.run(later, dtype))
     return {"causal_prefix": compare("out rows 0..t", out_later[..., : t + 1, :], out[..., : t + 1, :], dtype)}
 
 
@@ -399,6 +401,7 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     if "weights" in runner.declaration:
         return {"weights": skipped(runner.declaration.reason("weights"))} | measures
     expected_draws = np.broadcast_to(expected_weights, (DROPOUT_DRAWS, *expected_weights.shape))
+    (_, weights), (_, expected_draws) = (specified(runner, case, (None, x)) for x in (weights, expected_draws))
     before = compare("weights in training mode", weights, expected_draws, dtype)
     return {"weights": before._replace(tolerance=tolerance)} | measures
 

@@ -289,8 +289,9 @@ def _table_row(runner: Runner, table_: Table, operation: str, tell: Progress) ->
     failure = (None if summary.failure is None else
                f"{name} {operation} {table_.check} {table_.dtype}: {summary.failing} of {summary.examples} cases "
                f"fail\n{summary.failure}")
+    reasons = list(dict.fromkeys(result.skipped for result in results if result.skipped))  # none ran: SKIP
     return Row(name, operation, table_.check, table_.dtype, summary.examples, float(summary.failing), 0.0,
-               summary.failing == 0, failure)
+               summary.failing == 0, failure, "; ".join(reasons) if results and not summary.examples else None)
 
 
 def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_: int, shrink: bool,
