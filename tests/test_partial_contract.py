@@ -1,0 +1,170 @@
+"""The partial contract (SPEC 12): a module with part of the contract, or one that declares features it lacks,
+is checked on the rest, every row it cannot do is SKIP with the reason, and the declaration really keeps the
+lacking feature away (without it the same module fails)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+import attention_np
+from conformance import Declaration, check
+from conformance import features as features_module
+from conformance.cases import per_query_head, sdpa_case
+from conformance.checks import Runner, expected
+from conformance.operations import features_used, init_features_used, leave_out
+from conformance.table import rows
+from tests.implementations.broken import BROKEN
+
+pytestmark = pytest.mark.slow  # the suite's sdpa part, on a few modules
+
+
+def _module(name: str, base: types.ModuleType = attention_np, *, lacks: Declaration | None = None,
+            functions: tuple[str, ...] = ("scaled_dot_product_attention", "scaled_dot_product_attention_vjp")):
+    """A module holding asarray, to_numpy and `functions` of `base`, with the declaration `lacks`."""
+    module = types.ModuleType(name)
+    for function in ("asarray", "to_numpy", *functions):
+        setattr(module, function, getattr(base, function))
+    if lacks is not None:
+        module.CONFORMANCE = lacks
+    return module
+
+
+def _failures(report) -> str:
+    return "\n\n".join(row.failure for row in report.rows if row.failure)
+
+
+def test_declaration_takes_names_or_reasons_and_refuses_unknown_features():
+    assert Declaration(("weights",)) == Declaration({"weights": ""})
+    joined = Declaration({"weights": "fused"}) | Declaration(("dropout",))
+    assert dict(joined.lacks) == {"dropout": "", "weights": "fused"} and "weights" in joined
+    assert joined.reason("mask", "weights") == "lacks weights: fused" and joined.reason("mask") is None
+    with pytest.raises(ValueError, match=r"unknown features \['weight'\]; the features are \[.*'weights'"):
+        Declaration(("weight",))
+    with pytest.raises(TypeError, match=r"CONFORMANCE must be a conformance\.Declaration, got tuple"):
+        Runner(_module("bad_declaration", lacks=("weights",)))  # type: ignore[arg-type]
+
+
+def test_every_feature_says_what_the_contract_asks_and_what_the_suite_does_without_it():
+    kinds = {"result", "training", "argument", "option", "rule", "dtype", "errors"}
+    for feature in features_module.FEATURES.values():
+        assert feature.kind in kinds and feature.asks and feature.without, feature
+
+
+def test_a_module_with_sdpa_alone_passes_it_and_skips_the_modules():
+    report = check(_module("sdpa_only"))
+    assert report.passed, _failures(report)
+    skipped = {row.operation: row.skipped for row in report.rows if row.check == "-"}
+    assert skipped == {"mha": "no MultiHeadAttention", "block": "no TransformerBlock",
+                       "decode": "no TransformerBlock.extend"}
+    assert {row.operation for row in report.rows if not row.skipped} == {"arrays", "sdpa"}
+    helpers = {row.operation: row.skipped for row in report.rows if row.operation in ("masks", "positions")}
+    assert helpers == {"masks": "no causal_mask; no window_mask; no padding_mask", "positions": "no apply_rope"}
+
+
+def test_a_module_with_none_of_the_operations_is_refused():
+    with pytest.raises(AttributeError, match="it has no any of scaled_dot_product_attention, MultiHeadAttention"):
+        check(_module("arrays_only", functions=()))
+
+
+def test_lacking_weights_skips_their_rows_and_compares_out_alone():
+    report = check(_module("no_weights", lacks=Declaration({"weights": "a fused kernel"})), operations=("sdpa",))
+    assert report.passed, _failures(report)
+    reasons = {(row.check, row.dtype): row.skipped for row in report.rows if row.skipped}
+    assert reasons[("weights_rows", "float64")] == reasons[("weights", "float32")] == "lacks weights: a fused kernel"
+    assert any(row.check == "values" and not row.skipped and row.examples > 0 for row in report.rows)
+
+
+def test_lacking_arguments_keeps_them_from_the_module():
+    # a function that refuses the arguments it lacks: the suite never passes them
+    def refusing(q, k, v, mask=None, *, bias=None, is_causal=False, scale=None, **keywords):
+        if mask is not None or bias is not None or is_causal or keywords.keys() - {"dropout_p", "need_weights",
+                                                                                   "rng"}:
+            raise AssertionError(f"passed what it lacks: {mask is not None, bias is not None, is_causal, keywords}")
+        return attention_np.scaled_dot_product_attention(q, k, v, scale=scale, **keywords)
+
+    lacking = ("mask", "bias", "is_causal", "q_offset", "window", "key_lengths", "softcap", "enable_gqa")
+    module = _module("few_arguments", lacks=Declaration(lacking), functions=())
+    module.scaled_dot_product_attention = refusing
+    report = check(module, operations=("sdpa",))
+    assert report.passed, _failures(report)
+    assert next(row for row in report.rows if row.check == "sdpa_causal_prefix").skipped == "lacks is_causal"
+
+
+def test_lacking_masked_rows_leaves_their_rows_out_and_only_then_passes():
+    # a softmax without a guard for the rows that see no key: NaN there (0 / 0), right everywhere else
+    nan_rows = BROKEN["masked_row_nan"]
+    assert not check(nan_rows, operations=("sdpa",), shrink=False).passed
+    declared = _module("nan_rows_declared", nan_rows, functions=("scaled_dot_product_attention",),
+                       lacks=Declaration({"masked_rows": "NaN where no key is seen"}))
+    report = check(declared, operations=("sdpa",))
+    assert report.passed, _failures(report)
+    edge = next(row for row in report.rows if row.check == "edge_cases")
+    assert edge.examples < len(rows("sdpa", "edge"))  # the fully masked edge cases were skipped
+
+
+def test_lacking_exceptions_accepts_any_exception_but_not_none():
+    def foreign_errors(q, k, v, mask=None, **keywords):
+        try:
+            return attention_np.scaled_dot_product_attention(q, k, v, mask, **keywords)
+        except (TypeError, ValueError) as error:
+            raise RuntimeError(f"the kernel refused: {error}") from None
+
+    module = _module("foreign_errors", functions=())
+    module.scaled_dot_product_attention = foreign_errors
+    failing = next(row for row in check(module, operations=("sdpa",), max_examples=1).rows if row.check == "errors")
+    assert not failing.passed and "RuntimeError: the kernel refused" in failing.failure
+    module.CONFORMANCE = Declaration(("exceptions",))
+    errors = next(row for row in check(module, operations=("sdpa",), max_examples=1).rows if row.check == "errors")
+    assert errors.passed and errors.examples > 0
+
+
+def test_a_dtype_declared_lacking_is_skipped():
+    report = check(_module("no_half", lacks=Declaration({"float16": "", "bfloat16": ""})), operations=("sdpa",),
+                   max_examples=1)
+    assert report.passed
+    assert all(row.skipped == f"lacks {row.dtype}" for row in report.rows if row.dtype in ("float16", "bfloat16"))
+
+
+def test_fixed_rows_read_the_features_they_use():
+    by_name = {row.name: row for row in rows("sdpa", "error")}
+    assert "window" in features_used(by_name["window_negative"].build())
+    assert "dropout" in features_used(by_name["dropout_p_one"].build())
+    assert "enable_gqa" in features_used(by_name["gqa_heads_not_a_multiple"].build())
+    edges = {row.name: features_used(row.build()) for row in rows("sdpa", "edge")}
+    assert "masked_rows" in edges["fully_masked_rows"] and "non_finite" in edges["nan_in_key"]
+    assert "empty" in edges["no_keys"] and "empty" in edges["no_queries"]
+    assert not {"masked_rows", "non_finite", "empty"} & edges["logits_in_the_thousands"]
+    assert init_features_used({"d_model": 8, "num_heads": 4, "num_kv_heads": 0}) == {"num_kv_heads"}
+    assert init_features_used({"d_model": 8, "num_heads": 4, "norm": "batch", "dropout": 0.0}) == {"rms_norm"}
+
+
+def test_grouped_heads_left_out_are_the_same_attention():
+    # k and v repeated per query head (enable_gqa lacking) give the oracle's own output and weights
+    case = sdpa_case((2, 4), 3, 5)
+    grouped = case._replace(k=case.k[:, :2], v=case.v[:, :2], enable_gqa=True)
+    plain = leave_out(grouped, Declaration(("enable_gqa",)))
+    assert not plain.enable_gqa and plain.k.shape == (2, 4, 5, 2)
+    np.testing.assert_array_equal(plain.k, per_query_head(grouped)[0])
+    for a, b in zip(expected(plain), expected(grouped), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-15, atol=0)
+
+
+def test_a_module_lacking_an_option_never_gets_a_case_that_uses_it():
+    seen = []
+
+    class Recording(attention_np.MultiHeadAttention):
+        @classmethod
+        def from_state_dict(cls, state, **options):
+            module = attention_np.MultiHeadAttention.from_state_dict(state, **options)  # an error row's raises
+            seen.append(state["w_k.weight"].shape[0] == state["w_q.weight"].shape[0] and "w_q.bias" in state
+                        and "rope_theta" not in options)
+            return module
+
+    module = _module("no_module_options", lacks=Declaration(("num_kv_heads", "no_bias", "rope")), functions=())
+    module.MultiHeadAttention = Recording
+    report = check(module, operations=("mha",), max_examples=3)
+    assert report.passed, _failures(report)
+    assert seen and all(seen)
