@@ -213,10 +213,11 @@ def nan_propagation(runner: Runner, operation: str) -> Cell:
     that hide it (by the mask, by is_causal) finite; a NaN query makes its row NaN. Both paths."""
     _needs(runner, "mask")
     found: dict[str, list[str]] = {"need_weights=True": [], "need_weights=False": []}
-    for what, case, rows in _nan_cases(runner, operation):
+    for what, case, rows, free in _nan_cases(runner, operation):
         want = expected(case)[0]
         nan_rows = np.any(np.isnan(want), axis=-1)
         for path, (out, _) in zip(found, runner.run_both_paths(case, "float64"), strict=True):
+            out = np.where(free[..., None], want, out)  # rows the spec leaves open read as the oracle's
             got = np.any(np.isnan(out), axis=-1)
             if np.array_equal(got, nan_rows) and _close(np.where(nan_rows[..., None], 0, out),
                                                         np.where(nan_rows[..., None], 0, want)):
@@ -230,36 +231,44 @@ def nan_propagation(runner: Runner, operation: str) -> Cell:
     return Cell(False, f"{explicit or HOLDS} with need_weights=True; {fused or HOLDS} without")
 
 
-def _nan_cases(runner: Runner, operation: str) -> list[tuple[str, Case, str]]:
+NanCase = tuple[str, Case, str, np.ndarray]  # what hides it, the case, what is NaN, the rows the spec leaves open
+
+
+def _nan_cases(runner: Runner, operation: str) -> list[NanCase]:
     return _NAN_CASES[operation](runner)
 
 
-def _nan_cases_sdpa(runner: Runner) -> list[tuple[str, Case, str]]:
-    """(what hides it, the case, what is NaN): a NaN key hidden from query 0 by the mask, a NaN key hidden by
-    is_causal (sdpa, where the module has it), a NaN query."""
+def _nan_cases_sdpa(runner: Runner) -> list[NanCase]:
+    """A NaN key hidden from query 0 by the mask, a NaN key hidden by is_causal (where the module has it), a NaN
+    query; the values stay finite, so every row is specified."""
     mask = changed(np.ones((2, 3, 4), bool), (0, 0, 2), False)  # key 2 hidden from query 0 of sequence 0
-    base = sdpa_case((2,), 3, 4, mask=mask)
-    cases = [("key hidden by the mask", base._replace(k=changed(base.k, (0, 2), np.nan)), "key"),
-             ("query", base._replace(q=changed(base.q, (1, 0), np.nan)), "query")]
+    base, every = sdpa_case((2,), 3, 4, mask=mask), np.zeros((2, 3), bool)
+    cases = [("key hidden by the mask", base._replace(k=changed(base.k, (0, 2), np.nan)), "key", every),
+             ("query", base._replace(q=changed(base.q, (1, 0), np.nan)), "query", every)]
     if "is_causal" not in runner.lacks:  # type: ignore[attr-defined]
         causal = sdpa_case((2,), 4, 4, is_causal=True)  # key 3 seen by query 3 alone
-        cases.insert(1, ("key hidden by is_causal", causal._replace(k=changed(causal.k, (0, 3), np.nan)), "key"))
+        cases.insert(1, ("key hidden by is_causal", causal._replace(k=changed(causal.k, (0, 3), np.nan)), "key",
+                         np.zeros((2, 4), bool)))
     return cases
 
 
-def _nan_cases_mha(runner: Runner) -> list[tuple[str, Case, str]]:
-    """Cross-attention: a NaN in the keys' input at position 2, hidden from query 0; a NaN query input."""
+def _nan_cases_mha(runner: Runner) -> list[NanCase]:
+    """Cross-attention: a NaN in the keys' input at position 2, hidden from query 0 (the values' input stays
+    finite); a NaN query input."""
     mask = changed(np.ones((2, 2, 3, 5), bool), (0, ALL, 0, 2), False)  # key 2 hidden from query 0
-    base = mha_case((2,), 3, 5, mask=mask)._replace(dropout=0.0)
-    return [("key hidden by the mask", base._replace(k=changed(base.k, (0, 2), np.nan)), "key"),
-            ("query", base._replace(q=changed(base.q, (1, 0), np.nan)), "query")]
+    base, every = mha_case((2,), 3, 5, mask=mask)._replace(dropout=0.0), np.zeros((2, 3), bool)
+    return [("key hidden by the mask", base._replace(k=changed(base.k, (0, 2), np.nan)), "key", every),
+            ("query", base._replace(q=changed(base.q, (1, 0), np.nan)), "query", every)]
 
 
-def _nan_cases_block(runner: Runner) -> list[tuple[str, Case, str]]:
-    """Self-attention: a NaN at position 2 of sequence 0, a key hidden from query 0 (its own row is NaN too)."""
+def _nan_cases_block(runner: Runner) -> list[NanCase]:
+    """Self-attention: a NaN at position 2 of sequence 0, whose key the mask hides from query 0. Its value is NaN
+    too, and a hidden key's value times its weight 0 is NaN: query 0's row is left open (SPEC 11); the rows that
+    see position 2 must be NaN, the other sequence finite."""
     mask = changed(np.ones((2, 2, 4, 4), bool), (0, ALL, 0, 2), False)
     base = block_case((2,), 4, mask=mask)._replace(dropout=0.0)
-    return [("key hidden by the mask", base._replace(x=changed(base.x, (0, 2), np.nan)), "position")]
+    return [("position", base._replace(x=changed(base.x, (0, 2), np.nan)), "position",
+             changed(np.zeros((2, 4), bool), (0, 0), True))]
 
 
 _NAN_CASES = {"sdpa": _nan_cases_sdpa, "mha": _nan_cases_mha, "block": _nan_cases_block}

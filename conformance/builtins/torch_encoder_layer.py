@@ -187,8 +187,6 @@ def refuse_layout(cls_name: str, norm: str, activation: str, bias: bool) -> None
 
 CONFORMANCE = Declaration({
     "weights": "returns no attention weights",
-    "non_finite": "a NaN at a position reaches the queries whose mask hides it too (the mask is added to the "
-                  "scores as -inf)",
     "num_kv_heads": "one key/value head per query head (its self_attn is an nn.MultiheadAttention)",
     "rope": "no rotary position embeddings",
     "rms_norm": "LayerNorm only",

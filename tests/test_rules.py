@@ -1,0 +1,92 @@
+"""The rules of `python -m conformance frameworks` (conformance/rules.py): every rule holds on our backends,
+on each operation it can probe, and each one names the deviation of a module built to have it."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import types
+
+import pytest
+
+from conformance import rules
+from tests.conftest import import_backend
+from tests.implementations.broken import BROKEN
+from tests.implementations.broken_gradients import BROKEN_GRADIENTS
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# a module with one deviation -> {rule: the cell its probe must give}
+DEVIATIONS = {
+    "masked_row_nan": {"fully masked rows": "NaN"},
+    "masked_row_uniform": {"fully masked rows": "the mean of all values (uniform weights)"},
+    "causal_bottom_right": {"is_causal with L != S": "bottom-right aligned"},
+    "weights_averaged_over_heads": {"weights per head": "averaged over the heads"},
+    "weights_after_dropout": {"weights in training": "after dropout"},
+    "softmax_in_half_precision": {"float16 error": "1.3e-01, above 3e-03"},
+}
+
+
+def _only(backend: types.ModuleType, *names: str) -> types.ModuleType:
+    """A module with asarray, to_numpy and `names` of `backend` (and their vjps): one operation to probe."""
+    module = types.ModuleType(f"{backend.__name__}_{'_'.join(names)}")
+    for name in ("asarray", "to_numpy", *names):
+        setattr(module, name, getattr(backend, name))
+    if "scaled_dot_product_attention" in names:
+        module.scaled_dot_product_attention_vjp = backend.scaled_dot_product_attention_vjp
+    return module
+
+
+@pytest.mark.parametrize("function", ["scaled_dot_product_attention", "MultiHeadAttention", "TransformerBlock"])
+def test_every_rule_holds_on_our_backends(backend: types.ModuleType, function: str):
+    cells = rules.measure(_only(backend, function))
+    probed = {rule.name for rule in rules.RULES if any(
+        operation == {"scaled_dot_product_attention": "sdpa", "MultiHeadAttention": "mha",
+                      "TransformerBlock": "block"}[function] for operation in rule.operations)}
+    assert probed and all(cells[name].holds for name in probed), {name: cells[name] for name in probed}
+    assert all(cell.text == "-" for name, cell in cells.items() if name not in probed)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the NaN and overflow the deviations make
+@pytest.mark.parametrize("name", sorted(DEVIATIONS))
+def test_a_deviation_is_named_by_its_rule_and_no_other(name: str):
+    cells = rules.measure(BROKEN[name])
+    for rule, text in DEVIATIONS[name].items():
+        assert cells[rule] == rules.Cell(False, text), cells[rule]
+    others = {rule: cell for rule, cell in cells.items() if rule not in DEVIATIONS[name] and rule != "gradients"}
+    assert all(cell.holds for cell in others.values()), others  # the einsum implementation has no vjp
+
+
+def test_a_wrong_backward_pass_fails_the_gradient_rule():
+    assert rules.measure(BROKEN_GRADIENTS["dk_not_scaled"])["gradients"] == rules.Cell(
+        False, "dk differs from the oracle's")
+    assert rules.measure(import_backend("attention_np"))["gradients"] == rules.Cell(True, "holds")
+
+
+def test_a_rule_needing_a_lacking_argument_says_so():
+    from conformance.builtins import torch_encoder_layer_fast, torch_sdpa
+
+    assert rules.measure(torch_sdpa)["weights in training"] == rules.Cell(None, "no weights returned")
+    fast = rules.measure(torch_encoder_layer_fast)
+    assert fast["weights in training"] == rules.Cell(None, "no dropout")
+    assert fast["gradients"] == rules.Cell(None, "no vjp") and fast["is_causal with L != S"].text == "-"
+
+
+@pytest.mark.slow
+def test_the_frameworks_command_prints_the_matrix_and_writes_json(tmp_path: pathlib.Path):
+    path = tmp_path / "matrix.json"
+    result = subprocess.run([sys.executable, "-m", "conformance", "frameworks", "--only", "torch_sdpa,torch_mha",
+                             "--markdown", "--max-examples", "1", "--json", str(path)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = [line for line in result.stdout.splitlines() if line.startswith("|")]
+    assert table[0] == "| rule | spec | F.scaled_dot_product_attention | nn.MultiheadAttention |"
+    assert len(table) == 2 + len(rules.RULES) + 1  # the header, its rule, the rules, the suite's row
+    assert "| fully masked rows | zeros | holds | NaN with need_weights=True; holds without |" in table
+    found = json.loads(path.read_text())
+    assert [column["title"] for column in found["columns"]] == ["F.scaled_dot_product_attention",
+                                                                 "nn.MultiheadAttention"]
+    assert all(column["suite"]["passed"] for column in found["columns"])
+    assert found["columns"][0]["cells"]["the suite"]["holds"] is True
