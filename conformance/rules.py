@@ -80,6 +80,12 @@ def _with_lacks(probe: Callable[[Runner, str], Cell], lacks: Declaration) -> Cal
     return run
 
 
+def _dtype(runner: Runner) -> str:
+    """The probes' dtype: float64, or float32 for a module that lacks it (jax.nn, whose softmax runs in
+    float32); the cases are rounded to it, and results held to the suite's values tolerance in it."""
+    return "float32" if "float64" in runner.lacks else "float64"  # type: ignore[attr-defined]
+
+
 def _needs(runner: Runner, *features: str) -> None:
     for feature in features:
         if feature in runner.lacks:  # type: ignore[attr-defined]
@@ -105,16 +111,17 @@ def _masked_rows_case(operation: str) -> Case:
 def fully_masked_rows(runner: Runner, operation: str) -> Cell:
     """A query that sees no key: sdpa's out row is zeros, MHA's the output bias (the heads give zeros)."""
     _needs(runner, "mask")
-    case = _masked_rows_case(operation)
+    dtype = _dtype(runner)
+    case = rounded(_masked_rows_case(operation), dtype)
     want, uniform = expected(case)[0][0, 1], _uniform(case)
 
     def verdict(out: np.ndarray) -> str:
         out = out[0, 1]
-        if np.allclose(out, want, rtol=1e-9, atol=1e-12):
+        if _close(out, want, dtype):
             return HOLDS
         if np.all(np.isnan(out)):
             return "NaN"
-        if uniform is not None and np.allclose(out, uniform[0, 1], rtol=1e-9, atol=1e-12):
+        if uniform is not None and _close(out, uniform[0, 1], dtype):
             return "the mean of all values (uniform weights)"
         return "finite, not zeros" if np.all(np.isfinite(out)) else "partly NaN"
 
@@ -124,7 +131,7 @@ def fully_masked_rows(runner: Runner, operation: str) -> Cell:
 def _on_both_paths(runner: Runner, case: Case, verdict: Callable[[np.ndarray], str]) -> Cell:
     """The verdict on the output with need_weights=True and False; both said where they differ (a module whose
     two paths are two kernels, nn.MultiheadAttention's)."""
-    (out, _), (fast, _) = runner.run_both_paths(case, "float64")
+    (out, _), (fast, _) = runner.run_both_paths(case, _dtype(runner))
     explicit, fused = verdict(out), verdict(fast)
     if explicit == fused:
         return Cell(explicit == HOLDS, explicit)
@@ -152,20 +159,24 @@ def causal_corner(runner: Runner, operation: str) -> Cell:
     """is_causal with more keys than queries and more queries than keys: top-left aligned (query i sees keys
     0..i), not bottom-right."""
     _needs(runner, "is_causal")
-    found = []
+    found, dtype = [], _dtype(runner)
     for L, S in ((2, 5), (5, 3)):
-        case = sdpa_case((2,), L, S, is_causal=True)
-        out = runner.run(case, "float64", need_weights=False)[0]
-        if _close(out, expected(case)[0]):
+        case = rounded(sdpa_case((2,), L, S, is_causal=True), dtype)
+        out = runner.run(case, dtype, need_weights=False)[0]
+        if _close(out, expected(case)[0], dtype):
             continue
         bottom_right = case._replace(q_offset=S - L, is_causal=True)
-        found.append("bottom-right aligned" if _close(out, expected(bottom_right)[0]) else
+        found.append("bottom-right aligned" if _close(out, expected(bottom_right)[0], dtype) else
                      f"other values (L={L}, S={S})")
     return Cell(True, HOLDS) if not found else Cell(False, found[0])
 
 
-def _close(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-9, atol=1e-12, equal_nan=True))
+def _close(a: np.ndarray, b: np.ndarray, dtype: str = "float64") -> bool:
+    """The same shape, NaN in the same places, and the rest within the suite's values tolerance in `dtype`."""
+    if a.shape != b.shape or not np.array_equal(np.isnan(a), np.isnan(b)):
+        return False
+    return relative_error(np.where(np.isnan(a), 0, a).astype(np.float64), np.where(np.isnan(b), 0, b)) <= \
+        TOLERANCES[dtype]["values"]
 
 
 # --- the weights: before dropout, per head ---------------------------------------------------------------
@@ -174,12 +185,13 @@ def weights_before_dropout(runner: Runner, operation: str) -> Cell:
     """In training mode the returned weights are the softmax probabilities before dropout: those of eval mode
     (compared with the module's own eval weights, whatever their layout)."""
     _needs(runner, "dropout")
-    case = _weights_case(operation)._replace(dropout=DROPOUT)
-    trained = runner.run(case, "float64", training=True, seed=1)[1]
+    dtype = _dtype(runner)
+    case = rounded(_weights_case(operation)._replace(dropout=DROPOUT), dtype)
+    trained = runner.run(case, dtype, training=True, seed=1)[1]
     if trained is None:
         return Cell(None, "no weights returned")
-    evaluated = runner.run(case, "float64")[1]
-    if evaluated is not None and _close(trained, evaluated):
+    evaluated = runner.run(case, dtype)[1]
+    if evaluated is not None and _close(trained, evaluated, dtype):
         return Cell(True, HOLDS)
     return Cell(False, "after dropout" if evaluated is not None and trained.shape == evaluated.shape else
                 "other values")
@@ -187,13 +199,14 @@ def weights_before_dropout(runner: Runner, operation: str) -> Cell:
 
 def weights_per_head(runner: Runner, operation: str) -> Cell:
     """A module returns one weights matrix per head, (..., H, L, S)."""
-    case = _weights_case(operation)
-    weights, want = runner.run(case, "float64")[1], expected(case)[1]
+    dtype = _dtype(runner)
+    case = rounded(_weights_case(operation), dtype)
+    weights, want = runner.run(case, dtype)[1], expected(case)[1]
     if weights is None:
         return Cell(None, "no weights returned")
-    if _close(weights, want):
+    if _close(weights, want, dtype):
         return Cell(True, HOLDS)
-    if weights.shape == want.shape[:-3] + want.shape[-2:] and _close(weights, want.mean(axis=-3)):
+    if weights.shape == want.shape[:-3] + want.shape[-2:] and _close(weights, want.mean(axis=-3), dtype):
         return Cell(False, "averaged over the heads")
     return Cell(False, f"other weights {weights.shape}")
 
@@ -213,14 +226,16 @@ def nan_propagation(runner: Runner, operation: str) -> Cell:
     that hide it (by the mask, by is_causal) finite; a NaN query makes its row NaN. Both paths."""
     _needs(runner, "mask")
     found: dict[str, list[str]] = {"need_weights=True": [], "need_weights=False": []}
+    dtype = _dtype(runner)
     for what, case, rows, free in _nan_cases(runner, operation):
+        case = rounded(case, dtype)
         want = expected(case)[0]
         nan_rows = np.any(np.isnan(want), axis=-1)
-        for path, (out, _) in zip(found, runner.run_both_paths(case, "float64"), strict=True):
+        for path, (out, _) in zip(found, runner.run_both_paths(case, dtype), strict=True):
             out = np.where(free[..., None], want, out)  # rows the spec leaves open read as the oracle's
             got = np.any(np.isnan(out), axis=-1)
             if np.array_equal(got, nan_rows) and _close(np.where(nan_rows[..., None], 0, out),
-                                                        np.where(nan_rows[..., None], 0, want)):
+                                                        np.where(nan_rows[..., None], 0, want), dtype):
                 continue
             found[path].append(f"a NaN {what} reaches rows that hide it" if np.any(got & ~nan_rows) else
                                f"a NaN {rows} gives finite rows" if np.any(nan_rows & ~got) else
@@ -309,7 +324,7 @@ def gradients(runner: Runner, operation: str) -> Cell:
     reaches (a query that sees no key, a key no query sees); float64."""
     if missing(runner.module, (OPERATIONS[operation].vjp,)):
         return Cell(None, "no vjp")
-    _needs(runner, "mask")
+    _needs(runner, "mask", "float64")  # central differences in float64
     case = _masked_rows_case(operation)
     measures = gradient_checks.gradients(runner, case, "float64")
     problems = [value.detail for name, value in measures.items() if not value.error <= TOLERANCES["float64"][name]]
