@@ -189,6 +189,19 @@ def _far_below_fill(offset: float) -> Callable[[], Any]:
     return build
 
 
+def _far_below_fill_mha() -> Any:
+    """MHA whose every visible score is -2^40 + a multiple of 1 / 8, exactly: D = 2 in H = 2 heads of d_k = 1
+    (scale 1), w_q = 0 with bias 1 (every query 1), w_k the identity without bias (the scores are the keys'
+    inputs), key 1 hidden; the weights are those of the multiples of 1 / 8 alone, and a masked fill constant
+    (-1e9, say) that outweighs them puts every query on the hidden key."""
+    case = mha_case((2,), 3, 4, D=2, H=2)
+    steps = np.round(8 * normal(2, 4, 2, seed=8)) / 8  # (B, S, D), multiples of 1 / 8
+    identity, zeros = np.eye(2), np.zeros(2)
+    state = {"w_q.weight": np.zeros((2, 2)), "w_q.bias": np.ones(2), "w_k.weight": identity, "w_k.bias": zeros,
+             "w_v.weight": identity, "w_v.bias": zeros, "w_o.weight": identity, "w_o.bias": zeros}
+    return case._replace(state=state, k=-(2.0**40) + steps, mask=np.array([True, False, True, True]))
+
+
 def _sdpa_edges() -> list[Fixed]:
     base = sdpa_case()  # q (B, L, E), k (B, S, E), v (B, S, Ev): B = 2, L = 3, S = 4, E = 2, Ev = 3
     heads = sdpa_case((2, 2), Ev=2)  # (B, H, L, E) with Ev = E, as heads are: torch's fused kernels
@@ -403,6 +416,9 @@ def _mha_edges() -> list[Fixed]:
         edge("mha", "inf_in_query", lambda: base._replace(q=changed(base.q, (1, 2), np.inf)),
              "q[1, 2] = +inf: out row (1, 2) NaN or inf, never finite; every other row as the oracle",
              Rule("out", "only_nan_or_inf", (1, 2))),
+        edge("mha", "visible_scores_below_minus_1e9", _far_below_fill_mha,
+             "every visible score about -1.1e12, key 1 hidden: the weights of the visible keys as the oracle, never "
+             "a masked fill constant (-1e9) that outweighs them", Rule("weights", "zero", (ALL, ALL, ALL, 1))),
     ]
 
 
