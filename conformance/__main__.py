@@ -137,6 +137,7 @@ def _frameworks(args: argparse.Namespace) -> int:
                          done=_done, **_options(args))
     for name, why in found.skipped.items():
         print(f"skipped {name}: {why}")
+    print(", ".join(f"{name} {version}" for name, version in found.versions.items()))
     for column in found.columns:
         print(f"{column.title} ({column.name}): {column.seconds:.1f} s")
     print()

@@ -28,6 +28,23 @@ class Column(NamedTuple):
 class Matrix(NamedTuple):
     columns: list[Column]
     skipped: dict[str, str]  # module -> why it could not be measured (its framework is not installed)
+    versions: dict[str, str]  # framework -> its installed version: the cells are those versions'
+
+
+FRAMEWORKS = ("torch", "jax", "flax", "keras")  # whose versions the matrix records
+
+
+def versions() -> dict[str, str]:
+    """The installed versions of FRAMEWORKS (a missing one left out)."""
+    import importlib.metadata
+
+    found = {}
+    for name in FRAMEWORKS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
 
 
 def measure_one(name: str) -> tuple[str, dict[str, rules.Cell], float]:
@@ -41,22 +58,26 @@ def run(names: Sequence[str], *, jobs: int = 1, suite_too: bool = True, done: Ca
         **options: Any) -> Matrix:
     """Every module's rules and (suite_too) its suite report (options: `check`'s), up to `jobs` processes at once
     (spawned: no framework state shared): the rules one process per module, the suite in parts
-    (suite.reports_in_parts)."""
+    (suite.reports_in_parts); with jobs=1 all of it in this process, one module after the other."""
     from . import suite
 
     modules, skipped = import_modules(names)
     names = list(modules)
-    with concurrent.futures.ProcessPoolExecutor(max(1, min(jobs, len(names) or 1)),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        measured = list(pool.map(measure_one, names))
-    reports = suite.reports_in_parts(names, jobs=jobs, done=done, **options) if suite_too and names else \
-        [(None, 0.0)] * len(names)
+    if jobs == 1:  # one after the other, in this process
+        measured = [measure_one(name) for name in names]
+        reports = [suite.timed_check(name, **options) if suite_too else (None, 0.0) for name in names]
+    else:
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(names) or 1),
+                                                    mp_context=multiprocessing.get_context("spawn")) as pool:
+            measured = list(pool.map(measure_one, names))
+        reports = suite.reports_in_parts(names, jobs=jobs, done=done, **options) if suite_too and names else \
+            [(None, 0.0)] * len(names)
     columns = []
     for name, (title, cells, seconds), (report, suite_seconds) in zip(names, measured, reports, strict=True):
         if report is not None:
             cells = cells | {SUITE: suite_cell(report)}
         columns.append(Column(name, title, cells, seconds + suite_seconds, report))
-    return Matrix(columns, skipped)
+    return Matrix(columns, skipped, versions())
 
 
 def suite_cell(report: Any) -> rules.Cell:
@@ -75,7 +96,7 @@ def suite_cell(report: Any) -> rules.Cell:
 def rows(matrix: Matrix) -> list[tuple[str, str]]:
     """(rule, what the spec says) for each row of the matrix."""
     found = [(rule.name, rule.spec) for rule in rules.RULES]
-    if any(SUITE in column.cells for column in matrix.columns):
+    if any(SUITE in column.cells for column in matrix.columns):  # a run with the suite (not --rules-only)
         found.append((SUITE, "what it declares it has"))
     return found
 
@@ -94,9 +115,17 @@ def format_text(matrix: Matrix, *, markdown: bool = False) -> str:
 
 
 def to_json(matrix: Matrix) -> dict[str, Any]:
-    return {"rules": [{"rule": rule, "spec": spec} for rule, spec in rows(matrix)],
+    return {"versions": matrix.versions, "rules": [{"rule": rule, "spec": spec} for rule, spec in rows(matrix)],
             "columns": [{"module": column.name, "title": column.title, "seconds": round(column.seconds, 1),
                          "cells": {rule: cell._asdict() for rule, cell in column.cells.items()},
                          "suite": None if column.report is None else column.report.to_json()}
                         for column in matrix.columns],
             "skipped": matrix.skipped}
+
+
+def from_json(found: dict[str, Any]) -> Matrix:
+    """The matrix `to_json` wrote (the suite's reports as their JSON), to print again."""
+    columns = [Column(column["module"], column["title"],
+                      {rule: rules.Cell(**cell) for rule, cell in column["cells"].items()}, column["seconds"],
+                      column["suite"]) for column in found["columns"]]
+    return Matrix(columns, found["skipped"], found["versions"])

@@ -53,3 +53,16 @@ def test_a_kernel_is_wrapped_and_checked_in_under_15_lines() -> None:
     module = next(code for code in _blocks("python") if MODULE_FILE.match(code))
     lines = [line for line in module.splitlines() if line.strip() and not line.startswith("#")]
     assert len(lines) < 15, module
+
+
+def test_the_frameworks_matrix_is_the_command_s_own_output() -> None:
+    # the README's matrix is docs/frameworks.json (what `frameworks --json` wrote) printed with --markdown;
+    # tests/test_rules.py holds that JSON's rule cells to a fresh measurement
+    import json
+
+    from conformance import matrix
+
+    recorded = matrix.from_json(json.loads((ROOT / "docs" / "frameworks.json").read_text()))
+    table = matrix.format_text(recorded, markdown=True)
+    assert table in README, table
+    assert ", ".join(f"{name} {version}" for name, version in recorded.versions.items()) in README
