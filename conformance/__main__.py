@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("modules", nargs="+", metavar="MODULE", help="an importable module implementing the contract")
     check.add_argument("--operations", type=_operations, default=tuple(OPERATIONS), metavar="OP,...",
                        help=f"only these of {','.join(OPERATIONS)} (default: all; a module's missing ones are SKIP)")
+    check.add_argument("--checks", type=_measures, default=None, metavar="CHECK,...",
+                       help="only the groups and tables that report these checks (the report's check column: "
+                            "values, gradients, edge_cases, ...; default: all)")
     builtins = commands.add_parser(
         "frameworks", parents=[options], help="the frameworks' built-ins measured against the spec, side by side",
         description="Run the rules on which the frameworks' built-ins disagree, and the suite, on each built-in "
@@ -175,7 +178,18 @@ def _report(module: ModuleType, args: argparse.Namespace, operations: Sequence[s
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """The suite's options from the command line."""
-    return {"profile": args.profile, "max_examples": args.max_examples, "seed": args.seed}
+    return {"profile": args.profile, "max_examples": args.max_examples, "seed": args.seed,
+            "measures": getattr(args, "checks", None)}
+
+
+def _measures(text: str) -> tuple[str, ...]:
+    from .suite import known_measures  # Hypothesis is imported only where a check runs
+
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in known_measures()]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown checks {unknown}; choose from {','.join(known_measures())}")
+    return names
 
 
 def _done(name: str) -> None:

@@ -18,6 +18,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--conformance-profile", default="fast", choices=tuple(PROFILES),
                     help="fast (default) or thorough")
     group.addoption("--conformance-seed", type=int, default=0, help="Hypothesis seed (default 0)")
+    group.addoption("--conformance-max-examples", type=int, default=None, metavar="N",
+                    help="N examples for every check, instead of the profile's numbers")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

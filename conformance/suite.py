@@ -78,6 +78,21 @@ GROUPS = (
 )
 
 
+# The measures (the report's check column) each check reports, so that a run can ask for some of them; "call"
+# (the module raised) and "deterministic" come from any group
+MEASURES: dict[Callable, tuple[str, ...]] = {
+    checks.against_oracle: ("values", "fast_path", "weights_rows"),
+    checks.sdpa_permutation: ("permutation",), checks.mha_permutation: ("permutation",),
+    checks.block_permutation: ("permutation",),
+    checks.sdpa_causal_prefix: ("causal_prefix",), checks.block_causal_prefix: ("causal_prefix",),
+    checks.sdpa_single_key: ("single_key",),
+    checks.dropout: ("weights", "reproducible", "varies", "mean"),
+    checks.dropout_independence: ("independent", "rng_forms"),
+    gradient_checks.gradients: ("gradients", "masked_rows", "no_autograd"),
+}
+ANY_GROUP = ("call", "deterministic")
+
+
 class Table(NamedTuple):
     """Fixed cases, run without Hypothesis (conformance/fixed_checks.py): one row per operation, examples =
     the cases run, worst = the cases failing, tolerance 0."""
@@ -137,15 +152,17 @@ class CheckFailure(AssertionError):
 
 def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int | None = None, seed: int = 0,
           shrink: bool = True, operations: Sequence[str] = tuple(OPERATIONS), contract: bool = True,
-          progress: Progress | None = None) -> Report:
+          measures: Sequence[str] | None = None, progress: Progress | None = None) -> Report:
     """Run every check on `module` (a module object or an importable name) and return the report.
 
     profile: "fast" (the default: a few examples per check) or "thorough" (ten times as many);
     max_examples: instead, this many examples for every check; seed: Hypothesis's seed, so a run is
     reproducible; shrink: reduce a failing case to a small one before reporting it; operations: the
     operations to check; contract: also check the contract's own tables (arrays, masks, positions), which
-    belong to no operation; progress: called once per case run with what runs ("module operation check
-    dtype"). The rows of separate calls, each with its part of the operations, in order, are those of one call.
+    belong to no operation; measures: only the groups and tables that report these (the report's check
+    column: "values", "gradients", "edge_cases", ...; None: all); progress: called once per case run with what
+    runs ("module operation check dtype"). The rows of separate calls, each with its part of the operations,
+    in order, are those of one call.
     """
     module = importlib.import_module(module) if isinstance(module, str) else module
     gaps = contract_gaps(module)
@@ -154,16 +171,18 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                              f"it has no {', '.join(gaps)}")
     if max_examples is not None and max_examples < 1:
         raise ValueError(f"max_examples must be at least 1, got {max_examples}")
+    wanted = _wanted(measures)
     runner, tell = Runner(module), progress or (lambda what: None)
     name = module.__name__
     with runner.framework.pinned() as pinned, quick_compiles(), _reproducible_draws():
         rows = [_table_row(runner, table_, operation, tell) for operation, table_ in CONTRACT_TABLES.items()
-                if contract]  # pinned: x64
+                if contract and wanted((table_.check,), False)]  # pinned: x64
         for operation in (operation for operation in OPERATIONS if operation in operations):
             if absent := missing(module, (OPERATIONS[operation].function,)):  # a partial module (SPEC 12)
                 rows.append(Row(name, operation, "-", "-", 0, 0.0, 0.0, True, skipped=f"no {absent[0]}"))
                 continue
-            for group in (group for group in GROUPS if group.operation == operation):
+            groups = [group for group in GROUPS if group.operation == operation and wanted(MEASURES[group.check], True)]
+            for group in groups:
                 examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
                 for dtype in _dtypes(group, runner.framework):
                     why = _cannot_run(runner, group, dtype)
@@ -171,8 +190,25 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                              if why else
                              _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink,
                                         tell=tell))
-            rows += [_table_row(runner, table_, operation, tell) for table_ in TABLES]
+            rows += [_table_row(runner, table_, operation, tell) for table_ in TABLES if wanted((table_.check,), False)]
     return Report(rows, seed, profile, [pinned] if pinned else [])
+
+
+def known_measures() -> list[str]:
+    """Every check (measure) a report can have a row for."""
+    return sorted({*ANY_GROUP, *(m for reported in MEASURES.values() for m in reported),
+                   *(table_.check for table_ in (*TABLES, *CONTRACT_TABLES.values()))})
+
+
+def _wanted(measures: Sequence[str] | None) -> Callable[[tuple[str, ...], bool], bool]:
+    """(reported, is a group) -> whether that group or table runs: every one without `measures`, else those
+    that report one of them (every group for "call" and "deterministic"); unknown names are a ValueError."""
+    if measures is None:
+        return lambda reported, group: True
+    if unknown := sorted(set(measures) - set(known_measures())):
+        raise ValueError(f"unknown checks {unknown}; the checks are {known_measures()}")
+    chosen = set(measures)
+    return lambda reported, group: bool(chosen & set(reported)) or (group and bool(chosen & set(ANY_GROUP)))
 
 
 def _cannot_run(runner: Runner, group: Group, dtype: str) -> str | None:

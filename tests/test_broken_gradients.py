@@ -8,7 +8,7 @@ import attention_np
 from conformance import check
 from tests.implementations.broken_gradients import BROKEN_GRADIENTS
 
-pytestmark = pytest.mark.slow  # the whole gradient suite on every mutant
+pytestmark = pytest.mark.slow  # the suite's gradient check on every mutant
 
 # mutant -> the operations whose backward pass the bug reaches
 REACHES = {
@@ -31,13 +31,22 @@ def test_every_mutant_says_what_it_reaches():
     assert set(REACHES) == set(BROKEN_GRADIENTS) and len(REACHES) >= 5
 
 
+GRADIENT_CHECK = ("gradients", "masked_rows", "no_autograd")  # the rows of the suite's gradient group
+
+
 def test_the_unmutated_backward_passes():
-    report = check(attention_np, operations=["sdpa", "mha", "block"])
-    assert report.passed and any(row.check == "gradients" for row in report.rows)
+    report = check(attention_np, operations=["sdpa", "mha", "block"], measures=GRADIENT_CHECK)
+    assert report.passed and {row.operation for row in report.rows if row.check == "gradients"} == {
+        "sdpa", "mha", "block"}
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN_GRADIENTS))
 def test_broken_backward_pass_is_rejected_by_the_gradient_check(name: str):
-    report = check(BROKEN_GRADIENTS[name], operations=REACHES[name], shrink=False)
+    mutant = BROKEN_GRADIENTS[name]
+    # the forward passes are attention_np's own: only the vjps are mutated
+    assert mutant.scaled_dot_product_attention is attention_np.scaled_dot_product_attention
+    assert all(set(vars(getattr(mutant, cls))) <= {"vjp", "__module__", "__qualname__", "__doc__"}
+               for cls in ("MultiHeadAttention", "TransformerBlock"))
+    report = check(mutant, operations=REACHES[name], shrink=False, measures=GRADIENT_CHECK)
     failed = {row.check for row in report.rows if not row.passed}
-    assert failed == {"gradients"}, f"{name}: failed {sorted(failed)}; the forward checks must pass"
+    assert failed == {"gradients"}, f"{name}: failed {sorted(failed)}; masked_rows and no_autograd must pass"

@@ -34,7 +34,7 @@ def _importable(name: str) -> bool:
 
 
 def test_default_run_passes_and_names_each_importable_backend() -> None:
-    result = _run("--max-examples", "3")
+    result = _run("--max-examples", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     header = next(line for line in result.stdout.splitlines() if line.startswith("operation"))
     for name in BUILT_IN:
@@ -83,6 +83,13 @@ def test_counts_below_one_are_usage_errors(args: tuple[str, ...]) -> None:
     assert "expected a positive integer" in result.stderr
     with pytest.raises(ValueError, match="max_examples must be at least 1, got 0"):
         suite.check("attention_np", max_examples=0)
+
+
+def test_an_unknown_operation_or_check_is_a_usage_error() -> None:
+    for option, value, words in (("--operations", "sdpa,foo", "unknown operations ['foo']"),
+                                  ("--checks", "value", "unknown checks ['value']")):
+        result = _run("check", "attention_np", option, value)
+        assert result.returncode == 2 and "Traceback" not in result.stderr and words in result.stderr
 
 
 @pytest.mark.parametrize("command", ["compare", "figure"])

@@ -168,3 +168,11 @@ def test_a_module_lacking_an_option_never_gets_a_case_that_uses_it():
     report = check(module, operations=("mha",), max_examples=3)
     assert report.passed, _failures(report)
     assert seen and all(seen)
+
+
+def test_a_check_asks_for_some_checks_only():
+    report = check(attention_np, operations=("sdpa",), measures=("edge_cases", "values"), max_examples=1)
+    assert {row.check for row in report.rows} == {"values", "fast_path", "weights_rows", "edge_cases"}
+    assert {row.operation for row in report.rows} == {"sdpa"}  # no contract table was asked for
+    with pytest.raises(ValueError, match=r"unknown checks \['value'\]; the checks are \[.*'values'"):
+        check(attention_np, measures=("value",))
