@@ -246,27 +246,35 @@ WINDOWS = ((4, 4, (1, 0), 0), (3, 5, (0, 0), 2), (3, 4, (None, 1), -3), (2, 6, (
 
 def mask_helpers(runner: Runner) -> list[Result]:
     """The public mask helpers against the oracle's own construction, on a few sizes, the empty ones too, and
-    with the offsets and windows of SPEC 2a (an array offset as the module's array)."""
+    with the offsets and windows of SPEC 2a (an array offset as the module's array). Each call is staged as the
+    operations are (JAX: traced, the sizes and an int offset static)."""
     module = runner.module
-    calls = [(f"causal_mask_{L}_{S}", "causal_mask", lambda L=L, S=S: module.causal_mask(L, S),
+    calls = [(f"causal_mask_{L}_{S}", "causal_mask", lambda L=L, S=S: module.causal_mask(L, S), (),
               oracle.causal_mask(L, S)) for L, S in CAUSAL_SIZES]
     calls += [(f"causal_mask_{L}_{S}_q_offset_{_text(offset)}", "causal_mask",
-               lambda L=L, S=S, offset=offset: module.causal_mask(L, S, q_offset=_offset(module, offset)),
-               oracle.causal_mask(L, S, q_offset=np.array(offset))) for L, S, offset in CAUSAL_OFFSETS]
+               lambda *offset, L=L, S=S, given=offset: module.causal_mask(L, S, q_offset=_given(given, offset)),
+               _arrays(module, offset), oracle.causal_mask(L, S, q_offset=np.array(offset)))
+              for L, S, offset in CAUSAL_OFFSETS]
     calls += [(f"window_mask_{L}_{S}_{_text(window)}_q_offset_{_text(offset)}", "window_mask",
-               lambda L=L, S=S, window=window, offset=offset: module.window_mask(L, S, window,
-                                                                                 q_offset=_offset(module, offset)),
-               oracle.window_mask(L, S, window, q_offset=np.array(offset))) for L, S, window, offset in WINDOWS]
+               lambda *offset, L=L, S=S, window=window, given=offset: module.window_mask(
+                   L, S, window, q_offset=_given(given, offset)),
+               _arrays(module, offset), oracle.window_mask(L, S, window, q_offset=np.array(offset)))
+              for L, S, window, offset in WINDOWS]
     calls += [(f"padding_mask_{'_'.join(map(str, lengths))}_{S}", "padding_mask",
-               lambda lengths=lengths, S=S: module.padding_mask(module.asarray(np.array(lengths)), S),
+               lambda lengths, S=S: module.padding_mask(lengths, S), (module.asarray(np.array(lengths)),),
                oracle.padding_mask(lengths, S)) for lengths, S in PADDING_LENGTHS]
-    return [_helper(MASK_HELPERS._replace(name=name), runner, function, call, want)
-            for name, function, call, want in calls]
+    return [_helper(MASK_HELPERS._replace(name=name), runner, function, call, arrays, want)
+            for name, function, call, arrays, want in calls]
 
 
-def _offset(module: Any, offset: int | list) -> Any:
-    """An int as it is; a list as the module's integer array."""
-    return offset if isinstance(offset, int) else module.asarray(np.array(offset))
+def _arrays(module: Any, offset: int | list) -> tuple[Any, ...]:
+    """A staged helper's array arguments: none for an int offset (static), else the module's integer array."""
+    return () if isinstance(offset, int) else (module.asarray(np.array(offset)),)
+
+
+def _given(offset: int | list, arrays: tuple[Any, ...]) -> Any:
+    """The offset inside the staged call: the int itself, or the array it was given."""
+    return offset if isinstance(offset, int) else arrays[0]
 
 
 def _text(value: Any) -> str:
@@ -274,11 +282,12 @@ def _text(value: Any) -> str:
     return str(value) if isinstance(value, int) else "_".join(map(str, np.ravel(np.array(value, dtype=object))))
 
 
-def _helper(row: Fixed, runner: Runner, function: str, call: Any, want: np.ndarray) -> Result:
+def _helper(row: Fixed, runner: Runner, function: str, call: Any, arrays: tuple[Any, ...],
+            want: np.ndarray) -> Result:
     if missing(runner.module, (function,)):
         return Result(row, [], skipped=f"no {function}")
     try:
-        got = runner.module.to_numpy(call())
+        got = runner.module.to_numpy(runner.framework.stage(call)(*arrays))
     except Exception as error:
         return Result(row, [f"raised {type(error).__name__}: {error}"])
     if got.dtype != np.bool_ or got.shape != want.shape:
@@ -317,8 +326,10 @@ def rope(runner: Runner) -> list[Result]:
             results.append(Result(row, [], skipped="no apply_rope"))
             continue
         try:
-            got = module.to_numpy(module.apply_rope(module.asarray(x), _offset(module, positions), theta=theta,
-                                                    interleaved=interleaved))
+            turn = runner.framework.stage(  # staged as the operations are (JAX: traced, an int position static)
+                lambda x, *given, positions=positions, theta=theta, interleaved=interleaved: module.apply_rope(
+                    x, _given(positions, given), theta=theta, interleaved=interleaved))
+            got = module.to_numpy(turn(module.asarray(x), *_arrays(module, positions)))
         except Exception as error:
             results.append(Result(row, [f"raised {type(error).__name__}: {error}"]))
             continue
