@@ -81,17 +81,32 @@ def test_a_rule_needing_a_lacking_argument_says_so():
 def test_the_frameworks_command_prints_the_matrix_and_writes_json(tmp_path: pathlib.Path):
     path = tmp_path / "matrix.json"
     result = subprocess.run([sys.executable, "-m", "conformance", "frameworks", "--only", "torch_mha",
-                             "--markdown", "--max-examples", "1", "--jobs", "1", "--json", str(path)], cwd=ROOT,
+                             "--markdown", "--rules-only", "--jobs", "1", "--json", str(path)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     table = [line for line in result.stdout.splitlines() if line.startswith("|")]
     assert table[0] == "| rule | spec | nn.MultiheadAttention |"
-    assert len(table) == 2 + len(rules.RULES) + 1  # the header, its rule, the rules, the suite's row
+    assert len(table) == 2 + len(rules.RULES)  # the header, its rule, the rules (no suite's row: --rules-only)
     assert "| fully masked rows | zeros | NaN with need_weights=True; holds without |" in table
     found = json.loads(path.read_text())
     assert [column["title"] for column in found["columns"]] == ["nn.MultiheadAttention"]
-    assert found["columns"][0]["suite"]["passed"] and found["columns"][0]["cells"]["the suite"]["holds"] is True
-    assert set(found["versions"]) >= {"torch"}
+    assert found["columns"][0]["suite"] is None and set(found["versions"]) >= {"torch"}
+
+
+def test_the_suite_s_cell_counts_the_rows_or_names_the_failing_ones():
+    from conformance import matrix
+    from conformance.suite import Report, Row
+
+    def row(operation: str, check: str, passed: bool = True, skipped: str | None = None) -> Row:
+        return Row("m", operation, check, "float64", 1, 0.0, 0.0, passed, None, skipped)
+
+    passing = Report([row("sdpa", "values"), row("sdpa", "edge_cases"), row("mha", "-", skipped="no MHA")], 0,
+                     "fast", [])
+    assert matrix.suite_cell(passing) == rules.Cell(True, "2 rows pass, 1 skip")
+    failing = passing._replace(rows=[*passing.rows, row("mha", "edge_cases", False), row("sdpa", "values", False),
+                                     row("block", "gradients", False), row("sdpa", "errors", False)])
+    assert matrix.suite_cell(failing) == rules.Cell(False, "fails edge_cases (mha), errors (sdpa), gradients (block) "
+                                                           "and 1 more")
 
 
 @pytest.mark.slow  # imports every installed framework, compiles a few JAX programs
