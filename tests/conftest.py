@@ -1,7 +1,6 @@
 """Shared fixtures: each test that takes `backend` runs once per installed backend.
 
-XLA compiles the tests' tiny JAX programs for compile time, as the suite does (`_quick_jax_compiles`, and on
-the CPU jax_disable_most_optimizations, which reaches the operations a test runs eagerly too).
+XLA compiles the tests' tiny JAX programs for compile time, as the suite does (`_quick_jax_compiles`).
 
 JAX runs with 64-bit types enabled and "highest" matmul precision, as the conformance suite does, so
 float64 comparisons mean float64 on every backend; and with rank promotion raising and strict dtype
@@ -49,8 +48,6 @@ def pytest_configure(config: pytest.Config) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     jax.config.update("jax_numpy_rank_promotion", "raise")  # no implicit broadcasting by rank
     jax.config.update("jax_numpy_dtype_promotion", "strict")  # no implicit dtype promotion
-    if jax.default_backend() == "cpu":  # as the suite's quick_compiles: eager operations compiled for compile time
-        jax.config.update("jax_disable_most_optimizations", True)
 
 
 def import_backend(name: str) -> ModuleType:
