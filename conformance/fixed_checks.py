@@ -184,13 +184,15 @@ def _attempt(runner: Runner, row: Fixed, made: Any, need_weights: bool) -> Excep
 
 
 def _bad_call(runner: Runner, row: Fixed, case: Any, need_weights: bool) -> Any:
-    """`row`'s call, eager, with the arrays in the dtypes the row gives them (copies, through asarray)."""
+    """`row`'s call, eager (a pullback's staged), with the arrays in the dtypes the row gives them (copies,
+    through asarray)."""
     if row.stage == "init":
         return getattr(runner.module, OPERATIONS[row.operation].function)(**case)
     operation = operation_of(case)
     arrays, options = arrays_and_options(case)
-    if row.stage == "pullback":
-        return runner.call(operation.pullback, arrays | {"d_out": row.d_out}, None, None, eager=True, **options)
+    if row.stage == "pullback":  # staged (JAX: traced): the forward pass and the vjp are traced, not run, before
+        # the cotangent's check raises, which looks at shapes and dtypes alone
+        return runner.call(operation.pullback, arrays | {"d_out": row.d_out}, None, None, **options)
     return runner.call(operation.call, arrays, None, 0, eager=True, training=True, need_weights=need_weights,
                        **options)
 
