@@ -48,18 +48,21 @@ def _expected_implementations() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
-    """One run of the command line on tiny sizes: (stdout, the JSON rows)."""
-    path = tmp_path_factory.mktemp("compare") / "rows.json"
+def cli_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict], pathlib.Path]:
+    """One run of the command line on tiny sizes: (stdout, the JSON rows, the plot it drew, where matplotlib is
+    installed)."""
+    folder = tmp_path_factory.mktemp("compare")
+    plot = ["--plot", str(folder / "compare.png")] if _importable("matplotlib") else []
     result = subprocess.run([sys.executable, "-m", "conformance", "compare", "--sizes", "8,16", "--repeats", "2",
-                             "--json", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+                             "--json", str(folder / "rows.json"), *plot], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout, json.loads(path.read_text())["rows"]
+    return result.stdout, json.loads((folder / "rows.json").read_text())["rows"], folder / "compare.png"
 
 
 @pytest.mark.slow
-def test_compare_prints_a_row_for_every_available_implementation(cli_run: tuple[str, list[dict]]) -> None:
-    stdout, _ = cli_run
+def test_compare_prints_a_row_for_every_available_implementation(cli_run: tuple[str, list[dict], pathlib.Path]) -> None:
+    stdout, _, _ = cli_run
     printed = {tuple(re.split(r"\s{2,}", line.strip())[:4]) for line in stdout.splitlines()}
     for name in _expected_implementations():
         for operation in timing.OPERATIONS:
@@ -69,8 +72,8 @@ def test_compare_prints_a_row_for_every_available_implementation(cli_run: tuple[
 
 
 @pytest.mark.slow
-def test_json_rows_have_the_documented_keys(cli_run: tuple[str, list[dict]]) -> None:
-    _, rows = cli_run
+def test_json_rows_have_the_documented_keys(cli_run: tuple[str, list[dict], pathlib.Path]) -> None:
+    _, rows, _ = cli_run
     assert len(rows) == len(_expected_implementations()) * len(timing.OPERATIONS) * 2
     for row in rows:
         assert set(row) == ROW_KEYS
@@ -168,13 +171,9 @@ def test_progress_bar_is_drawn_on_stderr_only_where_it_is_a_terminal(
 
 
 @pytest.mark.slow
-def test_plot_writes_a_png(tmp_path: pathlib.Path) -> None:
+def test_plot_writes_a_png(cli_run: tuple[str, list[dict], pathlib.Path]) -> None:
     pytest.importorskip("matplotlib")
-    path = tmp_path / "compare.png"
-    code = main(["compare", "--sizes", "8,16", "--operations", "sdpa", "--repeats", "2", "--quiet",
-                 "--plot", str(path)])
-    assert code == 0
-    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert cli_run[2].read_bytes().startswith(b"\x89PNG\r\n\x1a\n")  # compare --plot, in the command's run
 
 
 def test_plot_without_matplotlib_says_what_to_install(monkeypatch: pytest.MonkeyPatch,

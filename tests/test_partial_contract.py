@@ -54,7 +54,7 @@ def test_every_feature_says_what_the_contract_asks_and_what_the_suite_does_witho
 
 
 def test_a_module_with_sdpa_alone_passes_it_and_skips_the_modules():
-    report = check(_module("sdpa_only"))
+    report = check(_module("sdpa_only"), max_examples=2)  # which rows run and which SKIP, not their strength
     assert report.passed, _failures(report)
     skipped = {row.operation: row.skipped for row in report.rows if row.check == "-"}
     assert skipped == {"mha": "no MultiHeadAttention", "block": "no TransformerBlock",
@@ -70,7 +70,8 @@ def test_a_module_with_none_of_the_operations_is_refused():
 
 
 def test_lacking_weights_skips_their_rows_and_compares_out_alone():
-    report = check(_module("no_weights", lacks=Declaration({"weights": "a fused kernel"})), operations=("sdpa",))
+    report = check(_module("no_weights", lacks=Declaration({"weights": "a fused kernel"})), operations=("sdpa",),
+                   max_examples=2)
     assert report.passed, _failures(report)
     reasons = {(row.check, row.dtype): row.skipped for row in report.rows if row.skipped}
     assert reasons[("weights_rows", "float64")] == reasons[("weights", "float32")] == "lacks weights: a fused kernel"
