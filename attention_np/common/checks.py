@@ -188,6 +188,34 @@ def probability(name: str, p: float) -> None:
         raise ValueError(f"{name} must be in [0, 1); got {p}")
 
 
+def tiles(block_q: object, block_k: object) -> None:
+    """flash_attention's tile sizes: positive integers (the last tile of each axis may be shorter)."""
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if not (isinstance(size, int | np.integer) and not isinstance(size, bool) and size > 0):
+            raise ValueError(f"{name} must be a positive integer; got {size!r}")
+
+
+def key_tiles(start: int, stop: int, S: int, block_k: int, *, is_causal: bool,
+              window: tuple[int | None, int | None] | None, q_offset: tuple[int, int],
+              key_lengths: int | None) -> range:
+    """The key tiles (indices t, keys t * block_k .. (t + 1) * block_k - 1) that the structure (is_causal,
+    window, q_offset, key_lengths) may leave visible to some query of rows start .. stop - 1; the others are
+    hidden for every query of the tile and are skipped. q_offset is (its least, its greatest) over the
+    batch, key_lengths the greatest (None: S). Query i stands at p_i = q_offset + i: causal keeps keys
+    j <= p_i, the window p_i - left <= j <= p_i + right, key_lengths j < key_lengths."""
+    first_p, last_p = q_offset[0] + start, q_offset[1] + stop - 1  # the tile's least and greatest position
+    lo, hi = 0, S if key_lengths is None else max(0, min(S, key_lengths))  # keys lo .. hi - 1
+    if is_causal:
+        hi = min(hi, last_p + 1)
+    if window is not None and window[1] is not None:
+        hi = min(hi, last_p + window[1] + 1)
+    if window is not None and window[0] is not None:
+        lo = max(lo, first_p - window[0])
+    if hi <= lo:
+        return range(0)
+    return range(lo // block_k, (hi - 1) // block_k + 1)
+
+
 def module_sizes(d_model: int, num_heads: int, d_ff: int | None = None) -> None:
     sizes = {"d_model": d_model, "num_heads": num_heads} | ({} if d_ff is None else {"d_ff": d_ff})
     for name, size in sizes.items():

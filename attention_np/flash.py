@@ -1,0 +1,358 @@
+"""Tiled attention with the online softmax (the FlashAttention-2 algorithm), forward and backward, in NumPy.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+The scores of one tile of queries against one tile of keys, (..., block_q, block_k), are the only
+scores that ever exist, so memory grows as L + S, not L * S.
+
+The forward pass: the online softmax. For a query row, after the key tiles 1..t,
+    m_t = max(m_{t-1}, rowmax(S_t))                      the running maximum of the visible scores
+    l_t = exp(m_{t-1} - m_t) l_{t-1} + rowsum(exp(S_t - m_t))        the running denominator
+    O_t = exp(m_{t-1} - m_t) O_{t-1} + exp(S_t - m_t) V_t            the running, unnormalised output
+and at the end out = O_T / l_T, lse = m_T + log(l_T). When the maximum grows, everything summed so far
+was exponentiated against the old maximum: multiplying by exp(m_{t-1} - m_t) moves it to the new one, so
+the result is exactly softmax(S) V, one tile at a time.
+
+The backward pass recomputes each tile's weights from the log-sum-exp, P = exp(S - lse), instead of keeping
+them. With D = rowsum(dO * O) (= rowsum(dP * P), since O = P V):
+    dV += P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ += dS K * scale,  dK += dS^T Q * scale.
+
+Tiles that the structure (is_causal, window, q_offset, key_lengths) hides from every query of a tile are
+never computed: causal attention does about half the work. Query tiles (forward) and key tiles (backward)
+run on a thread pool, since NumPy releases the GIL in matmul and exp.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from attention_np.common import checks
+
+from .functional import _dtypes, _grouped, _integers, _prepare
+from .gradients import _sum_to
+
+PARALLEL_WORK = 1 << 22  # query-key-width products (L * S * E over the batch) above which tiles run in threads
+
+
+def flash_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None = None,
+    *,
+    bias: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    q_offset: int | np.ndarray = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: np.ndarray | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    block_q: int = 128,
+    block_k: int = 128,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, tile by tile with the online softmax;
+    lse = log sum_j exp(scores_ij) over the visible keys j.
+
+    Args:
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
+            scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
+        block_q: queries per tile (the last tile may be shorter).
+        block_k: keys per tile (the last tile may be shorter).
+
+    Returns:
+        out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
+        are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key.
+    """
+    out, lse, _ = _forward(q, k, v, mask, bias, dict(
+        is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
+    return out, lse
+
+
+def flash_attention_vjp(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None = None,
+    *,
+    bias: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    q_offset: int | np.ndarray = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: np.ndarray | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    block_q: int = 128,
+    block_k: int = 128,
+) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """P = exp(S - lse) recomputed tile by tile,  D = rowsum(dO * O),  dV += P^T dO,  dP = dO V^T,
+    dS = P * (dP - D),  dQ += dS K * scale,  dK += dS^T Q * scale,  dbias = dS (with softcap, dQ and dK take
+    dR = dS * (1 - tanh^2(R / c)) in place of dS, as in scaled_dot_product_attention_vjp).
+
+    D replaces scaled_dot_product_attention_vjp's rowsum(dP * P), which needs a whole row of P: since
+    O = P V, rowsum(dP * P) = sum_j (dO . v_j) P_ij = dO . O, one number per query from (..., L, Ev) arrays.
+    Nothing of size L * S is kept between the passes: the forward keeps out and lse only.
+
+    Args:
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa, block_q,
+            block_k: as for flash_attention.
+
+    Returns:
+        out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
+        bias is None; each gradient has its input's shape and dtype.
+    """
+    out, lse, problem = _forward(q, k, v, mask, bias, dict(
+        is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
+
+    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        return _backward(problem, d_out, (q, k, v, bias))
+
+    return out, lse, pullback
+
+
+class _Problem(dict):
+    """One call's checked inputs in the working dtype (grouped with enable_gqa: q (..., Hkv, G, L, E), k and v
+    (..., Hkv, 1, S, *)), its structure and its tiles: what both passes read."""
+
+    __getattr__ = dict.__getitem__
+
+
+def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+             options: dict) -> _Problem:
+    """The checks of scaled_dot_product_attention, then the inputs as the tiles read them: mask and bias
+    broadcast views of (..., L, S), never copied; q_offset and key_lengths reduced to the Python ints that
+    choose the tiles (checks.key_tiles)."""
+    checks.tiles(options["block_q"], options["block_k"])
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else np.shape(bias)}
+    q_offset, key_lengths = options["q_offset"], options["key_lengths"]
+    if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
+        q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
+    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=checks.window(options["window"]),
+                     key_lengths=key_lengths)
+    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
+                                   softcap=options["softcap"], dropout_p=0.0, need_weights=False)
+    L, S = q.shape[-2], k.shape[-2]
+    shape = (*batch, L, S)  # the scores', never allocated
+    _check_masks(mask, bias, shape)
+    work = np.promote_types(q.dtype, np.float32)  # float16, bfloat16: in float32
+    q_offset = _integers(q_offset, "q_offset", batch)
+    key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch)
+    return _Problem(
+        q=q.astype(work, copy=False), k=k.astype(work, copy=False), v=v.astype(work, copy=False),
+        mask=None if mask is None else np.broadcast_to(mask, shape),
+        bias=None if bias is None else np.broadcast_to(np.asarray(bias, dtype=work), shape),
+        batch=batch, L=L, S=S, scale=scale, softcap=options["softcap"], work=work, empty=empty is not None,
+        structure=dict(structure, q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
+        block_q=options["block_q"], block_k=options["block_k"], grouped=options["enable_gqa"],
+        offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.size else (0, 0),
+        lengths=None if key_lengths is None or key_lengths.size == 0 else
+        (int(key_lengths.min()), int(key_lengths.max())))
+
+
+def _check_masks(mask: np.ndarray | None, bias: np.ndarray | None, shape: tuple) -> None:
+    """mask and bias broadcast to the scores' shape (..., L, S); a floating mask holds 0 and 1 only."""
+    for name, x in (("mask", mask), ("bias", bias)):
+        if x is not None:
+            checks.broadcasts_to(name, np.shape(x), shape, "..., L, S")
+    if mask is not None and np.issubdtype(np.asarray(mask).dtype, np.floating):
+        checks.binary_mask(True, bool(np.all((mask == 0) | (mask == 1))))
+
+
+def _query_tiles(p: _Problem) -> list[slice]:
+    return [slice(start, min(start + p.block_q, p.L)) for start in range(0, p.L, p.block_q)]
+
+
+def _key_tiles(p: _Problem, rows: slice) -> list[slice]:
+    """The key tiles that some query of `rows` may see (checks.key_tiles); the others are skipped."""
+    tiles = checks.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure["is_causal"],
+                             window=p.structure["window"], q_offset=p.offsets,
+                             key_lengths=None if p.lengths is None else p.lengths[1])
+    return [slice(t * p.block_k, min((t + 1) * p.block_k, p.S)) for t in tiles]
+
+
+def _forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+             options: dict) -> tuple[np.ndarray, np.ndarray, _Problem]:
+    """out and lse in the caller's shapes (heads ungrouped), and the problem, which keeps them grouped for the
+    backward pass."""
+    p = _problem(q, k, v, mask, bias, options)
+    p["out"] = np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work)  # (..., L, Ev)
+    p["lse"] = np.full((*p.batch, p.L), -np.inf, p.work)  # (..., L)
+
+    def query_tile(rows: slice) -> None:
+        p.out[..., rows, :], p.lse[..., rows] = _query_tile(p, rows)
+
+    if not p.empty:
+        _run(p, query_tile, _query_tiles(p))
+    return _heads(p, p.out, q.shape[:-2]).astype(q.dtype, copy=False), _heads(p, p.lse, q.shape[:-2]), p
+
+
+def _heads(p: _Problem, x: np.ndarray, heads: tuple) -> np.ndarray:
+    """(..., Hkv, G, L, *) -> (..., H, L, *) with enable_gqa (x itself otherwise), `heads` q's leading axes."""
+    if not p.grouped:
+        return x
+    trailing = x.shape[len(p.batch):]  # (L, Ev) or (L,)
+    return x.reshape(*p.batch[:-2], p.batch[-2] * p.batch[-1], *trailing)
+
+
+def _query_tile(p: _Problem, rows: slice) -> tuple[np.ndarray, np.ndarray]:
+    """out (..., block_q, Ev) and lse (..., block_q) of the queries `rows`: the online softmax over the key
+    tiles the structure leaves visible to them."""
+    q = p.q[..., rows, :] * p.scale  # the scale folded into q: (..., block_q, E)
+    m = np.full((*p.batch, rows.stop - rows.start, 1), -np.inf, p.work)  # running maximum (..., block_q, 1)
+    l = np.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
+    acc = np.zeros((*p.batch, rows.stop - rows.start, p.v.shape[-1]), p.work)  # running output (..., block_q, Ev)
+    for cols in _key_tiles(p, rows):
+        scores, visible, _ = _scores(p, q, rows, cols)  # (..., block_q, block_k), -inf where hidden
+        # 1) the new running maximum; where nothing is seen yet (the maximum -inf) the shift is 0
+        m_new = np.maximum(m, np.max(scores, axis=-1, keepdims=True))
+        shift = m_new if visible is None else np.where(m_new == -np.inf, 0, m_new)
+        # 2) what was summed against the old maximum, moved to the new one: exp(m - m_new)
+        rescale = np.exp(m - shift)  # (..., block_q, 1); 0 on the first tile a row sees
+        weights = np.exp(np.subtract(scores, shift, out=scores), out=scores)  # unnormalised; hidden: exp(-inf) = 0
+        l = l * rescale + np.sum(weights, axis=-1, keepdims=True)  # noqa: E741
+        acc = acc * rescale + weights @ p.v[..., cols, :]  # (..., block_q, block_k) x (..., block_k, Ev)
+        m = m_new
+    # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
+    seen = l != 0
+    out = acc / np.where(seen, l, 1)  # (..., block_q, Ev)
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, m + np.log(l), -np.inf)  # (..., block_q, 1)
+    return out, lse[..., 0]
+
+
+def _scores(p: _Problem, q: np.ndarray, rows: slice,
+            cols: slice) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The tile's scores softcap(q k^T) + bias, q already scaled, (..., block_q, block_k), -inf where hidden;
+    where they are visible (None: everywhere); and with softcap, tanh(raw / softcap) (for the backward)."""
+    raw = q @ np.swapaxes(p.k[..., cols, :], -1, -2)  # (..., block_q, E) x (..., E, block_k)
+    scores = np.array(np.broadcast_to(raw, (*p.batch, *raw.shape[-2:])))  # own axes, writable
+    tanh = None
+    if p.softcap is not None:  # softcap * tanh(raw / softcap), before the bias and the masks
+        tanh = np.tanh(scores / p.softcap)
+        scores = np.multiply(tanh, p.softcap, out=scores)
+    if p.bias is not None:
+        scores += p.bias[..., rows, cols]
+    visible = _tile_visible(p, rows, cols)
+    if visible is not None:
+        np.copyto(scores, -np.inf, where=~visible)
+    return scores, visible, tanh
+
+
+def _tile_visible(p: _Problem, rows: slice, cols: slice) -> np.ndarray | None:
+    """Where the tile's queries see its keys, broadcasting to (..., block_q, block_k): the mask and bias
+    tiles, and the structure's rules from the positions p_i = q_offset + i and j; None where nothing in the
+    tile hides a key (no array is built then)."""
+    visible = None
+    if p.mask is not None:
+        visible = p.mask[..., rows, cols] != 0
+    if p.bias is not None:
+        visible = _and(visible, p.bias[..., rows, cols] != -np.inf)
+    structure, (least, greatest) = p.structure, p.offsets
+    first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
+    left, right = structure["window"] or (None, None)
+    position = structure["q_offset"][..., None, None] + np.arange(rows.start, rows.stop)[:, None]  # (..., bq, 1)
+    j = np.arange(cols.start, cols.stop)  # (block_k,)
+    if structure["is_causal"] and cols.stop - 1 > first:  # some key after some query
+        visible = _and(visible, j <= position)
+    if right is not None and cols.stop - 1 > first + right:
+        visible = _and(visible, j <= position + right)
+    if left is not None and cols.start < last - left:
+        visible = _and(visible, j >= position - left)
+    if p.lengths is not None and cols.stop > p.lengths[0]:
+        visible = _and(visible, j < structure["key_lengths"][..., None, None])
+    return visible
+
+
+def _and(visible: np.ndarray | None, rule: np.ndarray) -> np.ndarray:
+    return rule if visible is None else visible & rule
+
+
+def _run(p: _Problem, task: Callable[[Any], None], items: Iterable[Any]) -> None:
+    """task(item) for every item: on a thread pool of one thread per core where the problem is large enough
+    to pay for it (NumPy releases the GIL in matmul and exp), else in turn."""
+    items = list(items)
+    workers = min(os.cpu_count() or 1, len(items))
+    if workers <= 1 or int(np.prod(p.batch)) * p.L * p.S * p.q.shape[-1] < PARALLEL_WORK:
+        for item in items:
+            task(item)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in pool.map(task, items):  # re-raises a task's exception
+            pass
+
+
+def _backward(p: _Problem, d_out: np.ndarray,
+              inputs: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The pullback: the key tiles shared out among the workers, each one's dK, dV (and dbias) tiles its own,
+    and each worker its own dQ, summed at the end."""
+    q_in, k_in, v_in, bias_in = inputs
+    d_out = d_out.astype(p.work, copy=False).reshape(p.out.shape)  # grouped like out (..., L, Ev)
+    dq = np.zeros((*p.batch, p.L, p.q.shape[-1]), p.work)  # (..., L, E)
+    dk = np.zeros((*p.batch, p.S, p.k.shape[-1]), p.work)  # (..., S, E)
+    dv = np.zeros((*p.batch, p.S, p.v.shape[-1]), p.work)  # (..., S, Ev)
+    dbias = None if p.bias is None else np.zeros((*p.batch, p.L, p.S), p.work)  # the bias's size: given
+    D = np.sum(d_out * p.out, axis=-1, keepdims=True)  # rowsum(dO * O) = rowsum(dP * P), (..., L, 1)
+    lse = np.where(p.lse == -np.inf, np.inf, p.lse)[..., None]  # a query that sees nothing: P = exp(-inf) = 0
+    pairs: dict[tuple[int, int], list[slice]] = {}  # key tile -> the query tiles that may see it
+    for rows in ([] if p.empty else _query_tiles(p)):
+        for cols in _key_tiles(p, rows):
+            pairs.setdefault((cols.start, cols.stop), []).append(rows)
+    key_tiles = list(pairs.items())
+    workers = max(1, min(os.cpu_count() or 1, len(key_tiles)))
+    dqs = [dq] + [np.zeros_like(dq) for _ in range(workers - 1)]
+
+    def worker(w: int) -> None:
+        for (start, stop), query_tiles in key_tiles[w::workers]:  # every workers-th key tile: balanced
+            _key_tile(p, slice(start, stop), query_tiles, d_out, D, lse, dqs[w], dk, dv, dbias)
+
+    _run(p, worker, range(workers))
+    dq = sum(dqs[1:], dqs[0])
+    grouped = (p.q.shape, p.k.shape, p.v.shape)
+    grads = [_sum_to(d, shape).reshape(p.shapes[name]).astype(x.dtype, copy=False)
+             for d, shape, name, x in zip((dq, dk, dv), grouped, "qkv", (q_in, k_in, v_in), strict=True)]
+    if dbias is not None:
+        bias_grouped = np.shape(bias_in) if not p.grouped else _grouped_bias_shape(p)
+        dbias = _sum_to(dbias, bias_grouped).reshape(p.shapes["bias"]).astype(np.asarray(bias_in).dtype)
+    return (*grads, dbias)
+
+
+def _key_tile(p: _Problem, cols: slice, query_tiles: list[slice], d_out: np.ndarray, D: np.ndarray,
+              lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, dbias: np.ndarray | None) -> None:
+    """One key tile's dK and dV, and its share of dQ, from every query tile that may see it."""
+    k, v = p.k[..., cols, :], p.v[..., cols, :]  # (..., block_k, E), (..., block_k, Ev)
+    for rows in query_tiles:
+        q = p.q[..., rows, :] * p.scale  # (..., block_q, E)
+        scores, _, tanh = _scores(p, q, rows, cols)
+        # 1) the weights again, from the log-sum-exp: P = exp(S - lse), 0 where hidden
+        weights = np.exp(np.subtract(scores, lse[..., rows, :], out=scores), out=scores)  # (..., bq, bk)
+        d_o = d_out[..., rows, :]  # (..., block_q, Ev)
+        # 2) through the value product and the softmax
+        dv[..., cols, :] += np.swapaxes(weights, -1, -2) @ d_o  # (..., bk, bq) x (..., bq, Ev) -> (..., bk, Ev)
+        d_weights = d_o @ np.swapaxes(v, -1, -2)  # (..., bq, Ev) x (..., Ev, bk) -> (..., bq, bk)
+        d_scores = weights * (d_weights - D[..., rows, :])  # dS = P * (dP - D)
+        if dbias is not None:
+            dbias[..., rows, cols] = d_scores
+        # 3) through the soft-capping, then the raw scores R = (Q * scale) K^T
+        if tanh is not None:
+            d_scores = d_scores * (1 - tanh**2)
+        dq[..., rows, :] += d_scores @ k * p.scale  # (..., bq, bk) x (..., bk, E) -> (..., bq, E)
+        dk[..., cols, :] += np.swapaxes(d_scores, -1, -2) @ q  # q holds the scale: (..., bk, bq) x (..., bq, E)
+
+
+def _grouped_bias_shape(p: _Problem) -> tuple:
+    """The bias's shape after functional._grouped split its head axis (or the same, with none to split)."""
+    shape = p.shapes["bias"]
+    if len(shape) <= 2:
+        return shape
+    H, Hkv = p.batch[-2] * p.batch[-1], p.batch[-2]
+    return checks.grouped_shape(shape, H, Hkv, 2)
