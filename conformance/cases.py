@@ -42,6 +42,31 @@ class SdpaCase(NamedTuple):
     enable_gqa: bool = False  # q (..., H, L, E), k and v (..., Hkv, S, *): query head h uses head h // (H / Hkv)
 
 
+class FlashCase(NamedTuple):
+    """Inputs of flash_attention: an SdpaCase's (never dropout) and the tile sizes."""
+
+    q: np.ndarray  # (..., L, E)
+    k: np.ndarray  # (..., S, E)
+    v: np.ndarray  # (..., S, Ev)
+    mask: np.ndarray | None  # as SdpaCase
+    bias: np.ndarray | None
+    is_causal: bool
+    scale: float | None
+    dropout: float = 0.0  # always 0: flash_attention has no dropout (the field keeps SdpaCase's layout)
+    q_offset: int | np.ndarray = 0
+    window: tuple[int | None, int | None] | None = None
+    key_lengths: np.ndarray | None = None
+    softcap: float | None = None
+    enable_gqa: bool = False
+    block_q: int = 128  # queries per tile
+    block_k: int = 128  # keys per tile
+
+
+def tiled(case: SdpaCase, block_q: int, block_k: int) -> FlashCase:
+    """An sdpa case as a flash_attention case with these tiles (without its dropout)."""
+    return FlashCase(*case._replace(dropout=0.0), block_q=block_q, block_k=block_k)
+
+
 class MhaCase(NamedTuple):
     """A MultiHeadAttention (from_state_dict) and its inputs; value checks run it in eval mode."""
 
@@ -95,7 +120,7 @@ class DecodeCase(NamedTuple):
     rope_theta: float | None = None  # the queries and keys turned at their positions in the whole sequence
 
 
-Case = SdpaCase | MhaCase | BlockCase | DecodeCase
+Case = SdpaCase | FlashCase | MhaCase | BlockCase | DecodeCase
 
 
 # --- parameters --------------------------------------------------------------------------------------------
@@ -215,11 +240,11 @@ def random_mask(*shape: int, seed: int = 3) -> np.ndarray:
 
 class Rule(NamedTuple):
     """A hand-derived requirement on `out` or `weights` (not checked on the fast path's None weights) at
-    `index` (NumPy indexing; () is the whole array): `kind` is "zero" or "one" (exactly), "finite", "nan",
-    "sums_to_one" (each row, to 1e-12), "only_nan" / "only_nan_or_inf" (there NaN, or NaN or inf, and finite
-    everywhere else), "equals" (`value(case)` broadcast, to 1e-15) or "shape" (`value` the shape)."""
+    `index` (NumPy indexing; () is the whole array): `kind` is "zero", "one" or "minus_inf" (exactly),
+    "finite", "nan", "sums_to_one" (each row, to 1e-12), "only_nan" / "only_nan_or_inf" (there NaN, or NaN or
+    inf, and finite everywhere else), "equals" (`value(case)` broadcast, to 1e-15) or "shape" (`value` the shape)."""
 
-    name: str  # "out" or "weights"
+    name: str  # "out", or the second result: "weights" (flash_attention: "lse")
     kind: str
     index: Any = ()
     value: Any = None
@@ -255,12 +280,13 @@ _KINDS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "zero": lambda y: y == 0,
     "one": lambda y: y == 1,
     "finite": np.isfinite,
+    "minus_inf": lambda y: y == -np.inf,
     "nan": np.isnan,
     "sums_to_one": lambda y: np.abs(y.sum(axis=-1) - 1) <= 1e-12,
 }
 
 
-def per_query_head(case: SdpaCase) -> tuple[np.ndarray, np.ndarray]:
+def per_query_head(case: SdpaCase | FlashCase) -> tuple[np.ndarray, np.ndarray]:
     """k and v as each query head sees them: with enable_gqa, key/value head h // G for query head h,
     (..., Hkv, S, *) -> (..., H, S, *), G = H / Hkv; else k and v as they are."""
     if not case.enable_gqa:

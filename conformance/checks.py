@@ -259,6 +259,22 @@ def against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]
     return {"values": values, "fast_path": fast, "weights_rows": rows}
 
 
+def tiled_against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
+    """values: flash_attention's out against the oracle's attention, as against_oracle's (below float64 to
+    LOW_PRECISION_FACTOR times what the oracle loses);
+    lse: its log-sum-exp per query against the oracle's, in the dtype the scores are computed in (float32 for
+    float16 and bfloat16 inputs), -inf exactly where a query sees no key.
+    What the module's declaration leaves unspecified is not compared (`specified`)."""
+    case = rounded(case, dtype)
+    reference = expected(case)
+    tolerance = _low_precision_tolerance(case, dtype, reference)
+    (out, lse), (expected_out, expected_lse) = (specified(runner, case, pair)
+                                                for pair in (runner.run(case, dtype), reference))
+    work = "float64" if dtype == "float64" else "float32"  # the scores' dtype (SPEC 2)
+    return {"values": compare("out", out, expected_out, dtype)._replace(tolerance=tolerance),
+            "lse": compare("lse", lse, expected_lse.astype(work), work)}
+
+
 def _low_precision_tolerance(case: Case, dtype: str, reference: Pair) -> float:
     """LOW_PRECISION_FACTOR times what the oracle itself loses computing `case` in `dtype` (0 in float64); in
     float16 and bfloat16 the larger loss of its two ways to round a Linear, both conformant."""

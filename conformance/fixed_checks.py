@@ -86,10 +86,12 @@ def run_edge(runner: Runner, row: Fixed) -> Result:
     case = without_dropout(row.build(), runner.declaration)  # eval mode: a configured dropout does nothing
     if why := runner.declaration.reason("float64", *features_used(case)):
         return Result(row, [], skipped=why)
-    has_weights = "weights" not in runner.declaration
+    second = operation_of(case).second  # "weights", or flash_attention's "lse", which every path returns
+    has_weights = second == "lse" or "weights" not in runner.declaration
     with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf are the point of some cases
         expected_out, expected_weights = expected(case)
-    blind = np.all(expected_weights == 0, axis=-1)  # (..., rows): queries that see no key (the oracle's zeros)
+    blind = np.isneginf(expected_weights) if second == "lse" else np.all(expected_weights == 0, axis=-1)
+    # (..., rows): the queries that see no key (the oracle's zeros, or its lse -inf)
     blind_out = blind if blind.shape == expected_out.shape[:-1] else None  # sdpa: out rows are the queries'
     # (MHA and the block mix the heads, so a blind query's out row is not zero there)
     problems = []
@@ -102,12 +104,16 @@ def run_edge(runner: Runner, row: Fixed) -> Result:
             problems.append(f"{path} raised {type(error).__name__}: {error}")
             continue
         found = [compare("out", out, expected_out, blind_rows=blind_out)]
-        if need_weights and has_weights:
+        if second == "lse":
+            found.append(compare("lse", weights, expected_weights))
+        elif need_weights and has_weights:
             found.append(compare("weights", weights, expected_weights, blind_rows=blind, nan_rows_may_fill=True))
         elif weights is not None and has_weights:
             found.append("weights is not None")
         found += [rule.problem(case, out, weights if has_weights else None) for rule in row.rules]
         problems += [f"{path}: {problem}" for problem in found if problem]
+        if second == "lse":  # one path: need_weights changes nothing
+            break
     return Result(row, problems)
 
 

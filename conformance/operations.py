@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import oracle
-from .cases import BlockCase, Case, DecodeCase, MhaCase, SdpaCase, block_case, per_query_head
+from .cases import BlockCase, Case, DecodeCase, FlashCase, MhaCase, SdpaCase, block_case, per_query_head
 from .features import Declaration
 
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
@@ -58,6 +58,8 @@ class Operation(NamedTuple):
     blind: Callable[[Any], tuple[np.ndarray, np.ndarray] | None]  # the case -> (out rows, weights rows) where a
     # query sees no key ((..., L) and (..., [H,] L)), or None where every query sees one
     pair: Callable[[Any], Pair] = lambda result: result  # the call's result, as NumPy arrays -> (out, weights)
+    second: str = "weights"  # what the second result is: the weights, or flash_attention's "lse" (..., L), the
+    # same on every path (-inf where a query sees no key)
 
 
 def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -254,7 +256,7 @@ def _sdpa_dropout_probe(case: SdpaCase) -> Probe:
 
 def _batch(case: SdpaCase | MhaCase) -> tuple[int, ...]:
     """The leading axes of the scores (..., H with enable_gqa)."""
-    k, v = per_query_head(case) if isinstance(case, SdpaCase) else (case.k, case.v)
+    k, v = per_query_head(case) if isinstance(case, SdpaCase | FlashCase) else (case.k, case.v)
     return np.broadcast_shapes(case.q.shape[:-2], k.shape[:-2], v.shape[:-2])
 
 
@@ -263,6 +265,43 @@ def _dropped(outputs: dict[str, np.ndarray], kept: float) -> dict[str, np.ndarra
     dropped = {site: out == 0 for site, out in outputs.items()}
     ok = all(np.all(dropped[site] | (np.abs(out - kept) <= 1e-4 * kept)) for site, out in outputs.items())
     return dropped if ok else None
+
+
+# --- tiled attention (flash_attention) ---------------------------------------------------------------------
+
+def _flash_oracle(case: FlashCase, precision: str, fused_bias: bool) -> Pair:
+    """sdpa's out, and each row's log-sum-exp in place of the weights."""
+    return oracle.log_sum_exp(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
+                              scale=case.scale, q_offset=case.q_offset, window=case.window,
+                              key_lengths=case.key_lengths, softcap=case.softcap, enable_gqa=case.enable_gqa,
+                              dtype=precision)
+
+
+def _flash_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
+                dropout: float, block_q: int, block_k: int, **options: Any) -> Any:
+    """(out, lse): flash_attention has no dropout and one path, so training and need_weights change nothing. A
+    bias, like the keywords of SPEC 2a, is passed only where the case has one (a kernel may lack it)."""
+    options, keywords = _flash_keywords(arrays, options)
+    return module.flash_attention(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], block_q=block_q,
+                                  block_k=block_k, **options, **keywords)
+
+
+def _flash_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, block_q: int, block_k: int,
+                    **options: Any) -> dict:
+    options, keywords = _flash_keywords(arrays, options)
+    _, _, pullback = module.flash_attention_vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
+                                                block_q=block_q, block_k=block_k, **options, **keywords)
+    return dict(zip(("q", "k", "v", "bias"), pullback(arrays["d_out"]), strict=True))
+
+
+def _flash_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
+    """As _sdpa_keywords, with the bias among the keywords passed only where given."""
+    options, keywords = _sdpa_keywords(arrays, options)
+    return options, keywords | ({} if arrays["bias"] is None else {"bias": arrays["bias"]})
+
+
+def _flash_leave_out(case: FlashCase, declaration: Declaration) -> FlashCase:
+    return _sdpa_leave_out(case, declaration)
 
 
 # --- multi-head attention ----------------------------------------------------------------------------------
@@ -497,6 +536,11 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
               ("q", "k", "v", "bias"), "sdpa_cases", _sdpa_oracle, _sdpa_call, "scaled_dot_product_attention_vjp",
               _sdpa_pullback, _sdpa_visible, _sdpa_dropout_sigma, lambda case: True, _sdpa_dropout_probe,
               _sdpa_uses, _sdpa_leave_out, _sdpa_blind),
+    Operation("flash", "flash_attention", FlashCase,
+              ("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "block_q", "block_k"),
+              ("q", "k", "v"), ("q", "k", "v", "bias"), "flash_cases", _flash_oracle, _flash_call,
+              "flash_attention_vjp", _flash_pullback, _sdpa_visible, None, lambda case: False, None, _sdpa_uses,
+              _flash_leave_out, _sdpa_blind, second="lse"),
     Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta"),
               ("q", "k", "v"),
               ("q", "k", "v", "state"), "mha_cases", _mha_oracle, _mha_call, "MultiHeadAttention.vjp",

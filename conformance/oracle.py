@@ -68,6 +68,48 @@ def sdpa(
     Returns:
         out (..., L, Ev) and weights (..., L, S), in `dtype`. A query with no visible key gets zeros in both.
     """
+    out, weights, _ = _rows(q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap,
+                            enable_gqa, dtype)
+    return out, weights
+
+
+def log_sum_exp(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    bias: ArrayLike | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    q_offset: int | ArrayLike = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: ArrayLike | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    dtype: DTypeLike = np.float64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """sdpa's out, and lse_i = log sum_j exp(logits_ij) over the keys query i sees (flash_attention's second
+    result): m_i + log sum_j exp(logits_ij - m_i), m_i their maximum; -inf where it sees none.
+
+    Args:
+        as for sdpa.
+
+    Returns:
+        out (..., L, Ev) in `dtype` and lse (..., L) in the dtype the scores are computed in (float32 for
+        float16 and bfloat16).
+    """
+    out, _, lse = _rows(q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap,
+                        enable_gqa, dtype)
+    return out, lse.astype(_work(dtype))
+
+
+def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias: ArrayLike | None,
+          is_causal: bool, scale: float | None, q_offset: int | ArrayLike,
+          window: tuple[int | None, int | None] | None, key_lengths: ArrayLike | None, softcap: float | None,
+          enable_gqa: bool, dtype: DTypeLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """sdpa's out and weights in `dtype`, and each row's log-sum-exp in the scores' dtype: one query row
+    at a time."""
     q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
     if enable_gqa:  # each query head gets its own copy of the key/value head it reads
         group = q.shape[-3] // k.shape[-3]
@@ -86,12 +128,16 @@ def sdpa(
     lengths = np.broadcast_to(np.asarray(S if key_lengths is None else key_lengths), batch)
 
     out, weights = np.zeros((*batch, L, Ev), _work(dtype)), np.zeros((*batch, L, S), _work(dtype))
+    lse = np.full((*batch, L), -np.inf, _work(dtype))  # a query that sees no key: log 0
     for b in np.ndindex(*batch):
         for i in range(L):
             position = int(offsets[b]) + i  # p_i; key j's position is j
             keys = _visible_keys(position, mask[(*b, i)], bias[(*b, i)], is_causal, window, int(lengths[b]))
             out[(*b, i)], weights[(*b, i)] = _attend(q[(*b, i)], k[b], v[b], keys, bias[(*b, i)], scale, softcap)
-    return out.astype(dtype), weights.astype(dtype)  # half precision: computed in float32, stored in dtype
+            if len(keys):
+                logits = _logits(q[(*b, i)], k[b], keys, bias[(*b, i)], scale, softcap)
+                lse[(*b, i)] = np.max(logits) + np.log(np.sum(np.exp(logits - np.max(logits))))
+    return out.astype(dtype), weights.astype(dtype), lse  # half precision: computed in float32, stored in dtype
 
 
 def multi_head_attention(
@@ -295,13 +341,19 @@ def _attend(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, bia
     out_i, weights_i = np.zeros(v.shape[-1], v.dtype), np.zeros(k.shape[-2], v.dtype)  # (Ev,), (S,)
     if not len(keys):  # the spec's rule: a query with no visible key gets zeros, never 0 / 0 = NaN
         return out_i, weights_i
-    raw = k[keys] @ q_i * scale  # (visible, E) x (E,) -> (visible,)
-    if softcap is not None:  # capped before the bias (Gemma 2), so the bias still decides what is hidden
-        raw = (softcap * np.tanh(raw / softcap)).astype(raw.dtype)
-    logits = raw + bias_row[keys]  # (visible,)
+    logits = _logits(q_i, k, keys, bias_row, scale, softcap)  # (visible,)
     exp = np.exp(logits - np.max(logits))  # subtracting the max changes nothing but keeps exp finite
     weights_i[keys] = exp / np.sum(exp)
     return weights_i[keys] @ v[keys], weights_i  # (visible,) x (visible, Ev) -> (Ev,)
+
+
+def _logits(q_i: np.ndarray, k: np.ndarray, keys: np.ndarray, bias_row: np.ndarray, scale: float,
+            softcap: float | None) -> np.ndarray:
+    """cap(q_i . k_j * scale) + bias_ij for the visible keys j, (visible,)."""
+    raw = k[keys] @ q_i * scale  # (visible, E) x (E,) -> (visible,)
+    if softcap is not None:  # capped before the bias (Gemma 2), so the bias still decides what is hidden
+        raw = (softcap * np.tanh(raw / softcap)).astype(raw.dtype)
+    return raw + bias_row[keys]
 
 
 def _linear(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, dtype: DTypeLike,

@@ -27,7 +27,20 @@ from typing import Any, NamedTuple
 import numpy as np
 from hypothesis import strategies as st
 
-from .cases import LARGE, SMALL, Batch, BlockCase, DecodeCase, MhaCase, SdpaCase, State, block_state, mha_state
+from .cases import (
+    LARGE,
+    SMALL,
+    Batch,
+    BlockCase,
+    DecodeCase,
+    FlashCase,
+    MhaCase,
+    SdpaCase,
+    State,
+    block_state,
+    mha_state,
+    tiled,
+)
 
 BATCH_SHAPES: tuple[Batch, ...] = ((), (2,), (2, 3))
 LENGTHS = (1, 2, 3, 4, 5)  # L and S, most draws
@@ -59,6 +72,7 @@ OFFSET_FORMS = ("zero", "int", "array")  # q_offset: the default, a Python int (
 WINDOW_SIDES = (None, 0, 1, 3)  # each side of a window: unbounded, the query's own key, one, three
 SOFTCAPS = (0.5, 1.0, 5.0, 50.0)  # 0.5 and 1 saturate ordinary logits; 50 barely touches them
 GROUPED = (False, True)  # about one positioned sdpa case in two uses enable_gqa
+TILE_SIZES = (1, 2, 3, 4, 5, 6, 7)  # block_q and block_k of a flash case: short sequences cross their boundaries
 QUERY_HEADS = (2, 4)  # H of an enable_gqa case; its key/value heads Hkv are 1, H / 2 or H
 
 SEEDS = st.integers(0, 2**32 - 1)
@@ -386,6 +400,14 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
         bias_ = _finite_where_visible(bias_, mask_)
     extra = draw(positions(batch, L, S)) if positioned else Positions()
     return SdpaCase(q, k, v, mask_, bias_, is_causal, scale, 0.0, *extra, enable_gqa=grouped)
+
+
+@st.composite
+def flash_cases(draw: Callable, *, magnitude: str | None = None, key_offset: bool = False) -> FlashCase:
+    """An sdpa case (no dropout; the keywords of SPEC 2a in one draw of two, grouped heads in half of those)
+    in tiles of 1 to 7 queries and 1 to 7 keys, drawn apart, so L and S are seldom multiples of them."""
+    case = draw(sdpa_cases(magnitude=magnitude, key_offset=key_offset, positioned=draw(st.booleans())))
+    return tiled(case, draw(st.sampled_from(TILE_SIZES)), draw(st.sampled_from(TILE_SIZES)))
 
 
 # --- parameters --------------------------------------------------------------------------------------------

@@ -61,6 +61,9 @@ GROUPS = (
     Group("sdpa", checks.dropout, FLOAT32, 5, {"long": False}, needs=("dropout",)),
     Group("sdpa", checks.dropout_independence, FLOAT32, 3, {"long": False}, needs=("dropout",)),
     Group("sdpa", gradient_checks.gradients, FLOAT64, 8, pinned=True, gradient=True),
+    Group("flash", checks.tiled_against_oracle, BOTH, 16, pinned=True),
+    Group("flash", checks.tiled_against_oracle, HALF, 4, {"magnitude": "normal", "key_offset": True}),
+    Group("flash", gradient_checks.gradients, FLOAT64, 6, pinned=True, gradient=True),
     Group("mha", checks.against_oracle, BOTH, 20, pinned=True),
     Group("mha", checks.against_oracle, HALF, 4),
     Group("mha", checks.mha_permutation, FLOAT64, 8, {"cross": True, "rope": False}),  # RoPE: positions matter
@@ -82,6 +85,7 @@ GROUPS = (
 # (the module raised) and "deterministic" come from any group
 MEASURES: dict[Callable, tuple[str, ...]] = {
     checks.against_oracle: ("values", "fast_path", "weights_rows"),
+    checks.tiled_against_oracle: ("values", "lse"),
     checks.sdpa_permutation: ("permutation",), checks.mha_permutation: ("permutation",),
     checks.block_permutation: ("permutation",),
     checks.sdpa_causal_prefix: ("causal_prefix",), checks.block_causal_prefix: ("causal_prefix",),

@@ -35,6 +35,7 @@ from .cases import (
     normal,
     random_mask,
     sdpa_case,
+    tiled,
     w_o_bias,
 )
 
@@ -631,7 +632,62 @@ def _decode_rows() -> list[Fixed]:
     ]
 
 
-TABLE: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _mha_examples() + _mha_edges()
+# --- tiled attention (flash_attention) ---------------------------------------------------------------------
+
+TILES = (2, 3)  # block_q, block_k of the rows taken over from sdpa: every tile boundary of their short sequences
+
+
+def _as_tiled(row: Fixed, block_q: int = TILES[0], block_k: int = TILES[1]) -> Fixed:
+    """An sdpa row as a flash_attention row: the same case in tiles, its rules on out alone (the second
+    result is the log-sum-exp; the oracle's -inf marks the queries that see no key)."""
+    rules = tuple(rule for rule in row.rules if rule.name == "out")
+    return row._replace(operation="flash", build=lambda: tiled(row.build(), block_q, block_k), rules=rules)
+
+
+def _flash_rows() -> list[Fixed]:
+    """SPEC 2c: every sdpa example, edge case and error (dropout's aside) in tiles of 2 queries and 3 keys, and
+    the rows of the tiles themselves."""
+    sdpa = [*_sdpa_examples(), *_sdpa_edges(), *_sdpa_errors()]
+    causal = changed(np.ones((9, 11), bool), (ALL, 4), False)  # key 4 hidden from every query
+    return [
+        *(_as_tiled(row) for row in sdpa if "dropout" not in row.name),
+        example("flash", "tiles_of_one", lambda: tiled(sdpa_case((2,), 4, 5, is_causal=True), 1, 1),
+                "one query against one key per tile: the online softmax rescaled at every key"),
+        example("flash", "one_tile_larger_than_the_sequence", lambda: tiled(sdpa_case((2,), 3, 4), 128, 128),
+                "the default tiles on L = 3, S = 4: one partial tile each way"),
+        example("flash", "last_tiles_partial", lambda: tiled(sdpa_case((2,), 7, 11, bias=normal(7, 11)), 4, 4),
+                "L = 7, S = 11 in tiles of 4: the last query tile holds 3 rows, the last key tile 3 keys"),
+        example("flash", "causal_skips_tiles", lambda: tiled(sdpa_case((), 9, 11, is_causal=True, q_offset=2,
+                                                                       mask=causal), 2, 3),
+                "causal with q_offset 2 in tiles of 2 x 3: the tiles above the diagonal are skipped, those it "
+                "crosses computed in part"),
+        example("flash", "window_skips_tiles_both_sides", lambda: tiled(sdpa_case(
+            (2,), 12, 12, window=(2, 1), q_offset=np.array([0, 3])), 3, 2),
+            "window (2, 1), offsets [0, 3]: the tiles outside every sequence's band skipped, the band's edges "
+            "partly hidden"),
+        example("flash", "key_lengths_end_mid_tile", lambda: tiled(sdpa_case(
+            (2,), 5, 10, key_lengths=np.array([7, 0])), 2, 4),
+            "key_lengths [7, 0] in key tiles of 4: the second tile half hidden, the third skipped; sequence 1 "
+            "sees no key"),
+        example("flash", "running_maximum_grows_late", lambda: tiled(sdpa_case(
+            (), 2, 9, q=np.ones((2, 1)), k=np.arange(9.0)[:, None], scale=3.0), 2, 2),
+            "scores 0, 3, .., 24 in key order: each tile raises the running maximum, so every earlier sum is "
+            "rescaled (by exp(-6) per tile)"),
+        edge("flash", "lse_of_fully_masked_rows", lambda: tiled(sdpa_case(
+            mask=changed(changed(random_mask(2, 3, 4), (0, 0), False), (1, 2), False)), 2, 3),
+            "rows (0, 0) and (1, 2) see no key: out rows exactly 0 and lse -inf; the others as the oracle",
+            *(Rule(name, kind, row) for name, kind in (("out", "zero"), ("lse", "minus_inf"))
+              for row in ((0, 0), (1, 2)))),
+        edge("flash", "lse_of_one_key", lambda: tiled(sdpa_case(S=1, bias=np.full((3, 1), 0.7), scale=0.0), 2, 3),
+             "S = 1, scale 0, bias 0.7: the one score is 0.7, so lse = log(exp(0.7)) = 0.7 on every row",
+             Rule("out", "equals", value=first_value), Rule("lse", "equals", value=lambda case: 0.7)),
+        error("flash", "block_q_zero", lambda: tiled(sdpa_case(), 0, 3), ValueError, "block_q", "0"),
+        error("flash", "block_k_negative", lambda: tiled(sdpa_case(), 2, -1), ValueError, "block_k", "-1"),
+        error("flash", "block_q_float", lambda: tiled(sdpa_case(), 2.0, 3), ValueError, "block_q", "2.0"),
+    ]
+
+
+TABLE: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_rows() + _mha_examples() + _mha_edges()
                       + _mha_errors() + _block_examples() + _block_edges() + _block_errors() + _decode_rows())
 
 
