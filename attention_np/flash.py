@@ -102,8 +102,9 @@ def flash_attention_vjp(
     Nothing of size L * S is kept between the passes: the forward keeps out and lse only.
 
     Args:
-        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa, block_q,
-            block_k: as for flash_attention.
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
+            flash_attention.
+        block_q, block_k: as for flash_attention.
 
     Returns:
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when

@@ -21,7 +21,8 @@ from tests.conftest import BACKENDS, import_backend
 
 LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width, "
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
-PUBLIC_FILES = {"__init__.py", "arrays.py", "fast.py", "functional.py", "gradients.py", "modules.py", "py.typed"}
+PUBLIC_FILES = {"__init__.py", "arrays.py", "fast.py", "flash.py", "functional.py", "gradients.py", "modules.py",
+                "py.typed"}
 COMMON_FILES = {"__init__.py", "checks.py", "module.py", "npz.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
 NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
@@ -67,7 +68,9 @@ def _block(doc: str, heading: str) -> list[str]:
 
 
 def _arg_names(doc: str) -> list[str]:
-    return [m.group(1) for line in _block(doc, "Args") if (m := re.match(r"(\w+):", line))]
+    """The names the Args block documents, one per line or several to a line ("q, k, v: as for ...")."""
+    return [name for line in _block(doc, "Args") if (m := re.match(r"((?:\w+, )*\w+):", line))
+            for name in m.group(1).split(", ")]
 
 
 def _returned_names(doc: str) -> list[str]:

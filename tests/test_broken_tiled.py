@@ -1,6 +1,7 @@
 """The suite's flash operation, seen by the author of a tiled kernel: it accepts a correct online-softmax kernel
 (skipping, with the reason, what the kernel does not do) and rejects each realistic bug of
-`implementations/broken_tiled.py` by the check its docstring names, with a failure that names the module and carries a snippet.
+`implementations/broken_tiled.py` by the check its docstring names, with a failure that names the module and
+carries a snippet.
 """
 
 from __future__ import annotations

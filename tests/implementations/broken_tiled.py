@@ -84,7 +84,7 @@ class Tiled:
         checks.same_floating_dtype({name: (str(x.dtype), np.issubdtype(x.dtype, np.floating))
                                     for name, x in (("q", q), ("k", k), ("v", v))})
         scale = checks.default_scale(scale, q.shape, k.shape)
-        (L, E), S = q.shape[-2:], k.shape[-2]
+        L, S = q.shape[-2], k.shape[-2]
         if mask is not None:
             checks.broadcasts_to("mask", np.shape(mask), (*batch, L, S), "..., L, S")
             mask = np.asarray(mask)

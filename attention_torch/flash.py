@@ -1,0 +1,382 @@
+"""Tiled attention with the online softmax (the FlashAttention-2 algorithm), forward and backward, in PyTorch.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+The scores of one tile of queries against one tile of keys, (..., block_q, block_k), are the only
+scores that ever exist, so memory grows as L + S, not L * S.
+
+The forward pass: the online softmax. For a query row, after the key tiles 1..t,
+    m_t = max(m_{t-1}, rowmax(S_t))                      the running maximum of the visible scores
+    l_t = exp(m_{t-1} - m_t) l_{t-1} + rowsum(exp(S_t - m_t))        the running denominator
+    O_t = exp(m_{t-1} - m_t) O_{t-1} + exp(S_t - m_t) V_t            the running, unnormalised output
+and at the end out = O_T / l_T, lse = m_T + log(l_T). When the maximum grows, everything summed so far
+was exponentiated against the old maximum: multiplying by exp(m_{t-1} - m_t) moves it to the new one, so
+the result is exactly softmax(S) V, one tile at a time.
+
+The backward pass recomputes each tile's weights from the log-sum-exp, P = exp(S - lse), instead of keeping
+them. With D = rowsum(dO * O) (= rowsum(dP * P), since O = P V):
+    dV += P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ += dS K * scale,  dK += dS^T Q * scale.
+
+Tiles that the structure (is_causal, window, q_offset, key_lengths) hides from every query of a tile are
+never computed: causal attention does about half the work. The tiles run in turn: torch spreads each
+matmul and exp over the cores itself. flash_attention is a torch.autograd.Function whose backward is the
+tiled pass above; it keeps q, k, v, mask, bias, out and lse between the passes, nothing of size L * S.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from attention_np.common import checks
+
+from .functional import _cast, _dtypes, _grouped, _integers, _prepare
+from .gradients import _grad, _leaf, _recording
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    q_offset: int | torch.Tensor = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: torch.Tensor | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    block_q: int = 128,
+    block_k: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, tile by tile with the online softmax;
+    lse = log sum_j exp(scores_ij) over the visible keys j.
+
+    Args:
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
+            scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
+        block_q: queries per tile (the last tile may be shorter).
+        block_k: keys per tile (the last tile may be shorter).
+
+    Returns:
+        out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
+        are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key.
+    """
+    options = dict(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
+                   softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+    # torch: under autograd, the gradients of q, k, v and bias come from _Flash.backward, the tiled pass
+    return _Flash.apply(q, k, v, mask, None if bias is None else torch.as_tensor(bias), options)
+
+
+def flash_attention_vjp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    q_offset: int | torch.Tensor = 0,
+    window: tuple[int | None, int | None] | None = None,
+    key_lengths: torch.Tensor | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    block_q: int = 128,
+    block_k: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """P = exp(S - lse) recomputed tile by tile,  D = rowsum(dO * O),  dV += P^T dO,  dP = dO V^T,
+    dS = P * (dP - D),  dQ += dS K * scale,  dK += dS^T Q * scale,  dbias = dS (with softcap, dQ and dK take
+    dR = dS * (1 - tanh^2(R / c)) in place of dS, as in scaled_dot_product_attention_vjp).
+
+    D replaces scaled_dot_product_attention_vjp's rowsum(dP * P), which needs a whole row of P: since
+    O = P V, rowsum(dP * P) = sum_j (dO . v_j) P_ij = dO . O, one number per query from (..., L, Ev) arrays.
+    Nothing of size L * S is kept between the passes: the forward keeps out and lse only.
+
+    Args:
+        q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
+            flash_attention.
+        block_q, block_k: as for flash_attention.
+
+    Returns:
+        out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
+        bias is None; each gradient has its input's shape and dtype.
+    """
+    # torch: autograd records the call (also inside torch.no_grad() and torch.inference_mode(), as
+    # gradients.scaled_dot_product_attention_vjp does), and the pullback runs _Flash.backward
+    with _recording():
+        inputs = [_leaf(x) for x in (q, k, v, bias) if x is not None]
+        if isinstance(mask, torch.Tensor) and mask.is_inference():  # torch: autograd cannot save an inference
+            mask = mask.clone()  # tensor (made in torch.inference_mode()) for the backward pass; a copy it can
+        out, lse = flash_attention(*inputs[:3], mask, bias=None if bias is None else inputs[3], is_causal=is_causal,
+                                   scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
+                                   softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+
+    def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        dq, dk, dv, *dbias = _grad(out, inputs, d_out)
+        return dq, dk, dv, dbias[0] if dbias else None
+
+    return out.detach(), lse.detach(), pullback
+
+
+class _Flash(torch.autograd.Function):
+    """torch: the forward and backward passes as one autograd operation, so that autograd keeps what the
+    tiled backward reads (q, k, v, mask, bias, out, lse) and never the tiles' weights."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None, bias: torch.Tensor | None,
+                options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse, p = _forward(q, k, v, mask, bias, options)
+        ctx.options = options
+        # out in the working dtype (float32 for half precision), for D = rowsum(dO * O)
+        ctx.save_for_backward(q, k, v, mask, bias, p.out, lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: torch.autograd.function.FunctionCtx, d_out: torch.Tensor, d_lse: torch.Tensor) -> tuple:
+        q, k, v, mask, bias, out, lse = ctx.saved_tensors
+        p = _problem(q, k, v, mask, bias, ctx.options)  # the same checked inputs again, from the saved tensors
+        p["out"], p["lse"] = out, lse.reshape(*p.batch, p.L)  # grouped like the problem (..., L, *)
+        dq, dk, dv, dbias = _backward(p, d_out, d_lse, (q, k, v, bias), need_bias=ctx.needs_input_grad[4])
+        return dq, dk, dv, None, dbias, None
+
+
+class _Problem(dict):
+    """One call's checked inputs in the working dtype (grouped with enable_gqa: q (..., Hkv, G, L, E), k and v
+    (..., Hkv, 1, S, *)), its structure and its tiles: what both passes read."""
+
+    __getattr__ = dict.__getitem__
+
+
+def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             bias: torch.Tensor | None, options: dict) -> _Problem:
+    """The checks of scaled_dot_product_attention, then the inputs as the tiles read them: mask and bias
+    broadcast views of (..., L, S), never copied; q_offset and key_lengths reduced to the Python ints that
+    choose the tiles (checks.key_tiles)."""
+    checks.tiles(options["block_q"], options["block_k"])
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else bias.shape}
+    q_offset, key_lengths = options["q_offset"], options["key_lengths"]
+    if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
+        q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
+    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=checks.window(options["window"]),
+                     key_lengths=key_lengths)
+    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
+                                   softcap=options["softcap"], dropout_p=0.0, need_weights=False)
+    L, S = q.shape[-2], k.shape[-2]
+    shape = (*batch, L, S)  # the scores', never allocated
+    _check_masks(mask, bias, shape)
+    work = torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: in float32
+    q_offset = _integers(q_offset, "q_offset", batch).to(q.device)
+    key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch).to(q.device)
+    return _Problem(
+        q=_cast(q, work), k=_cast(k, work), v=_cast(v, work),
+        mask=None if mask is None else mask.expand(shape),
+        bias=None if bias is None else _cast(bias, work).expand(shape),
+        bias_shape=None if bias is None else bias.shape,  # torch: dbias is summed to it tile by tile
+        batch=batch, L=L, S=S, scale=scale, softcap=options["softcap"], work=work, empty=empty is not None,
+        structure=dict(structure, q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
+        block_q=options["block_q"], block_k=options["block_k"], grouped=options["enable_gqa"],
+        offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.numel() else (0, 0),
+        lengths=None if key_lengths is None or key_lengths.numel() == 0 else
+        (int(key_lengths.min()), int(key_lengths.max())))
+
+
+def _check_masks(mask: torch.Tensor | None, bias: torch.Tensor | None, shape: tuple) -> None:
+    """mask and bias broadcast to the scores' shape (..., L, S); a floating mask holds 0 and 1 only."""
+    for name, x in (("mask", mask), ("bias", bias)):
+        if x is not None:
+            checks.broadcasts_to(name, x.shape, shape, "..., L, S")
+    if mask is not None and mask.is_floating_point():
+        checks.binary_mask(True, bool(((mask == 0) | (mask == 1)).all()))
+
+
+def _query_tiles(p: _Problem) -> list[slice]:
+    return [slice(start, min(start + p.block_q, p.L)) for start in range(0, p.L, p.block_q)]
+
+
+def _key_tiles(p: _Problem, rows: slice) -> list[slice]:
+    """The key tiles that some query of `rows` may see (checks.key_tiles); the others are skipped."""
+    tiles = checks.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure["is_causal"],
+                             window=p.structure["window"], q_offset=p.offsets,
+                             key_lengths=None if p.lengths is None else p.lengths[1])
+    return [slice(t * p.block_k, min((t + 1) * p.block_k, p.S)) for t in tiles]
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             bias: torch.Tensor | None, options: dict) -> tuple[torch.Tensor, torch.Tensor, _Problem]:
+    """out and lse in the caller's shapes (heads ungrouped), and the problem, which keeps them grouped for the
+    backward pass."""
+    p = _problem(q, k, v, mask, bias, options)
+    p["out"] = torch.zeros((*p.batch, p.L, p.v.shape[-1]), dtype=p.work, device=q.device)  # (..., L, Ev)
+    p["lse"] = torch.full((*p.batch, p.L), -math.inf, dtype=p.work, device=q.device)  # (..., L)
+    for rows in ([] if p.empty else _query_tiles(p)):
+        p.out[..., rows, :], p.lse[..., rows] = _query_tile(p, rows)
+    return _cast(_heads(p, p.out), q.dtype), _heads(p, p.lse), p
+
+
+def _heads(p: _Problem, x: torch.Tensor) -> torch.Tensor:
+    """(..., Hkv, G, L, *) -> (..., H, L, *) with enable_gqa (x itself otherwise)."""
+    if not p.grouped:
+        return x
+    trailing = x.shape[len(p.batch):]  # (L, Ev) or (L,)
+    return x.reshape(*p.batch[:-2], p.batch[-2] * p.batch[-1], *trailing)
+
+
+def _query_tile(p: _Problem, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (..., block_q, Ev) and lse (..., block_q) of the queries `rows`: the online softmax over the key
+    tiles the structure leaves visible to them."""
+    q = p.q[..., rows, :] * p.scale  # the scale folded into q: (..., block_q, E)
+    m = torch.full((*p.batch, rows.stop - rows.start, 1), -math.inf, dtype=p.work, device=q.device)  # (..., bq, 1)
+    l = torch.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
+    acc = torch.zeros((*p.batch, rows.stop - rows.start, p.v.shape[-1]), dtype=p.work, device=q.device)  # (.., bq, Ev)
+    for cols in _key_tiles(p, rows):
+        scores, visible, _ = _scores(p, q, rows, cols)  # (..., block_q, block_k), -inf where hidden
+        # 1) the new running maximum; where nothing is seen yet (the maximum -inf) the shift is 0
+        m_new = torch.maximum(m, scores.amax(dim=-1, keepdim=True))
+        shift = m_new if visible is None else m_new.masked_fill(m_new == -math.inf, 0)
+        # 2) what was summed against the old maximum, moved to the new one: exp(m - m_new)
+        rescale = torch.exp(m - shift)  # (..., block_q, 1); 0 on the first tile a row sees
+        weights = scores.sub_(shift).exp_()  # unnormalised, in place; hidden: exp(-inf) = 0
+        l = l.mul_(rescale).add_(weights.sum(dim=-1, keepdim=True))  # noqa: E741
+        acc = acc.mul_(rescale).add_(weights @ p.v[..., cols, :])  # (..., bq, bk) x (..., bk, Ev) -> (..., bq, Ev)
+        m = m_new
+    # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
+    seen = l != 0
+    out = acc / torch.where(seen, l, 1)  # (..., block_q, Ev)
+    lse = torch.where(seen, m + torch.log(l), -math.inf)  # (..., block_q, 1)
+    return out, lse[..., 0]
+
+
+def _scores(p: _Problem, q: torch.Tensor, rows: slice,
+            cols: slice) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The tile's scores softcap(q k^T) + bias, q already scaled, (..., block_q, block_k), -inf where hidden;
+    where they are visible (None: everywhere); and with softcap, tanh(raw / softcap) (for the backward)."""
+    raw = q @ p.k[..., cols, :].transpose(-1, -2)  # (..., block_q, E) x (..., E, block_k)
+    tile = (*p.batch, *raw.shape[-2:])
+    scores = raw if raw.shape == tile else raw.expand(tile).contiguous()  # own axes, writable
+    tanh = None
+    if p.softcap is not None:  # softcap * tanh(raw / softcap), before the bias and the masks
+        tanh = scores.div_(p.softcap).tanh_()
+        scores = tanh * p.softcap
+    if p.bias is not None:
+        scores += p.bias[..., rows, cols]
+    visible = _tile_visible(p, rows, cols)
+    if visible is not None:
+        scores.masked_fill_(visible.logical_not(), -math.inf)
+    return scores, visible, tanh
+
+
+def _tile_visible(p: _Problem, rows: slice, cols: slice) -> torch.Tensor | None:
+    """Where the tile's queries see its keys, broadcasting to (..., block_q, block_k): the mask and bias
+    tiles, and the structure's rules from the positions p_i = q_offset + i and j; None where nothing in the
+    tile hides a key (no tensor is built then)."""
+    visible = None
+    if p.mask is not None:
+        visible = p.mask[..., rows, cols] != 0
+    if p.bias is not None:
+        visible = _and(visible, p.bias[..., rows, cols] != -math.inf)
+    structure, (least, greatest) = p.structure, p.offsets
+    first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
+    left, right = structure["window"] or (None, None)
+    causal = structure["is_causal"] and cols.stop - 1 > first  # some key after some query
+    after_right = right is not None and cols.stop - 1 > first + right
+    before_left = left is not None and cols.start < last - left
+    beyond_length = p.lengths is not None and cols.stop > p.lengths[0]
+    if not (causal or after_right or before_left or beyond_length):  # torch: no positions built
+        return visible
+    device = p.q.device
+    position = structure["q_offset"][..., None, None] + torch.arange(rows.start, rows.stop, device=device)[:, None]
+    j = torch.arange(cols.start, cols.stop, device=device)  # (block_k,); position (..., block_q, 1)
+    if causal:
+        visible = _and(visible, j <= position)
+    if after_right:
+        visible = _and(visible, j <= position + right)
+    if before_left:
+        visible = _and(visible, j >= position - left)
+    if beyond_length:
+        visible = _and(visible, j < structure["key_lengths"][..., None, None])
+    return visible
+
+
+def _and(visible: torch.Tensor | None, rule: torch.Tensor) -> torch.Tensor:
+    return rule if visible is None else visible & rule
+
+
+def _backward(p: _Problem, d_out: torch.Tensor, d_lse: torch.Tensor, inputs: tuple,
+              need_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The pullback: the key tiles in turn, each one's dK, dV (and dbias) tiles its own, dQ summed over them.
+    torch: lse is an output of the autograd operation too; since d lse_i / d S_ij = P_ij, its cotangent adds
+    P * d_lse to dS, which is D - d_lse in place of D. Each gradient is summed to its input's (grouped) shape
+    tile by tile, so nothing of the broadcast shape (..., L, S) or (..., S, E) is allocated."""
+    q_in, k_in, v_in, bias_in = inputs
+    work, device = p.work, p.q.device
+    d_out = _cast(d_out, work).reshape(p.out.shape)  # grouped like out (..., L, Ev)
+    dq = torch.zeros(_ranked(p.q.shape, p.batch), dtype=work, device=device)  # q's (..., L, E)
+    dk = torch.zeros(_ranked(p.k.shape, p.batch), dtype=work, device=device)  # k's (..., S, E)
+    dv = torch.zeros(_ranked(p.v.shape, p.batch), dtype=work, device=device)  # v's (..., S, Ev)
+    dbias = None if p.bias is None or not need_bias else torch.zeros(
+        _ranked(p.bias_shape, p.batch), dtype=work, device=device)  # the bias's (grouped) shape
+    D = (d_out * p.out).sum(dim=-1, keepdim=True) - _cast(d_lse, work).reshape(p.lse.shape)[..., None]  # (..., L, 1)
+    lse = p.lse.masked_fill(p.lse == -math.inf, math.inf)[..., None]  # a query that sees nothing: P = exp(-inf) = 0
+    pairs: dict[tuple[int, int], list[slice]] = {}  # key tile -> the query tiles that may see it
+    for rows in ([] if p.empty else _query_tiles(p)):
+        for cols in _key_tiles(p, rows):
+            pairs.setdefault((cols.start, cols.stop), []).append(rows)
+    for (start, stop), query_tiles in pairs.items():
+        _key_tile(p, slice(start, stop), query_tiles, d_out, D, lse, dq, dk, dv, dbias)
+    dq.mul_(p.scale)  # dQ = sum over the key tiles of dS K, times the scale once
+    grads = [d.reshape(p.shapes[name]).to(x.dtype) for d, name, x in zip((dq, dk, dv), "qkv", (q_in, k_in, v_in),
+                                                                          strict=True)]
+    if dbias is not None:
+        dbias = dbias.reshape(p.shapes["bias"]).to(bias_in.dtype)
+    return (*grads, dbias)
+
+
+def _ranked(shape: tuple, batch: tuple) -> tuple:
+    """torch: `shape` with ones in front, to the rank of (..., *, *), so that a tile of it broadcasts."""
+    return (1,) * (len(batch) + 2 - len(shape)) + tuple(shape)
+
+
+def _key_tile(p: _Problem, cols: slice, query_tiles: list[slice], d_out: torch.Tensor, D: torch.Tensor,
+              lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+              dbias: torch.Tensor | None) -> None:
+    """One key tile's dK and dV, and its share of dQ (unscaled), from every query tile that may see it."""
+    k, v = p.k[..., cols, :], p.v[..., cols, :]  # (..., block_k, E), (..., block_k, Ev)
+    dk_tile = torch.zeros((*p.batch, cols.stop - cols.start, k.shape[-1]), dtype=p.work, device=k.device)
+    dv_tile = torch.zeros((*p.batch, cols.stop - cols.start, v.shape[-1]), dtype=p.work, device=k.device)
+    for rows in query_tiles:
+        q = p.q[..., rows, :] * p.scale  # (..., block_q, E)
+        scores, _, tanh = _scores(p, q, rows, cols)
+        # 1) the weights again, from the log-sum-exp: P = exp(S - lse), 0 where hidden
+        weights = scores.sub_(lse[..., rows, :]).exp_()  # (..., block_q, block_k), in place
+        d_o = d_out[..., rows, :]  # (..., block_q, Ev)
+        # 2) through the value product and the softmax
+        dv_tile += weights.transpose(-1, -2) @ d_o  # (..., bk, bq) x (..., bq, Ev) -> (..., bk, Ev)
+        d_weights = d_o @ v.transpose(-1, -2)  # (..., bq, Ev) x (..., Ev, bk) -> (..., bq, bk)
+        d_scores = d_weights.sub_(D[..., rows, :]).mul_(weights)  # dS = P * (dP - D), in place
+        if dbias is not None:
+            _add_tile(dbias, rows, cols, d_scores)
+        # 3) through the soft-capping, then the raw scores R = (Q * scale) K^T
+        if tanh is not None:
+            d_scores = d_scores * tanh.square_().neg_().add_(1)  # dS * (1 - tanh^2)
+        _add_tile(dq, rows, slice(None), d_scores @ k)  # (..., bq, bk) x (..., bk, E) -> (..., bq, E)
+        dk_tile += d_scores.transpose(-1, -2) @ q  # q holds the scale: (..., bk, bq) x (..., bq, E)
+    _add_tile(dk, cols, slice(None), dk_tile)
+    _add_tile(dv, cols, slice(None), dv_tile)
+
+
+def _add_tile(total: torch.Tensor, rows: slice, cols: slice, tile: torch.Tensor) -> None:
+    """total[..., rows, cols] += tile summed over the axes `total` broadcasts along (an axis of size 1 in
+    `total`, also among the last two, takes the tile's sum). torch: sum_to_size is NumPy's _sum_to."""
+    rows = rows if total.shape[-2] != 1 else slice(None)
+    cols = cols if total.shape[-1] != 1 else slice(None)
+    part = total[..., rows, cols]
+    part += tile.sum_to_size(part.shape)
