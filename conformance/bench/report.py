@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..frameworks import BUILT_IN, NUMPY, TORCH, framework_of
-from . import decode, timing, variants
+from . import decode, memory, timing, variants
 
 FOOTNOTE = """\
 time: median of the repeats after one warm-up call; the candidates of one framework, operation and L run
@@ -200,13 +200,15 @@ def _columns(lines: list[tuple[str, ...]], *, right: tuple[int, ...]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `python -m conformance compare`."""
-    parser.add_argument("--sizes", type=_ints, default=timing.SIZES, metavar="L,L,...",
-                        help=f"sequence lengths L = S (default {','.join(map(str, timing.SIZES))})")
+    parser.add_argument("--sizes", type=_ints, default=None, metavar="L,L,...",
+                        help=f"sequence lengths L = S (default {','.join(map(str, timing.SIZES))}; long: "
+                             f"{','.join(map(str, variants.LONG.sizes))})")
     parser.add_argument("--operations", type=_operations, default=None, metavar="OP,...",
                         help="any of sdpa,mha,block (default: all three; gqa and window: sdpa only)")
     parser.add_argument("--variant", choices=tuple(variants.VARIANTS), default="plain",
                         help="plain (default); gqa: grouped-query attention, H=32 query heads on 8 key/value "
-                             "heads; window: is_causal with window=(256, 0) beside full causal (B=1)")
+                             "heads; window: is_causal with window=(256, 0) beside full causal (B=1); long: "
+                             "flash_attention, its gradient and the untiled paths, B=1, H=1, up to L=32768")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
                         help="float32 (default), float64, or bfloat16 (torch and JAX only)")
     parser.add_argument("--repeats", type=positive_int, default=None, metavar="N",
@@ -227,6 +229,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "positions, then --tokens one-token steps with the cache, against recomputing the "
                              "full causal pass per token; torch also against a step from torch.nn pieces "
                              "(float32, CPU; ignores --sizes, --operations, --variant, --dtype, --device, --plot)")
+    parser.add_argument("--memory", action="store_true",
+                        help="the memory targets of tiled attention (bench/memory.py): flash_attention and its "
+                             f"gradient at B=1, H=1, L=S={memory.L}, E={memory.E}, float32, each backend measured "
+                             "its own way (ignores the other options)")
     parser.add_argument("--prefill", type=positive_int, default=decode.PREFILL, metavar="N",
                         help=f"--decode: the prompt's positions P (default {decode.PREFILL})")
     parser.add_argument("--tokens", type=positive_int, default=decode.TOKENS, metavar="N",
@@ -238,6 +244,8 @@ def main(args: argparse.Namespace) -> int:
     of --targets do not set the exit code: timings are noisy)."""
     if args.decode:
         return decode_main(args)
+    if args.memory:
+        return memory_main()
     args.repeats = args.repeats or 10
     if args.plot:
         try:
@@ -273,8 +281,9 @@ def main(args: argparse.Namespace) -> int:
         else:
             print(f"{args.dtype}, {variant.describe(**variant.dims)}, L = S ({variant.name}); {args.repeats} repeats "
                   "per candidate, interleaved, medians\n")
-            result = timing.compare(sizes=args.sizes, operations=operations, dtype=args.dtype, repeats=args.repeats,
-                                       device=args.device, variant=variant, backends=backends, progress=progress)
+            result = timing.compare(sizes=args.sizes or variant.sizes, operations=operations, dtype=args.dtype,
+                                       repeats=args.repeats, device=args.device, variant=variant, backends=backends,
+                                       progress=progress)
             print(format_table(result) + "\n\n" + FOOTNOTE)
             ratios = timing.ratios(result, variant)
             if ratios:
@@ -287,6 +296,18 @@ def main(args: argparse.Namespace) -> int:
     if args.plot and not args.targets:
         plot(result, args.plot)
         print(f"\nplot written to {args.plot}")
+    return 0
+
+
+def memory_main() -> int:
+    """`compare --memory`: flash_attention's memory against the targets; 0 unless it could not run."""
+    backends, skipped = timing.installed_backends()
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    with timing.pinned(backends):
+        print("\n".join(machine(backends)))
+        print(f"flash_attention at B=1, H=1, L=S={memory.L}, E={memory.E}, float32, tiles {variants.LONG_TILES}\n")
+        print(memory.format_rows(memory.measure(backends)))
     return 0
 
 

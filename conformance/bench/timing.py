@@ -26,6 +26,7 @@ flops, repeats, time_ms, gflops, peak_mib (null where not measurable), rel_error
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import itertools
@@ -157,6 +158,10 @@ class Variant(NamedTuple):
     describe: Callable[..., str]  # (B, H, E) -> the shapes, one line
     target_L: int = 1024
     ratios: tuple[Target, ...] = ()  # printed under compare's table at every L
+    target_dims: Mapping[str, int] | None = None  # B, H, E of --targets, where they differ from dims
+    sizes: tuple[int, ...] = SIZES  # the lengths L = S compare times by default
+    reference: Callable[[Problem, Options], np.ndarray] | None = None  # (problem, options) -> the float64 output
+    # to measure errors against; None: attention_np's explicit path (which holds the (B, H, L, S) weights)
 
 
 def flops(operation: str, *, B: int, H: int, L: int, S: int, E: int) -> int:
@@ -238,7 +243,8 @@ def compare(*, variant: Variant, sizes: Sequence[int] = SIZES, operations: Seque
         for operation, L in _progress(steps, progress):
             problem = variant.problem(operation, L=L, dtype=dtype, **dims)
             candidates = make_candidates(problem, backends, dtype=dtype, devices=devices, calls=variant.calls)
-            references = {options: _our_output(importlib.import_module("attention_np"), problem, options)
+            reference = variant.reference or functools.partial(_our_output, importlib.import_module("attention_np"))
+            references = {options: reference(problem, options)
                           for options in dict.fromkeys(candidate.options for candidate in candidates)}
             for kind in dict.fromkeys(candidate.framework for candidate in candidates):
                 group = [candidate for candidate in candidates if candidate.framework == kind]
@@ -264,13 +270,15 @@ def targets(*, variant: Variant, L: int | None = None, repeats: int = 10, device
             mine = [target for target in chosen if target.framework == kind and operation in target.operations]
             if not mine:
                 continue
-            problem = variant.problem(operation, L=L, dtype="float32", **variant.dims)
+            problem = variant.problem(operation, L=L, dtype="float32", **(variant.target_dims or variant.dims))
             wanted = {name for target in mine for name in (target.numerator, *target.denominators)}
             candidates = make_candidates(problem, backends, dtype="float32", devices=devices, wanted=wanted,
                                          calls=variant.calls)
-            measured = {"time": dict(zip([c.name for c in candidates],
-                                         [1e3 * seconds for seconds in measure(candidates, repeats=repeats)],
-                                         strict=True))}
+            measured: dict[str, dict[str, float | None]] = {"time": {}}
+            for framework in dict.fromkeys(c.framework for c in candidates):  # interleaved within a framework
+                group = [c for c in candidates if c.framework == framework]
+                measured["time"] |= {c.name: 1e3 * seconds
+                                     for c, seconds in zip(group, measure(group, repeats=repeats), strict=True)}
             if any(COMPARISONS[target.compared].quantity == "peak" for target in mine):  # one more call each
                 measured["peak"] = {c.name: _mib(c.peak()) for c in candidates}
             rows += [target_row(target, problem, variant.name, measured) for target in mine]

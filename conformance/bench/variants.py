@@ -152,4 +152,74 @@ WINDOW_VARIANT = timing.Variant(
     describe=lambda B, H, E: f"B={B}, H={H}, E={E}, is_causal=True with window={WINDOW} against full causal",
     target_L=4096, ratios=WINDOW_RATIOS)
 
-VARIANTS = {variant.name: variant for variant in (PLAIN, GQA, WINDOW_VARIANT)}
+# --- long: tiled attention ---------------------------------------------------------------------------------
+
+# flash_attention's tiles in the benchmark (block_q, block_k), the fastest measured on the 2-core machine of the
+# README at L = S = 4096, H = 8 (docs/performance.md); the suite checks every tile size from 1 to 7 and more
+LONG_TILES = {"numpy": (256, 512), "jax": (256, 512), "torch": (256, 512)}
+SCORES_LIMIT = 2**30  # bytes: the untiled candidates run where the (B, H, L, S) float32 scores fit in 1 GiB
+CAUSAL = (("is_causal", True),)
+
+
+def long_calls(name: str, module: ModuleType, problem: Problem, state: dict[str, Any],
+               *, fused: bool) -> dict[str, Call]:
+    """Our flash_attention, full and causal, and its gradient (flash_attention_vjp, then the pullback with q as
+    the cotangent: the forward and backward passes, as jax.grad runs them); beside, where the scores fit in
+    SCORES_LIMIT, our fast path and torch's F.scaled_dot_product_attention, full and causal."""
+    block_q, block_k = LONG_TILES[framework_of(module).name]
+    tiles = {"block_q": block_q, "block_k": block_k}
+    found: dict[str, Call] = {}
+    for label, options in (("", ()), (" causal", CAUSAL)):
+        keywords = dict(options) | tiles
+
+        def forward(_: None, q: Any, k: Any, v: Any, keywords: dict = keywords) -> Any:
+            return module.flash_attention(q, k, v, **keywords)
+
+        def gradient(_: None, q: Any, k: Any, v: Any, keywords: dict = keywords) -> Any:
+            out, _lse, pullback = module.flash_attention_vjp(q, k, v, **keywords)
+            return out, pullback(q)  # out first: its error against the reference is the row's
+
+        found[f"{name} flash{label}"] = (forward, None, options)
+        found[f"{name} flash{label} gradient"] = (gradient, None, options)
+        if 4 * problem.B * problem.H * problem.L**2 <= SCORES_LIMIT:
+            found[f"{name}{label}"] = (*timing.our_call(module, problem, state, need_weights=False, **dict(options)),
+                                       options)
+            if framework_of(module).name == "torch":
+                found[f"torch built-in{label}"] = (_torch_sdpa(dict(options)), None, options)
+    return found
+
+
+def _torch_sdpa(options: dict[str, Any]) -> Any:
+    import torch.nn.functional as F
+
+    return lambda _, q, k, v: F.scaled_dot_product_attention(q, k, v, **options)
+
+
+def long_reference(problem: Problem, options: timing.Options) -> np.ndarray:
+    """attention_np.flash_attention in float64 (large tiles): the explicit path's (B, H, L, S) weights in float64
+    would not fit at L = 32768."""
+    import attention_np
+
+    return attention_np.flash_attention(*problem.inputs, block_q=512, block_k=1024, **dict(options))[0]
+
+
+LONG_TARGETS = (
+    Target("numpy", "attention_np flash", ("torch built-in",), "<=", 1.5, ("sdpa",)),
+    Target("numpy", "attention_np flash causal", ("torch built-in causal",), "<=", 1.5, ("sdpa",)),
+    Target("jax", "attention_jax flash", ("attention_jax",), "<=", 1.3, ("sdpa",)),
+    Target("jax", "attention_jax flash causal", ("attention_jax causal",), "<=", 1.3, ("sdpa",)),
+    # the gradient runs the forward and the backward pass: backward <= 3 forward is gradient <= 4 forward
+    *(Target(framework, f"{name} flash{label} gradient", (f"{name} flash{label}",), "<=", 4.0, ("sdpa",))
+      for framework, name in OURS for label in ("", " causal")),
+)
+LONG_RATIOS = tuple(Target(framework, f"{name} flash{label}", (f"{name}{label}",), "<=", None, ("sdpa",))
+                    for framework, name in OURS for label in ("", " causal"))
+
+LONG = timing.Variant(
+    "long", ("sdpa",), {"B": 1, "H": 1, "E": 64}, timing.make_problem, long_calls, LONG_TARGETS,
+    describe=lambda B, H, E: f"B={B}, H={H}, E={E}: flash_attention (tiles {LONG_TILES['numpy']}) beside the "
+                             "untiled fast paths where the scores fit in 1 GiB",
+    target_L=4096, ratios=LONG_RATIOS, target_dims={"B": 1, "H": 8, "E": 64}, sizes=(1024, 2048, 4096, 8192, 16384,
+                                                                                     32768),
+    reference=long_reference)
+VARIANTS = {variant.name: variant for variant in (PLAIN, GQA, WINDOW_VARIANT, LONG)}

@@ -1,0 +1,182 @@
+"""`python -m conformance compare --variant long --memory`: the memory of flash_attention and of its gradient
+at a length where the scores could not be held, each backend measured its own way, against the targets.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width.
+
+At B = 1, H = 1, L = S = 32768, E = 64, float32, the (L, S) scores alone are 4 GiB. Measured beyond the inputs
+and the results (out and lse; with the gradient also dq, dk, dv):
+- NumPy: tracemalloc's peak over the call (flash_attention; flash_attention_vjp's forward; its pullback).
+- JAX: the temporaries of XLA's memory plan of the jitted forward, and of jax.grad of sum(out) (compiled, not
+  run), beside the plain jitted formulation's plan at the same size and at H = 8.
+- torch: the growth of the process's peak resident memory (VmHWM, reset through /proc/self/clear_refs after a
+  warm-up) in a fresh process per measurement, the results subtracted.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import tracemalloc
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..frameworks import framework_of
+from .variants import LONG_TILES
+
+L = 32768  # L = S
+E = 64
+MIB = 2**20
+TARGETS = {"forward": 64, "gradient": 64}  # MiB beyond inputs and results; torch's gradient: 128 (RSS)
+TORCH_GRADIENT = 128
+
+
+class MemoryRow(NamedTuple):
+    backend: str
+    call: str  # "forward" or "gradient" (the vjp's forward and its pullback, or jax.grad)
+    is_causal: bool
+    how: str  # what was measured
+    mib: float | None  # beyond the inputs and the results; None: not measured
+    bound: float | None  # the target, MiB
+    note: str = ""
+
+    @property
+    def met(self) -> bool | None:
+        return None if self.mib is None or self.bound is None else self.mib <= self.bound
+
+
+def measure(backends: dict[str, Any], *, length: int = L) -> list[MemoryRow]:
+    """One row per backend, call and causal flag (and JAX's plain formulation for comparison)."""
+    rows: list[MemoryRow] = []
+    for name, module in backends.items():
+        rows += _MEASURES[framework_of(module).name](name, module, length)
+    return rows
+
+
+def _inputs(length: int, *, heads: int = 1) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal((1, heads, length, E)).astype(np.float32) for _ in range(4)]  # q, k, v, d_out
+
+
+def _numpy(name: str, module: Any, length: int) -> list[MemoryRow]:
+    q, k, v, d_out = _inputs(length)
+    tiles = dict(zip(("block_q", "block_k"), LONG_TILES["numpy"], strict=True))
+    rows = []
+    for causal in (False, True):
+        options = dict(is_causal=causal, **tiles)
+        forward = _traced(functools.partial(module.flash_attention, q, k, v, **options))
+        rows.append(MemoryRow(name, "forward", causal, "tracemalloc", forward / MIB, TARGETS["forward"]))
+        vjp, (out, lse, pullback) = _traced_result(functools.partial(module.flash_attention_vjp, q, k, v, **options))
+        pull = _traced(functools.partial(pullback, d_out))  # beyond the gradients
+        rows.append(MemoryRow(name, "gradient", causal, "tracemalloc: the vjp's forward, then its pullback",
+                              max(vjp - out.nbytes - lse.nbytes, pull) / MIB, TARGETS["gradient"]))
+    return rows
+
+
+def _traced(run: Callable[[], Any]) -> int:
+    """tracemalloc's peak over run(), less what it returns (its results)."""
+    peak, result = _traced_result(run)
+    return peak - sum(x.nbytes for x in _arrays(result))
+
+
+def _traced_result(run: Callable[[], Any]) -> tuple[int, Any]:
+    tracemalloc.start()
+    try:
+        result = run()
+        return tracemalloc.get_traced_memory()[1], result
+    finally:
+        tracemalloc.stop()
+
+
+def _arrays(result: Any) -> list[np.ndarray]:
+    if isinstance(result, tuple | list):
+        return [x for part in result for x in _arrays(part)]
+    return [result] if isinstance(result, np.ndarray) else []
+
+
+def _jax(name: str, module: Any, length: int) -> list[MemoryRow]:
+    import jax
+    import jax.numpy as jnp
+
+    block_q, block_k = LONG_TILES["jax"]
+    rows = []
+    for causal in (False, True):
+        q, k, v = (jax.ShapeDtypeStruct((1, 1, length, E), jnp.float32) for _ in range(3))
+
+        def forward(q: Any, k: Any, v: Any, causal: bool = causal) -> Any:
+            return module.flash_attention(q, k, v, is_causal=causal, block_q=block_q, block_k=block_k)
+
+        def loss(q: Any, k: Any, v: Any, causal: bool = causal) -> Any:
+            return jnp.sum(forward(q, k, v, causal)[0])
+
+        for call, function in (("forward", forward), ("gradient", jax.grad(loss, argnums=(0, 1, 2)))):
+            plan = jax.jit(function).lower(q, k, v).compile().memory_analysis()
+            rows.append(MemoryRow(name, call, causal, "XLA's plan: temporaries", plan.temp_size_in_bytes / MIB,
+                                  TARGETS[call]))
+    for heads in (1, 8):  # the plain formulation, for comparison: what it would need
+        q = jax.ShapeDtypeStruct((1, heads, length, E), jnp.float32)
+        plan = jax.jit(lambda q, k, v: module.scaled_dot_product_attention(q, k, v, need_weights=False)[0]).lower(
+            q, q, q).compile().memory_analysis()
+        rows.append(MemoryRow(f"{name} untiled (H={heads})", "forward", False, "XLA's plan: temporaries",
+                              plan.temp_size_in_bytes / MIB, None, "for comparison: the (H, L, S) scores"))
+    return rows
+
+
+TORCH_SCRIPT = """
+import json, sys, torch, {module}
+length, E, causal, call, block_q, block_k = {length}, {E}, {causal}, {call!r}, {block_q}, {block_k}
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+torch.manual_seed(0)
+q, k, v, d_out = (torch.randn(1, 1, length, E) for _ in range(4))
+tiles = dict(is_causal=causal, block_q=block_q, block_k=block_k)
+out, lse, pullback = {module}.flash_attention_vjp(*(x[..., :300, :] for x in (q, k, v)), **tiles)  # warm-up
+pullback(d_out[..., :300, :])
+del out, lse, pullback
+open("/proc/self/clear_refs", "w").write("5")  # the peak resident memory from here on
+before = status("VmRSS:")
+if call == "forward":
+    results = {module}.flash_attention(q, k, v, **tiles)
+else:
+    out, lse, pullback = {module}.flash_attention_vjp(q, k, v, **tiles)
+    results = (out, lse, *pullback(d_out)[:3])
+print(json.dumps(status("VmHWM:") - before - sum(x.numel() * x.element_size() for x in results)))
+"""
+
+
+def _torch(name: str, module: Any, length: int) -> list[MemoryRow]:
+    block_q, block_k = LONG_TILES["torch"]
+    rows = []
+    for causal in (False, True):
+        for call in ("forward", "gradient"):
+            script = TORCH_SCRIPT.format(module=module.__name__, length=length, E=E, causal=causal, call=call,
+                                         block_q=block_q, block_k=block_k)
+            done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+            mib = json.loads(done.stdout) / MIB if done.returncode == 0 else None
+            note = "" if done.returncode == 0 else done.stderr.strip().splitlines()[-1]
+            rows.append(MemoryRow(name, call, causal, "peak RSS growth, a fresh process", mib,
+                                  TARGETS["forward"] if call == "forward" else TORCH_GRADIENT, note))
+    return rows
+
+
+_MEASURES = {"numpy": _numpy, "jax": _jax, "torch": _torch}
+
+
+def format_rows(rows: Sequence[MemoryRow], length: int = L) -> str:
+    header = ("backend", "call", "causal", "measured", "MiB beyond inputs and results", "target", "verdict")
+    lines = [header]
+    for row in rows:
+        mib = "-" if row.mib is None else f"{row.mib:.1f}"
+        target = "-" if row.bound is None else f"<= {row.bound:g}"
+        verdict = {None: "-", True: "MET", False: "MISSED"}[row.met]
+        lines.append((row.backend, row.call, str(row.is_causal), row.how, mib, target,
+                      verdict + (f" ({row.note})" if row.note else "")))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    scores = length * length * 4 / MIB
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+                     for line in lines) + f"\n(the (L, S) float32 scores of one head: {scores:.0f} MiB)"
