@@ -45,7 +45,10 @@ torch built-in: F.scaled_dot_product_attention, nn.MultiheadAttention(batch_firs
 --variant gqa: enable_gqa=True, H=32 query heads on Hkv=8; "torch built-in" is F.scaled_dot_product_attention(
   enable_gqa=True), "repeat_interleave" and "np.repeat" repeat k and v to H heads inside the timed call, "jax plain"
   is the grouped einsum formulation. --variant window: "window" is is_causal=True with window=(256, 0), "causal"
-  is_causal=True alone, both fast paths; FLOPs counted as for full attention in both."""
+  is_causal=True alone, both fast paths; FLOPs counted as for full attention in both. --variant long: "flash" is
+  flash_attention (tiles of bench/variants.py LONG_TILES), "gradient" flash_attention_vjp and its pullback (the
+  forward and the backward pass), "causal" with is_causal=True; the untiled rows only where the float32 scores fit
+  in 1 GiB; FLOPs counted as for full attention; errors against attention_np.flash_attention in float64."""
 
 
 DECODE_FOOTNOTE = """\
@@ -124,28 +127,33 @@ def machine(backends: dict[str, ModuleType]) -> list[str]:
 
 def plot(rows: Sequence[timing.Row], path: str) -> None:
     """PNG, one line of panels per operation: time vs L on log-log axes, each line's fitted slope in the
-    legend (2 is quadratic, drawn as a grey guide), and the relative error vs L in the same styles."""
+    legend (2 is quadratic, drawn as a grey guide), the relative error vs L in the same styles, and where any
+    peak was measured (NumPy's), the peak memory vs L, slopes likewise (1 is linear: tiles; 2: the scores)."""
     Figure = _figure_class()
     operations = list(dict.fromkeys(row.operation for row in rows))
-    figure = Figure(figsize=(13, 4.5 * len(operations)), layout="constrained")
-    axes = figure.subplots(len(operations), 2, squeeze=False)
-    for (time_axis, error_axis), operation in zip(axes, operations, strict=True):
+    peaks = any(row.peak_mib is not None for row in rows)
+    figure = Figure(figsize=(13 + 6 * peaks, 4.5 * len(operations)), layout="constrained")
+    axes = figure.subplots(len(operations), 2 + peaks, squeeze=False)
+    for (time_axis, error_axis, *memory_axis), operation in zip(axes, operations, strict=True):
         mine = [row for row in rows if row.operation == operation]
         variant = mine[0].variant  # one run, one variant
         sizes, starts = sorted({row.L for row in mine}), []
         for name in dict.fromkeys(row.implementation for row in mine):
             line = [row for row in mine if row.implementation == name]
             lengths, ms = np.array([row.L for row in line]), np.array([row.time_ms for row in line])
-            slope = f" (slope {np.polyfit(np.log(lengths), np.log(ms), 1)[0]:.2f})" if len(lengths) > 1 else ""
             style = _style(name, line[0].framework)
-            time_axis.loglog(lengths, ms, label=name + slope, **style)
+            time_axis.loglog(lengths, ms, label=name + _slope(lengths, ms), **style)
             error_axis.loglog(lengths, [max(row.rel_error, 1e-17) for row in line], **style)
             starts.append(ms[0])
+            measured = [row for row in line if row.peak_mib]
+            if memory_axis and measured:
+                lengths, mib = np.array([row.L for row in measured]), np.array([row.peak_mib for row in measured])
+                memory_axis[0].loglog(lengths, mib, label=name + _slope(lengths, mib), **style)
         time_axis.loglog(sizes, np.median(starts) * (np.array(sizes) / sizes[0]) ** 2, color="grey", alpha=0.4, lw=3,
                          zorder=0, label="L^2 (slope 2)")
         errors = [max(row.rel_error, 1e-17) for row in mine]
         error_axis.set_ylim(10 ** math.floor(math.log10(min(errors))), 10 ** math.ceil(math.log10(max(errors))))
-        for axis in (time_axis, error_axis):
+        for axis in (time_axis, error_axis, *memory_axis):
             axis.set_xticks(sizes, [str(size) for size in sizes])
             axis.minorticks_off()
             axis.grid(True, which="major", alpha=0.3)
@@ -154,12 +162,24 @@ def plot(rows: Sequence[timing.Row], path: str) -> None:
         error_axis.set(title=f"{operation} ({variant}): relative error vs the float64 reference (styles as on "
                              "the left)",
                        xlabel="L = S", ylabel="max|a - b| / max|b| (0 drawn at 1e-17)")
+        if memory_axis:
+            memory_axis[0].legend(fontsize=7, loc="upper left")
+            memory_axis[0].set(title=f"{operation} ({variant}): peak memory of one call (NumPy, tracemalloc)",
+                               xlabel="L = S", ylabel="MiB")
     figure.savefig(path, dpi=110)
+
+
+def _slope(lengths: np.ndarray, values: np.ndarray) -> str:
+    """" (slope s)": the exponent of a power law fitted on log-log axes, where there are two points or more."""
+    return f" (slope {np.polyfit(np.log(lengths), np.log(values), 1)[0]:.2f})" if len(lengths) > 1 else ""
 
 
 # our own lines by what follows the backend's name: solid the fast path (or the variant's subject, the window),
 # dashed the explicit path, dash-dotted full causal attention beside the window; anything else is a baseline
 _OUR_LINES = {"": {"linestyle": "-", "marker": "o"}, "window": {"linestyle": "-", "marker": "o"},
+              "flash": {"linestyle": "-", "marker": "o"}, "flash causal": {"linestyle": "-.", "marker": "o"},
+              "flash gradient": {"linestyle": "--", "marker": "v"}, "flash causal gradient": {"linestyle": "--",
+                                                                                            "marker": "v"},
               "explicit": {"linestyle": "--", "marker": "s", "markersize": 4},
               "causal": {"linestyle": "-.", "marker": "D", "markersize": 4}}
 
