@@ -25,12 +25,14 @@ run on a thread pool, since NumPy releases the GIL in matmul and exp.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import threadpoolctl
 
 from attention_np.common import checks
 
@@ -235,8 +237,9 @@ def _scores(p: _Problem, q: np.ndarray, rows: slice,
             cols: slice) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """The tile's scores softcap(q k^T) + bias, q already scaled, (..., block_q, block_k), -inf where hidden;
     where they are visible (None: everywhere); and with softcap, tanh(raw / softcap) (for the backward)."""
-    raw = q @ np.swapaxes(p.k[..., cols, :], -1, -2)  # (..., block_q, E) x (..., E, block_k)
-    scores = np.array(np.broadcast_to(raw, (*p.batch, *raw.shape[-2:])))  # own axes, writable
+    scores = q @ np.swapaxes(p.k[..., cols, :], -1, -2)  # (..., block_q, E) x (..., E, block_k)
+    if scores.shape[:-2] != p.batch:  # q and k share a batch axis that only v or a mask carries
+        scores = np.array(np.broadcast_to(scores, (*p.batch, *scores.shape[-2:])))  # its own copy, writable
     tanh = None
     if p.softcap is not None:  # softcap * tanh(raw / softcap), before the bias and the masks
         tanh = np.tanh(scores / p.softcap)
@@ -280,16 +283,25 @@ def _and(visible: np.ndarray | None, rule: np.ndarray) -> np.ndarray:
 
 def _run(p: _Problem, task: Callable[[Any], None], items: Iterable[Any]) -> None:
     """task(item) for every item: on a thread pool of one thread per core where the problem is large enough
-    to pay for it (NumPy releases the GIL in matmul and exp), else in turn."""
+    to pay for it (NumPy releases the GIL in matmul and exp), else in turn. The pool's threads each take one
+    BLAS thread: a tile's matmul is too small to share, and BLAS threads of their own on every worker would
+    outnumber the cores (measured 2-3 times slower on 2 cores)."""
     items = list(items)
     workers = min(os.cpu_count() or 1, len(items))
     if workers <= 1 or int(np.prod(p.batch)) * p.L * p.S * p.q.shape[-1] < PARALLEL_WORK:
         for item in items:
             task(item)
         return
-    with ThreadPoolExecutor(workers) as pool:
+    with _blas().limit(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
         for _ in pool.map(task, items):  # re-raises a task's exception
             pass
+
+
+@functools.cache
+def _blas() -> threadpoolctl.ThreadpoolController:
+    """The process's BLAS and OpenMP libraries, found once (a search of the loaded libraries takes milliseconds);
+    limit() changes their thread count for a `with` block and restores it after."""
+    return threadpoolctl.ThreadpoolController()
 
 
 def _backward(p: _Problem, d_out: np.ndarray,
