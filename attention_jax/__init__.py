@@ -1,6 +1,7 @@
 """Attention in JAX: pure functions and pytree modules that work under jit, grad and vmap."""
 
 from .arrays import asarray, load_state_dict, save_state_dict, to_numpy
+from .flash import flash_attention, flash_attention_vjp
 from .functional import apply_rope, causal_mask, padding_mask, scaled_dot_product_attention, window_mask
 from .gradients import scaled_dot_product_attention_vjp
 from .modules import MultiHeadAttention, TransformerBlock
@@ -11,6 +12,8 @@ __all__ = [
     "apply_rope",
     "asarray",
     "causal_mask",
+    "flash_attention",
+    "flash_attention_vjp",
     "load_state_dict",
     "padding_mask",
     "save_state_dict",
