@@ -293,7 +293,8 @@ def main(args: argparse.Namespace) -> int:
         print("; ".join(settings) or "no precision settings")
         print("placement: " + ", ".join(f"{kind} on {device}" for kind, device in devices.items()))
         if args.targets:
-            print(f"targets ({variant.name}): float32, {variant.describe(**variant.dims)}, L=S={variant.target_L}, "
+            print(f"targets ({variant.name}): float32, {variant.describe(**(variant.target_dims or variant.dims))}, "
+                  f"L=S={variant.target_L}, "
                   f"need_weights=False; {args.repeats} interleaved repeats, medians\n")
             result: Sequence[Any] = timing.targets(repeats=args.repeats, device=args.device, variant=variant,
                                                       backends=backends, progress=progress)
