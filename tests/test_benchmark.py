@@ -268,10 +268,14 @@ _VARIANT_LABELS = {
                                 "torch built-in repeat_interleave"]},
     "window": {backend: [f"{backend} window", f"{backend} causal"]
                for backend in ("attention_np", "attention_jax", "attention_torch")},
+    "long": {backend: [f"{backend}{path}" for path in (" flash", " flash gradient", "", " flash causal",
+                                                        " flash causal gradient", " causal")]
+             + (["torch built-in", "torch built-in causal"] if backend == "attention_torch" else [])
+             for backend in ("attention_np", "attention_jax", "attention_torch")},
 }
 
 
-@pytest.mark.parametrize("name", ["plain", "gqa", "window"])
+@pytest.mark.parametrize("name", ["plain", "gqa", "window", "long"])
 def test_cli_parses_each_variant(name: str) -> None:
     from conformance.__main__ import build_parser
 
@@ -287,7 +291,7 @@ def test_cli_refuses_an_unknown_variant_and_an_operation_the_variant_lacks(capsy
     assert "--variant gqa times sdpa only" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["gqa", "window"])
+@pytest.mark.parametrize("name", ["gqa", "window", "long"])
 def test_variant_runs_at_a_tiny_size_with_labelled_rows_and_json(name: str, tmp_path: pathlib.Path,
                                                                  capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "rows.json"
@@ -303,12 +307,13 @@ def test_variant_runs_at_a_tiny_size_with_labelled_rows_and_json(name: str, tmp_
     for row in document["rows"]:
         assert row["variant"] == name and set(row) == ROW_KEYS
         assert row["rel_error"] < 1e-4, row  # against attention_np's explicit path with the variant's keywords
-    # window: the ratios side by side, printed and in the JSON; gqa has none outside --targets
-    ratios = document["ratios"]
-    assert [(r["numerator"], r["denominator"]) for r in ratios] == [
-        (f"{backend} window", f"{backend} causal") for backend in _VARIANT_LABELS[name]
-        if _importable(backend)] * (name == "window")
-    assert ("side by side" in stdout) == (name == "window")
+    # window, long: the ratios side by side, printed and in the JSON; gqa has none outside --targets
+    ratios = [(r["numerator"], r["denominator"]) for r in document["ratios"]]
+    present = [backend for backend in _VARIANT_LABELS[name] if _importable(backend)]
+    assert ratios == {"gqa": [], "window": [(f"{backend} window", f"{backend} causal") for backend in present],
+                      "long": [(f"{backend} flash{label}", f"{backend}{label}") for backend in present
+                               for label in ("", " causal")]}[name]
+    assert ("side by side" in stdout) == (name != "gqa")
 
 
 def test_gqa_rows_hold_every_target_with_the_right_sizes() -> None:
@@ -341,6 +346,32 @@ def test_gqa_target_rows_from_fake_medians() -> None:
     table = report.format_targets(rows)
     assert "attention_np np.repeat - attention_np" in table and "304.00 - 272.00 MiB" in table
     assert ">= 31.7 MiB" in table and table.count("MET") == 3 and table.count("MISSED") == 1
+
+
+def test_long_targets_name_candidates_the_variant_makes() -> None:
+    labels = {label for labels in _VARIANT_LABELS["long"].values() for label in labels}
+    assert {name for target in variants.LONG.targets for name in (target.numerator, *target.denominators)} <= labels
+    assert variants.LONG.target_dims == {"B": 1, "H": 8, "E": 64} and variants.LONG.target_L == 4096
+    assert max(variants.LONG.sizes) == 32768
+    # the gradient runs the forward and the backward pass: "backward at most 3 times the forward" is <= 4
+    assert {target.bound for target in variants.LONG.targets if target.numerator.endswith("gradient")} == {4.0}
+    problem = timing.Problem("sdpa", 1, 1, 32768, 64, (), {})  # above SCORES_LIMIT: flash_attention alone
+    assert set(variants.long_calls("attention_np", attention_np, problem, {}, fused=False)) == {
+        "attention_np flash", "attention_np flash gradient", "attention_np flash causal",
+        "attention_np flash causal gradient"}
+
+
+@pytest.mark.slow  # torch's rows start a process each
+def test_memory_rows_at_a_small_length_meet_the_bounds() -> None:
+    from conformance.bench import memory
+
+    backends = {name: importlib.import_module(name) for name in ("attention_np", "attention_jax",
+                                                                  "attention_torch") if _importable(name)}
+    rows = memory.measure(backends, length=1024)
+    assert {(row.backend, row.call, row.is_causal) for row in rows if row.bound is not None} == {
+        (name, call, causal) for name in backends for call in ("forward", "gradient") for causal in (False, True)}
+    assert all(row.met for row in rows if row.bound is not None), memory.format_rows(rows, 1024)
+    assert "MET" in memory.format_rows(rows, 1024)
 
 
 def test_a_ratio_without_a_bound_has_no_verdict() -> None:
