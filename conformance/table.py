@@ -638,10 +638,17 @@ TILES = (2, 3)  # block_q, block_k of the rows taken over from sdpa: every tile 
 
 
 def _as_tiled(row: Fixed, block_q: int = TILES[0], block_k: int = TILES[1]) -> Fixed:
-    """An sdpa row as a flash_attention row: the same case in tiles, its rules on out alone (the second
-    result is the log-sum-exp; the oracle's -inf marks the queries that see no key)."""
-    rules = tuple(rule for rule in row.rules if rule.name == "out")
+    """An sdpa row as a flash_attention row: the same case in tiles, its rules on out (the second result is
+    the log-sum-exp; the oracle's -inf marks the queries that see no key), or those of FLASH_RULES where the
+    sdpa row's rules are on the weights alone."""
+    rules = tuple(rule for rule in row.rules if rule.name == "out") or FLASH_RULES.get(row.name, ())
     return row._replace(operation="flash", build=lambda: tiled(row.build(), block_q, block_k), rules=rules)
+
+
+# the flash rules of edge cases whose sdpa rules are on the weights alone: every query sees finite scores
+# (about -1.1e12; capped at +-0.5 besides a -inf bias), so its lse is finite, whatever the masks hide
+FLASH_RULES = {name: (Rule("out", "finite"), Rule("lse", "finite"))
+               for name in ("visible_scores_below_minus_1e9", "softcap_keeps_neg_inf_bias_hidden")}
 
 
 def _flash_rows() -> list[Fixed]:
