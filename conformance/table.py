@@ -677,9 +677,9 @@ def _flash_rows() -> list[Fixed]:
             "key_lengths [7, 0] in key tiles of 4: the second tile half hidden, the third skipped; sequence 1 "
             "sees no key"),
         example("flash", "running_maximum_grows_late", lambda: tiled(sdpa_case(
-            (), 2, 9, q=np.ones((2, 1)), k=np.arange(9.0)[:, None], scale=3.0), 2, 2),
-            "scores 0, 3, .., 24 in key order: each tile raises the running maximum, so every earlier sum is "
-            "rescaled (by exp(-6) per tile)"),
+            (), 2, 9, q=np.ones((2, 1)), k=np.arange(9.0)[:, None], scale=2.5), 2, 2),
+            "scores 0, 2.5, .., 20 in key order: each tile raises the running maximum, so every earlier sum is "
+            "rescaled (by exp(-5) per tile)"),
         edge("flash", "lse_of_fully_masked_rows", lambda: tiled(sdpa_case(
             mask=changed(changed(random_mask(2, 3, 4), (0, 0), False), (1, 2), False)), 2, 3),
             "rows (0, 0) and (1, 2) see no key: out rows exactly 0 and lse -inf; the others as the oracle",

@@ -306,7 +306,13 @@ def _assert_decode_contract(case: cases.DecodeCase) -> None:
     assert all(size >= 1 for size in case.chunks) and sum(case.chunks) == L <= case.capacity
 
 
-CONTRACTS = {"sdpa": _assert_sdpa_contract, "mha": _assert_mha_contract, "block": _assert_block_contract,
+def _assert_flash_contract(case: cases.FlashCase) -> None:
+    _assert_sdpa_contract(case)
+    assert case.dropout == 0.0 and all(isinstance(n, int) and n >= 1 for n in (case.block_q, case.block_k))
+
+
+CONTRACTS = {"sdpa": _assert_sdpa_contract, "flash": _assert_flash_contract, "mha": _assert_mha_contract,
+             "block": _assert_block_contract,
              "decode": _assert_decode_contract}
 EXAMPLES = [row for row in table.TABLE if row.use == "example"]
 
