@@ -216,6 +216,29 @@ def key_tiles(start: int, stop: int, S: int, block_k: int, *, is_causal: bool,
     return range(lo // block_k, (hi - 1) // block_k + 1)
 
 
+def ring_chunks(devices: object, L: int, S: int, is_causal: bool) -> dict[str, list[list[tuple[int, int]]]]:
+    """ring_attention's layout: for each of the P devices, its chunks of the queries ("q") and of the keys and
+    values ("k") as (start, stop) positions. Contiguous shards, or with is_causal the zig-zag layout: 2P chunks,
+    device d holding chunks d and 2P - 1 - d, so that causal attention gives every device the same work.
+    ValueError unless P is a positive int and L and S are multiples of P (2P with is_causal)."""
+    if not (isinstance(devices, int | np.integer) and not isinstance(devices, bool) and devices > 0):
+        raise ValueError(f"devices must be a positive integer; got {devices!r}")
+    pieces = 2 * devices if is_causal else devices
+    layout = "the zig-zag layout of is_causal cuts it into 2P chunks" if is_causal else "one shard per device"
+    for name, n in (("L", L), ("S", S)):
+        if n % pieces:
+            raise ValueError(f"ring_attention: {name} = {n} is not a multiple of {pieces} (P = {devices} devices; "
+                             f"{layout})")
+
+    def shards(n: int) -> list[list[tuple[int, int]]]:
+        size = n // pieces
+        if not is_causal:
+            return [[(d * size, (d + 1) * size)] for d in range(devices)]
+        return [[(d * size, (d + 1) * size), ((pieces - 1 - d) * size, (pieces - d) * size)] for d in range(devices)]
+
+    return {"q": shards(L), "k": shards(S)}
+
+
 def module_sizes(d_model: int, num_heads: int, d_ff: int | None = None) -> None:
     sizes = {"d_model": d_model, "num_heads": num_heads} | ({} if d_ff is None else {"d_ff": d_ff})
     for name, size in sizes.items():

@@ -1,0 +1,210 @@
+"""Ring attention: the sequence sharded over one axis of a JAX device mesh, keys and values passed around the ring.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+Each of the P devices on mesh axis `axis` holds one shard of the queries and one of the keys and values. The
+key/value shards travel around the ring (lax.ppermute, device d sends to d + 1), so after step s device i holds
+the shard of device j = (i - s) mod P; at every step it attends its queries to the visiting keys with
+flash_attention and merges the partial result into its running one by the log-sum-exp (SPEC 2c):
+    lse = logaddexp(lse_a, lse_b),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+where both parts see no key (lse_a = lse_b = -inf) the row stays zeros with lse -inf, never NaN.
+
+Positions are global: a shard is a list of chunks, each with the global position of its first row, and the
+query chunk starting at p attends the key chunk starting at t with q_offset = p - t + the caller's q_offset,
+so that is_causal and window compare global positions (query p + i, key t + j); flash_attention's own tile
+skipping then drops the chunk pairs the structure hides.
+
+Layouts (checks.ring_chunks, shared by the backends): without is_causal each device holds one contiguous
+shard, rows d n .. (d + 1) n - 1 (n = L / P; keys likewise), and nothing is permuted. With is_causal, the
+zig-zag layout balances the work: the sequence is cut into 2P chunks of c = L / (2P) rows, and device i holds
+chunks i and 2P - 1 - i (rows from i c and from (2P - 1 - i) c), one early and one late chunk, so every device
+does the same causal work at every step. The caller passes and receives arrays in natural order: inside
+shard_map, where device d holds the natural chunks 2d and 2d + 1, two ppermutes (one per chunk slot) move the
+chunks to their zig-zag devices at entry, and the inverse ppermutes move out and lse back at exit. This is the
+resharding written out, rather than left to XLA (under jit a gather on the sharded axis): each device sends and
+receives L / P rows per array, and its memory stays L / P.
+
+Autodiff goes through shard_map, ppermute (whose transpose is the inverse ppermute) and the step loop
+(lax.scan), with flash_attention's custom_vjp inside; the gradients come back sharded like the inputs. The
+loop's reverse pass keeps the visiting key/value shards of every step, so the gradient holds O(S) keys per
+device (a hand-written ring backward that sends dK, dV around with K, V would keep O(S / P)).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from attention_np.common import checks
+
+from .flash import flash_attention
+
+
+class _Layout(NamedTuple):
+    """How the sequence lies on the P devices of the ring: `chunks` chunks per device (1 contiguous, 2 zig-zag)
+    and the global start of each, (P, chunks) tables of the queries and of the keys, indexed by device."""
+
+    chunks: int
+    q_starts: jax.Array
+    k_starts: jax.Array
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    axis: str,
+    is_causal: bool = False,
+    scale: float | None = None,
+    q_offset: int = 0,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    block_q: int = 128,
+    block_k: int = 128,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention(Q, K, V) = softmax(softcap(Q K^T * scale)) V with the sequence axis sharded over mesh axis
+    `axis`: the key/value shards go around the ring, each step merged in by the log-sum-exp.
+
+    Args:
+        q, k, v: as for flash_attention, global arrays whose axis -2 is (or will be) sharded over `axis`.
+        mesh: the jax.sharding.Mesh; the leading axes (...) may be sharded over its other axes.
+        axis: the name of the mesh axis the sequence is sharded over; L and S must be multiples of its size P,
+            of 2P with is_causal (the zig-zag layout).
+        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for flash_attention, on
+            global positions; q_offset a Python int.
+
+    Returns:
+        out (..., L, Ev) and lse (..., L), sharded like q: flash_attention's on one device.
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"ring_attention: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    if not isinstance(q_offset, int) or isinstance(q_offset, bool):  # jax: part of the compiled configuration
+        raise ValueError(f"ring_attention: q_offset must be a Python int; got {q_offset!r}")
+    try:  # the layout every backend shares: the chunks of each device, or the error naming L or S and P
+        chunks = checks.ring_chunks(mesh.shape[axis], q.shape[-2], k.shape[-2], bool(is_causal))
+    except ValueError as error:
+        raise ValueError(f"{error}, on mesh axis {axis!r}") from None
+    starts = tuple(tuple(tuple(start for start, _ in device) for device in chunks[x]) for x in ("q", "k"))
+    window = None if window is None else tuple(window)
+    options = (("is_causal", bool(is_causal)), ("scale", scale), ("window", window), ("softcap", softcap),
+               ("enable_gqa", enable_gqa), ("block_q", block_q), ("block_k", block_k))
+    return _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, q_offset, options)(q, k, v)
+
+
+@functools.lru_cache(maxsize=64)
+def _mapped(mesh: Mesh, axis: str, ndims: tuple[int, int, int], starts: tuple, q_offset: int,
+            options: tuple) -> Callable:
+    """The jitted shard_map of one configuration (jax: built once, so that eager calls do not retrace).
+    starts: per device, the global starts of its query chunks and of its key chunks (checks.ring_chunks)."""
+    ring, options = mesh.shape[axis], dict(options)
+    layout = _Layout(len(starts[0][0]), *(jnp.asarray(table) for table in starts))
+
+    def shard(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        d = lax.axis_index(axis)  # this device's place on the ring
+        q, k, v = (_to_layout(x, axis, ring, layout) for x in (q, k, v))
+        out, lse = _ring(q, k, v, d, axis=axis, ring=ring, layout=layout, q_offset=q_offset, options=options)
+        return _from_layout(out, axis, ring, layout), _from_layout(lse[..., None], axis, ring, layout)[..., 0]
+
+    def spec(ndim: int) -> P:  # the sequence axis (-2) over `axis`, the others left to the compiler
+        return P(*[None] * (ndim - 2), axis, None)
+
+    lse_spec = P(*[None] * (ndims[0] - 2), axis)  # (..., L)
+    mapped = jax.shard_map(shard, mesh=mesh, in_specs=tuple(spec(n) for n in ndims),
+                           out_specs=(spec(ndims[0]), lse_spec), axis_names=frozenset({axis}),
+                           check_vma=False)
+    # jax: manual over `axis` only; the other mesh axes stay automatic, so batch or heads sharded over them
+    # stay sharded. check_vma=False: flash_attention's loops start their carries from fresh (unvarying) zeros;
+    # every value here varies over the ring, and no collective reduces over it, so there is nothing to check
+    return jax.jit(mapped)
+
+
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array, *, axis: str, ring: int, layout: _Layout,
+          q_offset: int, options: dict) -> tuple[jax.Array, jax.Array]:
+    """Device d's out (..., Lc, Ev) and lse (..., Lc) over all P key/value shards: its own first, then the
+    P - 1 visitors; each shard is sent on to the next device while it is attended (P - 1 hops)."""
+    lq, lk = q.shape[-2] // layout.chunks, k.shape[-2] // layout.chunks  # rows per chunk
+    q_starts = layout.q_starts[d]  # (chunks,): where this device's query chunks start
+    rotate = [(i, (i + 1) % ring) for i in range(ring)]  # device i sends to i + 1
+
+    def attend(k: jax.Array, v: jax.Array, j: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+        """Each query chunk of d against the key chunks of device j: (out, lse) per query chunk, merged."""
+        parts = []
+        for a in range(layout.chunks):
+            q_a = q[..., a * lq:(a + 1) * lq, :]  # (..., Lc, E)
+            merged = None
+            for b in range(layout.chunks):
+                offset = q_starts[a] - layout.k_starts[j, b] + q_offset  # global positions
+                part = flash_attention(q_a, k[..., b * lk:(b + 1) * lk, :], v[..., b * lk:(b + 1) * lk, :],
+                                       q_offset=offset, **options)
+                merged = part if merged is None else _merge(merged, part)
+            parts.append(merged)
+        return parts
+
+    def step(carry: tuple, s: jax.Array) -> tuple:
+        k, v, parts = carry
+        k_next, v_next = lax.ppermute(k, axis, rotate), lax.ppermute(v, axis, rotate)  # on its way meanwhile
+        parts = [_merge(a, b) for a, b in zip(parts, attend(k, v, (d - s) % ring), strict=True)]
+        return (k_next, v_next, parts), None
+
+    # nothing seen yet: zeros and lse -inf, in the dtype flash_attention's lse has (float32 for half precision)
+    parts = [(jnp.zeros(out.shape, lse.dtype), jnp.full(lse.shape, -jnp.inf, lse.dtype))
+             for out, lse in jax.eval_shape(attend, k, v, d)]
+    # steps 0 .. P - 2 attend the shard at hand while sending it on; the last one, P - 1 hops in all
+    (k, v, parts), _ = lax.scan(step, (k, v, parts), jnp.arange(ring - 1, dtype=d.dtype))
+    parts = [_merge(a, b) for a, b in zip(parts, attend(k, v, (d - (ring - 1)) % ring), strict=True)]
+    out = jnp.concatenate([out.astype(q.dtype) for out, _ in parts], axis=-2)  # (..., Lc, Ev), as q's dtype
+    return out, jnp.concatenate([lse for _, lse in parts], axis=-1)
+
+
+def _merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Two partial results over disjoint keys as one: lse = logaddexp(lse_a, lse_b), out = exp(lse_a - lse)
+    out_a + exp(lse_b - lse) out_b, in lse's dtype (float32 for half-precision inputs)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    lse = jnp.logaddexp(lse_a, lse_b)  # (..., Lc); -inf where neither part sees a key
+    seen = lse != -jnp.inf
+    shift = jnp.where(seen, lse, 0.0)  # a row that sees nothing: exp(-inf - 0) = 0 for both, no -inf - -inf
+    w_a, w_b = (jnp.exp(x - shift)[..., None] for x in (lse_a, lse_b))  # (..., Lc, 1)
+    out = w_a * out_a.astype(lse.dtype) + w_b * out_b.astype(lse.dtype)  # (..., Lc, Ev)
+    return out, lse
+
+
+def _to_layout(x: jax.Array, axis: str, ring: int, layout: _Layout) -> jax.Array:
+    """Device d's natural rows (chunks 2d, 2d + 1) as its zig-zag rows (chunks d, 2P - 1 - d); the contiguous
+    layout is the natural one. Natural chunk m goes to device m (m < P) or 2P - 1 - m (m >= P): for each slot
+    t (m = 2d + t) that is a permutation of the devices, so one ppermute per slot."""
+    if layout.chunks == 1:
+        return x
+    c = x.shape[-2] // 2
+    received = [lax.ppermute(x[..., t * c:(t + 1) * c, :], axis, _slot_permutation(t, ring)) for t in (0, 1)]
+    # device i receives an even chunk from slot 0 and an odd one from slot 1; chunk i is the even one iff i is even
+    even = lax.axis_index(axis) % 2 == 0
+    first, second = (jnp.where(even, *pair) for pair in (received, received[::-1]))
+    return jnp.concatenate([first, second], axis=-2)
+
+
+def _from_layout(x: jax.Array, axis: str, ring: int, layout: _Layout) -> jax.Array:
+    """_to_layout turned around: the zig-zag chunks d, 2P - 1 - d back to the natural chunks 2d, 2d + 1."""
+    if layout.chunks == 1:
+        return x
+    c = x.shape[-2] // 2
+    even = lax.axis_index(axis) % 2 == 0
+    first, second = x[..., :c, :], x[..., c:, :]
+    sent = [jnp.where(even, first, second), jnp.where(even, second, first)]  # the even chunk, then the odd one
+    inverse = [[(dst, src) for src, dst in _slot_permutation(t, ring)] for t in (0, 1)]
+    return jnp.concatenate([lax.ppermute(sent[t], axis, inverse[t]) for t in (0, 1)], axis=-2)
+
+
+def _slot_permutation(t: int, ring: int) -> list[tuple[int, int]]:
+    """(source, destination) for the natural chunk m = 2d + t of every device d: to device m or 2P - 1 - m."""
+    return [(d, 2 * d + t if 2 * d + t < ring else 2 * ring - 1 - (2 * d + t)) for d in range(ring)]
