@@ -1,0 +1,153 @@
+"""`python -m conformance.bench.ring_torch`: the memory and the communication of attention_torch.ring_attention
+on P = 1, 2, 4 CPU processes (gloo on the loopback interface), at a fixed whole sequence.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width.
+
+At H = 1, L = S = 16384, E = 64, float32, each process measures
+- the growth of its peak resident memory (VmHWM, reset through /proc/self/clear_refs after its inputs are made
+  and a warm-up has run) over one forward and backward pass, which should fall about as 1/P: each rank holds
+  L/P queries and two visiting blocks of S/P keys and values, never the whole sequence;
+- the bytes it hands to isend per ring step (batch_isend_irecv counted as it is called), against the model
+  2 (S/P) E dtype_size (a k and a v block) in the forward pass (P - 1 steps send); the backward pass sends the
+  block P - 1 times and its dk, dv accumulators P times, (4P - 2) / P blocks per step on average.
+
+`launch` starts the processes (torch.multiprocessing, spawn) around one TCPStore the caller holds on port 0,
+so that no two launches, parallel tests included, can clash on a port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+L = 16384  # L = S, the whole sequence
+E = 64
+MIB = 2**20
+PROCESSES = (1, 2, 4)
+
+
+def launch(world_size: int, function: Callable, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """function(rank, world_size, *args) on `world_size` fresh processes joined in one gloo process group on
+    127.0.0.1; their return values (JSON), by rank. function must be importable by name (a module's)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))  # port 0: the system picks a free one
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_entry, args=(world_size, store.port, timeout_s, directory, function, args), nprocs=world_size)
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(directory, f"{rank}.json")) as file:
+                results.append(json.load(file))
+    return results
+
+
+def _entry(rank: int, world_size: int, port: int, timeout_s: float, directory: str, function: Callable,
+           args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the loopback interface
+    torch.set_num_threads(1)  # the processes share the cores
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        result = function(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(directory, f"{rank}.json"), "w") as file:
+        json.dump(result, file)
+
+
+class RingRow(NamedTuple):
+    processes: int
+    peak_mib: float  # the largest over the ranks: growth of the peak resident memory, forward and backward
+    peak_total_mib: float  # the largest VmHWM over the ranks, the interpreter and torch included
+    bytes_per_step: int  # sent by one rank in one forward step
+    model_bytes: int  # 2 (S/P) E dtype_size
+    backward_bytes_per_step: int  # sent by one rank in the backward pass over its P steps, per step
+
+
+def measure(processes: Sequence[int] = PROCESSES, *, length: int = L, width: int = E,
+            block: int = 128) -> list[RingRow]:
+    """One row per process count."""
+    rows = []
+    for P in processes:
+        results = launch(P, _measure_rank, length, width, block, timeout_s=600.0)
+        forward = results[0]["forward_bytes"]  # one entry per exchange: P - 1 of them
+        rows.append(RingRow(P, max(r["peak"] for r in results) / MIB, max(r["total"] for r in results) / MIB,
+                            max(forward, default=0), 2 * (length // P) * width * 4 if P > 1 else 0,
+                            sum(results[0]["backward_bytes"]) // P))
+    return rows
+
+
+def _measure_rank(rank: int, world_size: int, length: int, width: int, block: int) -> dict:
+    """One rank's peak RSS growth over a forward and backward pass, and the bytes it sends per step."""
+    import torch
+    import torch.distributed as dist
+
+    import attention_torch
+
+    sent: list[int] = []
+    batch = dist.batch_isend_irecv
+
+    def counted(ops: list) -> list:  # the bytes of every tensor handed to isend, one entry per exchange
+        sent.append(sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend))
+        return batch(ops)
+
+    dist.batch_isend_irecv = counted  # the module looks it up on dist at each call
+    shard = length // world_size
+    generator = torch.Generator().manual_seed(rank)
+    q, k, v, d_out = (torch.randn(1, 1, shard, width, generator=generator) for _ in range(4))
+    for x in (q, k, v):
+        x.requires_grad_()
+    tiles = dict(block_q=block, block_k=block)
+    out, lse = attention_torch.ring_attention(q, k, v, **tiles)  # warm-up at full size: the kernels, the
+    torch.autograd.grad(out, (q, k, v), d_out)  # transport's buffers and the allocator's heap
+    del out, lse
+    dist.barrier()
+    sent.clear()
+    with open("/proc/self/clear_refs", "w") as file:
+        file.write("5")  # the peak resident memory from here on
+    before = _status("VmRSS:")
+    out, lse = attention_torch.ring_attention(q, k, v, **tiles)
+    forward_bytes = list(sent)
+    sent.clear()
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    peak = _status("VmHWM:") - before
+    results = sum(x.numel() * x.element_size() for x in (out, lse, *grads))
+    dist.batch_isend_irecv = batch
+    return {"peak": peak - results, "total": _status("VmHWM:"), "forward_bytes": forward_bytes,
+            "backward_bytes": sent}
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as file:
+        for line in file:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def format_rows(rows: Sequence[RingRow], length: int = L, width: int = E) -> str:
+    header = ("P", "peak RSS growth MiB (max over ranks)", "x P", "VmHWM MiB", "bytes sent / step (fwd)",
+              "model 2 (S/P) E 4", "bytes sent / step (bwd)")
+    lines = [header] + [(str(r.processes), f"{r.peak_mib:.1f}", f"{r.peak_mib * r.processes:.1f}",
+                         f"{r.peak_total_mib:.0f}", str(r.bytes_per_step), str(r.model_bytes),
+                         str(r.backward_bytes_per_step)) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    title = f"ring_attention, L = S = {length}, E = {width}, H = 1, float32, forward and backward, gloo on the CPU"
+    return "\n".join([title, *("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True))
+                               for line in lines)])
+
+
+if __name__ == "__main__":
+    from conformance.bench import ring_torch  # torch.multiprocessing pickles functions by their module's name
+
+    print(ring_torch.format_rows(ring_torch.measure()))

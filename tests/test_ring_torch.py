@@ -1,0 +1,114 @@
+"""attention_torch.ring_attention on 2 and 4 CPU processes (gloo on the loopback interface): each rank's out, lse
+and gradients of its own q, k, v shards equal the matching rows of single-process flash_attention (and out that
+of scaled_dot_product_attention), in float64, for every structure the ring must follow in global positions;
+shards of different lengths are refused on every rank. Each test starts its processes once
+(conformance.bench.ring_torch.launch) and runs all its cases in them: starting them is most of the time."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conformance.bench.ring_torch import launch
+
+pytestmark = pytest.mark.slow
+
+RTOL = 1e-12  # float64
+TILES = {"block_q": 3, "block_k": 2}  # neither divides a shard of 4 or 8 queries and keys
+# name: (H, Hkv, L, S, options); E = 4, Ev = 3, B = 2
+CASES = {
+    "plain": (2, 2, 16, 16, {}),
+    "causal": (2, 2, 16, 16, {"is_causal": True}),
+    "causal_q_offset": (2, 2, 16, 16, {"is_causal": True, "q_offset": -3}),  # queries 0..2 see no key
+    "causal_window": (2, 2, 16, 16, {"is_causal": True, "window": (3, 0)}),
+    "window": (2, 2, 16, 16, {"window": (2, 2)}),
+    "softcap": (2, 2, 16, 16, {"softcap": 0.7, "scale": 2.0}),
+    "enable_gqa": (4, 2, 16, 16, {"enable_gqa": True, "is_causal": True}),
+    "cross": (2, 2, 8, 16, {}),  # L != S
+    "cross_bottom_right": (2, 2, 8, 16, {"is_causal": True, "q_offset": 8}),
+    # query i sees keys i - 3 .. i - 1 of 8: queries 0 and 11..15 see none, while rank 0's other queries see
+    # two blocks, so its merge meets rows that are -inf in both parts
+    "blind_rows": (2, 2, 16, 8, {"window": (1, 1), "q_offset": -2}),
+}
+
+
+def _inputs(H: int, Hkv: int, L: int, S: int, seed: int) -> list[np.ndarray]:
+    """The whole sequence, the same on every rank: q, k, v, and the cotangents of out and lse."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape) for shape in ((2, H, L, 4), (2, Hkv, S, 4), (2, Hkv, S, 3), (2, H, L, 3),
+                                                     (2, H, L))]
+
+
+def _loss(out, lse, d_out, d_lse):
+    """sum(out * d_out) + sum(lse * d_lse) over the rows that see some key (lse -inf elsewhere)."""
+    import torch
+
+    return (out * d_out).sum() + torch.where(lse == -math.inf, 0, lse * d_lse).sum()
+
+
+def _compare(got, expected, what: str) -> str | None:
+    """None when equal to RTOL (-inf in the same places), else what differs."""
+    got, expected = got.detach().numpy(), expected.detach().numpy()
+    if got.shape != expected.shape or not np.array_equal(np.isneginf(got), np.isneginf(expected)):
+        return f"{what}: shape {got.shape} vs {expected.shape} or -inf in other places"
+    finite = np.isfinite(expected)
+    error = np.linalg.norm(got[finite] - expected[finite]) / max(np.linalg.norm(expected[finite]), 1e-300)
+    return None if error <= RTOL else f"{what}: relative error {error:.3g} > {RTOL:.3g}"
+
+
+def _check_cases(rank: int, world_size: int) -> list[str]:
+    """On one rank: every case's out, lse and gradients against the single-process results; what failed."""
+    import torch
+
+    import attention_torch
+
+    failures = []
+    for seed, (name, (H, Hkv, L, S, options)) in enumerate(CASES.items()):
+        whole = [torch.from_numpy(x) for x in _inputs(H, Hkv, L, S, seed)]
+        q, k, v = (x.requires_grad_() for x in whole[:3])
+        out, lse = attention_torch.flash_attention(q, k, v, **options, **TILES)
+        grads = torch.autograd.grad(_loss(out, lse, *whole[3:]), (q, k, v))
+        expected_sdpa, _ = attention_torch.scaled_dot_product_attention(q, k, v, need_weights=False, **options)
+        rows, keys = slice(rank * L // world_size, (rank + 1) * L // world_size), slice(
+            rank * S // world_size, (rank + 1) * S // world_size)
+        shards = [x.detach()[..., part, :].clone().requires_grad_() for x, part in zip((q, k, v), (rows, keys, keys),
+                                                                                        strict=True)]
+        got_out, got_lse = attention_torch.ring_attention(*shards, **options, **TILES)
+        got_grads = torch.autograd.grad(_loss(got_out, got_lse, whole[3][..., rows, :], whole[4][..., rows]), shards)
+        checks = [(got_out, out[..., rows, :], "out"), (got_lse, lse[..., rows], "lse"),
+                  (got_out, expected_sdpa[..., rows, :], "out against scaled_dot_product_attention")]
+        checks += [(g, e[..., part, :], f"d{x}") for g, e, part, x in zip(got_grads, grads, (rows, keys, keys), "qkv",
+                                                                           strict=True)]
+        failures += [f"rank {rank} of {world_size}, {name}: {problem}" for got, expected, what in checks
+                     if (problem := _compare(got, expected, what))]
+    return failures
+
+
+def _uneven_shards(rank: int, world_size: int) -> str:
+    """Rank 0 holds 5 queries, keys and values, the others 4 (a sequence of 5 + 4 (P - 1) positions): the
+    message every rank raises."""
+    import torch
+
+    import attention_torch
+
+    x = torch.zeros(2, 2, 5 if rank == 0 else 4, 4)
+    try:
+        attention_torch.ring_attention(x, x, x)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_rank_gets_its_rows_of_single_process_attention(world_size: int):
+    failures = [failure for rank_failures in launch(world_size, _check_cases) for failure in rank_failures]
+    assert not failures, "\n".join(failures)
+
+
+def test_shards_of_different_lengths_raise_on_every_rank():
+    messages = launch(2, _uneven_shards)
+    for message in messages:
+        assert "P=2" in message and "rank 0: q (2, 2, 5, 4)" in message and "rank 1: q (2, 2, 4, 4)" in message, (
+            message)
