@@ -419,3 +419,27 @@ def test_decode_recompute_sum_is_exact_for_a_linear_cost() -> None:
     sampled = decode.sampled_positions(1024, 256, 32)
     assert sampled == (1025, 1057, 1089, 1121, 1153, 1185, 1217, 1249, 1280)
     assert decode.summed(sampled, sampled, 1024, 256) == 295040
+
+
+# --- the ring model (bench/cluster.py) -------------------------------------------------------------------
+
+
+def test_ring_model_crossover_by_hand() -> None:
+    from conformance.bench import cluster
+
+    # P = 8 on NVLink: L* = P (Hkv / H) b F u / (2 W) = 8 * (8 / 32) * 2 * 989e12 * 0.5 / (2 * 450e9) = 2197.8
+    assert cluster.crossover(8) == pytest.approx(8 * 0.25 * 2 * 989e12 * 0.5 / 900e9)
+    assert cluster.crossover(8) == pytest.approx(2197.8, rel=1e-4)
+    assert cluster.crossover(16) / cluster.crossover(8) == pytest.approx(2 * 450 / 50)  # InfiniBand beyond a node
+    for P in cluster.DEVICES:  # at L*, the compute of a step equals its transfer
+        at = cluster.step(P, round(cluster.crossover(P) / P) * P)
+        assert at.compute_s == pytest.approx(at.transfer_s, rel=0.01)
+    step = cluster.step(8, 65536)  # 2 B Hkv (L / P) E b bytes: 2 * 8 * 8192 * 128 * 2 = 32 MiB
+    assert step.bytes == 32 * 2**20 and step.hidden
+    assert "L* (communication hidden above it)" in cluster.format_table(cluster.table())
+
+
+def test_cli_parses_ring() -> None:
+    from conformance.__main__ import build_parser
+
+    assert build_parser().parse_args(["compare", "--ring"]).ring

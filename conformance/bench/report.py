@@ -253,6 +253,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the memory targets of tiled attention (bench/memory.py): flash_attention and its "
                              f"gradient at B=1, H=1, L=S={memory.L}, E={memory.E}, float32, each backend measured "
                              "its own way (ignores the other options)")
+    parser.add_argument("--ring", action="store_true",
+                        help="ring attention (SPEC 2d): JAX's memory per device and bytes per hop on 8 simulated "
+                             "devices, torch's in 1, 2 and 4 gloo processes, and the model for H100 clusters "
+                             "(--plot: the model's figure); ignores the other options")
     parser.add_argument("--prefill", type=positive_int, default=decode.PREFILL, metavar="N",
                         help=f"--decode: the prompt's positions P (default {decode.PREFILL})")
     parser.add_argument("--tokens", type=positive_int, default=decode.TOKENS, metavar="N",
@@ -266,6 +270,8 @@ def main(args: argparse.Namespace) -> int:
         return decode_main(args)
     if args.memory:
         return memory_main()
+    if args.ring:
+        return ring_main(args.plot)
     args.repeats = args.repeats or 10
     if args.plot:
         try:
@@ -329,6 +335,24 @@ def memory_main() -> int:
         print("\n".join(machine(backends)))
         print(f"flash_attention at B=1, H=1, L=S={memory.L}, E={memory.E}, float32, tiles {variants.LONG_TILES}\n")
         print(memory.format_rows(memory.measure(backends)))
+    return 0
+
+
+def ring_main(plot_path: str | None) -> int:
+    """`compare --ring`: ring attention measured on simulated devices and processes, and modelled on clusters."""
+    from . import cluster, ring, ring_torch
+
+    backends, _ = timing.installed_backends()
+    print("\n".join(machine(backends)) + "\n")
+    if "attention_jax" in backends:
+        print(ring.format_tables(ring.memory_rows(), ring.communication_rows()) + "\n")
+    if "attention_torch" in backends:
+        print(ring_torch.format_rows(ring_torch.measure()) + "\n")
+    print("the model (conformance/bench/cluster.py): H100s, B=1, H=32, Hkv=8, E=128, bf16\n"
+          + cluster.format_table(cluster.table()))
+    if plot_path:
+        cluster.plot(plot_path)
+        print(f"\nplot written to {plot_path}")
     return 0
 
 
