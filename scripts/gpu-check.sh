@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run: the GPU tests (tests/test_gpu.py), the conformance suite with
 # JAX on its default device (the GPU), and `python -m conformance compare --device cuda` in float32 and
-# bfloat16, and its long-sequence variant (flash_attention). Logs, JSON and plots go to the folder given as $1 (default gpu-results). Every step runs; the
+# bfloat16, and its long-sequence variant (flash_attention); JAX's ring attention over the machine's GPUs. Logs, JSON and plots go to the folder given as $1 (default gpu-results). Every step runs; the
 # exit code is 1 if any failed.
 #
 #   bash scripts/gpu-check.sh [OUTPUT_DIR]      # PYTHON=... to choose the interpreter (default python3)
@@ -32,6 +32,7 @@ for dtype in float32 bfloat16; do  # the machine, the devices and the placement 
 done
 step compare-long "$python" -m conformance compare --device cuda --variant long --sizes 1024,4096,16384 --repeats 3 \
     --quiet --json "$out/compare-long.json" --plot "$out/compare-long.png"  # tiled attention (NumPy on the CPU)
+step ring-jax "$python" examples/ring_attention_jax.py  # ring attention over every GPU JAX sees
 step conformance "$python" -m conformance
 echo "== $([ $failed = 0 ] && echo 'all steps passed' || echo 'a step failed'); results in $out/"
 exit $failed
