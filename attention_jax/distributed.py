@@ -25,10 +25,14 @@ chunks to their zig-zag devices at entry, and the inverse ppermutes move out and
 resharding written out, rather than left to XLA (under jit a gather on the sharded axis): each device sends and
 receives L / P rows per array, and its memory stays L / P.
 
-Autodiff goes through shard_map, ppermute (whose transpose is the inverse ppermute) and the step loop
-(lax.scan), with flash_attention's custom_vjp inside; the gradients come back sharded like the inputs. The
-loop's reverse pass keeps the visiting key/value shards of every step, so the gradient holds O(S) keys per
-device (a hand-written ring backward that sends dK, dV around with K, V would keep O(S / P)).
+The gradient is the ring's own backward pass (jax.custom_vjp around the steps, inside shard_map), which keeps
+only the local q, k, v shards, out and lse, so a device holds O(S / P) keys in the gradient too. It runs the
+ring again: at step s device d holds the shard of j = (d - s) mod P together with that shard's dK, dV
+accumulators, recomputes its queries against it with flash_attention's tiled backward pass (FA2, from the
+global out and lse: P = exp(S - lse), D = rowsum(dO * O) - d_lse), keeps its dQ share and sends the shard and
+the accumulators on to d + 1; after P steps the accumulators are home, each device holding the gradients of its
+own k, v shards. The zig-zag ppermutes at entry and exit lie outside the custom_vjp and are differentiated by
+JAX (the transpose of a ppermute is the inverse ppermute); the gradients come back sharded like the inputs.
 """
 
 from __future__ import annotations
@@ -45,16 +49,18 @@ from jax.sharding import PartitionSpec as P
 
 from attention_np.common import checks
 
-from .flash import flash_attention
+from .flash import _backward_tiles, _pad, _problem, _tiled_inputs, _Tiling, flash_attention
+from .functional import _grouped, _integers, _ranked
 
 
 class _Layout(NamedTuple):
     """How the sequence lies on the P devices of the ring: `chunks` chunks per device (1 contiguous, 2 zig-zag)
-    and the global start of each, (P, chunks) tables of the queries and of the keys, indexed by device."""
+    and the global start of each, (P, chunks) tables of the queries and of the keys, indexed by device (jax:
+    nested tuples, made arrays where they are read, so that no array of one trace is kept for another)."""
 
     chunks: int
-    q_starts: jax.Array
-    k_starts: jax.Array
+    q_starts: tuple
+    k_starts: tuple
 
 
 def ring_attention(
@@ -108,12 +114,25 @@ def _mapped(mesh: Mesh, axis: str, ndims: tuple[int, int, int], starts: tuple, q
     """The jitted shard_map of one configuration (jax: built once, so that eager calls do not retrace).
     starts: per device, the global starts of its query chunks and of its key chunks (checks.ring_chunks)."""
     ring, options = mesh.shape[axis], dict(options)
-    layout = _Layout(len(starts[0][0]), *(jnp.asarray(table) for table in starts))
+    layout = _Layout(len(starts[0][0]), *starts)
+    config = dict(axis=axis, ring=ring, layout=layout, q_offset=q_offset, options=options)
+
+    @jax.custom_vjp
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return _ring(q, k, v, lax.axis_index(axis), **config)  # this device's place on the ring
+
+    def attend_forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
+        out, lse = attend(q, k, v)
+        return (out, lse), (q, k, v, out, lse)  # kept for the backward ring: the local shards only, O(S / P)
+
+    def attend_backward(kept: tuple, cotangents: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return _ring_backward(*kept, *cotangents, lax.axis_index(axis), **config)
+
+    attend.defvjp(attend_forward, attend_backward)
 
     def shard(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        d = lax.axis_index(axis)  # this device's place on the ring
-        q, k, v = (_to_layout(x, axis, ring, layout) for x in (q, k, v))
-        out, lse = _ring(q, k, v, d, axis=axis, ring=ring, layout=layout, q_offset=q_offset, options=options)
+        q, k, v = (_to_layout(x, axis, ring, layout) for x in (q, k, v))  # differentiated by JAX, as ppermutes
+        out, lse = attend(q, k, v)
         return _from_layout(out, axis, ring, layout), _from_layout(lse[..., None], axis, ring, layout)[..., 0]
 
     def spec(ndim: int) -> P:  # the sequence axis (-2) over `axis`, the others left to the compiler
@@ -134,7 +153,7 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array, *, axis: str, 
     """Device d's out (..., Lc, Ev) and lse (..., Lc) over all P key/value shards: its own first, then the
     P - 1 visitors; each shard is sent on to the next device while it is attended (P - 1 hops)."""
     lq, lk = q.shape[-2] // layout.chunks, k.shape[-2] // layout.chunks  # rows per chunk
-    q_starts = layout.q_starts[d]  # (chunks,): where this device's query chunks start
+    q_starts, k_starts = jnp.asarray(layout.q_starts)[d], jnp.asarray(layout.k_starts)  # (chunks,), (P, chunks)
     rotate = [(i, (i + 1) % ring) for i in range(ring)]  # device i sends to i + 1
 
     def attend(k: jax.Array, v: jax.Array, j: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
@@ -144,7 +163,7 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array, *, axis: str, 
             q_a = q[..., a * lq:(a + 1) * lq, :]  # (..., Lc, E)
             merged = None
             for b in range(layout.chunks):
-                offset = q_starts[a] - layout.k_starts[j, b] + q_offset  # global positions
+                offset = q_starts[a] - k_starts[j, b] + q_offset  # global positions
                 part = flash_attention(q_a, k[..., b * lk:(b + 1) * lk, :], v[..., b * lk:(b + 1) * lk, :],
                                        q_offset=offset, **options)
                 merged = part if merged is None else _merge(merged, part)
@@ -165,6 +184,72 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array, *, axis: str, 
     parts = [_merge(a, b) for a, b in zip(parts, attend(k, v, (d - (ring - 1)) % ring), strict=True)]
     out = jnp.concatenate([out.astype(q.dtype) for out, _ in parts], axis=-2)  # (..., Lc, Ev), as q's dtype
     return out, jnp.concatenate([lse for _, lse in parts], axis=-1)
+
+
+def _ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, d_out: jax.Array,
+                   d_lse: jax.Array, d: jax.Array, *, axis: str, ring: int, layout: _Layout, q_offset: int,
+                   options: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Device d's dq (..., Lc, E) and the dk, dv of its own key/value shard: the ring again, in the forward's
+    order. At step s device d holds the shard of j = (d - s) mod P and that shard's dK, dV accumulators; it
+    adds what its queries contribute (the tiled backward pass against the global out and lse), keeps its dQ
+    share and sends the shard (P - 1 hops) and its accumulators (P hops, the last one home) to d + 1."""
+    lq, lk = q.shape[-2] // layout.chunks, k.shape[-2] // layout.chunks  # rows per chunk
+    q_starts, k_starts = jnp.asarray(layout.q_starts)[d], jnp.asarray(layout.k_starts)
+    rotate = [(i, (i + 1) % ring) for i in range(ring)]  # device i sends to i + 1
+    work = lse.dtype  # the gradients are summed in the scores' dtype, cast to the inputs' at the end
+
+    def rows(x: jax.Array, a: int, n: int, trailing: int = 1) -> jax.Array:  # chunk a, n rows, of (..., n_all, *)
+        return lax.slice_in_dim(x, a * n, (a + 1) * n, axis=x.ndim - 1 - trailing)
+
+    def gradients(k: jax.Array, v: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """dq, dk, dv of every query chunk of d against every key chunk of device j."""
+        dq, dk, dv = [0.0] * layout.chunks, [0.0] * layout.chunks, [0.0] * layout.chunks
+        for a in range(layout.chunks):
+            for b in range(layout.chunks):
+                offset = q_starts[a] - k_starts[j, b] + q_offset  # global positions
+                g = _chunk_backward(rows(q, a, lq), rows(k, b, lk), rows(v, b, lk), rows(out, a, lq),
+                                    rows(lse, a, lq, 0), rows(d_out, a, lq), rows(d_lse, a, lq, 0), offset, options)
+                dq[a], dk[b], dv[b] = dq[a] + g[0], dk[b] + g[1], dv[b] + g[2]
+        return tuple(jnp.concatenate(x, axis=-2) for x in (dq, dk, dv))
+
+    def visit(k: jax.Array, v: jax.Array, dk: jax.Array, dv: jax.Array, dq: jax.Array, s: jax.Array) -> tuple:
+        dq_s, dk_s, dv_s = gradients(k, v, (d - s) % ring)
+        dk, dv = (lax.ppermute(x, axis, rotate) for x in (dk + dk_s, dv + dv_s))  # on with the shard
+        return dk, dv, dq + dq_s
+
+    def step(carry: tuple, s: jax.Array) -> tuple:
+        k, v, dk, dv, dq = carry
+        k_next, v_next = lax.ppermute(k, axis, rotate), lax.ppermute(v, axis, rotate)  # on its way meanwhile
+        return (k_next, v_next, *visit(k, v, dk, dv, dq, s)), None
+
+    zeros = [jnp.zeros(x.shape, work) for x in (k, v, q)]  # dk, dv, dq
+    (k, v, dk, dv, dq), _ = lax.scan(step, (k, v, *zeros), jnp.arange(ring - 1, dtype=d.dtype))
+    dk, dv, dq = visit(k, v, dk, dv, dq, jnp.asarray(ring - 1, d.dtype))  # the last step: dK, dV go home
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _chunk_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, d_out: jax.Array,
+                    d_lse: jax.Array, q_offset: jax.Array, options: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """flash_attention's tiled backward pass (FA2) of the queries q against the keys k, v only, from the out,
+    lse and cotangents of the queries over all keys: P = exp(S - lse) are then the global weights, and with
+    D = rowsum(dO * O) - d_lse the chunk's dq, dk, dv are its terms of the global gradients, in lse's dtype.
+    flash._forward's preparation (grouping, tiling, padding) without mask, bias and key_lengths."""
+    shapes = (q.shape, k.shape, v.shape)
+    if options["enable_gqa"]:  # (..., H, L, *) -> (..., Hkv, G, L, *), as flash._forward does
+        H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
+        q, k, v, _, _, q_offset, _ = _grouped(q, k, v, None, None, q_offset, None)
+        out, d_out = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (out, d_out))
+        lse, d_lse = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 1)) for x in (lse, d_lse))
+    batch, L, S = checks.attention_batch(q.shape, k.shape, v.shape), q.shape[-2], k.shape[-2]
+    tiling = _Tiling(batch=batch, L=L, S=S, block_q=min(options["block_q"], L), block_k=min(options["block_k"], S),
+                     scale=checks.default_scale(options["scale"], q.shape, k.shape), softcap=options["softcap"],
+                     is_causal=options["is_causal"], window=checks.window(options["window"]))
+    arrays = _tiled_inputs(tiling, lse.dtype, q, k, v, None, None, _integers(q_offset, "q_offset", batch), None)
+    n, Lp = len(batch) + 2, arrays[0].shape[-2]
+    out, d_out = (_pad(_ranked(x, n).astype(lse.dtype), Lp) for x in (out, d_out))  # (..., Lp, Ev)
+    lse, d_lse = (_pad(_ranked(x, n - 1), Lp, axis=-1) for x in (lse, d_lse))  # (..., Lp); padding: not seen
+    grads = _backward_tiles(_problem(tiling, *arrays), out, lse, d_out, d_lse)[:3]
+    return tuple(g[..., :size, :].reshape(shape) for g, size, shape in zip(grads, (L, S, S), shapes, strict=True))
 
 
 def _merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:

@@ -5,7 +5,8 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 At B = 1, H = 1, L = S = 65536, E = 64, float32, jitted attention_jax.ring_attention on a 1-D mesh of P = 1, 2,
 4, 8 simulated CPU devices, causal (zig-zag) and not:
 - memory_rows(): compile().memory_analysis() per device: the temporaries (temp_size_in_bytes) and the
-  arguments and outputs (q, k, v shards in; out, lse shards out), which should fall as about 1 / P.
+  arguments and outputs (q, k, v shards in; out, lse shards out), which should fall as about 1 / P; for the
+  call "forward" (out, lse) and "gradient" (jax.grad of sum(out) in q, k, v; its outputs dq, dk, dv).
 - communication_rows(): the collective-permutes of the compiled HLO (compiled.as_text()), each with its
   shape's bytes: the ring's hops (source_target_pairs d -> d + 1, one for k and one for v per hop, P - 1
   hops) against the model 2 x block x E x 4 bytes per hop (block = S / P keys), and the zig-zag layout's
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 L = 65536  # L = S: the shards dominate each device's memory (at 8192 a fixed tile overhead still shows)
 E = 64
 DEVICES = (1, 2, 4, 8)
+CALLS = ("forward", "gradient")  # memory_rows: ring_attention itself, and jax.grad of sum(out) through it
 MIB = 2**20
 FLAG = "--xla_force_host_platform_device_count=8"
 _PERMUTE = re.compile(r"= (\w+)\[([\d,]*)\]\S* collective-permute\(.*"  # dtype, shape, pairs, op_name
@@ -37,6 +39,7 @@ _BYTES = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "s32": 4}
 class MemoryRow(NamedTuple):
     devices: int  # P
     is_causal: bool
+    call: str  # "forward" (out, lse) or "gradient" (dq, dk, dv of sum(out))
     temp_mib: float  # per device
     argument_mib: float
     output_mib: float
@@ -75,7 +78,7 @@ def _rows(kind: str) -> list[list[Any]]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def _compiled(P: int, is_causal: bool) -> Any:
+def _compiled(P: int, is_causal: bool, call: str = "forward") -> Any:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -86,17 +89,23 @@ def _compiled(P: int, is_causal: bool) -> Any:
 
     mesh = Mesh(np.array(jax.devices()[:P]), ("seq",))
     x = jax.ShapeDtypeStruct((1, 1, L, E), jnp.float32, sharding=NamedSharding(mesh, Spec(None, None, "seq", None)))
-    ring = jax.jit(lambda q, k, v: A.ring_attention(q, k, v, mesh=mesh, axis="seq", is_causal=is_causal))
-    return ring.lower(x, x, x).compile()
+
+    def attention(q: Any, k: Any, v: Any) -> Any:
+        return A.ring_attention(q, k, v, mesh=mesh, axis="seq", is_causal=is_causal)
+
+    calls = {"forward": attention,
+             "gradient": jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v)[0]), argnums=(0, 1, 2))}
+    return jax.jit(calls[call]).lower(x, x, x).compile()
 
 
 def _memory() -> list[list[Any]]:
     rows = []
-    for P in DEVICES:
-        for is_causal in (False, True):
-            stats = _compiled(P, is_causal).memory_analysis()
-            rows.append([P, is_causal, stats.temp_size_in_bytes / MIB, stats.argument_size_in_bytes / MIB,
-                         stats.output_size_in_bytes / MIB])
+    for call in CALLS:
+        for P in DEVICES:
+            for is_causal in (False, True):
+                stats = _compiled(P, is_causal, call).memory_analysis()
+                rows.append([P, is_causal, call, stats.temp_size_in_bytes / MIB, stats.argument_size_in_bytes / MIB,
+                             stats.output_size_in_bytes / MIB])
     return rows
 
 
@@ -121,8 +130,8 @@ _MEASURES = {"memory": _memory, "communication": _communication}
 
 def format_tables(memory: list[MemoryRow], communication: list[CommunicationRow]) -> str:
     lines = [f"ring_attention, L = S = {L}, E = {E}, H = 1, float32, per device (MiB)",
-             f"{'P':>2} {'causal':>6} {'temp':>8} {'temp x P':>9} {'args':>7} {'outputs':>8}"]
-    lines += [f"{r.devices:>2} {r.is_causal!s:>6} {r.temp_mib:>8.2f} {r.temp_times_devices:>9.2f} "
+             f"{'call':>8} {'P':>2} {'causal':>6} {'temp':>8} {'temp x P':>9} {'args':>7} {'outputs':>8}"]
+    lines += [f"{r.call:>8} {r.devices:>2} {r.is_causal!s:>6} {r.temp_mib:>8.2f} {r.temp_times_devices:>9.2f} "
               f"{r.argument_mib:>7.2f} {r.output_mib:>8.2f}" for r in memory]
     lines += ["", "collective-permutes in the compiled HLO (bytes)",
               f"{'P':>2} {'causal':>6} {'role':>9} {'count':>5} {'bytes each':>10} {'model per hop':>13}"]

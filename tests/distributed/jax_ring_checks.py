@@ -3,7 +3,8 @@ must see 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) from its
 
 - ring_attention on 1-D meshes of 2, 4 and 8 devices and on the 2-D mesh ("data", "seq") = (2, 4), the batch
   sharded over "data": out and lse against single-device flash_attention, out against
-  scaled_dot_product_attention; gradients against single-device jax.grad, sharded like the inputs; the error
+  scaled_dot_product_attention; gradients (ring_attention's own backward ring, a custom_vjp) against
+  single-device jax.grad, with cotangents on out and lse, under jax.jit, sharded like the inputs; the error
   for a length the ring does not divide.
 - The head-parallel (Megatron-style) modules on the 2-D mesh ("data", "model") = (2, 4) under jax.jit:
   MultiHeadAttention and TransformerBlock with their projections split over "model" equal the unsharded ones.
@@ -40,7 +41,7 @@ CASES = {
     "cross": (((2, 2, 16, 4), (2, 2, 48, 4), (2, 2, 48, 6)), {}),  # L != S
 }
 RINGS = {2: ("plain", "causal", "cross"), 4: tuple(CASES), 8: ("plain", "causal", "sliding_window")}
-GRADIENT_CASES = {4: ("causal_hidden_rows", "gqa"), 8: ("window",)}
+GRADIENT_CASES = {2: ("causal_offset", "softcap"), 4: ("causal_hidden_rows", "gqa"), 8: ("window",)}
 
 
 def _inputs(shapes: tuple, seed: int = 0) -> list[jax.Array]:
