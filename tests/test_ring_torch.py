@@ -112,3 +112,22 @@ def test_shards_of_different_lengths_raise_on_every_rank():
     for message in messages:
         assert "P=2" in message and "rank 0: q (2, 2, 5, 4)" in message and "rank 1: q (2, 2, 4, 4)" in message, (
             message)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_causal_zig_zag_gives_every_rank_the_same_work(world_size: int):
+    """With is_causal every rank computes as many chunk pairs and (query, key) pairs (_schedule, what the ring
+    runs); the contiguous layout would give rank r r + 1 blocks. Chunks of c = 4: a pair at offset o (query
+    chunk start - key chunk start) holds the pairs i - j + o >= 0 of a 4 x 4 square."""
+    from attention_torch import distributed
+
+    c, options = 4, {"q_offset": 0, "is_causal": True, "window": None}
+    layout = distributed._layout(world_size, 2 * c, 2 * c, True)
+    i, j = np.arange(c)[:, None], np.arange(c)[None, :]
+    calls, pairs = [], []
+    for rank in range(world_size):
+        scheduled = [step for steps in distributed._schedule(layout, rank, options) for _, _, step in steps]
+        calls.append(len(scheduled))
+        pairs.append(sum(int((i - j + step["q_offset"] >= 0).sum()) for step in scheduled))
+    assert len(set(calls)) == 1 and len(set(pairs)) == 1, (calls, pairs)
+    assert pairs[0] * world_size == (2 * c * world_size) * (2 * c * world_size + 1) // 2  # all L (L + 1) / 2

@@ -67,6 +67,7 @@ def _entry(rank: int, world_size: int, port: int, timeout_s: float, directory: s
 
 class RingRow(NamedTuple):
     processes: int
+    is_causal: bool  # the zig-zag layout: chunks moved at entry and exit, and not counted in the bytes per step
     peak_mib: float  # the largest over the ranks: growth of the peak resident memory, forward and backward
     peak_total_mib: float  # the largest VmHWM over the ranks, the interpreter and torch included
     bytes_per_step: int  # sent by one rank in one forward step
@@ -74,31 +75,34 @@ class RingRow(NamedTuple):
     backward_bytes_per_step: int  # sent by one rank in the backward pass over its P steps, per step
 
 
-def measure(processes: Sequence[int] = PROCESSES, *, length: int = L, width: int = E,
-            block: int = 128) -> list[RingRow]:
-    """One row per process count."""
+def measure(processes: Sequence[int] = PROCESSES, *, length: int = L, width: int = E, block: int = 128,
+            causal: Sequence[bool] = (False, True)) -> list[RingRow]:
+    """One row per process count and is_causal."""
     rows = []
-    for P in processes:
-        results = launch(P, _measure_rank, length, width, block, timeout_s=600.0)
-        forward = results[0]["forward_bytes"]  # one entry per exchange: P - 1 of them
-        rows.append(RingRow(P, max(r["peak"] for r in results) / MIB, max(r["total"] for r in results) / MIB,
+    for is_causal, P in ((c, P) for c in causal for P in processes):
+        results = launch(P, _measure_rank, length, width, block, is_causal, timeout_s=600.0)
+        forward = results[0]["forward_bytes"]  # one entry per ring exchange: P - 1 of them
+        rows.append(RingRow(P, is_causal, max(r["peak"] for r in results) / MIB,
+                            max(r["total"] for r in results) / MIB,
                             max(forward, default=0), 2 * (length // P) * width * 4 if P > 1 else 0,
                             sum(results[0]["backward_bytes"]) // P))
     return rows
 
 
-def _measure_rank(rank: int, world_size: int, length: int, width: int, block: int) -> dict:
+def _measure_rank(rank: int, world_size: int, length: int, width: int, block: int, is_causal: bool) -> dict:
     """One rank's peak RSS growth over a forward and backward pass, and the bytes it sends per step."""
     import torch
     import torch.distributed as dist
 
     import attention_torch
+    from attention_torch import distributed as ring_torch
 
     sent: list[int] = []
     batch = dist.batch_isend_irecv
 
-    def counted(ops: list) -> list:  # the bytes of every tensor handed to isend, one entry per exchange
-        sent.append(sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend))
+    def counted(ops: list) -> list:  # the bytes of every tensor handed to isend, one entry per ring exchange
+        if all(op.tag < ring_torch.LAYOUT_TAG for op in ops):  # the layout's moves at entry and exit apart
+            sent.append(sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend))
         return batch(ops)
 
     dist.batch_isend_irecv = counted  # the module looks it up on dist at each call
@@ -107,7 +111,7 @@ def _measure_rank(rank: int, world_size: int, length: int, width: int, block: in
     q, k, v, d_out = (torch.randn(1, 1, shard, width, generator=generator) for _ in range(4))
     for x in (q, k, v):
         x.requires_grad_()
-    tiles = dict(block_q=block, block_k=block)
+    tiles = dict(block_q=block, block_k=block, is_causal=is_causal)
     out, lse = attention_torch.ring_attention(q, k, v, **tiles)  # warm-up at full size: the kernels, the
     torch.autograd.grad(out, (q, k, v), d_out)  # transport's buffers and the allocator's heap
     del out, lse
@@ -136,9 +140,9 @@ def _status(key: str) -> int:
 
 
 def format_rows(rows: Sequence[RingRow], length: int = L, width: int = E) -> str:
-    header = ("P", "peak RSS growth MiB (max over ranks)", "x P", "VmHWM MiB", "bytes sent / step (fwd)",
+    header = ("P", "causal", "peak RSS growth MiB (max over ranks)", "x P", "VmHWM MiB", "bytes sent / step (fwd)",
               "model 2 (S/P) E 4", "bytes sent / step (bwd)")
-    lines = [header] + [(str(r.processes), f"{r.peak_mib:.1f}", f"{r.peak_mib * r.processes:.1f}",
+    lines = [header] + [(str(r.processes), str(r.is_causal), f"{r.peak_mib:.1f}", f"{r.peak_mib * r.processes:.1f}",
                          f"{r.peak_total_mib:.0f}", str(r.bytes_per_step), str(r.model_bytes),
                          str(r.backward_bytes_per_step)) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
