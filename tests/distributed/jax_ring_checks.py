@@ -40,8 +40,8 @@ CASES = {
     "gqa": (((2, 4, 32, 4), (2, 2, 32, 4), (2, 2, 32, 6)), {"enable_gqa": True, "is_causal": True}),
     "cross": (((2, 2, 16, 4), (2, 2, 48, 4), (2, 2, 48, 6)), {}),  # L != S
 }
-RINGS = {2: ("plain", "causal", "cross"), 4: tuple(CASES), 8: ("plain", "causal", "sliding_window")}
-GRADIENT_CASES = {2: ("causal_offset", "softcap"), 4: ("causal_hidden_rows", "gqa"), 8: ("window",)}
+RINGS = {2: ("plain", "causal", "cross"), 4: tuple(CASES), 8: ("causal", "sliding_window")}
+GRADIENT_CASES = {2: ("causal_offset",), 4: ("causal_hidden_rows", "gqa"), 8: ("window",)}  # softcap: test_flash
 
 
 def _inputs(shapes: tuple, seed: int = 0) -> list[jax.Array]:
