@@ -49,11 +49,12 @@ class MemoryRow(NamedTuple):
         return None if self.mib is None or self.bound is None else self.mib <= self.bound
 
 
-def measure(backends: dict[str, Any], *, length: int = L) -> list[MemoryRow]:
-    """One row per backend, call and causal flag (and JAX's plain formulation for comparison)."""
+def measure(backends: dict[str, Any], *, length: int = L, causal: tuple[bool, ...] = (False, True),
+            untiled: bool = True) -> list[MemoryRow]:
+    """One row per backend, call and causal flag (and, with `untiled`, JAX's untiled jit for comparison)."""
     rows: list[MemoryRow] = []
     for name, module in backends.items():
-        rows += _MEASURES[framework_of(module).name](name, module, length)
+        rows += _MEASURES[framework_of(module).name](name, module, length, causal, untiled)
     return rows
 
 
@@ -62,11 +63,11 @@ def _inputs(length: int, *, heads: int = 1) -> list[np.ndarray]:
     return [rng.standard_normal((1, heads, length, E)).astype(np.float32) for _ in range(4)]  # q, k, v, d_out
 
 
-def _numpy(name: str, module: Any, length: int) -> list[MemoryRow]:
+def _numpy(name: str, module: Any, length: int, flags: tuple[bool, ...], untiled: bool) -> list[MemoryRow]:
     q, k, v, d_out = _inputs(length)
     tiles = dict(zip(("block_q", "block_k"), LONG_TILES["numpy"], strict=True))
     rows = []
-    for causal in (False, True):
+    for causal in flags:
         options = dict(is_causal=causal, **tiles)
         forward = _traced(functools.partial(module.flash_attention, q, k, v, **options))
         rows.append(MemoryRow(name, "forward", causal, "tracemalloc", forward / MIB, TARGETS["forward"]))
@@ -98,13 +99,13 @@ def _arrays(result: Any) -> list[np.ndarray]:
     return [result] if isinstance(result, np.ndarray) else []
 
 
-def _jax(name: str, module: Any, length: int) -> list[MemoryRow]:
+def _jax(name: str, module: Any, length: int, flags: tuple[bool, ...], untiled: bool) -> list[MemoryRow]:
     import jax
     import jax.numpy as jnp
 
     block_q, block_k = LONG_TILES["jax"]
     rows = []
-    for causal in (False, True):
+    for causal in flags:
         q, k, v = (jax.ShapeDtypeStruct((1, 1, length, E), jnp.float32) for _ in range(3))
 
         def forward(q: Any, k: Any, v: Any, causal: bool = causal) -> Any:
@@ -117,6 +118,8 @@ def _jax(name: str, module: Any, length: int) -> list[MemoryRow]:
             plan = jax.jit(function).lower(q, k, v).compile().memory_analysis()
             rows.append(MemoryRow(name, call, causal, "XLA's plan: temporaries", plan.temp_size_in_bytes / MIB,
                                   TARGETS[call]))
+    if not untiled:
+        return rows
     script = JAX_UNTILED.format(module=module.__name__, length=length, E=E)  # for comparison: the untiled jit
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     mib = json.loads(done.stdout) / MIB if done.returncode == 0 else None
@@ -166,10 +169,10 @@ print(json.dumps(status("VmHWM:") - before - sum(x.numel() * x.element_size() fo
 """
 
 
-def _torch(name: str, module: Any, length: int) -> list[MemoryRow]:
+def _torch(name: str, module: Any, length: int, flags: tuple[bool, ...], untiled: bool) -> list[MemoryRow]:
     block_q, block_k = LONG_TILES["torch"]
     rows = []
-    for causal in (False, True):
+    for causal in flags:
         for call in ("forward", "gradient"):
             script = TORCH_SCRIPT.format(module=module.__name__, length=length, E=E, causal=causal, call=call,
                                          block_q=block_q, block_k=block_k)
