@@ -17,7 +17,7 @@ from tests._compare import assert_close, converted
 from tests.conftest import import_backend
 
 RTOL = 1e-12  # float64 on every backend
-TILES = ((1, 1), (2, 3), (3, 2), (4, 7), (128, 128))  # (block_q, block_k): ones, non-divisors, one tile
+TILES = ((1, 1), (2, 3), (4, 7), (128, 128))  # (block_q, block_k): ones, non-divisors, one tile
 
 
 def _random(*shape: int, seed: int = 0) -> np.ndarray:
