@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from attention_np.common import checks
 
-from .flash import _backward_tiles, _pad, _problem, _tiled_inputs, _Tiling, flash_attention
+from .flash import _backward_tiles, _pad, _problem, _tiled_inputs, _tiling, flash_attention
 from .functional import _grouped, _integers, _ranked
 
 
@@ -241,9 +241,7 @@ def _chunk_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, ls
         out, d_out = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (out, d_out))
         lse, d_lse = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 1)) for x in (lse, d_lse))
     batch, L, S = checks.attention_batch(q.shape, k.shape, v.shape), q.shape[-2], k.shape[-2]
-    tiling = _Tiling(batch=batch, L=L, S=S, block_q=min(options["block_q"], L), block_k=min(options["block_k"], S),
-                     scale=checks.default_scale(options["scale"], q.shape, k.shape), softcap=options["softcap"],
-                     is_causal=options["is_causal"], window=checks.window(options["window"]))
+    tiling = _tiling(batch, L, S, checks.default_scale(options["scale"], q.shape, k.shape), options)
     arrays = _tiled_inputs(tiling, lse.dtype, q, k, v, None, None, _integers(q_offset, "q_offset", batch), None)
     n, Lp = len(batch) + 2, arrays[0].shape[-2]
     out, d_out = (_pad(_ranked(x, n).astype(lse.dtype), Lp) for x in (out, d_out))  # (..., Lp, Ev)

@@ -169,15 +169,20 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     if empty is not None:  # L = 0 or S = 0: zeros, and no key seen; the gradients are zeros
         out, lse = empty[0], jnp.full((*batch, L), -jnp.inf, work)
     else:
-        tiling = _Tiling(batch=batch, L=L, S=S, block_q=min(options["block_q"], L), block_k=min(options["block_k"], S),
-                         scale=scale, softcap=options["softcap"], is_causal=options["is_causal"],
-                         window=structure["window"])
+        tiling = _tiling(batch, L, S, scale, options)
         arrays = _tiled_inputs(tiling, work, q, k, v, bias, mask, q_offset, key_lengths)
         out, lse = _tiled_jit(tiling, *arrays)  # (..., Lp, Ev), (..., Lp)
         out, lse = out[..., :L, :], lse[..., :L]  # the padded queries dropped
     if options["enable_gqa"]:  # (..., Hkv, G, L, *) -> (..., H, L, *)
         out, lse = _ungrouped(out), _ungrouped(lse[..., None])[..., 0]
     return out.astype(dtype), lse
+
+
+def _tiling(batch: tuple, L: int, S: int, scale: float, options: dict) -> _Tiling:
+    """The static description of a problem of L queries and S keys (tiles no larger than the sequence)."""
+    return _Tiling(batch=batch, L=L, S=S, block_q=min(options["block_q"], L), block_k=min(options["block_k"], S),
+                   scale=scale, softcap=options["softcap"], is_causal=options["is_causal"],
+                   window=checks.window(options["window"]))
 
 
 def _tiled_inputs(tiling: _Tiling, work: Any, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,

@@ -300,10 +300,6 @@ def _flash_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
     return options, keywords | ({} if arrays["bias"] is None else {"bias": arrays["bias"]})
 
 
-def _flash_leave_out(case: FlashCase, declaration: Declaration) -> FlashCase:
-    return _sdpa_leave_out(case, declaration)
-
-
 # --- multi-head attention ----------------------------------------------------------------------------------
 
 # The module options of SPEC.md section 5 and the values the seed layout has: the layout options are the state
@@ -540,7 +536,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
               ("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "block_q", "block_k"),
               ("q", "k", "v"), ("q", "k", "v", "bias"), "flash_cases", _flash_oracle, _flash_call,
               "flash_attention_vjp", _flash_pullback, _sdpa_visible, None, lambda case: False, None, _sdpa_uses,
-              _flash_leave_out, _sdpa_blind, second="lse"),
+              _sdpa_leave_out, _sdpa_blind, second="lse"),
     Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta"),
               ("q", "k", "v"),
               ("q", "k", "v", "state"), "mha_cases", _mha_oracle, _mha_call, "MultiHeadAttention.vjp",
