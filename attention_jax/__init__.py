@@ -1,7 +1,7 @@
 """Attention in JAX: pure functions and pytree modules that work under jit, grad and vmap."""
 
 from .arrays import asarray, load_state_dict, save_state_dict, to_numpy
-from .distributed import ring_attention
+from .distributed import ring_attention, ring_attention_vjp
 from .flash import flash_attention, flash_attention_vjp
 from .functional import apply_rope, causal_mask, padding_mask, scaled_dot_product_attention, window_mask
 from .gradients import scaled_dot_product_attention_vjp
@@ -18,6 +18,7 @@ __all__ = [
     "load_state_dict",
     "padding_mask",
     "ring_attention",
+    "ring_attention_vjp",
     "save_state_dict",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp",

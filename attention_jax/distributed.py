@@ -33,6 +33,7 @@ global out and lse: P = exp(S - lse), D = rowsum(dO * O) - d_lse), keeps its dQ 
 the accumulators on to d + 1; after P steps the accumulators are home, each device holding the gradients of its
 own k, v shards. The zig-zag ppermutes at entry and exit lie outside the custom_vjp and are differentiated by
 JAX (the transpose of a ppermute is the inverse ppermute); the gradients come back sharded like the inputs.
+ring_attention_vjp is jax.vjp of ring_attention: its pullback runs that backward ring.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 from attention_np.common import checks
 
 from .flash import _backward_tiles, _pad, _problem, _tiled_inputs, _tiling, flash_attention
-from .functional import _grouped, _integers, _ranked
+from .functional import _dtypes, _grouped, _integers, _ranked
 
 
 class _Layout(NamedTuple):
@@ -106,6 +107,49 @@ def ring_attention(
     options = (("is_causal", bool(is_causal)), ("scale", scale), ("window", window), ("softcap", softcap),
                ("enable_gqa", enable_gqa), ("block_q", block_q), ("block_k", block_k))
     return _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, q_offset, options)(q, k, v)
+
+
+def ring_attention_vjp(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: Mesh,
+    axis: str,
+    is_causal: bool = False,
+    scale: float | None = None,
+    q_offset: int = 0,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    block_q: int = 128,
+    block_k: int = 128,
+) -> tuple[jax.Array, jax.Array, Callable]:
+    """ring_attention, and its pullback by the backward ring: at step t device d holds the key/value shard of
+    device (d - t) mod P with that shard's dK, dV accumulators; each of its (query chunk, key chunk) pairs adds
+    flash_attention's backward share from the global out and lse, P = exp(S - lse), D = rowsum(dO * O),
+    dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K * scale, dK += dS^T Q * scale (softcap: dS * (1 -
+    tanh^2)); dQ stays on its device, the accumulators go on to d + 1 and are home after P steps.
+
+    Args:
+        q, k, v: as for ring_attention.
+        mesh, axis: as for ring_attention.
+        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for ring_attention.
+
+    Returns:
+        out (..., L, Ev), lse (..., L), ring_attention's, and pullback(d_out (..., L, Ev)) -> (dq, dk, dv),
+        flash_attention_vjp's gradients; each has its input's shape and dtype.
+    """
+    options = dict(mesh=mesh, axis=axis, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
+                   softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+    (out, lse), pull = jax.vjp(lambda q, k, v: ring_attention(q, k, v, **options), q, k, v)
+    # jax: autodiff of the forward, whose ring is a custom_vjp carrying the backward ring (_ring_backward)
+
+    def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        return pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its cotangent is 0 here
+
+    return out, lse, pullback
 
 
 @functools.lru_cache(maxsize=64)

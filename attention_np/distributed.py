@@ -15,15 +15,34 @@ last device sees every key. The zig-zag layout balances them: the sequence is cu
 holds chunks d and 2P - 1 - d, one early and one late, so every device does the same work. The JAX and torch
 backends run the same schedule on real devices (jax.shard_map with lax.ppermute; torch.distributed); this one
 runs the devices one after another, to show the schedule and to check it.
+
+The backward pass (ring_attention_vjp) runs the ring again, after the forward ring has left every device the
+global out O and lse of its own queries (over all S keys). Attention's gradient is a sum over the (query, key)
+pairs, and with the global lse each pair's weight is already final, P_ij = exp(S_ij - lse_i): so the
+gradients split into one share per (query chunk, key chunk) pair, each computed from that pair's scores and
+the global O, lse and dO of its query rows alone (flash_attention's backward pass, SPEC 2c):
+
+    D = rowsum(dO * O),  P = exp(S - lse),  dV += P^T dO,  dP = dO V^T,  dS = P * (dP - D),
+    dQ += dS K * scale,  dK += dS^T Q * scale            (softcap: dS * (1 - tanh^2(R / c)) before dQ, dK)
+
+At step t device d holds the key/value shard of device (d - t) mod P as in the forward ring, and with it
+that shard's dK, dV accumulators. It adds its queries' share to them, keeps its own share of dQ (dQ never
+leaves its device), and passes the shard and its accumulators on to d + 1. After P steps and P hops each
+accumulator is back on the device that owns the shard, holding the sum over every device's queries; a device
+holds O(L / P + S / P) rows throughout. Here the accumulators of the shard of device j are simply the rows
+of j's chunks in dk and dv, wherever the shard is on its way round.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
 from attention_np.common import checks
 
-from .flash import flash_attention
+from .flash import _backward, _problem, flash_attention
+from .functional import _dtypes
 
 
 def ring_attention(
@@ -72,6 +91,86 @@ def ring_attention(
                     merged = _merged((out[..., slice(*rows), :], lse[..., slice(*rows)]), (part, part_lse))
                     out[..., slice(*rows), :], lse[..., slice(*rows)] = merged
     return out, lse
+
+
+def ring_attention_vjp(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    devices: int,
+    is_causal: bool = False,
+    scale: float | None = None,
+    q_offset: int = 0,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    block_q: int = 128,
+    block_k: int = 128,
+) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """ring_attention, and its pullback by the backward ring: at step t device d holds the key/value shard of
+    device (d - t) mod P with that shard's dK, dV accumulators; each of its (query chunk, key chunk) pairs adds
+    flash_attention's backward share from the global out and lse, P = exp(S - lse), D = rowsum(dO * O),
+    dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K * scale, dK += dS^T Q * scale (softcap: dS * (1 -
+    tanh^2)); dQ stays on its device, the accumulators go on to d + 1 and are home after P steps.
+
+    Args:
+        q, k, v: as for ring_attention.
+        devices: as for ring_attention.
+        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for ring_attention.
+
+    Returns:
+        out (..., L, Ev), lse (..., L), ring_attention's, and pullback(d_out (..., L, Ev)) -> (dq, dk, dv),
+        flash_attention_vjp's gradients; each has its input's shape and dtype.
+    """
+    options = dict(is_causal=is_causal, scale=scale, window=window, softcap=softcap, enable_gqa=enable_gqa,
+                   block_q=block_q, block_k=block_k)
+    out, lse = ring_attention(q, k, v, devices=devices, q_offset=q_offset, **options)  # global, and the checks
+
+    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        return _ring_backward((q, k, v), (out, lse, d_out), devices, q_offset, options)
+
+    return out, lse, pullback
+
+
+def _ring_backward(inputs: tuple, outputs: tuple, devices: int, q_offset: int,
+                   options: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """dq, dk, dv of the whole sequence, summed in lse's dtype (the scores', float32 for half precision) and cast
+    to the inputs' at the end. inputs: q, k, v; outputs: the global out and lse and the cotangent d_out."""
+    (q, k, v), lse = inputs, outputs[1]
+    chunks = checks.ring_chunks(devices, q.shape[-2], k.shape[-2], options["is_causal"])
+    dq, dk, dv = (np.zeros(x.shape, lse.dtype) for x in (q, k, v))  # (..., L, E), (..., S, E), (..., S, Ev)
+    for step in range(devices):
+        for device in range(devices):
+            # 1) the key/value shard this device holds at this step, with its dK, dV accumulators (simulated: the
+            # holder's rows of dk and dv)
+            holder = (device - step) % devices
+            for rows in chunks["q"][device]:  # 2) each query chunk against each of the shard's key chunks
+                for cols in chunks["k"][holder]:
+                    pair = dict(options, q_offset=q_offset + rows[0] - cols[0])  # global positions
+                    share = _pair_gradients(inputs, outputs, slice(*rows), slice(*cols), pair)
+                    # 3) dQ stays on the device; dK, dV go into the accumulators, which travel on to device + 1
+                    dq[..., slice(*rows), :] += share[0]
+                    dk[..., slice(*cols), :] += share[1]
+                    dv[..., slice(*cols), :] += share[2]
+    return tuple(g.astype(x.dtype, copy=False) for g, x in zip((dq, dk, dv), inputs, strict=True))
+
+
+def _pair_gradients(inputs: tuple, outputs: tuple, rows: slice, cols: slice,
+                    options: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One (query chunk, key chunk) pair's share of dq (..., L, E), dk (..., S, E) and dv (..., S, Ev), L and S
+    the chunks' lengths, in the working dtype: flash_attention's backward pass of the two chunks (flash._backward)
+    with the global out and lse of the chunk's query rows, so that P = exp(S - lse) are the weights over all
+    keys. With enable_gqa dk and dv come back summed over each key/value head's group of query heads."""
+    (q, k, v), (out, lse, d_out) = inputs, outputs
+    p = _problem(q[..., rows, :], k[..., cols, :], v[..., cols, :], None, None, dict(options, key_lengths=None))
+    L = rows.stop - rows.start  # the chunk's
+    # grouped as the problem groups the heads with enable_gqa (H -> Hkv, G), as flash._forward keeps them
+    p["out"] = out[..., rows, :].astype(p.work, copy=False).reshape(*p.batch, L, out.shape[-1])  # (..., L, Ev)
+    p["lse"] = lse[..., rows].astype(p.work, copy=False).reshape(*p.batch, L)  # (..., L)
+    dq, dk, dv, _ = _backward(p, d_out[..., rows, :], (p.q, p.k, p.v, None))  # p's dtypes: the working one
+    return dq, dk, dv
 
 
 def _merged(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -31,11 +31,14 @@ The backward pass runs the ring again: each step recomputes the visiting block's
 the saved global out and lse and d_out (flash._backward: P = exp(S - lse), D = rowsum(dO * O)). dq stays
 and accumulates; the dk, dv accumulators travel with their k, v block (in two alternating buffers as well), so
 after P steps, one more hop, they are back at the block's owner holding the sum over every rank's queries.
+ring_attention_vjp records ring_attention for autograd, as flash_attention_vjp does; its pullback runs that
+backward ring, so every rank of the group calls it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -44,6 +47,8 @@ import torch.distributed as dist
 from attention_np.common import checks
 
 from .flash import _backward, _cast, _forward, _heads, _problem
+from .functional import _dtypes
+from .gradients import _grad, _leaf, _recording
 
 KV_TAG, GRAD_TAG, LAYOUT_TAG = 0, 1, 2  # gloo matches messages by (peer, tag): blocks, gradients, layout moves
 # (LAYOUT_TAG + slot: with odd P one rank may send both its chunks to the same rank)
@@ -88,6 +93,53 @@ def ring_attention(
     _check_shards(q, k, v, group)
     layout = _layout(dist.get_world_size(group), q.shape[-2], k.shape[-2], bool(is_causal))  # or the ValueError
     return _Ring.apply(q, k, v, options, layout, group)
+
+
+def ring_attention_vjp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    q_offset: int | torch.Tensor = 0,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+    block_q: int = 128,
+    block_k: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """ring_attention, and its pullback by the backward ring: at step t device d holds the key/value shard of
+    device (d - t) mod P with that shard's dK, dV accumulators; each of its (query chunk, key chunk) pairs adds
+    flash_attention's backward share from the global out and lse, P = exp(S - lse), D = rowsum(dO * O),
+    dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dQ += dS K * scale, dK += dS^T Q * scale (softcap: dS * (1 -
+    tanh^2)); dQ stays on its device, the accumulators go on to d + 1 and are home after P steps.
+
+    Args:
+        q, k, v: as for ring_attention, this rank's contiguous shards.
+        group: as for ring_attention.
+        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for ring_attention.
+
+    Returns:
+        out (..., L/P, Ev), lse (..., L/P), ring_attention's, and pullback(d_out (..., L/P, Ev)) -> (dq, dk, dv),
+        the gradients of this rank's shards (flash_attention_vjp's rows); each has its input's shape and dtype.
+        Every rank of the group calls the pullback: the backward ring passes blocks between them.
+    """
+    # torch: autograd records the call (also inside torch.no_grad() and torch.inference_mode(), as
+    # flash_attention_vjp does), and the pullback runs _Ring.backward, the backward ring
+    with _recording():
+        inputs = [_leaf(x) for x in (q, k, v)]
+        out, lse = ring_attention(*inputs, group=group, is_causal=is_causal, scale=scale, q_offset=q_offset,
+                                  window=window, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
+                                  block_k=block_k)
+
+    def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        dq, dk, dv = _grad(out, inputs, d_out)
+        return dq, dk, dv
+
+    return out.detach(), lse.detach(), pullback
 
 
 def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None) -> None:

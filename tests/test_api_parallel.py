@@ -29,8 +29,8 @@ NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a fig
 CLASSES = ("MultiHeadAttention", "TransformerBlock")
 # the one place where the backends' signatures differ by design: where ring attention's devices are, named as each
 # framework names them (NumPy simulates P devices; JAX takes a mesh and its axis; torch a process group)
-TOPOLOGY = {"ring_attention": {"attention_np": ("devices",), "attention_jax": ("mesh", "axis"),
-                               "attention_torch": ("group",)}}
+TOPOLOGY = {name: {"attention_np": ("devices",), "attention_jax": ("mesh", "axis"), "attention_torch": ("group",)}
+            for name in ("ring_attention", "ring_attention_vjp")}
 
 
 def _backends() -> list[ModuleType]:

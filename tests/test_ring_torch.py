@@ -1,7 +1,8 @@
 """attention_torch.ring_attention on 2 and 4 CPU processes (gloo on the loopback interface): each rank's out, lse
 and gradients of its own q, k, v shards equal the matching rows of single-process flash_attention (and out that
 of scaled_dot_product_attention), in float64, for every structure the ring must follow in global positions;
-shards of different lengths are refused on every rank. Each test starts its processes once
+ring_attention_vjp's pullback, in one case, against single-process flash_attention_vjp's rows; shards of
+different lengths are refused on every rank. Each test starts its processes once
 (conformance.bench.ring_torch.launch) and runs all its cases in them: starting them is most of the time."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ CASES = {
     # two blocks, so its merge meets rows that are -inf in both parts
     "blind_rows": (2, 2, 16, 8, {"window": (1, 1), "q_offset": -2}),
 }
+VJP_CASE = "enable_gqa"  # ring_attention_vjp in one case: the zig-zag layout and grouped heads
 
 
 def _inputs(H: int, Hkv: int, L: int, S: int, seed: int) -> list[np.ndarray]:
@@ -83,7 +85,30 @@ def _check_cases(rank: int, world_size: int) -> list[str]:
                                                                            strict=True)]
         failures += [f"rank {rank} of {world_size}, {name}: {problem}" for got, expected, what in checks
                      if (problem := _compare(got, expected, what))]
-    return failures
+    return failures + _check_vjp(rank, world_size, VJP_CASE)
+
+
+def _check_vjp(rank: int, world_size: int, name: str) -> list[str]:
+    """On one rank: ring_attention_vjp, called under torch.no_grad() (it records all the same), and its pullback
+    against the rank's rows of single-process flash_attention_vjp; what failed."""
+    import torch
+
+    import attention_torch
+
+    H, Hkv, L, S, options = CASES[name]
+    q, k, v, d_out, _ = (torch.from_numpy(x) for x in _inputs(H, Hkv, L, S, seed=len(CASES)))
+    out, lse, pullback = attention_torch.flash_attention_vjp(q, k, v, **options, **TILES)
+    grads = pullback(d_out)[:3]
+    rows, keys = (slice(rank * n // world_size, (rank + 1) * n // world_size) for n in (L, S))
+    with torch.no_grad():
+        got_out, got_lse, got_pullback = attention_torch.ring_attention_vjp(
+            q[..., rows, :], k[..., keys, :], v[..., keys, :], **options, **TILES)
+        got_grads = got_pullback(d_out[..., rows, :].contiguous())
+    checks = [(got_out, out[..., rows, :], "out"), (got_lse, lse[..., rows], "lse")]
+    checks += [(g, e[..., part, :], f"d{x}") for g, e, part, x in zip(got_grads, grads, (rows, keys, keys), "qkv",
+                                                                       strict=True)]
+    return [f"rank {rank} of {world_size}, ring_attention_vjp {name}: {problem}" for got, expected, what in checks
+            if (problem := _compare(got, expected, what))]
 
 
 def _uneven_shards(rank: int, world_size: int) -> str:

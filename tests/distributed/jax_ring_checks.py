@@ -4,8 +4,9 @@ must see 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8) from its
 - ring_attention on 1-D meshes of 2, 4 and 8 devices and on the 2-D mesh ("data", "seq") = (2, 4), the batch
   sharded over "data": out and lse against single-device flash_attention, out against
   scaled_dot_product_attention; gradients (ring_attention's own backward ring, a custom_vjp) against
-  single-device jax.grad, with cotangents on out and lse, under jax.jit, sharded like the inputs; the error
-  for a length the ring does not divide.
+  single-device jax.grad, with cotangents on out and lse, under jax.jit, sharded like the inputs;
+  ring_attention_vjp's pullback under jax.jit against single-device flash_attention_vjp's; the error for a
+  length the ring does not divide.
 - The head-parallel (Megatron-style) modules on the 2-D mesh ("data", "model") = (2, 4) under jax.jit:
   MultiHeadAttention and TransformerBlock with their projections split over "model" equal the unsharded ones.
 
@@ -117,6 +118,26 @@ def check_ring(mesh: Mesh, axis: str, spec: P, names: tuple[str, ...], gradients
     return report
 
 
+def check_vjp(mesh: Mesh, axis: str, spec: P, name: str) -> list[str]:
+    """ring_attention_vjp and its pullback called in one jitted function equal flash_attention_vjp on one device."""
+    shapes, options = CASES[name]
+    q, k, v = _inputs(shapes)
+    expected_out, _, flash_pullback = A.flash_attention_vjp(q, k, v, **options)
+    d_out = _inputs((expected_out.shape,), seed=1)[0]
+    expected = flash_pullback(d_out)[:3]
+
+    @jax.jit
+    def ring_vjp(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array) -> tuple:
+        out, _, pullback = A.ring_attention_vjp(q, k, v, mesh=mesh, axis=axis, **TILES, **options)
+        return out, *pullback(d_out)
+
+    out, *grads = ring_vjp(*_sharded(mesh, spec, q, k, v), d_out)
+    label = f"{'x'.join(str(n) for n in mesh.devices.shape)} {name} ring_attention_vjp"
+    errors = [f"out {_close(f'{label} out', out, expected_out):.1e}"]
+    errors += [f"d{x} {_close(f'{label} d{x}', g, e):.1e}" for x, g, e in zip("qkv", grads, expected, strict=True)]
+    return [f"{label} under jit: {', '.join(errors)}"]
+
+
 def check_errors(mesh: Mesh) -> list[str]:
     """A length the ring does not divide: ValueError naming the length, the divisor and the axis."""
     for shapes, options, expected in ((((1, 30, 4), (1, 32, 4), (1, 32, 4)), {}, ("L = 30", "4", "'seq'")),
@@ -185,6 +206,7 @@ def main() -> None:
     for size, names in RINGS.items():
         mesh = Mesh(np.array(devices[:size]), ("seq",))
         report += check_ring(mesh, "seq", P(None, None, "seq", None), names, GRADIENT_CASES.get(size, ()))
+    report += check_vjp(Mesh(np.array(devices[:4]), ("seq",)), "seq", P(None, None, "seq", None), "cross")
     grid = Mesh(np.array(devices[:8]).reshape(2, 4), ("data", "seq"))
     report += check_ring(grid, "seq", P("data", None, "seq", None), ("causal", "window"), ("causal",))
     report += check_errors(Mesh(np.array(devices[:4]), ("seq",)))
