@@ -96,8 +96,7 @@ def ring_attention(
     """
     if axis not in mesh.axis_names:
         raise ValueError(f"ring_attention: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
-    if not isinstance(q_offset, int) or isinstance(q_offset, bool):  # jax: part of the compiled configuration
-        raise ValueError(f"ring_attention: q_offset must be a Python int; got {q_offset!r}")
+    checks.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
     try:  # the layout every backend shares: the chunks of each device, or the error naming L or S and P
         chunks = checks.ring_chunks(mesh.shape[axis], q.shape[-2], k.shape[-2], bool(is_causal))
     except ValueError as error:
@@ -106,7 +105,7 @@ def ring_attention(
     window = None if window is None else tuple(window)
     options = (("is_causal", bool(is_causal)), ("scale", scale), ("window", window), ("softcap", softcap),
                ("enable_gqa", enable_gqa), ("block_q", block_q), ("block_k", block_k))
-    return _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, q_offset, options)(q, k, v)
+    return _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, int(q_offset), options)(q, k, v)
 
 
 def ring_attention_vjp(

@@ -72,6 +72,7 @@ def ring_attention(
     Returns:
         out (..., L, Ev) and lse (..., L), flash_attention's.
     """
+    checks.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
     L, S = q.shape[-2], k.shape[-2]
     chunks = checks.ring_chunks(devices, L, S, is_causal)  # per device: its chunks, (start, stop) pairs
     options = dict(scale=scale, window=window, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,

@@ -62,7 +62,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     is_causal: bool = False,
     scale: float | None = None,
-    q_offset: int | torch.Tensor = 0,
+    q_offset: int = 0,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
@@ -86,8 +86,10 @@ def ring_attention(
     Raises:
         ValueError: the ranks' shapes differ (a sequence that does not split into P equal shards), q, k, v
             cannot be shards (rank below 2, k and v of different lengths), or with is_causal L = P L/P or
-            S = P S/P is not a multiple of 2P (checks.ring_chunks' message, on every rank).
+            S = P S/P is not a multiple of 2P (checks.ring_chunks' message, on every rank); q_offset is not a
+            Python int.
     """
+    checks.ring_offset(q_offset)  # one offset for every sequence: the ranks' chunks are placed by it
     options = dict(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=None,
                    softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
     _check_shards(q, k, v, group)
@@ -103,7 +105,7 @@ def ring_attention_vjp(
     group: dist.ProcessGroup | None = None,
     is_causal: bool = False,
     scale: float | None = None,
-    q_offset: int | torch.Tensor = 0,
+    q_offset: int = 0,
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
@@ -153,11 +155,15 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
     dist.all_gather_object(gathered, shapes, group=group)
     if any(shape != shapes for shape in gathered):
         listed = "; ".join(f"rank {r}: q {s[0]}, k {s[1]}, v {s[2]}" for r, s in enumerate(gathered))
-        raise ValueError(f"ring_attention needs shards of the same shapes on all P={P} ranks (the sequence "
-                         f"split into P equal, contiguous parts); got {listed}")
+        whole = ""  # the lengths the ranks' shards add up to, which P does not split evenly
+        if all(len(s[0]) >= 2 and len(s[1]) >= 2 for s in gathered):
+            whole = (f": L = {sum(s[0][-2] for s in gathered)}, S = {sum(s[1][-2] for s in gathered)} over the "
+                     f"ranks")
+        raise ValueError(f"ring_attention needs shards of the same shapes on all P = {P} ranks (the sequence "
+                         f"split into P equal, contiguous parts){whole}; got {listed}")
     if q.dim() < 2 or k.dim() < 2 or v.dim() < 2 or k.shape[-2] != v.shape[-2]:
         raise ValueError(f"ring_attention needs shards q (..., L/P, E), k (..., S/P, E), v (..., S/P, Ev) on each "
-                         f"of the P={P} ranks; got q {shapes[0]}, k {shapes[1]}, v {shapes[2]}")
+                         f"of the P = {P} ranks; got q {shapes[0]}, k {shapes[1]}, v {shapes[2]}")
 
 
 class _Layout(NamedTuple):

@@ -239,6 +239,12 @@ def ring_chunks(devices: object, L: int, S: int, is_causal: bool) -> dict[str, l
     return {"q": shards(L), "k": shards(S)}
 
 
+def ring_offset(q_offset: object) -> None:
+    """ring_attention's q_offset: a Python int, one for every sequence (the devices' chunks are placed by it)."""
+    if not isinstance(q_offset, int | np.integer) or isinstance(q_offset, bool):
+        raise ValueError(f"ring_attention: q_offset must be a Python int; got {q_offset!r}")
+
+
 def module_sizes(d_model: int, num_heads: int, d_ff: int | None = None) -> None:
     sizes = {"d_model": d_model, "num_heads": num_heads} | ({} if d_ff is None else {"d_ff": d_ff})
     for name, size in sizes.items():
