@@ -6,7 +6,8 @@
     python -m conformance compare [--variant V] [--targets] ...  time the backends against the built-ins
     python -m conformance figure scaling [--output PATH.png]      a figure for students (needs matplotlib)
 
-Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH, --jobs N; check: --operations OP,...
+Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH, --jobs N, --devices P (ring attention on
+P simulated devices); check: --operations OP,...
 The exit code is 0 only when every check passes on every module (frameworks: when every built-in measured).
 """
 
@@ -25,7 +26,8 @@ from typing import Any
 from . import PROFILES
 from .bench import report as compare  # the compare command: its options, run and output
 from .builtins import BUILT_INS as BUILT_INS_OF_THE_FRAMEWORKS
-from .frameworks import BUILT_IN, import_modules
+from .cases import RING_DEVICES
+from .frameworks import BUILT_IN, import_modules, simulate_jax_devices
 from .operations import OPERATIONS
 
 
@@ -40,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_argument("--jobs", type=compare.positive_int, default=None, metavar="N",
                          help="check up to N parts (a module's operation) at once, each in a process of its own "
                               "(default: one per CPU core); the report is the same")
+    options.add_argument("--devices", type=compare.positive_int, default=None, metavar="P",
+                         help="P devices for ring attention, simulated on the CPU: JAX's (XLA_FLAGS, set before "
+                              "JAX starts) and torch's (P - 1 peer processes in a gloo group); the ring's cases "
+                              f"need {max(RING_DEVICES)} (default: those the framework has; NumPy simulates any "
+                              "number)")
     parser = argparse.ArgumentParser(
         prog="python -m conformance", parents=[options],
         description="Check implementations of the attention contract against a float64 oracle. Without a "
@@ -91,6 +98,8 @@ def _check(args: argparse.Namespace) -> int:
     from . import suite  # Hypothesis is imported only when a check runs
 
     names = args.modules if args.command == "check" else BUILT_IN
+    if args.devices:  # before JAX starts, here and in the processes of --jobs
+        simulate_jax_devices(args.devices)
     modules, skipped = import_modules(names)
     gaps = {name: suite.contract_gaps(module) for name, module in modules.items()}
     for name in (name for name, missing in gaps.items() if missing):
@@ -179,7 +188,7 @@ def _report(module: ModuleType, args: argparse.Namespace, operations: Sequence[s
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """The suite's options from the command line."""
     return {"profile": args.profile, "max_examples": args.max_examples, "seed": args.seed,
-            "measures": getattr(args, "checks", None)}
+            "measures": getattr(args, "checks", None), "devices": args.devices}
 
 
 def _measures(text: str) -> tuple[str, ...]:

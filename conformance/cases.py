@@ -20,6 +20,7 @@ import numpy as np
 Batch = tuple[int, ...]
 State = dict[str, np.ndarray]
 
+RING_DEVICES = (1, 2, 3, 4)  # P of a ring case: a ring operation needs the framework to offer 4 devices
 LARGE = 15.0  # q and k of this size give logits in the hundreds
 SMALL = 1e-3  # x = c + SMALL * noise per row: variance ~1e-6, about or below every eps
 
@@ -65,6 +66,34 @@ class FlashCase(NamedTuple):
 def tiled(case: SdpaCase, block_q: int, block_k: int) -> FlashCase:
     """An sdpa case as a flash_attention case with these tiles (without its dropout)."""
     return FlashCase(*case._replace(dropout=0.0), block_q=block_q, block_k=block_k)
+
+
+class RingCase(NamedTuple):
+    """Inputs of ring_attention: the whole sequence, the flash_attention keywords ring attention takes, and the
+    P devices it is sharded over (SPEC 2d). Ring attention takes no mask, bias or key lengths: those fields
+    are always None (they keep FlashCase's layout, which the sdpa helpers read)."""
+
+    q: np.ndarray  # (..., L, E), L a multiple of P (of 2P with is_causal)
+    k: np.ndarray  # (..., S, E), S likewise
+    v: np.ndarray  # (..., S, Ev)
+    mask: None
+    bias: None
+    is_causal: bool
+    scale: float | None
+    dropout: float = 0.0  # always 0: ring_attention has no dropout
+    q_offset: int = 0  # a Python int (the devices' chunks are placed by it)
+    window: tuple[int | None, int | None] | None = None
+    key_lengths: None = None
+    softcap: float | None = None
+    enable_gqa: bool = False
+    block_q: int = 128  # queries per tile, within each step
+    block_k: int = 128  # keys per tile
+    devices: int = 1  # P: the framework's devices (NumPy: simulated; JAX: a mesh axis; torch: ranks of a group)
+
+
+def sharded(case: FlashCase, devices: int) -> RingCase:
+    """A flash_attention case (without mask, bias and key lengths) as ring attention over P devices."""
+    return RingCase(*case, devices=devices)
 
 
 class MhaCase(NamedTuple):
@@ -120,7 +149,7 @@ class DecodeCase(NamedTuple):
     rope_theta: float | None = None  # the queries and keys turned at their positions in the whole sequence
 
 
-Case = SdpaCase | FlashCase | MhaCase | BlockCase | DecodeCase
+Case = SdpaCase | FlashCase | RingCase | MhaCase | BlockCase | DecodeCase
 
 
 # --- parameters --------------------------------------------------------------------------------------------
@@ -286,7 +315,7 @@ _KINDS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
-def per_query_head(case: SdpaCase | FlashCase) -> tuple[np.ndarray, np.ndarray]:
+def per_query_head(case: SdpaCase | FlashCase | RingCase) -> tuple[np.ndarray, np.ndarray]:
     """k and v as each query head sees them: with enable_gqa, key/value head h // G for query head h,
     (..., Hkv, S, *) -> (..., H, S, *), G = H / Hkv; else k and v as they are."""
     if not case.enable_gqa:

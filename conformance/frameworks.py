@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import sys
 import tracemalloc
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -59,6 +60,11 @@ class Framework(NamedTuple):
     timed: Callable[[Callable, tuple, str], Timed]  # (call, args, device) -> (run, peak), see _numpy_timed
     permissive: Callable[[], contextlib.AbstractContextManager[None]]  # its default promotion rules
     describe: Callable[[], str]  # its version and what it runs on, one line
+    # ring attention (SPEC 2d): given the devices asked for (None: none), a context holding the devices a ring may
+    # use here (NumPy: any number, simulated; JAX: those it sees; torch: this process and peers it starts), and
+    # a call over P of them that takes and gives whole arrays, see ring_job
+    ring_devices: Callable[[int | None], contextlib.AbstractContextManager[int]]
+    ring: Callable[[ModuleType, int, dict[str, Any], dict[str, Any], tuple[int, ...]], Any]
 
 
 def framework_of(module: ModuleType) -> Framework:
@@ -175,6 +181,98 @@ def _jax_stage(call: Callable) -> Callable:
             return call(*args)
 
     return run
+
+
+# --- ring attention's devices (the suite) ----------------------------------------------------------------
+
+RING_AXIS = "ring"  # JAX: the name of the mesh axis the suite shards the sequence over
+
+
+def ring_job(module: ModuleType, topology: dict[str, Any], q: Any, k: Any, v: Any, d_out: Any = None,
+             **options: Any) -> Any:
+    """ring_attention(q, k, v, **topology, **options) -> (out, lse); with d_out, ring_attention_vjp's pullback
+    at d_out -> (dq, dk, dv). topology: the framework's devices keywords (devices=, mesh= and axis=, group=)."""
+    if d_out is None:
+        return module.ring_attention(q, k, v, **topology, **options)
+    _, _, pullback = module.ring_attention_vjp(q, k, v, **topology, **options)
+    return pullback(d_out)
+
+
+def _simulated(requested: int | None) -> contextlib.AbstractContextManager[int]:
+    return contextlib.nullcontext(sys.maxsize)  # NumPy simulates the devices: any number
+
+
+def _numpy_ring(module: ModuleType, devices: int, arrays: dict[str, Any], options: dict[str, Any],
+                axes: tuple[int, ...]) -> Any:
+    return ring_job(module, {"devices": devices}, **arrays, **options)
+
+
+def simulate_jax_devices(devices: int) -> None:
+    """JAX on the CPU with `devices` devices, by XLA_FLAGS, which JAX reads once when it starts: set before it
+    starts, here and in the processes started from here (a JAX already started keeps its devices, and the ring
+    operation says how many it has)."""
+    flag = "--xla_force_host_platform_device_count"
+    kept = [option for option in os.environ.get("XLA_FLAGS", "").split() if not option.startswith(flag)]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, f"{flag}={devices}"])
+
+
+def _jax_devices(requested: int | None) -> contextlib.AbstractContextManager[int]:
+    """The devices JAX sees: fixed when it starts (XLA_FLAGS=--xla_force_host_platform_device_count=P simulates P
+    CPU devices; `python -m conformance check --devices P` sets it before JAX starts)."""
+    import jax
+
+    return contextlib.nullcontext(len(jax.devices()))
+
+
+@functools.cache
+def _jax_mesh(devices: int) -> Any:
+    """A one-axis mesh of JAX's first P devices; a RuntimeError where it sees fewer."""
+    import jax
+    import numpy as np
+
+    if len(jax.devices()) < devices:
+        raise RuntimeError(f"ring attention on P = {devices} devices, but JAX sees {len(jax.devices())} "
+                           f"(simulate_jax_devices({devices}) before JAX starts)")
+    return jax.sharding.Mesh(np.array(jax.devices()[:devices]), (RING_AXIS,))
+
+
+def _jax_ring(module: ModuleType, devices: int, arrays: dict[str, Any], options: dict[str, Any],
+              axes: tuple[int, ...]) -> Any:
+    """Whole arrays in and out: ring_attention shards them over the mesh axis itself."""
+    return ring_job(module, {"mesh": _jax_mesh(devices), "axis": RING_AXIS}, **arrays, **options)
+
+
+def _torch_devices(requested: int | None) -> contextlib.AbstractContextManager[int]:
+    from . import peers
+
+    return peers.started(requested or 1)
+
+
+def _torch_ring(module: ModuleType, devices: int, arrays: dict[str, Any], options: dict[str, Any],
+                axes: tuple[int, ...]) -> Any:
+    """Each of the first P ranks (this process and its peers) runs ring_job on its contiguous shard of every
+    array; the shards of each result are joined along its sequence axis (`axes`, one per result)."""
+    import torch
+
+    from . import peers
+
+    parts = peers.run(_torch_ring_shard, module.__name__, devices, arrays, options)[:devices]
+    return tuple(torch.cat(shards, dim=axis) for shards, axis in zip(zip(*parts, strict=True), axes, strict=True))
+
+
+def _torch_ring_shard(rank: int, name: str, devices: int, arrays: dict[str, Any], options: dict[str, Any]) -> Any:
+    """Rank `rank`'s part of _torch_ring, run on every rank (None beyond the first P). The arrays are cut as a
+    caller cuts them: into P contiguous parts along the sequence axis, unequal where P does not divide it (then
+    ring_attention raises its error on every rank)."""
+    import torch
+
+    from . import peers
+
+    group = peers.group(devices)  # every rank makes the same groups in the same order
+    if rank >= devices:
+        return None
+    shards = {name_: torch.tensor_split(x, devices, dim=-2)[rank] for name_, x in arrays.items()}
+    return ring_job(importlib.import_module(name), {"group": group}, **shards, **options)
 
 
 # --- precision and promotion settings ------------------------------------------------------------------
@@ -398,16 +496,17 @@ def _torch_description() -> str:
 NUMPY = Framework(
     "numpy", rngs=NUMPY_RNGS, stage=_eager, pinned=_no_settings, dtypes=DTYPES, no_autograd=None,
     built_ins={}, sees_gpu=_no_gpu, converter=_numpy_converter, to_float64=_numpy_to_float64, timed=_numpy_timed,
-    permissive=contextlib.nullcontext, describe=_numpy_description)
+    permissive=contextlib.nullcontext, describe=_numpy_description, ring_devices=_simulated, ring=_numpy_ring)
 JAX = Framework(
     "jax", rngs=JAX_RNGS, stage=_jax_stage, pinned=_jax_precision, dtypes=(*DTYPES, "bfloat16"), no_autograd=None,
     built_ins={"sdpa": "jax.nn.dot_product_attention"}, sees_gpu=_jax_sees_gpu, converter=_jax_converter,
-    to_float64=_numpy_to_float64, timed=_jax_timed, permissive=_jax_permissive, describe=_jax_description)
+    to_float64=_numpy_to_float64, timed=_jax_timed, permissive=_jax_permissive, describe=_jax_description,
+    ring_devices=_jax_devices, ring=_jax_ring)
 TORCH = Framework(
     "torch", rngs=TORCH_RNGS, stage=_eager, pinned=_torch_precision, dtypes=(*DTYPES, "bfloat16"),
     no_autograd=_torch_inference_mode,
     built_ins={"sdpa": "F.scaled_dot_product_attention", "mha": "nn.MultiheadAttention",
                "block": "nn.TransformerEncoderLayer"},
     sees_gpu=_torch_sees_gpu, converter=_torch_converter, to_float64=_torch_to_float64, timed=_torch_timed,
-    permissive=contextlib.nullcontext, describe=_torch_description)
+    permissive=contextlib.nullcontext, describe=_torch_description, ring_devices=_torch_devices, ring=_torch_ring)
 FRAMEWORKS = {framework.name: framework for framework in (NUMPY, JAX, TORCH)}

@@ -18,8 +18,20 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import oracle
-from .cases import BlockCase, Case, DecodeCase, FlashCase, MhaCase, SdpaCase, block_case, per_query_head
+from .cases import (
+    RING_DEVICES,
+    BlockCase,
+    Case,
+    DecodeCase,
+    FlashCase,
+    MhaCase,
+    RingCase,
+    SdpaCase,
+    block_case,
+    per_query_head,
+)
 from .features import Declaration
+from .frameworks import framework_of
 
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 
@@ -60,6 +72,7 @@ class Operation(NamedTuple):
     pair: Callable[[Any], Pair] = lambda result: result  # the call's result, as NumPy arrays -> (out, weights)
     second: str = "weights"  # what the second result is: the weights, or flash_attention's "lse" (..., L), the
     # same on every path (-inf where a query sees no key)
+    devices: int = 1  # the devices its cases use at most (ring attention's P); with fewer, the operation is SKIP
 
 
 def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -256,7 +269,7 @@ def _sdpa_dropout_probe(case: SdpaCase) -> Probe:
 
 def _batch(case: SdpaCase | MhaCase) -> tuple[int, ...]:
     """The leading axes of the scores (..., H with enable_gqa)."""
-    k, v = per_query_head(case) if isinstance(case, SdpaCase | FlashCase) else (case.k, case.v)
+    k, v = per_query_head(case) if isinstance(case, SdpaCase | FlashCase | RingCase) else (case.k, case.v)
     return np.broadcast_shapes(case.q.shape[:-2], k.shape[:-2], v.shape[:-2])
 
 
@@ -269,8 +282,9 @@ def _dropped(outputs: dict[str, np.ndarray], kept: float) -> dict[str, np.ndarra
 
 # --- tiled attention (flash_attention) ---------------------------------------------------------------------
 
-def _flash_oracle(case: FlashCase, precision: str, fused_bias: bool) -> Pair:
-    """sdpa's out, and each row's log-sum-exp in place of the weights."""
+def _flash_oracle(case: FlashCase | RingCase, precision: str, fused_bias: bool) -> Pair:
+    """sdpa's out, and each row's log-sum-exp in place of the weights (ring attention's too: the devices and
+    the tiles change nothing but rounding)."""
     return oracle.log_sum_exp(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
                               scale=case.scale, q_offset=case.q_offset, window=case.window,
                               key_lengths=case.key_lengths, softcap=case.softcap, enable_gqa=case.enable_gqa,
@@ -298,6 +312,26 @@ def _flash_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
     """As _sdpa_keywords, with the bias among the keywords passed only where given."""
     options, keywords = _sdpa_keywords(arrays, options)
     return options, keywords | ({} if arrays["bias"] is None else {"bias": arrays["bias"]})
+
+
+# --- ring attention (ring_attention) -----------------------------------------------------------------------
+
+def _ring_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool, dropout: float,
+               devices: int, **options: Any) -> Any:
+    """(out, lse) over P of the framework's devices, whole arrays in and out (frameworks.ring_job): one path, no
+    dropout. Ring attention takes no mask, bias or key lengths (the case's are None)."""
+    options, keywords = _sdpa_keywords(arrays, options)
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    return framework_of(module).ring(module, devices, {"q": q, "k": k, "v": v}, options | keywords, (-2, -1))
+
+
+def _ring_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, devices: int,
+                   **options: Any) -> dict:
+    """ring_attention_vjp's pullback at d_out, run on the P devices as the forward pass is."""
+    options, keywords = _sdpa_keywords(arrays, options)
+    inputs = {name: arrays[name] for name in ("q", "k", "v", "d_out")}
+    grads = framework_of(module).ring(module, devices, inputs, options | keywords, (-2, -2, -2))
+    return dict(zip(("q", "k", "v"), grads, strict=True))
 
 
 # --- multi-head attention ----------------------------------------------------------------------------------
@@ -537,6 +571,11 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
               ("q", "k", "v"), ("q", "k", "v", "bias"), "flash_cases", _flash_oracle, _flash_call,
               "flash_attention_vjp", _flash_pullback, _sdpa_visible, None, lambda case: False, None, _sdpa_uses,
               _sdpa_leave_out, _sdpa_blind, second="lse"),
+    Operation("ring", "ring_attention", RingCase,
+              ("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "block_q", "block_k",
+               "devices"), ("q", "k", "v"), ("q", "k", "v"), "ring_cases", _flash_oracle, _ring_call,
+              "ring_attention_vjp", _ring_pullback, _sdpa_visible, None, lambda case: False, None, _sdpa_uses,
+              _sdpa_leave_out, _sdpa_blind, second="lse", devices=max(RING_DEVICES)),
     Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta"),
               ("q", "k", "v"),
               ("q", "k", "v", "state"), "mha_cases", _mha_oracle, _mha_call, "MultiHeadAttention.vjp",

@@ -20,6 +20,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--conformance-seed", type=int, default=0, help="Hypothesis seed (default 0)")
     group.addoption("--conformance-max-examples", type=int, default=None, metavar="N",
                     help="N examples for every check, instead of the profile's numbers")
+    group.addoption("--conformance-devices", type=int, default=None, metavar="P",
+                    help="P simulated devices for ring attention: JAX's CPU devices (set before JAX starts), "
+                         "torch's peer processes")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if devices := config.getoption("conformance_devices", None):
+        from .frameworks import simulate_jax_devices
+
+        simulate_jax_devices(devices)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -24,10 +24,12 @@ def describe(case: Any) -> str:
 def reproduce(module: str, check: str, case: Any, dtype: str) -> str:
     """Code that rebuilds `case` exactly and runs the check on `module`, printing its measures."""
     fields = ",\n".join(f"    {name}={_literal(value)}" for name, value in case._asdict().items())
+    devices = getattr(case, "devices", None)  # ring attention: the framework's devices held (torch: peers)
+    held = "" if devices is None else f", framework_of({module}).ring_devices({devices})"
     return (f"import numpy as np\nfrom numpy import inf, nan\nimport {module}\n"
             f"from conformance import cases, checks\nfrom conformance.frameworks import framework_of\n"
             f"case = cases.{type(case).__name__}(\n{fields},\n)\n"
-            f"with framework_of({module}).pinned():  # the suite's precision settings (JAX: float64 on)\n"
+            f"with framework_of({module}).pinned(){held}:  # the suite's precision settings (JAX: float64 on)\n"
             f"    print(checks.{check}(checks.Runner({module}), case, {dtype!r}))")
 
 

@@ -29,12 +29,14 @@ from hypothesis import strategies as st
 
 from .cases import (
     LARGE,
+    RING_DEVICES,
     SMALL,
     Batch,
     BlockCase,
     DecodeCase,
     FlashCase,
     MhaCase,
+    RingCase,
     SdpaCase,
     State,
     block_state,
@@ -73,6 +75,7 @@ WINDOW_SIDES = (None, 0, 1, 3)  # each side of a window: unbounded, the query's 
 SOFTCAPS = (0.5, 1.0, 5.0, 50.0)  # 0.5 and 1 saturate ordinary logits; 50 barely touches them
 GROUPED = (False, True)  # about one positioned sdpa case in two uses enable_gqa
 TILE_SIZES = (1, 2, 3, 4, 5, 6, 7)  # block_q and block_k of a flash case: short sequences cross their boundaries
+RING_CHUNK_ROWS = (1, 2, 3)  # the rows of one chunk of a ring case: L = P n (2P n with is_causal), S likewise
 QUERY_HEADS = (2, 4)  # H of an enable_gqa case; its key/value heads Hkv are 1, H / 2 or H
 
 SEEDS = st.integers(0, 2**32 - 1)
@@ -408,6 +411,33 @@ def flash_cases(draw: Callable, *, magnitude: str | None = None, key_offset: boo
     in tiles of 1 to 7 queries and 1 to 7 keys, drawn apart, so L and S are seldom multiples of them."""
     case = draw(sdpa_cases(magnitude=magnitude, key_offset=key_offset, positioned=draw(st.booleans())))
     return tiled(case, draw(st.sampled_from(TILE_SIZES)), draw(st.sampled_from(TILE_SIZES)))
+
+
+@st.composite
+def ring_cases(draw: Callable, *, magnitude: str | None = None) -> RingCase:
+    """Ring attention over P of RING_DEVICES devices: L and S multiples of P (of 2P with is_causal, the zig-zag
+    layout's chunks) of RING_CHUNK_ROWS rows a chunk, drawn apart (cross-attention); q_offset a Python int from
+    `offsets` in one case of two (with is_causal, rows before every key and keys past the last query), a
+    window and a softcap each in one case of two, grouped heads in one of two; tiles of 1 to 7 inside each step.
+    No mask, bias or key lengths: ring attention takes none."""
+    P, is_causal = draw(st.sampled_from(RING_DEVICES)), draw(st.booleans())
+    chunks = 2 * P if is_causal else P
+    L, S = (chunks * draw(st.sampled_from(RING_CHUNK_ROWS)) for _ in range(2))
+    batch = draw(batch_shapes())
+    grouped = draw(st.sampled_from(GROUPED))
+    batch, kv_batch = draw(grouped_heads(batch)) if grouped else (batch, batch)  # q's, and k's and v's
+    E, Ev = draw(st.sampled_from(WIDTHS)), draw(st.sampled_from(WIDTHS))
+    magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
+    rng = _rng(draw)
+    q = _values(rng, (*batch, L, E), magnitude)  # (..., L, E)
+    k = _values(rng, (*kv_batch, S, E), magnitude)  # (..., S, E)
+    v = rng.standard_normal((*kv_batch, S, Ev))  # (..., S, Ev)
+    q_offset = draw(st.sampled_from(offsets(L, S))) if draw(st.booleans()) else 0
+    window = draw(st.none() | st.tuples(st.sampled_from(WINDOW_SIDES), st.sampled_from(WINDOW_SIDES)))
+    softcap = draw(st.none() | st.sampled_from(SOFTCAPS))
+    return RingCase(q, k, v, None, None, is_causal, draw(st.sampled_from(SCALES)), q_offset=q_offset, window=window,
+                    softcap=softcap, enable_gqa=grouped, block_q=draw(st.sampled_from(TILE_SIZES)),
+                    block_k=draw(st.sampled_from(TILE_SIZES)), devices=P)
 
 
 # --- parameters --------------------------------------------------------------------------------------------

@@ -64,6 +64,9 @@ GROUPS = (
     Group("flash", checks.tiled_against_oracle, BOTH, 16, pinned=True),
     Group("flash", checks.tiled_against_oracle, HALF, 4, {"magnitude": "normal", "key_offset": True}),
     Group("flash", gradient_checks.gradients, FLOAT64, 6, pinned=True, gradient=True),
+    Group("ring", checks.tiled_against_oracle, BOTH, 8, pinned=True),
+    Group("ring", checks.tiled_against_oracle, HALF, 2, {"magnitude": "normal"}),
+    Group("ring", gradient_checks.gradients, FLOAT64, 4, pinned=True, gradient=True),
     Group("mha", checks.against_oracle, BOTH, 20, pinned=True),
     Group("mha", checks.against_oracle, HALF, 4),
     Group("mha", checks.mha_permutation, FLOAT64, 8, {"cross": True, "rope": False}),  # RoPE: positions matter
@@ -156,7 +159,8 @@ class CheckFailure(AssertionError):
 
 def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int | None = None, seed: int = 0,
           shrink: bool = True, operations: Sequence[str] = tuple(OPERATIONS), contract: bool = True,
-          measures: Sequence[str] | None = None, progress: Progress | None = None) -> Report:
+          measures: Sequence[str] | None = None, progress: Progress | None = None,
+          devices: int | None = None) -> Report:
     """Run every check on `module` (a module object or an importable name) and return the report.
 
     profile: "fast" (the default: a few examples per check) or "thorough" (ten times as many);
@@ -165,8 +169,10 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
     operations to check; contract: also check the contract's own tables (arrays, masks, positions), which
     belong to no operation; measures: only the groups and tables that report these (the report's check
     column: "values", "gradients", "edge_cases", ...; None: all); progress: called once per case run with what
-    runs ("module operation check dtype"). The rows of separate calls, each with its part of the operations,
-    in order, are those of one call.
+    runs ("module operation check dtype"); devices: the devices ring attention may use where the framework
+    cannot count them itself (torch: this process and devices - 1 peer processes, started for the ring
+    operation; JAX uses the devices it sees, NumPy simulates them), its rows SKIP with fewer than its cases
+    need. The rows of separate calls, each with its part of the operations, in order, are those of one call.
     """
     module = importlib.import_module(module) if isinstance(module, str) else module
     gaps = contract_gaps(module)
@@ -185,17 +191,36 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
             if absent := missing(module, (OPERATIONS[operation].function,)):  # a partial module (SPEC 12)
                 rows.append(Row(name, operation, "-", "-", 0, 0.0, 0.0, True, skipped=f"no {absent[0]}"))
                 continue
-            groups = [group for group in GROUPS if group.operation == operation and wanted(MEASURES[group.check], True)]
-            for group in groups:
-                examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
-                for dtype in _dtypes(group, runner.framework):
-                    why = _cannot_run(runner, group, dtype)
-                    rows += ([Row(name, operation, group.check.__name__, dtype, 0, 0.0, 0.0, True, skipped=why)]
-                             if why else
-                             _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink,
-                                        tell=tell))
-            rows += [_table_row(runner, table_, operation, tell) for table_ in TABLES if wanted((table_.check,), False)]
+            with _devices(runner, OPERATIONS[operation].devices, devices) as too_few:
+                if too_few:
+                    rows.append(Row(name, operation, "-", "-", 0, 0.0, 0.0, True, skipped=too_few))
+                    continue
+                groups = [group for group in GROUPS
+                          if group.operation == operation and wanted(MEASURES[group.check], True)]
+                for group in groups:
+                    examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
+                    for dtype in _dtypes(group, runner.framework):
+                        why = _cannot_run(runner, group, dtype)
+                        rows += ([Row(name, operation, group.check.__name__, dtype, 0, 0.0, 0.0, True, skipped=why)]
+                                 if why else
+                                 _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink,
+                                            tell=tell))
+                rows += [_table_row(runner, table_, operation, tell) for table_ in TABLES
+                         if wanted((table_.check,), False)]
     return Report(rows, seed, profile, [pinned] if pinned else [])
+
+
+@contextlib.contextmanager
+def _devices(runner: Runner, needed: int, requested: int | None) -> Iterator[str | None]:
+    """For an operation whose cases use up to `needed` devices (ring attention): the framework's devices held
+    while it is checked (torch: the peer processes), and None; or why it cannot be checked here."""
+    if needed == 1:
+        yield None
+        return
+    with runner.framework.ring_devices(requested) as available:
+        yield (None if available >= needed else
+               f"needs {needed} devices; {runner.framework.name} has {available} here (--devices {needed} "
+               f"simulates them: JAX's CPU devices, torch's peer processes)")
 
 
 def known_measures() -> list[str]:

@@ -35,6 +35,7 @@ from .cases import (
     normal,
     random_mask,
     sdpa_case,
+    sharded,
     tiled,
     w_o_bias,
 )
@@ -697,8 +698,78 @@ def _flash_rows() -> list[Fixed]:
     ]
 
 
-TABLE: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_rows() + _mha_examples() + _mha_edges()
-                      + _mha_errors() + _block_examples() + _block_edges() + _block_errors() + _decode_rows())
+# --- ring attention (ring_attention) -----------------------------------------------------------------------
+
+def _ring(P: int, L: int, S: int, *, tiles: tuple[int, int] = (3, 2), **fields: Any) -> Callable[[], Any]:
+    """sdpa_case's q (2, L, 2), k (2, S, 2), v (2, S, 3), changed by `fields`, as ring attention over P devices
+    in tiles of 3 queries and 2 keys within each step."""
+    return lambda: sharded(tiled(sdpa_case((2,), L, S, **fields), *tiles), P)
+
+
+def _large_ring() -> Any:
+    """logits +-5000 (+ O(1)) across two devices: queries 0, 1 near +5000, queries 2, 3 near -5000; each device's
+    partial lse lies near +-5000, so merging them by exp(lse) instead of exp(lse_a - lse) overflows or gives 0 / 0."""
+    a = np.sqrt(5000.0)
+    sign = np.array([1.0, 1.0, -1.0, -1.0])[:, None]  # (L, 1)
+    q = np.concatenate([np.broadcast_to(a * sign, (2, 4, 1)), normal(2, 4, 2, seed=4)], axis=-1)  # (B, L, E)
+    k = np.concatenate([np.full((2, 4, 1), a), normal(2, 4, 2, seed=5)], axis=-1)  # (B, S, E)
+    return sharded(tiled(sdpa_case(q=q, k=k, v=normal(2, 4, 3, seed=4), scale=1.0), 3, 2), 2)
+
+
+def _ring_rows() -> list[Fixed]:
+    """SPEC 2d: the layouts and positions across the devices, the merges' edge cases, and the errors of the
+    sizes the devices do not divide (the rest as flash_attention's)."""
+    nan_key = _ring(2, 8, 8, is_causal=True)
+    return [
+        example("ring", "one_device", _ring(1, 3, 5), "P = 1: flash_attention itself"),
+        example("ring", "zig_zag_causal_on_four_devices", _ring(4, 16, 16, is_causal=True),
+                "is_causal on 4 devices: 8 chunks of 2 rows, device d holding chunks d and 7 - d (the zig-zag "
+                "layout), moved there and back; as one device's causal attention"),
+        example("ring", "causal_cross_attention_placed_by_q_offset", _ring(2, 4, 8, is_causal=True, q_offset=4),
+                "4 queries after 4 keys (q_offset = S - L): each device's chunks at their global positions"),
+        example("ring", "window_crosses_the_shards", _ring(4, 8, 8, window=(1, 1)),
+                "window (1, 1) on shards of 2 rows: every query's window reaches its neighbour devices' keys, the "
+                "far shards are skipped"),
+        example("ring", "three_devices_cross_attention", _ring(3, 6, 12, is_causal=True, q_offset=6, tiles=(2, 5)),
+                "P = 3, causal with L = 6, S = 12 at q_offset 6: 6 chunks of 1 query and of 2 keys, tiles of 5 "
+                "keys larger than a chunk"),
+        example("ring", "grouped_heads_one_key_value_head", lambda: sharded(tiled(
+            (case := sdpa_case((2, 4), 4, 4))._replace(k=case.k[:, :1], v=case.v[:, :1], enable_gqa=True), 3, 2), 2),
+                "enable_gqa, H = 4 query heads on Hkv = 1 (multi-query): the one key/value head travels the ring"),
+        edge("ring", "queries_before_every_key", _ring(2, 8, 8, is_causal=True, q_offset=-3),
+             "causal at q_offset -3: queries 0..2 (positions -3..-1) see no key on any device: out rows exactly 0 "
+             "and lse -inf, merged so (never exp(-inf - -inf) = NaN); the others as the oracle",
+             Rule("out", "zero", (ALL, slice(0, 3))), Rule("lse", "minus_inf", (ALL, slice(0, 3))),
+             Rule("lse", "finite", (ALL, slice(3, 8)))),
+        edge("ring", "logits_in_the_thousands", _large_ring,
+             "logits +-5000 on two devices: the partial results merge by exp(lse_a - lse), finite, as the oracle",
+             Rule("out", "finite"), Rule("lse", "finite")),
+        # causal: query i sees keys 0..i, so the NaN of key 5 reaches queries 5..7 alone, though the chunk that
+        # holds it is computed for query 4 as well
+        edge("ring", "nan_in_key_hidden_from_earlier_queries", lambda: (case := nan_key())._replace(
+            k=changed(case.k, (0, 5), np.nan)),
+            "k[0, 5] NaN, causal on 2 devices: rows (0, 5..7) NaN; rows (0, 0..4), which do not see key 5, and "
+            "batch element 1 as the oracle",
+            Rule("out", "only_nan", (0, slice(5, 8))), Rule("lse", "only_nan", (0, slice(5, 8)))),
+        error("ring", "L_not_a_multiple_of_the_devices", _ring(4, 6, 8), ValueError, "ring_attention", "L = 6",
+              "P = 4"),
+        error("ring", "S_not_a_multiple_of_the_devices", _ring(3, 6, 7), ValueError, "ring_attention", "S = 7",
+              "P = 3"),
+        error("ring", "causal_L_not_a_multiple_of_2P", _ring(4, 12, 16, is_causal=True), ValueError, "L = 12",
+              "8", "zig-zag"),
+        error("ring", "q_offset_array", _ring(2, 4, 4, q_offset=np.array([1, 2])), ValueError, "q_offset"),
+        error("ring", "block_q_zero", _ring(2, 4, 4, tiles=(0, 2)), ValueError, "block_q", "0"),
+        error("ring", "window_negative", _ring(2, 4, 4, window=(-1, 0)), ValueError, "window"),
+        error("ring", "softcap_zero", _ring(2, 4, 4, softcap=0.0), ValueError, "softcap"),
+        error("ring", "integer_inputs", lambda: (case := _ring(2, 4, 4)())._replace(
+            **{name: _integers(getattr(case, name)) for name in "qkv"}), TypeError, "q", "floating"),
+        error("ring", "d_out_shape", _ring(2, 4, 4), ValueError, "d_out", stage="pullback", d_out=np.zeros((2, 4, 4))),
+    ]
+
+
+TABLE: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_rows() + _ring_rows()
+                      + _mha_examples() + _mha_edges() + _mha_errors() + _block_examples() + _block_edges()
+                      + _block_errors() + _decode_rows())
 
 
 def rows(operation: str, use: str) -> list[Fixed]:
