@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata
 import os
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -74,3 +75,15 @@ def backend_rng(M: ModuleType, seed: int) -> object:
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> ModuleType:
     return import_backend(request.param)
+
+
+def skip_without_devices(runner: Any, operation: str) -> None:
+    """Skip a case of an operation that uses more devices than the runner's framework has in this process (the
+    ring's on JAX and torch): tests/test_ring_suite.py runs the suite's rows on 4 simulated devices."""
+    from conformance.operations import OPERATIONS
+
+    needed = OPERATIONS[operation].devices
+    if needed > 1:
+        with runner.framework.ring_devices(None) as available:
+            if available < needed:
+                pytest.skip(f"{operation} uses {needed} devices; {runner.framework.name} has {available} here")

@@ -311,9 +311,27 @@ def _assert_flash_contract(case: cases.FlashCase) -> None:
     assert case.dropout == 0.0 and all(isinstance(n, int) and n >= 1 for n in (case.block_q, case.block_k))
 
 
-CONTRACTS = {"sdpa": _assert_sdpa_contract, "flash": _assert_flash_contract, "mha": _assert_mha_contract,
-             "block": _assert_block_contract,
-             "decode": _assert_decode_contract}
+def _assert_ring_contract(case: cases.RingCase) -> None:
+    """A flash case without mask, bias and key lengths, q_offset a Python int, and L and S that P devices
+    divide (2P with is_causal: the zig-zag layout's chunks)."""
+    _assert_flash_contract(case)
+    assert case.mask is None and case.bias is None and case.key_lengths is None
+    assert isinstance(case.q_offset, int) and isinstance(case.devices, int) and case.devices >= 1
+    chunks = 2 * case.devices if case.is_causal else case.devices
+    assert case.q.shape[-2] % chunks == 0 and case.k.shape[-2] % chunks == 0
+
+
+@FEW
+@given(cs.ring_cases())
+def test_ring_cases_split_into_the_devices_chunks(case: cases.RingCase) -> None:
+    _assert_ring_contract(case)
+    chunks = 2 * case.devices if case.is_causal else case.devices
+    assert case.devices in cases.RING_DEVICES
+    assert {case.q.shape[-2] // chunks, case.k.shape[-2] // chunks} <= set(cs.RING_CHUNK_ROWS)
+
+
+CONTRACTS = {"sdpa": _assert_sdpa_contract, "flash": _assert_flash_contract, "ring": _assert_ring_contract,
+             "mha": _assert_mha_contract, "block": _assert_block_contract, "decode": _assert_decode_contract}
 EXAMPLES = [row for row in table.TABLE if row.use == "example"]
 
 
