@@ -5,6 +5,7 @@ from .distributed import ring_attention, ring_attention_vjp
 from .flash import flash_attention, flash_attention_vjp
 from .functional import apply_rope, causal_mask, padding_mask, scaled_dot_product_attention, window_mask
 from .gradients import scaled_dot_product_attention_vjp
+from .linear import linear_attention, linear_attention_state, linear_attention_step, linear_attention_vjp
 from .modules import MultiHeadAttention, TransformerBlock
 
 __all__ = [
@@ -15,6 +16,10 @@ __all__ = [
     "causal_mask",
     "flash_attention",
     "flash_attention_vjp",
+    "linear_attention",
+    "linear_attention_state",
+    "linear_attention_step",
+    "linear_attention_vjp",
     "load_state_dict",
     "padding_mask",
     "ring_attention",

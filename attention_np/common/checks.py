@@ -17,6 +17,7 @@ ACTIVATIONS = ("relu", "gelu", "swiglu")
 NORMS = ("layer", "rms")
 PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
 SWIGLU = ("w_gate", "w_up", "w_down")  # the feed-forward Linears of activation="swiglu"
+FEATURE_MAPS = ("elu", "relu", "identity")  # linear_attention's phi: elu(x) + 1, max(x, 0), x
 
 
 def _shape(shape: Iterable[int]) -> Shape:
@@ -243,6 +244,79 @@ def ring_offset(q_offset: object) -> None:
     """ring_attention's q_offset: a Python int, one for every sequence (the devices' chunks are placed by it)."""
     if not isinstance(q_offset, int | np.integer) or isinstance(q_offset, bool):
         raise ValueError(f"ring_attention: q_offset must be a Python int; got {q_offset!r}")
+
+
+def feature_map(name: object) -> None:
+    """linear_attention's feature map phi: one of FEATURE_MAPS."""
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {FEATURE_MAPS}; got {name!r}")
+
+
+def linear_options(feature_map_: object, eps: object, chunk: object = None) -> None:
+    """linear_attention's keywords: the feature map, eps a positive finite number (it keeps the normaliser of a
+    query that sees no key away from 0), chunk None or a positive int (the chunks of the causal form)."""
+    feature_map(feature_map_)
+    if not _positive_finite(eps):
+        raise ValueError(f"eps must be a positive finite number; got {eps!r}")
+    if chunk is not None and not (isinstance(chunk, int | np.integer) and not isinstance(chunk, bool) and chunk > 0):
+        raise ValueError(f"chunk must be None or a positive integer; got {chunk!r}")
+
+
+def linear_causal(L: int, S: int) -> None:
+    """Causal linear attention is autoregressive self-attention (the recurrent form's): L == S."""
+    if L != S:
+        raise ValueError(f"linear_attention with is_causal=True needs L == S (autoregressive self-attention, as "
+                         f"the recurrent form linear_attention_step computes it); got L = {L}, S = {S}")
+
+
+def linear_state_size(batch_shape: object, E: object, Ev: object) -> Shape:
+    """linear_attention_state: batch_shape a tuple of non-negative ints, E and Ev non-negative ints; returns
+    batch_shape as a tuple."""
+    def size(n: object) -> bool:
+        return isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 0
+    if not (isinstance(batch_shape, tuple | list) and all(size(n) for n in batch_shape)):
+        raise ValueError(f"batch_shape must be a tuple of non-negative ints (the inputs' leading axes); "
+                         f"got {batch_shape!r}")
+    for name, n in (("E", E), ("Ev", Ev)):
+        if not size(n):
+            raise ValueError(f"{name} must be a non-negative int; got {n!r}")
+    return _shape(batch_shape)
+
+
+def linear_state_pair(state: object) -> None:
+    """linear_attention_step's state: the pair (S, z) that linear_attention_state returns."""
+    if not (isinstance(state, tuple | list) and len(state) == 2):
+        raise ValueError(f"state must be the pair (S, z) that linear_attention_state returns; got "
+                         f"{type(state).__name__}")
+
+
+def linear_step(q: Sequence[int], k: Sequence[int], v: Sequence[int], S: Sequence[int], z: Sequence[int]) -> None:
+    """linear_attention_step: q_t, k_t (..., E) and v_t (..., Ev), one position; the state's S (..., E, Ev) and
+    z (..., E), whose leading axes the inputs' broadcast to without enlarging them (the new state keeps the
+    state's shape)."""
+    q, k, v, S, z = _shape(q), _shape(k), _shape(v), _shape(S), _shape(z)
+    for name, shape, letters in (("q_t", q, "E"), ("k_t", k, "E"), ("v_t", v, "Ev")):
+        if len(shape) < 1:
+            raise ValueError(f"{name} must have shape (..., {letters}); got {shape}")
+    if q[-1] != k[-1]:
+        raise ValueError(f"q_t and k_t must have the same width E: q_t {q} is (..., E), k_t {k} is (..., E)")
+    inputs = _broadcast(q[:-1], k[:-1], v[:-1])
+    if inputs is None:
+        raise ValueError(f"the leading axes of q_t {q}, k_t {k} and v_t {v} do not broadcast")
+    if not (len(S) >= 2 and S[-2:] == (k[-1], v[-1]) and z == S[:-1] and _fits(inputs, S[:-2])):
+        raise ValueError(f"state (S {S}, z {z}) does not fit the inputs q_t {q}, k_t {k}, v_t {v}: S must be "
+                         f"(..., E, Ev) and z (..., E) with E = {k[-1]}, Ev = {v[-1]} and leading axes (...) that "
+                         f"the inputs' {inputs} broadcast to")
+
+
+def linear_state_dtype(state: Mapping[str, tuple[str, bool]], bits: int, work: str, work_bits: int) -> None:
+    """linear_attention_step computes in the state's dtype: S and z one floating dtype (of `bits` bits), at least
+    the inputs' working dtype `work` (float32 for float16 and bfloat16 inputs), else TypeError naming both."""
+    same_floating_dtype(state, "the state's ")
+    if bits < work_bits:
+        dtype = next(iter(state.values()))[0]
+        raise TypeError(f"state of dtype {dtype} is below the inputs' working dtype {work}: the step computes in "
+                        f"the state's dtype; start from linear_attention_state(..., dtype={work})")
 
 
 def module_sizes(d_model: int, num_heads: int, d_ff: int | None = None) -> None:

@@ -1,0 +1,335 @@
+"""Kernelised linear attention (Katharopoulos et al., 2020, "Transformers are RNNs"), in NumPy.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+Softmax attention weighs key j for query i by exp(q_i . k_j); linear attention by a kernel phi(q_i) . phi(k_j)
+with a feature map phi, and no scale, mask or softmax. The sums over the keys then leave the queries:
+    out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps)
+          = phi(q_i)^T A / (phi(q_i) . z + eps),     A = phi(K)^T V (..., E, Ev),  z = phi(K)^T 1 (..., E)
+so attention costs O(n E Ev) and nothing of size L * S exists. Causal attention (j <= i) makes A and z prefix
+sums A_i, z_i over the keys: all of them at once (the parallel form, (..., L, E, Ev)), chunk by chunk (the
+quadratic masked form inside a chunk, the state (A, z) of the earlier chunks carried across), or one position at
+a time (the recurrent form, linear_attention_step): the same numbers three ways.
+
+The backward pass is derived by hand (linear_attention_vjp). With num_i = phi(q_i)^T A, den_i = phi(q_i) . z + eps
+and out_i = num_i / den_i:
+    d_num = d_out / den,  d_den = -sum(d_out * out) / den                         (..., L, Ev), (..., L, 1)
+    d phi(q_i) = A d_num_i + d_den_i z,   dA = phi(Q)^T d_num,   dz = phi(Q)^T d_den
+    d phi(k_j) = dA v_j + dz,   dv_j = dA^T phi(k_j)
+then through phi: dq = d phi(q) * phi'(q), dk = d phi(k) * phi'(k). In the causal form A_i and z_i are prefix
+sums, so the gradient reaching key j's term is the sum of dA_i and dz_i over the queries i >= j: suffix sums
+(reverse cumulative sums), computed chunk by chunk in reverse with the chunked form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from attention_np.common import checks
+
+from .functional import _dtypes, _integers
+from .gradients import _sum_to
+
+# the feature maps of checks.FEATURE_MAPS: (phi(x), phi'(x)); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise
+# (exp of min(x, 0): the branch not taken never overflows)
+FEATURE_MAPS: dict[str, tuple[Callable, Callable]] = {
+    "elu": (lambda x: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0))),
+            lambda x: np.where(x > 0, 1, np.exp(np.minimum(x, 0)))),
+    "relu": (lambda x: np.maximum(x, 0), lambda x: (x > 0).astype(x.dtype)),
+    "identity": (lambda x: x, lambda x: np.ones_like(x)),
+}
+
+
+def linear_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    feature_map: str = "elu",
+    is_causal: bool = False,
+    key_lengths: np.ndarray | None = None,
+    eps: float = 1e-6,
+    chunk: int | None = None,
+) -> np.ndarray:
+    """out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps), the sums over the keys
+    query i sees (all, or j <= i with is_causal).
+
+    Args:
+        q: queries (..., L, E).
+        k: keys (..., S, E).
+        v: values (..., S, Ev).
+        feature_map: phi: "elu" (elu(x) + 1), "relu" (max(x, 0)) or "identity" (x).
+        is_causal: query i sees keys j <= i; needs L == S.
+        key_lengths: integer array broadcasting to (...): keys j >= key_lengths contribute nothing.
+        eps: a positive number added to the normaliser; a query that sees no key gets 0 / eps = 0.
+        chunk: None, or a positive int: causal attention chunk by chunk (quadratic inside a chunk, the state
+            carried across), in O(L / chunk E Ev + chunk^2) memory; None: the prefix sums (..., L, E, Ev).
+            Non-causal attention ignores it.
+
+    Returns:
+        out (..., L, Ev) in q's dtype, computed in at least float32.
+    """
+    p = _problem(q, k, v, dict(feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths, eps=eps,
+                               chunk=chunk))
+    num, den = _form(p)[0](p)
+    return (num / den).astype(q.dtype, copy=False)
+
+
+def linear_attention_vjp(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    feature_map: str = "elu",
+    is_causal: bool = False,
+    key_lengths: np.ndarray | None = None,
+    eps: float = 1e-6,
+    chunk: int | None = None,
+) -> tuple[np.ndarray, Callable]:
+    """d_num = d_out / den,  d_den = -sum(d_out * out) / den,  d phi(Q) = d_num A^T + d_den z^T,
+    dA = phi(Q)^T d_num,  dz = phi(Q)^T d_den,  d phi(K) = V dA^T + dz,  dV = phi(K) dA,
+    dQ = d phi(Q) * phi'(Q),  dK = d phi(K) * phi'(K); causal: dA and dz as suffix sums over the queries.
+
+    Args:
+        q, k, v, feature_map, is_causal, key_lengths, eps, chunk: as for linear_attention.
+
+    Returns:
+        out (..., L, Ev) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv), each gradient summed to its input's
+        shape and in its dtype; hidden keys (key_lengths) get zero dk and dv.
+    """
+    p = _problem(q, k, v, dict(feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths, eps=eps,
+                               chunk=chunk))
+    forward, backward = _form(p)
+    num, den = forward(p)
+    out = (num / den).astype(q.dtype, copy=False)
+
+    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        # 1) through out = num / den
+        d_num = d_out.astype(p.work, copy=False) / den  # (..., L, Ev)
+        d_den = -np.sum(d_num * (num / den), axis=-1, keepdims=True)  # -sum(d_out * out) / den: (..., L, 1)
+        # 2) through the sums of the form, to phi(Q), phi(K) and V
+        d_phi_q, d_phi_k, dv = backward(p, d_num, d_den)
+        # 3) through phi, and the hidden keys' masks
+        d_phi = FEATURE_MAPS[p.feature_map][1]
+        dq = d_phi_q * d_phi(p.q)  # (..., L, E)
+        dk = d_phi_k * d_phi(p.k)  # (..., S, E)
+        if p.keep is not None:
+            dk, dv = np.where(p.keep, dk, 0), np.where(p.keep, dv, 0)
+        return tuple(_sum_to(d, x.shape).astype(x.dtype, copy=False) for d, x in zip((dq, dk, dv), (q, k, v),
+                                                                                     strict=True))
+
+    return out, pullback
+
+
+def linear_attention_state(batch_shape: tuple[int, ...], E: int, Ev: int, *,
+                           dtype: np.dtype | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(S, z) = (0, 0): the recurrent form's state before the first position, S = sum_j phi(k_j) v_j^T and
+    z = sum_j phi(k_j) over the positions seen.
+
+    Args:
+        batch_shape: the inputs' leading axes (...), a tuple of non-negative ints.
+        E: the query/key width.
+        Ev: the value width.
+        dtype: the state's floating dtype, the dtype the steps compute in; None: float32.
+
+    Returns:
+        S (..., E, Ev) and z (..., E), zeros.
+    """
+    batch = checks.linear_state_size(batch_shape, E, Ev)
+    dtype = np.dtype(np.float32 if dtype is None else dtype)
+    checks.same_floating_dtype({"dtype": (str(dtype), np.issubdtype(dtype, np.floating))})
+    return np.zeros((*batch, E, Ev), dtype), np.zeros((*batch, E), dtype)
+
+
+def linear_attention_step(
+    q_t: np.ndarray,
+    k_t: np.ndarray,
+    v_t: np.ndarray,
+    state: tuple[np.ndarray, np.ndarray],
+    *,
+    feature_map: str = "elu",
+    eps: float = 1e-6,
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """S' = S + phi(k_t) v_t^T,  z' = z + phi(k_t),  out_t = phi(q_t)^T S' / (phi(q_t) . z' + eps): one position of
+    causal linear attention, the current key included (j <= i).
+
+    Args:
+        q_t: the query (..., E).
+        k_t: the key (..., E).
+        v_t: the value (..., Ev).
+        state: (S (..., E, Ev), z (..., E)) from linear_attention_state or the previous step; never changed.
+        feature_map: as for linear_attention.
+        eps: as for linear_attention.
+
+    Returns:
+        out_t (..., Ev) in q_t's dtype and the new state (S', z') in the state's dtype, which the step computes in
+        (at least the inputs' working dtype: float32 for float16 and bfloat16 inputs).
+    """
+    checks.linear_state_pair(state)
+    S, z = state
+    checks.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
+    checks.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
+    checks.linear_options(feature_map, eps)
+    work = np.promote_types(q_t.dtype, np.float32)
+    checks.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
+    phi = FEATURE_MAPS[feature_map][0]
+    phi_q, phi_k = phi(q_t.astype(S.dtype, copy=False)), phi(k_t.astype(S.dtype, copy=False))  # (..., E)
+    # 1) the state takes the current position: new arrays, the caller's state stays as it was
+    S = S + phi_k[..., :, None] * v_t.astype(S.dtype, copy=False)[..., None, :]  # (..., E, 1) x (..., 1, Ev)
+    z = z + phi_k  # (..., E)
+    # 2) the query reads it
+    num = (phi_q[..., None, :] @ S)[..., 0, :]  # (..., 1, E) x (..., E, Ev) -> (..., Ev)
+    den = np.sum(phi_q * z, axis=-1, keepdims=True) + eps  # (..., 1)
+    return (num / den).astype(q_t.dtype, copy=False), (S, z)
+
+
+class _Problem(dict):
+    """One call's checked inputs in the working dtype: q, k (for phi'), phi(Q), phi(K) and V with the hidden keys'
+    rows zeroed, `keep` (..., S, 1) where keys are visible (None: all), and the options."""
+
+    __getattr__ = dict.__getitem__
+
+
+def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict) -> _Problem:
+    """The checks of scaled_dot_product_attention that apply (shapes, dtypes, key_lengths), linear attention's
+    own (feature_map, eps, chunk, L == S when causal), then phi(Q) and phi(K) in the working dtype."""
+    batch = checks.attention_batch(q.shape, k.shape, v.shape)
+    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    checks.linear_options(options["feature_map"], options["eps"], options["chunk"])
+    L, S = q.shape[-2], k.shape[-2]
+    if options["is_causal"]:
+        checks.linear_causal(L, S)
+    work = np.promote_types(q.dtype, np.float32)  # float16, bfloat16: in float32
+    q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
+    phi = FEATURE_MAPS[options["feature_map"]][0]
+    phi_k, keep = phi(k), None
+    if options["key_lengths"] is not None:  # hidden keys add nothing to either sum: their rows zeroed
+        key_lengths = _integers(options["key_lengths"], "key_lengths", batch)
+        keep = np.arange(S)[:, None] < key_lengths[..., None, None]  # (S, 1) against (..., 1, 1) -> (..., S, 1)
+        phi_k, v = np.where(keep, phi_k, 0), np.where(keep, v, 0)  # (..., S, E), (..., S, Ev)
+    return _Problem(options, q=q, k=k, phi_q=phi(q), phi_k=phi_k, v=v, keep=keep, batch=batch, L=L, work=work)
+
+
+def _form(p: _Problem) -> tuple[Callable, Callable]:
+    """The (forward, backward) pair of the call's form: global sums, prefix sums, or chunks."""
+    if not p.is_causal:
+        return _global, _global_backward
+    return (_prefix, _prefix_backward) if p.chunk is None else (_chunked, _chunked_backward)
+
+
+def _global(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
+    """Non-causal: num = phi(Q) A, den = phi(Q) z + eps, with A = phi(K)^T V and z = phi(K)^T 1."""
+    A = np.swapaxes(p.phi_k, -1, -2) @ p.v  # (..., E, S) x (..., S, Ev) -> (..., E, Ev)
+    z = np.sum(p.phi_k, axis=-2)  # (..., S, E) -> (..., E)
+    num = p.phi_q @ A  # (..., L, E) x (..., E, Ev) -> (..., L, Ev)
+    den = p.phi_q @ z[..., None] + p.eps  # (..., L, E) x (..., E, 1) -> (..., L, 1)
+    return np.broadcast_to(num, (*p.batch, *num.shape[-2:])), np.broadcast_to(den, (*p.batch, *den.shape[-2:]))
+
+
+def _global_backward(p: _Problem, d_num: np.ndarray,
+                     d_den: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    A = np.swapaxes(p.phi_k, -1, -2) @ p.v  # (..., E, Ev), again
+    z = np.sum(p.phi_k, axis=-2)[..., None, :]  # (..., 1, E)
+    d_phi_q = d_num @ np.swapaxes(A, -1, -2) + d_den * z  # (..., L, Ev) x (..., Ev, E) + (..., L, 1) x (..., 1, E)
+    dA = np.swapaxes(p.phi_q, -1, -2) @ d_num  # (..., E, L) x (..., L, Ev) -> (..., E, Ev)
+    dz = np.swapaxes(d_den, -1, -2) @ p.phi_q  # (..., 1, L) x (..., L, E) -> (..., 1, E)
+    d_phi_k = p.v @ np.swapaxes(dA, -1, -2) + dz  # (..., S, Ev) x (..., Ev, E) + (..., 1, E) -> (..., S, E)
+    dv = p.phi_k @ dA  # (..., S, E) x (..., E, Ev) -> (..., S, Ev)
+    return d_phi_q, d_phi_k, dv
+
+
+def _prefix(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
+    """Causal, all positions at once: A_i = sum_{j <= i} phi(k_j) v_j^T and z_i = sum_{j <= i} phi(k_j) as
+    cumulative sums over the keys, num_i = phi(q_i)^T A_i, den_i = phi(q_i) . z_i + eps."""
+    A, z = _prefix_sums(p)  # (..., L, E, Ev), (..., L, E)
+    num = (p.phi_q[..., None, :] @ A)[..., 0, :]  # (..., L, 1, E) x (..., L, E, Ev) -> (..., L, Ev)
+    den = np.sum(p.phi_q * z, axis=-1, keepdims=True) + p.eps  # (..., L, 1)
+    return np.broadcast_to(num, (*p.batch, *num.shape[-2:])), np.broadcast_to(den, (*p.batch, *den.shape[-2:]))
+
+
+def _prefix_sums(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
+    kv = p.phi_k[..., :, None] * p.v[..., None, :]  # (..., S, E, 1) x (..., S, 1, Ev) -> (..., S, E, Ev)
+    return np.cumsum(kv, axis=-3), np.cumsum(p.phi_k, axis=-2)  # A (..., L, E, Ev), z (..., L, E); L = S
+
+
+def _prefix_backward(p: _Problem, d_num: np.ndarray,
+                     d_den: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The global backward pass per position: query i reads A_i and z_i, so d phi(q_i) = A_i d_num_i + d_den_i z_i,
+    and key j's term phi(k_j) v_j^T reaches every A_i with i >= j: its gradient G_j = sum_{i >= j} phi(q_i)
+    d_num_i^T, and z's g_j = sum_{i >= j} d_den_i phi(q_i), suffix sums."""
+    A, z = _prefix_sums(p)
+    d_phi_q = (A @ d_num[..., None])[..., 0] + d_den * z  # (..., L, E, Ev) x (..., L, Ev, 1) -> (..., L, E)
+    G = _suffix_sum(p.phi_q[..., :, None] * d_num[..., None, :], axis=-3)  # (..., L, E, 1) x (..., L, 1, Ev)
+    g = _suffix_sum(d_den * p.phi_q, axis=-2)  # (..., L, E)
+    d_phi_k = (G @ p.v[..., None])[..., 0] + g  # (..., S, E, Ev) x (..., S, Ev, 1) -> (..., S, E)
+    dv = (p.phi_k[..., None, :] @ G)[..., 0, :]  # (..., S, 1, E) x (..., S, E, Ev) -> (..., S, Ev)
+    return d_phi_q, d_phi_k, dv
+
+
+def _suffix_sum(x: np.ndarray, axis: int) -> np.ndarray:
+    """sum_{i >= j} x_i along `axis`: the reversed cumulative sum."""
+    return np.flip(np.cumsum(np.flip(x, axis), axis), axis)
+
+
+def _chunks(p: _Problem) -> list[slice]:
+    """The positions of each chunk; the last may be shorter."""
+    return [slice(start, min(start + p.chunk, p.L)) for start in range(0, p.L, p.chunk)]
+
+
+def _chunk_states(p: _Problem, chunks: list[slice]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The state at each chunk's start, the sums over the earlier chunks: A_{<c} (..., E, Ev), z_{<c} (..., E);
+    L / chunk of them, the form's memory."""
+    E, Ev = p.phi_k.shape[-1], p.v.shape[-1]
+    A, z = np.zeros((*p.batch, E, Ev), p.work), np.zeros((*p.batch, E), p.work)
+    states = []
+    for rows in chunks:
+        states.append((A, z))
+        A = A + np.swapaxes(p.phi_k[..., rows, :], -1, -2) @ p.v[..., rows, :]  # (..., E, C) x (..., C, Ev)
+        z = z + np.sum(p.phi_k[..., rows, :], axis=-2)  # (..., E)
+    return states
+
+
+def _chunked(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
+    """Causal, chunk by chunk: inside chunk c the quadratic form with the causal mask, kernel = phi(Q_c) phi(K_c)^T
+    (j <= i), and across chunks the state of the earlier ones: num_c = kernel V_c + phi(Q_c) A_{<c},
+    den_c = rowsum(kernel) + phi(Q_c) z_{<c} + eps."""
+    chunks = _chunks(p)
+    num = np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work)  # (..., L, Ev)
+    den = np.zeros((*p.batch, p.L, 1), p.work)  # (..., L, 1)
+    for rows, (A, z) in zip(chunks, _chunk_states(p, chunks), strict=True):
+        q, k, v = p.phi_q[..., rows, :], p.phi_k[..., rows, :], p.v[..., rows, :]
+        kernel = np.tril(q @ np.swapaxes(k, -1, -2))  # (..., C, E) x (..., E, C) -> (..., C, C); keys j <= i
+        num[..., rows, :] = kernel @ v + q @ A  # (..., C, C) x (..., C, Ev) + (..., C, E) x (..., E, Ev)
+        den[..., rows, :] = np.sum(kernel, axis=-1, keepdims=True) + q @ z[..., None] + p.eps  # (..., C, 1)
+    return num, den
+
+
+def _chunked_backward(p: _Problem, d_num: np.ndarray,
+                      d_den: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chunks in reverse. Inside chunk c, through kernel = tril(phi(Q_c) phi(K_c)^T):
+    d_kernel = tril(d_num V_c^T + d_den 1^T), d phi(Q_c) = d_kernel phi(K_c), d phi(K_c) = d_kernel^T phi(Q_c),
+    dV_c = kernel^T d_num. Through the state of the earlier chunks: d phi(Q_c) += d_num A_{<c}^T + d_den z_{<c}^T.
+    Through the state it hands to the later chunks: their queries' suffix sums G = sum phi(q_i) d_num_i^T and
+    g = sum d_den_i phi(q_i) (over i in the later chunks), carried backwards: d phi(K_c) += V_c G^T + g^T,
+    dV_c += phi(K_c) G."""
+    chunks = _chunks(p)
+    E, Ev = p.phi_k.shape[-1], p.v.shape[-1]
+    d_phi_q = np.zeros((*p.batch, p.L, E), p.work)  # (..., L, E)
+    d_phi_k = np.zeros((*p.batch, p.L, E), p.work)  # (..., S, E); S = L
+    dv = np.zeros((*p.batch, p.L, Ev), p.work)  # (..., S, Ev)
+    G, g = np.zeros((*p.batch, E, Ev), p.work), np.zeros((*p.batch, 1, E), p.work)  # the later chunks' sums
+    for rows, (A, z) in reversed(list(zip(chunks, _chunk_states(p, chunks), strict=True))):
+        q, k, v = p.phi_q[..., rows, :], p.phi_k[..., rows, :], p.v[..., rows, :]
+        d_n, d_d = d_num[..., rows, :], d_den[..., rows, :]  # (..., C, Ev), (..., C, 1)
+        kernel = np.tril(q @ np.swapaxes(k, -1, -2))  # (..., C, C)
+        d_kernel = np.tril(d_n @ np.swapaxes(v, -1, -2) + d_d)  # (..., C, Ev) x (..., Ev, C) + (..., C, 1)
+        d_phi_q[..., rows, :] = d_kernel @ k + d_n @ np.swapaxes(A, -1, -2) + d_d * z[..., None, :]  # (..., C, E)
+        d_phi_k[..., rows, :] = np.swapaxes(d_kernel, -1, -2) @ q + v @ np.swapaxes(G, -1, -2) + g  # (..., C, E)
+        dv[..., rows, :] = np.swapaxes(kernel, -1, -2) @ d_n + k @ G  # (..., C, C) x (..., C, Ev) + (..., C, E) x G
+        G = G + np.swapaxes(q, -1, -2) @ d_n  # (..., E, C) x (..., C, Ev) -> (..., E, Ev)
+        g = g + np.swapaxes(d_d, -1, -2) @ q  # (..., 1, C) x (..., C, E) -> (..., 1, E)
+    return d_phi_q, d_phi_k, dv

@@ -1,0 +1,251 @@
+"""Kernelised linear attention (Katharopoulos et al., 2020, "Transformers are RNNs"), in PyTorch.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+Softmax attention weighs key j for query i by exp(q_i . k_j); linear attention by a kernel phi(q_i) . phi(k_j)
+with a feature map phi, and no scale, mask or softmax. The sums over the keys then leave the queries:
+    out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps)
+          = phi(q_i)^T A / (phi(q_i) . z + eps),     A = phi(K)^T V (..., E, Ev),  z = phi(K)^T 1 (..., E)
+so attention costs O(n E Ev) and nothing of size L * S exists. Causal attention (j <= i) makes A and z prefix
+sums A_i, z_i over the keys: all of them at once (the parallel form, (..., L, E, Ev)), chunk by chunk (the
+quadratic masked form inside a chunk, the state (A, z) of the earlier chunks carried across), or one position at
+a time (the recurrent form, linear_attention_step): the same numbers three ways.
+
+The torch specifics: the chunks run in a Python loop, torch spreading each matmul over the cores itself; the
+gradients are autograd's through the forward code (attention_np.linear derives them by hand), and
+linear_attention_vjp records the call also inside torch.no_grad() and torch.inference_mode().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from attention_np.common import checks
+
+from .functional import _cast, _dtypes, _integers
+from .gradients import _grad, _leaf, _recording
+
+# the feature maps of checks.FEATURE_MAPS: phi(x); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise (exp of
+# min(x, 0): the branch not taken never overflows). torch: phi' comes from autograd
+FEATURE_MAPS: dict[str, Callable] = {
+    "elu": lambda x: torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0))),
+    "relu": lambda x: torch.clamp(x, min=0),
+    "identity": lambda x: x,
+}
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    feature_map: str = "elu",
+    is_causal: bool = False,
+    key_lengths: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps), the sums over the keys
+    query i sees (all, or j <= i with is_causal).
+
+    Args:
+        q: queries (..., L, E).
+        k: keys (..., S, E).
+        v: values (..., S, Ev).
+        feature_map: phi: "elu" (elu(x) + 1), "relu" (max(x, 0)) or "identity" (x).
+        is_causal: query i sees keys j <= i; needs L == S.
+        key_lengths: integer array broadcasting to (...): keys j >= key_lengths contribute nothing.
+        eps: a positive number added to the normaliser; a query that sees no key gets 0 / eps = 0.
+        chunk: None, or a positive int: causal attention chunk by chunk (quadratic inside a chunk, the state
+            carried across), in O(L / chunk E Ev + chunk^2) memory; None: the prefix sums (..., L, E, Ev).
+            Non-causal attention ignores it.
+
+    Returns:
+        out (..., L, Ev) in q's dtype, computed in at least float32.
+    """
+    p = _problem(q, k, v, dict(feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths, eps=eps,
+                               chunk=chunk))
+    num, den = _form(p)(p)
+    return _cast(num / den, q.dtype)
+
+
+def linear_attention_vjp(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    feature_map: str = "elu",
+    is_causal: bool = False,
+    key_lengths: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, Callable]:
+    """d_num = d_out / den,  d_den = -sum(d_out * out) / den,  d phi(Q) = d_num A^T + d_den z^T,
+    dA = phi(Q)^T d_num,  dz = phi(Q)^T d_den,  d phi(K) = V dA^T + dz,  dV = phi(K) dA,
+    dQ = d phi(Q) * phi'(Q),  dK = d phi(K) * phi'(K); causal: dA and dz as suffix sums over the queries.
+    autograd of linear_attention computes them.
+
+    Args:
+        q, k, v, feature_map, is_causal, key_lengths, eps, chunk: as for linear_attention.
+
+    Returns:
+        out (..., L, Ev) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv), each gradient summed to its input's
+        shape and in its dtype; hidden keys (key_lengths) get zero dk and dv.
+    """
+    # torch: autograd records the call (also inside torch.no_grad() and torch.inference_mode(), as
+    # gradients.scaled_dot_product_attention_vjp does), and the pullback runs its backward pass
+    with _recording():
+        inputs = [_leaf(x) for x in (q, k, v)]
+        out = linear_attention(*inputs, feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths,
+                               eps=eps, chunk=chunk)
+
+    def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        dq, dk, dv = _grad(out, inputs, d_out)
+        return dq, dk, dv
+
+    return out.detach(), pullback
+
+
+def linear_attention_state(batch_shape: tuple[int, ...], E: int, Ev: int, *,
+                           dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, z) = (0, 0): the recurrent form's state before the first position, S = sum_j phi(k_j) v_j^T and
+    z = sum_j phi(k_j) over the positions seen.
+
+    Args:
+        batch_shape: the inputs' leading axes (...), a tuple of non-negative ints.
+        E: the query/key width.
+        Ev: the value width.
+        dtype: the state's floating dtype, the dtype the steps compute in; None: float32.
+
+    Returns:
+        S (..., E, Ev) and z (..., E), zeros.
+    """
+    batch = checks.linear_state_size(batch_shape, E, Ev)
+    dtype = torch.float32 if dtype is None else dtype
+    checks.same_floating_dtype({"dtype": (str(dtype), dtype.is_floating_point)})
+    # torch: on the default device (torch.set_default_device), as torch.zeros puts them
+    return torch.zeros((*batch, E, Ev), dtype=dtype), torch.zeros((*batch, E), dtype=dtype)
+
+
+def linear_attention_step(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor],
+    *,
+    feature_map: str = "elu",
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """S' = S + phi(k_t) v_t^T,  z' = z + phi(k_t),  out_t = phi(q_t)^T S' / (phi(q_t) . z' + eps): one position of
+    causal linear attention, the current key included (j <= i).
+
+    Args:
+        q_t: the query (..., E).
+        k_t: the key (..., E).
+        v_t: the value (..., Ev).
+        state: (S (..., E, Ev), z (..., E)) from linear_attention_state or the previous step; never changed.
+        feature_map: as for linear_attention.
+        eps: as for linear_attention.
+
+    Returns:
+        out_t (..., Ev) in q_t's dtype and the new state (S', z') in the state's dtype, which the step computes in
+        (at least the inputs' working dtype: float32 for float16 and bfloat16 inputs).
+    """
+    checks.linear_state_pair(state)
+    S, z = state
+    checks.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
+    checks.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
+    checks.linear_options(feature_map, eps)
+    work = torch.promote_types(q_t.dtype, torch.float32)
+    checks.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
+    phi = FEATURE_MAPS[feature_map]
+    q, k, v = (_cast(x, S.dtype) for x in (q_t, k_t, v_t))
+    phi_q, phi_k = phi(q), phi(k)  # (..., E)
+    # 1) the state takes the current position: new arrays, the caller's state stays as it was
+    S = S + phi_k[..., :, None] * v[..., None, :]  # (..., E, 1) x (..., 1, Ev)
+    z = z + phi_k  # (..., E)
+    # 2) the query reads it
+    num = (phi_q[..., None, :] @ S)[..., 0, :]  # (..., 1, E) x (..., E, Ev) -> (..., Ev)
+    den = torch.sum(phi_q * z, dim=-1, keepdim=True) + eps  # (..., 1)
+    return _cast(num / den, q_t.dtype), (S, z)
+
+
+class _Problem(dict):
+    """One call's checked inputs in the working dtype: phi(Q), phi(K) and V with the hidden keys' rows zeroed,
+    and the options."""
+
+    __getattr__ = dict.__getitem__
+
+
+def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -> _Problem:
+    """The checks of scaled_dot_product_attention that apply (shapes, dtypes, key_lengths), linear attention's
+    own (feature_map, eps, chunk, L == S when causal), then phi(Q) and phi(K) in the working dtype."""
+    batch = checks.attention_batch(q.shape, k.shape, v.shape)
+    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    checks.linear_options(options["feature_map"], options["eps"], options["chunk"])
+    L, S = q.shape[-2], k.shape[-2]
+    if options["is_causal"]:
+        checks.linear_causal(L, S)
+    work = torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: in float32
+    q, k, v = (_cast(x, work) for x in (q, k, v))
+    phi = FEATURE_MAPS[options["feature_map"]]
+    phi_k = phi(k)
+    if options["key_lengths"] is not None:  # hidden keys add nothing to either sum: their rows zeroed
+        key_lengths = _integers(options["key_lengths"], "key_lengths", batch).to(q.device)
+        keep = torch.arange(S, device=q.device)[:, None] < key_lengths[..., None, None]  # (..., S, 1)
+        phi_k, v = torch.where(keep, phi_k, 0), torch.where(keep, v, 0)  # (..., S, E), (..., S, Ev)
+    return _Problem(options, phi_q=phi(q), phi_k=phi_k, v=v, batch=tuple(batch), L=L, work=work)
+
+
+def _form(p: _Problem) -> Callable:
+    """The call's form: global sums, prefix sums, or chunks."""
+    if not p.is_causal:
+        return _global
+    return _prefix if p.chunk is None else _chunked
+
+
+def _global(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal: num = phi(Q) A, den = phi(Q) z + eps, with A = phi(K)^T V and z = phi(K)^T 1."""
+    A = p.phi_k.transpose(-1, -2) @ p.v  # (..., E, S) x (..., S, Ev) -> (..., E, Ev)
+    z = torch.sum(p.phi_k, dim=-2)  # (..., S, E) -> (..., E)
+    num = p.phi_q @ A  # (..., L, E) x (..., E, Ev) -> (..., L, Ev)
+    den = p.phi_q @ z[..., None] + p.eps  # (..., L, E) x (..., E, 1) -> (..., L, 1)
+    return num.expand(*p.batch, *num.shape[-2:]), den.expand(*p.batch, *den.shape[-2:])
+
+
+def _prefix(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal, all positions at once: A_i = sum_{j <= i} phi(k_j) v_j^T and z_i = sum_{j <= i} phi(k_j) as
+    cumulative sums over the keys, num_i = phi(q_i)^T A_i, den_i = phi(q_i) . z_i + eps."""
+    kv = p.phi_k[..., :, None] * p.v[..., None, :]  # (..., S, E, 1) x (..., S, 1, Ev) -> (..., S, E, Ev)
+    A, z = torch.cumsum(kv, dim=-3), torch.cumsum(p.phi_k, dim=-2)  # (..., L, E, Ev), (..., L, E); L = S
+    num = (p.phi_q[..., None, :] @ A)[..., 0, :]  # (..., L, 1, E) x (..., L, E, Ev) -> (..., L, Ev)
+    den = torch.sum(p.phi_q * z, dim=-1, keepdim=True) + p.eps  # (..., L, 1)
+    return num.expand(*p.batch, *num.shape[-2:]), den.expand(*p.batch, *den.shape[-2:])
+
+
+def _chunks(p: _Problem) -> list[slice]:
+    """The positions of each chunk; the last may be shorter."""
+    return [slice(start, min(start + p.chunk, p.L)) for start in range(0, p.L, p.chunk)]
+
+
+def _chunked(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal, chunk by chunk: inside chunk c the quadratic form with the causal mask, kernel = phi(Q_c) phi(K_c)^T
+    (j <= i), and across chunks the state of the earlier ones: num_c = kernel V_c + phi(Q_c) A_{<c},
+    den_c = rowsum(kernel) + phi(Q_c) z_{<c} + eps."""
+    E, Ev, device = p.phi_k.shape[-1], p.v.shape[-1], p.phi_q.device
+    num = torch.zeros((*p.batch, p.L, Ev), dtype=p.work, device=device)  # (..., L, Ev)
+    den = torch.zeros((*p.batch, p.L, 1), dtype=p.work, device=device)  # (..., L, 1)
+    A = torch.zeros((*p.batch, E, Ev), dtype=p.work, device=device)  # the state of the earlier chunks
+    z = torch.zeros((*p.batch, E), dtype=p.work, device=device)
+    for rows in _chunks(p):
+        q, k, v = p.phi_q[..., rows, :], p.phi_k[..., rows, :], p.v[..., rows, :]
+        kernel = torch.tril(q @ k.transpose(-1, -2))  # (..., C, E) x (..., E, C) -> (..., C, C); keys j <= i
+        num[..., rows, :] = kernel @ v + q @ A  # (..., C, C) x (..., C, Ev) + (..., C, E) x (..., E, Ev)
+        den[..., rows, :] = torch.sum(kernel, dim=-1, keepdim=True) + q @ z[..., None] + p.eps  # (..., C, 1)
+        A = A + k.transpose(-1, -2) @ v  # (..., E, C) x (..., C, Ev)
+        z = z + torch.sum(k, dim=-2)  # (..., E)
+    return num, den
