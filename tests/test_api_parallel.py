@@ -22,7 +22,7 @@ from tests.conftest import BACKENDS, import_backend
 LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width, "
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
 PUBLIC_FILES = {"__init__.py", "arrays.py", "distributed.py", "fast.py", "flash.py", "functional.py", "gradients.py",
-                "modules.py", "py.typed"}
+                "linear.py", "modules.py", "py.typed"}
 COMMON_FILES = {"__init__.py", "checks.py", "module.py", "npz.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
 NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
