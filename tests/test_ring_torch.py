@@ -156,3 +156,18 @@ def test_causal_zig_zag_gives_every_rank_the_same_work(world_size: int):
         pairs.append(sum(int((i - j + step["q_offset"] >= 0).sum()) for step in scheduled))
     assert len(set(calls)) == 1 and len(set(pairs)) == 1, (calls, pairs)
     assert pairs[0] * world_size == (2 * c * world_size) * (2 * c * world_size + 1) // 2  # all L (L + 1) / 2
+
+
+def test_ring_bench_rows_hold_the_memory_check_and_the_bytes_per_step():
+    """`python -m conformance.bench.ring_torch` at a tiny size: P = 2, is_causal (the layout's moves left out of
+    the bytes per step). A shard is 16 rows x E = 4 x 4 bytes = 256 bytes: a forward step sends k and v, 512;
+    the backward's two steps send k, v once and dk, dv twice, 6 shards, 3 a step."""
+    from conformance.bench import ring_torch
+
+    (row,) = ring_torch.measure((2,), length=32, width=4, block=4, causal=(True,))
+    assert (row.processes, row.is_causal, row.shard_mib * ring_torch.MIB) == (2, True, 256)
+    assert (row.bytes_per_step, row.model_bytes, row.backward_bytes_per_step) == (512, 512, 768)
+    assert row.peak_mib >= row.least_peak_mib >= 0
+    header, line = ring_torch.format_rows([row], length=32, width=4).splitlines()[1:3]
+    assert "x P" in header and "/ shard (L/P) E 4" in header, header
+    assert line.split()[:2] == ["2", "True"] and line.split()[-3:] == ["512", "512", "768"], line
