@@ -171,7 +171,7 @@ def linear_attention_step(
     z = z + phi_k  # (..., E)
     # 2) the query reads it
     num = (phi_q[..., None, :] @ S)[..., 0, :]  # (..., 1, E) x (..., E, Ev) -> (..., Ev)
-    den = jnp.sum(phi_q * z, axis=-1, keepdims=True) + eps  # (..., 1)
+    den = jnp.sum(phi_q * z, axis=-1, keepdims=True) + float(eps)  # (..., 1)
     return (num / den).astype(q_t.dtype), (S, z)
 
 
@@ -200,7 +200,8 @@ def _problem(q: jax.Array, k: jax.Array, v: jax.Array, options: dict) -> _Proble
         key_lengths = _ranked(_integers(options["key_lengths"], "key_lengths", batch), len(batch))
         keep = _ranked(jnp.arange(S)[:, None], n) < key_lengths[..., None, None]  # (..., S, 1)
         phi_k, v = jnp.where(keep, phi_k, 0), jnp.where(keep, v, 0)  # (..., S, E), (..., S, Ev)
-    return _Problem(options, phi_q=phi(q), phi_k=phi_k, v=v, batch=batch, L=L, work=work)
+    return _Problem(options, eps=float(options["eps"]),  # a Python float: no promotion
+                    phi_q=phi(q), phi_k=phi_k, v=v, batch=batch, L=L, work=work)
 
 
 def _form(p: _Problem) -> Callable:

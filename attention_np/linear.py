@@ -183,7 +183,7 @@ def linear_attention_step(
     z = z + phi_k  # (..., E)
     # 2) the query reads it
     num = (phi_q[..., None, :] @ S)[..., 0, :]  # (..., 1, E) x (..., E, Ev) -> (..., Ev)
-    den = np.sum(phi_q * z, axis=-1, keepdims=True) + eps  # (..., 1)
+    den = np.sum(phi_q * z, axis=-1, keepdims=True) + float(eps)  # (..., 1)
     return (num / den).astype(q_t.dtype, copy=False), (S, z)
 
 
@@ -211,7 +211,8 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict) -> _Pro
         key_lengths = _integers(options["key_lengths"], "key_lengths", batch)
         keep = np.arange(S)[:, None] < key_lengths[..., None, None]  # (S, 1) against (..., 1, 1) -> (..., S, 1)
         phi_k, v = np.where(keep, phi_k, 0), np.where(keep, v, 0)  # (..., S, E), (..., S, Ev)
-    return _Problem(options, q=q, k=k, phi_q=phi(q), phi_k=phi_k, v=v, keep=keep, batch=batch, L=L, work=work)
+    return _Problem(options, eps=float(options["eps"]),  # a Python float: no promotion
+                    q=q, k=k, phi_q=phi(q), phi_k=phi_k, v=v, keep=keep, batch=batch, L=L, work=work)
 
 
 def _form(p: _Problem) -> tuple[Callable, Callable]:

@@ -170,7 +170,7 @@ def linear_attention_step(
     z = z + phi_k  # (..., E)
     # 2) the query reads it
     num = (phi_q[..., None, :] @ S)[..., 0, :]  # (..., 1, E) x (..., E, Ev) -> (..., Ev)
-    den = torch.sum(phi_q * z, dim=-1, keepdim=True) + eps  # (..., 1)
+    den = torch.sum(phi_q * z, dim=-1, keepdim=True) + float(eps)  # (..., 1)
     return _cast(num / den, q_t.dtype), (S, z)
 
 
@@ -198,14 +198,17 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -
         key_lengths = _integers(options["key_lengths"], "key_lengths", batch).to(q.device)
         keep = torch.arange(S, device=q.device)[:, None] < key_lengths[..., None, None]  # (..., S, 1)
         phi_k, v = torch.where(keep, phi_k, 0), torch.where(keep, v, 0)  # (..., S, E), (..., S, Ev)
-    return _Problem(options, phi_q=phi(q), phi_k=phi_k, v=v, batch=tuple(batch), L=L, work=work)
+    return _Problem(options, eps=float(options["eps"]),  # a Python float: no promotion
+                    phi_q=phi(q), phi_k=phi_k, v=v, batch=tuple(batch), L=L, work=work)
 
 
 def _form(p: _Problem) -> Callable:
     """The call's form: global sums, prefix sums, or chunks."""
     if not p.is_causal:
         return _global
-    return _prefix if p.chunk is None else _chunked
+    # torch: with L = 0 no chunk is written, and autograd needs an output that depends on the inputs: the
+    # prefix form's, empty too
+    return _prefix if p.chunk is None or p.L == 0 else _chunked
 
 
 def _global(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,6 +172,17 @@ def test_numpy_backward_by_hand_against_central_differences():
         assert_close(grads[index], numeric, 1e-7, "dqkv"[index])
 
 
+def test_no_positions_and_no_keys(backend):
+    M = backend
+    empty, none = M.asarray(np.zeros((2, 0, 3))), M.asarray(np.zeros((2, 0, 4)))
+    for chunk in (None, 2):  # L = S = 0: empty outputs and gradients, also through autodiff
+        out, pullback = M.linear_attention_vjp(empty, empty, none, is_causal=True, chunk=chunk)
+        assert tuple(out.shape) == (2, 0, 4)
+        assert [tuple(g.shape) for g in pullback(none)] == [(2, 0, 3), (2, 0, 3), (2, 0, 4)]
+    q = M.asarray(np.ones((2, 3, 3)))  # S = 0: every query sees no key, 0 / eps
+    np.testing.assert_array_equal(M.to_numpy(M.linear_attention(q, empty, none)), np.zeros((2, 3, 4)))
+
+
 def test_half_precision_returns_its_dtype(backend):
     M = backend
     q, k, v = _inputs("elu")
