@@ -135,8 +135,8 @@ def test_every_rank_gets_its_rows_of_single_process_attention(world_size: int):
 def test_shards_of_different_lengths_raise_on_every_rank():
     messages = launch(2, _uneven_shards)
     for message in messages:
-        assert "P=2" in message and "rank 0: q (2, 2, 5, 4)" in message and "rank 1: q (2, 2, 4, 4)" in message, (
-            message)
+        assert "P = 2" in message and "L = 9" in message, message  # the whole length the shards add up to
+        assert "rank 0: q (2, 2, 5, 4)" in message and "rank 1: q (2, 2, 4, 4)" in message, message
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
