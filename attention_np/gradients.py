@@ -123,20 +123,25 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     input projections. Splitting and merging heads only move entries, so their adjoints are each other.
     With Hkv < H key/value heads, attention runs with enable_gqa, whose backward pass sums the gradients of
     each key/value head over the query heads of its group. With rope_theta, the queries and keys are turned
-    after the split, and their gradients turned back before the projections' adjoints.
+    after the split, and their gradients turned back before the projections' adjoints. With attention="linear"
+    the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp).
 
     Returns:
-        out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
-        dparams {state-dict name: gradient}.
+        out (..., L, D), weights (..., H, L, S) (None with attention="linear") and
+        pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams), dparams {state-dict name: gradient}.
     """
     checks.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
-    mha._check_inputs(q, k, v)
+    mha._check_inputs(q, k, v, mask)
     (q_p, pull_q), (k_p, pull_k), (v_p, pull_v) = (_linear_vjp(w, x) for w, x in
                                                   ((mha.w_q, q), (mha.w_k, k), (mha.w_v, v)))
     H, Hkv = mha.num_heads, mha.num_kv_heads
     q_h, k_h = mha._rotated(mha._split_heads(q_p, H), mha._split_heads(k_p, Hkv), 0)  # RoPE at 0.., 0..
-    heads, weights, pull_attention = scaled_dot_product_attention_vjp(
-        q_h, k_h, mha._split_heads(v_p, Hkv), mask, enable_gqa=mha.grouped)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
+    v_h = mha._split_heads(v_p, Hkv)  # (..., Hkv, S, d_k)
+    if mha.attention == "linear":  # no mask (checked above), no weights
+        heads, weights, pull_attention = _linear_heads_vjp(mha, q_h, k_h, v_h)  # (..., H, L, d_k)
+    else:
+        heads, weights, pull_attention = scaled_dot_product_attention_vjp(
+            q_h, k_h, v_h, mask, enable_gqa=mha.grouped)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
@@ -150,6 +155,25 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
         return dq, dk, dv, grads | _prefixed("w_o", grads_o)
 
     return out, weights, pullback
+
+
+def _linear_heads_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, None, Callable]:
+    """The vjp of MultiHeadAttention._linear_heads: linear_attention_vjp on the grouped heads, q (..., Hkv, G, L, d_k)
+    against k, v (..., Hkv, 1, S, d_k). Key/value head g is broadcast over the G query heads of its group, so
+    linear_attention_vjp, which sums each gradient over its input's broadcast axes, returns dK_g = sum over h in
+    group g of dK_h, and dV alike. Returns heads (..., H, L, d_k), no weights, and a pullback with
+    scaled_dot_product_attention_vjp's results (dq, dk, dv, dbias None)."""
+    from .linear import linear_attention_vjp  # linear.py builds on this module (_sum_to)
+
+    q_g, k_g, v_g = mha._grouped_heads(q, k, v)
+    out_g, pull = linear_attention_vjp(q_g, k_g, v_g)  # (..., Hkv, G, L, d_k)
+
+    def pullback(d_heads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, None]:
+        dq, dk, dv = pull(d_heads.reshape(out_g.shape))  # (..., H, L, d_k) -> (..., Hkv, G, L, d_k)
+        dk, dv = dk[..., 0, :, :], dv[..., 0, :, :]  # (..., Hkv, 1, S, d_k) -> (..., Hkv, S, d_k)
+        return _ungrouped(dq), dk, dv, None  # (..., Hkv, G, L, d_k) -> (..., H, L, d_k)
+
+    return _ungrouped(out_g), None, pullback
 
 
 def _rope_vjp(mha: Any, d: np.ndarray) -> np.ndarray:

@@ -89,7 +89,7 @@ def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torc
         dq, dk, dv, *grads = _grad(out, [*inputs, *params.values()], d_out)
         return dq, dk, dv, dict(zip(params, grads, strict=True))
 
-    return out.detach(), weights.detach(), pullback
+    return out.detach(), None if weights is None else weights.detach(), pullback  # None: attention="linear"
 
 
 def transformer_block_vjp(block: Any, x: torch.Tensor,

@@ -31,6 +31,7 @@ from .functional import (
     _rngs,
     _rope_table,
     _turned,
+    _ungrouped,
     scaled_dot_product_attention,
 )
 
@@ -50,15 +51,17 @@ class KVCache(NamedTuple):
 
 class MultiHeadAttention(nn.Module):
     """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice; with
-    num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads."""
+    num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads; with
+    attention="linear", the same projections around linear attention in each head."""
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
-                 rng: Rng = None, dtype: torch.dtype | None = None) -> None:
+                 attention: str = "softmax", rng: Rng = None, dtype: torch.dtype | None = None) -> None:
         """Args: sizes as named; dropout on the attention weights; num_kv_heads Hkv, dividing num_heads
         (None: num_heads), sizes w_k and w_v (Hkv * d_k, D); bias=False drops the four projections' biases;
         rope_theta (None: off) turns each head's queries and keys by their positions (apply_rope, half
-        rotation, base rope_theta);
+        rotation, base rope_theta); attention "softmax" (scaled dot-product attention) or "linear"
+        (linear_attention with its defaults: no mask, no weights, so dropout must be 0);
         rng and dtype (torch's default dtype, float32, when None) for the initial parameters, drawn as
         nn.Linear draws them."""
         super().__init__()
@@ -66,46 +69,51 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads = checks.kv_heads(num_heads, num_kv_heads)
         rope_theta = checks.rope_theta(rope_theta, d_model, num_heads)
         checks.probability("dropout", dropout)
+        _check_attention(attention, dropout)
         rngs, shapes = _rngs(rng, 4), checks.mha_state_shapes(d_model, num_heads, num_kv_heads)
         self.w_q, self.w_k, self.w_v, self.w_o = (
             Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
             for name, rng in zip(("w_q", "w_k", "w_v", "w_o"), rngs, strict=True))
         self.num_heads, self.num_kv_heads, self.dropout = num_heads, num_kv_heads, dropout
-        self.rope_theta = rope_theta
+        self.rope_theta, self.attention = rope_theta, attention
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
-                        rope_theta: float | None = None) -> MultiHeadAttention:
+                        rope_theta: float | None = None, attention: str = "softmax") -> MultiHeadAttention:
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
         layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
         rope_theta = checks.rope_theta(rope_theta, layout["d_model"], num_heads)
         checks.probability("dropout", dropout)
+        _check_attention(attention, dropout)
         checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(layout["d_model"], num_heads, dropout, num_kv_heads=layout["num_kv_heads"],
-                         bias=layout["bias"], rope_theta=rope_theta)
+                         bias=layout["bias"], rope_theta=rope_theta, attention=attention)
         return _load(module, state)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
                 need_weights: bool = True, rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
-        head_h = Attention(Q W_q,h^T + b_q,h, K W_k,g^T + b_k,g, V W_v,g^T + b_v,g), g = h // (H / Hkv).
+        head_h = Attention(Q W_q,h^T + b_q,h, K W_k,g^T + b_k,g, V W_v,g^T + b_v,g), g = h // (H / Hkv),
+        Attention: scaled_dot_product_attention, or linear_attention with attention="linear".
 
         Args:
             q: queries (..., L, D).
             k: keys (..., S, D).
             v: values (..., S, D).
-            mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key.
-            need_weights: return the weights; with False the second result is None.
+            mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key. attention="linear":
+                None (linear attention takes no mask).
+            need_weights: return the weights; with False the second result is None. attention="linear" forms
+                no weights: None always.
             rng: dropout randomness: a torch.Generator (None: the global RNG).
 
         Returns:
             out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None).
         """
-        self._check_inputs(q, k, v)
+        self._check_inputs(q, k, v, mask)
 
         # 1) project, then split into heads of width d_k: H query heads, Hkv key/value heads
         q = self._split_heads(self.w_q(q), self.num_heads)  # (..., L, D) -> (..., H, L, d_k)
@@ -114,16 +122,21 @@ class MultiHeadAttention(nn.Module):
         q, k = self._rotated(q, k, 0)  # RoPE: query i at position i, key j at j
 
         # 2) attend, every head at once; query head h reads key/value head h // (H / Hkv)
-        dropout_p = self.dropout if self.training else 0.0
-        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p, need_weights=need_weights,
-                                                    rng=rng, enable_gqa=self.grouped)  # (..., H, L, d_k)
+        if self.attention == "linear":  # no mask (checked above), no weights, no dropout (the constructor's check)
+            out, weights = self._linear_heads(q, k, v), None  # (..., H, L, d_k)
+        else:
+            dropout_p = self.dropout if self.training else 0.0
+            out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
+                                                        need_weights=need_weights, rng=rng,
+                                                        enable_gqa=self.grouped)  # (..., H, L, d_k)
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
 
     def vjp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
-        """out, weights and pullback(d_out) -> (dq, dk, dv, {state-dict name: gradient}), without dropout."""
+        """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
+        gradient}), without dropout."""
         from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
 
         return multi_head_attention_vjp(self, q, k, v, mask)
@@ -131,7 +144,9 @@ class MultiHeadAttention(nn.Module):
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
         """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
         values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
-        with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32."""
+        with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32.
+        Softmax attention's only: attention="linear" raises ValueError."""
+        _check_cached(self.attention)
         batch_shape = checks.cache_size(batch_shape, capacity)
         d_k = self.w_q.weight.shape[1] // self.num_heads
         shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
@@ -202,6 +217,7 @@ class MultiHeadAttention(nn.Module):
 
     def _check_extend(self, inputs: dict[str, torch.Tensor], cache: KVCache, mask: torch.Tensor | None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""
+        _check_cached(self.attention)
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
         L = checks.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
                                 weight.shape[1])
@@ -211,11 +227,14 @@ class MultiHeadAttention(nn.Module):
                                  "..., H, L, capacity")
         checks.cache_room(capacity, cache.length, L)
 
-    def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> None:
         d_model = self.w_q.weight.shape[1]
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
             checks.module_input(name, x.shape, d_model, letter)
         checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+        if mask is not None and self.attention == "linear":
+            raise ValueError("mask must be None with attention='linear': linear attention takes no mask")
 
     @property
     def grouped(self) -> bool:
@@ -237,6 +256,23 @@ class MultiHeadAttention(nn.Module):
         cos, sin = tables  # row start + i: position start + i
         return (_turned(q, cos[start:start + L], sin[start:start + L], False),
                 _turned(k, cos[start:start + S], sin[start:start + S], False))
+
+    def _linear_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """linear_attention (its defaults: phi = elu + 1, eps 1e-6, not causal) in every head, q (..., H, L, d_k)
+        against k, v (..., Hkv, S, d_k): out (..., H, L, d_k)."""
+        from .linear import linear_attention  # imported when used, as NumPy's must be (its linear.py builds on
+        # gradients.py, which builds on these modules)
+
+        out = linear_attention(*self._grouped_heads(q, k, v))  # (..., Hkv, G, L, d_k)
+        return _ungrouped(out)  # (..., Hkv, G, L, d_k) -> (..., H, L, d_k)
+
+    def _grouped_heads(self, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (..., H, L, d_k) -> (..., Hkv, G, L, d_k) and k, v (..., Hkv, S, d_k) -> (..., Hkv, 1, S, d_k),
+        G = H / Hkv: query head h = (h // G, h % G) meets key/value head h // G by broadcasting, never a copy."""
+        G = self.num_heads // self.num_kv_heads
+        q = q.reshape(*q.shape[:-3], self.num_kv_heads, G, *q.shape[-2:])  # (..., Hkv, G, L, d_k)
+        return q, k[..., None, :, :], v[..., None, :, :]  # (..., Hkv, S, d_k) -> (..., Hkv, 1, S, d_k)
 
     def _split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """x (..., L, heads * d_k) -> (..., heads, L, d_k); heads defaults to H (the query heads)."""
@@ -490,6 +526,25 @@ def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias
 
 # relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form
 _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU}
+_ATTENTIONS = ("softmax", "linear")  # MultiHeadAttention's attention in each head
+
+
+def _check_attention(attention: str, dropout: float) -> None:
+    """attention one of _ATTENTIONS; "linear" forms no attention weights, so dropout, which acts on them, is 0."""
+    if attention not in _ATTENTIONS:
+        raise ValueError(f"attention must be one of {_ATTENTIONS}; got {attention!r}")
+    if attention == "linear" and dropout != 0:
+        raise ValueError(f"dropout must be 0 with attention='linear' (dropout acts on the attention weights, which "
+                         f"linear attention does not form); got {dropout!r}")
+
+
+def _check_cached(attention: str) -> None:
+    """init_cache and extend keep softmax attention's keys and values: linear attention has no such cache."""
+    if attention != "softmax":
+        raise ValueError(f"init_cache and extend need attention='softmax'; got attention={attention!r} (linear "
+                         "attention's recurrent form is linear_attention_step)")
+
+
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}
 
 
