@@ -96,6 +96,21 @@ def sharded(case: FlashCase, devices: int) -> RingCase:
     return RingCase(*case, devices=devices)
 
 
+class LinearCase(NamedTuple):
+    """Inputs of linear_attention (SPEC 2e): q, k, v and its keywords. The step check runs the same case through
+    linear_attention_state and linear_attention_step (causal, no key lengths: the recurrent form has none)."""
+
+    q: np.ndarray  # (..., L, E)
+    k: np.ndarray  # (..., S, E)
+    v: np.ndarray  # (..., S, Ev)
+    feature_map: str = "elu"  # phi: "elu" (elu(x) + 1), "relu" (max(x, 0)) or "identity" (x)
+    is_causal: bool = False  # query i sees keys j <= i; L == S
+    key_lengths: np.ndarray | None = None  # integers broadcasting to (...): keys j < key_lengths seen
+    eps: float = 1e-6  # added to every normaliser
+    chunk: int | None = None  # the causal form chunk by chunk (None: the prefix sums); ignored when not causal
+    dropout: float = 0.0  # always 0: linear attention has no dropout (the field the generic machinery reads)
+
+
 class MhaCase(NamedTuple):
     """A MultiHeadAttention (from_state_dict) and its inputs; value checks run it in eval mode."""
 
@@ -149,7 +164,7 @@ class DecodeCase(NamedTuple):
     rope_theta: float | None = None  # the queries and keys turned at their positions in the whole sequence
 
 
-Case = SdpaCase | FlashCase | RingCase | MhaCase | BlockCase | DecodeCase
+Case = SdpaCase | FlashCase | RingCase | LinearCase | MhaCase | BlockCase | DecodeCase
 
 
 # --- parameters --------------------------------------------------------------------------------------------
@@ -210,6 +225,13 @@ def sdpa_case(batch: Batch = (2,), L: int = 3, S: int = 4, E: int = 2, Ev: int =
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((*batch, n, width)) for n, width in ((L, E), (S, E), (S, Ev)))
     return SdpaCase(q, k, v, None, None, False, None)._replace(**fields)
+
+
+def linear_case(batch: Batch = (2,), L: int = 3, S: int = 4, E: int = 2, Ev: int = 3, *, seed: int = 0,
+                **fields: Any) -> LinearCase:
+    """sdpa_case's q (..., L, E), k (..., S, E), v (..., S, Ev) as linear attention's, elu + 1, not causal."""
+    case = sdpa_case(batch, L, S, E, Ev, seed=seed)
+    return LinearCase(case.q, case.k, case.v)._replace(**fields)
 
 
 def mha_case(batch: Batch = (2,), L: int = 3, S: int = 5, D: int = 4, H: int = 2, *, seed: int = 1,

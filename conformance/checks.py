@@ -22,10 +22,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .cases import BlockCase, Case, MhaCase, SdpaCase, per_query_head
+from .cases import BlockCase, Case, LinearCase, MhaCase, SdpaCase, per_query_head
 from .features import declaration_of
 from .frameworks import RngForm, framework_of
-from .operations import Pair, arrays_and_options, operation_of
+from .operations import Pair, arrays_and_options, missing, operation_of
 from .tolerances import relative_error
 
 DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
@@ -275,6 +275,18 @@ def tiled_against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Me
             "lse": compare("lse", lse, expected_lse.astype(work), work)}
 
 
+def out_against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
+    """values: the out of an operation that returns out alone (linear_attention) against the oracle's, as
+    against_oracle's (below float64 to LOW_PRECISION_FACTOR times what the oracle loses in that dtype); the call
+    has one path, and nothing but out to compare.
+    What the module's declaration leaves unspecified is not compared (`specified`)."""
+    case = rounded(case, dtype)
+    reference = expected(case)
+    tolerance = _low_precision_tolerance(case, dtype, reference)
+    (out, _), (expected_out, _) = (specified(runner, case, pair) for pair in (runner.run(case, dtype), reference))
+    return {"values": compare("out", out, expected_out, dtype)._replace(tolerance=tolerance)}
+
+
 def _low_precision_tolerance(case: Case, dtype: str, reference: Pair) -> float:
     """LOW_PRECISION_FACTOR times what the oracle itself loses computing `case` in `dtype` (0 in float64); in
     float16 and bfloat16 the larger loss of its two ways to round a Linear, both conformant."""
@@ -283,7 +295,7 @@ def _low_precision_tolerance(case: Case, dtype: str, reference: Pair) -> float:
     fused = (True, False) if np.dtype(dtype).itemsize < 4 else (True,)  # float32 rounds both ways alike
     return LOW_PRECISION_FACTOR * max(relative_error(a, b) for fused_bias in fused
                                       for a, b in zip(expected(case, dtype, fused_bias=fused_bias), reference,
-                                                      strict=True))
+                                                      strict=True) if b is not None)  # out alone: no second
 
 
 # --- metamorphic: properties that need no oracle ------------------------------------------------------------
@@ -373,6 +385,39 @@ def sdpa_single_key(runner: Runner, case: SdpaCase, dtype: str) -> dict[str, Mea
                               picked.shape)
     actual = np.where(checked, out, 0.0) if out.shape == picked.shape else out
     return {"single_key": compare("out", actual.astype(dtype, copy=False), np.where(checked, picked, 0.0), dtype)}
+
+
+STEP_FUNCTIONS = ("linear_attention_state", "linear_attention_step")  # the recurrent form of SPEC 2e
+
+
+def linear_steps(runner: Runner, case: LinearCase, dtype: str) -> dict[str, Measure]:
+    """steps: linear_attention_state, then linear_attention_step at positions 0, 1, .., L - 1 (the state in the
+    inputs' dtype), gives the causal forward's outputs: each out_t against the oracle's causal out row t, as
+    `values` (below float64 to LOW_PRECISION_FACTOR times what the oracle loses). The recurrent form takes no
+    key lengths; a module without the two functions is SKIP."""
+    if absent := missing(runner.module, STEP_FUNCTIONS):
+        return {"steps": skipped(f"no {absent[0]}")}
+    case = rounded(case._replace(is_causal=True, key_lengths=None, chunk=None), dtype)
+    reference = expected(case)
+    tolerance = _low_precision_tolerance(case, dtype, reference)
+    outs = runner.call(_stepped, {"q": case.q, "k": case.k, "v": case.v}, dtype, None,
+                       feature_map=case.feature_map, eps=case.eps)  # one staged call (JAX: one compile) per case
+    out = np.stack(outs, axis=-2) if outs else None  # L x (..., Ev) -> (..., L, Ev)
+    (out, _), (expected_out, _) = (specified(runner, case, pair) for pair in ((out, None), reference))
+    return {"steps": compare("stepped out", out, expected_out, dtype)._replace(tolerance=tolerance)}
+
+
+def _stepped(module: ModuleType, arrays: dict, rng: Any, *, feature_map: str, eps: float) -> list:
+    """out_t for t = 0 .. L - 1 from the recurrent form, the state starting at zeros in q's dtype."""
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    batch = np.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]), tuple(v.shape[:-2]))  # (...)
+    state = module.linear_attention_state(batch, q.shape[-1], v.shape[-1], dtype=q.dtype)  # S (..., E, Ev), z
+    outs = []
+    for t in range(q.shape[-2]):  # a Python loop: the sequences are short, so JAX traces it once, unrolled
+        out_t, state = module.linear_attention_step(q[..., t, :], k[..., t, :], v[..., t, :], state,
+                                                    feature_map=feature_map, eps=eps)  # (..., Ev)
+        outs.append(out_t)
+    return outs
 
 
 # --- dropout in training mode -------------------------------------------------------------------------------

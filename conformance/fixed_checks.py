@@ -86,12 +86,14 @@ def run_edge(runner: Runner, row: Fixed) -> Result:
     case = without_dropout(row.build(), runner.declaration)  # eval mode: a configured dropout does nothing
     if why := runner.declaration.reason("float64", *features_used(case)):
         return Result(row, [], skipped=why)
-    second = operation_of(case).second  # "weights", or flash_attention's "lse", which every path returns
+    second = operation_of(case).second  # "weights", or flash_attention's "lse", which every path returns; None:
+    # out alone (linear_attention), on its one path
     has_weights = second == "lse" or "weights" not in runner.declaration
     with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf are the point of some cases
         expected_out, expected_weights = expected(case)
-    blind = np.isneginf(expected_weights) if second == "lse" else np.all(expected_weights == 0, axis=-1)
-    # (..., rows): the queries that see no key (the oracle's zeros, or its lse -inf)
+    blind = (np.isneginf(expected_weights) if second == "lse" else _blind_out(case, expected_out) if second is None
+             else np.all(expected_weights == 0, axis=-1))
+    # (..., rows): the queries that see no key (the oracle's zeros, its lse -inf, or the operation's declaration)
     blind_out = blind if blind.shape == expected_out.shape[:-1] else None  # sdpa: out rows are the queries'
     # (MHA and the block mix the heads, so a blind query's out row is not zero there)
     problems = []
@@ -104,7 +106,9 @@ def run_edge(runner: Runner, row: Fixed) -> Result:
             problems.append(f"{path} raised {type(error).__name__}: {error}")
             continue
         found = [compare("out", out, expected_out, blind_rows=blind_out)]
-        if second == "lse":
+        if second is None:
+            found.append(None if weights is None else "the second result is not None")
+        elif second == "lse":
             found.append(compare("lse", weights, expected_weights))
         elif need_weights and has_weights:
             found.append(compare("weights", weights, expected_weights, blind_rows=blind, nan_rows_may_fill=True))
@@ -112,9 +116,15 @@ def run_edge(runner: Runner, row: Fixed) -> Result:
             found.append("weights is not None")
         found += [rule.problem(case, out, weights if has_weights else None) for rule in row.rules]
         problems += [f"{path}: {problem}" for problem in found if problem]
-        if second == "lse":  # one path: need_weights changes nothing
+        if second != "weights":  # one path: need_weights changes nothing
             break
     return Result(row, problems)
+
+
+def _blind_out(case: Any, expected_out: np.ndarray) -> np.ndarray:
+    """The out rows (..., L) of the queries that see no key, for an operation without a second result."""
+    rows, shape = operation_of(case).blind(case), expected_out.shape[:-1]  # (..., L)
+    return np.zeros(shape, bool) if rows is None else np.broadcast_to(rows[0], shape)
 
 
 def compare(name: str, actual: np.ndarray | None, expected: np.ndarray, *, blind_rows: np.ndarray | None = None,

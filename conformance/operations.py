@@ -24,6 +24,7 @@ from .cases import (
     Case,
     DecodeCase,
     FlashCase,
+    LinearCase,
     MhaCase,
     RingCase,
     SdpaCase,
@@ -70,8 +71,9 @@ class Operation(NamedTuple):
     blind: Callable[[Any], tuple[np.ndarray, np.ndarray] | None]  # the case -> (out rows, weights rows) where a
     # query sees no key ((..., L) and (..., [H,] L)), or None where every query sees one
     pair: Callable[[Any], Pair] = lambda result: result  # the call's result, as NumPy arrays -> (out, weights)
-    second: str = "weights"  # what the second result is: the weights, or flash_attention's "lse" (..., L), the
-    # same on every path (-inf where a query sees no key)
+    second: str | None = "weights"  # what the second result is: the weights, or flash_attention's "lse" (..., L),
+    # the same on every path (-inf where a query sees no key); None: the call returns out alone (linear_attention),
+    # which `pair` gives as (out, None)
     devices: int = 1  # the devices its cases use at most (ring attention's P); with fewer, the operation is SKIP
 
 
@@ -334,6 +336,59 @@ def _ring_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float
     return dict(zip(("q", "k", "v"), grads, strict=True))
 
 
+# --- linear attention (linear_attention) ---------------------------------------------------------------------
+
+def _linear_oracle(case: LinearCase, precision: str, fused_bias: bool) -> Pair:
+    """The double sum over the keys each query sees (the form and the chunk change nothing but rounding); no
+    second result."""
+    return oracle.linear_attention(case.q, case.k, case.v, feature_map=case.feature_map, is_causal=case.is_causal,
+                                   key_lengths=case.key_lengths, eps=case.eps, dtype=precision), None
+
+
+def _linear_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool, dropout: float,
+                 **options: Any) -> Any:
+    """out alone: linear_attention has no dropout, no weights and one path, so training and need_weights change
+    nothing; key_lengths is an array input (None where not given)."""
+    return module.linear_attention(arrays["q"], arrays["k"], arrays["v"], key_lengths=arrays["key_lengths"],
+                                   **options)
+
+
+def _linear_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, **options: Any) -> dict:
+    _, pullback = module.linear_attention_vjp(arrays["q"], arrays["k"], arrays["v"],
+                                              key_lengths=arrays["key_lengths"], **options)
+    return dict(zip(("q", "k", "v"), pullback(arrays["d_out"]), strict=True))
+
+
+def _linear_visible(case: LinearCase) -> np.ndarray:
+    """Which keys each query sees, by SPEC 2e: j <= i with is_causal, j < key_lengths; (..., L, S)."""
+    L, S = case.q.shape[-2], case.k.shape[-2]
+    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+    i, j = np.arange(L)[:, None], np.arange(S)  # (L, 1), (S,)
+    visible = np.broadcast_to((j <= i) | (not case.is_causal), (*batch, L, S))
+    if case.key_lengths is not None:
+        visible = visible & (j < np.reshape(case.key_lengths, (*np.shape(case.key_lengths), 1, 1)))
+    return visible
+
+
+def _linear_blind(case: LinearCase) -> tuple[np.ndarray, np.ndarray] | None:
+    """The queries that see no key (..., L): their out rows are 0 / (0 + eps) = 0 (no weights rows)."""
+    blind = ~np.any(_linear_visible(case), axis=-1)  # (..., L)
+    return (blind, blind) if np.any(blind) else None
+
+
+LINEAR_DEFAULTS = {"is_causal": False, "key_lengths": None}  # the features of its arguments (conformance.features)
+
+
+def _linear_uses(case: LinearCase) -> set[str]:
+    """is_causal and key_lengths where given (feature_map, eps and chunk are linear attention's own)."""
+    return {name for name, default in LINEAR_DEFAULTS.items() if not _is_default(getattr(case, name), default)}
+
+
+def _linear_leave_out(case: LinearCase, declaration: Declaration) -> LinearCase:
+    """The lacking arguments at their defaults."""
+    return case._replace(**{name: default for name, default in LINEAR_DEFAULTS.items() if name in declaration})
+
+
 # --- multi-head attention ----------------------------------------------------------------------------------
 
 # The module options of SPEC.md section 5 and the values the seed layout has: the layout options are the state
@@ -576,6 +631,10 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
                "devices"), ("q", "k", "v"), ("q", "k", "v"), "ring_cases", _flash_oracle, _ring_call,
               "ring_attention_vjp", _ring_pullback, _sdpa_visible, None, lambda case: False, None, _sdpa_uses,
               _sdpa_leave_out, _sdpa_blind, second="lse", devices=max(RING_DEVICES)),
+    Operation("linear", "linear_attention", LinearCase, ("feature_map", "is_causal", "eps", "chunk", "dropout"),
+              ("q", "k", "v"), ("q", "k", "v"), "linear_cases", _linear_oracle, _linear_call, "linear_attention_vjp",
+              _linear_pullback, _linear_visible, None, lambda case: False, None, _linear_uses, _linear_leave_out,
+              _linear_blind, pair=lambda out: (out, None), second=None),
     Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta"),
               ("q", "k", "v"),
               ("q", "k", "v", "state"), "mha_cases", _mha_oracle, _mha_call, "MultiHeadAttention.vjp",

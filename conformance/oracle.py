@@ -140,6 +140,68 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
     return out.astype(dtype), weights.astype(dtype), lse  # half precision: computed in float32, stored in dtype
 
 
+FEATURE_MAPS = ("elu", "relu", "identity")  # linear attention's phi (SPEC 2e)
+
+
+def linear_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    feature_map: str = "elu",
+    is_causal: bool = False,
+    key_lengths: ArrayLike | None = None,
+    eps: float = 1e-6,
+    dtype: DTypeLike = np.float64,
+) -> np.ndarray:
+    """out_i = sum_j (phi(q_i) . phi(k_j)) v_j / (sum_j phi(q_i) . phi(k_j) + eps), the double sum over the keys
+    j that query i sees (SPEC 2e), one query at a time, each key's weight w_ij = phi(q_i) . phi(k_j) written out
+    (a row of the L x S kernel, which linear attention never forms): never the factored sums A = phi(K)^T V and
+    z = phi(K)^T 1 that linear attention is built on, nor their prefix sums or chunks, so a bug there cannot pass
+    by agreeing with itself.
+
+    Args:
+        q: queries (..., L, E); k: keys (..., S, E); v: values (..., S, Ev). Leading axes broadcast.
+        feature_map: phi, entry by entry: "elu" (x + 1 for x > 0, else e^x), "relu" (max(x, 0)), "identity" (x).
+        is_causal: query i sees keys j <= i (L == S).
+        key_lengths: integers broadcasting to (...): a sequence sees its keys j < key_lengths.
+        eps: added to each normaliser; a query that sees no key gets 0 / eps = 0.
+
+    Returns:
+        out (..., L, Ev) in `dtype` (float16 and bfloat16: computed in float32, stored in dtype).
+    """
+    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    (L, E), (S, Ev) = q.shape[-2:], v.shape[-2:]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q = np.broadcast_to(q, (*batch, L, E))
+    k = np.broadcast_to(k, (*batch, S, E))
+    v = np.broadcast_to(v, (*batch, S, Ev))
+    lengths = np.broadcast_to(np.asarray(S if key_lengths is None else key_lengths), batch)
+    phi = _FEATURES[feature_map]
+    out = np.zeros((*batch, L, Ev), _work(dtype))
+    for b in np.ndindex(*batch):
+        phi_k = phi(k[b])  # (S, E): each key's features
+        for i in range(L):
+            keys = np.array([j for j in range(S) if j < int(lengths[b]) and not (is_causal and j > i)], dtype=int)
+            weights = phi_k[keys] @ phi(q[(*b, i)])  # phi(k_j) . phi(q_i): (visible, E) x (E,) -> (visible,)
+            num = weights @ v[b][keys]  # sum_j w_ij v_j: (visible,) x (visible, Ev) -> (Ev,); 0 for no key
+            out[(*b, i)] = num / (np.sum(weights) + out.dtype.type(eps))  # sum_j w_ij + eps
+    return out.astype(dtype)  # half precision: computed in float32, stored in dtype
+
+
+def _elu_plus_one(x: np.ndarray) -> np.ndarray:
+    """elu(x) + 1, entry by entry: x + 1 for x > 0, e^x otherwise (never 1 + (e^x - 1), which loses e^x)."""
+    values = (t + 1.0 if t > 0 else math.exp(t) for t in x.ravel().tolist())
+    return np.fromiter(values, x.dtype, count=x.size).reshape(x.shape)
+
+
+_FEATURES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "elu": _elu_plus_one,
+    "relu": lambda x: np.where(x < 0, np.zeros((), x.dtype), x),  # NaN stays NaN, as max(NaN, 0) is
+    "identity": lambda x: x,
+}
+
+
 def multi_head_attention(
     state: Mapping[str, ArrayLike],
     q: ArrayLike,

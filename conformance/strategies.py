@@ -35,6 +35,7 @@ from .cases import (
     BlockCase,
     DecodeCase,
     FlashCase,
+    LinearCase,
     MhaCase,
     RingCase,
     SdpaCase,
@@ -77,6 +78,9 @@ GROUPED = (False, True)  # about one positioned sdpa case in two uses enable_gqa
 TILE_SIZES = (1, 2, 3, 4, 5, 6, 7)  # block_q and block_k of a flash case: short sequences cross their boundaries
 RING_CHUNK_ROWS = (1, 2, 3)  # the rows of one chunk of a ring case: L = P n (2P n with is_causal), S likewise
 QUERY_HEADS = (2, 4)  # H of an enable_gqa case; its key/value heads Hkv are 1, H / 2 or H
+FEATURE_MAPS = ("elu", "relu", "identity")  # linear attention's phi
+CHUNKS = (1, 2, 3, 4, 5, 6, 7)  # a causal linear case's chunk: one drawn that does not divide L (or 1)
+LINEAR_EPSILONS = (1e-6, 1e-3, 1.0)  # the default; one that matters for small weights; one as large as they are
 
 SEEDS = st.integers(0, 2**32 - 1)
 
@@ -438,6 +442,42 @@ def ring_cases(draw: Callable, *, magnitude: str | None = None) -> RingCase:
     return RingCase(q, k, v, None, None, is_causal, draw(st.sampled_from(SCALES)), q_offset=q_offset, window=window,
                     softcap=softcap, enable_gqa=grouped, block_q=draw(st.sampled_from(TILE_SIZES)),
                     block_k=draw(st.sampled_from(TILE_SIZES)), devices=P)
+
+
+@st.composite
+def linear_cases(draw: Callable, *, is_causal: bool | None = None, with_lengths: bool | None = None,
+                 magnitude: str | None = None, long: bool = True) -> LinearCase:
+    """Linear attention (SPEC 2e): a feature map of FEATURE_MAPS; causal or not (None draws it; causal: L == S,
+    the chunked form in three cases of four, with a chunk of CHUNKS that does not divide L, so the last chunk is
+    partial, or 1, or one larger than L; not causal: L and S drawn apart, no chunk); key lengths per sequence
+    in one case of two (None draws it; False: none, as the recurrent form takes none), from `key_lengths`; eps
+    of LINEAR_EPSILONS; q and k of "normal" or "large" (LARGE: phi's exponential branch far below 1, its linear
+    branch far above), v N(0, 1).
+
+    With the identity map q and k are drawn positive (|x|): every weight phi(q_i) . phi(k_j) is then a sum of
+    positive products, so the normaliser sum_j w_ij + eps sums positive terms and out is a weighted mean of the
+    values, as with elu + 1 and relu. With signed features the normaliser can cancel to about 0 and out grows
+    without bound: a relative error that measures rounding, not correctness, in float32 and in central
+    differences alike, so the checks would either miss bugs or fail correct modules. relu's weights are >= 0
+    whatever the inputs (a query or key with no positive entry gives weights of 0, out 0 / eps = 0)."""
+    feature_map = draw(st.sampled_from(FEATURE_MAPS))
+    is_causal = draw(st.booleans()) if is_causal is None else is_causal
+    batch, L = draw(batch_shapes()), draw(lengths(long=long))
+    S = L if is_causal else draw(lengths(long=long))
+    chunk = None
+    if is_causal and draw(st.sampled_from((False, True, True, True))):
+        chunk = draw(st.sampled_from([c for c in CHUNKS if c == 1 or L % c]))
+    E, Ev = draw(st.sampled_from(WIDTHS)), draw(st.sampled_from(WIDTHS))
+    magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
+    rng = _rng(draw)
+    q = _values(rng, (*batch, L, E), magnitude)  # (..., L, E)
+    k = _values(rng, (*batch, S, E), magnitude)  # (..., S, E)
+    v = rng.standard_normal((*batch, S, Ev))  # (..., S, Ev)
+    if feature_map == "identity":  # positive features: a normaliser that cannot cancel (see above)
+        q, k = np.abs(q), np.abs(k)
+    with_lengths = draw(st.booleans()) if with_lengths is None else with_lengths
+    lengths_ = draw(_per_sequence(batch, key_lengths(S))) if with_lengths else None
+    return LinearCase(q, k, v, feature_map, is_causal, lengths_, draw(st.sampled_from(LINEAR_EPSILONS)), chunk)
 
 
 # --- parameters --------------------------------------------------------------------------------------------

@@ -67,6 +67,10 @@ GROUPS = (
     Group("ring", checks.tiled_against_oracle, BOTH, 8, pinned=True),
     Group("ring", checks.tiled_against_oracle, HALF, 2, {"magnitude": "normal"}),
     Group("ring", gradient_checks.gradients, FLOAT64, 4, pinned=True, gradient=True),
+    Group("linear", checks.out_against_oracle, BOTH, 8, pinned=True),
+    Group("linear", checks.out_against_oracle, HALF, 2, {"magnitude": "normal"}),
+    Group("linear", gradient_checks.gradients, FLOAT64, 4, pinned=True, gradient=True),
+    Group("linear", checks.linear_steps, BOTH, 4, {"is_causal": True, "with_lengths": False, "long": False}),
     Group("mha", checks.against_oracle, BOTH, 20, pinned=True),
     Group("mha", checks.against_oracle, HALF, 4),
     Group("mha", checks.mha_permutation, FLOAT64, 8, {"cross": True, "rope": False}),  # RoPE: positions matter
@@ -89,6 +93,7 @@ GROUPS = (
 MEASURES: dict[Callable, tuple[str, ...]] = {
     checks.against_oracle: ("values", "fast_path", "weights_rows"),
     checks.tiled_against_oracle: ("values", "lse"),
+    checks.out_against_oracle: ("values",), checks.linear_steps: ("steps",),
     checks.sdpa_permutation: ("permutation",), checks.mha_permutation: ("permutation",),
     checks.block_permutation: ("permutation",),
     checks.sdpa_causal_prefix: ("causal_prefix",), checks.block_causal_prefix: ("causal_prefix",),

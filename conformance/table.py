@@ -31,6 +31,7 @@ from .cases import (
     changed,
     decode_case,
     first_value,
+    linear_case,
     mha_case,
     normal,
     random_mask,
@@ -767,9 +768,97 @@ def _ring_rows() -> list[Fixed]:
     ]
 
 
+# --- linear attention (linear_attention) ---------------------------------------------------------------------
+
+def _linear(batch: tuple[int, ...] = (2,), L: int = 3, S: int = 4, **fields: Any) -> Callable[[], Any]:
+    """linear_case's q (..., L, 2), k (..., S, 2), v (..., S, 3), changed by `fields`."""
+    return lambda: linear_case(batch, L, S, **fields)
+
+
+def _positive(make: Callable[[], Any]) -> Callable[[], Any]:
+    """`make`'s case with |q| and |k|: identity features that are positive, so no normaliser cancels."""
+    return lambda: (case := make())._replace(q=np.abs(case.q), k=np.abs(case.k))
+
+
+def _linear_rows() -> list[Fixed]:
+    """SPEC 2e: the feature maps, the causal forms (prefix sums; chunks of one, of a size that divides L or not,
+    larger than L), key lengths, broadcast leading axes; the exact rules of the normaliser; and the errors of
+    its keywords."""
+    nan_key = _linear((2,), 6, 6, is_causal=True, chunk=3)
+    return [
+        example("linear", "causal_prefix_sums", _linear((2,), 5, 5, is_causal=True),
+                "elu + 1, causal, chunk None: the prefix sums over the keys, query i reading keys 0..i"),
+        example("linear", "relu_causal_chunks_of_one", _linear((2,), 5, 5, feature_map="relu", is_causal=True,
+                                                                chunk=1),
+                "relu, causal in chunks of one position: every chunk's masked kernel is 1 x 1, the rest the state"),
+        example("linear", "identity_chunk_larger_than_the_sequence", _positive(_linear(
+            (2,), 4, 4, feature_map="identity", is_causal=True, chunk=7)),
+            "identity on positive q, k, causal, chunk 7 > L = 4: one partial chunk, the masked quadratic form alone"),
+        example("linear", "last_chunk_partial_with_key_lengths", _linear((2,), 7, 7, is_causal=True, chunk=3,
+                                                                          key_lengths=np.array([5, 2])),
+                "elu + 1, causal, L = 7 in chunks of 3 (the last of 1), key_lengths [5, 2]: hidden keys inside and "
+                "across chunks; queries past the length see keys 0..length - 1"),
+        example("linear", "key_lengths_zero_for_one_sequence", _linear(key_lengths=np.array([0, 2]), chunk=2),
+                "not causal (chunk 2 validated and ignored), key_lengths [0, 2]: sequence 0 sees no key (out 0), "
+                "sequence 1 keys 0, 1"),
+        example("linear", "leading_axes_broadcast_chunks_dividing_L", lambda: linear_case(
+            q=normal(2, 1, 4, 2), k=normal(4, 4, 2), v=normal(1, 4, 4, 3), feature_map="relu", is_causal=True,
+            chunk=2),
+            "q (2, 1, 4, 2), k (4, 4, 2), v (1, 4, 4, 3) broadcast to (2, 4); causal in two whole chunks of 2; "
+            "the gradients summed back over the broadcast axes"),
+        edge("linear", "queries_that_see_no_key_get_zeros", _linear((2,), 4, 4, is_causal=True, chunk=3,
+                                                                    key_lengths=np.array([0, 2])),
+             "key_lengths [0, 2], causal: sequence 0 sees no key, so each out row is 0 / (0 + eps) = 0 exactly, "
+             "never 0 / 0; sequence 1 as the oracle", Rule("out", "zero", 0), Rule("out", "finite")),
+        edge("linear", "relu_query_without_a_positive_entry", lambda: linear_case(
+            q=changed(normal(2, 3, 2), (ALL, 1), -1.0), feature_map="relu", is_causal=True, L=3, S=3),
+            "relu, query 1 = (-1, -1): phi(q_1) = 0, so every weight of row 1 is 0 and out_1 = 0 / (0 + eps) = 0 "
+            "exactly, though it sees keys 0, 1", Rule("out", "zero", (ALL, 1))),
+        edge("linear", "one_key_of_weight_one_and_eps_one", lambda: linear_case(
+            q=np.ones((2, 3, 1)), k=np.ones((2, 1, 1)), v=normal(2, 1, 3), feature_map="identity", eps=1.0),
+            "identity, q = k = 1, S = 1, eps 1: the one weight is 1, so out_i = 1 v_0 / (1 + 1) = v_0 / 2 exactly",
+            Rule("out", "equals", value=lambda case: case.v / 2)),
+        edge("linear", "elu_plus_one_at_zero_is_one", lambda: linear_case(
+            q=np.zeros((2, 3, 2)), k=np.zeros((2, 2, 2)), v=normal(2, 2, 3), eps=4.0),
+            "elu + 1, q = k = 0, E = 2, S = 2, eps 4: phi(0) = (1, 1), every weight 2, so out_i = 2 (v_0 + v_1) / "
+            "(2 + 2 + 4) = (v_0 + v_1) / 4 exactly",
+            Rule("out", "equals", value=lambda case: (case.v[:, :1] + case.v[:, 1:]) / 4)),
+        edge("linear", "no_queries", _linear((2,), 0, 4), "L = 0: out (2, 0, 3)",
+             Rule("out", "shape", value=(2, 0, 3))),
+        edge("linear", "no_queries_causal_chunked", _linear((2,), 0, 0, is_causal=True, chunk=2),
+             "L = S = 0, causal in chunks of 2: no chunk at all, out (2, 0, 3)", Rule("out", "shape", value=(2, 0, 3))),
+        edge("linear", "no_keys", _linear((2,), 3, 0), "S = 0: every query sees no key, out zeros (2, 3, 3)",
+             Rule("out", "zero"), Rule("out", "shape", value=(2, 3, 3))),
+        edge("linear", "nan_in_a_key_past_key_lengths", lambda: linear_case(
+            k=changed(normal(2, 4, 2), (0, 3), np.nan), key_lengths=np.array([3, 4])),
+            "k[0, 3] NaN, key_lengths [3, 4]: sequence 0 never sees key 3 (its rows are zeroed, not multiplied by "
+            "0), so out is finite everywhere; sequence 1 as the oracle", Rule("out", "finite")),
+        # causal: query i sees keys 0..i, so the NaN of key 4 reaches queries 4, 5 alone, though the chunk of 3
+        # that holds it (positions 3..5) computes query 3's row as well
+        edge("linear", "nan_in_key_hidden_from_earlier_queries", lambda: (case := nan_key())._replace(
+            k=changed(case.k, (0, 4), np.nan)),
+            "k[0, 4] NaN, causal in chunks of 3: rows (0, 4..5) NaN; rows (0, 0..3), which do not see key 4, and "
+            "sequence 1 as the oracle", Rule("out", "only_nan", (0, slice(4, 6)))),
+        error("linear", "feature_map_unknown", _linear(feature_map="softmax"), ValueError, "feature_map", "softmax"),
+        error("linear", "chunk_zero", _linear((2,), 4, 4, is_causal=True, chunk=0), ValueError, "chunk", "0"),
+        error("linear", "chunk_negative", _linear((2,), 4, 4, is_causal=True, chunk=-1), ValueError, "chunk", "-1"),
+        error("linear", "chunk_float", _linear((2,), 4, 4, is_causal=True, chunk=2.0), ValueError, "chunk", "2.0"),
+        error("linear", "eps_zero", _linear(eps=0.0), ValueError, "eps", "0.0"),
+        error("linear", "eps_negative", _linear(eps=-1e-6), ValueError, "eps", "-1e-06"),
+        error("linear", "causal_L_differs_from_S", _linear((2,), 3, 4, is_causal=True), ValueError, "L = 3", "S = 4"),
+        error("linear", "key_lengths_float", _linear(key_lengths=np.array([1.0, 2.0])), TypeError, "key_lengths",
+              "float64"),
+        error("linear", "key_lengths_do_not_broadcast", _linear(key_lengths=np.array([1, 2, 3])), ValueError,
+              "key_lengths", "(3,)"),
+        error("linear", "integer_inputs", lambda: (case := linear_case())._replace(
+            **{name: _integers(getattr(case, name)) for name in "qkv"}), TypeError, "q", "floating"),
+        error("linear", "d_out_shape", _linear(), ValueError, "d_out", stage="pullback", d_out=np.zeros((2, 3, 4))),
+    ]
+
+
 TABLE: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_rows() + _ring_rows()
-                      + _mha_examples() + _mha_edges() + _mha_errors() + _block_examples() + _block_edges()
-                      + _block_errors() + _decode_rows())
+                      + _linear_rows() + _mha_examples() + _mha_edges() + _mha_errors() + _block_examples()
+                      + _block_edges() + _block_errors() + _decode_rows())
 
 
 def rows(operation: str, use: str) -> list[Fixed]:
