@@ -57,7 +57,8 @@ def test_a_module_with_sdpa_alone_passes_it_and_skips_the_modules():
     report = check(_module("sdpa_only"), max_examples=2)  # which rows run and which SKIP, not their strength
     assert report.passed, _failures(report)
     skipped = {row.operation: row.skipped for row in report.rows if row.check == "-"}
-    assert skipped == {"flash": "no flash_attention", "mha": "no MultiHeadAttention", "block": "no TransformerBlock",
+    assert skipped == {"flash": "no flash_attention", "ring": "no ring_attention", "linear": "no linear_attention",
+                       "mha": "no MultiHeadAttention", "block": "no TransformerBlock",
                        "decode": "no TransformerBlock.extend"}
     assert {row.operation for row in report.rows if not row.skipped} == {"arrays", "sdpa"}
     helpers = {row.operation: row.skipped for row in report.rows if row.operation in ("masks", "positions")}
@@ -66,7 +67,7 @@ def test_a_module_with_sdpa_alone_passes_it_and_skips_the_modules():
 
 def test_a_module_with_none_of_the_operations_is_refused():
     with pytest.raises(AttributeError, match="it has no any of scaled_dot_product_attention, flash_attention, "
-                                             "MultiHeadAttention"):
+                                             "ring_attention, linear_attention, MultiHeadAttention"):
         check(_module("arrays_only", functions=()))
 
 

@@ -330,8 +330,43 @@ def test_ring_cases_split_into_the_devices_chunks(case: cases.RingCase) -> None:
     assert {case.q.shape[-2] // chunks, case.k.shape[-2] // chunks} <= set(cs.RING_CHUNK_ROWS)
 
 
+def _assert_linear_contract(case: cases.LinearCase) -> None:
+    """q (..., L, E), k (..., S, E), v (..., S, Ev) broadcasting together; a feature map of the spec; causal only
+    with L == S; key lengths integers broadcasting to the leading axes; a positive eps; chunk None or a positive
+    int; no dropout."""
+    (L, E), S = case.q.shape[-2:], case.k.shape[-2]
+    assert case.k.shape[-1] == E and case.v.shape[-2] == S
+    batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+    assert case.feature_map in cs.FEATURE_MAPS and case.eps > 0 and case.dropout == 0.0
+    assert not case.is_causal or L == S
+    assert case.chunk is None or (isinstance(case.chunk, int) and case.chunk >= 1)
+    if case.key_lengths is not None:
+        assert np.issubdtype(case.key_lengths.dtype, np.integer)
+        _assert_broadcasts("key_lengths", case.key_lengths, batch)
+
+
+@FEW
+@given(cs.linear_cases())
+def test_linear_cases_keep_their_contract_and_chunks_cut_the_sequence_unevenly(case: cases.LinearCase) -> None:
+    _assert_linear_contract(case)
+    L, S = case.q.shape[-2], case.k.shape[-2]
+    assert case.q.shape[:-2] in cs.BATCH_SHAPES and {L, S} <= {*cs.LENGTHS, *cs.LONG_LENGTHS}
+    assert case.eps in cs.LINEAR_EPSILONS
+    if case.chunk is not None:  # causal only, and a last chunk shorter than the others (chunk 1 aside)
+        assert case.is_causal and case.chunk in cs.CHUNKS and (case.chunk == 1 or L % case.chunk)
+    if case.feature_map == "identity":  # positive features: normalisers that cannot cancel
+        assert (case.q >= 0).all() and (case.k >= 0).all()
+
+
+@FEW
+@given(cs.linear_cases(is_causal=True, with_lengths=False, long=False))
+def test_linear_step_cases_are_causal_short_and_without_key_lengths(case: cases.LinearCase) -> None:
+    assert case.is_causal and case.key_lengths is None and case.q.shape[-2] in cs.LENGTHS
+
+
 CONTRACTS = {"sdpa": _assert_sdpa_contract, "flash": _assert_flash_contract, "ring": _assert_ring_contract,
-             "mha": _assert_mha_contract, "block": _assert_block_contract, "decode": _assert_decode_contract}
+             "linear": _assert_linear_contract, "mha": _assert_mha_contract, "block": _assert_block_contract,
+             "decode": _assert_decode_contract}
 EXAMPLES = [row for row in table.TABLE if row.use == "example"]
 
 
@@ -340,7 +375,7 @@ def test_pinned_example_keeps_its_contract_and_the_oracle_gives_no_nan(row: tabl
     case = row.build()
     CONTRACTS[row.operation](case)
     out, weights = _oracle(case)
-    assert not np.isnan(out).any() and not np.isnan(weights).any()
+    assert not np.isnan(out).any() and (weights is None or not np.isnan(weights).any())  # linear: out alone
 
 
 def test_masks_and_biases_are_drawn_at_every_rank() -> None:
