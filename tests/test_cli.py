@@ -71,7 +71,7 @@ def test_check_of_a_module_without_the_contract_names_what_it_lacks() -> None:
     assert "skipped math: does not implement the attention contract: it has no asarray, to_numpy" in result.stdout
     # a partial module needs one operation at least (SPEC 12); math has none
     with pytest.raises(AttributeError, match=r"no asarray, to_numpy, any of scaled_dot_product_attention, "
-                                             r"flash_attention, ring_attention, MultiHeadAttention, "
+                                             r"flash_attention, ring_attention, linear_attention, MultiHeadAttention, "
                                              r"TransformerBlock$"):
         suite.check("math", operations=("sdpa",))
 
