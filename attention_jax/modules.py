@@ -96,7 +96,7 @@ class MultiHeadAttention(Module):
         num_kv_heads = checks.kv_heads(num_heads, num_kv_heads)
         rope_theta = checks.rope_theta(rope_theta, d_model, num_heads)
         checks.probability("dropout", dropout)
-        _check_attention(attention, dropout)
+        checks.attention(attention, dropout)
         rngs, dtype = _rngs(_fresh(rng), 4), jnp.float32 if dtype is None else dtype
         shapes = checks.mha_state_shapes(d_model, num_heads, num_kv_heads)
         projections = {name: Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
@@ -113,7 +113,7 @@ class MultiHeadAttention(Module):
         layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
         rope_theta = checks.rope_theta(rope_theta, layout["d_model"], num_heads)
         checks.probability("dropout", dropout)
-        _check_attention(attention, dropout)
+        checks.attention(attention, dropout)
         checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
         checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         projections = {name: Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in cls._children}
@@ -173,7 +173,7 @@ class MultiHeadAttention(Module):
         values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
         with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32.
         Softmax attention's only: attention="linear" raises ValueError."""
-        _check_cached(self.attention)
+        checks.cached(self.attention)
         batch_shape = checks.cache_size(batch_shape, capacity)
         d_k = self.w_q.weight.shape[1] // self.num_heads
         shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
@@ -236,7 +236,7 @@ class MultiHeadAttention(Module):
     def _check_extend(self, inputs: dict[str, jax.Array], cache: KVCache, mask: jax.Array | None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters (the
         cache's room only where its length is known, outside jit)."""
-        _check_cached(self.attention)
+        checks.cached(self.attention)
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
         L = checks.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
                                 weight.shape[1])
@@ -582,25 +582,6 @@ def _fresh(rng: jax.Array | None) -> jax.Array:
     """jax: there is no global RNG, so rng=None seeds a fresh key from the OS, as NumPy and torch
     draw fresh initial values."""
     return jax.random.key(secrets.randbits(63)) if rng is None else rng
-
-
-_ATTENTIONS = ("softmax", "linear")  # MultiHeadAttention's attention in each head
-
-
-def _check_attention(attention: str, dropout: float) -> None:
-    """attention one of _ATTENTIONS; "linear" forms no attention weights, so dropout, which acts on them, is 0."""
-    if attention not in _ATTENTIONS:
-        raise ValueError(f"attention must be one of {_ATTENTIONS}; got {attention!r}")
-    if attention == "linear" and dropout != 0:
-        raise ValueError(f"dropout must be 0 with attention='linear' (dropout acts on the attention weights, which "
-                         f"linear attention does not form); got {dropout!r}")
-
-
-def _check_cached(attention: str) -> None:
-    """init_cache and extend keep softmax attention's keys and values: linear attention has no such cache."""
-    if attention != "softmax":
-        raise ValueError(f"init_cache and extend need attention='softmax'; got attention={attention!r} (linear "
-                         "attention's recurrent form is linear_attention_step)")
 
 
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}

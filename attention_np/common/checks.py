@@ -240,6 +240,26 @@ def ring_chunks(devices: object, L: int, S: int, is_causal: bool) -> dict[str, l
     return {"q": shards(L), "k": shards(S)}
 
 
+ATTENTIONS = ("softmax", "linear")  # MultiHeadAttention's attention in each head
+
+
+def attention(name: str, dropout: float) -> None:
+    """MultiHeadAttention's attention, one of ATTENTIONS; "linear" forms no attention weights, so dropout, which
+    acts on them, is 0."""
+    if name not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}; got {name!r}")
+    if name == "linear" and dropout != 0:
+        raise ValueError(f"dropout must be 0 with attention='linear' (dropout acts on the attention weights, which "
+                         f"linear attention does not form); got {dropout!r}")
+
+
+def cached(attention: str) -> None:
+    """init_cache and extend keep softmax attention's keys and values: linear attention has no such cache."""
+    if attention != "softmax":
+        raise ValueError(f"init_cache and extend need attention='softmax'; got attention={attention!r} (linear "
+                         "attention's recurrent form is linear_attention_step)")
+
+
 def ring_offset(q_offset: object) -> None:
     """ring_attention's q_offset: a Python int, one for every sequence (the devices' chunks are placed by it)."""
     if not isinstance(q_offset, int | np.integer) or isinstance(q_offset, bool):
