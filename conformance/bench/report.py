@@ -3,7 +3,8 @@ path is from the fast one, and how the cost grows with the sequence length.
 
 This module is the command line and what it prints: the table, the targets, the machine, the plot and the
 JSON. What is timed and how (the candidates, the interleaving, the FLOPs, the rows) is bench/timing.py; the
-variants (--variant) are declared in bench/variants.py, the decode benchmark (--decode) in bench/decode.py.
+variants (--variant) are declared in bench/variants.py, the decode benchmark (--decode) in bench/decode.py, the
+complexity table (--complexity) in bench/complexity.py.
 """
 
 from __future__ import annotations
@@ -257,6 +258,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ring attention (SPEC 2d): JAX's memory per device and bytes per hop on 8 simulated "
                              "devices, torch's in 1, 2 and 4 gloo processes, and the model for H100 clusters "
                              "(--plot: the model's figure); ignores the other options")
+    parser.add_argument("--complexity", action="store_true",
+                        help="the tutorial's complexity table measured (bench/complexity.py): causal softmax "
+                             "attention (explicit, fast, flash_attention), linear attention (parallel, chunked) "
+                             "and the recurrent step loop against n (default 64..32768), d=64, B=1, H=1, float32; "
+                             "log-log slopes and the crossover n per backend (takes --sizes, --repeats (default 3), "
+                             "--backends, --plot, --json)")
+    parser.add_argument("--backends", type=_backends, default=None, metavar="NAME,...",
+                        help="--complexity: any of numpy,jax,torch (default: every installed backend)")
     parser.add_argument("--prefill", type=positive_int, default=decode.PREFILL, metavar="N",
                         help=f"--decode: the prompt's positions P (default {decode.PREFILL})")
     parser.add_argument("--tokens", type=positive_int, default=decode.TOKENS, metavar="N",
@@ -272,6 +281,8 @@ def main(args: argparse.Namespace) -> int:
         return memory_main()
     if args.ring:
         return ring_main(args.plot)
+    if args.complexity:
+        return complexity_main(args)
     args.repeats = args.repeats or 10
     if args.plot:
         try:
@@ -356,6 +367,46 @@ def ring_main(plot_path: str | None) -> int:
     return 0
 
 
+def complexity_main(args: argparse.Namespace) -> int:
+    """`compare --complexity`: the forms' medians, the tutorial's table beside the measured slopes, the crossover
+    per backend; 0 unless it could not run."""
+    from . import complexity
+
+    if args.plot:
+        try:
+            _figure_class()
+        except ImportError as error:
+            print(f"compare: {error}", file=sys.stderr)
+            return 2
+    backends, skipped = timing.installed_backends()
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    if args.backends:
+        missing = [name for name in args.backends if name not in backends]
+        if missing:
+            print(f"compare: --backends {','.join(missing)}: not installed here", file=sys.stderr)
+            return 2
+        backends = {name: backends[name] for name in args.backends}
+    sizes, repeats = args.sizes or complexity.SIZES, args.repeats or 3
+    print("\n".join(machine(backends)))
+    print(complexity.describe(sizes, repeats) + "\n")
+    rows = complexity.run(backends, sizes=sizes, repeats=repeats)
+    print(complexity.format_rows(rows) + "\n")
+    print(f"the tutorial's table beside the measured one: time ~ n^slope, least squares on log-log axes over "
+          f"n >= {complexity.FIT_FROM} (the two largest n where fewer ran)\n" + complexity.format_table(rows) + "\n")
+    print(complexity.format_crossovers(rows))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"machine": machine(backends), "variant": "complexity", "sizes": list(sizes),
+                       "rows": [row._asdict() for row in rows],
+                       "fits": [fit._asdict() for fit in complexity.fits(rows)],
+                       "crossovers": [found._asdict() for found in complexity.crossovers(rows)]}, file, indent=1)
+    if args.plot:
+        complexity.plot(rows, args.plot)
+        print(f"\nplot written to {args.plot}")
+    return 0
+
+
 def decode_main(args: argparse.Namespace) -> int:
     """`compare --decode`: the decode table, its targets and the JAX step's compile count; 0 unless it could
     not run (the verdicts do not set the exit code)."""
@@ -403,6 +454,16 @@ def _ints(text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return sizes
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    """Backends by module name (attention_np) or framework name (numpy, jax, torch)."""
+    names = {"numpy": "attention_np", "jax": "attention_jax", "torch": "attention_torch"}
+    chosen = tuple(names.get(part, part) for part in text.split(","))
+    unknown = [name for name in chosen if name not in BUILT_IN]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r}; choose from numpy,jax,torch")
+    return chosen
 
 
 def _operations(text: str) -> tuple[str, ...]:
