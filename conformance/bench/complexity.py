@@ -50,7 +50,7 @@ CHUNK = 64  # linear attention's chunk: the fastest of 32, 64, 128, 256 in NumPy
 TILES = {"block_q": 256, "block_k": 512}  # flash_attention's, as compare --variant long
 MEMORY_LIMIT = 2**28  # bytes (256 MiB): a capped form's largest array; keeps the default run to minutes on 2 cores
 FIT_FROM = 1024  # slopes are fitted over n >= FIT_FROM: below it per-call overheads flatten every line
-LOOP_UP_TO = 8192  # the step loop's largest n: each step costs the same at every n, 2 to 4 s a loop at 32768
+LOOP_UP_TO = 8192  # the step loop's largest n: each step costs the same at every n; 1.7-3.8 s a loop at 32768
 ERROR_UP_TO = 4096  # errors against the float64 reference are measured up to this n ("-" above)
 ORIGINAL = {"RNN": ("O(n d^2)", "O(n)"), "self-attention": ("O(n^2 d)", "O(1)"),
             "linear attention": ("O(n d^2)", "O(1)")}  # the tutorial's row: (time, sequential steps)
