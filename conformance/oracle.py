@@ -212,12 +212,13 @@ def multi_head_attention(
     num_heads: int,
     num_kv_heads: int | None = None,
     rope_theta: float | None = None,
+    attention: str = "softmax",
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray | None]:
     """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
     head_h = Attention(Q W_q,h^T + b_q,h, K W_k,g^T + b_k,g, V W_v,g^T + b_v,g), g = h // (H / Hkv),
-    computed one head at a time.
+    computed one head at a time; Attention is `sdpa` at scale 1 / sqrt(d_k), or `linear_attention`.
 
     Args:
         state: w_q, w_o .weight (D, D), w_k, w_v .weight (Hkv * d_k, D), nn.Linear layout; each .bias (out,)
@@ -229,16 +230,21 @@ def multi_head_attention(
             read by the query heads h with h // (H / Hkv) = g.
         rope_theta: None, or each head's queries turned by `rope` at positions 0 .. L - 1 and its keys at
             0 .. S - 1, half layout, base rope_theta.
+        attention: each head's, a name of HEAD_ATTENTIONS: "softmax", or "linear" (linear_attention with its
+            defaults, phi = elu + 1, eps 1e-6, not causal; it takes no mask and forms no weights).
         dtype: see the module docstring; fused_bias: each Linear rounds once (else twice) in half precision.
 
     Returns:
-        out (..., L, D) and weights (..., H, L, S), in `dtype`.
+        out (..., L, D) and weights (..., H, L, S), in `dtype`; the weights None with attention "linear".
     """
     state = {name: _cast(value, dtype) for name, value in state.items()}
     d_model = state["w_q.weight"].shape[1]
     if d_model % num_heads:
         raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
     d_k, group = d_model // num_heads, num_heads // (num_heads if num_kv_heads is None else num_kv_heads)
+    if attention == "linear" and mask is not None:
+        raise ValueError("linear attention takes no mask")
+    head = HEAD_ATTENTIONS[attention]
 
     # 1) project
     q = _linear(state, "w_q", _cast(q, dtype), dtype, fused_bias)  # (..., L, D) -> (..., L, D)
@@ -257,15 +263,31 @@ def multi_head_attention(
         if rope_theta is not None:
             q_h = rope(q_h, np.arange(q_h.shape[-2]), theta=rope_theta, dtype=dtype)
             k_g = rope(k_g, np.arange(k_g.shape[-2]), theta=rope_theta, dtype=dtype)
-        out_h, weights_h = sdpa(q_h, k_g, v[..., kv_cols], head_mask,
-                                scale=1.0 / math.sqrt(d_k), dtype=dtype)  # (..., L, d_k), (..., L, S)
+        out_h, weights_h = head(q_h, k_g, v[..., kv_cols], head_mask, dtype)  # (..., L, d_k), (..., L, S) or None
         heads.append(out_h)
         weights.append(weights_h)
 
     # 3) concatenate the heads and mix them
     mixed = _cast(np.concatenate(heads, axis=-1), dtype)  # H x (..., L, d_k) -> (..., L, D)
     out = _linear(state, "w_o", mixed, dtype, fused_bias)  # (..., L, D) -> (..., L, D)
-    return out.astype(dtype), np.stack(weights, axis=-3)  # H x (..., L, S) -> (..., H, L, S)
+    formed = None if weights[0] is None else np.stack(weights, axis=-3)  # H x (..., L, S) -> (..., H, L, S)
+    return out.astype(dtype), formed
+
+
+def _softmax_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                  dtype: DTypeLike) -> tuple[np.ndarray, np.ndarray]:
+    """One head of softmax attention: sdpa at scale 1 / sqrt(d_k); out (..., L, d_k), weights (..., L, S)."""
+    return sdpa(q, k, v, mask, scale=1.0 / math.sqrt(q.shape[-1]), dtype=dtype)
+
+
+def _linear_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: None, dtype: DTypeLike) -> tuple[np.ndarray, None]:
+    """One head of linear attention with its defaults (no mask): out (..., L, d_k), and no weights."""
+    return linear_attention(q, k, v, dtype=dtype), None
+
+
+# MultiHeadAttention's attention in each head (SPEC 3): (q_h, k_g, v_g, mask_h, dtype) -> (out_h, weights_h or None)
+HEAD_ATTENTIONS: dict[str, Callable[..., tuple[np.ndarray, np.ndarray | None]]] = {
+    "softmax": _softmax_head, "linear": _linear_head}
 
 
 def transformer_block(
