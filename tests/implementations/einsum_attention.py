@@ -33,6 +33,8 @@ PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 NORMS = ("layer", "rms")
 SWIGLU = ("w_gate", "w_up", "w_down")
+ATTENTIONS = ("softmax", "linear")  # MultiHeadAttention's attention in each head
+LINEAR_EPS = 1e-6  # linear heads: added to each query's normaliser
 
 
 class Implementation:
@@ -303,11 +305,13 @@ class Implementation:
     def multi_head_attention(self, state: Mapping[str, np.ndarray], q: np.ndarray, k: np.ndarray,
                              v: np.ndarray, mask: np.ndarray | None, *, num_heads: int, dropout_p: float,
                              need_weights: bool, rng: Rng, rope_theta: float | None = None,
-                             positions: tuple[np.ndarray, np.ndarray] | None = None) -> Pair:
+                             positions: tuple[np.ndarray, np.ndarray] | None = None,
+                             attention: str = "softmax") -> Pair:
         """MultiHead(Q, K, V) = Concat_h(Attention(Q W_q,h^T + b_q,h, ...)) W_o^T + b_o, heads as an axis;
-        with rope_theta, each head's queries and keys turned at `positions` ((L,), (S,); None: 0.. each).
+        with rope_theta, each head's queries and keys turned at `positions` ((L,), (S,); None: 0.. each);
+        attention "linear": linear heads (no mask, no dropout, no weights).
 
-        Returns out (..., L, D) and weights (..., H, L, S).
+        Returns out (..., L, D) and weights (..., H, L, S) (None for linear heads).
         """
         d_model = state["w_q.weight"].shape[1]
         d_k = d_model // num_heads
@@ -325,13 +329,31 @@ class Implementation:
             q, k = self.rope_heads(q, k, rope_theta, positions)
 
         # 2) attend, every head at once
-        heads, weights = self.scaled_dot_product_attention(
-            q, k, v, mask, scale=self.head_scale(d_k, d_model), dropout_p=dropout_p,
-            need_weights=need_weights, rng=rng)  # (..., H, L, K), (..., H, L, S)
+        if attention == "linear":
+            heads, weights = self.linear_heads(q, k, v), None  # (..., H, L, K)
+        else:
+            heads, weights = self.scaled_dot_product_attention(
+                q, k, v, mask, scale=self.head_scale(d_k, d_model), dropout_p=dropout_p,
+                need_weights=need_weights, rng=rng)  # (..., H, L, K), (..., H, L, S)
 
         # 3) mix the heads back into D
         out = self.merge_heads(heads, state["w_o.weight"], state.get("w_o.bias"))  # (..., H, L, K) -> (..., L, D)
         return out, (None if weights is None else self.head_weights(weights))
+
+    def linear_heads(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Linear attention per head, keys summed first: out_hl = phi(q_hl) M_h / (phi(q_hl) . n_h + eps), with
+        M_h = sum_s phi(k_hs) v_hs^T (K x K) and n_h = sum_s phi(k_hs); computed in at least float32."""
+        work = self.work_dtype(q.dtype)
+        phi_q, phi_k = self.linear_features(q.astype(work)), self.linear_features(k.astype(work))
+        memory = np.einsum("...hsk,...hsv->...hkv", phi_k, v.astype(work))  # (..., H, S, K) x 2 -> (..., H, K, K)
+        norms = np.einsum("...hsk->...hk", phi_k)  # (..., H, S, K) -> (..., H, K)
+        num = np.einsum("...hlk,...hkv->...hlv", phi_q, memory)  # (..., H, L, K) x (..., H, K, K) -> (..., H, L, K)
+        den = np.einsum("...hlk,...hk->...hl", phi_q, norms) + LINEAR_EPS  # (..., H, L, K) x (..., H, K) -> (..., H, L)
+        return (num / den[..., None]).astype(q.dtype)
+
+    def linear_features(self, x: np.ndarray) -> np.ndarray:
+        """phi(x) = elu(x) + 1: x + 1 above 0, exp(x) at or below it, so every feature is positive."""
+        return np.where(x > 0, x + 1, np.exp(np.minimum(x, 0)))
 
     def rope_heads(self, q: np.ndarray, k: np.ndarray, theta: float,
                    positions: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
@@ -598,6 +620,13 @@ class Implementation:
             raise ValueError(f"rope_theta needs an even head width; d_model={d_model}, num_heads={num_heads}")
         return float(rope_theta)
 
+    def check_head_attention(self, attention: Any, dropout: float) -> str:
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention={attention!r} is not one of {ATTENTIONS}")
+        if attention == "linear" and dropout != 0:
+            raise ValueError(f"linear attention forms no weights to drop: dropout={dropout!r} must be 0")
+        return attention
+
     def check_kv_heads(self, num_heads: int, num_kv_heads: Any) -> int:
         if num_kv_heads is None:
             return num_heads
@@ -670,12 +699,13 @@ class _Module:
 class _MultiHeadAttention(_Module):
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
-                 rng: Rng = None, dtype: Any = None) -> None:
+                 attention: str = "softmax", rng: Rng = None, dtype: Any = None) -> None:
         impl = self._impl
         impl.check_sizes(d_model=d_model, num_heads=num_heads)
         num_kv_heads = impl.check_kv_heads(num_heads, num_kv_heads)
         self.rope_theta = impl.check_rope_theta(rope_theta, d_model, num_heads)
         impl.check_probability("dropout", dropout)
+        self.attention = impl.check_head_attention(attention, dropout)
         rng, dtype = impl.generator(rng), np.float32 if dtype is None else dtype
         state = {}
         for name, (d_out, d_in) in impl.mha_shapes(d_model, num_heads, num_kv_heads, bias=False).items():
@@ -684,18 +714,19 @@ class _MultiHeadAttention(_Module):
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
-                        rope_theta: float | None = None) -> Any:
+                        rope_theta: float | None = None, attention: str = "softmax") -> Any:
         """A module holding `state`, computing in its dtype, in training mode."""
         impl, state = cls._impl, cls._loaded(state)
         d_model = impl.size_of(cls.__name__, state, "w_q.weight", 1)
         impl.check_sizes(d_model=d_model, num_heads=num_heads)
         rope_theta = impl.check_rope_theta(rope_theta, d_model, num_heads)
         impl.check_probability("dropout", dropout)
+        attention = impl.check_head_attention(attention, dropout)
         num_kv_heads = impl.kv_heads_in(state, "", d_model, num_heads)
         impl.check_state(cls.__name__, state, impl.mha_shapes(d_model, num_heads, num_kv_heads, impl.biased(state)))
         module = object.__new__(cls)
         module._state, module.num_heads, module.dropout, module.training = state, num_heads, dropout, True
-        module.rope_theta = rope_theta
+        module.rope_theta, module.attention = rope_theta, attention
         return module
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
@@ -707,9 +738,12 @@ class _MultiHeadAttention(_Module):
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
             impl.check_module_input(name, x, d_model, letter)
         impl.check_dtypes("", q=q, k=k, v=v, parameters=self._a_parameter())
+        if mask is not None and self.attention == "linear":
+            raise ValueError("a mask was given, but attention='linear' takes none")
         return impl.multi_head_attention(self._state, q, k, v, mask, num_heads=self.num_heads,
                                          dropout_p=impl.active_dropout(self.dropout, self.training),
-                                         need_weights=need_weights, rng=rng, rope_theta=self.rope_theta)
+                                         need_weights=need_weights, rng=rng, rope_theta=self.rope_theta,
+                                         attention=self.attention)
 
 
 class _TransformerBlock(_Module):
