@@ -124,6 +124,8 @@ class MhaCase(NamedTuple):
     num_kv_heads: int | None = None  # Hkv, dividing H (None: H); the state's w_k, w_v have Hkv * d_k rows
     bias: bool = True  # whether the state holds the projections' biases
     rope_theta: float | None = None  # RoPE on each head's queries and keys (None: none); d_k even
+    attention: str = "softmax"  # each head's attention: "softmax", or "linear" (linear_attention with its
+    # defaults, SPEC 3: no mask, no weights, dropout 0)
 
 
 class BlockCase(NamedTuple):

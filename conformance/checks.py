@@ -25,7 +25,7 @@ import numpy as np
 from .cases import BlockCase, Case, LinearCase, MhaCase, SdpaCase, per_query_head
 from .features import declaration_of
 from .frameworks import RngForm, framework_of
-from .operations import Pair, arrays_and_options, missing, operation_of
+from .operations import Pair, arrays_and_options, missing, operation_of, with_dropout
 from .tolerances import relative_error
 
 DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
@@ -235,22 +235,27 @@ def against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]
     fast_path: with need_weights=False (where an implementation may take a fused path) the same out
     against the oracle, and None for the weights;
     weights_rows: each weights row sums to 1 where a key is visible, to 0 where none is.
+    A case that forms no weights (the oracle's are None: MultiHeadAttention's linear heads) must return None for
+    them on both paths (values), and has no weights_rows measure.
     What the module's declaration leaves unspecified is not compared (`specified`)."""
     case = rounded(case, dtype)
     explicit, fast_pair = runner.run_both_paths(case, dtype)
     reference = expected(case)
     tolerance = _low_precision_tolerance(case, dtype, reference)
-    (out, weights), (fast_out, _), (expected_out, expected_weights) = (
+    (out, weights), (fast_out, fast_weights), (expected_out, expected_weights) = (
         specified(runner, case, pair) for pair in (explicit, fast_pair, reference))
     values = compare("out", out, expected_out, dtype)
     if expected_weights is not None:
         values = worst(values, compare("weights", weights, expected_weights, dtype))
+    elif weights is not None:  # not left out by the declaration: the case forms none
+        values = Measure(math.inf, f"weights {weights.shape} returned where the case forms none (None)")
     values = values._replace(tolerance=tolerance)
     fast = compare("out with need_weights=False", fast_out, expected_out, dtype)._replace(tolerance=tolerance)
-    if fast_pair[1] is not None and expected_weights is not None:
+    if fast_weights is not None:
         fast = Measure(math.inf, "need_weights=False returned weights, not None")
-    if expected_weights is None:
-        return {"values": values, "fast_path": fast, "weights_rows": skipped(runner.declaration.reason("weights"))}
+    if expected_weights is None:  # left out by the declaration (SKIP), or formed by no path of this case
+        why = runner.declaration.reason("weights")
+        return {"values": values, "fast_path": fast} | ({"weights_rows": skipped(why)} if why else {})
     if weights is None or weights.shape != expected_weights.shape:
         return {"values": values, "fast_path": fast, "weights_rows": values}
     row_sums, expected_sums = weights.sum(axis=-1, dtype=np.float64), expected_weights.sum(axis=-1)
@@ -423,10 +428,10 @@ def _stepped(module: ModuleType, arrays: dict, rng: Any, *, feature_map: str, ep
 # --- dropout in training mode -------------------------------------------------------------------------------
 
 def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
-    """Dropout in training mode (every operation with dropout 0.5), on the case repeated DROPOUT_DRAWS times
-    along a new leading axis, so one call holds many independent draws; reproducible, varies and mean hold
-    on both paths (need_weights True and False), each measure the worse of the two, with the framework's
-    usual form of rng (the other forms: dropout_independence):
+    """Dropout in training mode (every operation with dropout 0.5, and softmax heads: `with_dropout`), on the case
+    repeated DROPOUT_DRAWS times along a new leading axis, so one call holds many independent draws;
+    reproducible, varies and mean hold on both paths (need_weights True and False), each measure the worse of the
+    two, with the framework's usual form of rng (the other forms: dropout_independence):
 
     weights: the returned weights are the softmax probabilities before dropout (the eval weights);
     reproducible: the same rng (the same seed) gives the same output;
@@ -438,7 +443,7 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     with probability below 1e-8 per entry.
     """
     operation = operation_of(case)
-    case = rounded(case._replace(dropout=0.5), dtype)
+    case = rounded(with_dropout(case, 0.5), dtype)
     draws = _tiled(case, DROPOUT_DRAWS)
     expected_out, expected_weights = expected(case)
     spread = (None if operation.dropout_sigma is None else
@@ -497,7 +502,7 @@ def dropout_independence(runner: Runner, case: Case, dtype: str) -> dict[str, Me
     probe = operation_of(case).dropout_probe(case)
     per_call = math.prod(probe.shape)
     n = 2 * math.ceil(1.5 * INDEPENDENT_PAIRS / per_call)  # >= 3 INDEPENDENT_PAIRS decisions per site
-    draws = _tiled(probe.case._replace(dropout=INDEPENDENT_P), n)
+    draws = _tiled(with_dropout(probe.case, INDEPENDENT_P), n)
     names = ("draws", *(f"batch axis {i}" for i in range(len(probe.shape) - len(probe.axes))), *probe.axes)
     found, forms = Measure(0.0), Measure(0.0)
     for form in runner.framework.rngs:

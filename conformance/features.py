@@ -51,6 +51,7 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
                                                        "that use it are skipped") for name, what in (
         ("num_kv_heads", "num_kv_heads below num_heads (grouped-query attention)"),
         ("no_bias", "bias=False (Linears without biases)"), ("rope", "rope_theta (rotary position embeddings)"),
+        ("linear_attention", 'attention="linear" (MultiHeadAttention with linear attention in each head)'),
         ("rms_norm", 'norm="rms" (a block with RMSNorm)'), ("gelu", 'activation="gelu" (a block with GELU)'),
         ("swiglu", 'activation="swiglu" (a block with a SwiGLU feed-forward network)'))),
     Feature("masked_rows", "rule", "a query that sees no key gets an output row (sdpa) and a weights row of zeros",

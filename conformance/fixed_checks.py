@@ -86,11 +86,13 @@ def run_edge(runner: Runner, row: Fixed) -> Result:
     case = without_dropout(row.build(), runner.declaration)  # eval mode: a configured dropout does nothing
     if why := runner.declaration.reason("float64", *features_used(case)):
         return Result(row, [], skipped=why)
-    second = operation_of(case).second  # "weights", or flash_attention's "lse", which every path returns; None:
-    # out alone (linear_attention), on its one path
-    has_weights = second == "lse" or "weights" not in runner.declaration
+    returned = operation_of(case).second  # the operation's second result: "weights" on two paths (need_weights True
+    # and False), else one path
     with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf are the point of some cases
         expected_out, expected_weights = expected(case)
+    second = None if expected_weights is None else returned  # "weights", or flash_attention's "lse", which every
+    # path returns; None: out alone (linear_attention, and MultiHeadAttention's linear heads, which form no weights)
+    has_weights = second == "lse" or "weights" not in runner.declaration
     blind = (np.isneginf(expected_weights) if second == "lse" else _blind_out(case, expected_out) if second is None
              else np.all(expected_weights == 0, axis=-1))
     # (..., rows): the queries that see no key (the oracle's zeros, its lse -inf, or the operation's declaration)
@@ -116,7 +118,7 @@ def run_edge(runner: Runner, row: Fixed) -> Result:
             found.append("weights is not None")
         found += [rule.problem(case, out, weights if has_weights else None) for rule in row.rules]
         problems += [f"{path}: {problem}" for problem in found if problem]
-        if second != "weights":  # one path: need_weights changes nothing
+        if returned != "weights":  # one path: need_weights changes nothing
             break
     return Result(row, problems)
 

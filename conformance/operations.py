@@ -97,9 +97,10 @@ def keywords_used(case: Case) -> dict[str, Any]:
 
 def options_used(case: Case) -> dict[str, Any]:
     """The case's module options of SPEC.md section 5 that differ from the seed's (MODULE_OPTIONS): the
-    layout of its state (num_kv_heads, bias, norm), activation "swiglu" and rope_theta. A state dict carries
-    its layout, which from_state_dict reads off the shapes, so only activation and rope_theta reach the module
-    as arguments; a module from before these options still runs every case that keeps the seed's."""
+    layout of its state (num_kv_heads, bias, norm), activation "swiglu", rope_theta and attention "linear". A
+    state dict carries its layout, which from_state_dict reads off the shapes, so only activation, rope_theta and
+    attention reach the module as arguments; a module from before these options still runs every case that keeps
+    the seed's."""
     fields, options = case._asdict(), operation_of(case).options  # sdpa's bias is an array, not this option
     return {name: fields[name] for name, seed in MODULE_OPTIONS.items() if name in options and fields[name] not in seed}
 
@@ -159,11 +160,24 @@ def without_dropout(case: Case, declaration: Declaration) -> Case:
     return case._replace(dropout=0.0) if "dropout" in declaration else case
 
 
+# What dropout needs of a case besides its rate: softmax heads (linear heads form no weights to drop, and a module
+# refuses dropout with them, SPEC 3)
+DROPOUT_NEEDS: dict[str, Any] = {"attention": "softmax"}
+
+
+def with_dropout(case: Case, p: float) -> Case:
+    """The case with dropout p configured, for the dropout checks: with what dropout needs (DROPOUT_NEEDS) where
+    the case has that field, so a drawn case with linear heads is checked with softmax heads, its sizes and
+    layout kept."""
+    return case._replace(dropout=p, **{name: value for name, value in DROPOUT_NEEDS.items() if name in case._fields})
+
+
 # A constructor's keyword arguments (an error row at stage "init"): the feature each needs, and when it does
 INIT_FEATURES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "dropout": ("dropout", lambda value: value != 0), "num_kv_heads": ("num_kv_heads", lambda value: value is not None),
     "bias": ("no_bias", lambda value: value is False), "rope_theta": ("rope", lambda value: value is not None),
-    "norm": ("rms_norm", lambda value: value != "layer")}
+    "norm": ("rms_norm", lambda value: value != "layer"),
+    "attention": ("linear_attention", lambda value: value != "softmax")}
 
 
 def init_features_used(arguments: dict[str, Any]) -> set[str]:
@@ -394,21 +408,25 @@ def _linear_leave_out(case: LinearCase, declaration: Declaration) -> LinearCase:
 # The module options of SPEC.md section 5 and the values the seed layout has: the layout options are the state
 # dict's shapes (from_state_dict infers them: they are the oracle's, never the module's, arguments).
 MODULE_OPTIONS: dict[str, tuple[Any, ...]] = {"num_kv_heads": (None,), "bias": (True,), "norm": ("layer",),
-                                               "activation": ("relu", "gelu"), "rope_theta": (None,)}
+                                               "activation": ("relu", "gelu"), "rope_theta": (None,),
+                                               "attention": ("softmax",)}
 LAYOUT_OPTIONS = ("num_kv_heads", "bias", "norm")
+LATER_OPTIONS = ("rope_theta", "attention")  # added after the seed: passed only where a case leaves the seed's
 
 
 def _from_state(options: dict[str, Any]) -> dict[str, Any]:
-    """The options from_state_dict takes: all but the layout, which the state's shapes carry, and rope_theta
-    only where a case turns its queries and keys (a module from before RoPE runs the other cases)."""
+    """The options from_state_dict takes: all but the layout, which the state's shapes carry, and the later
+    options (rope_theta, attention) only where a case leaves the seed's value (a module from before them runs the
+    other cases)."""
     return {name: value for name, value in options.items()
-            if name not in LAYOUT_OPTIONS and not (name == "rope_theta" and value is None)}
+            if name not in LAYOUT_OPTIONS and not (name in LATER_OPTIONS and value in MODULE_OPTIONS[name])}
 
 
 def _mha_oracle(case: MhaCase, precision: str, fused_bias: bool) -> Pair:
+    """The heads' out mixed, and their weights (None where linear heads form none)."""
     return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask, num_heads=case.num_heads,
-                                       num_kv_heads=case.num_kv_heads, rope_theta=case.rope_theta, dtype=precision,
-                                       fused_bias=fused_bias)
+                                       num_kv_heads=case.num_kv_heads, rope_theta=case.rope_theta,
+                                       attention=case.attention, dtype=precision, fused_bias=fused_bias)
 
 
 def _mha_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -441,6 +459,7 @@ MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "num_kv_heads": lambda case: case.num_kv_heads not in (None, case.num_heads),
     "no_bias": lambda case: not case.bias,
     "rope": lambda case: case.rope_theta is not None,
+    "linear_attention": lambda case: getattr(case, "attention", "softmax") != "softmax",
     "rms_norm": lambda case: getattr(case, "norm", "layer") == "rms",
     "gelu": lambda case: getattr(case, "activation", "relu") == "gelu",
     "swiglu": lambda case: getattr(case, "activation", "relu") == "swiglu",
@@ -635,8 +654,8 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
               ("q", "k", "v"), ("q", "k", "v"), "linear_cases", _linear_oracle, _linear_call, "linear_attention_vjp",
               _linear_pullback, _linear_visible, None, lambda case: False, None, _linear_uses, _linear_leave_out,
               _linear_blind, pair=lambda out: (out, None), second=None),
-    Operation("mha", "MultiHeadAttention", MhaCase, ("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta"),
-              ("q", "k", "v"),
+    Operation("mha", "MultiHeadAttention", MhaCase,
+              ("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta", "attention"), ("q", "k", "v"),
               ("q", "k", "v", "state"), "mha_cases", _mha_oracle, _mha_call, "MultiHeadAttention.vjp",
               _mha_pullback, _mha_visible, _mha_dropout_sigma, lambda case: True, _mha_dropout_probe,
               _module_uses, _module_leave_out, _module_blind),

@@ -10,8 +10,9 @@ powers of two: tile, chunk and vector-width boundaries); E, Ev in {1, 2, 4}; H i
 so D = H * d_k <= 8; F in {4, 8}; leading axes (), (2,) or (2, 3) (grouped-query sdpa cases: the last one
 H in {2, 4} query heads, Hkv in {1, H / 2, H} for k and v); scale, dropout and eps from short fixed lists.
 About one module case in three (OPTIONED) draws the module options of SPEC 5 (num_kv_heads among the divisors
-of H, bias, rope_theta with d_k = 4; in the block also norm and activation "swiglu"); the rest keep the seed's
-layout, so JAX compiles few new shapes.
+of H, bias, rope_theta with d_k = 4; in MultiHeadAttention also attention "linear", one in four, without a mask
+and dropout; in the block also norm and activation "swiglu"); the rest keep the seed's layout, so JAX compiles
+few new shapes.
 
 Hypothesis draws every shape, flag and mask family, so it can shrink them; the numbers come from a NumPy
 Generator seeded by one drawn integer (fast, and the seed is part of the example). Floating arrays are
@@ -63,6 +64,7 @@ NORMS = ("layer", "rms")
 OPTIONED_ACTIVATIONS = ("relu", "gelu", "swiglu", "swiglu")  # swiglu in half of the optioned blocks
 ROPE_THETAS = (None, None, 10.0, 10000.0)  # an optioned case's rope_theta: RoPE in half of them
 ROPE_D_K = 4  # d_k with RoPE: two pairs per head, so their layout and theta matter (one pair turns by p alone)
+ATTENTIONS = ("softmax", "softmax", "softmax", "linear")  # an optioned mha case's heads: linear in one in four
 MASK_DTYPES = ("bool", "int32", "int64")
 MAGNITUDES = ("normal", "large", "small_variance")
 HIDDEN = 0.3  # share of keys a random mask hides
@@ -531,8 +533,12 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
               long: bool = True, rope: bool = True) -> MhaCase:
     """Self-attention (q, k, v the same array, L == S) or cross-attention (three different arrays, L != S);
     `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head; num_kv_heads,
-    bias and rope_theta from `heads_and_options` (rope=False: none, for properties of unpositioned attention)."""
-    num_heads, d_model, _, options = draw(heads_and_options(rope=rope))
+    bias and rope_theta from `heads_and_options` (rope=False: none, for properties of unpositioned attention);
+    an optioned case draws its heads' attention from ATTENTIONS, and linear heads take no mask and no dropout
+    (the dropout checks give such a case softmax heads: operations.with_dropout)."""
+    num_heads, d_model, optioned, options = draw(heads_and_options(rope=rope))
+    attention = draw(st.sampled_from(ATTENTIONS)) if optioned else "softmax"
+    linear = attention == "linear"
     batch, L = draw(batch_shapes()), draw(lengths(long=long))
     cross = draw(st.booleans()) if cross is None else cross
     S = draw(lengths(exclude=L, long=long)) if cross else L
@@ -542,8 +548,9 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     k, v = (_values(rng, (*batch, S, d_model), magnitude),  # (..., S, D)
             _values(rng, (*batch, S, d_model), magnitude)) if cross else (q, q)
     state = draw(mha_states(d_model, num_heads, options["num_kv_heads"], options["bias"]))
-    return MhaCase(state, num_heads, draw(st.sampled_from(DROPOUTS)), q, k, v,
-                   draw(masks(batch, L, S, heads=num_heads)), **options)
+    dropout = 0.0 if linear else draw(st.sampled_from(DROPOUTS))
+    mask = None if linear else draw(masks(batch, L, S, heads=num_heads))
+    return MhaCase(state, num_heads, dropout, q, k, v, mask, **options, attention=attention)
 
 
 @st.composite

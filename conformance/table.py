@@ -382,6 +382,10 @@ def _mha_examples() -> list[Fixed]:
         example("mha", "rope_cross_attention", lambda: mha_case(D=8, H=2, num_kv_heads=1, rope_theta=10.0,
                                                                 mask=random_mask(2, 2, 3, 5)),
                 "RoPE (d_k = 4, two pairs, theta 10): queries turned at positions 0..2, keys at 0..4"),
+        example("mha", "linear_grouped_rope_cross_attention", lambda: mha_case(
+            D=16, H=4, num_kv_heads=2, rope_theta=10.0, attention="linear", dropout=0.0),
+            "linear heads (phi = elu + 1, eps 1e-6), Hkv = 2 of H = 4, RoPE (d_k = 4, theta 10), L = 3, S = 5: "
+            "no weights (None)"),
     ]
 
 
@@ -402,6 +406,9 @@ def _mha_edges() -> list[Fixed]:
              Rule("out", "equals", (1,), w_o_bias), Rule("weights", "zero", (1,))),
         edge("mha", "no_keys", lambda: mha_case(S=0), "S = 0: weights (B, H, L, 0), out = w_o.bias on every row",
              Rule("out", "equals", value=w_o_bias), Rule("weights", "shape", value=(2, 2, 3, 0))),
+        edge("mha", "linear_no_keys", lambda: mha_case(S=0, attention="linear", dropout=0.0),
+             "S = 0, linear heads: each head 0 / (0 + eps) = 0, out = w_o.bias on every row, weights None",
+             Rule("out", "equals", value=w_o_bias)),
         edge("mha", "no_queries", lambda: mha_case(L=0), "L = 0: out (B, 0, D), weights (B, H, 0, S)",
              Rule("out", "shape", value=(2, 0, 4)), Rule("weights", "shape", value=(2, 2, 0, 5))),
         edge("mha", "single_key", lambda: mha_case(S=1),
@@ -483,6 +490,15 @@ def _mha_errors() -> list[Fixed]:
               ValueError, "rope_theta", "6", "2", stage="init"),
         error("mha", "state_rope_with_odd_head_width", _mha(num_heads=4, rope_theta=10.0), ValueError,
               "rope_theta", "4"),
+        error("mha", "linear_attention_with_a_mask", _mha(attention="linear", mask=np.ones((2, 2, 3, 5), bool)),
+              ValueError, "mask", "linear"),
+        error("mha", "linear_attention_with_dropout", lambda: {"d_model": 4, "num_heads": 2, "dropout": 0.1,
+                                                               "attention": "linear"},
+              ValueError, "dropout", "linear", stage="init"),
+        error("mha", "state_linear_attention_with_dropout", _mha(attention="linear", dropout=0.1), ValueError,
+              "dropout", "linear"),
+        error("mha", "attention_unknown", lambda: {"d_model": 4, "num_heads": 2, "attention": "cosine"},
+              ValueError, "attention", "cosine", stage="init"),
         error("mha", "state_partial_bias", _with_state(_mha(), lambda state: _without(state, "w_q.bias", "w_o.bias")),
               ValueError, "w_q.bias", "w_o.bias"),
         error("mha", "state_kv_rows_not_heads", _with_state(_mha(), lambda state: state | {

@@ -46,6 +46,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "cache_length_not_advanced": ("decode", {"values"}),  # each chunk overwrites the last
     "rope_positions_from_the_chunk": ("decode", {"values"}),  # RoPE at 0.. in every chunk
     "rope_keys_not_turned": ("mha", {"values"}),  # the scores depend on the query's position, not the distance
+    "linear_features_without_one": ("mha", {"values"}),  # linear heads with phi = elu: weights of either sign
     "softmax_wrong_axis": ("sdpa", {"values", "weights_rows"}),
     "softmax_without_max_subtraction": ("sdpa", {"values"}),  # logits in the hundreds overflow exp
     "row_maximum_before_bias": ("sdpa", {"values"}),  # biases in the thousands overflow exp

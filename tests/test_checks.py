@@ -308,3 +308,28 @@ def test_gradient_check_rejects_a_backward_pass_that_forgets_a_keyword(name: str
     module = _with_vjp(_differenced_vjp([], drop=(forgotten,)))
     measures = gradient_checks.gradients(checks.Runner(module), case, "float64")
     assert measures["gradients"].error > 1 or measures["masked_rows"].error > 1, measures
+
+
+def test_linear_heads_form_no_weights_and_no_weights_rows_measure():
+    # attention="linear": the oracle's weights are None, so against_oracle reports no weights_rows for the case
+    # (never a 0 that claims the weights were checked), and a module that returns weights anyway fails values
+    case = table.named("mha", "linear_grouped_rope_cross_attention").build()
+    measures = checks.against_oracle(checks.Runner(attention_np), case, "float64")
+    assert "weights_rows" not in measures and measures["values"].error <= 1e-9
+
+    class WeightsAnyway:  # MultiHeadAttention, with uniform weights made up for linear heads
+        @staticmethod
+        def from_state_dict(state, **options):
+            mha = attention_np.MultiHeadAttention.from_state_dict(state, **options)
+
+            def call(q, k, v, mask=None, *, need_weights=True, rng=None):
+                out, weights = mha(q, k, v, mask, need_weights=need_weights, rng=rng)
+                H, (L, S) = mha.num_heads, (q.shape[-2], k.shape[-2])
+                return out, np.full((*out.shape[:-2], H, L, S), 1 / S) if need_weights else weights
+
+            return types.SimpleNamespace(eval=lambda: call, train=lambda: call)
+
+    module = types.SimpleNamespace(__name__="weights_anyway", asarray=np.asarray, to_numpy=np.asarray,
+                                   MultiHeadAttention=WeightsAnyway)
+    values = checks.against_oracle(checks.Runner(module), case, "float64")["values"]
+    assert values.error == math.inf and "returned where the case forms none" in values.detail

@@ -74,6 +74,8 @@ def _assert_mha_contract(case: cases.MhaCase) -> None:
     _assert_broadcasts("mask", case.mask, (*case.q.shape[:-2], case.num_heads, L, S))
     _assert_mask_values(case.mask)
     assert case.dropout in cs.DROPOUTS
+    assert case.attention in cs.ATTENTIONS
+    assert case.attention == "softmax" or (case.mask is None and case.dropout == 0.0)  # linear: neither
     _assert_layout(case.state, "", case)
 
 
@@ -511,3 +513,17 @@ def test_module_options_reach_every_form_in_a_third_of_the_cases() -> None:
     assert {"bias False", "norm rms", "activation swiglu", "rope_theta 10.0", "rope_theta 10000.0", "Hkv 1 < H",
             "1 < Hkv < H"} <= seen, seen
     assert 0.15 <= np.mean(optioned) <= 0.5, np.mean(optioned)
+
+
+def test_linear_heads_in_a_few_mha_cases_without_mask_or_dropout() -> None:
+    attention: list[str] = []
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.mha_cases())
+    def record(case: cases.MhaCase) -> None:
+        _assert_mha_contract(case)  # linear: no mask, dropout 0
+        attention.append(case.attention)
+
+    record()
+    share = np.mean([name == "linear" for name in attention])  # nominally 1/3 optioned x 1/4 linear = 1/12
+    assert 0.02 <= share <= 0.2, share

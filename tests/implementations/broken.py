@@ -279,6 +279,15 @@ class RopeKeysNotTurned(Implementation):
         return super().rope_heads(q, k, theta, positions)[0], k
 
 
+class LinearFeaturesWithoutOne(Implementation):
+    """Linear heads map with phi = elu where the spec asks for elu + 1 (the shift forgotten): a negative entry's
+    feature lies in (-1, 0), so the kernel's weights change sign and the normaliser can cancel. Caught by: values
+    (mha with attention="linear")."""
+
+    def linear_features(self, x: np.ndarray) -> np.ndarray:
+        return np.where(x > 0, x, np.expm1(np.minimum(x, 0)))
+
+
 # --- softmax -------------------------------------------------------------------------------------------
 
 
@@ -657,6 +666,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "cache_length_not_advanced": CacheLengthNotAdvanced,
     "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
     "rope_keys_not_turned": RopeKeysNotTurned,
+    "linear_features_without_one": LinearFeaturesWithoutOne,
     "softmax_wrong_axis": SoftmaxWrongAxis,
     "softmax_without_max_subtraction": SoftmaxWithoutMaxSubtraction,
     "row_maximum_before_bias": RowMaximumBeforeBias,
