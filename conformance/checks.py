@@ -25,7 +25,7 @@ import numpy as np
 from .cases import BlockCase, Case, LinearCase, MhaCase, SdpaCase, per_query_head
 from .features import declaration_of
 from .frameworks import RngForm, framework_of
-from .operations import Pair, arrays_and_options, missing, operation_of, with_dropout
+from .operations import Pair, arrays_and_options, missing, operation_of
 from .tolerances import relative_error
 
 DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
@@ -428,10 +428,10 @@ def _stepped(module: ModuleType, arrays: dict, rng: Any, *, feature_map: str, ep
 # --- dropout in training mode -------------------------------------------------------------------------------
 
 def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
-    """Dropout in training mode (every operation with dropout 0.5, and softmax heads: `with_dropout`), on the case
-    repeated DROPOUT_DRAWS times along a new leading axis, so one call holds many independent draws;
-    reproducible, varies and mean hold on both paths (need_weights True and False), each measure the worse of the
-    two, with the framework's usual form of rng (the other forms: dropout_independence):
+    """Dropout in training mode (every operation with dropout 0.5), on the case repeated DROPOUT_DRAWS times
+    along a new leading axis, so one call holds many independent draws; reproducible, varies and mean hold
+    on both paths (need_weights True and False), each measure the worse of the two, with the framework's
+    usual form of rng (the other forms: dropout_independence):
 
     weights: the returned weights are the softmax probabilities before dropout (the eval weights);
     reproducible: the same rng (the same seed) gives the same output;
@@ -443,7 +443,7 @@ def dropout(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     with probability below 1e-8 per entry.
     """
     operation = operation_of(case)
-    case = rounded(with_dropout(case, 0.5), dtype)
+    case = rounded(case._replace(dropout=0.5), dtype)
     draws = _tiled(case, DROPOUT_DRAWS)
     expected_out, expected_weights = expected(case)
     spread = (None if operation.dropout_sigma is None else
@@ -502,7 +502,7 @@ def dropout_independence(runner: Runner, case: Case, dtype: str) -> dict[str, Me
     probe = operation_of(case).dropout_probe(case)
     per_call = math.prod(probe.shape)
     n = 2 * math.ceil(1.5 * INDEPENDENT_PAIRS / per_call)  # >= 3 INDEPENDENT_PAIRS decisions per site
-    draws = _tiled(with_dropout(probe.case, INDEPENDENT_P), n)
+    draws = _tiled(probe.case._replace(dropout=INDEPENDENT_P), n)
     names = ("draws", *(f"batch axis {i}" for i in range(len(probe.shape) - len(probe.axes))), *probe.axes)
     found, forms = Measure(0.0), Measure(0.0)
     for form in runner.framework.rngs:

@@ -160,18 +160,6 @@ def without_dropout(case: Case, declaration: Declaration) -> Case:
     return case._replace(dropout=0.0) if "dropout" in declaration else case
 
 
-# What dropout needs of a case besides its rate: softmax heads (linear heads form no weights to drop, and a module
-# refuses dropout with them, SPEC 3)
-DROPOUT_NEEDS: dict[str, Any] = {"attention": "softmax"}
-
-
-def with_dropout(case: Case, p: float) -> Case:
-    """The case with dropout p configured, for the dropout checks: with what dropout needs (DROPOUT_NEEDS) where
-    the case has that field, so a drawn case with linear heads is checked with softmax heads, its sizes and
-    layout kept."""
-    return case._replace(dropout=p, **{name: value for name, value in DROPOUT_NEEDS.items() if name in case._fields})
-
-
 # A constructor's keyword arguments (an error row at stage "init"): the feature each needs, and when it does
 INIT_FEATURES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "dropout": ("dropout", lambda value: value != 0), "num_kv_heads": ("num_kv_heads", lambda value: value is not None),

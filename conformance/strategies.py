@@ -530,14 +530,14 @@ def _heads_and_width(draw: Callable, heads: tuple[int, ...] = HEADS) -> tuple[in
 
 @st.composite
 def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | None = None,
-              long: bool = True, rope: bool = True) -> MhaCase:
+              long: bool = True, rope: bool = True, linear: bool = True) -> MhaCase:
     """Self-attention (q, k, v the same array, L == S) or cross-attention (three different arrays, L != S);
     `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head; num_kv_heads,
     bias and rope_theta from `heads_and_options` (rope=False: none, for properties of unpositioned attention);
     an optioned case draws its heads' attention from ATTENTIONS, and linear heads take no mask and no dropout
-    (the dropout checks give such a case softmax heads: operations.with_dropout)."""
+    (linear=False: softmax heads only, for the dropout checks: linear heads form no weights to drop)."""
     num_heads, d_model, optioned, options = draw(heads_and_options(rope=rope))
-    attention = draw(st.sampled_from(ATTENTIONS)) if optioned else "softmax"
+    attention = draw(st.sampled_from(ATTENTIONS)) if optioned and linear else "softmax"
     linear = attention == "linear"
     batch, L = draw(batch_shapes()), draw(lengths(long=long))
     cross = draw(st.booleans()) if cross is None else cross

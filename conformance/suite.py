@@ -74,8 +74,8 @@ GROUPS = (
     Group("mha", checks.against_oracle, BOTH, 20, pinned=True),
     Group("mha", checks.against_oracle, HALF, 4),
     Group("mha", checks.mha_permutation, FLOAT64, 8, {"cross": True, "rope": False}),  # RoPE: positions matter
-    Group("mha", checks.dropout, FLOAT32, 4, {"long": False}, needs=("dropout",)),
-    Group("mha", checks.dropout_independence, FLOAT32, 3, {"long": False}, needs=("dropout",)),
+    Group("mha", checks.dropout, FLOAT32, 4, {"long": False, "linear": False}, needs=("dropout",)),
+    Group("mha", checks.dropout_independence, FLOAT32, 3, {"long": False, "linear": False}, needs=("dropout",)),
     Group("mha", gradient_checks.gradients, FLOAT64, 5, pinned=True, gradient=True),
     Group("block", checks.against_oracle, BOTH, 20, pinned=True),
     Group("block", checks.against_oracle, HALF, 4),
