@@ -44,7 +44,7 @@ CASES = {
 # the suite's ring operation checks rings of 1 to 4 devices against the oracle with every keyword, gradients
 # included (tests/test_ring_suite.py runs it on 4 simulated devices); here the shardings, 8 devices and the mesh
 RINGS = {2: ("cross",), 4: ("causal_hidden_rows", "gqa"), 8: ("causal", "sliding_window")}
-GRADIENT_CASES = {4: ("gqa",), 8: ("window",)}  # softcap: test_flash
+GRADIENT_CASES = {8: ("window",)}  # 4 devices: check_vjp below; softcap: test_flash
 
 
 def _inputs(shapes: tuple, seed: int = 0) -> list[jax.Array]:
