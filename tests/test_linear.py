@@ -279,3 +279,30 @@ def test_torch_vjp_under_no_grad_and_inference_mode():
             _, pullback = M.linear_attention_vjp(q, k, v, is_causal=True, chunk=2)
             for got, want in zip(pullback(d_out), expected, strict=True):
                 assert_close(got.numpy(), want.numpy(), RTOL, context.__name__)
+
+
+def test_numpy_chunked_causal_memory_stays_below_the_prefix_states():
+    """tracemalloc's peak at L = 2048, E = Ev = 64, float64, B = H = 1, over the forward and backward pass: the
+    prefix sums keep (L, E, Ev) states, 64 MiB; chunks of 64 keep L / 64 states of E x Ev (2 MiB) and (64, 64)
+    scores, so the peak is that of a few (L, E) arrays (the inputs' features, out, the gradients: 1 MiB each),
+    at most 16 of them (SPEC 2e)."""
+    import tracemalloc
+
+    M = import_backend("attention_np")
+    rng = np.random.default_rng(0)
+    L, E = 2048, 64
+    q, k, v, d_out = (rng.standard_normal((L, E)) for _ in range(4))
+    states, row_arrays = L * E * E * 8, L * E * 8  # (L, E, Ev) and (L, E) in float64
+
+    def peak(chunk: int | None) -> int:
+        tracemalloc.start()
+        try:
+            _, pullback = M.linear_attention_vjp(q, k, v, is_causal=True, chunk=chunk)
+            pullback(d_out)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    prefix, chunked = peak(None), peak(64)
+    assert prefix >= states, f"the prefix form peaked at {prefix / 2**20:.1f} MiB, below its states"  # the check bites
+    assert chunked <= 16 * row_arrays, f"chunks of 64 peaked at {chunked / 2**20:.1f} MiB"
