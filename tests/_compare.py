@@ -3,6 +3,7 @@ conformance/tolerances.py), and a backend's attention on NumPy inputs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -20,6 +21,17 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rtol: float, what: st
     assert np.array_equal(nan_a, nan_e), f"{what}: NaN positions differ"
     error = relative_error(np.where(nan_a, 0, actual), np.where(nan_e, 0, expected))
     assert error <= rtol, f"{what}: relative error {error:.3g} > {rtol:.3g}"
+
+
+def central_differences(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray, d_out: np.ndarray,
+                        h: float) -> np.ndarray:
+    """d <f(x), d_out> / dx, entry by entry: (<f(x + h e_i), d_out> - <f(x - h e_i), d_out>) / 2h."""
+    grad = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        step = np.zeros_like(x)
+        step[index] = h
+        grad[index] = np.sum((f(x + step) - f(x - step)) * d_out) / (2 * h)
+    return grad
 
 
 def converted(M: ModuleType, value: object) -> object:

@@ -12,7 +12,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import assert_close
+from tests._compare import assert_close, central_differences
 from tests.conftest import BACKENDS, import_backend
 
 D, H, B, L, S = 8, 4, 2, 3, 5  # d_model, heads, batch, query and key positions (cross-attention: L != S)
@@ -176,14 +176,7 @@ def test_linear_mha_vjp_matches_torch_autograd_of_the_composition(backend: Modul
     assert set(grads) == set(state)
 
 
-def _central_differences(f: Callable, x: np.ndarray, d_out: np.ndarray, h: float = 1e-5) -> np.ndarray:
-    """d <f(x), d_out> / dx, entry by entry."""
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        step = np.zeros_like(x)
-        step[index] = h
-        grad[index] = np.sum((f(x + step) - f(x - step)) * d_out) / (2 * h)
-    return grad
+STEP = 1e-5  # the central differences' step: dq is small here, and 1e-6 missed by rounding
 
 
 def test_numpy_linear_mha_vjp_matches_central_differences() -> None:
@@ -194,11 +187,11 @@ def test_numpy_linear_mha_vjp_matches_central_differences() -> None:
     dq, dk, dv, grads = mha.vjp(q, kv, kv)[2](d_out)
     for name, grad, f, x in (("q", dq, lambda y: mha(y, kv, kv)[0], q), ("k", dk, lambda y: mha(q, y, kv)[0], kv),
                              ("v", dv, lambda y: mha(q, kv, y)[0], kv)):
-        assert_close(grad, _central_differences(f, x, d_out), 1e-7, f"d{name}")
+        assert_close(grad, central_differences(f, x, d_out, STEP), 1e-7, f"d{name}")
     for name in ("w_q.weight", "w_k.weight", "w_k.bias", "w_v.bias", "w_o.weight"):
         def loaded(value: np.ndarray, name: str = name) -> np.ndarray:
             return _linear_mha(N, state | {name: value}, options)(q, kv, kv)[0]
-        assert_close(grads[name], _central_differences(loaded, state[name], d_out), 1e-7, name)
+        assert_close(grads[name], central_differences(loaded, state[name], d_out, STEP), 1e-7, name)
 
 
 def test_jax_linear_mha_under_jit_and_grad() -> None:

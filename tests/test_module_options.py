@@ -11,7 +11,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import assert_close
+from tests._compare import assert_close, central_differences
 from tests.conftest import BACKENDS, import_backend
 
 D, H, HKV, F, B, L = 8, 4, 2, 12, 2, 5  # d_model, heads, key/value heads, d_ff, batch, positions
@@ -268,14 +268,7 @@ def test_bad_states_raise_one_error_on_every_backend(state: object, activation: 
 
 # --- gradients -----------------------------------------------------------------------------------------------
 
-def _central_differences(f: object, x: np.ndarray, d_out: np.ndarray, h: float = 1e-6) -> np.ndarray:
-    """d <f(x), d_out> / dx, entry by entry."""
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        step = np.zeros_like(x)
-        step[index] = h
-        grad[index] = np.sum((f(x + step) - f(x - step)) * d_out) / (2 * h)
-    return grad
+STEP = 1e-6  # the central differences' step
 
 
 @pytest.mark.parametrize("layout", ["llama", "post_rms_swiglu_bias_mqa", "pre_layer_gelu_no_bias"])
@@ -285,7 +278,7 @@ def test_numpy_block_vjp_matches_central_differences(layout: str) -> None:
     d_out = _x(1, 3, D, seed=5)
     _, _, pullback = block.vjp(x)
     dx, grads = pullback(d_out)
-    assert_close(dx, _central_differences(lambda y: block(y)[0], x, d_out), 1e-7, "dx")
+    assert_close(dx, central_differences(lambda y: block(y)[0], x, d_out, STEP), 1e-7, "dx")
     state = block.state_dict()
     for name in ("norm1.weight", "attn.w_k.weight", "ffn.w_gate.weight" if "ffn.w_gate.weight" in state
                  else "ffn.0.weight"):
@@ -293,7 +286,7 @@ def test_numpy_block_vjp_matches_central_differences(layout: str) -> None:
             changed = type(block).from_state_dict(state | {name: value}, num_heads=H, dropout=0.0, eps=EPS,
                                                   norm_first=block.norm_first, activation=block.ffn.activation)
             return changed(x)[0]
-        assert_close(grads[name], _central_differences(loaded, state[name], d_out), 1e-7, name)
+        assert_close(grads[name], central_differences(loaded, state[name], d_out, STEP), 1e-7, name)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -281,15 +281,15 @@ def main(args: argparse.Namespace) -> int:
         return memory_main()
     if args.ring:
         return ring_main(args.plot)
-    if args.complexity:
-        return complexity_main(args)
-    args.repeats = args.repeats or 10
-    if args.plot:
+    if args.plot:  # before anything is timed
         try:
             _figure_class()
         except ImportError as error:
             print(f"compare: {error}", file=sys.stderr)
             return 2
+    if args.complexity:
+        return complexity_main(args)
+    args.repeats = args.repeats or 10
     variant = variants.VARIANTS[args.variant]
     operations = args.operations or variant.operations
     if not set(operations) <= set(variant.operations):
@@ -372,12 +372,6 @@ def complexity_main(args: argparse.Namespace) -> int:
     per backend; 0 unless it could not run."""
     from . import complexity
 
-    if args.plot:
-        try:
-            _figure_class()
-        except ImportError as error:
-            print(f"compare: {error}", file=sys.stderr)
-            return 2
     backends, skipped = timing.installed_backends()
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
