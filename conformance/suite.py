@@ -470,6 +470,8 @@ def format_side_by_side(reports: Sequence[Report]) -> str:
     modules = [report.rows[0].module for report in reports if report.rows]
     width = max(18, *(len(m) + 2 for m in modules))
     keys = list(dict.fromkeys((r.operation, r.check, r.dtype) for report in reports for r in report.rows))
+    order = {operation: i for i, operation in enumerate(dict.fromkeys(key[0] for key in keys))}
+    keys.sort(key=lambda key: order[key[0]])  # stable: a row only one module has stays with its operation
     cells = {(r.module, r.operation, r.check, r.dtype): r for report in reports for r in report.rows}
     lines = [f"{'operation':<10}{'check':<14}{'dtype':<9}{'tolerance':<11}" + "".join(f"{m:<{width}}" for m in modules)]
     for operation, check_name, dtype in keys:
@@ -480,7 +482,9 @@ def format_side_by_side(reports: Sequence[Report]) -> str:
             cell = "-" if row is None else "SKIP" if row.skipped else f"{row.worst:.1e} {_result(row)}"
             line += f"{cell:<{width}}"
         lines.append(line.rstrip())
-    return "\n".join(lines)
+    skips = dict.fromkeys(f"{r.module} {r.operation}{'' if r.check == '-' else ' ' + r.check}: {r.skipped}"
+                          for report in reports for r in report.rows if r.skipped)
+    return "\n".join(lines + ([""] + [f"SKIP {why}" for why in skips] if skips else []))
 
 
 def _result(row: Row) -> str:
