@@ -171,3 +171,17 @@ def test_ring_bench_rows_hold_the_memory_check_and_the_bytes_per_step():
     header, line = ring_torch.format_rows([row], length=32, width=4).splitlines()[1:3]
     assert "x P" in header and "/ shard (L/P) E 4" in header, header
     assert line.split()[:2] == ["2", "True"] and line.split()[-3:] == ["512", "512", "768"], line
+
+
+def test_ring_overlap_rows_are_finite_for_every_rank():
+    """`python -m conformance.bench.ring_torch --overlap` at a tiny size, P = 2, one repeat: a row per rank with
+    every time and fraction finite (no value asserted: they are timings) and the table printing them."""
+    from conformance.bench import ring_torch
+
+    rows = ring_torch.measure_overlap((2,), length=32, width=4, block=4, repeats=1)
+    assert [(row.processes, row.rank) for row in rows] == [(2, 0), (2, 1)]
+    for row in rows:
+        assert all(math.isfinite(value) for value in row), row
+        assert min(row.total_ms, row.compute_ms, row.comm_ms, row.wait_ms, row.check_ms) >= 0, row
+    header = ring_torch.format_overlap(rows, length=32, width=4, block=4, repeats=1).splitlines()[1]
+    assert "hidden (c + m - t) / m" in header and "t_comm / t_total" in header, header

@@ -16,6 +16,21 @@ At H = 1, L = S = 16384, E = 64, float32, each process measures
   2 (S/P) E dtype_size (a k and a v block) in the forward pass (P - 1 steps send); the backward pass sends the
   block P - 1 times and its dk, dv accumulators P times, (4P - 2) / P blocks per step on average.
 
+With --overlap (`python -m conformance.bench.ring_torch --overlap`), at P = 2 and 4, full (not causal), each
+rank times the medians over a few repeats, after a warm-up, of
+- t_total: the forward pass ring_attention (its shape check, one small all_gather_object, included);
+- t_compute: the same forward's compute alone, the ring's schedule of chunk-pair flash calls and merges
+  (_schedule, _forward, _merge_into) run on the rank's own block, which stays in place: no exchange;
+- t_comm: the communication alone, the forward's P - 1 exchanges of a k and v block (_start_exchange, _finish:
+  batch_isend_irecv, waited for), no compute;
+- t_wait: within t_total, the time the ring spent waiting for its exchanges after each step's compute (_finish
+  timed), the communication the compute left exposed; t_check: the shape check alone (_check_shards, one
+  all_gather_object), which t_total holds and neither t_compute nor t_comm does;
+and from them the fraction of the communication the ring hides behind its compute,
+(t_compute + t_comm - t_total) / t_comm (1: all of it, 0: none; negative or above 1 when the timings' noise
+exceeds t_comm), and t_comm / t_total; from the waits, (t_comm - t_wait) / t_comm. A barrier starts every
+timed call on all ranks together.
+
 `launch` starts the processes (torch.multiprocessing, spawn) around one TCPStore the caller holds on port 0,
 so that no two launches, parallel tests included, can clash on a port.
 """
@@ -25,8 +40,12 @@ from __future__ import annotations
 import ctypes
 import datetime
 import json
+import math
 import os
+import statistics
+import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -34,6 +53,8 @@ L = 16384  # L = S, the whole sequence
 E = 64
 MIB = 2**20
 PROCESSES = (1, 2, 4, 8)
+OVERLAP_PROCESSES = (2, 4)
+REPEATS = 5  # timed calls of each kind after the warm-up; their median
 MMAP_THRESHOLD = 64 * 1024  # bytes: each allocation from this size up is its own mapping
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
@@ -169,7 +190,127 @@ def format_rows(rows: Sequence[RingRow], length: int = L, width: int = E) -> str
                                for line in lines), note])
 
 
+class OverlapRow(NamedTuple):
+    processes: int
+    rank: int
+    total_ms: float  # median over the repeats: the forward pass ring_attention
+    compute_ms: float  # the same forward's flash calls and merges, no exchange
+    comm_ms: float  # its P - 1 exchanges of the k and v block, no compute
+    hidden: float  # (t_compute + t_comm - t_total) / t_comm, not clipped
+    comm_share: float  # t_comm / t_total
+    wait_ms: float  # median: the forward pass's waits for its exchanges, after each step's compute
+    hidden_wait: float  # (t_comm - t_wait) / t_comm: the same fraction from the waits, not clipped
+    check_ms: float  # median: ring_attention's shape check alone (one all_gather_object), part of t_total
+
+
+def measure_overlap(processes: Sequence[int] = OVERLAP_PROCESSES, *, length: int = L, width: int = E,
+                    block: int = 128, repeats: int = REPEATS) -> list[OverlapRow]:
+    """One row per process count and rank: how much of the ring's communication its compute hides."""
+    rows = []
+    for P in processes:
+        for rank, times in enumerate(launch(P, _overlap_rank, length, width, block, repeats, timeout_s=600.0)):
+            total, compute, comm, wait, check = (statistics.median(times[name]) * 1e3
+                                                 for name in ("total", "compute", "comm", "wait", "check"))
+            rows.append(OverlapRow(P, rank, total, compute, comm, (compute + comm - total) / comm, comm / total, wait,
+                                   (comm - wait) / comm, check))
+    return rows
+
+
+def _overlap_rank(rank: int, world_size: int, length: int, width: int, block: int, repeats: int) -> dict:
+    """One rank's seconds per call, per repeat: the forward pass, its compute alone, its communication alone, and
+    the time the forward pass spent in its waits for the exchanges (_finish, timed)."""
+    import torch
+    import torch.distributed as dist
+
+    import attention_torch
+    from attention_torch import distributed as ring_torch
+
+    shard = length // world_size
+    generator = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, 1, shard, width, generator=generator) for _ in range(3))  # (B, H, L/P, E)
+    options = dict(is_causal=False, scale=None, q_offset=0, window=None, key_lengths=None, softcap=None,
+                   enable_gqa=False, block_q=block, block_k=block)  # ring_attention's, at its defaults
+    layout = ring_torch._layout(world_size, shard, shard, False)
+    calls = {"total": lambda: attention_torch.ring_attention(q, k, v, block_q=block, block_k=block),
+             "compute": lambda: _ring_compute([q], [k], [v], layout, options, rank),
+             "comm": lambda: _ring_exchanges((k, v), world_size),
+             "check": lambda: ring_torch._check_shards(q, k, v, None)}  # part of t_total: one all_gather_object
+    finish, waited = ring_torch._finish, []
+
+    def timed_finish(exchange: tuple) -> tuple:  # how long each wait for an exchange took
+        start = time.perf_counter()
+        received = finish(exchange)
+        waited.append(time.perf_counter() - start)
+        return received
+
+    ring_torch._finish = timed_finish  # the ring looks it up in its module at each step
+    times: dict[str, list[float]] = {name: [] for name in (*calls, "wait")}
+    with torch.no_grad():
+        for repeat in range(repeats + 1):  # repeat 0: the warm-up, not kept
+            for name, call in calls.items():
+                dist.barrier()
+                waited.clear()
+                start = time.perf_counter()
+                call()
+                if repeat:
+                    times[name].append(time.perf_counter() - start)
+                if repeat and name == "total":
+                    times["wait"].append(sum(waited))  # the ring's waits after its steps' compute
+    ring_torch._finish = finish
+    return times
+
+
+def _ring_compute(q: list, k: list, v: list, layout: Any, options: dict, rank: int) -> list:
+    """_ring_forward without its exchanges: every step's chunk pairs attend to this rank's own block, in place."""
+    import torch
+
+    from attention_torch import distributed as ring_torch
+
+    p = ring_torch._problem(q[0], k[0], v[0], None, None, options)  # the grouping and the working dtype
+    out = [torch.zeros((*p.batch, layout.rows_q, p.v.shape[-1]), dtype=p.work) for _ in q]
+    lse = [torch.full((*p.batch, layout.rows_q), -math.inf, dtype=p.work) for _ in q]
+    n, block = len(k), (*k, *v)
+    for pairs in ring_torch._schedule(layout, rank, options):
+        for a, b, step in pairs:
+            _, _, part = ring_torch._forward(q[a], block[b], block[n + b], None, None, step)
+            ring_torch._merge_into(out[a], lse[a], part.out, part.lse)
+    return out
+
+
+def _ring_exchanges(block: tuple, world_size: int) -> tuple:
+    """_ring_forward's P - 1 exchanges of the block (k and v) without its compute, into two alternating buffers."""
+    from attention_torch import distributed as ring_torch
+
+    spares: list = [None, None]
+    for t in range(world_size - 1):
+        block = ring_torch._finish(ring_torch._start_exchange(block, spares, t % 2, None, ring_torch.KV_TAG))
+    return block
+
+
+def format_overlap(rows: Sequence[OverlapRow], length: int = L, width: int = E, block: int = 128,
+                   repeats: int = REPEATS) -> str:
+    """The table: per process count and rank the three medians, the hidden fraction and the communication's share."""
+    header = ("P", "rank", "t_total ms", "t_compute ms", "t_comm ms", "hidden (c + m - t) / m", "t_comm / t_total",
+              "t_wait ms", "hidden (m - w) / m", "t_check ms")
+    lines = [header] + [(str(r.processes), str(r.rank), f"{r.total_ms:.1f}", f"{r.compute_ms:.1f}",
+                         f"{r.comm_ms:.2f}", f"{r.hidden:.2f}", f"{r.comm_share:.4f}", f"{r.wait_ms:.2f}",
+                         f"{r.hidden_wait:.2f}", f"{r.check_ms:.2f}") for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    title = (f"ring_attention forward, L = S = {length}, E = {width}, H = 1, float32, block_q = block_k = {block}, "
+             f"gloo on the CPU, one torch thread per process; medians of {repeats} after a warm-up")
+    note = ("hidden: 1 when the compute hides all the communication, 0 when none; not clipped (noise can exceed "
+            "t_comm); t_wait: the forward pass's time in its waits for the exchanges, after each step's compute; "
+            "t_check: its shape check (all_gather_object) alone, inside t_total")
+    return "\n".join([title, *("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True))
+                               for line in lines), note])
+
+
 if __name__ == "__main__":
     from conformance.bench import ring_torch  # torch.multiprocessing pickles functions by their module's name
 
-    print(ring_torch.format_rows(ring_torch.measure()))
+    if sys.argv[1:] == ["--overlap"]:
+        print(ring_torch.format_overlap(ring_torch.measure_overlap()))
+    elif sys.argv[1:]:
+        sys.exit("usage: python -m conformance.bench.ring_torch [--overlap]")
+    else:
+        print(ring_torch.format_rows(ring_torch.measure()))
