@@ -420,6 +420,20 @@ def flash_cases(draw: Callable, *, magnitude: str | None = None, key_offset: boo
 
 
 @st.composite
+def _inputs(draw: Callable, batch: Batch, kv_batch: Batch, L: int, S: int,
+            magnitude: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q (..., L, E) and k (..., S, E) of `magnitude` (None: "normal" or "large", drawn), v (..., S, Ev) N(0, 1),
+    E and Ev from WIDTHS; k and v with the leading axes kv_batch (grouped heads: fewer than q's)."""
+    E, Ev = draw(st.sampled_from(WIDTHS)), draw(st.sampled_from(WIDTHS))
+    magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
+    rng = _rng(draw)
+    q = _values(rng, (*batch, L, E), magnitude)  # (..., L, E)
+    k = _values(rng, (*kv_batch, S, E), magnitude)  # (..., S, E)
+    v = rng.standard_normal((*kv_batch, S, Ev))  # (..., S, Ev)
+    return q, k, v
+
+
+@st.composite
 def ring_cases(draw: Callable, *, magnitude: str | None = None) -> RingCase:
     """Ring attention over P of RING_DEVICES devices: L and S multiples of P (of 2P with is_causal, the zig-zag
     layout's chunks) of RING_CHUNK_ROWS rows a chunk, drawn apart (cross-attention); q_offset a Python int from
@@ -432,12 +446,7 @@ def ring_cases(draw: Callable, *, magnitude: str | None = None) -> RingCase:
     batch = draw(batch_shapes())
     grouped = draw(st.sampled_from(GROUPED))
     batch, kv_batch = draw(grouped_heads(batch)) if grouped else (batch, batch)  # q's, and k's and v's
-    E, Ev = draw(st.sampled_from(WIDTHS)), draw(st.sampled_from(WIDTHS))
-    magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
-    rng = _rng(draw)
-    q = _values(rng, (*batch, L, E), magnitude)  # (..., L, E)
-    k = _values(rng, (*kv_batch, S, E), magnitude)  # (..., S, E)
-    v = rng.standard_normal((*kv_batch, S, Ev))  # (..., S, Ev)
+    q, k, v = draw(_inputs(batch, kv_batch, L, S, magnitude))
     q_offset = draw(st.sampled_from(offsets(L, S))) if draw(st.booleans()) else 0
     window = draw(st.none() | st.tuples(st.sampled_from(WINDOW_SIDES), st.sampled_from(WINDOW_SIDES)))
     softcap = draw(st.none() | st.sampled_from(SOFTCAPS))
@@ -469,12 +478,7 @@ def linear_cases(draw: Callable, *, is_causal: bool | None = None, with_lengths:
     chunk = None
     if is_causal and draw(st.sampled_from((False, True, True, True))):
         chunk = draw(st.sampled_from([c for c in CHUNKS if c == 1 or L % c]))
-    E, Ev = draw(st.sampled_from(WIDTHS)), draw(st.sampled_from(WIDTHS))
-    magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
-    rng = _rng(draw)
-    q = _values(rng, (*batch, L, E), magnitude)  # (..., L, E)
-    k = _values(rng, (*batch, S, E), magnitude)  # (..., S, E)
-    v = rng.standard_normal((*batch, S, Ev))  # (..., S, Ev)
+    q, k, v = draw(_inputs(batch, batch, L, S, magnitude))
     if feature_map == "identity":  # positive features: a normaliser that cannot cancel (see above)
         q, k = np.abs(q), np.abs(k)
     with_lengths = draw(st.booleans()) if with_lengths is None else with_lengths
