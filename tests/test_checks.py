@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import math
+import pathlib
 import re
 import types
 from collections.abc import Callable
@@ -381,3 +382,13 @@ def test_every_printed_verdict_follows_from_the_printed_numbers():
 ])
 def test_printed_numbers_compare_as_the_numbers_do(worst, tolerance, printed):
     assert shown(worst, tolerance) == printed
+
+
+def test_tests_read_the_float64_tolerance_of_reordered_math_from_the_table():
+    # one home, conformance/tolerances.json: a test holding float64 results of the same math computed another way
+    # to 1e-12 reads REORDERED (tests/_compare.py), never a 1e-12 of its own
+    tests = pathlib.Path(__file__).parent
+    own = [f"{path.relative_to(tests)}:{number}" for path in sorted(tests.rglob("*.py"))
+           for number, line in enumerate(path.read_text().splitlines(), 1)
+           if re.match(r"\s*\w*TOL\w*\s*=\s*1e-12\b", line)]
+    assert not own, own
