@@ -488,12 +488,11 @@ def format_side_by_side(reports: Sequence[Report]) -> str:
     order = {operation: i for i, operation in enumerate(dict.fromkeys(key[0] for key in keys))}
     keys.sort(key=lambda key: order[key[0]])  # stable: a row only one module has stays with its operation
     cells = {(r.module, r.operation, r.check, r.dtype): r for report in reports for r in report.rows}
-    table = [[operation, check_name, dtype, *(_cell(cells.get((module, operation, check_name, dtype)))
-                                              for module in modules)] for operation, check_name, dtype in keys]
-    widths = [max(len(line[i]) for line in [["operation", "check", "dtype", *modules], *table]) + 2
-              for i in range(3 + len(modules))]
-    lines = ["".join(f"{cell:<{width}}" for cell, width in zip(line, widths, strict=True)).rstrip()
-             for line in [["operation", "check", "dtype", *modules], *table]]
+    table = [["operation", "check", "dtype", *modules]]
+    table += [[operation, check_name, dtype, *(_cell(cells.get((module, operation, check_name, dtype)))
+                                               for module in modules)] for operation, check_name, dtype in keys]
+    widths = [max(len(line[i]) for line in table) + 2 for i in range(len(table[0]))]
+    lines = ["".join(f"{cell:<{width}}" for cell, width in zip(line, widths, strict=True)).rstrip() for line in table]
     skips = dict.fromkeys(f"{r.module} {r.operation}{'' if r.check == '-' else ' ' + r.check}: {r.skipped}"
                           for report in reports for r in report.rows if r.skipped)
     return "\n".join(lines + ([""] + [f"SKIP {why}" for why in skips] if skips else []))
