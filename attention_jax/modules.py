@@ -215,7 +215,7 @@ class MultiHeadAttention(Module):
         k_new = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
         q, k_new = self._rotated(q, k_new, start, cache.rope)  # RoPE at positions start .. start + L - 1
         zero = jnp.zeros_like(start)  # jax: the indices of dynamic_update_slice share one int dtype
-        at = (zero,) * (cache.k.ndim - 2) + (start, zero)  # (..., H, capacity, d_k): rows start .. start + L - 1
+        at = (zero,) * (cache.k.ndim - 2) + (start, zero)  # (..., Hkv, capacity, d_k): rows start .. start + L - 1
         k = jax.lax.dynamic_update_slice(cache.k, k_new, at)
         v = jax.lax.dynamic_update_slice(cache.v, self._split_heads(self.w_v(x_kv), self.num_kv_heads), at)
 

@@ -4,10 +4,11 @@ the rows of `python -m conformance frameworks` (SPEC.md section 12).
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
-A rule is a probe: a few fixed cases of the first operation the module has among those the rule reads, run
-as they are (the module's declaration does not excuse anything here: a declared deviation is measured like any
-other), and a verdict in a few words: "holds", or what the module does instead, or why the rule does not apply
-("no is_causal": an argument the module lacks). Every cell of the matrix comes from a probe.
+A rule is a probe: a few fixed cases (each operation's in PROBES) of the first operation the module has among
+those the rule reads, run as they are (the module's declaration does not excuse anything here: a declared
+deviation is measured like any other), and a verdict in a few words: "holds", or what the module does instead,
+or why the rule does not apply ("no is_causal": an argument the module lacks). Every cell of the matrix comes
+from a probe.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import gradient_checks
-from .cases import BlockCase, Case, SdpaCase, block_case, changed, mha_case, normal, random_mask, sdpa_case
+from .cases import Case, MhaCase, SdpaCase, block_case, changed, mha_case, normal, random_mask, sdpa_case
 from .checks import Runner, expected, rounded
 from .features import Declaration
 from .operations import OPERATIONS, missing
-from .tolerances import TOLERANCES, relative_error
+from .tolerances import TOLERANCES, relative_error, shown
 
 HOLDS = "holds"
 DROPOUT = 0.5  # the probes' dropout in training mode
@@ -42,6 +43,21 @@ class Rule(NamedTuple):
     spec: str  # what the spec says, in a few words
     operations: tuple[str, ...]  # the operations it can probe, in order of preference
     probe: Callable[[Runner, str], Cell]  # (runner, operation) -> the verdict
+
+
+NanCase = tuple[str, Case, str, np.ndarray]  # what hides it, the case, what is NaN, the rows the spec leaves open
+
+
+class Probes(NamedTuple):
+    """The cases the rules probe one operation with: a rule can probe an operation that has an entry in PROBES,
+    and no probe dispatches on the kind of a case."""
+
+    masked_rows: Callable[[], Case]  # query 1 of batch element 0 sees no key, the other rows see some
+    uniform: Callable[[Any], np.ndarray] | None  # the case -> its output where every query weighs every key
+    # alike (what a module that ignores a fully masked row's mask gives); None: no such simple form
+    weights: Callable[[], Case]  # a mask that hides some keys
+    nan: Callable[[Runner], list[NanCase]]  # NaNs that some rows see and some do not
+    float16: Callable[[], Case]  # a case whose float16 error shows where the work is done in float16
 
 
 def measure(module: Any, rules: Sequence[Rule] | None = None) -> dict[str, Cell]:
@@ -98,13 +114,17 @@ def _first_line(error: Exception, width: int = 60) -> str:
 
 # --- fully masked rows -----------------------------------------------------------------------------------
 
-def _masked_rows_case(operation: str) -> Case:
-    """Query 1 of batch element 0 sees no key; the other rows see some (modules: one mask for every head, which
-    a module that takes one mask for all heads can be given)."""
-    if operation == "sdpa":
-        return sdpa_case((2,), 3, 4, mask=changed(random_mask(2, 3, 4), (0, 1), False))
-    if operation == "mha":
-        return mha_case((2,), 3, 5, mask=changed(random_mask(2, 1, 3, 5), (0, 0, 1), False))._replace(dropout=0.0)
+# Query 1 of batch element 0 sees no key; the other rows see some (modules: one mask for every head, which a
+# module that takes one mask for all heads can be given)
+def _masked_rows_sdpa() -> Case:
+    return sdpa_case((2,), 3, 4, mask=changed(random_mask(2, 3, 4), (0, 1), False))
+
+
+def _masked_rows_mha() -> Case:
+    return mha_case((2,), 3, 5, mask=changed(random_mask(2, 1, 3, 5), (0, 0, 1), False))._replace(dropout=0.0)
+
+
+def _masked_rows_block() -> Case:
     return block_case((2,), 4, mask=changed(random_mask(2, 1, 4, 4), (0, 0, 1), False))._replace(dropout=0.0)
 
 
@@ -112,8 +132,9 @@ def fully_masked_rows(runner: Runner, operation: str) -> Cell:
     """A query that sees no key: sdpa's out row is zeros, MHA's the output bias (the heads give zeros)."""
     _needs(runner, "mask")
     dtype = _dtype(runner)
-    case = rounded(_masked_rows_case(operation), dtype)
-    want, uniform = expected(case)[0][0, 1], _uniform(case)
+    probes = PROBES[operation]
+    case = rounded(probes.masked_rows(), dtype)
+    want, uniform = expected(case)[0][0, 1], None if probes.uniform is None else probes.uniform(case)
 
     def verdict(out: np.ndarray) -> str:
         out = out[0, 1]
@@ -138,14 +159,15 @@ def _on_both_paths(runner: Runner, case: Case, verdict: Callable[[np.ndarray], s
     return Cell(False, f"{explicit} with need_weights=True; {fused} without")
 
 
-def _uniform(case: Case) -> np.ndarray | None:
-    """The output where every query weighs every key alike (the mask ignored): sdpa the mean of v; MHA the mean
-    of each head's values, mixed by W_o; None for the block."""
-    if isinstance(case, BlockCase):
-        return None
-    if isinstance(case, SdpaCase):
-        return np.broadcast_to(case.v.mean(axis=-2, keepdims=True), (*case.v.shape[:-2], case.q.shape[-2],
-                                                                       case.v.shape[-1]))
+# The output where every query weighs every key alike (the mask ignored)
+def _uniform_sdpa(case: SdpaCase) -> np.ndarray:
+    """The mean of v, (..., L, Ev)."""
+    return np.broadcast_to(case.v.mean(axis=-2, keepdims=True), (*case.v.shape[:-2], case.q.shape[-2],
+                                                                   case.v.shape[-1]))
+
+
+def _uniform_mha(case: MhaCase) -> np.ndarray:
+    """The mean of each head's values, mixed by W_o, (..., L, D)."""
     state = case.state
     values = case.v @ state["w_v.weight"].T + state["w_v.bias"]  # (..., S, D): every head's columns
     mean = np.broadcast_to(values.mean(axis=-2, keepdims=True), (*values.shape[:-2], case.q.shape[-2],
@@ -186,7 +208,7 @@ def weights_before_dropout(runner: Runner, operation: str) -> Cell:
     (compared with the module's own eval weights, whatever their layout)."""
     _needs(runner, "dropout")
     dtype = _dtype(runner)
-    case = rounded(_weights_case(operation)._replace(dropout=DROPOUT), dtype)
+    case = rounded(PROBES[operation].weights()._replace(dropout=DROPOUT), dtype)
     trained = runner.run(case, dtype, training=True, seed=1)[1]
     if trained is None:
         return Cell(None, "no weights returned")
@@ -200,7 +222,7 @@ def weights_before_dropout(runner: Runner, operation: str) -> Cell:
 def weights_per_head(runner: Runner, operation: str) -> Cell:
     """A module returns one weights matrix per head, (..., H, L, S)."""
     dtype = _dtype(runner)
-    case = rounded(_weights_case(operation), dtype)
+    case = rounded(PROBES[operation].weights(), dtype)
     weights, want = runner.run(case, dtype)[1], expected(case)[1]
     if weights is None:
         return Cell(None, "no weights returned")
@@ -211,11 +233,16 @@ def weights_per_head(runner: Runner, operation: str) -> Cell:
     return Cell(False, f"other weights {weights.shape}")
 
 
-def _weights_case(operation: str) -> Case:
-    if operation == "sdpa":
-        return sdpa_case((2,), 3, 4, mask=random_mask(2, 3, 4))
-    if operation == "mha":
-        return mha_case((2,), 3, 5, mask=random_mask(2, 1, 3, 5))
+# A mask that hides some keys; the modules return weights per head
+def _weights_sdpa() -> Case:
+    return sdpa_case((2,), 3, 4, mask=random_mask(2, 3, 4))
+
+
+def _weights_mha() -> Case:
+    return mha_case((2,), 3, 5, mask=random_mask(2, 1, 3, 5))
+
+
+def _weights_block() -> Case:
     return block_case((2,), 4, mask=random_mask(2, 1, 4, 4))
 
 
@@ -227,7 +254,7 @@ def nan_propagation(runner: Runner, operation: str) -> Cell:
     _needs(runner, "mask")
     found: dict[str, list[str]] = {"need_weights=True": [], "need_weights=False": []}
     dtype = _dtype(runner)
-    for what, case, rows, free in _nan_cases(runner, operation):
+    for what, case, rows, free in PROBES[operation].nan(runner):
         case = rounded(case, dtype)
         want = expected(case)[0]
         nan_rows = np.any(np.isnan(want), axis=-1)
@@ -244,13 +271,6 @@ def nan_propagation(runner: Runner, operation: str) -> Cell:
     if explicit == fused:
         return Cell(True, HOLDS) if not explicit else Cell(False, explicit)
     return Cell(False, f"{explicit or HOLDS} with need_weights=True; {fused or HOLDS} without")
-
-
-NanCase = tuple[str, Case, str, np.ndarray]  # what hides it, the case, what is NaN, the rows the spec leaves open
-
-
-def _nan_cases(runner: Runner, operation: str) -> list[NanCase]:
-    return _NAN_CASES[operation](runner)
 
 
 def _nan_cases_sdpa(runner: Runner) -> list[NanCase]:
@@ -286,22 +306,19 @@ def _nan_cases_block(runner: Runner) -> list[NanCase]:
              changed(np.zeros((2, 4), bool), (0, 0), True))]
 
 
-_NAN_CASES = {"sdpa": _nan_cases_sdpa, "mha": _nan_cases_mha, "block": _nan_cases_block}
-
-
 # --- float16 -----------------------------------------------------------------------------------------------
 
 def float16_error(runner: Runner, operation: str) -> Cell:
     """The relative error in float16 against float64 on the same (rounded) inputs, within the suite's tolerance:
     the larger of the table's and ten times what the oracle itself loses in float16."""
     _needs(runner, "float16")
-    case = rounded(_FLOAT16_CASES[operation]()._replace(dropout=0.0), "float16")
+    case = rounded(PROBES[operation].float16()._replace(dropout=0.0), "float16")
     out = runner.run(case, "float16", need_weights=False)[0]
     reference = expected(case)[0]
     error = relative_error(out.astype(np.float64), reference)
     allowed = max(TOLERANCES["float16"]["values"], 10 * relative_error(expected(case, "float16")[0], reference))
     if not error <= allowed:
-        return Cell(False, f"{error:.1e}, above {allowed:.0e}")
+        return Cell(False, "{}, above {}".format(*shown(error, allowed)))
     return Cell(True, f"{HOLDS}: {error:.1e}")
 
 
@@ -312,11 +329,6 @@ def _keys_sharing_a_vector() -> Case:
     return case._replace(k=case.k + 300 * normal(1, 1, 1, 8, seed=7))
 
 
-_FLOAT16_CASES: dict[str, Callable[[], Case]] = {
-    "sdpa": _keys_sharing_a_vector, "mha": lambda: mha_case((2,), 16, 16, D=8, H=2),
-    "block": lambda: block_case((2,), 16, D=8, H=2, F=16)}
-
-
 # --- gradients ---------------------------------------------------------------------------------------------
 
 def gradients(runner: Runner, operation: str) -> Cell:
@@ -325,7 +337,8 @@ def gradients(runner: Runner, operation: str) -> Cell:
     if missing(runner.module, (OPERATIONS[operation].vjp,)):
         return Cell(None, "no vjp")
     _needs(runner, "mask", "float64")  # central differences in float64
-    for blind, case in enumerate((_weights_case(operation), _masked_rows_case(operation))):
+    probes = PROBES[operation]
+    for blind, case in enumerate((probes.weights(), probes.masked_rows())):
         measures = gradient_checks.gradients(runner, case, "float64")
         bad = [value.detail for name, value in measures.items() if not value.error <= TOLERANCES["float64"][name]]
         if bad and blind:  # right where every query sees a key: the query that sees none gives a gradient
@@ -343,7 +356,15 @@ def _briefly(detail: str) -> str:
     return detail.split(", expected")[0]
 
 
-EVERY = ("sdpa", "mha", "block")
+PROBES: dict[str, Probes] = {
+    "sdpa": Probes(masked_rows=_masked_rows_sdpa, uniform=_uniform_sdpa, weights=_weights_sdpa,
+                   nan=_nan_cases_sdpa, float16=_keys_sharing_a_vector),
+    "mha": Probes(masked_rows=_masked_rows_mha, uniform=_uniform_mha, weights=_weights_mha, nan=_nan_cases_mha,
+                  float16=lambda: mha_case((2,), 16, 16, D=8, H=2)),
+    "block": Probes(masked_rows=_masked_rows_block, uniform=None, weights=_weights_block, nan=_nan_cases_block,
+                    float16=lambda: block_case((2,), 16, D=8, H=2, F=16)),
+}
+EVERY = tuple(PROBES)
 RULES: tuple[Rule, ...] = (
     Rule("fully masked rows", "zeros", EVERY, fully_masked_rows),
     Rule("is_causal with L != S", "top-left aligned", ("sdpa",), causal_corner),

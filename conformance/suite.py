@@ -27,7 +27,7 @@ from .checks import ResultError, Runner
 from .frameworks import Framework, framework_of, quick_compiles
 from .operations import CONTRACT, OPERATIONS, keywords_used, leave_out, missing, options_used
 from .snippets import describe, reproduce
-from .tolerances import TOLERANCES
+from .tolerances import TOLERANCES, shown
 
 BOTH, FLOAT32, FLOAT64 = ("float32", "float64"), ("float32",), ("float64",)
 HALF = ("float16", "bfloat16")  # computed in float32, stored in half precision (SPEC 2)
@@ -132,8 +132,10 @@ class Row(NamedTuple):
     check: str  # the measure's name
     dtype: str
     examples: int  # the cases run, those Hypothesis tried while shrinking a failure included
-    worst: float  # the largest measure seen over those cases
-    tolerance: float  # the largest tolerance applied: the table's, or a case's own where looser
+    worst: float  # the measure of the worst case: the one furthest over its tolerance, else nearest to it
+    # (the largest measure / tolerance)
+    tolerance: float  # the tolerance that case was held to: the table's, or the case's own where looser; a row
+    # that ran passes exactly when worst <= tolerance
     passed: bool
     failure: str | None = None  # the shrunk failing case, what went wrong, and a snippet to reproduce it
     skipped: str | None = None  # why the check could not run on this module (it counts as passed)
@@ -368,7 +370,8 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
                tell: Progress) -> list[Row]:
     """Hypothesis drives the group's check over `examples` cases (plus the table's examples, if pinned); each measure
     becomes a row."""
-    tolerance, worst, applied, count = TOLERANCES[dtype], {}, {}, [0]
+    tolerance, count = TOLERANCES[dtype], [0]
+    held: dict[str, tuple[float, float]] = {}  # measure -> (measure, tolerance) of its worst case (`_excess`)
     first: dict[str, str] = {}  # each measure's first failure: a row fails on any case over its tolerance
     skips: dict[str, str] = {}  # measure -> why the module's declaration rules it out (SPEC 12)
     name = runner.module.__name__
@@ -388,11 +391,12 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
         measures = {m: value for m, value in measures.items() if m not in passes}
         allowed = {m: max(tolerance[m], value.tolerance) for m, value in measures.items()}
         for measure, value in measures.items():
-            worst[measure] = max(worst.get(measure, 0.0), value.error, key=lambda e: (math.isnan(e), e))
-            applied[measure] = max(applied.get(measure, 0.0), allowed[measure])
+            seen = (value.error, allowed[measure])
+            if measure not in held or _excess(*seen) > _excess(*held[measure]):
+                held[measure] = seen
         bad = {m: value for m, value in measures.items() if not value.error <= allowed[m]}
         if bad:
-            what = "; ".join(f"{m} {v.error:.3g} > {allowed[m]:.1e}: {v.detail}" for m, v in bad.items())
+            what = "; ".join(f"{m} {' > '.join(shown(v.error, allowed[m], 3))}: {v.detail}" for m, v in bad.items())
             message = _failure(name, group, dtype, case, what)
             for measure in bad:
                 first.setdefault(measure, message)
@@ -421,12 +425,21 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
                                    "passed when run again, so the module gives different results for the same "
                                    "inputs; the first failure:\n" + next(iter(first.values()), "")}
     failures = first | shrunk  # a case over a tolerance fails its row, also one left behind while shrinking
-    names = list(worst) or ([] if skips and not failures else ["call"])
+    names = list(held) or ([] if skips and not failures else ["call"])
     names += [m for m in failures if m not in names]
-    return [Row(name, group.operation, m, dtype, count[0], worst.get(m, math.inf),
-                applied.get(m, tolerance.get(m, 0.0)), m not in failures and m in worst, failures.get(m))
+    return [Row(name, group.operation, m, dtype, count[0], *held.get(m, (math.inf, tolerance.get(m, 0.0))),
+                m not in failures and m in held, failures.get(m))
             for m in names] + [Row(name, group.operation, m, dtype, 0, 0.0, 0.0, True, skipped=why)
                                for m, why in skips.items() if m not in names]
+
+
+def _excess(error: float, tolerance: float) -> tuple[bool, float]:
+    """How far a case lies from its tolerance, to find a row's worst case: cases over it (NaN too) before cases
+    within it, each ordered by error / tolerance (0 / 0 = 0, x / 0 = inf)."""
+    over = not error <= tolerance
+    if tolerance == 0 or math.isnan(error):
+        return over, math.inf if over else 0.0
+    return over, error / tolerance
 
 
 def _failure(module: str, group: Group, dtype: str, case: Any, what: str) -> str:
@@ -454,37 +467,43 @@ def _finite(value: float) -> float | str:
 # --- tables --------------------------------------------------------------------------------------------
 
 def format_rows(report: Report) -> str:
-    """One line per row: module x operation x check x dtype, with examples, worst, tolerance, result."""
+    """One line per row: module x operation x check x dtype, with examples, the worst case's measure and the
+    tolerance it was held to, and the result (PASS exactly where worst <= tolerance, as printed)."""
     width = max(18, *(len(row.module) + 2 for row in report.rows))
     check = max(14, *(len(row.check) + 1 for row in report.rows))  # a skipped group is named by its check
     lines = [f"{'module':<{width}}{'operation':<10}{'check':<{check}}{'dtype':<9}{'examples':>9}  "
              f"{'worst':<10}{'tolerance':<11}result"]
     for row in report.rows:
+        worst, tolerance = shown(row.worst, row.tolerance, 3)
         lines.append(f"{row.module:<{width}}{row.operation:<10}{row.check:<{check}}{row.dtype:<9}{row.examples:>9}  "
-                     f"{row.worst:<10.2e}{row.tolerance:<11.0e}{_result(row)}")
+                     f"{worst:<9} {tolerance:<10} {_result(row)}")
     return "\n".join(lines)
 
 
 def format_side_by_side(reports: Sequence[Report]) -> str:
-    """Rows operation x check x dtype, one column per module: worst measure and PASS / FAIL."""
+    """Rows operation x check x dtype, one column per module: the worst case's measure, <= or > the tolerance it
+    was held to (a case may have its own, looser than the table's: SPEC 9), and PASS / FAIL."""
     modules = [report.rows[0].module for report in reports if report.rows]
-    width = max(18, *(len(m) + 2 for m in modules))
     keys = list(dict.fromkeys((r.operation, r.check, r.dtype) for report in reports for r in report.rows))
     order = {operation: i for i, operation in enumerate(dict.fromkeys(key[0] for key in keys))}
     keys.sort(key=lambda key: order[key[0]])  # stable: a row only one module has stays with its operation
     cells = {(r.module, r.operation, r.check, r.dtype): r for report in reports for r in report.rows}
-    lines = [f"{'operation':<10}{'check':<14}{'dtype':<9}{'tolerance':<11}" + "".join(f"{m:<{width}}" for m in modules)]
-    for operation, check_name, dtype in keys:
-        tolerance = TOLERANCES[dtype].get(check_name, 0.0)
-        line = f"{operation:<10}{check_name:<14}{dtype:<9}{tolerance:<11.0e}"
-        for module in modules:
-            row = cells.get((module, operation, check_name, dtype))
-            cell = "-" if row is None else "SKIP" if row.skipped else f"{row.worst:.1e} {_result(row)}"
-            line += f"{cell:<{width}}"
-        lines.append(line.rstrip())
+    table = [["operation", "check", "dtype", *modules]]
+    table += [[operation, check_name, dtype, *(_cell(cells.get((module, operation, check_name, dtype)))
+                                               for module in modules)] for operation, check_name, dtype in keys]
+    widths = [max(len(line[i]) for line in table) + 2 for i in range(len(table[0]))]
+    lines = ["".join(f"{cell:<{width}}" for cell, width in zip(line, widths, strict=True)).rstrip() for line in table]
     skips = dict.fromkeys(f"{r.module} {r.operation}{'' if r.check == '-' else ' ' + r.check}: {r.skipped}"
                           for report in reports for r in report.rows if r.skipped)
     return "\n".join(lines + ([""] + [f"SKIP {why}" for why in skips] if skips else []))
+
+
+def _cell(row: Row | None) -> str:
+    """A module's cell of the side-by-side table: "2.0e-03 <= 2.1e-02 PASS", "SKIP", or "-" (no such row)."""
+    if row is None or row.skipped:
+        return "-" if row is None else "SKIP"
+    worst, tolerance = shown(row.worst, row.tolerance)
+    return f"{worst} {'<=' if row.worst <= row.tolerance else '>'} {tolerance} {_result(row)}"
 
 
 def _result(row: Row) -> str:

@@ -91,6 +91,16 @@ def test_every_candidate_agrees_with_the_float64_reference() -> None:
         assert row.rel_error < 1e-4, row  # float32 against float64: a wiring mistake would be off by far more
 
 
+def test_the_timed_operations_are_the_registrys_less_those_timed_elsewhere() -> None:
+    # one list of operations (conformance/operations.py): compare's table times the rest of it, in its order
+    from conformance import operations
+
+    registry = tuple(operations.OPERATIONS)
+    assert set(timing.TIMED_ELSEWHERE) <= set(registry)
+    assert tuple(name for name in registry if name not in timing.TIMED_ELSEWHERE) == timing.OPERATIONS
+    assert timing.OPERATIONS == ("sdpa", "mha", "block")  # what make_problem, our_call and flops know
+
+
 def test_flops_on_a_hand_computed_case() -> None:
     # B=1, H=2, L=3, S=3, E=4, so D = 8 and F = 32:
     # sdpa  4 * 1 * 2 * 3 * 3 * 4 = 288

@@ -6,6 +6,7 @@ step), JAX compiles one extend per chunk length and turns a full cache into NaN 
 from __future__ import annotations
 
 import tracemalloc
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -138,6 +139,14 @@ def test_init_cache_shapes_and_dtype(backend: ModuleType):
     assert backend.to_numpy(cache.k).dtype == np.float64 and int(cache.length) == 0
     assert backend.to_numpy(mha.init_cache((), 4, dtype=backend.asarray(np.zeros(1, np.float32)).dtype).k).dtype \
         == np.float32
+
+
+def test_the_cache_holds_the_key_value_heads_as_spec_3a_says(backend: ModuleType):
+    # grouped heads: k and v keep the Hkv = num_kv_heads = 1 heads the queries' groups read, not H copies
+    cache = _module(backend, "mha", num_kv_heads=1).init_cache((2,), 5)
+    assert tuple(cache.k.shape) == tuple(cache.v.shape) == (2, 1, 5, D // H)
+    spec = (Path(__file__).parents[1] / "SPEC.md").read_text()
+    assert "mha.init_cache(batch_shape, capacity, *, dtype=None)    k, v (*batch_shape, Hkv, capacity, d_k)" in spec
 
 
 def test_init_cache_makes_rope_tables_of_every_position(backend: ModuleType):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
+import pathlib
+import re
 import types
 from collections.abc import Callable
 
@@ -15,7 +18,7 @@ import attention_np
 from conformance import cases, checks, gradient_checks, operations, suite, table
 from conformance.frameworks import framework_of
 from conformance.snippets import reproduce
-from conformance.tolerances import relative_error
+from conformance.tolerances import TOLERANCES, relative_error, shown
 from tests.implementations.broken import BROKEN
 
 
@@ -143,12 +146,12 @@ def test_a_nondeterministic_module_is_reported_not_raised():
 
     report = suite.check(Flaky(), operations=["sdpa"], max_examples=5)
     assert not report.passed
-    _assert_no_row_passes_over_its_tolerance(report)
+    _assert_each_verdict_follows_from_its_numbers(report)
 
 
-def _assert_no_row_passes_over_its_tolerance(report: suite.Report) -> None:
+def _assert_each_verdict_follows_from_its_numbers(report: suite.Report) -> None:
     for row in report.rows:
-        assert not (row.passed and not row.worst <= row.tolerance), f"{row.check} {row.dtype} passed at {row.worst}"
+        assert row.passed == (row.worst <= row.tolerance), f"{row.check} {row.dtype}: {row.worst} {row.tolerance}"
         assert row.passed or row.failure, f"{row.check} {row.dtype} failed without saying why"
 
 
@@ -178,7 +181,7 @@ def test_a_flaky_failure_fails_every_measure_it_broke():
 
     report = suite.check(_wrapping("sometimes_off", sometimes_off), operations=["sdpa"], max_examples=10)
     assert not report.passed
-    _assert_no_row_passes_over_its_tolerance(report)
+    _assert_each_verdict_follows_from_its_numbers(report)
 
 
 @pytest.mark.parametrize(("change", "to_numpy", "message"), [
@@ -333,3 +336,59 @@ def test_linear_heads_form_no_weights_and_no_weights_rows_measure():
                                    MultiHeadAttention=WeightsAnyway)
     values = checks.against_oracle(checks.Runner(module), case, "float64")["values"]
     assert values.error == math.inf and "returned where the case forms none" in values.detail
+
+
+def _in_turn(*measures: dict[str, checks.Measure]) -> Callable:
+    """A check that returns measures[0] on its first case, measures[1] on its second, the last from then on."""
+    calls = [0]
+
+    def check(runner: checks.Runner, case: object, dtype: str) -> dict[str, checks.Measure]:
+        calls[0] += 1
+        return measures[min(calls[0], len(measures)) - 1]
+    return check
+
+
+def test_every_printed_verdict_follows_from_the_printed_numbers():
+    # in `check`'s text table, the main job's side-by-side table and the JSON, a row that ran passes exactly when
+    # its printed worst is at most its printed tolerance: the tolerance its worst case (by error / tolerance) was
+    # held to. A float32 case may have its own, looser than the table's 1e-4 (ten times the oracle's loss): here
+    # values passes a case at 1e-3 within its own 2e-2, then fails one at 5e-4 over 1e-4 (the row's largest
+    # error and largest tolerance, 1e-3 and 2e-2, would read as a pass); fast_path's worst case, 1.5e-2 within
+    # its own 2e-2, reads as a failure against 1e-4
+    group = suite.Group("sdpa", _in_turn(
+        {"values": checks.Measure(1e-3, tolerance=2e-2), "fast_path": checks.Measure(1.5e-2, tolerance=2e-2)},
+        {"values": checks.Measure(5e-4), "fast_path": checks.Measure(5e-5)}), suite.FLOAT32, 2)
+    rows = suite._run_group(checks.Runner(attention_np), group, "float32", examples=2, seed_=0, shrink=False,
+                            tell=lambda what: None)
+    assert [(row.check, row.worst, row.tolerance, row.passed) for row in rows] == [
+        ("values", 5e-4, TOLERANCES["float32"]["values"], False), ("fast_path", 1.5e-2, 2e-2, True)]
+    real = suite.check(attention_np, operations=("linear",), measures=("values",), max_examples=3, shrink=False)
+    for report in (suite.Report(rows, 0, "fast", []), real):
+        ran = [row.passed for row in report.rows if not row.skipped]
+        text = [line.split() for line in suite.format_rows(report).splitlines()[1:] if "SKIP" not in line]
+        assert [line[7] == "PASS" for line in text] == [float(line[5]) <= float(line[6]) for line in text] == ran
+        cells = re.findall(r"(\S+) (<=|>) (\S+) (PASS|FAIL)", suite.format_side_by_side([report]))
+        assert [verdict == "PASS" for *_, verdict in cells] == \
+            [float(worst) <= float(tolerance) for worst, _, tolerance, _ in cells] == ran
+        found = [row for row in json.loads(json.dumps(report.to_json()))["rows"] if not row["skipped"]]
+        assert [row["passed"] for row in found] == [float(row["worst"]) <= row["tolerance"] for row in found] == ran
+
+
+@pytest.mark.parametrize(("worst", "tolerance", "printed"), [
+    (1.0004e-4, 1e-4, ("1.0004e-04", "1.0000e-04")),  # over by 4e-8: more digits, not 1.0e-04 twice
+    (9.996e-5, 1e-4, ("1.0e-04", "1.0e-04")),  # within: equal as printed still reads as within
+    (2.0049e-3, 2e-3, ("2.005e-03", "2.000e-03")), (2.04e-3, 2.05e-3, ("2.0e-03", "2.1e-03")),
+    (math.inf, 0.0, ("inf", "0.0e+00")), (math.nan, 1e-9, ("nan", "1.0e-09")),
+])
+def test_printed_numbers_compare_as_the_numbers_do(worst, tolerance, printed):
+    assert shown(worst, tolerance) == printed
+
+
+def test_tests_read_the_float64_tolerance_of_reordered_math_from_the_table():
+    # one home, conformance/tolerances.json: a test holding float64 results of the same math computed another way
+    # to 1e-12 reads REORDERED (tests/_compare.py), never a 1e-12 of its own
+    tests = pathlib.Path(__file__).parent
+    own = [f"{path.relative_to(tests)}:{number}" for path in sorted(tests.rglob("*.py"))
+           for number, line in enumerate(path.read_text().splitlines(), 1)
+           if re.match(r"\s*\w*TOL\w*\s*=\s*1e-12\b", line)]
+    assert not own, own

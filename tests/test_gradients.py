@@ -35,8 +35,9 @@ from conformance.bench.baselines import (  # noqa: E402
     random_state,
     torch_encoder_layer,
     torch_multihead,
-    torch_parameter,
 )
+from conformance.builtins import torch_encoder_layer as layer_built_in  # noqa: E402
+from conformance.builtins import torch_mha as mha_built_in  # noqa: E402
 
 sdpa = torch.nn.functional.scaled_dot_product_attention
 B, H, D, F = 2, 2, 8, 16
@@ -195,18 +196,14 @@ def test_torch_sdpa_gives_a_fully_masked_row_zero_output_and_zero_gradient() -> 
 
 # ---- 2) multi-head attention vs torch autograd through nn.MultiheadAttention --------------------------
 
-def _torch_parameter_gradients(module: Any, names: list[str], leaves: list[Any], out: Any,
+def _torch_parameter_gradients(module: Any, ours: Callable[[dict], dict], leaves: list[Any], out: Any,
                                d_out: np.ndarray) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
-    """Gradients of <out, d_out> w.r.t. `leaves` and every parameter of `module`, the latter under our names."""
+    """Gradients of <out, d_out> w.r.t. `leaves` and every parameter of `module`, the latter under our names:
+    `ours` (a built-in's state_of) maps the layer's parameters to our state-dict entries."""
     parameters = dict(module.named_parameters())
     grads = torch.autograd.grad(out, [*leaves, *parameters.values()], _t(d_out))
-    theirs = dict(zip(parameters, (g.numpy() for g in grads[len(leaves):]), strict=True))
-    d_model = out.shape[-1]
-    by_name = {}
-    for name in names:
-        their_name, rows = torch_parameter(name, d_model)
-        by_name[name] = theirs[their_name][rows]
-    return [g.numpy() for g in grads[:len(leaves)]], by_name
+    theirs = dict(zip(parameters, grads[len(leaves):], strict=True))
+    return [g.numpy() for g in grads[:len(leaves)]], {name: g.numpy() for name, g in ours(theirs).items()}
 
 
 @pytest.mark.parametrize("padding", [False, True], ids=["no-mask", "padding-mask"])
@@ -225,7 +222,7 @@ def test_mha_vjp_gradients_match_torch_autograd(backend: ModuleType, attention: 
     layer, leaves = torch_multihead(state, num_heads=H, dtype=F64), [_t(x, True) for x in (q, k, v)]
     theirs = {} if mask is None else {"key_padding_mask": _t(~mask[:, 0, 0, :])}  # (B, S), True = padding
     out, _ = layer(*leaves, **theirs, need_weights=False)
-    (dq_t, dk_t, dv_t), expected = _torch_parameter_gradients(layer, list(state), leaves, out, d_out)
+    (dq_t, dk_t, dv_t), expected = _torch_parameter_gradients(layer, mha_built_in.state_of, leaves, out, d_out)
 
     mha = backend.MultiHeadAttention.from_state_dict(state, num_heads=H).eval()
     _, _, pullback = mha.vjp(*(backend.asarray(np.array(x)) for x in (q, k, v)),
@@ -254,7 +251,7 @@ def test_block_vjp_gradients_match_torch_autograd(backend: ModuleType, block: tu
                                 dtype=F64)
     x_t = _t(x, True)
     out = layer(x_t, src_mask=None if mask is None else _t(~mask))  # dropout 0, eval; True = hidden
-    (dx_t,), expected = _torch_parameter_gradients(layer, list(state), [x_t], out, d_out)
+    (dx_t,), expected = _torch_parameter_gradients(layer, layer_built_in.state_of, [x_t], out, d_out)
     assert len(expected) == 16
 
     ours = backend.TransformerBlock.from_state_dict(state, num_heads=H, norm_first=norm_first,

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -28,7 +30,7 @@ DEVIATIONS = {
     "causal_bottom_right": {"is_causal with L != S": "bottom-right aligned"},
     "weights_averaged_over_heads": {"weights per head": "averaged over the heads"},
     "weights_after_dropout": {"weights in training": "after dropout"},
-    "softmax_in_half_precision": {"float16 error": "1.3e-01, above 3e-03"},
+    "softmax_in_half_precision": {"float16 error": "1.3e-01, above 3.4e-03"},
 }
 
 
@@ -60,6 +62,13 @@ def test_a_deviation_is_named_by_its_rule_and_no_other(name: str):
         assert cells[rule] == rules.Cell(False, text), cells[rule]
     others = {rule: cell for rule, cell in cells.items() if rule not in DEVIATIONS[name] and rule != "gradients"}
     assert all(cell.holds for cell in others.values()), others  # the einsum implementation has no vjp
+
+
+def test_the_rules_read_their_cases_from_the_table_not_from_the_kind_of_a_case():
+    # grow by tables (STYLE.md): an operation the rules probe is one entry of PROBES, and no probe branches on
+    # a case's type or an operation's name
+    assert {operation for rule in rules.RULES for operation in rule.operations} <= set(rules.PROBES)
+    assert not re.findall(r"isinstance\(case|operation ==", inspect.getsource(rules))
 
 
 def test_a_wrong_backward_pass_fails_the_gradient_rule():

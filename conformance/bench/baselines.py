@@ -16,8 +16,9 @@ Ev value width, D = d_model, F = d_ff.
   for NumPy and jax.numpy (`xp`): self-attention, post-LN, ReLU, as our default block.
 - `calls`: each framework's baselines by the label the benchmark prints, ready to time.
 - `torch_multihead`, `torch_encoder_layer`: nn.MultiheadAttention and nn.TransformerEncoderLayer holding
-  our state dict, in eval mode (torch's built-ins here, and the tests' reference); `torch_state_dict` and
-  `torch_parameter` map our parameter names to theirs, `torch_attn_mask` our mask to their convention.
+  our state dict, in eval mode (torch's built-ins here, and the tests' reference); our parameter names map to
+  theirs in one place, the built-ins' conversions (conformance/builtins/torch_mha.py `parameters` and
+  `state_of`, torch_encoder_layer.py likewise); `torch_attn_mask` maps our mask to their convention.
 - `random_state`: parameters for any of these and for our modules, named as in the state-dict contract.
 
 Frameworks are imported inside the functions that use them, so this module imports with NumPy alone.
@@ -180,16 +181,14 @@ def _plain(xp: ModuleType, attend: Attend, operation: str, num_heads: int) -> Ca
 
 # --- our state dicts in torch's built-in layers ---------------------------------------------------------
 
-_IN_PROJ = ("w_q", "w_k", "w_v")  # nn.MultiheadAttention stacks these, in this order, in in_proj_weight / _bias
-_LAYER_NAMES = {"ffn.0": "linear1", "ffn.3": "linear2", "norm1": "norm1", "norm2": "norm2"}  # the block's others
-
-
 def torch_multihead(state: Mapping[str, Any], *, num_heads: int, dtype: Any = None, device: Any = None) -> Any:
     """nn.MultiheadAttention(batch_first=True, dropout=0) in eval mode, holding our MHA `state` (NumPy arrays
     or torch tensors) in `dtype` (a NumPy dtype) on `device`; None keeps the state's own."""
     from torch import nn
 
-    theirs = torch_state_dict(_tensors(state, dtype, device))
+    from conformance.builtins import torch_mha  # imports torch: only where torch is used, as everywhere here
+
+    theirs = torch_mha.parameters(_tensors(state, dtype, device))
     weight = theirs["in_proj_weight"]  # (3D, D)
     mha = nn.MultiheadAttention(weight.shape[1], num_heads, dropout=0.0, batch_first=True, dtype=weight.dtype,
                                 device=weight.device)
@@ -204,41 +203,15 @@ def torch_encoder_layer(state: Mapping[str, Any], *, num_heads: int, norm_first:
     are our block's: post-LN, ReLU, eps 1e-5."""
     from torch import nn
 
-    theirs = torch_state_dict(_tensors(state, dtype, device))
+    from conformance.builtins import torch_encoder_layer as built_in  # imports torch: only where torch is used
+
+    theirs = built_in.parameters(_tensors(state, dtype, device))
     weight = theirs["linear1.weight"]  # (F, D)
     layer = nn.TransformerEncoderLayer(weight.shape[1], num_heads, weight.shape[0], dropout=0.0,
                                        activation=activation, layer_norm_eps=eps, batch_first=True,
                                        norm_first=norm_first, dtype=weight.dtype, device=weight.device)
     layer.load_state_dict(theirs)  # strict: every parameter set, none left over
     return layer.eval()
-
-
-def torch_parameter(name: str, d_model: int) -> tuple[str, slice]:
-    """Our state-dict name -> (the torch layer's parameter that holds it, its rows there): w_q, w_k, w_v are
-    rows [0:D], [D:2D], [2D:3D] of in_proj_weight and in_proj_bias, w_o is out_proj, and in the block attn.*
-    is self_attn.*, ffn.0 linear1, ffn.3 linear2."""
-    module, part = name.rsplit(".", 1)  # "attn.w_q", "weight"
-    prefix, projection = ("self_attn.", module.removeprefix("attn.")) if module.startswith("attn.") else ("", module)
-    if projection in _IN_PROJ:
-        i = _IN_PROJ.index(projection)
-        return f"{prefix}in_proj_{part}", slice(i * d_model, (i + 1) * d_model)
-    if projection == "w_o":
-        return f"{prefix}out_proj.{part}", slice(None)
-    return f"{_LAYER_NAMES[module]}.{part}", slice(None)
-
-
-def torch_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Our MHA or block state (torch tensors) -> the torch layer's state dict, each of our parameters in its
-    rows as torch_parameter places it: w_q, w_k, w_v stacked in that order."""
-    import torch
-
-    d_model = next(value.shape[1] for name, value in state.items() if name.endswith("w_o.weight"))  # (D, D)
-    rows: dict[str, dict[int, Any]] = {}  # their name -> {first row: our tensor}
-    for name, value in state.items():
-        theirs, where = torch_parameter(name, d_model)
-        rows.setdefault(theirs, {})[where.start or 0] = value
-    return {name: torch.cat([parts[start] for start in sorted(parts)])  # 3 x (D, D) -> (3D, D); 3 x (D,) -> (3D,)
-            for name, parts in rows.items()}
 
 
 def torch_attn_mask(mask: np.ndarray, num_heads: int) -> Any:
