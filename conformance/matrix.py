@@ -70,20 +70,20 @@ def run(names: Sequence[str], *, jobs: int = 1, suite_too: bool = True, done: Ca
         measured = list(pool.map(measure_one, names))
     reports = suite.reports_in_parts(names, jobs=jobs, done=done, **options) if suite_too and names else \
         [(None, 0.0)] * len(names)
-    columns = []
-    for name, (title, cells, seconds), (report, suite_seconds) in zip(names, measured, reports, strict=True):
-        if report is not None:
-            cells = cells | {SUITE: suite_cell(report)}
-        columns.append(Column(name, title, cells, seconds + suite_seconds, report))
-    return Matrix(columns, skipped, versions())
+    return Matrix([_column(name, *parts) for name, *parts in zip(names, measured, reports, strict=True)], skipped,
+                  versions())
 
 
 def column(name: str, *, suite_too: bool = True, **options: Any) -> Column:
     """One module's column, measured in this process: its rules and (suite_too) its suite report."""
     from . import suite
 
-    title, cells, seconds = measure_one(name)
-    report, suite_seconds = suite.timed_check(name, **options) if suite_too else (None, 0.0)
+    return _column(name, measure_one(name), suite.timed_check(name, **options) if suite_too else (None, 0.0))
+
+
+def _column(name: str, measured: tuple[str, dict[str, rules.Cell], float], timed: tuple[Any, float]) -> Column:
+    """The column of measure_one's (title, cells, seconds) and the suite's (report, seconds), or (None, 0.0)."""
+    (title, cells, seconds), (report, suite_seconds) = measured, timed
     return Column(name, title, cells if report is None else cells | {SUITE: suite_cell(report)},
                   seconds + suite_seconds, report)
 
