@@ -80,10 +80,6 @@ def _unwrapped(found: str) -> str:
 
 # --- frameworks: the recorded matrix ---------------------------------------------------------------------------
 
-def recorded_matrix(path: Path = FRAMEWORKS_JSON) -> matrix.Matrix:
-    return matrix.from_json(json.loads(path.read_text()))
-
-
 def frameworks_table(found: matrix.Matrix) -> str:
     return matrix.format_text(found, markdown=True)
 
