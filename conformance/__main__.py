@@ -5,10 +5,12 @@
     python -m conformance frameworks [--only NAME,...] [--markdown]  the frameworks' built-ins against the spec
     python -m conformance compare [--variant V] [--targets] ...  time the backends against the built-ins
     python -m conformance figure scaling [--output PATH.png]      a figure for students (needs matplotlib)
+    python -m conformance docs --write|--check [--jobs N]         the README's generated tables, measured afresh
 
 Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH, --jobs N, --devices P (ring attention on
 P simulated devices); check: --operations OP,...
-The exit code is 0 only when every check passes on every module (frameworks: when every built-in measured).
+The exit code is 0 only when every check passes on every module (frameworks: when every built-in measured;
+docs --check: when every generated table equals what the docs show).
 """
 
 from __future__ import annotations
@@ -69,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
                           help=f"only these of {','.join(BUILT_INS_OF_THE_FRAMEWORKS)}")
     builtins.add_argument("--markdown", action="store_true", help="print the matrix as a markdown table")
     builtins.add_argument("--rules-only", action="store_true", help="the rules alone, without the suite's row")
+    generated = commands.add_parser(
+        "docs", help="measure the README's generated tables afresh and rewrite or compare them",
+        description="Measure every table of cells that README.md shows between generated markers (the frameworks "
+                    "matrix and docs/frameworks.json, the kernel example's counts, the table of checks) and "
+                    "rewrite them (--write) or say which differ (--check, exit code 1).")
+    mode = generated.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite README.md's blocks and docs/frameworks.json")
+    mode.add_argument("--check", action="store_true", help="only compare; exit code 1 where a block differs")
+    generated.add_argument("--jobs", type=compare.positive_int, default=None, metavar="N",
+                           help="measure up to N parts at once (default: one per CPU core)")
     figure = commands.add_parser("figure", help="draw a figure for students with attention_np and matplotlib")
     figure.add_argument("name", choices=["scaling"], help="scaling: why the scores are divided by sqrt(d_k)")
     figure.add_argument("--output", default="docs/scaling.png", metavar="PATH", help="the PNG to write")
@@ -85,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return compare.main(args)
     if args.command == "frameworks":
         return _frameworks(args)
+    if args.command == "docs":
+        return _docs(args)
     if args.command == "figure":
         from attention_np.figures import FIGURES  # matplotlib is imported only when a figure is drawn
 
@@ -156,6 +170,18 @@ def _frameworks(args: argparse.Namespace) -> int:
     print(matrices.format_text(found, markdown=args.markdown))
     _write_json(args.json, matrices.to_json(found))
     return 0
+
+
+def _docs(args: argparse.Namespace) -> int:
+    """`docs`: every generated block measured; 1 where --check finds one that differs."""
+    from . import docs
+
+    changed = docs.run(write=args.write, jobs=args.jobs or os.cpu_count() or 1, done=_done)
+    for name in changed:
+        print(f"{'rewrote' if args.write else 'differs'}: {name}")
+    print("the generated tables are " + ("up to date" if not changed else "rewritten" if args.write else
+                                        "stale; rewrite them with python -m conformance docs --write"))
+    return 1 if changed and args.check else 0
 
 
 def _operations(text: str) -> tuple[str, ...]:

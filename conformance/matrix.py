@@ -64,20 +64,28 @@ def run(names: Sequence[str], *, jobs: int = 1, suite_too: bool = True, done: Ca
     modules, skipped = import_modules(names)
     names = list(modules)
     if jobs == 1:  # one after the other, in this process
-        measured = [measure_one(name) for name in names]
-        reports = [suite.timed_check(name, **options) if suite_too else (None, 0.0) for name in names]
-    else:
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(names) or 1),
-                                                    mp_context=multiprocessing.get_context("spawn")) as pool:
-            measured = list(pool.map(measure_one, names))
-        reports = suite.reports_in_parts(names, jobs=jobs, done=done, **options) if suite_too and names else \
-            [(None, 0.0)] * len(names)
-    columns = []
-    for name, (title, cells, seconds), (report, suite_seconds) in zip(names, measured, reports, strict=True):
-        if report is not None:
-            cells = cells | {SUITE: suite_cell(report)}
-        columns.append(Column(name, title, cells, seconds + suite_seconds, report))
-    return Matrix(columns, skipped, versions())
+        return Matrix([column(name, suite_too=suite_too, **options) for name in names], skipped, versions())
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(names) or 1),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        measured = list(pool.map(measure_one, names))
+    reports = suite.reports_in_parts(names, jobs=jobs, done=done, **options) if suite_too and names else \
+        [(None, 0.0)] * len(names)
+    return Matrix([_column(name, *parts) for name, *parts in zip(names, measured, reports, strict=True)], skipped,
+                  versions())
+
+
+def column(name: str, *, suite_too: bool = True, **options: Any) -> Column:
+    """One module's column, measured in this process: its rules and (suite_too) its suite report."""
+    from . import suite
+
+    return _column(name, measure_one(name), suite.timed_check(name, **options) if suite_too else (None, 0.0))
+
+
+def _column(name: str, measured: tuple[str, dict[str, rules.Cell], float], timed: tuple[Any, float]) -> Column:
+    """The column of measure_one's (title, cells, seconds) and the suite's (report, seconds), or (None, 0.0)."""
+    (title, cells, seconds), (report, suite_seconds) = measured, timed
+    return Column(name, title, cells if report is None else cells | {SUITE: suite_cell(report)},
+                  seconds + suite_seconds, report)
 
 
 def suite_cell(report: Any) -> rules.Cell:

@@ -112,11 +112,12 @@ class Table(NamedTuple):
     check: str  # the row's name
     dtype: str  # "-" when the cases mix dtypes
     run: Callable[[Runner, str], Sequence[fixed_checks.Result]]  # (runner, operation) -> results
+    use: str | None = None  # the rows of conformance/table.py it runs (their use); None: its own cases
 
 
 TABLES = (
-    Table("errors", "-", fixed_checks.errors),
-    Table("edge_cases", "float64", fixed_checks.edge_cases),
+    Table("errors", "-", fixed_checks.errors, "error"),
+    Table("edge_cases", "float64", fixed_checks.edge_cases, "edge"),
 )
 # what every module offers besides its operations, one row each under a name of its own
 CONTRACT_TABLES = {

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conformance import docs
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -26,7 +28,7 @@ def test_main_job_runs_the_conformance_report() -> None:
     assert _blocks("bash")[0].strip().endswith("python -m conformance")
 
 
-MODULE_FILE = re.compile(r"# (\w+)\.py: python -m conformance check \1\n")  # a block that is a module to check
+MODULE_FILE = docs.KERNEL_FILE  # a block that is a module to check
 
 
 @pytest.mark.slow
@@ -42,9 +44,11 @@ def test_python_example_runs(index: int, tmp_path: Path, monkeypatch: pytest.Mon
         monkeypatch.syspath_prepend(str(tmp_path))
         from conformance import check
 
-        report = check(module[1])
+        report = check(module[1], **docs.KERNEL_OPTIONS)
         assert report.passed, "\n\n".join(row.failure for row in report.rows if row.failure)
         assert any(row.skipped for row in report.rows)  # a partial module: what it lacks is SKIP
+        # the counts its paragraph gives, generated (python -m conformance docs --write)
+        assert docs.shown(README, "kernel") == docs.kernel_counts(report)
         return
     exec(compile(code, f"README.md python block {index}", "exec"), {})
 
@@ -53,16 +57,3 @@ def test_a_kernel_is_wrapped_and_checked_in_under_15_lines() -> None:
     module = next(code for code in _blocks("python") if MODULE_FILE.match(code))
     lines = [line for line in module.splitlines() if line.strip() and not line.startswith("#")]
     assert len(lines) < 15, module
-
-
-def test_the_frameworks_matrix_is_the_command_s_own_output() -> None:
-    # the README's matrix is docs/frameworks.json (what `frameworks --json` wrote) printed with --markdown;
-    # tests/test_rules.py holds that JSON's rule cells to a fresh measurement
-    import json
-
-    from conformance import matrix
-
-    recorded = matrix.from_json(json.loads((ROOT / "docs" / "frameworks.json").read_text()))
-    table = matrix.format_text(recorded, markdown=True)
-    assert table in README, table
-    assert ", ".join(f"{name} {version}" for name, version in recorded.versions.items()) in README

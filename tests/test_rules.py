@@ -3,8 +3,6 @@ on each operation it can probe, and each one names the deviation of a module bui
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import inspect
 import json
 import pathlib
@@ -16,7 +14,6 @@ import types
 import pytest
 
 from conformance import rules
-from conformance.builtins import module_names
 from tests.conftest import import_backend
 from tests.implementations.broken import BROKEN
 from tests.implementations.broken_gradients import BROKEN_GRADIENTS
@@ -116,32 +113,3 @@ def test_the_suite_s_cell_counts_the_rows_or_names_the_failing_ones():
                                      row("block", "gradients", False), row("sdpa", "errors", False)])
     assert matrix.suite_cell(failing) == rules.Cell(False, "fails edge_cases (mha), errors (sdpa), gradients (block) "
                                                            "and 1 more")
-
-
-@pytest.mark.slow  # imports every installed framework, compiles a few JAX programs
-def test_the_recorded_matrix_is_what_the_rules_measure_now():
-    # docs/frameworks.json (the README's matrix) against the rules measured afresh on each built-in installed
-    from conformance import matrix
-
-    recorded = json.loads((ROOT / "docs" / "frameworks.json").read_text())["columns"]
-    assert [column["module"] for column in recorded] == module_names()
-    for column in recorded:
-        try:
-            module = importlib.import_module(column["module"])
-        except ImportError:  # its framework is not installed here
-            continue
-        with _their_promotion():
-            cells = {rule: cell._asdict() for rule, cell in rules.measure(module).items()}
-        assert cells == {rule: cell for rule, cell in column["cells"].items() if rule != matrix.SUITE}, column["module"]
-
-
-@contextlib.contextmanager
-def _their_promotion():
-    """JAX's default promotion, which the JAX built-ins' own code needs (tests/conftest.py makes it strict)."""
-    try:
-        import jax
-    except ImportError:
-        yield
-        return
-    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-        yield

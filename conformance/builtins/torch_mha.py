@@ -208,4 +208,6 @@ CONFORMANCE = Declaration({
                "mode taken after dropout",
     "num_kv_heads": "one key/value head per query head (its kdim, vdim are input widths, not heads)",
     "rope": "no rotary position embeddings",
+    "linear_attention": "softmax attention only: nn.MultiheadAttention has no other kind of head (no option of its "
+                        "constructor chooses one)",
 })

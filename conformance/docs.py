@@ -1,0 +1,377 @@
+"""`python -m conformance docs`: the tables of measured or derived cells that README.md shows, each written
+between markers by one command and compared by the tests, so that a typed number cannot drift:
+
+    frameworks           the frameworks matrix: docs/frameworks.json (what `frameworks --json` measures), as markdown
+    frameworks-versions  the frameworks' versions that the matrix was measured with
+    kernel               the kernel example's counts: the README's kernel module, checked by the suite
+    checks               the table of checks: every measure the suite reports, with the operations and dtypes that
+                         its registries (conformance/suite.py GROUPS, MEASURES, TABLES) give it, and what it catches
+
+A block sits between `<!-- generated: python -m conformance docs --write (NAME) -->` and
+`<!-- end generated (NAME) -->`. `docs --write` measures (the matrix: about as long as `frameworks`) and rewrites
+the blocks and docs/frameworks.json; `docs --check` measures and says which block differs (exit code 1).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any, NamedTuple
+
+from . import matrix
+from .builtins import module_names
+from .frameworks import FRAMEWORKS
+from .operations import OPERATIONS
+
+ROOT = Path(__file__).resolve().parent.parent  # a checkout: the docs are not in the wheel
+README = ROOT / "README.md"
+FRAMEWORKS_JSON = ROOT / "docs" / "frameworks.json"
+
+# the suite's row of the matrix: `check(module)` with these options, as SPEC 12 says: every fixed case of the
+# table and one drawn case per group (the rows and their verdicts; more examples cost the tests more, not rows)
+SUITE_OPTIONS: dict[str, Any] = {"max_examples": 1, "seed": 0}
+# the kernel example's report: `python -m conformance check my_kernel` as its paragraph says, the fast profile
+KERNEL_OPTIONS: dict[str, Any] = {"profile": "fast", "seed": 0}
+
+
+# --- the blocks between markers ------------------------------------------------------------------------------
+
+def begin(name: str) -> str:
+    return f"<!-- generated: python -m conformance docs --write ({name}) -->"
+
+
+def end(name: str) -> str:
+    return f"<!-- end generated ({name}) -->"
+
+
+def _pattern(name: str) -> re.Pattern[str]:
+    return re.compile(re.escape(begin(name)) + "(.*?)" + re.escape(end(name)), flags=re.DOTALL)
+
+
+def shown(text: str, name: str) -> str:
+    """The block `name` as `text` (README.md) holds it; a KeyError where it has no such block."""
+    found = _pattern(name).findall(text)
+    if len(found) != 1:
+        raise KeyError(f"README.md holds {len(found)} blocks {name!r}; expected one between {begin(name)!r} and "
+                       f"{end(name)!r}")
+    return _unwrapped(found[0])
+
+
+def replaced(text: str, name: str, block: str) -> str:
+    """`text` with the block `name` replaced by `block`."""
+    shown(text, name)  # exactly one
+    return _pattern(name).sub(lambda _: begin(name) + _wrapped(block) + end(name), text)
+
+
+def _wrapped(block: str) -> str:
+    """A table stands apart from its markers by blank lines (else markdown reads them into it); a phrase inline."""
+    return f"\n\n{block}\n\n" if "\n" in block or block.startswith("|") else block
+
+
+def _unwrapped(found: str) -> str:
+    return found.strip("\n") if found.startswith("\n") else found
+
+
+# --- frameworks: the recorded matrix ---------------------------------------------------------------------------
+
+def frameworks_table(found: matrix.Matrix) -> str:
+    return matrix.format_text(found, markdown=True)
+
+
+def frameworks_versions(found: matrix.Matrix) -> str:
+    return ", ".join(f"{name} {version}" for name, version in found.versions.items())
+
+
+def measure_frameworks(*, jobs: int, done: Callable[[str], None] | None = None) -> matrix.Matrix:
+    """Every built-in's rules and suite row, measured afresh (what docs/frameworks.json records)."""
+    return matrix.run(module_names(), jobs=jobs, done=done, **SUITE_OPTIONS)
+
+
+def recorded_column(column: dict[str, Any]) -> dict[str, Any]:
+    """A column of docs/frameworks.json (matrix.to_json) without its timing: what a fresh measurement must equal."""
+    return {name: value for name, value in column.items() if name != "seconds"}
+
+
+# --- kernel: the README's kernel module, checked -------------------------------------------------------------
+
+KERNEL_FILE = re.compile(r"# (\w+)\.py: python -m conformance check \1\n")  # a README block that is a module
+
+
+def kernel_source(text: str) -> tuple[str, str]:
+    """(module name, code) of the README's python block that is a module to check."""
+    for code in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL):
+        if found := KERNEL_FILE.match(code):
+            return found[1], code
+    raise KeyError("README.md has no python block starting '# NAME.py: python -m conformance check NAME'")
+
+
+def kernel_module(text: str, directory: Path) -> ModuleType:
+    """The README's kernel module, written to `directory` and imported from there."""
+    name, code = kernel_source(text)
+    (directory / f"{name}.py").write_text(code)
+    sys.path.insert(0, str(directory))
+    try:
+        sys.modules.pop(name, None)
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(directory))
+
+
+def kernel_counts(report: Any) -> str:
+    """What the README says of the kernel's report: the rows that pass and those that are SKIP."""
+    passed, skipped = (sum(1 for row in report.rows if row.passed and not row.skipped),
+                       sum(1 for row in report.rows if row.skipped))
+    return f"{passed} rows pass, {skipped} are SKIP"
+
+
+def check_kernel(text: str) -> Any:
+    """The suite's report on the README's kernel module, with the fast profile (what its paragraph says)."""
+    from . import check
+
+    with tempfile.TemporaryDirectory() as directory:
+        return check(kernel_module(text, Path(directory)), **KERNEL_OPTIONS)
+
+
+# --- checks: the table of checks, from the suite's registries ---------------------------------------------------
+
+class Guard(NamedTuple):
+    """A row of the table of checks: measures (the report's check column) and what they catch. The row takes
+    every operation whose groups report one of its measures (in `dtypes`, where given), but the operations that
+    another row sharing a measure names (its `operations`)."""
+
+    measures: tuple[str, ...]
+    catches: str
+    dtypes: tuple[str, ...] | None = None  # only the groups whose dtypes are among these
+    operations: tuple[str, ...] | None = None  # only these operations (a row of their own)
+
+
+def reported() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(measure, operation, dtypes) for everything `check` can report on a module that has the whole contract: each
+    group's measures (MEASURES, those that need something of the operation or the framework only where it has it),
+    each table's row per operation that has its cases, "call" and "deterministic" from every group."""
+    from . import suite, table  # Hypothesis is imported only here
+
+    found = []
+    for group in suite.GROUPS:
+        operation = OPERATIONS[group.operation]
+        found += [(measure, group.operation, group.dtypes) for measure in suite.MEASURES[group.check]
+                  if REPORTED_WHERE.get(measure, lambda _: True)(operation)]
+        found += [(measure, group.operation, ("all",)) for measure in suite.ANY_GROUP]
+    for table_ in suite.TABLES:
+        found += [(table_.check, name, (table_.dtype,)) for name in OPERATIONS if table.rows(name, table_.use)]
+    found += [(table_.check, name, (table_.dtype,)) for name, table_ in suite.CONTRACT_TABLES.items()]
+    return list(dict.fromkeys(found))
+
+
+# measures that a check reports only where the operation has what they need (conformance/checks.py dropout,
+# conformance/gradient_checks.py; tests/test_error_checks.py holds this to a report)
+REPORTED_WHERE: dict[str, Callable[[Any], bool]] = {
+    "mean": lambda operation: operation.dropout_sigma is not None,  # the spread of dropout's mean is known
+    "masked_rows": lambda operation: operation.visible is not None,  # which keys a query sees is known
+}
+# measures that a check reports only where the module's framework has what they need
+FRAMEWORK_MEASURES: dict[str, Callable[[Any], bool]] = {
+    "no_autograd": lambda framework: framework.no_autograd is not None}
+
+
+def guard_rows() -> list[tuple[Guard, list[str], list[str]]]:
+    """(guard, its operations, its dtypes) for each of GUARDS, read off `reported()`."""
+    cells = reported()
+    named: dict[str, set[str]] = {}  # measure -> the operations that rows of their own take
+    for guard in (guard for guard in GUARDS if guard.operations):
+        for measure in guard.measures:
+            named.setdefault(measure, set()).update(guard.operations)
+    rows = []
+    for guard in GUARDS:
+        mine = [(operation, dtypes) for measure, operation, dtypes in cells if measure in guard.measures
+                and (guard.dtypes is None or set(dtypes) <= set(guard.dtypes))
+                and (operation in guard.operations if guard.operations else
+                     not any(operation in named.get(measure, ()) for measure in guard.measures))]
+        operations = list(dict.fromkeys(operation for operation, _ in mine))
+        dtypes = list(dict.fromkeys(dtype for _, found in mine for dtype in found))
+        rows.append((guard, operations, dtypes))
+    return rows
+
+
+def uncovered() -> list[tuple[str, str, tuple[str, ...]]]:
+    """What `check` can report that no row of the table (or more than one) covers."""
+    rows = guard_rows()
+    return [(measure, operation, dtypes) for measure, operation, dtypes in reported()
+            if sum(measure in guard.measures and operation in operations and set(dtypes) <= set(found)
+                   for guard, operations, found in rows) != 1]
+
+
+def checks_table() -> str:
+    lines = ["| check | operations | dtypes | what it guards against |", "|---|---|---|---|"]
+    for guard, operations, dtypes in guard_rows():
+        only = [framework.name for framework in FRAMEWORKS.values()
+                if all(FRAMEWORK_MEASURES.get(measure, lambda _: True)(framework) for measure in guard.measures)]
+        where = f" ({', '.join(only)})" if len(only) < len(FRAMEWORKS) else ""
+        lines.append(f"| {', '.join(f'`{m}`' for m in guard.measures)} | {', '.join(operations)}{where} | "
+                     f"{', '.join(dtypes) or '-'} | {guard.catches} |")
+    return "\n".join(lines)
+
+
+BOTH, HALF = ("float32", "float64"), ("float16", "bfloat16")
+GUARDS: tuple[Guard, ...] = (
+    Guard(("values",), dtypes=BOTH,
+          catches="any wrong number: transposed or swapped weights, inverted mask, wrong softmax axis, wrong scale,"
+                  " dropped causal flag, wrong LayerNorm variance or eps, tanh-GELU, pre/post-LN mix-ups, missing "
+                  "residuals, split heads interleaved; a tiled softmax that forgets to rescale (lengths up to 65 "
+                  "drawn, S = 129 pinned); hidden scores filled with a constant (-1e4) instead of left out, found "
+                  "by rows whose visible scores lie tens of thousands below zero; a row maximum taken before a bias"
+                  " in the thousands; an RMSNorm that removes the mean, SwiGLU's gate and up swapped, grouped "
+                  "key/value heads read as `h % Hkv`; SPEC 2a's keywords misread (a window off by one, key lengths "
+                  "applied to the queries, a softcap after the bias that lets a -inf bias through, grouped heads "
+                  "read as `h % Hkv` instead of `h // G`); MHA's linear heads (`attention=\"linear\"`) with phi = elu"
+                  " instead of elu + 1, or returning weights they do not form; also a wrong output shape or dtype, "
+                  "and NaN where the oracle has a number (fully masked rows)"),
+    Guard(("fast_path",), dtypes=BOTH,
+          catches="a fused path (`need_weights=False`) that breaks a rule the explicit path keeps (a rank-1 mask or"
+                  " a `q_offset` dropped): it is held to the oracle too, and must return `None` for the weights"),
+    Guard(("weights_rows",), dtypes=BOTH,
+          catches="weights that are not a distribution over the visible keys (rows sum to 1, fully masked rows to "
+                  "0)"),
+    Guard(("values", "fast_path", "weights_rows"), dtypes=HALF,
+          catches="half precision computed in half precision: scores, softmax or value product in float16 instead "
+                  "of float32 (SPEC.md section 2), held to what float32 arithmetic with half-precision storage "
+                  "loses, in each of them that the framework has"),
+    Guard(("permutation",),
+          catches="masks or bias applied to the wrong key, keys and values misaligned; the block's self-attention "
+                  "not equivariant"),
+    Guard(("causal_prefix",),
+          catches="causal attention that lets a position see later ones (bottom-right alignment, a leaky mask)"),
+    Guard(("single_key",),
+          catches="a query that sees one key must return exactly its value; no visible key must return zeros"),
+    Guard(("reproducible", "varies"),
+          catches="dropout that ignores the rng, or stays active / inactive in the wrong mode, on either path "
+                  "(`need_weights` True or False)"),
+    Guard(("rng_forms",),
+          catches="an rng form the backend allows (NumPy: a Generator and an int seed; JAX: `jax.random.key` and "
+                  "`jax.random.PRNGKey`; torch: a Generator and the global RNG after `torch.manual_seed`) that does"
+                  " not reproduce from its seed, or does not change with another"),
+    Guard(("mean",),
+          catches="dropout without the 1 / (1 - p) rescale, or left out on the path without the weights: on both "
+                  "paths the mean over 400 draws must lie within 6 sigma of the eval output"),
+    Guard(("independent",),
+          catches="dropout decisions that are not independent: one mask shared by the heads or the batch elements, "
+                  "or two sites replaying one stream (an int seed handed to each): over 2000 pairs and more, every "
+                  "two heads, batch elements, positions and the block's two residual sites must drop together at "
+                  "rate p^2 within 6 sigma, with every rng form"),
+    Guard(("weights",),
+          catches="weights returned after dropout instead of before"),
+    Guard(("gradients",),
+          catches="a wrong backward pass (a ring's dK, dV accumulators one hop short of home, its weights "
+                  "recomputed against a block's own lse): every input's and parameter's directional derivative "
+                  "(from the module's `vjp`) against central differences of the oracle, with every keyword of SPEC "
+                  "2a (a grouped head's gradient averaged over its group instead of summed is caught); modules "
+                  "without `vjp` are reported as skipped"),
+    Guard(("values", "lse"), operations=("flash",),
+          catches="a tiled kernel's bugs (`flash_attention`, SPEC 2c), drawn with tiles of 1 to 7 against every "
+                  "keyword: running sums not rescaled when the maximum grows, a last partial tile dropped, a partly"
+                  " hidden tile skipped as if wholly hidden, the log-sum-exp without the maximum added back; `lse` "
+                  "must be `-inf` exactly where a query sees no key"),
+    Guard(("values", "lse"), operations=("ring",),
+          catches="a ring's bugs (`ring_attention`, SPEC 2d) on P of 1 to 4 of the framework's devices, drawn with "
+                  "chunks of 1 to 3 rows against every keyword: chunk pairs attended at local instead of global "
+                  "positions, a step short (the last visiting block never attended), partial results added without "
+                  "their log-sum-exp weights, the larger partial lse kept instead of their logaddexp, the zig-zag "
+                  "layout not undone (`tests/implementations/broken_ring.py`); NumPy simulates the devices, JAX and"
+                  " torch need 4 (`--devices 4`: JAX's CPU devices, torch's peer processes in a gloo group), else "
+                  "the operation is SKIP"),
+    Guard(("values",), operations=("linear",),
+          catches="a linear attention's bugs (`linear_attention`, SPEC 2e) against a double sum over the keys each "
+                  "query sees, drawn with every feature map, causal or not, chunks of 1 to 7 that do not divide L, "
+                  "key lengths and eps up to 1: a prefix sum one key too far, the normaliser forgotten, a chunk's "
+                  "own keys in the state it reads (counted twice), eps in the numerator "
+                  "(`tests/implementations/broken_linear.py`)"),
+    Guard(("steps",), operations=("linear",),
+          catches="a recurrent form that breaks the invariant: `linear_attention_state` and `linear_attention_step`"
+                  " through a causal sequence must give the causal forward's outputs (a step that reads its state "
+                  "before adding the current key)"),
+    Guard(("masked_rows",),
+          catches="NaN or leaked gradient where no attention reaches: a query that sees no key, a key nobody sees, "
+                  "must get exactly zero gradient"),
+    Guard(("no_autograd",),
+          catches="a `vjp` that fails, or gives other gradients, where the framework's autograd is off "
+                  "(`torch.inference_mode()`)"),
+    Guard(("errors",),
+          catches="a silent wrong result or an unclear error: the table's bad inputs (shapes, masks, dtypes, sizes,"
+                  " state dicts, cotangents, negative windows, softcap <= 0, float or non-broadcasting `q_offset` "
+                  "and `key_lengths`, query heads not a multiple of the key/value heads, sequences the ring's "
+                  "devices do not divide) must raise the same exception type, naming the argument, on both paths "
+                  "(SPEC.md section 11)"),
+    Guard(("edge_cases",),
+          catches="fully masked rows, heads and batch elements, no keys, no queries, a single key, logits in the "
+                  "thousands (also across a ring's devices), visible scores below -1e9 (a masked fill with The "
+                  "Annotated Transformer's constant), NaN and inf where visible and where hidden, key lengths 0, a "
+                  "softcap with a -inf bias: the table's cases on both paths, against the oracle and the "
+                  "hand-derived rules each carries"),
+    Guard(("call",),
+          catches="a module that raises, returns something other than `(out, weights)`, or writes into the arrays "
+                  "it is given (q, k, v, mask, bias, parameters), which must hold the same bits after every call"),
+    Guard(("deterministic",),
+          catches="a module that gives different results for the same inputs: a failing case that passes when run "
+                  "again"),
+    Guard(("round_trip",),
+          catches="`asarray` or `to_numpy` that changes a dtype or a bit: every dtype of the module's framework "
+                  "must come back as it went in"),
+    Guard(("helpers",),
+          catches="`causal_mask` (also with `q_offset`), `window_mask` or `padding_mask` off by one, of the wrong "
+                  "shape or dtype: against the oracle's own construction"),
+    Guard(("values", "fast_path", "weights_rows"), operations=("decode",),
+          catches="a key/value cache that breaks the invariant: a block fed chunk by chunk through `init_cache` and"
+                  " `extend` must give the rows of one causal pass (a cache whose length is not advanced, a query "
+                  "placed at the chunk's start instead of after the cache, RoPE at the chunk's positions instead of"
+                  " the sequence's, unfilled positions with weight)"),
+    Guard(("rope",),
+          catches="`apply_rope` with the wrong layout (interleaved pairs for the half rotation), angle or dtype: "
+                  "against the oracle's rotation of each pair as a complex number"),
+)
+
+
+# --- the command ------------------------------------------------------------------------------------------------
+
+BLOCKS = ("frameworks", "frameworks-versions", "kernel", "checks")
+
+
+def generated(found: matrix.Matrix, kernel_report: Any) -> dict[str, str]:
+    """Every block, from the measured matrix, the kernel's report and the registries."""
+    return {"frameworks": frameworks_table(found), "frameworks-versions": frameworks_versions(found),
+            "kernel": kernel_counts(kernel_report), "checks": checks_table()}
+
+
+def differences(text: str, blocks: dict[str, str]) -> list[str]:
+    """The names of the blocks whose text in `text` is not the generated one."""
+    return [name for name, block in blocks.items() if shown(text, name) != block]
+
+
+def run(*, write: bool, jobs: int, done: Callable[[str], None] | None = None,
+        readme: Path = README, record: Path = FRAMEWORKS_JSON) -> list[str]:
+    """Measure every block; with `write`, rewrite README.md's blocks and docs/frameworks.json. Returns the blocks
+    (and "docs/frameworks.json") that differed."""
+    text = readme.read_text()
+    found = measure_frameworks(jobs=jobs, done=done)
+    fresh = json.dumps(matrix.to_json(found), indent=1) + "\n"
+    old = json.loads(record.read_text()) if record.exists() else None
+    blocks = generated(found, check_kernel(text))
+    changed = differences(text, blocks)
+    if old is None or _without_timing(old) != _without_timing(json.loads(fresh)):
+        changed.append(str(record.relative_to(ROOT)) if record.is_relative_to(ROOT) else str(record))
+    if write:
+        for name, block in blocks.items():
+            text = replaced(text, name, block)
+        readme.write_text(text)
+        record.write_text(fresh)
+    return changed
+
+
+def _without_timing(found: dict[str, Any]) -> dict[str, Any]:
+    return found | {"columns": [recorded_column(column) for column in found["columns"]]}
+
