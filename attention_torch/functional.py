@@ -88,7 +88,7 @@ def scaled_dot_product_attention(
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]), q.device)  # None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
-    scores = (q * scale) @ k.transpose(-1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
+    scores = _grouped_matmul(q * scale, k.transpose(-1, -2))  # (..., L, E) x (..., E, S) -> (..., L, S)
     if softcap is not None:  # soft-capping, before the bias and the masks: a hidden key stays hidden
         scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
@@ -98,7 +98,7 @@ def scaled_dot_product_attention(
     # are shared by the batch axes only v or the masks carry, the weights and their dropout are not
     scores = scores.expand(*batch, *scores.shape[-2:])  # (..., L, S): each batch element its own
     weights = _masked_softmax(scores, visible)  # (..., L, S)
-    out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
+    out = _grouped_matmul(_dropout(weights, dropout_p, rng), v)  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out.to(dtype), (weights.to(dtype) if need_weights else None)
 
 
@@ -266,6 +266,19 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 def _ungrouped(x: torch.Tensor | None) -> torch.Tensor | None:
     """(..., Hkv, G, L, *) -> (..., H, L, *): the groups' heads in order again, H = Hkv * G."""
     return None if x is None else x.reshape(*x.shape[:-4], x.shape[-4] * x.shape[-3], *x.shape[-2:])
+
+
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, (..., G, L, N) x (..., 1, N, M) -> (..., G, L, M). Where b holds one head that G heads of a
+    share (GQA's groups (..., Hkv, G), multi-query attention), the G heads become one matrix of G * L rows.
+    torch: matmul broadcasts b over the G heads by copying it, once per head, whenever b has more than one
+    such head (Hkv > 1); autograd's product for b's gradient then needs no copy either."""
+    if not checks.shared_kv_head(a.shape, b.shape, b.shape):
+        return a @ b
+    (G, L, N), M = a.shape[-3:], b.shape[-1]
+    b = b.reshape(*b.shape[:-3], N, M) if b.ndim >= 3 else b  # (..., 1, N, M) -> (..., N, M)
+    out = a.reshape(*a.shape[:-3], G * L, N) @ b  # (..., G * L, N) x (..., N, M) -> (..., G * L, M)
+    return out.reshape(*out.shape[:-2], G, L, M)
 
 
 def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
