@@ -231,8 +231,9 @@ def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole(need_weigh
         _, _, cache = block.extend(M.asarray(x[0]), block.init_cache((B,), 16))
         eager = cache._replace(k=cache.k.clone(), v=cache.v.clone())
         pointer, outs = cache.k.data_ptr(), []
-        for chunk in [*x[1:], nan]:
-            out, weights, cache = step(M.asarray(chunk), cache, need_weights=need_weights)
+        for t, chunk in enumerate([*x[1:], nan]):
+            with torch.compiler.set_stance("fail_on_recompile" if t else "default"):  # one graph for every step
+                out, weights, cache = step(M.asarray(chunk), cache, need_weights=need_weights)
             expected, expected_weights, eager = block.extend(M.asarray(chunk), eager, need_weights=need_weights)
             assert_close(out.numpy(), expected.numpy(), 1e-12, f"the compiled step at {cache.length}")
             if need_weights:
