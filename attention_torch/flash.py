@@ -33,7 +33,7 @@ import torch
 
 from attention_np.common import checks
 
-from .functional import _cast, _dtypes, _grouped, _integers, _prepare
+from .functional import _cast, _dtypes, _grouped, _grouped_matmul, _integers, _prepare
 from .gradients import _grad, _leaf, _recording
 
 
@@ -246,7 +246,7 @@ def _query_tile(p: _Problem, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         rescale = torch.exp(m - shift)  # (..., block_q, 1); 0 on the first tile a row sees
         weights = scores.sub_(shift).exp_()  # unnormalised, in place; hidden: exp(-inf) = 0
         l = l.mul_(rescale).add_(weights.sum(dim=-1, keepdim=True))  # noqa: E741
-        acc = acc.mul_(rescale).add_(weights @ p.v[..., cols, :])  # (..., bq, bk) x (..., bk, Ev) -> (..., bq, Ev)
+        acc = acc.mul_(rescale).add_(_grouped_matmul(weights, p.v[..., cols, :]))  # (..., bq, bk) x (..., bk, Ev)
         m = m_new
     # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
     seen = l != 0
@@ -259,7 +259,7 @@ def _scores(p: _Problem, q: torch.Tensor, rows: slice,
             cols: slice) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The tile's scores softcap(q k^T) + bias, q already scaled, (..., block_q, block_k), -inf where hidden;
     where they are visible (None: everywhere); and with softcap, tanh(raw / softcap) (for the backward)."""
-    raw = q @ p.k[..., cols, :].transpose(-1, -2)  # (..., block_q, E) x (..., E, block_k)
+    raw = _grouped_matmul(q, p.k[..., cols, :].transpose(-1, -2))  # (..., block_q, E) x (..., E, block_k)
     tile = (*p.batch, *raw.shape[-2:])
     scores = raw if raw.shape == tile else raw.expand(tile).contiguous()  # own axes, writable
     tanh = None
@@ -360,14 +360,14 @@ def _key_tile(p: _Problem, cols: slice, query_tiles: list[slice], d_out: torch.T
         d_o = d_out[..., rows, :]  # (..., block_q, Ev)
         # 2) through the value product and the softmax
         dv_tile += weights.transpose(-1, -2) @ d_o  # (..., bk, bq) x (..., bq, Ev) -> (..., bk, Ev)
-        d_weights = d_o @ v.transpose(-1, -2)  # (..., bq, Ev) x (..., Ev, bk) -> (..., bq, bk)
+        d_weights = _grouped_matmul(d_o, v.transpose(-1, -2))  # (..., bq, Ev) x (..., Ev, bk) -> (..., bq, bk)
         d_scores = d_weights.sub_(D[..., rows, :]).mul_(weights)  # dS = P * (dP - D), in place
         if dbias is not None:
             _add_tile(dbias, rows, cols, d_scores)
         # 3) through the soft-capping, then the raw scores R = (Q * scale) K^T
         if tanh is not None:
             d_scores = d_scores * tanh.square_().neg_().add_(1)  # dS * (1 - tanh^2)
-        _add_tile(dq, rows, slice(None), d_scores @ k)  # (..., bq, bk) x (..., bk, E) -> (..., bq, E)
+        _add_tile(dq, rows, slice(None), _grouped_matmul(d_scores, k))  # (..., bq, bk) x (..., bk, E) -> (..., bq, E)
         dk_tile += d_scores.transpose(-1, -2) @ q  # q holds the scale: (..., bk, bq) x (..., bq, E)
     _add_tile(dk, cols, slice(None), dk_tile)
     _add_tile(dv, cols, slice(None), dv_tile)

@@ -7,6 +7,7 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -62,7 +63,11 @@ def scaled_dot_product_attention(
                                      need_weights):  # torch: the kernel's own enable_gqa, without the reshapes
         from .fast import grouped_attention
 
-        return grouped_attention(q, k, v, is_causal=is_causal, q_offset=q_offset, scale=scale), None
+        # a NaN or inf in q or k takes the general route's explicit path (see the fast path below): the call
+        # with the weights, which never goes to the kernel
+        return _finite_or(q, k, lambda: grouped_attention(q, k, v, is_causal=is_causal, q_offset=q_offset, scale=scale),
+                          lambda: scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                                               q_offset=q_offset, enable_gqa=True)[0]), None
     if enable_gqa:  # grouped-query attention is attention with k and v broadcast over each group of query heads
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
         out, weights = scaled_dot_product_attention(
@@ -80,15 +85,22 @@ def scaled_dot_product_attention(
     # not finite: one read of q and k). The kernel has no soft-capping of the raw scores either, so softcap too
     # keeps the explicit path
     fused = not need_weights and dropout_p == 0.0 and softcap is None  # the explicit path reads no sum
-    if fused and _finite(q, k):
+    # torch: compiled, a mask takes the explicit path, whose check that it holds 0 and 1 reads its values outside
+    # the graph; torch.cond's branches cannot (_finite_or)
+    if fused and (mask is None or not torch.compiler.is_compiling()):
         from .fast import attention
 
-        return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, batch=batch), None
+        # the explicit path is the call with the weights, which never goes to the kernel
+        return _finite_or(q, k, lambda: attention(q, k, v, mask, bias=bias, structure=structure, scale=scale,
+                                                  batch=batch),
+                          lambda: scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal,
+                                                               scale=scale, q_offset=q_offset, window=window,
+                                                               key_lengths=key_lengths)[0]), None
     q, k, v = (x.to(work) for x in (q, k, v))
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]), q.device)  # None: every key
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
-    scores = (q * scale) @ k.transpose(-1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
+    scores = _grouped_matmul(q * scale, k.transpose(-1, -2))  # (..., L, E) x (..., E, S) -> (..., L, S)
     if softcap is not None:  # soft-capping, before the bias and the masks: a hidden key stays hidden
         scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:
@@ -98,7 +110,7 @@ def scaled_dot_product_attention(
     # are shared by the batch axes only v or the masks carry, the weights and their dropout are not
     scores = scores.expand(*batch, *scores.shape[-2:])  # (..., L, S): each batch element its own
     weights = _masked_softmax(scores, visible)  # (..., L, S)
-    out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
+    out = _grouped_matmul(_dropout(weights, dropout_p, rng), v)  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out.to(dtype), (weights.to(dtype) if need_weights else None)
 
 
@@ -214,9 +226,8 @@ def _kernel_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     """Whether grouped-query attention can go straight to torch's kernel with its enable_gqa: the fast path
     (no weights, no dropout, no softcap) with nothing to split per query head (no mask, bias, window, key
     lengths or offset array), q, k, v of equal leading axes, one floating dtype and H query heads a multiple
-    of Hkv (else the general route raises the errors), no empty axis, and no NaN or inf in q or k (see the
-    fast path below).
-    A decode step with a key/value cache is such a call."""
+    of Hkv (else the general route raises the errors) and no empty axis; the caller sends a NaN or inf in q
+    or k elsewhere (_finite_or). A decode step with a key/value cache is such a call."""
     if (need_weights or dropout_p != 0.0 or softcap is not None or mask is not None or bias is not None
             or window is not None or key_lengths is not None or type(q_offset) is not int):
         return False
@@ -225,17 +236,21 @@ def _kernel_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     (H, L, E), (Hkv, S, E_k), (Hkv_v, S_v, _) = q.shape[-3:], k.shape[-3:], v.shape[-3:]
     if not (Hkv == Hkv_v > 0 and H % Hkv == 0 and E == E_k > 0 and S_v == S and L > 0 and S > 0):
         return False
-    if not (q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point):  # the general route raises the error
-        return False
-    return _finite(q, k)
+    return q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point  # else the general route raises the error
 
 
-def _finite(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether q and k hold no NaN or inf, which the fused kernel mishandles (see scaled_dot_product_attention):
-    one read of each, as their sum in at least float32 is then finite."""
+def _finite_or(q: torch.Tensor, k: torch.Tensor, fused: Callable[[], torch.Tensor],
+               explicit: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """fused() when q and k hold no NaN or inf, which the fused kernel mishandles (see
+    scaled_dot_product_attention), else explicit(), which keeps the rule of SPEC 11: one read of q and k, as
+    their sum in at least float32 is then finite. torch: under torch.compile the choice is torch.cond's, in the
+    graph, which runs one branch: a Python branch on the value would break the graph. Both branches must then
+    trace whole (no value read in either: no mask, whose 0-or-1 check reads it)."""
     work = torch.promote_types(q.dtype, torch.float32)
-    total = q.detach().sum(dtype=work) + k.detach().sum(dtype=work)  # a value read, outside autograd
-    return math.isfinite(total)  # torch: one dispatch, where torch.isfinite and bool() take four
+    total = q.detach().sum(dtype=work) + k.detach().sum(dtype=work)  # outside autograd
+    if torch.compiler.is_compiling():
+        return torch.cond(torch.isfinite(total), fused, explicit)
+    return fused() if math.isfinite(total) else explicit()  # math.isfinite: one dispatch, torch.isfinite and bool 4
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None,
@@ -266,6 +281,19 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 def _ungrouped(x: torch.Tensor | None) -> torch.Tensor | None:
     """(..., Hkv, G, L, *) -> (..., H, L, *): the groups' heads in order again, H = Hkv * G."""
     return None if x is None else x.reshape(*x.shape[:-4], x.shape[-4] * x.shape[-3], *x.shape[-2:])
+
+
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, (..., G, L, N) x (..., 1, N, M) -> (..., G, L, M). Where b holds one head that G heads of a
+    share (GQA's groups (..., Hkv, G), multi-query attention), the G heads become one matrix of G * L rows.
+    torch: matmul broadcasts b over the G heads by copying it, once per head, whenever b has more than one
+    such head (Hkv > 1); autograd's product for b's gradient then needs no copy either."""
+    if not checks.shared_kv_head(a.shape, b.shape, b.shape):
+        return a @ b
+    (G, L, N), M = a.shape[-3:], b.shape[-1]
+    b = b.reshape(*b.shape[:-3], N, M) if b.ndim >= 3 else b  # (..., 1, N, M) -> (..., N, M)
+    out = a.reshape(*a.shape[:-3], G * L, N) @ b  # (..., G * L, N) x (..., N, M) -> (..., G * L, M)
+    return out.reshape(*out.shape[:-2], G, L, M)
 
 
 def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -308,7 +336,9 @@ def _visible(mask: torch.Tensor | None, bias: torch.Tensor | None, structure: di
 def _integers(x: int | torch.Tensor, name: str = "q_offset", batch: tuple | None = None) -> torch.Tensor:
     """q_offset or key_lengths as an int64 tensor, checked: integer, and (given the scores' leading axes
     `batch`) broadcasting to them."""
-    x = torch.as_tensor(x)
+    if type(x) is int or isinstance(x, torch.SymInt):  # torch: scalar_tensor keeps an int symbolic under
+        x = torch.scalar_tensor(x, dtype=torch.int64)  # torch.compile (a cache's length: one graph for every
+    x = torch.as_tensor(x)  # decode step), where as_tensor specialises the graph to its value
     integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)  # torch: no issubdtype
     checks.positions(name, x.shape, str(x.dtype), integer, x.shape if batch is None else batch)
     return x.to(torch.int64)

@@ -25,7 +25,7 @@ import torch
 
 from attention_np.common import checks
 
-from .functional import _cast, _dtypes, _integers
+from .functional import _cast, _dtypes, _grouped_matmul, _integers
 from .gradients import _grad, _leaf, _recording
 
 # the feature maps of checks.FEATURE_MAPS: phi(x); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise (exp of
@@ -215,8 +215,8 @@ def _global(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal: num = phi(Q) A, den = phi(Q) z + eps, with A = phi(K)^T V and z = phi(K)^T 1."""
     A = p.phi_k.transpose(-1, -2) @ p.v  # (..., E, S) x (..., S, Ev) -> (..., E, Ev)
     z = torch.sum(p.phi_k, dim=-2)  # (..., S, E) -> (..., E)
-    num = p.phi_q @ A  # (..., L, E) x (..., E, Ev) -> (..., L, Ev)
-    den = p.phi_q @ z[..., None] + p.eps  # (..., L, E) x (..., E, 1) -> (..., L, 1)
+    num = _grouped_matmul(p.phi_q, A)  # (..., L, E) x (..., E, Ev) -> (..., L, Ev)
+    den = _grouped_matmul(p.phi_q, z[..., None]) + p.eps  # (..., L, E) x (..., E, 1) -> (..., L, 1)
     return num.expand(*p.batch, *num.shape[-2:]), den.expand(*p.batch, *den.shape[-2:])
 
 

@@ -27,7 +27,7 @@ from .functional import (
     _cast,
     _dropout,
     _dtypes,
-    _finite,
+    _finite_or,
     _rngs,
     _rope_table,
     _turned,
@@ -196,15 +196,18 @@ class MultiHeadAttention(nn.Module):
             mask = mask[..., :end]  # (..., H, L, capacity) -> (..., H, L, end)
         dropout_p = self.dropout if self.training else 0.0
         k, v = cache.k[..., :end, :], cache.v[..., :end, :]  # (..., Hkv, end, d_k)
-        if mask is None and not need_weights and dropout_p == 0.0 and start < end and _finite(q, k_new):
+        if mask is None and not need_weights and dropout_p == 0.0 and start < end:
             # torch: the kernel call that scaled_dot_product_attention's route (_kernel_groups) makes of these
             # arguments, without its tests of what extend has checked: a decode step spends no more on them.
             # The NaN guard reads q and the new keys only: every cached key stands before every new query, so
             # none is hidden, and a NaN or inf among them spreads through the kernel to each row as through the
             # explicit path (measured: 4000 draws, float16 to float64, 1-5 queries after 1-1100 cached keys).
             # The new keys are those causality may hide, and the one key of a first step, which the kernel
-            # mishandles (scaled_dot_product_attention's guard)
-            out, weights = grouped_attention(q, k, v, is_causal=True, q_offset=start, scale=None), None
+            # mishandles (scaled_dot_product_attention's guard); with one, the explicit path (need_weights)
+            out = _finite_or(q, k_new, lambda: grouped_attention(q, k, v, is_causal=True, q_offset=start, scale=None),
+                             lambda: scaled_dot_product_attention(q, k, v, is_causal=True, q_offset=start,
+                                                                  enable_gqa=self.grouped)[0])
+            weights = None
         else:
             out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start,
                                                         enable_gqa=self.grouped, dropout_p=dropout_p,

@@ -226,23 +226,48 @@ def test_numpy_writes_in_place_and_copies_no_cache_per_step():
     assert peak < before.nbytes / 8, f"a decode step allocated {peak} bytes; the cache's keys are {before.nbytes}"
 
 
-def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole():
+@pytest.mark.slow  # inductor compiles the step (seconds)
+@pytest.mark.parametrize("need_weights", [True, False], ids=["explicit", "fast"])
+def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole(need_weights: bool):
     torch = pytest.importorskip("torch")
     M = import_backend("attention_torch")
     block = _module(M, "block", **LLAMA)  # RoPE's positions follow the cache's length inside the graph
-    cache = block.init_cache((B,), 16)
-    pointer = cache.k.data_ptr()
-    step = torch.compile(block.extend, fullgraph=True, dynamic=True, backend="aot_eager")  # no graph break
-    outs = []
+    step = torch.compile(block.extend, fullgraph=True, dynamic=True)  # inductor; fullgraph: no graph break
+    x = [_random(B, 5, D)] + [_random(B, 1, D, seed=t) for t in range(5, 8)]
+    nan = _random(B, 1, D, seed=8)
+    nan[0, 0, 0] = np.nan  # sequence 0's new query and key: NaN reaches its row (SPEC 11), not sequence 1's
     with torch.no_grad():  # decoding
-        _, _, cache = block.extend(M.asarray(_random(B, 5, D)), cache)
-        for t in range(5, 8):
-            out, _, cache = step(M.asarray(_random(B, 1, D, seed=t)), cache)
+        _, _, cache = block.extend(M.asarray(x[0]), block.init_cache((B,), 16))
+        eager = cache._replace(k=cache.k.clone(), v=cache.v.clone())
+        pointer, outs = cache.k.data_ptr(), []
+        for t, chunk in enumerate([*x[1:], nan]):
+            with torch.compiler.set_stance("fail_on_recompile" if t else "default"):  # one graph for every step
+                out, weights, cache = step(M.asarray(chunk), cache, need_weights=need_weights)
+            expected, expected_weights, eager = block.extend(M.asarray(chunk), eager, need_weights=need_weights)
+            assert_close(out.numpy(), expected.numpy(), 1e-12, f"the compiled step at {cache.length}")
+            if need_weights:
+                assert_close(weights.numpy(), expected_weights.numpy(), 1e-12, "the compiled step's weights")
             outs.append(out)
-    assert cache.k.data_ptr() == pointer and cache.length == 8  # written in place: no torch.cat
-    x = np.concatenate([_random(B, 5, D)] + [_random(B, 1, D, seed=t) for t in range(5, 8)], axis=1)
-    full, _ = block(M.asarray(x), M.causal_mask(8, 8))
-    assert_close(torch.cat(outs, dim=1).numpy(), full[:, 5:].detach().numpy(), 1e-12, "compiled steps")
+    assert cache.k.data_ptr() == pointer and cache.length == 9  # written in place: no torch.cat
+    assert np.isnan(outs[-1][0].numpy()).all() and np.isfinite(outs[-1][1].numpy()).all()
+    full, _ = block(M.asarray(np.concatenate(x, axis=1)), M.causal_mask(8, 8))
+    assert_close(torch.cat(outs[:-1], dim=1).numpy(), full[:, 5:].detach().numpy(), 1e-12, "compiled steps")
+
+
+@pytest.mark.slow  # inductor compiles the step (seconds)
+def test_torch_compiled_decode_step_keeps_the_nan_rule():
+    # a NaN query among finite keys and values: the fused kernel returns a finite row for it, so the compiled
+    # step must choose the explicit path in its graph, as the eager step does in Python (SPEC 11)
+    torch = pytest.importorskip("torch")
+    M = import_backend("attention_torch")
+    mha = _module(M, "mha", num_kv_heads=1)  # grouped: the kernel route of a decode step
+    step = torch.compile(mha.extend, fullgraph=True, dynamic=True)
+    x_q = _random(B, 1, D, seed=1)
+    x_q[0, 0, 0] = np.nan  # sequence 0's query, in every head after the projection
+    with torch.no_grad():
+        _, _, cache = mha.extend(*_inputs(M, 3), mha.init_cache((B,), 8))
+        out, _, cache = step(M.asarray(x_q), M.asarray(_random(B, 1, D, seed=2)), cache, need_weights=False)
+    assert np.isnan(out[0].numpy()).all() and np.isfinite(out[1].numpy()).all() and cache.length == 4
 
 
 def test_jax_compiles_one_extend_per_chunk_length_and_a_full_cache_is_nan():
