@@ -154,6 +154,7 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
         q=q.astype(work, copy=False), k=k.astype(work, copy=False), v=v.astype(work, copy=False),
         mask=None if mask is None else np.broadcast_to(mask, shape),
         bias=None if bias is None else np.broadcast_to(np.asarray(bias, dtype=work), shape),
+        bias_shape=None if bias is None else _ranked(np.shape(bias), batch),  # dbias is summed to it tile by tile
         batch=batch, L=L, S=S, scale=scale, softcap=options["softcap"], work=work, empty=empty is not None,
         structure=dict(structure, q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
         block_q=options["block_q"], block_k=options["block_k"], grouped=options["enable_gqa"],
@@ -306,14 +307,16 @@ def _blas() -> threadpoolctl.ThreadpoolController:
 
 def _backward(p: _Problem, d_out: np.ndarray,
               inputs: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """The pullback: the key tiles shared out among the workers, each one's dK, dV (and dbias) tiles its own,
-    and each worker its own dQ, summed at the end."""
+    """The pullback: the key tiles shared out among the workers, each one's dK and dV tiles its own, and each
+    worker its own dQ, summed at the end. dbias has the bias's (grouped) shape, each tile's dS summed down to
+    it as it is made, so a broadcast bias costs no (..., L, S) buffer; the workers share it where their key
+    tiles write apart, and each has its own where the bias broadcasts along S (all write its one column)."""
     q_in, k_in, v_in, bias_in = inputs
     d_out = d_out.astype(p.work, copy=False).reshape(p.out.shape)  # grouped like out (..., L, Ev)
     dq = np.zeros((*p.batch, p.L, p.q.shape[-1]), p.work)  # (..., L, E)
     dk = np.zeros((*p.batch, p.S, p.k.shape[-1]), p.work)  # (..., S, E)
     dv = np.zeros((*p.batch, p.S, p.v.shape[-1]), p.work)  # (..., S, Ev)
-    dbias = None if p.bias is None else np.zeros((*p.batch, p.L, p.S), p.work)  # the bias's size: given
+    dbias = None if p.bias is None else np.zeros(p.bias_shape, p.work)  # the bias's (grouped) shape
     D = np.sum(d_out * p.out, axis=-1, keepdims=True)  # rowsum(dO * O) = rowsum(dP * P), (..., L, 1)
     lse = np.where(p.lse == -np.inf, np.inf, p.lse)[..., None]  # a query that sees nothing: P = exp(-inf) = 0
     pairs: dict[tuple[int, int], list[slice]] = {}  # key tile -> the query tiles that may see it
@@ -323,19 +326,21 @@ def _backward(p: _Problem, d_out: np.ndarray,
     key_tiles = list(pairs.items())
     workers = max(1, min(os.cpu_count() or 1, len(key_tiles)))
     dqs = [dq] + [np.zeros_like(dq) for _ in range(workers - 1)]
+    shared = dbias is None or dbias.shape[-1] != 1
+    dbiases = [dbias] + [dbias if shared else np.zeros_like(dbias) for _ in range(workers - 1)]
 
     def worker(w: int) -> None:
         for (start, stop), query_tiles in key_tiles[w::workers]:  # every workers-th key tile: balanced
-            _key_tile(p, slice(start, stop), query_tiles, d_out, D, lse, dqs[w], dk, dv, dbias)
+            _key_tile(p, slice(start, stop), query_tiles, d_out, D, lse, dqs[w], dk, dv, dbiases[w])
 
     _run(p, worker, range(workers))
     dq = sum(dqs[1:], dqs[0])
+    dbias = dbias if shared else sum(dbiases[1:], dbias)
     grouped = (p.q.shape, p.k.shape, p.v.shape)
     grads = [_sum_to(d, shape).reshape(p.shapes[name]).astype(x.dtype, copy=False)
              for d, shape, name, x in zip((dq, dk, dv), grouped, "qkv", (q_in, k_in, v_in), strict=True)]
     if dbias is not None:
-        bias_grouped = np.shape(bias_in) if not p.grouped else _grouped_bias_shape(p)
-        dbias = _sum_to(dbias, bias_grouped).reshape(p.shapes["bias"]).astype(np.asarray(bias_in).dtype)
+        dbias = dbias.reshape(p.shapes["bias"]).astype(np.asarray(bias_in).dtype, copy=False)
     return (*grads, dbias)
 
 
@@ -354,7 +359,7 @@ def _key_tile(p: _Problem, cols: slice, query_tiles: list[slice], d_out: np.ndar
         d_weights = d_o @ np.swapaxes(v, -1, -2)  # (..., bq, Ev) x (..., Ev, bk) -> (..., bq, bk)
         d_scores = weights * (d_weights - D[..., rows, :])  # dS = P * (dP - D)
         if dbias is not None:
-            dbias[..., rows, cols] = d_scores
+            _add_tile(dbias, rows, cols, d_scores)
         # 3) through the soft-capping, then the raw scores R = (Q * scale) K^T
         if tanh is not None:
             d_scores = d_scores * (1 - tanh**2)
@@ -362,10 +367,15 @@ def _key_tile(p: _Problem, cols: slice, query_tiles: list[slice], d_out: np.ndar
         dk[..., cols, :] += np.swapaxes(d_scores, -1, -2) @ q  # q holds the scale: (..., bk, bq) x (..., bq, E)
 
 
-def _grouped_bias_shape(p: _Problem) -> tuple:
-    """The bias's shape after functional._grouped split its head axis (or the same, with none to split)."""
-    shape = p.shapes["bias"]
-    if len(shape) <= 2:
-        return shape
-    H, Hkv = p.batch[-2] * p.batch[-1], p.batch[-2]
-    return checks.grouped_shape(shape, H, Hkv, 2)
+def _ranked(shape: tuple, batch: tuple) -> tuple:
+    """`shape` with ones in front, to the rank of (..., *, *), so that a tile of it broadcasts."""
+    return (1,) * (len(batch) + 2 - len(shape)) + tuple(shape)
+
+
+def _add_tile(total: np.ndarray, rows: slice, cols: slice, tile: np.ndarray) -> None:
+    """total[..., rows, cols] += tile summed over the axes `total` broadcasts along (an axis of size 1 in
+    `total`, also among the last two, takes the tile's sum)."""
+    rows = rows if total.shape[-2] != 1 else slice(None)
+    cols = cols if total.shape[-1] != 1 else slice(None)
+    part = total[..., rows, cols]
+    part += _sum_to(tile, part.shape)
