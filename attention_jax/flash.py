@@ -42,6 +42,9 @@ from attention_np.common import checks
 
 from .functional import _at_least_float32, _dtypes, _grouped, _integers, _prepare, _ranked, _ungrouped
 
+TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: the
+# loops' steps run one after another, each with a fixed cost; 128 x 128 ran twice as long as 256 x 512 at H=8
+
 
 def flash_attention(
     q: jax.Array,
@@ -57,8 +60,8 @@ def flash_attention(
     key_lengths: jax.Array | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
-    block_q: int = 128,
-    block_k: int = 128,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, tile by tile with the online softmax;
     lse = log sum_j exp(scores_ij) over the visible keys j.
@@ -66,8 +69,9 @@ def flash_attention(
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
-        block_q: queries per tile (the last tile may be shorter).
-        block_k: keys per tile (the last tile may be shorter).
+        block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
+            (checks.default_tiles within the backend's TILE_SCORES).
+        block_k: keys per tile (the last tile may be shorter); None: as for block_q.
 
     Returns:
         out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
@@ -92,8 +96,8 @@ def flash_attention_vjp(
     key_lengths: jax.Array | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
-    block_q: int = 128,
-    block_k: int = 128,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> tuple[jax.Array, jax.Array, Callable]:
     """P = exp(S - lse) recomputed tile by tile,  D = rowsum(dO * O),  dV += P^T dO,  dP = dO V^T,
     dS = P * (dP - D),  dQ += dS K * scale,  dK += dS^T Q * scale,  dbias = dS (with softcap, dQ and dK take
@@ -180,7 +184,8 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
 
 def _tiling(batch: tuple, L: int, S: int, scale: float, options: dict) -> _Tiling:
     """The static description of a problem of L queries and S keys (tiles no larger than the sequence)."""
-    return _Tiling(batch=batch, L=L, S=S, block_q=min(options["block_q"], L), block_k=min(options["block_k"], S),
+    block_q, block_k = checks.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
+    return _Tiling(batch=batch, L=L, S=S, block_q=min(block_q, L), block_k=min(block_k, S),
                    scale=scale, softcap=options["softcap"], is_causal=options["is_causal"],
                    window=checks.window(options["window"]))
 

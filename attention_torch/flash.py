@@ -36,6 +36,9 @@ from attention_np.common import checks
 from .functional import _cast, _dtypes, _grouped, _grouped_matmul, _integers, _prepare
 from .gradients import _grad, _leaf, _recording
 
+TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: each
+# tile costs about fifteen torch calls, each a fixed overhead and a fork and join of torch's threads
+
 
 def flash_attention(
     q: torch.Tensor,
@@ -51,8 +54,8 @@ def flash_attention(
     key_lengths: torch.Tensor | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
-    block_q: int = 128,
-    block_k: int = 128,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, tile by tile with the online softmax;
     lse = log sum_j exp(scores_ij) over the visible keys j.
@@ -60,8 +63,9 @@ def flash_attention(
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
-        block_q: queries per tile (the last tile may be shorter).
-        block_k: keys per tile (the last tile may be shorter).
+        block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
+            (checks.default_tiles within the backend's TILE_SCORES).
+        block_k: keys per tile (the last tile may be shorter); None: as for block_q.
 
     Returns:
         out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
@@ -87,8 +91,8 @@ def flash_attention_vjp(
     key_lengths: torch.Tensor | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
-    block_q: int = 128,
-    block_k: int = 128,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """P = exp(S - lse) recomputed tile by tile,  D = rowsum(dO * O),  dV += P^T dO,  dP = dO V^T,
     dS = P * (dP - D),  dQ += dS K * scale,  dK += dS^T Q * scale,  dbias = dS (with softcap, dQ and dK take
@@ -173,6 +177,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     L, S = q.shape[-2], k.shape[-2]
     shape = (*batch, L, S)  # the scores', never allocated
     _check_masks(mask, bias, shape)
+    block_q, block_k = checks.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
     work = torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: in float32
     q_offset = _integers(q_offset, "q_offset", batch).to(q.device)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch).to(q.device)
@@ -183,7 +188,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         bias_shape=None if bias is None else bias.shape,  # torch: dbias is summed to it tile by tile
         batch=batch, L=L, S=S, scale=scale, softcap=options["softcap"], work=work, empty=empty is not None,
         structure=dict(structure, q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
-        block_q=options["block_q"], block_k=options["block_k"], grouped=options["enable_gqa"],
+        block_q=block_q, block_k=block_k, grouped=options["enable_gqa"],
         offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.numel() else (0, 0),
         lengths=None if key_lengths is None or key_lengths.numel() == 0 else
         (int(key_lengths.min()), int(key_lengths.max())))

@@ -371,6 +371,36 @@ def test_long_targets_name_candidates_the_variant_makes() -> None:
         "attention_np flash causal gradient"}
 
 
+def test_targets_time_the_frameworks_a_target_compares_across_together() -> None:
+    def candidate(name: str, framework: str) -> timing.Candidate:
+        return timing.Candidate(name, "sdpa", lambda: None, lambda: None, framework)
+
+    candidates = [candidate("attention_np flash", "numpy"), candidate("jax plain", "jax"),
+                  candidate("attention_np", "numpy"), candidate("torch built-in", "torch")]
+    numpy_only = [variants.Target("numpy", "attention_np flash", ("attention_np",), "<=", 1.0)]
+    across = [*numpy_only, variants.Target("numpy", "attention_np flash", ("torch built-in",), "<=", 1.5)]
+    names = [[c.name for c in group] for group in timing.timed_together(candidates, numpy_only)]
+    assert names == [["attention_np flash", "attention_np"], ["jax plain"], ["torch built-in"]]
+    names = [[c.name for c in group] for group in timing.timed_together(candidates, across)]
+    assert names == [["attention_np flash", "attention_np", "torch built-in"], ["jax plain"]]
+
+
+def test_long_candidates_run_flash_attention_at_its_default_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the figures quoted for flash_attention are those a user gets from flash_attention(q, k, v)
+    calls = []
+
+    def record(*arrays, **keywords):
+        calls.append(keywords)
+        return arrays[0], None, lambda d_out: (d_out,)
+
+    monkeypatch.setattr(attention_np, "flash_attention", record)
+    monkeypatch.setattr(attention_np, "flash_attention_vjp", record)
+    problem = timing.Problem("sdpa", 1, 1, 32768, 64, (), {})  # above SCORES_LIMIT: flash_attention alone
+    for call, _, options in variants.long_calls("attention_np", attention_np, problem, {}, fused=False).values():
+        call(None, 1, 2, 3)
+        assert calls.pop() == dict(options)
+
+
 @pytest.mark.slow  # torch's rows start a process each
 def test_memory_rows_at_a_small_length_meet_the_bounds() -> None:
     from conformance.bench import memory

@@ -13,6 +13,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+from attention_np.common import checks
 from tests._compare import REORDERED, assert_close, converted
 from tests.conftest import import_backend
 
@@ -133,6 +134,28 @@ def test_vjp_equals_the_untiled_vjp(backend, tiles):
     assert np.all(backend.to_numpy(tiled(backend.asarray(d_out))[0])[:, :, 2] == 0)  # the blind query: exact zeros
 
 
+def test_numpy_threads_sum_a_broadcast_bias_gradient(monkeypatch):
+    # the tile workers at any size: they share dbias where their key tiles write apart, and each sums its own
+    # where the bias broadcasts along S, all of them writing its one column
+    M = import_backend("attention_np")
+    monkeypatch.setattr(M.flash, "PARALLEL_WORK", 0)
+    q, k, v = _random(2, 4, 9, 3), _random(2, 2, 11, 3, seed=1), _random(2, 2, 11, 2, seed=2)
+    d_out = _random(2, 4, 9, 2, seed=3)
+    for shape in ((11,), (4, 1, 11), (9, 1), (2, 1, 1, 1)):
+        options = {"bias": _random(*shape, seed=4), "is_causal": True, "enable_gqa": True}
+        _, _, untiled = M.scaled_dot_product_attention_vjp(q, k, v, **options)
+        _, _, tiled = M.flash_attention_vjp(q, k, v, block_q=2, block_k=3, **options)
+        *grads, dbias = tiled(d_out)
+        *expected, expected_dbias = untiled(d_out)
+        for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+            assert_close(got, want, RTOL, f"{name}, bias {shape}")
+        assert dbias.shape == shape
+        if shape[-1] != 1:
+            assert_close(dbias, expected_dbias, RTOL, f"dbias, bias {shape}")
+        else:  # constant along S: the softmax ignores it, and sum_j dS_ij = sum_j P_ij (dP_ij - D_i) = D_i - D_i = 0
+            assert np.max(np.abs(dbias)) < 1e-14, f"dbias, bias {shape}"
+
+
 def test_block_sizes_are_checked(backend):
     q = backend.asarray(_random(3, 2))
     for name, value in (("block_q", 0), ("block_k", -2), ("block_q", 1.5), ("block_k", True)):
@@ -140,27 +163,53 @@ def test_block_sizes_are_checked(backend):
             backend.flash_attention(q, q, q, **{name: value})
 
 
+def test_default_tiles_from_the_shapes(backend):
+    # block_k = 2 block_q, the largest power of two with batch * block_q * block_k <= 2^20 scores:
+    # batch 8: 8 * 256 * 512 = 2^20; batch 1: 512 * 1024 = 2^19 (1024 * 2048 = 2^21 is over); batch 32: 128 * 256
+    assert backend.flash.TILE_SCORES == 1 << 20
+    assert checks.default_tiles(None, None, (1, 8), 4096, 4096, 1 << 20) == (256, 512)
+    assert checks.default_tiles(None, None, (1,), 32768, 32768, 1 << 20) == (512, 1024)
+    assert checks.default_tiles(None, None, (4, 8), 1024, 1024, 1 << 20) == (128, 256)
+    assert checks.default_tiles(None, None, (2**16,), 9, 7, 1 << 20) == (9, 7)  # at least 16, at most the sequence
+    assert checks.default_tiles(3, None, (1, 8), 4096, 4096, 1 << 20) == (3, 512)  # an explicit tile kept
+    q, k, v = _random(2, 300, 4), _random(2, 700, 4, seed=1), _random(2, 700, 3, seed=2)
+    expected, _ = flash(backend, q, k, v, is_causal=True, block_q=300, block_k=700)  # one tile; the default 256 x 512
+    assert_close(flash(backend, q, k, v, is_causal=True)[0], expected, RTOL, "default tiles")
+
+
 def test_numpy_memory_grows_as_the_length():
     """tracemalloc's peak at L = S = 4096, H = 1, E = 64, float32: a few MiB of tiles and running sums beyond the
     inputs and results, where the scores alone would be 64 MiB, for the forward and for the backward pass, causal
-    or not (the benchmark measures L = 32768: python -m conformance compare --variant long)."""
+    or not (the benchmark measures L = 32768: python -m conformance compare --variant long). A padding bias of
+    shape (S,) keeps the backward's peak at the no-bias one plus its gradient, which has the bias's shape: the
+    tiles' dS are summed down to it as they are made, never held at (..., L, S) (64 MiB here)."""
     M = import_backend("attention_np")
     q, k, v = (_random(1, 4096, 64, seed=seed).astype(np.float32) for seed in range(3))
     d_out = _random(1, 4096, 64, seed=4).astype(np.float32)
-    for is_causal in (False, True):
+    padding = np.where(np.arange(4096) < 4000, 0.0, -np.inf).astype(np.float32)  # (S,): the last 96 keys hidden
+
+    def peaks(**options) -> tuple[int, int, tuple]:
         tracemalloc.start()
         try:
-            _, _, pullback = M.flash_attention_vjp(q, k, v, is_causal=is_causal, block_q=256, block_k=512)
+            _, _, pullback = M.flash_attention_vjp(q, k, v, block_q=256, block_k=512, **options)
             forward = tracemalloc.get_traced_memory()[1]
             tracemalloc.reset_peak()
             grads = pullback(d_out)
-            backward = tracemalloc.get_traced_memory()[1]
+            return forward, tracemalloc.get_traced_memory()[1], grads
         finally:
             tracemalloc.stop()
+
+    unbiased = {}
+    for is_causal in (False, True):
+        forward, unbiased[is_causal], grads = peaks(is_causal=is_causal)
         results = 2 * q.nbytes + sum(g.nbytes for g in grads[:3])  # out and lse, and the gradients with their
         # float32 copy of d_out; the rest is temporaries
         assert forward < results + 8 * 2**20, f"forward peak {forward / 2**20:.1f} MiB"
-        assert backward < results + 8 * 2**20, f"backward peak {backward / 2**20:.1f} MiB"
+        assert unbiased[is_causal] < results + 8 * 2**20, f"backward peak {unbiased[is_causal] / 2**20:.1f} MiB"
+    _, biased, grads = peaks(bias=padding)
+    assert grads[3].shape == padding.shape
+    assert biased < unbiased[False] + padding.nbytes + 2**20, (  # a MiB for the bias's tiles and their visibility
+        f"backward peak {biased / 2**20:.1f} MiB with a bias of shape (S,), {unbiased[False] / 2**20:.1f} MiB without")
 
 
 def test_jax_under_jit_grad_and_vmap_with_lax_loops():

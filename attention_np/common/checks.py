@@ -190,10 +190,24 @@ def probability(name: str, p: float) -> None:
 
 
 def tiles(block_q: object, block_k: object) -> None:
-    """flash_attention's tile sizes: positive integers (the last tile of each axis may be shorter)."""
+    """flash_attention's tile sizes: positive integers (the last tile of each axis may be shorter), or None, which
+    default_tiles chooses."""
     for name, size in (("block_q", block_q), ("block_k", block_k)):
-        if not (isinstance(size, int | np.integer) and not isinstance(size, bool) and size > 0):
-            raise ValueError(f"{name} must be a positive integer; got {size!r}")
+        if size is not None and not (isinstance(size, int | np.integer) and not isinstance(size, bool) and size > 0):
+            raise ValueError(f"{name} must be None or a positive integer; got {size!r}")
+
+
+def default_tiles(block_q: int | None, block_k: int | None, batch: Sequence[int], L: int, S: int,
+                  scores: int) -> tuple[int, int]:
+    """flash_attention's tiles, each None chosen from the shapes: block_k = 2 block_q, block_q the largest power of
+    two (at least 16) whose tile of scores over the batch, prod(batch) * block_q * block_k values, stays within
+    `scores`, the backend's budget, and neither larger than the sequence it cuts. Few large tiles: each tile
+    costs every backend a fixed number of calls, whatever its size (B=1, H=8, L=S=4096: 256 x 512)."""
+    rows = 16
+    while 2 * max(1, math.prod(batch)) * (2 * rows) ** 2 <= scores:
+        rows *= 2
+    return (min(rows, max(L, 1)) if block_q is None else block_q,
+            min(2 * rows, max(S, 1)) if block_k is None else block_k)
 
 
 def key_tiles(start: int, stop: int, S: int, block_k: int, *, is_causal: bool,

@@ -3,7 +3,8 @@ at a length where the scores could not be held, each backend measured its own wa
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width.
 
-At B = 1, H = 1, L = S = 32768, E = 64, float32, the (L, S) scores alone are 4 GiB. Measured beyond the inputs
+At B = 1, H = 1, L = S = 32768, E = 64, float32, the (L, S) scores alone are 4 GiB. flash_attention runs with
+its default tiles, as a user calls it (checks.default_tiles: 512 x 1024 at H = 1). Measured beyond the inputs
 and the results (out and lse; with the gradient also dq, dk, dv):
 - NumPy: tracemalloc's peak over the call (flash_attention; flash_attention_vjp's forward; its pullback).
 - JAX: the temporaries of XLA's memory plan of the jitted forward, and of jax.grad of sum(out) (compiled, not
@@ -26,7 +27,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..frameworks import framework_of
-from .variants import LONG_TILES
 
 L = 32768  # L = S
 E = 64
@@ -65,10 +65,9 @@ def _inputs(length: int, *, heads: int = 1) -> list[np.ndarray]:
 
 def _numpy(name: str, module: Any, length: int, flags: tuple[bool, ...], untiled: bool) -> list[MemoryRow]:
     q, k, v, d_out = _inputs(length)
-    tiles = dict(zip(("block_q", "block_k"), LONG_TILES["numpy"], strict=True))
     rows = []
     for causal in flags:
-        options = dict(is_causal=causal, **tiles)
+        options = dict(is_causal=causal)
         forward = _traced(functools.partial(module.flash_attention, q, k, v, **options))
         rows.append(MemoryRow(name, "forward", causal, "tracemalloc", forward / MIB, TARGETS["forward"]))
         vjp, (out, lse, pullback) = _traced_result(functools.partial(module.flash_attention_vjp, q, k, v, **options))
@@ -103,13 +102,12 @@ def _jax(name: str, module: Any, length: int, flags: tuple[bool, ...], untiled: 
     import jax
     import jax.numpy as jnp
 
-    block_q, block_k = LONG_TILES["jax"]
     rows = []
     for causal in flags:
         q, k, v = (jax.ShapeDtypeStruct((1, 1, length, E), jnp.float32) for _ in range(3))
 
         def forward(q: Any, k: Any, v: Any, causal: bool = causal) -> Any:
-            return module.flash_attention(q, k, v, is_causal=causal, block_q=block_q, block_k=block_k)
+            return module.flash_attention(q, k, v, is_causal=causal)
 
         def loss(q: Any, k: Any, v: Any, causal: bool = causal) -> Any:
             return jnp.sum(forward(q, k, v, causal)[0])
@@ -147,14 +145,14 @@ print(json.dumps(status("VmHWM:") - before - out.nbytes))
 
 TORCH_SCRIPT = """
 import json, sys, torch, {module}
-length, E, causal, call, block_q, block_k = {length}, {E}, {causal}, {call!r}, {block_q}, {block_k}
+length, E, causal, call = {length}, {E}, {causal}, {call!r}
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 torch.manual_seed(0)
 q, k, v, d_out = (torch.randn(1, 1, length, E) for _ in range(4))
-tiles = dict(is_causal=causal, block_q=block_q, block_k=block_k)
+tiles = dict(is_causal=causal)  # the default tiles
 out, lse, pullback = {module}.flash_attention_vjp(*(x[..., :300, :] for x in (q, k, v)), **tiles)  # warm-up
 pullback(d_out[..., :300, :])
 del out, lse, pullback
@@ -170,12 +168,10 @@ print(json.dumps(status("VmHWM:") - before - sum(x.numel() * x.element_size() fo
 
 
 def _torch(name: str, module: Any, length: int, flags: tuple[bool, ...], untiled: bool) -> list[MemoryRow]:
-    block_q, block_k = LONG_TILES["torch"]
     rows = []
     for causal in flags:
         for call in ("forward", "gradient"):
-            script = TORCH_SCRIPT.format(module=module.__name__, length=length, E=E, causal=causal, call=call,
-                                         block_q=block_q, block_k=block_k)
+            script = TORCH_SCRIPT.format(module=module.__name__, length=length, E=E, causal=causal, call=call)
             done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
             mib = json.loads(done.stdout) / MIB if done.returncode == 0 else None
             note = "" if done.returncode == 0 else done.stderr.strip().splitlines()[-1]

@@ -189,7 +189,7 @@ def measure(candidates: Sequence[Candidate], *, repeats: int, warmup: int = 1) -
 
     Interleave candidates of one framework only: a framework's idle threads spin for a while after each
     call (OpenMP, OpenBLAS, XLA's pool), and on a machine with few cores they slow the next framework's call
-    by ten times and more."""
+    by ten times and more; targets() joins only frameworks that a target compares across (timed_together)."""
     for candidate in candidates:
         for _ in range(warmup):
             candidate.run()
@@ -281,14 +281,28 @@ def targets(*, variant: Variant, L: int | None = None, repeats: int = 10, device
             candidates = make_candidates(problem, backends, dtype="float32", devices=devices, wanted=wanted,
                                          calls=variant.calls)
             measured: dict[str, dict[str, float | None]] = {"time": {}}
-            for framework in dict.fromkeys(c.framework for c in candidates):  # interleaved within a framework
-                group = [c for c in candidates if c.framework == framework]
+            for group in timed_together(candidates, mine):
                 measured["time"] |= {c.name: 1e3 * seconds
                                      for c, seconds in zip(group, measure(group, repeats=repeats), strict=True)}
             if any(COMPARISONS[target.compared].quantity == "peak" for target in mine):  # one more call each
                 measured["peak"] = {c.name: _mib(c.peak()) for c in candidates}
             rows += [target_row(target, problem, variant.name, measured) for target in mine]
     return rows
+
+
+def timed_together(candidates: Sequence[Candidate], targets: Sequence[Target]) -> list[list[Candidate]]:
+    """The candidates in the groups `measure` interleaves: one per framework, but the frameworks that a target
+    compares across (NumPy's flash_attention against torch's kernel) in one group, so that its ratio is of
+    calls made under the same load. On the 2-core machine shared with other jobs, the same code timed in two
+    groups in two runs gave 1.08 and 2.66; NumPy's call took what it took after its own (535 ms) after
+    torch's (523 ms, B=1, H=8, L=S=4096): no idle threads of torch's slow it."""
+    framework = {c.name: c.framework for c in candidates}
+    group_of = {c.framework: c.framework for c in candidates}  # framework -> the first framework of its group
+    for target in targets:
+        joined = {group_of[framework[name]] for name in (target.numerator, *target.denominators) if name in framework}
+        first = min(joined, key=list(group_of).index, default=None)
+        group_of = {kind: first if group in joined else group for kind, group in group_of.items()}
+    return [[c for c in candidates if group_of[c.framework] == group] for group in dict.fromkeys(group_of.values())]
 
 
 def target_row(target: Target, problem: Problem, variant: str,

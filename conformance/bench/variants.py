@@ -154,9 +154,6 @@ WINDOW_VARIANT = timing.Variant(
 
 # --- long: tiled attention ---------------------------------------------------------------------------------
 
-# flash_attention's tiles in the benchmark (block_q, block_k), the fastest measured on the 2-core machine of the
-# README at L = S = 4096, H = 8 (docs/performance.md); the suite checks every tile size from 1 to 7 and more
-LONG_TILES = {"numpy": (256, 512), "jax": (256, 512), "torch": (256, 512)}
 SCORES_LIMIT = 2**30  # bytes: the untiled candidates run where the (B, H, L, S) float32 scores fit in 1 GiB
 CAUSAL = (("is_causal", True),)
 
@@ -164,13 +161,12 @@ CAUSAL = (("is_causal", True),)
 def long_calls(name: str, module: ModuleType, problem: Problem, state: dict[str, Any],
                *, fused: bool) -> dict[str, Call]:
     """Our flash_attention, full and causal, and its gradient (flash_attention_vjp, then the pullback with q as
-    the cotangent: the forward and backward passes, as jax.grad runs them); beside, where the scores fit in
-    SCORES_LIMIT, our fast path and torch's F.scaled_dot_product_attention, full and causal."""
-    block_q, block_k = LONG_TILES[framework_of(module).name]
-    tiles = {"block_q": block_q, "block_k": block_k}
+    the cotangent: the forward and backward passes, as jax.grad runs them), each at its default tiles, as a user
+    calls it; beside, where the scores fit in SCORES_LIMIT, our fast path and torch's
+    F.scaled_dot_product_attention, full and causal."""
     found: dict[str, Call] = {}
     for label, options in (("", ()), (" causal", CAUSAL)):
-        keywords = dict(options) | tiles
+        keywords = dict(options)  # no block_q, block_k: the defaults
 
         def forward(_: None, q: Any, k: Any, v: Any, keywords: dict = keywords) -> Any:
             return module.flash_attention(q, k, v, **keywords)
@@ -217,8 +213,8 @@ LONG_RATIOS = tuple(Target(framework, f"{name} flash{label}", (f"{name}{label}",
 
 LONG = timing.Variant(
     "long", ("sdpa",), {"B": 1, "H": 1, "E": 64}, timing.make_problem, long_calls, LONG_TARGETS,
-    describe=lambda B, H, E: f"B={B}, H={H}, E={E}: flash_attention (tiles {LONG_TILES['numpy']}) beside the "
-                             "untiled fast paths where the scores fit in 1 GiB",
+    describe=lambda B, H, E: f"B={B}, H={H}, E={E}: flash_attention (default tiles) beside the untiled fast "
+                             "paths where the scores fit in 1 GiB",
     target_L=4096, ratios=LONG_RATIOS, target_dims={"B": 1, "H": 8, "E": 64}, sizes=(1024, 2048, 4096, 8192, 16384,
                                                                                      32768),
     reference=long_reference)
