@@ -65,18 +65,19 @@ def run(names: Sequence[str], *, jobs: int = 1, suite_too: bool = True, done: Ca
     names = list(modules)
     if jobs == 1:  # one after the other, in this process
         measured = [measure_one(name) for name in names]
-        reports = [suite.timed_check(name, **options) if suite_too else (None, 0.0) for name in names]
+        reports = [suite.timed_check(name, **options) if suite_too else (None, suite.Timing(0.0, 0.0))
+                   for name in names]
     else:
         with concurrent.futures.ProcessPoolExecutor(min(jobs, len(names) or 1),
                                                     mp_context=multiprocessing.get_context("spawn")) as pool:
             measured = list(pool.map(measure_one, names))
         reports = suite.reports_in_parts(names, jobs=jobs, done=done, **options) if suite_too and names else \
-            [(None, 0.0)] * len(names)
+            [(None, suite.Timing(0.0, 0.0))] * len(names)
     columns = []
-    for name, (title, cells, seconds), (report, suite_seconds) in zip(names, measured, reports, strict=True):
+    for name, (title, cells, seconds), (report, suite_timing) in zip(names, measured, reports, strict=True):
         if report is not None:
             cells = cells | {SUITE: suite_cell(report)}
-        columns.append(Column(name, title, cells, seconds + suite_seconds, report))
+        columns.append(Column(name, title, cells, seconds + suite_timing.wall, report))
     return Matrix(columns, skipped, versions())
 
 

@@ -333,3 +333,14 @@ def test_linear_heads_form_no_weights_and_no_weights_rows_measure():
                                    MultiHeadAttention=WeightsAnyway)
     values = checks.against_oracle(checks.Runner(module), case, "float64")["values"]
     assert values.error == math.inf and "returned where the case forms none" in values.detail
+
+
+def test_timed_check_reports_wall_and_cpu_seconds():
+    # the main job prints each backend's CPU seconds from these (scripts/budget.sh reads them): the check's own,
+    # within what this process spent around the call (a clock started with the process would count far more)
+    before = suite.cpu_seconds()
+    report, timing = suite.timed_check("attention_np", operations=("decode",), contract=False)
+    around = suite.cpu_seconds() - before
+    assert report.passed and 0 < timing.cpu <= around and timing.wall > 0
+    joined = suite._joined([(report, timing), (report, suite.Timing(1.0, 2.0))])[1]
+    assert joined == suite.Timing(timing.wall + 1.0, timing.cpu + 2.0)
