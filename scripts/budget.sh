@@ -26,7 +26,16 @@ checkout=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 head=$(git -C "$checkout" rev-parse HEAD)
 scratch=$(mktemp -d)
 if ((keep)); then trap 'echo "kept: $scratch"' EXIT; else trap 'rm -rf "$scratch"' EXIT; fi
-TIMEFORMAT='%R %U %S'  # bash's `time`: wall, then user and system CPU of the command and every process it waited for
+# python3 FILE COMMAND...: runs COMMAND, writes its wall seconds and the CPU seconds (user + system) of it and every
+# process it waited for (a pool's workers too) to FILE, exits with its status
+RUSAGE='
+import resource, subprocess, sys, time
+start = time.perf_counter()
+status = subprocess.call(sys.argv[2:])
+children = resource.getrusage(resource.RUSAGE_CHILDREN)
+with open(sys.argv[1], "w") as file:
+    print(f"{time.perf_counter() - start:.1f} {children.ru_utime + children.ru_stime:.1f}", file=file)
+sys.exit(status)'
 rows=()                # the table: "what|measured|target"
 failed=0
 
@@ -42,15 +51,14 @@ run_steps() { readme_command "$1" | sed 's/ && /\n/g' | grep -v -E -- '-m venv|p
 
 # timed NAME COMMAND: runs COMMAND in the clone, its output in NAME.log; sets wall, cpu; counts a failure.
 timed() {
-    local name=$1 command=$2 seconds
+    local name=$1 command=$2 status=0
     echo "== $name: $command" >&2
-    if { time (cd "$scratch/clone" && bash -c "$command") > "$scratch/$name.log" 2>&1; } 2> "$scratch/$name.time"; then
-        :
-    else
-        echo "   FAILED (exit $?): the end of its output:" >&2; tail -n 20 "$scratch/$name.log" >&2; failed=1
+    (cd "$scratch/clone" && python3 -c "$RUSAGE" "$scratch/$name.time" bash -c "$command") > "$scratch/$name.log" 2>&1 ||
+        status=$?
+    if ((status)); then
+        echo "   FAILED (exit $status); the end of its output:" >&2; tail -n 20 "$scratch/$name.log" >&2; failed=1
     fi
-    read -r -a seconds < <(tail -n 1 "$scratch/$name.time")
-    wall=${seconds[0]} cpu=$(awk -v u="${seconds[1]}" -v s="${seconds[2]}" 'BEGIN {printf "%.1f", u + s}')
+    read -r wall cpu < "$scratch/$name.time"
     echo "   wall $wall s, CPU $cpu s" >&2
 }
 
