@@ -134,8 +134,8 @@ def _check(args: argparse.Namespace) -> int:
     reports = (suite.reports_in_parts(list(modules), operations=operations, jobs=jobs, done=_done,
                                       **_options(args)) if jobs > 1 else
                [_report(module, args, operations) for module in modules.values()])
-    for name, (report, seconds) in zip(modules, reports, strict=True):
-        print(f"{name}: {seconds:.1f} s" + "".join(f"; {s}" for s in report.settings))
+    for name, (report, timing) in zip(modules, reports, strict=True):  # wall: its parts' seconds, summed
+        print(f"{name}: {timing.wall:.1f} s, CPU {timing.cpu:.1f} s" + "".join(f"; {s}" for s in report.settings))
     reports = [report for report, _ in reports]
     print()
     print(suite.format_side_by_side(reports) if args.command != "check" else
@@ -201,14 +201,14 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _report(module: ModuleType, args: argparse.Namespace, operations: Sequence[str]) -> tuple[Any, float]:
-    """One module's report and the seconds it took, with a progress bar on stderr."""
+def _report(module: ModuleType, args: argparse.Namespace, operations: Sequence[str]) -> tuple[Any, Any]:
+    """One module's report and the time it took (suite.Timing), with a progress bar on stderr."""
     from . import suite
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), suite.cpu_seconds()
     with _progress(suite.planned(module, operations, profile=args.profile, max_examples=args.max_examples)) as tell:
         report = suite.check(module, operations=operations, progress=tell, **_options(args))
-    return report, time.perf_counter() - start
+    return report, suite.Timing(time.perf_counter() - start, suite.cpu_seconds() - cpu)
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

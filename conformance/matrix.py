@@ -69,7 +69,7 @@ def run(names: Sequence[str], *, jobs: int = 1, suite_too: bool = True, done: Ca
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
         measured = list(pool.map(measure_one, names))
     reports = suite.reports_in_parts(names, jobs=jobs, done=done, **options) if suite_too and names else \
-        [(None, 0.0)] * len(names)
+        [(None, suite.Timing(0.0, 0.0))] * len(names)
     return Matrix([_column(name, *parts) for name, *parts in zip(names, measured, reports, strict=True)], skipped,
                   versions())
 
@@ -78,14 +78,15 @@ def column(name: str, *, suite_too: bool = True, **options: Any) -> Column:
     """One module's column, measured in this process: its rules and (suite_too) its suite report."""
     from . import suite
 
-    return _column(name, measure_one(name), suite.timed_check(name, **options) if suite_too else (None, 0.0))
+    timed = suite.timed_check(name, **options) if suite_too else (None, suite.Timing(0.0, 0.0))
+    return _column(name, measure_one(name), timed)
 
 
-def _column(name: str, measured: tuple[str, dict[str, rules.Cell], float], timed: tuple[Any, float]) -> Column:
-    """The column of measure_one's (title, cells, seconds) and the suite's (report, seconds), or (None, 0.0)."""
-    (title, cells, seconds), (report, suite_seconds) = measured, timed
+def _column(name: str, measured: tuple[str, dict[str, rules.Cell], float], timed: tuple[Any, Any]) -> Column:
+    """The column of measure_one's (title, cells, seconds) and the suite's (report, Timing), or (None, zero)."""
+    (title, cells, seconds), (report, timing) = measured, timed
     return Column(name, title, cells if report is None else cells | {SUITE: suite_cell(report)},
-                  seconds + suite_seconds, report)
+                  seconds + timing.wall, report)
 
 
 def suite_cell(report: Any) -> rules.Cell:

@@ -13,6 +13,8 @@ import contextlib
 import importlib
 import math
 import multiprocessing
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
@@ -255,24 +257,43 @@ def _cannot_run(runner: Runner, group: Group, dtype: str) -> str | None:
     return f"no {lacking[0]}" if lacking else runner.declaration.reason(dtype, *group.needs) or _unnamed(dtype)
 
 
-def timed_check(name: str, **options: Any) -> tuple[Report, float]:
-    """`check(name, **options)` and the seconds it took: what `python -m conformance --jobs N` runs in each
+class Timing(NamedTuple):
+    """The seconds a check took: by the wall clock, and of CPU (user + system time of its process, all threads,
+    and of the processes it started and waited for: torch's ring peers)."""
+
+    wall: float
+    cpu: float
+
+
+def cpu_seconds() -> float:
+    """User + system seconds of this process and of its waited-for children, so far."""
+    if sys.platform == "win32":  # no resource module; children are not counted
+        return time.process_time()
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def timed_check(name: str, **options: Any) -> tuple[Report, Timing]:
+    """`check(name, **options)` and the time it took: what `python -m conformance --jobs N` runs in each
     process of its own (a module object cannot cross a process boundary; its name can)."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     report = check(name, **options)
-    return report, time.perf_counter() - start
+    return report, Timing(time.perf_counter() - start, cpu_seconds() - cpu)
 
 
 def reports_in_parts(names: Sequence[str], *, operations: Sequence[str] = tuple(OPERATIONS), jobs: int,
-                     done: Callable[[str], None] | None = None, **options: Any) -> list[tuple[Report, float]]:
-    """Each module's (report, seconds), up to `jobs` parts checked at once in processes of their own (spawned,
+                     done: Callable[[str], None] | None = None, **options: Any) -> list[tuple[Report, Timing]]:
+    """Each module's (report, timing), up to `jobs` parts checked at once in processes of their own (spawned,
     so no framework state is shared with this one). A part is one module's one operation (the first also checks
     the contract's tables): JAX compiles every case, so its parts take several workers while NumPy and torch
-    fill the gaps. The parts of a module, joined in order, are its report; its seconds, the sum of its parts'.
+    fill the gaps. The parts of a module, joined in order, are its report; its timing, the sum of its parts'.
     done(name) is told when a module's last part is done; options go to `check`."""
     context = multiprocessing.get_context("spawn")
     parts = [(name, operation, index == 0) for index, operation in enumerate(operations) for name in names]
-    with concurrent.futures.ProcessPoolExecutor(max(1, min(jobs, len(parts))), mp_context=context) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max(1, min(jobs, len(parts))), mp_context=context,
+                                                initializer=_one_thread_each) as pool:
         futures = {pool.submit(timed_check, name, operations=(operation,), contract=contract, **options): name
                    for name, operation, contract in parts}
         left = collections.Counter(name for name, _, _ in parts)
@@ -284,10 +305,21 @@ def reports_in_parts(names: Sequence[str], *, operations: Sequence[str] = tuple(
     return [_joined([result for part, result in results if part == name]) for name in names]
 
 
-def _joined(parts: list[tuple[Report, float]]) -> tuple[Report, float]:
-    """One report of a module's parts, in order, and the seconds they took together."""
+def _one_thread_each() -> None:
+    """A worker of `reports_in_parts` has a core's share of the machine and its cases are tiny: torch's OpenMP
+    threads there only spin and wait on each other, so torch computes on the worker's own thread. Measured on 2
+    busy cores: torch's block part 9-11 s of CPU with its default threads, 2.0-2.5 s with one (its sdpa part
+    4.3-4.6 s, 2.5-3.4 s). JAX's threads (async dispatch, XLA's Eigen pool) were measured and left as they are:
+    no difference beyond the noise. A value the user set in the environment is kept."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torch: read when torch loads, which it has not yet here
+
+
+def _joined(parts: list[tuple[Report, Timing]]) -> tuple[Report, Timing]:
+    """One report of a module's parts, in order, and the time they took together (a worker's start-up, before
+    its first part, is in no part's: the run's whole CPU time is larger than its modules' sum)."""
     first = parts[0][0]
-    return first._replace(rows=[row for report, _ in parts for row in report.rows]), sum(s for _, s in parts)
+    return (first._replace(rows=[row for report, _ in parts for row in report.rows]),
+            Timing(sum(timing.wall for _, timing in parts), sum(timing.cpu for _, timing in parts)))
 
 
 @contextlib.contextmanager

@@ -392,3 +392,14 @@ def test_tests_read_the_float64_tolerance_of_reordered_math_from_the_table():
            for number, line in enumerate(path.read_text().splitlines(), 1)
            if re.match(r"\s*\w*TOL\w*\s*=\s*1e-12\b", line)]
     assert not own, own
+
+
+def test_timed_check_reports_wall_and_cpu_seconds():
+    # the main job prints each backend's CPU seconds from these (scripts/budget.sh reads them): the check's own,
+    # within what this process spent around the call (a clock started with the process would count far more)
+    before = suite.cpu_seconds()
+    report, timing = suite.timed_check("attention_np", operations=("decode",), contract=False)
+    around = suite.cpu_seconds() - before
+    assert report.passed and 0 < timing.cpu <= around and timing.wall > 0
+    joined = suite._joined([(report, timing), (report, suite.Timing(1.0, 2.0))])[1]
+    assert joined == suite.Timing(timing.wall + 1.0, timing.cpu + 2.0)

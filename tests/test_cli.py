@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -43,6 +44,7 @@ def test_default_run_passes_and_names_each_importable_backend(tmp_path: pathlib.
     for name in BUILT_IN:
         if _importable(name):
             assert name in header.split(), f"{name} imports but is not a column of:\n{result.stdout}"
+            assert re.search(rf"^{name}: [0-9.]+ s, CPU [0-9.]+ s", result.stdout, re.MULTILINE), result.stdout
             assert reports[name]["passed"] is True and reports[name]["seed"] == 7 and f"checked {name}" in result.stderr
             rows = reports[name]["rows"]
             assert {row["operation"] for row in rows} == {*CONTRACT_TABLES, *OPERATIONS}
