@@ -8,7 +8,7 @@
     python -m conformance docs --write|--check [--jobs N]         the README's generated tables, measured afresh
 
 Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH, --jobs N, --devices P (ring attention on
-P simulated devices); check: --operations OP,...
+P simulated devices); without a command and with check: --operations OP,...; check: --checks CHECK,...
 The exit code is 0 only when every check passes on every module (frameworks: when every built-in measured;
 docs --check: when every generated table equals what the docs show).
 """
@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command")
     check = commands.add_parser("check", parents=[options], help="check the named modules")
     check.add_argument("modules", nargs="+", metavar="MODULE", help="an importable module implementing the contract")
-    check.add_argument("--operations", type=_operations, default=tuple(OPERATIONS), metavar="OP,...",
-                       help=f"only these of {','.join(OPERATIONS)} (default: all; a module's missing ones are SKIP)")
+    for checking in (parser, check):  # the side-by-side run and check
+        checking.add_argument("--operations", type=_operations, default=tuple(OPERATIONS), metavar="OP,...",
+                              help=f"only these of {','.join(OPERATIONS)} (default: all; a module's missing ones "
+                                   "are SKIP)")
     check.add_argument("--checks", type=_measures, default=None, metavar="CHECK,...",
                        help="only the groups and tables that report these checks (the report's check column: "
                             "values, gradients, edge_cases, ...; default: all)")
@@ -130,7 +132,7 @@ def _check(args: argparse.Namespace) -> int:
         return 1
     print(f"profile {args.profile}, seed {args.seed}" + (f", {args.max_examples} examples per check"
                                                          if args.max_examples else ""))
-    jobs, operations = args.jobs or os.cpu_count() or 1, getattr(args, "operations", tuple(OPERATIONS))
+    jobs, operations = args.jobs or os.cpu_count() or 1, args.operations
     reports = (suite.reports_in_parts(list(modules), operations=operations, jobs=jobs, done=_done,
                                       **_options(args)) if jobs > 1 else
                [_report(module, args, operations) for module in modules.values()])

@@ -28,6 +28,14 @@ def test_main_job_runs_the_conformance_report() -> None:
     assert _blocks("bash")[0].strip().endswith("python -m conformance")
 
 
+def test_ci_runs_the_whole_main_job_from_the_wheel() -> None:
+    # the tests run two of the main job's operations (test_cli.py); CI runs all of it, as the wheel's user does
+    ci = (ROOT / ".ci" / "run").read_text()
+    wheel_check = ci[ci.index("wheel_check() {"):ci.index("\n}\n", ci.index("wheel_check() {"))]
+    assert re.search(r"venv/bin/python -m conformance\)?$", wheel_check, flags=re.MULTILINE), wheel_check
+    assert re.search(r"^wheel_check$", ci, flags=re.MULTILINE)
+
+
 MODULE_FILE = docs.KERNEL_FILE  # a block that is a module to check
 
 
