@@ -40,6 +40,15 @@ def _quick_jax_compiles() -> None:
 _quick_jax_compiles()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that run JAX are slow: XLA compiles each program a test runs (a second or more on 2 cores), the
+    larger part of the whole run, so `pytest -m "not slow"`, the everyday loop, leaves them out. A test runs JAX
+    when its id names it: the JAX backend's parameter, or JAX in the test's or its file's name."""
+    for item in items:
+        if "jax" in item.nodeid.lower():
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     try:
         import jax
