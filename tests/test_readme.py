@@ -36,6 +36,15 @@ def test_ci_runs_the_whole_main_job_from_the_wheel() -> None:
     assert re.search(r"^wheel_check$", ci, flags=re.MULTILINE)
 
 
+def test_the_budgets_quoted_are_those_the_performance_page_records() -> None:
+    # the README quotes scripts/budget.sh's figures; docs/performance.md holds the dated runs they come from
+    quoted = README[README.index("scripts/budget.sh"):README.index("says what each test file guards")]
+    page = (ROOT / "docs" / "performance.md").read_text()
+    budgets = page[page.index("## Budgets"):]
+    figures = re.findall(r"\d+\.\d+", quoted)
+    assert len(figures) >= 5 and all(f"{figure} s" in budgets for figure in figures), (figures, quoted)
+
+
 MODULE_FILE = docs.KERNEL_FILE  # a block that is a module to check
 
 
