@@ -9,7 +9,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import assert_close
+from tests._compare import REORDERED, assert_close
 from tests.conftest import import_backend
 
 D, H, F, B, L = 8, 2, 16, 2, 5  # d_model, heads, d_ff, batch, positions
@@ -66,7 +66,7 @@ def test_jax_jit_output_equals_eager(kind: str):
 
     f, module, (x, mask) = _apply(M, kind), _model(M, kind), _inputs(M)
     for a, b in zip(jax.jit(f)(module, x, mask), f(module, x, mask), strict=True):
-        assert_close(np.asarray(a), np.asarray(b), 1e-12, f"jit {kind}")
+        assert_close(np.asarray(a), np.asarray(b), REORDERED, f"jit {kind}")
 
 
 @pytest.mark.parametrize("need_weights", [True, False], ids=["explicit", "fast"])
@@ -83,7 +83,7 @@ def test_jax_jit_takes_a_float_mask_the_function_captures(need_weights: bool):
     jitted = jax.jit(lambda x: attention_jax.scaled_dot_product_attention(x, x, x, mask,
                                                                         need_weights=need_weights)[0])
     expected, _ = attention_jax.scaled_dot_product_attention(x, x, x, is_causal=True)
-    assert_close(np.asarray(jitted(x)), np.asarray(expected), 1e-12, "captured float mask")
+    assert_close(np.asarray(jitted(x)), np.asarray(expected), REORDERED, "captured float mask")
 
 
 @pytest.mark.parametrize("kind", ["mha", "block"])
@@ -95,7 +95,7 @@ def test_jax_jit_in_training_mode_draws_the_same_dropout_as_eager(kind: str):
     module = _model(M, kind).train()
     rng = jax.random.key(0)
     jitted, eager = jax.jit(f)(module, x, mask, rng)[0], f(module, x, mask, rng)[0]
-    assert_close(np.asarray(jitted), np.asarray(eager), 1e-12, f"jit {kind} training")
+    assert_close(np.asarray(jitted), np.asarray(eager), REORDERED, f"jit {kind} training")
     assert not np.allclose(np.asarray(eager), np.asarray(f(module.eval(), x, mask)[0]))  # dropout was on
 
 
@@ -148,7 +148,7 @@ def test_jax_vmap_over_the_batch_equals_the_batched_call(kind: str):
     f, module, (x, mask) = _apply(M, kind), _model(M, kind), _inputs(M)
     mapped = jax.vmap(f, in_axes=(None, 0, 0))(module, x, mask)  # one sequence (L, D) at a time
     for a, b in zip(mapped, f(module, x, mask), strict=True):
-        assert_close(np.asarray(a), np.asarray(b), 1e-12, f"vmap {kind}")
+        assert_close(np.asarray(a), np.asarray(b), REORDERED, f"vmap {kind}")
 
 
 @pytest.mark.parametrize("kind", ["mha", "block"])
@@ -162,7 +162,7 @@ def test_jax_vmap_over_stacked_modules_runs_each_module(kind: str):
     stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), first, second)  # one module, leaves (2, ...)
     out = jax.vmap(f, in_axes=(0, 0, 0))(stacked, x, mask)[0]  # module b on sequence b
     for b, module in enumerate((first, second)):
-        assert_close(np.asarray(out[b]), np.asarray(f(module, x[b], mask[b])[0]), 1e-12, f"module {b}")
+        assert_close(np.asarray(out[b]), np.asarray(f(module, x[b], mask[b])[0]), REORDERED, f"module {b}")
 
 
 # --- torch ----------------------------------------------------------------------------------------

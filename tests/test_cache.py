@@ -12,7 +12,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import assert_close
+from tests._compare import REORDERED, assert_close
 from tests.conftest import import_backend
 
 B, L, D, H, F = 2, 7, 8, 2, 16
@@ -64,9 +64,9 @@ def test_mha_extend_equals_one_causal_pass(backend: ModuleType, sizes, options):
     x_q, x_kv = _random(B, L, D, seed=1), _random(B, L, D, seed=2)  # the queries' and keys' inputs differ
     full, full_weights = mha(*(backend.asarray(x) for x in (x_q, x_kv, x_kv)), backend.causal_mask(L, L))
     out, weights, cache = _extended(backend, mha, [x_q, x_kv], sizes, capacity=L + 3)
-    assert_close(out, backend.to_numpy(full), 1e-12, "out")
+    assert_close(out, backend.to_numpy(full), REORDERED, "out")
     assert weights.shape == (B, H, L, L + 3)
-    assert_close(weights[..., :L], backend.to_numpy(full_weights), 1e-12, "weights")
+    assert_close(weights[..., :L], backend.to_numpy(full_weights), REORDERED, "weights")
     np.testing.assert_array_equal(weights[..., L:], 0)  # the positions not yet filled
     assert int(cache.length) == L
 
@@ -79,8 +79,8 @@ def test_block_extend_equals_one_causal_pass(backend: ModuleType, sizes, options
     x = _random(B, L, D, seed=3)
     full, full_weights = block(backend.asarray(x), backend.causal_mask(L, L))
     out, weights, _ = _extended(backend, block, [x], sizes, capacity=L)
-    assert_close(out, backend.to_numpy(full), 1e-12, "out")
-    assert_close(weights, backend.to_numpy(full_weights), 1e-12, "weights")
+    assert_close(out, backend.to_numpy(full), REORDERED, "out")
+    assert_close(weights, backend.to_numpy(full_weights), REORDERED, "weights")
 
 
 def test_a_mask_hides_cached_keys_too(backend: ModuleType):
@@ -94,7 +94,7 @@ def test_a_mask_hides_cached_keys_too(backend: ModuleType):
         out, _, cache = mha.extend(backend.asarray(x[:, chunk]), backend.asarray(x[:, chunk]), cache,
                                    backend.asarray(mask))
         outs.append(backend.to_numpy(out))
-    assert_close(np.concatenate(outs, axis=-2), backend.to_numpy(full), 1e-12, "masked")
+    assert_close(np.concatenate(outs, axis=-2), backend.to_numpy(full), REORDERED, "masked")
 
 
 def test_without_weights(backend: ModuleType):
@@ -103,7 +103,7 @@ def test_without_weights(backend: ModuleType):
     out, weights, cache = block.extend(x, block.init_cache((B,), 5), need_weights=False)
     assert weights is None and int(cache.length) == 3
     expected, _ = block(x, backend.causal_mask(3, 3))
-    assert_close(backend.to_numpy(out), backend.to_numpy(expected), 1e-12, "fast path")
+    assert_close(backend.to_numpy(out), backend.to_numpy(expected), REORDERED, "fast path")
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's invalid-value warnings on the NaN it spreads
@@ -129,7 +129,7 @@ def test_a_non_finite_position_spreads_alike_with_and_without_weights(backend: M
         results[need_weights] = np.concatenate(outs, axis=-2)
     assert np.isnan(results[True][0, position:]).all() and not np.isnan(results[True][0, :first]).any()
     assert not np.isnan(results[True][1]).any()
-    assert_close(results[False], results[True], 1e-12, "without weights")
+    assert_close(results[False], results[True], REORDERED, "without weights")
 
 
 def test_init_cache_shapes_and_dtype(backend: ModuleType):
@@ -154,8 +154,8 @@ def test_init_cache_makes_rope_tables_of_every_position(backend: ModuleType):
     cache = _module(backend, "mha", rope_theta=10.0).init_cache((B,), 5)
     cos, sin = (backend.to_numpy(table) for table in cache.rope)
     angles = np.arange(5)[:, None] * np.array([1.0, 10.0 ** -0.5])  # (capacity, 2)
-    assert_close(cos, np.cos(angles)[:, [0, 1, 0, 1]], 1e-12, "cos")
-    assert_close(sin, np.sin(angles)[:, [0, 1, 0, 1]] * [-1, -1, 1, 1], 1e-12, "sin: each pair's first negated")
+    assert_close(cos, np.cos(angles)[:, [0, 1, 0, 1]], REORDERED, "cos")
+    assert_close(sin, np.sin(angles)[:, [0, 1, 0, 1]] * [-1, -1, 1, 1], REORDERED, "sin: each pair's first negated")
     assert _module(backend, "mha").init_cache((B,), 5).rope is None
 
 
@@ -170,7 +170,7 @@ def test_a_cache_built_by_hand_has_no_tables_and_gives_the_same_outputs(backend:
         out, _, cache = block.extend(backend.asarray(x[:, chunk]), cache)
         outs.append(backend.to_numpy(out))
     assert cache.rope is None
-    assert_close(np.concatenate(outs, axis=-2), made, 1e-12, "hand-built cache")
+    assert_close(np.concatenate(outs, axis=-2), made, REORDERED, "hand-built cache")
 
 
 # ---- errors, the same on every backend
@@ -244,14 +244,14 @@ def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole(need_weigh
             with torch.compiler.set_stance("fail_on_recompile" if t else "default"):  # one graph for every step
                 out, weights, cache = step(M.asarray(chunk), cache, need_weights=need_weights)
             expected, expected_weights, eager = block.extend(M.asarray(chunk), eager, need_weights=need_weights)
-            assert_close(out.numpy(), expected.numpy(), 1e-12, f"the compiled step at {cache.length}")
+            assert_close(out.numpy(), expected.numpy(), REORDERED, f"the compiled step at {cache.length}")
             if need_weights:
-                assert_close(weights.numpy(), expected_weights.numpy(), 1e-12, "the compiled step's weights")
+                assert_close(weights.numpy(), expected_weights.numpy(), REORDERED, "the compiled step's weights")
             outs.append(out)
     assert cache.k.data_ptr() == pointer and cache.length == 9  # written in place: no torch.cat
     assert np.isnan(outs[-1][0].numpy()).all() and np.isfinite(outs[-1][1].numpy()).all()
     full, _ = block(M.asarray(np.concatenate(x, axis=1)), M.causal_mask(8, 8))
-    assert_close(torch.cat(outs[:-1], dim=1).numpy(), full[:, 5:].detach().numpy(), 1e-12, "compiled steps")
+    assert_close(torch.cat(outs[:-1], dim=1).numpy(), full[:, 5:].detach().numpy(), REORDERED, "compiled steps")
 
 
 @pytest.mark.slow  # inductor compiles the step (seconds)

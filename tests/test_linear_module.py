@@ -12,7 +12,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import assert_close, central_differences
+from tests._compare import REORDERED, assert_close, central_differences
 from tests.conftest import BACKENDS, import_backend
 
 D, H, B, L, S = 8, 4, 2, 3, 5  # d_model, heads, batch, query and key positions (cross-attention: L != S)
@@ -73,9 +73,9 @@ def test_linear_mha_is_the_projections_around_linear_attention_per_head(backend:
     for need_weights in (True, False):  # linear attention forms no weights: None either way
         out, weights = mha(backend.asarray(q), backend.asarray(kv), backend.asarray(kv), need_weights=need_weights)
         assert weights is None
-        assert_close(backend.to_numpy(out), expected, 1e-12, f"{backend.__name__} {case}")
+        assert_close(backend.to_numpy(out), expected, REORDERED, f"{backend.__name__} {case}")
     out, _ = mha.eval()(backend.asarray(q), backend.asarray(kv), backend.asarray(kv))  # eval: the same numbers
-    assert_close(backend.to_numpy(out), expected, 1e-12, f"{backend.__name__} {case} eval")
+    assert_close(backend.to_numpy(out), expected, REORDERED, f"{backend.__name__} {case} eval")
 
 
 def test_linear_mha_state_dict_is_the_softmax_modules(backend: ModuleType) -> None:
@@ -169,10 +169,10 @@ def test_linear_mha_vjp_matches_torch_autograd_of_the_composition(backend: Modul
     expected_out, expected = _torch_composition(state, q, kv, d_out, options["num_kv_heads"])
     out, weights, pullback = _linear_mha(backend, state, options).vjp(*(backend.asarray(x) for x in (q, kv, kv)))
     assert weights is None
-    assert_close(backend.to_numpy(out), expected_out, 1e-12, "out")
+    assert_close(backend.to_numpy(out), expected_out, REORDERED, "out")
     dq, dk, dv, grads = pullback(backend.asarray(d_out))
     for name, grad in (("q", dq), ("k", dk), ("v", dv), *grads.items()):
-        assert_close(backend.to_numpy(grad), expected[name], 1e-12, f"{backend.__name__} d{name}")
+        assert_close(backend.to_numpy(grad), expected[name], REORDERED, f"{backend.__name__} d{name}")
     assert set(grads) == set(state)
 
 
@@ -206,4 +206,4 @@ def test_jax_linear_mha_under_jit_and_grad() -> None:
     np_grads = pullback(np.ones((B, L, D)))[3]
     assert list(grads) == list(np_grads) == list(state)
     for name, grad in grads.items():
-        assert_close(J.to_numpy(grad), np_grads[name], 1e-12, name)
+        assert_close(J.to_numpy(grad), np_grads[name], REORDERED, name)

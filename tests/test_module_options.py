@@ -11,7 +11,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import assert_close, central_differences
+from tests._compare import REORDERED, assert_close, central_differences
 from tests.conftest import BACKENDS, import_backend
 
 D, H, HKV, F, B, L = 8, 4, 2, 12, 2, 5  # d_model, heads, key/value heads, d_ff, batch, positions
@@ -103,9 +103,9 @@ def test_block_matches_torch_pieces_on_both_paths(name: str, layout: str) -> Non
     out, weights = block(M.asarray(x))
     fast, none = block(M.asarray(x), need_weights=False)
     assert none is None
-    assert_close(M.to_numpy(out), expected_out, 1e-12, f"{name} {layout} out")
-    assert_close(M.to_numpy(weights), expected_weights, 1e-12, f"{name} {layout} weights")
-    assert_close(M.to_numpy(fast), expected_out, 1e-12, f"{name} {layout} fast path")
+    assert_close(M.to_numpy(out), expected_out, REORDERED, f"{name} {layout} out")
+    assert_close(M.to_numpy(weights), expected_weights, REORDERED, f"{name} {layout} weights")
+    assert_close(M.to_numpy(fast), expected_out, REORDERED, f"{name} {layout} fast path")
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -155,7 +155,7 @@ def test_mha_with_rope_matches_torch_pieces_in_cross_attention(name: str) -> Non
     expected = torch.nn.functional.linear(out.transpose(-2, -3).flatten(-2), t["w_o.weight"], t["w_o.bias"])
     for need_weights in (True, False):
         got, _ = mha(M.asarray(q), M.asarray(kv), M.asarray(kv), need_weights=need_weights)
-        assert_close(M.to_numpy(got), expected.numpy(), 1e-12, f"{name} need_weights={need_weights}")
+        assert_close(M.to_numpy(got), expected.numpy(), REORDERED, f"{name} need_weights={need_weights}")
     plain = M.MultiHeadAttention.from_state_dict({n: M.asarray(v) for n, v in state.items()}, num_heads=H).eval()
     assert np.max(np.abs(M.to_numpy(plain(M.asarray(q), M.asarray(kv), M.asarray(kv))[0]) - expected.numpy())) > 1e-3
 
@@ -298,7 +298,7 @@ def test_numpy_block_vjp_matches_torch_autograd(layout: str) -> None:
     dx, grads = np_block.vjp(x)[2](d_out)
     t_dx, t_grads = t_block.vjp(T.asarray(x))[2](T.asarray(d_out))
     assert list(grads) == list(t_grads) == list(np_block.state_dict())
-    assert_close(dx, T.to_numpy(t_dx), 1e-12, "dx")
+    assert_close(dx, T.to_numpy(t_dx), REORDERED, "dx")
     for name, grad in grads.items():  # w_k.bias adds q . b_k to a whole row of scores: its gradient is 0
         np.testing.assert_allclose(grad, T.to_numpy(t_grads[name]), rtol=1e-11, atol=1e-13, err_msg=name)
 
@@ -313,10 +313,10 @@ def test_numpy_mha_vjp_sums_each_kv_head_over_its_group() -> None:
     ours = mha.vjp(q, k, k)[2](d_out)
     theirs = t_mha.vjp(*(T.asarray(a) for a in (q, k, k)))[2](T.asarray(d_out))
     for a, b, what in zip(ours[:3], theirs[:3], "qkv", strict=True):
-        assert_close(a, T.to_numpy(b), 1e-12, f"d{what}")
+        assert_close(a, T.to_numpy(b), REORDERED, f"d{what}")
     assert set(ours[3]) == {"w_q.weight", "w_k.weight", "w_v.weight", "w_o.weight"}
     for name, grad in ours[3].items():
-        assert_close(grad, T.to_numpy(theirs[3][name]), 1e-12, name)
+        assert_close(grad, T.to_numpy(theirs[3][name]), REORDERED, name)
 
 
 def test_jax_llama_block_under_jit_and_grad() -> None:
@@ -330,4 +330,4 @@ def test_jax_llama_block_under_jit_and_grad() -> None:
     _, _, pullback = _block(import_backend("attention_np"), LLAMA).eval().vjp(_x(B, L, D))
     _, np_grads = pullback(np.ones((B, L, D)))
     for name, grad in grads.state_dict().items():
-        assert_close(J.to_numpy(grad), np_grads[name], 1e-12, name)
+        assert_close(J.to_numpy(grad), np_grads[name], REORDERED, name)

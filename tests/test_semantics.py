@@ -9,7 +9,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import assert_close
+from tests._compare import REORDERED, assert_close
 
 
 def _arrays(M: ModuleType, *arrays: object, dtype: type = np.float64) -> list:
@@ -207,8 +207,8 @@ def test_leading_axes_broadcast(backend):
     for b in range(2):
         for h in range(3):
             out_bh, weights_bh = _sdpa(backend, q[b, 0], k[0, h], v[0, h])
-            assert_close(out[b, h], out_bh, 1e-12, f"out[{b}, {h}]")
-            assert_close(weights[b, h], weights_bh, 1e-12, f"weights[{b}, {h}]")
+            assert_close(out[b, h], out_bh, REORDERED, f"out[{b}, {h}]")
+            assert_close(weights[b, h], weights_bh, REORDERED, f"weights[{b}, {h}]")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -231,8 +231,8 @@ def test_mha_heads_are_contiguous_slices_scaled_by_one_over_sqrt_d_k(backend):
     out, weights = mha(*_arrays(backend, x, x, x))
     heads = [_sdpa(backend, x[..., 2 * h:2 * h + 2], x[..., 2 * h:2 * h + 2], x[..., 2 * h:2 * h + 2])
              for h in range(H)]
-    assert_close(backend.to_numpy(out), np.concatenate([o for o, _ in heads], axis=-1), 1e-12, "out")
-    assert_close(backend.to_numpy(weights), np.stack([w for _, w in heads], axis=-3), 1e-12, "weights")
+    assert_close(backend.to_numpy(out), np.concatenate([o for o, _ in heads], axis=-1), REORDERED, "out")
+    assert_close(backend.to_numpy(weights), np.stack([w for _, w in heads], axis=-3), REORDERED, "weights")
 
 
 # --- the block: LayerNorm, GELU, post-LN and pre-LN -----------------------------------------------
