@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
@@ -405,3 +406,13 @@ def test_timed_check_reports_wall_and_cpu_seconds():
     assert report.passed and 0 < timing.cpu <= around and timing.wall > 0
     joined = suite._joined([(report, timing), (report, suite.Timing(1.0, 2.0))])[1]
     assert joined == suite.Timing(timing.wall + 1.0, timing.cpu + 2.0)
+
+
+def test_the_operation_registry_is_built_with_keywords():
+    # an Operation has over twenty fields: each record names them, so that a reader (and a review) sees which
+    # function is the oracle and which the pullback, as frameworks.py's records do (STYLE.md)
+    source = pathlib.Path(operations.__file__).read_text()
+    calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id == "Operation"]
+    assert len(calls) == len(operations.OPERATIONS)
+    assert all(not call.args for call in calls), [ast.get_source_segment(source, call)[:60] for call in calls]
