@@ -25,26 +25,27 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from . import PROFILES
 from .bench import report as compare  # the compare command: its options, run and output
 from .builtins import BUILT_INS as BUILT_INS_OF_THE_FRAMEWORKS
-from .cases import RING_DEVICES
-from .frameworks import BUILT_IN, import_modules, simulate_jax_devices
-from .operations import OPERATIONS
+from .cli import names_of, positive_int
+from .contract.cases import RING_DEVICES
+from .contract.operations import OPERATIONS
+from .frameworks.registry import BUILT_IN, import_modules, simulate_jax_devices
+from .run.profiles import PROFILES
 
 
 def build_parser() -> argparse.ArgumentParser:
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--profile", choices=PROFILES, default="fast",
                          help="fast (default): a few examples per check; thorough: ten times as many")
-    options.add_argument("--max-examples", type=compare.positive_int, default=None, metavar="N",
+    options.add_argument("--max-examples", type=positive_int, default=None, metavar="N",
                          help="N examples for every check, instead of the profile's numbers")
     options.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0); a run is reproducible")
     options.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
-    options.add_argument("--jobs", type=compare.positive_int, default=None, metavar="N",
+    options.add_argument("--jobs", type=positive_int, default=None, metavar="N",
                          help="check up to N parts (a module's operation) at once, each in a process of its own "
                               "(default: one per CPU core); the report is the same")
-    options.add_argument("--devices", type=compare.positive_int, default=None, metavar="P",
+    options.add_argument("--devices", type=positive_int, default=None, metavar="P",
                          help="P devices for ring attention, simulated on the CPU: JAX's (XLA_FLAGS, set before "
                               "JAX starts) and torch's (P - 1 peer processes in a gloo group); the ring's cases "
                               f"need {max(RING_DEVICES)} (default: those the framework has; NumPy simulates any "
@@ -57,10 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", parents=[options], help="check the named modules")
     check.add_argument("modules", nargs="+", metavar="MODULE", help="an importable module implementing the contract")
     for checking in (parser, check):  # the side-by-side run and check
-        checking.add_argument("--operations", type=_operations, default=tuple(OPERATIONS), metavar="OP,...",
+        checking.add_argument("--operations", type=names_of("operations", lambda: tuple(OPERATIONS)),
+                              default=tuple(OPERATIONS), metavar="OP,...",
                               help=f"only these of {','.join(OPERATIONS)} (default: all; a module's missing ones "
                                    "are SKIP)")
-    check.add_argument("--checks", type=_measures, default=None, metavar="CHECK,...",
+    check.add_argument("--checks", type=names_of("checks", _known_measures), default=None, metavar="CHECK,...",
                        help="only the groups and tables that report these checks (the report's check column: "
                             "values, gradients, edge_cases, ...; default: all)")
     builtins = commands.add_parser(
@@ -69,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "whose framework is installed (conformance/builtins; Flax and Keras: pip install "
                     "'attention-reference[frameworks]'), and print the matrix: rows the rules, columns the "
                     "built-ins, each cell 'holds' or the measured deviation.")
-    builtins.add_argument("--only", type=_names, default=None, metavar="NAME,...",
+    builtins.add_argument("--only", type=names_of("built-ins", lambda: BUILT_INS_OF_THE_FRAMEWORKS), default=None,
+                          metavar="NAME,...",
                           help=f"only these of {','.join(BUILT_INS_OF_THE_FRAMEWORKS)}")
     builtins.add_argument("--markdown", action="store_true", help="print the matrix as a markdown table")
     builtins.add_argument("--rules-only", action="store_true", help="the rules alone, without the suite's row")
@@ -81,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode = generated.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help="rewrite README.md's blocks and docs/frameworks.json")
     mode.add_argument("--check", action="store_true", help="only compare; exit code 1 where a block differs")
-    generated.add_argument("--jobs", type=compare.positive_int, default=None, metavar="N",
+    generated.add_argument("--jobs", type=positive_int, default=None, metavar="N",
                            help="measure up to N parts at once (default: one per CPU core)")
     figure = commands.add_parser("figure", help="draw a figure for students with attention_np and matplotlib")
     figure.add_argument("name", choices=["scaling"], help="scaling: why the scores are divided by sqrt(d_k)")
@@ -102,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "docs":
         return _docs(args)
     if args.command == "figure":
-        from attention_np.figures import FIGURES  # matplotlib is imported only when a figure is drawn
+        from conformance.bench.figures import FIGURES  # matplotlib is imported only when a figure is drawn
 
         print(f"wrote {FIGURES[args.name](args.output)}")
         return 0
@@ -111,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     """`check MODULE ...`, or without a command every built-in backend side by side."""
-    from . import suite  # Hypothesis is imported only when a check runs
+    from .run import suite  # Hypothesis is imported only when a check runs
 
     names = args.modules if args.command == "check" else BUILT_IN
     if args.devices:  # before JAX starts, here and in the processes of --jobs
@@ -156,7 +159,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _frameworks(args: argparse.Namespace) -> int:
     """`frameworks`: the matrix of the built-ins, measured; 1 where a built-in could not be measured."""
-    from . import matrix as matrices
+    from .frameworks import matrix as matrices
 
     names = [f"conformance.builtins.{name}" for name in args.only or BUILT_INS_OF_THE_FRAMEWORKS]
     print(f"profile {args.profile}, seed {args.seed}" + (f", {args.max_examples} examples per check"
@@ -186,26 +189,9 @@ def _docs(args: argparse.Namespace) -> int:
     return 1 if changed and args.check else 0
 
 
-def _operations(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in OPERATIONS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown operations {unknown}; choose from {','.join(OPERATIONS)}")
-    return names
-
-
-def _names(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in BUILT_INS_OF_THE_FRAMEWORKS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown built-ins {unknown}; choose from "
-                                         f"{','.join(BUILT_INS_OF_THE_FRAMEWORKS)}")
-    return names
-
-
 def _report(module: ModuleType, args: argparse.Namespace, operations: Sequence[str]) -> tuple[Any, Any]:
     """One module's report and the time it took (suite.Timing), with a progress bar on stderr."""
-    from . import suite
+    from .run import suite
 
     start, cpu = time.perf_counter(), suite.cpu_seconds()
     with _progress(suite.planned(module, operations, profile=args.profile, max_examples=args.max_examples)) as tell:
@@ -219,14 +205,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             "measures": getattr(args, "checks", None), "devices": args.devices}
 
 
-def _measures(text: str) -> tuple[str, ...]:
-    from .suite import known_measures  # Hypothesis is imported only where a check runs
+def _known_measures() -> tuple[str, ...]:
+    from .run.suite import known_measures  # Hypothesis is imported only where a check runs
 
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in known_measures()]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown checks {unknown}; choose from {','.join(known_measures())}")
-    return names
+    return tuple(known_measures())
 
 
 def _done(name: str) -> None:

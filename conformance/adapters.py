@@ -38,7 +38,7 @@ import numpy as np
 
 from attention_np.common import checks
 
-from .features import Declaration
+from .contract.features import Declaration
 
 ARGUMENTS = ("mask", "bias", "is_causal", "scale", "q_offset", "window", "key_lengths", "softcap", "enable_gqa")
 DEFAULTS = {"mask": None, "bias": None, "is_causal": False, "scale": None, "q_offset": 0, "window": None,

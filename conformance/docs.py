@@ -24,10 +24,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
-from . import matrix
 from .builtins import module_names
-from .frameworks import FRAMEWORKS
-from .operations import OPERATIONS
+from .contract.operations import OPERATIONS
+from .frameworks import matrix
+from .frameworks.registry import FRAMEWORKS
 
 ROOT = Path(__file__).resolve().parent.parent  # a checkout: the docs are not in the wheel
 README = ROOT / "README.md"
@@ -155,7 +155,8 @@ def reported() -> list[tuple[str, str, tuple[str, ...]]]:
     """(measure, operation, dtypes) for everything `check` can report on a module that has the whole contract: each
     group's measures (MEASURES, those that need something of the operation or the framework only where it has it),
     each table's row per operation that has its cases, "call" and "deterministic" from every group."""
-    from . import suite, table  # Hypothesis is imported only here
+    from .contract import fixed_cases as table
+    from .run import suite  # Hypothesis is imported only here
 
     found = []
     for group in suite.GROUPS:

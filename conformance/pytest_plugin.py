@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import PROFILES
+from .run.profiles import PROFILES
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -27,7 +27,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     if devices := config.getoption("conformance_devices", None):
-        from .frameworks import simulate_jax_devices
+        from .frameworks.registry import simulate_jax_devices
 
         simulate_jax_devices(devices)
 

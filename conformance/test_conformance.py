@@ -6,8 +6,8 @@ import importlib
 
 import pytest
 
-from conformance import suite
-from conformance.operations import OPERATIONS, missing
+from conformance.contract.operations import OPERATIONS, missing
+from conformance.run import suite
 
 
 @pytest.mark.parametrize("operation", list(OPERATIONS))

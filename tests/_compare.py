@@ -1,5 +1,5 @@
 """Comparison helpers for the tests: the suite's norm-wise relative error and tolerances (one home:
-conformance/tolerances.py), and a backend's attention on NumPy inputs."""
+conformance/contract/tolerances.py), and a backend's attention on NumPy inputs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import ModuleType
 
 import numpy as np
 
-from conformance.tolerances import TOLERANCES, relative_error
+from conformance.contract.tolerances import TOLERANCES, relative_error
 
 TOLERANCE = {np.dtype(dtype): TOLERANCES[dtype]["values"] for dtype in ("float32", "float64")}
 REORDERED = TOLERANCES["float64"]["reordered"]  # float64: the same math computed another way (SPEC.md section 9)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conformance.frameworks import JAX_CPU_COMPILER_OPTIONS
+from conformance.frameworks.registry import JAX_CPU_COMPILER_OPTIONS
 
 BACKENDS = ("attention_np", "attention_jax", "attention_torch")
 QUICK_COMPILES_FROM = (0, 10)  # the jaxlib whose XLA knows every flag below: an unknown one aborts the process
@@ -25,7 +25,7 @@ QUICK_COMPILES_FROM = (0, 10)  # the jaxlib whose XLA knows every flag below: an
 
 def _quick_jax_compiles() -> None:
     """The tests' JAX programs are tiny, so compiling them costs far more than running them: XLA compiles
-    them for compile time, with the suite's own options (conformance/frameworks.py), here as XLA_FLAGS,
+    them for compile time, with the suite's own options (conformance/frameworks/registry.py), here as XLA_FLAGS,
     which XLA reads once, when JAX starts, so before any test imports it. Results change within rounding
     (float64: 5e-16 at most)."""
     try:
@@ -89,7 +89,7 @@ def backend(request: pytest.FixtureRequest) -> ModuleType:
 def skip_without_devices(runner: Any, operation: str) -> None:
     """Skip a case of an operation that uses more devices than the runner's framework has in this process (the
     ring's on JAX and torch): tests/test_ring_suite.py runs the suite's rows on 4 simulated devices."""
-    from conformance.operations import OPERATIONS
+    from conformance.contract.operations import OPERATIONS
 
     needed = OPERATIONS[operation].devices
     if needed > 1:

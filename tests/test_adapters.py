@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conformance import adapters
-from conformance.features import Declaration
+from conformance.contract.features import Declaration
 
 B, H, L, S, E, Ev = 2, 3, 4, 5, 2, 3
 

@@ -23,7 +23,7 @@ import attention_np
 from conformance.__main__ import main
 from conformance.bench import baselines, decode, report, timing, variants
 from conformance.bench.baselines import tutorial_attention
-from conformance.frameworks import framework_of
+from conformance.frameworks.registry import framework_of
 from tests._compare import assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -92,8 +92,8 @@ def test_every_candidate_agrees_with_the_float64_reference() -> None:
 
 
 def test_the_timed_operations_are_the_registrys_less_those_timed_elsewhere() -> None:
-    # one list of operations (conformance/operations.py): compare's table times the rest of it, in its order
-    from conformance import operations
+    # one list of operations (conformance/contract/operations.py): compare's table times the rest of it, in its order
+    from conformance.contract import operations
 
     registry = tuple(operations.OPERATIONS)
     assert set(timing.TIMED_ELSEWHERE) <= set(registry)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import check
-from conformance.suite import CONTRACT_TABLES
+from conformance.run.suite import CONTRACT_TABLES
 from tests.implementations import einsum_attention
 from tests.implementations.broken import BROKEN
 

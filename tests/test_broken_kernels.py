@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from conformance import check
-from conformance.tolerances import TOLERANCES
+from conformance.contract.tolerances import TOLERANCES
 from tests.implementations import broken_kernels
 from tests.implementations.broken_kernels import BROKEN, KERNEL, VARIANTS
 

@@ -14,9 +14,9 @@ import pytest
 
 from conformance import check
 from conformance.builtins import BUILT_INS, module_names
-from conformance.cases import mha_case, random_mask, sdpa_case
-from conformance.checks import Runner, expected
-from conformance.features import FEATURES, declaration_of
+from conformance.contract.cases import mha_case, random_mask, sdpa_case
+from conformance.contract.features import FEATURES, declaration_of
+from conformance.run.checks import Runner, expected
 from tests._compare import assert_close
 
 
@@ -88,7 +88,7 @@ def test_a_layer_holding_our_state_equals_the_oracle(name: str):
 def test_the_fast_encoder_layer_runs_torch_s_fused_kernel(monkeypatch: pytest.MonkeyPatch):
     torch = pytest.importorskip("torch")
     from conformance.builtins import torch_encoder_layer_fast
-    from conformance.cases import block_case
+    from conformance.contract.cases import block_case
 
     fused = torch._transformer_encoder_layer_fwd
     calls = []

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import attention_np
-from conformance import cases, checks, gradient_checks, operations, suite, table
-from conformance.frameworks import framework_of
-from conformance.snippets import reproduce
-from conformance.tolerances import TOLERANCES, relative_error, shown
+from conformance.contract import cases, fixed_cases, operations
+from conformance.contract.tolerances import TOLERANCES, relative_error, shown
+from conformance.frameworks.registry import framework_of
+from conformance.run import checks, gradient_checks, suite
+from conformance.run.snippets import reproduce
 from tests.implementations.broken import BROKEN
 
 
@@ -68,7 +69,7 @@ def test_half_precision_rows_run_where_the_framework_has_the_dtype():
 
 
 def test_snippet_rebuilds_the_case_and_reruns_the_check():
-    case = table.named("sdpa", "one_query_one_key").build()
+    case = fixed_cases.named("sdpa", "one_query_one_key").build()
     code = reproduce("attention_np", "against_oracle", case, "float64")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -225,7 +226,7 @@ def test_relative_error_against_an_all_zero_reference_is_the_absolute_error():
 def test_snippet_of_a_jax_float64_case_reruns_with_the_suites_precision():
     jax = pytest.importorskip("jax")
 
-    case = table.named("sdpa", "causal_and_mask_hide_a_row").build()  # a bool mask: its literal must build on
+    case = fixed_cases.named("sdpa", "causal_and_mask_hide_a_row").build()  # a bool mask: its literal must build on
     # every NumPy
     assert case.mask.dtype == bool
     code = reproduce("attention_jax", "against_oracle", case, "float64")
@@ -294,7 +295,7 @@ def test_gradient_check_passes_the_keywords_of_spec_2a_to_the_vjp(name: str) -> 
     # a vjp that differentiates the right function passes; q_offset and key_lengths reach it as given
     # (an array q_offset as an array input), and no gradient is asked of them
     received: list[dict] = []
-    case = table.named("sdpa", name).build()
+    case = fixed_cases.named("sdpa", name).build()
     measures = gradient_checks.gradients(checks.Runner(_with_vjp(_differenced_vjp(received))), case, "float64")
     assert all(measure.error <= 1 for measure in measures.values()), measures
     used = operations.keywords_used(case)
@@ -308,7 +309,7 @@ def test_gradient_check_passes_the_keywords_of_spec_2a_to_the_vjp(name: str) -> 
                                                  ("key_lengths_zero_for_one_sequence", "key_lengths"),
                                                  ("softcap_saturated_with_neg_inf_bias", "softcap")])
 def test_gradient_check_rejects_a_backward_pass_that_forgets_a_keyword(name: str, forgotten: str) -> None:
-    case = table.named("sdpa", name).build()
+    case = fixed_cases.named("sdpa", name).build()
     module = _with_vjp(_differenced_vjp([], drop=(forgotten,)))
     measures = gradient_checks.gradients(checks.Runner(module), case, "float64")
     assert measures["gradients"].error > 1 or measures["masked_rows"].error > 1, measures
@@ -317,7 +318,7 @@ def test_gradient_check_rejects_a_backward_pass_that_forgets_a_keyword(name: str
 def test_linear_heads_form_no_weights_and_no_weights_rows_measure():
     # attention="linear": the oracle's weights are None, so against_oracle reports no weights_rows for the case
     # (never a 0 that claims the weights were checked), and a module that returns weights anyway fails values
-    case = table.named("mha", "linear_grouped_rope_cross_attention").build()
+    case = fixed_cases.named("mha", "linear_grouped_rope_cross_attention").build()
     measures = checks.against_oracle(checks.Runner(attention_np), case, "float64")
     assert "weights_rows" not in measures and measures["values"].error <= 1e-9
 
@@ -386,9 +387,9 @@ def test_printed_numbers_compare_as_the_numbers_do(worst, tolerance, printed):
 
 
 def test_tests_read_the_float64_tolerance_of_reordered_math_from_the_table():
-    # one home, conformance/tolerances.json: a test holding float64 results of the same math computed another way
-    # to 1e-12 reads REORDERED (tests/_compare.py), never a 1e-12 of its own: not in a tolerance it names, nor in
-    # a call of tests/_compare.py's assert_close
+    # one home, conformance/contract/tolerances.json: a test holding float64 results of the same math computed
+    # another way to 1e-12 reads REORDERED (tests/_compare.py), never a 1e-12 of its own: not in a tolerance it
+    # names, nor in a call of tests/_compare.py's assert_close
     tests = pathlib.Path(__file__).parent
     own = [f"{path.relative_to(tests)}:{number}" for path in sorted(tests.rglob("*.py"))
            for number, line in enumerate(path.read_text().splitlines(), 1)

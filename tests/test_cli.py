@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from conformance import suite
 from conformance.__main__ import BUILT_IN
-from conformance.suite import CONTRACT_TABLES
+from conformance.run import suite
+from conformance.run.suite import CONTRACT_TABLES
 
 pytestmark = pytest.mark.slow  # each test starts `python -m conformance` in a subprocess
 
@@ -102,7 +102,7 @@ def test_compare_and_figure_import_neither_the_suite_nor_hypothesis(command: str
     code = (f"import runpy, sys\nsys.argv = ['conformance', {command!r}, '--help']\n"
             "try:\n    runpy.run_module('conformance', run_name='__main__', alter_sys=True)\n"
             "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
-            "print('loaded:', [name for name in ('hypothesis', 'conformance.suite') if name in sys.modules])")
+            "print('loaded:', [name for name in ('hypothesis', 'conformance.run.suite') if name in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             check=False)
     assert result.returncode == 0, result.stdout + result.stderr

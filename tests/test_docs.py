@@ -13,9 +13,10 @@ import re
 
 import pytest
 
-from conformance import docs, matrix
+from conformance import docs
 from conformance.builtins import BUILT_INS, module_names
-from conformance.suite import Report, Row
+from conformance.frameworks import matrix
+from conformance.run.suite import Report, Row
 
 README = docs.README.read_text()
 RECORDED = json.loads(docs.FRAMEWORKS_JSON.read_text())

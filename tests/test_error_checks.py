@@ -11,20 +11,22 @@ import numpy as np
 import pytest
 
 import attention_np
-from conformance import check, docs, fixed_checks, suite, table
-from conformance.checks import Runner
-from conformance.frameworks import FRAMEWORKS
-from conformance.operations import OPERATIONS, missing
+from conformance import check, docs
+from conformance.contract import fixed_cases
+from conformance.contract.operations import OPERATIONS, missing
+from conformance.frameworks.registry import FRAMEWORKS
+from conformance.run import fixed_checks, suite
+from conformance.run.checks import Runner
 from tests.conftest import skip_without_devices
 from tests.implementations import einsum_attention
 
 FEW = 2  # Hypothesis examples per group where a test needs only the table rows
-ERRORS = [row for row in table.TABLE if row.use == "error"]
+ERRORS = [row for row in fixed_cases.ROWS if row.use == "error"]
 _RUNNERS: dict[str, Runner] = {}
 
 
 @pytest.mark.parametrize("row", ERRORS, ids=lambda row: f"{row.operation}-{row.name}")
-def test_each_mistake_raises_the_spec_exception(backend: ModuleType, row: table.Fixed):
+def test_each_mistake_raises_the_spec_exception(backend: ModuleType, row: fixed_cases.Fixed):
     runner = _RUNNERS.setdefault(backend.__name__, Runner(backend))
     skip_without_devices(runner, row.operation)
     with runner.framework.pinned():
@@ -50,7 +52,7 @@ def test_suite_reports_one_row_per_operation_for_each_kind_of_fixed_case():
     assert set(tables) == {(op, name) for op in OPERATIONS for name in ("errors", "edge_cases")}
     for (operation, name), row in tables.items():
         uses = {table_.check: table_.use for table_ in suite.TABLES}  # the rows each table runs, by its record
-        assert row.examples == len(table.rows(operation, uses[name]))
+        assert row.examples == len(fixed_cases.rows(operation, uses[name]))
         assert row.passed and row.worst == 0 and row.tolerance == 0
         assert row.dtype == ("-" if name == "errors" else "float64")
     # the README's table of checks (conformance/docs.py) reads these rows off the registries: NumPy's report has
@@ -63,7 +65,7 @@ def test_suite_reports_one_row_per_operation_for_each_kind_of_fixed_case():
 
 
 def test_names_are_unique_within_each_operation():
-    names = [(row.operation, row.name) for row in table.TABLE]
+    names = [(row.operation, row.name) for row in fixed_cases.ROWS]
     assert len(names) == len(set(names))
 
 
@@ -125,7 +127,8 @@ def test_wrong_exception_type_fails_the_errors_row():
     report = check(module, operations=["sdpa"], max_examples=FEW)
     failed = [row for row in report.rows if not row.passed]
     assert [row.check for row in failed] == ["errors"]  # every other check passes: only the type is wrong
-    value_errors = {row.name for row in table.rows("sdpa", "error") if row.stage == "call" and row.error is ValueError}
+    value_errors = {row.name for row in fixed_cases.rows("sdpa", "error")
+                    if row.stage == "call" and row.error is ValueError}
     assert failed[0].worst == len(value_errors)
     lines = {line.split()[1].rstrip(":"): line for line in failed[0].failure.splitlines()[1:]}  # "  sdpa NAME: ..."
     for name in value_errors:

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from attention_np import figures
+from conformance.bench import figures
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SWEEP = (4, 64, 1024)
@@ -63,8 +63,8 @@ def test_figure_command_writes_a_png(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.slow
 def test_figures_import_matplotlib_only_when_they_draw() -> None:
-    code = ("import sys\nimport attention_np\nimport attention_np.figures\n"
-            "attention_np.figures.score_std((4,), scaled=True)\n"
+    code = ("import sys\nimport conformance.bench.figures\n"
+            "conformance.bench.figures.score_std((4,), scaled=True)\n"
             "print('loaded:', [name for name in sys.modules if name.partition('.')[0] == 'matplotlib'])")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             check=False)

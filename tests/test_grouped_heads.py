@@ -168,7 +168,8 @@ def test_numpy_vjp_matches_central_differences_of_k():
 
 
 def test_the_suites_dropout_checks_hold_on_grouped_heads(backend: ModuleType):
-    from conformance import cases, checks
+    from conformance.contract import cases
+    from conformance.run import checks
 
     case = cases.sdpa_case((2, 4), 3, 5)
     case = case._replace(k=case.k[:, :2], v=case.v[:, :2], enable_gqa=True, dropout=0.5)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conformance import oracle
+from conformance.contract import oracle
 
 
 def _mha_state(d_model: int, *, w_q: float = 1.0, b_o: np.ndarray | None = None) -> dict[str, np.ndarray]:

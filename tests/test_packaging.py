@@ -18,7 +18,8 @@ else:  # pytest depends on tomli before Python 3.11
 
 ROOT = Path(__file__).resolve().parent.parent
 TOP_LEVEL = ("attention_np", "attention_jax", "attention_torch", "conformance")
-DATA = {"attention_np/py.typed", "attention_jax/py.typed", "attention_torch/py.typed", "conformance/tolerances.json"}
+DATA = {"attention_np/py.typed", "attention_jax/py.typed", "attention_torch/py.typed",
+        "conformance/contract/tolerances.json"}
 
 
 def _setuptools_config() -> dict:

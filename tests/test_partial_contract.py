@@ -11,11 +11,11 @@ import pytest
 
 import attention_np
 from conformance import Declaration, check
-from conformance import features as features_module
-from conformance.cases import per_query_head, sdpa_case
-from conformance.checks import Runner, expected
-from conformance.operations import features_used, init_features_used, leave_out
-from conformance.table import rows
+from conformance.contract import features as features_module
+from conformance.contract.cases import per_query_head, sdpa_case
+from conformance.contract.fixed_cases import rows
+from conformance.contract.operations import features_used, init_features_used, leave_out
+from conformance.run.checks import Runner, expected
 from tests.implementations.broken import BROKEN
 
 pytestmark = pytest.mark.slow  # the suite's sdpa part, on a few modules

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.operations import OPERATIONS
+from conformance.contract.operations import OPERATIONS
 
 pytestmark = pytest.mark.slow  # each test starts pytest in a subprocess
 

@@ -1,5 +1,5 @@
-"""The rules of `python -m conformance frameworks` (conformance/rules.py): every rule holds on our backends,
-on each operation it can probe, and each one names the deviation of a module built to have it."""
+"""The rules of `python -m conformance frameworks` (conformance/frameworks/disagreements.py): every rule holds on
+our backends, on each operation it can probe, and each one names the deviation of a module built to have it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from conformance import rules
+from conformance.frameworks import disagreements
 from tests.conftest import import_backend
 from tests.implementations.broken import BROKEN
 from tests.implementations.broken_gradients import BROKEN_GRADIENTS
@@ -43,8 +43,8 @@ def _only(backend: types.ModuleType, *names: str) -> types.ModuleType:
 
 @pytest.mark.parametrize("function", ["scaled_dot_product_attention", "MultiHeadAttention", "TransformerBlock"])
 def test_every_rule_holds_on_our_backends(backend: types.ModuleType, function: str):
-    cells = rules.measure(_only(backend, function))
-    probed = {rule.name for rule in rules.RULES if any(
+    cells = disagreements.measure(_only(backend, function))
+    probed = {rule.name for rule in disagreements.RULES if any(
         operation == {"scaled_dot_product_attention": "sdpa", "MultiHeadAttention": "mha",
                       "TransformerBlock": "block"}[function] for operation in rule.operations)}
     assert probed and all(cells[name].holds for name in probed), {name: cells[name] for name in probed}
@@ -54,9 +54,9 @@ def test_every_rule_holds_on_our_backends(backend: types.ModuleType, function: s
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the NaN and overflow the deviations make
 @pytest.mark.parametrize("name", sorted(DEVIATIONS))
 def test_a_deviation_is_named_by_its_rule_and_no_other(name: str):
-    cells = rules.measure(BROKEN[name])
+    cells = disagreements.measure(BROKEN[name])
     for rule, text in DEVIATIONS[name].items():
-        assert cells[rule] == rules.Cell(False, text), cells[rule]
+        assert cells[rule] == disagreements.Cell(False, text), cells[rule]
     others = {rule: cell for rule, cell in cells.items() if rule not in DEVIATIONS[name] and rule != "gradients"}
     assert all(cell.holds for cell in others.values()), others  # the einsum implementation has no vjp
 
@@ -64,23 +64,23 @@ def test_a_deviation_is_named_by_its_rule_and_no_other(name: str):
 def test_the_rules_read_their_cases_from_the_table_not_from_the_kind_of_a_case():
     # grow by tables (STYLE.md): an operation the rules probe is one entry of PROBES, and no probe branches on
     # a case's type or an operation's name
-    assert {operation for rule in rules.RULES for operation in rule.operations} <= set(rules.PROBES)
-    assert not re.findall(r"isinstance\(case|operation ==", inspect.getsource(rules))
+    assert {operation for rule in disagreements.RULES for operation in rule.operations} <= set(disagreements.PROBES)
+    assert not re.findall(r"isinstance\(case|operation ==", inspect.getsource(disagreements))
 
 
 def test_a_wrong_backward_pass_fails_the_gradient_rule():
-    assert rules.measure(BROKEN_GRADIENTS["dk_not_scaled"])["gradients"] == rules.Cell(
+    assert disagreements.measure(BROKEN_GRADIENTS["dk_not_scaled"])["gradients"] == disagreements.Cell(
         False, "dk differs from the oracle's")
-    assert rules.measure(import_backend("attention_np"))["gradients"] == rules.Cell(True, "holds")
+    assert disagreements.measure(import_backend("attention_np"))["gradients"] == disagreements.Cell(True, "holds")
 
 
 def test_a_rule_needing_a_lacking_argument_says_so():
     from conformance.builtins import torch_encoder_layer_fast, torch_sdpa
 
-    assert rules.measure(torch_sdpa)["weights in training"] == rules.Cell(None, "no weights returned")
-    fast = rules.measure(torch_encoder_layer_fast)
-    assert fast["weights in training"] == rules.Cell(None, "no dropout")
-    assert fast["gradients"] == rules.Cell(None, "no vjp") and fast["is_causal with L != S"].text == "-"
+    assert disagreements.measure(torch_sdpa)["weights in training"] == disagreements.Cell(None, "no weights returned")
+    fast = disagreements.measure(torch_encoder_layer_fast)
+    assert fast["weights in training"] == disagreements.Cell(None, "no dropout")
+    assert fast["gradients"] == disagreements.Cell(None, "no vjp") and fast["is_causal with L != S"].text == "-"
 
 
 @pytest.mark.slow
@@ -92,7 +92,7 @@ def test_the_frameworks_command_prints_the_matrix_and_writes_json(tmp_path: path
     assert result.returncode == 0, result.stdout + result.stderr
     table = [line for line in result.stdout.splitlines() if line.startswith("|")]
     assert table[0] == "| rule | spec | nn.MultiheadAttention |"
-    assert len(table) == 2 + len(rules.RULES)  # the header, its rule, the rules (no suite's row: --rules-only)
+    assert len(table) == 2 + len(disagreements.RULES)  # the header, its rule, the rules (no suite's row: --rules-only)
     assert "| fully masked rows | zeros | NaN with need_weights=True; holds without |" in table
     found = json.loads(path.read_text())
     assert [column["title"] for column in found["columns"]] == ["nn.MultiheadAttention"]
@@ -100,16 +100,16 @@ def test_the_frameworks_command_prints_the_matrix_and_writes_json(tmp_path: path
 
 
 def test_the_suite_s_cell_counts_the_rows_or_names_the_failing_ones():
-    from conformance import matrix
-    from conformance.suite import Report, Row
+    from conformance.frameworks import matrix
+    from conformance.run.suite import Report, Row
 
     def row(operation: str, check: str, passed: bool = True, skipped: str | None = None) -> Row:
         return Row("m", operation, check, "float64", 1, 0.0, 0.0, passed, None, skipped)
 
     passing = Report([row("sdpa", "values"), row("sdpa", "edge_cases"), row("mha", "-", skipped="no MHA")], 0,
                      "fast", [])
-    assert matrix.suite_cell(passing) == rules.Cell(True, "2 rows pass, 1 skip")
+    assert matrix.suite_cell(passing) == disagreements.Cell(True, "2 rows pass, 1 skip")
     failing = passing._replace(rows=[*passing.rows, row("mha", "edge_cases", False), row("sdpa", "values", False),
                                      row("block", "gradients", False), row("sdpa", "errors", False)])
-    assert matrix.suite_cell(failing) == rules.Cell(False, "fails edge_cases (mha), errors (sdpa), gradients (block) "
-                                                           "and 1 more")
+    assert matrix.suite_cell(failing) == disagreements.Cell(False, "fails edge_cases (mha), errors (sdpa), "
+                                                                  "gradients (block) and 1 more")

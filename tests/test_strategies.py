@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance import cases, operations, table
-from conformance import strategies as cs
-from conformance.checks import expected
+from conformance.contract import cases, fixed_cases, operations
+from conformance.contract import strategies as cs
+from conformance.run.checks import expected
 
 FEW = settings(max_examples=25, deadline=None)
 MHA_NAMES = {f"w_{p}.{part}" for p in "qkvo" for part in ("weight", "bias")}
@@ -369,11 +369,11 @@ def test_linear_step_cases_are_causal_short_and_without_key_lengths(case: cases.
 CONTRACTS = {"sdpa": _assert_sdpa_contract, "flash": _assert_flash_contract, "ring": _assert_ring_contract,
              "linear": _assert_linear_contract, "mha": _assert_mha_contract, "block": _assert_block_contract,
              "decode": _assert_decode_contract}
-EXAMPLES = [row for row in table.TABLE if row.use == "example"]
+EXAMPLES = [row for row in fixed_cases.ROWS if row.use == "example"]
 
 
 @pytest.mark.parametrize("row", EXAMPLES, ids=lambda row: f"{row.operation}-{row.name}")
-def test_pinned_example_keeps_its_contract_and_the_oracle_gives_no_nan(row: table.Fixed) -> None:
+def test_pinned_example_keeps_its_contract_and_the_oracle_gives_no_nan(row: fixed_cases.Fixed) -> None:
     case = row.build()
     CONTRACTS[row.operation](case)
     out, weights = _oracle(case)

@@ -7,5 +7,5 @@
   built-in layers (also the tests' reference for nn.MultiheadAttention and nn.TransformerEncoderLayer).
 
 What differs between NumPy, JAX and torch (devices, synchronisation, peak memory, ...) is declared once,
-in conformance/frameworks.py, which the suite reads too.
+in conformance/frameworks/registry.py, which the suite reads too.
 """

@@ -39,9 +39,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..frameworks import FRAMEWORKS, framework_of
+from ..frameworks.registry import FRAMEWORKS, framework_of
 from . import timing
-from .report import _columns  # report imports this module only inside complexity_main
+from .columns import columns
 
 E = EV = 64  # d
 B, H = 1, 1
@@ -292,7 +292,7 @@ def format_rows(rows: Sequence[Row]) -> str:
     for row in rows:
         error = "-" if row.rel_error is None else f"{row.rel_error:.1e}"
         lines.append((row.backend, row.form, str(row.n), f"{row.time_ms:.3f}", error))
-    return _columns(lines, right=(2, 3, 4))
+    return columns(lines, right=(2, 3, 4))
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -311,7 +311,7 @@ def format_table(rows: Sequence[Row]) -> str:
         shown = ["-" if fit is None or fit.slope is None else f"{fit.slope:.2f}" for fit in fitted]
         spans = {f"{fit.sizes[0]}..{fit.sizes[-1]}" for fit in fitted if fit is not None and fit.sizes}
         lines.append((form.row, time, sequential, form.label, form.steps, *shown, ", ".join(sorted(spans))))
-    return _columns(lines, right=tuple(range(5, 5 + len(backends))))
+    return columns(lines, right=tuple(range(5, 5 + len(backends))))
 
 
 def format_crossovers(rows: Sequence[Row]) -> str:

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..frameworks import framework_of
+from ..frameworks.registry import framework_of
 from .timing import Target, TargetRow, collector_paused, meets
 
 ROPE_THETA: float | None = 10000.0  # rotary embeddings' base (Llama's); None: the block without RoPE

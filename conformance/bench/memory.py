@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..frameworks import framework_of
+from ..frameworks.registry import framework_of
 
 L = 32768  # L = S
 E = 64

@@ -21,8 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..frameworks import BUILT_IN, NUMPY, TORCH, framework_of
-from . import decode, memory, timing, variants
+from ..cli import names_of, positive_int, positive_ints
+from ..frameworks.registry import BUILT_IN, NUMPY, TORCH, framework_of
+from . import cluster, complexity, decode, memory, ring, ring_torch, timing, variants
+from .columns import columns
 
 FOOTNOTE = """\
 time: median of the repeats after one warm-up call; the candidates of one framework, operation and L run
@@ -82,7 +84,7 @@ def format_table(rows: Sequence[timing.Row]) -> str:
         rate = f"{row.gflops / per_unit:.{decimals}f}"
         lines.append((row.implementation, row.operation, row.variant, str(row.L), f"{row.time_ms:.2f}", rate, peak,
                       f"{row.rel_error:.1e}"))
-    return _columns(lines, right=(3, 4, 5, 6, 7))
+    return columns(lines, right=(3, 4, 5, 6, 7))
 
 
 def format_decode(rows: Sequence[decode.DecodeRow]) -> str:
@@ -99,7 +101,7 @@ def format_decode(rows: Sequence[decode.DecodeRow]) -> str:
         lines.append((row.backend, f"{row.prefill_ms:.1f}", f"{row.decode_ms:.1f}", f"{row.decode_ms / T:.3f}",
                       f"{row.tokens_per_s:.0f}", f"{row.recompute_ms / 1e3:.2f}", f"{row.speedup:.1f}", traces,
                       pieces, error))
-    return _columns(lines, right=tuple(range(1, 10)))
+    return columns(lines, right=tuple(range(1, 10)))
 
 
 def format_targets(rows: Sequence[timing.TargetRow]) -> str:
@@ -116,7 +118,7 @@ def format_targets(rows: Sequence[timing.TargetRow]) -> str:
         verdict = {None: "-", True: "MET", False: "MISSED"}[row.met]
         lines.append((row.framework, row.operation, row.variant, str(row.L), names, values,
                       comparison.shown.format(row.measured), target, verdict))
-    return _columns(lines, right=(3, 5, 6))
+    return columns(lines, right=(3, 5, 6))
 
 
 def machine(backends: dict[str, ModuleType]) -> list[str]:
@@ -209,22 +211,18 @@ def _display(name: str, operation: str) -> str:
     return f"torch {TORCH.built_ins[operation]}" if name == "torch built-in" else name
 
 
-def _columns(lines: list[tuple[str, ...]], *, right: tuple[int, ...]) -> str:
-    widths = [max(len(line[i]) for line in lines if line) for i in range(len(lines[0]))]
-    return "\n".join("  ".join(cell.rjust(width) if i in right else cell.ljust(width)
-                               for i, (cell, width) in enumerate(zip(line, widths, strict=False))).rstrip()
-                     for line in lines)  # an empty line separates groups
-
-
 # --- the command line ----------------------------------------------------------------------------------
+
+BACKENDS = {"numpy": "attention_np", "jax": "attention_jax", "torch": "attention_torch"}  # --backends' short names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `python -m conformance compare`."""
-    parser.add_argument("--sizes", type=_ints, default=None, metavar="L,L,...",
+    parser.add_argument("--sizes", type=positive_ints, default=None, metavar="L,L,...",
                         help=f"sequence lengths L = S (default {','.join(map(str, timing.SIZES))}; long: "
                              f"{','.join(map(str, variants.LONG.sizes))})")
-    parser.add_argument("--operations", type=_operations, default=None, metavar="OP,...",
+    parser.add_argument("--operations", type=names_of("operations", lambda: timing.OPERATIONS), default=None,
+                        metavar="OP,...",
                         help="any of sdpa,mha,block (default: all three; gqa and window: sdpa only)")
     parser.add_argument("--variant", choices=tuple(variants.VARIANTS), default="plain",
                         help="plain (default); gqa: grouped-query attention, H=32 query heads on 8 key/value "
@@ -264,7 +262,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and the recurrent step loop against n (default 64..32768), d=64, B=1, H=1, float32; "
                              "log-log slopes and the crossover n per backend (takes --sizes, --repeats (default 3), "
                              "--backends, --plot, --json)")
-    parser.add_argument("--backends", type=_backends, default=None, metavar="NAME,...",
+    parser.add_argument("--backends", type=names_of("backends", lambda: BUILT_IN, aliases=BACKENDS), default=None,
+                        metavar="NAME,...",
                         help="--complexity: any of numpy,jax,torch (default: every installed backend)")
     parser.add_argument("--prefill", type=positive_int, default=decode.PREFILL, metavar="N",
                         help=f"--decode: the prompt's positions P (default {decode.PREFILL})")
@@ -351,8 +350,6 @@ def memory_main() -> int:
 
 def ring_main(plot_path: str | None) -> int:
     """`compare --ring`: ring attention measured on simulated devices and processes, and modelled on clusters."""
-    from . import cluster, ring, ring_torch
-
     backends, _ = timing.installed_backends()
     print("\n".join(machine(backends)) + "\n")
     if "attention_jax" in backends:
@@ -370,8 +367,6 @@ def ring_main(plot_path: str | None) -> int:
 def complexity_main(args: argparse.Namespace) -> int:
     """`compare --complexity`: the forms' medians, the tutorial's table beside the measured slopes, the crossover
     per backend; 0 unless it could not run."""
-    from . import complexity
-
     backends, skipped = timing.installed_backends()
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
@@ -427,43 +422,3 @@ def decode_main(args: argparse.Namespace) -> int:
                        "rows": [row._asdict() for row in rows], "targets": [row._asdict() for row in targets]},
                       file, indent=1)
     return 0
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1 (a count of repeats or examples)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return sizes
-
-
-def _backends(text: str) -> tuple[str, ...]:
-    """Backends by module name (attention_np) or framework name (numpy, jax, torch)."""
-    names = {"numpy": "attention_np", "jax": "attention_jax", "torch": "attention_torch"}
-    chosen = tuple(names.get(part, part) for part in text.split(","))
-    unknown = [name for name in chosen if name not in BUILT_IN]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown backend {unknown[0]!r}; choose from numpy,jax,torch")
-    return chosen
-
-
-def _operations(text: str) -> tuple[str, ...]:
-    operations = tuple(text.split(","))
-    known = timing.OPERATIONS
-    unknown = [name for name in operations if name not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown operation {unknown[0]!r}; choose from {','.join(known)}")
-    return operations

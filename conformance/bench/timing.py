@@ -41,13 +41,13 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from ..frameworks import BUILT_IN, FRAMEWORKS, framework_of, import_modules
-from ..operations import OPERATIONS as REGISTRY
+from ..contract.operations import OPERATIONS as REGISTRY
+from ..frameworks.registry import BUILT_IN, FRAMEWORKS, framework_of, import_modules
 from . import baselines
 
-# The operations of the registry (conformance/operations.py) that compare's table does not time, and where each is
-# timed instead; every other one is timed here, so a new operation of the registry joins the table until it is
-# named here
+# The operations of the registry (conformance/contract/operations.py) that compare's table does not time, and
+# where each is timed instead; every other one is timed here, so a new operation of the registry joins the table
+# until it is named here
 TIMED_ELSEWHERE = {"flash": "--variant long", "ring": "bench/ring.py and bench/ring_torch.py, per device",
                    "linear": "--complexity, with its recurrent form", "decode": "--decode (a loop of calls)"}
 OPERATIONS = tuple(name for name in REGISTRY if name not in TIMED_ELSEWHERE)  # sdpa, mha, block

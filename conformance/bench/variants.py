@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..frameworks import framework_of
+from ..frameworks.registry import framework_of
 from . import baselines, timing
 from .timing import OPERATIONS, Call, Problem, Target
 

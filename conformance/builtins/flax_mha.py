@@ -31,7 +31,7 @@ from flax import nnx
 
 from attention_np.common import checks
 from conformance import adapters
-from conformance.features import Declaration
+from conformance.contract.features import Declaration
 
 TITLE = "flax.nnx.MultiHeadAttention"  # the column of `python -m conformance frameworks`
 LAYERS = {"w_q": "query", "w_k": "key", "w_v": "value", "w_o": "out"}  # our Linear -> its LinearGeneral

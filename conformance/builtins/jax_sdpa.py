@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from conformance import adapters
-from conformance.features import Declaration
+from conformance.contract.features import Declaration
 
 TITLE = "jax.nn.dot_product_attention"  # the column of `python -m conformance frameworks`
 

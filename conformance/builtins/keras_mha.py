@@ -45,7 +45,7 @@ import keras
 
 from attention_np.common import checks
 from conformance import adapters
-from conformance.features import Declaration
+from conformance.contract.features import Declaration
 
 TITLE = "keras.layers.MultiHeadAttention"  # the column of `python -m conformance frameworks`
 LAYERS = {"w_q": "query", "w_k": "key", "w_v": "value", "w_o": "attention_output"}  # our Linear -> its EinsumDense

@@ -31,7 +31,7 @@ from torch import nn
 from attention_np.common import checks
 from conformance import adapters
 from conformance.builtins import torch_mha
-from conformance.features import Declaration
+from conformance.contract.features import Declaration
 
 TITLE = "nn.TransformerEncoderLayer"  # the column of `python -m conformance frameworks`
 

@@ -25,7 +25,7 @@ import torch
 
 from conformance import adapters
 from conformance.builtins import torch_encoder_layer
-from conformance.features import Declaration
+from conformance.contract.features import Declaration
 
 TITLE = "nn.TransformerEncoderLayer (fast path)"  # the column of `python -m conformance frameworks`
 

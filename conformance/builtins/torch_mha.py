@@ -27,7 +27,7 @@ from torch import nn
 
 from attention_np.common import checks
 from conformance import adapters
-from conformance.features import Declaration
+from conformance.contract.features import Declaration
 
 TITLE = "nn.MultiheadAttention"  # the column of `python -m conformance frameworks`
 

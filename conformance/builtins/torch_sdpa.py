@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from conformance import adapters
-from conformance.features import Declaration
+from conformance.contract.features import Declaration
 
 TITLE = "F.scaled_dot_product_attention"  # the column of `python -m conformance frameworks`
 

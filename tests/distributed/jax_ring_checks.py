@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import attention_jax as A
-from conformance.tolerances import TOLERANCES
+from conformance.contract.tolerances import TOLERANCES
 
 RTOL = TOLERANCES["float64"]["reordered"]  # the ring against single-device flash_attention, float64
 TILES = dict(block_q=4, block_k=8)  # the tiles within each step; a shard of 2 rows (P = 8, causal) clips them

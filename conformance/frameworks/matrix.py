@@ -1,6 +1,6 @@
 """`python -m conformance frameworks`: the frameworks' built-ins (conformance/builtins) measured against the spec,
-one column each: the rules on which they disagree in meaning (conformance/rules.py), and the suite's verdict on
-the rest of their contract, as a matrix of cells in a few words, every one produced by a run.
+one column each: the rules on which they disagree in meaning (conformance/frameworks/disagreements.py), and the
+suite's verdict on the rest of their contract, as a matrix of cells in a few words, every one produced by a run.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from . import rules
-from .frameworks import import_modules
+from . import disagreements
+from .registry import import_modules
 
 SUITE = "the suite"  # the last row: the suite's verdict on what the module declares it has
 
@@ -20,7 +20,7 @@ SUITE = "the suite"  # the last row: the suite's verdict on what the module decl
 class Column(NamedTuple):
     name: str  # the module's importable name
     title: str  # its TITLE
-    cells: dict[str, rules.Cell]  # rule -> cell, the suite's row included
+    cells: dict[str, disagreements.Cell]  # rule -> cell, the suite's row included
     seconds: float
     report: Any  # the suite's Report
 
@@ -47,11 +47,11 @@ def versions() -> dict[str, str]:
     return found
 
 
-def measure_one(name: str) -> tuple[str, dict[str, rules.Cell], float]:
+def measure_one(name: str) -> tuple[str, dict[str, disagreements.Cell], float]:
     """A module's TITLE and rule cells, and the seconds they took: one process's work."""
     start = time.perf_counter()
     module = __import__(name, fromlist=["_"])
-    return getattr(module, "TITLE", name), rules.measure(module), time.perf_counter() - start
+    return getattr(module, "TITLE", name), disagreements.measure(module), time.perf_counter() - start
 
 
 def run(names: Sequence[str], *, jobs: int = 1, suite_too: bool = True, done: Callable[[str], None] | None = None,
@@ -59,7 +59,7 @@ def run(names: Sequence[str], *, jobs: int = 1, suite_too: bool = True, done: Ca
     """Every module's rules and (suite_too) its suite report (options: `check`'s), up to `jobs` processes at once
     (spawned: no framework state shared): the rules one process per module, the suite in parts
     (suite.reports_in_parts); with jobs=1 all of it in this process, one module after the other."""
-    from . import suite
+    from ..run import suite
 
     modules, skipped = import_modules(names)
     names = list(modules)
@@ -76,35 +76,35 @@ def run(names: Sequence[str], *, jobs: int = 1, suite_too: bool = True, done: Ca
 
 def column(name: str, *, suite_too: bool = True, **options: Any) -> Column:
     """One module's column, measured in this process: its rules and (suite_too) its suite report."""
-    from . import suite
+    from ..run import suite
 
     timed = suite.timed_check(name, **options) if suite_too else (None, suite.Timing(0.0, 0.0))
     return _column(name, measure_one(name), timed)
 
 
-def _column(name: str, measured: tuple[str, dict[str, rules.Cell], float], timed: tuple[Any, Any]) -> Column:
+def _column(name: str, measured: tuple[str, dict[str, disagreements.Cell], float], timed: tuple[Any, Any]) -> Column:
     """The column of measure_one's (title, cells, seconds) and the suite's (report, Timing), or (None, zero)."""
     (title, cells, seconds), (report, timing) = measured, timed
     return Column(name, title, cells if report is None else cells | {SUITE: suite_cell(report)},
                   seconds + timing.wall, report)
 
 
-def suite_cell(report: Any) -> rules.Cell:
+def suite_cell(report: Any) -> disagreements.Cell:
     """The suite's verdict in a few words: the rows that ran and passed, those the declaration skips, or the
     failing ones."""
     ran = [row for row in report.rows if not row.skipped]
     failing = [row for row in ran if not row.passed]
     if failing:
         named = sorted({f"{row.check} ({row.operation})" for row in failing})
-        return rules.Cell(False, f"fails {', '.join(named[:3])}" + (f" and {len(named) - 3} more" if len(named) > 3
-                                                                      else ""))
+        more = f" and {len(named) - 3} more" if len(named) > 3 else ""
+        return disagreements.Cell(False, f"fails {', '.join(named[:3])}{more}")
     skipped = len(report.rows) - len(ran)
-    return rules.Cell(True, f"{len(ran)} rows pass, {skipped} skip")
+    return disagreements.Cell(True, f"{len(ran)} rows pass, {skipped} skip")
 
 
 def rows(matrix: Matrix) -> list[tuple[str, str]]:
     """(rule, what the spec says) for each row of the matrix."""
-    found = [(rule.name, rule.spec) for rule in rules.RULES]
+    found = [(rule.name, rule.spec) for rule in disagreements.RULES]
     if any(SUITE in column.cells for column in matrix.columns):  # a run with the suite (not --rules-only)
         found.append((SUITE, "what it declares it has"))
     return found
@@ -113,7 +113,7 @@ def rows(matrix: Matrix) -> list[tuple[str, str]]:
 def format_text(matrix: Matrix, *, markdown: bool = False) -> str:
     """The matrix as a table: rows the rules, columns the built-ins; markdown for a README."""
     header = ["rule", "spec", *(column.title for column in matrix.columns)]
-    table = [[rule, spec, *(column.cells.get(rule, rules.Cell(None, "-")).text for column in matrix.columns)]
+    table = [[rule, spec, *(column.cells.get(rule, disagreements.Cell(None, "-")).text for column in matrix.columns)]
              for rule, spec in rows(matrix)]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -135,6 +135,6 @@ def to_json(matrix: Matrix) -> dict[str, Any]:
 def from_json(found: dict[str, Any]) -> Matrix:
     """The matrix `to_json` wrote (the suite's reports as their JSON), to print again."""
     columns = [Column(column["module"], column["title"],
-                      {rule: rules.Cell(**cell) for rule, cell in column["cells"].items()}, column["seconds"],
+                      {rule: disagreements.Cell(**cell) for rule, cell in column["cells"].items()}, column["seconds"],
                       column["suite"]) for column in found["columns"]]
     return Matrix(columns, found["skipped"], found["versions"])

@@ -7,7 +7,7 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
   its operation, held to the oracle like any drawn case.
 - edge: inputs at a border of the spec (no keys, fully masked rows, NaN, inf); run in float64 on both paths,
   modules in eval mode with dropout configured, held to the oracle with the rules for NaN and inf of
-  conformance/fixed_checks.py, and to the hand-derived `rules` written beside it.
+  conformance/run/fixed_checks.py, and to the hand-derived `requirements` written beside it.
 - error: a mistake a caller makes; the call must raise `error` with every string of `contains` in its
   message, on both paths. stage "call" runs the operation (modules: from_state_dict, then the call, in
   training mode with an rng, so a configured dropout reaches it), "init" the constructor with the row's
@@ -26,7 +26,7 @@ import numpy as np
 from .cases import (
     LARGE,
     SMALL,
-    Rule,
+    Requirement,
     block_case,
     changed,
     decode_case,
@@ -45,14 +45,14 @@ ALL = slice(None)
 
 
 class Fixed(NamedTuple):
-    """One row of the table; see the module docstring for what each use requires."""
+    """One fixed case; see the module docstring for what each use requires."""
 
-    operation: str  # a name of conformance.operations.OPERATIONS
+    operation: str  # a name of conformance.contract.operations.OPERATIONS
     name: str
     use: str  # "example", "edge" or "error"
     build: Callable[[], Any]  # the case (stage "init": the constructor's keyword arguments)
     requires: str = ""  # the required result, in words
-    rules: tuple[Rule, ...] = ()  # edge: checked besides the oracle
+    requirements: tuple[Requirement, ...] = ()  # edge: checked besides the oracle
     error: type[Exception] | None = None  # error: the exception type every backend raises
     contains: tuple[str, ...] = ()  # error: words its message contains
     stage: str = "call"  # error: "call", "init" or "pullback"
@@ -63,8 +63,8 @@ def example(operation: str, name: str, build: Callable[[], Any], requires: str) 
     return Fixed(operation, name, "example", build, requires)
 
 
-def edge(operation: str, name: str, build: Callable[[], Any], requires: str, *rules: Rule) -> Fixed:
-    return Fixed(operation, name, "edge", build, requires, rules)
+def edge(operation: str, name: str, build: Callable[[], Any], requires: str, *requirements: Requirement) -> Fixed:
+    return Fixed(operation, name, "edge", build, requires, requirements)
 
 
 def error(operation: str, name: str, build: Callable[[], Any], raises: type[Exception], *contains: str,
@@ -213,73 +213,74 @@ def _sdpa_edges() -> list[Fixed]:
         edge("sdpa", "fully_masked_rows", lambda: base._replace(
             mask=changed(changed(random_mask(2, 3, 4), (0, 0), False), (1, 2), False)),
             "rows (0, 0) and (1, 2) see no key: out and weights rows exactly 0; the others as the oracle",
-            *(Rule(name, "zero", row) for name in ("out", "weights") for row in ((0, 0), (1, 2))),
-            Rule("weights", "sums_to_one", (0, slice(1, 3)))),
+            *(Requirement(name, "zero", row) for name in ("out", "weights") for row in ((0, 0), (1, 2))),
+            Requirement("weights", "sums_to_one", (0, slice(1, 3)))),
         edge("sdpa", "fully_masked_head", lambda: heads._replace(mask=np.array([True, False])[:, None, None]),
              "q (B, H, L, E), mask (H, 1, 1) hides head 1: out[:, 1] and weights[:, 1] exactly 0",
-             Rule("out", "zero", (ALL, 1)), Rule("weights", "zero", (ALL, 1))),
+             Requirement("out", "zero", (ALL, 1)), Requirement("weights", "zero", (ALL, 1))),
         edge("sdpa", "fully_masked_batch_element", lambda: base._replace(
             mask=changed(random_mask(2, 3, 4), 1, False)),
             "batch element 1 sees no key: out[1] and weights[1] exactly 0; element 0 as the oracle",
-            Rule("out", "zero", (1,)), Rule("weights", "zero", (1,))),
+            Requirement("out", "zero", (1,)), Requirement("weights", "zero", (1,))),
         edge("sdpa", "no_keys", lambda: sdpa_case(S=0, mask=np.ones((1, 0), bool)),
              "S = 0: out zeros (B, L, Ev), weights (B, L, 0)",
-             Rule("out", "zero"), Rule("out", "shape", value=(2, 3, 3)), Rule("weights", "shape", value=(2, 3, 0))),
+             Requirement("out", "zero"), Requirement("out", "shape", value=(2, 3, 3)),
+             Requirement("weights", "shape", value=(2, 3, 0))),
         edge("sdpa", "no_queries", lambda: sdpa_case(L=0, is_causal=True), "L = 0: out (B, 0, Ev), weights (B, 0, S)",
-             Rule("out", "shape", value=(2, 0, 3)), Rule("weights", "shape", value=(2, 0, 4))),
+             Requirement("out", "shape", value=(2, 0, 3)), Requirement("weights", "shape", value=(2, 0, 4))),
         edge("sdpa", "single_key", lambda: sdpa_case(S=1, bias=np.full((3, 1), 0.7)),
              "S = 1: weights 1, out = v[..., 0, :] on every row",
-             Rule("out", "equals", value=first_value), Rule("weights", "one")),
+             Requirement("out", "equals", value=first_value), Requirement("weights", "one")),
         edge("sdpa", "logits_in_the_thousands", _large_sdpa,
              "logits +-5000 (+ O(1)): finite, as the oracle (no overflow, no 0 / 0)",
-             Rule("out", "finite"), Rule("weights", "sums_to_one")),
+             Requirement("out", "finite"), Requirement("weights", "sums_to_one")),
         edge("sdpa", "nan_in_query", lambda: heads._replace(q=changed(heads.q, (0, 1, 1), np.nan)),
              "q (B, H, L, E), q[0, 1, 1] NaN: out and weights row (0, 1, 1) NaN; every other row as the oracle",
-             Rule("out", "only_nan", (0, 1, 1)), Rule("weights", "only_nan", (0, 1, 1))),
+             Requirement("out", "only_nan", (0, 1, 1)), Requirement("weights", "only_nan", (0, 1, 1))),
         # causal: query i sees keys 0..i, so key 2 reaches query 2 alone (whose hidden key 3 may read NaN)
         edge("sdpa", "nan_in_key", lambda: base._replace(k=changed(base.k, (0, 2), np.nan), is_causal=True),
              "k[0, 2] NaN, causal: rows (0, 2) NaN; rows (0, 0), (0, 1), which do not see key 2, and batch "
              "element 1 as the oracle",
-             Rule("out", "only_nan", (0, 2)), Rule("weights", "nan", (0, 2, slice(0, 3))),
-             Rule("weights", "finite", (0, slice(0, 2))), Rule("weights", "finite", (1,))),
+             Requirement("out", "only_nan", (0, 2)), Requirement("weights", "nan", (0, 2, slice(0, 3))),
+             Requirement("weights", "finite", (0, slice(0, 2))), Requirement("weights", "finite", (1,))),
         edge("sdpa", "nan_in_value", lambda: base._replace(v=changed(base.v, (0, 1, 2), np.nan)),
              "v[0, 1, 2] NaN, every key visible: out[0, :, 2] NaN; every other entry and the weights as the oracle",
-             Rule("out", "only_nan", (0, ALL, 2)), Rule("weights", "finite")),
+             Requirement("out", "only_nan", (0, ALL, 2)), Requirement("weights", "finite")),
         # bias[0, 2, 0] is NaN too, but the mask hides key 0 from query (0, 2): that row stays finite
         edge("sdpa", "nan_in_bias", lambda: base._replace(
             bias=changed(changed(bias, (0, 1, 3), np.nan), (0, 2, 0), np.nan),
             mask=changed(np.ones((2, 3, 4), bool), (0, 2, 0), False)),
             "bias[0, 1, 3] NaN (visible): row (0, 1) NaN; bias[0, 2, 0] NaN but hidden by the mask: row (0, 2) "
             "finite; every other row as the oracle",
-            Rule("out", "only_nan", (0, 1)), Rule("weights", "only_nan", (0, 1))),
+            Requirement("out", "only_nan", (0, 1)), Requirement("weights", "only_nan", (0, 1))),
         # q[0, 0] = +inf against k[:, 0] = -1: every score of row 0 is -inf, from the inputs, not the bias
         edge("sdpa", "neg_inf_scores_from_the_inputs", lambda: sdpa_case(
             (), 2, 3, q=changed(normal(2, 2), (0, 0), np.inf), k=changed(normal(3, 2, seed=1), (ALL, 0), -1.0)),
             "q[0, 0] = +inf, k[:, 0] = -1: every score of row 0 is -inf, which hides nothing (only a -inf bias "
             "hides a key): out and weights row 0 NaN, never the zeros of a fully masked row; row 1 as the oracle",
-            Rule("out", "only_nan", 0), Rule("weights", "only_nan", 0)),
+            Requirement("out", "only_nan", 0), Requirement("weights", "only_nan", 0)),
         edge("sdpa", "visible_scores_below_minus_1e9", _far_below_fill(-2.0**40),
              "every visible score about -1.1e12, key 1 hidden in every row: the weights of the visible keys as "
              "the oracle, never a masked fill constant (-1e9, The Annotated Transformer's) that outweighs them",
-             Rule("weights", "zero", (ALL, ALL, 1)), Rule("weights", "sums_to_one")),
+             Requirement("weights", "zero", (ALL, ALL, 1)), Requirement("weights", "sums_to_one")),
         # +inf - max = inf - inf = NaN: never the finite one-hot limit
         edge("sdpa", "key_lengths_zero", lambda: base._replace(key_lengths=np.array([3, 0]), is_causal=True),
              "key_lengths [3, 0]: batch element 1 sees no key, out[1] and weights[1] exactly 0; key 3 of element "
-             "0 hidden (SPEC 2a)", Rule("out", "zero", (1,)), Rule("weights", "zero", (1,)),
-             Rule("weights", "zero", (0, ALL, 3))),
+             "0 hidden (SPEC 2a)", Requirement("out", "zero", (1,)), Requirement("weights", "zero", (1,)),
+             Requirement("weights", "zero", (0, ALL, 3))),
         edge("sdpa", "softcap_keeps_neg_inf_bias_hidden", lambda: base._replace(
             bias=changed(np.zeros((3, 4)), (ALL, 2), -np.inf), softcap=0.5),
             "softcap 0.5, bias -inf on key 2: weights[..., 2] exactly 0 (capped before the bias, SPEC 2a)",
-            Rule("weights", "zero", (ALL, ALL, 2)), Rule("weights", "sums_to_one")),
+            Requirement("weights", "zero", (ALL, ALL, 2)), Requirement("weights", "sums_to_one")),
         edge("sdpa", "grouped_heads_one_fully_masked", lambda: _grouped(
             4, 2, mask=changed(np.ones((4, 1, 5), bool), (1,), False)),
             "enable_gqa, H = 4, Hkv = 2, query head 1 sees no key: out[:, 1] and weights[:, 1] exactly 0; the "
-            "other head of its group, 0, as the oracle", Rule("out", "zero", (ALL, 1)),
-            Rule("weights", "zero", (ALL, 1)), Rule("weights", "sums_to_one", (ALL, 0))),
+            "other head of its group, 0, as the oracle", Requirement("out", "zero", (ALL, 1)),
+            Requirement("weights", "zero", (ALL, 1)), Requirement("weights", "sums_to_one", (ALL, 0))),
         edge("sdpa", "inf_score", lambda: heads._replace(bias=changed(np.zeros((3, 4)), (1, 0), np.inf)),
              "q (B, H, L, E), bias (L, S), bias[1, 0] = +inf (visible): out rows (:, :, 1) NaN or inf, never "
              "finite; weights rows (:, :, 1) hold NaN or inf; every other row as the oracle",
-             Rule("out", "only_nan_or_inf", (ALL, ALL, 1))),
+             Requirement("out", "only_nan_or_inf", (ALL, ALL, 1))),
     ]
 
 
@@ -395,40 +396,40 @@ def _mha_edges() -> list[Fixed]:
         edge("mha", "fully_masked_rows", lambda: mha_case(
             mask=changed(changed(random_mask(2, 1, 3, 5), (0, 0, 1), False), (1, 0, 0), False)),
             "queries (0, 1) and (1, 0) see no key in any head: their weights rows exactly 0, out rows w_o.bias",
-            Rule("out", "equals", (0, 1), w_o_bias), Rule("out", "equals", (1, 0), w_o_bias),
-            Rule("weights", "zero", (0, ALL, 1)), Rule("weights", "zero", (1, ALL, 0))),
+            Requirement("out", "equals", (0, 1), w_o_bias), Requirement("out", "equals", (1, 0), w_o_bias),
+            Requirement("weights", "zero", (0, ALL, 1)), Requirement("weights", "zero", (1, ALL, 0))),
         edge("mha", "fully_masked_head", lambda: mha_case(mask=np.array([True, False])[:, None, None]),
              "mask (H, 1, 1) hides head 1: weights[:, 1] exactly 0, out as the oracle",
-             Rule("weights", "zero", (ALL, 1)), Rule("weights", "sums_to_one", (ALL, 0))),
+             Requirement("weights", "zero", (ALL, 1)), Requirement("weights", "sums_to_one", (ALL, 0))),
         edge("mha", "fully_masked_batch_element", lambda: mha_case(
             mask=np.arange(5) < np.reshape([3, 0], (2, 1, 1, 1))),
              "padding lengths [3, 0]: weights[1] exactly 0, out[1] = w_o.bias on every row",
-             Rule("out", "equals", (1,), w_o_bias), Rule("weights", "zero", (1,))),
+             Requirement("out", "equals", (1,), w_o_bias), Requirement("weights", "zero", (1,))),
         edge("mha", "no_keys", lambda: mha_case(S=0), "S = 0: weights (B, H, L, 0), out = w_o.bias on every row",
-             Rule("out", "equals", value=w_o_bias), Rule("weights", "shape", value=(2, 2, 3, 0))),
+             Requirement("out", "equals", value=w_o_bias), Requirement("weights", "shape", value=(2, 2, 3, 0))),
         edge("mha", "linear_no_keys", lambda: mha_case(S=0, attention="linear", dropout=0.0),
              "S = 0, linear heads: each head 0 / (0 + eps) = 0, out = w_o.bias on every row, weights None",
-             Rule("out", "equals", value=w_o_bias)),
+             Requirement("out", "equals", value=w_o_bias)),
         edge("mha", "no_queries", lambda: mha_case(L=0), "L = 0: out (B, 0, D), weights (B, H, 0, S)",
-             Rule("out", "shape", value=(2, 0, 4)), Rule("weights", "shape", value=(2, 2, 0, 5))),
+             Requirement("out", "shape", value=(2, 0, 4)), Requirement("weights", "shape", value=(2, 2, 0, 5))),
         edge("mha", "single_key", lambda: mha_case(S=1),
-             "S = 1: weights 1, out the projected value mixed by w_o, as the oracle", Rule("weights", "one")),
+             "S = 1: weights 1, out the projected value mixed by w_o, as the oracle", Requirement("weights", "one")),
         edge("mha", "logits_in_the_thousands", _large_mha, "self-attention logits up to +-5000: finite, as the oracle",
-             Rule("out", "finite"), Rule("weights", "sums_to_one")),
+             Requirement("out", "finite"), Requirement("weights", "sums_to_one")),
         edge("mha", "nan_in_query", lambda: base._replace(q=changed(base.q, (0, 1), np.nan)),
              "q[0, 1] NaN: out row (0, 1) and its weights rows NaN; every other row as the oracle",
-             Rule("out", "only_nan", (0, 1)), Rule("weights", "only_nan", (0, ALL, 1))),
+             Requirement("out", "only_nan", (0, 1)), Requirement("weights", "only_nan", (0, ALL, 1))),
         # causal mask (3, 5): key 1 reaches queries 1 and 2 of sequence 0
         edge("mha", "nan_in_key", lambda: base._replace(k=changed(base.k, (0, 1), np.nan),
                                                        mask=np.tri(3, 5, dtype=bool)),
              "k[0, 1] NaN, causal mask: rows (0, 1), (0, 2) NaN; row (0, 0), which does not see key 1, and batch "
-             "element 1 as the oracle", Rule("out", "only_nan", (0, slice(1, 3)))),
+             "element 1 as the oracle", Requirement("out", "only_nan", (0, slice(1, 3)))),
         edge("mha", "inf_in_query", lambda: base._replace(q=changed(base.q, (1, 2), np.inf)),
              "q[1, 2] = +inf: out row (1, 2) NaN or inf, never finite; every other row as the oracle",
-             Rule("out", "only_nan_or_inf", (1, 2))),
+             Requirement("out", "only_nan_or_inf", (1, 2))),
         edge("mha", "visible_scores_below_minus_1e9", _far_below_fill_mha,
              "every visible score about -1.1e12, key 1 hidden: the weights of the visible keys as the oracle, never "
-             "a masked fill constant (-1e9) that outweighs them", Rule("weights", "zero", (ALL, ALL, ALL, 1))),
+             "a masked fill constant (-1e9) that outweighs them", Requirement("weights", "zero", (ALL, ALL, ALL, 1))),
     ]
 
 
@@ -546,30 +547,30 @@ def _block_edges() -> list[Fixed]:
         edge("block", "fully_masked_rows", lambda: block_case(
             mask=changed(np.tri(4, 4, dtype=bool)[None, None].repeat(2, 0), (0, 0, 2), False)),
             "causal, and query (0, 2) sees no key: its weights rows exactly 0; out as the oracle",
-            Rule("out", "finite"), Rule("weights", "zero", (0, ALL, 2))),
+            Requirement("out", "finite"), Requirement("weights", "zero", (0, ALL, 2))),
         edge("block", "fully_masked_head", lambda: block_case(mask=np.array([False, True])[:, None, None],
                                                               norm_first=True, activation="relu"),
              "pre-LN, mask (H, 1, 1) hides head 0: weights[:, 0] exactly 0; out as the oracle",
-             Rule("out", "finite"), Rule("weights", "zero", (ALL, 0))),
+             Requirement("out", "finite"), Requirement("weights", "zero", (ALL, 0))),
         edge("block", "fully_masked_batch_element", lambda: block_case(
             mask=np.arange(4) < np.reshape([4, 0], (2, 1, 1, 1))),
             "padding lengths [4, 0]: weights[1] exactly 0; out as the oracle",
-            Rule("out", "finite"), Rule("weights", "zero", (1,))),
+            Requirement("out", "finite"), Requirement("weights", "zero", (1,))),
         edge("block", "empty_sequence", lambda: block_case(L=0), "L = S = 0: out (B, 0, D), weights (B, H, 0, 0)",
-             Rule("out", "shape", value=(2, 0, 4)), Rule("weights", "shape", value=(2, 2, 0, 0))),
+             Requirement("out", "shape", value=(2, 0, 4)), Requirement("weights", "shape", value=(2, 2, 0, 0))),
         edge("block", "single_position", lambda: block_case(L=1, norm_first=True),
              "L = 1: weights 1; out as the oracle",
-             Rule("out", "finite"), Rule("weights", "one")),
+             Requirement("out", "finite"), Requirement("weights", "one")),
         edge("block", "logits_in_the_thousands", _large_block,
              "post-LN, attention logits up to +-5000: finite, as the oracle",
-             Rule("out", "finite"), Rule("weights", "sums_to_one")),
+             Requirement("out", "finite"), Requirement("weights", "sums_to_one")),
         # self-attention without a mask: every query of sequence 0 sees key 1; LayerNorm spreads NaN along D
         edge("block", "nan_in_input", lambda: base._replace(x=changed(base.x, (0, 1), np.nan)),
              "x[0, 1] NaN: every row of batch element 0 NaN (each query sees key 1); element 1 as the oracle",
-             Rule("out", "only_nan", (0,)), Rule("weights", "only_nan", (0,))),
+             Requirement("out", "only_nan", (0,)), Requirement("weights", "only_nan", (0,))),
         edge("block", "inf_in_input", lambda: base._replace(x=changed(base.x, (1, 0), np.inf)),
              "x[1, 0] = +inf: every row of batch element 1 NaN or inf, never finite; element 0 as the oracle",
-             Rule("out", "only_nan_or_inf", (1,))),
+             Requirement("out", "only_nan_or_inf", (1,))),
     ]
 
 
@@ -642,7 +643,7 @@ def _decode_rows() -> list[Fixed]:
             "pre-norm RMSNorm SwiGLU block, Hkv = 2 of 4, RoPE (theta 10) at the positions in the whole sequence"),
         edge("decode", "unfilled_positions_weigh_zero", lambda: decode_case((2,), (2, 1), capacity=7),
              "3 positions in a cache of 7: the weights of positions 3..6 are exactly 0 in every row",
-             Rule("weights", "zero", (ALL, ALL, ALL, slice(3, None))), Rule("weights", "sums_to_one")),
+             Requirement("weights", "zero", (ALL, ALL, ALL, slice(3, None))), Requirement("weights", "sums_to_one")),
         error("decode", "cache_full", lambda: decode_case((2,), (3, 2), capacity=4), ValueError, "capacity", "4",
               "3", "2"),
         error("decode", "capacity_negative", lambda: decode_case((2,), (1,), capacity=-1), ValueError, "capacity",
@@ -656,16 +657,18 @@ TILES = (2, 3)  # block_q, block_k of the rows taken over from sdpa: every tile 
 
 
 def _as_tiled(row: Fixed, block_q: int = TILES[0], block_k: int = TILES[1]) -> Fixed:
-    """An sdpa row as a flash_attention row: the same case in tiles, its rules on out (the second result is
-    the log-sum-exp; the oracle's -inf marks the queries that see no key), or those of FLASH_RULES where the
-    sdpa row's rules are on the weights alone."""
-    rules = tuple(rule for rule in row.rules if rule.name == "out") or FLASH_RULES.get(row.name, ())
-    return row._replace(operation="flash", build=lambda: tiled(row.build(), block_q, block_k), rules=rules)
+    """An sdpa row as a flash_attention row: the same case in tiles, its requirements on out (the second result
+    is the log-sum-exp; the oracle's -inf marks the queries that see no key), or those of FLASH_REQUIREMENTS where
+    the sdpa row's requirements are on the weights alone."""
+    requirements = (tuple(needed for needed in row.requirements if needed.name == "out")
+                    or FLASH_REQUIREMENTS.get(row.name, ()))
+    return row._replace(operation="flash", build=lambda: tiled(row.build(), block_q, block_k),
+                        requirements=requirements)
 
 
-# the flash rules of edge cases whose sdpa rules are on the weights alone: every query sees finite scores
+# the flash requirements of edge cases whose sdpa requirements are on the weights alone: every query sees finite scores
 # (about -1.1e12; capped at +-0.5 besides a -inf bias), so its lse is finite, whatever the masks hide
-FLASH_RULES = {name: (Rule("out", "finite"), Rule("lse", "finite"))
+FLASH_REQUIREMENTS = {name: (Requirement("out", "finite"), Requirement("lse", "finite"))
                for name in ("visible_scores_below_minus_1e9", "softcap_keeps_neg_inf_bias_hidden")}
 
 
@@ -704,11 +707,11 @@ def _flash_rows() -> list[Fixed]:
         edge("flash", "lse_of_fully_masked_rows", lambda: tiled(sdpa_case(
             mask=changed(changed(random_mask(2, 3, 4), (0, 0), False), (1, 2), False)), 2, 3),
             "rows (0, 0) and (1, 2) see no key: out rows exactly 0 and lse -inf; the others as the oracle",
-            *(Rule(name, kind, row) for name, kind in (("out", "zero"), ("lse", "minus_inf"))
+            *(Requirement(name, kind, row) for name, kind in (("out", "zero"), ("lse", "minus_inf"))
               for row in ((0, 0), (1, 2)))),
         edge("flash", "lse_of_one_key", lambda: tiled(sdpa_case(S=1, bias=np.full((3, 1), 0.7), scale=0.0), 2, 3),
              "S = 1, scale 0, bias 0.7: the one score is 0.7, so lse = log(exp(0.7)) = 0.7 on every row",
-             Rule("out", "equals", value=first_value), Rule("lse", "equals", value=lambda case: 0.7)),
+             Requirement("out", "equals", value=first_value), Requirement("lse", "equals", value=lambda case: 0.7)),
         error("flash", "block_q_zero", lambda: tiled(sdpa_case(), 0, 3), ValueError, "block_q", "0"),
         error("flash", "block_k_negative", lambda: tiled(sdpa_case(), 2, -1), ValueError, "block_k", "-1"),
         error("flash", "block_q_float", lambda: tiled(sdpa_case(), 2.0, 3), ValueError, "block_q", "2.0"),
@@ -756,18 +759,18 @@ def _ring_rows() -> list[Fixed]:
         edge("ring", "queries_before_every_key", _ring(2, 8, 8, is_causal=True, q_offset=-3),
              "causal at q_offset -3: queries 0..2 (positions -3..-1) see no key on any device: out rows exactly 0 "
              "and lse -inf, merged so (never exp(-inf - -inf) = NaN); the others as the oracle",
-             Rule("out", "zero", (ALL, slice(0, 3))), Rule("lse", "minus_inf", (ALL, slice(0, 3))),
-             Rule("lse", "finite", (ALL, slice(3, 8)))),
+             Requirement("out", "zero", (ALL, slice(0, 3))), Requirement("lse", "minus_inf", (ALL, slice(0, 3))),
+             Requirement("lse", "finite", (ALL, slice(3, 8)))),
         edge("ring", "logits_in_the_thousands", _large_ring,
              "logits +-5000 on two devices: the partial results merge by exp(lse_a - lse), finite, as the oracle",
-             Rule("out", "finite"), Rule("lse", "finite")),
+             Requirement("out", "finite"), Requirement("lse", "finite")),
         # causal: query i sees keys 0..i, so the NaN of key 5 reaches queries 5..7 alone, though the chunk that
         # holds it is computed for query 4 as well
         edge("ring", "nan_in_key_hidden_from_earlier_queries", lambda: (case := nan_key())._replace(
             k=changed(case.k, (0, 5), np.nan)),
             "k[0, 5] NaN, causal on 2 devices: rows (0, 5..7) NaN; rows (0, 0..4), which do not see key 5, and "
             "batch element 1 as the oracle",
-            Rule("out", "only_nan", (0, slice(5, 8))), Rule("lse", "only_nan", (0, slice(5, 8)))),
+            Requirement("out", "only_nan", (0, slice(5, 8))), Requirement("lse", "only_nan", (0, slice(5, 8)))),
         error("ring", "L_not_a_multiple_of_the_devices", _ring(4, 6, 8), ValueError, "ring_attention", "L = 6",
               "P = 4"),
         error("ring", "S_not_a_multiple_of_the_devices", _ring(3, 6, 7), ValueError, "ring_attention", "S = 7",
@@ -825,36 +828,37 @@ def _linear_rows() -> list[Fixed]:
         edge("linear", "queries_that_see_no_key_get_zeros", _linear((2,), 4, 4, is_causal=True, chunk=3,
                                                                     key_lengths=np.array([0, 2])),
              "key_lengths [0, 2], causal: sequence 0 sees no key, so each out row is 0 / (0 + eps) = 0 exactly, "
-             "never 0 / 0; sequence 1 as the oracle", Rule("out", "zero", 0), Rule("out", "finite")),
+             "never 0 / 0; sequence 1 as the oracle", Requirement("out", "zero", 0), Requirement("out", "finite")),
         edge("linear", "relu_query_without_a_positive_entry", lambda: linear_case(
             q=changed(normal(2, 3, 2), (ALL, 1), -1.0), feature_map="relu", is_causal=True, L=3, S=3),
             "relu, query 1 = (-1, -1): phi(q_1) = 0, so every weight of row 1 is 0 and out_1 = 0 / (0 + eps) = 0 "
-            "exactly, though it sees keys 0, 1", Rule("out", "zero", (ALL, 1))),
+            "exactly, though it sees keys 0, 1", Requirement("out", "zero", (ALL, 1))),
         edge("linear", "one_key_of_weight_one_and_eps_one", lambda: linear_case(
             q=np.ones((2, 3, 1)), k=np.ones((2, 1, 1)), v=normal(2, 1, 3), feature_map="identity", eps=1.0),
             "identity, q = k = 1, S = 1, eps 1: the one weight is 1, so out_i = 1 v_0 / (1 + 1) = v_0 / 2 exactly",
-            Rule("out", "equals", value=lambda case: case.v / 2)),
+            Requirement("out", "equals", value=lambda case: case.v / 2)),
         edge("linear", "elu_plus_one_at_zero_is_one", lambda: linear_case(
             q=np.zeros((2, 3, 2)), k=np.zeros((2, 2, 2)), v=normal(2, 2, 3), eps=4.0),
             "elu + 1, q = k = 0, E = 2, S = 2, eps 4: phi(0) = (1, 1), every weight 2, so out_i = 2 (v_0 + v_1) / "
             "(2 + 2 + 4) = (v_0 + v_1) / 4 exactly",
-            Rule("out", "equals", value=lambda case: (case.v[:, :1] + case.v[:, 1:]) / 4)),
+            Requirement("out", "equals", value=lambda case: (case.v[:, :1] + case.v[:, 1:]) / 4)),
         edge("linear", "no_queries", _linear((2,), 0, 4), "L = 0: out (2, 0, 3)",
-             Rule("out", "shape", value=(2, 0, 3))),
+             Requirement("out", "shape", value=(2, 0, 3))),
         edge("linear", "no_queries_causal_chunked", _linear((2,), 0, 0, is_causal=True, chunk=2),
-             "L = S = 0, causal in chunks of 2: no chunk at all, out (2, 0, 3)", Rule("out", "shape", value=(2, 0, 3))),
+             "L = S = 0, causal in chunks of 2: no chunk at all, out (2, 0, 3)",
+             Requirement("out", "shape", value=(2, 0, 3))),
         edge("linear", "no_keys", _linear((2,), 3, 0), "S = 0: every query sees no key, out zeros (2, 3, 3)",
-             Rule("out", "zero"), Rule("out", "shape", value=(2, 3, 3))),
+             Requirement("out", "zero"), Requirement("out", "shape", value=(2, 3, 3))),
         edge("linear", "nan_in_a_key_past_key_lengths", lambda: linear_case(
             k=changed(normal(2, 4, 2), (0, 3), np.nan), key_lengths=np.array([3, 4])),
             "k[0, 3] NaN, key_lengths [3, 4]: sequence 0 never sees key 3 (its rows are zeroed, not multiplied by "
-            "0), so out is finite everywhere; sequence 1 as the oracle", Rule("out", "finite")),
+            "0), so out is finite everywhere; sequence 1 as the oracle", Requirement("out", "finite")),
         # causal: query i sees keys 0..i, so the NaN of key 4 reaches queries 4, 5 alone, though the chunk of 3
         # that holds it (positions 3..5) computes query 3's row as well
         edge("linear", "nan_in_key_hidden_from_earlier_queries", lambda: (case := nan_key())._replace(
             k=changed(case.k, (0, 4), np.nan)),
             "k[0, 4] NaN, causal in chunks of 3: rows (0, 4..5) NaN; rows (0, 0..3), which do not see key 4, and "
-            "sequence 1 as the oracle", Rule("out", "only_nan", (0, slice(4, 6)))),
+            "sequence 1 as the oracle", Requirement("out", "only_nan", (0, slice(4, 6)))),
         error("linear", "feature_map_unknown", _linear(feature_map="softmax"), ValueError, "feature_map", "softmax"),
         error("linear", "chunk_zero", _linear((2,), 4, 4, is_causal=True, chunk=0), ValueError, "chunk", "0"),
         error("linear", "chunk_negative", _linear((2,), 4, 4, is_causal=True, chunk=-1), ValueError, "chunk", "-1"),
@@ -872,18 +876,18 @@ def _linear_rows() -> list[Fixed]:
     ]
 
 
-TABLE: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_rows() + _ring_rows()
+ROWS: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_rows() + _ring_rows()
                       + _linear_rows() + _mha_examples() + _mha_edges() + _mha_errors() + _block_examples()
                       + _block_edges() + _block_errors() + _decode_rows())
 
 
 def rows(operation: str, use: str) -> list[Fixed]:
     """The table's rows of one operation and use, in order."""
-    return [row for row in TABLE if row.operation == operation and row.use == use]
+    return [row for row in ROWS if row.operation == operation and row.use == use]
 
 
 def named(operation: str, name: str) -> Fixed:
     """The row `name` of `operation`."""
-    (row,) = (row for row in TABLE if row.operation == operation and row.name == name)
+    (row,) = (row for row in ROWS if row.operation == operation and row.name == name)
     return row
 

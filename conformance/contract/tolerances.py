@@ -2,7 +2,7 @@
 `tolerances.json` (SPEC.md section 9 says why each is what it is), every relative error is
 `relative_error`, and every measure printed beside its tolerance is printed by `shown`.
 
-    from conformance.tolerances import TOLERANCES, relative_error
+    from conformance.contract.tolerances import TOLERANCES, relative_error
     TOLERANCES["float64"]["values"]      # 1e-9
 
 Imports NumPy alone.
@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-_TABLE = json.loads((Path(__file__).parent / "tolerances.json").read_text())
+_READ = json.loads((Path(__file__).parent / "tolerances.json").read_text())
 
 # {dtype: {measure: the largest accepted value}}; "-" holds the rows whose cases mix dtypes (errors)
-TOLERANCES: dict[str, dict[str, float]] = {dtype: table for dtype, table in _TABLE.items() if not dtype.startswith("_")}
+TOLERANCES: dict[str, dict[str, float]] = {dtype: limits for dtype, limits in _READ.items()
+                                           if not dtype.startswith("_")}
 
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:

@@ -1,5 +1,5 @@
 """Hypothesis strategies for the conformance suite: random inputs of sdpa, multi-head attention and the
-transformer block (the cases that random draws rarely hit are pinned in conformance/table.py).
+transformer block (the cases that random draws rarely hit are pinned in conformance/contract/fixed_cases.py).
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.

@@ -27,7 +27,8 @@ def reproduce(module: str, check: str, case: Any, dtype: str) -> str:
     devices = getattr(case, "devices", None)  # ring attention: the framework's devices held (torch: peers)
     held = "" if devices is None else f", framework_of({module}).ring_devices({devices})"
     return (f"import numpy as np\nfrom numpy import inf, nan\nimport {module}\n"
-            f"from conformance import cases, checks\nfrom conformance.frameworks import framework_of\n"
+            f"from conformance.contract import cases\nfrom conformance.run import checks\n"
+            f"from conformance.frameworks.registry import framework_of\n"
             f"case = cases.{type(case).__name__}(\n{fields},\n)\n"
             f"with framework_of({module}).pinned(){held}:  # the suite's precision settings (JAX: float64 on)\n"
             f"    print(checks.{check}(checks.Runner({module}), case, {dtype!r}))")

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
 
+from . import peers  # imports torch only when peers start
+
 BUILT_IN = ("attention_np", "attention_jax", "attention_torch")
 DTYPES = ("float16", "float32", "float64", "bool", "int32", "int64")  # every framework's
 
@@ -243,8 +245,6 @@ def _jax_ring(module: ModuleType, devices: int, arrays: dict[str, Any], options:
 
 
 def _torch_devices(requested: int | None) -> contextlib.AbstractContextManager[int]:
-    from . import peers
-
     return peers.started(requested or 1)
 
 
@@ -253,8 +253,6 @@ def _torch_ring(module: ModuleType, devices: int, arrays: dict[str, Any], option
     """Each of the first P ranks (this process and its peers) runs ring_job on its contiguous shard of every
     array; the shards of each result are joined along its sequence axis (`axes`, one per result)."""
     import torch
-
-    from . import peers
 
     parts = peers.run(_torch_ring_shard, module.__name__, devices, arrays, options)[:devices]
     return tuple(torch.cat(shards, dim=axis) for shards, axis in zip(zip(*parts, strict=True), axes, strict=True))
@@ -265,8 +263,6 @@ def _torch_ring_shard(rank: int, name: str, devices: int, arrays: dict[str, Any]
     caller cuts them: into P contiguous parts along the sequence axis, unequal where P does not divide it (then
     ring_attention raises its error on every rank)."""
     import torch
-
-    from . import peers
 
     group = peers.group(devices)  # every rank makes the same groups in the same order
     if rank >= devices:

@@ -4,8 +4,9 @@ need to know about an operation is an entry of OPERATIONS, and nothing else disp
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
-Adding an operation is one entry here, its case type (conformance/cases.py), its oracle
-(conformance/oracle.py), its strategy (conformance/strategies.py) and its rows in conformance/table.py.
+Adding an operation is one entry here, its case type (conformance/contract/cases.py), its oracle
+(conformance/contract/oracle.py), its strategy (conformance/contract/strategies.py) and its rows in
+conformance/contract/fixed_cases.py.
 Imports NumPy alone.
 """
 
@@ -17,6 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..frameworks.registry import framework_of
 from . import oracle
 from .cases import (
     RING_DEVICES,
@@ -32,7 +34,6 @@ from .cases import (
     per_query_head,
 )
 from .features import Declaration
-from .frameworks import framework_of
 
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 
@@ -53,11 +54,11 @@ class Operation(NamedTuple):
 
     name: str  # the short name in reports and on the command line
     function: str  # the contract's name for it: a function or a class of the module
-    case: type  # its case type (conformance/cases.py)
+    case: type  # its case type (conformance/contract/cases.py)
     options: tuple[str, ...]  # the case's fields that are static options (hashable), not arrays
     inputs: tuple[str, ...]  # the case's arrays that carry positions: repeated for dropout draws
     differentiable: tuple[str, ...]  # the arguments a vjp differentiates ("state": every parameter)
-    strategy: str  # its Hypothesis strategy, a name in conformance/strategies.py (imported only to draw)
+    strategy: str  # its Hypothesis strategy, a name in conformance/contract/strategies.py (imported only to draw)
     oracle: Callable[[Any, str, bool], Pair]  # (case, precision, fused_bias) -> the expected (out, weights), eval
     call: Callable[..., Any]  # (module, arrays, rng, *, training, need_weights, **options) -> (out, weights)
     vjp: str  # the contract's name of the gradient interface, e.g. "MultiHeadAttention.vjp"
@@ -66,7 +67,7 @@ class Operation(NamedTuple):
     dropout_sigma: Callable[[Any, np.ndarray, float, int], np.ndarray] | None  # sd of the mean of n draws
     dropout_shows: Callable[[Any], bool]  # whether dropout can change the output at all
     dropout_probe: Callable[[Any], Probe] | None  # the case -> a probe of its dropout sites
-    uses: Callable[[Any], set[str]]  # the case -> the arguments and options of conformance.features it uses
+    uses: Callable[[Any], set[str]]  # the case -> the arguments and options of conformance.contract.features it uses
     leave_out: Callable[[Any, Declaration], Any]  # (case, lacks) -> the case without them, or None (SPEC 12)
     blind: Callable[[Any], tuple[np.ndarray, np.ndarray] | None]  # the case -> (out rows, weights rows) where a
     # query sees no key ((..., L) and (..., [H,] L)), or None where every query sees one
@@ -129,7 +130,7 @@ def missing(module: ModuleType, names: tuple[str, ...]) -> list[str]:
 
 
 def features_used(case: Case) -> set[str]:
-    """The features of conformance.features that `case` uses: its operation's arguments and options, and the
+    """The features of conformance.contract.features that `case` uses: its operation's arguments and options, and the
     rules its inputs reach (masked_rows: a query that sees no key; non_finite: NaN or inf in an input, a -inf
     bias entry aside; empty: an axis of length 0)."""
     arrays = {name: value for name, value in case._asdict().items() if isinstance(value, np.ndarray | dict)}
@@ -378,7 +379,7 @@ def _linear_blind(case: LinearCase) -> tuple[np.ndarray, np.ndarray] | None:
     return (blind, blind) if np.any(blind) else None
 
 
-LINEAR_DEFAULTS = {"is_causal": False, "key_lengths": None}  # the features of its arguments (conformance.features)
+LINEAR_DEFAULTS = {"is_causal": False, "key_lengths": None}  # the features of its arguments (contract.features)
 
 
 def _linear_uses(case: LinearCase) -> set[str]:
@@ -440,7 +441,7 @@ def _mha_visible(case: MhaCase) -> np.ndarray:
     return np.any(np.broadcast_to(case.mask != 0, (*batch, case.num_heads, L, S)), axis=-3)
 
 
-# A module case's features (conformance.features) by its fields: the options beyond the seed's layout, a mask,
+# A module case's features (conformance.contract.features) by its fields: the options beyond the seed's layout, a mask,
 # a configured dropout
 MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "dropout": lambda case: case.dropout != 0,

@@ -1,8 +1,9 @@
-"""Figures for students, computed with this package and drawn with matplotlib (the optional extra `plot`).
+"""Figures for students, computed with attention_np and drawn with matplotlib (the optional extra `plot`).
 
     python -m conformance figure scaling [--output docs/scaling.png]
 
-Not imported by `import attention_np`; matplotlib is imported only inside the function that draws.
+It lives with the benchmarks, not in the textbook package; matplotlib is imported only inside the function
+that draws.
 
 Shape legend: B batch (here: independent random draws), L query positions, S key/value positions,
 E query/key width (= d_k), Ev value width.
@@ -22,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .functional import scaled_dot_product_attention
-from .gradients import scaled_dot_product_attention_vjp
+from attention_np.functional import scaled_dot_product_attention
+from attention_np.gradients import scaled_dot_product_attention_vjp
 
 D_K = tuple(2**n for n in range(2, 11))  # 4, 8, ..., 1024
 L, S, EV, DRAWS = 64, 64, 64, 16

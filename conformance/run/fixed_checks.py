@@ -1,5 +1,5 @@
-"""The fixed cases of conformance/table.py, run on a module without Hypothesis: the edge cases against
-the oracle and their rules, the error inputs against the exceptions the spec requires, and the round trip
+"""The fixed cases of conformance/contract/fixed_cases.py, run on a module without Hypothesis: the edge cases
+against the oracle and their requirements, the error inputs against the exceptions the spec requires, and the round trip
 of the module's array conversions.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import oracle
-from .checks import Runner, expected
-from .operations import (
+from ..contract import oracle
+from ..contract.fixed_cases import Fixed, rows
+from ..contract.operations import (
     OPERATIONS,
     arrays_and_options,
     features_used,
@@ -29,8 +29,8 @@ from .operations import (
     options_used,
     without_dropout,
 )
-from .table import Fixed, rows
-from .tolerances import TOLERANCES, relative_error
+from ..contract.tolerances import TOLERANCES, relative_error
+from .checks import Runner, expected
 
 VALUES = TOLERANCES["float64"]["values"]  # every edge case
 
@@ -77,7 +77,7 @@ def summarize(results: Sequence[Result]) -> Summary:
 
 def edge_cases(runner: Runner, operation: str) -> list[Result]:
     """Every edge case of `operation` in float64 on both paths (need_weights True and False; modules in
-    eval mode), against the oracle and the case's own rules."""
+    eval mode), against the oracle and the case's own requirements."""
     with runner.framework.pinned():
         return [run_edge(runner, row) for row in rows(operation, "edge")]
 
@@ -116,7 +116,7 @@ def run_edge(runner: Runner, row: Fixed) -> Result:
             found.append(compare("weights", weights, expected_weights, blind_rows=blind, nan_rows_may_fill=True))
         elif weights is not None and has_weights:
             found.append("weights is not None")
-        found += [rule.problem(case, out, weights if has_weights else None) for rule in row.rules]
+        found += [needed.problem(case, out, weights if has_weights else None) for needed in row.requirements]
         problems += [f"{path}: {problem}" for problem in found if problem]
         if returned != "weights":  # one path: need_weights changes nothing
             break

@@ -1,12 +1,12 @@
 """The cases: what one call of each operation takes, the builders every fixed case is made with, and the
-rules a fixed case can require on top of the oracle.
+requirements a fixed case can add to the oracle.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 A case holds NumPy arrays (floating ones in float64; the suite casts them) and the operation's options.
-Hypothesis draws cases (conformance/strategies.py); the fixed ones, pinned examples, edge cases and error
-inputs, are declared once in conformance/table.py with the builders below. Imports NumPy alone.
+Hypothesis draws cases (conformance/contract/strategies.py); the fixed ones, pinned examples, edge cases and error
+inputs, are declared once in conformance/contract/fixed_cases.py with the builders below. Imports NumPy alone.
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def random_mask(*shape: int, seed: int = 3) -> np.ndarray:
 
 # --- what a fixed case requires besides the oracle -----------------------------------------------------------
 
-class Rule(NamedTuple):
+class Requirement(NamedTuple):
     """A hand-derived requirement on `out` or `weights` (not checked on the fast path's None weights) at
     `index` (NumPy indexing; () is the whole array): `kind` is "zero", "one" or "minus_inf" (exactly),
     "finite", "nan", "sums_to_one" (each row, to 1e-12), "only_nan" / "only_nan_or_inf" (there NaN, or NaN or
@@ -303,7 +303,7 @@ class Rule(NamedTuple):
     value: Any = None
 
     def problem(self, case: Case, out: np.ndarray, weights: np.ndarray | None) -> str | None:
-        """What breaks the rule, or None."""
+        """What breaks the requirement, or None."""
         x = out if self.name == "out" else weights
         if x is None:
             return None

@@ -70,7 +70,7 @@ def run(job: Callable[..., Any], *arguments: Any) -> list[Any]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise RuntimeError("no peer processes: run torch's ring within conformance.peers.started(P)")
+        raise RuntimeError("no peer processes: run torch's ring within conformance.frameworks.peers.started(P)")
     dist.broadcast_object_list([(job, arguments, torch.is_inference_mode_enabled())], src=0)
     own = _outcome(0, job, arguments, torch.is_inference_mode_enabled())
     gathered: list[Any] = [None] * dist.get_world_size()

@@ -24,12 +24,14 @@ from hypothesis import HealthCheck, Phase, Verbosity, example, given, seed, sett
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
-from . import PROFILES, checks, fixed_checks, gradient_checks, strategies, table
+from ..contract import fixed_cases, strategies
+from ..contract.operations import CONTRACT, OPERATIONS, keywords_used, leave_out, missing, options_used
+from ..contract.tolerances import TOLERANCES, shown
+from ..frameworks.registry import Framework, framework_of, quick_compiles
+from . import checks, fixed_checks, gradient_checks
 from .checks import ResultError, Runner
-from .frameworks import Framework, framework_of, quick_compiles
-from .operations import CONTRACT, OPERATIONS, keywords_used, leave_out, missing, options_used
+from .profiles import PROFILES
 from .snippets import describe, reproduce
-from .tolerances import TOLERANCES, shown
 
 BOTH, FLOAT32, FLOAT64 = ("float32", "float64"), ("float32",), ("float64",)
 HALF = ("float16", "bfloat16")  # computed in float32, stored in half precision (SPEC 2)
@@ -44,9 +46,9 @@ class Group(NamedTuple):
     dtypes: tuple[str, ...]  # each run where the module's framework has it (NumPy has no bfloat16)
     examples: int
     draw: dict[str, Any] | None = None  # options of the operation's strategy (is_causal=True, say)
-    pinned: bool = False  # also run the table's examples of the operation first
+    pinned: bool = False  # also run the fixed cases' examples of the operation first
     gradient: bool = False  # needs the operation's vjp: a module without one is reported as skipped
-    needs: tuple[str, ...] = ()  # features (conformance.features) the check cannot do without: a module that
+    needs: tuple[str, ...] = ()  # features (conformance.contract.features) the check cannot do without: a module that
     # declares one of them lacking is reported as skipped
 
     def strategy(self) -> st.SearchStrategy:
@@ -108,13 +110,13 @@ ANY_GROUP = ("call", "deterministic")
 
 
 class Table(NamedTuple):
-    """Fixed cases, run without Hypothesis (conformance/fixed_checks.py): one row per operation, examples =
+    """Fixed cases, run without Hypothesis (conformance/run/fixed_checks.py): one row per operation, examples =
     the cases run, worst = the cases failing, tolerance 0."""
 
     check: str  # the row's name
     dtype: str  # "-" when the cases mix dtypes
     run: Callable[[Runner, str], Sequence[fixed_checks.Result]]  # (runner, operation) -> results
-    use: str | None = None  # the rows of conformance/table.py it runs (their use); None: its own cases
+    use: str | None = None  # the rows of conformance/contract/fixed_cases.py it runs (their use); None: its own cases
 
 
 TABLES = (
@@ -137,7 +139,7 @@ class Row(NamedTuple):
     examples: int  # the cases run, those Hypothesis tried while shrinking a failure included
     worst: float  # the measure of the worst case: the one furthest over its tolerance, else nearest to it
     # (the largest measure / tolerance)
-    tolerance: float  # the tolerance that case was held to: the table's, or the case's own where looser; a row
+    tolerance: float  # the tolerance that case was held to: TOLERANCES', or the case's own where looser; a row
     # that ran passes exactly when worst <= tolerance
     passed: bool
     failure: str | None = None  # the shrunk failing case, what went wrong, and a snippet to reproduce it
@@ -357,9 +359,9 @@ def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *
         fixed_checks.ROPE_CASES))
     for group in (group for group in GROUPS if group.operation in operations):
         examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
-        examples += len(table.rows(group.operation, "example")) if group.pinned else 0
+        examples += len(fixed_cases.rows(group.operation, "example")) if group.pinned else 0
         total += examples * len(_dtypes(group, framework))
-    return total + sum(len(table.rows(operation, use)) for operation in operations for use in ("edge", "error"))
+    return total + sum(len(fixed_cases.rows(operation, use)) for operation in operations for use in ("edge", "error"))
 
 
 def contract_gaps(module: ModuleType) -> list[str]:
@@ -401,8 +403,8 @@ def _table_row(runner: Runner, table_: Table, operation: str, tell: Progress) ->
 
 def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_: int, shrink: bool,
                tell: Progress) -> list[Row]:
-    """Hypothesis drives the group's check over `examples` cases (plus the table's examples, if pinned); each measure
-    becomes a row."""
+    """Hypothesis drives the group's check over `examples` cases (plus the fixed cases' examples, if pinned); each
+    measure becomes a row."""
     tolerance, count = TOLERANCES[dtype], [0]
     held: dict[str, tuple[float, float]] = {}  # measure -> (measure, tolerance) of its worst case (`_excess`)
     first: dict[str, str] = {}  # each measure's first failure: a row fails on any case over its tolerance
@@ -440,7 +442,7 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
     if declaration.lacks:
         drawn = drawn.map(lambda case: leave_out(case, declaration)).filter(lambda case: case is not None)
     test = given(case=drawn)(body)
-    pinned = (leave_out(row.build(), declaration) for row in table.rows(group.operation, "example")) \
+    pinned = (leave_out(row.build(), declaration) for row in fixed_cases.rows(group.operation, "example")) \
         if group.pinned else ()
     for case in (case for case in pinned if case is not None):
         test = example(case=case)(test)
@@ -515,7 +517,7 @@ def format_rows(report: Report) -> str:
 
 def format_side_by_side(reports: Sequence[Report]) -> str:
     """Rows operation x check x dtype, one column per module: the worst case's measure, <= or > the tolerance it
-    was held to (a case may have its own, looser than the table's: SPEC 9), and PASS / FAIL."""
+    was held to (a case may have its own, looser than TOLERANCES': SPEC 9), and PASS / FAIL."""
     modules = [report.rows[0].module for report in reports if report.rows]
     keys = list(dict.fromkeys((r.operation, r.check, r.dtype) for report in reports for r in report.rows))
     order = {operation: i for i, operation in enumerate(dict.fromkeys(key[0] for key in keys))}

@@ -1,12 +1,12 @@
 """The checks: each runs a module on one drawn case and returns named measures, errors that the suite
-compares with the tolerance table (conformance/tolerances.py).
+compares with the tolerances (conformance/contract/tolerances.py).
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 A measure is a relative error (`relative_error`), or inf with a reason when no number can be fair:
 wrong shape, wrong dtype, NaN where the reference has a number (or the reverse). Every check works on any
-operation of conformance/operations.py; the metamorphic ones (permutation, causal prefix, single key)
+operation of conformance/contract/operations.py; the metamorphic ones (permutation, causal prefix, single key)
 are written for the operations they fit.
 """
 
@@ -22,11 +22,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .cases import BlockCase, Case, LinearCase, MhaCase, SdpaCase, per_query_head
-from .features import declaration_of
-from .frameworks import RngForm, framework_of
-from .operations import Pair, arrays_and_options, missing, operation_of
-from .tolerances import relative_error
+from ..contract.cases import BlockCase, Case, LinearCase, MhaCase, SdpaCase, per_query_head
+from ..contract.features import declaration_of
+from ..contract.operations import Pair, arrays_and_options, missing, operation_of
+from ..contract.tolerances import relative_error
+from ..frameworks.registry import RngForm, framework_of
 
 DROPOUT_DRAWS = 400  # independent dropout draws for the mean check
 INDEPENDENT_P = 0.5  # the independence check's dropout: pairs dropped together at p^2 = 0.25, not p
@@ -37,7 +37,7 @@ LOW_PRECISION_FACTOR = 10  # a module may lose this many times what the oracle l
 class Measure(NamedTuple):
     error: float  # compared with the tolerance; inf when the result is wrong in kind, not degree
     detail: str = ""  # what was wrong, for the failure message
-    tolerance: float = 0.0  # this case's own tolerance, where it is looser than the table's
+    tolerance: float = 0.0  # this case's own tolerance, where it is looser than TOLERANCES'
     skipped: str | None = None  # why the module cannot be measured so (its declaration, SPEC 12)
 
 
@@ -204,7 +204,7 @@ def rounded(case: Case, dtype: str) -> Case:
 # --- against the oracle -------------------------------------------------------------------------------------
 
 def expected(case: Case, precision: str = "float64", *, fused_bias: bool = True) -> Pair:
-    """The oracle's (out, weights) for `case` in eval mode, computed in `precision` (conformance/oracle.py
+    """The oracle's (out, weights) for `case` in eval mode, computed in `precision` (conformance/contract/oracle.py
     says how it rounds in half precision, and what fused_bias changes there)."""
     return operation_of(case).oracle(case, precision, fused_bias)
 
@@ -512,7 +512,7 @@ def dropout_independence(runner: Runner, case: Case, dtype: str) -> dict[str, Me
             sites = probe.sites(out.astype(np.float64), INDEPENDENT_P) if out.shape[:1] == (n,) else None
             if sites is None or any(dropped.shape != (n, *probe.shape) for dropped in sites.values()):
                 wrong = Measure(math.inf, f"the probe's output{said} is not what dropout's keep / drop decisions "
-                                          "give (conformance/operations.py)")
+                                          "give (conformance/contract/operations.py)")
                 return {"independent": wrong, "rng_forms": wrong}
             found = worst(found, *(_rate(*rate, said) for rate in _drop_rates(sites, names, INDEPENDENT_P)))
             if not np.array_equal(out, again, equal_nan=True):

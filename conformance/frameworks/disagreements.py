@@ -18,12 +18,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import gradient_checks
-from .cases import Case, MhaCase, SdpaCase, block_case, changed, mha_case, normal, random_mask, sdpa_case
-from .checks import Runner, expected, rounded
-from .features import Declaration
-from .operations import OPERATIONS, missing
-from .tolerances import TOLERANCES, relative_error, shown
+from ..contract.cases import Case, MhaCase, SdpaCase, block_case, changed, mha_case, normal, random_mask, sdpa_case
+from ..contract.features import Declaration
+from ..contract.operations import OPERATIONS, missing
+from ..contract.tolerances import TOLERANCES, relative_error, shown
+from ..run import gradient_checks
+from ..run.checks import Runner, expected, rounded
 
 HOLDS = "holds"
 DROPOUT = 0.5  # the probes' dropout in training mode

@@ -15,9 +15,9 @@ import math
 
 import numpy as np
 
-from .cases import Case
+from ..contract.cases import Case
+from ..contract.operations import arrays_and_options, operation_of
 from .checks import Measure, Runner, expected, rounded, skipped, specified
-from .operations import arrays_and_options, operation_of
 
 STEP = 1e-6  # central differences: truncation ~ STEP^2 f''', rounding ~ eps |f| / STEP
 RELATIVE = 1e-6  # the directional derivative's accepted relative error
