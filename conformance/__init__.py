@@ -8,15 +8,17 @@ A module with part of the contract declares what it lacks (SPEC.md section 12): 
 Declaration(lacks=("weights", "dropout"))`; `conformance.adapters` wraps a kernel of another layout.
 Importing this package loads neither JAX nor torch; `check` imports only the module it is given.
 
-The package, by layer (each imports only from those above it):
-    conformance/frameworks/registry.py, peers.py   what differs between NumPy, JAX and torch
-    conformance/contract/                          the contract's description: operations, cases, fixed cases,
-                                                   oracle, strategies, tolerances, features
-    conformance/run/                               the suite that checks a module, and its report
-    conformance/frameworks/disagreements.py, matrix.py, conformance/builtins/, conformance/adapters.py
-                                                   the frameworks' built-ins measured against the spec
-    conformance/bench/                             the benchmarks and figures (`python -m conformance compare`)
-    conformance/cli.py, conformance/__main__.py    the command line
+The package, by layer, bottom first: each module imports only from its own layer and those before it, and
+no two modules import each other (tests/test_conformance_layers.py).
+    frameworks/registry.py, frameworks/peers.py, cli.py   what differs between NumPy, JAX and torch; the
+                                                          command line's parsing helpers
+    contract/          the contract's description: operations, cases, fixed cases, oracle, strategies,
+                       tolerances, features
+    run/               the suite that checks a module, and its report
+    frameworks/disagreements.py, frameworks/matrix.py, builtins/, adapters.py, this package
+                       the frameworks' built-ins measured against the spec
+    bench/             the benchmarks and figures (`python -m conformance compare`, `figure`)
+    __main__.py, docs.py, pytest_plugin.py, test_conformance.py   the command line and the entry points
 """
 
 from __future__ import annotations
