@@ -141,11 +141,11 @@ def features_used(case: Case) -> set[str]:
         blind = operation_of(case).blind(case) is not None
     except (ValueError, IndexError):  # an error row's mask may not broadcast: no query counts as blind
         blind = False
-    rules = {"masked_rows": blind,
-             "non_finite": any(not np.all(np.isfinite(x)) for x in inputs if x.dtype.kind == "f")
-             or (bias is not None and bool(np.any(np.isnan(bias) | (bias == np.inf)))),
-             "empty": any(x.ndim >= 2 and x.shape[-2] == 0 for x in inputs)}  # L = 0 or S = 0
-    return operation_of(case).uses(case) | {name for name, reached in rules.items() if reached}
+    reached = {"masked_rows": blind,
+               "non_finite": any(not np.all(np.isfinite(x)) for x in inputs if x.dtype.kind == "f")
+               or (bias is not None and bool(np.any(np.isnan(bias) | (bias == np.inf)))),
+               "empty": any(x.ndim >= 2 and x.shape[-2] == 0 for x in inputs)}  # L = 0 or S = 0
+    return operation_of(case).uses(case) | {name for name, used in reached.items() if used}
 
 
 def leave_out(case: Case, declaration: Declaration) -> Case | None:
