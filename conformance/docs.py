@@ -380,7 +380,9 @@ def groups_table() -> str:
         cases = f"{group.examples}" + (" + the table's examples" if group.pinned else "")
         drawn = ", ".join(f"`{name}={value!r}`" for name, value in (group.draw or {}).items()) or "-"
         needs = _names(group.needs + (("vjp",) if group.gradient else ())) or "-"
-        lines.append(f"| {group.operation} | `{group.check.__name__}` | {_names(suite.MEASURES[group.check])} | "
+        measures = [_measure(measure) for measure in suite.MEASURES[group.check]
+                    if REPORTED_WHERE.get(measure, lambda _: True)(OPERATIONS[group.operation])]
+        lines.append(f"| {group.operation} | `{group.check.__name__}` | {', '.join(measures)} | "
                      f"{', '.join(group.dtypes)} | {cases} | {drawn} | {needs} |")
     for table_ in suite.TABLES:
         operations = [name for name in OPERATIONS if table.rows(name, table_.use)]
@@ -389,6 +391,13 @@ def groups_table() -> str:
     for operation, table_ in suite.CONTRACT_TABLES.items():
         lines.append(f"| {operation} | - | `{table_.check}` | {table_.dtype} | its fixed cases | - | - |")
     return "\n".join(lines)
+
+
+def _measure(name: str) -> str:
+    """`name`, with the frameworks that report it where not every framework does."""
+    only = [framework.name for framework in FRAMEWORKS.values() if FRAMEWORK_MEASURES.get(name, lambda _: True)(
+        framework)]
+    return f"`{name}`" + (f" ({', '.join(only)})" if len(only) < len(FRAMEWORKS) else "")
 
 
 def profiles_table() -> str:
