@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from conformance import adapters, docs, matrix, rules, suite
+from conformance import adapters, docs, matrix, pytest_plugin, rules, suite
 from conformance.builtins import BUILT_INS, module_names
 from conformance.features import Feature
 from conformance.operations import OPERATIONS
@@ -89,7 +89,7 @@ def test_the_spec_names_every_operation_a_module_may_have_alone():
 
 
 def test_the_pytest_plugin_s_options_are_those_the_checking_page_names():
-    source = (docs.ROOT / "conformance" / "pytest_plugin.py").read_text()
+    source = pathlib.Path(pytest_plugin.__file__).read_text()
     page = TEXTS[docs.CHECKING]
     plugin_section = page[page.index("## In your own CI"):]
     assert set(re.findall(r"--conformance-[\w-]+", plugin_section)) == set(
