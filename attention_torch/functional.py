@@ -242,7 +242,7 @@ def _kernel_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 def _finite_or(q: torch.Tensor, k: torch.Tensor, fused: Callable[[], torch.Tensor],
                explicit: Callable[[], torch.Tensor]) -> torch.Tensor:
     """fused() when q and k hold no NaN or inf, which the fused kernel mishandles (see
-    scaled_dot_product_attention), else explicit(), which keeps the rule of SPEC 11: one read of q and k, as
+    scaled_dot_product_attention), else explicit(), which keeps the rule of SPEC 10: one read of q and k, as
     their sum in at least float32 is then finite. torch: under torch.compile the choice is torch.cond's, in the
     graph, which runs one branch: a Python branch on the value would break the graph. Both branches must then
     trace whole (no value read in either: no mask, whose 0-or-1 check reads it)."""

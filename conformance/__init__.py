@@ -4,7 +4,7 @@
     report = check("my_attention")          # or a module object
     report.passed, report.rows
 
-A module with part of the contract declares what it lacks (SPEC.md section 12): `CONFORMANCE =
+A module with part of the contract declares what it lacks (SPEC.md section 11): `CONFORMANCE =
 Declaration(lacks=("weights", "dropout"))`; `conformance.adapters` wraps a kernel of another layout.
 Importing this package loads neither JAX nor torch; `check` imports only the module it is given.
 

@@ -5,7 +5,7 @@
     python -m conformance frameworks [--only NAME,...] [--markdown]  the frameworks' built-ins against the spec
     python -m conformance compare [--variant V] [--targets] ...  time the backends against the built-ins
     python -m conformance figure scaling [--output PATH.png]      a figure for students (needs matplotlib)
-    python -m conformance docs --write|--check [--jobs N]         the README's generated tables, measured afresh
+    python -m conformance docs --write|--check [--jobs N]         the docs' generated tables, measured afresh
 
 Options: --profile fast|thorough, --max-examples N, --seed S, --json PATH, --jobs N, --devices P (ring attention on
 P simulated devices); without a command and with check: --operations OP,...; check: --checks CHECK,...
@@ -77,12 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     builtins.add_argument("--markdown", action="store_true", help="print the matrix as a markdown table")
     builtins.add_argument("--rules-only", action="store_true", help="the rules alone, without the suite's row")
     generated = commands.add_parser(
-        "docs", help="measure the README's generated tables afresh and rewrite or compare them",
-        description="Measure every table of cells that README.md shows between generated markers (the frameworks "
-                    "matrix and docs/frameworks.json, the kernel example's counts, the table of checks) and "
+        "docs", help="measure the docs' generated tables afresh and rewrite or compare them",
+        description="Measure every block README.md, SPEC.md and docs/ show between generated markers (the frameworks "
+                    "matrix and docs/frameworks.json, the kernel example's counts, the tables of the registries) and "
                     "rewrite them (--write) or say which differ (--check, exit code 1).")
     mode = generated.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="rewrite README.md's blocks and docs/frameworks.json")
+    mode.add_argument("--write", action="store_true", help="rewrite every document's blocks and docs/frameworks.json")
     mode.add_argument("--check", action="store_true", help="only compare; exit code 1 where a block differs")
     generated.add_argument("--jobs", type=positive_int, default=None, metavar="N",
                            help="measure up to N parts at once (default: one per CPU core)")

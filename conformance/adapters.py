@@ -1,4 +1,4 @@
-"""Adapters (SPEC.md section 12): a kernel of another convention as the contract's scaled_dot_product_attention,
+"""Adapters (docs/checking.md): a kernel of another convention as the contract's scaled_dot_product_attention,
 so that the suite can check it. A third-party kernel wrapped and checked in a few lines:
 
     # my_kernel_check.py: python -m conformance check my_kernel_check

@@ -1,20 +1,31 @@
-"""`python -m conformance docs`: the tables of measured or derived cells that README.md shows, each written
-between markers by one command and compared by the tests, so that a typed number cannot drift:
+"""`python -m conformance docs`: the tables and counts that the documents show but the code holds (the registries
+of the suite, the features, the rules; the measured matrix; the kernel example's counts), each written between
+markers by one command and compared by the tests, so that no table mirrors the code by hand and no typed number
+drifts:
 
     frameworks           the frameworks matrix: docs/frameworks.json (what `frameworks --json` measures), as markdown
     frameworks-versions  the frameworks' versions that the matrix was measured with
-    kernel               the kernel example's counts: the README's kernel module, checked by the suite
+    kernel               the kernel example's counts: docs/checking.md's kernel module, checked by the suite
     checks               the table of checks: every measure the suite reports, with the operations and dtypes that
                          its registries (conformance/suite.py GROUPS, MEASURES, TABLES) give it, and what it catches
+    groups               the suite's groups (conformance/suite.py GROUPS, TABLES, CONTRACT_TABLES)
+    profiles             the profiles (conformance PROFILES)
+    features             the features a module may declare it lacks (conformance/features.py FEATURES)
+    rules                the rules of the frameworks matrix (conformance/rules.py RULES)
+    adapter-layouts      the layouts `adapters.sdpa` takes (conformance/adapters.py LAYOUTS)
+    adapter-masks        the mask polarities `adapters.sdpa` takes (conformance/adapters.py MASKS)
 
 A block sits between `<!-- generated: python -m conformance docs --write (NAME) -->` and
-`<!-- end generated (NAME) -->`. `docs --write` measures (the matrix: about as long as `frameworks`) and rewrites
-the blocks and docs/frameworks.json; `docs --check` measures and says which block differs (exit code 1).
+`<!-- end generated (NAME) -->`, in any of the documents (README.md, SPEC.md, docs/**/*.md); a name may appear in
+several of them, at most once in each, and every occurrence is written and compared. `docs --write` measures (the
+matrix: about as long as `frameworks`) and rewrites every block and docs/frameworks.json; `docs --check` measures
+and says which blocks differ, and where (exit code 1).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import re
 import sys
@@ -24,7 +35,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
+from . import PROFILES, adapters
 from .builtins import module_names
+from .contract.features import FEATURES
 from .contract.operations import OPERATIONS
 from .frameworks import matrix
 from .frameworks.registry import FRAMEWORKS
@@ -32,15 +45,22 @@ from .frameworks.registry import FRAMEWORKS
 ROOT = Path(__file__).resolve().parent.parent  # a checkout: the docs are not in the wheel
 README = ROOT / "README.md"
 FRAMEWORKS_JSON = ROOT / "docs" / "frameworks.json"
+CHECKING = Path("docs") / "checking.md"  # under the root: the page whose kernel module the `kernel` block counts
 
-# the suite's row of the matrix: `check(module)` with these options, as SPEC 12 says: every fixed case of the
-# table and one drawn case per group (the rows and their verdicts; more examples cost the tests more, not rows)
+# the suite's row of the matrix: `check(module)` with these options, as docs/suite.md says: every fixed case of
+# the table and one drawn case per group (the rows and their verdicts; more examples cost the tests more, not rows)
 SUITE_OPTIONS: dict[str, Any] = {"max_examples": 1, "seed": 0}
 # the kernel example's report: `python -m conformance check my_kernel` as its paragraph says, the fast profile
 KERNEL_OPTIONS: dict[str, Any] = {"profile": "fast", "seed": 0}
 
 
-# --- the blocks between markers ------------------------------------------------------------------------------
+# --- the documents and the blocks between markers ---------------------------------------------------------------
+
+def documents(root: Path = ROOT) -> list[Path]:
+    """The files a generated block may live in: README.md, SPEC.md and every docs/**/*.md under `root`."""
+    return [path for path in (root / "README.md", root / "SPEC.md") if path.exists()] + sorted(
+        (root / "docs").glob("**/*.md"))
+
 
 def begin(name: str) -> str:
     return f"<!-- generated: python -m conformance docs --write ({name}) -->"
@@ -50,15 +70,23 @@ def end(name: str) -> str:
     return f"<!-- end generated ({name}) -->"
 
 
+ANY_BEGIN = re.compile(re.escape(begin("NAME")).replace("NAME", "([^)]*)"))
+
+
 def _pattern(name: str) -> re.Pattern[str]:
     return re.compile(re.escape(begin(name)) + "(.*?)" + re.escape(end(name)), flags=re.DOTALL)
 
 
+def names_in(text: str) -> list[str]:
+    """The names of the blocks that `text` opens, in order (a name twice where it opens twice)."""
+    return ANY_BEGIN.findall(text)
+
+
 def shown(text: str, name: str) -> str:
-    """The block `name` as `text` (README.md) holds it; a KeyError where it has no such block."""
+    """The block `name` as `text` holds it; a KeyError where it has no such block, or more than one."""
     found = _pattern(name).findall(text)
     if len(found) != 1:
-        raise KeyError(f"README.md holds {len(found)} blocks {name!r}; expected one between {begin(name)!r} and "
+        raise KeyError(f"the text holds {len(found)} blocks {name!r}; expected one between {begin(name)!r} and "
                        f"{end(name)!r}")
     return _unwrapped(found[0])
 
@@ -98,21 +126,21 @@ def recorded_column(column: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in column.items() if name != "seconds"}
 
 
-# --- kernel: the README's kernel module, checked -------------------------------------------------------------
+# --- kernel: docs/checking.md's kernel module, checked ---------------------------------------------------------
 
-KERNEL_FILE = re.compile(r"# (\w+)\.py: python -m conformance check \1\n")  # a README block that is a module
+KERNEL_FILE = re.compile(r"# (\w+)\.py: python -m conformance check \1\n")  # a python block that is a module
 
 
 def kernel_source(text: str) -> tuple[str, str]:
-    """(module name, code) of the README's python block that is a module to check."""
+    """(module name, code) of the python block of `text` (a page) that is a module to check."""
     for code in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL):
         if found := KERNEL_FILE.match(code):
             return found[1], code
-    raise KeyError("README.md has no python block starting '# NAME.py: python -m conformance check NAME'")
+    raise KeyError("the text has no python block starting '# NAME.py: python -m conformance check NAME'")
 
 
 def kernel_module(text: str, directory: Path) -> ModuleType:
-    """The README's kernel module, written to `directory` and imported from there."""
+    """The page's kernel module, written to `directory` and imported from there."""
     name, code = kernel_source(text)
     (directory / f"{name}.py").write_text(code)
     sys.path.insert(0, str(directory))
@@ -124,14 +152,14 @@ def kernel_module(text: str, directory: Path) -> ModuleType:
 
 
 def kernel_counts(report: Any) -> str:
-    """What the README says of the kernel's report: the rows that pass and those that are SKIP."""
+    """What the page says of the kernel's report: the rows that pass and those that are SKIP."""
     passed, skipped = (sum(1 for row in report.rows if row.passed and not row.skipped),
                        sum(1 for row in report.rows if row.skipped))
     return f"{passed} rows pass, {skipped} are SKIP"
 
 
 def check_kernel(text: str) -> Any:
-    """The suite's report on the README's kernel module, with the fast profile (what its paragraph says)."""
+    """The suite's report on the page's kernel module, with the fast profile (what its paragraph says)."""
     from . import check
 
     with tempfile.TemporaryDirectory() as directory:
@@ -155,7 +183,7 @@ def reported() -> list[tuple[str, str, tuple[str, ...]]]:
     """(measure, operation, dtypes) for everything `check` can report on a module that has the whole contract: each
     group's measures (MEASURES, those that need something of the operation or the framework only where it has it),
     each table's row per operation that has its cases, "call" and "deterministic" from every group."""
-    from .contract import fixed_cases as table
+    from .contract import fixed_cases
     from .run import suite  # Hypothesis is imported only here
 
     found = []
@@ -165,7 +193,7 @@ def reported() -> list[tuple[str, str, tuple[str, ...]]]:
                   if REPORTED_WHERE.get(measure, lambda _: True)(operation)]
         found += [(measure, group.operation, ("all",)) for measure in suite.ANY_GROUP]
     for table_ in suite.TABLES:
-        found += [(table_.check, name, (table_.dtype,)) for name in OPERATIONS if table.rows(name, table_.use)]
+        found += [(table_.check, name, (table_.dtype,)) for name in OPERATIONS if fixed_cases.rows(name, table_.use)]
     found += [(table_.check, name, (table_.dtype,)) for name, table_ in suite.CONTRACT_TABLES.items()]
     return list(dict.fromkeys(found))
 
@@ -307,7 +335,7 @@ GUARDS: tuple[Guard, ...] = (
                   " state dicts, cotangents, negative windows, softcap <= 0, float or non-broadcasting `q_offset` "
                   "and `key_lengths`, query heads not a multiple of the key/value heads, sequences the ring's "
                   "devices do not divide) must raise the same exception type, naming the argument, on both paths "
-                  "(SPEC.md section 11)"),
+                  "(SPEC.md section 10)"),
     Guard(("edge_cases",),
           catches="fully masked rows, heads and batch elements, no keys, no queries, a single key, logits in the "
                   "thousands (also across a ring's devices), visible scores below -1e9 (a masked fill with The "
@@ -337,42 +365,145 @@ GUARDS: tuple[Guard, ...] = (
 )
 
 
+# --- the registries as tables -----------------------------------------------------------------------------------
+
+def _names(names: tuple[str, ...] | list[str]) -> str:
+    return ", ".join(f"`{name}`" for name in names)
+
+
+def groups_table() -> str:
+    """conformance/run/suite.py's groups (one row each), then its tables of fixed cases (one row per operation that has
+    cases of their use) and the rows every module gets (CONTRACT_TABLES)."""
+    from .contract import fixed_cases
+    from .run import suite  # Hypothesis is imported only here
+
+    lines = ["| operation | check | measures | dtypes | cases (fast profile) | drawn with | needs |",
+             "|---|---|---|---|---|---|---|"]
+    for group in suite.GROUPS:
+        cases = f"{group.examples}" + (" + the table's examples" if group.pinned else "")
+        drawn = ", ".join(f"`{name}={value!r}`" for name, value in (group.draw or {}).items()) or "-"
+        needs = _names(group.needs + (("vjp",) if group.gradient else ())) or "-"
+        measures = [_measure(measure) for measure in suite.MEASURES[group.check]
+                    if REPORTED_WHERE.get(measure, lambda _: True)(OPERATIONS[group.operation])]
+        lines.append(f"| {group.operation} | `{group.check.__name__}` | {', '.join(measures)} | "
+                     f"{', '.join(group.dtypes)} | {cases} | {drawn} | {needs} |")
+    for table_ in suite.TABLES:
+        operations = [name for name in OPERATIONS if fixed_cases.rows(name, table_.use)]
+        lines.append(f"| {', '.join(operations)} | `{table_.run.__name__}` | `{table_.check}` | {table_.dtype} | "
+                     f"the table's {table_.use} rows | - | - |")
+    for operation, table_ in suite.CONTRACT_TABLES.items():
+        lines.append(f"| {operation} | - | `{table_.check}` | {table_.dtype} | its fixed cases | - | - |")
+    return "\n".join(lines)
+
+
+def _measure(name: str) -> str:
+    """`name`, with the frameworks that report it where not every framework does."""
+    only = [framework.name for framework in FRAMEWORKS.values() if FRAMEWORK_MEASURES.get(name, lambda _: True)(
+        framework)]
+    return f"`{name}`" + (f" ({', '.join(only)})" if len(only) < len(FRAMEWORKS) else "")
+
+
+def profiles_table() -> str:
+    lines = ["| profile | cases of each group |", "|---|---|"]
+    lines += [f"| `{name}` | {'' if times == 1 else f'{times} x '}the group's examples |"
+              for name, times in PROFILES.items()]
+    return "\n".join(lines)
+
+
+def features_table() -> str:
+    lines = ["| feature | kind | the contract asks | for a module that lacks it |", "|---|---|---|---|"]
+    lines += [f"| `{feature.name}` | {feature.kind} | {feature.asks} | {feature.without} |"
+              for feature in FEATURES.values()]
+    return "\n".join(lines)
+
+
+def rules_table() -> str:
+    """conformance/frameworks/disagreements.py's RULES: each with the first paragraph of its probe's docstring."""
+    from .frameworks import disagreements as rules  # Hypothesis is imported only here
+
+    lines = ["| rule | the spec | probed on (the first the module has) | the probe |", "|---|---|---|---|"]
+    for rule in rules.RULES:
+        probe = " ".join(inspect.getdoc(rule.probe).split("\n\n")[0].split())
+        lines.append(f"| {rule.name} | {rule.spec} | {', '.join(rule.operations)} | {probe} |")
+    return "\n".join(lines)
+
+
+# q, k, v and the output; masks and bias; `q_offset` and `key_lengths` arrays, as each layout gives them to the
+# kernel (tests/test_docs.py holds the keys to adapters.LAYOUTS)
+LAYOUT_SHAPES: dict[str, tuple[str, str, str]] = {
+    "BHLE": ("`(B, H, L, E)`", "`(B, H, L, S)`", "`(B, H)`"),
+    "BLHE": ("`(B, L, H, E)` (FlashAttention's, jax.nn's)", "`(B, H, L, S)`", "`(B, H)`"),
+    "NLE": ("`(N, L, E)`, N = B * H: the heads folded into the batch (no `enable_gqa`)", "`(N, L, S)`", "`(N,)`"),
+}
+
+
+def adapter_layouts_table() -> str:
+    lines = ["| `layout` | q, k, v and the output as the kernel takes them | masks, bias | `q_offset`, "
+             "`key_lengths` arrays |", "|---|---|---|---|"]
+    lines += [f'| `"{layout}"` | {" | ".join(LAYOUT_SHAPES[layout])} |' for layout in adapters.LAYOUTS]
+    return "\n".join(lines)
+
+
+def adapter_masks_table() -> str:
+    lines = ["| `mask` | the kernel's mask argument |", "|---|---|"]
+    lines += [f'| `"{name}"` | {what} |' for name, what in adapters.MASKS.items()]
+    return "\n".join(lines)
+
+
 # --- the command ------------------------------------------------------------------------------------------------
 
-BLOCKS = ("frameworks", "frameworks-versions", "kernel", "checks")
+BLOCKS = ("frameworks", "frameworks-versions", "kernel", "checks", "groups", "profiles", "features", "rules",
+          "adapter-layouts", "adapter-masks")
+# the blocks read off the registries alone, without measuring anything
+REGISTRY_TABLES: dict[str, Callable[[], str]] = {
+    "checks": checks_table, "groups": groups_table, "profiles": profiles_table, "features": features_table,
+    "rules": rules_table, "adapter-layouts": adapter_layouts_table, "adapter-masks": adapter_masks_table}
 
 
 def generated(found: matrix.Matrix, kernel_report: Any) -> dict[str, str]:
     """Every block, from the measured matrix, the kernel's report and the registries."""
     return {"frameworks": frameworks_table(found), "frameworks-versions": frameworks_versions(found),
-            "kernel": kernel_counts(kernel_report), "checks": checks_table()}
+            "kernel": kernel_counts(kernel_report), **{name: table() for name, table in REGISTRY_TABLES.items()}}
 
 
 def differences(text: str, blocks: dict[str, str]) -> list[str]:
-    """The names of the blocks whose text in `text` is not the generated one."""
-    return [name for name, block in blocks.items() if shown(text, name) != block]
+    """The names of the blocks that `text` holds whose text is not the generated one."""
+    return [name for name in names_in(text) if name in blocks and shown(text, name) != blocks[name]]
 
 
-def run(*, write: bool, jobs: int, done: Callable[[str], None] | None = None,
-        readme: Path = README, record: Path = FRAMEWORKS_JSON) -> list[str]:
-    """Measure every block; with `write`, rewrite README.md's blocks and docs/frameworks.json. Returns the blocks
-    (and "docs/frameworks.json") that differed."""
-    text = readme.read_text()
+def unknown(text: str) -> list[str]:
+    """The names of blocks that `text` opens but the command does not generate, or opens more than once."""
+    names = names_in(text)
+    return [name for name in dict.fromkeys(names) if name not in BLOCKS or names.count(name) > 1]
+
+
+def run(*, write: bool, jobs: int, done: Callable[[str], None] | None = None, root: Path = ROOT,
+        record: Path | None = None) -> list[str]:
+    """Measure every block; with `write`, rewrite every document's blocks and docs/frameworks.json. Returns where
+    a block differed ("docs/checking.md: kernel", the document relative to `root`) and "docs/frameworks.json"
+    where the record did. A ValueError where a document holds a block the command does not know."""
+    record = record or root / "docs" / "frameworks.json"
+    texts = {path: path.read_text() for path in documents(root)}
+    if strange := {str(path.relative_to(root)): unknown(text) for path, text in texts.items() if unknown(text)}:
+        raise ValueError(f"blocks the command does not generate, or twice in one document: {strange}; the blocks "
+                         f"are {BLOCKS}")
     found = measure_frameworks(jobs=jobs, done=done)
     fresh = json.dumps(matrix.to_json(found), indent=1) + "\n"
     old = json.loads(record.read_text()) if record.exists() else None
-    blocks = generated(found, check_kernel(text))
-    changed = differences(text, blocks)
+    blocks = generated(found, check_kernel((root / CHECKING).read_text()))
+    changed = [f"{path.relative_to(root)}: {name}" for path, text in texts.items()
+               for name in differences(text, blocks)]
     if old is None or _without_timing(old) != _without_timing(json.loads(fresh)):
-        changed.append(str(record.relative_to(ROOT)) if record.is_relative_to(ROOT) else str(record))
+        changed.append(str(record.relative_to(root)) if record.is_relative_to(root) else str(record))
     if write:
-        for name, block in blocks.items():
-            text = replaced(text, name, block)
-        readme.write_text(text)
+        for path, text in texts.items():
+            for name in names_in(text):
+                text = replaced(text, name, blocks[name])
+            if text != texts[path]:
+                path.write_text(text)
         record.write_text(fresh)
     return changed
 
 
 def _without_timing(found: dict[str, Any]) -> dict[str, Any]:
     return found | {"columns": [recorded_column(column) for column in found["columns"]]}
-

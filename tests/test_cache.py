@@ -114,7 +114,7 @@ def test_a_non_finite_position_spreads_alike_with_and_without_weights(backend: M
     # a position of batch row 0 is not finite: every later query of that row sees its key (a cached one in
     # the later steps); the fast path without weights (torch: its fused kernel) must spread it exactly as the
     # explicit path does. The chunks before the one that takes it in never see it (within that chunk, the
-    # earlier queries may: the value of a key they hide is multiplied by a weight of 0, SPEC 11)
+    # earlier queries may: the value of a key they hide is multiplied by a weight of 0, SPEC 10)
     x = _random(B, L, D, seed=9)
     x[0, position, 1] = bad
     chunks = _chunks(SPLITS["prefill_then_decode"])
@@ -235,7 +235,7 @@ def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole(need_weigh
     step = torch.compile(block.extend, fullgraph=True, dynamic=True)  # inductor; fullgraph: no graph break
     x = [_random(B, 5, D)] + [_random(B, 1, D, seed=t) for t in range(5, 8)]
     nan = _random(B, 1, D, seed=8)
-    nan[0, 0, 0] = np.nan  # sequence 0's new query and key: NaN reaches its row (SPEC 11), not sequence 1's
+    nan[0, 0, 0] = np.nan  # sequence 0's new query and key: NaN reaches its row (SPEC 10), not sequence 1's
     with torch.no_grad():  # decoding
         _, _, cache = block.extend(M.asarray(x[0]), block.init_cache((B,), 16))
         eager = cache._replace(k=cache.k.clone(), v=cache.v.clone())
@@ -257,7 +257,7 @@ def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole(need_weigh
 @pytest.mark.slow  # inductor compiles the step (seconds)
 def test_torch_compiled_decode_step_keeps_the_nan_rule():
     # a NaN query among finite keys and values: the fused kernel returns a finite row for it, so the compiled
-    # step must choose the explicit path in its graph, as the eager step does in Python (SPEC 11)
+    # step must choose the explicit path in its graph, as the eager step does in Python (SPEC 10)
     torch = pytest.importorskip("torch")
     M = import_backend("attention_torch")
     mha = _module(M, "mha", num_kv_heads=1)  # grouped: the kernel route of a decode step

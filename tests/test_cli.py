@@ -72,7 +72,7 @@ def test_check_of_a_module_without_the_contract_names_what_it_lacks() -> None:
     result = _run("check", "math", "--max-examples", "1")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "skipped math: does not implement the attention contract: it has no asarray, to_numpy" in result.stdout
-    # a partial module needs one operation at least (SPEC 12); math has none
+    # a partial module needs one operation at least (SPEC 11); math has none
     with pytest.raises(AttributeError, match=r"no asarray, to_numpy, any of scaled_dot_product_attention, "
                                              r"flash_attention, ring_attention, linear_attention, MultiHeadAttention, "
                                              r"TransformerBlock$"):

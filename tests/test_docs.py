@@ -1,7 +1,8 @@
-"""The README's generated blocks (conformance/docs.py, `python -m conformance docs --write`) are what their command
-generates now: the table of checks from the suite's registries, the frameworks matrix from docs/frameworks.json,
-and each built-in's column of docs/frameworks.json measured afresh, where every built-in also passes the suite or
-declares what it lacks. The kernel example's counts are compared in test_readme.py, where its report is made."""
+"""The documents' generated blocks (conformance/docs.py, `python -m conformance docs --write`) are what their
+command generates now, in every document that shows them (README.md, SPEC.md, docs/**/*.md): the tables of the
+registries (checks, groups, profiles, features, rules, the adapters' layouts and masks), the frameworks matrix
+from docs/frameworks.json, the kernel example's counts from its report, and each built-in's column of
+docs/frameworks.json measured afresh, where every built-in also passes the suite or declares what it lacks."""
 
 from __future__ import annotations
 
@@ -10,35 +11,98 @@ import importlib
 import json
 import pathlib
 import re
+import shutil
 
 import pytest
 
-from conformance import docs
+from conformance import adapters, docs, pytest_plugin
 from conformance.builtins import BUILT_INS, module_names
+from conformance.contract.features import Feature
+from conformance.contract.operations import OPERATIONS
+from conformance.frameworks import disagreements as rules
 from conformance.frameworks import matrix
+from conformance.run import suite
 from conformance.run.suite import Report, Row
 
-README = docs.README.read_text()
+TEXTS = {path.relative_to(docs.ROOT): path.read_text() for path in docs.documents()}
 RECORDED = json.loads(docs.FRAMEWORKS_JSON.read_text())
 
-# contradictions of the spec that one fixed case shows stay a FAIL of the suite's row (SPEC 12): built-in ->
+# contradictions of the spec that one fixed case shows stay a FAIL of the suite's row (docs/suite.md): built-in ->
 # {(operation, check): the one failing case}. Any other failing row is a feature the built-in neither has nor
 # declares lacking (a new feature of the contract fails here until each built-in does one or the other).
 CONTRADICTIONS = {"keras_mha": {("mha", "edge_cases"): "visible_scores_below_minus_1e9"}}
 
 
-def test_the_table_of_checks_is_generated_from_the_suite_s_registries():
-    assert docs.shown(README, "checks") == docs.checks_table(), "python -m conformance docs --write"
+def _holding(name: str) -> dict[pathlib.Path, str]:
+    """{document: its block `name`} for every document that shows the block."""
+    return {path: docs.shown(text, name) for path, text in TEXTS.items() if name in docs.names_in(text)}
+
+
+def test_every_block_is_one_the_command_generates_and_each_is_shown_somewhere():
+    assert {str(path): docs.unknown(text) for path, text in TEXTS.items() if docs.unknown(text)} == {}
+    assert [name for name in docs.BLOCKS if not _holding(name)] == []
+    assert set(docs.BLOCKS) == {"frameworks", "frameworks-versions", "kernel", *docs.REGISTRY_TABLES}
+
+
+@pytest.mark.parametrize("name", docs.REGISTRY_TABLES)
+def test_each_registry_s_table_is_generated_from_the_code(name: str):
+    table = docs.REGISTRY_TABLES[name]()
+    assert {path: block for path, block in _holding(name).items() if block != table} == {}, \
+        "python -m conformance docs --write"
+
+
+# a made-up entry for each registry that a generated table shows: the table must change with it
+NEW_ENTRIES = {
+    "groups": lambda monkeypatch: monkeypatch.setattr(suite, "GROUPS", (*suite.GROUPS, suite.Group(
+        "sdpa", suite.checks.against_oracle, ("float64",), 1))),
+    "profiles": lambda monkeypatch: monkeypatch.setattr(docs, "PROFILES", {**docs.PROFILES, "quick": 0}),
+    "features": lambda monkeypatch: monkeypatch.setattr(docs, "FEATURES", {**docs.FEATURES, "made_up": Feature(
+        "made_up", "rule", "something", "nothing")}),
+    "rules": lambda monkeypatch: monkeypatch.setattr(rules, "RULES", (*rules.RULES, rules.RULES[0]._replace(
+        name="made up"))),
+    "adapter-layouts": lambda monkeypatch: (monkeypatch.setattr(adapters, "LAYOUTS", (*adapters.LAYOUTS, "LBHE")),
+                                            monkeypatch.setitem(docs.LAYOUT_SHAPES, "LBHE", ("a", "b", "c"))),
+    "adapter-masks": lambda monkeypatch: monkeypatch.setitem(adapters.MASKS, "inverted", "made up"),
+    "checks": lambda monkeypatch: monkeypatch.setattr(suite, "GROUPS", (*suite.GROUPS, suite.Group(
+        "linear", suite.checks.sdpa_single_key, ("float64",), 1))),  # a check on one more operation
+}
+
+
+@pytest.mark.parametrize("name", docs.REGISTRY_TABLES)
+def test_a_new_entry_in_a_registry_makes_its_table_stale(name: str, monkeypatch: pytest.MonkeyPatch):
+    NEW_ENTRIES[name](monkeypatch)
+    table = docs.REGISTRY_TABLES[name]()
+    assert all(block != table for block in _holding(name).values())
 
 
 def test_every_measure_the_suite_reports_has_one_row_in_the_table_of_checks():
     assert docs.uncovered() == []
 
 
+def test_the_adapters_layouts_are_those_the_table_describes():
+    assert set(docs.LAYOUT_SHAPES) == set(adapters.LAYOUTS)
+
+
+def test_the_spec_names_every_operation_a_module_may_have_alone():
+    # SPEC 11 "What a module needs": the functions of which a module must have one (suite.contract_gaps)
+    spec = TEXTS[pathlib.Path("SPEC.md")]
+    needs = spec[spec.index("**What a module needs.**"):spec.index("(`python -m conformance check MODULE` refuses")]
+    named = re.findall(r"`(\w+)`", needs.split("at least one of", 1)[1])
+    assert named == [operation.function for operation in OPERATIONS.values() if "." not in operation.function]
+
+
+def test_the_pytest_plugin_s_options_are_those_the_checking_page_names():
+    source = pathlib.Path(pytest_plugin.__file__).read_text()
+    page = TEXTS[docs.CHECKING]
+    plugin_section = page[page.index("## In your own CI"):]
+    assert set(re.findall(r"--conformance-[\w-]+", plugin_section)) == set(
+        re.findall(r'addoption\("(--conformance-[\w-]+)"', source))
+
+
 def test_the_frameworks_matrix_is_docs_frameworks_json():
     recorded = matrix.from_json(RECORDED)
-    assert docs.shown(README, "frameworks") == docs.frameworks_table(recorded)
-    assert docs.shown(README, "frameworks-versions") == docs.frameworks_versions(recorded)
+    assert set(_holding("frameworks").values()) == {docs.frameworks_table(recorded)}
+    assert set(_holding("frameworks-versions").values()) == {docs.frameworks_versions(recorded)}
     assert [column["module"] for column in RECORDED["columns"]] == module_names() and not RECORDED["skipped"]
 
 
@@ -54,11 +118,20 @@ def test_a_block_is_replaced_between_its_markers_and_nowhere_else():
     changed = docs.replaced(docs.replaced(text, "kernel", "3 rows pass, 0 are SKIP"), "checks", "| y |\n|---|")
     assert changed == text.replace("1 rows pass, 2", "3 rows pass, 0").replace("| x |", "| y |\n|---|")
     assert docs.differences(changed, {"kernel": "3 rows pass, 0 are SKIP", "checks": "| y |"}) == ["checks"]
+    assert docs.names_in(changed) == ["kernel", "checks"] and docs.unknown(changed) == []
     with pytest.raises(KeyError, match="holds 0 blocks 'frameworks'"):
         docs.shown(text, "frameworks")
+    twice = text + docs.begin("kernel") + docs.end("kernel") + docs.begin("made-up") + docs.end("made-up")
+    assert docs.unknown(twice) == ["kernel", "made-up"]
 
 
-def test_docs_write_rewrites_every_block_and_the_record_and_check_then_finds_none_stale(
+def _copy_of_the_documents(root: pathlib.Path) -> None:
+    for path in TEXTS:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(docs.ROOT / path, root / path)
+
+
+def test_docs_write_rewrites_every_block_of_every_document_and_check_then_finds_none_stale(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
     # the command's own logic, on a made-up measurement (the real one: the tests below, one built-in each)
     report = Report([Row("m", "sdpa", "values", "float64", 1, 0.0, 1e-9, True),
@@ -67,31 +140,56 @@ def test_docs_write_rewrites_every_block_and_the_record_and_check_then_finds_non
                           {"torch": "0.1"})
     monkeypatch.setattr(docs, "measure_frameworks", lambda **_: found)
     monkeypatch.setattr(docs, "check_kernel", lambda text: report)
-    readme, record = tmp_path / "README.md", tmp_path / "frameworks.json"
-    readme.write_text(README)
-    assert docs.run(write=False, jobs=1, readme=readme, record=record) == [
-        "frameworks", "frameworks-versions", "kernel", str(record)]
-    assert readme.read_text() == README and not record.exists()  # --check writes nothing
-    docs.run(write=True, jobs=1, readme=readme, record=record)
-    assert docs.run(write=False, jobs=1, readme=readme, record=record) == []
-    text = readme.read_text()
-    assert docs.shown(text, "kernel") == "1 rows pass, 1 are SKIP" and docs.shown(text, "frameworks-versions") == \
-        "torch 0.1"
-    assert "| the suite | what it declares it has | 1 rows pass, 1 skip |" in docs.shown(text, "frameworks")
-    assert text.replace(docs.shown(text, "frameworks"), "") == README.replace(docs.shown(README, "frameworks"), "") \
-        .replace(docs.shown(README, "kernel"), "1 rows pass, 1 are SKIP").replace(
-        docs.shown(README, "frameworks-versions"), "torch 0.1")  # nothing outside the blocks changed
+    _copy_of_the_documents(tmp_path)
+    record = tmp_path / "frameworks.json"
+    fresh = {"frameworks": docs.frameworks_table(found), "frameworks-versions": "torch 0.1",
+             "kernel": "1 rows pass, 1 are SKIP"}
+    stale = [f"{path}: {name}" for path, text in TEXTS.items() for name in docs.names_in(text) if name in fresh]
+    assert len(stale) >= 3
+    assert docs.run(write=False, jobs=1, root=tmp_path, record=record) == [*stale, "frameworks.json"]
+    assert {path: (tmp_path / path).read_text() for path in TEXTS} == TEXTS and not record.exists()  # --check
+    docs.run(write=True, jobs=1, root=tmp_path, record=record)
+    assert docs.run(write=False, jobs=1, root=tmp_path, record=record) == []
+    for path, old in TEXTS.items():
+        text = (tmp_path / path).read_text()
+        for name in (name for name in docs.names_in(old) if name in fresh):
+            assert docs.shown(text, name) == fresh[name]
+            text, old = docs.replaced(text, name, ""), docs.replaced(old, name, "")
+        assert text == old, path  # nothing outside the blocks changed
+
+
+def test_docs_refuses_a_block_it_does_not_generate(tmp_path: pathlib.Path):
+    _copy_of_the_documents(tmp_path)
+    page = tmp_path / docs.CHECKING
+    page.write_text(page.read_text() + docs.begin("made-up") + docs.end("made-up"))
+    with pytest.raises(ValueError, match="made-up"):
+        docs.run(write=False, jobs=1, root=tmp_path)
 
 
 def test_the_docs_command_exits_1_where_check_finds_a_stale_block(monkeypatch: pytest.MonkeyPatch,
                                                                   capsys: pytest.CaptureFixture[str]):
     from conformance.__main__ import main
 
-    monkeypatch.setattr(docs, "run", lambda **options: ["checks"] if not options["write"] else [])
-    assert main(["docs", "--check"]) == 1 and "differs: checks" in capsys.readouterr().out
+    monkeypatch.setattr(docs, "run", lambda **options: ["docs/checking.md: checks"] if not options["write"] else [])
+    assert main(["docs", "--check"]) == 1 and "differs: docs/checking.md: checks" in capsys.readouterr().out
     assert main(["docs", "--write"]) == 0 and "up to date" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["docs"])  # --write or --check
+
+
+def test_a_kernel_is_wrapped_and_checked_in_under_15_lines():
+    _, module = docs.kernel_source(TEXTS[docs.CHECKING])
+    lines = [line for line in module.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(lines) < 15, module
+
+
+@pytest.mark.slow  # the fast profile on a torch kernel
+def test_the_kernel_example_passes_with_the_counts_its_page_gives():
+    pytest.importorskip("torch")
+    report = docs.check_kernel(TEXTS[docs.CHECKING])
+    assert report.passed, "\n\n".join(row.failure for row in report.rows if row.failure)
+    assert any(row.skipped for row in report.rows)  # a partial module: what it lacks is SKIP
+    assert set(_holding("kernel").values()) == {docs.kernel_counts(report)}, "python -m conformance docs --write"
 
 
 @pytest.mark.slow  # the rules and the suite (docs.SUITE_OPTIONS) on one built-in: 2-9 s of CPU each

@@ -1,4 +1,4 @@
-"""The partial contract (SPEC 12): a module with part of the contract, or one that declares features it lacks,
+"""The partial contract (SPEC 11): a module with part of the contract, or one that declares features it lacks,
 is checked on the rest, every row it cannot do is SKIP with the reason, and the declaration really keeps the
 lacking feature away (without it the same module fails)."""
 

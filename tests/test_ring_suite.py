@@ -1,4 +1,4 @@
-"""The suite's ring operation on each framework's devices (SPEC 10): NumPy simulates them; JAX and torch run
+"""The suite's ring operation on each framework's devices (docs/suite.md): NumPy simulates them; JAX and torch run
 the ring only with the 4 devices its cases use, else the operation is one SKIP row saying why; `--devices 4`
 gives JAX 4 simulated CPU devices and torch 3 peer processes, and every row then runs and passes."""
 

@@ -1,4 +1,4 @@
-"""The partial contract (SPEC.md section 12): the features of the contract that a module may declare it lacks,
+"""The partial contract (SPEC.md section 11): the features of the contract that a module may declare it lacks,
 declared once, and the declaration a module makes.
 
 A kernel author's module often has scaled_dot_product_attention alone, returns no weights, or takes no
@@ -23,7 +23,7 @@ DECLARATION = "CONFORMANCE"  # the module-level name the suite reads
 
 
 class Feature(NamedTuple):
-    """One feature of the contract, as SPEC.md section 12's table has it."""
+    """One feature of the contract, as SPEC.md section 11's table has it."""
 
     name: str
     kind: str  # "result", "training", "argument", "option", "rule", "dtype" or "errors": how the suite leaves it out
@@ -57,7 +57,7 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
     Feature("masked_rows", "rule", "a query that sees no key gets an output row (sdpa) and a weights row of zeros",
             "the rows of such queries are left out of every comparison (modules: a position where a head sees no "
             "key); the edge cases and the gradient rule about them are skipped"),
-    Feature("non_finite", "rule", "NaN and inf in the inputs reach exactly the rows that see them (SPEC 11)",
+    Feature("non_finite", "rule", "NaN and inf in the inputs reach exactly the rows that see them (SPEC 10)",
             "the edge cases with NaN or inf inputs are skipped"),
     Feature("empty", "rule", "L = 0 or S = 0 gives empty outputs and zeros", "the edge cases with an empty axis are "
                                                                              "skipped"),

@@ -68,7 +68,7 @@ class Operation(NamedTuple):
     dropout_shows: Callable[[Any], bool]  # whether dropout can change the output at all
     dropout_probe: Callable[[Any], Probe] | None  # the case -> a probe of its dropout sites
     uses: Callable[[Any], set[str]]  # the case -> the arguments and options of conformance.contract.features it uses
-    leave_out: Callable[[Any, Declaration], Any]  # (case, lacks) -> the case without them, or None (SPEC 12)
+    leave_out: Callable[[Any, Declaration], Any]  # (case, lacks) -> the case without them, or None (SPEC 11)
     blind: Callable[[Any], tuple[np.ndarray, np.ndarray] | None]  # the case -> (out rows, weights rows) where a
     # query sees no key ((..., L) and (..., [H,] L)), or None where every query sees one
     pair: Callable[[Any], Pair] = lambda result: result  # the call's result, as NumPy arrays -> (out, weights)
@@ -151,7 +151,7 @@ def features_used(case: Case) -> set[str]:
 def leave_out(case: Case, declaration: Declaration) -> Case | None:
     """`case` as a module that lacks the declared features runs it: their arguments at the defaults (grouped
     heads repeated per query head, the same attention), no dropout configured where the module lacks dropout,
-    or None where the case needs a lacking module option (SPEC 12)."""
+    or None where the case needs a lacking module option (SPEC 11)."""
     return operation_of(case).leave_out(without_dropout(case, declaration), declaration) if declaration.lacks \
         else case
 

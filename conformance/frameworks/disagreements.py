@@ -1,5 +1,5 @@
 """The rules on which the frameworks' built-ins disagree in meaning, each measured on any module of the contract:
-the rows of `python -m conformance frameworks` (SPEC.md section 12).
+the rows of `python -m conformance frameworks` (docs/suite.md).
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
@@ -298,7 +298,7 @@ def _nan_cases_mha(runner: Runner) -> list[NanCase]:
 
 def _nan_cases_block(runner: Runner) -> list[NanCase]:
     """Self-attention: a NaN at position 2 of sequence 0, whose key the mask hides from query 0. Its value is NaN
-    too, and a hidden key's value times its weight 0 is NaN: query 0's row is left open (SPEC 11); the rows that
+    too, and a hidden key's value times its weight 0 is NaN: query 0's row is left open (SPEC 10); the rows that
     see position 2 must be NaN, the other sequence finite."""
     mask = changed(np.ones((2, 1, 4, 4), bool), (0, 0, 0, 2), False)
     base = block_case((2,), 4, mask=mask)._replace(dropout=0.0)

@@ -38,7 +38,7 @@ class Measure(NamedTuple):
     error: float  # compared with the tolerance; inf when the result is wrong in kind, not degree
     detail: str = ""  # what was wrong, for the failure message
     tolerance: float = 0.0  # this case's own tolerance, where it is looser than TOLERANCES'
-    skipped: str | None = None  # why the module cannot be measured so (its declaration, SPEC 12)
+    skipped: str | None = None  # why the module cannot be measured so (its declaration, SPEC 11)
 
 
 def skipped(why: str | None) -> Measure:
@@ -80,7 +80,7 @@ class Runner:
 
     def __init__(self, module: ModuleType) -> None:
         self.module, self.framework = module, framework_of(module)
-        self.declaration = declaration_of(module)  # what it lacks of the contract (SPEC 12)
+        self.declaration = declaration_of(module)  # what it lacks of the contract (SPEC 11)
         self._staged: dict[tuple, Callable] = {}
 
     def run(self, case: Case, dtype: str, *, training: bool = False, seed: int | None = None,
@@ -210,7 +210,7 @@ def expected(case: Case, precision: str = "float64", *, fused_bias: bool = True)
 
 
 def specified(runner: Runner, case: Case, pair: Pair) -> Pair:
-    """(out, weights) with what the module's declaration leaves unspecified taken out (SPEC 12): the rows of
+    """(out, weights) with what the module's declaration leaves unspecified taken out (SPEC 11): the rows of
     queries that see no key set to 0 where it lacks masked_rows, the weights None where it lacks weights.
     Applied to the module's result and the reference alike; a result of the wrong shape is left as it is."""
     out, weights = pair

@@ -181,7 +181,7 @@ def run_error(runner: Runner, row: Fixed) -> Result:
     made = row.build()  # the case, or the constructor's keyword arguments
     if why := runner.declaration.reason(*(init_features_used(made) if row.stage == "init" else features_used(made))):
         return Result(row, [], skipped=why)
-    exact = "exceptions" not in runner.declaration  # else any exception will do (SPEC 12)
+    exact = "exceptions" not in runner.declaration  # else any exception will do (SPEC 11)
     for need_weights in (True, False) if row.stage == "call" else (True,):
         raised = _attempt(runner, row, made, need_weights)
         type_ok = isinstance(raised, row.error) or (not exact and raised is not None)

@@ -41,7 +41,7 @@ def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     rng = np.random.default_rng(_seed(case))
     out = expected(case)[0]
     d_out = specified(runner, case, (rng.standard_normal(out.shape), None))[0]  # no cotangent on rows the
-    # module's declaration leaves unspecified (SPEC 12)
+    # module's declaration leaves unspecified (SPEC 11)
     grads = _pullback(runner, case, d_out, dtype)
     worst = Measure(0.0)
     for name in _arguments(case):

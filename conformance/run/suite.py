@@ -200,7 +200,7 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
         rows = [_table_row(runner, table_, operation, tell) for operation, table_ in CONTRACT_TABLES.items()
                 if contract and wanted((table_.check,), False)]  # pinned: x64
         for operation in (operation for operation in OPERATIONS if operation in operations):
-            if absent := missing(module, (OPERATIONS[operation].function,)):  # a partial module (SPEC 12)
+            if absent := missing(module, (OPERATIONS[operation].function,)):  # a partial module (SPEC 11)
                 rows.append(Row(name, operation, "-", "-", 0, 0.0, 0.0, True, skipped=f"no {absent[0]}"))
                 continue
             with _devices(runner, OPERATIONS[operation].devices, devices) as too_few:
@@ -366,7 +366,7 @@ def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *
 
 def contract_gaps(module: ModuleType) -> list[str]:
     """The names of the contract that the suite needs and `module` lacks: asarray, to_numpy and at least one
-    operation (a partial module's other operations are reported as skipped, SPEC 12)."""
+    operation (a partial module's other operations are reported as skipped, SPEC 11)."""
     functions = tuple(operation.function for operation in OPERATIONS.values() if "." not in operation.function)
     return missing(module, CONTRACT) + ([f"any of {', '.join(functions)}"]
                                         if len(missing(module, functions)) == len(functions) else [])
@@ -408,7 +408,7 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
     tolerance, count = TOLERANCES[dtype], [0]
     held: dict[str, tuple[float, float]] = {}  # measure -> (measure, tolerance) of its worst case (`_excess`)
     first: dict[str, str] = {}  # each measure's first failure: a row fails on any case over its tolerance
-    skips: dict[str, str] = {}  # measure -> why the module's declaration rules it out (SPEC 12)
+    skips: dict[str, str] = {}  # measure -> why the module's declaration rules it out (SPEC 11)
     name = runner.module.__name__
 
     def body(case: Any) -> None:
@@ -437,7 +437,7 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
                 first.setdefault(measure, message)
             raise CheckFailure(message, list(bad))
 
-    declaration = runner.declaration  # a partial module gets the cases it can run (SPEC 12)
+    declaration = runner.declaration  # a partial module gets the cases it can run (SPEC 11)
     drawn = group.strategy()
     if declaration.lacks:
         drawn = drawn.map(lambda case: leave_out(case, declaration)).filter(lambda case: case is not None)

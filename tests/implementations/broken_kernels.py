@@ -39,7 +39,7 @@ class Kernel:
         Returns: out (B, L, H, Ev) in q's dtype (float16 computed in float32)."""
         dtype, work = q.dtype, self.work_dtype(q.dtype)
         q, k, v = q.astype(work), k.astype(work), v.astype(work)
-        # 1) scores, with the scale folded into q first (SPEC 11: the scale comes first)
+        # 1) scores, with the scale folded into q first (SPEC 10: the scale comes first)
         scores = self.scores(q * np.asarray(self.scale(q.shape, scale), work), k)  # -> (B, H, L, S)
         # 2) which keys each query sees
         visible = self.visible(mask, is_causal, scores.shape)  # (B, H, L, S)

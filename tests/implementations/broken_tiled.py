@@ -105,7 +105,7 @@ class Tiled:
     def scores(self, q: np.ndarray, k: np.ndarray, visible: np.ndarray, rows: np.ndarray, cols: np.ndarray,
                is_causal: bool, scale: float) -> tuple[np.ndarray, np.ndarray]:
         """The tile's q k^T * scale, -inf where hidden, and where it is seen (..., block_q, block_k)."""
-        scores = q[..., rows, :] * scale @ np.swapaxes(k[..., cols, :], -1, -2)  # the scale first (SPEC 11)
+        scores = q[..., rows, :] * scale @ np.swapaxes(k[..., cols, :], -1, -2)  # the scale first (SPEC 10)
         seen = visible[..., rows[:, None], cols]
         if is_causal:
             seen = seen & (cols <= rows[:, None])
