@@ -7,11 +7,11 @@ drifts:
     frameworks-versions  the frameworks' versions that the matrix was measured with
     kernel               the kernel example's counts: docs/checking.md's kernel module, checked by the suite
     checks               the table of checks: every measure the suite reports, with the operations and dtypes that
-                         its registries (conformance/suite.py GROUPS, MEASURES, TABLES) give it, and what it catches
-    groups               the suite's groups (conformance/suite.py GROUPS, TABLES, CONTRACT_TABLES)
+                         its registries (conformance/run/suite.py GROUPS, MEASURES, TABLES) give it, and what it catches
+    groups               the suite's groups (conformance/run/suite.py GROUPS, TABLES, CONTRACT_TABLES)
     profiles             the profiles (conformance PROFILES)
-    features             the features a module may declare it lacks (conformance/features.py FEATURES)
-    rules                the rules of the frameworks matrix (conformance/rules.py RULES)
+    features             the features a module may declare it lacks (conformance/contract/features.py FEATURES)
+    rules                the rules of the frameworks matrix (conformance/frameworks/disagreements.py RULES)
     adapter-layouts      the layouts `adapters.sdpa` takes (conformance/adapters.py LAYOUTS)
     adapter-masks        the mask polarities `adapters.sdpa` takes (conformance/adapters.py MASKS)
 
@@ -198,8 +198,8 @@ def reported() -> list[tuple[str, str, tuple[str, ...]]]:
     return list(dict.fromkeys(found))
 
 
-# measures that a check reports only where the operation has what they need (conformance/checks.py dropout,
-# conformance/gradient_checks.py; tests/test_error_checks.py holds this to a report)
+# measures that a check reports only where the operation has what they need (conformance/run/checks.py dropout,
+# conformance/run/gradient_checks.py; tests/test_error_checks.py holds this to a report)
 REPORTED_WHERE: dict[str, Callable[[Any], bool]] = {
     "mean": lambda operation: operation.dropout_sigma is not None,  # the spread of dropout's mean is known
     "masked_rows": lambda operation: operation.visible is not None,  # which keys a query sees is known

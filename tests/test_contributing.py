@@ -233,9 +233,9 @@ LOOKS: dict[str, Place] = {
     "Operation.strategy": Place(lambda item, operations, items: {
         name for name, operation in operations.items() if callable(getattr(_module(item.path), operation.strategy,
                                                                            None))}),
-    "TABLE": Place(lambda item, operations, items: {  # examples, edge cases and errors, each
+    "ROWS": Place(lambda item, operations, items: {  # examples, edge cases and errors, each
         name for name in operations
-        if {row.use for row in _module(item.path).TABLE if row.operation == name} >= {"example", "edge", "error"}}),
+        if {row.use for row in _module(item.path).ROWS if row.operation == name} >= {"example", "edge", "error"}}),
     "GROUPS": Place(lambda item, operations, items: {group.operation for group in _module(item.path).GROUPS}),
     "Group.check": Place(_checked_by),
     "Operation.vjp": Place(lambda item, operations, items: _checked_by(item, operations, items, gradient=True),

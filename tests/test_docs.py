@@ -19,8 +19,7 @@ from conformance import adapters, docs, pytest_plugin
 from conformance.builtins import BUILT_INS, module_names
 from conformance.contract.features import Feature
 from conformance.contract.operations import OPERATIONS
-from conformance.frameworks import disagreements as rules
-from conformance.frameworks import matrix
+from conformance.frameworks import disagreements, matrix
 from conformance.run import suite
 from conformance.run.suite import Report, Row
 
@@ -58,8 +57,8 @@ NEW_ENTRIES = {
     "profiles": lambda monkeypatch: monkeypatch.setattr(docs, "PROFILES", {**docs.PROFILES, "quick": 0}),
     "features": lambda monkeypatch: monkeypatch.setattr(docs, "FEATURES", {**docs.FEATURES, "made_up": Feature(
         "made_up", "rule", "something", "nothing")}),
-    "rules": lambda monkeypatch: monkeypatch.setattr(rules, "RULES", (*rules.RULES, rules.RULES[0]._replace(
-        name="made up"))),
+    "rules": lambda monkeypatch: monkeypatch.setattr(disagreements, "RULES", (
+        *disagreements.RULES, disagreements.RULES[0]._replace(name="made up"))),
     "adapter-layouts": lambda monkeypatch: (monkeypatch.setattr(adapters, "LAYOUTS", (*adapters.LAYOUTS, "LBHE")),
                                             monkeypatch.setitem(docs.LAYOUT_SHAPES, "LBHE", ("a", "b", "c"))),
     "adapter-masks": lambda monkeypatch: monkeypatch.setitem(adapters.MASKS, "inverted", "made up"),
