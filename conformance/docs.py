@@ -7,8 +7,9 @@ drifts:
     frameworks-versions  the frameworks' versions that the matrix was measured with
     kernel               the kernel example's counts: docs/checking.md's kernel module, checked by the suite
     checks               the table of checks: every measure the suite reports, with the operations and dtypes that
-                         its registries (conformance/run/suite.py GROUPS, MEASURES, TABLES) give it, and what it catches
-    groups               the suite's groups (conformance/run/suite.py GROUPS, TABLES, CONTRACT_TABLES)
+                         its registries (conformance/run/suite.py GROUPS, MEASURES, FIXED_RUNS) give it, and what
+                         it catches
+    groups               the suite's groups (conformance/run/suite.py GROUPS, FIXED_RUNS, CONTRACT_RUNS)
     profiles             the profiles (conformance PROFILES)
     features             the features a module may declare it lacks (conformance/contract/features.py FEATURES)
     rules                the rules of the frameworks matrix (conformance/frameworks/disagreements.py RULES)
@@ -48,7 +49,8 @@ FRAMEWORKS_JSON = ROOT / "docs" / "frameworks.json"
 CHECKING = Path("docs") / "checking.md"  # under the root: the page whose kernel module the `kernel` block counts
 
 # the suite's row of the matrix: `check(module)` with these options, as docs/suite.md says: every fixed case of
-# the table and one drawn case per group (the rows and their verdicts; more examples cost the tests more, not rows)
+# the fixed cases and one drawn case per group (the rows and their verdicts; more examples cost the tests more, not
+# rows)
 SUITE_OPTIONS: dict[str, Any] = {"max_examples": 1, "seed": 0}
 # the kernel example's report: `python -m conformance check my_kernel` as its paragraph says, the fast profile
 KERNEL_OPTIONS: dict[str, Any] = {"profile": "fast", "seed": 0}
@@ -192,9 +194,9 @@ def reported() -> list[tuple[str, str, tuple[str, ...]]]:
         found += [(measure, group.operation, group.dtypes) for measure in suite.MEASURES[group.check]
                   if REPORTED_WHERE.get(measure, lambda _: True)(operation)]
         found += [(measure, group.operation, ("all",)) for measure in suite.ANY_GROUP]
-    for table_ in suite.TABLES:
-        found += [(table_.check, name, (table_.dtype,)) for name in OPERATIONS if fixed_cases.rows(name, table_.use)]
-    found += [(table_.check, name, (table_.dtype,)) for name, table_ in suite.CONTRACT_TABLES.items()]
+    for fixed in suite.FIXED_RUNS:
+        found += [(fixed.check, name, (fixed.dtype,)) for name in OPERATIONS if fixed_cases.rows(name, fixed.use)]
+    found += [(fixed.check, name, (fixed.dtype,)) for name, fixed in suite.CONTRACT_RUNS.items()]
     return list(dict.fromkeys(found))
 
 
@@ -331,7 +333,7 @@ GUARDS: tuple[Guard, ...] = (
           catches="a `vjp` that fails, or gives other gradients, where the framework's autograd is off "
                   "(`torch.inference_mode()`)"),
     Guard(("errors",),
-          catches="a silent wrong result or an unclear error: the table's bad inputs (shapes, masks, dtypes, sizes,"
+          catches="a silent wrong result or an unclear error: the fixed bad inputs (shapes, masks, dtypes, sizes,"
                   " state dicts, cotangents, negative windows, softcap <= 0, float or non-broadcasting `q_offset` "
                   "and `key_lengths`, query heads not a multiple of the key/value heads, sequences the ring's "
                   "devices do not divide) must raise the same exception type, naming the argument, on both paths "
@@ -340,7 +342,7 @@ GUARDS: tuple[Guard, ...] = (
           catches="fully masked rows, heads and batch elements, no keys, no queries, a single key, logits in the "
                   "thousands (also across a ring's devices), visible scores below -1e9 (a masked fill with The "
                   "Annotated Transformer's constant), NaN and inf where visible and where hidden, key lengths 0, a "
-                  "softcap with a -inf bias: the table's cases on both paths, against the oracle and the "
+                  "softcap with a -inf bias: the fixed cases on both paths, against the oracle and the "
                   "hand-derived rules each carries"),
     Guard(("call",),
           catches="a module that raises, returns something other than `(out, weights)`, or writes into the arrays "
@@ -373,26 +375,26 @@ def _names(names: tuple[str, ...] | list[str]) -> str:
 
 def groups_table() -> str:
     """conformance/run/suite.py's groups (one row each), then its tables of fixed cases (one row per operation that has
-    cases of their use) and the rows every module gets (CONTRACT_TABLES)."""
+    cases of their use) and the rows every module gets (CONTRACT_RUNS)."""
     from .contract import fixed_cases
     from .run import suite  # Hypothesis is imported only here
 
     lines = ["| operation | check | measures | dtypes | cases (fast profile) | drawn with | needs |",
              "|---|---|---|---|---|---|---|"]
     for group in suite.GROUPS:
-        cases = f"{group.examples}" + (" + the table's examples" if group.pinned else "")
+        cases = f"{group.examples}" + (" + the fixed examples" if group.pinned else "")
         drawn = ", ".join(f"`{name}={value!r}`" for name, value in (group.draw or {}).items()) or "-"
         needs = _names(group.needs + (("vjp",) if group.gradient else ())) or "-"
         measures = [_measure(measure) for measure in suite.MEASURES[group.check]
                     if REPORTED_WHERE.get(measure, lambda _: True)(OPERATIONS[group.operation])]
         lines.append(f"| {group.operation} | `{group.check.__name__}` | {', '.join(measures)} | "
                      f"{', '.join(group.dtypes)} | {cases} | {drawn} | {needs} |")
-    for table_ in suite.TABLES:
-        operations = [name for name in OPERATIONS if fixed_cases.rows(name, table_.use)]
-        lines.append(f"| {', '.join(operations)} | `{table_.run.__name__}` | `{table_.check}` | {table_.dtype} | "
-                     f"the table's {table_.use} rows | - | - |")
-    for operation, table_ in suite.CONTRACT_TABLES.items():
-        lines.append(f"| {operation} | - | `{table_.check}` | {table_.dtype} | its fixed cases | - | - |")
+    for fixed in suite.FIXED_RUNS:
+        operations = [name for name in OPERATIONS if fixed_cases.rows(name, fixed.use)]
+        lines.append(f"| {', '.join(operations)} | `{fixed.run.__name__}` | `{fixed.check}` | {fixed.dtype} | "
+                     f"the fixed cases' {fixed.use} rows | - | - |")
+    for operation, fixed in suite.CONTRACT_RUNS.items():
+        lines.append(f"| {operation} | - | `{fixed.check}` | {fixed.dtype} | its fixed cases | - | - |")
     return "\n".join(lines)
 
 

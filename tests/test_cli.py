@@ -13,7 +13,7 @@ import pytest
 
 from conformance.__main__ import BUILT_IN
 from conformance.run import suite
-from conformance.run.suite import CONTRACT_TABLES
+from conformance.run.suite import CONTRACT_RUNS
 
 pytestmark = pytest.mark.slow  # each test starts `python -m conformance` in a subprocess
 
@@ -47,7 +47,7 @@ def test_default_run_passes_and_names_each_importable_backend(tmp_path: pathlib.
             assert re.search(rf"^{name}: [0-9.]+ s, CPU [0-9.]+ s", result.stdout, re.MULTILINE), result.stdout
             assert reports[name]["passed"] is True and reports[name]["seed"] == 7 and f"checked {name}" in result.stderr
             rows = reports[name]["rows"]
-            assert {row["operation"] for row in rows} == {*CONTRACT_TABLES, *operations}
+            assert {row["operation"] for row in rows} == {*CONTRACT_RUNS, *operations}
             assert all(row["examples"] >= 1 for row in rows if not row["skipped"])
             # ring attention needs 4 devices: NumPy simulates them, JAX and torch have one here (no --devices)
             assert {row["operation"] for row in rows if row["skipped"]} == (set() if name == "attention_np"

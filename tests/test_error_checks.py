@@ -51,7 +51,7 @@ def test_suite_reports_one_row_per_operation_for_each_kind_of_fixed_case():
     tables = {(row.operation, row.check): row for row in report.rows if row.check in ("errors", "edge_cases")}
     assert set(tables) == {(op, name) for op in OPERATIONS for name in ("errors", "edge_cases")}
     for (operation, name), row in tables.items():
-        uses = {table_.check: table_.use for table_ in suite.TABLES}  # the rows each table runs, by its record
+        uses = {fixed.check: fixed.use for fixed in suite.FIXED_RUNS}  # the rows each table runs, by its record
         assert row.examples == len(fixed_cases.rows(operation, uses[name]))
         assert row.passed and row.worst == 0 and row.tolerance == 0
         assert row.dtype == ("-" if name == "errors" else "float64")

@@ -882,7 +882,7 @@ ROWS: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_
 
 
 def rows(operation: str, use: str) -> list[Fixed]:
-    """The table's rows of one operation and use, in order."""
+    """The fixed cases of one operation and use, in order."""
     return [row for row in ROWS if row.operation == operation and row.use == use]
 
 

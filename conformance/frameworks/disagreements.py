@@ -310,7 +310,7 @@ def _nan_cases_block(runner: Runner) -> list[NanCase]:
 
 def float16_error(runner: Runner, operation: str) -> Cell:
     """The relative error in float16 against float64 on the same (rounded) inputs, within the suite's tolerance:
-    the larger of the table's and ten times what the oracle itself loses in float16."""
+    the larger of TOLERANCES' and ten times what the oracle itself loses in float16."""
     _needs(runner, "float16")
     case = rounded(PROBES[operation].float16()._replace(dropout=0.0), "float16")
     out = runner.run(case, "float16", need_weights=False)[0]

@@ -109,7 +109,7 @@ MEASURES: dict[Callable, tuple[str, ...]] = {
 ANY_GROUP = ("call", "deterministic")
 
 
-class Table(NamedTuple):
+class FixedRun(NamedTuple):
     """Fixed cases, run without Hypothesis (conformance/run/fixed_checks.py): one row per operation, examples =
     the cases run, worst = the cases failing, tolerance 0."""
 
@@ -119,15 +119,15 @@ class Table(NamedTuple):
     use: str | None = None  # the rows of conformance/contract/fixed_cases.py it runs (their use); None: its own cases
 
 
-TABLES = (
-    Table("errors", "-", fixed_checks.errors, "error"),
-    Table("edge_cases", "float64", fixed_checks.edge_cases, "edge"),
+FIXED_RUNS = (
+    FixedRun("errors", "-", fixed_checks.errors, "error"),
+    FixedRun("edge_cases", "float64", fixed_checks.edge_cases, "edge"),
 )
 # what every module offers besides its operations, one row each under a name of its own
-CONTRACT_TABLES = {
-    "arrays": Table("round_trip", "-", lambda runner, operation: fixed_checks.round_trip(runner)),
-    "masks": Table("helpers", "-", lambda runner, operation: fixed_checks.mask_helpers(runner)),
-    "positions": Table("rope", "float64", lambda runner, operation: fixed_checks.rope(runner)),
+CONTRACT_RUNS = {
+    "arrays": FixedRun("round_trip", "-", lambda runner, operation: fixed_checks.round_trip(runner)),
+    "masks": FixedRun("helpers", "-", lambda runner, operation: fixed_checks.mask_helpers(runner)),
+    "positions": FixedRun("rope", "float64", lambda runner, operation: fixed_checks.rope(runner)),
 }
 
 
@@ -197,8 +197,8 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
     runner, tell = Runner(module), progress or (lambda what: None)
     name = module.__name__
     with runner.framework.pinned() as pinned, quick_compiles(), _reproducible_draws():
-        rows = [_table_row(runner, table_, operation, tell) for operation, table_ in CONTRACT_TABLES.items()
-                if contract and wanted((table_.check,), False)]  # pinned: x64
+        rows = [_fixed_row(runner, fixed, operation, tell) for operation, fixed in CONTRACT_RUNS.items()
+                if contract and wanted((fixed.check,), False)]  # pinned: x64
         for operation in (operation for operation in OPERATIONS if operation in operations):
             if absent := missing(module, (OPERATIONS[operation].function,)):  # a partial module (SPEC 11)
                 rows.append(Row(name, operation, "-", "-", 0, 0.0, 0.0, True, skipped=f"no {absent[0]}"))
@@ -217,8 +217,8 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                                  if why else
                                  _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink,
                                             tell=tell))
-                rows += [_table_row(runner, table_, operation, tell) for table_ in TABLES
-                         if wanted((table_.check,), False)]
+                rows += [_fixed_row(runner, fixed, operation, tell) for fixed in FIXED_RUNS
+                         if wanted((fixed.check,), False)]
     return Report(rows, seed, profile, [pinned] if pinned else [])
 
 
@@ -238,7 +238,7 @@ def _devices(runner: Runner, needed: int, requested: int | None) -> Iterator[str
 def known_measures() -> list[str]:
     """Every check (measure) a report can have a row for."""
     return sorted({*ANY_GROUP, *(m for reported in MEASURES.values() for m in reported),
-                   *(table_.check for table_ in (*TABLES, *CONTRACT_TABLES.values()))})
+                   *(fixed.check for fixed in (*FIXED_RUNS, *CONTRACT_RUNS.values()))})
 
 
 def _wanted(measures: Sequence[str] | None) -> Callable[[tuple[str, ...], bool], bool]:
@@ -386,18 +386,18 @@ def _unnamed(dtype: str) -> str | None:
     return None
 
 
-def _table_row(runner: Runner, table_: Table, operation: str, tell: Progress) -> Row:
+def _fixed_row(runner: Runner, fixed: FixedRun, operation: str, tell: Progress) -> Row:
     """The table's cases for `operation` as one row; the failure lists each failing case."""
     name = runner.module.__name__
-    results = table_.run(runner, operation)
+    results = fixed.run(runner, operation)
     for _ in results:
-        tell(f"{name} {operation} {table_.check}")
+        tell(f"{name} {operation} {fixed.check}")
     summary = fixed_checks.summarize(results)
     failure = (None if summary.failure is None else
-               f"{name} {operation} {table_.check} {table_.dtype}: {summary.failing} of {summary.examples} cases "
+               f"{name} {operation} {fixed.check} {fixed.dtype}: {summary.failing} of {summary.examples} cases "
                f"fail\n{summary.failure}")
     reasons = list(dict.fromkeys(result.skipped for result in results if result.skipped))  # none ran: SKIP
-    return Row(name, operation, table_.check, table_.dtype, summary.examples, float(summary.failing), 0.0,
+    return Row(name, operation, fixed.check, fixed.dtype, summary.examples, float(summary.failing), 0.0,
                summary.failing == 0, failure, "; ".join(reasons) if results and not summary.examples else None)
 
 
