@@ -15,7 +15,7 @@ query chunk starting at p attends the key chunk starting at t with q_offset = p 
 so that is_causal and window compare global positions (query p + i, key t + j); flash_attention's own tile
 skipping then drops the chunk pairs the structure hides.
 
-Layouts (checks.ring_chunks, shared by the backends): without is_causal each device holds one contiguous
+Layouts (validation.ring_chunks, shared by the backends): without is_causal each device holds one contiguous
 shard, rows d n .. (d + 1) n - 1 (n = L / P; keys likewise), and nothing is permuted. With is_causal, the
 zig-zag layout balances the work: the sequence is cut into 2P chunks of c = L / (2P) rows, and device i holds
 chunks i and 2P - 1 - i (rows from i c and from (2P - 1 - i) c), one early and one late chunk, so every device
@@ -48,7 +48,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .flash import _backward_tiles, _pad, _problem, _tiled_inputs, _tiling, flash_attention
 from .functional import _dtypes, _grouped, _integers, _ranked
@@ -96,9 +96,9 @@ def ring_attention(
     """
     if axis not in mesh.axis_names:
         raise ValueError(f"ring_attention: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
-    checks.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
+    validation.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
     try:  # the layout every backend shares: the chunks of each device, or the error naming L or S and P
-        chunks = checks.ring_chunks(mesh.shape[axis], q.shape[-2], k.shape[-2], bool(is_causal))
+        chunks = validation.ring_chunks(mesh.shape[axis], q.shape[-2], k.shape[-2], bool(is_causal))
     except ValueError as error:
         raise ValueError(f"{error}, on mesh axis {axis!r}") from None
     starts = tuple(tuple(tuple(start for start, _ in device) for device in chunks[x]) for x in ("q", "k"))
@@ -145,7 +145,7 @@ def ring_attention_vjp(
     # jax: autodiff of the forward, whose ring is a custom_vjp carrying the backward ring (_ring_backward)
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its cotangent is 0 here
 
     return out, lse, pullback
@@ -155,7 +155,7 @@ def ring_attention_vjp(
 def _mapped(mesh: Mesh, axis: str, ndims: tuple[int, int, int], starts: tuple, q_offset: int,
             options: tuple) -> Callable:
     """The jitted shard_map of one configuration (jax: built once, so that eager calls do not retrace).
-    starts: per device, the global starts of its query chunks and of its key chunks (checks.ring_chunks)."""
+    starts: per device, the global starts of its query chunks and of its key chunks (validation.ring_chunks)."""
     ring, options = mesh.shape[axis], dict(options)
     layout = _Layout(len(starts[0][0]), *starts)
     config = dict(axis=axis, ring=ring, layout=layout, q_offset=q_offset, options=options)
@@ -279,12 +279,12 @@ def _chunk_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, ls
     flash._forward's preparation (grouping, tiling, padding) without mask, bias and key_lengths."""
     shapes = (q.shape, k.shape, v.shape)
     if options["enable_gqa"]:  # (..., H, L, *) -> (..., Hkv, G, L, *), as flash._forward does
-        H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
+        H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
         q, k, v, _, _, q_offset, _ = _grouped(q, k, v, None, None, q_offset, None)
-        out, d_out = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (out, d_out))
-        lse, d_lse = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 1)) for x in (lse, d_lse))
-    batch, L, S = checks.attention_batch(q.shape, k.shape, v.shape), q.shape[-2], k.shape[-2]
-    tiling = _tiling(batch, L, S, checks.default_scale(options["scale"], q.shape, k.shape), options)
+        out, d_out = (x.reshape(validation.grouped_shape(x.shape, H, Hkv, 2)) for x in (out, d_out))
+        lse, d_lse = (x.reshape(validation.grouped_shape(x.shape, H, Hkv, 1)) for x in (lse, d_lse))
+    batch, L, S = validation.attention_batch(q.shape, k.shape, v.shape), q.shape[-2], k.shape[-2]
+    tiling = _tiling(batch, L, S, validation.default_scale(options["scale"], q.shape, k.shape), options)
     arrays = _tiled_inputs(tiling, lse.dtype, q, k, v, None, None, _integers(q_offset, "q_offset", batch), None)
     n, Lp = len(batch) + 2, arrays[0].shape[-2]
     out, d_out = (_pad(_ranked(x, n).astype(lse.dtype), Lp) for x in (out, d_out))  # (..., Lp, Ev)

@@ -32,7 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _at_least_float32, _masked_softmax, _ranked, _visible
 
@@ -90,7 +90,7 @@ def _fused_applies(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array 
              and structure["key_lengths"] is None and softcap is None)  # positions, windows, lengths: ours
     unmasked = plain and mask is None and bias is None and (L == S or not structure["is_causal"])
     widths = Ev == E and E % 8 == 0 and 0 < E <= 128  # E = 0 (with an explicit scale): the formulation
-    shared = checks.shared_kv_head(q.shape, k.shape, v.shape)  # GQA's groups: _fused would copy k, v per head
+    shared = validation.shared_kv_head(q.shape, k.shape, v.shape)  # GQA's groups: _fused would copy k, v per head
     return half and unmasked and widths and not shared and math.prod(batch) > 0
 
 

@@ -23,7 +23,7 @@ never computed: causal attention does about half the work. The JAX specifics: th
 the traced program does not grow with L and S. The forward pass maps (lax.map) over the query tiles, each a
 lax.fori_loop over its key tiles; the backward pass scans over the key tiles, each a fori_loop over the query
 tiles that may see it, with dQ carried along. The loops' bounds are computed from q_offset and key_lengths
-as arrays (the rule of checks.key_tiles), so those may be traced under jit. L and S are padded up to whole
+as arrays (the rule of validation.key_tiles), so those may be traced under jit. L and S are padded up to whole
 tiles (a padded key is hidden, a padded query dropped). The tiled passes are one jax.custom_vjp, so that
 jax.grad through flash_attention keeps the memory bounded too; flash_attention_vjp is jax.vjp of it.
 """
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _at_least_float32, _dtypes, _grouped, _integers, _prepare, _ranked, _ungrouped
 
@@ -70,7 +70,7 @@ def flash_attention(
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
-            (checks.default_tiles within the backend's TILE_SCORES).
+            (validation.default_tiles within the backend's TILE_SCORES).
         block_k: keys per tile (the last tile may be shorter); None: as for block_q.
 
     Returns:
@@ -124,7 +124,7 @@ def flash_attention_vjp(
     # jax: autodiff of the forward, whose tiled core is a custom_vjp carrying the backward pass below
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its cotangent is 0 here
 
     return out, lse, pullback
@@ -156,12 +156,12 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     """out and lse in the caller's shapes (heads ungrouped): the checks of scaled_dot_product_attention, the
     inputs as the tiles read them, then the tiled core. Differentiable in q, k, v and bias: the padding, the
     casts and the reshapes around the core are differentiated by JAX, the core by its own backward pass."""
-    checks.tiles(options["block_q"], options["block_k"])
+    validation.tiles(options["block_q"], options["block_k"])
     dtype = q.dtype
     q_offset, key_lengths = options["q_offset"], options["key_lengths"]
     if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=checks.window(options["window"]),
+    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=validation.window(options["window"]),
                      key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
                                    softcap=options["softcap"], dropout_p=0.0, need_weights=False, rng=None)
@@ -184,10 +184,10 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
 
 def _tiling(batch: tuple, L: int, S: int, scale: float, options: dict) -> _Tiling:
     """The static description of a problem of L queries and S keys (tiles no larger than the sequence)."""
-    block_q, block_k = checks.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
+    block_q, block_k = validation.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
     return _Tiling(batch=batch, L=L, S=S, block_q=min(block_q, L), block_k=min(block_k, S),
                    scale=scale, softcap=options["softcap"], is_causal=options["is_causal"],
-                   window=checks.window(options["window"]))
+                   window=validation.window(options["window"]))
 
 
 def _tiled_inputs(tiling: _Tiling, work: Any, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
@@ -208,11 +208,11 @@ def _check_masks(mask: jax.Array | None, bias: jax.Array | None, shape: tuple) -
     """mask and bias broadcast to the scores' shape (..., L, S); a floating mask holds 0 and 1 only."""
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, jnp.shape(x), shape, "..., L, S")
+            validation.broadcasts_to(name, jnp.shape(x), shape, "..., L, S")
     if mask is not None and jnp.issubdtype(jnp.asarray(mask).dtype, jnp.floating):
         binary = jnp.all((mask == 0.0) | (mask == 1.0))
         # jax: under jit the values cannot be seen, of an argument nor of a mask the jitted function captures
-        checks.binary_mask(True, None if isinstance(binary, jax.core.Tracer) else bool(binary))
+        validation.binary_mask(True, None if isinstance(binary, jax.core.Tracer) else bool(binary))
 
 
 def _padded(n: int, block: int) -> int:
@@ -276,7 +276,7 @@ def _forward_tiles(p: _Problem) -> tuple[jax.Array, jax.Array]:
 
 
 def _key_tiles(p: _Problem, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The key tiles lo .. hi - 1 that some query of the tile starting at `rows` may see: checks.key_tiles's
+    """The key tiles lo .. hi - 1 that some query of the tile starting at `rows` may see: validation.key_tiles's
     rule on arrays (jax: q_offset and key_lengths may be traced, so the bounds are too)."""
     (least, greatest), left, right = p.offsets, *(p.window or (None, None))
     first, last = least + rows, greatest + jnp.minimum(rows + p.block_q, p.L) - 1  # least, greatest position

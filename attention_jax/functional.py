@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 Rng = jax.Array | None
 
@@ -65,7 +65,7 @@ def scaled_dot_product_attention(
             q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
             key_lengths=key_lengths, softcap=softcap, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
         return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
-    structure = dict(is_causal=is_causal, q_offset=q_offset, window=checks.window(window), key_lengths=key_lengths)
+    structure = dict(is_causal=is_causal, q_offset=q_offset, window=validation.window(window), key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights, rng=rng)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
@@ -106,7 +106,7 @@ def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
                 q_offset: int | jax.Array = 0) -> jax.Array:
     """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
     p_i = q_offset + i; a side that is None is unbounded."""
-    left, right = checks.window(window)
+    left, right = validation.window(window)
     p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
     shape = (*p.shape[:-2], L, S)  # (..., L, S)
     after_left = jnp.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
@@ -140,7 +140,7 @@ def apply_rope(x: jax.Array, positions: int | jax.Array, *, theta: float = 10000
         of two rotated rows depends on their positions only through their difference.
     """
     positions = jnp.asarray(positions)
-    checks.rope(x.shape, positions.shape, str(positions.dtype), jnp.issubdtype(positions.dtype, jnp.integer), theta)
+    validation.rope(x.shape, positions.shape, str(positions.dtype), jnp.issubdtype(positions.dtype, jnp.integer), theta)
     work = _at_least_float32(x.dtype)  # float16, bfloat16: in float32
     cos, sin = _rope_table(_ranked(positions, x.ndim - 1), x.shape[-1], theta, work, interleaved)
     return _turned(x, cos, sin, interleaved)
@@ -186,12 +186,12 @@ def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
     (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
     (else None)."""
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    checks.probability("dropout_p", dropout_p)
-    checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")  # jax: no global RNG to fall back on
-    checks.softcap(softcap)
-    scale = checks.default_scale(scale, q.shape, k.shape)
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    validation.probability("dropout_p", dropout_p)
+    validation.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")  # jax: no global RNG to fall back on
+    validation.softcap(softcap)
+    scale = validation.default_scale(scale, q.shape, k.shape)
     L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
@@ -207,13 +207,13 @@ def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     (..., Hkv, S, E | Ev) -> (..., Hkv, 1, S, E | Ev), G = H // Hkv, so query head h = (h // G, h % G) meets
     key/value head h // G. mask and bias (..., H, L, S) and q_offset, key_lengths (..., H) split their head
     axis alike, after their shapes are checked against q's H heads. Reshapes only: nothing is copied."""
-    H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
-    q, k, v = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
-    batch = (*checks.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
+    H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
+    q, k, v = (x.reshape(validation.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
+    batch = (*validation.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
     scores_shape = (*batch, q.shape[-2], k.shape[-2])  # (..., H, L, S)
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, jnp.shape(x), scores_shape, "..., H, L, S")
+            validation.broadcasts_to(name, jnp.shape(x), scores_shape, "..., H, L, S")
     for name, x in (("q_offset", q_offset), ("key_lengths", key_lengths)):
         if x is not None:
             _integers(x, name, batch)
@@ -221,7 +221,7 @@ def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     def split(x: jax.Array | None, trailing: int) -> jax.Array | None:
         if x is None or jnp.ndim(x) <= trailing:  # no head axis: it broadcasts over the groups as it is
             return x
-        return jnp.reshape(x, checks.grouped_shape(jnp.shape(x), H, Hkv, trailing))
+        return jnp.reshape(x, validation.grouped_shape(jnp.shape(x), H, Hkv, trailing))
 
     return q, k, v, split(mask, 2), split(bias, 2), split(q_offset, 0), split(key_lengths, 0)
 
@@ -244,16 +244,17 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, structure: dict,
     L, S = scores_shape[-2:]
     visible = None
     if mask is not None:
-        checks.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
+        validation.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
         mask = jnp.asarray(mask)
         floating = jnp.issubdtype(mask.dtype, jnp.floating)
         binary = jnp.all((mask == 0.0) | (mask == 1.0)) if floating else None
         # jax: under jit the values cannot be seen, of an argument nor of a mask the jitted function captures
-        checks.binary_mask(floating, None if binary is None or isinstance(binary, jax.core.Tracer) else bool(binary))
+        seen = None if binary is None or isinstance(binary, jax.core.Tracer) else bool(binary)
+        validation.binary_mask(floating, seen)
         visible = _ranked(mask.astype(bool), len(scores_shape))  # nonzero: visible (jax: a cast, as strict
         # promotion forbids mask != 0)
     if bias is not None:
-        checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
+        validation.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, _ranked(jnp.asarray(bias) != -jnp.inf, len(scores_shape)))
     q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2])  # jax: may be a tracer under jit
     if structure["is_causal"]:
@@ -271,7 +272,7 @@ def _integers(x: int | jax.Array, name: str = "q_offset", batch: tuple | None = 
     """q_offset or key_lengths as an array of JAX's default int, checked: integer, and (given the scores'
     leading axes `batch`) broadcasting to them."""
     x = jnp.asarray(x)
-    checks.positions(name, x.shape, str(x.dtype), jnp.issubdtype(x.dtype, jnp.integer),
+    validation.positions(name, x.shape, str(x.dtype), jnp.issubdtype(x.dtype, jnp.integer),
                      x.shape if batch is None else batch)
     return x.astype(int)  # jax: one int dtype for the positions, as strict promotion forbids mixing them
 

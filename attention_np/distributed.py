@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .flash import _backward, _problem, flash_attention
 from .functional import _dtypes
@@ -72,9 +72,9 @@ def ring_attention(
     Returns:
         out (..., L, Ev) and lse (..., L), flash_attention's.
     """
-    checks.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
+    validation.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
     L, S = q.shape[-2], k.shape[-2]
-    chunks = checks.ring_chunks(devices, L, S, is_causal)  # per device: its chunks, (start, stop) pairs
+    chunks = validation.ring_chunks(devices, L, S, is_causal)  # per device: its chunks, (start, stop) pairs
     options = dict(scale=scale, window=window, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
                    block_k=block_k)
     empty_out, empty_lse = flash_attention(q[..., :0, :], k, v, is_causal=is_causal, q_offset=q_offset, **options)
@@ -129,7 +129,7 @@ def ring_attention_vjp(
     out, lse = ring_attention(q, k, v, devices=devices, q_offset=q_offset, **options)  # global, and the checks
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return _ring_backward((q, k, v), (out, lse, d_out), devices, q_offset, options)
 
     return out, lse, pullback
@@ -140,7 +140,7 @@ def _ring_backward(inputs: tuple, outputs: tuple, devices: int, q_offset: int,
     """dq, dk, dv of the whole sequence, summed in lse's dtype (the scores', float32 for half precision) and cast
     to the inputs' at the end. inputs: q, k, v; outputs: the global out and lse and the cotangent d_out."""
     (q, k, v), lse = inputs, outputs[1]
-    chunks = checks.ring_chunks(devices, q.shape[-2], k.shape[-2], options["is_causal"])
+    chunks = validation.ring_chunks(devices, q.shape[-2], k.shape[-2], options["is_causal"])
     dq, dk, dv = (np.zeros(x.shape, lse.dtype) for x in (q, k, v))  # (..., L, E), (..., S, E), (..., S, Ev)
     for step in range(devices):
         for device in range(devices):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _visible
 
@@ -53,7 +53,7 @@ def _grouped_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b, (..., G, L, N) x (..., 1, N, M) -> (..., G, L, M). Where b holds one head that G heads of a
     share (GQA's groups, multi-query attention), the G heads become one matrix of G * L rows, so each group
     takes one matmul, not one per head, and b is never copied per head."""
-    if not checks.shared_kv_head(a.shape, b.shape, b.shape):
+    if not validation.shared_kv_head(a.shape, b.shape, b.shape):
         return a @ b
     (G, L, N), M = a.shape[-3:], b.shape[-1]
     b = b.reshape(*b.shape[:-3], N, M) if b.ndim >= 3 else b  # (..., 1, N, M) -> (..., N, M)

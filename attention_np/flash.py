@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import threadpoolctl
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _dtypes, _grouped, _integers, _prepare
 from .gradients import _sum_to
@@ -68,7 +68,7 @@ def flash_attention(
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
-            (checks.default_tiles within the backend's TILE_SCORES).
+            (validation.default_tiles within the backend's TILE_SCORES).
         block_k: keys per tile (the last tile may be shorter); None: as for block_q.
 
     Returns:
@@ -120,7 +120,7 @@ def flash_attention_vjp(
         softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return _backward(problem, d_out, (q, k, v, bias))
 
     return out, lse, pullback
@@ -137,20 +137,20 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
              options: dict) -> _Problem:
     """The checks of scaled_dot_product_attention, then the inputs as the tiles read them: mask and bias
     broadcast views of (..., L, S), never copied; q_offset and key_lengths reduced to the Python ints that
-    choose the tiles (checks.key_tiles)."""
-    checks.tiles(options["block_q"], options["block_k"])
+    choose the tiles (validation.key_tiles)."""
+    validation.tiles(options["block_q"], options["block_k"])
     shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else np.shape(bias)}
     q_offset, key_lengths = options["q_offset"], options["key_lengths"]
     if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=checks.window(options["window"]),
+    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=validation.window(options["window"]),
                      key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
                                    softcap=options["softcap"], dropout_p=0.0, need_weights=False)
     L, S = q.shape[-2], k.shape[-2]
     shape = (*batch, L, S)  # the scores', never allocated
     _check_masks(mask, bias, shape)
-    block_q, block_k = checks.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
+    block_q, block_k = validation.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
     work = np.promote_types(q.dtype, np.float32)  # float16, bfloat16: in float32
     q_offset = _integers(q_offset, "q_offset", batch)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch)
@@ -171,9 +171,9 @@ def _check_masks(mask: np.ndarray | None, bias: np.ndarray | None, shape: tuple)
     """mask and bias broadcast to the scores' shape (..., L, S); a floating mask holds 0 and 1 only."""
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, np.shape(x), shape, "..., L, S")
+            validation.broadcasts_to(name, np.shape(x), shape, "..., L, S")
     if mask is not None and np.issubdtype(np.asarray(mask).dtype, np.floating):
-        checks.binary_mask(True, bool(np.all((mask == 0) | (mask == 1))))
+        validation.binary_mask(True, bool(np.all((mask == 0) | (mask == 1))))
 
 
 def _query_tiles(p: _Problem) -> list[slice]:
@@ -181,8 +181,8 @@ def _query_tiles(p: _Problem) -> list[slice]:
 
 
 def _key_tiles(p: _Problem, rows: slice) -> list[slice]:
-    """The key tiles that some query of `rows` may see (checks.key_tiles); the others are skipped."""
-    tiles = checks.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure["is_causal"],
+    """The key tiles that some query of `rows` may see (validation.key_tiles); the others are skipped."""
+    tiles = validation.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure["is_causal"],
                              window=p.structure["window"], q_offset=p.offsets,
                              key_lengths=None if p.lengths is None else p.lengths[1])
     return [slice(t * p.block_k, min((t + 1) * p.block_k, p.S)) for t in tiles]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 Rng = np.random.Generator | int | None
 
@@ -62,7 +62,7 @@ def scaled_dot_product_attention(
             q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
             key_lengths=key_lengths, softcap=softcap, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
         return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
-    structure = dict(is_causal=is_causal, q_offset=q_offset, window=checks.window(window), key_lengths=key_lengths)
+    structure = dict(is_causal=is_causal, q_offset=q_offset, window=validation.window(window), key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
@@ -102,7 +102,7 @@ def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
                 q_offset: int | np.ndarray = 0) -> np.ndarray:
     """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
     p_i = q_offset + i; a side that is None is unbounded."""
-    left, right = checks.window(window)
+    left, right = validation.window(window)
     p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
     shape = (*p.shape[:-2], L, S)  # (..., L, S)
     after_left = np.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
@@ -136,7 +136,7 @@ def apply_rope(x: np.ndarray, positions: int | np.ndarray, *, theta: float = 100
         of two rotated rows depends on their positions only through their difference.
     """
     positions = np.asarray(positions)
-    checks.rope(x.shape, positions.shape, str(positions.dtype), np.issubdtype(positions.dtype, np.integer), theta)
+    validation.rope(x.shape, positions.shape, str(positions.dtype), np.issubdtype(positions.dtype, np.integer), theta)
     work = np.promote_types(x.dtype, np.float32)  # float16, bfloat16: in float32
     cos, sin = _rope_table(positions, x.shape[-1], theta, work, interleaved)
     return _turned(x, cos, sin, interleaved)
@@ -181,11 +181,11 @@ def _prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
     (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
     (else None)."""
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    checks.probability("dropout_p", dropout_p)
-    checks.softcap(softcap)
-    scale = checks.default_scale(scale, q.shape, k.shape)
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    validation.probability("dropout_p", dropout_p)
+    validation.softcap(softcap)
+    scale = validation.default_scale(scale, q.shape, k.shape)
     L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
@@ -201,13 +201,13 @@ def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     (..., Hkv, S, E | Ev) -> (..., Hkv, 1, S, E | Ev), G = H // Hkv, so query head h = (h // G, h % G) meets
     key/value head h // G. mask and bias (..., H, L, S) and q_offset, key_lengths (..., H) split their head
     axis alike, after their shapes are checked against q's H heads. Reshapes only: nothing is copied."""
-    H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
-    q, k, v = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
-    batch = (*checks.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
+    H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
+    q, k, v = (x.reshape(validation.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
+    batch = (*validation.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
     scores_shape = (*batch, q.shape[-2], k.shape[-2])  # (..., H, L, S)
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, np.shape(x), scores_shape, "..., H, L, S")
+            validation.broadcasts_to(name, np.shape(x), scores_shape, "..., H, L, S")
     for name, x in (("q_offset", q_offset), ("key_lengths", key_lengths)):
         if x is not None:
             _integers(x, name, batch)
@@ -215,7 +215,7 @@ def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     def split(x: np.ndarray | None, trailing: int) -> np.ndarray | None:
         if x is None or np.ndim(x) <= trailing:  # no head axis: it broadcasts over the groups as it is
             return x
-        return np.reshape(x, checks.grouped_shape(np.shape(x), H, Hkv, trailing))
+        return np.reshape(x, validation.grouped_shape(np.shape(x), H, Hkv, trailing))
 
     return q, k, v, split(mask, 2), split(bias, 2), split(q_offset, 0), split(key_lengths, 0)
 
@@ -238,12 +238,12 @@ def _visible(mask: np.ndarray | None, bias: np.ndarray | None, structure: dict,
     L, S = scores_shape[-2:]
     visible = None
     if mask is not None:
-        checks.broadcasts_to("mask", np.shape(mask), scores_shape, "..., L, S")
+        validation.broadcasts_to("mask", np.shape(mask), scores_shape, "..., L, S")
         mask = np.asarray(mask)
-        checks.binary_mask(np.issubdtype(mask.dtype, np.floating), bool(np.all((mask == 0) | (mask == 1))))
+        validation.binary_mask(np.issubdtype(mask.dtype, np.floating), bool(np.all((mask == 0) | (mask == 1))))
         visible = mask != 0
     if bias is not None:
-        checks.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
+        validation.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, np.asarray(bias) != -np.inf)
     q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2])
     if structure["is_causal"]:
@@ -260,7 +260,7 @@ def _integers(x: int | np.ndarray, name: str = "q_offset", batch: tuple | None =
     """q_offset or key_lengths as an int64 array, checked: integer, and (given the scores' leading axes
     `batch`) broadcasting to them."""
     x = np.asarray(x)
-    checks.positions(name, x.shape, str(x.dtype), np.issubdtype(x.dtype, np.integer),
+    validation.positions(name, x.shape, str(x.dtype), np.issubdtype(x.dtype, np.integer),
                      x.shape if batch is None else batch)
     return x.astype(np.int64, copy=False)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _dtypes, _grouped, _ungrouped, apply_rope, scaled_dot_product_attention
 from .modules import GatedFeedForward, RMSNorm, _activation, _erf, _sigmoid
@@ -68,10 +68,10 @@ def scaled_dot_product_attention_vjp(
     out, weights = scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale,
                                                 q_offset=q_offset, window=window, key_lengths=key_lengths,
                                                 softcap=softcap)
-    scale = checks.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
+    scale = validation.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         # 1) through the value product O = P V
         dv = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)
         d_weights = d_out @ np.swapaxes(v, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
@@ -107,7 +107,7 @@ def _grouped_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray |
     out = _ungrouped(out_g)  # (..., Hkv, G, L, Ev) -> (..., H, L, Ev)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, dbias = pull(d_out.reshape(out_g.shape))  # (..., H, L, Ev) -> (..., Hkv, G, L, Ev)
         dk, dv = (np.sum(d, axis=-3) for d in (dk, dv))  # each group's sum: (..., Hkv, G, S, *) -> (..., Hkv, S, *)
         dbias = dbias if dbias is None or np.ndim(bias) <= 2 else _ungrouped(dbias)  # bias (..., H | 1, L, S)
@@ -130,7 +130,7 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
         out (..., L, D), weights (..., H, L, S) (None with attention="linear") and
         pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams), dparams {state-dict name: gradient}.
     """
-    checks.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
+    validation.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
     mha._check_inputs(q, k, v, mask)
     (q_p, pull_q), (k_p, pull_k), (v_p, pull_v) = (_linear_vjp(w, x) for w, x in
                                                   ((mha.w_q, q), (mha.w_k, k), (mha.w_v, v)))
@@ -145,7 +145,7 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_merged, grads_o = pull_o(d_out)  # (..., L, D)
         dq_h, dk_h, dv_h, _ = pull_attention(mha._split_heads(d_merged, H))  # (..., H | Hkv, L | S, d_k)
         dq_h, dk_h = _rope_vjp(mha, dq_h), _rope_vjp(mha, dk_h)  # RoPE turned back
@@ -196,13 +196,13 @@ def transformer_block_vjp(block: Any, x: np.ndarray,
     Returns:
         y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
     """
-    checks.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
+    validation.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
     block._check_input(x)
     forward = _pre_ln_vjp if block.norm_first else _post_ln_vjp
     y, weights, pullback = forward(block, x, mask)
 
     def checked(d_out: np.ndarray) -> tuple[np.ndarray, Grads]:
-        checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
+        validation.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         dx, grads = pullback(d_out)
         return dx, {name: grads[name] for name in block.state_dict()}  # in state-dict order
 

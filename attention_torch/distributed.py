@@ -5,7 +5,7 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 Callers pass and receive contiguous shards: rank r holds queries r L/P .. (r + 1) L/P - 1, keys and values
-r S/P .. (r + 1) S/P - 1. The ring runs in the layout of checks.ring_chunks, shared by the backends: without
+r S/P .. (r + 1) S/P - 1. The ring runs in the layout of validation.ring_chunks, shared by the backends: without
 is_causal the contiguous shards themselves (one chunk per rank, nothing moves); with is_causal the zig-zag
 layout, the sequence cut into 2P chunks and rank d holding chunks d and 2P - 1 - d, one early and one late, so
 that every rank does the same causal work (with contiguous shards rank r would compute r + 1 of the P blocks
@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .flash import _backward, _cast, _forward, _heads, _problem
 from .functional import _dtypes
@@ -86,10 +86,10 @@ def ring_attention(
     Raises:
         ValueError: the ranks' shapes differ (a sequence that does not split into P equal shards), q, k, v
             cannot be shards (rank below 2, k and v of different lengths), or with is_causal L = P L/P or
-            S = P S/P is not a multiple of 2P (checks.ring_chunks' message, on every rank); q_offset is not a
+            S = P S/P is not a multiple of 2P (validation.ring_chunks' message, on every rank); q_offset is not a
             Python int.
     """
-    checks.ring_offset(q_offset)  # one offset for every sequence: the ranks' chunks are placed by it
+    validation.ring_offset(q_offset)  # one offset for every sequence: the ranks' chunks are placed by it
     options = dict(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=None,
                    softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
     _check_shards(q, k, v, group)
@@ -137,7 +137,7 @@ def ring_attention_vjp(
                                   block_k=block_k)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv = _grad(out, inputs, d_out)
         return dq, dk, dv
 
@@ -169,7 +169,7 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
 class _Layout(NamedTuple):
     """The chunks of the sequence on the P ranks: per rank the global chunk numbers of the caller's contiguous
     shard (`natural`: 2r, 2r + 1 with is_causal, r without) and of the ring's layout (`ring`: r, 2P - 1 - r with
-    is_causal, checks.ring_chunks), and the rows of one query chunk and of one key chunk."""
+    is_causal, validation.ring_chunks), and the rows of one query chunk and of one key chunk."""
 
     natural: tuple[tuple[int, ...], ...]
     ring: tuple[tuple[int, ...], ...]
@@ -178,9 +178,9 @@ class _Layout(NamedTuple):
 
 
 def _layout(P: int, L_shard: int, S_shard: int, is_causal: bool) -> _Layout:
-    """The layout of shards of L_shard queries and S_shard keys on P ranks; checks.ring_chunks' ValueError
+    """The layout of shards of L_shard queries and S_shard keys on P ranks; validation.ring_chunks' ValueError
     unless L = P L_shard and S = P S_shard split into its chunks (2P of them with is_causal)."""
-    chunks = checks.ring_chunks(P, P * L_shard, P * S_shard, is_causal)  # per rank: (start, stop) pairs
+    chunks = validation.ring_chunks(P, P * L_shard, P * S_shard, is_causal)  # per rank: (start, stop) pairs
     n = len(chunks["q"][0])  # chunks per rank: 1, or 2 in the zig-zag layout
     rows_q, rows_k = L_shard // n, S_shard // n
     ring = tuple(tuple(start // rows_q for start, _ in rank) for rank in chunks["q"])
@@ -258,8 +258,8 @@ def _visible(step: dict, L_shard: int, S_shard: int) -> bool:
     """Whether the structure (is_causal, window) leaves any key of the block visible to some query."""
     q_offset = step["q_offset"]
     offsets = (int(q_offset.min()), int(q_offset.max())) if isinstance(q_offset, torch.Tensor) else (q_offset,) * 2
-    tiles = checks.key_tiles(0, L_shard, S_shard, max(S_shard, 1), is_causal=step["is_causal"],
-                             window=checks.window(step["window"]), q_offset=offsets, key_lengths=None)
+    tiles = validation.key_tiles(0, L_shard, S_shard, max(S_shard, 1), is_causal=step["is_causal"],
+                             window=validation.window(step["window"]), q_offset=offsets, key_lengths=None)
     return len(tiles) > 0
 
 

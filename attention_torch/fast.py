@@ -27,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _cast, _visible, causal_mask
 
@@ -37,7 +37,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """softmax(Q K^T * scale + bias) V over the visible keys, as scaled_dot_product_attention's out."""
     dtype, (L, S, Ev) = q.dtype, (q.shape[-2], k.shape[-2], v.shape[-1])
     work = dtype if q.is_cuda else torch.promote_types(dtype, torch.float32)  # see the module docstring
-    shared = checks.shared_kv_head(q.shape, k.shape, v.shape)  # one key/value head per group: enable_gqa
+    shared = validation.shared_kv_head(q.shape, k.shape, v.shape)  # one key/value head per group: enable_gqa
     q, k, v = _kernel_heads(*(x.to(work) for x in (q, k, v)), batch=batch, shared=shared)
     offset = structure["q_offset"]
     causal = _hides_keys(structure["is_causal"], offset, S)

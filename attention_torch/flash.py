@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _cast, _dtypes, _grouped, _grouped_matmul, _integers, _prepare
 from .gradients import _grad, _leaf, _recording
@@ -64,7 +64,7 @@ def flash_attention(
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
-            (checks.default_tiles within the backend's TILE_SCORES).
+            (validation.default_tiles within the backend's TILE_SCORES).
         block_k: keys per tile (the last tile may be shorter); None: as for block_q.
 
     Returns:
@@ -122,7 +122,7 @@ def flash_attention_vjp(
                                    softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, *dbias = _grad(out, inputs, d_out)
         return dq, dk, dv, dbias[0] if dbias else None
 
@@ -164,20 +164,20 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
              bias: torch.Tensor | None, options: dict) -> _Problem:
     """The checks of scaled_dot_product_attention, then the inputs as the tiles read them: mask and bias
     broadcast views of (..., L, S), never copied; q_offset and key_lengths reduced to the Python ints that
-    choose the tiles (checks.key_tiles)."""
-    checks.tiles(options["block_q"], options["block_k"])
+    choose the tiles (validation.key_tiles)."""
+    validation.tiles(options["block_q"], options["block_k"])
     shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else bias.shape}
     q_offset, key_lengths = options["q_offset"], options["key_lengths"]
     if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=checks.window(options["window"]),
+    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=validation.window(options["window"]),
                      key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
                                    softcap=options["softcap"], dropout_p=0.0, need_weights=False)
     L, S = q.shape[-2], k.shape[-2]
     shape = (*batch, L, S)  # the scores', never allocated
     _check_masks(mask, bias, shape)
-    block_q, block_k = checks.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
+    block_q, block_k = validation.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
     work = torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: in float32
     q_offset = _integers(q_offset, "q_offset", batch).to(q.device)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch).to(q.device)
@@ -198,9 +198,9 @@ def _check_masks(mask: torch.Tensor | None, bias: torch.Tensor | None, shape: tu
     """mask and bias broadcast to the scores' shape (..., L, S); a floating mask holds 0 and 1 only."""
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, x.shape, shape, "..., L, S")
+            validation.broadcasts_to(name, x.shape, shape, "..., L, S")
     if mask is not None and mask.is_floating_point():
-        checks.binary_mask(True, bool(((mask == 0) | (mask == 1)).all()))
+        validation.binary_mask(True, bool(((mask == 0) | (mask == 1)).all()))
 
 
 def _query_tiles(p: _Problem) -> list[slice]:
@@ -208,8 +208,8 @@ def _query_tiles(p: _Problem) -> list[slice]:
 
 
 def _key_tiles(p: _Problem, rows: slice) -> list[slice]:
-    """The key tiles that some query of `rows` may see (checks.key_tiles); the others are skipped."""
-    tiles = checks.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure["is_causal"],
+    """The key tiles that some query of `rows` may see (validation.key_tiles); the others are skipped."""
+    tiles = validation.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure["is_causal"],
                              window=p.structure["window"], q_offset=p.offsets,
                              key_lengths=None if p.lengths is None else p.lengths[1])
     return [slice(t * p.block_k, min((t + 1) * p.block_k, p.S)) for t in tiles]

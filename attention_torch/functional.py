@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 Rng = torch.Generator | None
 
@@ -74,7 +74,7 @@ def scaled_dot_product_attention(
             q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
             key_lengths=key_lengths, softcap=softcap, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
         return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
-    structure = dict(is_causal=is_causal, q_offset=q_offset, window=checks.window(window), key_lengths=key_lengths)
+    structure = dict(is_causal=is_causal, q_offset=q_offset, window=validation.window(window), key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
@@ -125,7 +125,7 @@ def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
                 q_offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
     p_i = q_offset + i; a side that is None is unbounded."""
-    left, right = checks.window(window)
+    left, right = validation.window(window)
     p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
     shape = (*p.shape[:-2], L, S)  # (..., L, S)
     after_left = torch.ones(shape, dtype=torch.bool, device=p.device) if left is None else j >= p - left  # (..., L, S)
@@ -160,7 +160,7 @@ def apply_rope(x: torch.Tensor, positions: int | torch.Tensor, *, theta: float =
     """
     positions = torch.as_tensor(positions, device=x.device)
     integer = not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool)
-    checks.rope(x.shape, positions.shape, str(positions.dtype), integer, theta)
+    validation.rope(x.shape, positions.shape, str(positions.dtype), integer, theta)
     work = torch.promote_types(x.dtype, torch.float32)  # float16, bfloat16: in float32
     cos, sin = _rope_table(positions, x.shape[-1], theta, work, interleaved)
     return _turned(x, cos, sin, interleaved)
@@ -202,13 +202,13 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
     (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
     (else None)."""
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    checks.probability("dropout_p", dropout_p)
-    checks.softcap(softcap)
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    validation.probability("dropout_p", dropout_p)
+    validation.softcap(softcap)
     if type(structure["q_offset"]) is not int:  # a Python int is an integer of every batch's shape
         _integers(structure["q_offset"], "q_offset", batch)  # torch: the plain fused path never builds a mask from it
-    scale = checks.default_scale(scale, q.shape, k.shape)
+    scale = validation.default_scale(scale, q.shape, k.shape)
     L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
@@ -259,13 +259,13 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     (..., Hkv, S, E | Ev) -> (..., Hkv, 1, S, E | Ev), G = H // Hkv, so query head h = (h // G, h % G) meets
     key/value head h // G. mask and bias (..., H, L, S) and q_offset, key_lengths (..., H) split their head
     axis alike, after their shapes are checked against q's H heads. Reshapes only: nothing is copied."""
-    H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
-    q, k, v = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
-    batch = (*checks.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
+    H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
+    q, k, v = (x.reshape(validation.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
+    batch = (*validation.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
     scores_shape = (*batch, q.shape[-2], k.shape[-2])  # (..., H, L, S)
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, x.shape, scores_shape, "..., H, L, S")
+            validation.broadcasts_to(name, x.shape, scores_shape, "..., H, L, S")
     for name, x in (("q_offset", q_offset), ("key_lengths", key_lengths)):
         if x is not None and type(x) is not int:  # a Python int fits every batch
             _integers(x, name, batch)
@@ -273,7 +273,7 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     def split(x: torch.Tensor | None, trailing: int) -> torch.Tensor | None:
         if x is None or not isinstance(x, torch.Tensor) or x.ndim <= trailing:  # no head axis: it broadcasts
             return x  # over the groups as it is (torch: q_offset may be a Python int, which has no ndim)
-        return x.reshape(checks.grouped_shape(x.shape, H, Hkv, trailing))
+        return x.reshape(validation.grouped_shape(x.shape, H, Hkv, trailing))
 
     return q, k, v, split(mask, 2), split(bias, 2), split(q_offset, 0), split(key_lengths, 0)
 
@@ -288,7 +288,7 @@ def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     share (GQA's groups (..., Hkv, G), multi-query attention), the G heads become one matrix of G * L rows.
     torch: matmul broadcasts b over the G heads by copying it, once per head, whenever b has more than one
     such head (Hkv > 1); autograd's product for b's gradient then needs no copy either."""
-    if not checks.shared_kv_head(a.shape, b.shape, b.shape):
+    if not validation.shared_kv_head(a.shape, b.shape, b.shape):
         return a @ b
     (G, L, N), M = a.shape[-3:], b.shape[-1]
     b = b.reshape(*b.shape[:-3], N, M) if b.ndim >= 3 else b  # (..., 1, N, M) -> (..., N, M)
@@ -315,12 +315,12 @@ def _visible(mask: torch.Tensor | None, bias: torch.Tensor | None, structure: di
     L, S = scores_shape[-2:]
     visible = None
     if mask is not None:
-        checks.broadcasts_to("mask", mask.shape, scores_shape, "..., L, S")
+        validation.broadcasts_to("mask", mask.shape, scores_shape, "..., L, S")
         mask = torch.as_tensor(mask, device=device)
-        checks.binary_mask(mask.is_floating_point(), bool(((mask == 0) | (mask == 1)).all()))
+        validation.binary_mask(mask.is_floating_point(), bool(((mask == 0) | (mask == 1)).all()))
         visible = mask != 0
     if bias is not None:
-        checks.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
+        validation.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
         visible = _both(visible, torch.as_tensor(bias, device=device) != -math.inf)
     q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2]).to(device)
     if structure["is_causal"]:
@@ -340,7 +340,7 @@ def _integers(x: int | torch.Tensor, name: str = "q_offset", batch: tuple | None
         x = torch.scalar_tensor(x, dtype=torch.int64)  # torch.compile (a cache's length: one graph for every
     x = torch.as_tensor(x)  # decode step), where as_tensor specialises the graph to its value
     integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)  # torch: no issubdtype
-    checks.positions(name, x.shape, str(x.dtype), integer, x.shape if batch is None else batch)
+    validation.positions(name, x.shape, str(x.dtype), integer, x.shape if batch is None else batch)
     return x.to(torch.int64)
 
 

@@ -23,12 +23,12 @@ from collections.abc import Callable
 
 import torch
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _cast, _dtypes, _grouped_matmul, _integers
 from .gradients import _grad, _leaf, _recording
 
-# the feature maps of checks.FEATURE_MAPS: phi(x); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise (exp of
+# the feature maps of validation.FEATURE_MAPS: phi(x); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise (exp of
 # min(x, 0): the branch not taken never overflows). torch: phi' comes from autograd
 FEATURE_MAPS: dict[str, Callable] = {
     "elu": lambda x: torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0))),
@@ -103,7 +103,7 @@ def linear_attention_vjp(
                                eps=eps, chunk=chunk)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv = _grad(out, inputs, d_out)
         return dq, dk, dv
 
@@ -124,9 +124,9 @@ def linear_attention_state(batch_shape: tuple[int, ...], E: int, Ev: int, *,
     Returns:
         S (..., E, Ev) and z (..., E), zeros.
     """
-    batch = checks.linear_state_size(batch_shape, E, Ev)
+    batch = validation.linear_state_size(batch_shape, E, Ev)
     dtype = torch.float32 if dtype is None else dtype
-    checks.same_floating_dtype({"dtype": (str(dtype), dtype.is_floating_point)})
+    validation.same_floating_dtype({"dtype": (str(dtype), dtype.is_floating_point)})
     # torch: on the default device (torch.set_default_device), as torch.zeros puts them
     return torch.zeros((*batch, E, Ev), dtype=dtype), torch.zeros((*batch, E), dtype=dtype)
 
@@ -155,13 +155,13 @@ def linear_attention_step(
         out_t (..., Ev) in q_t's dtype and the new state (S', z') in the state's dtype, which the step computes in
         (at least the inputs' working dtype: float32 for float16 and bfloat16 inputs).
     """
-    checks.linear_state_pair(state)
+    validation.linear_state_pair(state)
     S, z = state
-    checks.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
-    checks.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
-    checks.linear_options(feature_map, eps)
+    validation.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
+    validation.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
+    validation.linear_options(feature_map, eps)
     work = torch.promote_types(q_t.dtype, torch.float32)
-    checks.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
+    validation.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
     phi = FEATURE_MAPS[feature_map]
     q, k, v = (_cast(x, S.dtype) for x in (q_t, k_t, v_t))
     phi_q, phi_k = phi(q), phi(k)  # (..., E)
@@ -184,12 +184,12 @@ class _Problem(dict):
 def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -> _Problem:
     """The checks of scaled_dot_product_attention that apply (shapes, dtypes, key_lengths), linear attention's
     own (feature_map, eps, chunk, L == S when causal), then phi(Q) and phi(K) in the working dtype."""
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    checks.linear_options(options["feature_map"], options["eps"], options["chunk"])
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    validation.linear_options(options["feature_map"], options["eps"], options["chunk"])
     L, S = q.shape[-2], k.shape[-2]
     if options["is_causal"]:
-        checks.linear_causal(L, S)
+        validation.linear_causal(L, S)
     work = torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: in float32
     q, k, v = (_cast(x, work) for x in (q, k, v))
     phi = FEATURE_MAPS[options["feature_map"]]

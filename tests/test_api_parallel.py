@@ -23,7 +23,7 @@ LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positi
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
 PUBLIC_FILES = {"__init__.py", "arrays.py", "distributed.py", "fast.py", "flash.py", "functional.py", "gradients.py",
                 "linear.py", "modules.py", "py.typed"}
-COMMON_FILES = {"__init__.py", "checks.py", "module.py", "npz.py"}
+COMMON_FILES = {"__init__.py", "module.py", "npz.py", "validation.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
 NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
 CLASSES = ("MultiHeadAttention", "TransformerBlock")
