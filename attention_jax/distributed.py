@@ -51,7 +51,8 @@ from jax.sharding import PartitionSpec as P
 from attention_np.common import validation
 
 from .flash import _backward_tiles, _pad, _problem, _tiled_inputs, _tiling, flash_attention
-from .functional import _dtypes, _grouped, _integers, _ranked
+from .functional import _dtypes, _grouped
+from .primitives import _integers, _ranked
 
 
 class _Layout(NamedTuple):

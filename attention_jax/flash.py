@@ -39,8 +39,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from attention_np.common import validation
+from attention_np.common.records import Structure
 
-from .functional import _at_least_float32, _dtypes, _grouped, _integers, _prepare, _ranked, _ungrouped
+from .functional import _dtypes, _grouped, _prepare, _ungrouped
+from .primitives import _at_least_float32, _integers, _ranked, _sum_to
 
 TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: the
 # loops' steps run one after another, each with a fixed cost; 128 x 128 ran twice as long as 256 x 512 at H=8
@@ -161,8 +163,8 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     q_offset, key_lengths = options["q_offset"], options["key_lengths"]
     if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=validation.window(options["window"]),
-                     key_lengths=key_lengths)
+    structure = Structure(is_causal=options["is_causal"], q_offset=q_offset,
+                          window=validation.window(options["window"]), key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
                                    softcap=options["softcap"], dropout_p=0.0, need_weights=False, rng=None)
     L, S = q.shape[-2], k.shape[-2]
@@ -483,9 +485,3 @@ def _product(subscripts: str, x: jax.Array, y: jax.Array) -> jax.Array:
     (jax: einsum contracts the axes it names, where swapaxes(x) @ y copies a transposed tile first,
     measured 30% of the backward pass at B=1, H=8, L=S=4096, E=64)."""
     return jnp.einsum(subscripts, x, y)
-
-
-def _sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Sum x over the axes along which an array of `shape` (at x's rank) was broadcast to x's shape."""
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x

@@ -21,15 +21,17 @@ the forward code (attention_np.linear derives them by hand); the state is a tupl
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from attention_np.common import validation
+from attention_np.common.records import LinearOptions
 
-from .functional import _at_least_float32, _dtypes, _integers, _ranked
+from .functional import _dtypes
+from .primitives import _at_least_float32, _integers, _ranked
 
 # the feature maps of validation.FEATURE_MAPS: phi(x); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise (exp of
 # min(x, 0): the branch not taken never overflows). jax: phi' comes from autodiff
@@ -69,8 +71,8 @@ def linear_attention(
     Returns:
         out (..., L, Ev) in q's dtype, computed in at least float32.
     """
-    p = _problem(q, k, v, dict(feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths, eps=eps,
-                               chunk=chunk))
+    p = _problem(q, k, v, LinearOptions(feature_map=feature_map, is_causal=is_causal,
+                                        key_lengths=key_lengths, eps=eps, chunk=chunk))
     num, den = _form(p)(p)
     return (num / den).astype(q.dtype)
 
@@ -175,33 +177,41 @@ def linear_attention_step(
     return (num / den).astype(q_t.dtype), (S, z)
 
 
-class _Problem(dict):
+class _Problem(NamedTuple):
     """One call's checked inputs in the working dtype, all at the scores' rank less one: phi(Q), phi(K) and V with
     the hidden keys' rows zeroed, and the options."""
 
-    __getattr__ = dict.__getitem__
+    is_causal: bool
+    chunk: int | None
+    eps: float  # a Python float: no promotion
+    phi_q: jax.Array  # (..., L, E)
+    phi_k: jax.Array  # (..., S, E), hidden keys' rows zeroed
+    v: jax.Array  # (..., S, Ev), hidden keys' rows zeroed
+    batch: tuple  # the leading axes (...)
+    L: int
+    work: Any  # the working dtype: at least float32
 
 
-def _problem(q: jax.Array, k: jax.Array, v: jax.Array, options: dict) -> _Problem:
+def _problem(q: jax.Array, k: jax.Array, v: jax.Array, options: LinearOptions) -> _Problem:
     """The checks of scaled_dot_product_attention that apply (shapes, dtypes, key_lengths), linear attention's
     own (feature_map, eps, chunk, L == S when causal), then phi(Q) and phi(K) in the working dtype."""
     batch = validation.attention_batch(q.shape, k.shape, v.shape)
     validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    validation.linear_options(options["feature_map"], options["eps"], options["chunk"])
+    validation.linear_options(options.feature_map, options.eps, options.chunk)
     L, S = q.shape[-2], k.shape[-2]
-    if options["is_causal"]:
+    if options.is_causal:
         validation.linear_causal(L, S)
     work = _at_least_float32(q.dtype)  # float16, bfloat16: in float32
     n = len(batch) + 2  # jax: every array at one rank, as rank promotion may be refused
     q, k, v = (_ranked(x.astype(work), n) for x in (q, k, v))
-    phi = FEATURE_MAPS[options["feature_map"]]
+    phi = FEATURE_MAPS[options.feature_map]
     phi_k = phi(k)
-    if options["key_lengths"] is not None:  # hidden keys add nothing to either sum: their rows zeroed
-        key_lengths = _ranked(_integers(options["key_lengths"], "key_lengths", batch), len(batch))
+    if options.key_lengths is not None:  # hidden keys add nothing to either sum: their rows zeroed
+        key_lengths = _ranked(_integers(options.key_lengths, "key_lengths", batch), len(batch))
         keep = _ranked(jnp.arange(S)[:, None], n) < key_lengths[..., None, None]  # (..., S, 1)
         phi_k, v = jnp.where(keep, phi_k, 0), jnp.where(keep, v, 0)  # (..., S, E), (..., S, Ev)
-    return _Problem(options, eps=float(options["eps"]),  # a Python float: no promotion
-                    phi_q=phi(q), phi_k=phi_k, v=v, batch=batch, L=L, work=work)
+    return _Problem(is_causal=options.is_causal, chunk=options.chunk, eps=float(options.eps), phi_q=phi(q),
+                    phi_k=phi_k, v=v, batch=batch, L=L, work=work)
 
 
 def _form(p: _Problem) -> Callable:

@@ -18,23 +18,14 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.special
 
 from attention_np.common import module, validation
 
 from .arrays import asarray
-from .functional import (
-    Rng,
-    _at_least_float32,
-    _dropout,
-    _dtypes,
-    _ranked,
-    _rngs,
-    _rope_table,
-    _turned,
-    _ungrouped,
-    scaled_dot_product_attention,
-)
+from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, _ungrouped, scaled_dot_product_attention
+from .gradients import multi_head_attention_vjp, transformer_block_vjp
+from .linear import linear_attention
+from .primitives import _activation, _at_least_float32, _ranked, _silu
 
 
 class Module(module.Module):
@@ -164,8 +155,6 @@ class MultiHeadAttention(Module):
             mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
         """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
         gradient}), without dropout."""
-        from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
-
         return multi_head_attention_vjp(self, q, k, v, mask)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
@@ -279,9 +268,6 @@ class MultiHeadAttention(Module):
     def _linear_heads(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """linear_attention (its defaults: phi = elu + 1, eps 1e-6, not causal) in every head, q (..., H, L, d_k)
         against k, v (..., Hkv, S, d_k): out (..., H, L, d_k)."""
-        from .linear import linear_attention  # imported when used, as NumPy's must be (its linear.py builds on
-        # gradients.py, which builds on these modules)
-
         out = linear_attention(*self._grouped_heads(q, k, v))  # (..., Hkv, G, L, d_k)
         return _ungrouped(out)  # (..., Hkv, G, L, d_k) -> (..., H, L, d_k)
 
@@ -406,8 +392,6 @@ class TransformerBlock(Module):
 
     def vjp(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
-        from .gradients import transformer_block_vjp  # the backward passes build on these modules
-
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: jax.Array) -> None:
@@ -564,18 +548,6 @@ def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias
                                 dropout)
     return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
                        Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
-
-
-def _activation(name: str, x: jax.Array) -> jax.Array:
-    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form."""
-    if name == "relu":
-        return jnp.maximum(x, 0.0)
-    return x / 2 * (1 + jax.scipy.special.erf(x / math.sqrt(2)))
-
-
-def _silu(x: jax.Array) -> jax.Array:
-    """silu(x) = x * sigmoid(x)."""
-    return x * jax.nn.sigmoid(x)
 
 
 def _fresh(rng: jax.Array | None) -> jax.Array:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import numpy as np
 
 from attention_np.common import validation
+from attention_np.common.records import Structure
 
-from .functional import _visible
+from .primitives import _visible
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *,
-              bias: np.ndarray | None, structure: dict, scale: float, softcap: float | None,
+              bias: np.ndarray | None, structure: Structure, scale: float, softcap: float | None,
               batch: tuple) -> np.ndarray:
     """softmax(softcap(Q K^T * scale) + bias) V over the visible keys, as scaled_dot_product_attention's out."""
     dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16: sums, softmax in float32

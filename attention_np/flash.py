@@ -35,9 +35,10 @@ import numpy as np
 import threadpoolctl
 
 from attention_np.common import validation
+from attention_np.common.records import Structure
 
-from .functional import _dtypes, _grouped, _integers, _prepare
-from .gradients import _sum_to
+from .functional import _dtypes, _grouped, _prepare
+from .primitives import _integers, _sum_to
 
 PARALLEL_WORK = 1 << 22  # query-key-width products (L * S * E over the batch) above which tiles run in threads
 TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: each
@@ -143,8 +144,8 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     q_offset, key_lengths = options["q_offset"], options["key_lengths"]
     if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=validation.window(options["window"]),
-                     key_lengths=key_lengths)
+    structure = Structure(is_causal=options["is_causal"], q_offset=q_offset,
+                          window=validation.window(options["window"]), key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
                                    softcap=options["softcap"], dropout_p=0.0, need_weights=False)
     L, S = q.shape[-2], k.shape[-2]
@@ -160,7 +161,7 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
         bias=None if bias is None else np.broadcast_to(np.asarray(bias, dtype=work), shape),
         bias_shape=None if bias is None else _ranked(np.shape(bias), batch),  # dbias is summed to it tile by tile
         batch=batch, L=L, S=S, scale=scale, softcap=options["softcap"], work=work, empty=empty is not None,
-        structure=dict(structure, q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
+        structure=structure._replace(q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
         block_q=block_q, block_k=block_k, grouped=options["enable_gqa"],
         offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.size else (0, 0),
         lengths=None if key_lengths is None or key_lengths.size == 0 else
@@ -182,8 +183,8 @@ def _query_tiles(p: _Problem) -> list[slice]:
 
 def _key_tiles(p: _Problem, rows: slice) -> list[slice]:
     """The key tiles that some query of `rows` may see (validation.key_tiles); the others are skipped."""
-    tiles = validation.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure["is_causal"],
-                             window=p.structure["window"], q_offset=p.offsets,
+    tiles = validation.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure.is_causal,
+                             window=p.structure.window, q_offset=p.offsets,
                              key_lengths=None if p.lengths is None else p.lengths[1])
     return [slice(t * p.block_k, min((t + 1) * p.block_k, p.S)) for t in tiles]
 
@@ -194,10 +195,10 @@ def _trimmed(p: _Problem, rows: slice, tiles: list[slice]) -> list[slice]:
     computes no column that every query of the tile hides (causal, L = S = 4096 in 256 x 512 tiles: 6.2 % more
     scores than the triangle, not 12.5 %). The backward pass keeps whole tiles: each worker owns its key tiles."""
     structure, (least, greatest) = p.structure, p.offsets
-    left, right = structure["window"] or (None, None)
+    left, right = structure.window or (None, None)
     first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
     lo, hi = 0, p.S if p.lengths is None else p.lengths[1]
-    if structure["is_causal"]:
+    if structure.is_causal:
         hi = min(hi, last + 1)
     if right is not None:
         hi = min(hi, last + right + 1)
@@ -287,17 +288,17 @@ def _tile_visible(p: _Problem, rows: slice, cols: slice) -> np.ndarray | None:
         visible = _and(visible, p.bias[..., rows, cols] != -np.inf)
     structure, (least, greatest) = p.structure, p.offsets
     first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
-    left, right = structure["window"] or (None, None)
-    position = structure["q_offset"][..., None, None] + np.arange(rows.start, rows.stop)[:, None]  # (..., bq, 1)
+    left, right = structure.window or (None, None)
+    position = structure.q_offset[..., None, None] + np.arange(rows.start, rows.stop)[:, None]  # (..., bq, 1)
     j = np.arange(cols.start, cols.stop)  # (block_k,)
-    if structure["is_causal"] and cols.stop - 1 > first:  # some key after some query
+    if structure.is_causal and cols.stop - 1 > first:  # some key after some query
         visible = _and(visible, j <= position)
     if right is not None and cols.stop - 1 > first + right:
         visible = _and(visible, j <= position + right)
     if left is not None and cols.start < last - left:
         visible = _and(visible, j >= position - left)
     if p.lengths is not None and cols.stop > p.lengths[0]:
-        visible = _and(visible, j < structure["key_lengths"][..., None, None])
+        visible = _and(visible, j < structure.key_lengths[..., None, None])
     return visible
 
 

@@ -21,7 +21,8 @@ import numpy as np
 from attention_np.common import validation
 
 from .functional import _dtypes, _grouped, _ungrouped, apply_rope, scaled_dot_product_attention
-from .modules import GatedFeedForward, RMSNorm, _activation, _erf, _sigmoid
+from .linear import linear_attention_vjp
+from .primitives import _activation, _erf, _sigmoid, _sum_to
 
 Grads = dict[str, np.ndarray]
 
@@ -163,8 +164,6 @@ def _linear_heads_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> 
     linear_attention_vjp, which sums each gradient over its input's broadcast axes, returns dK_g = sum over h in
     group g of dK_h, and dV alike. Returns heads (..., H, L, d_k), no weights, and a pullback with
     scaled_dot_product_attention_vjp's results (dq, dk, dv, dbias None)."""
-    from .linear import linear_attention_vjp  # linear.py builds on this module (_sum_to)
-
     q_g, k_g, v_g = mha._grouped_heads(q, k, v)
     out_g, pull = linear_attention_vjp(q_g, k_g, v_g)  # (..., Hkv, G, L, d_k)
 
@@ -257,8 +256,8 @@ def _linear_vjp(linear: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
 
 
 def _norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
-    """The block's norm: RMSNorm (norm="rms") or LayerNorm."""
-    return _rms_norm_vjp(norm, x) if isinstance(norm, RMSNorm) else _layer_norm_vjp(norm, x)
+    """The block's norm: RMSNorm (norm="rms", a weight only) or LayerNorm (a weight and a bias)."""
+    return _layer_norm_vjp(norm, x) if "bias" in norm._children else _rms_norm_vjp(norm, x)
 
 
 def _rms_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
@@ -298,7 +297,7 @@ def _layer_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
 
 def _ffn_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
     """The block's feed-forward network: SwiGLU (activation="swiglu") or relu / gelu."""
-    return _swiglu_vjp(ffn, x) if isinstance(ffn, GatedFeedForward) else _feed_forward_vjp(ffn, x)
+    return _swiglu_vjp(ffn, x) if ffn.activation == "swiglu" else _feed_forward_vjp(ffn, x)
 
 
 def _swiglu_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
@@ -340,13 +339,6 @@ def _activation_derivative(name: str, h: np.ndarray) -> np.ndarray:
         return (h > 0).astype(h.dtype)
     cdf = (1 + _erf(h / math.sqrt(2))) / 2  # Phi(h)
     return cdf + h * np.exp(-(h**2) / 2) / math.sqrt(2 * math.pi)  # Phi(h) + h phi(h)
-
-
-def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Sum x over the axes along which an array of `shape` was broadcast to x's shape."""
-    x = np.sum(x, axis=tuple(range(x.ndim - len(shape)))) if x.ndim > len(shape) else x
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
-    return np.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 def _prefixed(prefix: str, grads: Grads) -> Grads:

@@ -21,16 +21,10 @@ from attention_np.common import validation
 from attention_np.common.module import Module
 
 from .arrays import asarray
-from .functional import (
-    Rng,
-    _dropout,
-    _dtypes,
-    _rngs,
-    _rope_table,
-    _turned,
-    _ungrouped,
-    scaled_dot_product_attention,
-)
+from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, _ungrouped, scaled_dot_product_attention
+from .gradients import multi_head_attention_vjp, transformer_block_vjp
+from .linear import linear_attention
+from .primitives import _activation, _silu
 
 
 class KVCache(NamedTuple):
@@ -134,8 +128,6 @@ class MultiHeadAttention(Module):
             mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
         """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
         gradient}), without dropout."""
-        from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
-
         return multi_head_attention_vjp(self, q, k, v, mask)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
@@ -245,8 +237,6 @@ class MultiHeadAttention(Module):
     def _linear_heads(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """linear_attention (its defaults: phi = elu + 1, eps 1e-6, not causal) in every head, q (..., H, L, d_k)
         against k, v (..., Hkv, S, d_k): out (..., H, L, d_k)."""
-        from .linear import linear_attention  # linear.py builds on gradients.py, which builds on these modules
-
         out = linear_attention(*self._grouped_heads(q, k, v))  # (..., Hkv, G, L, d_k)
         return _ungrouped(out)  # (..., Hkv, G, L, d_k) -> (..., H, L, d_k)
 
@@ -370,8 +360,6 @@ class TransformerBlock(Module):
 
     def vjp(self, x: np.ndarray, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
-        from .gradients import transformer_block_vjp  # the backward passes build on these modules
-
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: np.ndarray) -> None:
@@ -527,28 +515,6 @@ def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias
                                 dropout)
     return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
                        Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
-
-
-def _activation(name: str, x: np.ndarray) -> np.ndarray:
-    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form."""
-    if name == "relu":
-        return np.maximum(x, 0)
-    return x / 2 * (1 + _erf(x / math.sqrt(2)))
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    """sigmoid(x) = 1 / (1 + exp(-x)), as exp(-log(1 + exp(-x))): no overflow for very negative x."""
-    return np.exp(-np.logaddexp(0, -x))
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    """silu(x) = x * sigmoid(x)."""
-    return x * _sigmoid(x)
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    """erf, elementwise: NumPy has none, so math.erf is vectorised (exact to the last bit)."""
-    return np.vectorize(math.erf, otypes=[x.dtype])(x)
 
 
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}

@@ -46,9 +46,10 @@ import torch.distributed as dist
 
 from attention_np.common import validation
 
-from .flash import _backward, _cast, _forward, _heads, _problem
+from .flash import _backward, _forward, _heads, _problem
 from .functional import _dtypes
 from .gradients import _grad, _leaf, _recording
+from .primitives import _cast
 
 KV_TAG, GRAD_TAG, LAYOUT_TAG = 0, 1, 2  # gloo matches messages by (peer, tag): blocks, gradients, layout moves
 # (LAYOUT_TAG + slot: with odd P one rank may send both its chunks to the same rank)

@@ -32,9 +32,12 @@ from collections.abc import Callable
 import torch
 
 from attention_np.common import validation
+from attention_np.common.records import Structure
 
-from .functional import _cast, _dtypes, _grouped, _grouped_matmul, _integers, _prepare
+from .fast import _grouped_matmul
+from .functional import _dtypes, _grouped, _prepare
 from .gradients import _grad, _leaf, _recording
+from .primitives import _cast, _integers
 
 TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: each
 # tile costs about fifteen torch calls, each a fixed overhead and a fork and join of torch's threads
@@ -170,8 +173,8 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     q_offset, key_lengths = options["q_offset"], options["key_lengths"]
     if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=validation.window(options["window"]),
-                     key_lengths=key_lengths)
+    structure = Structure(is_causal=options["is_causal"], q_offset=q_offset,
+                          window=validation.window(options["window"]), key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
                                    softcap=options["softcap"], dropout_p=0.0, need_weights=False)
     L, S = q.shape[-2], k.shape[-2]
@@ -187,7 +190,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         bias=None if bias is None else _cast(bias, work).expand(shape),
         bias_shape=None if bias is None else bias.shape,  # torch: dbias is summed to it tile by tile
         batch=batch, L=L, S=S, scale=scale, softcap=options["softcap"], work=work, empty=empty is not None,
-        structure=dict(structure, q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
+        structure=structure._replace(q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
         block_q=block_q, block_k=block_k, grouped=options["enable_gqa"],
         offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.numel() else (0, 0),
         lengths=None if key_lengths is None or key_lengths.numel() == 0 else
@@ -209,8 +212,8 @@ def _query_tiles(p: _Problem) -> list[slice]:
 
 def _key_tiles(p: _Problem, rows: slice) -> list[slice]:
     """The key tiles that some query of `rows` may see (validation.key_tiles); the others are skipped."""
-    tiles = validation.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure["is_causal"],
-                             window=p.structure["window"], q_offset=p.offsets,
+    tiles = validation.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure.is_causal,
+                             window=p.structure.window, q_offset=p.offsets,
                              key_lengths=None if p.lengths is None else p.lengths[1])
     return [slice(t * p.block_k, min((t + 1) * p.block_k, p.S)) for t in tiles]
 
@@ -290,15 +293,15 @@ def _tile_visible(p: _Problem, rows: slice, cols: slice) -> torch.Tensor | None:
         visible = _and(visible, p.bias[..., rows, cols] != -math.inf)
     structure, (least, greatest) = p.structure, p.offsets
     first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
-    left, right = structure["window"] or (None, None)
-    causal = structure["is_causal"] and cols.stop - 1 > first  # some key after some query
+    left, right = structure.window or (None, None)
+    causal = structure.is_causal and cols.stop - 1 > first  # some key after some query
     after_right = right is not None and cols.stop - 1 > first + right
     before_left = left is not None and cols.start < last - left
     beyond_length = p.lengths is not None and cols.stop > p.lengths[0]
     if not (causal or after_right or before_left or beyond_length):  # torch: no positions built
         return visible
     device = p.q.device
-    position = structure["q_offset"][..., None, None] + torch.arange(rows.start, rows.stop, device=device)[:, None]
+    position = structure.q_offset[..., None, None] + torch.arange(rows.start, rows.stop, device=device)[:, None]
     j = torch.arange(cols.start, cols.stop, device=device)  # (block_k,); position (..., block_q, 1)
     if causal:
         visible = _and(visible, j <= position)
@@ -307,7 +310,7 @@ def _tile_visible(p: _Problem, rows: slice, cols: slice) -> torch.Tensor | None:
     if before_left:
         visible = _and(visible, j >= position - left)
     if beyond_length:
-        visible = _and(visible, j < structure["key_lengths"][..., None, None])
+        visible = _and(visible, j < structure.key_lengths[..., None, None])
     return visible
 
 

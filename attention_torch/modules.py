@@ -24,7 +24,6 @@ from .arrays import asarray
 from .fast import grouped_attention
 from .functional import (
     Rng,
-    _cast,
     _dropout,
     _dtypes,
     _finite_or,
@@ -34,6 +33,9 @@ from .functional import (
     _ungrouped,
     scaled_dot_product_attention,
 )
+from .gradients import multi_head_attention_vjp, transformer_block_vjp
+from .linear import linear_attention
+from .primitives import _cast
 
 
 class KVCache(NamedTuple):
@@ -137,8 +139,6 @@ class MultiHeadAttention(nn.Module):
             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
         """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
         gradient}), without dropout."""
-        from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
-
         return multi_head_attention_vjp(self, q, k, v, mask)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
@@ -263,9 +263,6 @@ class MultiHeadAttention(nn.Module):
     def _linear_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """linear_attention (its defaults: phi = elu + 1, eps 1e-6, not causal) in every head, q (..., H, L, d_k)
         against k, v (..., Hkv, S, d_k): out (..., H, L, d_k)."""
-        from .linear import linear_attention  # imported when used, as NumPy's must be (its linear.py builds on
-        # gradients.py, which builds on these modules)
-
         out = linear_attention(*self._grouped_heads(q, k, v))  # (..., Hkv, G, L, d_k)
         return _ungrouped(out)  # (..., Hkv, G, L, d_k) -> (..., H, L, d_k)
 
@@ -385,8 +382,6 @@ class TransformerBlock(nn.Module):
 
     def vjp(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
-        from .gradients import transformer_block_vjp  # the backward passes build on these modules
-
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: torch.Tensor) -> None:
