@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from attention_np.common import validation
-from attention_np.common.records import Structure
+from attention_np.common.records import FlashOptions, Structure
 
 from .functional import _dtypes, _grouped, _prepare, _ungrouped
 from .primitives import _at_least_float32, _integers, _ranked, _sum_to
@@ -79,7 +79,7 @@ def flash_attention(
         out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
         are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key.
     """
-    return _forward(q, k, v, mask, bias, dict(
+    return _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
         softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
 
@@ -120,8 +120,9 @@ def flash_attention_vjp(
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
         bias is None; each gradient has its input's shape and dtype.
     """
-    options = dict(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-                   softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+    options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
+                           key_lengths=key_lengths, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
+                           block_k=block_k)
     (out, lse), pull = jax.vjp(lambda q, k, v, bias: _forward(q, k, v, mask, bias, options), q, k, v, bias)
     # jax: autodiff of the forward, whose tiled core is a custom_vjp carrying the backward pass below
 
@@ -146,27 +147,49 @@ class _Tiling(NamedTuple):
     window: tuple[int | None, int | None] | None
 
 
-class _Problem(dict):
+class _Problem(NamedTuple):
     """One call's tiling and its arrays in the working dtype, all at the scores' rank and padded to whole tiles
     (grouped with enable_gqa: q (..., Hkv, G, Lp, E), k and v (..., Hkv, 1, Sp, *)): what both passes read."""
 
-    __getattr__ = dict.__getitem__
+    # the tiling (_Tiling's fields)
+    batch: tuple  # the scores' leading axes (...)
+    L: int  # queries and keys before padding
+    S: int
+    block_q: int
+    block_k: int
+    scale: float
+    softcap: float | None
+    is_causal: bool
+    window: tuple[int | None, int | None] | None
+    # the arrays, padded to Lp queries and Sp keys
+    q: jax.Array  # (..., Lp, E)
+    k: jax.Array  # (..., Sp, E)
+    v: jax.Array  # (..., Sp, Ev)
+    bias: jax.Array | None  # (..., Lp | 1, Sp | 1)
+    mask: jax.Array | None  # (..., Lp | 1, Sp | 1)
+    q_offset: jax.Array  # (...)
+    key_lengths: jax.Array | None  # (...)
+    Lp: int
+    Sp: int
+    work: Any  # the working dtype: at least float32
+    offsets: tuple[jax.Array, jax.Array]  # q_offset's least and greatest value, which choose the tiles
+    longest: jax.Array | None  # key_lengths' greatest value (None: no key_lengths)
 
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
-             options: dict) -> tuple[jax.Array, jax.Array]:
+             options: FlashOptions) -> tuple[jax.Array, jax.Array]:
     """out and lse in the caller's shapes (heads ungrouped): the checks of scaled_dot_product_attention, the
     inputs as the tiles read them, then the tiled core. Differentiable in q, k, v and bias: the padding, the
     casts and the reshapes around the core are differentiated by JAX, the core by its own backward pass."""
-    validation.tiles(options["block_q"], options["block_k"])
+    validation.tiles(options.block_q, options.block_k)
     dtype = q.dtype
-    q_offset, key_lengths = options["q_offset"], options["key_lengths"]
-    if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
+    q_offset, key_lengths = options.q_offset, options.key_lengths
+    if options.enable_gqa:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = Structure(is_causal=options["is_causal"], q_offset=q_offset,
-                          window=validation.window(options["window"]), key_lengths=key_lengths)
-    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
-                                   softcap=options["softcap"], dropout_p=0.0, need_weights=False, rng=None)
+    structure = Structure(is_causal=options.is_causal, q_offset=q_offset,
+                          window=validation.window(options.window), key_lengths=key_lengths)
+    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options.scale,
+                                   softcap=options.softcap, dropout_p=0.0, need_weights=False, rng=None)
     L, S = q.shape[-2], k.shape[-2]
     _check_masks(mask, bias, (*batch, L, S))
     q_offset = _integers(q_offset, "q_offset", batch)
@@ -179,17 +202,17 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
         arrays = _tiled_inputs(tiling, work, q, k, v, bias, mask, q_offset, key_lengths)
         out, lse = _tiled_jit(tiling, *arrays)  # (..., Lp, Ev), (..., Lp)
         out, lse = out[..., :L, :], lse[..., :L]  # the padded queries dropped
-    if options["enable_gqa"]:  # (..., Hkv, G, L, *) -> (..., H, L, *)
+    if options.enable_gqa:  # (..., Hkv, G, L, *) -> (..., H, L, *)
         out, lse = _ungrouped(out), _ungrouped(lse[..., None])[..., 0]
     return out.astype(dtype), lse
 
 
-def _tiling(batch: tuple, L: int, S: int, scale: float, options: dict) -> _Tiling:
+def _tiling(batch: tuple, L: int, S: int, scale: float, options: FlashOptions) -> _Tiling:
     """The static description of a problem of L queries and S keys (tiles no larger than the sequence)."""
-    block_q, block_k = validation.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
+    block_q, block_k = validation.default_tiles(options.block_q, options.block_k, batch, L, S, TILE_SCORES)
     return _Tiling(batch=batch, L=L, S=S, block_q=min(block_q, L), block_k=min(block_k, S),
-                   scale=scale, softcap=options["softcap"], is_causal=options["is_causal"],
-                   window=validation.window(options["window"]))
+                   scale=scale, softcap=options.softcap, is_causal=options.is_causal,
+                   window=validation.window(options.window))
 
 
 def _tiled_inputs(tiling: _Tiling, work: Any, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
@@ -240,7 +263,7 @@ def _problem(tiling: _Tiling, q: jax.Array, k: jax.Array, v: jax.Array, bias: ja
     the tiles, as arrays (jax: they may be traced)."""
     def extreme(x: jax.Array, reduce: Callable) -> jax.Array:
         return reduce(x) if x.size else jnp.zeros((), int)  # no sequence at all: nothing to choose
-    return _Problem(tiling._asdict(), q=q, k=k, v=v, bias=bias, mask=mask, q_offset=q_offset,
+    return _Problem(**tiling._asdict(), q=q, k=k, v=v, bias=bias, mask=mask, q_offset=q_offset,
                     key_lengths=key_lengths, Lp=q.shape[-2], Sp=k.shape[-2], work=q.dtype,
                     offsets=(extreme(q_offset, jnp.min), extreme(q_offset, jnp.max)),
                     longest=None if key_lengths is None else extreme(key_lengths, jnp.max))

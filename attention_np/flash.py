@@ -29,13 +29,13 @@ import functools
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import threadpoolctl
 
 from attention_np.common import validation
-from attention_np.common.records import Structure
+from attention_np.common.records import FlashOptions, Structure
 
 from .functional import _dtypes, _grouped, _prepare
 from .primitives import _integers, _sum_to
@@ -76,7 +76,7 @@ def flash_attention(
         out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
         are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key.
     """
-    out, lse, _ = _forward(q, k, v, mask, bias, dict(
+    out, lse, _ = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
         softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
     return out, lse
@@ -116,7 +116,7 @@ def flash_attention_vjp(
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
         bias is None; each gradient has its input's shape and dtype.
     """
-    out, lse, problem = _forward(q, k, v, mask, bias, dict(
+    out, lse, problem = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
         softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
 
@@ -127,31 +127,52 @@ def flash_attention_vjp(
     return out, lse, pullback
 
 
-class _Problem(dict):
+class _Problem(NamedTuple):
     """One call's checked inputs in the working dtype (grouped with enable_gqa: q (..., Hkv, G, L, E), k and v
     (..., Hkv, 1, S, *)), its structure and its tiles: what both passes read."""
 
-    __getattr__ = dict.__getitem__
+    q: np.ndarray  # (..., L, E)
+    k: np.ndarray  # (..., S, E)
+    v: np.ndarray  # (..., S, Ev)
+    mask: np.ndarray | None  # a broadcast view (..., L, S), never copied
+    bias: np.ndarray | None  # a broadcast view (..., L, S) in the working dtype
+    bias_shape: tuple | None  # the caller's bias shape, which dbias is summed to tile by tile
+    batch: tuple  # the scores' leading axes (...)
+    L: int
+    S: int
+    scale: float
+    softcap: float | None
+    work: np.dtype  # the working dtype: at least float32
+    empty: bool  # L = 0 or S = 0: nothing to attend
+    structure: Structure  # q_offset and key_lengths as integer arrays of the batch
+    shapes: dict  # the caller's shapes of q, k, v and bias, for the gradients
+    block_q: int
+    block_k: int
+    grouped: bool  # enable_gqa: the heads split into (Hkv, G)
+    offsets: tuple[int, int]  # q_offset's least and greatest value, which choose the tiles
+    lengths: tuple[int, int] | None  # key_lengths' least and greatest value (None: no key_lengths)
+    out: np.ndarray | None = None  # (..., L, Ev) and (..., L) in the working dtype, once the forward pass has run
+    lse: np.ndarray | None = None
 
 
 def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-             options: dict) -> _Problem:
+             options: FlashOptions) -> _Problem:
     """The checks of scaled_dot_product_attention, then the inputs as the tiles read them: mask and bias
     broadcast views of (..., L, S), never copied; q_offset and key_lengths reduced to the Python ints that
     choose the tiles (validation.key_tiles)."""
-    validation.tiles(options["block_q"], options["block_k"])
+    validation.tiles(options.block_q, options.block_k)
     shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else np.shape(bias)}
-    q_offset, key_lengths = options["q_offset"], options["key_lengths"]
-    if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
+    q_offset, key_lengths = options.q_offset, options.key_lengths
+    if options.enable_gqa:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = Structure(is_causal=options["is_causal"], q_offset=q_offset,
-                          window=validation.window(options["window"]), key_lengths=key_lengths)
-    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
-                                   softcap=options["softcap"], dropout_p=0.0, need_weights=False)
+    structure = Structure(is_causal=options.is_causal, q_offset=q_offset,
+                          window=validation.window(options.window), key_lengths=key_lengths)
+    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options.scale,
+                                   softcap=options.softcap, dropout_p=0.0, need_weights=False)
     L, S = q.shape[-2], k.shape[-2]
     shape = (*batch, L, S)  # the scores', never allocated
     _check_masks(mask, bias, shape)
-    block_q, block_k = validation.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
+    block_q, block_k = validation.default_tiles(options.block_q, options.block_k, batch, L, S, TILE_SCORES)
     work = np.promote_types(q.dtype, np.float32)  # float16, bfloat16: in float32
     q_offset = _integers(q_offset, "q_offset", batch)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch)
@@ -160,9 +181,9 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
         mask=None if mask is None else np.broadcast_to(mask, shape),
         bias=None if bias is None else np.broadcast_to(np.asarray(bias, dtype=work), shape),
         bias_shape=None if bias is None else _ranked(np.shape(bias), batch),  # dbias is summed to it tile by tile
-        batch=batch, L=L, S=S, scale=scale, softcap=options["softcap"], work=work, empty=empty is not None,
+        batch=batch, L=L, S=S, scale=scale, softcap=options.softcap, work=work, empty=empty is not None,
         structure=structure._replace(q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
-        block_q=block_q, block_k=block_k, grouped=options["enable_gqa"],
+        block_q=block_q, block_k=block_k, grouped=options.enable_gqa,
         offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.size else (0, 0),
         lengths=None if key_lengths is None or key_lengths.size == 0 else
         (int(key_lengths.min()), int(key_lengths.max())))
@@ -209,12 +230,12 @@ def _trimmed(p: _Problem, rows: slice, tiles: list[slice]) -> list[slice]:
 
 
 def _forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-             options: dict) -> tuple[np.ndarray, np.ndarray, _Problem]:
+             options: FlashOptions) -> tuple[np.ndarray, np.ndarray, _Problem]:
     """out and lse in the caller's shapes (heads ungrouped), and the problem, which keeps them grouped for the
     backward pass."""
     p = _problem(q, k, v, mask, bias, options)
-    p["out"] = np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work)  # (..., L, Ev)
-    p["lse"] = np.full((*p.batch, p.L), -np.inf, p.work)  # (..., L)
+    p = p._replace(out=np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work),  # (..., L, Ev)
+                   lse=np.full((*p.batch, p.L), -np.inf, p.work))  # (..., L)
 
     def query_tile(rows: slice) -> None:
         p.out[..., rows, :], p.lse[..., rows] = _query_tile(p, rows)

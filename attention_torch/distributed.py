@@ -45,8 +45,9 @@ import torch
 import torch.distributed as dist
 
 from attention_np.common import validation
+from attention_np.common.records import FlashOptions
 
-from .flash import _backward, _forward, _heads, _problem
+from .flash import _backward, _forward, _heads, _Problem, _problem
 from .functional import _dtypes
 from .gradients import _grad, _leaf, _recording
 from .primitives import _cast
@@ -91,8 +92,8 @@ def ring_attention(
             Python int.
     """
     validation.ring_offset(q_offset)  # one offset for every sequence: the ranks' chunks are placed by it
-    options = dict(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=None,
-                   softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+    options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=None,
+                           softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
     _check_shards(q, k, v, group)
     layout = _layout(dist.get_world_size(group), q.shape[-2], k.shape[-2], bool(is_causal))  # or the ValueError
     return _Ring.apply(q, k, v, options, layout, group)
@@ -189,7 +190,7 @@ def _layout(P: int, L_shard: int, S_shard: int, is_causal: bool) -> _Layout:
     return _Layout(natural, ring, rows_q, rows_k)
 
 
-def _schedule(layout: _Layout, r: int, options: dict) -> list[list[tuple[int, int, dict]]]:
+def _schedule(layout: _Layout, r: int, options: FlashOptions) -> list[list[tuple[int, int, FlashOptions]]]:
     """Per step t = 0 .. P - 1, the chunk pairs (a, b) rank r computes (its query chunk a against key chunk b of
     the block of rank (r - t) mod P) and their options, at global positions; the pairs hidden wholly skipped."""
     P, steps = len(layout.ring), []
@@ -197,8 +198,8 @@ def _schedule(layout: _Layout, r: int, options: dict) -> list[list[tuple[int, in
         s, pairs = (r - t) % P, []
         for a, m in enumerate(layout.ring[r]):
             for b, j in enumerate(layout.ring[s]):
-                offset = options["q_offset"] + m * layout.rows_q - j * layout.rows_k  # query start - key start
-                step = dict(options, q_offset=offset)
+                offset = options.q_offset + m * layout.rows_q - j * layout.rows_k  # query start - key start
+                step = options._replace(q_offset=offset)
                 if _visible(step, layout.rows_q, layout.rows_k):
                     pairs.append((a, b, step))
         steps.append(pairs)
@@ -212,7 +213,8 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                options: dict, layout: _Layout, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+                options: FlashOptions, layout: _Layout,
+                group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
         qs, ks, vs = (_to_ring(x, layout, group) for x in (q, k, v))  # lists of chunks (..., rows, *)
         outs, lses, p = _ring_forward(qs, ks, vs, layout, options, group)
         ctx.options, ctx.layout, ctx.group, ctx.chunks = options, layout, group, len(qs)
@@ -235,7 +237,7 @@ class _Ring(torch.autograd.Function):
 
 
 def _ring_forward(q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Tensor], layout: _Layout,
-                  options: dict, group: dist.ProcessGroup | None) -> tuple[list, list, dict]:
+                  options: FlashOptions, group: dist.ProcessGroup | None) -> tuple[list, list, _Problem]:
     """This rank's out (..., L/P, Ev) and lse (..., L/P) per query chunk, grouped and in the working dtype, merged
     over the P blocks; and the problem of one chunk pair (its grouping)."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
@@ -255,12 +257,12 @@ def _ring_forward(q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Te
     return out, lse, p
 
 
-def _visible(step: dict, L_shard: int, S_shard: int) -> bool:
+def _visible(step: FlashOptions, L_shard: int, S_shard: int) -> bool:
     """Whether the structure (is_causal, window) leaves any key of the block visible to some query."""
-    q_offset = step["q_offset"]
+    q_offset = step.q_offset
     offsets = (int(q_offset.min()), int(q_offset.max())) if isinstance(q_offset, torch.Tensor) else (q_offset,) * 2
-    tiles = validation.key_tiles(0, L_shard, S_shard, max(S_shard, 1), is_causal=step["is_causal"],
-                             window=validation.window(step["window"]), q_offset=offsets, key_lengths=None)
+    tiles = validation.key_tiles(0, L_shard, S_shard, max(S_shard, 1), is_causal=step.is_causal,
+                             window=validation.window(step.window), q_offset=offsets, key_lengths=None)
     return len(tiles) > 0
 
 
@@ -275,7 +277,7 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b
 
 
 def _ring_backward(q: list, k: list, v: list, out: list, lse: list, d_out: list, d_lse: list, layout: _Layout,
-                   options: dict, group: dist.ProcessGroup | None) -> tuple[list, list, list]:
+                   options: FlashOptions, group: dist.ProcessGroup | None) -> tuple[list, list, list]:
     """dq, dk, dv of this rank's chunks, in the working dtype. At step t the block of rank s = r - t visits with
     its dk, dv accumulators: they take this rank's share and travel on after the compute; the block's own
     exchange overlaps the compute, the accumulators' the next step's compute. After P steps and one more hop
@@ -309,11 +311,12 @@ def _ring_backward(q: list, k: list, v: list, out: list, lse: list, d_out: list,
 
 
 def _block_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                     d_out: torch.Tensor, d_lse: torch.Tensor, step: dict) -> tuple[torch.Tensor, ...]:
+                     d_out: torch.Tensor, d_lse: torch.Tensor,
+                     step: FlashOptions) -> tuple[torch.Tensor, ...]:
     """The tiled backward pass of one chunk pair (flash._backward) against the global out and lse; the gradients
     in q's, k's and v's shapes and the working dtype."""
     p = _problem(q, k, v, None, None, step)
-    p["out"], p["lse"] = out, lse  # grouped like the problem (..., rows, *)
+    p = p._replace(out=out, lse=lse)  # grouped like the problem (..., rows, *)
     dq, dk, dv, _ = _backward(p, d_out, d_lse, (p.q, p.k, p.v, None), need_bias=False)  # in the working dtype
     return dq, dk, dv
 

@@ -29,3 +29,18 @@ class LinearOptions(NamedTuple):
     key_lengths: Any  # None, or an integer array broadcasting to (...): hide keys j >= key_lengths
     eps: float  # added to the normaliser
     chunk: int | None  # causal: positions per chunk (None: prefix sums)
+
+
+class FlashOptions(NamedTuple):
+    """flash_attention's keywords, as its public functions (and ring attention's passes) hand them to the tiled
+    passes; `window` as given, checked where it is read."""
+
+    is_causal: bool
+    scale: float | None
+    q_offset: Any  # an int, or an integer array broadcasting to (...)
+    window: Window | None
+    key_lengths: Any  # None, or an integer array broadcasting to (...)
+    softcap: float | None
+    enable_gqa: bool
+    block_q: int | None  # queries per tile (None: chosen from the shapes)
+    block_k: int | None  # keys per tile (None: chosen from the shapes)
