@@ -4,9 +4,9 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 The classes users read come first, MultiHeadAttention and TransformerBlock; the pieces they are built
-from (Linear, LayerNorm, RMSNorm, FeedForward, GatedFeedForward, the activation) follow. Parameter names and
-layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b (no b
-with bias=False); LayerNorm keeps weight (D,) and bias (D,), RMSNorm weight (D,).
+from (Linear, LayerNorm, RMSNorm, FeedForward, GatedFeedForward) follow; their activations are in primitives.py.
+Parameter names and layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and computes
+y = x W^T + b (no b with bias=False); LayerNorm keeps weight (D,) and bias (D,), RMSNorm weight (D,).
 """
 
 from __future__ import annotations
