@@ -15,7 +15,7 @@ query chunk starting at p attends the key chunk starting at t with q_offset = p 
 so that is_causal and window compare global positions (query p + i, key t + j); flash_attention's own tile
 skipping then drops the chunk pairs the structure hides.
 
-Layouts (checks.ring_chunks, shared by the backends): without is_causal each device holds one contiguous
+Layouts (validation.ring_chunks, shared by the backends): without is_causal each device holds one contiguous
 shard, rows d n .. (d + 1) n - 1 (n = L / P; keys likewise), and nothing is permuted. With is_causal, the
 zig-zag layout balances the work: the sequence is cut into 2P chunks of c = L / (2P) rows, and device i holds
 chunks i and 2P - 1 - i (rows from i c and from (2P - 1 - i) c), one early and one late chunk, so every device
@@ -48,10 +48,12 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import FlashOptions
 
 from .flash import _backward_tiles, _pad, _problem, _tiled_inputs, _tiling, flash_attention
-from .functional import _dtypes, _grouped, _integers, _ranked
+from .functional import _dtypes, _grouped
+from .primitives import _integers, _ranked
 
 
 class _Layout(NamedTuple):
@@ -96,16 +98,16 @@ def ring_attention(
     """
     if axis not in mesh.axis_names:
         raise ValueError(f"ring_attention: axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
-    checks.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
+    validation.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
     try:  # the layout every backend shares: the chunks of each device, or the error naming L or S and P
-        chunks = checks.ring_chunks(mesh.shape[axis], q.shape[-2], k.shape[-2], bool(is_causal))
+        chunks = validation.ring_chunks(mesh.shape[axis], q.shape[-2], k.shape[-2], bool(is_causal))
     except ValueError as error:
         raise ValueError(f"{error}, on mesh axis {axis!r}") from None
     starts = tuple(tuple(tuple(start for start, _ in device) for device in chunks[x]) for x in ("q", "k"))
     window = None if window is None else tuple(window)
-    options = (("is_causal", bool(is_causal)), ("scale", scale), ("window", window), ("softcap", softcap),
-               ("enable_gqa", enable_gqa), ("block_q", block_q), ("block_k", block_k))
-    return _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, int(q_offset), options)(q, k, v)
+    options = FlashOptions(is_causal=bool(is_causal), scale=scale, q_offset=int(q_offset), window=window,
+                           key_lengths=None, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+    return _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, options)(q, k, v)
 
 
 def ring_attention_vjp(
@@ -145,20 +147,20 @@ def ring_attention_vjp(
     # jax: autodiff of the forward, whose ring is a custom_vjp carrying the backward ring (_ring_backward)
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its cotangent is 0 here
 
     return out, lse, pullback
 
 
 @functools.lru_cache(maxsize=64)
-def _mapped(mesh: Mesh, axis: str, ndims: tuple[int, int, int], starts: tuple, q_offset: int,
-            options: tuple) -> Callable:
+def _mapped(mesh: Mesh, axis: str, ndims: tuple[int, int, int], starts: tuple,
+            options: FlashOptions) -> Callable:
     """The jitted shard_map of one configuration (jax: built once, so that eager calls do not retrace).
-    starts: per device, the global starts of its query chunks and of its key chunks (checks.ring_chunks)."""
-    ring, options = mesh.shape[axis], dict(options)
+    starts: per device, the global starts of its query chunks and of its key chunks (validation.ring_chunks)."""
+    ring = mesh.shape[axis]
     layout = _Layout(len(starts[0][0]), *starts)
-    config = dict(axis=axis, ring=ring, layout=layout, q_offset=q_offset, options=options)
+    config = dict(axis=axis, ring=ring, layout=layout, options=options)  # _ring's and _ring_backward's keywords
 
     @jax.custom_vjp
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -192,7 +194,7 @@ def _mapped(mesh: Mesh, axis: str, ndims: tuple[int, int, int], starts: tuple, q
 
 
 def _ring(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array, *, axis: str, ring: int, layout: _Layout,
-          q_offset: int, options: dict) -> tuple[jax.Array, jax.Array]:
+          options: FlashOptions) -> tuple[jax.Array, jax.Array]:
     """Device d's out (..., Lc, Ev) and lse (..., Lc) over all P key/value shards: its own first, then the
     P - 1 visitors; each shard is sent on to the next device while it is attended (P - 1 hops)."""
     lq, lk = q.shape[-2] // layout.chunks, k.shape[-2] // layout.chunks  # rows per chunk
@@ -206,9 +208,9 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array, *, axis: str, 
             q_a = q[..., a * lq:(a + 1) * lq, :]  # (..., Lc, E)
             merged = None
             for b in range(layout.chunks):
-                offset = q_starts[a] - k_starts[j, b] + q_offset  # global positions
+                offset = q_starts[a] - k_starts[j, b] + options.q_offset  # global positions
                 part = flash_attention(q_a, k[..., b * lk:(b + 1) * lk, :], v[..., b * lk:(b + 1) * lk, :],
-                                       q_offset=offset, **options)
+                                       **options._replace(q_offset=offset)._asdict())
                 merged = part if merged is None else _merge(merged, part)
             parts.append(merged)
         return parts
@@ -230,8 +232,8 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array, *, axis: str, 
 
 
 def _ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, d_out: jax.Array,
-                   d_lse: jax.Array, d: jax.Array, *, axis: str, ring: int, layout: _Layout, q_offset: int,
-                   options: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   d_lse: jax.Array, d: jax.Array, *, axis: str, ring: int, layout: _Layout,
+                   options: FlashOptions) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Device d's dq (..., Lc, E) and the dk, dv of its own key/value shard: the ring again, in the forward's
     order. At step s device d holds the shard of j = (d - s) mod P and that shard's dK, dV accumulators; it
     adds what its queries contribute (the tiled backward pass against the global out and lse), keeps its dQ
@@ -249,7 +251,7 @@ def _ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse
         dq, dk, dv = [0.0] * layout.chunks, [0.0] * layout.chunks, [0.0] * layout.chunks
         for a in range(layout.chunks):
             for b in range(layout.chunks):
-                offset = q_starts[a] - k_starts[j, b] + q_offset  # global positions
+                offset = q_starts[a] - k_starts[j, b] + options.q_offset  # global positions
                 g = _chunk_backward(rows(q, a, lq), rows(k, b, lk), rows(v, b, lk), rows(out, a, lq),
                                     rows(lse, a, lq, 0), rows(d_out, a, lq), rows(d_lse, a, lq, 0), offset, options)
                 dq[a], dk[b], dv[b] = dq[a] + g[0], dk[b] + g[1], dv[b] + g[2]
@@ -272,19 +274,20 @@ def _ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse
 
 
 def _chunk_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, d_out: jax.Array,
-                    d_lse: jax.Array, q_offset: jax.Array, options: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    d_lse: jax.Array, q_offset: jax.Array,
+                    options: FlashOptions) -> tuple[jax.Array, jax.Array, jax.Array]:
     """flash_attention's tiled backward pass (FA2) of the queries q against the keys k, v only, from the out,
     lse and cotangents of the queries over all keys: P = exp(S - lse) are then the global weights, and with
     D = rowsum(dO * O) - d_lse the chunk's dq, dk, dv are its terms of the global gradients, in lse's dtype.
     flash._forward's preparation (grouping, tiling, padding) without mask, bias and key_lengths."""
     shapes = (q.shape, k.shape, v.shape)
-    if options["enable_gqa"]:  # (..., H, L, *) -> (..., Hkv, G, L, *), as flash._forward does
-        H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
+    if options.enable_gqa:  # (..., H, L, *) -> (..., Hkv, G, L, *), as flash._forward does
+        H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
         q, k, v, _, _, q_offset, _ = _grouped(q, k, v, None, None, q_offset, None)
-        out, d_out = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (out, d_out))
-        lse, d_lse = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 1)) for x in (lse, d_lse))
-    batch, L, S = checks.attention_batch(q.shape, k.shape, v.shape), q.shape[-2], k.shape[-2]
-    tiling = _tiling(batch, L, S, checks.default_scale(options["scale"], q.shape, k.shape), options)
+        out, d_out = (x.reshape(validation.grouped_shape(x.shape, H, Hkv, 2)) for x in (out, d_out))
+        lse, d_lse = (x.reshape(validation.grouped_shape(x.shape, H, Hkv, 1)) for x in (lse, d_lse))
+    batch, L, S = validation.attention_batch(q.shape, k.shape, v.shape), q.shape[-2], k.shape[-2]
+    tiling = _tiling(batch, L, S, validation.default_scale(options.scale, q.shape, k.shape), options)
     arrays = _tiled_inputs(tiling, lse.dtype, q, k, v, None, None, _integers(q_offset, "q_offset", batch), None)
     n, Lp = len(batch) + 2, arrays[0].shape[-2]
     out, d_out = (_pad(_ranked(x, n).astype(lse.dtype), Lp) for x in (out, d_out))  # (..., Lp, Ev)

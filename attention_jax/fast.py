@@ -32,15 +32,16 @@ import math
 import jax
 import jax.numpy as jnp
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import Structure
 
-from .functional import _at_least_float32, _masked_softmax, _ranked, _visible
+from .primitives import _at_least_float32, _masked_softmax, _ranked, _visible
 
 FUSED = "cudnn"  # jax.nn.dot_product_attention's implementation on CUDA ("xla" runs the same code on the CPU)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
-              bias: jax.Array | None, structure: dict, scale: float, softcap: float | None,
+              bias: jax.Array | None, structure: Structure, scale: float, softcap: float | None,
               batch: tuple) -> jax.Array:
     """softmax(softcap(Q K^T * scale) + bias) V over the visible keys, as scaled_dot_product_attention's out."""
     formulated = functools.partial(_formulated, mask=mask, bias=bias, structure=structure, scale=scale,
@@ -48,12 +49,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
     if not (_fused_applies(q, k, v, mask=mask, bias=bias, structure=structure, softcap=softcap, batch=batch)
             and _cuda_present()):
         return formulated(q, k, v)
-    fused = functools.partial(_fused, is_causal=structure["is_causal"], scale=scale, batch=batch)
+    fused = functools.partial(_fused, is_causal=structure.is_causal, scale=scale, batch=batch)
     return jax.lax.platform_dependent(q, k, v, cuda=fused, default=formulated)  # chosen where it is lowered
 
 
 def _formulated(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None, bias: jax.Array | None,
-                structure: dict, scale: float, softcap: float | None, batch: tuple) -> jax.Array:
+                structure: Structure, scale: float, softcap: float | None, batch: tuple) -> jax.Array:
     """The explicit formulation without the weights, in at least float32; out in the inputs' dtype."""
     dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
     q, k, v = (x.astype(work) for x in (q, k, v))
@@ -82,15 +83,15 @@ def _fused(q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool, scale: 
 
 
 def _fused_applies(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None,
-                   bias: jax.Array | None, structure: dict, softcap: float | None, batch: tuple) -> bool:
+                   bias: jax.Array | None, structure: Structure, softcap: float | None, batch: tuple) -> bool:
     """Whether cuDNN's kernel computes exactly our result for these inputs (see the module docstring)."""
     L, S, E, Ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
     half = q.dtype in (jnp.float16, jnp.bfloat16)
-    plain = (isinstance(structure["q_offset"], int) and structure["q_offset"] == 0 and structure["window"] is None
-             and structure["key_lengths"] is None and softcap is None)  # positions, windows, lengths: ours
-    unmasked = plain and mask is None and bias is None and (L == S or not structure["is_causal"])
+    plain = (isinstance(structure.q_offset, int) and structure.q_offset == 0 and structure.window is None
+             and structure.key_lengths is None and softcap is None)  # positions, windows, lengths: ours
+    unmasked = plain and mask is None and bias is None and (L == S or not structure.is_causal)
     widths = Ev == E and E % 8 == 0 and 0 < E <= 128  # E = 0 (with an explicit scale): the formulation
-    shared = checks.shared_kv_head(q.shape, k.shape, v.shape)  # GQA's groups: _fused would copy k, v per head
+    shared = validation.shared_kv_head(q.shape, k.shape, v.shape)  # GQA's groups: _fused would copy k, v per head
     return half and unmasked and widths and not shared and math.prod(batch) > 0
 
 

@@ -23,7 +23,7 @@ never computed: causal attention does about half the work. The JAX specifics: th
 the traced program does not grow with L and S. The forward pass maps (lax.map) over the query tiles, each a
 lax.fori_loop over its key tiles; the backward pass scans over the key tiles, each a fori_loop over the query
 tiles that may see it, with dQ carried along. The loops' bounds are computed from q_offset and key_lengths
-as arrays (the rule of checks.key_tiles), so those may be traced under jit. L and S are padded up to whole
+as arrays (the rule of validation.key_tiles), so those may be traced under jit. L and S are padded up to whole
 tiles (a padded key is hidden, a padded query dropped). The tiled passes are one jax.custom_vjp, so that
 jax.grad through flash_attention keeps the memory bounded too; flash_attention_vjp is jax.vjp of it.
 """
@@ -38,9 +38,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import FlashOptions, Structure
 
-from .functional import _at_least_float32, _dtypes, _grouped, _integers, _prepare, _ranked, _ungrouped
+from .functional import _dtypes, _grouped, _prepare, _ungrouped
+from .primitives import _at_least_float32, _integers, _ranked, _sum_to
 
 TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: the
 # loops' steps run one after another, each with a fixed cost; 128 x 128 ran twice as long as 256 x 512 at H=8
@@ -70,14 +72,14 @@ def flash_attention(
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
-            (checks.default_tiles within the backend's TILE_SCORES).
+            (validation.default_tiles within the backend's TILE_SCORES).
         block_k: keys per tile (the last tile may be shorter); None: as for block_q.
 
     Returns:
         out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
         are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key.
     """
-    return _forward(q, k, v, mask, bias, dict(
+    return _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
         softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
 
@@ -118,13 +120,14 @@ def flash_attention_vjp(
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
         bias is None; each gradient has its input's shape and dtype.
     """
-    options = dict(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-                   softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+    options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
+                           key_lengths=key_lengths, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
+                           block_k=block_k)
     (out, lse), pull = jax.vjp(lambda q, k, v, bias: _forward(q, k, v, mask, bias, options), q, k, v, bias)
     # jax: autodiff of the forward, whose tiled core is a custom_vjp carrying the backward pass below
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its cotangent is 0 here
 
     return out, lse, pullback
@@ -144,27 +147,49 @@ class _Tiling(NamedTuple):
     window: tuple[int | None, int | None] | None
 
 
-class _Problem(dict):
+class _Problem(NamedTuple):
     """One call's tiling and its arrays in the working dtype, all at the scores' rank and padded to whole tiles
     (grouped with enable_gqa: q (..., Hkv, G, Lp, E), k and v (..., Hkv, 1, Sp, *)): what both passes read."""
 
-    __getattr__ = dict.__getitem__
+    # the tiling (_Tiling's fields)
+    batch: tuple  # the scores' leading axes (...)
+    L: int  # queries and keys before padding
+    S: int
+    block_q: int
+    block_k: int
+    scale: float
+    softcap: float | None
+    is_causal: bool
+    window: tuple[int | None, int | None] | None
+    # the arrays, padded to Lp queries and Sp keys
+    q: jax.Array  # (..., Lp, E)
+    k: jax.Array  # (..., Sp, E)
+    v: jax.Array  # (..., Sp, Ev)
+    bias: jax.Array | None  # (..., Lp | 1, Sp | 1)
+    mask: jax.Array | None  # (..., Lp | 1, Sp | 1)
+    q_offset: jax.Array  # (...)
+    key_lengths: jax.Array | None  # (...)
+    Lp: int
+    Sp: int
+    work: Any  # the working dtype: at least float32
+    offsets: tuple[jax.Array, jax.Array]  # q_offset's least and greatest value, which choose the tiles
+    longest: jax.Array | None  # key_lengths' greatest value (None: no key_lengths)
 
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
-             options: dict) -> tuple[jax.Array, jax.Array]:
+             options: FlashOptions) -> tuple[jax.Array, jax.Array]:
     """out and lse in the caller's shapes (heads ungrouped): the checks of scaled_dot_product_attention, the
     inputs as the tiles read them, then the tiled core. Differentiable in q, k, v and bias: the padding, the
     casts and the reshapes around the core are differentiated by JAX, the core by its own backward pass."""
-    checks.tiles(options["block_q"], options["block_k"])
+    validation.tiles(options.block_q, options.block_k)
     dtype = q.dtype
-    q_offset, key_lengths = options["q_offset"], options["key_lengths"]
-    if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
+    q_offset, key_lengths = options.q_offset, options.key_lengths
+    if options.enable_gqa:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=checks.window(options["window"]),
-                     key_lengths=key_lengths)
-    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
-                                   softcap=options["softcap"], dropout_p=0.0, need_weights=False, rng=None)
+    structure = Structure(is_causal=options.is_causal, q_offset=q_offset,
+                          window=validation.window(options.window), key_lengths=key_lengths)
+    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options.scale,
+                                   softcap=options.softcap, dropout_p=0.0, need_weights=False, rng=None)
     L, S = q.shape[-2], k.shape[-2]
     _check_masks(mask, bias, (*batch, L, S))
     q_offset = _integers(q_offset, "q_offset", batch)
@@ -177,17 +202,17 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
         arrays = _tiled_inputs(tiling, work, q, k, v, bias, mask, q_offset, key_lengths)
         out, lse = _tiled_jit(tiling, *arrays)  # (..., Lp, Ev), (..., Lp)
         out, lse = out[..., :L, :], lse[..., :L]  # the padded queries dropped
-    if options["enable_gqa"]:  # (..., Hkv, G, L, *) -> (..., H, L, *)
+    if options.enable_gqa:  # (..., Hkv, G, L, *) -> (..., H, L, *)
         out, lse = _ungrouped(out), _ungrouped(lse[..., None])[..., 0]
     return out.astype(dtype), lse
 
 
-def _tiling(batch: tuple, L: int, S: int, scale: float, options: dict) -> _Tiling:
+def _tiling(batch: tuple, L: int, S: int, scale: float, options: FlashOptions) -> _Tiling:
     """The static description of a problem of L queries and S keys (tiles no larger than the sequence)."""
-    block_q, block_k = checks.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
+    block_q, block_k = validation.default_tiles(options.block_q, options.block_k, batch, L, S, TILE_SCORES)
     return _Tiling(batch=batch, L=L, S=S, block_q=min(block_q, L), block_k=min(block_k, S),
-                   scale=scale, softcap=options["softcap"], is_causal=options["is_causal"],
-                   window=checks.window(options["window"]))
+                   scale=scale, softcap=options.softcap, is_causal=options.is_causal,
+                   window=validation.window(options.window))
 
 
 def _tiled_inputs(tiling: _Tiling, work: Any, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
@@ -208,11 +233,11 @@ def _check_masks(mask: jax.Array | None, bias: jax.Array | None, shape: tuple) -
     """mask and bias broadcast to the scores' shape (..., L, S); a floating mask holds 0 and 1 only."""
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, jnp.shape(x), shape, "..., L, S")
+            validation.broadcasts_to(name, jnp.shape(x), shape, "..., L, S")
     if mask is not None and jnp.issubdtype(jnp.asarray(mask).dtype, jnp.floating):
         binary = jnp.all((mask == 0.0) | (mask == 1.0))
         # jax: under jit the values cannot be seen, of an argument nor of a mask the jitted function captures
-        checks.binary_mask(True, None if isinstance(binary, jax.core.Tracer) else bool(binary))
+        validation.binary_mask(True, None if isinstance(binary, jax.core.Tracer) else bool(binary))
 
 
 def _padded(n: int, block: int) -> int:
@@ -238,7 +263,7 @@ def _problem(tiling: _Tiling, q: jax.Array, k: jax.Array, v: jax.Array, bias: ja
     the tiles, as arrays (jax: they may be traced)."""
     def extreme(x: jax.Array, reduce: Callable) -> jax.Array:
         return reduce(x) if x.size else jnp.zeros((), int)  # no sequence at all: nothing to choose
-    return _Problem(tiling._asdict(), q=q, k=k, v=v, bias=bias, mask=mask, q_offset=q_offset,
+    return _Problem(**tiling._asdict(), q=q, k=k, v=v, bias=bias, mask=mask, q_offset=q_offset,
                     key_lengths=key_lengths, Lp=q.shape[-2], Sp=k.shape[-2], work=q.dtype,
                     offsets=(extreme(q_offset, jnp.min), extreme(q_offset, jnp.max)),
                     longest=None if key_lengths is None else extreme(key_lengths, jnp.max))
@@ -276,7 +301,7 @@ def _forward_tiles(p: _Problem) -> tuple[jax.Array, jax.Array]:
 
 
 def _key_tiles(p: _Problem, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The key tiles lo .. hi - 1 that some query of the tile starting at `rows` may see: checks.key_tiles's
+    """The key tiles lo .. hi - 1 that some query of the tile starting at `rows` may see: validation.key_tiles's
     rule on arrays (jax: q_offset and key_lengths may be traced, so the bounds are too)."""
     (least, greatest), left, right = p.offsets, *(p.window or (None, None))
     first, last = least + rows, greatest + jnp.minimum(rows + p.block_q, p.L) - 1  # least, greatest position
@@ -483,9 +508,3 @@ def _product(subscripts: str, x: jax.Array, y: jax.Array) -> jax.Array:
     (jax: einsum contracts the axes it names, where swapaxes(x) @ y copies a transposed tile first,
     measured 30% of the backward pass at B=1, H=8, L=S=4096, E=64)."""
     return jnp.einsum(subscripts, x, y)
-
-
-def _sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Sum x over the axes along which an array of `shape` (at x's rank) was broadcast to x's shape."""
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x

@@ -1,4 +1,4 @@
-"""Scaled dot-product attention and its masks, in JAX.
+"""Scaled dot-product attention and rotary embeddings, in JAX; the masks are in primitives.py.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
@@ -11,7 +11,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import Structure
+
+from .fast import attention
+from .primitives import _at_least_float32, _integers, _masked_softmax, _ranked, _visible
 
 Rng = jax.Array | None
 
@@ -65,7 +69,8 @@ def scaled_dot_product_attention(
             q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
             key_lengths=key_lengths, softcap=softcap, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
         return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
-    structure = dict(is_causal=is_causal, q_offset=q_offset, window=checks.window(window), key_lengths=key_lengths)
+    structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
+                          key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights, rng=rng)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
@@ -73,8 +78,6 @@ def scaled_dot_product_attention(
     q, k, v = (_ranked(x, len(batch) + 2) for x in (q, k, v))  # jax: one rank for all, no rank promotion
     dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
-        from .fast import attention
-
         return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, softcap=softcap,
                          batch=batch), None
     q, k, v = (x.astype(work) for x in (q, k, v))
@@ -95,34 +98,6 @@ def scaled_dot_product_attention(
     return out.astype(dtype), (weights.astype(dtype) if need_weights else None)
 
 
-def causal_mask(L: int, S: int, *, q_offset: int | jax.Array = 0) -> jax.Array:
-    """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
-    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
-
-
-def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
-                q_offset: int | jax.Array = 0) -> jax.Array:
-    """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
-    p_i = q_offset + i; a side that is None is unbounded."""
-    left, right = checks.window(window)
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    shape = (*p.shape[:-2], L, S)  # (..., L, S)
-    after_left = jnp.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
-    before_right = True if right is None else j <= p + right  # (..., L, S)
-    return after_left & before_right  # (..., L, S)
-
-
-def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
-    """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
-
-    The two singleton axes stand for H and L, so the mask broadcasts over (B, H, L, S) scores.
-    """
-    lengths = jnp.asarray(lengths)
-    return _ranked(jnp.arange(S), lengths.ndim + 3) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
-
-
 def apply_rope(x: jax.Array, positions: int | jax.Array, *, theta: float = 10000.0,
                interleaved: bool = False) -> jax.Array:
     """RoPE(x) at position p: each pair (x1, x2) of x turned by the angle p * theta^(-2j / E), j its index,
@@ -140,7 +115,7 @@ def apply_rope(x: jax.Array, positions: int | jax.Array, *, theta: float = 10000
         of two rotated rows depends on their positions only through their difference.
     """
     positions = jnp.asarray(positions)
-    checks.rope(x.shape, positions.shape, str(positions.dtype), jnp.issubdtype(positions.dtype, jnp.integer), theta)
+    validation.rope(x.shape, positions.shape, str(positions.dtype), jnp.issubdtype(positions.dtype, jnp.integer), theta)
     work = _at_least_float32(x.dtype)  # float16, bfloat16: in float32
     cos, sin = _rope_table(_ranked(positions, x.ndim - 1), x.shape[-1], theta, work, interleaved)
     return _turned(x, cos, sin, interleaved)
@@ -181,17 +156,17 @@ def _turned(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool) -> 
 
 
 def _prepare(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
-             structure: dict, *, scale: float | None, softcap: float | None, dropout_p: float,
+             structure: Structure, *, scale: float | None, softcap: float | None, dropout_p: float,
              need_weights: bool, rng: Rng) -> tuple[tuple, float, tuple | None]:
     """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
     (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
     (else None)."""
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    checks.probability("dropout_p", dropout_p)
-    checks.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")  # jax: no global RNG to fall back on
-    checks.softcap(softcap)
-    scale = checks.default_scale(scale, q.shape, k.shape)
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    validation.probability("dropout_p", dropout_p)
+    validation.dropout_rng(dropout_p, rng, "scaled_dot_product_attention")  # jax: no global RNG to fall back on
+    validation.softcap(softcap)
+    scale = validation.default_scale(scale, q.shape, k.shape)
     L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
@@ -207,13 +182,13 @@ def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     (..., Hkv, S, E | Ev) -> (..., Hkv, 1, S, E | Ev), G = H // Hkv, so query head h = (h // G, h % G) meets
     key/value head h // G. mask and bias (..., H, L, S) and q_offset, key_lengths (..., H) split their head
     axis alike, after their shapes are checked against q's H heads. Reshapes only: nothing is copied."""
-    H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
-    q, k, v = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
-    batch = (*checks.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
+    H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
+    q, k, v = (x.reshape(validation.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
+    batch = (*validation.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
     scores_shape = (*batch, q.shape[-2], k.shape[-2])  # (..., H, L, S)
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, jnp.shape(x), scores_shape, "..., H, L, S")
+            validation.broadcasts_to(name, jnp.shape(x), scores_shape, "..., H, L, S")
     for name, x in (("q_offset", q_offset), ("key_lengths", key_lengths)):
         if x is not None:
             _integers(x, name, batch)
@@ -221,7 +196,7 @@ def _grouped(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     def split(x: jax.Array | None, trailing: int) -> jax.Array | None:
         if x is None or jnp.ndim(x) <= trailing:  # no head axis: it broadcasts over the groups as it is
             return x
-        return jnp.reshape(x, checks.grouped_shape(jnp.shape(x), H, Hkv, trailing))
+        return jnp.reshape(x, validation.grouped_shape(jnp.shape(x), H, Hkv, trailing))
 
     return q, k, v, split(mask, 2), split(bias, 2), split(q_offset, 0), split(key_lengths, 0)
 
@@ -234,87 +209,6 @@ def _ungrouped(x: jax.Array | None) -> jax.Array | None:
 def _dtypes(**arrays: jax.Array) -> dict[str, tuple[str, bool]]:
     """{argument name: (dtype name, is floating)}, for the dtype checks shared by the backends."""
     return {name: (str(x.dtype), jnp.issubdtype(x.dtype, jnp.floating)) for name, x in arrays.items()}
-
-
-def _visible(mask: jax.Array | None, bias: jax.Array | None, structure: dict,
-             scores_shape: tuple) -> jax.Array | None:
-    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by the structure
-    (is_causal, q_offset, window, key_lengths; built from positions). Broadcasts to the scores' shape
-    (..., L, S); None when nothing hides a key."""
-    L, S = scores_shape[-2:]
-    visible = None
-    if mask is not None:
-        checks.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
-        mask = jnp.asarray(mask)
-        floating = jnp.issubdtype(mask.dtype, jnp.floating)
-        binary = jnp.all((mask == 0.0) | (mask == 1.0)) if floating else None
-        # jax: under jit the values cannot be seen, of an argument nor of a mask the jitted function captures
-        checks.binary_mask(floating, None if binary is None or isinstance(binary, jax.core.Tracer) else bool(binary))
-        visible = _ranked(mask.astype(bool), len(scores_shape))  # nonzero: visible (jax: a cast, as strict
-        # promotion forbids mask != 0)
-    if bias is not None:
-        checks.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
-        visible = _both(visible, _ranked(jnp.asarray(bias) != -jnp.inf, len(scores_shape)))
-    q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2])  # jax: may be a tracer under jit
-    if structure["is_causal"]:
-        visible = _both(visible, _ranked(causal_mask(L, S, q_offset=q_offset), len(scores_shape)))
-    if structure["window"] is not None:
-        visible = _both(visible, _ranked(window_mask(L, S, structure["window"], q_offset=q_offset), len(scores_shape)))
-    if structure["key_lengths"] is not None:
-        key_lengths = _integers(structure["key_lengths"], "key_lengths", scores_shape[:-2])
-        keys = _ranked(jnp.arange(S), len(scores_shape)) < _ranked(key_lengths[..., None, None], len(scores_shape))
-        visible = _both(visible, keys)  # (S,) against (..., 1, 1)
-    return visible
-
-
-def _integers(x: int | jax.Array, name: str = "q_offset", batch: tuple | None = None) -> jax.Array:
-    """q_offset or key_lengths as an array of JAX's default int, checked: integer, and (given the scores'
-    leading axes `batch`) broadcasting to them."""
-    x = jnp.asarray(x)
-    checks.positions(name, x.shape, str(x.dtype), jnp.issubdtype(x.dtype, jnp.integer),
-                     x.shape if batch is None else batch)
-    return x.astype(int)  # jax: one int dtype for the positions, as strict promotion forbids mixing them
-
-
-def _positions(L: int, S: int, q_offset: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,) at the same rank."""
-    p = q_offset[..., None, None] + _ranked(jnp.arange(L)[:, None], q_offset.ndim + 2)  # (..., L, 1)
-    return p, _ranked(jnp.arange(S), p.ndim)  # jax: the same rank, as rank promotion may be refused
-
-
-def _at_least_float32(dtype: Any) -> Any:
-    """float32 for float16 and bfloat16, the dtype itself otherwise. jax: jnp.promote_types obeys strict
-    promotion, which refuses to promote float64 with float32."""
-    return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
-
-
-def _ranked(x: jax.Array, ndim: int) -> jax.Array:
-    """x with leading axes of size 1 up to `ndim` axes. jax: broadcasting then needs no rank promotion, so
-    the backend works with jax_numpy_rank_promotion="raise"."""
-    return jnp.reshape(x, (1,) * (ndim - x.ndim) + x.shape)
-
-
-def _both(visible: jax.Array | None, rule: jax.Array) -> jax.Array:
-    return rule if visible is None else visible & rule
-
-
-def _masked_softmax(scores: jax.Array, visible: jax.Array | None) -> jax.Array:
-    """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
-
-    weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
-    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
-    """
-    if visible is None:  # every key visible: the plain softmax
-        row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))
-        exp = jnp.exp(scores - row_max)  # (..., L, S)
-        return exp / jnp.sum(exp, axis=-1, keepdims=True)
-    scores = jnp.where(visible, scores, -jnp.inf)  # hidden entries become exp(-inf) = 0 below
-    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))  # (..., L, 1)
-    # jax: stop_gradient, as the shift cancels in the softmax and needs no gradient
-    row_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # fully masked row: any finite shift will do
-    exp = jnp.exp(scores - row_max)  # (..., L, S)
-    total = jnp.sum(exp, axis=-1, keepdims=True)  # (..., L, 1)
-    return exp / jnp.where(total == 0.0, 1.0, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
 
 
 def _dropout(x: jax.Array, p: float, rng: Rng) -> jax.Array:

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _dtypes, scaled_dot_product_attention
 
@@ -60,7 +60,7 @@ def scaled_dot_product_attention_vjp(
     out, pull, weights = jax.vjp(attention, q, k, v, bias, has_aux=True)  # jax: autodiff of the forward
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return pull(d_out)
 
     return out, weights, pullback
@@ -75,11 +75,11 @@ def multi_head_attention_vjp(mha: Any, q: jax.Array, k: jax.Array, v: jax.Array,
         out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
         dparams {state-dict name: gradient}.
     """
-    checks.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
+    validation.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
     out, pull, weights = jax.vjp(lambda m, q, k, v: m(q, k, v, mask), mha, q, k, v, has_aux=True)
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, Grads]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_mha, dq, dk, dv = pull(d_out)
         return dq, dk, dv, d_mha.state_dict()  # jax: the gradient of a module is a module
 
@@ -93,11 +93,11 @@ def transformer_block_vjp(block: Any, x: jax.Array,
     Returns:
         y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
     """
-    checks.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
+    validation.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
     y, pull, weights = jax.vjp(lambda b, x: b(x, mask), block, x, has_aux=True)
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, Grads]:
-        checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
+        validation.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         d_block, dx = pull(d_out)
         return dx, d_block.state_dict()
 

@@ -21,17 +21,19 @@ the forward code (attention_np.linear derives them by hand); the state is a tupl
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import LinearOptions
 
-from .functional import _at_least_float32, _dtypes, _integers, _ranked
+from .functional import _dtypes
+from .primitives import _at_least_float32, _integers, _ranked
 
-# the feature maps of checks.FEATURE_MAPS: phi(x); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise (exp of
+# the feature maps of validation.FEATURE_MAPS: phi(x); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise (exp of
 # min(x, 0): the branch not taken never overflows). jax: phi' comes from autodiff
 FEATURE_MAPS: dict[str, Callable] = {
     "elu": lambda x: jnp.where(x > 0, x + 1, jnp.exp(jnp.minimum(x, 0))),
@@ -69,8 +71,8 @@ def linear_attention(
     Returns:
         out (..., L, Ev) in q's dtype, computed in at least float32.
     """
-    p = _problem(q, k, v, dict(feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths, eps=eps,
-                               chunk=chunk))
+    p = _problem(q, k, v, LinearOptions(feature_map=feature_map, is_causal=is_causal,
+                                        key_lengths=key_lengths, eps=eps, chunk=chunk))
     num, den = _form(p)(p)
     return (num / den).astype(q.dtype)
 
@@ -105,7 +107,7 @@ def linear_attention_vjp(
     out, pull = jax.vjp(attention, q, k, v)  # jax: autodiff of the forward
 
     def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return pull(d_out)
 
     return out, pullback
@@ -125,9 +127,9 @@ def linear_attention_state(batch_shape: tuple[int, ...], E: int, Ev: int, *,
     Returns:
         S (..., E, Ev) and z (..., E), zeros.
     """
-    batch = checks.linear_state_size(batch_shape, E, Ev)
+    batch = validation.linear_state_size(batch_shape, E, Ev)
     dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
-    checks.same_floating_dtype({"dtype": (str(dtype), jnp.issubdtype(dtype, jnp.floating))})
+    validation.same_floating_dtype({"dtype": (str(dtype), jnp.issubdtype(dtype, jnp.floating))})
     return jnp.zeros((*batch, E, Ev), dtype), jnp.zeros((*batch, E), dtype)
 
 
@@ -155,13 +157,13 @@ def linear_attention_step(
         out_t (..., Ev) in q_t's dtype and the new state (S', z') in the state's dtype, which the step computes in
         (at least the inputs' working dtype: float32 for float16 and bfloat16 inputs).
     """
-    checks.linear_state_pair(state)
+    validation.linear_state_pair(state)
     S, z = state
-    checks.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
-    checks.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
-    checks.linear_options(feature_map, eps)
+    validation.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
+    validation.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
+    validation.linear_options(feature_map, eps)
     work = _at_least_float32(q_t.dtype)
-    checks.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
+    validation.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
     phi = FEATURE_MAPS[feature_map]
     # jax: the inputs at z's rank, as rank promotion may be refused
     q, k, v = (_ranked(x.astype(S.dtype), z.ndim) for x in (q_t, k_t, v_t))
@@ -175,33 +177,41 @@ def linear_attention_step(
     return (num / den).astype(q_t.dtype), (S, z)
 
 
-class _Problem(dict):
+class _Problem(NamedTuple):
     """One call's checked inputs in the working dtype, all at the scores' rank less one: phi(Q), phi(K) and V with
     the hidden keys' rows zeroed, and the options."""
 
-    __getattr__ = dict.__getitem__
+    is_causal: bool
+    chunk: int | None
+    eps: float  # a Python float: no promotion
+    phi_q: jax.Array  # (..., L, E)
+    phi_k: jax.Array  # (..., S, E), hidden keys' rows zeroed
+    v: jax.Array  # (..., S, Ev), hidden keys' rows zeroed
+    batch: tuple  # the leading axes (...)
+    L: int
+    work: Any  # the working dtype: at least float32
 
 
-def _problem(q: jax.Array, k: jax.Array, v: jax.Array, options: dict) -> _Problem:
+def _problem(q: jax.Array, k: jax.Array, v: jax.Array, options: LinearOptions) -> _Problem:
     """The checks of scaled_dot_product_attention that apply (shapes, dtypes, key_lengths), linear attention's
     own (feature_map, eps, chunk, L == S when causal), then phi(Q) and phi(K) in the working dtype."""
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    checks.linear_options(options["feature_map"], options["eps"], options["chunk"])
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    validation.linear_options(options.feature_map, options.eps, options.chunk)
     L, S = q.shape[-2], k.shape[-2]
-    if options["is_causal"]:
-        checks.linear_causal(L, S)
+    if options.is_causal:
+        validation.linear_causal(L, S)
     work = _at_least_float32(q.dtype)  # float16, bfloat16: in float32
     n = len(batch) + 2  # jax: every array at one rank, as rank promotion may be refused
     q, k, v = (_ranked(x.astype(work), n) for x in (q, k, v))
-    phi = FEATURE_MAPS[options["feature_map"]]
+    phi = FEATURE_MAPS[options.feature_map]
     phi_k = phi(k)
-    if options["key_lengths"] is not None:  # hidden keys add nothing to either sum: their rows zeroed
-        key_lengths = _ranked(_integers(options["key_lengths"], "key_lengths", batch), len(batch))
+    if options.key_lengths is not None:  # hidden keys add nothing to either sum: their rows zeroed
+        key_lengths = _ranked(_integers(options.key_lengths, "key_lengths", batch), len(batch))
         keep = _ranked(jnp.arange(S)[:, None], n) < key_lengths[..., None, None]  # (..., S, 1)
         phi_k, v = jnp.where(keep, phi_k, 0), jnp.where(keep, v, 0)  # (..., S, E), (..., S, Ev)
-    return _Problem(options, eps=float(options["eps"]),  # a Python float: no promotion
-                    phi_q=phi(q), phi_k=phi_k, v=v, batch=batch, L=L, work=work)
+    return _Problem(is_causal=options.is_causal, chunk=options.chunk, eps=float(options.eps), phi_q=phi(q),
+                    phi_k=phi_k, v=v, batch=batch, L=L, work=work)
 
 
 def _form(p: _Problem) -> Callable:

@@ -4,9 +4,9 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 The classes users read come first, MultiHeadAttention and TransformerBlock; the pieces they are built
-from (Linear, LayerNorm, RMSNorm, FeedForward, GatedFeedForward, the activation) follow. Parameter names and
-layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b (no b
-with bias=False); LayerNorm keeps weight (D,) and bias (D,), RMSNorm weight (D,).
+from (Linear, LayerNorm, RMSNorm, FeedForward, GatedFeedForward) follow; their activations are in primitives.py.
+Parameter names and layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and computes
+y = x W^T + b (no b with bias=False); LayerNorm keeps weight (D,) and bias (D,), RMSNorm weight (D,).
 """
 
 from __future__ import annotations
@@ -18,23 +18,14 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.special
 
-from attention_np.common import checks, module
+from attention_np.common import module, validation
 
 from .arrays import asarray
-from .functional import (
-    Rng,
-    _at_least_float32,
-    _dropout,
-    _dtypes,
-    _ranked,
-    _rngs,
-    _rope_table,
-    _turned,
-    _ungrouped,
-    scaled_dot_product_attention,
-)
+from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, _ungrouped, scaled_dot_product_attention
+from .gradients import multi_head_attention_vjp, transformer_block_vjp
+from .linear import linear_attention
+from .primitives import _activation, _at_least_float32, _ranked, _silu
 
 
 class Module(module.Module):
@@ -92,13 +83,13 @@ class MultiHeadAttention(Module):
         rotation, base rope_theta); attention "softmax" (scaled dot-product attention) or "linear"
         (linear_attention with its defaults: no mask, no weights, so dropout must be 0);
         rng and dtype (float32 by default) for the initial parameters, drawn as nn.Linear draws them."""
-        checks.module_sizes(d_model, num_heads)
-        num_kv_heads = checks.kv_heads(num_heads, num_kv_heads)
-        rope_theta = checks.rope_theta(rope_theta, d_model, num_heads)
-        checks.probability("dropout", dropout)
-        checks.attention(attention, dropout)
+        validation.module_sizes(d_model, num_heads)
+        num_kv_heads = validation.kv_heads(num_heads, num_kv_heads)
+        rope_theta = validation.rope_theta(rope_theta, d_model, num_heads)
+        validation.probability("dropout", dropout)
+        validation.attention(attention, dropout)
         rngs, dtype = _rngs(_fresh(rng), 4), jnp.float32 if dtype is None else dtype
-        shapes = checks.mha_state_shapes(d_model, num_heads, num_kv_heads)
+        shapes = validation.mha_state_shapes(d_model, num_heads, num_kv_heads)
         projections = {name: Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
                        for name, rng in zip(self._children, rngs, strict=True)}
         self._init(**projections, num_heads=num_heads, num_kv_heads=num_kv_heads, rope_theta=rope_theta,
@@ -110,12 +101,12 @@ class MultiHeadAttention(Module):
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
-        rope_theta = checks.rope_theta(rope_theta, layout["d_model"], num_heads)
-        checks.probability("dropout", dropout)
-        checks.attention(attention, dropout)
-        checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
-        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
+        rope_theta = validation.rope_theta(rope_theta, layout["d_model"], num_heads)
+        validation.probability("dropout", dropout)
+        validation.attention(attention, dropout)
+        validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout))
+        validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         projections = {name: Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in cls._children}
         return cls._build(**projections, num_heads=num_heads, num_kv_heads=layout["num_kv_heads"],
                           rope_theta=rope_theta, attention=attention, dropout=dropout, training=True)
@@ -152,7 +143,7 @@ class MultiHeadAttention(Module):
             out, weights = self._linear_heads(q, k, v), None  # (..., H, L, d_k)
         else:
             dropout_p = self.dropout if self.training else 0.0
-            checks.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
+            validation.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
             out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
                                                         need_weights=need_weights, rng=rng,
                                                         enable_gqa=self.grouped)  # (..., H, L, d_k)
@@ -164,8 +155,6 @@ class MultiHeadAttention(Module):
             mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
         """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
         gradient}), without dropout."""
-        from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
-
         return multi_head_attention_vjp(self, q, k, v, mask)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
@@ -173,8 +162,8 @@ class MultiHeadAttention(Module):
         values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
         with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32.
         Softmax attention's only: attention="linear" raises ValueError."""
-        checks.cached(self.attention)
-        batch_shape = checks.cache_size(batch_shape, capacity)
+        validation.cached(self.attention)
+        batch_shape = validation.cache_size(batch_shape, capacity)
         d_k = self.w_q.weight.shape[1] // self.num_heads
         shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
         dtype = self.w_q.weight.dtype if dtype is None else dtype
@@ -222,7 +211,7 @@ class MultiHeadAttention(Module):
         # 2) attend over every position of the cache: causal from start hides those not yet filled
         # (jax: the shapes stay static, so one compile serves every length)
         dropout_p = self.dropout if self.training else 0.0
-        checks.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
+        validation.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
         out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start,
                                                     enable_gqa=self.grouped, dropout_p=dropout_p,
                                                     need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
@@ -236,22 +225,22 @@ class MultiHeadAttention(Module):
     def _check_extend(self, inputs: dict[str, jax.Array], cache: KVCache, mask: jax.Array | None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters (the
         cache's room only where its length is known, outside jit)."""
-        checks.cached(self.attention)
+        validation.cached(self.attention)
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
-        L = checks.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
+        L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
                                 weight.shape[1])
-        checks.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
+        validation.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
         if mask is not None:
-            checks.broadcasts_to("mask", jnp.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
+            validation.broadcasts_to("mask", jnp.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
                                  "..., H, L, capacity")
         if not isinstance(cache.length, jax.core.Tracer):
-            checks.cache_room(capacity, int(cache.length), L)
+            validation.cache_room(capacity, int(cache.length), L)
 
     def _check_inputs(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> None:
         d_model = self.w_q.weight.shape[1]
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            checks.module_input(name, x.shape, d_model, letter)
-        checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+            validation.module_input(name, x.shape, d_model, letter)
+        validation.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
         if mask is not None and self.attention == "linear":
             raise ValueError("mask must be None with attention='linear': linear attention takes no mask")
 
@@ -279,9 +268,6 @@ class MultiHeadAttention(Module):
     def _linear_heads(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """linear_attention (its defaults: phi = elu + 1, eps 1e-6, not causal) in every head, q (..., H, L, d_k)
         against k, v (..., Hkv, S, d_k): out (..., H, L, d_k)."""
-        from .linear import linear_attention  # imported when used, as NumPy's must be (its linear.py builds on
-        # gradients.py, which builds on these modules)
-
         out = linear_attention(*self._grouped_heads(q, k, v))  # (..., Hkv, G, L, d_k)
         return _ungrouped(out)  # (..., Hkv, G, L, d_k) -> (..., H, L, d_k)
 
@@ -321,10 +307,10 @@ class TransformerBlock(Module):
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
         the feed-forward network; rope_theta for attention (None: no rotary embeddings); eps inside the norm's
         square root; rng and dtype (float32 by default) for the initial parameters."""
-        checks.module_sizes(d_model, num_heads, d_ff)
-        checks.probability("dropout", dropout)
-        checks.activation(activation)
-        checks.norm(norm)
+        validation.module_sizes(d_model, num_heads, d_ff)
+        validation.probability("dropout", dropout)
+        validation.activation(activation)
+        validation.norm(norm)
         rngs, dtype = _rngs(_fresh(rng), 4 if activation == "swiglu" else 3), jnp.float32 if dtype is None else dtype
         attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
                                   rope_theta=rope_theta, rng=rngs[0], dtype=dtype)
@@ -340,10 +326,10 @@ class TransformerBlock(Module):
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        layout = checks.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
-        checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.block_state_shapes(num_heads=num_heads, **layout))
-        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        layout = validation.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
+        validation.probability("dropout", dropout)
+        validation.state(cls.__name__, shapes, validation.block_state_shapes(num_heads=num_heads, **layout))
+        validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
                                                   dropout=dropout, rope_theta=rope_theta)
         norm1, norm2 = (_NORMS[layout["norm"]].from_state(_prefixed(state, name), eps) for name in ("norm1", "norm2"))
@@ -367,7 +353,7 @@ class TransformerBlock(Module):
             x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
         """
         self._check_input(x)
-        checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)  # jax: no global RNG
+        validation.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)  # jax: no global RNG
         rngs = _rngs(rng, 4)
 
         def attend(h: jax.Array) -> tuple[jax.Array, jax.Array | None, None]:
@@ -396,7 +382,7 @@ class TransformerBlock(Module):
             positions too.
         """
         self.attn._check_extend({"x": x}, cache, mask)  # once: the attention's input, a norm of x or x, is alike
-        checks.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)  # jax: no global RNG
+        validation.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)  # jax: no global RNG
         rngs = _rngs(rng, 4)
 
         def attend(h: jax.Array) -> tuple[jax.Array, jax.Array | None, KVCache]:
@@ -406,13 +392,11 @@ class TransformerBlock(Module):
 
     def vjp(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
-        from .gradients import transformer_block_vjp  # the backward passes build on these modules
-
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: jax.Array) -> None:
-        checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
-        checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        validation.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        validation.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
 
     def _layers(self, x: jax.Array, attend: Callable,
                 rngs: list) -> tuple[jax.Array, jax.Array | None, Any]:
@@ -564,18 +548,6 @@ def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias
                                 dropout)
     return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
                        Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
-
-
-def _activation(name: str, x: jax.Array) -> jax.Array:
-    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form."""
-    if name == "relu":
-        return jnp.maximum(x, 0.0)
-    return x / 2 * (1 + jax.scipy.special.erf(x / math.sqrt(2)))
-
-
-def _silu(x: jax.Array) -> jax.Array:
-    """silu(x) = x * sigmoid(x)."""
-    return x * jax.nn.sigmoid(x)
 
 
 def _fresh(rng: jax.Array | None) -> jax.Array:

@@ -3,10 +3,11 @@
 from .arrays import asarray, load_state_dict, save_state_dict, to_numpy
 from .distributed import ring_attention, ring_attention_vjp
 from .flash import flash_attention, flash_attention_vjp
-from .functional import apply_rope, causal_mask, padding_mask, scaled_dot_product_attention, window_mask
+from .functional import apply_rope, scaled_dot_product_attention
 from .gradients import scaled_dot_product_attention_vjp
 from .linear import linear_attention, linear_attention_state, linear_attention_step, linear_attention_vjp
 from .modules import MultiHeadAttention, TransformerBlock
+from .primitives import causal_mask, padding_mask, window_mask
 
 __all__ = [
     "MultiHeadAttention",

@@ -39,7 +39,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import FlashOptions
 
 from .flash import _backward, _problem, flash_attention
 from .functional import _dtypes
@@ -72,9 +73,9 @@ def ring_attention(
     Returns:
         out (..., L, Ev) and lse (..., L), flash_attention's.
     """
-    checks.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
+    validation.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
     L, S = q.shape[-2], k.shape[-2]
-    chunks = checks.ring_chunks(devices, L, S, is_causal)  # per device: its chunks, (start, stop) pairs
+    chunks = validation.ring_chunks(devices, L, S, is_causal)  # per device: its chunks, (start, stop) pairs
     options = dict(scale=scale, window=window, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
                    block_k=block_k)
     empty_out, empty_lse = flash_attention(q[..., :0, :], k, v, is_causal=is_causal, q_offset=q_offset, **options)
@@ -124,23 +125,25 @@ def ring_attention_vjp(
         out (..., L, Ev), lse (..., L), ring_attention's, and pullback(d_out (..., L, Ev)) -> (dq, dk, dv),
         flash_attention_vjp's gradients; each has its input's shape and dtype.
     """
-    options = dict(is_causal=is_causal, scale=scale, window=window, softcap=softcap, enable_gqa=enable_gqa,
-                   block_q=block_q, block_k=block_k)
-    out, lse = ring_attention(q, k, v, devices=devices, q_offset=q_offset, **options)  # global, and the checks
+    out, lse = ring_attention(q, k, v, devices=devices, is_causal=is_causal, scale=scale, q_offset=q_offset,
+                              window=window, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
+                              block_k=block_k)  # global, and the checks
+    options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=None,
+                           softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        return _ring_backward((q, k, v), (out, lse, d_out), devices, q_offset, options)
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        return _ring_backward((q, k, v), (out, lse, d_out), devices, options)
 
     return out, lse, pullback
 
 
-def _ring_backward(inputs: tuple, outputs: tuple, devices: int, q_offset: int,
-                   options: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _ring_backward(inputs: tuple, outputs: tuple, devices: int,
+                   options: FlashOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """dq, dk, dv of the whole sequence, summed in lse's dtype (the scores', float32 for half precision) and cast
     to the inputs' at the end. inputs: q, k, v; outputs: the global out and lse and the cotangent d_out."""
     (q, k, v), lse = inputs, outputs[1]
-    chunks = checks.ring_chunks(devices, q.shape[-2], k.shape[-2], options["is_causal"])
+    chunks = validation.ring_chunks(devices, q.shape[-2], k.shape[-2], options.is_causal)
     dq, dk, dv = (np.zeros(x.shape, lse.dtype) for x in (q, k, v))  # (..., L, E), (..., S, E), (..., S, Ev)
     for step in range(devices):
         for device in range(devices):
@@ -149,7 +152,7 @@ def _ring_backward(inputs: tuple, outputs: tuple, devices: int, q_offset: int,
             holder = (device - step) % devices
             for rows in chunks["q"][device]:  # 2) each query chunk against each of the shard's key chunks
                 for cols in chunks["k"][holder]:
-                    pair = dict(options, q_offset=q_offset + rows[0] - cols[0])  # global positions
+                    pair = options._replace(q_offset=options.q_offset + rows[0] - cols[0])  # global positions
                     share = _pair_gradients(inputs, outputs, slice(*rows), slice(*cols), pair)
                     # 3) dQ stays on the device; dK, dV go into the accumulators, which travel on to device + 1
                     dq[..., slice(*rows), :] += share[0]
@@ -159,17 +162,17 @@ def _ring_backward(inputs: tuple, outputs: tuple, devices: int, q_offset: int,
 
 
 def _pair_gradients(inputs: tuple, outputs: tuple, rows: slice, cols: slice,
-                    options: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    options: FlashOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One (query chunk, key chunk) pair's share of dq (..., L, E), dk (..., S, E) and dv (..., S, Ev), L and S
     the chunks' lengths, in the working dtype: flash_attention's backward pass of the two chunks (flash._backward)
     with the global out and lse of the chunk's query rows, so that P = exp(S - lse) are the weights over all
     keys. With enable_gqa dk and dv come back summed over each key/value head's group of query heads."""
     (q, k, v), (out, lse, d_out) = inputs, outputs
-    p = _problem(q[..., rows, :], k[..., cols, :], v[..., cols, :], None, None, dict(options, key_lengths=None))
+    p = _problem(q[..., rows, :], k[..., cols, :], v[..., cols, :], None, None, options)
     L = rows.stop - rows.start  # the chunk's
     # grouped as the problem groups the heads with enable_gqa (H -> Hkv, G), as flash._forward keeps them
-    p["out"] = out[..., rows, :].astype(p.work, copy=False).reshape(*p.batch, L, out.shape[-1])  # (..., L, Ev)
-    p["lse"] = lse[..., rows].astype(p.work, copy=False).reshape(*p.batch, L)  # (..., L)
+    p = p._replace(out=out[..., rows, :].astype(p.work, copy=False).reshape(*p.batch, L, out.shape[-1]),
+                   lse=lse[..., rows].astype(p.work, copy=False).reshape(*p.batch, L))  # (..., L, Ev), (..., L)
     dq, dk, dv, _ = _backward(p, d_out[..., rows, :], (p.q, p.k, p.v, None))  # p's dtypes: the working one
     return dq, dk, dv
 

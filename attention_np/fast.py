@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import Structure
 
-from .functional import _visible
+from .primitives import _visible
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *,
-              bias: np.ndarray | None, structure: dict, scale: float, softcap: float | None,
+              bias: np.ndarray | None, structure: Structure, scale: float, softcap: float | None,
               batch: tuple) -> np.ndarray:
     """softmax(softcap(Q K^T * scale) + bias) V over the visible keys, as scaled_dot_product_attention's out."""
     dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16: sums, softmax in float32
@@ -53,7 +54,7 @@ def _grouped_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b, (..., G, L, N) x (..., 1, N, M) -> (..., G, L, M). Where b holds one head that G heads of a
     share (GQA's groups, multi-query attention), the G heads become one matrix of G * L rows, so each group
     takes one matmul, not one per head, and b is never copied per head."""
-    if not checks.shared_kv_head(a.shape, b.shape, b.shape):
+    if not validation.shared_kv_head(a.shape, b.shape, b.shape):
         return a @ b
     (G, L, N), M = a.shape[-3:], b.shape[-1]
     b = b.reshape(*b.shape[:-3], N, M) if b.ndim >= 3 else b  # (..., 1, N, M) -> (..., N, M)

@@ -29,15 +29,16 @@ import functools
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import threadpoolctl
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import FlashOptions, Structure
 
-from .functional import _dtypes, _grouped, _integers, _prepare
-from .gradients import _sum_to
+from .functional import _dtypes, _grouped, _prepare
+from .primitives import _integers, _sum_to
 
 PARALLEL_WORK = 1 << 22  # query-key-width products (L * S * E over the batch) above which tiles run in threads
 TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: each
@@ -68,14 +69,14 @@ def flash_attention(
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
-            (checks.default_tiles within the backend's TILE_SCORES).
+            (validation.default_tiles within the backend's TILE_SCORES).
         block_k: keys per tile (the last tile may be shorter); None: as for block_q.
 
     Returns:
         out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
         are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key.
     """
-    out, lse, _ = _forward(q, k, v, mask, bias, dict(
+    out, lse, _ = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
         softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
     return out, lse
@@ -115,42 +116,63 @@ def flash_attention_vjp(
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
         bias is None; each gradient has its input's shape and dtype.
     """
-    out, lse, problem = _forward(q, k, v, mask, bias, dict(
+    out, lse, problem = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
         softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return _backward(problem, d_out, (q, k, v, bias))
 
     return out, lse, pullback
 
 
-class _Problem(dict):
+class _Problem(NamedTuple):
     """One call's checked inputs in the working dtype (grouped with enable_gqa: q (..., Hkv, G, L, E), k and v
     (..., Hkv, 1, S, *)), its structure and its tiles: what both passes read."""
 
-    __getattr__ = dict.__getitem__
+    q: np.ndarray  # (..., L, E)
+    k: np.ndarray  # (..., S, E)
+    v: np.ndarray  # (..., S, Ev)
+    mask: np.ndarray | None  # a broadcast view (..., L, S), never copied
+    bias: np.ndarray | None  # a broadcast view (..., L, S) in the working dtype
+    bias_shape: tuple | None  # the caller's bias shape, which dbias is summed to tile by tile
+    batch: tuple  # the scores' leading axes (...)
+    L: int
+    S: int
+    scale: float
+    softcap: float | None
+    work: np.dtype  # the working dtype: at least float32
+    empty: bool  # L = 0 or S = 0: nothing to attend
+    structure: Structure  # q_offset and key_lengths as integer arrays of the batch
+    shapes: dict  # the caller's shapes of q, k, v and bias, for the gradients
+    block_q: int
+    block_k: int
+    grouped: bool  # enable_gqa: the heads split into (Hkv, G)
+    offsets: tuple[int, int]  # q_offset's least and greatest value, which choose the tiles
+    lengths: tuple[int, int] | None  # key_lengths' least and greatest value (None: no key_lengths)
+    out: np.ndarray | None = None  # (..., L, Ev) and (..., L) in the working dtype, once the forward pass has run
+    lse: np.ndarray | None = None
 
 
 def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-             options: dict) -> _Problem:
+             options: FlashOptions) -> _Problem:
     """The checks of scaled_dot_product_attention, then the inputs as the tiles read them: mask and bias
     broadcast views of (..., L, S), never copied; q_offset and key_lengths reduced to the Python ints that
-    choose the tiles (checks.key_tiles)."""
-    checks.tiles(options["block_q"], options["block_k"])
+    choose the tiles (validation.key_tiles)."""
+    validation.tiles(options.block_q, options.block_k)
     shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else np.shape(bias)}
-    q_offset, key_lengths = options["q_offset"], options["key_lengths"]
-    if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
+    q_offset, key_lengths = options.q_offset, options.key_lengths
+    if options.enable_gqa:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=checks.window(options["window"]),
-                     key_lengths=key_lengths)
-    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
-                                   softcap=options["softcap"], dropout_p=0.0, need_weights=False)
+    structure = Structure(is_causal=options.is_causal, q_offset=q_offset,
+                          window=validation.window(options.window), key_lengths=key_lengths)
+    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options.scale,
+                                   softcap=options.softcap, dropout_p=0.0, need_weights=False)
     L, S = q.shape[-2], k.shape[-2]
     shape = (*batch, L, S)  # the scores', never allocated
     _check_masks(mask, bias, shape)
-    block_q, block_k = checks.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
+    block_q, block_k = validation.default_tiles(options.block_q, options.block_k, batch, L, S, TILE_SCORES)
     work = np.promote_types(q.dtype, np.float32)  # float16, bfloat16: in float32
     q_offset = _integers(q_offset, "q_offset", batch)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch)
@@ -159,9 +181,9 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
         mask=None if mask is None else np.broadcast_to(mask, shape),
         bias=None if bias is None else np.broadcast_to(np.asarray(bias, dtype=work), shape),
         bias_shape=None if bias is None else _ranked(np.shape(bias), batch),  # dbias is summed to it tile by tile
-        batch=batch, L=L, S=S, scale=scale, softcap=options["softcap"], work=work, empty=empty is not None,
-        structure=dict(structure, q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
-        block_q=block_q, block_k=block_k, grouped=options["enable_gqa"],
+        batch=batch, L=L, S=S, scale=scale, softcap=options.softcap, work=work, empty=empty is not None,
+        structure=structure._replace(q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
+        block_q=block_q, block_k=block_k, grouped=options.enable_gqa,
         offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.size else (0, 0),
         lengths=None if key_lengths is None or key_lengths.size == 0 else
         (int(key_lengths.min()), int(key_lengths.max())))
@@ -171,9 +193,9 @@ def _check_masks(mask: np.ndarray | None, bias: np.ndarray | None, shape: tuple)
     """mask and bias broadcast to the scores' shape (..., L, S); a floating mask holds 0 and 1 only."""
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, np.shape(x), shape, "..., L, S")
+            validation.broadcasts_to(name, np.shape(x), shape, "..., L, S")
     if mask is not None and np.issubdtype(np.asarray(mask).dtype, np.floating):
-        checks.binary_mask(True, bool(np.all((mask == 0) | (mask == 1))))
+        validation.binary_mask(True, bool(np.all((mask == 0) | (mask == 1))))
 
 
 def _query_tiles(p: _Problem) -> list[slice]:
@@ -181,9 +203,9 @@ def _query_tiles(p: _Problem) -> list[slice]:
 
 
 def _key_tiles(p: _Problem, rows: slice) -> list[slice]:
-    """The key tiles that some query of `rows` may see (checks.key_tiles); the others are skipped."""
-    tiles = checks.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure["is_causal"],
-                             window=p.structure["window"], q_offset=p.offsets,
+    """The key tiles that some query of `rows` may see (validation.key_tiles); the others are skipped."""
+    tiles = validation.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure.is_causal,
+                             window=p.structure.window, q_offset=p.offsets,
                              key_lengths=None if p.lengths is None else p.lengths[1])
     return [slice(t * p.block_k, min((t + 1) * p.block_k, p.S)) for t in tiles]
 
@@ -194,10 +216,10 @@ def _trimmed(p: _Problem, rows: slice, tiles: list[slice]) -> list[slice]:
     computes no column that every query of the tile hides (causal, L = S = 4096 in 256 x 512 tiles: 6.2 % more
     scores than the triangle, not 12.5 %). The backward pass keeps whole tiles: each worker owns its key tiles."""
     structure, (least, greatest) = p.structure, p.offsets
-    left, right = structure["window"] or (None, None)
+    left, right = structure.window or (None, None)
     first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
     lo, hi = 0, p.S if p.lengths is None else p.lengths[1]
-    if structure["is_causal"]:
+    if structure.is_causal:
         hi = min(hi, last + 1)
     if right is not None:
         hi = min(hi, last + right + 1)
@@ -208,12 +230,12 @@ def _trimmed(p: _Problem, rows: slice, tiles: list[slice]) -> list[slice]:
 
 
 def _forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-             options: dict) -> tuple[np.ndarray, np.ndarray, _Problem]:
+             options: FlashOptions) -> tuple[np.ndarray, np.ndarray, _Problem]:
     """out and lse in the caller's shapes (heads ungrouped), and the problem, which keeps them grouped for the
     backward pass."""
     p = _problem(q, k, v, mask, bias, options)
-    p["out"] = np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work)  # (..., L, Ev)
-    p["lse"] = np.full((*p.batch, p.L), -np.inf, p.work)  # (..., L)
+    p = p._replace(out=np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work),  # (..., L, Ev)
+                   lse=np.full((*p.batch, p.L), -np.inf, p.work))  # (..., L)
 
     def query_tile(rows: slice) -> None:
         p.out[..., rows, :], p.lse[..., rows] = _query_tile(p, rows)
@@ -287,17 +309,17 @@ def _tile_visible(p: _Problem, rows: slice, cols: slice) -> np.ndarray | None:
         visible = _and(visible, p.bias[..., rows, cols] != -np.inf)
     structure, (least, greatest) = p.structure, p.offsets
     first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
-    left, right = structure["window"] or (None, None)
-    position = structure["q_offset"][..., None, None] + np.arange(rows.start, rows.stop)[:, None]  # (..., bq, 1)
+    left, right = structure.window or (None, None)
+    position = structure.q_offset[..., None, None] + np.arange(rows.start, rows.stop)[:, None]  # (..., bq, 1)
     j = np.arange(cols.start, cols.stop)  # (block_k,)
-    if structure["is_causal"] and cols.stop - 1 > first:  # some key after some query
+    if structure.is_causal and cols.stop - 1 > first:  # some key after some query
         visible = _and(visible, j <= position)
     if right is not None and cols.stop - 1 > first + right:
         visible = _and(visible, j <= position + right)
     if left is not None and cols.start < last - left:
         visible = _and(visible, j >= position - left)
     if p.lengths is not None and cols.stop > p.lengths[0]:
-        visible = _and(visible, j < structure["key_lengths"][..., None, None])
+        visible = _and(visible, j < structure.key_lengths[..., None, None])
     return visible
 
 

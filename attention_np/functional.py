@@ -1,4 +1,4 @@
-"""Scaled dot-product attention and its masks, in NumPy.
+"""Scaled dot-product attention and rotary embeddings, in NumPy; the masks are in primitives.py.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import Structure
+
+from .fast import attention
+from .primitives import _integers, _masked_softmax, _visible
 
 Rng = np.random.Generator | int | None
 
@@ -62,15 +66,14 @@ def scaled_dot_product_attention(
             q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
             key_lengths=key_lengths, softcap=softcap, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
         return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
-    structure = dict(is_causal=is_causal, q_offset=q_offset, window=checks.window(window), key_lengths=key_lengths)
+    structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
+                          key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
         return empty
     dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
-        from .fast import attention
-
         return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, softcap=softcap,
                          batch=batch), None
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
@@ -91,34 +94,6 @@ def scaled_dot_product_attention(
     return out.astype(dtype, copy=False), (weights.astype(dtype, copy=False) if need_weights else None)
 
 
-def causal_mask(L: int, S: int, *, q_offset: int | np.ndarray = 0) -> np.ndarray:
-    """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
-    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
-
-
-def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
-                q_offset: int | np.ndarray = 0) -> np.ndarray:
-    """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
-    p_i = q_offset + i; a side that is None is unbounded."""
-    left, right = checks.window(window)
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    shape = (*p.shape[:-2], L, S)  # (..., L, S)
-    after_left = np.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
-    before_right = True if right is None else j <= p + right  # (..., L, S)
-    return after_left & before_right  # (..., L, S)
-
-
-def padding_mask(lengths: np.ndarray, S: int) -> np.ndarray:
-    """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
-
-    The two singleton axes stand for H and L, so the mask broadcasts over (B, H, L, S) scores.
-    """
-    lengths = np.asarray(lengths)
-    return np.arange(S) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
-
-
 def apply_rope(x: np.ndarray, positions: int | np.ndarray, *, theta: float = 10000.0,
                interleaved: bool = False) -> np.ndarray:
     """RoPE(x) at position p: each pair (x1, x2) of x turned by the angle p * theta^(-2j / E), j its index,
@@ -136,7 +111,7 @@ def apply_rope(x: np.ndarray, positions: int | np.ndarray, *, theta: float = 100
         of two rotated rows depends on their positions only through their difference.
     """
     positions = np.asarray(positions)
-    checks.rope(x.shape, positions.shape, str(positions.dtype), np.issubdtype(positions.dtype, np.integer), theta)
+    validation.rope(x.shape, positions.shape, str(positions.dtype), np.issubdtype(positions.dtype, np.integer), theta)
     work = np.promote_types(x.dtype, np.float32)  # float16, bfloat16: in float32
     cos, sin = _rope_table(positions, x.shape[-1], theta, work, interleaved)
     return _turned(x, cos, sin, interleaved)
@@ -176,16 +151,16 @@ def _turned(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleaved: bool) 
 
 
 def _prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-             structure: dict, *, scale: float | None, softcap: float | None, dropout_p: float,
+             structure: Structure, *, scale: float | None, softcap: float | None, dropout_p: float,
              need_weights: bool) -> tuple[tuple, float, tuple | None]:
     """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
     (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
     (else None)."""
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    checks.probability("dropout_p", dropout_p)
-    checks.softcap(softcap)
-    scale = checks.default_scale(scale, q.shape, k.shape)
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    validation.probability("dropout_p", dropout_p)
+    validation.softcap(softcap)
+    scale = validation.default_scale(scale, q.shape, k.shape)
     L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
@@ -201,13 +176,13 @@ def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     (..., Hkv, S, E | Ev) -> (..., Hkv, 1, S, E | Ev), G = H // Hkv, so query head h = (h // G, h % G) meets
     key/value head h // G. mask and bias (..., H, L, S) and q_offset, key_lengths (..., H) split their head
     axis alike, after their shapes are checked against q's H heads. Reshapes only: nothing is copied."""
-    H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
-    q, k, v = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
-    batch = (*checks.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
+    H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
+    q, k, v = (x.reshape(validation.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
+    batch = (*validation.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
     scores_shape = (*batch, q.shape[-2], k.shape[-2])  # (..., H, L, S)
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, np.shape(x), scores_shape, "..., H, L, S")
+            validation.broadcasts_to(name, np.shape(x), scores_shape, "..., H, L, S")
     for name, x in (("q_offset", q_offset), ("key_lengths", key_lengths)):
         if x is not None:
             _integers(x, name, batch)
@@ -215,7 +190,7 @@ def _grouped(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     def split(x: np.ndarray | None, trailing: int) -> np.ndarray | None:
         if x is None or np.ndim(x) <= trailing:  # no head axis: it broadcasts over the groups as it is
             return x
-        return np.reshape(x, checks.grouped_shape(np.shape(x), H, Hkv, trailing))
+        return np.reshape(x, validation.grouped_shape(np.shape(x), H, Hkv, trailing))
 
     return q, k, v, split(mask, 2), split(bias, 2), split(q_offset, 0), split(key_lengths, 0)
 
@@ -228,67 +203,6 @@ def _ungrouped(x: np.ndarray | None) -> np.ndarray | None:
 def _dtypes(**arrays: np.ndarray) -> dict[str, tuple[str, bool]]:
     """{argument name: (dtype name, is floating)}, for the dtype checks shared by the backends."""
     return {name: (str(x.dtype), np.issubdtype(x.dtype, np.floating)) for name, x in arrays.items()}
-
-
-def _visible(mask: np.ndarray | None, bias: np.ndarray | None, structure: dict,
-             scores_shape: tuple) -> np.ndarray | None:
-    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by the structure
-    (is_causal, q_offset, window, key_lengths; built from positions). Broadcasts to the scores' shape
-    (..., L, S); None when nothing hides a key."""
-    L, S = scores_shape[-2:]
-    visible = None
-    if mask is not None:
-        checks.broadcasts_to("mask", np.shape(mask), scores_shape, "..., L, S")
-        mask = np.asarray(mask)
-        checks.binary_mask(np.issubdtype(mask.dtype, np.floating), bool(np.all((mask == 0) | (mask == 1))))
-        visible = mask != 0
-    if bias is not None:
-        checks.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
-        visible = _both(visible, np.asarray(bias) != -np.inf)
-    q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2])
-    if structure["is_causal"]:
-        visible = _both(visible, causal_mask(L, S, q_offset=q_offset))  # (..., L, S)
-    if structure["window"] is not None:
-        visible = _both(visible, window_mask(L, S, structure["window"], q_offset=q_offset))  # (..., L, S)
-    if structure["key_lengths"] is not None:
-        key_lengths = _integers(structure["key_lengths"], "key_lengths", scores_shape[:-2])
-        visible = _both(visible, np.arange(S) < key_lengths[..., None, None])  # (S,) against (..., 1, 1)
-    return visible
-
-
-def _integers(x: int | np.ndarray, name: str = "q_offset", batch: tuple | None = None) -> np.ndarray:
-    """q_offset or key_lengths as an int64 array, checked: integer, and (given the scores' leading axes
-    `batch`) broadcasting to them."""
-    x = np.asarray(x)
-    checks.positions(name, x.shape, str(x.dtype), np.issubdtype(x.dtype, np.integer),
-                     x.shape if batch is None else batch)
-    return x.astype(np.int64, copy=False)
-
-
-def _positions(L: int, S: int, q_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,)."""
-    return q_offset[..., None, None] + np.arange(L)[:, None], np.arange(S)
-
-
-def _both(visible: np.ndarray | None, rule: np.ndarray) -> np.ndarray:
-    return rule if visible is None else visible & rule
-
-
-def _masked_softmax(scores: np.ndarray, visible: np.ndarray | None) -> np.ndarray:
-    """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
-
-    weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
-    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
-    """
-    if visible is None:  # every key visible: the plain softmax
-        exp = np.exp(scores - np.max(scores, axis=-1, keepdims=True, initial=-np.inf))  # (..., L, S)
-        return exp / np.sum(exp, axis=-1, keepdims=True)
-    scores = np.where(visible, scores, -np.inf)  # hidden entries become exp(-inf) = 0 below
-    row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # (..., L, 1)
-    row_max = np.where(row_max == -np.inf, 0, row_max)  # fully masked row: any finite shift will do
-    exp = np.exp(scores - row_max)  # (..., L, S)
-    total = np.sum(exp, axis=-1, keepdims=True)  # (..., L, 1)
-    return exp / np.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
 
 
 def _dropout(x: np.ndarray, p: float, rng: Rng) -> np.ndarray:

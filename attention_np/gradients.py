@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _dtypes, _grouped, _ungrouped, apply_rope, scaled_dot_product_attention
-from .modules import GatedFeedForward, RMSNorm, _activation, _erf, _sigmoid
+from .linear import linear_attention_vjp
+from .primitives import _activation, _erf, _sigmoid, _sum_to
 
 Grads = dict[str, np.ndarray]
 
@@ -68,10 +69,10 @@ def scaled_dot_product_attention_vjp(
     out, weights = scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale,
                                                 q_offset=q_offset, window=window, key_lengths=key_lengths,
                                                 softcap=softcap)
-    scale = checks.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
+    scale = validation.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         # 1) through the value product O = P V
         dv = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)
         d_weights = d_out @ np.swapaxes(v, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
@@ -107,7 +108,7 @@ def _grouped_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray |
     out = _ungrouped(out_g)  # (..., Hkv, G, L, Ev) -> (..., H, L, Ev)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, dbias = pull(d_out.reshape(out_g.shape))  # (..., H, L, Ev) -> (..., Hkv, G, L, Ev)
         dk, dv = (np.sum(d, axis=-3) for d in (dk, dv))  # each group's sum: (..., Hkv, G, S, *) -> (..., Hkv, S, *)
         dbias = dbias if dbias is None or np.ndim(bias) <= 2 else _ungrouped(dbias)  # bias (..., H | 1, L, S)
@@ -130,7 +131,7 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
         out (..., L, D), weights (..., H, L, S) (None with attention="linear") and
         pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams), dparams {state-dict name: gradient}.
     """
-    checks.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
+    validation.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
     mha._check_inputs(q, k, v, mask)
     (q_p, pull_q), (k_p, pull_k), (v_p, pull_v) = (_linear_vjp(w, x) for w, x in
                                                   ((mha.w_q, q), (mha.w_k, k), (mha.w_v, v)))
@@ -145,7 +146,7 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_merged, grads_o = pull_o(d_out)  # (..., L, D)
         dq_h, dk_h, dv_h, _ = pull_attention(mha._split_heads(d_merged, H))  # (..., H | Hkv, L | S, d_k)
         dq_h, dk_h = _rope_vjp(mha, dq_h), _rope_vjp(mha, dk_h)  # RoPE turned back
@@ -163,8 +164,6 @@ def _linear_heads_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> 
     linear_attention_vjp, which sums each gradient over its input's broadcast axes, returns dK_g = sum over h in
     group g of dK_h, and dV alike. Returns heads (..., H, L, d_k), no weights, and a pullback with
     scaled_dot_product_attention_vjp's results (dq, dk, dv, dbias None)."""
-    from .linear import linear_attention_vjp  # linear.py builds on this module (_sum_to)
-
     q_g, k_g, v_g = mha._grouped_heads(q, k, v)
     out_g, pull = linear_attention_vjp(q_g, k_g, v_g)  # (..., Hkv, G, L, d_k)
 
@@ -196,13 +195,13 @@ def transformer_block_vjp(block: Any, x: np.ndarray,
     Returns:
         y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
     """
-    checks.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
+    validation.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
     block._check_input(x)
     forward = _pre_ln_vjp if block.norm_first else _post_ln_vjp
     y, weights, pullback = forward(block, x, mask)
 
     def checked(d_out: np.ndarray) -> tuple[np.ndarray, Grads]:
-        checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
+        validation.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         dx, grads = pullback(d_out)
         return dx, {name: grads[name] for name in block.state_dict()}  # in state-dict order
 
@@ -257,8 +256,8 @@ def _linear_vjp(linear: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
 
 
 def _norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
-    """The block's norm: RMSNorm (norm="rms") or LayerNorm."""
-    return _rms_norm_vjp(norm, x) if isinstance(norm, RMSNorm) else _layer_norm_vjp(norm, x)
+    """The block's norm: RMSNorm (norm="rms", a weight only) or LayerNorm (a weight and a bias)."""
+    return _layer_norm_vjp(norm, x) if "bias" in norm._children else _rms_norm_vjp(norm, x)
 
 
 def _rms_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
@@ -298,7 +297,7 @@ def _layer_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
 
 def _ffn_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
     """The block's feed-forward network: SwiGLU (activation="swiglu") or relu / gelu."""
-    return _swiglu_vjp(ffn, x) if isinstance(ffn, GatedFeedForward) else _feed_forward_vjp(ffn, x)
+    return _swiglu_vjp(ffn, x) if ffn.activation == "swiglu" else _feed_forward_vjp(ffn, x)
 
 
 def _swiglu_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
@@ -340,13 +339,6 @@ def _activation_derivative(name: str, h: np.ndarray) -> np.ndarray:
         return (h > 0).astype(h.dtype)
     cdf = (1 + _erf(h / math.sqrt(2))) / 2  # Phi(h)
     return cdf + h * np.exp(-(h**2) / 2) / math.sqrt(2 * math.pi)  # Phi(h) + h phi(h)
-
-
-def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Sum x over the axes along which an array of `shape` was broadcast to x's shape."""
-    x = np.sum(x, axis=tuple(range(x.ndim - len(shape)))) if x.ndim > len(shape) else x
-    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
-    return np.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 def _prefixed(prefix: str, grads: Grads) -> Grads:

@@ -25,15 +25,17 @@ sums, so the gradient reaching key j's term is the sum of dA_i and dz_i over the
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import LinearOptions
 
-from .functional import _dtypes, _integers
-from .gradients import _sum_to
+from .functional import _dtypes
+from .primitives import _integers, _sum_to
 
-# the feature maps of checks.FEATURE_MAPS: (phi(x), phi'(x)); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise
+# the feature maps of validation.FEATURE_MAPS: (phi(x), phi'(x)); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise
 # (exp of min(x, 0): the branch not taken never overflows)
 FEATURE_MAPS: dict[str, tuple[Callable, Callable]] = {
     "elu": (lambda x: np.where(x > 0, x + 1, np.exp(np.minimum(x, 0))),
@@ -72,8 +74,8 @@ def linear_attention(
     Returns:
         out (..., L, Ev) in q's dtype, computed in at least float32.
     """
-    p = _problem(q, k, v, dict(feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths, eps=eps,
-                               chunk=chunk))
+    p = _problem(q, k, v, LinearOptions(feature_map=feature_map, is_causal=is_causal,
+                                        key_lengths=key_lengths, eps=eps, chunk=chunk))
     num, den = _form(p)[0](p)
     return (num / den).astype(q.dtype, copy=False)
 
@@ -100,14 +102,14 @@ def linear_attention_vjp(
         out (..., L, Ev) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv), each gradient summed to its input's
         shape and in its dtype; hidden keys (key_lengths) get zero dk and dv.
     """
-    p = _problem(q, k, v, dict(feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths, eps=eps,
-                               chunk=chunk))
+    p = _problem(q, k, v, LinearOptions(feature_map=feature_map, is_causal=is_causal,
+                                        key_lengths=key_lengths, eps=eps, chunk=chunk))
     forward, backward = _form(p)
     num, den = forward(p)
     out = (num / den).astype(q.dtype, copy=False)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         # 1) through out = num / den
         d_num = d_out.astype(p.work, copy=False) / den  # (..., L, Ev)
         d_den = -np.sum(d_num * (num / den), axis=-1, keepdims=True)  # -sum(d_out * out) / den: (..., L, 1)
@@ -139,9 +141,9 @@ def linear_attention_state(batch_shape: tuple[int, ...], E: int, Ev: int, *,
     Returns:
         S (..., E, Ev) and z (..., E), zeros.
     """
-    batch = checks.linear_state_size(batch_shape, E, Ev)
+    batch = validation.linear_state_size(batch_shape, E, Ev)
     dtype = np.dtype(np.float32 if dtype is None else dtype)
-    checks.same_floating_dtype({"dtype": (str(dtype), np.issubdtype(dtype, np.floating))})
+    validation.same_floating_dtype({"dtype": (str(dtype), np.issubdtype(dtype, np.floating))})
     return np.zeros((*batch, E, Ev), dtype), np.zeros((*batch, E), dtype)
 
 
@@ -169,13 +171,13 @@ def linear_attention_step(
         out_t (..., Ev) in q_t's dtype and the new state (S', z') in the state's dtype, which the step computes in
         (at least the inputs' working dtype: float32 for float16 and bfloat16 inputs).
     """
-    checks.linear_state_pair(state)
+    validation.linear_state_pair(state)
     S, z = state
-    checks.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
-    checks.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
-    checks.linear_options(feature_map, eps)
+    validation.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
+    validation.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
+    validation.linear_options(feature_map, eps)
     work = np.promote_types(q_t.dtype, np.float32)
-    checks.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
+    validation.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
     phi = FEATURE_MAPS[feature_map][0]
     phi_q, phi_k = phi(q_t.astype(S.dtype, copy=False)), phi(k_t.astype(S.dtype, copy=False))  # (..., E)
     # 1) the state takes the current position: new arrays, the caller's state stays as it was
@@ -187,32 +189,45 @@ def linear_attention_step(
     return (num / den).astype(q_t.dtype, copy=False), (S, z)
 
 
-class _Problem(dict):
+class _Problem(NamedTuple):
     """One call's checked inputs in the working dtype: q, k (for phi'), phi(Q), phi(K) and V with the hidden keys'
     rows zeroed, `keep` (..., S, 1) where keys are visible (None: all), and the options."""
 
-    __getattr__ = dict.__getitem__
+    feature_map: str  # the name of phi
+    is_causal: bool
+    chunk: int | None
+    eps: float  # a Python float: no promotion
+    q: np.ndarray  # (..., L, E)
+    k: np.ndarray  # (..., S, E)
+    phi_q: np.ndarray  # (..., L, E)
+    phi_k: np.ndarray  # (..., S, E), hidden keys' rows zeroed
+    v: np.ndarray  # (..., S, Ev), hidden keys' rows zeroed
+    keep: np.ndarray | None  # (..., S, 1): True where a key is visible (None: all)
+    batch: tuple  # the leading axes (...)
+    L: int
+    work: np.dtype  # the working dtype: at least float32
 
 
-def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict) -> _Problem:
+def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, options: LinearOptions) -> _Problem:
     """The checks of scaled_dot_product_attention that apply (shapes, dtypes, key_lengths), linear attention's
     own (feature_map, eps, chunk, L == S when causal), then phi(Q) and phi(K) in the working dtype."""
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    checks.linear_options(options["feature_map"], options["eps"], options["chunk"])
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    validation.linear_options(options.feature_map, options.eps, options.chunk)
     L, S = q.shape[-2], k.shape[-2]
-    if options["is_causal"]:
-        checks.linear_causal(L, S)
+    if options.is_causal:
+        validation.linear_causal(L, S)
     work = np.promote_types(q.dtype, np.float32)  # float16, bfloat16: in float32
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
-    phi = FEATURE_MAPS[options["feature_map"]][0]
+    phi = FEATURE_MAPS[options.feature_map][0]
     phi_k, keep = phi(k), None
-    if options["key_lengths"] is not None:  # hidden keys add nothing to either sum: their rows zeroed
-        key_lengths = _integers(options["key_lengths"], "key_lengths", batch)
+    if options.key_lengths is not None:  # hidden keys add nothing to either sum: their rows zeroed
+        key_lengths = _integers(options.key_lengths, "key_lengths", batch)
         keep = np.arange(S)[:, None] < key_lengths[..., None, None]  # (S, 1) against (..., 1, 1) -> (..., S, 1)
         phi_k, v = np.where(keep, phi_k, 0), np.where(keep, v, 0)  # (..., S, E), (..., S, Ev)
-    return _Problem(options, eps=float(options["eps"]),  # a Python float: no promotion
-                    q=q, k=k, phi_q=phi(q), phi_k=phi_k, v=v, keep=keep, batch=batch, L=L, work=work)
+    return _Problem(feature_map=options.feature_map, is_causal=options.is_causal, chunk=options.chunk,
+                    eps=float(options.eps), q=q, k=k, phi_q=phi(q), phi_k=phi_k, v=v, keep=keep, batch=batch, L=L,
+                    work=work)
 
 
 def _form(p: _Problem) -> tuple[Callable, Callable]:

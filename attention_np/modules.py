@@ -4,9 +4,9 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 The classes users read come first, MultiHeadAttention and TransformerBlock; the pieces they are built
-from (Linear, LayerNorm, RMSNorm, FeedForward, GatedFeedForward, the activation) follow. Parameter names and
-layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and computes y = x W^T + b (no b
-with bias=False); LayerNorm keeps weight (D,) and bias (D,), RMSNorm weight (D,).
+from (Linear, LayerNorm, RMSNorm, FeedForward, GatedFeedForward) follow; their activations are in primitives.py.
+Parameter names and layouts are those of the PyTorch classes: nn.Linear keeps weight (out, in) and computes
+y = x W^T + b (no b with bias=False); LayerNorm keeps weight (D,) and bias (D,), RMSNorm weight (D,).
 """
 
 from __future__ import annotations
@@ -17,20 +17,14 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
 from attention_np.common.module import Module
 
 from .arrays import asarray
-from .functional import (
-    Rng,
-    _dropout,
-    _dtypes,
-    _rngs,
-    _rope_table,
-    _turned,
-    _ungrouped,
-    scaled_dot_product_attention,
-)
+from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, _ungrouped, scaled_dot_product_attention
+from .gradients import multi_head_attention_vjp, transformer_block_vjp
+from .linear import linear_attention
+from .primitives import _activation, _silu
 
 
 class KVCache(NamedTuple):
@@ -63,13 +57,13 @@ class MultiHeadAttention(Module):
         rotation, base rope_theta); attention "softmax" (scaled dot-product attention) or "linear"
         (linear_attention with its defaults: no mask, no weights, so dropout must be 0);
         rng and dtype (float32 by default) for the initial parameters, drawn as nn.Linear draws them."""
-        checks.module_sizes(d_model, num_heads)
-        num_kv_heads = checks.kv_heads(num_heads, num_kv_heads)
-        rope_theta = checks.rope_theta(rope_theta, d_model, num_heads)
-        checks.probability("dropout", dropout)
-        checks.attention(attention, dropout)
+        validation.module_sizes(d_model, num_heads)
+        num_kv_heads = validation.kv_heads(num_heads, num_kv_heads)
+        rope_theta = validation.rope_theta(rope_theta, d_model, num_heads)
+        validation.probability("dropout", dropout)
+        validation.attention(attention, dropout)
         rngs, dtype = _rngs(rng, 4), np.float32 if dtype is None else dtype
-        shapes = checks.mha_state_shapes(d_model, num_heads, num_kv_heads)
+        shapes = validation.mha_state_shapes(d_model, num_heads, num_kv_heads)
         projections = {name: Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
                        for name, rng in zip(self._children, rngs, strict=True)}
         self._init(**projections, num_heads=num_heads, num_kv_heads=num_kv_heads, rope_theta=rope_theta,
@@ -81,12 +75,12 @@ class MultiHeadAttention(Module):
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
-        rope_theta = checks.rope_theta(rope_theta, layout["d_model"], num_heads)
-        checks.probability("dropout", dropout)
-        checks.attention(attention, dropout)
-        checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
-        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
+        rope_theta = validation.rope_theta(rope_theta, layout["d_model"], num_heads)
+        validation.probability("dropout", dropout)
+        validation.attention(attention, dropout)
+        validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout))
+        validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         projections = {name: Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in cls._children}
         return cls._build(**projections, num_heads=num_heads, num_kv_heads=layout["num_kv_heads"],
                           rope_theta=rope_theta, attention=attention, dropout=dropout, training=True)
@@ -134,8 +128,6 @@ class MultiHeadAttention(Module):
             mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
         """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
         gradient}), without dropout."""
-        from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
-
         return multi_head_attention_vjp(self, q, k, v, mask)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
@@ -143,8 +135,8 @@ class MultiHeadAttention(Module):
         values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
         with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32.
         Softmax attention's only: attention="linear" raises ValueError."""
-        checks.cached(self.attention)
-        batch_shape = checks.cache_size(batch_shape, capacity)
+        validation.cached(self.attention)
+        batch_shape = validation.cache_size(batch_shape, capacity)
         d_k = self.w_q.weight.shape[1] // self.num_heads
         shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
         dtype = self.w_q.weight.dtype if dtype is None else dtype
@@ -204,21 +196,21 @@ class MultiHeadAttention(Module):
 
     def _check_extend(self, inputs: dict[str, np.ndarray], cache: KVCache, mask: np.ndarray | None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""
-        checks.cached(self.attention)
+        validation.cached(self.attention)
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
-        L = checks.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
+        L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
                                 weight.shape[1])
-        checks.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
+        validation.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
         if mask is not None:
-            checks.broadcasts_to("mask", np.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
+            validation.broadcasts_to("mask", np.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
                                  "..., H, L, capacity")
-        checks.cache_room(capacity, cache.length, L)
+        validation.cache_room(capacity, cache.length, L)
 
     def _check_inputs(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None) -> None:
         d_model = self.w_q.weight.shape[1]
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            checks.module_input(name, x.shape, d_model, letter)
-        checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+            validation.module_input(name, x.shape, d_model, letter)
+        validation.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
         if mask is not None and self.attention == "linear":
             raise ValueError("mask must be None with attention='linear': linear attention takes no mask")
 
@@ -245,8 +237,6 @@ class MultiHeadAttention(Module):
     def _linear_heads(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """linear_attention (its defaults: phi = elu + 1, eps 1e-6, not causal) in every head, q (..., H, L, d_k)
         against k, v (..., Hkv, S, d_k): out (..., H, L, d_k)."""
-        from .linear import linear_attention  # linear.py builds on gradients.py, which builds on these modules
-
         out = linear_attention(*self._grouped_heads(q, k, v))  # (..., Hkv, G, L, d_k)
         return _ungrouped(out)  # (..., Hkv, G, L, d_k) -> (..., H, L, d_k)
 
@@ -287,10 +277,10 @@ class TransformerBlock(Module):
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
         the feed-forward network; rope_theta for attention (None: no rotary embeddings); eps inside the norm's
         square root; rng and dtype (float32 by default) for the initial parameters."""
-        checks.module_sizes(d_model, num_heads, d_ff)
-        checks.probability("dropout", dropout)
-        checks.activation(activation)
-        checks.norm(norm)
+        validation.module_sizes(d_model, num_heads, d_ff)
+        validation.probability("dropout", dropout)
+        validation.activation(activation)
+        validation.norm(norm)
         rngs, dtype = _rngs(rng, 4 if activation == "swiglu" else 3), np.float32 if dtype is None else dtype
         attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
                                   rope_theta=rope_theta, rng=rngs[0], dtype=dtype)
@@ -306,10 +296,10 @@ class TransformerBlock(Module):
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        layout = checks.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
-        checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.block_state_shapes(num_heads=num_heads, **layout))
-        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        layout = validation.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
+        validation.probability("dropout", dropout)
+        validation.state(cls.__name__, shapes, validation.block_state_shapes(num_heads=num_heads, **layout))
+        validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
                                                   dropout=dropout, rope_theta=rope_theta)
         norm1, norm2 = (_NORMS[layout["norm"]].from_state(_prefixed(state, name), eps) for name in ("norm1", "norm2"))
@@ -370,13 +360,11 @@ class TransformerBlock(Module):
 
     def vjp(self, x: np.ndarray, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
-        from .gradients import transformer_block_vjp  # the backward passes build on these modules
-
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: np.ndarray) -> None:
-        checks.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
-        checks.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
+        validation.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        validation.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))
 
     def _layers(self, x: np.ndarray, attend: Callable,
                 rngs: list) -> tuple[np.ndarray, np.ndarray | None, Any]:
@@ -527,28 +515,6 @@ def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias
                                 dropout)
     return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
                        Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
-
-
-def _activation(name: str, x: np.ndarray) -> np.ndarray:
-    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form."""
-    if name == "relu":
-        return np.maximum(x, 0)
-    return x / 2 * (1 + _erf(x / math.sqrt(2)))
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    """sigmoid(x) = 1 / (1 + exp(-x)), as exp(-log(1 + exp(-x))): no overflow for very negative x."""
-    return np.exp(-np.logaddexp(0, -x))
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    """silu(x) = x * sigmoid(x)."""
-    return x * _sigmoid(x)
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    """erf, elementwise: NumPy has none, so math.erf is vectorised (exact to the last bit)."""
-    return np.vectorize(math.erf, otypes=[x.dtype])(x)
 
 
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}

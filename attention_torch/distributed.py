@@ -5,7 +5,7 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 Callers pass and receive contiguous shards: rank r holds queries r L/P .. (r + 1) L/P - 1, keys and values
-r S/P .. (r + 1) S/P - 1. The ring runs in the layout of checks.ring_chunks, shared by the backends: without
+r S/P .. (r + 1) S/P - 1. The ring runs in the layout of validation.ring_chunks, shared by the backends: without
 is_causal the contiguous shards themselves (one chunk per rank, nothing moves); with is_causal the zig-zag
 layout, the sequence cut into 2P chunks and rank d holding chunks d and 2P - 1 - d, one early and one late, so
 that every rank does the same causal work (with contiguous shards rank r would compute r + 1 of the P blocks
@@ -44,11 +44,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import FlashOptions
 
-from .flash import _backward, _cast, _forward, _heads, _problem
+from .flash import _backward, _forward, _heads, _Problem, _problem
 from .functional import _dtypes
 from .gradients import _grad, _leaf, _recording
+from .primitives import _cast
 
 KV_TAG, GRAD_TAG, LAYOUT_TAG = 0, 1, 2  # gloo matches messages by (peer, tag): blocks, gradients, layout moves
 # (LAYOUT_TAG + slot: with odd P one rank may send both its chunks to the same rank)
@@ -86,12 +88,12 @@ def ring_attention(
     Raises:
         ValueError: the ranks' shapes differ (a sequence that does not split into P equal shards), q, k, v
             cannot be shards (rank below 2, k and v of different lengths), or with is_causal L = P L/P or
-            S = P S/P is not a multiple of 2P (checks.ring_chunks' message, on every rank); q_offset is not a
+            S = P S/P is not a multiple of 2P (validation.ring_chunks' message, on every rank); q_offset is not a
             Python int.
     """
-    checks.ring_offset(q_offset)  # one offset for every sequence: the ranks' chunks are placed by it
-    options = dict(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=None,
-                   softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+    validation.ring_offset(q_offset)  # one offset for every sequence: the ranks' chunks are placed by it
+    options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=None,
+                           softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
     _check_shards(q, k, v, group)
     layout = _layout(dist.get_world_size(group), q.shape[-2], k.shape[-2], bool(is_causal))  # or the ValueError
     return _Ring.apply(q, k, v, options, layout, group)
@@ -137,7 +139,7 @@ def ring_attention_vjp(
                                   block_k=block_k)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv = _grad(out, inputs, d_out)
         return dq, dk, dv
 
@@ -169,7 +171,7 @@ def _check_shards(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist
 class _Layout(NamedTuple):
     """The chunks of the sequence on the P ranks: per rank the global chunk numbers of the caller's contiguous
     shard (`natural`: 2r, 2r + 1 with is_causal, r without) and of the ring's layout (`ring`: r, 2P - 1 - r with
-    is_causal, checks.ring_chunks), and the rows of one query chunk and of one key chunk."""
+    is_causal, validation.ring_chunks), and the rows of one query chunk and of one key chunk."""
 
     natural: tuple[tuple[int, ...], ...]
     ring: tuple[tuple[int, ...], ...]
@@ -178,9 +180,9 @@ class _Layout(NamedTuple):
 
 
 def _layout(P: int, L_shard: int, S_shard: int, is_causal: bool) -> _Layout:
-    """The layout of shards of L_shard queries and S_shard keys on P ranks; checks.ring_chunks' ValueError
+    """The layout of shards of L_shard queries and S_shard keys on P ranks; validation.ring_chunks' ValueError
     unless L = P L_shard and S = P S_shard split into its chunks (2P of them with is_causal)."""
-    chunks = checks.ring_chunks(P, P * L_shard, P * S_shard, is_causal)  # per rank: (start, stop) pairs
+    chunks = validation.ring_chunks(P, P * L_shard, P * S_shard, is_causal)  # per rank: (start, stop) pairs
     n = len(chunks["q"][0])  # chunks per rank: 1, or 2 in the zig-zag layout
     rows_q, rows_k = L_shard // n, S_shard // n
     ring = tuple(tuple(start // rows_q for start, _ in rank) for rank in chunks["q"])
@@ -188,7 +190,7 @@ def _layout(P: int, L_shard: int, S_shard: int, is_causal: bool) -> _Layout:
     return _Layout(natural, ring, rows_q, rows_k)
 
 
-def _schedule(layout: _Layout, r: int, options: dict) -> list[list[tuple[int, int, dict]]]:
+def _schedule(layout: _Layout, r: int, options: FlashOptions) -> list[list[tuple[int, int, FlashOptions]]]:
     """Per step t = 0 .. P - 1, the chunk pairs (a, b) rank r computes (its query chunk a against key chunk b of
     the block of rank (r - t) mod P) and their options, at global positions; the pairs hidden wholly skipped."""
     P, steps = len(layout.ring), []
@@ -196,8 +198,8 @@ def _schedule(layout: _Layout, r: int, options: dict) -> list[list[tuple[int, in
         s, pairs = (r - t) % P, []
         for a, m in enumerate(layout.ring[r]):
             for b, j in enumerate(layout.ring[s]):
-                offset = options["q_offset"] + m * layout.rows_q - j * layout.rows_k  # query start - key start
-                step = dict(options, q_offset=offset)
+                offset = options.q_offset + m * layout.rows_q - j * layout.rows_k  # query start - key start
+                step = options._replace(q_offset=offset)
                 if _visible(step, layout.rows_q, layout.rows_k):
                     pairs.append((a, b, step))
         steps.append(pairs)
@@ -211,7 +213,8 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                options: dict, layout: _Layout, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+                options: FlashOptions, layout: _Layout,
+                group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
         qs, ks, vs = (_to_ring(x, layout, group) for x in (q, k, v))  # lists of chunks (..., rows, *)
         outs, lses, p = _ring_forward(qs, ks, vs, layout, options, group)
         ctx.options, ctx.layout, ctx.group, ctx.chunks = options, layout, group, len(qs)
@@ -234,7 +237,7 @@ class _Ring(torch.autograd.Function):
 
 
 def _ring_forward(q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Tensor], layout: _Layout,
-                  options: dict, group: dist.ProcessGroup | None) -> tuple[list, list, dict]:
+                  options: FlashOptions, group: dist.ProcessGroup | None) -> tuple[list, list, _Problem]:
     """This rank's out (..., L/P, Ev) and lse (..., L/P) per query chunk, grouped and in the working dtype, merged
     over the P blocks; and the problem of one chunk pair (its grouping)."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
@@ -254,12 +257,12 @@ def _ring_forward(q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Te
     return out, lse, p
 
 
-def _visible(step: dict, L_shard: int, S_shard: int) -> bool:
+def _visible(step: FlashOptions, L_shard: int, S_shard: int) -> bool:
     """Whether the structure (is_causal, window) leaves any key of the block visible to some query."""
-    q_offset = step["q_offset"]
+    q_offset = step.q_offset
     offsets = (int(q_offset.min()), int(q_offset.max())) if isinstance(q_offset, torch.Tensor) else (q_offset,) * 2
-    tiles = checks.key_tiles(0, L_shard, S_shard, max(S_shard, 1), is_causal=step["is_causal"],
-                             window=checks.window(step["window"]), q_offset=offsets, key_lengths=None)
+    tiles = validation.key_tiles(0, L_shard, S_shard, max(S_shard, 1), is_causal=step.is_causal,
+                             window=validation.window(step.window), q_offset=offsets, key_lengths=None)
     return len(tiles) > 0
 
 
@@ -274,7 +277,7 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b
 
 
 def _ring_backward(q: list, k: list, v: list, out: list, lse: list, d_out: list, d_lse: list, layout: _Layout,
-                   options: dict, group: dist.ProcessGroup | None) -> tuple[list, list, list]:
+                   options: FlashOptions, group: dist.ProcessGroup | None) -> tuple[list, list, list]:
     """dq, dk, dv of this rank's chunks, in the working dtype. At step t the block of rank s = r - t visits with
     its dk, dv accumulators: they take this rank's share and travel on after the compute; the block's own
     exchange overlaps the compute, the accumulators' the next step's compute. After P steps and one more hop
@@ -308,11 +311,12 @@ def _ring_backward(q: list, k: list, v: list, out: list, lse: list, d_out: list,
 
 
 def _block_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                     d_out: torch.Tensor, d_lse: torch.Tensor, step: dict) -> tuple[torch.Tensor, ...]:
+                     d_out: torch.Tensor, d_lse: torch.Tensor,
+                     step: FlashOptions) -> tuple[torch.Tensor, ...]:
     """The tiled backward pass of one chunk pair (flash._backward) against the global out and lse; the gradients
     in q's, k's and v's shapes and the working dtype."""
     p = _problem(q, k, v, None, None, step)
-    p["out"], p["lse"] = out, lse  # grouped like the problem (..., rows, *)
+    p = p._replace(out=out, lse=lse)  # grouped like the problem (..., rows, *)
     dq, dk, dv, _ = _backward(p, d_out, d_lse, (p.q, p.k, p.v, None), need_bias=False)  # in the working dtype
     return dq, dk, dv
 

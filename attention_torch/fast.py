@@ -27,21 +27,22 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import Structure
 
-from .functional import _cast, _visible, causal_mask
+from .primitives import _cast, _visible, causal_mask
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-              bias: torch.Tensor | None, structure: dict, scale: float, batch: tuple) -> torch.Tensor:
+              bias: torch.Tensor | None, structure: Structure, scale: float, batch: tuple) -> torch.Tensor:
     """softmax(Q K^T * scale + bias) V over the visible keys, as scaled_dot_product_attention's out."""
     dtype, (L, S, Ev) = q.dtype, (q.shape[-2], k.shape[-2], v.shape[-1])
     work = dtype if q.is_cuda else torch.promote_types(dtype, torch.float32)  # see the module docstring
-    shared = checks.shared_kv_head(q.shape, k.shape, v.shape)  # one key/value head per group: enable_gqa
+    shared = validation.shared_kv_head(q.shape, k.shape, v.shape)  # one key/value head per group: enable_gqa
     q, k, v = _kernel_heads(*(x.to(work) for x in (q, k, v)), batch=batch, shared=shared)
-    offset = structure["q_offset"]
-    causal = _hides_keys(structure["is_causal"], offset, S)
-    positions = structure["window"] is not None or structure["key_lengths"] is not None or (
+    offset = structure.q_offset
+    causal = _hides_keys(structure.is_causal, offset, S)
+    positions = structure.window is not None or structure.key_lengths is not None or (
         causal and not (isinstance(offset, int) and offset == 0))  # keys hidden by positions: in the one mask
     if mask is None and bias is None and not positions:  # torch: its own is_causal is ours without an offset
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=shared)
@@ -53,6 +54,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=_kernel_mask(attn_mask, batch, shared, q.ndim),
                                          scale=scale, enable_gqa=shared).reshape(*batch, L, Ev)
     return torch.where(visible.any(dim=-1, keepdim=True), out, 0).to(dtype)  # a fully masked row: zeros
+
+
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, (..., G, L, N) x (..., 1, N, M) -> (..., G, L, M). Where b holds one head that G heads of a
+    share (GQA's groups (..., Hkv, G), multi-query attention), the G heads become one matrix of G * L rows.
+    torch: matmul broadcasts b over the G heads by copying it, once per head, whenever b has more than one
+    such head (Hkv > 1); autograd's product for b's gradient then needs no copy either."""
+    if not validation.shared_kv_head(a.shape, b.shape, b.shape):
+        return a @ b
+    (G, L, N), M = a.shape[-3:], b.shape[-1]
+    b = b.reshape(*b.shape[:-3], N, M) if b.ndim >= 3 else b  # (..., 1, N, M) -> (..., N, M)
+    out = a.reshape(*a.shape[:-3], G * L, N) @ b  # (..., G * L, N) x (..., N, M) -> (..., G * L, M)
+    return out.reshape(*out.shape[:-2], G, L, M)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, q_offset: int,

@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import FlashOptions, Structure
 
-from .functional import _cast, _dtypes, _grouped, _grouped_matmul, _integers, _prepare
+from .fast import _grouped_matmul
+from .functional import _dtypes, _grouped, _prepare
 from .gradients import _grad, _leaf, _recording
+from .primitives import _cast, _integers
 
 TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: each
 # tile costs about fifteen torch calls, each a fixed overhead and a fork and join of torch's threads
@@ -64,15 +68,16 @@ def flash_attention(
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
-            (checks.default_tiles within the backend's TILE_SCORES).
+            (validation.default_tiles within the backend's TILE_SCORES).
         block_k: keys per tile (the last tile may be shorter); None: as for block_q.
 
     Returns:
         out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
         are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key.
     """
-    options = dict(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-                   softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+    options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
+                           key_lengths=key_lengths, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
+                           block_k=block_k)
     # torch: under autograd, the gradients of q, k, v and bias come from _Flash.backward, the tiled pass
     return _Flash.apply(q, k, v, mask, None if bias is None else torch.as_tensor(bias), options)
 
@@ -122,7 +127,7 @@ def flash_attention_vjp(
                                    softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, *dbias = _grad(out, inputs, d_out)
         return dq, dk, dv, dbias[0] if dbias else None
 
@@ -136,7 +141,7 @@ class _Flash(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None, bias: torch.Tensor | None,
-                options: dict) -> tuple[torch.Tensor, torch.Tensor]:
+                options: FlashOptions) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse, p = _forward(q, k, v, mask, bias, options)
         ctx.options = options
         # out in the working dtype (float32 for half precision), for D = rowsum(dO * O)
@@ -148,36 +153,57 @@ class _Flash(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, d_out: torch.Tensor, d_lse: torch.Tensor) -> tuple:
         q, k, v, mask, bias, out, lse = ctx.saved_tensors
         p = _problem(q, k, v, mask, bias, ctx.options)  # the same checked inputs again, from the saved tensors
-        p["out"], p["lse"] = out, lse.reshape(*p.batch, p.L)  # grouped like the problem (..., L, *)
+        p = p._replace(out=out, lse=lse.reshape(*p.batch, p.L))  # grouped like the problem (..., L, *)
         dq, dk, dv, dbias = _backward(p, d_out, d_lse, (q, k, v, bias), need_bias=ctx.needs_input_grad[4])
         return dq, dk, dv, None, dbias, None
 
 
-class _Problem(dict):
+class _Problem(NamedTuple):
     """One call's checked inputs in the working dtype (grouped with enable_gqa: q (..., Hkv, G, L, E), k and v
     (..., Hkv, 1, S, *)), its structure and its tiles: what both passes read."""
 
-    __getattr__ = dict.__getitem__
+    q: torch.Tensor  # (..., L, E)
+    k: torch.Tensor  # (..., S, E)
+    v: torch.Tensor  # (..., S, Ev)
+    mask: torch.Tensor | None  # a broadcast view (..., L, S), never copied
+    bias: torch.Tensor | None  # a broadcast view (..., L, S) in the working dtype
+    bias_shape: tuple | None  # the caller's bias shape, which dbias is summed to tile by tile
+    batch: tuple  # the scores' leading axes (...)
+    L: int
+    S: int
+    scale: float
+    softcap: float | None
+    work: torch.dtype  # the working dtype: at least float32
+    empty: bool  # L = 0 or S = 0: nothing to attend
+    structure: Structure  # q_offset and key_lengths as integer arrays of the batch
+    shapes: dict  # the caller's shapes of q, k, v and bias, for the gradients
+    block_q: int
+    block_k: int
+    grouped: bool  # enable_gqa: the heads split into (Hkv, G)
+    offsets: tuple[int, int]  # q_offset's least and greatest value, which choose the tiles
+    lengths: tuple[int, int] | None  # key_lengths' least and greatest value (None: no key_lengths)
+    out: torch.Tensor | None = None  # (..., L, Ev) and (..., L) in the working dtype, once the forward pass has run
+    lse: torch.Tensor | None = None
 
 
 def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-             bias: torch.Tensor | None, options: dict) -> _Problem:
+             bias: torch.Tensor | None, options: FlashOptions) -> _Problem:
     """The checks of scaled_dot_product_attention, then the inputs as the tiles read them: mask and bias
     broadcast views of (..., L, S), never copied; q_offset and key_lengths reduced to the Python ints that
-    choose the tiles (checks.key_tiles)."""
-    checks.tiles(options["block_q"], options["block_k"])
+    choose the tiles (validation.key_tiles)."""
+    validation.tiles(options.block_q, options.block_k)
     shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else bias.shape}
-    q_offset, key_lengths = options["q_offset"], options["key_lengths"]
-    if options["enable_gqa"]:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
+    q_offset, key_lengths = options.q_offset, options.key_lengths
+    if options.enable_gqa:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-    structure = dict(is_causal=options["is_causal"], q_offset=q_offset, window=checks.window(options["window"]),
-                     key_lengths=key_lengths)
-    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options["scale"],
-                                   softcap=options["softcap"], dropout_p=0.0, need_weights=False)
+    structure = Structure(is_causal=options.is_causal, q_offset=q_offset,
+                          window=validation.window(options.window), key_lengths=key_lengths)
+    batch, scale, empty = _prepare(q, k, v, None, None, structure, scale=options.scale,
+                                   softcap=options.softcap, dropout_p=0.0, need_weights=False)
     L, S = q.shape[-2], k.shape[-2]
     shape = (*batch, L, S)  # the scores', never allocated
     _check_masks(mask, bias, shape)
-    block_q, block_k = checks.default_tiles(options["block_q"], options["block_k"], batch, L, S, TILE_SCORES)
+    block_q, block_k = validation.default_tiles(options.block_q, options.block_k, batch, L, S, TILE_SCORES)
     work = torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: in float32
     q_offset = _integers(q_offset, "q_offset", batch).to(q.device)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch).to(q.device)
@@ -186,9 +212,9 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         mask=None if mask is None else mask.expand(shape),
         bias=None if bias is None else _cast(bias, work).expand(shape),
         bias_shape=None if bias is None else bias.shape,  # torch: dbias is summed to it tile by tile
-        batch=batch, L=L, S=S, scale=scale, softcap=options["softcap"], work=work, empty=empty is not None,
-        structure=dict(structure, q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
-        block_q=block_q, block_k=block_k, grouped=options["enable_gqa"],
+        batch=batch, L=L, S=S, scale=scale, softcap=options.softcap, work=work, empty=empty is not None,
+        structure=structure._replace(q_offset=q_offset, key_lengths=key_lengths), shapes=shapes,
+        block_q=block_q, block_k=block_k, grouped=options.enable_gqa,
         offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.numel() else (0, 0),
         lengths=None if key_lengths is None or key_lengths.numel() == 0 else
         (int(key_lengths.min()), int(key_lengths.max())))
@@ -198,9 +224,9 @@ def _check_masks(mask: torch.Tensor | None, bias: torch.Tensor | None, shape: tu
     """mask and bias broadcast to the scores' shape (..., L, S); a floating mask holds 0 and 1 only."""
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, x.shape, shape, "..., L, S")
+            validation.broadcasts_to(name, x.shape, shape, "..., L, S")
     if mask is not None and mask.is_floating_point():
-        checks.binary_mask(True, bool(((mask == 0) | (mask == 1)).all()))
+        validation.binary_mask(True, bool(((mask == 0) | (mask == 1)).all()))
 
 
 def _query_tiles(p: _Problem) -> list[slice]:
@@ -208,20 +234,20 @@ def _query_tiles(p: _Problem) -> list[slice]:
 
 
 def _key_tiles(p: _Problem, rows: slice) -> list[slice]:
-    """The key tiles that some query of `rows` may see (checks.key_tiles); the others are skipped."""
-    tiles = checks.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure["is_causal"],
-                             window=p.structure["window"], q_offset=p.offsets,
+    """The key tiles that some query of `rows` may see (validation.key_tiles); the others are skipped."""
+    tiles = validation.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure.is_causal,
+                             window=p.structure.window, q_offset=p.offsets,
                              key_lengths=None if p.lengths is None else p.lengths[1])
     return [slice(t * p.block_k, min((t + 1) * p.block_k, p.S)) for t in tiles]
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-             bias: torch.Tensor | None, options: dict) -> tuple[torch.Tensor, torch.Tensor, _Problem]:
+             bias: torch.Tensor | None, options: FlashOptions) -> tuple[torch.Tensor, torch.Tensor, _Problem]:
     """out and lse in the caller's shapes (heads ungrouped), and the problem, which keeps them grouped for the
     backward pass."""
     p = _problem(q, k, v, mask, bias, options)
-    p["out"] = torch.zeros((*p.batch, p.L, p.v.shape[-1]), dtype=p.work, device=q.device)  # (..., L, Ev)
-    p["lse"] = torch.full((*p.batch, p.L), -math.inf, dtype=p.work, device=q.device)  # (..., L)
+    p = p._replace(out=torch.zeros((*p.batch, p.L, p.v.shape[-1]), dtype=p.work, device=q.device),  # (..., L, Ev)
+                   lse=torch.full((*p.batch, p.L), -math.inf, dtype=p.work, device=q.device))  # (..., L)
     for rows in ([] if p.empty else _query_tiles(p)):
         p.out[..., rows, :], p.lse[..., rows] = _query_tile(p, rows)
     return _cast(_heads(p, p.out), q.dtype), _heads(p, p.lse), p
@@ -290,15 +316,15 @@ def _tile_visible(p: _Problem, rows: slice, cols: slice) -> torch.Tensor | None:
         visible = _and(visible, p.bias[..., rows, cols] != -math.inf)
     structure, (least, greatest) = p.structure, p.offsets
     first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
-    left, right = structure["window"] or (None, None)
-    causal = structure["is_causal"] and cols.stop - 1 > first  # some key after some query
+    left, right = structure.window or (None, None)
+    causal = structure.is_causal and cols.stop - 1 > first  # some key after some query
     after_right = right is not None and cols.stop - 1 > first + right
     before_left = left is not None and cols.start < last - left
     beyond_length = p.lengths is not None and cols.stop > p.lengths[0]
     if not (causal or after_right or before_left or beyond_length):  # torch: no positions built
         return visible
     device = p.q.device
-    position = structure["q_offset"][..., None, None] + torch.arange(rows.start, rows.stop, device=device)[:, None]
+    position = structure.q_offset[..., None, None] + torch.arange(rows.start, rows.stop, device=device)[:, None]
     j = torch.arange(cols.start, cols.stop, device=device)  # (block_k,); position (..., block_q, 1)
     if causal:
         visible = _and(visible, j <= position)
@@ -307,7 +333,7 @@ def _tile_visible(p: _Problem, rows: slice, cols: slice) -> torch.Tensor | None:
     if before_left:
         visible = _and(visible, j >= position - left)
     if beyond_length:
-        visible = _and(visible, j < structure["key_lengths"][..., None, None])
+        visible = _and(visible, j < structure.key_lengths[..., None, None])
     return visible
 
 

@@ -1,4 +1,4 @@
-"""Scaled dot-product attention and its masks, in PyTorch.
+"""Scaled dot-product attention and rotary embeddings, in PyTorch; the masks are in primitives.py.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
@@ -11,7 +11,11 @@ from collections.abc import Callable
 
 import torch
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import Structure
+
+from .fast import _grouped_matmul, attention, grouped_attention
+from .primitives import _cast, _integers, _masked_softmax, _visible
 
 Rng = torch.Generator | None
 
@@ -61,8 +65,6 @@ def scaled_dot_product_attention(
     """
     if enable_gqa and _kernel_groups(q, k, v, mask, bias, q_offset, window, key_lengths, softcap, dropout_p,
                                      need_weights):  # torch: the kernel's own enable_gqa, without the reshapes
-        from .fast import grouped_attention
-
         # a NaN or inf in q or k takes the general route's explicit path (see the fast path below): the call
         # with the weights, which never goes to the kernel
         return _finite_or(q, k, lambda: grouped_attention(q, k, v, is_causal=is_causal, q_offset=q_offset, scale=scale),
@@ -74,7 +76,8 @@ def scaled_dot_product_attention(
             q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
             key_lengths=key_lengths, softcap=softcap, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
         return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
-    structure = dict(is_causal=is_causal, q_offset=q_offset, window=checks.window(window), key_lengths=key_lengths)
+    structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
+                          key_lengths=key_lengths)
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
@@ -88,8 +91,6 @@ def scaled_dot_product_attention(
     # torch: compiled, a mask takes the explicit path, whose check that it holds 0 and 1 reads its values outside
     # the graph; torch.cond's branches cannot (_finite_or)
     if fused and (mask is None or not torch.compiler.is_compiling()):
-        from .fast import attention
-
         # the explicit path is the call with the weights, which never goes to the kernel
         return _finite_or(q, k, lambda: attention(q, k, v, mask, bias=bias, structure=structure, scale=scale,
                                                   batch=batch),
@@ -114,34 +115,6 @@ def scaled_dot_product_attention(
     return out.to(dtype), (weights.to(dtype) if need_weights else None)
 
 
-def causal_mask(L: int, S: int, *, q_offset: int | torch.Tensor = 0) -> torch.Tensor:
-    """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
-    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
-
-
-def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
-                q_offset: int | torch.Tensor = 0) -> torch.Tensor:
-    """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
-    p_i = q_offset + i; a side that is None is unbounded."""
-    left, right = checks.window(window)
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    shape = (*p.shape[:-2], L, S)  # (..., L, S)
-    after_left = torch.ones(shape, dtype=torch.bool, device=p.device) if left is None else j >= p - left  # (..., L, S)
-    before_right = True if right is None else j <= p + right  # (..., L, S)
-    return after_left & before_right  # (..., L, S)
-
-
-def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
-    """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
-
-    The two singleton axes stand for H and L, so the mask broadcasts over (B, H, L, S) scores.
-    """
-    lengths = torch.as_tensor(lengths)
-    return torch.arange(S, device=lengths.device) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
-
-
 def apply_rope(x: torch.Tensor, positions: int | torch.Tensor, *, theta: float = 10000.0,
                interleaved: bool = False) -> torch.Tensor:
     """RoPE(x) at position p: each pair (x1, x2) of x turned by the angle p * theta^(-2j / E), j its index,
@@ -160,7 +133,7 @@ def apply_rope(x: torch.Tensor, positions: int | torch.Tensor, *, theta: float =
     """
     positions = torch.as_tensor(positions, device=x.device)
     integer = not (positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool)
-    checks.rope(x.shape, positions.shape, str(positions.dtype), integer, theta)
+    validation.rope(x.shape, positions.shape, str(positions.dtype), integer, theta)
     work = torch.promote_types(x.dtype, torch.float32)  # float16, bfloat16: in float32
     cos, sin = _rope_table(positions, x.shape[-1], theta, work, interleaved)
     return _turned(x, cos, sin, interleaved)
@@ -197,18 +170,18 @@ def _turned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, bias: torch.Tensor | None,
-             structure: dict, *, scale: float | None, softcap: float | None, dropout_p: float,
+             structure: Structure, *, scale: float | None, softcap: float | None, dropout_p: float,
              need_weights: bool) -> tuple[tuple, float, tuple | None]:
     """The checks before the math. Returns the leading axes (...) q, k and v broadcast to; the scale
     (1 / sqrt(E) by default); and, when there is nothing to attend (L = 0 or S = 0), the result itself
     (else None)."""
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    checks.probability("dropout_p", dropout_p)
-    checks.softcap(softcap)
-    if type(structure["q_offset"]) is not int:  # a Python int is an integer of every batch's shape
-        _integers(structure["q_offset"], "q_offset", batch)  # torch: the plain fused path never builds a mask from it
-    scale = checks.default_scale(scale, q.shape, k.shape)
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    validation.probability("dropout_p", dropout_p)
+    validation.softcap(softcap)
+    if type(structure.q_offset) is not int:  # a Python int is an integer of every batch's shape
+        _integers(structure.q_offset, "q_offset", batch)  # torch: the plain fused path never builds a mask from it
+    scale = validation.default_scale(scale, q.shape, k.shape)
     L, S = q.shape[-2], k.shape[-2]
     if L > 0 and S > 0:
         return batch, scale, None
@@ -259,13 +232,13 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     (..., Hkv, S, E | Ev) -> (..., Hkv, 1, S, E | Ev), G = H // Hkv, so query head h = (h // G, h % G) meets
     key/value head h // G. mask and bias (..., H, L, S) and q_offset, key_lengths (..., H) split their head
     axis alike, after their shapes are checked against q's H heads. Reshapes only: nothing is copied."""
-    H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
-    q, k, v = (x.reshape(checks.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
-    batch = (*checks.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
+    H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
+    q, k, v = (x.reshape(validation.grouped_shape(x.shape, H, Hkv, 2)) for x in (q, k, v))
+    batch = (*validation.attention_batch(q.shape, k.shape, v.shape)[:-2], H)  # the scores' leading axes (..., H)
     scores_shape = (*batch, q.shape[-2], k.shape[-2])  # (..., H, L, S)
     for name, x in (("mask", mask), ("bias", bias)):
         if x is not None:
-            checks.broadcasts_to(name, x.shape, scores_shape, "..., H, L, S")
+            validation.broadcasts_to(name, x.shape, scores_shape, "..., H, L, S")
     for name, x in (("q_offset", q_offset), ("key_lengths", key_lengths)):
         if x is not None and type(x) is not int:  # a Python int fits every batch
             _integers(x, name, batch)
@@ -273,7 +246,7 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     def split(x: torch.Tensor | None, trailing: int) -> torch.Tensor | None:
         if x is None or not isinstance(x, torch.Tensor) or x.ndim <= trailing:  # no head axis: it broadcasts
             return x  # over the groups as it is (torch: q_offset may be a Python int, which has no ndim)
-        return x.reshape(checks.grouped_shape(x.shape, H, Hkv, trailing))
+        return x.reshape(validation.grouped_shape(x.shape, H, Hkv, trailing))
 
     return q, k, v, split(mask, 2), split(bias, 2), split(q_offset, 0), split(key_lengths, 0)
 
@@ -283,92 +256,9 @@ def _ungrouped(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.reshape(*x.shape[:-4], x.shape[-4] * x.shape[-3], *x.shape[-2:])
 
 
-def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b, (..., G, L, N) x (..., 1, N, M) -> (..., G, L, M). Where b holds one head that G heads of a
-    share (GQA's groups (..., Hkv, G), multi-query attention), the G heads become one matrix of G * L rows.
-    torch: matmul broadcasts b over the G heads by copying it, once per head, whenever b has more than one
-    such head (Hkv > 1); autograd's product for b's gradient then needs no copy either."""
-    if not checks.shared_kv_head(a.shape, b.shape, b.shape):
-        return a @ b
-    (G, L, N), M = a.shape[-3:], b.shape[-1]
-    b = b.reshape(*b.shape[:-3], N, M) if b.ndim >= 3 else b  # (..., 1, N, M) -> (..., N, M)
-    out = a.reshape(*a.shape[:-3], G * L, N) @ b  # (..., G * L, N) x (..., N, M) -> (..., G * L, M)
-    return out.reshape(*out.shape[:-2], G, L, M)
-
-
-def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in `dtype`. torch: x.to(dtype) costs a dispatch even when x has that dtype, and a decode step makes
-    a dozen such calls."""
-    return x if x.dtype == dtype else x.to(dtype)
-
-
 def _dtypes(**arrays: torch.Tensor) -> dict[str, tuple[str, bool]]:
     """{argument name: (dtype name, is floating)}, for the dtype checks shared by the backends."""
     return {name: (str(x.dtype), x.is_floating_point()) for name, x in arrays.items()}
-
-
-def _visible(mask: torch.Tensor | None, bias: torch.Tensor | None, structure: dict, scores_shape: tuple,
-             device: torch.device) -> torch.Tensor | None:
-    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by the structure
-    (is_causal, q_offset, window, key_lengths; built from positions). Broadcasts to the scores' shape
-    (..., L, S); None when nothing hides a key."""
-    L, S = scores_shape[-2:]
-    visible = None
-    if mask is not None:
-        checks.broadcasts_to("mask", mask.shape, scores_shape, "..., L, S")
-        mask = torch.as_tensor(mask, device=device)
-        checks.binary_mask(mask.is_floating_point(), bool(((mask == 0) | (mask == 1)).all()))
-        visible = mask != 0
-    if bias is not None:
-        checks.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
-        visible = _both(visible, torch.as_tensor(bias, device=device) != -math.inf)
-    q_offset = _integers(structure["q_offset"], "q_offset", scores_shape[:-2]).to(device)
-    if structure["is_causal"]:
-        visible = _both(visible, causal_mask(L, S, q_offset=q_offset))  # (..., L, S)
-    if structure["window"] is not None:
-        visible = _both(visible, window_mask(L, S, structure["window"], q_offset=q_offset))  # (..., L, S)
-    if structure["key_lengths"] is not None:
-        key_lengths = _integers(structure["key_lengths"], "key_lengths", scores_shape[:-2]).to(device)
-        visible = _both(visible, torch.arange(S, device=device) < key_lengths[..., None, None])  # (..., 1, S)
-    return visible
-
-
-def _integers(x: int | torch.Tensor, name: str = "q_offset", batch: tuple | None = None) -> torch.Tensor:
-    """q_offset or key_lengths as an int64 tensor, checked: integer, and (given the scores' leading axes
-    `batch`) broadcasting to them."""
-    if type(x) is int or isinstance(x, torch.SymInt):  # torch: scalar_tensor keeps an int symbolic under
-        x = torch.scalar_tensor(x, dtype=torch.int64)  # torch.compile (a cache's length: one graph for every
-    x = torch.as_tensor(x)  # decode step), where as_tensor specialises the graph to its value
-    integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)  # torch: no issubdtype
-    checks.positions(name, x.shape, str(x.dtype), integer, x.shape if batch is None else batch)
-    return x.to(torch.int64)
-
-
-def _positions(L: int, S: int, q_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,), on q_offset's device."""
-    arange = torch.arange(max(L, S), device=q_offset.device)
-    return q_offset[..., None, None] + arange[:L, None], arange[:S]
-
-
-def _both(visible: torch.Tensor | None, rule: torch.Tensor) -> torch.Tensor:
-    return rule if visible is None else visible & rule
-
-
-def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
-    """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
-
-    weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
-    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
-    """
-    if visible is None:  # every key visible: the plain softmax
-        exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True).detach())  # (..., L, S)
-        return exp / exp.sum(dim=-1, keepdim=True)
-    scores = torch.where(visible, scores, -math.inf)  # hidden entries become exp(-inf) = 0 below
-    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., L, 1); torch: the shift needs no gradient
-    row_max = torch.where(row_max == -math.inf, 0, row_max)  # fully masked row: any finite shift will do
-    exp = torch.exp(scores - row_max)  # (..., L, S)
-    total = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
-    return exp / torch.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
 
 
 def _dropout(x: torch.Tensor, p: float, rng: Rng) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .functional import _dtypes, scaled_dot_product_attention
 
@@ -63,7 +63,7 @@ def scaled_dot_product_attention_vjp(
                                                     enable_gqa=enable_gqa)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, *dbias = _grad(out, inputs, d_out)
         return dq, dk, dv, dbias[0] if dbias else None
 
@@ -79,13 +79,13 @@ def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torc
         out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
         dparams {state-dict name: gradient}.
     """
-    checks.no_dropout(type(mha).__name__, _active_dropout(mha))
+    validation.no_dropout(type(mha).__name__, _active_dropout(mha))
     with _recording():
         inputs, params = [_leaf(x) for x in (q, k, v)], _leaves(mha)
         out, weights = torch.func.functional_call(mha, params, (*inputs, mask))
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Grads]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv, *grads = _grad(out, [*inputs, *params.values()], d_out)
         return dq, dk, dv, dict(zip(params, grads, strict=True))
 
@@ -99,13 +99,13 @@ def transformer_block_vjp(block: Any, x: torch.Tensor,
     Returns:
         y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
     """
-    checks.no_dropout(type(block).__name__, _active_dropout(block))
+    validation.no_dropout(type(block).__name__, _active_dropout(block))
     with _recording():
         x, params = _leaf(x), _leaves(block)
         y, weights = torch.func.functional_call(block, params, (x, mask))
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, Grads]:
-        checks.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
+        validation.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         dx, *grads = _grad(y, [x, *params.values()], d_out)
         return dx, dict(zip(params, grads, strict=True))
 

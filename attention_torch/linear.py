@@ -20,15 +20,19 @@ linear_attention_vjp records the call also inside torch.no_grad() and torch.infe
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from attention_np.common import checks
+from attention_np.common import validation
+from attention_np.common.records import LinearOptions
 
-from .functional import _cast, _dtypes, _grouped_matmul, _integers
+from .fast import _grouped_matmul
+from .functional import _dtypes
 from .gradients import _grad, _leaf, _recording
+from .primitives import _cast, _integers
 
-# the feature maps of checks.FEATURE_MAPS: phi(x); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise (exp of
+# the feature maps of validation.FEATURE_MAPS: phi(x); elu(x) + 1 is x + 1 for x > 0, exp(x) otherwise (exp of
 # min(x, 0): the branch not taken never overflows). torch: phi' comes from autograd
 FEATURE_MAPS: dict[str, Callable] = {
     "elu": lambda x: torch.where(x > 0, x + 1, torch.exp(torch.clamp(x, max=0))),
@@ -66,8 +70,8 @@ def linear_attention(
     Returns:
         out (..., L, Ev) in q's dtype, computed in at least float32.
     """
-    p = _problem(q, k, v, dict(feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths, eps=eps,
-                               chunk=chunk))
+    p = _problem(q, k, v, LinearOptions(feature_map=feature_map, is_causal=is_causal,
+                                        key_lengths=key_lengths, eps=eps, chunk=chunk))
     num, den = _form(p)(p)
     return _cast(num / den, q.dtype)
 
@@ -103,7 +107,7 @@ def linear_attention_vjp(
                                eps=eps, chunk=chunk)
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        checks.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         dq, dk, dv = _grad(out, inputs, d_out)
         return dq, dk, dv
 
@@ -124,9 +128,9 @@ def linear_attention_state(batch_shape: tuple[int, ...], E: int, Ev: int, *,
     Returns:
         S (..., E, Ev) and z (..., E), zeros.
     """
-    batch = checks.linear_state_size(batch_shape, E, Ev)
+    batch = validation.linear_state_size(batch_shape, E, Ev)
     dtype = torch.float32 if dtype is None else dtype
-    checks.same_floating_dtype({"dtype": (str(dtype), dtype.is_floating_point)})
+    validation.same_floating_dtype({"dtype": (str(dtype), dtype.is_floating_point)})
     # torch: on the default device (torch.set_default_device), as torch.zeros puts them
     return torch.zeros((*batch, E, Ev), dtype=dtype), torch.zeros((*batch, E), dtype=dtype)
 
@@ -155,13 +159,13 @@ def linear_attention_step(
         out_t (..., Ev) in q_t's dtype and the new state (S', z') in the state's dtype, which the step computes in
         (at least the inputs' working dtype: float32 for float16 and bfloat16 inputs).
     """
-    checks.linear_state_pair(state)
+    validation.linear_state_pair(state)
     S, z = state
-    checks.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
-    checks.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
-    checks.linear_options(feature_map, eps)
+    validation.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
+    validation.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
+    validation.linear_options(feature_map, eps)
     work = torch.promote_types(q_t.dtype, torch.float32)
-    checks.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
+    validation.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
     phi = FEATURE_MAPS[feature_map]
     q, k, v = (_cast(x, S.dtype) for x in (q_t, k_t, v_t))
     phi_q, phi_k = phi(q), phi(k)  # (..., E)
@@ -174,32 +178,40 @@ def linear_attention_step(
     return _cast(num / den, q_t.dtype), (S, z)
 
 
-class _Problem(dict):
+class _Problem(NamedTuple):
     """One call's checked inputs in the working dtype: phi(Q), phi(K) and V with the hidden keys' rows zeroed,
     and the options."""
 
-    __getattr__ = dict.__getitem__
+    is_causal: bool
+    chunk: int | None
+    eps: float  # a Python float: no promotion
+    phi_q: torch.Tensor  # (..., L, E)
+    phi_k: torch.Tensor  # (..., S, E), hidden keys' rows zeroed
+    v: torch.Tensor  # (..., S, Ev), hidden keys' rows zeroed
+    batch: tuple  # the leading axes (...)
+    L: int
+    work: torch.dtype  # the working dtype: at least float32
 
 
-def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: dict) -> _Problem:
+def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: LinearOptions) -> _Problem:
     """The checks of scaled_dot_product_attention that apply (shapes, dtypes, key_lengths), linear attention's
     own (feature_map, eps, chunk, L == S when causal), then phi(Q) and phi(K) in the working dtype."""
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
-    checks.same_floating_dtype(_dtypes(q=q, k=k, v=v))
-    checks.linear_options(options["feature_map"], options["eps"], options["chunk"])
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    validation.linear_options(options.feature_map, options.eps, options.chunk)
     L, S = q.shape[-2], k.shape[-2]
-    if options["is_causal"]:
-        checks.linear_causal(L, S)
+    if options.is_causal:
+        validation.linear_causal(L, S)
     work = torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: in float32
     q, k, v = (_cast(x, work) for x in (q, k, v))
-    phi = FEATURE_MAPS[options["feature_map"]]
+    phi = FEATURE_MAPS[options.feature_map]
     phi_k = phi(k)
-    if options["key_lengths"] is not None:  # hidden keys add nothing to either sum: their rows zeroed
-        key_lengths = _integers(options["key_lengths"], "key_lengths", batch).to(q.device)
+    if options.key_lengths is not None:  # hidden keys add nothing to either sum: their rows zeroed
+        key_lengths = _integers(options.key_lengths, "key_lengths", batch).to(q.device)
         keep = torch.arange(S, device=q.device)[:, None] < key_lengths[..., None, None]  # (..., S, 1)
         phi_k, v = torch.where(keep, phi_k, 0), torch.where(keep, v, 0)  # (..., S, E), (..., S, Ev)
-    return _Problem(options, eps=float(options["eps"]),  # a Python float: no promotion
-                    phi_q=phi(q), phi_k=phi_k, v=v, batch=tuple(batch), L=L, work=work)
+    return _Problem(is_causal=options.is_causal, chunk=options.chunk, eps=float(options.eps), phi_q=phi(q),
+                    phi_k=phi_k, v=v, batch=tuple(batch), L=L, work=work)
 
 
 def _form(p: _Problem) -> Callable:

@@ -18,13 +18,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from attention_np.common import checks
+from attention_np.common import validation
 
 from .arrays import asarray
 from .fast import grouped_attention
 from .functional import (
     Rng,
-    _cast,
     _dropout,
     _dtypes,
     _finite_or,
@@ -34,6 +33,9 @@ from .functional import (
     _ungrouped,
     scaled_dot_product_attention,
 )
+from .gradients import multi_head_attention_vjp, transformer_block_vjp
+from .linear import linear_attention
+from .primitives import _cast
 
 
 class KVCache(NamedTuple):
@@ -65,12 +67,12 @@ class MultiHeadAttention(nn.Module):
         rng and dtype (torch's default dtype, float32, when None) for the initial parameters, drawn as
         nn.Linear draws them."""
         super().__init__()
-        checks.module_sizes(d_model, num_heads)
-        num_kv_heads = checks.kv_heads(num_heads, num_kv_heads)
-        rope_theta = checks.rope_theta(rope_theta, d_model, num_heads)
-        checks.probability("dropout", dropout)
-        checks.attention(attention, dropout)
-        rngs, shapes = _rngs(rng, 4), checks.mha_state_shapes(d_model, num_heads, num_kv_heads)
+        validation.module_sizes(d_model, num_heads)
+        num_kv_heads = validation.kv_heads(num_heads, num_kv_heads)
+        rope_theta = validation.rope_theta(rope_theta, d_model, num_heads)
+        validation.probability("dropout", dropout)
+        validation.attention(attention, dropout)
+        rngs, shapes = _rngs(rng, 4), validation.mha_state_shapes(d_model, num_heads, num_kv_heads)
         self.w_q, self.w_k, self.w_v, self.w_o = (
             Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
             for name, rng in zip(("w_q", "w_k", "w_v", "w_o"), rngs, strict=True))
@@ -83,12 +85,12 @@ class MultiHeadAttention(nn.Module):
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
-        rope_theta = checks.rope_theta(rope_theta, layout["d_model"], num_heads)
-        checks.probability("dropout", dropout)
-        checks.attention(attention, dropout)
-        checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
-        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
+        rope_theta = validation.rope_theta(rope_theta, layout["d_model"], num_heads)
+        validation.probability("dropout", dropout)
+        validation.attention(attention, dropout)
+        validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout))
+        validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(layout["d_model"], num_heads, dropout, num_kv_heads=layout["num_kv_heads"],
                          bias=layout["bias"], rope_theta=rope_theta, attention=attention)
@@ -137,8 +139,6 @@ class MultiHeadAttention(nn.Module):
             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
         """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
         gradient}), without dropout."""
-        from .gradients import multi_head_attention_vjp  # the backward passes build on these modules
-
         return multi_head_attention_vjp(self, q, k, v, mask)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
@@ -146,8 +146,8 @@ class MultiHeadAttention(nn.Module):
         values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
         with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32.
         Softmax attention's only: attention="linear" raises ValueError."""
-        checks.cached(self.attention)
-        batch_shape = checks.cache_size(batch_shape, capacity)
+        validation.cached(self.attention)
+        batch_shape = validation.cache_size(batch_shape, capacity)
         d_k = self.w_q.weight.shape[1] // self.num_heads
         shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
         options = dict(dtype=self.w_q.weight.dtype if dtype is None else dtype, device=self.w_q.weight.device)
@@ -220,22 +220,22 @@ class MultiHeadAttention(nn.Module):
 
     def _check_extend(self, inputs: dict[str, torch.Tensor], cache: KVCache, mask: torch.Tensor | None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""
-        checks.cached(self.attention)
+        validation.cached(self.attention)
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
-        L = checks.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
+        L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
                                 weight.shape[1])
-        checks.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
+        validation.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
         if mask is not None:
-            checks.broadcasts_to("mask", mask.shape, (*cache.k.shape[:-3], self.num_heads, L, capacity),
+            validation.broadcasts_to("mask", mask.shape, (*cache.k.shape[:-3], self.num_heads, L, capacity),
                                  "..., H, L, capacity")
-        checks.cache_room(capacity, cache.length, L)
+        validation.cache_room(capacity, cache.length, L)
 
     def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None = None) -> None:
         d_model = self.w_q.weight.shape[1]
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            checks.module_input(name, x.shape, d_model, letter)
-        checks.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
+            validation.module_input(name, x.shape, d_model, letter)
+        validation.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
         if mask is not None and self.attention == "linear":
             raise ValueError("mask must be None with attention='linear': linear attention takes no mask")
 
@@ -263,9 +263,6 @@ class MultiHeadAttention(nn.Module):
     def _linear_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """linear_attention (its defaults: phi = elu + 1, eps 1e-6, not causal) in every head, q (..., H, L, d_k)
         against k, v (..., Hkv, S, d_k): out (..., H, L, d_k)."""
-        from .linear import linear_attention  # imported when used, as NumPy's must be (its linear.py builds on
-        # gradients.py, which builds on these modules)
-
         out = linear_attention(*self._grouped_heads(q, k, v))  # (..., Hkv, G, L, d_k)
         return _ungrouped(out)  # (..., Hkv, G, L, d_k) -> (..., H, L, d_k)
 
@@ -304,10 +301,10 @@ class TransformerBlock(nn.Module):
         the feed-forward network; rope_theta for attention (None: no rotary embeddings); eps inside the norm's
         square root; rng and dtype (torch's default dtype, float32, when None) for the initial parameters."""
         super().__init__()
-        checks.module_sizes(d_model, num_heads, d_ff)
-        checks.probability("dropout", dropout)
-        checks.activation(activation)
-        checks.norm(norm)
+        validation.module_sizes(d_model, num_heads, d_ff)
+        validation.probability("dropout", dropout)
+        validation.activation(activation)
+        validation.norm(norm)
         rngs = _rngs(rng, 4 if activation == "swiglu" else 3)
         self.attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
                                        rope_theta=rope_theta, rng=rngs[0], dtype=dtype)
@@ -323,10 +320,10 @@ class TransformerBlock(nn.Module):
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        layout = checks.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
-        checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.block_state_shapes(num_heads=num_heads, **layout))
-        checks.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        layout = validation.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
+        validation.probability("dropout", dropout)
+        validation.state(cls.__name__, shapes, validation.block_state_shapes(num_heads=num_heads, **layout))
+        validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(layout["d_model"], num_heads, layout["d_ff"], dropout, norm_first=norm_first,
                          activation=layout["activation"], norm=layout["norm"],
@@ -385,14 +382,12 @@ class TransformerBlock(nn.Module):
 
     def vjp(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
-        from .gradients import transformer_block_vjp  # the backward passes build on these modules
-
         return transformer_block_vjp(self, x, mask)
 
     def _check_input(self, x: torch.Tensor) -> None:
         weight = self.norm1.weight
-        checks.module_input("x", x.shape, weight.shape[0], "L")
-        checks.same_floating_dtype(_dtypes(x=x, parameters=weight))
+        validation.module_input("x", x.shape, weight.shape[0], "L")
+        validation.same_floating_dtype(_dtypes(x=x, parameters=weight))
 
     def _layers(self, x: torch.Tensor, attend: Callable,
                 rngs: list) -> tuple[torch.Tensor, torch.Tensor | None, Any]:

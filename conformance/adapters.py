@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation as checks
 
 from .contract.features import Declaration
 

@@ -22,8 +22,8 @@ from tests.conftest import BACKENDS, import_backend
 LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width, "
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
 PUBLIC_FILES = {"__init__.py", "arrays.py", "distributed.py", "fast.py", "flash.py", "functional.py", "gradients.py",
-                "linear.py", "modules.py", "py.typed"}
-COMMON_FILES = {"__init__.py", "checks.py", "module.py", "npz.py"}
+                "linear.py", "modules.py", "primitives.py", "py.typed"}
+COMMON_FILES = {"__init__.py", "module.py", "npz.py", "records.py", "validation.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
 NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
 CLASSES = ("MultiHeadAttention", "TransformerBlock")
@@ -225,7 +225,7 @@ def test_backends_report_the_same_first_of_several_mistakes(call: Callable):
     assert len(set(messages.values())) == 1, messages
 
 
-@pytest.mark.parametrize("file", ["fast", "functional", "gradients", "modules"])
+@pytest.mark.parametrize("file", ["fast", "functional", "gradients", "modules", "primitives"])
 def test_module_docstrings_hold_the_one_shape_legend(file: str):
     for M in _backends():
         doc = importlib.import_module(f"{M.__name__}.{file}").__doc__

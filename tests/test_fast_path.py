@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import attention_np
+from attention_np.common.records import Structure
 from tests._compare import REORDERED, assert_close
 
 
@@ -158,8 +159,8 @@ def test_fused_kernel_is_chosen_only_where_it_computes_our_result(change, applie
     q = jnp.zeros((*batch, shape["L"], shape["E"]), dtype)
     k, v = jnp.zeros((*batch, shape["S"], shape["E"]), dtype), jnp.zeros((*batch, shape["S"], shape["Ev"]), dtype)
     hides = jnp.ones((shape["L"], shape["S"]), bool)
-    structure = {"is_causal": change.get("is_causal", False), "q_offset": change.get("q_offset", 0),
-                 "window": change.get("window"), "key_lengths": change.get("key_lengths")}
+    structure = Structure(is_causal=change.get("is_causal", False), q_offset=change.get("q_offset", 0),
+                          window=change.get("window"), key_lengths=change.get("key_lengths"))
     chosen = fast._fused_applies(q, k, v, mask=hides if change.get("mask") else None,
                                  bias=jnp.zeros((1,), dtype) if change.get("bias") else None,
                                  structure=structure, softcap=change.get("softcap"), batch=batch)

@@ -13,7 +13,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from attention_np.common import checks
+from attention_np.common import validation
 from tests._compare import REORDERED, assert_close, converted
 from tests.conftest import import_backend
 
@@ -167,11 +167,11 @@ def test_default_tiles_from_the_shapes(backend):
     # block_k = 2 block_q, the largest power of two with batch * block_q * block_k <= 2^20 scores:
     # batch 8: 8 * 256 * 512 = 2^20; batch 1: 512 * 1024 = 2^19 (1024 * 2048 = 2^21 is over); batch 32: 128 * 256
     assert backend.flash.TILE_SCORES == 1 << 20
-    assert checks.default_tiles(None, None, (1, 8), 4096, 4096, 1 << 20) == (256, 512)
-    assert checks.default_tiles(None, None, (1,), 32768, 32768, 1 << 20) == (512, 1024)
-    assert checks.default_tiles(None, None, (4, 8), 1024, 1024, 1 << 20) == (128, 256)
-    assert checks.default_tiles(None, None, (2**16,), 9, 7, 1 << 20) == (9, 7)  # at least 16, at most the sequence
-    assert checks.default_tiles(3, None, (1, 8), 4096, 4096, 1 << 20) == (3, 512)  # an explicit tile kept
+    assert validation.default_tiles(None, None, (1, 8), 4096, 4096, 1 << 20) == (256, 512)
+    assert validation.default_tiles(None, None, (1,), 32768, 32768, 1 << 20) == (512, 1024)
+    assert validation.default_tiles(None, None, (4, 8), 1024, 1024, 1 << 20) == (128, 256)
+    assert validation.default_tiles(None, None, (2**16,), 9, 7, 1 << 20) == (9, 7)  # at least 16, at most the sequence
+    assert validation.default_tiles(3, None, (1, 8), 4096, 4096, 1 << 20) == (3, 512)  # an explicit tile kept
     q, k, v = _random(2, 300, 4), _random(2, 700, 4, seed=1), _random(2, 700, 3, seed=2)
     expected, _ = flash(backend, q, k, v, is_causal=True, block_q=300, block_k=700)  # one tile; the default 256 x 512
     assert_close(flash(backend, q, k, v, is_causal=True)[0], expected, RTOL, "default tiles")

@@ -14,7 +14,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from attention_np.common import checks
+from attention_np.common import validation
 from tests._compare import REORDERED, assert_close
 from tests.conftest import import_backend
 
@@ -76,7 +76,7 @@ def test_two_keys_by_hand(backend):
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["global", "causal"])
-@pytest.mark.parametrize("feature_map", checks.FEATURE_MAPS)
+@pytest.mark.parametrize("feature_map", validation.FEATURE_MAPS)
 def test_equals_the_double_sum(backend, feature_map, is_causal):
     q, k, v = _inputs(feature_map)
     key_lengths = np.array([[5, 3, 0], [2, 4, 5]])  # (2, 3): all keys, some, none
@@ -88,7 +88,7 @@ def test_equals_the_double_sum(backend, feature_map, is_causal):
             assert_close(out, expected, RTOL, f"chunk={chunk} key_lengths={lengths is not None}")
 
 
-@pytest.mark.parametrize("feature_map", checks.FEATURE_MAPS)
+@pytest.mark.parametrize("feature_map", validation.FEATURE_MAPS)
 def test_causal_forward_equals_stepping_the_state(backend, feature_map):
     q, k, v = _inputs(feature_map)
     M = backend
@@ -131,7 +131,7 @@ def _torch_direct(torch, q, k, v, feature_map, is_causal, key_lengths):
     return (w @ v) / (w.sum(-1, keepdim=True) + 1e-6)
 
 
-@pytest.mark.parametrize("feature_map", checks.FEATURE_MAPS)
+@pytest.mark.parametrize("feature_map", validation.FEATURE_MAPS)
 def test_vjp_against_torch_autograd_of_the_quadratic_form(backend, feature_map):
     torch = pytest.importorskip("torch")
     M = backend
@@ -234,7 +234,7 @@ def test_errors_name_the_argument(backend):
 
 
 def test_feature_maps_are_the_shared_table(backend):
-    assert tuple(importlib.import_module(f"{backend.__name__}.linear").FEATURE_MAPS) == checks.FEATURE_MAPS
+    assert tuple(importlib.import_module(f"{backend.__name__}.linear").FEATURE_MAPS) == validation.FEATURE_MAPS
 
 
 def test_jax_under_jit_grad_and_vmap_with_one_scan():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention_np.common import checks
+from attention_np.common import validation
 from tests._compare import REORDERED, assert_close
 from tests.conftest import import_backend
 
@@ -82,8 +82,8 @@ def test_zig_zag_gives_every_device_the_same_causal_work():
     def work(chunks: list[tuple[int, int]]) -> int:  # query i sees keys 0..i: i + 1 pairs
         return sum(stop * (stop + 1) // 2 - start * (start + 1) // 2 for start, stop in chunks)
 
-    zig_zag = [work(chunks) for chunks in checks.ring_chunks(P, L, L, is_causal=True)["q"]]
-    contiguous = [work(chunks) for chunks in checks.ring_chunks(P, L, L, is_causal=False)["q"]]
+    zig_zag = [work(chunks) for chunks in validation.ring_chunks(P, L, L, is_causal=True)["q"]]
+    contiguous = [work(chunks) for chunks in validation.ring_chunks(P, L, L, is_causal=False)["q"]]
     assert len(set(zig_zag)) == 1 and sum(zig_zag) == L * (L + 1) // 2
     assert contiguous == [136, 392, 648, 904]  # 16 queries each: 1 + .. + 16 pairs on device 0, 49 + .. + 64 on 3
 

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+from attention_np.common.records import FlashOptions
 from conformance.bench.ring_torch import launch
 from tests._compare import REORDERED
 
@@ -147,14 +148,16 @@ def test_causal_zig_zag_gives_every_rank_the_same_work(world_size: int):
     chunk start - key chunk start) holds the pairs i - j + o >= 0 of a 4 x 4 square."""
     from attention_torch import distributed
 
-    c, options = 4, {"q_offset": 0, "is_causal": True, "window": None}
+    c = 4
+    options = FlashOptions(is_causal=True, scale=None, q_offset=0, window=None, key_lengths=None, softcap=None,
+                           enable_gqa=False, block_q=None, block_k=None)
     layout = distributed._layout(world_size, 2 * c, 2 * c, True)
     i, j = np.arange(c)[:, None], np.arange(c)[None, :]
     calls, pairs = [], []
     for rank in range(world_size):
         scheduled = [step for steps in distributed._schedule(layout, rank, options) for _, _, step in steps]
         calls.append(len(scheduled))
-        pairs.append(sum(int((i - j + step["q_offset"] >= 0).sum()) for step in scheduled))
+        pairs.append(sum(int((i - j + step.q_offset >= 0).sum()) for step in scheduled))
     assert len(set(calls)) == 1 and len(set(pairs)) == 1, (calls, pairs)
     assert pairs[0] * world_size == (2 * c * world_size) * (2 * c * world_size + 1) // 2  # all L (L + 1) / 2
 

@@ -49,6 +49,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from attention_np.common.records import FlashOptions
+
 L = 16384  # L = S, the whole sequence
 E = 64
 MIB = 2**20
@@ -228,8 +230,8 @@ def _overlap_rank(rank: int, world_size: int, length: int, width: int, block: in
     shard = length // world_size
     generator = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(1, 1, shard, width, generator=generator) for _ in range(3))  # (B, H, L/P, E)
-    options = dict(is_causal=False, scale=None, q_offset=0, window=None, key_lengths=None, softcap=None,
-                   enable_gqa=False, block_q=block, block_k=block)  # ring_attention's, at its defaults
+    options = FlashOptions(is_causal=False, scale=None, q_offset=0, window=None, key_lengths=None, softcap=None,
+                           enable_gqa=False, block_q=block, block_k=block)  # ring_attention's, at its defaults
     layout = ring_torch._layout(world_size, shard, shard, False)
     calls = {"total": lambda: attention_torch.ring_attention(q, k, v, block_q=block, block_k=block),
              "compute": lambda: _ring_compute([q], [k], [v], layout, options, rank),
@@ -260,7 +262,7 @@ def _overlap_rank(rank: int, world_size: int, length: int, width: int, block: in
     return times
 
 
-def _ring_compute(q: list, k: list, v: list, layout: Any, options: dict, rank: int) -> list:
+def _ring_compute(q: list, k: list, v: list, layout: Any, options: FlashOptions, rank: int) -> list:
     """_ring_forward without its exchanges: every step's chunk pairs attend to this rank's own block, in place."""
     import torch
 

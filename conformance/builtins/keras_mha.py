@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from attention_np.common import checks
+from attention_np.common import validation as checks
 from conformance import adapters
 from conformance.contract.features import Declaration
 

@@ -16,7 +16,7 @@ Its ordinary path (_sa_block, whose attention runs with need_weights=False, then
 in training mode or with autograd on: every call here runs with autograd on and x a leaf that requires grad, so
 that also in eval mode it never takes the fast path (torch_encoder_layer_fast checks that one). vjp
 differentiates it by autograd with our state entries as the leaves. The arguments are checked as the backends
-check them (attention_np.common.checks), so bad input raises SPEC 7's errors before the layer sees it. Its
+check them (attention_np.common.validation), so bad input raises SPEC 7's errors before the layer sees it. Its
 initial values are its own (Xavier-uniform in_proj, zero attention biases).
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention_np.common import checks
+from attention_np.common import validation as checks
 from conformance import adapters
 from conformance.builtins import torch_mha
 from conformance.contract.features import Declaration

@@ -12,7 +12,7 @@ fast path (q is k is v) is never taken. Dropout draws from torch's global RNG: a
 the call's generator. It returns the weights averaged over the heads (average_attn_weights=True), (..., L, S).
 vjp differentiates its need_weights=False path (F.scaled_dot_product_attention inside) by autograd, with our
 state entries as the leaves; the weights it returns come from a second call with need_weights=True. The
-arguments are checked as the backends check them (attention_np.common.checks), so bad input raises SPEC 7's
+arguments are checked as the backends check them (attention_np.common.validation), so bad input raises SPEC 7's
 errors before the layer sees it. Its initial values are its own (Xavier-uniform in_proj, zero biases).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention_np.common import checks
+from attention_np.common import validation as checks
 from conformance import adapters
 from conformance.contract.features import Declaration
 

@@ -6,7 +6,7 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 Written apart from attention_np.linear and from the oracle (it shares only the argument checks of
-attention_np.common.checks, so that bad calls raise what the spec requires, and the array conversions of
+attention_np.common.validation, so that bad calls raise what the spec requires, and the array conversions of
 attention_np): non-causal attention from the sums A = phi(K)^T V and z = phi(K)^T 1; causal attention from
 cumulative sums indexed by each query's last key (chunk None), or chunk by chunk, a masked kernel inside the chunk
 and the state of the earlier chunks carried across; the step from a running state; and a backward pass through
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from attention_np import asarray, to_numpy
-from attention_np.common import checks
+from attention_np.common import validation
 
 State = tuple[np.ndarray, np.ndarray]
 
@@ -49,13 +49,13 @@ class Linear:
     def prepare(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict) -> tuple[np.ndarray, ...]:
         """phi(Q), phi(K) and V broadcast to one batch shape in at least float32, the hidden keys' rows of phi(K)
         and V zeroed, and the keys each query sees (..., L, S)."""
-        batch = checks.attention_batch(q.shape, k.shape, v.shape)
-        checks.same_floating_dtype({name: (str(x.dtype), np.issubdtype(x.dtype, np.floating))
+        batch = validation.attention_batch(q.shape, k.shape, v.shape)
+        validation.same_floating_dtype({name: (str(x.dtype), np.issubdtype(x.dtype, np.floating))
                                     for name, x in (("q", q), ("k", k), ("v", v))})
-        checks.linear_options(options["feature_map"], options["eps"], options["chunk"])
+        validation.linear_options(options["feature_map"], options["eps"], options["chunk"])
         L, S = q.shape[-2], k.shape[-2]
         if options["is_causal"]:
-            checks.linear_causal(L, S)
+            validation.linear_causal(L, S)
         work = np.promote_types(q.dtype, np.float32)
         q, k, v = (np.broadcast_to(x, (*batch, *x.shape[-2:])).astype(work) for x in (q, k, v))
         seen = np.ones((*batch, L, S), bool)
@@ -64,7 +64,7 @@ class Linear:
         fk = self.features(k, options["feature_map"])
         if options["key_lengths"] is not None:
             lengths = np.asarray(options["key_lengths"])
-            checks.positions("key_lengths", lengths.shape, str(lengths.dtype),
+            validation.positions("key_lengths", lengths.shape, str(lengths.dtype),
                              np.issubdtype(lengths.dtype, np.integer), batch)
             keep = np.arange(S) < lengths[..., None]  # (..., S)
             fk, v = np.where(keep[..., None], fk, 0.0), np.where(keep[..., None], v, 0.0)
@@ -188,7 +188,7 @@ def as_module(impl: Linear, name: str) -> types.ModuleType:
         out = linear_attention(q, k, v, **options)
 
         def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            checks.cotangent("d_out", d_out.shape, out.shape, {name: (str(x.dtype), True) for name, x in
+            validation.cotangent("d_out", d_out.shape, out.shape, {name: (str(x.dtype), True) for name, x in
                                                               (("d_out", d_out), ("out", out))})
             grads = impl.backward(q, k, v, options, d_out)
             return tuple(_summed_to(d, x.shape).astype(x.dtype) for d, x in zip(grads, (q, k, v), strict=True))
@@ -197,15 +197,15 @@ def as_module(impl: Linear, name: str) -> types.ModuleType:
 
     def linear_attention_state(batch_shape: tuple[int, ...], E: int, Ev: int, *,
                                dtype: np.dtype | None = None) -> State:
-        batch = checks.linear_state_size(batch_shape, E, Ev)
+        batch = validation.linear_state_size(batch_shape, E, Ev)
         dtype = np.dtype(np.float32 if dtype is None else dtype)
         return np.zeros((*batch, E, Ev), dtype), np.zeros((*batch, E), dtype)
 
     def linear_attention_step(q_t: np.ndarray, k_t: np.ndarray, v_t: np.ndarray, state: State, *,
                               feature_map: str = "elu", eps: float = 1e-6) -> tuple[np.ndarray, State]:
-        checks.linear_state_pair(state)
-        checks.linear_step(q_t.shape, k_t.shape, v_t.shape, state[0].shape, state[1].shape)
-        checks.linear_options(feature_map, eps)
+        validation.linear_state_pair(state)
+        validation.linear_step(q_t.shape, k_t.shape, v_t.shape, state[0].shape, state[1].shape)
+        validation.linear_options(feature_map, eps)
         out_t, after = impl.step(q_t, k_t, v_t, tuple(state), feature_map, float(eps))
         return out_t.astype(q_t.dtype), after
 

@@ -7,8 +7,8 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 The ring is written apart from attention_np.distributed and from the oracle: its own layout (contiguous shards,
 or with is_causal the zig-zag layout, device d holding chunks d and 2P - 1 - d of 2P), its own merge, and a dense
 backward pass per chunk pair. Inside each step it calls attention_np.flash_attention for the partial attention (the
-tiled kernel is not what this checks), and it shares the argument checks of attention_np.common.checks, so that bad
-calls raise what the spec requires. Each variant's docstring says the bug and which check of the suite's ring
+tiled kernel is not what this checks), and it shares the argument checks of attention_np.common.validation, so that
+bad calls raise what the spec requires. Each variant's docstring says the bug and which check of the suite's ring
 operation rejects it (the measure names of `conformance.check` rows). No variant raises on ordinary inputs: the
 bug is a wrong answer.
 
@@ -22,7 +22,7 @@ import types
 import numpy as np
 
 import attention_np
-from attention_np.common import checks
+from attention_np.common import validation
 
 Chunk = tuple[int, int]  # (start, stop) rows of the whole sequence
 
@@ -79,7 +79,7 @@ class Ring:
                        D: np.ndarray, options: dict, rows: Chunk, cols: Chunk) -> tuple[np.ndarray, ...]:
         """One query chunk against one key chunk: P = exp(S - lse) from the global lse, dV = P^T dO,
         dP = dO V^T, dS = P (dP - D), dQ = dS K scale, dK = dS^T Q scale (through the softcap's tanh)."""
-        scale = checks.default_scale(options["scale"], q.shape, k.shape)
+        scale = validation.default_scale(options["scale"], q.shape, k.shape)
         raw = q @ np.swapaxes(k, -1, -2) * scale  # (..., Lc, Sc)
         capped = raw if options["softcap"] is None else options["softcap"] * np.tanh(raw / options["softcap"])
         visible = self.visible(options, rows, cols)  # (Lc, Sc)
@@ -112,8 +112,8 @@ class Ring:
 
     def layout(self, devices: int, L: int, S: int, is_causal: bool) -> dict[str, list[list[Chunk]]]:
         """Per device its query chunks and its key chunks: one contiguous shard, or with is_causal chunks d and
-        2P - 1 - d of 2P (checks.ring_chunks raises for lengths the devices do not divide)."""
-        checks.ring_chunks(devices, L, S, is_causal)
+        2P - 1 - d of 2P (validation.ring_chunks raises for lengths the devices do not divide)."""
+        validation.ring_chunks(devices, L, S, is_causal)
         pieces = 2 * devices if is_causal else devices
 
         def chunks(n: int, d: int) -> list[Chunk]:
@@ -236,17 +236,18 @@ def _module(name: str, ring: Ring) -> types.ModuleType:
                            scale: float | None = None, q_offset: int = 0,
                            window: tuple[int | None, int | None] | None = None, softcap: float | None = None,
                            enable_gqa: bool = False, block_q: int = 128, block_k: int = 128) -> tuple:
-        checks.ring_offset(q_offset)
+        validation.ring_offset(q_offset)
         options = dict(is_causal=is_causal, scale=scale, window=window, softcap=softcap, block_q=block_q,
                        block_k=block_k, q_offset=q_offset)
-        H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape) if enable_gqa else (1, 1)
+        H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape) if enable_gqa else (1, 1)
         group = H // Hkv
         kv = [np.repeat(x, group, axis=-3) for x in (k, v)] if enable_gqa else [k, v]  # per query head
         out, lse = ring.forward(q, *kv, devices, options)
 
         def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            checks.cotangent("d_out", d_out.shape, out.shape, {name: (x.dtype.name, np.issubdtype(x.dtype, np.floating))
-                                                                     for name, x in (("d_out", d_out), ("out", out))})
+            dtypes = {name: (x.dtype.name, np.issubdtype(x.dtype, np.floating))
+                      for name, x in (("d_out", d_out), ("out", out))}
+            validation.cotangent("d_out", d_out.shape, out.shape, dtypes)
             dq, dk, dv = ring.backward(q, *kv, devices, options, out, lse, d_out)
             if enable_gqa:  # each key/value head's gradient summed over its group of query heads
                 dk, dv = (x.reshape(*x.shape[:-3], -1, group, *x.shape[-2:]).sum(axis=-3) for x in (dk, dv))

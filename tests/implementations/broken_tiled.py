@@ -5,7 +5,7 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 The kernel is written apart from attention_np.flash and from the oracle (it shares only the argument checks of
-attention_np.common.checks, so that bad calls raise what the spec requires): plain loops over (query tile, key
+attention_np.common.validation, so that bad calls raise what the spec requires): plain loops over (query tile, key
 tile) pairs on (..., L, E) arrays, a running maximum, denominator and output per query tile, and a backward
 pass that recomputes each tile's weights from the log-sum-exp. It takes a mask, is_causal, scale and the tile
 sizes; its declaration lacks the rest (bias, the keywords of SPEC 2a). Each variant's docstring says the bug and
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from attention_np.common import checks
+from attention_np.common import validation
 from conformance import Declaration, adapters
 
 LACKS = Declaration(lacks=("bias", "q_offset", "window", "key_lengths", "softcap", "enable_gqa"))
@@ -80,15 +80,15 @@ class Tiled:
                 scale: float | None) -> tuple:
         """q, k, v broadcast to one batch shape in at least float32, the visibility (..., L, S) of the mask,
         and the scale."""
-        batch = checks.attention_batch(q.shape, k.shape, v.shape)
-        checks.same_floating_dtype({name: (str(x.dtype), np.issubdtype(x.dtype, np.floating))
+        batch = validation.attention_batch(q.shape, k.shape, v.shape)
+        validation.same_floating_dtype({name: (str(x.dtype), np.issubdtype(x.dtype, np.floating))
                                     for name, x in (("q", q), ("k", k), ("v", v))})
-        scale = checks.default_scale(scale, q.shape, k.shape)
+        scale = validation.default_scale(scale, q.shape, k.shape)
         L, S = q.shape[-2], k.shape[-2]
         if mask is not None:
-            checks.broadcasts_to("mask", np.shape(mask), (*batch, L, S), "..., L, S")
+            validation.broadcasts_to("mask", np.shape(mask), (*batch, L, S), "..., L, S")
             mask = np.asarray(mask)
-            checks.binary_mask(np.issubdtype(mask.dtype, np.floating), bool(np.all((mask == 0) | (mask == 1))))
+            validation.binary_mask(np.issubdtype(mask.dtype, np.floating), bool(np.all((mask == 0) | (mask == 1))))
         work = np.promote_types(q.dtype, np.float32)
         q, k, v = (np.broadcast_to(x, (*batch, *x.shape[-2:])).astype(work) for x in (q, k, v))
         visible = np.ones((*batch, L, S), bool) if mask is None else np.broadcast_to(mask != 0, (*batch, L, S))
@@ -139,7 +139,7 @@ def as_module(kernel: Tiled, name: str) -> types.ModuleType:
     def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
                         is_causal: bool = False, scale: float | None = None, block_q: int = 128,
                         block_k: int = 128) -> tuple[np.ndarray, np.ndarray]:
-        checks.tiles(block_q, block_k)
+        validation.tiles(block_q, block_k)
         out, lse = kernel.forward(q, k, v, mask, is_causal, scale, block_q, block_k)
         return out.astype(q.dtype), lse
 
@@ -149,7 +149,7 @@ def as_module(kernel: Tiled, name: str) -> types.ModuleType:
         out, lse = flash_attention(q, k, v, mask, is_causal=is_causal, scale=scale, block_q=block_q, block_k=block_k)
 
         def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, None]:
-            checks.cotangent("d_out", d_out.shape, out.shape, {name: (str(x.dtype), True) for name, x in
+            validation.cotangent("d_out", d_out.shape, out.shape, {name: (str(x.dtype), True) for name, x in
                                                               (("d_out", d_out), ("out", out))})
             grads = kernel.backward(q, k, v, mask, is_causal, scale, block_q, block_k, out, lse, d_out)
             return (*(_sum_to(d, x.shape).astype(x.dtype) for d, x in zip(grads, (q, k, v), strict=True)), None)

@@ -1,4 +1,4 @@
-"""The argument checks of the three backends.
+"""The argument validation of the three backends: what each public function checks before the math.
 
 Everything here works on plain Python values (shapes as tuples, dtypes as names), so NumPy, JAX and
 torch raise the same exception with the same message for the same mistake.
@@ -496,8 +496,8 @@ def _linear_shapes(linears: Mapping[str, Shape], bias: bool) -> dict[str, Shape]
 
 def mha_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, prefix: str = "") -> dict[str, Any]:
     """A MultiHeadAttention state's sizes and options, read off its shapes: d_model (w_q.weight's columns),
-    num_kv_heads (w_k.weight's rows / d_k) and bias (whether any projection has one; checks.state then names
-    those missing from a partial set). A shape that fits no Hkv gives Hkv = H, so that checks.state names it."""
+    num_kv_heads (w_k.weight's rows / d_k) and bias (whether any projection has one; validation.state then names
+    those missing from a partial set). A shape that fits no Hkv gives Hkv = H, so that validation.state names it."""
     (d_model,) = state_widths(shapes, {f"{prefix}w_q.weight": 1})
     module_sizes(d_model, num_heads)
     d_k, rows = d_model // num_heads, _shape(shapes.get(f"{prefix}w_k.weight", (d_model,)))[0]

@@ -1,0 +1,151 @@
+"""The pieces the attention functions build on, in JAX: which keys a query may see (the masks built from
+positions, and `_visible`, which joins them with a mask and a bias), the softmax over the visible keys, the sum
+of a gradient over an input's broadcast axes, the activations of the feed-forward network, and the rank and
+dtype helpers that JAX's strict modes ask for.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+This module imports no other module of the backend, so that functional, fast, flash, linear, gradients and
+modules can all import it and the imports run one way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.special
+
+from attention_np.common import validation
+from attention_np.common.records import Structure
+
+
+def causal_mask(L: int, S: int, *, q_offset: int | jax.Array = 0) -> jax.Array:
+    """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
+    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
+
+
+def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
+                q_offset: int | jax.Array = 0) -> jax.Array:
+    """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
+    p_i = q_offset + i; a side that is None is unbounded."""
+    left, right = validation.window(window)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    shape = (*p.shape[:-2], L, S)  # (..., L, S)
+    after_left = jnp.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
+    before_right = True if right is None else j <= p + right  # (..., L, S)
+    return after_left & before_right  # (..., L, S)
+
+
+def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
+    """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
+
+    The two singleton axes stand for H and L, so the mask broadcasts over (B, H, L, S) scores.
+    """
+    lengths = jnp.asarray(lengths)
+    return _ranked(jnp.arange(S), lengths.ndim + 3) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
+
+
+def _visible(mask: jax.Array | None, bias: jax.Array | None, structure: Structure,
+             scores_shape: tuple) -> jax.Array | None:
+    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by the structure
+    (is_causal, q_offset, window, key_lengths; built from positions). Broadcasts to the scores' shape
+    (..., L, S); None when nothing hides a key."""
+    L, S = scores_shape[-2:]
+    visible = None
+    if mask is not None:
+        validation.broadcasts_to("mask", jnp.shape(mask), scores_shape, "..., L, S")
+        mask = jnp.asarray(mask)
+        floating = jnp.issubdtype(mask.dtype, jnp.floating)
+        binary = jnp.all((mask == 0.0) | (mask == 1.0)) if floating else None
+        # jax: under jit the values cannot be seen, of an argument nor of a mask the jitted function captures
+        seen = None if binary is None or isinstance(binary, jax.core.Tracer) else bool(binary)
+        validation.binary_mask(floating, seen)
+        visible = _ranked(mask.astype(bool), len(scores_shape))  # nonzero: visible (jax: a cast, as strict
+        # promotion forbids mask != 0)
+    if bias is not None:
+        validation.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
+        visible = _both(visible, _ranked(jnp.asarray(bias) != -jnp.inf, len(scores_shape)))
+    q_offset = _integers(structure.q_offset, "q_offset", scores_shape[:-2])  # jax: may be a tracer under jit
+    if structure.is_causal:
+        visible = _both(visible, _ranked(causal_mask(L, S, q_offset=q_offset), len(scores_shape)))
+    if structure.window is not None:
+        visible = _both(visible, _ranked(window_mask(L, S, structure.window, q_offset=q_offset), len(scores_shape)))
+    if structure.key_lengths is not None:
+        key_lengths = _integers(structure.key_lengths, "key_lengths", scores_shape[:-2])
+        keys = _ranked(jnp.arange(S), len(scores_shape)) < _ranked(key_lengths[..., None, None], len(scores_shape))
+        visible = _both(visible, keys)  # (S,) against (..., 1, 1)
+    return visible
+
+
+def _integers(x: int | jax.Array, name: str = "q_offset", batch: tuple | None = None) -> jax.Array:
+    """q_offset or key_lengths as an array of JAX's default int, checked: integer, and (given the scores'
+    leading axes `batch`) broadcasting to them."""
+    x = jnp.asarray(x)
+    validation.positions(name, x.shape, str(x.dtype), jnp.issubdtype(x.dtype, jnp.integer),
+                     x.shape if batch is None else batch)
+    return x.astype(int)  # jax: one int dtype for the positions, as strict promotion forbids mixing them
+
+
+def _positions(L: int, S: int, q_offset: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,) at the same rank."""
+    p = q_offset[..., None, None] + _ranked(jnp.arange(L)[:, None], q_offset.ndim + 2)  # (..., L, 1)
+    return p, _ranked(jnp.arange(S), p.ndim)  # jax: the same rank, as rank promotion may be refused
+
+
+def _at_least_float32(dtype: Any) -> Any:
+    """float32 for float16 and bfloat16, the dtype itself otherwise. jax: jnp.promote_types obeys strict
+    promotion, which refuses to promote float64 with float32."""
+    return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
+
+
+def _ranked(x: jax.Array, ndim: int) -> jax.Array:
+    """x with leading axes of size 1 up to `ndim` axes. jax: broadcasting then needs no rank promotion, so
+    the backend works with jax_numpy_rank_promotion="raise"."""
+    return jnp.reshape(x, (1,) * (ndim - x.ndim) + x.shape)
+
+
+def _both(visible: jax.Array | None, rule: jax.Array) -> jax.Array:
+    return rule if visible is None else visible & rule
+
+
+def _masked_softmax(scores: jax.Array, visible: jax.Array | None) -> jax.Array:
+    """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
+
+    weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
+    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
+    """
+    if visible is None:  # every key visible: the plain softmax
+        row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))
+        exp = jnp.exp(scores - row_max)  # (..., L, S)
+        return exp / jnp.sum(exp, axis=-1, keepdims=True)
+    scores = jnp.where(visible, scores, -jnp.inf)  # hidden entries become exp(-inf) = 0 below
+    row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))  # (..., L, 1)
+    # jax: stop_gradient, as the shift cancels in the softmax and needs no gradient
+    row_max = jnp.where(row_max == -jnp.inf, 0.0, row_max)  # fully masked row: any finite shift will do
+    exp = jnp.exp(scores - row_max)  # (..., L, S)
+    total = jnp.sum(exp, axis=-1, keepdims=True)  # (..., L, 1)
+    return exp / jnp.where(total == 0.0, 1.0, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
+
+
+def _sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Sum x over the axes along which an array of `shape` (at x's rank) was broadcast to x's shape."""
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _activation(name: str, x: jax.Array) -> jax.Array:
+    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form."""
+    if name == "relu":
+        return jnp.maximum(x, 0.0)
+    return x / 2 * (1 + jax.scipy.special.erf(x / math.sqrt(2)))
+
+
+def _silu(x: jax.Array) -> jax.Array:
+    """silu(x) = x * sigmoid(x)."""
+    return x * jax.nn.sigmoid(x)

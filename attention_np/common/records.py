@@ -1,0 +1,46 @@
+"""The records the backends pass from their public functions down to the loops: named, typed fields instead
+of dicts, so that a reader and a type checker can follow `q_offset` or `block_q` through the calls. Each holds
+plain values or the backend's own arrays, so it is written once here for all three.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+Window = tuple[int | None, int | None]
+
+
+class Structure(NamedTuple):
+    """Which keys each query may see by position (SPEC 2a), apart from the mask and the bias: the rules that
+    scaled_dot_product_attention, its fast path and the tiled kernels build from positions p_i = q_offset + i
+    and j."""
+
+    is_causal: bool  # hide keys j > p_i
+    q_offset: Any  # the position of query 0: an int, or an integer array broadcasting to (...)
+    window: Window | None  # (left, right), checked (validation.window): hide keys outside p_i - left .. p_i + right
+    key_lengths: Any  # None, or an integer array broadcasting to (...): hide keys j >= key_lengths
+
+
+class LinearOptions(NamedTuple):
+    """linear_attention's keywords, as its public functions pass them down to the problem they build."""
+
+    feature_map: str  # the name of phi in FEATURE_MAPS
+    is_causal: bool  # prefix sums (or chunks) instead of global sums
+    key_lengths: Any  # None, or an integer array broadcasting to (...): hide keys j >= key_lengths
+    eps: float  # added to the normaliser
+    chunk: int | None  # causal: positions per chunk (None: prefix sums)
+
+
+class FlashOptions(NamedTuple):
+    """flash_attention's keywords, as its public functions (and ring attention's passes) hand them to the tiled
+    passes; `window` as given, checked where it is read."""
+
+    is_causal: bool
+    scale: float | None
+    q_offset: Any  # an int, or an integer array broadcasting to (...)
+    window: Window | None
+    key_lengths: Any  # None, or an integer array broadcasting to (...)
+    softcap: float | None
+    enable_gqa: bool
+    block_q: int | None  # queries per tile (None: chosen from the shapes)
+    block_k: int | None  # keys per tile (None: chosen from the shapes)

@@ -1,0 +1,137 @@
+"""The pieces the attention functions build on, in NumPy: which keys a query may see (the masks built from
+positions, and `_visible`, which joins them with a mask and a bias), the softmax over the visible keys, the sum
+of a gradient over an input's broadcast axes, and the activations of the feed-forward network.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+This module imports no other module of the backend, so that functional, fast, flash, linear, gradients and
+modules can all import it and the imports run one way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from attention_np.common import validation
+from attention_np.common.records import Structure
+
+
+def causal_mask(L: int, S: int, *, q_offset: int | np.ndarray = 0) -> np.ndarray:
+    """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
+    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
+
+
+def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
+                q_offset: int | np.ndarray = 0) -> np.ndarray:
+    """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
+    p_i = q_offset + i; a side that is None is unbounded."""
+    left, right = validation.window(window)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    shape = (*p.shape[:-2], L, S)  # (..., L, S)
+    after_left = np.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
+    before_right = True if right is None else j <= p + right  # (..., L, S)
+    return after_left & before_right  # (..., L, S)
+
+
+def padding_mask(lengths: np.ndarray, S: int) -> np.ndarray:
+    """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
+
+    The two singleton axes stand for H and L, so the mask broadcasts over (B, H, L, S) scores.
+    """
+    lengths = np.asarray(lengths)
+    return np.arange(S) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
+
+
+def _visible(mask: np.ndarray | None, bias: np.ndarray | None, structure: Structure,
+             scores_shape: tuple) -> np.ndarray | None:
+    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by the structure
+    (is_causal, q_offset, window, key_lengths; built from positions). Broadcasts to the scores' shape
+    (..., L, S); None when nothing hides a key."""
+    L, S = scores_shape[-2:]
+    visible = None
+    if mask is not None:
+        validation.broadcasts_to("mask", np.shape(mask), scores_shape, "..., L, S")
+        mask = np.asarray(mask)
+        validation.binary_mask(np.issubdtype(mask.dtype, np.floating), bool(np.all((mask == 0) | (mask == 1))))
+        visible = mask != 0
+    if bias is not None:
+        validation.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
+        visible = _both(visible, np.asarray(bias) != -np.inf)
+    q_offset = _integers(structure.q_offset, "q_offset", scores_shape[:-2])
+    if structure.is_causal:
+        visible = _both(visible, causal_mask(L, S, q_offset=q_offset))  # (..., L, S)
+    if structure.window is not None:
+        visible = _both(visible, window_mask(L, S, structure.window, q_offset=q_offset))  # (..., L, S)
+    if structure.key_lengths is not None:
+        key_lengths = _integers(structure.key_lengths, "key_lengths", scores_shape[:-2])
+        visible = _both(visible, np.arange(S) < key_lengths[..., None, None])  # (S,) against (..., 1, 1)
+    return visible
+
+
+def _integers(x: int | np.ndarray, name: str = "q_offset", batch: tuple | None = None) -> np.ndarray:
+    """q_offset or key_lengths as an int64 array, checked: integer, and (given the scores' leading axes
+    `batch`) broadcasting to them."""
+    x = np.asarray(x)
+    validation.positions(name, x.shape, str(x.dtype), np.issubdtype(x.dtype, np.integer),
+                     x.shape if batch is None else batch)
+    return x.astype(np.int64, copy=False)
+
+
+def _positions(L: int, S: int, q_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,)."""
+    return q_offset[..., None, None] + np.arange(L)[:, None], np.arange(S)
+
+
+def _both(visible: np.ndarray | None, rule: np.ndarray) -> np.ndarray:
+    return rule if visible is None else visible & rule
+
+
+def _masked_softmax(scores: np.ndarray, visible: np.ndarray | None) -> np.ndarray:
+    """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
+
+    weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
+    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
+    """
+    if visible is None:  # every key visible: the plain softmax
+        exp = np.exp(scores - np.max(scores, axis=-1, keepdims=True, initial=-np.inf))  # (..., L, S)
+        return exp / np.sum(exp, axis=-1, keepdims=True)
+    scores = np.where(visible, scores, -np.inf)  # hidden entries become exp(-inf) = 0 below
+    row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # (..., L, 1)
+    row_max = np.where(row_max == -np.inf, 0, row_max)  # fully masked row: any finite shift will do
+    exp = np.exp(scores - row_max)  # (..., L, S)
+    total = np.sum(exp, axis=-1, keepdims=True)  # (..., L, 1)
+    return exp / np.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
+
+
+def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum x over the axes along which an array of `shape` was broadcast to x's shape."""
+    x = np.sum(x, axis=tuple(range(x.ndim - len(shape)))) if x.ndim > len(shape) else x
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return np.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _activation(name: str, x: np.ndarray) -> np.ndarray:
+    """relu(x) = max(x, 0); gelu(x) = x * Phi(x) = x / 2 * (1 + erf(x / sqrt(2))), the exact form."""
+    if name == "relu":
+        return np.maximum(x, 0)
+    return x / 2 * (1 + _erf(x / math.sqrt(2)))
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    """sigmoid(x) = 1 / (1 + exp(-x)), as exp(-log(1 + exp(-x))): no overflow for very negative x."""
+    return np.exp(-np.logaddexp(0, -x))
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    """silu(x) = x * sigmoid(x)."""
+    return x * _sigmoid(x)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf, elementwise: NumPy has none, so math.erf is vectorised (exact to the last bit)."""
+    return np.vectorize(math.erf, otypes=[x.dtype])(x)

@@ -1,0 +1,118 @@
+"""The pieces the attention functions build on, in PyTorch: which keys a query may see (the masks built from
+positions, and `_visible`, which joins them with a mask and a bias), the softmax over the visible keys, and the
+cast that skips a dispatch. torch: autograd sums gradients over broadcast axes, and the activations are torch's
+own modules, so neither is here.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+This module imports no other module of the backend, so that functional, fast, flash, linear, gradients and
+modules can all import it and the imports run one way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attention_np.common import validation
+from attention_np.common.records import Structure
+
+
+def causal_mask(L: int, S: int, *, q_offset: int | torch.Tensor = 0) -> torch.Tensor:
+    """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
+    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
+
+
+def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
+                q_offset: int | torch.Tensor = 0) -> torch.Tensor:
+    """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
+    p_i = q_offset + i; a side that is None is unbounded."""
+    left, right = validation.window(window)
+    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
+    shape = (*p.shape[:-2], L, S)  # (..., L, S)
+    after_left = torch.ones(shape, dtype=torch.bool, device=p.device) if left is None else j >= p - left  # (..., L, S)
+    before_right = True if right is None else j <= p + right  # (..., L, S)
+    return after_left & before_right  # (..., L, S)
+
+
+def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
+    """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
+
+    The two singleton axes stand for H and L, so the mask broadcasts over (B, H, L, S) scores.
+    """
+    lengths = torch.as_tensor(lengths)
+    return torch.arange(S, device=lengths.device) < lengths[..., None, None, None]  # (B,) -> (B, 1, 1, S)
+
+
+def _visible(mask: torch.Tensor | None, bias: torch.Tensor | None, structure: Structure, scores_shape: tuple,
+             device: torch.device) -> torch.Tensor | None:
+    """True where a query may see a key: kept by `mask`, not -inf in `bias`, allowed by the structure
+    (is_causal, q_offset, window, key_lengths; built from positions). Broadcasts to the scores' shape
+    (..., L, S); None when nothing hides a key."""
+    L, S = scores_shape[-2:]
+    visible = None
+    if mask is not None:
+        validation.broadcasts_to("mask", mask.shape, scores_shape, "..., L, S")
+        mask = torch.as_tensor(mask, device=device)
+        validation.binary_mask(mask.is_floating_point(), bool(((mask == 0) | (mask == 1)).all()))
+        visible = mask != 0
+    if bias is not None:
+        validation.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
+        visible = _both(visible, torch.as_tensor(bias, device=device) != -math.inf)
+    q_offset = _integers(structure.q_offset, "q_offset", scores_shape[:-2]).to(device)
+    if structure.is_causal:
+        visible = _both(visible, causal_mask(L, S, q_offset=q_offset))  # (..., L, S)
+    if structure.window is not None:
+        visible = _both(visible, window_mask(L, S, structure.window, q_offset=q_offset))  # (..., L, S)
+    if structure.key_lengths is not None:
+        key_lengths = _integers(structure.key_lengths, "key_lengths", scores_shape[:-2]).to(device)
+        visible = _both(visible, torch.arange(S, device=device) < key_lengths[..., None, None])  # (..., 1, S)
+    return visible
+
+
+def _integers(x: int | torch.Tensor, name: str = "q_offset", batch: tuple | None = None) -> torch.Tensor:
+    """q_offset or key_lengths as an int64 tensor, checked: integer, and (given the scores' leading axes
+    `batch`) broadcasting to them."""
+    if type(x) is int or isinstance(x, torch.SymInt):  # torch: scalar_tensor keeps an int symbolic under
+        x = torch.scalar_tensor(x, dtype=torch.int64)  # torch.compile (a cache's length: one graph for every
+    x = torch.as_tensor(x)  # decode step), where as_tensor specialises the graph to its value
+    integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)  # torch: no issubdtype
+    validation.positions(name, x.shape, str(x.dtype), integer, x.shape if batch is None else batch)
+    return x.to(torch.int64)
+
+
+def _positions(L: int, S: int, q_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,), on q_offset's device."""
+    arange = torch.arange(max(L, S), device=q_offset.device)
+    return q_offset[..., None, None] + arange[:L, None], arange[:S]
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`. torch: x.to(dtype) costs a dispatch even when x has that dtype, and a decode step makes
+    a dozen such calls."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _both(visible: torch.Tensor | None, rule: torch.Tensor) -> torch.Tensor:
+    return rule if visible is None else visible & rule
+
+
+def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
+
+    weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
+    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
+    """
+    if visible is None:  # every key visible: the plain softmax
+        exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True).detach())  # (..., L, S)
+        return exp / exp.sum(dim=-1, keepdim=True)
+    scores = torch.where(visible, scores, -math.inf)  # hidden entries become exp(-inf) = 0 below
+    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (..., L, 1); torch: the shift needs no gradient
+    row_max = torch.where(row_max == -math.inf, 0, row_max)  # fully masked row: any finite shift will do
+    exp = torch.exp(scores - row_max)  # (..., L, S)
+    total = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
+    return exp / torch.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
