@@ -102,13 +102,13 @@ class MultiHeadAttention(Module):
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
         layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
-        rope_theta = validation.rope_theta(rope_theta, layout["d_model"], num_heads)
+        rope_theta = validation.rope_theta(rope_theta, layout.d_model, num_heads)
         validation.probability("dropout", dropout)
         validation.attention(attention, dropout)
-        validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout))
+        validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout._asdict()))
         validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         projections = {name: Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in cls._children}
-        return cls._build(**projections, num_heads=num_heads, num_kv_heads=layout["num_kv_heads"],
+        return cls._build(**projections, num_heads=num_heads, num_kv_heads=layout.num_kv_heads,
                           rope_theta=rope_theta, attention=attention, dropout=dropout, training=True)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, *,
@@ -328,14 +328,14 @@ class TransformerBlock(Module):
         shapes = {name: value.shape for name, value in state.items()}
         layout = validation.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
         validation.probability("dropout", dropout)
-        validation.state(cls.__name__, shapes, validation.block_state_shapes(num_heads=num_heads, **layout))
+        validation.state(cls.__name__, shapes, validation.block_state_shapes(num_heads=num_heads, **layout._asdict()))
         validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
                                                   dropout=dropout, rope_theta=rope_theta)
-        norm1, norm2 = (_NORMS[layout["norm"]].from_state(_prefixed(state, name), eps) for name in ("norm1", "norm2"))
+        norm1, norm2 = (_NORMS[layout.norm].from_state(_prefixed(state, name), eps) for name in ("norm1", "norm2"))
         return cls._build(attn=attn, norm1=norm1, norm2=norm2,
-                          ffn=_FEED_FORWARDS[layout["activation"]].from_state(_prefixed(state, "ffn"),
-                                                                             layout["activation"], dropout),
+                          ffn=_FEED_FORWARDS[layout.activation].from_state(_prefixed(state, "ffn"),
+                                                                             layout.activation, dropout),
                           dropout=dropout, norm_first=norm_first, training=True)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, need_weights: bool = True,

@@ -86,14 +86,14 @@ class MultiHeadAttention(nn.Module):
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
         layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
-        rope_theta = validation.rope_theta(rope_theta, layout["d_model"], num_heads)
+        rope_theta = validation.rope_theta(rope_theta, layout.d_model, num_heads)
         validation.probability("dropout", dropout)
         validation.attention(attention, dropout)
-        validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout))
+        validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout._asdict()))
         validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
-            module = cls(layout["d_model"], num_heads, dropout, num_kv_heads=layout["num_kv_heads"],
-                         bias=layout["bias"], rope_theta=rope_theta, attention=attention)
+            module = cls(layout.d_model, num_heads, dropout, num_kv_heads=layout.num_kv_heads,
+                         bias=layout.bias, rope_theta=rope_theta, attention=attention)
         return _load(module, state)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
@@ -322,12 +322,12 @@ class TransformerBlock(nn.Module):
         shapes = {name: value.shape for name, value in state.items()}
         layout = validation.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
         validation.probability("dropout", dropout)
-        validation.state(cls.__name__, shapes, validation.block_state_shapes(num_heads=num_heads, **layout))
+        validation.state(cls.__name__, shapes, validation.block_state_shapes(num_heads=num_heads, **layout._asdict()))
         validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
-            module = cls(layout["d_model"], num_heads, layout["d_ff"], dropout, norm_first=norm_first,
-                         activation=layout["activation"], norm=layout["norm"],
-                         num_kv_heads=layout["num_kv_heads"], bias=layout["bias"], rope_theta=rope_theta, eps=eps)
+            module = cls(layout.d_model, num_heads, layout.d_ff, dropout, norm_first=norm_first,
+                         activation=layout.activation, norm=layout.norm,
+                         num_kv_heads=layout.num_kv_heads, bias=layout.bias, rope_theta=rope_theta, eps=eps)
         return _load(module, state)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, need_weights: bool = True,

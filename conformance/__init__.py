@@ -9,7 +9,7 @@ Declaration(lacks=("weights", "dropout"))`; `conformance.adapters` wraps a kerne
 Importing this package loads neither JAX nor torch; `check` imports only the module it is given.
 
 The package, by layer, bottom first: each module imports only from its own layer and those before it, and
-no two modules import each other (tests/test_conformance_layers.py).
+no two modules import each other (tests/test_imports.py).
     frameworks/registry.py, frameworks/peers.py, cli.py   what differs between NumPy, JAX and torch; the
                                                           command line's parsing helpers
     contract/          the contract's description: operations, cases, fixed cases, oracle, strategies,

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attention_np.common import validation as checks
+from attention_np.common import validation
 
 from .contract.features import Declaration
 
@@ -243,33 +243,33 @@ class _Frame:
 def _checked(ops: _Ops, q: Any, k: Any, v: Any, given: dict, dropout_p: float) -> tuple[tuple, tuple[int, int]]:
     """The contract's checks of the arguments (SPEC 7, the backends' own); returns the scores' leading axes
     (..., H), at least one axis, and (H, Hkv)."""
-    checks.same_floating_dtype({name: ops.dtype(x) for name, x in (("q", q), ("k", k), ("v", v))})
+    validation.same_floating_dtype({name: ops.dtype(x) for name, x in (("q", q), ("k", k), ("v", v))})
     if given.get("enable_gqa"):
-        H, Hkv = checks.grouped_heads(q.shape, k.shape, v.shape)
-        kv_batch = checks.attention_batch((*q.shape[:-3], Hkv, *q.shape[-2:]), k.shape, v.shape)
+        H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
+        kv_batch = validation.attention_batch((*q.shape[:-3], Hkv, *q.shape[-2:]), k.shape, v.shape)
         batch = (*kv_batch[:-1], H)
     else:
-        batch = checks.attention_batch(q.shape, k.shape, v.shape)
+        batch = validation.attention_batch(q.shape, k.shape, v.shape)
     H = batch[-1] if batch else 1  # unbatched: one sequence of one head
     heads = (H, k.shape[-3] if given.get("enable_gqa") else H)
     target = (*batch, q.shape[-2], k.shape[-2])
     for name in ("mask", "bias"):
         if name in given:
-            checks.broadcasts_to(name, given[name].shape, target, "..., L, S")
+            validation.broadcasts_to(name, given[name].shape, target, "..., L, S")
     if "mask" in given:
         dtype, floating = ops.dtype(given["mask"])
         values = ops.values(given["mask"]) if floating else None
-        checks.binary_mask(floating, None if values is None else bool(np.all((values == 0) | (values == 1))))
+        validation.binary_mask(floating, None if values is None else bool(np.all((values == 0) | (values == 1))))
     for name in ("q_offset", "key_lengths"):
         if name in given:
             x = given[name]
             dtype = (type(x).__name__, isinstance(x, int)) if isinstance(x, int | float) else ops.dtype(x)
             integer = dtype[1] if isinstance(x, int | float) else not dtype[1] and dtype[0] != "bool"
-            checks.positions(name, np.shape(x) if isinstance(x, int | float) else x.shape, dtype[0], integer, batch)
-    checks.window(given.get("window"))
-    checks.softcap(given.get("softcap"))
-    checks.probability("dropout_p", dropout_p)
-    checks.default_scale(given.get("scale"), q.shape, k.shape)
+            validation.positions(name, np.shape(x) if isinstance(x, int | float) else x.shape, dtype[0], integer, batch)
+    validation.window(given.get("window"))
+    validation.softcap(given.get("softcap"))
+    validation.probability("dropout_p", dropout_p)
+    validation.default_scale(given.get("scale"), q.shape, k.shape)
     return batch, heads
 
 
@@ -362,7 +362,8 @@ def _jax_autodiff(function: Callable, arrays: dict[str, Any], names: list[str]) 
 def _check_cotangent(d_out: Any, out: Any) -> None:
     """d_out has out's shape and dtype (SPEC 4a), as the contract's pullbacks check."""
     ops = _ops(out)
-    checks.cotangent("d_out", tuple(d_out.shape), tuple(out.shape), {"d_out": ops.dtype(d_out), "out": ops.dtype(out)})
+    dtypes = {"d_out": ops.dtype(d_out), "out": ops.dtype(out)}
+    validation.cotangent("d_out", tuple(d_out.shape), tuple(out.shape), dtypes)
 
 
 def vjp(sdpa_: Callable) -> Callable:

@@ -1,6 +1,7 @@
-"""Imports run one way: the first-party modules of each package form no cycle, and no function body imports
-a first-party module (so a cycle cannot hide in a lazy import). Lazy imports of a framework (jax, torch,
-matplotlib) are fine: they are not first-party.
+"""Imports run one way: the first-party modules of each package form no cycle, even through an import inside a
+function (so no lazy import dodges a cycle: moved to the top, it would make none); the backends import none of
+their own modules inside a function; and each of conformance's modules imports only from its own layer and those
+below it (conformance/__init__.py lists the layers). Lazy imports of a framework or of Hypothesis are fine.
 
 The graph is read from the source (AST), every `import` and `from ... import` anywhere in a module, at module
 level and inside functions, resolved to first-party module names; a package's __init__ is the package's module
@@ -9,11 +10,13 @@ and counts as importing what it imports."""
 from __future__ import annotations
 
 import ast
+import fnmatch
 from pathlib import Path
 
 import pytest
 
-PACKAGES = ("attention_np", "attention_jax", "attention_torch")
+BACKENDS = ("attention_np", "attention_jax", "attention_torch")
+PACKAGES = (*BACKENDS, "conformance")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -87,7 +90,7 @@ def test_package_imports_form_no_cycle(package):
     assert cycle is None, f"{package}: an import cycle: {' -> '.join(cycle)}"
 
 
-@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("package", BACKENDS)
 def test_no_function_imports_a_first_party_module(package):
     problems = []
     for path in _modules(package).values():
@@ -109,3 +112,34 @@ def test_the_graph_resolves_imports_and_finds_a_cycle():
     assert [_first_party(node) for node in nodes] == [True, True, True, False]
     assert _cycle({"p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": set()}) == ["p.a", "p.b", "p.a"]
     assert _cycle({"p.a": {"p.b", "p.c"}, "p.b": {"p.c"}, "p.c": set()}) is None
+
+
+# conformance's layers, bottom first: module names below conformance ("" is conformance itself), as fnmatch patterns
+LAYERS = (
+    ("frameworks", "frameworks.registry", "frameworks.peers", "cli"),  # what differs between the frameworks
+    ("contract", "contract.*"),  # the contract's description
+    ("run", "run.*"),  # the suite that checks a module
+    ("frameworks.disagreements", "frameworks.matrix", "builtins", "builtins.*", "adapters", ""),  # built-ins measured
+    ("bench", "bench.*"),  # the benchmarks and figures
+    ("__main__", "docs", "pytest_plugin", "test_conformance"),  # the command line and the entry points
+)
+CONFORMANCE = _graph(_modules("conformance"))
+
+
+def _layer(module: str) -> int:
+    name = module.removeprefix("conformance").removeprefix(".")
+    for number, patterns in enumerate(LAYERS):
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            return number
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS and to conformance/__init__.py")
+
+
+@pytest.mark.parametrize("module", sorted(CONFORMANCE))
+def test_a_conformance_module_imports_only_from_its_layer_and_below(module: str) -> None:
+    above = sorted(target for target in CONFORMANCE[module] if _layer(target) > _layer(module))
+    assert not above, f"{module} (layer {_layer(module)}) imports {above} from a layer above it"
+
+
+def test_the_graph_sees_conformance_s_lazy_imports() -> None:
+    assert "conformance.frameworks.registry" in CONFORMANCE["conformance.pytest_plugin"]  # pytest_configure's
+    assert "conformance.run.suite" in CONFORMANCE["conformance"]  # check's: Hypothesis imported when a check runs

@@ -44,3 +44,22 @@ class FlashOptions(NamedTuple):
     enable_gqa: bool
     block_q: int | None  # queries per tile (None: chosen from the shapes)
     block_k: int | None  # keys per tile (None: chosen from the shapes)
+
+
+class MhaLayout(NamedTuple):
+    """A MultiHeadAttention state's sizes and options, read off its entries' shapes (validation.mha_layout)."""
+
+    d_model: int  # w_q.weight's columns
+    num_kv_heads: int  # w_k.weight's rows / d_k
+    bias: bool  # whether the projections have biases
+
+
+class BlockLayout(NamedTuple):
+    """A TransformerBlock state's sizes and options, read off its entries' shapes (validation.block_layout)."""
+
+    d_model: int
+    num_kv_heads: int
+    bias: bool  # whether the projections or the feed-forward have biases
+    d_ff: int  # the feed-forward's hidden width
+    norm: str  # "layer", or "rms" (no norm1.bias)
+    activation: str  # "relu", "gelu" or "swiglu"

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import numpy as np
+
+from .records import BlockLayout, MhaLayout
 
 Shape = tuple[int, ...]
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -494,7 +495,7 @@ def _linear_shapes(linears: Mapping[str, Shape], bias: bool) -> dict[str, Shape]
     return shapes
 
 
-def mha_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, prefix: str = "") -> dict[str, Any]:
+def mha_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, prefix: str = "") -> MhaLayout:
     """A MultiHeadAttention state's sizes and options, read off its shapes: d_model (w_q.weight's columns),
     num_kv_heads (w_k.weight's rows / d_k) and bias (whether any projection has one; validation.state then names
     those missing from a partial set). A shape that fits no Hkv gives Hkv = H, so that validation.state names it."""
@@ -502,11 +503,11 @@ def mha_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, prefix: str 
     module_sizes(d_model, num_heads)
     d_k, rows = d_model // num_heads, _shape(shapes.get(f"{prefix}w_k.weight", (d_model,)))[0]
     fits = rows % d_k == 0 and rows > 0 and num_heads % (rows // d_k) == 0
-    return {"d_model": d_model, "num_kv_heads": rows // d_k if fits else num_heads,
-            "bias": any(f"{prefix}{name}.bias" in shapes for name in PROJECTIONS)}
+    return MhaLayout(d_model=d_model, num_kv_heads=rows // d_k if fits else num_heads,
+                     bias=any(f"{prefix}{name}.bias" in shapes for name in PROJECTIONS))
 
 
-def block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, activation_: str | None) -> dict[str, Any]:
+def block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, activation_: str | None) -> BlockLayout:
     """A TransformerBlock state's sizes and options, read off its shapes as mha_layout does, and d_ff, norm
     ("rms" without norm1.bias) and the activation: whether the feed-forward is SwiGLU (ffn.w_gate, ffn.w_up,
     ffn.w_down), which `activation_` must agree with: "swiglu" for those entries, "relu" or "gelu" for ffn.0
@@ -521,10 +522,10 @@ def block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, activation
                          + ("'swiglu'" if swiglu else "'relu' or 'gelu'"))
     layout = mha_layout(shapes, num_heads, "attn.")
     (d_ff,) = state_widths(shapes, {"ffn.w_gate.weight" if swiglu else "ffn.0.weight": 0})
-    module_sizes(layout["d_model"], num_heads, d_ff)
+    module_sizes(layout.d_model, num_heads, d_ff)
     ffn_bias = any(name.startswith("ffn.") and name.endswith(".bias") for name in shapes)
-    return layout | {"d_ff": d_ff, "bias": layout["bias"] or ffn_bias,
-                     "norm": "layer" if "norm1.bias" in shapes else "rms", "activation": activation_}
+    return BlockLayout(d_model=layout.d_model, num_kv_heads=layout.num_kv_heads, bias=layout.bias or ffn_bias,
+                       d_ff=d_ff, norm="layer" if "norm1.bias" in shapes else "rms", activation=activation_)
 
 
 def state(cls_name: str, shapes: Mapping[str, Sequence[int]], expected: Mapping[str, Shape]) -> None:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attention_np.common import validation as checks
+from attention_np.common import validation
 from conformance import adapters
 from conformance.contract.features import Declaration
 
@@ -92,9 +92,9 @@ class MultiHeadAttention:
                  dtype: Any = None) -> None:
         """The layer's own initial values, drawn from rng (a jax.random key; None: seeded from the OS), in dtype
         (float32 by default)."""
-        checks.module_sizes(d_model, num_heads)
-        num_kv_heads = checks.kv_heads(num_heads, num_kv_heads)
-        checks.probability("dropout", dropout)
+        validation.module_sizes(d_model, num_heads)
+        num_kv_heads = validation.kv_heads(num_heads, num_kv_heads)
+        validation.probability("dropout", dropout)
         _refuse_rope(type(self).__name__, rope_theta)
         rngs = nnx.Rngs(params=jax.random.key(secrets.randbits(63)) if rng is None else rng)
         layer = _layer(d_model, num_heads, num_kv_heads, bias, dropout, rngs, jnp.float32 if dtype is None else dtype)
@@ -109,10 +109,11 @@ class MultiHeadAttention:
         """A module holding `state` (NumPy or JAX arrays; computes in their dtype), in training mode."""
         state = {name: asarray(x) for name, x in state.items()}
         shapes = {name: x.shape for name, x in state.items()}
-        layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
-        checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
-        checks.same_floating_dtype({name: _dtype(x) for name, x in state.items()}, f"{cls.__name__}.from_state_dict: ")
+        layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
+        validation.probability("dropout", dropout)
+        validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout._asdict()))
+        dtypes = {name: _dtype(x) for name, x in state.items()}
+        validation.same_floating_dtype(dtypes, f"{cls.__name__}.from_state_dict: ")
         _refuse_rope(cls.__name__, rope_theta)
         mha = cls.__new__(cls)
         mha._hold(state, num_heads, dropout, training=True)
@@ -146,7 +147,7 @@ class MultiHeadAttention:
         batch = self._checked(q, k, v, mask)
         (L, D), S, H = q.shape[-2:], k.shape[-2], self.num_heads
         dropout_p = self.dropout if self.training else 0.0
-        checks.dropout_rng(dropout_p, rng, type(self).__name__)
+        validation.dropout_rng(dropout_p, rng, type(self).__name__)
 
         # 1) our leading axes (...) flattened into its batch
         B = math.prod(batch)
@@ -167,7 +168,7 @@ class MultiHeadAttention:
     def vjp(self, q: jax.Array, k: jax.Array, v: jax.Array,
             mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
         """out, weights and pullback(d_out) -> (dq, dk, dv, {state-dict name: gradient}), without dropout."""
-        checks.no_dropout(type(self).__name__, self.dropout if self.training else 0.0)
+        validation.no_dropout(type(self).__name__, self.dropout if self.training else 0.0)
 
         def call(q: jax.Array, k: jax.Array, v: jax.Array, **state: jax.Array) -> tuple[jax.Array, jax.Array]:
             return self._with(state)(q, k, v, mask)
@@ -192,16 +193,16 @@ class MultiHeadAttention:
     def _checked(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> tuple[int, ...]:
         """The contract's checks of the inputs (SPEC 7); returns the leading axes (...)."""
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            checks.module_input(name, x.shape, self.d_model, letter)
-        checks.same_floating_dtype({"q": _dtype(q), "k": _dtype(k), "v": _dtype(v),
+            validation.module_input(name, x.shape, self.d_model, letter)
+        validation.same_floating_dtype({"q": _dtype(q), "k": _dtype(k), "v": _dtype(v),
                                     "parameters": _dtype(self._state["w_q.weight"])})
-        batch = checks.attention_batch(q.shape, k.shape, v.shape)
+        batch = validation.attention_batch(q.shape, k.shape, v.shape)
         if mask is not None:
-            checks.broadcasts_to("mask", mask.shape, (*batch, self.num_heads, q.shape[-2], k.shape[-2]),
+            validation.broadcasts_to("mask", mask.shape, (*batch, self.num_heads, q.shape[-2], k.shape[-2]),
                                  "..., H, L, S")
             floating = _dtype(mask)[1]
             seen = floating and not isinstance(mask, jax.core.Tracer)  # jax: no values inside jit
-            checks.binary_mask(floating, bool(jnp.all((mask == 0) | (mask == 1))) if seen else None)
+            validation.binary_mask(floating, bool(jnp.all((mask == 0) | (mask == 1))) if seen else None)
         return batch
 
 

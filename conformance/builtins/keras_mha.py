@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from attention_np.common import validation as checks
+from attention_np.common import validation
 from conformance import adapters
 from conformance.contract.features import Declaration
 
@@ -125,9 +125,9 @@ class MultiHeadAttention:
                  dtype: Any = None) -> None:
         """Its own initial values (Glorot uniform kernels, zero biases), drawn from rng (a jax.random key; None:
         seeded from the OS), in dtype (float32 by default)."""
-        checks.module_sizes(d_model, num_heads)
-        _refuse_layout(type(self).__name__, num_heads, checks.kv_heads(num_heads, num_kv_heads), rope_theta)
-        checks.probability("dropout", dropout)
+        validation.module_sizes(d_model, num_heads)
+        _refuse_layout(type(self).__name__, num_heads, validation.kv_heads(num_heads, num_kv_heads), rope_theta)
+        validation.probability("dropout", dropout)
         layer = _new_layer(d_model, num_heads, bias, dropout, jnp.dtype(jnp.float32 if dtype is None else dtype).name)
         rng = jax.random.key(secrets.randbits(63)) if rng is None else rng
         # keras: a seeded initializer draws the same values for every kernel of one shape, so one seed each
@@ -145,11 +145,12 @@ class MultiHeadAttention:
         """A module holding `state` (NumPy or JAX arrays; computes in their dtype), in training mode."""
         state = {name: asarray(x) for name, x in state.items()}
         shapes = {name: x.shape for name, x in state.items()}
-        layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
-        checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
-        checks.same_floating_dtype({name: _dtype(x) for name, x in state.items()}, f"{cls.__name__}.from_state_dict: ")
-        _refuse_layout(cls.__name__, num_heads, layout["num_kv_heads"], rope_theta)
+        layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
+        validation.probability("dropout", dropout)
+        validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout._asdict()))
+        dtypes = {name: _dtype(x) for name, x in state.items()}
+        validation.same_floating_dtype(dtypes, f"{cls.__name__}.from_state_dict: ")
+        _refuse_layout(cls.__name__, num_heads, layout.num_kv_heads, rope_theta)
         mha = cls.__new__(cls)
         mha._hold(state, num_heads, dropout, training=True)
         return mha
@@ -182,7 +183,7 @@ class MultiHeadAttention:
         batch = self._checked(q, k, v, mask)
         (L, D), S, H = q.shape[-2:], k.shape[-2], self.num_heads
         dropout_p = self.dropout if self.training else 0.0
-        checks.dropout_rng(dropout_p, rng, type(self).__name__)
+        validation.dropout_rng(dropout_p, rng, type(self).__name__)
 
         # 1) our leading axes (...) flattened into its batch; one mask for every head, head 0's
         B = math.prod(batch)
@@ -206,7 +207,7 @@ class MultiHeadAttention:
     def vjp(self, q: jax.Array, k: jax.Array, v: jax.Array,
             mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
         """out, weights and pullback(d_out) -> (dq, dk, dv, {state-dict name: gradient}), without dropout."""
-        checks.no_dropout(type(self).__name__, self.dropout if self.training else 0.0)
+        validation.no_dropout(type(self).__name__, self.dropout if self.training else 0.0)
 
         def call(q: jax.Array, k: jax.Array, v: jax.Array, **state: jax.Array) -> tuple[jax.Array, jax.Array]:
             return self._with(state)(q, k, v, mask)
@@ -224,16 +225,16 @@ class MultiHeadAttention:
         """The contract's checks of the inputs (SPEC 7), and a mask the same for every head; returns the
         leading axes (...)."""
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-            checks.module_input(name, x.shape, self.d_model, letter)
-        checks.same_floating_dtype({"q": _dtype(q), "k": _dtype(k), "v": _dtype(v),
+            validation.module_input(name, x.shape, self.d_model, letter)
+        validation.same_floating_dtype({"q": _dtype(q), "k": _dtype(k), "v": _dtype(v),
                                     "parameters": _dtype(self._state["w_q.weight"])})
-        batch = checks.attention_batch(q.shape, k.shape, v.shape)
+        batch = validation.attention_batch(q.shape, k.shape, v.shape)
         if mask is not None:
-            checks.broadcasts_to("mask", mask.shape, (*batch, self.num_heads, q.shape[-2], k.shape[-2]),
+            validation.broadcasts_to("mask", mask.shape, (*batch, self.num_heads, q.shape[-2], k.shape[-2]),
                                  "..., H, L, S")
             seen = not isinstance(mask, jax.core.Tracer)  # jax: no values inside jit
             floating = _dtype(mask)[1]
-            checks.binary_mask(floating, bool(jnp.all((mask == 0) | (mask == 1))) if floating and seen else None)
+            validation.binary_mask(floating, bool(jnp.all((mask == 0) | (mask == 1))) if floating and seen else None)
             if seen and mask.ndim >= 3 and bool(jnp.any(_kept(mask) != _kept(mask)[..., :1, :, :])):
                 raise ValueError(f"keras.layers.MultiHeadAttention takes one mask for every head; mask of shape "
                                  f"{tuple(mask.shape)} differs between its heads (axis -3)")

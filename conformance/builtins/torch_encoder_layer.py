@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention_np.common import validation as checks
+from attention_np.common import validation
 from conformance import adapters
 from conformance.builtins import torch_mha
 from conformance.contract.features import Declaration
@@ -51,12 +51,12 @@ class EncoderLayer:
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
                  eps: float = 1e-5, rng: torch.Generator | None = None, dtype: torch.dtype | None = None) -> None:
         """A fresh layer, its initial values drawn by torch from `rng` (None: the global RNG)."""
-        checks.module_sizes(d_model, num_heads, d_ff)
-        checks.probability("dropout", dropout)
-        checks.activation(activation)
-        checks.norm(norm)
+        validation.module_sizes(d_model, num_heads, d_ff)
+        validation.probability("dropout", dropout)
+        validation.activation(activation)
+        validation.norm(norm)
         name = type(self).__name__
-        torch_mha.refuse_layout(name, num_heads, checks.kv_heads(num_heads, num_kv_heads), rope_theta)
+        torch_mha.refuse_layout(name, num_heads, validation.kv_heads(num_heads, num_kv_heads), rope_theta)
         refuse_layout(name, norm, activation, bias)
         with adapters.torch_rng(rng):
             self.layer = nn.TransformerEncoderLayer(d_model, num_heads, d_ff, dropout, activation, eps,
@@ -69,16 +69,16 @@ class EncoderLayer:
         """The layer holding copies of `state` (NumPy or torch arrays, our names), in training mode."""
         state = torch_mha.owned(state)
         shapes = {name: tuple(x.shape) for name, x in state.items()}
-        layout = checks.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
-        checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.block_state_shapes(num_heads=num_heads, **layout))
-        checks.same_floating_dtype(torch_mha.dtypes(**state), f"{cls.__name__}.from_state_dict: ")
-        torch_mha.refuse_layout(cls.__name__, num_heads, layout["num_kv_heads"], rope_theta)
-        refuse_layout(cls.__name__, layout["norm"], layout["activation"], layout["bias"])
+        layout = validation.block_layout(shapes, num_heads, activation)  # sizes, Hkv, bias, norm, activation
+        validation.probability("dropout", dropout)
+        validation.state(cls.__name__, shapes, validation.block_state_shapes(num_heads=num_heads, **layout._asdict()))
+        validation.same_floating_dtype(torch_mha.dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        torch_mha.refuse_layout(cls.__name__, num_heads, layout.num_kv_heads, rope_theta)
+        refuse_layout(cls.__name__, layout.norm, layout.activation, layout.bias)
         module = object.__new__(cls)
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
-            module.layer = nn.TransformerEncoderLayer(layout["d_model"], num_heads, layout["d_ff"], dropout,
-                                                      layout["activation"], eps, batch_first=True,
+            module.layer = nn.TransformerEncoderLayer(layout.d_model, num_heads, layout.d_ff, dropout,
+                                                      layout.activation, eps, batch_first=True,
                                                       norm_first=norm_first)
         module.layer.load_state_dict(parameters(state), assign=True)  # torch: assign takes the state's dtype
         return module
@@ -103,8 +103,8 @@ class EncoderLayer:
              given: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The layer on our shapes; `given` replaces its parameters (torch.func.functional_call)."""
         weight, H = self.layer.norm1.weight, self.layer.self_attn.num_heads
-        checks.module_input("x", x.shape, weight.shape[0], "L")
-        checks.same_floating_dtype(torch_mha.dtypes(x=x, parameters=weight))
+        validation.module_input("x", x.shape, weight.shape[0], "L")
+        validation.same_floating_dtype(torch_mha.dtypes(x=x, parameters=weight))
         *batch, L, D = x.shape
         torch_mha.checked_mask(mask, (*batch, H, L, L), "..., H, L, L")
 
@@ -129,7 +129,7 @@ class TransformerBlock(EncoderLayer):
 
     def vjp(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[Any, None, Callable]:
         """out, weights (None) and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
-        checks.no_dropout(type(self).__name__, self.layer.dropout.p if self.layer.training else 0.0)
+        validation.no_dropout(type(self).__name__, self.layer.dropout.p if self.layer.training else 0.0)
         names = tuple(self.state_dict())
 
         def run(x: torch.Tensor, **state: torch.Tensor) -> tuple[torch.Tensor, None]:

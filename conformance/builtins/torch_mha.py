@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention_np.common import validation as checks
+from attention_np.common import validation
 from conformance import adapters
 from conformance.contract.features import Declaration
 
@@ -41,9 +41,9 @@ class MultiHeadAttention:
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
                  rng: torch.Generator | None = None, dtype: torch.dtype | None = None) -> None:
         """A fresh layer, its initial values drawn by torch from `rng` (None: the global RNG)."""
-        checks.module_sizes(d_model, num_heads)
-        refuse_layout(type(self).__name__, num_heads, checks.kv_heads(num_heads, num_kv_heads), rope_theta)
-        checks.probability("dropout", dropout)
+        validation.module_sizes(d_model, num_heads)
+        refuse_layout(type(self).__name__, num_heads, validation.kv_heads(num_heads, num_kv_heads), rope_theta)
+        validation.probability("dropout", dropout)
         with adapters.torch_rng(rng):
             self.layer = nn.MultiheadAttention(d_model, num_heads, dropout, bias=bias, batch_first=True, dtype=dtype)
 
@@ -53,14 +53,14 @@ class MultiHeadAttention:
         """The layer holding copies of `state` (NumPy or torch arrays, our names), in training mode."""
         state = owned(state)
         shapes = {name: tuple(x.shape) for name, x in state.items()}
-        layout = checks.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
-        checks.probability("dropout", dropout)
-        checks.state(cls.__name__, shapes, checks.mha_state_shapes(num_heads=num_heads, **layout))
-        checks.same_floating_dtype(dtypes(**state), f"{cls.__name__}.from_state_dict: ")
-        refuse_layout(cls.__name__, num_heads, layout["num_kv_heads"], rope_theta)
+        layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
+        validation.probability("dropout", dropout)
+        validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout._asdict()))
+        validation.same_floating_dtype(dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        refuse_layout(cls.__name__, num_heads, layout.num_kv_heads, rope_theta)
         module = object.__new__(cls)
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
-            module.layer = nn.MultiheadAttention(layout["d_model"], num_heads, dropout, bias=layout["bias"],
+            module.layer = nn.MultiheadAttention(layout.d_model, num_heads, dropout, bias=layout.bias,
                                                  batch_first=True)
         module.layer.load_state_dict(parameters(state), assign=True)  # torch: assign takes the state's dtype
         return module
@@ -84,7 +84,7 @@ class MultiHeadAttention:
     def vjp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask: torch.Tensor | None = None) -> tuple[Any, Any, Callable]:
         """out, weights and pullback(d_out) -> (dq, dk, dv, {state-dict name: gradient}), without dropout."""
-        checks.no_dropout(type(self).__name__, self.layer.dropout if self.layer.training else 0.0)
+        validation.no_dropout(type(self).__name__, self.layer.dropout if self.layer.training else 0.0)
         names = tuple(self.state_dict())
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **state: torch.Tensor) -> tuple[Any, Any]:
@@ -174,9 +174,9 @@ def checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
             num_heads: int, parameters: torch.Tensor) -> tuple[int, ...]:
     """The backends' checks of a module's inputs and mask (SPEC 7); returns the leading axes (...)."""
     for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
-        checks.module_input(name, x.shape, d_model, letter)
-    checks.same_floating_dtype(dtypes(q=q, k=k, v=v, parameters=parameters))
-    batch = checks.attention_batch(q.shape, k.shape, v.shape)
+        validation.module_input(name, x.shape, d_model, letter)
+    validation.same_floating_dtype(dtypes(q=q, k=k, v=v, parameters=parameters))
+    batch = validation.attention_batch(q.shape, k.shape, v.shape)
     checked_mask(mask, (*batch, num_heads, q.shape[-2], k.shape[-2]), "..., H, L, S")
     return batch
 
@@ -185,9 +185,9 @@ def checked_mask(mask: torch.Tensor | None, target: tuple[int, ...], letters: st
     """A mask (or None) broadcasts to `target` without enlarging it; a floating one holds 0 and 1 only."""
     if mask is None:
         return
-    checks.broadcasts_to("mask", mask.shape, target, letters)
+    validation.broadcasts_to("mask", mask.shape, target, letters)
     binary = bool(((mask == 0) | (mask == 1)).all()) if mask.is_floating_point() else None
-    checks.binary_mask(mask.is_floating_point(), binary)
+    validation.binary_mask(mask.is_floating_point(), binary)
 
 
 def folded(x: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
