@@ -176,21 +176,6 @@ def test_the_docs_command_exits_1_where_check_finds_a_stale_block(monkeypatch: p
         main(["docs"])  # --write or --check
 
 
-def test_a_kernel_is_wrapped_and_checked_in_under_15_lines():
-    _, module = docs.kernel_source(TEXTS[docs.CHECKING])
-    lines = [line for line in module.splitlines() if line.strip() and not line.startswith("#")]
-    assert len(lines) < 15, module
-
-
-@pytest.mark.slow  # the fast profile on a torch kernel
-def test_the_kernel_example_passes_with_the_counts_its_page_gives():
-    pytest.importorskip("torch")
-    report = docs.check_kernel(TEXTS[docs.CHECKING])
-    assert report.passed, "\n\n".join(row.failure for row in report.rows if row.failure)
-    assert any(row.skipped for row in report.rows)  # a partial module: what it lacks is SKIP
-    assert set(_holding("kernel").values()) == {docs.kernel_counts(report)}, "python -m conformance docs --write"
-
-
 @pytest.mark.slow  # the rules and the suite (docs.SUITE_OPTIONS) on one built-in: 2-9 s of CPU each
 @pytest.mark.parametrize("name", BUILT_INS)
 def test_each_built_in_s_recorded_column_is_measured_afresh(name: str):
