@@ -159,7 +159,8 @@ def _mapped(mesh: Mesh, axis: str, ndims: tuple[int, int, int], starts: tuple,
     """The jitted shard_map of one configuration (jax: built once, so that eager calls do not retrace).
     starts: per device, the global starts of its query chunks and of its key chunks (validation.ring_chunks)."""
     ring = mesh.shape[axis]
-    layout = _Layout(len(starts[0][0]), *starts)
+    q_starts, k_starts = starts
+    layout = _Layout(chunks=len(q_starts[0]), q_starts=q_starts, k_starts=k_starts)
     config = dict(axis=axis, ring=ring, layout=layout, options=options)  # _ring's and _ring_backward's keywords
 
     @jax.custom_vjp

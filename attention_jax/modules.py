@@ -170,7 +170,7 @@ class MultiHeadAttention(Module):
         rope = None
         if self.rope_theta is not None:  # made once, for positions 0 .. capacity - 1: a step slices its angles
             rope = _rope_table(jnp.arange(capacity), d_k, self.rope_theta, _at_least_float32(dtype), False)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32), rope)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), length=jnp.zeros((), jnp.int32), rope=rope)
 
     def extend(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None = None, *,
                need_weights: bool = True, rng: Rng = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
@@ -220,7 +220,7 @@ class MultiHeadAttention(Module):
         out = jnp.where(start + L > cache.k.shape[-2], jnp.nan, out)
 
         # 3) concatenate the heads and mix them
-        return self.w_o(self._merge_heads(out)), weights, KVCache(k, v, start + L, cache.rope)
+        return self.w_o(self._merge_heads(out)), weights, KVCache(k, v, length=start + L, rope=cache.rope)
 
     def _check_extend(self, inputs: dict[str, jax.Array], cache: KVCache, mask: jax.Array | None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters (the

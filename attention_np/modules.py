@@ -143,7 +143,7 @@ class MultiHeadAttention(Module):
         rope = None
         if self.rope_theta is not None:  # made once, for positions 0 .. capacity - 1: a step slices its angles
             rope = _rope_table(np.arange(capacity), d_k, self.rope_theta, np.promote_types(dtype, np.float32), False)
-        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), 0, rope)
+        return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), length=0, rope=rope)
 
     def extend(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache, mask: np.ndarray | None = None, *,
                need_weights: bool = True, rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
@@ -192,7 +192,7 @@ class MultiHeadAttention(Module):
                                                         weights.dtype)], axis=-1)  # (..., H, L, capacity)
 
         # 3) concatenate the heads and mix them
-        return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, end, cache.rope)
+        return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, length=end, rope=cache.rope)
 
     def _check_extend(self, inputs: dict[str, np.ndarray], cache: KVCache, mask: np.ndarray | None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""

@@ -187,7 +187,7 @@ def _layout(P: int, L_shard: int, S_shard: int, is_causal: bool) -> _Layout:
     rows_q, rows_k = L_shard // n, S_shard // n
     ring = tuple(tuple(start // rows_q for start, _ in rank) for rank in chunks["q"])
     natural = tuple(tuple(r * n + i for i in range(n)) for r in range(P))
-    return _Layout(natural, ring, rows_q, rows_k)
+    return _Layout(natural=natural, ring=ring, rows_q=rows_q, rows_k=rows_k)
 
 
 def _schedule(layout: _Layout, r: int, options: FlashOptions) -> list[list[tuple[int, int, FlashOptions]]]:

@@ -155,7 +155,7 @@ class MultiHeadAttention(nn.Module):
         if self.rope_theta is not None:  # made once, for positions 0 .. capacity - 1: a step slices its angles
             work = torch.promote_types(options["dtype"], torch.float32)
             rope = _rope_table(torch.arange(capacity, device=options["device"]), d_k, self.rope_theta, work, False)
-        return KVCache(torch.zeros(shape, **options), torch.zeros(shape, **options), 0, rope)
+        return KVCache(torch.zeros(shape, **options), torch.zeros(shape, **options), length=0, rope=rope)
 
     def extend(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None, *,
                need_weights: bool = True, rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
@@ -216,7 +216,7 @@ class MultiHeadAttention(nn.Module):
             weights = nn.functional.pad(weights, (0, cache.k.shape[-2] - end))  # (..., H, L, capacity)
 
         # 3) concatenate the heads and mix them
-        return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, end, cache.rope)
+        return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, length=end, rope=cache.rope)
 
     def _check_extend(self, inputs: dict[str, torch.Tensor], cache: KVCache, mask: torch.Tensor | None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""

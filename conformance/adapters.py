@@ -62,8 +62,13 @@ class _Ops(NamedTuple):
 
 
 def _numpy_ops() -> _Ops:
-    return _Ops(np.broadcast_to, np.transpose, np.where, _numpy_dtype, np.asarray,
-                lambda value, like: np.asarray(value, like.dtype), lambda x, like: x.astype(like.dtype))
+    return _Ops(broadcast=np.broadcast_to,
+                permute=np.transpose,
+                where=np.where,
+                dtype=_numpy_dtype,
+                values=np.asarray,
+                scalar=lambda value, like: np.asarray(value, like.dtype),
+                cast=lambda x, like: x.astype(like.dtype))
 
 
 def _numpy_dtype(x: Any) -> tuple[str, bool]:
@@ -77,8 +82,13 @@ def _jax_ops() -> _Ops:
     def values(x: Any) -> np.ndarray | None:
         return None if isinstance(x, jax.core.Tracer) else np.asarray(x)  # jax: no values inside jit
 
-    return _Ops(jnp.broadcast_to, jnp.transpose, jnp.where, _numpy_dtype, values,
-                lambda value, like: jnp.asarray(value, like.dtype), lambda x, like: x.astype(like.dtype))
+    return _Ops(broadcast=jnp.broadcast_to,
+                permute=jnp.transpose,
+                where=jnp.where,
+                dtype=_numpy_dtype,
+                values=values,
+                scalar=lambda value, like: jnp.asarray(value, like.dtype),
+                cast=lambda x, like: x.astype(like.dtype))
 
 
 def _torch_ops() -> _Ops:
@@ -90,9 +100,13 @@ def _torch_ops() -> _Ops:
     def values(x: Any) -> np.ndarray:
         return x.detach().cpu().numpy() if x.dtype != torch.bfloat16 else x.detach().float().cpu().numpy()
 
-    return _Ops(torch.broadcast_to, torch.permute, torch.where, dtype, values,
-                lambda value, like: torch.tensor(value, dtype=like.dtype, device=like.device),
-                lambda x, like: x.to(like.dtype))
+    return _Ops(broadcast=torch.broadcast_to,
+                permute=torch.permute,
+                where=torch.where,
+                dtype=dtype,
+                values=values,
+                scalar=lambda value, like: torch.tensor(value, dtype=like.dtype, device=like.device),
+                cast=lambda x, like: x.to(like.dtype))
 
 
 _OPS = {"numpy": _numpy_ops, "jax": _jax_ops, "jaxlib": _jax_ops, "torch": _torch_ops}

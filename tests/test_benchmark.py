@@ -135,7 +135,7 @@ def test_tutorial_baseline_averages_the_values_on_a_fully_masked_row() -> None:
 
 def test_measure_interleaves_the_candidates_so_each_follows_every_other_equally_often() -> None:
     calls: list[str] = []
-    candidates = [timing.Candidate(name, "sdpa", lambda name=name: calls.append(name), lambda: None)
+    candidates = [timing.Candidate(name, operation="sdpa", run=lambda name=name: calls.append(name), peak=lambda: None)
                   for name in "ABC"]
     medians = timing.measure(candidates, repeats=4, warmup=1)
     assert calls[:3] == list("ABC")  # the warm-up
@@ -156,8 +156,9 @@ def test_balanced_order_puts_every_ordered_pair_side_by_side_once(n: int) -> Non
 
 def test_measure_stops_at_the_repeats_asked_for() -> None:
     counts = {name: 0 for name in "ABCD"}
-    candidates = [timing.Candidate(name, "sdpa", lambda name=name: counts.__setitem__(name, counts[name] + 1),
-                                      lambda: None) for name in counts]
+    candidates = [timing.Candidate(name, operation="sdpa",
+                                   run=lambda name=name: counts.__setitem__(name, counts[name] + 1),
+                                   peak=lambda: None) for name in counts]
     timing.measure(candidates, repeats=5, warmup=0)  # balanced_order(4) has 3 of each: a partial pass
     assert counts == dict.fromkeys("ABCD", 5)
 
@@ -220,8 +221,24 @@ def test_targets_compute_every_ratio() -> None:
 def _sdpa_row(implementation: str, framework: str, device: str, *, time_ms: float) -> timing.Row:
     """A row as compare() makes it, for sdpa at B=2, H=8, L=S=1024, E=64."""
     count = timing.flops("sdpa", B=2, H=8, L=1024, S=1024, E=64)
-    return timing.Row(implementation, framework, device, "sdpa", "float32", 2, 8, 64, 1024, 1024, 512, 2048,
-                         count, 2, time_ms, count / (time_ms / 1e3) / 1e9, None, 1e-7)
+    return timing.Row(implementation,
+                      framework=framework,
+                      device=device,
+                      operation="sdpa",
+                      dtype="float32",
+                      B=2,
+                      H=8,
+                      E=64,
+                      L=1024,
+                      S=1024,
+                      D=512,
+                      F=2048,
+                      flops=count,
+                      repeats=2,
+                      time_ms=time_ms,
+                      gflops=count / (time_ms / 1e3) / 1e9,
+                      peak_mib=None,
+                      rel_error=1e-7)
 
 
 def _rates(table: str) -> list[str]:
@@ -337,7 +354,7 @@ def test_gqa_rows_hold_every_target_with_the_right_sizes() -> None:
 def test_gqa_target_rows_from_fake_medians() -> None:
     # the targets' size, B=2, H=32, L=S=1024, E=64; the repeated copies of k and v, (B, H, S, E) float32 each:
     # 2 * 2 * 32 * 1024 * 64 * 4 bytes = 33554432 bytes = 32 MiB, so the memory bound is 0.99 * 32 = 31.68 MiB
-    problem = timing.Problem("sdpa", 2, 32, 1024, 64, (), {})
+    problem = timing.Problem("sdpa", B=2, H=32, L=1024, E=64, inputs=(), state={})
     assert variants.repeated_kv_mib(problem) == 32.0
     measured = {"time": {"attention_torch": 10.5, "torch built-in": 10.0,  # 10.5 / 10 = 1.05 <= 1.10
                          "attention_jax": 30.0, "jax plain": 20.0, "jax.nn.dot_product_attention": 25.0,  # 1.5
@@ -365,7 +382,8 @@ def test_long_targets_name_candidates_the_variant_makes() -> None:
     assert max(variants.LONG.sizes) == 32768
     # the gradient runs the forward and the backward pass: "backward at most 3 times the forward" is <= 4
     assert {target.bound for target in variants.LONG.targets if target.numerator.endswith("gradient")} == {4.0}
-    problem = timing.Problem("sdpa", 1, 1, 32768, 64, (), {})  # above SCORES_LIMIT: flash_attention alone
+    # above SCORES_LIMIT: flash_attention alone
+    problem = timing.Problem("sdpa", B=1, H=1, L=32768, E=64, inputs=(), state={})
     assert set(variants.long_calls("attention_np", attention_np, problem, {}, fused=False)) == {
         "attention_np flash", "attention_np flash gradient", "attention_np flash causal",
         "attention_np flash causal gradient"}
@@ -373,12 +391,14 @@ def test_long_targets_name_candidates_the_variant_makes() -> None:
 
 def test_targets_time_the_frameworks_a_target_compares_across_together() -> None:
     def candidate(name: str, framework: str) -> timing.Candidate:
-        return timing.Candidate(name, "sdpa", lambda: None, lambda: None, framework)
+        return timing.Candidate(name, operation="sdpa", run=lambda: None, peak=lambda: None, framework=framework)
 
     candidates = [candidate("attention_np flash", "numpy"), candidate("jax plain", "jax"),
                   candidate("attention_np", "numpy"), candidate("torch built-in", "torch")]
-    numpy_only = [variants.Target("numpy", "attention_np flash", ("attention_np",), "<=", 1.0)]
-    across = [*numpy_only, variants.Target("numpy", "attention_np flash", ("torch built-in",), "<=", 1.5)]
+    numpy_only = [variants.Target("numpy", numerator="attention_np flash", denominators=("attention_np",),
+                                  relation="<=", bound=1.0)]
+    across = [*numpy_only, variants.Target("numpy", numerator="attention_np flash", denominators=("torch built-in",),
+                                           relation="<=", bound=1.5)]
     names = [[c.name for c in group] for group in timing.timed_together(candidates, numpy_only)]
     assert names == [["attention_np flash", "attention_np"], ["jax plain"], ["torch built-in"]]
     names = [[c.name for c in group] for group in timing.timed_together(candidates, across)]
@@ -395,7 +415,8 @@ def test_long_candidates_run_flash_attention_at_its_default_tiles(monkeypatch: p
 
     monkeypatch.setattr(attention_np, "flash_attention", record)
     monkeypatch.setattr(attention_np, "flash_attention_vjp", record)
-    problem = timing.Problem("sdpa", 1, 1, 32768, 64, (), {})  # above SCORES_LIMIT: flash_attention alone
+    # above SCORES_LIMIT: flash_attention alone
+    problem = timing.Problem("sdpa", B=1, H=1, L=32768, E=64, inputs=(), state={})
     for call, _, options in variants.long_calls("attention_np", attention_np, problem, {}, fused=False).values():
         call(None, 1, 2, 3)
         assert calls.pop() == dict(options)
@@ -415,7 +436,7 @@ def test_memory_rows_at_a_small_length_meet_the_bounds() -> None:
 
 
 def test_a_ratio_without_a_bound_has_no_verdict() -> None:
-    problem = timing.Problem("sdpa", 1, 8, 4096, 64, (), {})
+    problem = timing.Problem("sdpa", B=1, H=8, L=4096, E=64, inputs=(), state={})
     row = timing.target_row(variants.WINDOW_RATIOS[0], problem, "window",
                             {"time": {"attention_np window": 30.0, "attention_np causal": 120.0}})
     assert (row.measured, row.bound, row.met) == (0.25, None, None)

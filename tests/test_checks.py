@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import io
 import json
@@ -55,8 +54,13 @@ def test_float32_tolerance_grows_with_the_oracles_own_float32_loss():
     # logits in the hundreds: softmax loses about |logit| x 6e-8 in float32, so the case's own
     # tolerance (ten times the oracle's loss) must be positive, and zero in float64
     rng = np.random.default_rng(0)
-    case = cases.SdpaCase(15 * rng.standard_normal((3, 4)), 15 * rng.standard_normal((5, 4)),
-                               rng.standard_normal((5, 2)), None, None, False, None)
+    case = cases.SdpaCase(q=15 * rng.standard_normal((3, 4)),
+                          k=15 * rng.standard_normal((5, 4)),
+                          v=rng.standard_normal((5, 2)),
+                          mask=None,
+                          bias=None,
+                          is_causal=False,
+                          scale=None)
     runner = checks.Runner(attention_np)
     assert checks.against_oracle(runner, case, "float32")["values"].tolerance > 0
     assert checks.against_oracle(runner, case, "float64")["values"].tolerance == 0
@@ -359,13 +363,13 @@ def test_every_printed_verdict_follows_from_the_printed_numbers():
     # its own 2e-2, reads as a failure against 1e-4
     group = suite.Group("sdpa", _in_turn(
         {"values": checks.Measure(1e-3, tolerance=2e-2), "fast_path": checks.Measure(1.5e-2, tolerance=2e-2)},
-        {"values": checks.Measure(5e-4), "fast_path": checks.Measure(5e-5)}), suite.FLOAT32, 2)
+        {"values": checks.Measure(5e-4), "fast_path": checks.Measure(5e-5)}), dtypes=suite.FLOAT32, examples=2)
     rows = suite._run_group(checks.Runner(attention_np), group, "float32", examples=2, seed_=0, shrink=False,
                             tell=lambda what: None)
     assert [(row.check, row.worst, row.tolerance, row.passed) for row in rows] == [
         ("values", 5e-4, TOLERANCES["float32"]["values"], False), ("fast_path", 1.5e-2, 2e-2, True)]
     real = suite.check(attention_np, operations=("linear",), measures=("values",), max_examples=3, shrink=False)
-    for report in (suite.Report(rows, 0, "fast", []), real):
+    for report in (suite.Report(rows, seed=0, profile="fast", settings=[]), real):
         ran = [row.passed for row in report.rows if not row.skipped]
         text = [line.split() for line in suite.format_rows(report).splitlines()[1:] if "SKIP" not in line]
         assert [line[7] == "PASS" for line in text] == [float(line[5]) <= float(line[6]) for line in text] == ran
@@ -407,13 +411,3 @@ def test_timed_check_reports_wall_and_cpu_seconds():
     assert report.passed and 0 < timing.cpu <= around and timing.wall > 0
     joined = suite._joined([(report, timing), (report, suite.Timing(1.0, 2.0))])[1]
     assert joined == suite.Timing(timing.wall + 1.0, timing.cpu + 2.0)
-
-
-def test_the_operation_registry_is_built_with_keywords():
-    # an Operation has over twenty fields: each record names them, so that a reader (and a review) sees which
-    # function is the oracle and which the pullback, as frameworks.py's records do (STYLE.md)
-    source = pathlib.Path(operations.__file__).read_text()
-    calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
-             and isinstance(node.func, ast.Name) and node.func.id == "Operation"]
-    assert len(calls) == len(operations.OPERATIONS)
-    assert all(not call.args for call in calls), [ast.get_source_segment(source, call)[:60] for call in calls]

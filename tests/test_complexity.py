@@ -58,7 +58,7 @@ def test_the_plot_is_written(tiny_run: tuple[str, dict, pathlib.Path]) -> None:
 
 
 def _rows(times: dict[str, dict[int, float]]) -> list[Row]:
-    return [Row("attention_np", "numpy", form, n, 1, ms, None)
+    return [Row("attention_np", framework="numpy", form=form, n=n, repeats=1, time_ms=ms, rel_error=None)
             for form, line in times.items() for n, ms in line.items()]
 
 

@@ -53,17 +53,17 @@ def test_each_registry_s_table_is_generated_from_the_code(name: str):
 # a made-up entry for each registry that a generated table shows: the table must change with it
 NEW_ENTRIES = {
     "groups": lambda monkeypatch: monkeypatch.setattr(suite, "GROUPS", (*suite.GROUPS, suite.Group(
-        "sdpa", suite.checks.against_oracle, ("float64",), 1))),
+        "sdpa", suite.checks.against_oracle, dtypes=("float64",), examples=1))),
     "profiles": lambda monkeypatch: monkeypatch.setattr(docs, "PROFILES", {**docs.PROFILES, "quick": 0}),
     "features": lambda monkeypatch: monkeypatch.setattr(docs, "FEATURES", {**docs.FEATURES, "made_up": Feature(
-        "made_up", "rule", "something", "nothing")}),
+        "made_up", kind="rule", asks="something", without="nothing")}),
     "rules": lambda monkeypatch: monkeypatch.setattr(disagreements, "RULES", (
         *disagreements.RULES, disagreements.RULES[0]._replace(name="made up"))),
     "adapter-layouts": lambda monkeypatch: (monkeypatch.setattr(adapters, "LAYOUTS", (*adapters.LAYOUTS, "LBHE")),
                                             monkeypatch.setitem(docs.LAYOUT_SHAPES, "LBHE", ("a", "b", "c"))),
     "adapter-masks": lambda monkeypatch: monkeypatch.setitem(adapters.MASKS, "inverted", "made up"),
     "checks": lambda monkeypatch: monkeypatch.setattr(suite, "GROUPS", (*suite.GROUPS, suite.Group(
-        "linear", suite.checks.sdpa_single_key, ("float64",), 1))),  # a check on one more operation
+        "linear", suite.checks.sdpa_single_key, dtypes=("float64",), examples=1))),  # a check on one more operation
 }
 
 
@@ -133,10 +133,15 @@ def _copy_of_the_documents(root: pathlib.Path) -> None:
 def test_docs_write_rewrites_every_block_of_every_document_and_check_then_finds_none_stale(
         tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch):
     # the command's own logic, on a made-up measurement (the real one: the tests below, one built-in each)
-    report = Report([Row("m", "sdpa", "values", "float64", 1, 0.0, 1e-9, True),
-                     Row("m", "flash", "-", "-", 0, 0.0, 0.0, True, skipped="no flash_attention")], 0, "fast", [])
-    found = matrix.Matrix([matrix.Column("m", "M", {matrix.SUITE: matrix.suite_cell(report)}, 1.0, report)], {},
-                          {"torch": "0.1"})
+    report = Report([Row("m", operation="sdpa", check="values", dtype="float64", examples=1, worst=0.0,
+                         tolerance=1e-9, passed=True),
+                     Row("m", operation="flash", check="-", dtype="-", examples=0, worst=0.0, tolerance=0.0,
+                         passed=True, skipped="no flash_attention")], seed=0, profile="fast", settings=[])
+    found = matrix.Matrix(
+        columns=[matrix.Column("m", title="M", cells={matrix.SUITE: matrix.suite_cell(report)}, seconds=1.0,
+                               report=report)],
+        skipped={},
+        versions={"torch": "0.1"})
     monkeypatch.setattr(docs, "measure_frameworks", lambda **_: found)
     monkeypatch.setattr(docs, "check_kernel", lambda text: report)
     _copy_of_the_documents(tmp_path)
@@ -193,7 +198,7 @@ def test_each_built_in_s_recorded_column_is_measured_afresh(name: str):
         assert re.search(r": 1 of \d+ cases fail\n", failing[key]) and f" {case}: " in failing[key], failing[key]
 
     # 2) its column in docs/frameworks.json (the README's matrix) is this measurement, timing aside
-    fresh = docs.recorded_column(matrix.to_json(matrix.Matrix([column], {}, {}))["columns"][0])
+    fresh = docs.recorded_column(matrix.to_json(matrix.Matrix(columns=[column], skipped={}, versions={}))["columns"][0])
     recorded = {found["module"]: docs.recorded_column(found) for found in RECORDED["columns"]}
     assert json.loads(json.dumps(fresh)) == recorded[column.name], "python -m conformance docs --write"
 

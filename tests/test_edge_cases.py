@@ -40,16 +40,16 @@ WEIGHTS = np.array([[0.0, 0.0, 0.0], [0.25, 0.75, 0.0]])  # (L, S): row 0 blind,
 
 
 @pytest.mark.parametrize(("requirement", "broken"), [
-    (Requirement("out", "zero", 0), None),
-    (Requirement("weights", "sums_to_one", 1), None),
-    (Requirement("out", "only_nan", (1, 1)), None),
+    (Requirement("out", "zero", index=0), None),
+    (Requirement("weights", "sums_to_one", index=1), None),
+    (Requirement("out", "only_nan", index=(1, 1)), None),
     (Requirement("weights", "shape", value=(2, 3)), None),
-    (Requirement("out", "zero", 1), "out[1] is not zero"),
-    (Requirement("weights", "sums_to_one", 0), "weights[0] is not sums to one"),
-    (Requirement("out", "only_nan", 1), "out[1] holds a finite number, where nan is required"),
+    (Requirement("out", "zero", index=1), "out[1] is not zero"),
+    (Requirement("weights", "sums_to_one", index=0), "weights[0] is not sums to one"),
+    (Requirement("out", "only_nan", index=1), "out[1] holds a finite number, where nan is required"),
     (Requirement("out", "finite"), "out is not finite"),
     (Requirement("weights", "shape", value=(3, 2)), "weights has shape (2, 3), expected (3, 2)"),
-    (Requirement("weights", "one", (1, 0)), "weights[1, 0] is not one"),
+    (Requirement("weights", "one", index=(1, 0)), "weights[1, 0] is not one"),
 ], ids=str)
 def test_a_requirement_names_what_breaks_it(requirement: Requirement, broken: str | None):
     assert requirement.problem(cases.sdpa_case(), OUT, WEIGHTS) == broken

@@ -104,10 +104,19 @@ def test_the_suite_s_cell_counts_the_rows_or_names_the_failing_ones():
     from conformance.run.suite import Report, Row
 
     def row(operation: str, check: str, passed: bool = True, skipped: str | None = None) -> Row:
-        return Row("m", operation, check, "float64", 1, 0.0, 0.0, passed, None, skipped)
+        return Row("m",
+                   operation=operation,
+                   check=check,
+                   dtype="float64",
+                   examples=1,
+                   worst=0.0,
+                   tolerance=0.0,
+                   passed=passed,
+                   failure=None,
+                   skipped=skipped)
 
-    passing = Report([row("sdpa", "values"), row("sdpa", "edge_cases"), row("mha", "-", skipped="no MHA")], 0,
-                     "fast", [])
+    passing = Report([row("sdpa", "values"), row("sdpa", "edge_cases"), row("mha", "-", skipped="no MHA")], seed=0,
+                     profile="fast", settings=[])
     assert matrix.suite_cell(passing) == disagreements.Cell(True, "2 rows pass, 1 skip")
     failing = passing._replace(rows=[*passing.rows, row("mha", "edge_cases", False), row("sdpa", "values", False),
                                      row("block", "gradients", False), row("sdpa", "errors", False)])

@@ -63,7 +63,7 @@ def step(P: int, L: int, *, B: int = 1, H: int = 32, Hkv: int = 8, E: int = 128,
     block = L / P
     compute = 4 * B * H * block * block * E / (flops * utilisation) / (2 if causal else 1)
     sent = int(2 * B * Hkv * block * E * bytes_per_value)
-    return Step(P, L, compute, sent / bandwidth(P), sent)
+    return Step(P=P, L=L, compute_s=compute, transfer_s=sent / bandwidth(P), bytes=sent)
 
 
 def crossover(P: int, *, H: int = 32, Hkv: int = 8, bytes_per_value: int = 2, flops: float = H100_FLOPS,

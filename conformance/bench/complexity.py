@@ -106,22 +106,48 @@ def _loop(module: ModuleType, framework: str, inputs: tuple) -> Callable[[], Any
 
 
 FORMS = (
-    Form("softmax explicit", "self-attention", "1", lambda n: 4 * B * H * n * n,
-         _call(lambda M, q, k, v: M.scaled_dot_product_attention(q, k, v, is_causal=True, need_weights=True)),
-         "softmax", {"color": "tab:red", "linestyle": "--", "marker": "s"}),
-    Form("softmax fast", "self-attention", "1", lambda n: 4 * B * H * n * n,
-         _call(lambda M, q, k, v: M.scaled_dot_product_attention(q, k, v, is_causal=True, need_weights=False)),
-         "softmax", {"color": "tab:orange", "linestyle": "-", "marker": "o"}),
-    Form("softmax flash", "self-attention", f"n / {TILES['block_k']}", None,
-         _call(lambda M, q, k, v: M.flash_attention(q, k, v, is_causal=True, **TILES)), "softmax",
-         {"color": "tab:purple", "linestyle": "-", "marker": "D"}),
-    Form("linear parallel", "linear attention", "1", lambda n: 4 * B * H * n * E * EV,
-         _call(lambda M, q, k, v: M.linear_attention(q, k, v, is_causal=True)), "linear",
-         {"color": "tab:cyan", "linestyle": "--", "marker": "v"}),
-    Form("linear chunked", "linear attention", f"n / {CHUNK}", None,
-         _call(lambda M, q, k, v: M.linear_attention(q, k, v, is_causal=True, chunk=CHUNK)), "linear",
-         {"color": "tab:blue", "linestyle": "-", "marker": "o"}),
-    Form("recurrent loop", "RNN", "n", None, _loop, "linear", {"color": "tab:green", "linestyle": "-.", "marker": "^"},
+    Form("softmax explicit",
+         row="self-attention",
+         steps="1",
+         largest=lambda n: 4 * B * H * n * n,
+         prepare=_call(lambda M, q, k, v: M.scaled_dot_product_attention(q, k, v, is_causal=True, need_weights=True)),
+         reference="softmax",
+         style={"color": "tab:red", "linestyle": "--", "marker": "s"}),
+    Form("softmax fast",
+         row="self-attention",
+         steps="1",
+         largest=lambda n: 4 * B * H * n * n,
+         prepare=_call(lambda M, q, k, v: M.scaled_dot_product_attention(q, k, v, is_causal=True, need_weights=False)),
+         reference="softmax",
+         style={"color": "tab:orange", "linestyle": "-", "marker": "o"}),
+    Form("softmax flash",
+         row="self-attention",
+         steps=f"n / {TILES['block_k']}",
+         largest=None,
+         prepare=_call(lambda M, q, k, v: M.flash_attention(q, k, v, is_causal=True, **TILES)),
+         reference="softmax",
+         style={"color": "tab:purple", "linestyle": "-", "marker": "D"}),
+    Form("linear parallel",
+         row="linear attention",
+         steps="1",
+         largest=lambda n: 4 * B * H * n * E * EV,
+         prepare=_call(lambda M, q, k, v: M.linear_attention(q, k, v, is_causal=True)),
+         reference="linear",
+         style={"color": "tab:cyan", "linestyle": "--", "marker": "v"}),
+    Form("linear chunked",
+         row="linear attention",
+         steps=f"n / {CHUNK}",
+         largest=None,
+         prepare=_call(lambda M, q, k, v: M.linear_attention(q, k, v, is_causal=True, chunk=CHUNK)),
+         reference="linear",
+         style={"color": "tab:blue", "linestyle": "-", "marker": "o"}),
+    Form("recurrent loop",
+         row="RNN",
+         steps="n",
+         largest=None,
+         prepare=_loop,
+         reference="linear",
+         style={"color": "tab:green", "linestyle": "-.", "marker": "^"},
          up_to=LOOP_UP_TO),
 )
 CHALLENGER = "linear chunked"  # the crossover: where it first beats the fastest softmax form
@@ -163,13 +189,20 @@ def run(backends: dict[str, ModuleType], *, sizes: Sequence[int] = SIZES, repeat
             for name, module in backends.items():
                 framework = framework_of(module)
                 converted = tuple(framework.converter("float32", "cpu")(x) for x in inputs)
-                candidates = [timing.Candidate(form.label, "sdpa", form.prepare(module, framework.name, converted),
-                                               lambda: None, framework.name) for form in forms]
+                candidates = [timing.Candidate(form.label, operation="sdpa",
+                                               run=form.prepare(module, framework.name, converted), peak=lambda: None,
+                                               framework=framework.name) for form in forms]
                 seconds = timing.measure(candidates, repeats=repeats)
                 for form, candidate, median in zip(forms, candidates, seconds, strict=True):
                     error = (_error(candidate.run(), references[form.reference], framework.name)
                              if references else None)
-                    rows.append(Row(name, framework.name, form.label, n, repeats, 1e3 * median, error))
+                    rows.append(Row(name,
+                                    framework=framework.name,
+                                    form=form.label,
+                                    n=n,
+                                    repeats=repeats,
+                                    time_ms=1e3 * median,
+                                    rel_error=error))
     return rows
 
 
@@ -239,7 +272,7 @@ def fits(rows: Sequence[Row]) -> list[Fit]:
         chosen = upper if len(upper) >= 2 else mine[-2:]
         n, ms = np.log([p[0] for p in chosen]), np.log([p[1] for p in chosen])
         slope = float(np.polyfit(n, ms, 1)[0]) if len(chosen) >= 2 else None
-        found.append(Fit(backend, form, slope, tuple(p[0] for p in chosen)))
+        found.append(Fit(backend, form=form, slope=slope, sizes=tuple(p[0] for p in chosen)))
     return found
 
 
@@ -264,14 +297,14 @@ def crossovers(rows: Sequence[Row]) -> list[Crossover]:
 
 def _crossing(backend: str, points: list[tuple[int, float, str]]) -> Crossover:
     if not points:
-        return Crossover(backend, None, "no sizes", None)
+        return Crossover(backend, n=None, where="no sizes", rival=None)
     if points[0][1] < 0:
-        return Crossover(backend, None, f"at {points[0][0]}, the smallest n", points[0][2])
+        return Crossover(backend, n=None, where=f"at {points[0][0]}, the smallest n", rival=points[0][2])
     for (a, ratio_a, _), (b, ratio_b, rival) in itertools.pairwise(points):
         if ratio_b < 0:  # ratio_a >= 0 > ratio_b: log n = log a + (log b - log a) * ratio_a / (ratio_a - ratio_b)
             n = math.exp(math.log(a) + (math.log(b) - math.log(a)) * ratio_a / (ratio_a - ratio_b))
-            return Crossover(backend, n, f"between {a} and {b}", rival)
-    return Crossover(backend, None, f"up to {points[-1][0]}", None)
+            return Crossover(backend, n=n, where=f"between {a} and {b}", rival=rival)
+    return Crossover(backend, n=None, where=f"up to {points[-1][0]}", rival=None)
 
 
 # --- what is printed and drawn -----------------------------------------------------------------------------

@@ -55,8 +55,9 @@ D_MODEL, NUM_HEADS, NUM_KV_HEADS, D_FF, EPS = 512, 8, 2, 1408, 1e-5
 PREFILL, TOKENS, EVERY = 1024, 256, 32  # P, T, and every how many positions the recompute is timed
 TURN = 16  # the steps of one turn when ours and the torch pieces decode in turns
 ATOL = 1e-4  # float32 outputs of the same block that must agree: ours and the pieces, decode and recompute
-TARGETS = {"speed-up": Target("", "recompute", ("decode",), ">=", 20.0),
-           "pieces": Target("torch", "attention_torch decode", ("torch pieces decode",), "<=", 1.2)}
+TARGETS = {"speed-up": Target("", numerator="recompute", denominators=("decode",), relation=">=", bound=20.0),
+           "pieces": Target("torch", numerator="attention_torch decode", denominators=("torch pieces decode",),
+                            relation="<=", bound=1.2)}
 
 
 class DecodeRow(NamedTuple):
@@ -172,9 +173,19 @@ def benchmark(name: str, module: ModuleType, state: dict[str, Any], x: Any, conf
     sampled, seconds = recompute(calls, module, x, config, last=ours.outputs[-1])
     compiles = calls.compiles() if calls.compiles else {}
     turns_ms, pieces_ms = (None, None) if paired is None else paired
-    return DecodeRow(name, kind, 1e3 * prefill_s, 1e3 * decode_s, T / decode_s,
-                     1e3 * seconds, sampled, seconds / decode_s, compiles.get(P) if compiles else None,
-                     compiles.get(1) if compiles else None, turns_ms, pieces_ms, error)
+    return DecodeRow(name,
+                     framework=kind,
+                     prefill_ms=1e3 * prefill_s,
+                     decode_ms=1e3 * decode_s,
+                     tokens_per_s=T / decode_s,
+                     recompute_ms=1e3 * seconds,
+                     sampled=sampled,
+                     speedup=seconds / decode_s,
+                     prefill_compiles=compiles.get(P) if compiles else None,
+                     step_compiles=compiles.get(1) if compiles else None,
+                     turns_ms=turns_ms,
+                     pieces_ms=pieces_ms,
+                     pieces_error=error)
 
 
 class Decoded(NamedTuple):
@@ -196,7 +207,7 @@ def _decode(calls: Backend, prompt: Any, steps: Sequence[Any]) -> Decoded:
             outputs.append(out)
         calls.finish(out)
         end = time.perf_counter()
-    return Decoded(middle - start, end - middle, outputs)
+    return Decoded(prefill_s=middle - start, decode_s=end - middle, outputs=outputs)
 
 
 def _in_turns(pair: tuple[Backend, Backend], prompt: Any, steps: Sequence[Any]) -> tuple[float, float]:
@@ -259,9 +270,19 @@ def _target_row(target: Target, config: Config, numerator: tuple[str, float],
     """A time-ratio row as `compare --targets` prints it (the operation "block", L = P + T)."""
     measured = numerator[1] / denominator[1]
     met = meets(measured, target.relation, target.bound)
-    return TargetRow(target.framework, "block", "decode", config.prefill + config.tokens, "time ratio",
-                     numerator[0], denominator[0], numerator[1], denominator[1], measured, target.relation,
-                     target.bound, met)
+    return TargetRow(framework=target.framework,
+                     operation="block",
+                     variant="decode",
+                     L=config.prefill + config.tokens,
+                     compared="time ratio",
+                     numerator=numerator[0],
+                     denominator=denominator[0],
+                     numerator_value=numerator[1],
+                     denominator_value=denominator[1],
+                     measured=measured,
+                     relation=target.relation,
+                     bound=target.bound,
+                     met=met)
 
 
 def _options(config: Config) -> dict[str, Any]:
@@ -278,9 +299,9 @@ def _rope() -> dict[str, float]:
 
 
 def _numpy(module: ModuleType, block: Any, capacity: int) -> Backend:
-    return Backend(lambda: block.init_cache((1,), capacity),
-                   lambda x, cache: _drop_weights(block.extend(x, cache, need_weights=False)),
-                   lambda x, mask: block(x, mask, need_weights=False)[0], lambda out: out, None)
+    return Backend(init=lambda: block.init_cache((1,), capacity),
+                   extend=lambda x, cache: _drop_weights(block.extend(x, cache, need_weights=False)),
+                   full=lambda x, mask: block(x, mask, need_weights=False)[0], finish=lambda out: out, compiles=None)
 
 
 def _jax(module: ModuleType, block: Any, capacity: int) -> Backend:
@@ -294,14 +315,15 @@ def _jax(module: ModuleType, block: Any, capacity: int) -> Backend:
 
     extend_jit = jax.jit(extend)  # jax: the block is a pytree argument; one compile per input length
     full_jit = jax.jit(lambda block, x, mask: block(x, mask, need_weights=False)[0])
-    return Backend(lambda: block.init_cache((1,), capacity), lambda x, cache: extend_jit(block, x, cache),
-                   lambda x, mask: full_jit(block, x, mask), jax.block_until_ready, lambda: dict(traces))
+    return Backend(init=lambda: block.init_cache((1,), capacity), extend=lambda x, cache: extend_jit(block, x, cache),
+                   full=lambda x, mask: full_jit(block, x, mask), finish=jax.block_until_ready,
+                   compiles=lambda: dict(traces))
 
 
 def _torch(module: ModuleType, block: Any, capacity: int) -> Backend:
-    return Backend(lambda: block.init_cache((1,), capacity),
-                   lambda x, cache: _drop_weights(block.extend(x, cache, need_weights=False)),
-                   lambda x, mask: block(x, mask, need_weights=False)[0], lambda out: out, None)
+    return Backend(init=lambda: block.init_cache((1,), capacity),
+                   extend=lambda x, cache: _drop_weights(block.extend(x, cache, need_weights=False)),
+                   full=lambda x, mask: block(x, mask, need_weights=False)[0], finish=lambda out: out, compiles=None)
 
 
 def _drop_weights(result: tuple[Any, Any, Any]) -> tuple[Any, Any]:
@@ -345,7 +367,8 @@ class TorchPieces:
 
     def calls(self) -> Backend:
         """A fresh decode (the cache's positions are overwritten from 0) in the benchmark's calls."""
-        return Backend(lambda: 0, self.step, lambda x, mask: None, lambda out: out, None)
+        return Backend(init=lambda: 0, extend=self.step, full=lambda x, mask: None, finish=lambda out: out,
+                       compiles=None)
 
     def step(self, x: Any, start: int) -> tuple[Any, int]:
         """x (B, L, D) at positions start .. start + L - 1 -> (out (B, L, D), the new length). One new token

@@ -69,11 +69,13 @@ def _numpy(name: str, module: Any, length: int, flags: tuple[bool, ...], untiled
     for causal in flags:
         options = dict(is_causal=causal)
         forward = _traced(functools.partial(module.flash_attention, q, k, v, **options))
-        rows.append(MemoryRow(name, "forward", causal, "tracemalloc", forward / MIB, TARGETS["forward"]))
+        rows.append(MemoryRow(name, call="forward", is_causal=causal, how="tracemalloc", mib=forward / MIB,
+                              bound=TARGETS["forward"]))
         vjp, (out, lse, pullback) = _traced_result(functools.partial(module.flash_attention_vjp, q, k, v, **options))
         pull = _traced(functools.partial(pullback, d_out))  # beyond the gradients
-        rows.append(MemoryRow(name, "gradient", causal, "tracemalloc: the vjp's forward, then its pullback",
-                              max(vjp - out.nbytes - lse.nbytes, pull) / MIB, TARGETS["gradient"]))
+        rows.append(MemoryRow(name, call="gradient", is_causal=causal,
+                              how="tracemalloc: the vjp's forward, then its pullback",
+                              mib=max(vjp - out.nbytes - lse.nbytes, pull) / MIB, bound=TARGETS["gradient"]))
     return rows
 
 
@@ -114,16 +116,21 @@ def _jax(name: str, module: Any, length: int, flags: tuple[bool, ...], untiled: 
 
         for call, function in (("forward", forward), ("gradient", jax.grad(loss, argnums=(0, 1, 2)))):
             plan = jax.jit(function).lower(q, k, v).compile().memory_analysis()
-            rows.append(MemoryRow(name, call, causal, "XLA's plan: temporaries", plan.temp_size_in_bytes / MIB,
-                                  TARGETS[call]))
+            rows.append(MemoryRow(name, call=call, is_causal=causal, how="XLA's plan: temporaries",
+                                  mib=plan.temp_size_in_bytes / MIB, bound=TARGETS[call]))
     if not untiled:
         return rows
     script = JAX_UNTILED.format(module=module.__name__, length=length, E=E)  # for comparison: the untiled jit
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     mib = json.loads(done.stdout) / MIB if done.returncode == 0 else None
-    rows.append(MemoryRow(f"{name} untiled", "forward", False, "peak RSS growth, a fresh process", mib, None,
-                          "the jitted fast path, for comparison: the (L, S) scores; H = 8 would need 8 times as "
-                          "much" if done.returncode == 0 else done.stderr.strip().splitlines()[-1]))
+    rows.append(MemoryRow(f"{name} untiled",
+                          call="forward",
+                          is_causal=False,
+                          how="peak RSS growth, a fresh process",
+                          mib=mib,
+                          bound=None,
+                          note="the jitted fast path, for comparison: the (L, S) scores; H = 8 would need 8 times as "
+                               "much" if done.returncode == 0 else done.stderr.strip().splitlines()[-1]))
     return rows
 
 
@@ -175,8 +182,13 @@ def _torch(name: str, module: Any, length: int, flags: tuple[bool, ...], untiled
             done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
             mib = json.loads(done.stdout) / MIB if done.returncode == 0 else None
             note = "" if done.returncode == 0 else done.stderr.strip().splitlines()[-1]
-            rows.append(MemoryRow(name, call, causal, "peak RSS growth, a fresh process", mib,
-                                  TARGETS["forward"] if call == "forward" else TORCH_GRADIENT, note))
+            rows.append(MemoryRow(name,
+                                  call=call,
+                                  is_causal=causal,
+                                  how="peak RSS growth, a fresh process",
+                                  mib=mib,
+                                  bound=TARGETS["forward"] if call == "forward" else TORCH_GRADIENT,
+                                  note=note))
     return rows
 
 

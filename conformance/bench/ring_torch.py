@@ -116,10 +116,15 @@ def measure(processes: Sequence[int] = PROCESSES, *, length: int = L, width: int
         results = launch(P, _measure_rank, length, width, block, is_causal, timeout_s=600.0)
         forward = results[0]["forward_bytes"]  # one entry per ring exchange: P - 1 of them
         peaks = [r["peak"] / MIB for r in results]
-        rows.append(RingRow(P, is_causal, max(peaks), min(peaks), (length // P) * width * 4 / MIB,
-                            max(r["total"] for r in results) / MIB,
-                            max(forward, default=0), 2 * (length // P) * width * 4 if P > 1 else 0,
-                            sum(results[0]["backward_bytes"]) // P))
+        rows.append(RingRow(processes=P,
+                            is_causal=is_causal,
+                            peak_mib=max(peaks),
+                            least_peak_mib=min(peaks),
+                            shard_mib=(length // P) * width * 4 / MIB,
+                            peak_total_mib=max(r["total"] for r in results) / MIB,
+                            bytes_per_step=max(forward, default=0),
+                            model_bytes=2 * (length // P) * width * 4 if P > 1 else 0,
+                            backward_bytes_per_step=sum(results[0]["backward_bytes"]) // P))
     return rows
 
 
@@ -213,8 +218,16 @@ def measure_overlap(processes: Sequence[int] = OVERLAP_PROCESSES, *, length: int
         for rank, times in enumerate(launch(P, _overlap_rank, length, width, block, repeats, timeout_s=600.0)):
             total, compute, comm, wait, check = (statistics.median(times[name]) * 1e3
                                                  for name in ("total", "compute", "comm", "wait", "check"))
-            rows.append(OverlapRow(P, rank, total, compute, comm, (compute + comm - total) / comm, comm / total, wait,
-                                   (comm - wait) / comm, check))
+            rows.append(OverlapRow(processes=P,
+                                   rank=rank,
+                                   total_ms=total,
+                                   compute_ms=compute,
+                                   comm_ms=comm,
+                                   hidden=(compute + comm - total) / comm,
+                                   comm_share=comm / total,
+                                   wait_ms=wait,
+                                   hidden_wait=(comm - wait) / comm,
+                                   check_ms=check))
     return rows
 
 

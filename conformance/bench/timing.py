@@ -114,8 +114,8 @@ class Comparison(NamedTuple):
 
 
 COMPARISONS = {
-    "time ratio": Comparison("time", "/", operator.truediv, "ms", "{:.3f}"),
-    "peak difference": Comparison("peak", "-", operator.sub, "MiB", "{:.1f} MiB"),
+    "time ratio": Comparison("time", symbol="/", combine=operator.truediv, unit="ms", shown="{:.3f}"),
+    "peak difference": Comparison("peak", symbol="-", combine=operator.sub, unit="MiB", shown="{:.1f} MiB"),
 }
 
 
@@ -316,8 +316,19 @@ def target_row(target: Target, problem: Problem, variant: str,
     value = comparison.combine(mine, theirs)
     bound = None if target.bound is None else target.bound * target.scale(problem)
     met = None if bound is None else meets(value, target.relation, bound)
-    return TargetRow(target.framework, problem.operation, variant, problem.L, target.compared, target.numerator,
-                     denominator, mine, theirs, value, target.relation, bound, met)
+    return TargetRow(framework=target.framework,
+                     operation=problem.operation,
+                     variant=variant,
+                     L=problem.L,
+                     compared=target.compared,
+                     numerator=target.numerator,
+                     denominator=denominator,
+                     numerator_value=mine,
+                     denominator_value=theirs,
+                     measured=value,
+                     relation=target.relation,
+                     bound=bound,
+                     met=met)
 
 
 def meets(value: float, relation: str, bound: float) -> bool:
@@ -333,7 +344,7 @@ def ratios(rows: Sequence[Row], variant: Variant) -> list[TargetRow]:
         mine = list(group)
         measured = {"time": {row.implementation: row.time_ms for row in mine},
                     "peak": {row.implementation: row.peak_mib for row in mine}}
-        problem = Problem(operation, mine[0].B, mine[0].H, L, mine[0].E, (), {})  # the sizes only
+        problem = Problem(operation, B=mine[0].B, H=mine[0].H, L=L, E=mine[0].E, inputs=(), state={})  # the sizes only
         ran = set(measured["time"])
         found += [target_row(target, problem, variant.name, measured) for target in variant.ratios
                   if operation in target.operations and {target.numerator, *target.denominators} <= ran]
@@ -380,8 +391,13 @@ def make_problem(operation: str, *, B: int, H: int, L: int, E: int, dtype: str, 
     else:
         inputs = (rng.standard_normal((B, L, D)),)
         state = baselines.random_state(operation, D, 4 * D, rng)
-    return Problem(operation, B, H, L, E, tuple(rounded(x, dtype) for x in inputs),
-                   {name: rounded(value, dtype) for name, value in state.items()})
+    return Problem(operation,
+                   B=B,
+                   H=H,
+                   L=L,
+                   E=E,
+                   inputs=tuple(rounded(x, dtype) for x in inputs),
+                   state={name: rounded(value, dtype) for name, value in state.items()})
 
 
 def make_candidates(problem: Problem, backends: dict[str, ModuleType], *, dtype: str, devices: dict[str, str],
@@ -401,7 +417,13 @@ def make_candidates(problem: Problem, backends: dict[str, ModuleType], *, dtype:
                                                     fused=device == "cuda" and dtype == "bfloat16").items():
             if wanted is None or label in wanted:
                 run, peak = framework.timed(call, (params, *inputs), device)
-                candidates.append(Candidate(label, problem.operation, run, peak, framework.name, device, options))
+                candidates.append(Candidate(label,
+                                            operation=problem.operation,
+                                            run=run,
+                                            peak=peak,
+                                            framework=framework.name,
+                                            device=device,
+                                            options=options))
     return candidates
 
 
@@ -486,6 +508,22 @@ def _row(candidate: Candidate, problem: Problem, variant: str, dtype: str, repea
     count = flops(problem.operation, B=B, H=H, L=L, S=L, E=E)
     error = np.max(np.abs(_as_float64(candidate.run(), candidate.framework) - reference)) / np.max(np.abs(reference))
     peak = candidate.peak()
-    return Row(candidate.name, candidate.framework, candidate.device, problem.operation, dtype, B, H, E, L, L,
-               H * E, 4 * H * E, count, repeats, 1e3 * seconds, count / seconds / 1e9,
-               _mib(peak), float(error), variant)
+    return Row(candidate.name,
+               framework=candidate.framework,
+               device=candidate.device,
+               operation=problem.operation,
+               dtype=dtype,
+               B=B,
+               H=H,
+               E=E,
+               L=L,
+               S=L,
+               D=H * E,
+               F=4 * H * E,
+               flops=count,
+               repeats=repeats,
+               time_ms=1e3 * seconds,
+               gflops=count / seconds / 1e9,
+               peak_mib=_mib(peak),
+               rel_error=float(error),
+               variant=variant)

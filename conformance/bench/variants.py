@@ -43,10 +43,13 @@ OURS = (("numpy", "attention_np"), ("jax", "attention_jax"), ("torch", "attentio
 # masked_fill, softmax, matmul); around MHA and the block the projections and the FFN, the same BLAS
 # calls in both, dilute the ratio, so those rows are shown without a target.
 TARGETS = (
-    Target("torch", "attention_torch", ("torch built-in",), "<=", 1.10),
-    Target("jax", "attention_jax", ("jax plain", "jax.nn.dot_product_attention"), "<=", 1.10),
-    Target("numpy", "numpy tutorial", ("attention_np",), ">=", 1.3, ("sdpa",)),
-    Target("numpy", "attention_np explicit", ("numpy tutorial",), "<=", 1.0, ("sdpa",)),
+    Target("torch", numerator="attention_torch", denominators=("torch built-in",), relation="<=", bound=1.10),
+    Target("jax", numerator="attention_jax", denominators=("jax plain", "jax.nn.dot_product_attention"),
+           relation="<=", bound=1.10),
+    Target("numpy", numerator="numpy tutorial", denominators=("attention_np",), relation=">=", bound=1.3,
+           operations=("sdpa",)),
+    Target("numpy", numerator="attention_np explicit", denominators=("numpy tutorial",), relation="<=", bound=1.0,
+           operations=("sdpa",)),
 )
 
 
@@ -60,7 +63,12 @@ def plain_calls(name: str, module: ModuleType, problem: Problem, state: dict[str
     return {label: (call, params, ()) for label, (call, params) in (ours | theirs).items()}
 
 
-PLAIN = timing.Variant("plain", OPERATIONS, {"B": 2, "H": 8, "E": 64}, timing.make_problem, plain_calls, TARGETS,
+PLAIN = timing.Variant("plain",
+                       operations=OPERATIONS,
+                       dims={"B": 2, "H": 8, "E": 64},
+                       problem=timing.make_problem,
+                       calls=plain_calls,
+                       targets=TARGETS,
                        describe=lambda B, H, E: f"B={B}, H={H}, E={E} (D={H * E}, F={4 * H * E})")
 
 
@@ -72,7 +80,7 @@ def gqa_problem(operation: str, *, B: int, H: int, L: int, E: int, dtype: str, s
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, H, L, E))  # (B, H, L, E)
     k, v = (rng.standard_normal((B, H // GROUP, L, E)) for _ in "kv")  # (B, Hkv, S, E)
-    return Problem(operation, B, H, L, E, tuple(timing.rounded(x, dtype) for x in (q, k, v)), {})
+    return Problem(operation, B=B, H=H, L=L, E=E, inputs=tuple(timing.rounded(x, dtype) for x in (q, k, v)), state={})
 
 
 def gqa_calls(name: str, module: ModuleType, problem: Problem, state: dict[str, Any],
@@ -120,17 +128,31 @@ def repeated_kv_mib(problem: Problem) -> float:
 
 
 GQA_TARGETS = (
-    Target("torch", "attention_torch", ("torch built-in",), "<=", 1.10, ("sdpa",)),
-    Target("jax", "attention_jax", ("jax plain", "jax.nn.dot_product_attention"), "<=", 1.10, ("sdpa",)),
-    Target("numpy", "attention_np", ("attention_np np.repeat",), "<=", 1.00, ("sdpa",)),
+    Target("torch", numerator="attention_torch", denominators=("torch built-in",), relation="<=", bound=1.10,
+           operations=("sdpa",)),
+    Target("jax", numerator="attention_jax", denominators=("jax plain", "jax.nn.dot_product_attention"),
+           relation="<=", bound=1.10, operations=("sdpa",)),
+    Target("numpy", numerator="attention_np", denominators=("attention_np np.repeat",), relation="<=", bound=1.00,
+           operations=("sdpa",)),
     # the repeat's peak minus ours: at least the copies it makes, but for 1 %: tracemalloc counts Python's objects
     # too, and at its peak the enable_gqa call holds about a kilobyte more of them (one more frame, its keywords)
-    Target("numpy", "attention_np np.repeat", ("attention_np",), ">=", 0.99, ("sdpa",), "peak difference",
-           repeated_kv_mib),
+    Target("numpy",
+           numerator="attention_np np.repeat",
+           denominators=("attention_np",),
+           relation=">=",
+           bound=0.99,
+           operations=("sdpa",),
+           compared="peak difference",
+           scale=repeated_kv_mib),
 )
 
 GQA = timing.Variant(
-    "gqa", ("sdpa",), {"B": 2, "H": 32, "E": 64}, gqa_problem, gqa_calls, GQA_TARGETS,
+    "gqa",
+    operations=("sdpa",),
+    dims={"B": 2, "H": 32, "E": 64},
+    problem=gqa_problem,
+    calls=gqa_calls,
+    targets=GQA_TARGETS,
     describe=lambda B, H, E: f"B={B}, H={H} query heads on Hkv={H // GROUP} key/value heads, E={E}, enable_gqa=True")
 
 
@@ -144,13 +166,20 @@ def window_calls(name: str, module: ModuleType, problem: Problem, state: dict[st
             for label, options in WINDOW_OPTIONS.items()}
 
 
-WINDOW_RATIOS = tuple(Target(framework, f"{name} window", (f"{name} causal",), "<=", None, ("sdpa",))
+WINDOW_RATIOS = tuple(Target(framework, numerator=f"{name} window", denominators=(f"{name} causal",), relation="<=",
+                             bound=None, operations=("sdpa",))
                       for framework, name in OURS)
 
 WINDOW_VARIANT = timing.Variant(
-    "window", ("sdpa",), {"B": 1, "H": 8, "E": 64}, timing.make_problem, window_calls, WINDOW_RATIOS,
+    "window",
+    operations=("sdpa",),
+    dims={"B": 1, "H": 8, "E": 64},
+    problem=timing.make_problem,
+    calls=window_calls,
+    targets=WINDOW_RATIOS,
     describe=lambda B, H, E: f"B={B}, H={H}, E={E}, is_causal=True with window={WINDOW} against full causal",
-    target_L=4096, ratios=WINDOW_RATIOS)
+    target_L=4096,
+    ratios=WINDOW_RATIOS)
 
 # --- long: tiled attention ---------------------------------------------------------------------------------
 
@@ -200,22 +229,35 @@ def long_reference(problem: Problem, options: timing.Options) -> np.ndarray:
 
 
 LONG_TARGETS = (
-    Target("numpy", "attention_np flash", ("torch built-in",), "<=", 1.5, ("sdpa",)),
-    Target("numpy", "attention_np flash causal", ("torch built-in causal",), "<=", 1.5, ("sdpa",)),
-    Target("jax", "attention_jax flash", ("attention_jax",), "<=", 1.3, ("sdpa",)),
-    Target("jax", "attention_jax flash causal", ("attention_jax causal",), "<=", 1.3, ("sdpa",)),
+    Target("numpy", numerator="attention_np flash", denominators=("torch built-in",), relation="<=", bound=1.5,
+           operations=("sdpa",)),
+    Target("numpy", numerator="attention_np flash causal", denominators=("torch built-in causal",), relation="<=",
+           bound=1.5, operations=("sdpa",)),
+    Target("jax", numerator="attention_jax flash", denominators=("attention_jax",), relation="<=", bound=1.3,
+           operations=("sdpa",)),
+    Target("jax", numerator="attention_jax flash causal", denominators=("attention_jax causal",), relation="<=",
+           bound=1.3, operations=("sdpa",)),
     # the gradient runs the forward and the backward pass: backward <= 3 forward is gradient <= 4 forward
-    *(Target(framework, f"{name} flash{label} gradient", (f"{name} flash{label}",), "<=", 4.0, ("sdpa",))
+    *(Target(framework, numerator=f"{name} flash{label} gradient", denominators=(f"{name} flash{label}",),
+             relation="<=", bound=4.0, operations=("sdpa",))
       for framework, name in OURS for label in ("", " causal")),
 )
-LONG_RATIOS = tuple(Target(framework, f"{name} flash{label}", (f"{name}{label}",), "<=", None, ("sdpa",))
+LONG_RATIOS = tuple(Target(framework, numerator=f"{name} flash{label}", denominators=(f"{name}{label}",),
+                           relation="<=", bound=None, operations=("sdpa",))
                     for framework, name in OURS for label in ("", " causal"))
 
 LONG = timing.Variant(
-    "long", ("sdpa",), {"B": 1, "H": 1, "E": 64}, timing.make_problem, long_calls, LONG_TARGETS,
+    "long",
+    operations=("sdpa",),
+    dims={"B": 1, "H": 1, "E": 64},
+    problem=timing.make_problem,
+    calls=long_calls,
+    targets=LONG_TARGETS,
     describe=lambda B, H, E: f"B={B}, H={H}, E={E}: flash_attention (default tiles) beside the untiled fast "
                              "paths where the scores fit in 1 GiB",
-    target_L=4096, ratios=LONG_RATIOS, target_dims={"B": 1, "H": 8, "E": 64}, sizes=(1024, 2048, 4096, 8192, 16384,
-                                                                                     32768),
+    target_L=4096,
+    ratios=LONG_RATIOS,
+    target_dims={"B": 1, "H": 8, "E": 64},
+    sizes=(1024, 2048, 4096, 8192, 16384, 32768),
     reference=long_reference)
 VARIANTS = {variant.name: variant for variant in (PLAIN, GQA, WINDOW_VARIANT, LONG)}

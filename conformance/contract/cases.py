@@ -226,14 +226,14 @@ def sdpa_case(batch: Batch = (2,), L: int = 3, S: int = 4, E: int = 2, Ev: int =
     """q (..., L, E), k (..., S, E), v (..., S, Ev), no mask, no bias, not causal, default scale."""
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((*batch, n, width)) for n, width in ((L, E), (S, E), (S, Ev)))
-    return SdpaCase(q, k, v, None, None, False, None)._replace(**fields)
+    return SdpaCase(q=q, k=k, v=v, mask=None, bias=None, is_causal=False, scale=None)._replace(**fields)
 
 
 def linear_case(batch: Batch = (2,), L: int = 3, S: int = 4, E: int = 2, Ev: int = 3, *, seed: int = 0,
                 **fields: Any) -> LinearCase:
     """sdpa_case's q (..., L, E), k (..., S, E), v (..., S, Ev) as linear attention's, elu + 1, not causal."""
     case = sdpa_case(batch, L, S, E, Ev, seed=seed)
-    return LinearCase(case.q, case.k, case.v)._replace(**fields)
+    return LinearCase(q=case.q, k=case.k, v=case.v)._replace(**fields)
 
 
 def mha_case(batch: Batch = (2,), L: int = 3, S: int = 5, D: int = 4, H: int = 2, *, seed: int = 1,
@@ -243,7 +243,15 @@ def mha_case(batch: Batch = (2,), L: int = 3, S: int = 5, D: int = 4, H: int = 2
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((*batch, n, D)) for n in (L, S, S))
     state = mha_state(rng, D, H, num_kv_heads, bias)
-    return MhaCase(state, H, 0.1, q, k, v, None, num_kv_heads, bias)._replace(**fields)
+    return MhaCase(state=state,
+                   num_heads=H,
+                   dropout=0.1,
+                   q=q,
+                   k=k,
+                   v=v,
+                   mask=None,
+                   num_kv_heads=num_kv_heads,
+                   bias=bias)._replace(**fields)
 
 
 def block_case(batch: Batch = (2,), L: int = 4, D: int = 4, H: int = 2, F: int = 8, *, seed: int = 2,
@@ -254,8 +262,17 @@ def block_case(batch: Batch = (2,), L: int = 4, D: int = 4, H: int = 2, F: int =
     rng = np.random.default_rng(seed)
     state = block_state(rng, D, F, num_heads=H, num_kv_heads=num_kv_heads, bias=bias, norm=norm,
                         activation=activation)
-    return BlockCase(state, H, 0.1, False, activation, 1e-5, rng.standard_normal((*batch, L, D)), None, norm,
-                     num_kv_heads, bias)._replace(**fields)
+    return BlockCase(state=state,
+                     num_heads=H,
+                     dropout=0.1,
+                     norm_first=False,
+                     activation=activation,
+                     eps=1e-5,
+                     x=rng.standard_normal((*batch, L, D)),
+                     mask=None,
+                     norm=norm,
+                     num_kv_heads=num_kv_heads,
+                     bias=bias)._replace(**fields)
 
 
 def decode_case(batch: Batch = (2,), chunks: tuple[int, ...] = (3, 1, 1), capacity: int | None = None, *,
@@ -265,9 +282,18 @@ def decode_case(batch: Batch = (2,), chunks: tuple[int, ...] = (3, 1, 1), capaci
     L = sum(chunks)
     layout = {name: fields.pop(name) for name in ("activation", "norm", "num_kv_heads", "bias") if name in fields}
     block = block_case(batch, L, D, H, F, seed=seed, **layout)
-    return DecodeCase(block.state, H, block.dropout, block.norm_first, block.activation, block.eps, block.x,
-                      chunks, L if capacity is None else capacity, block.norm, block.num_kv_heads,
-                      block.bias)._replace(**fields)
+    return DecodeCase(state=block.state,
+                      num_heads=H,
+                      dropout=block.dropout,
+                      norm_first=block.norm_first,
+                      activation=block.activation,
+                      eps=block.eps,
+                      x=block.x,
+                      chunks=chunks,
+                      capacity=L if capacity is None else capacity,
+                      norm=block.norm,
+                      num_kv_heads=block.num_kv_heads,
+                      bias=block.bias)._replace(**fields)
 
 
 def normal(*shape: int, seed: int = 0) -> np.ndarray:

@@ -33,11 +33,12 @@ class Feature(NamedTuple):
 
 _DRAWN = "drawn cases do without it; fixed cases that use it are skipped"
 FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for feature in (
-    Feature("weights", "result", "need_weights=True returns the attention weights, before dropout",
-            "the weights a call returns are not compared: weights_rows and dropout's weights rows are skipped"),
-    Feature("dropout", "training", "dropout (dropout_p, a module's dropout) in training mode, drawn from rng",
-            "the dropout groups are skipped; value checks configure no dropout; its error rows are skipped"),
-    *(Feature(name, "argument", f"sdpa's {name}{what}", _DRAWN) for name, what in (
+    Feature("weights", kind="result", asks="need_weights=True returns the attention weights, before dropout",
+            without="the weights a call returns are not compared: weights_rows and dropout's weights rows are skipped"),
+    Feature("dropout", kind="training",
+            asks="dropout (dropout_p, a module's dropout) in training mode, drawn from rng",
+            without="the dropout groups are skipped; value checks configure no dropout; its error rows are skipped"),
+    *(Feature(name, kind="argument", asks=f"sdpa's {name}{what}", without=_DRAWN) for name, what in (
         ("mask", " (modules' too): an entry equal to 0 / False hides a key"),
         ("bias", ": added to the scores, -inf hides a key"),
         ("is_causal", ": hide keys j > p_i"), ("scale", ": multiplies q k^T"),
@@ -45,27 +46,30 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
         ("key_lengths", ": keys j >= key_lengths hidden (SPEC 2a)"),
         ("softcap", ": raw scores capped by softcap * tanh (SPEC 2a)"),
         ("enable_gqa", ": grouped-query heads, k and v with fewer heads than q (SPEC 2a)"))),
-    Feature("mask_per_head", "argument", "modules' masks that differ between the heads, (..., H, L, S)",
-            "drawn module cases give every head the first head's mask; fixed cases that use it are skipped"),
-    *(Feature(name, "option", f"modules with {what}", "drawn module cases keep the seed's layout; fixed cases "
-                                                       "that use it are skipped") for name, what in (
+    Feature("mask_per_head", kind="argument", asks="modules' masks that differ between the heads, (..., H, L, S)",
+            without="drawn module cases give every head the first head's mask; fixed cases that use it are skipped"),
+    *(Feature(name, kind="option", asks=f"modules with {what}",
+              without="drawn module cases keep the seed's layout; fixed cases that use it are skipped")
+      for name, what in (
         ("num_kv_heads", "num_kv_heads below num_heads (grouped-query attention)"),
         ("no_bias", "bias=False (Linears without biases)"), ("rope", "rope_theta (rotary position embeddings)"),
         ("linear_attention", 'attention="linear" (MultiHeadAttention with linear attention in each head)'),
         ("rms_norm", 'norm="rms" (a block with RMSNorm)'), ("gelu", 'activation="gelu" (a block with GELU)'),
         ("swiglu", 'activation="swiglu" (a block with a SwiGLU feed-forward network)'))),
-    Feature("masked_rows", "rule", "a query that sees no key gets an output row (sdpa) and a weights row of zeros",
-            "the rows of such queries are left out of every comparison (modules: a position where a head sees no "
-            "key); the edge cases and the gradient rule about them are skipped"),
-    Feature("non_finite", "rule", "NaN and inf in the inputs reach exactly the rows that see them (SPEC 10)",
-            "the edge cases with NaN or inf inputs are skipped"),
-    Feature("empty", "rule", "L = 0 or S = 0 gives empty outputs and zeros", "the edge cases with an empty axis are "
-                                                                             "skipped"),
-    *(Feature(dtype, "dtype", f"inputs in {dtype}", f"the rows in {dtype} are skipped")
+    Feature("masked_rows", kind="rule",
+            asks="a query that sees no key gets an output row (sdpa) and a weights row of zeros",
+            without="the rows of such queries are left out of every comparison (modules: a position where a head "
+                    "sees no key); the edge cases and the gradient rule about them are skipped"),
+    Feature("non_finite", kind="rule",
+            asks="NaN and inf in the inputs reach exactly the rows that see them (SPEC 10)",
+            without="the edge cases with NaN or inf inputs are skipped"),
+    Feature("empty", kind="rule", asks="L = 0 or S = 0 gives empty outputs and zeros",
+            without="the edge cases with an empty axis are skipped"),
+    *(Feature(dtype, kind="dtype", asks=f"inputs in {dtype}", without=f"the rows in {dtype} are skipped")
       for dtype in ("float16", "bfloat16", "float64")),
-    Feature("exceptions", "errors", "bad input raises the exception type of SPEC 7, its message naming the "
-                                    "arguments and shapes",
-            "a bad call must still raise, but any exception will do"),
+    Feature("exceptions", kind="errors",
+            asks="bad input raises the exception type of SPEC 7, its message naming the arguments and shapes",
+            without="a bad call must still raise, but any exception will do"),
 )})
 
 

@@ -60,16 +60,16 @@ class Fixed(NamedTuple):
 
 
 def example(operation: str, name: str, build: Callable[[], Any], requires: str) -> Fixed:
-    return Fixed(operation, name, "example", build, requires)
+    return Fixed(operation, name, use="example", build=build, requires=requires)
 
 
 def edge(operation: str, name: str, build: Callable[[], Any], requires: str, *requirements: Requirement) -> Fixed:
-    return Fixed(operation, name, "edge", build, requires, requirements)
+    return Fixed(operation, name, use="edge", build=build, requires=requires, requirements=requirements)
 
 
 def error(operation: str, name: str, build: Callable[[], Any], raises: type[Exception], *contains: str,
           stage: str = "call", d_out: np.ndarray | None = None) -> Fixed:
-    return Fixed(operation, name, "error", build, error=raises, contains=contains, stage=stage, d_out=d_out)
+    return Fixed(operation, name, use="error", build=build, error=raises, contains=contains, stage=stage, d_out=d_out)
 
 
 def _small_variance(*shape: int, seed: int) -> np.ndarray:
@@ -213,15 +213,15 @@ def _sdpa_edges() -> list[Fixed]:
         edge("sdpa", "fully_masked_rows", lambda: base._replace(
             mask=changed(changed(random_mask(2, 3, 4), (0, 0), False), (1, 2), False)),
             "rows (0, 0) and (1, 2) see no key: out and weights rows exactly 0; the others as the oracle",
-            *(Requirement(name, "zero", row) for name in ("out", "weights") for row in ((0, 0), (1, 2))),
-            Requirement("weights", "sums_to_one", (0, slice(1, 3)))),
+            *(Requirement(name, "zero", index=row) for name in ("out", "weights") for row in ((0, 0), (1, 2))),
+            Requirement("weights", "sums_to_one", index=(0, slice(1, 3)))),
         edge("sdpa", "fully_masked_head", lambda: heads._replace(mask=np.array([True, False])[:, None, None]),
              "q (B, H, L, E), mask (H, 1, 1) hides head 1: out[:, 1] and weights[:, 1] exactly 0",
-             Requirement("out", "zero", (ALL, 1)), Requirement("weights", "zero", (ALL, 1))),
+             Requirement("out", "zero", index=(ALL, 1)), Requirement("weights", "zero", index=(ALL, 1))),
         edge("sdpa", "fully_masked_batch_element", lambda: base._replace(
             mask=changed(random_mask(2, 3, 4), 1, False)),
             "batch element 1 sees no key: out[1] and weights[1] exactly 0; element 0 as the oracle",
-            Requirement("out", "zero", (1,)), Requirement("weights", "zero", (1,))),
+            Requirement("out", "zero", index=(1,)), Requirement("weights", "zero", index=(1,))),
         edge("sdpa", "no_keys", lambda: sdpa_case(S=0, mask=np.ones((1, 0), bool)),
              "S = 0: out zeros (B, L, Ev), weights (B, L, 0)",
              Requirement("out", "zero"), Requirement("out", "shape", value=(2, 3, 3)),
@@ -236,51 +236,51 @@ def _sdpa_edges() -> list[Fixed]:
              Requirement("out", "finite"), Requirement("weights", "sums_to_one")),
         edge("sdpa", "nan_in_query", lambda: heads._replace(q=changed(heads.q, (0, 1, 1), np.nan)),
              "q (B, H, L, E), q[0, 1, 1] NaN: out and weights row (0, 1, 1) NaN; every other row as the oracle",
-             Requirement("out", "only_nan", (0, 1, 1)), Requirement("weights", "only_nan", (0, 1, 1))),
+             Requirement("out", "only_nan", index=(0, 1, 1)), Requirement("weights", "only_nan", index=(0, 1, 1))),
         # causal: query i sees keys 0..i, so key 2 reaches query 2 alone (whose hidden key 3 may read NaN)
         edge("sdpa", "nan_in_key", lambda: base._replace(k=changed(base.k, (0, 2), np.nan), is_causal=True),
              "k[0, 2] NaN, causal: rows (0, 2) NaN; rows (0, 0), (0, 1), which do not see key 2, and batch "
              "element 1 as the oracle",
-             Requirement("out", "only_nan", (0, 2)), Requirement("weights", "nan", (0, 2, slice(0, 3))),
-             Requirement("weights", "finite", (0, slice(0, 2))), Requirement("weights", "finite", (1,))),
+             Requirement("out", "only_nan", index=(0, 2)), Requirement("weights", "nan", index=(0, 2, slice(0, 3))),
+             Requirement("weights", "finite", index=(0, slice(0, 2))), Requirement("weights", "finite", index=(1,))),
         edge("sdpa", "nan_in_value", lambda: base._replace(v=changed(base.v, (0, 1, 2), np.nan)),
              "v[0, 1, 2] NaN, every key visible: out[0, :, 2] NaN; every other entry and the weights as the oracle",
-             Requirement("out", "only_nan", (0, ALL, 2)), Requirement("weights", "finite")),
+             Requirement("out", "only_nan", index=(0, ALL, 2)), Requirement("weights", "finite")),
         # bias[0, 2, 0] is NaN too, but the mask hides key 0 from query (0, 2): that row stays finite
         edge("sdpa", "nan_in_bias", lambda: base._replace(
             bias=changed(changed(bias, (0, 1, 3), np.nan), (0, 2, 0), np.nan),
             mask=changed(np.ones((2, 3, 4), bool), (0, 2, 0), False)),
             "bias[0, 1, 3] NaN (visible): row (0, 1) NaN; bias[0, 2, 0] NaN but hidden by the mask: row (0, 2) "
             "finite; every other row as the oracle",
-            Requirement("out", "only_nan", (0, 1)), Requirement("weights", "only_nan", (0, 1))),
+            Requirement("out", "only_nan", index=(0, 1)), Requirement("weights", "only_nan", index=(0, 1))),
         # q[0, 0] = +inf against k[:, 0] = -1: every score of row 0 is -inf, from the inputs, not the bias
         edge("sdpa", "neg_inf_scores_from_the_inputs", lambda: sdpa_case(
             (), 2, 3, q=changed(normal(2, 2), (0, 0), np.inf), k=changed(normal(3, 2, seed=1), (ALL, 0), -1.0)),
             "q[0, 0] = +inf, k[:, 0] = -1: every score of row 0 is -inf, which hides nothing (only a -inf bias "
             "hides a key): out and weights row 0 NaN, never the zeros of a fully masked row; row 1 as the oracle",
-            Requirement("out", "only_nan", 0), Requirement("weights", "only_nan", 0)),
+            Requirement("out", "only_nan", index=0), Requirement("weights", "only_nan", index=0)),
         edge("sdpa", "visible_scores_below_minus_1e9", _far_below_fill(-2.0**40),
              "every visible score about -1.1e12, key 1 hidden in every row: the weights of the visible keys as "
              "the oracle, never a masked fill constant (-1e9, The Annotated Transformer's) that outweighs them",
-             Requirement("weights", "zero", (ALL, ALL, 1)), Requirement("weights", "sums_to_one")),
+             Requirement("weights", "zero", index=(ALL, ALL, 1)), Requirement("weights", "sums_to_one")),
         # +inf - max = inf - inf = NaN: never the finite one-hot limit
         edge("sdpa", "key_lengths_zero", lambda: base._replace(key_lengths=np.array([3, 0]), is_causal=True),
              "key_lengths [3, 0]: batch element 1 sees no key, out[1] and weights[1] exactly 0; key 3 of element "
-             "0 hidden (SPEC 2a)", Requirement("out", "zero", (1,)), Requirement("weights", "zero", (1,)),
-             Requirement("weights", "zero", (0, ALL, 3))),
+             "0 hidden (SPEC 2a)", Requirement("out", "zero", index=(1,)), Requirement("weights", "zero", index=(1,)),
+             Requirement("weights", "zero", index=(0, ALL, 3))),
         edge("sdpa", "softcap_keeps_neg_inf_bias_hidden", lambda: base._replace(
             bias=changed(np.zeros((3, 4)), (ALL, 2), -np.inf), softcap=0.5),
             "softcap 0.5, bias -inf on key 2: weights[..., 2] exactly 0 (capped before the bias, SPEC 2a)",
-            Requirement("weights", "zero", (ALL, ALL, 2)), Requirement("weights", "sums_to_one")),
+            Requirement("weights", "zero", index=(ALL, ALL, 2)), Requirement("weights", "sums_to_one")),
         edge("sdpa", "grouped_heads_one_fully_masked", lambda: _grouped(
             4, 2, mask=changed(np.ones((4, 1, 5), bool), (1,), False)),
             "enable_gqa, H = 4, Hkv = 2, query head 1 sees no key: out[:, 1] and weights[:, 1] exactly 0; the "
-            "other head of its group, 0, as the oracle", Requirement("out", "zero", (ALL, 1)),
-            Requirement("weights", "zero", (ALL, 1)), Requirement("weights", "sums_to_one", (ALL, 0))),
+            "other head of its group, 0, as the oracle", Requirement("out", "zero", index=(ALL, 1)),
+            Requirement("weights", "zero", index=(ALL, 1)), Requirement("weights", "sums_to_one", index=(ALL, 0))),
         edge("sdpa", "inf_score", lambda: heads._replace(bias=changed(np.zeros((3, 4)), (1, 0), np.inf)),
              "q (B, H, L, E), bias (L, S), bias[1, 0] = +inf (visible): out rows (:, :, 1) NaN or inf, never "
              "finite; weights rows (:, :, 1) hold NaN or inf; every other row as the oracle",
-             Requirement("out", "only_nan_or_inf", (ALL, ALL, 1))),
+             Requirement("out", "only_nan_or_inf", index=(ALL, ALL, 1))),
     ]
 
 
@@ -396,15 +396,16 @@ def _mha_edges() -> list[Fixed]:
         edge("mha", "fully_masked_rows", lambda: mha_case(
             mask=changed(changed(random_mask(2, 1, 3, 5), (0, 0, 1), False), (1, 0, 0), False)),
             "queries (0, 1) and (1, 0) see no key in any head: their weights rows exactly 0, out rows w_o.bias",
-            Requirement("out", "equals", (0, 1), w_o_bias), Requirement("out", "equals", (1, 0), w_o_bias),
-            Requirement("weights", "zero", (0, ALL, 1)), Requirement("weights", "zero", (1, ALL, 0))),
+            Requirement("out", "equals", index=(0, 1), value=w_o_bias),
+            Requirement("out", "equals", index=(1, 0), value=w_o_bias),
+            Requirement("weights", "zero", index=(0, ALL, 1)), Requirement("weights", "zero", index=(1, ALL, 0))),
         edge("mha", "fully_masked_head", lambda: mha_case(mask=np.array([True, False])[:, None, None]),
              "mask (H, 1, 1) hides head 1: weights[:, 1] exactly 0, out as the oracle",
-             Requirement("weights", "zero", (ALL, 1)), Requirement("weights", "sums_to_one", (ALL, 0))),
+             Requirement("weights", "zero", index=(ALL, 1)), Requirement("weights", "sums_to_one", index=(ALL, 0))),
         edge("mha", "fully_masked_batch_element", lambda: mha_case(
             mask=np.arange(5) < np.reshape([3, 0], (2, 1, 1, 1))),
              "padding lengths [3, 0]: weights[1] exactly 0, out[1] = w_o.bias on every row",
-             Requirement("out", "equals", (1,), w_o_bias), Requirement("weights", "zero", (1,))),
+             Requirement("out", "equals", index=(1,), value=w_o_bias), Requirement("weights", "zero", index=(1,))),
         edge("mha", "no_keys", lambda: mha_case(S=0), "S = 0: weights (B, H, L, 0), out = w_o.bias on every row",
              Requirement("out", "equals", value=w_o_bias), Requirement("weights", "shape", value=(2, 2, 3, 0))),
         edge("mha", "linear_no_keys", lambda: mha_case(S=0, attention="linear", dropout=0.0),
@@ -418,18 +419,19 @@ def _mha_edges() -> list[Fixed]:
              Requirement("out", "finite"), Requirement("weights", "sums_to_one")),
         edge("mha", "nan_in_query", lambda: base._replace(q=changed(base.q, (0, 1), np.nan)),
              "q[0, 1] NaN: out row (0, 1) and its weights rows NaN; every other row as the oracle",
-             Requirement("out", "only_nan", (0, 1)), Requirement("weights", "only_nan", (0, ALL, 1))),
+             Requirement("out", "only_nan", index=(0, 1)), Requirement("weights", "only_nan", index=(0, ALL, 1))),
         # causal mask (3, 5): key 1 reaches queries 1 and 2 of sequence 0
         edge("mha", "nan_in_key", lambda: base._replace(k=changed(base.k, (0, 1), np.nan),
                                                        mask=np.tri(3, 5, dtype=bool)),
              "k[0, 1] NaN, causal mask: rows (0, 1), (0, 2) NaN; row (0, 0), which does not see key 1, and batch "
-             "element 1 as the oracle", Requirement("out", "only_nan", (0, slice(1, 3)))),
+             "element 1 as the oracle", Requirement("out", "only_nan", index=(0, slice(1, 3)))),
         edge("mha", "inf_in_query", lambda: base._replace(q=changed(base.q, (1, 2), np.inf)),
              "q[1, 2] = +inf: out row (1, 2) NaN or inf, never finite; every other row as the oracle",
-             Requirement("out", "only_nan_or_inf", (1, 2))),
+             Requirement("out", "only_nan_or_inf", index=(1, 2))),
         edge("mha", "visible_scores_below_minus_1e9", _far_below_fill_mha,
              "every visible score about -1.1e12, key 1 hidden: the weights of the visible keys as the oracle, never "
-             "a masked fill constant (-1e9) that outweighs them", Requirement("weights", "zero", (ALL, ALL, ALL, 1))),
+             "a masked fill constant (-1e9) that outweighs them", Requirement("weights", "zero",
+                                                                              index=(ALL, ALL, ALL, 1))),
     ]
 
 
@@ -547,15 +549,15 @@ def _block_edges() -> list[Fixed]:
         edge("block", "fully_masked_rows", lambda: block_case(
             mask=changed(np.tri(4, 4, dtype=bool)[None, None].repeat(2, 0), (0, 0, 2), False)),
             "causal, and query (0, 2) sees no key: its weights rows exactly 0; out as the oracle",
-            Requirement("out", "finite"), Requirement("weights", "zero", (0, ALL, 2))),
+            Requirement("out", "finite"), Requirement("weights", "zero", index=(0, ALL, 2))),
         edge("block", "fully_masked_head", lambda: block_case(mask=np.array([False, True])[:, None, None],
                                                               norm_first=True, activation="relu"),
              "pre-LN, mask (H, 1, 1) hides head 0: weights[:, 0] exactly 0; out as the oracle",
-             Requirement("out", "finite"), Requirement("weights", "zero", (ALL, 0))),
+             Requirement("out", "finite"), Requirement("weights", "zero", index=(ALL, 0))),
         edge("block", "fully_masked_batch_element", lambda: block_case(
             mask=np.arange(4) < np.reshape([4, 0], (2, 1, 1, 1))),
             "padding lengths [4, 0]: weights[1] exactly 0; out as the oracle",
-            Requirement("out", "finite"), Requirement("weights", "zero", (1,))),
+            Requirement("out", "finite"), Requirement("weights", "zero", index=(1,))),
         edge("block", "empty_sequence", lambda: block_case(L=0), "L = S = 0: out (B, 0, D), weights (B, H, 0, 0)",
              Requirement("out", "shape", value=(2, 0, 4)), Requirement("weights", "shape", value=(2, 2, 0, 0))),
         edge("block", "single_position", lambda: block_case(L=1, norm_first=True),
@@ -567,10 +569,10 @@ def _block_edges() -> list[Fixed]:
         # self-attention without a mask: every query of sequence 0 sees key 1; LayerNorm spreads NaN along D
         edge("block", "nan_in_input", lambda: base._replace(x=changed(base.x, (0, 1), np.nan)),
              "x[0, 1] NaN: every row of batch element 0 NaN (each query sees key 1); element 1 as the oracle",
-             Requirement("out", "only_nan", (0,)), Requirement("weights", "only_nan", (0,))),
+             Requirement("out", "only_nan", index=(0,)), Requirement("weights", "only_nan", index=(0,))),
         edge("block", "inf_in_input", lambda: base._replace(x=changed(base.x, (1, 0), np.inf)),
              "x[1, 0] = +inf: every row of batch element 1 NaN or inf, never finite; element 0 as the oracle",
-             Requirement("out", "only_nan_or_inf", (1,))),
+             Requirement("out", "only_nan_or_inf", index=(1,))),
     ]
 
 
@@ -643,7 +645,10 @@ def _decode_rows() -> list[Fixed]:
             "pre-norm RMSNorm SwiGLU block, Hkv = 2 of 4, RoPE (theta 10) at the positions in the whole sequence"),
         edge("decode", "unfilled_positions_weigh_zero", lambda: decode_case((2,), (2, 1), capacity=7),
              "3 positions in a cache of 7: the weights of positions 3..6 are exactly 0 in every row",
-             Requirement("weights", "zero", (ALL, ALL, ALL, slice(3, None))), Requirement("weights", "sums_to_one")),
+             Requirement(
+                 "weights",
+                 "zero",
+                 index=(ALL, ALL, ALL, slice(3, None))), Requirement("weights", "sums_to_one")),
         error("decode", "cache_full", lambda: decode_case((2,), (3, 2), capacity=4), ValueError, "capacity", "4",
               "3", "2"),
         error("decode", "capacity_negative", lambda: decode_case((2,), (1,), capacity=-1), ValueError, "capacity",
@@ -707,7 +712,7 @@ def _flash_rows() -> list[Fixed]:
         edge("flash", "lse_of_fully_masked_rows", lambda: tiled(sdpa_case(
             mask=changed(changed(random_mask(2, 3, 4), (0, 0), False), (1, 2), False)), 2, 3),
             "rows (0, 0) and (1, 2) see no key: out rows exactly 0 and lse -inf; the others as the oracle",
-            *(Requirement(name, kind, row) for name, kind in (("out", "zero"), ("lse", "minus_inf"))
+            *(Requirement(name, kind, index=row) for name, kind in (("out", "zero"), ("lse", "minus_inf"))
               for row in ((0, 0), (1, 2)))),
         edge("flash", "lse_of_one_key", lambda: tiled(sdpa_case(S=1, bias=np.full((3, 1), 0.7), scale=0.0), 2, 3),
              "S = 1, scale 0, bias 0.7: the one score is 0.7, so lse = log(exp(0.7)) = 0.7 on every row",
@@ -759,8 +764,9 @@ def _ring_rows() -> list[Fixed]:
         edge("ring", "queries_before_every_key", _ring(2, 8, 8, is_causal=True, q_offset=-3),
              "causal at q_offset -3: queries 0..2 (positions -3..-1) see no key on any device: out rows exactly 0 "
              "and lse -inf, merged so (never exp(-inf - -inf) = NaN); the others as the oracle",
-             Requirement("out", "zero", (ALL, slice(0, 3))), Requirement("lse", "minus_inf", (ALL, slice(0, 3))),
-             Requirement("lse", "finite", (ALL, slice(3, 8)))),
+             Requirement("out", "zero", index=(ALL, slice(0, 3))),
+             Requirement("lse", "minus_inf", index=(ALL, slice(0, 3))),
+             Requirement("lse", "finite", index=(ALL, slice(3, 8)))),
         edge("ring", "logits_in_the_thousands", _large_ring,
              "logits +-5000 on two devices: the partial results merge by exp(lse_a - lse), finite, as the oracle",
              Requirement("out", "finite"), Requirement("lse", "finite")),
@@ -770,7 +776,8 @@ def _ring_rows() -> list[Fixed]:
             k=changed(case.k, (0, 5), np.nan)),
             "k[0, 5] NaN, causal on 2 devices: rows (0, 5..7) NaN; rows (0, 0..4), which do not see key 5, and "
             "batch element 1 as the oracle",
-            Requirement("out", "only_nan", (0, slice(5, 8))), Requirement("lse", "only_nan", (0, slice(5, 8)))),
+            Requirement("out", "only_nan", index=(0, slice(5, 8))),
+            Requirement("lse", "only_nan", index=(0, slice(5, 8)))),
         error("ring", "L_not_a_multiple_of_the_devices", _ring(4, 6, 8), ValueError, "ring_attention", "L = 6",
               "P = 4"),
         error("ring", "S_not_a_multiple_of_the_devices", _ring(3, 6, 7), ValueError, "ring_attention", "S = 7",
@@ -828,11 +835,14 @@ def _linear_rows() -> list[Fixed]:
         edge("linear", "queries_that_see_no_key_get_zeros", _linear((2,), 4, 4, is_causal=True, chunk=3,
                                                                     key_lengths=np.array([0, 2])),
              "key_lengths [0, 2], causal: sequence 0 sees no key, so each out row is 0 / (0 + eps) = 0 exactly, "
-             "never 0 / 0; sequence 1 as the oracle", Requirement("out", "zero", 0), Requirement("out", "finite")),
+             "never 0 / 0; sequence 1 as the oracle", Requirement(
+                 "out",
+                 "zero",
+                 index=0), Requirement("out", "finite")),
         edge("linear", "relu_query_without_a_positive_entry", lambda: linear_case(
             q=changed(normal(2, 3, 2), (ALL, 1), -1.0), feature_map="relu", is_causal=True, L=3, S=3),
             "relu, query 1 = (-1, -1): phi(q_1) = 0, so every weight of row 1 is 0 and out_1 = 0 / (0 + eps) = 0 "
-            "exactly, though it sees keys 0, 1", Requirement("out", "zero", (ALL, 1))),
+            "exactly, though it sees keys 0, 1", Requirement("out", "zero", index=(ALL, 1))),
         edge("linear", "one_key_of_weight_one_and_eps_one", lambda: linear_case(
             q=np.ones((2, 3, 1)), k=np.ones((2, 1, 1)), v=normal(2, 1, 3), feature_map="identity", eps=1.0),
             "identity, q = k = 1, S = 1, eps 1: the one weight is 1, so out_i = 1 v_0 / (1 + 1) = v_0 / 2 exactly",
@@ -858,7 +868,7 @@ def _linear_rows() -> list[Fixed]:
         edge("linear", "nan_in_key_hidden_from_earlier_queries", lambda: (case := nan_key())._replace(
             k=changed(case.k, (0, 4), np.nan)),
             "k[0, 4] NaN, causal in chunks of 3: rows (0, 4..5) NaN; rows (0, 0..3), which do not see key 4, and "
-            "sequence 1 as the oracle", Requirement("out", "only_nan", (0, slice(4, 6)))),
+            "sequence 1 as the oracle", Requirement("out", "only_nan", index=(0, slice(4, 6)))),
         error("linear", "feature_map_unknown", _linear(feature_map="softmax"), ValueError, "feature_map", "softmax"),
         error("linear", "chunk_zero", _linear((2,), 4, 4, is_causal=True, chunk=0), ValueError, "chunk", "0"),
         error("linear", "chunk_negative", _linear((2,), 4, 4, is_causal=True, chunk=-1), ValueError, "chunk", "-1"),

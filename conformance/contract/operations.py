@@ -268,8 +268,8 @@ def _sdpa_dropout_probe(case: SdpaCase) -> Probe:
     v = np.broadcast_to(np.eye(S), (*case.v.shape[:-2], S, S)).copy()  # (..., S, S)
     probe = case._replace(q=np.zeros_like(case.q), v=v, mask=None, bias=None, is_causal=False,
                           **OPTIONAL_KEYWORDS | {"enable_gqa": case.enable_gqa})  # the heads as drawn
-    return Probe(probe, (*batch, L, S), ("queries", "keys"),
-                 lambda out, p: _dropped({"attention weights": out}, 1 / (S * (1 - p))))
+    return Probe(probe, shape=(*batch, L, S), axes=("queries", "keys"),
+                 sites=lambda out, p: _dropped({"attention weights": out}, 1 / (S * (1 - p))))
 
 
 def _batch(case: SdpaCase | MhaCase) -> tuple[int, ...]:
@@ -525,7 +525,7 @@ def _mha_dropout_probe(case: MhaCase) -> Probe:
         heads = np.swapaxes(out[..., :: D // H], -1, -2)  # (..., L, D) -> (..., L, H) -> (..., H, L)
         return _dropped({"attention weights": heads}, 1 / (1 - p))
 
-    return Probe(probe, (*_batch(case), H, L), ("heads", "queries"), sites)
+    return Probe(probe, shape=(*_batch(case), H, L), axes=("heads", "queries"), sites=sites)
 
 
 # --- the transformer block ---------------------------------------------------------------------------------
@@ -573,7 +573,7 @@ def _block_dropout_probe(case: BlockCase) -> Probe:
             return None
         return {"attention branch": whole % 2 == 0, "feed-forward branch": whole < 2}
 
-    return Probe(probe, (*case.x.shape[:-2], L, D), ("positions", "features"), sites)
+    return Probe(probe, shape=(*case.x.shape[:-2], L, D), axes=("positions", "features"), sites=sites)
 
 
 def _block_dropout_shows(case: BlockCase) -> bool:

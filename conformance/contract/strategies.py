@@ -345,7 +345,8 @@ def positions(draw: Callable, batch: Batch, L: int, S: int) -> Positions:
                 else draw(_per_sequence(batch, offsets(L, S))))
     window = draw(st.none() | st.tuples(st.sampled_from(WINDOW_SIDES), st.sampled_from(WINDOW_SIDES)))
     lengths_ = draw(st.none() | _per_sequence(batch, key_lengths(S)))
-    return Positions(q_offset, window, lengths_, draw(st.none() | st.sampled_from(SOFTCAPS)))
+    return Positions(q_offset=q_offset, window=window, key_lengths=lengths_,
+                     softcap=draw(st.none() | st.sampled_from(SOFTCAPS)))
 
 
 @st.composite
@@ -408,7 +409,8 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     if single_key and bias_ is not None:
         bias_ = _finite_where_visible(bias_, mask_)
     extra = draw(positions(batch, L, S)) if positioned else Positions()
-    return SdpaCase(q, k, v, mask_, bias_, is_causal, scale, 0.0, *extra, enable_gqa=grouped)
+    return SdpaCase(q=q, k=k, v=v, mask=mask_, bias=bias_, is_causal=is_causal, scale=scale, dropout=0.0,
+                    **extra._asdict(), enable_gqa=grouped)
 
 
 @st.composite
@@ -450,9 +452,20 @@ def ring_cases(draw: Callable, *, magnitude: str | None = None) -> RingCase:
     q_offset = draw(st.sampled_from(offsets(L, S))) if draw(st.booleans()) else 0
     window = draw(st.none() | st.tuples(st.sampled_from(WINDOW_SIDES), st.sampled_from(WINDOW_SIDES)))
     softcap = draw(st.none() | st.sampled_from(SOFTCAPS))
-    return RingCase(q, k, v, None, None, is_causal, draw(st.sampled_from(SCALES)), q_offset=q_offset, window=window,
-                    softcap=softcap, enable_gqa=grouped, block_q=draw(st.sampled_from(TILE_SIZES)),
-                    block_k=draw(st.sampled_from(TILE_SIZES)), devices=P)
+    return RingCase(q=q,
+                    k=k,
+                    v=v,
+                    mask=None,
+                    bias=None,
+                    is_causal=is_causal,
+                    scale=draw(st.sampled_from(SCALES)),
+                    q_offset=q_offset,
+                    window=window,
+                    softcap=softcap,
+                    enable_gqa=grouped,
+                    block_q=draw(st.sampled_from(TILE_SIZES)),
+                    block_k=draw(st.sampled_from(TILE_SIZES)),
+                    devices=P)
 
 
 @st.composite
@@ -483,7 +496,14 @@ def linear_cases(draw: Callable, *, is_causal: bool | None = None, with_lengths:
         q, k = np.abs(q), np.abs(k)
     with_lengths = draw(st.booleans()) if with_lengths is None else with_lengths
     lengths_ = draw(_per_sequence(batch, key_lengths(S))) if with_lengths else None
-    return LinearCase(q, k, v, feature_map, is_causal, lengths_, draw(st.sampled_from(LINEAR_EPSILONS)), chunk)
+    return LinearCase(q=q,
+                      k=k,
+                      v=v,
+                      feature_map=feature_map,
+                      is_causal=is_causal,
+                      key_lengths=lengths_,
+                      eps=draw(st.sampled_from(LINEAR_EPSILONS)),
+                      chunk=chunk)
 
 
 # --- parameters --------------------------------------------------------------------------------------------
@@ -554,7 +574,15 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     state = draw(mha_states(d_model, num_heads, options["num_kv_heads"], options["bias"]))
     dropout = 0.0 if linear else draw(st.sampled_from(DROPOUTS))
     mask = None if linear else draw(masks(batch, L, S, heads=num_heads))
-    return MhaCase(state, num_heads, dropout, q, k, v, mask, **options, attention=attention)
+    return MhaCase(state=state,
+                   num_heads=num_heads,
+                   dropout=dropout,
+                   q=q,
+                   k=k,
+                   v=v,
+                   mask=mask,
+                   **options,
+                   attention=attention)
 
 
 @st.composite
@@ -576,7 +604,16 @@ def block_cases(draw: Callable, *, causal_mask: bool = False, magnitude: str | N
     mask = np.tri(L, L, dtype=bool) if causal_mask else draw(masks(batch, L, L, heads=num_heads))
     state = draw(block_states(d_model, d_ff, num_heads=num_heads, norm=norm, activation=activation,
                               num_kv_heads=options["num_kv_heads"], bias=options["bias"]))
-    return BlockCase(state, num_heads, dropout, norm_first, activation, eps, x, mask, norm, **options)
+    return BlockCase(state=state,
+                     num_heads=num_heads,
+                     dropout=dropout,
+                     norm_first=norm_first,
+                     activation=activation,
+                     eps=eps,
+                     x=x,
+                     mask=mask,
+                     norm=norm,
+                     **options)
 
 
 
@@ -608,6 +645,16 @@ def decode_cases(draw: Callable) -> DecodeCase:
     L = draw(st.sampled_from(LENGTHS))
     x = block.x[..., :L, :] if block.x.shape[-2] >= L else _values(_rng(draw), (*block.x.shape[:-2], L,
                                                                                block.x.shape[-1]), "normal")
-    return DecodeCase(block.state, block.num_heads, block.dropout, block.norm_first, block.activation, block.eps,
-                      x, draw(chunk_sizes(L)), L + draw(st.sampled_from(SPARE)), block.norm, block.num_kv_heads,
-                      block.bias, block.rope_theta)
+    return DecodeCase(state=block.state,
+                      num_heads=block.num_heads,
+                      dropout=block.dropout,
+                      norm_first=block.norm_first,
+                      activation=block.activation,
+                      eps=block.eps,
+                      x=x,
+                      chunks=draw(chunk_sizes(L)),
+                      capacity=L + draw(st.sampled_from(SPARE)),
+                      norm=block.norm,
+                      num_kv_heads=block.num_kv_heads,
+                      bias=block.bias,
+                      rope_theta=block.rope_theta)

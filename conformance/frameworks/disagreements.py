@@ -366,11 +366,12 @@ PROBES: dict[str, Probes] = {
 }
 EVERY = tuple(PROBES)
 RULES: tuple[Rule, ...] = (
-    Rule("fully masked rows", "zeros", EVERY, fully_masked_rows),
-    Rule("is_causal with L != S", "top-left aligned", ("sdpa",), causal_corner),
-    Rule("weights in training", "before dropout", ("mha", "block", "sdpa"), weights_before_dropout),
-    Rule("weights per head", "(..., H, L, S)", ("mha", "block"), weights_per_head),
-    Rule("NaN propagation", "to the rows that see it", EVERY, nan_propagation),
-    Rule("float16 error", "float32 work", EVERY, float16_error),
-    Rule("gradients", "= the oracle's; zeros where unseen", EVERY, gradients),
+    Rule("fully masked rows", spec="zeros", operations=EVERY, probe=fully_masked_rows),
+    Rule("is_causal with L != S", spec="top-left aligned", operations=("sdpa",), probe=causal_corner),
+    Rule("weights in training", spec="before dropout", operations=("mha", "block", "sdpa"),
+         probe=weights_before_dropout),
+    Rule("weights per head", spec="(..., H, L, S)", operations=("mha", "block"), probe=weights_per_head),
+    Rule("NaN propagation", spec="to the rows that see it", operations=EVERY, probe=nan_propagation),
+    Rule("float16 error", spec="float32 work", operations=EVERY, probe=float16_error),
+    Rule("gradients", spec="= the oracle's; zeros where unseen", operations=EVERY, probe=gradients),
 )

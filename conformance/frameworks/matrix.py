@@ -64,14 +64,15 @@ def run(names: Sequence[str], *, jobs: int = 1, suite_too: bool = True, done: Ca
     modules, skipped = import_modules(names)
     names = list(modules)
     if jobs == 1:  # one after the other, in this process
-        return Matrix([column(name, suite_too=suite_too, **options) for name in names], skipped, versions())
+        return Matrix(columns=[column(name, suite_too=suite_too, **options) for name in names], skipped=skipped,
+                      versions=versions())
     with concurrent.futures.ProcessPoolExecutor(min(jobs, len(names) or 1),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
         measured = list(pool.map(measure_one, names))
     reports = suite.reports_in_parts(names, jobs=jobs, done=done, **options) if suite_too and names else \
         [(None, suite.Timing(0.0, 0.0))] * len(names)
-    return Matrix([_column(name, *parts) for name, *parts in zip(names, measured, reports, strict=True)], skipped,
-                  versions())
+    return Matrix(columns=[_column(name, *parts) for name, *parts in zip(names, measured, reports, strict=True)],
+                  skipped=skipped, versions=versions())
 
 
 def column(name: str, *, suite_too: bool = True, **options: Any) -> Column:
@@ -85,8 +86,8 @@ def column(name: str, *, suite_too: bool = True, **options: Any) -> Column:
 def _column(name: str, measured: tuple[str, dict[str, disagreements.Cell], float], timed: tuple[Any, Any]) -> Column:
     """The column of measure_one's (title, cells, seconds) and the suite's (report, Timing), or (None, zero)."""
     (title, cells, seconds), (report, timing) = measured, timed
-    return Column(name, title, cells if report is None else cells | {SUITE: suite_cell(report)},
-                  seconds + timing.wall, report)
+    return Column(name, title=title, cells=cells if report is None else cells | {SUITE: suite_cell(report)},
+                  seconds=seconds + timing.wall, report=report)
 
 
 def suite_cell(report: Any) -> disagreements.Cell:
@@ -134,7 +135,7 @@ def to_json(matrix: Matrix) -> dict[str, Any]:
 
 def from_json(found: dict[str, Any]) -> Matrix:
     """The matrix `to_json` wrote (the suite's reports as their JSON), to print again."""
-    columns = [Column(column["module"], column["title"],
-                      {rule: disagreements.Cell(**cell) for rule, cell in column["cells"].items()}, column["seconds"],
-                      column["suite"]) for column in found["columns"]]
-    return Matrix(columns, found["skipped"], found["versions"])
+    columns = [Column(column["module"], title=column["title"],
+                      cells={rule: disagreements.Cell(**cell) for rule, cell in column["cells"].items()},
+                      seconds=column["seconds"], report=column["suite"]) for column in found["columns"]]
+    return Matrix(columns=columns, skipped=found["skipped"], versions=found["versions"])

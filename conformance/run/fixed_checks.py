@@ -70,7 +70,8 @@ class Summary(NamedTuple):
 def summarize(results: Sequence[Result]) -> Summary:
     ran = [result for result in results if result.skipped is None]
     failing = [result for result in ran if not result.passed]
-    return Summary(len(ran), len(failing), "\n".join(f"  {result.describe()}" for result in failing) or None)
+    return Summary(examples=len(ran), failing=len(failing),
+                   failure="\n".join(f"  {result.describe()}" for result in failing) or None)
 
 
 # --- edge cases ----------------------------------------------------------------------------------------------
@@ -222,8 +223,8 @@ def round_trip(runner: Runner) -> list[Result]:
     return [_round_trip(runner, dtype) for dtype in runner.framework.dtypes]
 
 
-ROUND_TRIP = Fixed("arrays", "round_trip", "round_trip", lambda: None,
-                   "to_numpy(asarray(x)) has x's dtype, shape and bits, for every dtype of the framework")
+ROUND_TRIP = Fixed("arrays", "round_trip", use="round_trip", build=lambda: None,
+                   requires="to_numpy(asarray(x)) has x's dtype, shape and bits, for every dtype of the framework")
 
 
 def _round_trip(runner: Runner, dtype: str) -> Result:
@@ -254,9 +255,9 @@ def numpy_dtype(name: str) -> Any:
 
 # --- the module's mask helpers -------------------------------------------------------------------------------
 
-MASK_HELPERS = Fixed("masks", "helpers", "helpers", lambda: None,
-                     "causal_mask(L, S, q_offset=...), window_mask(L, S, window, q_offset=...) and "
-                     "padding_mask(lengths, S) as the oracle builds them: bool, (..., L, S) and (B, 1, 1, S)")
+MASK_HELPERS = Fixed("masks", "helpers", use="helpers", build=lambda: None,
+                     requires="causal_mask(L, S, q_offset=...), window_mask(L, S, window, q_offset=...) and "
+                              "padding_mask(lengths, S) as the oracle builds them: bool, (..., L, S) and (B, 1, 1, S)")
 CAUSAL_SIZES = ((1, 1), (3, 3), (2, 5), (5, 2), (0, 3), (3, 0))  # (L, S)
 PADDING_LENGTHS = (([0, 1, 3], 3), ([5, 2], 5), ([4], 6))  # (lengths, S)
 # SPEC 2a: (L, S, q_offset) for causal_mask; (L, S, window, q_offset) for window_mask
@@ -318,9 +319,9 @@ def _helper(row: Fixed, runner: Runner, function: str, call: Any, arrays: tuple[
 
 # --- the module's rotary position embeddings --------------------------------------------------------------
 
-ROPE = Fixed("positions", "rope", "helpers", lambda: None,
-             "apply_rope(x, positions, theta=..., interleaved=...) as the oracle turns each pair: (..., L, E), "
-             "x's dtype, to float64 rounding")
+ROPE = Fixed("positions", "rope", use="helpers", build=lambda: None,
+             requires="apply_rope(x, positions, theta=..., interleaved=...) as the oracle turns each pair: "
+                      "(..., L, E), x's dtype, to float64 rounding")
 # (x's shape, positions, theta, interleaved): positions broadcast to (..., L); far positions and a small theta
 # turn the pairs many times round; E = 2 is one pair
 ROPE_CASES = (((4, 6), [0, 1, 2, 3], 10000.0, False),

@@ -56,39 +56,43 @@ class Group(NamedTuple):
 
 
 GROUPS = (
-    Group("sdpa", checks.against_oracle, BOTH, 40, pinned=True),
-    Group("sdpa", checks.against_oracle, HALF, 10, {"magnitude": "normal", "key_offset": True}),
-    Group("sdpa", checks.sdpa_permutation, FLOAT64, 10, {"is_causal": False, "positioned": False}),
-    Group("sdpa", checks.sdpa_causal_prefix, FLOAT64, 10, {"is_causal": True, "positioned": False},
-          needs=("is_causal",)),
-    Group("sdpa", checks.sdpa_single_key, FLOAT64, 10, {"single_key": True}),
-    Group("sdpa", checks.dropout, FLOAT32, 5, {"long": False}, needs=("dropout",)),
-    Group("sdpa", checks.dropout_independence, FLOAT32, 3, {"long": False}, needs=("dropout",)),
-    Group("sdpa", gradient_checks.gradients, FLOAT64, 8, pinned=True, gradient=True),
-    Group("flash", checks.tiled_against_oracle, BOTH, 16, pinned=True),
-    Group("flash", checks.tiled_against_oracle, HALF, 4, {"magnitude": "normal", "key_offset": True}),
-    Group("flash", gradient_checks.gradients, FLOAT64, 6, pinned=True, gradient=True),
-    Group("ring", checks.tiled_against_oracle, BOTH, 8, pinned=True),
-    Group("ring", checks.tiled_against_oracle, HALF, 2, {"magnitude": "normal"}),
-    Group("ring", gradient_checks.gradients, FLOAT64, 4, pinned=True, gradient=True),
-    Group("linear", checks.out_against_oracle, BOTH, 8, pinned=True),
-    Group("linear", checks.out_against_oracle, HALF, 2, {"magnitude": "normal"}),
-    Group("linear", gradient_checks.gradients, FLOAT64, 4, pinned=True, gradient=True),
-    Group("linear", checks.linear_steps, BOTH, 4, {"is_causal": True, "with_lengths": False, "long": False}),
-    Group("mha", checks.against_oracle, BOTH, 20, pinned=True),
-    Group("mha", checks.against_oracle, HALF, 4),
-    Group("mha", checks.mha_permutation, FLOAT64, 8, {"cross": True, "rope": False}),  # RoPE: positions matter
-    Group("mha", checks.dropout, FLOAT32, 4, {"long": False, "linear": False}, needs=("dropout",)),
-    Group("mha", checks.dropout_independence, FLOAT32, 3, {"long": False, "linear": False}, needs=("dropout",)),
-    Group("mha", gradient_checks.gradients, FLOAT64, 5, pinned=True, gradient=True),
-    Group("block", checks.against_oracle, BOTH, 20, pinned=True),
-    Group("block", checks.against_oracle, HALF, 4),
-    Group("block", checks.block_permutation, FLOAT64, 6, {"rope": False}),
-    Group("block", checks.block_causal_prefix, FLOAT64, 6, {"causal_mask": True}, needs=("mask",)),
-    Group("block", checks.dropout, FLOAT32, 4, {"long": False}, needs=("dropout",)),
-    Group("block", checks.dropout_independence, FLOAT32, 3, {"long": False}, needs=("dropout",)),
-    Group("block", gradient_checks.gradients, FLOAT64, 3, pinned=True, gradient=True),
-    Group("decode", checks.against_oracle, BOTH, 3, pinned=True),
+    Group("sdpa", checks.against_oracle, dtypes=BOTH, examples=40, pinned=True),
+    Group("sdpa", checks.against_oracle, dtypes=HALF, examples=10, draw={"magnitude": "normal", "key_offset": True}),
+    Group("sdpa", checks.sdpa_permutation, dtypes=FLOAT64, examples=10, draw={"is_causal": False, "positioned": False}),
+    Group("sdpa", checks.sdpa_causal_prefix, dtypes=FLOAT64, examples=10,
+          draw={"is_causal": True, "positioned": False}, needs=("is_causal",)),
+    Group("sdpa", checks.sdpa_single_key, dtypes=FLOAT64, examples=10, draw={"single_key": True}),
+    Group("sdpa", checks.dropout, dtypes=FLOAT32, examples=5, draw={"long": False}, needs=("dropout",)),
+    Group("sdpa", checks.dropout_independence, dtypes=FLOAT32, examples=3, draw={"long": False}, needs=("dropout",)),
+    Group("sdpa", gradient_checks.gradients, dtypes=FLOAT64, examples=8, pinned=True, gradient=True),
+    Group("flash", checks.tiled_against_oracle, dtypes=BOTH, examples=16, pinned=True),
+    Group("flash", checks.tiled_against_oracle, dtypes=HALF, examples=4,
+          draw={"magnitude": "normal", "key_offset": True}),
+    Group("flash", gradient_checks.gradients, dtypes=FLOAT64, examples=6, pinned=True, gradient=True),
+    Group("ring", checks.tiled_against_oracle, dtypes=BOTH, examples=8, pinned=True),
+    Group("ring", checks.tiled_against_oracle, dtypes=HALF, examples=2, draw={"magnitude": "normal"}),
+    Group("ring", gradient_checks.gradients, dtypes=FLOAT64, examples=4, pinned=True, gradient=True),
+    Group("linear", checks.out_against_oracle, dtypes=BOTH, examples=8, pinned=True),
+    Group("linear", checks.out_against_oracle, dtypes=HALF, examples=2, draw={"magnitude": "normal"}),
+    Group("linear", gradient_checks.gradients, dtypes=FLOAT64, examples=4, pinned=True, gradient=True),
+    Group("linear", checks.linear_steps, dtypes=BOTH, examples=4,
+          draw={"is_causal": True, "with_lengths": False, "long": False}),
+    Group("mha", checks.against_oracle, dtypes=BOTH, examples=20, pinned=True),
+    Group("mha", checks.against_oracle, dtypes=HALF, examples=4),
+    Group("mha", checks.mha_permutation, dtypes=FLOAT64, examples=8,
+          draw={"cross": True, "rope": False}),  # RoPE: positions matter
+    Group("mha", checks.dropout, dtypes=FLOAT32, examples=4, draw={"long": False, "linear": False}, needs=("dropout",)),
+    Group("mha", checks.dropout_independence, dtypes=FLOAT32, examples=3, draw={"long": False, "linear": False},
+          needs=("dropout",)),
+    Group("mha", gradient_checks.gradients, dtypes=FLOAT64, examples=5, pinned=True, gradient=True),
+    Group("block", checks.against_oracle, dtypes=BOTH, examples=20, pinned=True),
+    Group("block", checks.against_oracle, dtypes=HALF, examples=4),
+    Group("block", checks.block_permutation, dtypes=FLOAT64, examples=6, draw={"rope": False}),
+    Group("block", checks.block_causal_prefix, dtypes=FLOAT64, examples=6, draw={"causal_mask": True}, needs=("mask",)),
+    Group("block", checks.dropout, dtypes=FLOAT32, examples=4, draw={"long": False}, needs=("dropout",)),
+    Group("block", checks.dropout_independence, dtypes=FLOAT32, examples=3, draw={"long": False}, needs=("dropout",)),
+    Group("block", gradient_checks.gradients, dtypes=FLOAT64, examples=3, pinned=True, gradient=True),
+    Group("decode", checks.against_oracle, dtypes=BOTH, examples=3, pinned=True),
 )
 
 
@@ -120,14 +124,14 @@ class FixedRun(NamedTuple):
 
 
 FIXED_RUNS = (
-    FixedRun("errors", "-", fixed_checks.errors, "error"),
-    FixedRun("edge_cases", "float64", fixed_checks.edge_cases, "edge"),
+    FixedRun("errors", dtype="-", run=fixed_checks.errors, use="error"),
+    FixedRun("edge_cases", dtype="float64", run=fixed_checks.edge_cases, use="edge"),
 )
 # what every module offers besides its operations, one row each under a name of its own
 CONTRACT_RUNS = {
-    "arrays": FixedRun("round_trip", "-", lambda runner, operation: fixed_checks.round_trip(runner)),
-    "masks": FixedRun("helpers", "-", lambda runner, operation: fixed_checks.mask_helpers(runner)),
-    "positions": FixedRun("rope", "float64", lambda runner, operation: fixed_checks.rope(runner)),
+    "arrays": FixedRun("round_trip", dtype="-", run=lambda runner, operation: fixed_checks.round_trip(runner)),
+    "masks": FixedRun("helpers", dtype="-", run=lambda runner, operation: fixed_checks.mask_helpers(runner)),
+    "positions": FixedRun("rope", dtype="float64", run=lambda runner, operation: fixed_checks.rope(runner)),
 }
 
 
@@ -144,6 +148,12 @@ class Row(NamedTuple):
     passed: bool
     failure: str | None = None  # the shrunk failing case, what went wrong, and a snippet to reproduce it
     skipped: str | None = None  # why the check could not run on this module (it counts as passed)
+
+
+def _skipped(module: str, operation: str, check: str, dtype: str, why: str) -> Row:
+    """The row of a check that could not run on the module: no cases, and it counts as passed."""
+    return Row(module, operation=operation, check=check, dtype=dtype, examples=0, worst=0.0, tolerance=0.0,
+               passed=True, skipped=why)
 
 
 class Report(NamedTuple):
@@ -201,11 +211,11 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                 if contract and wanted((fixed.check,), False)]  # pinned: x64
         for operation in (operation for operation in OPERATIONS if operation in operations):
             if absent := missing(module, (OPERATIONS[operation].function,)):  # a partial module (SPEC 11)
-                rows.append(Row(name, operation, "-", "-", 0, 0.0, 0.0, True, skipped=f"no {absent[0]}"))
+                rows.append(_skipped(name, operation, "-", "-", f"no {absent[0]}"))
                 continue
             with _devices(runner, OPERATIONS[operation].devices, devices) as too_few:
                 if too_few:
-                    rows.append(Row(name, operation, "-", "-", 0, 0.0, 0.0, True, skipped=too_few))
+                    rows.append(_skipped(name, operation, "-", "-", too_few))
                     continue
                 groups = [group for group in GROUPS
                           if group.operation == operation and wanted(MEASURES[group.check], True)]
@@ -213,13 +223,13 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                     examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
                     for dtype in _dtypes(group, runner.framework):
                         why = _cannot_run(runner, group, dtype)
-                        rows += ([Row(name, operation, group.check.__name__, dtype, 0, 0.0, 0.0, True, skipped=why)]
+                        rows += ([_skipped(name, operation, group.check.__name__, dtype, why)]
                                  if why else
                                  _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink,
                                             tell=tell))
                 rows += [_fixed_row(runner, fixed, operation, tell) for fixed in FIXED_RUNS
                          if wanted((fixed.check,), False)]
-    return Report(rows, seed, profile, [pinned] if pinned else [])
+    return Report(rows, seed=seed, profile=profile, settings=[pinned] if pinned else [])
 
 
 @contextlib.contextmanager
@@ -397,8 +407,16 @@ def _fixed_row(runner: Runner, fixed: FixedRun, operation: str, tell: Progress) 
                f"{name} {operation} {fixed.check} {fixed.dtype}: {summary.failing} of {summary.examples} cases "
                f"fail\n{summary.failure}")
     reasons = list(dict.fromkeys(result.skipped for result in results if result.skipped))  # none ran: SKIP
-    return Row(name, operation, fixed.check, fixed.dtype, summary.examples, float(summary.failing), 0.0,
-               summary.failing == 0, failure, "; ".join(reasons) if results and not summary.examples else None)
+    return Row(name,
+               operation=operation,
+               check=fixed.check,
+               dtype=fixed.dtype,
+               examples=summary.examples,
+               worst=float(summary.failing),
+               tolerance=0.0,
+               passed=summary.failing == 0,
+               failure=failure,
+               skipped="; ".join(reasons) if results and not summary.examples else None)
 
 
 def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_: int, shrink: bool,
@@ -462,10 +480,12 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
     failures = first | shrunk  # a case over a tolerance fails its row, also one left behind while shrinking
     names = list(held) or ([] if skips and not failures else ["call"])
     names += [m for m in failures if m not in names]
-    return [Row(name, group.operation, m, dtype, count[0], *held.get(m, (math.inf, tolerance.get(m, 0.0))),
-                m not in failures and m in held, failures.get(m))
-            for m in names] + [Row(name, group.operation, m, dtype, 0, 0.0, 0.0, True, skipped=why)
-                               for m, why in skips.items() if m not in names]
+    rows = []
+    for m in names:
+        worst, held_to = held.get(m, (math.inf, tolerance.get(m, 0.0)))  # (measure, tolerance); no case held: inf
+        rows.append(Row(name, operation=group.operation, check=m, dtype=dtype, examples=count[0], worst=worst,
+                        tolerance=held_to, passed=m not in failures and m in held, failure=failures.get(m)))
+    return rows + [_skipped(name, group.operation, m, dtype, why) for m, why in skips.items() if m not in names]
 
 
 def _excess(error: float, tolerance: float) -> tuple[bool, float]:

@@ -16,6 +16,7 @@ float64 throughout; prints one line per check ("name: max relative difference") 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,18 +71,23 @@ def _sharded(mesh: Mesh, spec: P, *arrays: jax.Array) -> list[jax.Array]:
     return [jax.device_put(x, NamedSharding(mesh, spec)) for x in arrays]
 
 
+class _Options(NamedTuple):
+    """A case's keywords, a record so that jit can take them as a static argument (jax: static arguments are
+    hashed); the defaults are ring_attention's and flash_attention's."""
+
+    is_causal: bool = False
+    scale: float | None = None
+    q_offset: int = 0
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    enable_gqa: bool = False
+
+
 def _loss(attention: callable, q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array,
-          d_lse: jax.Array, options: dict) -> jax.Array:
+          d_lse: jax.Array, options: _Options) -> jax.Array:
     """<out, d_out> + <lse, d_lse> over the rows that see a key: both results carry a cotangent."""
-    out, lse = attention(q, k, v, **options)
+    out, lse = attention(q, k, v, **options._asdict())
     return jnp.sum(out * d_out) + jnp.sum(jnp.where(lse == -jnp.inf, 0.0, lse) * d_lse)
-
-
-class _Options(dict):
-    """A case's options as jit's static argument (jax: static arguments are hashed)."""
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self.items())))
 
 
 def check_ring(mesh: Mesh, axis: str, spec: P, names: tuple[str, ...], gradients: tuple[str, ...]) -> list[str]:
@@ -109,10 +115,10 @@ def check_ring(mesh: Mesh, axis: str, spec: P, names: tuple[str, ...], gradients
         q, k, v = _inputs(shapes)
         out, lse = A.flash_attention(q, k, v, **options)
         d_out, d_lse = _inputs((out.shape, lse.shape), seed=1)
-        expected = jax.grad(_loss, argnums=(1, 2, 3))(A.flash_attention, q, k, v, d_out, d_lse, options)
+        expected = jax.grad(_loss, argnums=(1, 2, 3))(A.flash_attention, q, k, v, d_out, d_lse, _Options(**options))
         inputs = _sharded(mesh, spec, q, k, v)
         grad = jax.jit(jax.grad(_loss, argnums=(1, 2, 3)), static_argnums=(0, 6))
-        actual = grad(ring, *inputs, d_out, d_lse, _Options(options))
+        actual = grad(ring, *inputs, d_out, d_lse, _Options(**options))
         errors = []
         for which, a, e, x in zip("qkv", actual, expected, inputs, strict=True):
             assert a.sharding.is_equivalent_to(x.sharding, x.ndim), f"{name} d{which}: {a.sharding} != {x.sharding}"

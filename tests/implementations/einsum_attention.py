@@ -825,7 +825,7 @@ class _TransformerBlock(_Module):
             raise ValueError(f"capacity must be a non-negative int; got {capacity!r}")
         D = self._state["norm1.weight"].shape[0]
         inputs = np.zeros((*batch_shape, capacity, D), dtype or self._a_parameter().dtype)
-        return _InputCache(inputs, np.zeros(capacity, np.int64), 0)
+        return _InputCache(x=inputs, positions=np.zeros(capacity, np.int64), length=0)
 
     def extend(self, x: np.ndarray, cache: _InputCache, mask: np.ndarray | None = None, *, need_weights: bool = True,
                rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None, _InputCache]:
@@ -841,7 +841,8 @@ class _TransformerBlock(_Module):
                                    rng=rng, positions=positions[:end])
         if weights is not None:  # (..., H, end, end) -> the new rows, (..., H, L, capacity)
             weights = np.pad(weights[..., start:end, :], [(0, 0)] * (weights.ndim - 1) + [(0, capacity - end)])
-        return y[..., start:end, :], weights, _InputCache(seen, positions, self._impl.advanced(start, end))
+        return y[..., start:end, :], weights, _InputCache(x=seen, positions=positions,
+                                                          length=self._impl.advanced(start, end))
 
 
 class _InputCache(NamedTuple):
