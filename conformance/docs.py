@@ -1,11 +1,12 @@
 """`python -m conformance docs`: the tables and counts that the documents show but the code holds (the registries
-of the suite, the features, the rules; the measured matrix; the kernel example's counts), each written between
-markers by one command and compared by the tests, so that no table mirrors the code by hand and no typed number
-drifts:
+of the suite, the features, the rules; the measured matrix; the kernel example's counts; the low-precision
+errors), each written between markers by one command and compared by the tests, so that no table mirrors the
+code by hand and no typed number drifts:
 
     frameworks           the frameworks matrix: docs/frameworks.json (what `frameworks --json` measures), as markdown
     frameworks-versions  the frameworks' versions that the matrix was measured with
     kernel               the kernel example's counts: docs/checking.md's kernel module, checked by the suite
+    low-precision        the errors in float16 and bfloat16, ours and the frameworks' (conformance/bench/precision.py)
     checks               the table of checks: every measure the suite reports, with the operations and dtypes that
                          its registries (conformance/run/suite.py GROUPS, MEASURES, FIXED_RUNS) give it, and what
                          it catches
@@ -37,6 +38,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 from . import PROFILES, adapters
+from .bench import precision
 from .builtins import module_names
 from .contract.features import FEATURES
 from .contract.operations import OPERATIONS
@@ -454,18 +456,19 @@ def adapter_masks_table() -> str:
 
 # --- the command ------------------------------------------------------------------------------------------------
 
-BLOCKS = ("frameworks", "frameworks-versions", "kernel", "checks", "groups", "profiles", "features", "rules",
-          "adapter-layouts", "adapter-masks")
+BLOCKS = ("frameworks", "frameworks-versions", "kernel", "low-precision", "checks", "groups", "profiles", "features",
+          "rules", "adapter-layouts", "adapter-masks")
 # the blocks read off the registries alone, without measuring anything
 REGISTRY_TABLES: dict[str, Callable[[], str]] = {
     "checks": checks_table, "groups": groups_table, "profiles": profiles_table, "features": features_table,
     "rules": rules_table, "adapter-layouts": adapter_layouts_table, "adapter-masks": adapter_masks_table}
 
 
-def generated(found: matrix.Matrix, kernel_report: Any) -> dict[str, str]:
-    """Every block, from the measured matrix, the kernel's report and the registries."""
+def generated(found: matrix.Matrix, kernel_report: Any, low_precision: str) -> dict[str, str]:
+    """Every block, from the measured matrix, the kernel's report, the low-precision errors and the registries."""
     return {"frameworks": frameworks_table(found), "frameworks-versions": frameworks_versions(found),
-            "kernel": kernel_counts(kernel_report), **{name: table() for name, table in REGISTRY_TABLES.items()}}
+            "kernel": kernel_counts(kernel_report), "low-precision": low_precision,
+            **{name: table() for name, table in REGISTRY_TABLES.items()}}
 
 
 def differences(text: str, blocks: dict[str, str]) -> list[str]:
@@ -492,7 +495,7 @@ def run(*, write: bool, jobs: int, done: Callable[[str], None] | None = None, ro
     found = measure_frameworks(jobs=jobs, done=done)
     fresh = json.dumps(matrix.to_json(found), indent=1) + "\n"
     old = json.loads(record.read_text()) if record.exists() else None
-    blocks = generated(found, check_kernel((root / CHECKING).read_text()))
+    blocks = generated(found, check_kernel((root / CHECKING).read_text()), precision.table())
     changed = [f"{path.relative_to(root)}: {name}" for path, text in texts.items()
                for name in differences(text, blocks)]
     if old is None or _without_timing(old) != _without_timing(json.loads(fresh)):

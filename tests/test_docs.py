@@ -40,7 +40,7 @@ def _holding(name: str) -> dict[pathlib.Path, str]:
 def test_every_block_is_one_the_command_generates_and_each_is_shown_somewhere():
     assert {str(path): docs.unknown(text) for path, text in TEXTS.items() if docs.unknown(text)} == {}
     assert [name for name in docs.BLOCKS if not _holding(name)] == []
-    assert set(docs.BLOCKS) == {"frameworks", "frameworks-versions", "kernel", *docs.REGISTRY_TABLES}
+    assert set(docs.BLOCKS) == {"frameworks", "frameworks-versions", "kernel", "low-precision", *docs.REGISTRY_TABLES}
 
 
 @pytest.mark.parametrize("name", docs.REGISTRY_TABLES)
@@ -144,12 +144,13 @@ def test_docs_write_rewrites_every_block_of_every_document_and_check_then_finds_
         versions={"torch": "0.1"})
     monkeypatch.setattr(docs, "measure_frameworks", lambda **_: found)
     monkeypatch.setattr(docs, "check_kernel", lambda text: report)
+    monkeypatch.setattr(docs.precision, "table", lambda: "| made up |")
     _copy_of_the_documents(tmp_path)
     record = tmp_path / "frameworks.json"
     fresh = {"frameworks": docs.frameworks_table(found), "frameworks-versions": "torch 0.1",
-             "kernel": "1 rows pass, 1 are SKIP"}
+             "kernel": "1 rows pass, 1 are SKIP", "low-precision": "| made up |"}
     stale = [f"{path}: {name}" for path, text in TEXTS.items() for name in docs.names_in(text) if name in fresh]
-    assert len(stale) >= 3
+    assert len(stale) >= 4
     assert docs.run(write=False, jobs=1, root=tmp_path, record=record) == [*stale, "frameworks.json"]
     assert {path: (tmp_path / path).read_text() for path in TEXTS} == TEXTS and not record.exists()  # --check
     docs.run(write=True, jobs=1, root=tmp_path, record=record)
