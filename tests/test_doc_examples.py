@@ -1,4 +1,4 @@
-"""Every Python block of README.md and docs/ runs, and the site's API reference shows every public name.
+"""Every Python block of README.md, SPEC.md (shown on the site) and docs/ runs, and the site's API reference shows every public name.
 
 The blocks are found by glob, so a new page is covered without a list. A block that cannot run here says so on its
 first line (`# needs: gpu`, `# needs: several processes`) and is skipped with that reason; a block whose first
@@ -21,7 +21,7 @@ import pytest
 from conformance import docs
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "SPEC.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", flags=re.DOTALL)
 NEEDS = re.compile(r"# needs: (gpu|several processes)\n")  # the first line of a block not runnable here
 MOST_NOT_RUN = 4  # fewer than a handful of blocks may be skipped for what they need
