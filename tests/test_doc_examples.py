@@ -1,4 +1,5 @@
-"""Every Python block of README.md, SPEC.md (shown on the site) and docs/ runs, and the site's API reference shows every public name.
+"""Every Python block of README.md, SPEC.md (shown on the site) and docs/ runs, and the site's API reference
+shows every public name.
 
 The blocks are found by glob, so a new page is covered without a list. A block that cannot run here says so on its
 first line (`# needs: gpu`, `# needs: several processes`) and is skipped with that reason; a block whose first
