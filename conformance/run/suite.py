@@ -7,6 +7,7 @@ A failure is shrunk to a small case and reported with a snippet that reproduces 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import contextlib
@@ -331,7 +332,7 @@ def reports_in_parts(names: Sequence[str], *, operations: Sequence[str] = tuple(
     context = multiprocessing.get_context("spawn")
     parts = [(name, operation, index == 0) for index, operation in enumerate(operations) for name in names]
     with concurrent.futures.ProcessPoolExecutor(max(1, min(jobs, len(parts))), mp_context=context,
-                                                initializer=_one_thread_each) as pool:
+                                                initializer=_start_worker) as pool:
         futures = {pool.submit(_part, name, operations=(operation,), contract=contract, **options): name
                    for name, operation, contract in parts}
         left = collections.Counter(name for name, _, _ in parts)
@@ -343,6 +344,23 @@ def reports_in_parts(names: Sequence[str], *, operations: Sequence[str] = tuple(
     skipped = {name: result for name, result in results if isinstance(result, str)}
     return Checked(reports={name: _joined([result for part, result in results if part == name])
                             for name in names if name not in skipped}, skipped=skipped)
+
+
+def _start_worker() -> None:
+    """The initializer of each worker of `reports_in_parts`: torch on one thread, and no teardown at exit."""
+    _one_thread_each()
+    atexit.register(_exit_at_once)  # registered before any framework is imported, so it runs after theirs
+
+
+def _exit_at_once() -> None:
+    """A worker's last act, when the pool shuts down: its reports are sent, and the atexit handlers of its
+    frameworks and of multiprocessing have run (registered later, they run earlier). os._exit skips the
+    interpreter's teardown, which frees every module and object one by one: a process's exit after JAX's sdpa
+    part measured 1.5-2.0 s of CPU with it, 0.45-0.7 s without (JAX's own handler, which frees its compiled
+    programs, still runs)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _one_thread_each() -> None:
