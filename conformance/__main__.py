@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -30,7 +31,7 @@ from .builtins import BUILT_INS as BUILT_INS_OF_THE_FRAMEWORKS
 from .cli import names_of, positive_int
 from .contract.cases import RING_DEVICES
 from .contract.operations import OPERATIONS
-from .frameworks.registry import BUILT_IN, import_modules, simulate_jax_devices
+from .frameworks.registry import BUILT_IN, simulate_jax_devices
 from .run.profiles import PROFILES
 
 
@@ -117,31 +118,26 @@ def _check(args: argparse.Namespace) -> int:
     from .run import suite  # Hypothesis is imported only when a check runs
 
     names = args.modules if args.command == "check" else BUILT_IN
-    if args.devices:  # before JAX starts, here and in the processes of --jobs
+    if args.devices:  # before JAX starts, in the processes of --jobs and here
         simulate_jax_devices(args.devices)
-    modules, skipped = import_modules(names)
-    gaps = {name: suite.contract_gaps(module) for name, module in modules.items()}
-    for name in (name for name, missing in gaps.items() if missing):
-        del modules[name]
-        skipped[name] = f"does not implement the attention contract: it has no {', '.join(gaps[name])}"
-    for name, why in skipped.items():
-        print(f"skipped {name}: {why}")
-    # in the JSON a module that could not be checked has "passed" false under check, null (not run) otherwise
-    entries = {name: {"passed": False if args.command == "check" else None, "skipped": why}
-               for name, why in skipped.items()}
-    if not modules:
-        _write_json(args.json, entries)
-        print("no module to check")
-        return 1
     print(f"profile {args.profile}, seed {args.seed}" + (f", {args.max_examples} examples per check"
                                                          if args.max_examples else ""))
     jobs, operations = args.jobs or os.cpu_count() or 1, args.operations
-    reports = (suite.reports_in_parts(list(modules), operations=operations, jobs=jobs, done=_done,
-                                      **_options(args)) if jobs > 1 else
-               [_report(module, args, operations) for module in modules.values()])
-    for name, (report, timing) in zip(modules, reports, strict=True):  # wall: its parts' seconds, summed
+    # with several jobs only the workers import the modules: this process needs no framework
+    checked = (suite.reports_in_parts(names, operations=operations, jobs=jobs, done=_done, **_options(args))
+               if jobs > 1 else _reports(names, args, operations))
+    for name, why in checked.skipped.items():
+        print(f"skipped {name}: {why}")
+    # in the JSON a module that could not be checked has "passed" false under check, null (not run) otherwise
+    entries = {name: {"passed": False if args.command == "check" else None, "skipped": why}
+               for name, why in checked.skipped.items()}
+    if not checked.reports:
+        _write_json(args.json, entries)
+        print("no module to check")
+        return 1
+    for name, (report, timing) in checked.reports.items():  # wall: its parts' seconds, summed
         print(f"{name}: {timing.wall:.1f} s, CPU {timing.cpu:.1f} s" + "".join(f"; {s}" for s in report.settings))
-    reports = [report for report, _ in reports]
+    reports = [report for report, _ in checked.reports.values()]
     print()
     print(suite.format_side_by_side(reports) if args.command != "check" else
           "\n".join(suite.format_rows(report) for report in reports))
@@ -150,7 +146,7 @@ def _check(args: argparse.Namespace) -> int:
     for report in failures:
         print()
         print(suite.format_failures(report))
-    if skipped and args.command == "check":
+    if checked.skipped and args.command == "check":
         failures.append(None)
     print(f"\n{'all pass' if not failures else f'{len(failures)} of {len(names)} modules failed'}"
           f"; replay with --seed {args.seed}")
@@ -187,6 +183,15 @@ def _docs(args: argparse.Namespace) -> int:
     print("the generated tables are " + ("up to date" if not changed else "rewritten" if args.write else
                                         "stale; rewrite them with python -m conformance docs --write"))
     return 1 if changed and args.check else 0
+
+
+def _reports(names: Sequence[str], args: argparse.Namespace, operations: Sequence[str]) -> Any:
+    """suite.Checked for the modules checked one after the other in this process."""
+    from .run import suite
+
+    skipped = {name: why for name in names if (why := suite.unfit(name))}
+    return suite.Checked(reports={name: _report(importlib.import_module(name), args, operations)
+                                  for name in names if name not in skipped}, skipped=skipped)
 
 
 def _report(module: ModuleType, args: argparse.Namespace, operations: Sequence[str]) -> tuple[Any, Any]:

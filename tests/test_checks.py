@@ -8,6 +8,8 @@ import json
 import math
 import pathlib
 import re
+import subprocess
+import sys
 import types
 from collections.abc import Callable
 
@@ -411,3 +413,14 @@ def test_timed_check_reports_wall_and_cpu_seconds():
     assert report.passed and 0 < timing.cpu <= around and timing.wall > 0
     joined = suite._joined([(report, timing), (report, suite.Timing(1.0, 2.0))])[1]
     assert joined == suite.Timing(timing.wall + 1.0, timing.cpu + 2.0)
+
+
+def test_a_worker_of_the_main_job_exits_without_the_interpreters_teardown():
+    # reports_in_parts' workers skip the teardown that frees every module and object one by one (seconds of CPU
+    # after JAX's programs); the exit handlers registered later, as the frameworks' are, still run first
+    code = ("from conformance.run import suite\nsuite._start_worker()\nimport atexit\n"
+            "class Loud:\n    def __del__(self):\n        print('torn down', flush=True)\n"
+            "kept = Loud()\natexit.register(print, 'a later exit handler ran')\nprint('end')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["end", "a later exit handler ran"], result.stdout

@@ -107,3 +107,19 @@ def test_compare_and_figure_import_neither_the_suite_nor_hypothesis(command: str
                             check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == "loaded: []", result.stdout
+
+
+def test_the_main_job_imports_jax_and_torch_in_its_workers_only() -> None:
+    # the parent of a run in parts (--jobs 2) starts the workers and joins their reports: it imports neither
+    # framework nor its backend (each would cost it a second or more of CPU on top of the workers' own imports).
+    # Run with runpy, as above
+    code = ("import runpy, sys\nsys.argv = ['conformance', '--operations', 'decode', '--max-examples', '1', "
+            "'--jobs', '2']\n"
+            "try:\n    runpy.run_module('conformance', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
+            "print('loaded:', [name for name in (*sys.modules, ) if name.split('.')[0] in "
+            "('attention_jax', 'attention_torch', 'jax', 'torch')])")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "all pass" in result.stdout and result.stdout.splitlines()[-1] == "loaded: []", result.stdout
