@@ -5,7 +5,8 @@ moved file is fixed in the guide alone. The keyword checklist: every keyword of 
 the checklist names for `OPTIONAL_KEYWORDS`) is in every file of its section "Every keyword, by name", and every
 non-test file that names AT_LEAST of the keywords is on the checklist. The operation checklist: each item names the
 place the test looks at (a name of LOOKS in backticks), and every operation of `OPERATIONS` is there. The guide
-states how many non-test files each checklist touches, and the test counts them.
+states how many non-test files each checklist touches, and the test counts them. The table of words names, for
+each word, the files it lives in and the names found there.
 """
 
 from __future__ import annotations
@@ -310,3 +311,26 @@ def test_the_set_up_commands_are_the_readmes_two(path: Path) -> None:
     readme = _bash_lines((ROOT / "README.md").read_text())
     assert len(commands) == 2 and all(command in readme for command in commands), \
         f"{path.relative_to(ROOT)}'s set-up commands {commands} are not the README's {readme}"
+
+
+# --- the words -----------------------------------------------------------------------------------------------------
+
+def test_every_name_the_words_table_gives_is_where_it_says():
+    # each row: | word | means | where it lives |, the last cell naming paths and the names found in them
+    text = GUIDE.read_text()
+    section = re.search(r"^## Words\n(.*?)(?=^## )", text, flags=re.DOTALL | re.MULTILINE)
+    assert section, "the guide has a section '## Words'"
+    rows = [line for line in section[1].splitlines() if line.startswith("| ") and not line.startswith("| word")]
+    assert len(rows) >= 8, rows
+    wrong = []
+    for row in rows:
+        where = row.rstrip(" |").rsplit(" | ", 1)[1]
+        words = re.findall(r"`([^`]+)`", where)
+        paths = [word for word in words if _is_path(word)]
+        folder = Path(paths[0]).parent if paths else None  # a bare file name after a path is in its folder
+        files = [ROOT / word if "/" in word else ROOT / folder / word for word in paths]
+        wrong += [f"{row}: no {file.relative_to(ROOT)}" for file in files if not file.exists()]
+        sources = "".join(file.read_text() for file in files if file.exists())
+        wrong += [f"{row}: `{name}` is not in {paths}" for name in words if not _is_path(name)
+                  and not re.search(rf"\b{re.escape(name.rpartition('.')[2])}\b", sources)]
+    assert not wrong, "the Words table of the guide names places that do not hold what it says:\n" + "\n".join(wrong)
