@@ -28,7 +28,7 @@ from hypothesis.errors import Flaky
 from ..contract import fixed_cases, strategies
 from ..contract.operations import CONTRACT, OPERATIONS, keywords_used, leave_out, missing, options_used
 from ..contract.tolerances import TOLERANCES, shown
-from ..frameworks.registry import Framework, framework_of, quick_compiles
+from ..frameworks.registry import Framework, framework_of, import_modules, quick_compiles
 from . import checks, fixed_checks, gradient_checks
 from .checks import ResultError, Runner
 from .profiles import PROFILES
@@ -307,11 +307,10 @@ class Checked(NamedTuple):
 def unfit(name: str) -> str | None:
     """Why the module `name` cannot be checked: it does not import (a missing framework skips its module only), or
     it lacks what the suite needs (`contract_gaps`); None where it can be checked."""
-    try:
-        module = importlib.import_module(name)
-    except Exception as error:
-        return f"{type(error).__name__}: {error}"
-    gaps = contract_gaps(module)
+    modules, skipped = import_modules([name])
+    if skipped:
+        return skipped[name]
+    gaps = contract_gaps(modules[name])
     return f"does not implement the attention contract: it has no {', '.join(gaps)}" if gaps else None
 
 
