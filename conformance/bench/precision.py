@@ -53,6 +53,14 @@ def _exact(q: Any, k: Any, v: Any, mask: np.ndarray) -> np.ndarray:
     return attention_np.scaled_dot_product_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), mask)[0]
 
 
+def _ours(paths: list[tuple[Any, Any]], dtype: Any, exact: np.ndarray,
+          as_array: Callable[[Any], Any] = np.asarray) -> tuple[float, float, bool]:
+    """The explicit and the fast path's errors, and whether both kept `dtype`, from their (out, weights)."""
+    kept = all(out.dtype == dtype and (weights is None or weights.dtype == dtype) for out, weights in paths)
+    explicit, fast = (error(as_array(out), exact) for out, _ in paths)
+    return explicit, fast, kept
+
+
 def torch_sdpa(dtype: str) -> Errors:
     import torch
 
@@ -64,8 +72,7 @@ def torch_sdpa(dtype: str) -> Errors:
     mask = torch.tensor(mask)
     paths = [attention_torch.scaled_dot_product_attention(q, k, v, mask, need_weights=need) for need in (True, False)]
     theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    kept = all(out.dtype == q.dtype and (weights is None or weights.dtype == q.dtype) for out, weights in paths)
-    explicit, fast = (error(out.double().numpy(), exact) for out, _ in paths)
+    explicit, fast, kept = _ours(paths, q.dtype, exact, lambda out: out.double().numpy())
     return Errors(explicit, fast, theirs=error(theirs.double().numpy(), exact),
                   baseline="`F.scaled_dot_product_attention`", kept_dtype=kept)
 
@@ -82,8 +89,7 @@ def jax_sdpa(dtype: str) -> Errors:
     paths = [attention_jax.scaled_dot_product_attention(q, k, v, mask, need_weights=need) for need in (True, False)]
     with jax.numpy_dtype_promotion("standard"):  # jax's own function mixes float32 into low precision itself
         theirs = jax.nn.dot_product_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), mask=mask)  # (B, L, H, E)
-    kept = all(out.dtype == q.dtype and (weights is None or weights.dtype == q.dtype) for out, weights in paths)
-    explicit, fast = (error(out, exact) for out, _ in paths)
+    explicit, fast, kept = _ours(paths, q.dtype, exact)
     return Errors(explicit, fast, theirs=error(jnp.swapaxes(theirs, 1, 2), exact),
                   baseline="`jax.nn.dot_product_attention`", kept_dtype=kept)
 
@@ -97,8 +103,7 @@ def numpy_sdpa(dtype: str) -> Errors:
     scores = np.exp(np.where(mask, scores, np.float16(-6e4)) - scores.max(axis=-1, keepdims=True))
     plain = (scores / scores.sum(axis=-1, keepdims=True)) @ v  # (B, H, L, S) x (B, H, S, E) -> (B, H, L, E)
     paths = [attention_np.scaled_dot_product_attention(q, k, v, mask, need_weights=need) for need in (True, False)]
-    kept = all(out.dtype == q.dtype and (weights is None or weights.dtype == q.dtype) for out, weights in paths)
-    explicit, fast = (error(out, exact) for out, _ in paths)
+    explicit, fast, kept = _ours(paths, q.dtype, exact)
     return Errors(explicit, fast, theirs=error(plain, exact), baseline="the tutorial's formulation in float16",
                   kept_dtype=kept)
 
