@@ -63,16 +63,14 @@ def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Mon
         if _imports(block, framework):
             pytest.importorskip(framework)
     monkeypatch.chdir(tmp_path)  # blocks that write files write them here
-    if module := docs.KERNEL_FILE.match(block.code):  # a file of its own, checked by the suite as its comment says
-        (tmp_path / f"{module[1]}.py").write_text(block.code)
-        monkeypatch.syspath_prepend(str(tmp_path))
-        from conformance import check
-
-        report = check(module[1], **docs.KERNEL_OPTIONS)
+    if docs.KERNEL_FILE.match(block.code):  # a file of its own, checked by the suite as its comment says
+        page = block.page.read_text()
+        assert docs.kernel_source(page)[1] == block.code, f"{block.name}: a page holds one kernel module"
+        report = docs.check_kernel(page)
         assert report.passed, "\n\n".join(row.failure for row in report.rows if row.failure)
         assert any(row.skipped for row in report.rows)  # a partial module: what it lacks is SKIP
         # the counts its paragraph gives, generated (python -m conformance docs --write) in the page it is in
-        assert docs.shown(block.page.read_text(), "kernel") == docs.kernel_counts(report)
+        assert docs.shown(page, "kernel") == docs.kernel_counts(report)
         return
     exec(compile(block.code, block.name, "exec"), {"__name__": "__doc_example__"})
 
