@@ -132,12 +132,13 @@ def recorded_column(column: dict[str, Any]) -> dict[str, Any]:
 
 # --- kernel: docs/checking.md's kernel module, checked ---------------------------------------------------------
 
+PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", flags=re.DOTALL)  # a python block of a page: its code
 KERNEL_FILE = re.compile(r"# (\w+)\.py: python -m conformance check \1\n")  # a python block that is a module
 
 
 def kernel_source(text: str) -> tuple[str, str]:
     """(module name, code) of the python block of `text` (a page) that is a module to check."""
-    for code in re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL):
+    for code in PYTHON_BLOCK.findall(text):
         if found := KERNEL_FILE.match(code):
             return found[1], code
     raise KeyError("the text has no python block starting '# NAME.py: python -m conformance check NAME'")

@@ -23,7 +23,6 @@ from conformance import docs
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "SPEC.md", *sorted((ROOT / "docs").glob("**/*.md"))]
-PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", flags=re.DOTALL)
 NEEDS = re.compile(r"# needs: (gpu|several processes)\n")  # the first line of a block not runnable here
 MOST_NOT_RUN = 4  # fewer than a handful of blocks may be skipped for what they need
 PACKAGES = ("attention_np", "attention_jax", "attention_torch", "conformance")
@@ -41,7 +40,7 @@ class Block(NamedTuple):
 
 def _blocks() -> list[Block]:
     return [Block(page, index, code) for page in PAGES
-            for index, code in enumerate(PYTHON_BLOCK.findall(page.read_text()))]
+            for index, code in enumerate(docs.PYTHON_BLOCK.findall(page.read_text()))]
 
 
 def _imports(block: Block, framework: str) -> bool:
