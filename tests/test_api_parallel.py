@@ -21,9 +21,9 @@ from tests.conftest import BACKENDS, import_backend
 
 LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width, "
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
-PUBLIC_FILES = {"__init__.py", "arrays.py", "distributed.py", "fast.py", "flash.py", "functional.py", "gradients.py",
-                "linear.py", "modules.py", "primitives.py", "py.typed"}
-COMMON_FILES = {"__init__.py", "module.py", "npz.py", "records.py", "validation.py"}
+PUBLIC_FILES = {"__init__.py", "arrays.py", "distributed.py", "fast.py", "flash.py", "flex.py", "functional.py",
+                "gradients.py", "linear.py", "modules.py", "primitives.py", "py.typed"}
+COMMON_FILES = {"__init__.py", "block_mask.py", "mods.py", "module.py", "npz.py", "records.py", "validation.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
 NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
 CLASSES = ("MultiHeadAttention", "TransformerBlock")
@@ -47,7 +47,8 @@ def _methods(M: ModuleType, cls_name: str) -> dict[str, Callable]:
 
 def _public_callables(M: ModuleType) -> dict[str, Callable]:
     """Every public function, and every public method of the public classes, by qualified name."""
-    found = {name: getattr(M, name) for name in M.__all__ if name not in CLASSES}
+    found = {name: getattr(M, name) for name in M.__all__
+             if name not in CLASSES and not isinstance(getattr(M, name), ModuleType)}  # not the catalogue `mods`
     for cls_name in CLASSES:
         found |= {f"{cls_name}.{name}": method for name, method in _methods(M, cls_name).items()}
     return found

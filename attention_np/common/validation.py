@@ -549,3 +549,73 @@ def state_widths(state_shapes: Mapping[str, Sequence[int]], names: Mapping[str, 
                              f"got entries {sorted(state_shapes)}")
         widths.append(int(state_shapes[name][axis]))
     return widths
+
+
+# --- flex_attention and block masks --------------------------------------------------------------------------
+
+def _positive_int(x: object) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool) and x > 0
+
+
+def block_mask_args(mask_mod: object, B: object, H: object, Q_LEN: object, KV_LEN: object,
+                    BLOCK_SIZE: object) -> tuple[int, int, tuple[int, int]]:
+    """create_block_mask's arguments: a callable mask_mod; B and H positive ints or None (1: broadcast);
+    Q_LEN and KV_LEN non-negative ints; BLOCK_SIZE a positive int or a pair (block_q, block_k) of them.
+    Returns (B, H, (block_q, block_k))."""
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool; got {type(mask_mod).__name__}")
+    for name, n in (("B", B), ("H", H)):
+        if n is not None and not _positive_int(n):
+            raise ValueError(f"{name} must be None (broadcast) or a positive int; got {n!r}")
+    for name, n in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if not (isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 0):
+            raise ValueError(f"{name} must be a non-negative int; got {n!r}")
+    pair = tuple(BLOCK_SIZE) if isinstance(BLOCK_SIZE, tuple | list) else (BLOCK_SIZE, BLOCK_SIZE)
+    if len(pair) != 2 or not all(_positive_int(size) for size in pair):
+        raise ValueError(f"BLOCK_SIZE must be a positive int or a pair (block_q, block_k) of them; got {BLOCK_SIZE!r}")
+    return 1 if B is None else int(B), 1 if H is None else int(H), (int(pair[0]), int(pair[1]))
+
+
+def mask_mod_result(name: str, shape: Sequence[int], dtype: str, target: Sequence[int]) -> None:
+    """What a mask function returned over a tile (B, H, block_q, block_k): booleans broadcasting to it."""
+    if dtype != "bool" and not dtype.endswith(".bool"):  # NumPy's "bool", torch's "torch.bool"
+        raise TypeError(f"{name} must return booleans (True: the query sees the key); got dtype {dtype}")
+    if not _fits(_shape(shape), _shape(target)):
+        raise ValueError(f"{name} returned shape {_shape(shape)}, which does not broadcast to the tile "
+                         f"{_shape(target)} (B, H, block_q, block_k)")
+
+
+def score_mod_result(shape: Sequence[int], target: Sequence[int]) -> None:
+    """What a score function returned for a tile of scores (B, H, block_q, block_k): the tile's shape."""
+    if _broadcast(_shape(shape), _shape(target)) != _shape(target):
+        raise ValueError(f"score_mod returned shape {_shape(shape)} for scores of shape {_shape(target)} "
+                         "(B, H, block_q, block_k): it must keep the scores' shape")
+
+
+def flex_inputs(q: Sequence[int], k: Sequence[int], v: Sequence[int], enable_gqa: bool) -> tuple[int, int]:
+    """flex_attention's q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev): four axes, the same B; Hkv = H, or
+    with enable_gqa a divisor of it. Returns (B, H)."""
+    q, k, v = _shape(q), _shape(k), _shape(v)
+    for name, shape, letters in (("q", q, "B, H, L, E"), ("k", k, "B, Hkv, S, E"), ("v", v, "B, Hkv, S, Ev")):
+        if len(shape) != 4:
+            raise ValueError(f"flex_attention: {name} must have shape ({letters}); got {shape}")
+    attention_batch(q, k, v)  # the widths and lengths
+    if not q[0] == k[0] == v[0]:
+        raise ValueError(f"flex_attention: q {q}, k {k} and v {v} must have the same batch size B")
+    if enable_gqa:
+        grouped_heads(q, k, v)
+    elif not q[1] == k[1] == v[1]:
+        raise ValueError(f"flex_attention: q {q}, k {k} and v {v} must have the same number of heads H; with "
+                         "fewer key/value heads pass enable_gqa=True")
+    return q[0], q[1]
+
+
+def block_mask_fits(block_mask: object, B: int, H: int, L: int, S: int) -> None:
+    """A block mask made for scores (B', H', L, S), B' in (1, B) and H' in (1, H) (1: broadcast)."""
+    shape = getattr(block_mask, "shape", None)
+    if shape is None or not hasattr(block_mask, "tiles"):
+        raise TypeError(f"block_mask must be a BlockMask from create_block_mask; got {type(block_mask).__name__}")
+    mask_B, mask_H, mask_L, mask_S = shape
+    if mask_B not in (1, B) or mask_H not in (1, H) or (mask_L, mask_S) != (L, S):
+        raise ValueError(f"block_mask was made for scores {tuple(shape)} (B, H, L, S), which do not fit these "
+                         f"scores {(B, H, L, S)}: make it with create_block_mask(mask_mod, {B}, {H}, {L}, {S})")
