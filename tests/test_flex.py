@@ -209,16 +209,17 @@ def test_the_mask_function_is_evaluated_on_partial_tiles_only(backend_name):
     mask_mod = _Recorder(mods.and_masks(mods.causal(), mods.document(SEGMENTS[:, :L], SEGMENTS)))
     score_mod = _Recorder(mods.alibi(np.full(H, 0.5)))
     block_mask = M.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=(2, 3))
-    kinds = block_mask.tiles  # (B, H, rows, columns)
     mask_mod.calls.clear()
     M.flex_attention(*(M.asarray(x) for x in (q, k, v)), score_mod=score_mod, block_mask=block_mask)
 
     def touched(recorder: _Recorder) -> set[tuple[int, int]]:
         return {(int(i), int(j)) for q_idx, kv_idx in recorder.calls for i in q_idx // 2 for j in kv_idx // 3}
 
-    partial = {(i, j) for i, j in np.ndindex(*kinds.shape[2:]) if np.any(kinds[:, :, i, j] == PARTIAL)}
-    empty = {(i, j) for i, j in np.ndindex(*kinds.shape[2:]) if np.all(kinds[:, :, i, j] == EMPTY)}
-    full = {(i, j) for i, j in np.ndindex(*kinds.shape[2:]) if np.all(kinds[:, :, i, j] == FULL)}
+    kinds = block_mask.batch_kinds()  # (rows, columns): what a kernel computing the whole batch at once reads
+    partial, empty, full = ({(int(i), int(j)) for i, j in zip(*np.nonzero(kinds == kind), strict=True)}
+                            for kind in (PARTIAL, EMPTY, FULL))
+    assert np.any(block_mask.tiles == PARTIAL) and np.any(block_mask.tiles == FULL) and np.any(
+        np.all(block_mask.tiles == EMPTY, axis=(0, 1))), "the case has tiles of every kind"
     assert partial and empty and full, "the case has tiles of every kind"
     assert touched(mask_mod) == partial, "the mask function runs on the partial tiles, and on them only"
     assert touched(score_mod) == partial | full, "the score function runs on every tile computed, no empty one"

@@ -50,6 +50,14 @@ class BlockMask:
         """The percentage of tiles that are skipped (empty), as torch's BlockMask.sparsity()."""
         return 100.0 * float(np.mean(self.tiles == EMPTY)) if self.tiles.size else 0.0
 
+    def batch_kinds(self) -> np.ndarray:
+        """The tiles' kinds over the whole batch and every head, (rows, columns): FULL where the tile is full in
+        every (b, h), EMPTY where it is empty in every one, else PARTIAL; what a kernel that computes a tile for
+        the whole batch at once reads (it evaluates the mask function where the kinds differ, too)."""
+        every_full = np.all(self.tiles == FULL, axis=(0, 1))
+        every_empty = np.all(self.tiles == EMPTY, axis=(0, 1))
+        return np.where(every_full, FULL, np.where(every_empty, EMPTY, PARTIAL)).astype(np.uint8)
+
     def __str__(self) -> str:
         """The tiles drawn per batch element and head: █ full, ░ partial, . empty."""
         blocks = []
