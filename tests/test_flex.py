@@ -77,7 +77,10 @@ def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=Fals
     block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, B, H, L, S, device="cpu",
                                                                       BLOCK_SIZE=4)
     guard = flex._validate_device
-    with warnings.catch_warnings():
+    # eager flex_attention still runs its operation through dynamo, which, once a later call brings other sizes or
+    # closure values, retraces them as symbols: array-api-compat's clip and softcap's float then fail inside torch
+    static = torch._dynamo.config.patch(automatic_dynamic_shapes=False, specialize_float=True)
+    with warnings.catch_warnings(), static:
         warnings.simplefilter("ignore")  # eager flex_attention's advice to compile it
         try:
             flex._validate_device = lambda *args: None  # the eager pass has a backward on the CPU: see above
