@@ -6,17 +6,47 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 The score functions and mask functions, and the catalogue of them, are in attention_np/common/mods.py; the
 block mask, which tiles a mask function leaves empty, partial or full, in attention_np/common/block_mask.py.
+
+The forward pass: flash.py's online softmax, over R = score_mod(S) in place of the scores. For one tile of
+queries (rows) against one tile of keys (cols),
+    S = (Q K^T) * scale                                   the scores, (B, H, block_q, block_k)
+    R = score_mod(S, b, h, q_idx, kv_idx)                 the new scores, elementwise
+    R = where(mask_mod(b, h, q_idx, kv_idx), R, -inf)     on a partial tile only
+and the running maximum m, denominator l and output O of flash.py move from tile to tile of the row:
+    m_t = max(m_{t-1}, rowmax(R_t)),  l_t = exp(m_{t-1} - m_t) l_{t-1} + rowsum(exp(R_t - m_t)),
+    O_t = exp(m_{t-1} - m_t) O_{t-1} + exp(R_t - m_t) V_t,     out = O_T / l_T,  lse = m_T + log(l_T).
+The mask is applied after the score function, so that a hidden key stays hidden whatever score_mod makes of
+its score. The tiles are the block mask's; a tile is computed for the whole batch and every head at once, so
+its kind is BlockMask.batch_kinds()'s: an empty tile (empty in every (b, h)) is skipped, a full one is
+computed without calling mask_mod, and a partial one calls it on the tile's index arrays.
+
+The backward pass recomputes each tile, P = exp(R - lse), and with D = rowsum(dO * O) (= rowsum(dP * P), as in
+flash.py):
+    dV += P^T dO,  dP = dO V^T,  dR = P * (dP - D),
+    (dS, dtheta) = score_mod.vjp(dR, S, b, h, q_idx, kv_idx)     its hand-derived derivative (mods.ScoreMod)
+    dQ += dS K * scale,  dK += dS^T Q * scale,   and dtheta, the parameters' gradients, summed over the tiles.
+A hidden key has P = 0, so dR = 0 there; dS is set to 0 there too (with `where`), whatever the score
+function's derivative says at a score it never used.
+
+Grouped-query attention (enable_gqa) repeats each key/value head for its H // Hkv query heads (a copy of k
+and v, H / Hkv times their size, never of the scores), so that every tile is one (B, H, block_q, block_k)
+product; dk and dv are summed over each group's query heads at the end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from attention_np.common import block_mask as blocks
-from attention_np.common.block_mask import BlockMask
+from attention_np.common import validation
+from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
+
+from .functional import _dtypes
+
+NO_MASK_TILE = 128  # block_mask None: tiles of 128 x 128, every one full (torch's default BLOCK_SIZE)
 
 
 def flex_attention(
@@ -53,7 +83,10 @@ def flex_attention(
         out (B, H, L, Ev) in q's dtype, computed in at least float32; with return_lse, (out, lse (B, H, L)) in
         the dtype the scores are computed in.
     """
-    raise NotImplementedError
+    p = _problem(q, k, v, score_mod, block_mask, scale, enable_gqa)
+    out, lse = _forward(p)
+    out = out.astype(q.dtype, copy=False)
+    return (out, lse) if return_lse else out
 
 
 def flex_attention_vjp(
@@ -81,7 +114,16 @@ def flex_attention_vjp(
         dq, dk, dv with its input's shape and dtype, and d_score_mod a dict {parameter name: gradient} of the
         score function's parameters (ScoreMod.parameters; empty without).
     """
-    raise NotImplementedError
+    _check_derivative(score_mod)
+    p = _problem(q, k, v, score_mod, block_mask, scale, enable_gqa)
+    out, lse = _forward(p)  # out in the working dtype, which D = rowsum(dO * O) reads
+    returned = out.astype(q.dtype, copy=False)
+
+    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        validation.cotangent("d_out", d_out.shape, returned.shape, _dtypes(d_out=d_out, out=returned))
+        return _backward(p, out, lse, d_out.astype(p.work, copy=False), (q, k, v))
+
+    return returned, lse, pullback
 
 
 def create_block_mask(
@@ -109,3 +151,181 @@ def create_block_mask(
         ceil(S / block_k)) of kinds; counts() and sparsity() say how much is skipped.
     """
     return blocks.create(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, arange=np.arange, to_numpy=np.asarray)
+
+
+class _Problem(NamedTuple):
+    """One call's checked inputs in the working dtype and its tiles: what both passes read."""
+
+    q: np.ndarray  # (B, H, L, E)
+    k: np.ndarray  # (B, H, S, E): with enable_gqa each key/value head repeated for its query heads
+    v: np.ndarray  # (B, H, S, Ev)
+    score_mod: Callable[..., Any] | None
+    mask_mod: Callable[..., Any] | None  # evaluated on the partial tiles only
+    kinds: np.ndarray  # (rows, columns) of tiles: EMPTY, PARTIAL or FULL over the whole batch and every head
+    block_q: int
+    block_k: int
+    scale: float
+    work: np.dtype  # the working dtype: at least float32
+    b: np.ndarray  # (B, 1, 1, 1) and (1, H, 1, 1): the batch and head indices the mods receive
+    h: np.ndarray
+
+
+def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, score_mod: Callable[..., Any] | None,
+             block_mask: BlockMask | None, scale: float | None, enable_gqa: bool) -> _Problem:
+    """The checks, then the inputs as the tiles read them: k and v with one head per query head, and the tiles'
+    kinds (every one FULL, 128 x 128, without a block mask)."""
+    B, H = validation.flex_inputs(q.shape, k.shape, v.shape, enable_gqa)
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    scale = validation.default_scale(scale, q.shape, k.shape)
+    L, S = q.shape[2], k.shape[2]
+    if block_mask is None:
+        mask_mod, (block_q, block_k) = None, (NO_MASK_TILE, NO_MASK_TILE)
+        kinds = np.full((-(-L // block_q), -(-S // block_k)), FULL, np.uint8)
+    else:
+        validation.block_mask_fits(block_mask, B, H, L, S)
+        mask_mod, (block_q, block_k), kinds = block_mask.mask_mod, block_mask.block_size, block_mask.batch_kinds()
+    work = np.promote_types(q.dtype, np.float32)  # float16, bfloat16: in float32
+    groups = H // k.shape[1]  # query heads per key/value head: 1 without enable_gqa
+    k, v = (np.repeat(x, groups, axis=1) for x in (k, v))  # (B, Hkv, S, *) -> (B, H, S, *): head h reads h // groups
+    return _Problem(
+        q=q.astype(work, copy=False), k=k.astype(work, copy=False), v=v.astype(work, copy=False),
+        score_mod=score_mod, mask_mod=mask_mod, kinds=kinds, block_q=block_q, block_k=block_k, scale=scale,
+        work=work, b=np.arange(B).reshape(B, 1, 1, 1), h=np.arange(H).reshape(1, H, 1, 1))
+
+
+def _check_derivative(score_mod: Callable[..., Any] | None) -> None:
+    """NumPy's backward pass needs score_mod's derivative: a ScoreMod of the catalogue carries it (vjp)."""
+    if score_mod is not None and not callable(getattr(score_mod, "vjp", None)):
+        name = getattr(score_mod, "__name__", type(score_mod).__name__)
+        raise ValueError(
+            f"score_mod {name} has no derivative: NumPy's flex_attention_vjp derives the backward pass by hand and "
+            "needs score_mod.vjp(d_new, score, b, h, q_idx, kv_idx) -> (d_score, {parameter name: gradient}); "
+            "make it a mods.ScoreMod with its derivative (as every score function of the catalogue is), or "
+            "differentiate it with the JAX or torch backend")
+
+
+def _span(index: int, size: int, n: int) -> slice:
+    """The index-th tile of `size` positions along an axis of n (the last tile may be shorter)."""
+    return slice(index * size, min((index + 1) * size, n))
+
+
+class _Tile(NamedTuple):
+    """One tile's scores and what the backward pass needs of them."""
+
+    scores: np.ndarray  # S = (Q K^T) * scale, (B, H, block_q, block_k)
+    new: np.ndarray  # R = score_mod(S), -inf where hidden, (B, H, block_q, block_k)
+    indices: tuple  # (b, h, q_idx, kv_idx), as the mods received them
+    rows: slice
+    cols: slice
+
+
+def _tile(p: _Problem, row: int, col: int) -> _Tile:
+    """The tile of query tile `row` and key tile `col`: S, then R = score_mod(S), then the mask function's
+    hidden keys set to -inf (on a partial tile; a full one never calls it)."""
+    rows, cols = _span(row, p.block_q, p.q.shape[2]), _span(col, p.block_k, p.k.shape[2])
+    q_idx = np.arange(rows.start, rows.stop).reshape(1, 1, -1, 1)  # (1, 1, block_q, 1)
+    kv_idx = np.arange(cols.start, cols.stop).reshape(1, 1, 1, -1)  # (1, 1, 1, block_k)
+    indices = (p.b, p.h, q_idx, kv_idx)
+    # 1) the scores: (B, H, block_q, E) x (B, H, E, block_k) -> (B, H, block_q, block_k)
+    scores = (p.q[:, :, rows] @ np.swapaxes(p.k[:, :, cols], -1, -2)) * p.scale
+    # 2) the score function, elementwise; it may broadcast, never change the tile's shape
+    new = scores
+    if p.score_mod is not None:
+        new = p.score_mod(scores, *indices)
+        validation.score_mod_result(np.shape(new), scores.shape)
+        new = np.broadcast_to(np.asarray(new, dtype=p.work), scores.shape)
+    # 3) the mask, after the score function: a hidden key stays hidden
+    if p.kinds[row, col] == PARTIAL:
+        visible = np.asarray(p.mask_mod(*indices))
+        validation.mask_mod_result("mask_mod", visible.shape, str(visible.dtype), scores.shape)
+        new = np.where(visible, new, -np.inf)
+    return _Tile(scores=scores, new=new, indices=indices, rows=rows, cols=cols)
+
+
+def _forward(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
+    """out (B, H, L, Ev) and lse (B, H, L), in the working dtype: one query tile after another."""
+    B, H, L, _ = p.q.shape
+    out = np.zeros((B, H, L, p.v.shape[-1]), p.work)  # (B, H, L, Ev)
+    lse = np.full((B, H, L), -np.inf, p.work)  # (B, H, L)
+    for row in range(p.kinds.shape[0]):
+        rows = _span(row, p.block_q, L)
+        out[:, :, rows], lse[:, :, rows] = _query_tile(p, row)
+    return out, lse
+
+
+def _query_tile(p: _Problem, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """out (B, H, block_q, Ev) and lse (B, H, block_q) of the queries of tile `row`: the online softmax over the
+    key tiles of the row that are not empty."""
+    B, H, L, _ = p.q.shape
+    rows = _span(row, p.block_q, L)
+    n = rows.stop - rows.start  # the tile's queries (the last tile may be short)
+    m = np.full((B, H, n, 1), -np.inf, p.work)  # running maximum (B, H, block_q, 1)
+    l = np.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
+    acc = np.zeros((B, H, n, p.v.shape[-1]), p.work)  # running output (B, H, block_q, Ev)
+    for col in np.flatnonzero(p.kinds[row] != EMPTY):  # an empty tile is never computed
+        tile = _tile(p, row, int(col))  # R (B, H, block_q, block_k), -inf where hidden
+        # 1) the new running maximum; where nothing is seen yet (the maximum -inf) the shift is 0, so that
+        #    exp(-inf - shift) is 0, not exp(-inf + inf) = NaN
+        m_new = np.maximum(m, np.max(tile.new, axis=-1, keepdims=True))
+        shift = np.where(m_new == -np.inf, 0, m_new)
+        # 2) what was summed against the old maximum, moved to the new one: exp(m - m_new)
+        rescale = np.exp(m - shift)  # (B, H, block_q, 1); 0 on the first tile a row sees
+        weights = np.exp(tile.new - shift)  # unnormalised; hidden: exp(-inf) = 0
+        l = l * rescale + np.sum(weights, axis=-1, keepdims=True)  # noqa: E741
+        acc = acc * rescale + weights @ p.v[:, :, tile.cols]  # (B, H, bq, bk) x (B, H, bk, Ev) -> (B, H, bq, Ev)
+        m = m_new
+    # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
+    seen = l != 0
+    out = acc / np.where(seen, l, 1)  # (B, H, block_q, Ev)
+    with np.errstate(divide="ignore"):
+        lse = np.where(seen, m + np.log(l), -np.inf)  # (B, H, block_q, 1)
+    return out, lse[..., 0]
+
+
+def _backward(p: _Problem, out: np.ndarray, lse: np.ndarray, d_out: np.ndarray,
+              inputs: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """The pullback, tile by tile over the tiles the forward pass computed: dq, dk, dv in their inputs' shapes
+    and dtypes (dk, dv summed over each group's query heads), and the score function's parameters' gradients."""
+    q_in, k_in, v_in = inputs
+    B, H = p.q.shape[:2]
+    dq, dk, dv = np.zeros_like(p.q), np.zeros_like(p.k), np.zeros_like(p.v)  # (B, H, L | S, E | Ev)
+    parameters = getattr(p.score_mod, "parameters", {})
+    d_parameters = {name: np.zeros(np.shape(value), p.work) for name, value in parameters.items()}
+    D = np.sum(d_out * out, axis=-1, keepdims=True)  # rowsum(dO * O) = rowsum(dP * P), (B, H, L, 1)
+    lse = np.where(lse == -np.inf, np.inf, lse)[..., None]  # a query that sees nothing: P = exp(-inf - inf) = 0
+    for row, col in zip(*np.nonzero(p.kinds != EMPTY), strict=True):
+        tile = _tile(p, int(row), int(col))
+        rows, cols = tile.rows, tile.cols
+        # 1) the weights again, from the log-sum-exp: P = exp(R - lse), 0 where hidden
+        weights = np.exp(tile.new - lse[:, :, rows])  # (B, H, bq, bk)
+        d_o = d_out[:, :, rows]  # (B, H, bq, Ev)
+        # 2) through the value product and the softmax
+        dv[:, :, cols] += np.swapaxes(weights, -1, -2) @ d_o  # (B, H, bk, bq) x (B, H, bq, Ev) -> (B, H, bk, Ev)
+        d_weights = d_o @ np.swapaxes(p.v[:, :, cols], -1, -2)  # (B, H, bq, Ev) x (B, H, Ev, bk) -> (B, H, bq, bk)
+        d_new = weights * (d_weights - D[:, :, rows])  # dR = P * (dP - D), 0 where hidden
+        # 3) through the score function: its hand-derived vjp; 0 where hidden, whatever it says there
+        d_scores, d_theta = _score_mod_vjp(p, d_new, tile)
+        d_scores = np.where(tile.new == -np.inf, 0, d_scores)
+        for name, gradient in d_theta.items():
+            d_parameters[name] += gradient
+        # 4) through S = (Q K^T) * scale
+        dq[:, :, rows] += d_scores @ p.k[:, :, cols] * p.scale  # (B, H, bq, bk) x (B, H, bk, E) -> (B, H, bq, E)
+        dk[:, :, cols] += np.swapaxes(d_scores, -1, -2) @ p.q[:, :, rows] * p.scale  # -> (B, H, bk, E)
+    Hkv = k_in.shape[1]
+    dk, dv = (d.reshape(B, Hkv, H // Hkv, *d.shape[2:]).sum(axis=2) for d in (dk, dv))  # the groups' sum
+    return (dq.astype(q_in.dtype, copy=False), dk.astype(k_in.dtype, copy=False), dv.astype(v_in.dtype, copy=False),
+            {name: d.astype(_dtype(parameters[name], p.work), copy=False) for name, d in d_parameters.items()})
+
+
+def _score_mod_vjp(p: _Problem, d_new: np.ndarray, tile: _Tile) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(dS, dtheta) from dR: score_mod's vjp (the identity's, dS = dR, without a score function)."""
+    if p.score_mod is None:
+        return d_new, {}
+    d_scores, d_theta = p.score_mod.vjp(d_new, tile.scores, *tile.indices)
+    return np.broadcast_to(d_scores, d_new.shape), d_theta
+
+
+def _dtype(parameter: Any, work: np.dtype) -> np.dtype:
+    """A parameter's gradient's dtype: the parameter's own where it is floating, else the working dtype."""
+    dtype = np.asarray(parameter).dtype
+    return dtype if np.issubdtype(dtype, np.floating) else work
