@@ -599,14 +599,16 @@ def flex_inputs(q: Sequence[int], k: Sequence[int], v: Sequence[int], enable_gqa
     for name, shape, letters in (("q", q, "B, H, L, E"), ("k", k, "B, Hkv, S, E"), ("v", v, "B, Hkv, S, Ev")):
         if len(shape) != 4:
             raise ValueError(f"flex_attention: {name} must have shape ({letters}); got {shape}")
-    attention_batch(q, k, v)  # the widths and lengths
     if not q[0] == k[0] == v[0]:
         raise ValueError(f"flex_attention: q {q}, k {k} and v {v} must have the same batch size B")
-    if enable_gqa:
-        grouped_heads(q, k, v)
+    if enable_gqa:  # the widths and lengths, each group of query heads against its key/value head
+        H, Hkv = grouped_heads(q, k, v)
+        attention_batch(*(grouped_shape(x, H, Hkv, 2) for x in (q, k, v)))
     elif not q[1] == k[1] == v[1]:
         raise ValueError(f"flex_attention: q {q}, k {k} and v {v} must have the same number of heads H; with "
                          "fewer key/value heads pass enable_gqa=True")
+    else:
+        attention_batch(q, k, v)  # the widths and lengths
     return q[0], q[1]
 
 
