@@ -17,7 +17,7 @@ import pytest
 
 import attention_np
 from attention_np.common import block_mask as blocks
-from attention_np.common import mods
+from attention_np.common import mods, validation
 from tests.conftest import import_backend
 
 FRAMEWORKS = ("numpy", "torch", "jax")
@@ -458,3 +458,53 @@ def test_flex_attention_equals_onnxs_flex_attention(case, kv_heads, backend):
     out = M.flex_attention(*(M.asarray(x) for x in (q, k, v)), score_mod=score_mod, block_mask=block_mask,
                            scale=scale, enable_gqa=kv_heads != 4)
     np.testing.assert_allclose(M.to_numpy(out), expected, rtol=1e-12, atol=1e-13)
+
+
+# --- flex_attention's other checks (attention_np/common/validation.py), which every backend calls ---------------
+# (check, arguments, exception, message)
+BAD_INPUTS = [
+    (validation.flex_inputs, ((2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7), False), ValueError,
+     "flex_attention: v must have shape (B, Hkv, S, Ev); got (2, 4, 7)"),
+    (validation.flex_inputs, ((2, 4, 5, 8), (3, 4, 7, 8), (3, 4, 7, 6), False), ValueError,
+     "flex_attention: q (2, 4, 5, 8), k (3, 4, 7, 8) and v (3, 4, 7, 6) must have the same batch size B"),
+    (validation.flex_inputs, ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 6), False), ValueError,
+     "flex_attention: q (2, 4, 5, 8), k (2, 2, 7, 8) and v (2, 2, 7, 6) must have the same number of heads H; "
+     "with fewer key/value heads pass enable_gqa=True"),
+    (validation.flex_inputs, ((2, 4, 5, 8), (2, 3, 7, 8), (2, 3, 7, 6), True), ValueError,
+     "enable_gqa: the H = 4 query heads must be a multiple of the Hkv = 3 key/value heads; q (2, 4, 5, 8) is "
+     "(..., H, L, E), k (2, 3, 7, 8) is (..., Hkv, S, E)"),
+    (validation.flex_inputs, ((2, 4, 5, 8), (2, 4, 7, 6), (2, 4, 7, 6), False), ValueError,
+     "q and k must have the same width E: q (2, 4, 5, 8) is (..., L, E), k (2, 4, 7, 6) is (..., S, E)"),
+    (validation.flex_inputs, ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 6, 6), True), ValueError,  # as sdpa's, by group
+     "k and v must have the same length S: k (2, 2, 1, 7, 8) is (..., S, E), v (2, 2, 1, 6, 6) is (..., S, Ev)"),
+    (validation.mask_mod_result, ("mask_mod", (2, 4, 3, 3), "float32", (2, 4, 3, 3)), TypeError,
+     "mask_mod must return booleans (True: the query sees the key); got dtype float32"),
+    (validation.mask_mod_result, ("mask_mod", (3, 1, 1, 1), "torch.bool", (2, 4, 3, 3)), ValueError,
+     "mask_mod returned shape (3, 1, 1, 1), which does not broadcast to the tile (2, 4, 3, 3) "
+     "(B, H, block_q, block_k)"),
+    (validation.score_mod_result, ((2, 4, 3), (2, 4, 3, 3)), ValueError,
+     "score_mod returned shape (2, 4, 3) for scores of shape (2, 4, 3, 3) (B, H, block_q, block_k): it must keep "
+     "the scores' shape"),
+    (validation.block_mask_fits, ("causal", 2, 4, 5, 7), TypeError,
+     "block_mask must be a BlockMask from create_block_mask; got str"),
+    (validation.block_mask_fits, (attention_np.create_block_mask(mods.causal(), 3, None, 5, 7), 2, 4, 5, 7), ValueError,
+     "block_mask was made for scores (3, 1, 5, 7) (B, H, L, S), which do not fit these scores (2, 4, 5, 7): make it "
+     "with create_block_mask(mask_mod, 2, 4, 5, 7)"),
+]
+
+
+@pytest.mark.parametrize(("check", "arguments", "exception", "message"), BAD_INPUTS,
+                         ids=[f"{case[0].__name__}-{index}" for index, case in enumerate(BAD_INPUTS)])
+def test_flex_attentions_checks_refuse_with_a_message(check, arguments, exception, message):
+    with pytest.raises(exception) as error:
+        check(*arguments)
+    assert str(error.value) == message
+
+
+def test_flex_attentions_checks_accept_what_fits():
+    assert validation.flex_inputs((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 6), True) == (2, 4)  # grouped heads
+    assert validation.flex_inputs((2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 6), False) == (2, 4)
+    validation.mask_mod_result("mask_mod", (1, 1, 3, 1), "bool", (2, 4, 3, 3))  # broadcasting booleans
+    validation.score_mod_result((2, 4, 3, 3), (2, 4, 3, 3))
+    for B, H in ((None, None), (2, None), (None, 4), (2, 4)):  # broadcast over the batch, the heads, or neither
+        validation.block_mask_fits(attention_np.create_block_mask(mods.causal(), B, H, 5, 7), 2, 4, 5, 7)
