@@ -191,7 +191,8 @@ def alibi(slopes: Any) -> ScoreMod:
     """score + slopes[h] * (j - i): ALiBi's linear bias per head (slopes (H,), positive: earlier keys weigh
     less); the slopes are a parameter."""
     def rule(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any, *, slopes: Any) -> Any:
-        return score + _like(slopes, score)[h] * _like(kv_idx - q_idx, score)
+        distance = array_namespace(score).astype(_like(kv_idx - q_idx, score), score.dtype)  # int * float32
+        return score + _like(slopes, score)[h] * distance  # would be float64 in NumPy, an error in strict JAX
 
     def derivative(d_new: np.ndarray, score: np.ndarray, b: np.ndarray, h: np.ndarray, q_idx: np.ndarray,
                    kv_idx: np.ndarray, *, slopes: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
