@@ -287,7 +287,7 @@ def test_the_tiles_are_those_of_the_dense_mask(backend, block_size, B, H):
 @pytest.mark.parametrize("mask_mod", [mods.causal(), mods.sliding_window(5, 0), mods.chunked(24),
                                       mods.document(np.repeat(np.arange(4), [10, 30, 20, 36])),
                                       mods.prefix_lm(np.array([20, 70])), mods.noop_mask, mods.or_masks()],
-                         ids=repr)
+                         ids=mods._name)
 def test_the_catalogues_tiles_are_those_of_its_dense_masks(mask_mod):
     for block_size in (7, (8, 16), 32):
         block_mask = attention_np.create_block_mask(mask_mod, 2, None, 96, 96, block_size)
@@ -298,7 +298,7 @@ def test_the_catalogues_tiles_are_those_of_its_dense_masks(mask_mod):
 @pytest.mark.parametrize("mask_mod", [mods.causal(), mods.sliding_window(40, 0), mods.chunked(48),
                                       mods.document(np.repeat(np.arange(4), 64)),
                                       mods.and_masks(mods.prefix_lm(np.array([32, 100])), mods.key_lengths(200)),
-                                      mods.noop_mask, mods.or_masks()], ids=repr)
+                                      mods.noop_mask, mods.or_masks()], ids=mods._name)  # noop_mask: by name
 @pytest.mark.parametrize(("B", "H", "block_size"), [(None, None, 32), (2, 3, (32, 64)), (2, None, 128)])
 def test_sparsity_is_torchs(mask_mod, B, H, block_size):
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
