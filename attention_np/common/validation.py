@@ -599,7 +599,10 @@ def flex_inputs(q: Sequence[int], k: Sequence[int], v: Sequence[int], enable_gqa
     for name, shape, letters in (("q", q, "B, H, L, E"), ("k", k, "B, Hkv, S, E"), ("v", v, "B, Hkv, S, Ev")):
         if len(shape) != 4:
             raise ValueError(f"flex_attention: {name} must have shape ({letters}); got {shape}")
-    attention_batch(q, k, v)  # the widths and lengths
+    if q[3] != k[3]:  # not attention_batch: its leading axes (B, H) must broadcast, which GQA's heads need not
+        raise ValueError(f"flex_attention: q {q} and k {k} must have the same width E")
+    if k[2] != v[2]:
+        raise ValueError(f"flex_attention: k {k} and v {v} must have the same length S")
     if not q[0] == k[0] == v[0]:
         raise ValueError(f"flex_attention: q {q}, k {k} and v {v} must have the same batch size B")
     if enable_gqa:
