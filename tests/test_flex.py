@@ -77,6 +77,10 @@ def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=Fals
     block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, B, H, L, S, device="cpu",
                                                                       BLOCK_SIZE=4)
     guard = flex._validate_device
+    # eager flex_attention still traces its call with dynamo, which after a call of another shape (a relative-bias
+    # table of 7 entries, then of 3) retraces with that size symbolic, where the mods' Python arithmetic on it
+    # fails (array-api-compat's clip: math.isnan of a symbol); each reference starts from a clean dynamo cache
+    torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex_attention's advice to compile it
         try:
