@@ -294,10 +294,10 @@ def _query_tile(p: _Problem, rows: slice, tiles: list[_Tile]) -> tuple[torch.Ten
         shift = m_new.masked_fill(m_new == -math.inf, 0)
         # 2) what was summed against the old maximum, moved to the new one: exp(m - m_new)
         rescale = torch.exp(m - shift)  # (B, H, bq, 1); 0 on the first tile a row sees
-        weights = torch.exp(scores - shift)  # unnormalised; hidden: exp(-inf) = 0
-        l = l * rescale + weights.sum(dim=-1, keepdim=True)  # noqa: E741
+        weights = (scores - shift).exp_()  # unnormalised; hidden: exp(-inf) = 0
+        l.mul_(rescale).add_(weights.sum(dim=-1, keepdim=True))
         v = p.v[:, :, tile.cols]  # (B, Hkv, bk, Ev)
-        acc = acc * _grouped(rescale, Hkv) + _grouped(weights, Hkv) @ v  # (.., G * bq, bk) x (.., bk, Ev)
+        acc.mul_(_grouped(rescale, Hkv)).add_(_grouped(weights, Hkv) @ v)  # (.., G * bq, bk) x (.., bk, Ev)
         m = m_new
     # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
     seen = l != 0
