@@ -13,7 +13,8 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
   training mode with an rng, so a configured dropout reaches it), "init" the constructor with the row's
   keyword arguments, "pullback" the function the operation's vjp returns, given `d_out`.
 
-Each row's name is unique within its operation. Imports NumPy alone.
+Each row's name is unique within its operation. Imports NumPy, array-api-compat and the catalogue of mods
+(attention_np.common.mods).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+from array_api_compat import array_namespace
 
 from attention_np.common import mods
 
@@ -897,8 +899,9 @@ def _flex(**fields: Any) -> Callable[[], Any]:
 
 
 def _float_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-    """A mask function that returns 1.0 and 0.0 where booleans are required."""
-    return (kv_idx <= q_idx) * 1.0
+    """A mask function that returns 1.0 and 0.0 where booleans are required (written with the namespace's where:
+    JAX's strict promotion refuses booleans times a float)."""
+    return array_namespace(kv_idx).where(kv_idx <= q_idx, 1.0, 0.0)
 
 
 def _new_axis(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
