@@ -325,6 +325,13 @@ GUARDS: tuple[Guard, ...] = (
                   "key lengths and eps up to 1: a prefix sum one key too far, the normaliser forgotten, a chunk's "
                   "own keys in the state it reads (counted twice), eps in the numerator "
                   "(`tests/implementations/broken_linear.py`)"),
+    Guard(("values", "lse"), operations=("flex",),
+          catches="programmable attention's bugs (`flex_attention` with `create_block_mask`), drawn with the "
+                  "catalogue's mask and score functions (parameters drawn, `and_masks` / `or_masks` of two or three), "
+                  "tiles of 1 to 7 and grouped heads, against an oracle that calls the mods one query at a time: "
+                  "q_idx and kv_idx swapped, a partial tile taken as full, the score function applied after the mask "
+                  "(a softcap brings hidden keys back) or to unscaled scores, a block mask read off each tile's first "
+                  "query row, ALiBi's distance of the wrong sign (`tests/implementations/broken_flex.py`)"),
     Guard(("steps",), operations=("linear",),
           catches="a recurrent form that breaks the invariant: `linear_attention_state` and `linear_attention_step`"
                   " through a causal sequence must give the causal forward's outputs (a step that reads its state "

@@ -12,10 +12,11 @@ import pytest
 import attention_np
 from conformance import Declaration, check
 from conformance.contract import features as features_module
-from conformance.contract.cases import per_query_head, sdpa_case
+from conformance.contract.cases import flex_case, per_query_head, sdpa_case
 from conformance.contract.fixed_cases import rows
 from conformance.contract.operations import features_used, init_features_used, leave_out
 from conformance.run.checks import Runner, expected
+from tests.implementations import einsum_attention
 from tests.implementations.broken import BROKEN
 
 pytestmark = pytest.mark.slow  # the suite's sdpa part, on a few modules
@@ -59,7 +60,7 @@ def test_a_module_with_sdpa_alone_passes_it_and_skips_the_modules():
     skipped = {row.operation: row.skipped for row in report.rows if row.check == "-"}
     assert skipped == {"flash": "no flash_attention", "ring": "no ring_attention", "linear": "no linear_attention",
                        "mha": "no MultiHeadAttention", "block": "no TransformerBlock",
-                       "decode": "no TransformerBlock.extend"}
+                       "decode": "no TransformerBlock.extend", "flex": "no flex_attention"}
     assert {row.operation for row in report.rows if not row.skipped} == {"arrays", "sdpa"}
     helpers = {row.operation: row.skipped for row in report.rows if row.operation in ("masks", "positions")}
     assert helpers == {"masks": "no causal_mask; no window_mask; no padding_mask", "positions": "no apply_rope"}
@@ -179,3 +180,32 @@ def test_a_check_asks_for_some_checks_only():
     assert {row.operation for row in report.rows} == {"sdpa"}  # no contract table was asked for
     with pytest.raises(ValueError, match=r"unknown checks \['value'\]; the checks are \[.*'values'"):
         check(attention_np, measures=("value",))
+
+
+def test_an_sdpa_without_mods_declares_them_and_passes_the_rest():
+    # a third party's sdpa whose flex_attention takes no mods (it refuses a score function and a block mask): it
+    # declares mods lacking, the flex operation is SKIP with the reason, and its sdpa passes
+    def without_mods(q, k, v, score_mod=None, block_mask=None, **keywords):
+        if score_mod is not None or block_mask is not None:
+            raise AssertionError("passed the mods it lacks")
+        return einsum_attention.flex_attention(q, k, v, **keywords)
+
+    functions = ("scaled_dot_product_attention", "create_block_mask")
+    lacking = _module("sdpa_without_mods", einsum_attention, functions=functions,
+                      lacks=Declaration({"mods": "no programmable attention"}))
+    lacking.flex_attention = without_mods
+    report = check(lacking, operations=("sdpa", "flex"), max_examples=2)
+    assert report.passed, _failures(report)
+    skipped = {row.operation: row.skipped for row in report.rows if row.check == "-"}
+    assert skipped == {"flex": "lacks mods: no programmable attention"}
+    assert any(row.operation == "sdpa" and row.check == "values" and not row.skipped for row in report.rows)
+    undeclared = _module("sdpa_without_mods_undeclared", einsum_attention, functions=functions)
+    undeclared.flex_attention = without_mods
+    assert not check(undeclared, operations=("flex",), max_examples=2, shrink=False).passed
+
+
+def test_lacking_score_mod_keeps_score_functions_from_flex_cases():
+    case = flex_case(score_mod=np.tanh)  # any score function
+    assert features_used(case) == {"mods", "score_mod"} and features_used(flex_case()) == {"mods"}
+    assert leave_out(case, Declaration(("score_mod",))).score_mod is None
+    assert leave_out(case, Declaration(("mods",))) is None

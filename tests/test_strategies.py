@@ -4,6 +4,8 @@ reached, and pinned edge cases the oracle runs without NaN."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -366,9 +368,63 @@ def test_linear_step_cases_are_causal_short_and_without_key_lengths(case: cases.
     assert case.is_causal and case.key_lengths is None and case.q.shape[-2] in cs.LENGTHS
 
 
+def _assert_flex_contract(case: cases.FlexCase) -> None:
+    """q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev); Hkv = H, or with enable_gqa a divisor of it; mods
+    that are callables or None (a score function of the catalogue with its parameters per query head); tiles of
+    positive ints; no dropout."""
+    (B, H, _, E), S = case.q.shape, case.v.shape[-2]
+    assert case.k.shape == (B, case.k.shape[1], S, E) and case.v.shape[:2] == case.k.shape[:2]
+    Hkv = case.k.shape[1]
+    assert Hkv == H if not case.enable_gqa else (Hkv >= 1 and H % Hkv == 0)
+    assert case.mask_mod is None or callable(case.mask_mod)
+    assert case.score_mod is None or callable(case.score_mod)
+    for name, value in getattr(case.score_mod, "parameters", {}).items():
+        assert np.shape(value)[0] == H, name  # slopes (H,), table (H, 2R + 1)
+    assert all(isinstance(n, int) and n >= 1 for n in case.block_size) and len(case.block_size) == 2
+    assert case.dropout == 0.0 and case.mask_for is None
+
+
+@FEW
+@given(cs.flex_cases())
+def test_flex_cases_keep_their_contract(case: cases.FlexCase) -> None:
+    _assert_flex_contract(case)
+    assert case.q.shape[0] in cs.FLEX_BATCH and set(case.block_size) <= set(cs.TILE_SIZES)
+    assert {case.q.shape[2], case.k.shape[2]} <= {*cs.FLEX_LENGTHS, *cs.FLEX_LONG_LENGTHS}
+
+
+def _entries(text: str) -> set[str]:
+    """The catalogue's names in a mod's text: "and_masks(causal(q_offset=0), chunked(2))" -> and_masks, causal,
+    chunked."""
+    return set(re.findall(r"([a-z_]+)\(", text)) | ({"noop_mask"} if "noop_mask" in text else set())
+
+
+def test_flex_cases_reach_every_catalogue_entry_and_both_compositions() -> None:
+    found: set[str] = set()
+    grouped, tiles = set(), set()
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.flex_cases())
+    def record(case: cases.FlexCase) -> None:
+        for mod in (case.mask_mod, case.score_mod):
+            found.update(_entries(getattr(mod, "text", getattr(mod, "__name__", ""))) if mod is not None else
+                         {"none"})
+        grouped.add(case.enable_gqa)
+        tiles.update(case.block_size)
+
+    record()
+    assert {*cs.MASK_MODS, *cs.SCORE_MODS, *cs.COMBINATIONS, "none"} <= found
+    assert grouped == {False, True} and tiles == set(cs.TILE_SIZES)
+
+
+@FEW
+@given(cs.flex_cases(scored=True))
+def test_flex_gradient_cases_always_have_a_score_function(case: cases.FlexCase) -> None:
+    assert case.score_mod is not None
+
+
 CONTRACTS = {"sdpa": _assert_sdpa_contract, "flash": _assert_flash_contract, "ring": _assert_ring_contract,
              "linear": _assert_linear_contract, "mha": _assert_mha_contract, "block": _assert_block_contract,
-             "decode": _assert_decode_contract}
+             "decode": _assert_decode_contract, "flex": _assert_flex_contract}
 EXAMPLES = [row for row in fixed_cases.ROWS if row.use == "example"]
 
 

@@ -166,7 +166,25 @@ class DecodeCase(NamedTuple):
     rope_theta: float | None = None  # the queries and keys turned at their positions in the whole sequence
 
 
-Case = SdpaCase | FlashCase | RingCase | LinearCase | MhaCase | BlockCase | DecodeCase
+class FlexCase(NamedTuple):
+    """Inputs of flex_attention: q, k, v, the mods of the catalogue (attention_np.common.mods, parameters as NumPy
+    arrays) and the block mask's tiles. The call makes the block mask with create_block_mask(mask_mod, B, H, L, S,
+    BLOCK_SIZE=block_size) (none where mask_mod is None) and asks for the lse."""
+
+    q: np.ndarray  # (B, H, L, E)
+    k: np.ndarray  # (B, Hkv, S, E)
+    v: np.ndarray  # (B, Hkv, S, Ev)
+    mask_mod: Callable[..., Any] | None  # (b, h, q_idx, kv_idx) -> True where the query sees the key; None: every key
+    score_mod: Callable[..., Any] | None  # (score, b, h, q_idx, kv_idx) -> the new score; None: the score itself
+    block_size: tuple[int, int] = (128, 128)  # (block_q, block_k) of the block mask's tiles
+    scale: float | None = None  # multiplies Q K^T before score_mod; None: 1 / sqrt(E)
+    enable_gqa: bool = False  # Hkv divides H: query head h uses key/value head h // (H / Hkv)
+    dropout: float = 0.0  # always 0: flex_attention has no dropout (the field the generic machinery reads)
+    mask_for: tuple[int, int, int, int] | None = None  # the scores (B, H, L, S) the block mask is made for;
+    # None: the case's own (an error row makes it for others)
+
+
+Case = SdpaCase | FlashCase | RingCase | LinearCase | MhaCase | BlockCase | DecodeCase | FlexCase
 
 
 # --- parameters --------------------------------------------------------------------------------------------
@@ -234,6 +252,17 @@ def linear_case(batch: Batch = (2,), L: int = 3, S: int = 4, E: int = 2, Ev: int
     """sdpa_case's q (..., L, E), k (..., S, E), v (..., S, Ev) as linear attention's, elu + 1, not causal."""
     case = sdpa_case(batch, L, S, E, Ev, seed=seed)
     return LinearCase(q=case.q, k=case.k, v=case.v)._replace(**fields)
+
+
+def flex_case(B: int = 2, H: int = 2, L: int = 4, S: int = 5, E: int = 2, Ev: int = 3, *, Hkv: int | None = None,
+              seed: int = 0, **fields: Any) -> FlexCase:
+    """q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) (Hkv None: H; else grouped heads), no mods, tiles of
+    (2, 3), default scale."""
+    rng = np.random.default_rng(seed)
+    Hkv = H if Hkv is None else Hkv
+    q, k, v = (rng.standard_normal((B, heads, n, width)) for heads, n, width in ((H, L, E), (Hkv, S, E), (Hkv, S, Ev)))
+    return FlexCase(q=q, k=k, v=v, mask_mod=None, score_mod=None, block_size=(2, 3),
+                    enable_gqa=Hkv != H)._replace(**fields)
 
 
 def mha_case(batch: Batch = (2,), L: int = 3, S: int = 5, D: int = 4, H: int = 2, *, seed: int = 1,

@@ -13,7 +13,8 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
   training mode with an rng, so a configured dropout reaches it), "init" the constructor with the row's
   keyword arguments, "pullback" the function the operation's vjp returns, given `d_out`.
 
-Each row's name is unique within its operation. Imports NumPy alone.
+Each row's name is unique within its operation. Imports NumPy, array-api-compat and the catalogue of mods
+(attention_np.common.mods).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+from array_api_compat import array_namespace
+
+from attention_np.common import mods
 
 from .cases import (
     LARGE,
@@ -31,6 +35,7 @@ from .cases import (
     changed,
     decode_case,
     first_value,
+    flex_case,
     linear_case,
     mha_case,
     normal,
@@ -886,9 +891,76 @@ def _linear_rows() -> list[Fixed]:
     ]
 
 
+# --- programmable attention (flex_attention) -----------------------------------------------------------------
+
+def _flex(**fields: Any) -> Callable[[], Any]:
+    """flex_case's q (B, H, L, 2), k (B, Hkv, S, 2), v (B, Hkv, S, 3), changed by `fields`."""
+    return lambda: flex_case(**fields)
+
+
+def _float_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """A mask function that returns 1.0 and 0.0 where booleans are required (written with the namespace's where:
+    JAX's strict promotion refuses booleans times a float)."""
+    return array_namespace(kv_idx).where(kv_idx <= q_idx, 1.0, 0.0)
+
+
+def _new_axis(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """A score function that adds an axis to the scores (B, H, block_q, block_k, 1)."""
+    return score[..., None]
+
+
+def _flex_rows() -> list[Fixed]:
+    """Every entry of the catalogue once (a mask function and a score function together where both fit), tiles
+    full and partial, queries that a tile leaves without a key, and the four mistakes of a call."""
+    slopes, table = np.array([0.5, 0.25, 0.125, 0.0625]), normal(2, 5, seed=7)  # ALiBi (H,), R = 2: (H, 2R + 1)
+    blind = _flex(L=6, S=4, mask_mod=mods.causal(-3), block_size=(3, 2))  # queries 0..2 see no key
+    return [
+        example("flex", "causal_alibi_grouped_heads", _flex(H=4, Hkv=2, L=5, S=5, mask_mod=mods.causal(),
+                                                            score_mod=mods.alibi(slopes), block_size=(2, 2)),
+                "causal with ALiBi slopes 1/2..1/16 on 4 query heads of 2 key/value heads, tiles 2 x 2"),
+        example("flex", "sliding_window_softcap", _flex(L=6, S=7, mask_mod=mods.sliding_window(2, 1, q_offset=1),
+                                                        score_mod=mods.softcap(1.0), block_size=(3, 2)),
+                "keys p - 2 .. p + 1 of position p = i + 1, scores capped at 1 (saturated)"),
+        example("flex", "key_lengths_per_head_relative_bias", _flex(
+            mask_mod=mods.key_lengths(np.array([[5, 2], [3, 0]])), score_mod=mods.relative_bias(table)),
+                "key lengths per sequence and head (head 1 of sequence 1 sees no key: zeros, lse -inf), a learned "
+                "bias per head and distance clipped at 2"),
+        example("flex", "document_packed_sequences", _flex(L=6, S=6, block_size=(4, 4), mask_mod=mods.document(
+            np.array([0, 0, 1, 1, 1, 2]))), "three packed documents, tiles across their borders"),
+        example("flex", "prefix_lm_per_sequence", _flex(L=5, S=5, mask_mod=mods.prefix_lm(np.array([2, 0]))),
+                "a bidirectional prefix of 2 keys in sequence 0, causal alone in sequence 1"),
+        example("flex", "chunked_tiles_across_chunks", _flex(L=7, S=7, mask_mod=mods.chunked(3), block_size=(2, 2)),
+                "causal within chunks of 3, tiles of 2 that straddle them"),
+        example("flex", "dilated_window", _flex(L=6, S=6, mask_mod=mods.dilated(2, 2), block_size=(3, 3)),
+                "the query itself and the key 2 before it"),
+        example("flex", "noop_mask_every_tile_full", _flex(mask_mod=mods.noop_mask),
+                "every key visible: every tile full, the mask function never needed, as without a block mask"),
+        example("flex", "full_and_partial_tiles", _flex(L=8, S=8, block_size=(2, 2), mask_mod=mods.and_masks(
+            mods.causal(), mods.key_lengths(np.array([8, 5])))),
+                "causal and key lengths 8, 5: full tiles below the diagonal, partial ones on it and at the lengths, "
+                "empty ones above"),
+        example("flex", "or_masks_prefix_or_window", _flex(L=6, S=6, block_size=(4, 3), mask_mod=mods.or_masks(
+            mods.prefix_lm(2), mods.sliding_window(1, 0))), "the prefix of 2 keys, or the key before and the own"),
+        edge("flex", "queries_a_tile_leaves_without_a_key", blind,
+             "causal from q_offset -3 in tiles of 3 x 2: the first tile row is empty, queries 0..2 get zeros and lse "
+             "-inf, query 3 sees key 0 alone",
+             Requirement("out", "zero", (ALL, ALL, slice(0, 3))),
+             Requirement("lse", "minus_inf", (ALL, ALL, slice(0, 3))),
+             Requirement("lse", "finite", (ALL, ALL, slice(3, 6)))),
+        error("flex", "q_three_axes", lambda: (case := flex_case())._replace(q=case.q[0], k=case.k[0], v=case.v[0]),
+              ValueError, "q", "(B, H, L, E)"),
+        error("flex", "block_mask_for_other_scores", _flex(mask_mod=mods.causal(), mask_for=(2, 2, 4, 6)),
+              ValueError, "block_mask", "(2, 2, 4, 6)"),
+        error("flex", "mask_mod_returns_floats", _flex(mask_mod=_float_mask), TypeError, "mask_mod", "booleans"),
+        error("flex", "score_mod_changes_the_shape", _flex(score_mod=_new_axis), ValueError, "score_mod", "shape"),
+        error("flex", "d_out_shape", _flex(mask_mod=mods.causal()), ValueError, "d_out", stage="pullback",
+              d_out=np.zeros((2, 2, 4, 4))),
+    ]
+
+
 ROWS: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_rows() + _ring_rows()
                       + _linear_rows() + _mha_examples() + _mha_edges() + _mha_errors() + _block_examples()
-                      + _block_edges() + _block_errors() + _decode_rows())
+                      + _block_edges() + _block_errors() + _decode_rows() + _flex_rows())
 
 
 def rows(operation: str, use: str) -> list[Fixed]:

@@ -26,6 +26,7 @@ from .cases import (
     Case,
     DecodeCase,
     FlashCase,
+    FlexCase,
     LinearCase,
     MhaCase,
     RingCase,
@@ -76,6 +77,8 @@ class Operation(NamedTuple):
     # the same on every path (-inf where a query sees no key); None: the call returns out alone (linear_attention),
     # which `pair` gives as (out, None)
     devices: int = 1  # the devices its cases use at most (ring attention's P); with fewer, the operation is SKIP
+    needs: str | None = None  # a feature of conformance.contract.features without which a module cannot run any of
+    # its cases (flex: "mods"): a module that declares it lacking has the operation SKIP, as one without `function`
 
 
 def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -621,6 +624,77 @@ def _decode_pair(result: tuple[list, list]) -> Pair:
     return np.concatenate(outs, axis=-2), joined
 
 
+# --- programmable attention (flex_attention) -----------------------------------------------------------------
+
+def _flex_oracle(case: FlexCase, precision: str, fused_bias: bool) -> Pair:
+    """out and each row's log-sum-exp, the mods evaluated one query at a time (the block mask's tiles change
+    nothing but rounding)."""
+    return oracle.flex_attention(case.q, case.k, case.v, mask_mod=case.mask_mod, score_mod=case.score_mod,
+                                 scale=case.scale, enable_gqa=case.enable_gqa, dtype=precision)
+
+
+def _flex_block_mask(module: ModuleType, q: Any, k: Any, mask_mod: Any, block_size: tuple[int, int],
+                     mask_for: tuple[int, int, int, int] | None) -> Any:
+    """create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block_size) for the scores (B, H, L, S) of q and k (or
+    those of mask_for); None without a mask function."""
+    if mask_mod is None:
+        return None
+    B, H, L, S = mask_for or (q.shape[0], q.shape[-3], q.shape[-2], k.shape[-2])  # q (B, H, L, E), k (.., S, E)
+    return module.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block_size)
+
+
+def _flex_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool, dropout: float,
+               mask_mod: Any, score_mod: Any, block_size: tuple[int, int], scale: float | None, enable_gqa: bool,
+               mask_for: tuple[int, int, int, int] | None) -> Any:
+    """(out, lse): flex_attention has no dropout and one path, so training and need_weights change nothing."""
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    block_mask = _flex_block_mask(module, q, k, mask_mod, block_size, mask_for)
+    return module.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                 enable_gqa=enable_gqa, return_lse=True)
+
+
+def _flex_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, mask_mod: Any, score_mod: Any,
+                   block_size: tuple[int, int], scale: float | None, enable_gqa: bool,
+                   mask_for: tuple[int, int, int, int] | None) -> dict:
+    """dq, dk, dv and the score function's parameters' gradients, by "score_mod.<parameter>"."""
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    block_mask = _flex_block_mask(module, q, k, mask_mod, block_size, mask_for)
+    _, _, pullback = module.flex_attention_vjp(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                               enable_gqa=enable_gqa)
+    dq, dk, dv, d_score_mod = pullback(arrays["d_out"])
+    return {"q": dq, "k": dk, "v": dv} | {f"score_mod.{name}": grad for name, grad in d_score_mod.items()}
+
+
+def _flex_visible(case: FlexCase) -> np.ndarray:
+    """Which keys each query sees by the mask function, (B, H, L, S): mask_mod on the whole grid of index arrays
+    (every key without one)."""
+    *lead, L, _ = case.q.shape
+    B, H, S = (lead[0] if lead else 1), (lead[-1] if len(lead) > 1 else 1), case.k.shape[-2]
+    if case.mask_mod is None:
+        return np.ones((B, H, L, S), bool)
+    b, h, i, j = (np.arange(n).reshape([n if axis == place else 1 for axis in range(4)])
+                  for place, n in enumerate((B, H, L, S)))  # (B, 1, 1, 1), (1, H, 1, 1), (1, 1, L, 1), (1, 1, 1, S)
+    return np.broadcast_to(np.asarray(case.mask_mod(b, h, i, j)) != 0, (B, H, L, S))
+
+
+def _flex_blind(case: FlexCase) -> tuple[np.ndarray, np.ndarray] | None:
+    """The queries that see no key (B, H, L), for out and lse alike."""
+    blind = ~np.any(_flex_visible(case), axis=-1)  # (B, H, L)
+    return (blind, blind) if np.any(blind) else None
+
+
+def _flex_uses(case: FlexCase) -> set[str]:
+    """mods, always (a mask or score function, or the block mask's tiles), and score_mod where one is given."""
+    return {"mods"} | ({"score_mod"} if case.score_mod is not None else set())
+
+
+def _flex_leave_out(case: FlexCase, declaration: Declaration) -> FlexCase | None:
+    """None where the module lacks mods (the operation is SKIP), no score function where it lacks score_mod."""
+    if "mods" in declaration:
+        return None
+    return case._replace(score_mod=None) if "score_mod" in declaration else case
+
+
 # --- the registry ------------------------------------------------------------------------------------------
 
 OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
@@ -678,6 +752,13 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         oracle=_decode_oracle, call=_decode_call, vjp="", pullback=None,
         visible=None, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
         uses=_module_uses, leave_out=_module_leave_out, blind=lambda case: None, pair=_decode_pair),
+    Operation(
+        name="flex", function="flex_attention", case=FlexCase,
+        options=("mask_mod", "score_mod", "block_size", "scale", "enable_gqa", "dropout", "mask_for"),
+        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "score_mod"), strategy="flex_cases",
+        oracle=_flex_oracle, call=_flex_call, vjp="flex_attention_vjp", pullback=_flex_pullback,
+        visible=_flex_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
+        uses=_flex_uses, leave_out=_flex_leave_out, blind=_flex_blind, second="lse", needs="mods"),
 )}
 CONTRACT = ("asarray", "to_numpy")  # what every operation needs besides its own name
 

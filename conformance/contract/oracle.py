@@ -140,6 +140,60 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
     return out.astype(dtype), weights.astype(dtype), lse  # half precision: computed in float32, stored in dtype
 
 
+def flex_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    mask_mod: Callable[..., ArrayLike] | None = None,
+    score_mod: Callable[..., ArrayLike] | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    dtype: DTypeLike = np.float64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """out_bhi = sum_j softmax_j(r_bhij) v_j and lse_bhi = log sum_j exp(r_bhij), r_bhij = score_mod(s_bhij, b, h,
+    i, j), s_bhij = q_bhi . k_j * scale, over the keys j that mask_mod(b, h, i, j) shows and whose r is not -inf
+    (programmable attention: a mask function and a score function; None: every key, the score itself).
+
+    One query at a time: the mods are called with NumPy index arrays for that one query, b, h and q_idx
+    (1, 1, 1, 1) and kv_idx (1, 1, 1, S), and its row of scores (1, 1, 1, S); never on tiles or the whole grid.
+
+    Args:
+        q: queries (B, H, L, E); k: keys (B, Hkv, S, E); v: values (B, Hkv, S, Ev).
+        mask_mod, score_mod: the mods (attention_np.common.mods' or any functions of NumPy arrays).
+        scale: multiplies q . k before score_mod; defaults to 1 / sqrt(E).
+        enable_gqa: Hkv divides H: query head h reads key/value head h // (H / Hkv); the mods see h.
+
+    Returns:
+        out (B, H, L, Ev) in `dtype` (float16 and bfloat16: computed in float32, stored in dtype) and lse (B, H, L)
+        in the dtype the scores are computed in; a query that sees no key gets zeros and lse -inf.
+    """
+    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    (B, H, L, E), (S, Ev) = q.shape, v.shape[-2:]
+    group = H // k.shape[1] if enable_gqa else 1  # query head h reads key/value head h // group
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    work = _work(dtype)
+    out, lse = np.zeros((B, H, L, Ev), work), np.full((B, H, L), -np.inf, work)  # no key seen: zeros, log 0
+    j = np.arange(S).reshape(1, 1, 1, S)  # kv_idx (1, 1, 1, S)
+    for b, h, i in np.ndindex(B, H, L):
+        b_idx, h_idx, q_idx = (np.full((1, 1, 1, 1), n) for n in (b, h, i))
+        k_h, v_h = k[b, h // group], v[b, h // group]  # (S, E), (S, Ev)
+        scores = (k_h @ q[b, h, i] * work.type(scale)).reshape(1, 1, 1, S)  # (S, E) x (E,) -> (1, 1, 1, S)
+        if score_mod is not None:
+            scores = np.asarray(score_mod(scores, b_idx, h_idx, q_idx, j), work)
+        scores = np.broadcast_to(scores, (1, 1, 1, S)).reshape(S)
+        seen = np.ones(S, bool) if mask_mod is None else \
+            np.broadcast_to(np.asarray(mask_mod(b_idx, h_idx, q_idx, j)), (1, 1, 1, S)).reshape(S)
+        keys = np.flatnonzero(seen & (scores != -np.inf))  # a score of -inf hides its key as the mask does
+        if not len(keys):  # the spec's rule: zeros and lse -inf, never 0 / 0
+            continue
+        top = np.max(scores[keys])
+        exp = np.exp(scores[keys] - top)  # (visible,)
+        out[b, h, i] = exp @ v_h[keys] / np.sum(exp)  # (visible,) x (visible, Ev) -> (Ev,)
+        lse[b, h, i] = top + np.log(np.sum(exp))
+    return out.astype(dtype), lse  # half precision: computed in float32, stored in dtype
+
+
 FEATURE_MAPS = ("elu", "relu", "identity")  # linear attention's phi (SPEC 2e)
 
 

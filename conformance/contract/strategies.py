@@ -28,6 +28,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from hypothesis import strategies as st
 
+from attention_np.common import mods
+
 from .cases import (
     LARGE,
     RING_DEVICES,
@@ -36,6 +38,7 @@ from .cases import (
     BlockCase,
     DecodeCase,
     FlashCase,
+    FlexCase,
     LinearCase,
     MhaCase,
     RingCase,
@@ -504,6 +507,126 @@ def linear_cases(draw: Callable, *, is_causal: bool | None = None, with_lengths:
                       key_lengths=lengths_,
                       eps=draw(st.sampled_from(LINEAR_EPSILONS)),
                       chunk=chunk)
+
+
+# --- programmable attention (flex_attention) -----------------------------------------------------------------
+# A flex case's mods are entries of the catalogue (attention_np.common.mods) with drawn parameters, or and_masks /
+# or_masks of two or three of them; every size from a few values, as JAX compiles per shape and per mod.
+
+FLEX_BATCH = (1, 2)  # B
+FLEX_HEADS = (1, 2)  # H without grouped heads (with them: QUERY_HEADS, and Hkv a divisor of H)
+FLEX_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # L and S, most draws
+FLEX_LONG_LENGTHS = (16, 17)  # about one draw in ten: more than two tiles of 7
+MASK_MODS = ("causal", "sliding_window", "key_lengths", "document", "prefix_lm", "chunked", "dilated", "noop_mask")
+SCORE_MODS = ("alibi", "softcap", "relative_bias")
+MASK_FORMS = ("none", "entry", "entry", "combined")  # no mask function in one case of four, a composition in one
+SCORE_FORMS = ("none", "none", "entry")  # no score function in two cases of three
+COMBINATIONS = {"and_masks": mods.and_masks, "or_masks": mods.or_masks}
+CHUNK_SIZES = (1, 2, 3, 4)  # chunked(size)
+DILATIONS = (1, 2, 3)  # dilated(window, dilation): each of window and dilation
+SEGMENTS = 3  # document(...): segment ids 0..2, sorted (packed sequences)
+REACH = (0, 1, 2)  # relative_bias's R: a table (H, 2R + 1)
+
+
+def flex_lengths() -> st.SearchStrategy[int]:
+    """L or S of a flex case: FLEX_LENGTHS, each nine times as likely as each of FLEX_LONG_LENGTHS."""
+    return st.sampled_from(FLEX_LENGTHS * 9 + FLEX_LONG_LENGTHS)
+
+
+@st.composite
+def _sequence_values(draw: Callable, B: int, values: Sequence[int], *, heads: int | None = None) -> int | np.ndarray:
+    """A number of `values`, or int64 (B,) (or (B, H) with heads) of them: a mod's parameter per sequence."""
+    shapes = [(), (B,)] + ([(B, heads)] if heads is not None else [])
+    shape = draw(st.sampled_from(shapes))
+    if shape == ():
+        return draw(st.sampled_from(values))
+    n = math.prod(shape)
+    return np.reshape(draw(st.lists(st.sampled_from(values), min_size=n, max_size=n)), shape).astype(np.int64)
+
+
+@st.composite
+def _segments(draw: Callable, B: int, n: int, per_sequence: bool) -> np.ndarray:
+    """Sorted segment ids of 0..SEGMENTS - 1, (n,) or (B, n) per sequence."""
+    rng = _rng(draw)
+    return np.sort(rng.integers(0, SEGMENTS, (B, n) if per_sequence else (n,)), axis=-1)
+
+
+@st.composite
+def mask_entries(draw: Callable, B: int, H: int, L: int, S: int,
+                 names: Sequence[str] = MASK_MODS) -> Callable[..., Any]:
+    """One mask function of the catalogue, `names`, with drawn parameters: offsets of `offsets`, per sequence in
+    some draws; windows of WINDOW_SIDES; key lengths of `key_lengths`, a number, per sequence or per head; document
+    segments per sequence or shared, the keys' own or the queries'; chunks of CHUNK_SIZES; dilated windows."""
+    name = draw(st.sampled_from(names))
+    if name == "causal":
+        return mods.causal(draw(_sequence_values(B, offsets(L, S))))
+    if name == "sliding_window":
+        left, right = draw(st.sampled_from(WINDOW_SIDES)), draw(st.sampled_from(WINDOW_SIDES))
+        return mods.sliding_window(left, right, draw(_sequence_values(B, offsets(L, S))))
+    if name == "key_lengths":
+        return mods.key_lengths(draw(_sequence_values(B, key_lengths(S), heads=H)))
+    if name == "document":
+        per_sequence = draw(st.booleans())
+        q_segments = draw(_segments(B, L, per_sequence))
+        shared = L == S and draw(st.booleans())  # self-attention: the keys' segments are the queries'
+        return mods.document(q_segments, None if shared else draw(_segments(B, S, per_sequence)))
+    if name == "prefix_lm":
+        return mods.prefix_lm(draw(_sequence_values(B, (0, 1, S // 2, S))))
+    if name == "chunked":
+        return mods.chunked(draw(st.sampled_from(CHUNK_SIZES)))
+    if name == "dilated":
+        return mods.dilated(draw(st.sampled_from(DILATIONS)), draw(st.sampled_from(DILATIONS)))
+    return mods.noop_mask
+
+
+@st.composite
+def mask_functions(draw: Callable, B: int, H: int, L: int, S: int) -> Callable[..., Any] | None:
+    """None, an entry of the catalogue (`mask_entries`), or and_masks / or_masks of two or three of them."""
+    form = draw(st.sampled_from(MASK_FORMS))
+    if form == "none":
+        return None
+    if form == "entry":
+        return draw(mask_entries(B, H, L, S))
+    combine = COMBINATIONS[draw(st.sampled_from(sorted(COMBINATIONS)))]
+    return combine(*draw(st.lists(mask_entries(B, H, L, S), min_size=2, max_size=3)))
+
+
+@st.composite
+def score_functions(draw: Callable, H: int, *, scored: bool = False) -> mods.ScoreMod | None:
+    """None in two draws of three (never with `scored`), else a score function of the catalogue with drawn
+    parameters: ALiBi slopes U(0.05, 1) per head, a softcap of SOFTCAPS, a relative-bias table N(0, 1) (H, 2R + 1)
+    with R of REACH."""
+    if not scored and draw(st.sampled_from(SCORE_FORMS)) == "none":
+        return None
+    name = draw(st.sampled_from(SCORE_MODS))
+    if name == "softcap":
+        return mods.softcap(draw(st.sampled_from(SOFTCAPS)))
+    rng = _rng(draw)
+    if name == "alibi":
+        return mods.alibi(rng.uniform(0.05, 1.0, H))  # (H,)
+    return mods.relative_bias(rng.standard_normal((H, 2 * draw(st.sampled_from(REACH)) + 1)))  # (H, 2R + 1)
+
+
+@st.composite
+def flex_cases(draw: Callable, *, magnitude: str | None = None, scored: bool = False) -> FlexCase:
+    """Programmable attention: B of FLEX_BATCH, H of FLEX_HEADS, or grouped heads in one case of two (H of
+    QUERY_HEADS, Hkv 1, H / 2 or H); L and S drawn apart (`flex_lengths`); q, k of `magnitude` (None: "normal" or
+    "large"); a mask function (`mask_functions`) in tiles of 1 to 7 queries and 1 to 7 keys, drawn apart, so L and
+    S are seldom multiples of them; a score function (`score_functions`; always one with `scored`); a scale of
+    SCALES."""
+    B, grouped = draw(st.sampled_from(FLEX_BATCH)), draw(st.sampled_from(GROUPED))
+    H = draw(st.sampled_from(QUERY_HEADS if grouped else FLEX_HEADS))
+    Hkv = draw(st.sampled_from((1, H // 2, H))) if grouped else H
+    L, S = draw(flex_lengths()), draw(flex_lengths())
+    q, k, v = draw(_inputs((B, H), (B, Hkv), L, S, magnitude))  # (B, H, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev)
+    return FlexCase(q=q,
+                    k=k,
+                    v=v,
+                    mask_mod=draw(mask_functions(B, H, L, S)),
+                    score_mod=draw(score_functions(H, scored=scored)),
+                    block_size=(draw(st.sampled_from(TILE_SIZES)), draw(st.sampled_from(TILE_SIZES))),
+                    scale=draw(st.sampled_from(SCALES)),
+                    enable_gqa=grouped)
 
 
 # --- parameters --------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 A module offers gradients through the contract's interface: `scaled_dot_product_attention_vjp` and the
-modules' `vjp` methods, each returning (out, weights, pullback). A module without them is reported as not
-checked, never as failing.
+modules' `vjp` methods, each returning (out, weights, pullback), and the other operations' vjps
+(`flex_attention_vjp`'s pullback also gives its score function's parameters' gradients, d_score_mod, each held
+to the oracle as an input is). A module without them is reported as not checked, never as failing.
 """
 
 from __future__ import annotations
@@ -81,22 +82,35 @@ def _pullback(runner: Runner, case: Case, d_out: np.ndarray, dtype: str) -> dict
 
 
 def _arguments(case: Case) -> list[str]:
-    """The arguments the operation differentiates that the case has: inputs, a bias, every parameter."""
+    """The arguments the operation differentiates that the case has: inputs, a bias, every parameter (of the
+    state dict, and of a score function: "score_mod.slopes")."""
     names = []
     for name in operation_of(case).differentiable:
         value = getattr(case, name)
-        names += list(value) if name == "state" else [] if value is None else [name]
+        if name == "state":
+            names += list(value)
+        elif isinstance(value, np.ndarray):
+            names.append(name)
+        elif value is not None:  # a score function: its parameters (ScoreMod.parameters), none for a plain one
+            names += [f"{name}.{parameter}" for parameter in getattr(value, "parameters", {})]
     return names
 
 
 def _argument(case: Case, name: str) -> np.ndarray:
-    return case.state[name] if name in getattr(case, "state", {}) else getattr(case, name)
+    if name in getattr(case, "state", {}):
+        return case.state[name]
+    owner, _, parameter = name.partition(".")
+    return np.asarray(getattr(case, owner).parameters[parameter]) if parameter else getattr(case, name)
 
 
 def _with(case: Case, name: str, value: np.ndarray) -> Case:
-    """`case` with argument `name` (an input, or a state-dict entry) replaced by `value`."""
+    """`case` with argument `name` (an input, a state-dict entry, or a score function's parameter) replaced by
+    `value`."""
     if name in getattr(case, "state", {}):
         return case._replace(state=case.state | {name: value})
+    owner, _, parameter = name.partition(".")
+    if parameter:  # the same score function with this parameter's value (ScoreMod.replace)
+        return case._replace(**{owner: getattr(case, owner).replace(**{parameter: value})})
     return case._replace(**{name: value})
 
 

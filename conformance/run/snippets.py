@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
 import numpy as np
+
+from attention_np.common import mods
+from attention_np.common.mods import MaskMod, ScoreMod
 
 
 def describe(case: Any) -> str:
@@ -28,6 +32,7 @@ def reproduce(module: str, check: str, case: Any, dtype: str) -> str:
     held = "" if devices is None else f", framework_of({module}).ring_devices({devices})"
     return (f"import numpy as np\nfrom numpy import inf, nan\nimport {module}\n"
             f"from conformance.contract import cases\nfrom conformance.run import checks\n"
+            f"from attention_np.common import mods\n"
             f"from conformance.frameworks.registry import framework_of\n"
             f"case = cases.{type(case).__name__}(\n{fields},\n)\n"
             f"with framework_of({module}).pinned(){held}:  # the suite's precision settings (JAX: float64 on)\n"
@@ -35,6 +40,14 @@ def reproduce(module: str, check: str, case: Any, dtype: str) -> str:
 
 
 def _literal(value: Any) -> str:
+    if isinstance(value, ScoreMod) and value.parameters:  # its maker called with the parameters, in full
+        maker = repr(value).partition("(")[0]
+        return f"mods.{maker}({', '.join(_literal(np.asarray(x)) for x in value.parameters.values())})"
+    if isinstance(value, MaskMod | ScoreMod):  # a catalogue entry's text is its maker's call, e.g. causal(q_offset=0)
+        # (an array parameter of more than 8 entries shows as <shape array> there)
+        return re.sub(r"(?<![\w.])([a-z_]+)\(", r"mods.\1(", repr(value))
+    if callable(value) and getattr(value, "__name__", "") in vars(mods):  # noop_mask
+        return f"mods.{value.__name__}"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{name!r}: {_literal(x)}" for name, x in value.items()) + "}"
     if isinstance(value, np.ndarray):

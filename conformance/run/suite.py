@@ -28,7 +28,7 @@ from hypothesis.errors import Flaky
 from ..contract import fixed_cases, strategies
 from ..contract.operations import CONTRACT, OPERATIONS, keywords_used, leave_out, missing, options_used
 from ..contract.tolerances import TOLERANCES, shown
-from ..frameworks.registry import Framework, framework_of, import_modules, quick_compiles
+from ..frameworks.registry import Framework, import_modules, quick_compiles
 from . import checks, fixed_checks, gradient_checks
 from .checks import ResultError, Runner
 from .profiles import PROFILES
@@ -94,6 +94,9 @@ GROUPS = (
     Group("block", checks.dropout_independence, dtypes=FLOAT32, examples=3, draw={"long": False}, needs=("dropout",)),
     Group("block", gradient_checks.gradients, dtypes=FLOAT64, examples=3, pinned=True, gradient=True),
     Group("decode", checks.against_oracle, dtypes=BOTH, examples=3, pinned=True),
+    Group("flex", checks.tiled_against_oracle, dtypes=BOTH, examples=4, pinned=True),
+    Group("flex", checks.tiled_against_oracle, dtypes=HALF, examples=1, draw={"magnitude": "normal"}),
+    Group("flex", gradient_checks.gradients, dtypes=FLOAT64, examples=3, draw={"scored": True}, gradient=True),
 )
 
 
@@ -211,8 +214,8 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
         rows = [_fixed_row(runner, fixed, operation, tell) for operation, fixed in CONTRACT_RUNS.items()
                 if contract and wanted((fixed.check,), False)]  # pinned: x64
         for operation in (operation for operation in OPERATIONS if operation in operations):
-            if absent := missing(module, (OPERATIONS[operation].function,)):  # a partial module (SPEC 11)
-                rows.append(_skipped(name, operation, "-", "-", f"no {absent[0]}"))
+            if why := _absent(runner, operation):  # a partial module (SPEC 11)
+                rows.append(_skipped(name, operation, "-", "-", why))
                 continue
             with _devices(runner, OPERATIONS[operation].devices, devices) as too_few:
                 if too_few:
@@ -244,6 +247,15 @@ def _devices(runner: Runner, needed: int, requested: int | None) -> Iterator[str
         yield (None if available >= needed else
                f"needs {needed} devices; {runner.framework.name} has {available} here (--devices {needed} "
                f"simulates them: JAX's CPU devices, torch's peer processes)")
+
+
+def _absent(runner: Runner, operation: str) -> str | None:
+    """Why the module cannot run `operation` at all: it has no function for it, or it declares lacking the feature
+    every case of the operation needs (Operation.needs); None when it can."""
+    entry = OPERATIONS[operation]
+    if absent := missing(runner.module, (entry.function,)):
+        return f"no {absent[0]}"
+    return None if entry.needs is None else runner.declaration.reason(entry.needs)
 
 
 def known_measures() -> list[str]:
@@ -407,8 +419,9 @@ def _reproducible_draws() -> Iterator[None]:
 def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *, profile: str = "fast",
             max_examples: int | None = None) -> int:
     """How many cases `check` runs on `module` when every check passes (shrinking a failure runs more)."""
-    framework = framework_of(module)
-    operations = [operation for operation in operations if not missing(module, (OPERATIONS[operation].function,))]
+    runner = Runner(module)
+    framework = runner.framework
+    operations = [operation for operation in operations if not _absent(runner, operation)]
     total = len(framework.dtypes) + sum(len(helpers) for helpers in (
         fixed_checks.CAUSAL_SIZES, fixed_checks.CAUSAL_OFFSETS, fixed_checks.WINDOWS, fixed_checks.PADDING_LENGTHS,
         fixed_checks.ROPE_CASES))

@@ -639,6 +639,16 @@ class QueriesScaledInPlace(Implementation):
         return super().scores(q, k, 1.0, bias, softcap)
 
 
+class FlexLseWithoutTheMaximum(Implementation):
+    """flex_attention's lse as log sum_j exp(r_j - m), the row maximum m subtracted for the softmax and not added
+    back: out is right, the lse is off by m. Caught by: lse (flex)."""
+
+    def flex_softmax(self, scores: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        weights, lse = super().flex_softmax(scores, visible)
+        row_max = np.max(np.where(visible, scores, -np.inf), axis=-1, initial=-np.inf)  # (B, H, L)
+        return weights, np.where(np.isfinite(row_max), lse - row_max, lse)  # the bug: m left out
+
+
 VARIANTS: dict[str, type[Implementation]] = {
     "transposed_projection": TransposedProjection,
     "heads_interleaved": HeadsInterleaved,
@@ -699,6 +709,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "queries_scaled_in_place": QueriesScaledInPlace,
     "padding_mask_off_by_one": PaddingMaskOffByOne,
     "dropout_skipped_without_weights": DropoutSkippedWithoutWeights,
+    "flex_lse_without_the_maximum": FlexLseWithoutTheMaximum,
 }
 
 BROKEN: dict[str, types.ModuleType] = {

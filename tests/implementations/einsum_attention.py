@@ -23,11 +23,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from attention_np.common import validation
+from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
+
 Rng = np.random.Generator | int | None
 Pair = tuple[np.ndarray, np.ndarray | None]
 
 FUNCTIONS = ("asarray", "to_numpy", "save_state_dict", "load_state_dict", "causal_mask", "window_mask",
-             "padding_mask", "scaled_dot_product_attention", "apply_rope")
+             "padding_mask", "scaled_dot_product_attention", "apply_rope", "flex_attention", "flex_attention_vjp",
+             "create_block_mask")
 CONTRACT = (*FUNCTIONS, "MultiHeadAttention", "TransformerBlock")
 PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -283,6 +287,177 @@ class Implementation:
         dropped = self.dropout(weights, dropout_p, rng)
         out = np.einsum("...ls,...sv->...lv", dropped, v)  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
         return out, weights
+
+    # --- programmable attention: mods on the whole grid of scores -------------------------------------------
+    # The mask and score functions are evaluated once on the whole (B, H, L, S) grid of index arrays, never by
+    # tiles: the block mask's tiles are found from that grid too (a BlockMask record of attention_np, filled here,
+    # not by attention_np.common.block_mask.create). The argument checks are attention_np.common.validation's, so
+    # that a bad call raises what the spec requires.
+
+    def create_block_mask(self, mask_mod: Callable[..., Any], B: int | None, H: int | None, Q_LEN: int,
+                          KV_LEN: int, BLOCK_SIZE: int | tuple[int, int] = 128) -> BlockMask:
+        """The tiles of mask_mod over (B, H, Q_LEN, KV_LEN), read off the whole grid of its values."""
+        B, H, (block_q, block_k) = validation.block_mask_args(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE)
+        visible = self.grid_mask(mask_mod, self.index_grid(B, H, Q_LEN, KV_LEN))  # (B, H, L, S)
+        return BlockMask(mask_mod=mask_mod, shape=(B, H, Q_LEN, KV_LEN), block_size=(block_q, block_k),
+                         tiles=self.tile_kinds(visible, block_q, block_k))
+
+    def index_grid(self, B: int, H: int, L: int, S: int) -> tuple[np.ndarray, ...]:
+        """b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, L, 1), kv_idx (1, 1, 1, S)."""
+        return tuple(np.arange(n).reshape([n if axis == place else 1 for axis in range(4)])
+                     for place, n in enumerate((B, H, L, S)))
+
+    def grid_mask(self, mask_mod: Callable[..., Any], grid: tuple[np.ndarray, ...]) -> np.ndarray:
+        """mask_mod(b, h, q_idx, kv_idx) on the grid, checked to be booleans that broadcast to it; (B, H, L, S)."""
+        b, h, i, j = grid
+        target = (b.shape[0], h.shape[1], i.shape[2], j.shape[3])
+        visible = np.asarray(mask_mod(b, h, i, j))
+        validation.mask_mod_result("mask_mod", visible.shape, str(visible.dtype), target)
+        return np.broadcast_to(visible, target)
+
+    def tile_kinds(self, visible: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
+        """(B, H, L, S) -> (B, H, rows, columns) kinds: FULL where every entry of a tile is visible, EMPTY where
+        none is, else PARTIAL."""
+        B, H, L, S = visible.shape
+        rows, columns = -(-L // block_q), -(-S // block_k)
+        tiles = np.empty((B, H, rows, columns), np.uint8)
+        for row, column in np.ndindex(rows, columns):
+            tile = visible[:, :, row * block_q:(row + 1) * block_q, column * block_k:(column + 1) * block_k]
+            every, some = np.all(tile, axis=(2, 3)), np.any(tile, axis=(2, 3))  # (B, H)
+            tiles[:, :, row, column] = np.where(every, FULL, np.where(some, PARTIAL, EMPTY))
+        return tiles
+
+    def flex_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, score_mod: Callable | None = None,
+                       block_mask: BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
+                       return_lse: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """out = softmax(score_mod(Q K^T * scale)) V over the keys the block mask's mask_mod shows (and whose
+        score is not -inf); lse the log-sum-exp over them (-inf, and zeros in out, where a query sees none)."""
+        forward = self.flex_forward(q, k, v, score_mod, block_mask, scale, enable_gqa)
+        out = forward.out.astype(q.dtype)
+        return (out, forward.lse) if return_lse else out
+
+    def flex_attention_vjp(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, score_mod: Callable | None = None,
+                           block_mask: BlockMask | None = None, scale: float | None = None,
+                           enable_gqa: bool = False) -> tuple[np.ndarray, np.ndarray, Callable]:
+        """out, lse and pullback(d_out) -> (dq, dk, dv, {score_mod's parameter: gradient})."""
+        forward = self.flex_forward(q, k, v, score_mod, block_mask, scale, enable_gqa)
+        out = forward.out.astype(q.dtype)
+
+        def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+            d_out = np.asarray(d_out)
+            validation.cotangent("d_out", d_out.shape, out.shape, {name: (str(x.dtype), True) for name, x in
+                                                                   (("d_out", d_out), ("out", out))})
+            return self.flex_backward(forward, q, k, v, score_mod, d_out.astype(forward.out.dtype))
+
+        return out, forward.lse, pullback
+
+    def flex_forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, score_mod: Callable | None,
+                     block_mask: BlockMask | None, scale: float | None, enable_gqa: bool) -> _FlexForward:
+        """The whole grid: scores, the score function's, the visible keys, weights, out and lse, in at least
+        float32."""
+        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+        B, H = self.flex_shapes(q, k, v, enable_gqa)
+        (L, E), S = q.shape[-2:], k.shape[-2]
+        if block_mask is not None:
+            validation.block_mask_fits(block_mask, B, H, L, S)
+        self.check_dtypes("", q=q, k=k, v=v)
+        work = self.work_dtype(q.dtype)
+        heads = self.kv_heads(H, k.shape[1])  # (H,): each query head's key/value head
+        k_h, v_h = (np.take(x, heads, axis=1).astype(work) for x in (k, v))  # (B, H, S, E), (B, H, S, Ev)
+        scale = self.resolve_scale(scale, E)
+        grid = self.index_grid(B, H, L, S)
+        raw, scores = self.flex_scores(q.astype(work), k_h, scale, score_mod, grid)  # (B, H, L, S) each
+        visible = self.flex_visible(block_mask, grid, raw.shape) & (scores != -np.inf)  # (B, H, L, S)
+        scores, visible = self.hidden_scores(scores, visible, raw, score_mod, grid)
+        weights, lse = self.flex_softmax(scores, visible)  # (B, H, L, S), (B, H, L)
+        out = np.einsum("bhls,bhsv->bhlv", weights, v_h)  # (B, H, L, S) x (B, H, S, Ev) -> (B, H, L, Ev)
+        return _FlexForward(out=out, lse=lse, raw=raw, weights=weights, visible=visible, grid=grid, k_h=k_h,
+                            v_h=v_h, scale=scale, heads=heads)
+
+    def flex_shapes(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, enable_gqa: bool) -> tuple[int, int]:
+        """(B, H) of q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), by validation.flex_inputs. That check
+        reads the heads' axis as a broadcast one, which refuses Hkv between 1 and H, so with grouped heads the
+        groups are checked first (validation.grouped_heads) and flex_inputs sees k and v with H heads."""
+        if not (enable_gqa and q.ndim == k.ndim == v.ndim == 4):
+            return validation.flex_inputs(q.shape, k.shape, v.shape, enable_gqa)
+        validation.grouped_heads(q.shape, k.shape, v.shape)
+        H = q.shape[1]
+        return validation.flex_inputs(q.shape, (k.shape[0], H, *k.shape[2:]), (v.shape[0], H, *v.shape[2:]), False)
+
+    def flex_scores(self, q: np.ndarray, k_h: np.ndarray, scale: float, score_mod: Callable | None,
+                    grid: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """s = Q K^T * scale and r = score_mod(s, b, h, q_idx, kv_idx), (B, H, L, S) each."""
+        raw = np.einsum("bhle,bhse->bhls", q, k_h) * q.dtype.type(scale)  # (B, H, L, E) x (B, H, S, E)
+        return raw, self.modded(score_mod, raw, grid)
+
+    def hidden_scores(self, scores: np.ndarray, visible: np.ndarray, raw: np.ndarray, score_mod: Callable | None,
+                      grid: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """The scores and the visible keys the softmax takes: as they are (the score function saw every score,
+        the mask then hides keys whatever the score function made of them)."""
+        return scores, visible
+
+    def modded(self, score_mod: Callable | None, raw: np.ndarray, grid: tuple[np.ndarray, ...]) -> np.ndarray:
+        """score_mod(s, b, h, q_idx, kv_idx) on the whole grid of scaled scores s, checked to keep their shape."""
+        if score_mod is None:
+            return raw
+        scores = np.asarray(score_mod(raw, *grid))
+        validation.score_mod_result(scores.shape, raw.shape)
+        return np.broadcast_to(scores, raw.shape).astype(raw.dtype)
+
+    def flex_visible(self, block_mask: BlockMask | None, grid: tuple[np.ndarray, ...],
+                     shape: tuple[int, ...]) -> np.ndarray:
+        """The keys the block mask's mask_mod shows, (B, H, L, S); every key without one. A block mask made for B
+        or H of 1 is the same for every batch element or head (b or h 0)."""
+        if block_mask is None:
+            return np.ones(shape, bool)
+        b, h, i, j = grid
+        b, h = (x if n > 1 else np.zeros_like(x) for x, n in ((b, block_mask.shape[0]), (h, block_mask.shape[1])))
+        return np.broadcast_to(self.grid_mask(block_mask.mask_mod, (b, h, i, j)), shape)
+
+    def flex_softmax(self, scores: np.ndarray, visible: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """weights = exp(r - m) / sum exp(r - m) over the visible keys, lse = m + log sum exp(r - m), m the
+        visible row maximum; a row with no visible key: zeros and lse -inf."""
+        seen = np.any(visible, axis=-1)  # (B, H, L)
+        kept = np.where(visible, scores, -np.inf)
+        row_max = np.where(seen, np.max(kept, axis=-1, initial=-np.inf), 0)  # (B, H, L)
+        exp = np.where(visible, np.exp(kept - row_max[..., None]), 0)  # (B, H, L, S)
+        total = np.einsum("bhls->bhl", exp)  # (B, H, L)
+        weights = exp / np.where(seen, total, 1)[..., None]
+        return weights, np.where(seen, row_max + np.log(np.where(seen, total, 1)), -np.inf)
+
+    def flex_backward(self, forward: _FlexForward, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                      score_mod: Callable | None, d_out: np.ndarray) -> tuple[np.ndarray, ...]:
+        """dV = P^T dO, dP = dO V^T, dR = P (dP - D) with D = rowsum(dO O), (dS, dtheta) through score_mod's vjp,
+        dQ = dS K scale, dK = dS^T Q scale; a key/value head's gradients summed over its query heads."""
+        P, work = forward.weights, forward.out.dtype
+        dv_h = np.einsum("bhls,bhlv->bhsv", P, d_out)  # (B, H, S, Ev)
+        dP = np.einsum("bhlv,bhsv->bhls", d_out, forward.v_h)  # (B, H, L, S)
+        D = np.einsum("bhlv,bhlv->bhl", d_out, forward.out)[..., None]  # (B, H, L, 1)
+        dR = np.where(forward.visible, P * (dP - D), 0)  # hidden entries: 0, whatever the derivative is there
+        dS, d_params = self.score_vjp(score_mod, dR, forward)
+        dS = np.where(forward.visible, dS, 0)
+        dq = np.einsum("bhls,bhse->bhle", dS, forward.k_h) * work.type(forward.scale)  # (B, H, L, E)
+        dk_h = np.einsum("bhls,bhle->bhse", dS, q.astype(work)) * work.type(forward.scale)  # (B, H, S, E)
+        dk, dv = (self.summed_over_groups(d, k.shape[1]) for d in (dk_h, dv_h))  # (B, Hkv, S, *)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_params
+
+    def score_vjp(self, score_mod: Callable | None, dR: np.ndarray,
+                  forward: _FlexForward) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(dS, {parameter: gradient}) through the score function's own vjp (a ScoreMod's)."""
+        if score_mod is None:
+            return dR, {}
+        if not hasattr(score_mod, "vjp"):
+            raise ValueError("score_mod has no vjp: flex_attention_vjp needs a derivative of the score function "
+                             "(a ScoreMod of the catalogue carries one)")
+        dS, d_params = score_mod.vjp(dR, forward.raw, *forward.grid)
+        parameters = getattr(score_mod, "parameters", {})
+        return dS, {name: np.asarray(grad).astype(np.asarray(parameters[name]).dtype)
+                    for name, grad in d_params.items()}
+
+    def summed_over_groups(self, d: np.ndarray, Hkv: int) -> np.ndarray:
+        """(B, H, S, *) per query head -> (B, Hkv, S, *): each key/value head the sum over its G query heads."""
+        B, H = d.shape[:2]
+        return np.sum(d.reshape(B, Hkv, H // Hkv, *d.shape[2:]), axis=2)
 
     # --- randomness --------------------------------------------------------------------------------------
 
@@ -845,6 +1020,21 @@ class _TransformerBlock(_Module):
                                                           length=self._impl.advanced(start, end))
 
 
+class _FlexForward(NamedTuple):
+    """What flex_attention's forward pass keeps for its backward pass, in the working dtype."""
+
+    out: np.ndarray  # (B, H, L, Ev), before the cast to q's dtype
+    lse: np.ndarray  # (B, H, L)
+    raw: np.ndarray  # (B, H, L, S): Q K^T * scale, before score_mod
+    weights: np.ndarray  # (B, H, L, S): P
+    visible: np.ndarray  # (B, H, L, S)
+    grid: tuple[np.ndarray, ...]  # b, h, q_idx, kv_idx
+    k_h: np.ndarray  # (B, H, S, E): each query head's key/value head
+    v_h: np.ndarray  # (B, H, S, Ev)
+    scale: float
+    heads: np.ndarray  # (H,): each query head's key/value head
+
+
 class _InputCache(NamedTuple):
     x: np.ndarray  # (..., capacity, D)
     positions: np.ndarray  # (capacity,): where RoPE turns each input
@@ -873,6 +1063,9 @@ window_mask = _default.window_mask
 padding_mask = _default.padding_mask
 scaled_dot_product_attention = _default.scaled_dot_product_attention
 apply_rope = _default.apply_rope
+flex_attention = _default.flex_attention
+flex_attention_vjp = _default.flex_attention_vjp
+create_block_mask = _default.create_block_mask
 MultiHeadAttention = _default.MultiHeadAttention
 TransformerBlock = _default.TransformerBlock
 

@@ -1,0 +1,52 @@
+"""The suite's flex operation, seen by the author of a programmable attention: it accepts the third-party dense
+flex_attention and a tiled reading of its block masks, and rejects each realistic bug of
+`implementations/broken_flex.py` by the check its docstring names, with a failure that names the module and
+carries a snippet.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance import check
+from tests.implementations.broken_flex import BROKEN, FLEX, TILED, VARIANTS
+
+# variant -> the checks (row measures of the flex operation) of which at least one must fail
+EXPECTED: dict[str, tuple[str, set[str]]] = {
+    "indices_swapped": ("flex", {"values"}),
+    "partial_tile_taken_as_full": ("flex", {"values"}),
+    "first_row_block_mask": ("flex", {"values"}),
+    "score_mod_after_the_mask": ("flex", {"values"}),
+    "score_mod_on_unscaled_scores": ("flex", {"values"}),
+    "alibi_sign_flipped": ("flex", {"values"}),
+    "score_mod_parameters_forgotten": ("flex", {"gradients"}),
+}
+
+
+def test_every_broken_flex_attention_names_the_check_that_catches_it():
+    assert set(EXPECTED) == set(BROKEN) == set(VARIANTS)
+    for name, cls in VARIANTS.items():
+        caught_by = cls.__doc__.split("Caught by:")[1]
+        assert all(check_name in caught_by for check_name in EXPECTED[name][1]), name
+
+
+@pytest.mark.parametrize("module", [FLEX, TILED], ids=["dense", "tiled"])
+def test_correct_flex_attention_passes_the_flex_rows(module):
+    report = check(module, operations=("flex",))
+    assert report.passed, "\n\n".join(row.failure for row in report.rows if row.failure)
+    flex = {(row.check, row.dtype): row for row in report.rows if row.operation == "flex"}
+    assert {("values", "float32"), ("values", "float64"), ("lse", "float64"), ("values", "float16"),
+            ("gradients", "float64"), ("masked_rows", "float64"), ("errors", "-"),
+            ("edge_cases", "float64")} <= set(flex)
+    assert all(row.examples > 0 and not row.skipped for row in flex.values())
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_flex_attention_is_rejected(name: str):
+    module, (operation, checks) = BROKEN[name], EXPECTED[name]
+    report = check(module, operations=(operation,), shrink=False, measures=sorted(checks), contract=False)
+    caught = [row for row in report.rows if not row.passed and row.check in checks]
+    assert caught, f"{name} failed {sorted({row.check for row in report.rows if not row.passed})}"
+    head, _, snippet = caught[0].failure.partition("reproduce:\n")
+    assert head.startswith(f"{module.__name__} flex ") and f" {caught[0].dtype}: " in head, head
+    assert "case: " in head and f"import {module.__name__}\n" in snippet
