@@ -49,7 +49,8 @@ from . import baselines
 # where each is timed instead; every other one is timed here, so a new operation of the registry joins the table
 # until it is named here
 TIMED_ELSEWHERE = {"flash": "--variant long", "ring": "bench/ring.py and bench/ring_torch.py, per device",
-                   "linear": "--complexity, with its recurrent form", "decode": "--decode (a loop of calls)"}
+                   "linear": "--complexity, with its recurrent form", "decode": "--decode (a loop of calls)",
+                   "flex": "--variant flex (block masks against dense masking)"}
 OPERATIONS = tuple(name for name in REGISTRY if name not in TIMED_ELSEWHERE)  # sdpa, mha, block
 SIZES = (128, 256, 512, 1024)
 T = TypeVar("T")  # the value of a step of the progress bar

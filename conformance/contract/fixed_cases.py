@@ -944,9 +944,9 @@ def _flex_rows() -> list[Fixed]:
         edge("flex", "queries_a_tile_leaves_without_a_key", blind,
              "causal from q_offset -3 in tiles of 3 x 2: the first tile row is empty, queries 0..2 get zeros and lse "
              "-inf, query 3 sees key 0 alone",
-             Requirement("out", "zero", (ALL, ALL, slice(0, 3))),
-             Requirement("lse", "minus_inf", (ALL, ALL, slice(0, 3))),
-             Requirement("lse", "finite", (ALL, ALL, slice(3, 6)))),
+             Requirement("out", "zero", index=(ALL, ALL, slice(0, 3))),
+             Requirement("lse", "minus_inf", index=(ALL, ALL, slice(0, 3))),
+             Requirement("lse", "finite", index=(ALL, ALL, slice(3, 6)))),
         error("flex", "q_three_axes", lambda: (case := flex_case())._replace(q=case.q[0], k=case.k[0], v=case.v[0]),
               ValueError, "q", "(B, H, L, E)"),
         error("flex", "block_mask_for_other_scores", _flex(mask_mod=mods.causal(), mask_for=(2, 2, 4, 6)),
