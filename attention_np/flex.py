@@ -30,12 +30,19 @@ function's derivative says at a score it never used.
 
 Grouped-query attention (enable_gqa) repeats each key/value head for its H // Hkv query heads (a copy of k
 and v, H / Hkv times their size, never of the scores), so that every tile is one (B, H, block_q, block_k)
-product; dk and dv are summed over each group's query heads at the end.
+product; dk and dv are summed over each group's query heads at the end. Without it k and v are read as given.
+
+The rows of query tiles run on a thread pool (flash.py's: NumPy releases the GIL in matmul and exp), the rows
+that compute the most tiles first, so that the threads finish together; each row writes its own rows of out
+and lse. The mods are called from those threads, so they must not keep state between calls (the catalogue's
+do not).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,6 +51,7 @@ from attention_np.common import block_mask as blocks
 from attention_np.common import validation
 from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 
+from .flash import PARALLEL_WORK, _blas
 from .functional import _dtypes
 
 NO_MASK_TILE = 128  # block_mask None: tiles of 128 x 128, every one full (torch's default BLOCK_SIZE)
@@ -186,7 +194,8 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, score_mod: Callable[..
         mask_mod, (block_q, block_k), kinds = block_mask.mask_mod, block_mask.block_size, block_mask.batch_kinds()
     work = np.promote_types(q.dtype, np.float32)  # float16, bfloat16: in float32
     groups = H // k.shape[1]  # query heads per key/value head: 1 without enable_gqa
-    k, v = (np.repeat(x, groups, axis=1) for x in (k, v))  # (B, Hkv, S, *) -> (B, H, S, *): head h reads h // groups
+    if groups > 1:  # (B, Hkv, S, *) -> (B, H, S, *): head h reads h // groups
+        k, v = (np.repeat(x, groups, axis=1) for x in (k, v))
     return _Problem(
         q=q.astype(work, copy=False), k=k.astype(work, copy=False), v=v.astype(work, copy=False),
         score_mod=score_mod, mask_mod=mask_mod, kinds=kinds, block_q=block_q, block_k=block_k, scale=scale,
@@ -212,44 +221,52 @@ def _span(index: int, size: int, n: int) -> slice:
 class _Tile(NamedTuple):
     """One tile's scores and what the backward pass needs of them."""
 
-    scores: np.ndarray  # S = (Q K^T) * scale, (B, H, block_q, block_k)
-    new: np.ndarray  # R = score_mod(S), -inf where hidden, (B, H, block_q, block_k)
+    scores: np.ndarray  # S = (Q K^T) * scale, (B, H, block_q, block_k); the tile's own array, writable
+    new: np.ndarray  # R = score_mod(S), -inf where hidden, (B, H, block_q, block_k); without a score function
+    # `scores` itself (so that scores holds -inf where hidden then)
     indices: tuple  # (b, h, q_idx, kv_idx), as the mods received them
     rows: slice
     cols: slice
 
 
-def _tile(p: _Problem, row: int, col: int) -> _Tile:
-    """The tile of query tile `row` and key tile `col`: S, then R = score_mod(S), then the mask function's
-    hidden keys set to -inf (on a partial tile; a full one never calls it)."""
-    rows, cols = _span(row, p.block_q, p.q.shape[2]), _span(col, p.block_k, p.k.shape[2])
-    q_idx = np.arange(rows.start, rows.stop).reshape(1, 1, -1, 1)  # (1, 1, block_q, 1)
+def _tile(p: _Problem, rows: slice, q_idx: np.ndarray, col: int) -> _Tile:
+    """The tile of the queries `rows` (their indices q_idx (1, 1, block_q, 1), made once per row of tiles) and key
+    tile `col`: S, then R = score_mod(S), then the mask function's hidden keys set to -inf (on a partial tile; a
+    full one never calls it)."""
+    cols = _span(col, p.block_k, p.k.shape[2])
     kv_idx = np.arange(cols.start, cols.stop).reshape(1, 1, 1, -1)  # (1, 1, 1, block_k)
     indices = (p.b, p.h, q_idx, kv_idx)
     # 1) the scores: (B, H, block_q, E) x (B, H, E, block_k) -> (B, H, block_q, block_k)
-    scores = (p.q[:, :, rows] @ np.swapaxes(p.k[:, :, cols], -1, -2)) * p.scale
+    scores = p.q[:, :, rows] @ np.swapaxes(p.k[:, :, cols], -1, -2)
+    scores *= p.scale
     # 2) the score function, elementwise; it may broadcast, never change the tile's shape
     new = scores
     if p.score_mod is not None:
         new = p.score_mod(scores, *indices)
         validation.score_mod_result(np.shape(new), scores.shape)
         new = np.broadcast_to(np.asarray(new, dtype=p.work), scores.shape)
-    # 3) the mask, after the score function: a hidden key stays hidden
-    if p.kinds[row, col] == PARTIAL:
+    # 3) the mask, after the score function: a hidden key stays hidden; -inf written into the tile's own array
+    #    (the scores themselves without a score function, whose vjp is then the identity and never reads them)
+    if p.kinds[rows.start // p.block_q, col] == PARTIAL:
         visible = np.asarray(p.mask_mod(*indices))
         validation.mask_mod_result("mask_mod", visible.shape, str(visible.dtype), scores.shape)
-        new = np.where(visible, new, -np.inf)
+        new = new if new is scores else np.array(new)  # the score function's result may be read-only or shared
+        np.copyto(new, -np.inf, where=~visible)
     return _Tile(scores=scores, new=new, indices=indices, rows=rows, cols=cols)
 
 
 def _forward(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
-    """out (B, H, L, Ev) and lse (B, H, L), in the working dtype: one query tile after another."""
+    """out (B, H, L, Ev) and lse (B, H, L), in the working dtype: the rows of query tiles, each on its own."""
     B, H, L, _ = p.q.shape
     out = np.zeros((B, H, L, p.v.shape[-1]), p.work)  # (B, H, L, Ev)
     lse = np.full((B, H, L), -np.inf, p.work)  # (B, H, L)
-    for row in range(p.kinds.shape[0]):
+
+    def query_tile(row: int) -> None:
         rows = _span(row, p.block_q, L)
         out[:, :, rows], lse[:, :, rows] = _query_tile(p, row)
+
+    computed = np.count_nonzero(p.kinds != EMPTY, axis=1)  # tiles per row
+    _run(p, query_tile, (int(row) for row in np.argsort(-computed, kind="stable")))  # the busiest rows first
     return out, lse
 
 
@@ -259,20 +276,23 @@ def _query_tile(p: _Problem, row: int) -> tuple[np.ndarray, np.ndarray]:
     B, H, L, _ = p.q.shape
     rows = _span(row, p.block_q, L)
     n = rows.stop - rows.start  # the tile's queries (the last tile may be short)
+    q_idx = np.arange(rows.start, rows.stop).reshape(1, 1, -1, 1)  # (1, 1, block_q, 1), for every tile of the row
     m = np.full((B, H, n, 1), -np.inf, p.work)  # running maximum (B, H, block_q, 1)
     l = np.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
     acc = np.zeros((B, H, n, p.v.shape[-1]), p.work)  # running output (B, H, block_q, Ev)
     for col in np.flatnonzero(p.kinds[row] != EMPTY):  # an empty tile is never computed
-        tile = _tile(p, row, int(col))  # R (B, H, block_q, block_k), -inf where hidden
+        tile = _tile(p, rows, q_idx, int(col))  # R (B, H, block_q, block_k), -inf where hidden
         # 1) the new running maximum; where nothing is seen yet (the maximum -inf) the shift is 0, so that
         #    exp(-inf - shift) is 0, not exp(-inf + inf) = NaN
         m_new = np.maximum(m, np.max(tile.new, axis=-1, keepdims=True))
         shift = np.where(m_new == -np.inf, 0, m_new)
         # 2) what was summed against the old maximum, moved to the new one: exp(m - m_new)
         rescale = np.exp(m - shift)  # (B, H, block_q, 1); 0 on the first tile a row sees
-        weights = np.exp(tile.new - shift)  # unnormalised; hidden: exp(-inf) = 0
+        # unnormalised; hidden: exp(-inf) = 0; written over the scores, which the forward pass no longer reads
+        weights = np.exp(np.subtract(tile.new, shift, out=tile.scores), out=tile.scores)
         l = l * rescale + np.sum(weights, axis=-1, keepdims=True)  # noqa: E741
-        acc = acc * rescale + weights @ p.v[:, :, tile.cols]  # (B, H, bq, bk) x (B, H, bk, Ev) -> (B, H, bq, Ev)
+        acc *= rescale
+        acc += weights @ p.v[:, :, tile.cols]  # (B, H, bq, bk) x (B, H, bk, Ev) -> (B, H, bq, Ev)
         m = m_new
     # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
     seen = l != 0
@@ -280,6 +300,22 @@ def _query_tile(p: _Problem, row: int) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(divide="ignore"):
         lse = np.where(seen, m + np.log(l), -np.inf)  # (B, H, block_q, 1)
     return out, lse[..., 0]
+
+
+def _run(p: _Problem, task: Callable[[int], None], items: Iterable[int]) -> None:
+    """task(item) for every item: on a thread pool of one thread per core where the problem is large enough to
+    pay for it (flash.py's PARALLEL_WORK; NumPy releases the GIL in matmul and exp), else in turn. Each thread
+    takes one BLAS thread: a tile's matmul is too small to share (flash.py's _run)."""
+    items = list(items)
+    B, H, L, E = p.q.shape
+    workers = min(os.cpu_count() or 1, len(items))
+    if workers <= 1 or B * H * L * p.k.shape[2] * E < PARALLEL_WORK:
+        for item in items:
+            task(item)
+        return
+    with _blas().limit(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
+        for _ in pool.map(task, items):  # re-raises a task's exception
+            pass
 
 
 def _backward(p: _Problem, out: np.ndarray, lse: np.ndarray, d_out: np.ndarray,
@@ -294,7 +330,8 @@ def _backward(p: _Problem, out: np.ndarray, lse: np.ndarray, d_out: np.ndarray,
     D = np.sum(d_out * out, axis=-1, keepdims=True)  # rowsum(dO * O) = rowsum(dP * P), (B, H, L, 1)
     lse = np.where(lse == -np.inf, np.inf, lse)[..., None]  # a query that sees nothing: P = exp(-inf - inf) = 0
     for row, col in zip(*np.nonzero(p.kinds != EMPTY), strict=True):
-        tile = _tile(p, int(row), int(col))
+        rows = _span(int(row), p.block_q, p.q.shape[2])
+        tile = _tile(p, rows, np.arange(rows.start, rows.stop).reshape(1, 1, -1, 1), int(col))
         rows, cols = tile.rows, tile.cols
         # 1) the weights again, from the log-sum-exp: P = exp(R - lse), 0 where hidden
         weights = np.exp(tile.new - lse[:, :, rows])  # (B, H, bq, bk)

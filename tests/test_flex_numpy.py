@@ -82,6 +82,22 @@ def test_equals_the_dense_softmax(name, tiles):
     assert_close(lse[finite], expected_lse[finite], RTOL, f"{name} lse")
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_the_rows_of_tiles_on_threads_equal_the_dense_softmax(name, monkeypatch):
+    # the thread pool at any size (it starts above flash.PARALLEL_WORK otherwise): each row of query tiles writes
+    # its own rows of out and lse, in whatever order the threads take them
+    monkeypatch.setattr(M.flex, "PARALLEL_WORK", 0)
+    mask_mod, score_mod = CASES[name]
+    q, k, v = _inputs()
+    expected_out, expected_lse = _dense(q, k, v, mask_mod, score_mod, 0.6)
+    out, lse = M.flex_attention(q, k, v, score_mod=score_mod, block_mask=_block_mask(mask_mod, (2, 3)), scale=0.6,
+                                return_lse=True)
+    assert_close(out, expected_out, RTOL, f"{name} out")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse))
+    finite = np.isfinite(expected_lse)
+    assert_close(lse[finite], expected_lse[finite], RTOL, f"{name} lse")
+
+
 def test_a_broadcast_block_mask_and_the_default_scale():
     q, k, v = _inputs()
     block_mask = M.create_block_mask(mods.causal(), None, None, L, S, BLOCK_SIZE=(3, 2))  # (1, 1, L, S)
