@@ -344,8 +344,8 @@ def _query_tile(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameter
         k_tile = lax.dynamic_slice_in_dim(k, tile.cols, plan.block_k, axis=-2)  # (B, Hkv, bk, E)
         raw = jnp.einsum("bhgle,bhse->bhgls", q, k_tile)  # S = (Q * scale) K^T: (.., bq, E) x (.., bk, E)
         indices = _indices(plan, tile)
-        scores = _hidden(_modded(plan, raw, parameters, indices), _visible(plan, tile, indices))  # R, -inf
-        # where hidden: (B, Hkv, G, bq, bk)
+        # R = score_mod(S), -inf where hidden: (B, Hkv, G, bq, bk)
+        scores = _hidden(_modded(plan, raw, parameters, indices), _visible(plan, tile, indices))
         # 1) the new running maximum; where nothing is seen yet (the maximum -inf) the shift is 0
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
