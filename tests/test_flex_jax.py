@@ -226,3 +226,28 @@ def test_new_parameter_values_reuse_the_compiled_program():
     second = M.flex_attention(q, k, v, ALIBI.replace(slopes=np.full(H, 0.1)), block_mask, SCALE)
     assert traced > 0 and len(calls) == traced, "the second call compiled nothing"
     assert not np.allclose(np.asarray(first), np.asarray(second)), "the new slopes were used"
+
+
+def test_grad_through_flex_attention_keeps_no_scores():
+    """jax.grad through flex_attention takes the custom_vjp's backward, which recomputes the tiles: XLA's plan of
+    temporaries stays far below one (B, H, L, S) array of scores, which the same gradient of dense attention
+    holds (so the measure sees such an array)."""
+    batch, heads, length, width = 1, 2, 2048, 16
+    q, k, v = (_random(batch, heads, length, width, seed=n).astype(jnp.float32) for n in range(3))
+    scores_mib = batch * heads * length * length * 4 / 2**20  # float32: 32 MiB
+    block_mask = M.create_block_mask(mods.document(np.repeat(np.arange(4), length // 4)), None, None, length,
+                                     length)
+    slopes = jnp.ones(heads, jnp.float32)
+
+    def flex(q, k, v, slopes):
+        return jnp.sum(M.flex_attention(q, k, v, mods.alibi(np.ones(heads)).replace(slopes=slopes), block_mask))
+
+    def dense(q, k, v, slopes):
+        return jnp.sum(jax.nn.softmax(jnp.einsum("bhle,bhse->bhls", q, k), axis=-1) @ v)
+
+    def temporaries(loss):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, k, v, slopes).compile()
+        return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+    assert temporaries(dense) > scores_mib
+    assert temporaries(flex) < scores_mib / 8, f"{temporaries(flex):.1f} MiB of temporaries"
