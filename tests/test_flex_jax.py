@@ -1,0 +1,253 @@
+"""attention_jax.flex_attention under JAX's transformations: jit, grad (through flex_attention itself, against
+its vjp and against a dense oracle written here), vmap over a leading axis, the learned ALiBi slopes' gradient;
+the mask function evaluated on partial tiles only (recorded at run time, as JAX traces a tile once); one
+program for any number of tiles, and one compile for new parameter values of a score function.
+
+The oracle is dense JAX: every score (B, H, L, S) at once, mods evaluated on the whole grid, softmax over the
+visible keys, differentiated by plain autodiff, so it shares none of the kernel's tiles, loops or custom_vjp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from attention_np.common import mods
+from attention_np.common.block_mask import EMPTY, FULL, PARTIAL
+from tests._compare import assert_close
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+jax_core = pytest.importorskip("jax.extend.core")
+M = pytest.importorskip("attention_jax")
+
+RTOL = 1e-12  # float64: the same math computed tile by tile
+B, H, HKV, L, S, E, EV = 2, 4, 2, 9, 11, 4, 3
+SCALE = 0.7
+SEGMENTS = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2])  # (S,): three documents
+MASK = mods.and_masks(mods.causal(), mods.document(SEGMENTS[:L], SEGMENTS))
+ALIBI = mods.alibi(2.0 ** -np.arange(1, H + 1))
+
+
+def _random(*shape: int, seed: int) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape))
+
+
+def _inputs(kv_heads: int = H) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return _random(B, H, L, E, seed=0), _random(B, kv_heads, S, E, seed=1), _random(B, kv_heads, S, EV, seed=2)
+
+
+def _dense(q: jax.Array, k: jax.Array, v: jax.Array, mask_mod: Any, score_mod: Any) -> tuple[jax.Array, jax.Array]:
+    """The oracle: out (..., H, L, Ev) and lse (..., H, L) from every score at once; k and v repeated to H heads."""
+    k, v = (jnp.repeat(x, H // x.shape[-3], axis=-3) for x in (k, v))
+    b, h = jnp.arange(B).reshape(B, 1, 1, 1), jnp.arange(H).reshape(1, H, 1, 1)
+    i, j = jnp.arange(L).reshape(1, 1, L, 1), jnp.arange(S).reshape(1, 1, 1, S)
+    scores = jnp.einsum("bhle,bhse->bhls", q, k) * SCALE  # (B, H, L, S)
+    scores = scores if score_mod is None else score_mod(scores, b, h, i, j)
+    visible = jnp.broadcast_to(mask_mod(b, h, i, j), scores.shape)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    top = jnp.where(top == -jnp.inf, 0.0, top)  # a query that sees nothing
+    total = jnp.sum(jnp.exp(scores - top), axis=-1, keepdims=True)
+    seen = total != 0
+    weights = jnp.exp(scores - top) / jnp.where(seen, total, 1.0)
+    lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)[..., 0]
+    return jnp.einsum("bhls,bhsv->bhlv", weights, v), lse
+
+
+def _block_mask(tiles: tuple[int, int] = (2, 3)) -> Any:
+    return M.create_block_mask(MASK, B, H, L, S, BLOCK_SIZE=tiles)
+
+
+def test_jit_equals_eager():
+    q, k, v = _inputs()
+    block_mask = _block_mask()
+    eager = M.flex_attention(q, k, v, ALIBI, block_mask, SCALE, return_lse=True)
+    jitted = jax.jit(lambda q, k, v: M.flex_attention(q, k, v, ALIBI, block_mask, SCALE, return_lse=True))(q, k, v)
+    for what, a, b in zip(("out", "lse"), jitted, eager, strict=True):
+        assert_close(np.asarray(a), np.asarray(b), RTOL, what)
+
+
+def test_values_equal_the_dense_oracle():
+    q, k, v = _inputs()
+    out, lse = M.flex_attention(q, k, v, ALIBI, _block_mask(), SCALE, return_lse=True)
+    expected_out, expected_lse = _dense(q, k, v, MASK, ALIBI)
+    assert_close(np.asarray(out), np.asarray(expected_out), RTOL, "out")
+    assert_close(np.asarray(lse), np.asarray(expected_lse), RTOL, "lse")
+
+
+def test_grad_through_flex_attention_equals_its_vjp():
+    """jax.grad of a loss through flex_attention takes the custom_vjp's backward, as flex_attention_vjp does;
+    with the ALiBi slopes through ScoreMod.replace."""
+    q, k, v = _inputs(kv_heads=HKV)
+    block_mask, d_out = _block_mask(), _random(B, H, L, EV, seed=3)
+
+    def loss(q, k, v, slopes):
+        out = M.flex_attention(q, k, v, ALIBI.replace(slopes=slopes), block_mask, SCALE, enable_gqa=True)
+        return jnp.sum(out * d_out)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, jnp.asarray(ALIBI.parameters["slopes"]))
+    _, _, pullback = M.flex_attention_vjp(q, k, v, ALIBI, block_mask, SCALE, enable_gqa=True)
+    dq, dk, dv, d_parameters = pullback(d_out)
+    for what, a, b in zip(("dq", "dk", "dv", "dslopes"), grads, (dq, dk, dv, d_parameters["slopes"]), strict=True):
+        assert_close(np.asarray(a), np.asarray(b), RTOL, what)
+
+
+def test_grad_of_out_and_lse_equals_the_dense_oracle():
+    """A loss of out and lse (lse's cotangent enters as D - d_lse) under jit(grad), against plain autodiff of the
+    dense oracle; relative_bias's table is the parameter."""
+    q, k, v = _inputs()
+    bias = mods.relative_bias(np.asarray(_random(H, 5, seed=4)))
+    d_out, d_lse = _random(B, H, L, EV, seed=5), _random(B, H, L, seed=6)
+    block_mask = _block_mask((4, 7))
+
+    def loss(attend, q, k, v, table):
+        out, lse = attend(q, k, v, bias.replace(table=table))
+        return jnp.sum(out * d_out) + jnp.sum(jnp.where(lse == -jnp.inf, 0.0, lse) * d_lse)
+
+    def ours(q, k, v, score_mod):
+        return M.flex_attention(q, k, v, score_mod, block_mask, SCALE, return_lse=True)
+
+    def oracle(q, k, v, score_mod):
+        return _dense(q, k, v, MASK, score_mod)
+
+    arguments = (q, k, v, jnp.asarray(bias.parameters["table"]))
+    grads = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2, 3)))(*arguments)
+    expected = jax.grad(lambda *a: loss(oracle, *a), argnums=(0, 1, 2, 3))(*arguments)
+    for what, a, b in zip(("dq", "dk", "dv", "dtable"), grads, expected, strict=True):
+        assert_close(np.asarray(a), np.asarray(b), RTOL, what)
+
+
+def test_learned_alibi_slopes_gradient_under_jax_grad():
+    """d loss / d slopes through ScoreMod.replace under jax.grad, against the dense oracle's."""
+    q, k, v = _inputs()
+    d_out, block_mask = _random(B, H, L, EV, seed=7), _block_mask()
+
+    def loss(attend, slopes):
+        return jnp.sum(attend(ALIBI.replace(slopes=slopes)) * d_out)
+
+    slopes = jnp.asarray(ALIBI.parameters["slopes"])
+    grad = jax.grad(lambda s: loss(lambda mod: M.flex_attention(q, k, v, mod, block_mask, SCALE), s))(slopes)
+    expected = jax.grad(lambda s: loss(lambda mod: _dense(q, k, v, MASK, mod)[0], s))(slopes)
+    assert grad.shape == (H,)
+    assert_close(np.asarray(grad), np.asarray(expected), RTOL, "dslopes")
+
+
+def test_vmap_over_a_leading_axis_equals_a_loop():
+    q, k, v = (jnp.stack([x, 2 * x]) for x in _inputs())  # (2, B, H, *, *)
+    block_mask = _block_mask()
+    out = jax.vmap(lambda q, k, v: M.flex_attention(q, k, v, ALIBI, block_mask, SCALE))(q, k, v)
+    for n in range(2):
+        expected = M.flex_attention(q[n], k[n], v[n], ALIBI, block_mask, SCALE)
+        assert_close(np.asarray(out[n]), np.asarray(expected), RTOL, f"vmapped entry {n}")
+
+
+def test_low_precision_computes_in_float32():
+    q, k, v = (x.astype(jnp.float16) for x in _inputs())
+    out, lse = M.flex_attention(q, k, v, ALIBI, _block_mask(), SCALE, return_lse=True)
+    assert (out.dtype, lse.dtype) == (jnp.float16, jnp.float32)
+    expected, _ = _dense(*(x.astype(jnp.float32) for x in (q, k, v)), MASK, ALIBI)
+    assert_close(np.asarray(out, np.float64), np.asarray(expected), 2e-3, "float16 out")  # float16's rounding
+
+
+class _Recorder:
+    """A mask (or score) function that records, at run time (jax.debug.callback), the tiles it is evaluated on."""
+
+    def __init__(self, inner: Any, block_size: tuple[int, int]) -> None:
+        self.inner, self.block_size, self.tiles = inner, block_size, set()
+
+    def _record(self, q_idx: np.ndarray, kv_idx: np.ndarray) -> None:
+        self.tiles |= {(int(i), int(j)) for i in np.ravel(q_idx) // self.block_size[0]
+                       for j in np.ravel(kv_idx) // self.block_size[1]}
+
+    def __call__(self, *arguments: Any) -> Any:
+        jax.debug.callback(self._record, arguments[-2], arguments[-1])
+        return self.inner(*arguments)
+
+
+def test_the_mask_function_runs_on_partial_tiles_only():
+    q, k, v = _inputs()
+    mask_mod, score_mod = _Recorder(MASK, (2, 3)), _Recorder(ALIBI, (2, 3))
+    block_mask = M.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=(2, 3))
+    mask_mod.tiles.clear()
+    jax.block_until_ready(M.flex_attention(q, k, v, score_mod, block_mask, SCALE))
+    jax.effects_barrier()
+    kinds = block_mask.batch_kinds()
+    partial, empty, full = ({(int(i), int(j)) for i, j in zip(*np.nonzero(kinds == kind), strict=True)}
+                            for kind in (PARTIAL, EMPTY, FULL))
+    assert partial and empty and full, "the case has tiles of every kind"
+    assert mask_mod.tiles == partial, "the mask function runs on the partial tiles, and on them only"
+    assert score_mod.tiles == partial | full, "the score function runs on every tile computed, no empty one"
+
+
+def _equations(jaxpr: Any) -> int:
+    """The equations of a jaxpr and of every jaxpr inside it (loop bodies, branches, jitted calls)."""
+    count = 0
+    for equation in jaxpr.eqns:
+        count += 1
+        for value in equation.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(inner, jax_core.ClosedJaxpr):
+                    count += _equations(inner.jaxpr)
+                elif isinstance(inner, jax_core.Jaxpr):
+                    count += _equations(inner)
+    return count
+
+
+def test_the_program_does_not_grow_with_the_number_of_tiles():
+    """The tiles to compute are index arrays that loops read: 20 tiles of 2 x 3, 6 of 4 x 7 and 4 of 5 x 6 (each
+    padding L and S) trace to as many equations, forward and backward."""
+    q, k, v = _inputs()
+
+    def size(tiles: tuple[int, int]) -> int:
+        block_mask = _block_mask(tiles)
+        return _equations(jax.make_jaxpr(lambda q, k, v: M.flex_attention_vjp(
+            q, k, v, ALIBI, block_mask, SCALE)[2](q[..., :EV]))(q, k, v).jaxpr)
+
+    assert size((2, 3)) == size((4, 7)) == size((5, 6))
+
+
+def test_new_parameter_values_reuse_the_compiled_program():
+    """The plan is static (the block mask and the score function's rule by identity), the parameters are
+    arguments: a second call with other slopes traces nothing again, so the mask function is not called."""
+    calls = []
+
+    def counted(b, h, q_idx, kv_idx):
+        calls.append(1)  # once per trace: the compiled program does not call Python
+        return MASK(b, h, q_idx, kv_idx)
+
+    q, k, v = _inputs()
+    block_mask = M.create_block_mask(counted, B, H, L, S, BLOCK_SIZE=(2, 3))
+    calls.clear()
+    first = M.flex_attention(q, k, v, ALIBI, block_mask, SCALE)
+    traced = len(calls)
+    second = M.flex_attention(q, k, v, ALIBI.replace(slopes=np.full(H, 0.1)), block_mask, SCALE)
+    assert traced > 0 and len(calls) == traced, "the second call compiled nothing"
+    assert not np.allclose(np.asarray(first), np.asarray(second)), "the new slopes were used"
+
+
+def test_grad_through_flex_attention_keeps_no_scores():
+    """jax.grad through flex_attention takes the custom_vjp's backward, which recomputes the tiles: XLA's plan of
+    temporaries stays far below one (B, H, L, S) array of scores, which the same gradient of dense attention
+    holds (so the measure sees such an array)."""
+    batch, heads, length, width = 1, 2, 2048, 16
+    q, k, v = (_random(batch, heads, length, width, seed=n).astype(jnp.float32) for n in range(3))
+    scores_mib = batch * heads * length * length * 4 / 2**20  # float32: 32 MiB
+    block_mask = M.create_block_mask(mods.document(np.repeat(np.arange(4), length // 4)), None, None, length,
+                                     length)
+    slopes = jnp.ones(heads, jnp.float32)
+
+    def flex(q, k, v, slopes):
+        return jnp.sum(M.flex_attention(q, k, v, mods.alibi(np.ones(heads)).replace(slopes=slopes), block_mask))
+
+    def dense(q, k, v, slopes):
+        return jnp.sum(jax.nn.softmax(jnp.einsum("bhle,bhse->bhls", q, k), axis=-1) @ v)
+
+    def temporaries(loss):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, k, v, slopes).compile()
+        return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+    assert temporaries(dense) > scores_mib
+    assert temporaries(flex) < scores_mib / 8, f"{temporaries(flex):.1f} MiB of temporaries"
