@@ -18,7 +18,10 @@ and the running maximum m, denominator l and output O of flash.py move from tile
 The mask is applied after the score function, so that a hidden key stays hidden whatever score_mod makes of
 its score. The tiles are the block mask's; a tile is computed for the whole batch and every head at once, so
 its kind is BlockMask.batch_kinds()'s: an empty tile (empty in every (b, h)) is skipped, a full one is
-computed without calling mask_mod, and a partial one calls it on the tile's index arrays.
+computed without calling mask_mod, and a partial one calls it on the tile's index arrays. The forward pass
+takes a row's consecutive tiles that are not empty side by side, a run of up to RUN_SCORES scores: one
+product Q K^T and one step of the online softmax per run (a causal window of 256 in tiles of 128: one run of
+three tiles per row), the mods still called tile by tile on each tile's index arrays.
 
 The backward pass recomputes each tile, P = exp(R - lse), and with D = rowsum(dO * O) (= rowsum(dP * P), as in
 flash.py):
@@ -55,6 +58,7 @@ from .flash import PARALLEL_WORK, _blas
 from .functional import _dtypes
 
 NO_MASK_TILE = 128  # block_mask None: tiles of 128 x 128, every one full (torch's default BLOCK_SIZE)
+RUN_SCORES = 1 << 20  # scores over the batch (4 MiB of float32) of a run of key tiles computed as one product
 
 
 def flex_attention(
@@ -219,40 +223,54 @@ def _span(index: int, size: int, n: int) -> slice:
 
 
 class _Tile(NamedTuple):
-    """One tile's scores and what the backward pass needs of them."""
+    """One run of tiles of a row: their scores side by side, and what the backward pass needs of them."""
 
-    scores: np.ndarray  # S = (Q K^T) * scale, (B, H, block_q, block_k); the tile's own array, writable
-    new: np.ndarray  # R = score_mod(S), -inf where hidden, (B, H, block_q, block_k); without a score function
+    scores: np.ndarray  # S = (Q K^T) * scale, (B, H, block_q, keys); the run's own array, writable
+    new: np.ndarray  # R = score_mod(S), -inf where hidden, (B, H, block_q, keys); without a score function
     # `scores` itself (so that scores holds -inf where hidden then)
-    indices: tuple  # (b, h, q_idx, kv_idx), as the mods received them
+    indices: tuple  # (b, h, q_idx, kv_idx) over the run's keys; a tile's mods got kv_idx's part of it
     rows: slice
-    cols: slice
+    cols: slice  # the run's keys
 
 
-def _tile(p: _Problem, rows: slice, q_idx: np.ndarray, col: int) -> _Tile:
-    """The tile of the queries `rows` (their indices q_idx (1, 1, block_q, 1), made once per row of tiles) and key
-    tile `col`: S, then R = score_mod(S), then the mask function's hidden keys set to -inf (on a partial tile; a
-    full one never calls it)."""
-    cols = _span(col, p.block_k, p.k.shape[2])
-    kv_idx = np.arange(cols.start, cols.stop).reshape(1, 1, 1, -1)  # (1, 1, 1, block_k)
-    indices = (p.b, p.h, q_idx, kv_idx)
-    # 1) the scores: (B, H, block_q, E) x (B, H, E, block_k) -> (B, H, block_q, block_k)
+def _tile(p: _Problem, rows: slice, q_idx: np.ndarray, run: range) -> _Tile:
+    """The key tiles `run` (consecutive, none empty) of the queries `rows` (their indices q_idx (1, 1, block_q, 1),
+    made once per row of tiles), side by side: S in one product, then for each tile R = score_mod(S) and, on a
+    partial tile, the mask function's hidden keys set to -inf (a full one never calls it)."""
+    cols = slice(run.start * p.block_k, min(run.stop * p.block_k, p.k.shape[2]))
+    kv_idx = np.arange(cols.start, cols.stop).reshape(1, 1, 1, -1)  # (1, 1, 1, keys)
+    # 1) the scores: (B, H, block_q, E) x (B, H, E, keys) -> (B, H, block_q, keys)
     scores = p.q[:, :, rows] @ np.swapaxes(p.k[:, :, cols], -1, -2)
     scores *= p.scale
-    # 2) the score function, elementwise; it may broadcast, never change the tile's shape
-    new = scores
-    if p.score_mod is not None:
-        new = p.score_mod(scores, *indices)
-        validation.score_mod_result(np.shape(new), scores.shape)
-        new = np.broadcast_to(np.asarray(new, dtype=p.work), scores.shape)
-    # 3) the mask, after the score function: a hidden key stays hidden; -inf written into the tile's own array
-    #    (the scores themselves without a score function, whose vjp is then the identity and never reads them)
-    if p.kinds[rows.start // p.block_q, col] == PARTIAL:
-        visible = np.asarray(p.mask_mod(*indices))
-        validation.mask_mod_result("mask_mod", visible.shape, str(visible.dtype), scores.shape)
-        new = new if new is scores else np.array(new)  # the score function's result may be read-only or shared
-        np.copyto(new, -np.inf, where=~visible)
-    return _Tile(scores=scores, new=new, indices=indices, rows=rows, cols=cols)
+    new = scores if p.score_mod is None else np.empty_like(scores)
+    for col in run:  # each tile's mods on its own index arrays
+        part = _span(col - run.start, p.block_k, cols.stop - cols.start)  # the tile's keys within the run
+        indices = (p.b, p.h, q_idx, kv_idx[..., part])
+        # 2) the score function, elementwise; it may broadcast, never change the tile's shape
+        if p.score_mod is not None:
+            tile_new = p.score_mod(scores[..., part], *indices)
+            validation.score_mod_result(np.shape(tile_new), scores[..., part].shape)
+            new[..., part] = tile_new
+        # 3) the mask, after the score function: a hidden key stays hidden
+        if p.kinds[rows.start // p.block_q, col] == PARTIAL:
+            visible = np.asarray(p.mask_mod(*indices))
+            validation.mask_mod_result("mask_mod", visible.shape, str(visible.dtype), scores[..., part].shape)
+            np.copyto(new[..., part], -np.inf, where=~visible)
+    return _Tile(scores=scores, new=new, indices=(p.b, p.h, q_idx, kv_idx), rows=rows, cols=cols)
+
+
+def _runs(p: _Problem, row: int) -> list[range]:
+    """The row's key tiles that are not empty, in runs of consecutive ones, each run at most RUN_SCORES scores
+    over the batch (and at least one tile)."""
+    B, H = p.q.shape[:2]
+    longest = max(1, RUN_SCORES // (B * H * p.block_q * p.block_k))  # tiles per run
+    runs: list[range] = []
+    for col in np.flatnonzero(p.kinds[row] != EMPTY):  # an empty tile is never computed
+        if runs and runs[-1].stop == col and len(runs[-1]) < longest:
+            runs[-1] = range(runs[-1].start, col + 1)
+        else:
+            runs.append(range(col, col + 1))
+    return runs
 
 
 def _forward(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
@@ -272,7 +290,7 @@ def _forward(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
 
 def _query_tile(p: _Problem, row: int) -> tuple[np.ndarray, np.ndarray]:
     """out (B, H, block_q, Ev) and lse (B, H, block_q) of the queries of tile `row`: the online softmax over the
-    key tiles of the row that are not empty."""
+    runs of key tiles of the row that are not empty, one step per run."""
     B, H, L, _ = p.q.shape
     rows = _span(row, p.block_q, L)
     n = rows.stop - rows.start  # the tile's queries (the last tile may be short)
@@ -280,19 +298,19 @@ def _query_tile(p: _Problem, row: int) -> tuple[np.ndarray, np.ndarray]:
     m = np.full((B, H, n, 1), -np.inf, p.work)  # running maximum (B, H, block_q, 1)
     l = np.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
     acc = np.zeros((B, H, n, p.v.shape[-1]), p.work)  # running output (B, H, block_q, Ev)
-    for col in np.flatnonzero(p.kinds[row] != EMPTY):  # an empty tile is never computed
-        tile = _tile(p, rows, q_idx, int(col))  # R (B, H, block_q, block_k), -inf where hidden
+    for run in _runs(p, row):
+        tile = _tile(p, rows, q_idx, run)  # R (B, H, block_q, keys), -inf where hidden
         # 1) the new running maximum; where nothing is seen yet (the maximum -inf) the shift is 0, so that
         #    exp(-inf - shift) is 0, not exp(-inf + inf) = NaN
         m_new = np.maximum(m, np.max(tile.new, axis=-1, keepdims=True))
         shift = np.where(m_new == -np.inf, 0, m_new)
         # 2) what was summed against the old maximum, moved to the new one: exp(m - m_new)
-        rescale = np.exp(m - shift)  # (B, H, block_q, 1); 0 on the first tile a row sees
+        rescale = np.exp(m - shift)  # (B, H, block_q, 1); 0 on the first run a row sees
         # unnormalised; hidden: exp(-inf) = 0; written over the scores, which the forward pass no longer reads
         weights = np.exp(np.subtract(tile.new, shift, out=tile.scores), out=tile.scores)
         l = l * rescale + np.sum(weights, axis=-1, keepdims=True)  # noqa: E741
         acc *= rescale
-        acc += weights @ p.v[:, :, tile.cols]  # (B, H, bq, bk) x (B, H, bk, Ev) -> (B, H, bq, Ev)
+        acc += weights @ p.v[:, :, tile.cols]  # (B, H, bq, keys) x (B, H, keys, Ev) -> (B, H, bq, Ev)
         m = m_new
     # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
     seen = l != 0
@@ -331,7 +349,7 @@ def _backward(p: _Problem, out: np.ndarray, lse: np.ndarray, d_out: np.ndarray,
     lse = np.where(lse == -np.inf, np.inf, lse)[..., None]  # a query that sees nothing: P = exp(-inf - inf) = 0
     for row, col in zip(*np.nonzero(p.kinds != EMPTY), strict=True):
         rows = _span(int(row), p.block_q, p.q.shape[2])
-        tile = _tile(p, rows, np.arange(rows.start, rows.stop).reshape(1, 1, -1, 1), int(col))
+        tile = _tile(p, rows, np.arange(rows.start, rows.stop).reshape(1, 1, -1, 1), range(col, col + 1))
         rows, cols = tile.rows, tile.cols
         # 1) the weights again, from the log-sum-exp: P = exp(R - lse), 0 where hidden
         weights = np.exp(tile.new - lse[:, :, rows])  # (B, H, bq, bk)

@@ -98,6 +98,22 @@ def test_the_rows_of_tiles_on_threads_equal_the_dense_softmax(name, monkeypatch)
     assert_close(lse[finite], expected_lse[finite], RTOL, f"{name} lse")
 
 
+@pytest.mark.parametrize("tiles_per_run", [1, 2])
+@pytest.mark.parametrize("name", ["causal_softcap", "document_alibi"])
+def test_runs_of_key_tiles_cut_at_their_size_equal_the_dense_softmax(name, tiles_per_run, monkeypatch):
+    # consecutive key tiles of a row are computed side by side, up to RUN_SCORES scores: here runs of one and
+    # two tiles of 2 x 3 (B H 2 3 scores each) where the test's other sizes take a whole row at once
+    monkeypatch.setattr(M.flex, "RUN_SCORES", tiles_per_run * B * H * 2 * 3)
+    mask_mod, score_mod = CASES[name]
+    q, k, v = _inputs()
+    expected_out, expected_lse = _dense(q, k, v, mask_mod, score_mod, 0.6)
+    out, lse = M.flex_attention(q, k, v, score_mod=score_mod, block_mask=_block_mask(mask_mod, (2, 3)), scale=0.6,
+                                return_lse=True)
+    assert_close(out, expected_out, RTOL, f"{name} out")
+    finite = np.isfinite(expected_lse)
+    assert_close(lse[finite], expected_lse[finite], RTOL, f"{name} lse")
+
+
 def test_a_broadcast_block_mask_and_the_default_scale():
     q, k, v = _inputs()
     block_mask = M.create_block_mask(mods.causal(), None, None, L, S, BLOCK_SIZE=(3, 2))  # (1, 1, L, S)
