@@ -302,7 +302,7 @@ _VARIANT_LABELS = {
 }
 
 
-@pytest.mark.parametrize("name", ["plain", "gqa", "window", "long"])
+@pytest.mark.parametrize("name", ["plain", "gqa", "window", "long", "flex"])
 def test_cli_parses_each_variant(name: str) -> None:
     from conformance.__main__ import build_parser
 
@@ -433,6 +433,53 @@ def test_memory_rows_at_a_small_length_meet_the_bounds() -> None:
         (name, call, True) for name in backends for call in ("forward", "gradient")}
     assert all(row.met for row in rows if row.bound is not None), memory.format_rows(rows, 1024)
     assert "MET" in memory.format_rows(rows, 1024)
+
+
+def test_flex_variant_declares_its_rows_and_targets() -> None:
+    # per mask, each backend's flex_attention ("flex") and its dense-mask fast path ("dense"), and torch's compiled
+    # flex_attention, which the cross-framework targets divide by; every target names rows the variant makes
+    problem = variants.flex_problem("flex", B=1, H=2, L=16, E=4, dtype="float32")
+    backends = [name for name in ("attention_np", "attention_jax", "attention_torch") if _importable(name)]
+    calls = {name: variants.flex_calls(name, importlib.import_module(name), problem, {}, fused=False)
+             for name in backends}
+    masks = ("window", "document")
+    assert tuple(variants.FLEX_MASKS) == masks
+    compiled = {f"torch compiled flex {mask}" for mask in masks if "attention_torch" in backends}
+    assert {label for found in calls.values() for label in found} == {
+        f"{name} {path} {mask}" for name in backends for path in ("flex", "dense") for mask in masks} | compiled
+    assert {(t.framework, t.numerator, t.denominators, t.bound) for t in variants.FLEX.targets} == {
+        (framework, f"{name} flex {mask}", (denominator, ), bound)
+        for framework, name in variants.OURS for mask in masks
+        for denominator, bound in ((f"{name} dense {mask}", 0.3),
+                                   (f"torch compiled flex {mask}", 1.10 if framework == "torch" else 2.0))}
+    assert variants.FLEX.ratios == variants.FLEX.targets  # printed side by side by every run, not --targets alone
+    assert (variants.FLEX.dims, variants.FLEX.target_L, variants.FLEX.operations) == (
+        {"B": 1, "H": 8, "E": 64}, 4096, ("flex",))
+    # the masks by hand at L = 16: 8 documents of 2 positions; the window of 256 covers every earlier key
+    assert np.array_equal(variants.dense_mask("document", 16), np.kron(np.eye(8, dtype=bool), np.ones((2, 2), bool)))
+    assert np.array_equal(variants.dense_mask("window", 16), np.tri(16, dtype=bool))
+    assert variants.dense_mask("window", 300)[299].tolist() == [False] * 43 + [True] * 257  # keys 43 .. 299
+    # NumPy's rows compute the reference's attention (float32 against flash_attention in float64, dense mask)
+    inputs = [x.astype(np.float32) for x in problem.inputs]
+    for label, (call, params, options) in calls["attention_np"].items():
+        out = call(params, *inputs)
+        assert_close(out[0] if isinstance(out, tuple) else out, variants.flex_reference(problem, options), 1e-5, label)
+
+
+@pytest.mark.slow  # NumPy's call at L = 32768 takes seconds; torch's row starts a process, JAX's compiles
+def test_flex_memory_rows_meet_the_bound() -> None:
+    # NumPy at the size the performance page quotes (B=1, H=8, L=S=32768), where one copy of q, k, v or out
+    # (B H L E float32 = 64 MiB each) breaks the 64 MiB (np.repeat's copies of k and v measured 146 MiB); the
+    # measurement of every backend at a small length
+    from conformance.bench import memory
+
+    rows = memory.measure_flex({"attention_np": attention_np})
+    assert rows[0].met, memory.format_rows(rows)
+    backends = {name: importlib.import_module(name) for name in ("attention_np", "attention_jax",
+                                                                  "attention_torch") if _importable(name)}
+    rows = memory.measure_flex(backends, length=1024, heads=2)
+    assert [row.backend for row in rows] == list(backends)
+    assert all(row.bound == 64 and row.met for row in rows), memory.format_rows(rows, 1024)
 
 
 def test_a_ratio_without_a_bound_has_no_verdict() -> None:

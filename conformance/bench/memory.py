@@ -12,6 +12,13 @@ and the results (out and lse; with the gradient also dq, dk, dv):
   (its plan misses the scratch of the library XLA:CPU runs fused attention in).
 - torch: the growth of the process's peak resident memory (VmHWM, reset through /proc/self/clear_refs after a
   warm-up) in a fresh process per measurement, the results subtracted.
+
+`compare --variant flex --memory` measures flex_attention the same ways (measure_flex): B = 1, H = 8,
+L = S = 32768, E = 64, float32, with the document mask of --variant flex (8 documents of 4096 positions, block
+mask of BLOCK_SIZE 128, made before the measurement), where the (B, H, L, S) float32 scores would be 32 GiB;
+beyond q, k, v and the result out (B, H, L, E), NumPy's tracemalloc peak over the call, JAX's plan of the
+jitted call, torch's peak resident memory growth in a fresh process (under inference_mode, as compare times
+it); target 64 MiB each.
 """
 
 from __future__ import annotations
@@ -27,12 +34,15 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..frameworks.registry import framework_of
+from . import variants
 
 L = 32768  # L = S
 E = 64
 MIB = 2**20
 TARGETS = {"forward": 64, "gradient": 64}  # MiB beyond inputs and results; torch's gradient: 128 (RSS)
 TORCH_GRADIENT = 128
+FLEX_HEADS = 8  # H of --variant flex
+FLEX_TARGET = 64  # MiB beyond q, k, v and out: flex_attention with the document mask
 
 
 class MemoryRow(NamedTuple):
@@ -208,3 +218,75 @@ def format_rows(rows: Sequence[MemoryRow], length: int = L) -> str:
     scores = length * length * 4 / MIB
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
                      for line in lines) + f"\n(the (L, S) float32 scores of one head: {scores:.0f} MiB)"
+
+
+# --- flex_attention: --variant flex --memory ---------------------------------------------------------------
+
+
+def measure_flex(backends: dict[str, Any], *, length: int = L, heads: int = FLEX_HEADS) -> list[MemoryRow]:
+    """One row per backend: flex_attention's peak beyond its inputs and its result, with --variant flex's
+    document mask over L = S = length, its block mask made beforehand."""
+    return [_FLEX_MEASURES[framework_of(module).name](name, module, length, heads) for name, module in backends.items()]
+
+
+def _flex_row(name: str, how: str, mib: float | None, note: str = "") -> MemoryRow:
+    return MemoryRow(name, call="flex_attention, document mask", is_causal=False, how=how, mib=mib,
+                     bound=FLEX_TARGET, note=note)
+
+
+def _document_block_mask(module: Any, length: int) -> Any:
+    return module.create_block_mask(variants.FLEX_MASKS["document"](length), None, None, length, length,
+                                    BLOCK_SIZE=variants.FLEX_BLOCK)
+
+
+def _numpy_flex(name: str, module: Any, length: int, heads: int) -> MemoryRow:
+    q, k, v, _ = _inputs(length, heads=heads)
+    block_mask = _document_block_mask(module, length)
+    peak = _traced(functools.partial(module.flex_attention, q, k, v, block_mask=block_mask))  # less out
+    return _flex_row(name, "tracemalloc", peak / MIB)
+
+
+def _jax_flex(name: str, module: Any, length: int, heads: int) -> MemoryRow:
+    import jax
+    import jax.numpy as jnp
+
+    block_mask = _document_block_mask(module, length)
+    q, k, v = (jax.ShapeDtypeStruct((1, heads, length, E), jnp.float32) for _ in range(3))
+    attend = jax.jit(lambda q, k, v: module.flex_attention(q, k, v, block_mask=block_mask))
+    plan = attend.lower(q, k, v).compile().memory_analysis()
+    return _flex_row(name, "XLA's plan: temporaries", plan.temp_size_in_bytes / MIB)
+
+
+TORCH_FLEX_SCRIPT = """
+import json, torch, {module}
+from attention_np.common import mods
+length, heads, E, documents, block = {length}, {heads}, {E}, {documents}, {block}
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+def block_mask(n):  # --variant flex's document mask: documents runs of n / documents positions
+    mask_mod = mods.document(torch.arange(n) * documents // n)
+    return {module}.create_block_mask(mask_mod, None, None, n, n, BLOCK_SIZE=block)
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, heads, length, E) for _ in range(3))
+made = block_mask(length)
+with torch.inference_mode():
+    {module}.flex_attention(*(x[..., :300, :] for x in (q, k, v)), block_mask=block_mask(300))  # warm-up
+    open("/proc/self/clear_refs", "w").write("5")  # the peak resident memory from here on
+    before = status("VmRSS:")
+    out = {module}.flex_attention(q, k, v, block_mask=made)
+print(json.dumps(status("VmHWM:") - before - out.numel() * out.element_size()))
+"""
+
+
+def _torch_flex(name: str, module: Any, length: int, heads: int) -> MemoryRow:
+    script = TORCH_FLEX_SCRIPT.format(module=module.__name__, length=length, heads=heads, E=E,
+                                      documents=variants.DOCUMENTS, block=variants.FLEX_BLOCK)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    mib = json.loads(done.stdout) / MIB if done.returncode == 0 else None
+    return _flex_row(name, "peak RSS growth, a fresh process", mib,
+                     "" if done.returncode == 0 else done.stderr.strip().splitlines()[-1])
+
+
+_FLEX_MEASURES = {"numpy": _numpy_flex, "jax": _jax_flex, "torch": _torch_flex}

@@ -51,7 +51,12 @@ torch built-in: F.scaled_dot_product_attention, nn.MultiheadAttention(batch_firs
   is_causal=True alone, both fast paths; FLOPs counted as for full attention in both. --variant long: "flash" is
   flash_attention at its default tiles (block_q, block_k None), "gradient" flash_attention_vjp and its pullback (the
   forward and the backward pass), "causal" with is_causal=True; the untiled rows only where the float32 scores fit
-  in 1 GiB; FLOPs counted as for full attention; errors against attention_np.flash_attention in float64."""
+  in 1 GiB; FLOPs counted as for full attention; errors against attention_np.flash_attention in float64.
+--variant flex: "flex" is flex_attention with the mask's block mask (BLOCK_SIZE 128), "dense" the fast path
+  (need_weights=False) with the mask as a boolean (L, S) array, "torch compiled flex" torch.compile(torch's
+  flex_attention) with its own block mask, compiled in the warm-up call; "window" a causal sliding window of 256,
+  "document" 8 equal documents; FLOPs counted as for full attention; errors against attention_np.flash_attention in
+  float64 with the dense mask."""
 
 
 DECODE_FOOTNOTE = """\
@@ -227,7 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", choices=tuple(variants.VARIANTS), default="plain",
                         help="plain (default); gqa: grouped-query attention, H=32 query heads on 8 key/value "
                              "heads; window: is_causal with window=(256, 0) beside full causal (B=1); long: "
-                             "flash_attention, its gradient and the untiled paths, B=1, H=1, up to L=32768")
+                             "flash_attention, its gradient and the untiled paths, B=1, H=1, up to L=32768; flex: "
+                             "flex_attention with block masks (a causal window of 256, 8 documents) against the "
+                             "dense mask and torch's compiled flex_attention, B=1, L=S=4096 (CPU)")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
                         help="float32 (default), float64, or bfloat16 (torch and JAX only)")
     parser.add_argument("--repeats", type=positive_int, default=None, metavar="N",
@@ -241,7 +248,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--targets", action="store_true",
                         help="only the performance targets of the variant (plain: float32, B=2, H=8, L=S=1024, "
-                             "E=64; gqa: H=32, Hkv=8; window: its ratios at L=S=4096, no targets); ignores "
+                             "E=64; gqa: H=32, Hkv=8; window: its ratios at L=S=4096, no targets; flex: "
+                             "L=S=4096, every backend and torch's compiled flex_attention interleaved); ignores "
                              "--sizes, --operations and --dtype")
     parser.add_argument("--decode", action="store_true",
                         help="the decode benchmark (bench/decode.py): one Llama-style block, a prefill of --prefill "
@@ -251,7 +259,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", action="store_true",
                         help="the memory targets of tiled attention (bench/memory.py): flash_attention and its "
                              f"gradient at B=1, H=1, L=S={memory.L}, E={memory.E}, float32, each backend measured "
-                             "its own way (ignores the other options)")
+                             f"its own way; with --variant flex: flex_attention at H={memory.FLEX_HEADS} with the "
+                             "document mask (ignores the other options)")
     parser.add_argument("--ring", action="store_true",
                         help="ring attention (SPEC 2d): JAX's memory per device and bytes per hop on 8 simulated "
                              "devices, torch's in 1, 2 and 4 gloo processes, and the model for H100 clusters "
@@ -277,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
     if args.decode:
         return decode_main(args)
     if args.memory:
-        return memory_main()
+        return memory_main(args.variant)
     if args.ring:
         return ring_main(args.plot)
     if args.plot:  # before anything is timed
@@ -336,15 +345,21 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def memory_main() -> int:
-    """`compare --memory`: flash_attention's memory against the targets; 0 unless it could not run."""
+def memory_main(variant: str = "plain") -> int:
+    """`compare --memory`: flash_attention's memory against the targets (with --variant flex, flex_attention's);
+    0 unless it could not run."""
     backends, skipped = timing.installed_backends()
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     with timing.pinned(backends):
         print("\n".join(machine(backends)))
-        print(f"flash_attention at B=1, H=1, L=S={memory.L}, E={memory.E}, float32, its default tiles\n")
-        print(memory.format_rows(memory.measure(backends)))
+        if variant == "flex":
+            print(f"flex_attention at B=1, H={memory.FLEX_HEADS}, L=S={memory.L}, E={memory.E}, float32, "
+                  f"{variants.DOCUMENTS} equal documents, block mask of BLOCK_SIZE {variants.FLEX_BLOCK}\n")
+            print(memory.format_rows(memory.measure_flex(backends)))
+        else:
+            print(f"flash_attention at B=1, H=1, L=S={memory.L}, E={memory.E}, float32, its default tiles\n")
+            print(memory.format_rows(memory.measure(backends)))
     return 0
 
 

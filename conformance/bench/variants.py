@@ -16,14 +16,25 @@ L query positions, S key/value positions (S = L), E query/key width.
   H=8, E=64: each backend's fast path with is_causal=True and window=(256, 0) beside full causal attention
   (is_causal=True alone); no targets, the two times side by side (`ratios`). FLOPs are counted as for full
   attention (4 B H L S E) in both rows, so their rates compare as their times do.
+- flex: programmable attention on the CPU, float32, B=1, H=8, E=64, L=S=4096, two masks (FLEX_MASKS): a causal
+  sliding window of 256 and 8 equal documents. Per backend "flex" (flex_attention with the block mask, BLOCK_SIZE
+  128) and "dense" (scaled_dot_product_attention's fast path with the mask as a boolean (L, S) array), and torch's
+  own flex_attention compiled by inductor ("torch compiled flex", its own block mask); the block masks, the dense
+  masks and the compilation (the warm-up call) are made outside the timed calls. Targets (`ratios` too, so that
+  one run prints them side by side): flex <= 0.3 x dense in each backend, NumPy's and JAX's flex <= 2 x torch
+  compiled, the torch backend's <= 1.10 x it. FLOPs counted as for full attention.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+
+from attention_np.common import mods
 
 from ..frameworks.registry import framework_of
 from . import baselines, timing
@@ -260,4 +271,123 @@ LONG = timing.Variant(
     target_dims={"B": 1, "H": 8, "E": 64},
     sizes=(1024, 2048, 4096, 8192, 16384, 32768),
     reference=long_reference)
-VARIANTS = {variant.name: variant for variant in (PLAIN, GQA, WINDOW_VARIANT, LONG)}
+
+# --- flex: programmable attention --------------------------------------------------------------------------
+
+FLEX_BLOCK = 128  # BLOCK_SIZE of every block mask: torch's default
+FLEX_WINDOW = 256  # the causal sliding window's reach: query i sees keys i - 256 .. i
+DOCUMENTS = 8  # equal documents packed into one sequence
+
+
+def _window(L: int) -> mods.MaskMod:
+    return mods.sliding_window(FLEX_WINDOW, 0)
+
+
+def _document(L: int) -> mods.MaskMod:
+    return mods.document(document_ids(L))
+
+
+def document_ids(L: int) -> np.ndarray:
+    """(L,) the document of each position: DOCUMENTS runs of L / DOCUMENTS positions (as equal as L allows)."""
+    return np.arange(L) * DOCUMENTS // L
+
+
+FLEX_MASKS = {"window": _window, "document": _document}  # name -> L -> the mask function, from the catalogue
+
+
+def flex_problem(operation: str, *, B: int, H: int, L: int, E: int, dtype: str, seed: int = 0) -> Problem:
+    """q, k, v (B, H, L, E), S = L, rounded to `dtype`, for the operation "flex"."""
+    return timing.make_problem("sdpa", B=B, H=H, L=L, E=E, dtype=dtype, seed=seed)._replace(operation=operation)
+
+
+def dense_mask(name: str, L: int) -> np.ndarray:
+    """(L, S) booleans: the mask function of FLEX_MASKS[name] on the whole grid, True where a query sees a key."""
+    i, j = np.arange(L).reshape(1, 1, L, 1), np.arange(L).reshape(1, 1, 1, L)
+    zero = np.zeros((1, 1, 1, 1), dtype=np.int64)  # b, h: the masks are the same for every batch element and head
+    return np.broadcast_to(FLEX_MASKS[name](L)(zero, zero, i, j), (1, 1, L, L))[0, 0]
+
+
+def flex_calls(name: str, module: ModuleType, problem: Problem, state: dict[str, Any],
+               *, fused: bool) -> dict[str, Call]:
+    """Per mask: our flex_attention with its block mask, our fast path with the dense mask (passed as the call's
+    params), and for torch, torch's compiled flex_attention; each computes the mask's attention ("mask", name)."""
+    found: dict[str, Call] = {}
+    L = problem.L
+    for mask, make in FLEX_MASKS.items():
+        block_mask = module.create_block_mask(make(L), None, None, L, L, BLOCK_SIZE=FLEX_BLOCK)
+
+        def flex(_: None, q: Any, k: Any, v: Any, block_mask: Any = block_mask) -> Any:
+            return module.flex_attention(q, k, v, block_mask=block_mask)
+
+        def dense(mask: Any, q: Any, k: Any, v: Any) -> Any:
+            return module.scaled_dot_product_attention(q, k, v, mask, need_weights=False)
+
+        options = (("mask", mask),)
+        found[f"{name} flex {mask}"] = (flex, None, options)
+        found[f"{name} dense {mask}"] = (dense, module.asarray(dense_mask(mask, L)), options)
+        if framework_of(module).name == "torch":
+            found[f"torch compiled flex {mask}"] = (torch_compiled_flex(mask, L), None, options)
+    return found
+
+
+def torch_compiled_flex(mask: str, L: int) -> Callable[..., Any]:
+    """torch's own flex_attention, compiled (inductor, the CPU's C compiler), with its own block mask of the mask
+    written in torch (the same rule as FLEX_MASKS[mask]); compiled at its first call, the benchmark's warm-up."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    documents = torch.from_numpy(document_ids(L))
+    rules = {"window": lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx <= FLEX_WINDOW),
+             "document": lambda b, h, q_idx, kv_idx: documents[q_idx] == documents[kv_idx]}
+    block_mask = create_block_mask(rules[mask], None, None, L, L, device="cpu", BLOCK_SIZE=FLEX_BLOCK)
+    compiled = _torch_compiled()
+    return lambda _, q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+@functools.cache
+def _torch_compiled() -> Callable[..., Any]:
+    """torch.compile(flex_attention), once: static shapes, so that every L gets its own kernel. Each mask and L is
+    one more compilation of the same function, and dynamo compiles one function at most recompile_limit times (8
+    in torch 2.13) before it runs it eagerly: --sizes of at most four lengths keep every row compiled."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_reference(problem: Problem, options: timing.Options) -> np.ndarray:
+    """attention_np.flash_attention in float64 with the dense mask (options: ("mask", name)): written apart from
+    every flex_attention, and within memory at L = 4096, where the explicit path's float64 weights take 1 GiB."""
+    import attention_np
+
+    mask = dense_mask(dict(options)["mask"], problem.L)
+    return attention_np.flash_attention(*problem.inputs, mask, block_q=512, block_k=1024)[0]
+
+
+FLEX_TARGETS = tuple(
+    target
+    for mask in FLEX_MASKS
+    for framework, name in OURS
+    for target in (
+        Target(framework, numerator=f"{name} flex {mask}", denominators=(f"{name} dense {mask}",), relation="<=",
+               bound=0.3, operations=("flex",)),
+        Target(framework, numerator=f"{name} flex {mask}", denominators=(f"torch compiled flex {mask}",),
+               relation="<=", bound=1.10 if framework == "torch" else 2.0, operations=("flex",)),
+    ))
+
+FLEX = timing.Variant(
+    "flex",
+    operations=("flex",),
+    dims={"B": 1, "H": 8, "E": 64},
+    problem=flex_problem,
+    calls=flex_calls,
+    targets=FLEX_TARGETS,
+    describe=lambda B, H, E: f"B={B}, H={H}, E={E}, CPU: flex_attention with a block mask (BLOCK_SIZE "
+                             f"{FLEX_BLOCK}) against the dense boolean mask and torch's compiled flex_attention; "
+                             f"masks: a causal window of {FLEX_WINDOW}, {DOCUMENTS} equal documents",
+    target_L=4096,
+    ratios=FLEX_TARGETS,
+    sizes=(4096,),
+    reference=flex_reference)
+
+VARIANTS = {variant.name: variant for variant in (PLAIN, GQA, WINDOW_VARIANT, LONG, FLEX)}
