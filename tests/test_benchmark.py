@@ -299,6 +299,9 @@ _VARIANT_LABELS = {
                                                         " flash causal gradient", " causal")]
              + (["torch built-in", "torch built-in causal"] if backend == "attention_torch" else [])
              for backend in ("attention_np", "attention_jax", "attention_torch")},
+    "flex": {backend: [f"{backend} {path} {mask}" for mask in ("window", "document") for path in ("flex", "dense")]
+             + (["torch compiled flex window", "torch compiled flex document"] if backend == "attention_torch" else [])
+             for backend in ("attention_np", "attention_jax", "attention_torch")},
 }
 
 
@@ -318,7 +321,8 @@ def test_cli_refuses_an_unknown_variant_and_an_operation_the_variant_lacks(capsy
     assert "--variant gqa times sdpa only" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["gqa", "window", "long"])
+@pytest.mark.parametrize("name", ["gqa", "window", "long",
+                                  pytest.param("flex", marks=pytest.mark.slow)])  # flex: torch compiles its kernel
 def test_variant_runs_at_a_tiny_size_with_labelled_rows_and_json(name: str, tmp_path: pathlib.Path,
                                                                  capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "rows.json"
@@ -327,7 +331,8 @@ def test_variant_runs_at_a_tiny_size_with_labelled_rows_and_json(name: str, tmp_
     stdout = capsys.readouterr().out
     printed = {tuple(re.split(r"\s{2,}", line.strip())[:4]) for line in stdout.splitlines()}
     expected = {label for backend, labels in _VARIANT_LABELS[name].items() if _importable(backend) for label in labels}
-    assert {(label, "sdpa", name, "8") for label in expected} <= printed, stdout
+    operation = variants.VARIANTS[name].operations[0]
+    assert {(label, operation, name, "8") for label in expected} <= printed, stdout
     document = json.loads(path.read_text())
     assert document["variant"] == name
     assert {row["implementation"] for row in document["rows"]} == expected
@@ -339,7 +344,9 @@ def test_variant_runs_at_a_tiny_size_with_labelled_rows_and_json(name: str, tmp_
     present = [backend for backend in _VARIANT_LABELS[name] if _importable(backend)]
     assert ratios == {"gqa": [], "window": [(f"{backend} window", f"{backend} causal") for backend in present],
                       "long": [(f"{backend} flash{label}", f"{backend}{label}") for backend in present
-                               for label in ("", " causal")]}[name]
+                               for label in ("", " causal")],
+                      "flex": [(target.numerator, target.denominators[0]) for target in variants.FLEX.targets
+                               if {target.numerator, *target.denominators} <= expected]}[name]
     assert ("side by side" in stdout) == (name != "gqa")
 
 
