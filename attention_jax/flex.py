@@ -147,7 +147,12 @@ def create_block_mask(
         A BlockMask: shape (B or 1, H or 1, L, S), block_size, tiles (B, H, ceil(L / block_q),
         ceil(S / block_k)) of kinds; counts() and sparsity() say how much is skipped.
     """
-    return blocks.create(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, arange=jnp.arange, to_numpy=np.asarray)
+    # jax: a block mask is data known before the program runs, so its mask function gets NumPy's index arrays
+    # (eager JAX would compile each of its operations anew for every shape: seconds for a few block masks); a mask
+    # function written with jax.numpy takes them all the same, and runs on concrete arrays even inside a traced
+    # function (under jit), so that its tiles can be read
+    with jax.ensure_compile_time_eval():
+        return blocks.create(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, arange=np.arange, to_numpy=np.asarray)
 
 
 class _Plan(NamedTuple):

@@ -6,7 +6,7 @@ import pytest
 
 import attention_np
 from conformance import check
-from tests.implementations.broken_gradients import BROKEN_GRADIENTS
+from tests.implementations.broken_gradients import BROKEN_GRADIENTS, FLEX_MUTATIONS
 
 pytestmark = pytest.mark.slow  # the suite's gradient check on every mutant
 
@@ -24,6 +24,10 @@ REACHES = {
     "silu_derivative_sigmoid_only": ["block"],
     "rms_norm_without_mean_square_term": ["block"],
     "rope_gradient_turned_forward": ["mha"],
+    "flex_softmax_jvp_without_rowsum": ["flex"],
+    "flex_score_mod_derivative_skipped": ["flex"],
+    "flex_dk_not_scaled": ["flex"],
+    "flex_parameter_gradient_not_summed": ["flex"],
 }
 
 
@@ -35,9 +39,9 @@ GRADIENT_CHECK = ("gradients", "masked_rows", "no_autograd")  # the rows of the 
 
 
 def test_the_unmutated_backward_passes():
-    report = check(attention_np, operations=["sdpa", "mha", "block"], measures=GRADIENT_CHECK)
+    report = check(attention_np, operations=["sdpa", "mha", "block", "flex"], measures=GRADIENT_CHECK)
     assert report.passed and {row.operation for row in report.rows if row.check == "gradients"} == {
-        "sdpa", "mha", "block"}
+        "sdpa", "mha", "block", "flex"}
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN_GRADIENTS))
@@ -45,8 +49,12 @@ def test_broken_backward_pass_is_rejected_by_the_gradient_check(name: str):
     mutant = BROKEN_GRADIENTS[name]
     # the forward passes are attention_np's own: only the vjps are mutated
     assert mutant.scaled_dot_product_attention is attention_np.scaled_dot_product_attention
-    assert all(set(vars(getattr(mutant, cls))) <= {"vjp", "__module__", "__qualname__", "__doc__"}
-               for cls in ("MultiHeadAttention", "TransformerBlock"))
+    assert mutant.flex_attention is attention_np.flex_attention
+    if name in FLEX_MUTATIONS:  # flex_attention_vjp alone is mutated: the classes are attention_np's
+        assert mutant.MultiHeadAttention is attention_np.MultiHeadAttention
+    else:
+        assert all(set(vars(getattr(mutant, cls))) <= {"vjp", "__module__", "__qualname__", "__doc__"}
+                   for cls in ("MultiHeadAttention", "TransformerBlock"))
     report = check(mutant, operations=REACHES[name], shrink=False, measures=GRADIENT_CHECK)
     failed = {row.check for row in report.rows if not row.passed}
     assert failed == {"gradients"}, f"{name}: failed {sorted(failed)}; masked_rows and no_autograd must pass"

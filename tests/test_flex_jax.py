@@ -16,14 +16,14 @@ import pytest
 
 from attention_np.common import mods
 from attention_np.common.block_mask import EMPTY, FULL, PARTIAL
-from tests._compare import assert_close
+from tests._compare import REORDERED, assert_close
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 jax_core = pytest.importorskip("jax.extend.core")
 M = pytest.importorskip("attention_jax")
 
-RTOL = 1e-12  # float64: the same math computed tile by tile
+RTOL = REORDERED  # float64: the same math computed tile by tile (1e-12)
 B, H, HKV, L, S, E, EV = 2, 4, 2, 9, 11, 4, 3
 SCALE = 0.7
 SEGMENTS = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2])  # (S,): three documents
@@ -68,6 +68,20 @@ def test_jit_equals_eager():
     jitted = jax.jit(lambda q, k, v: M.flex_attention(q, k, v, ALIBI, block_mask, SCALE, return_lse=True))(q, k, v)
     for what, a, b in zip(("out", "lse"), jitted, eager, strict=True):
         assert_close(np.asarray(a), np.asarray(b), RTOL, what)
+
+
+def test_a_block_mask_made_inside_jit_is_the_eager_one():
+    # a block mask is data known before the program runs: made inside a traced function, its mask function
+    # still runs on concrete arrays (jax.ensure_compile_time_eval), so that flex_attention can be jitted whole
+    q, k, v = _inputs()
+
+    @jax.jit
+    def attention(q, k, v):
+        return M.flex_attention(q, k, v, block_mask=M.create_block_mask(MASK, B, H, L, S, BLOCK_SIZE=(2, 3)),
+                                scale=SCALE)
+
+    eager = M.flex_attention(q, k, v, block_mask=M.create_block_mask(MASK, B, H, L, S, BLOCK_SIZE=(2, 3)), scale=SCALE)
+    assert_close(np.asarray(attention(q, k, v)), np.asarray(eager), RTOL, "jitted whole")
 
 
 def test_values_equal_the_dense_oracle():

@@ -6,9 +6,9 @@ element b and head h sees key kv_idx. A score function `score_mod(score, b, h, q
 the softmax uses in place of `score` = (q . k) * scale. Both receive the backend's own integer arrays, which
 broadcast against each other and against `score` (a tile of the kernels gets b (B, 1, 1, 1), h (1, H, 1, 1),
 q_idx (1, 1, block_q, 1), kv_idx (1, 1, 1, block_k); torch's own flex_attention calls them with scalars under
-vmap), so an entry written with operators and the namespace `array_namespace(q_idx)` (array-api-compat's: NumPy,
-JAX and torch alike) runs unchanged in every backend. A user may write a mod with their own framework's functions
-for their backend just as well.
+vmap; JAX's create_block_mask passes NumPy's, which jax.numpy takes), so an entry written with operators and the
+namespace `array_namespace(q_idx)` (array-api-compat's: NumPy, JAX and torch alike) runs unchanged in every
+backend. A user may write a mod with their own framework's functions for their backend just as well.
 
 Each entry is a maker: `causal(q_offset=0)` returns a MaskMod, `alibi(slopes)` a ScoreMod. The formulas, i the
 query's index, j the key's, b and h the batch element and the head:

@@ -94,10 +94,14 @@ GROUPS = (
     Group("block", checks.dropout_independence, dtypes=FLOAT32, examples=3, draw={"long": False}, needs=("dropout",)),
     Group("block", gradient_checks.gradients, dtypes=FLOAT64, examples=3, pinned=True, gradient=True),
     Group("decode", checks.against_oracle, dtypes=BOTH, examples=3, pinned=True),
-    Group("flex", checks.tiled_against_oracle, dtypes=BOTH, examples=4, pinned=True),
-    # three: Hypothesis's first draw is the least case, one query on one key, which any dtype gets exactly right
-    Group("flex", checks.tiled_against_oracle, dtypes=HALF, examples=3, draw={"magnitude": "normal"}),
-    Group("flex", gradient_checks.gradients, dtypes=FLOAT64, examples=3, draw={"scored": True}, gradient=True),
+    # flex: each case's mods are a new program for JAX to compile, so the pinned examples (every catalogue entry)
+    # run in float64 alone, where an error is plainest; the drawn cases cover float32
+    Group("flex", checks.tiled_against_oracle, dtypes=FLOAT64, examples=3, pinned=True),
+    Group("flex", checks.tiled_against_oracle, dtypes=FLOAT32, examples=3),
+    # two at least: Hypothesis's first draw is the least case, one query on one key, which any dtype gets exactly
+    Group("flex", checks.tiled_against_oracle, dtypes=HALF, examples=2, draw={"magnitude": "normal"}),
+    Group("flex", gradient_checks.gradients, dtypes=FLOAT64, examples=2, pinned=True, draw={"scored": True},
+          gradient=True),
 )
 
 

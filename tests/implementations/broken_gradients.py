@@ -1,8 +1,9 @@
 """The NumPy backend with one realistic bug in its hand-derived backward pass: mutants of
-attention_np/gradients.py, each made by one textual edit of the real source.
+attention_np/gradients.py and attention_np/flex.py, each made by one textual edit of the real source.
 
 `BROKEN_GRADIENTS` maps a name to a module that implements the whole contract: the forward passes are
-attention_np's own, the gradients come from the mutated copy of attention_np.gradients.
+attention_np's own, the gradients come from the mutated copy of attention_np.gradients (or, for flex_attention_vjp,
+of attention_np.flex).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import types
 from pathlib import Path
 
 import attention_np
+import attention_np.flex
 import attention_np.gradients
 
 SOURCE = Path(attention_np.gradients.__file__).read_text()
+FLEX_SOURCE = Path(attention_np.flex.__file__).read_text()
 
 # name -> (the exact text in attention_np/gradients.py, its buggy replacement)
 MUTATIONS: dict[str, tuple[str, str]] = {
@@ -50,6 +53,32 @@ MUTATIONS: dict[str, tuple[str, str]] = {
 }
 
 
+# name -> (the exact text in attention_np/flex.py, its buggy replacement): flex_attention_vjp's tiled backward
+FLEX_MUTATIONS: dict[str, tuple[str, str]] = {
+    # the softmax's vjp without D = rowsum(dO * O): dR = P * dP
+    "flex_softmax_jvp_without_rowsum": ("d_new = weights * (d_weights - D[:, :, rows])", "d_new = weights * d_weights"),
+    # the score function's derivative skipped: dS = dR, as if score_mod were the identity
+    "flex_score_mod_derivative_skipped": ("d_scores, d_theta = _score_mod_vjp(p, d_new, tile)",
+                                          "d_scores, d_theta = d_new, _score_mod_vjp(p, d_new, tile)[1]"),
+    # the key gradient without the scale of the scores
+    "flex_dk_not_scaled": ("dk[:, :, cols] += np.swapaxes(d_scores, -1, -2) @ p.q[:, :, rows] * p.scale",
+                           "dk[:, :, cols] += np.swapaxes(d_scores, -1, -2) @ p.q[:, :, rows]"),
+    # a parameter's gradient kept from the last tile alone instead of summed over the tiles
+    "flex_parameter_gradient_not_summed": ("d_parameters[name] += gradient", "d_parameters[name] = gradient"),
+}
+
+
+def _flex_mutant(name: str, old: str, new: str) -> types.ModuleType:
+    assert FLEX_SOURCE.count(old) == 1, f"{name}: the text to mutate must occur once in attention_np/flex.py"
+    flex = types.ModuleType(f"attention_np.flex_{name}")
+    flex.__package__ = "attention_np"
+    exec(compile(FLEX_SOURCE.replace(old, new), f"<{name}>", "exec"), flex.__dict__)
+    module = types.ModuleType(f"broken_gradients.{name}")
+    module.__dict__.update({name: getattr(attention_np, name) for name in attention_np.__all__})
+    module.flex_attention_vjp = flex.flex_attention_vjp
+    return module
+
+
 def _mutant(name: str, old: str, new: str) -> types.ModuleType:
     assert SOURCE.count(old) == 1, f"{name}: the text to mutate must occur once in attention_np/gradients.py"
     gradients = types.ModuleType(f"attention_np.gradients_{name}")
@@ -71,4 +100,5 @@ def _mutant(name: str, old: str, new: str) -> types.ModuleType:
     return module
 
 
-BROKEN_GRADIENTS: dict[str, types.ModuleType] = {name: _mutant(name, *edit) for name, edit in MUTATIONS.items()}
+BROKEN_GRADIENTS: dict[str, types.ModuleType] = {name: _mutant(name, *edit) for name, edit in MUTATIONS.items()} | {
+    name: _flex_mutant(name, *edit) for name, edit in FLEX_MUTATIONS.items()}
