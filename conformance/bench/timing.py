@@ -17,7 +17,8 @@ FLOPs count the matrix products only, 2 per multiply-add:
 
 What is timed is declared by a `Variant`: its problem maker, its candidates (`calls`) and its targets;
 bench/variants.py declares each (plain: the problems and candidates above; grouped-query attention; a
-sliding window). This module holds the structures, the problems and our calls, and the measuring.
+sliding window; long sequences; programmable attention). This module holds the structures, the problems and our
+calls, and the measuring.
 
 JSON rows (--json) hold: implementation, framework, device, operation, variant, dtype, B, H, E, L, S, D, F,
 flops, repeats, time_ms, gflops, peak_mib (null where not measurable), rel_error.
@@ -54,7 +55,8 @@ TIMED_ELSEWHERE = {"flash": "--variant long", "ring": "bench/ring.py and bench/r
 OPERATIONS = tuple(name for name in REGISTRY if name not in TIMED_ELSEWHERE)  # sdpa, mha, block
 SIZES = (128, 256, 512, 1024)
 T = TypeVar("T")  # the value of a step of the progress bar
-Options = tuple[tuple[str, Any], ...]  # keywords of scaled_dot_product_attention as (name, value) pairs
+Options = tuple[tuple[str, Any], ...]  # keywords of scaled_dot_product_attention as (name, value) pairs (a
+# variant with its own reference reads its own: flex's ("mask", the mask's name))
 Call = tuple[Callable, Any, Options]  # (call, params, options): call(params, *inputs); options: what it computes
 
 
