@@ -207,7 +207,7 @@ class _Flex(torch.autograd.Function):
 class _Problem(NamedTuple):
     """One call's checked inputs as both passes read them, in the working dtype (at least float32)."""
 
-    q: torch.Tensor  # (B, Hkv, G, L, E), the scale folded in
+    q: torch.Tensor  # (B, Hkv, G, L, E), unscaled: _query_rows scales a tile (a scaled copy would be as large as out)
     k: torch.Tensor  # (B, Hkv, S, E)
     v: torch.Tensor  # (B, Hkv, S, Ev)
     score_mod: Callable[..., Any] | None  # with its parameters the tensors given to the autograd operation
@@ -242,7 +242,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: _Option
     work, device = torch.promote_types(q.dtype, torch.float32), q.device  # float16, bfloat16: in float32
     G = H // max(Hkv, 1)
     return _Problem(
-        q=_cast(q, work).reshape(B, Hkv, G, L, E) * scale, k=_cast(k, work), v=_cast(v, work),
+        q=_cast(q, work).reshape(B, Hkv, G, L, E), k=_cast(k, work), v=_cast(v, work),
         score_mod=score_mod, mask_mod=None if block_mask is None else block_mask.mask_mod, kinds=kinds,
         block_q=block_q, block_k=block_k, scale=scale, work=work,
         b=torch.arange(B, device=device).reshape(B, 1, 1, 1), h=torch.arange(H, device=device).reshape(1, H, 1, 1),
@@ -307,9 +307,10 @@ def _query_tile(p: _Problem, rows: slice, tiles: list[_Tile]) -> tuple[torch.Ten
 
 
 def _query_rows(p: _Problem, rows: slice) -> torch.Tensor:
-    """The queries `rows` of every group as one matrix: (B, Hkv, G, block_q, E) -> (B, Hkv, G * block_q, E)."""
+    """The queries `rows` of every group as one matrix, times the scale: (B, Hkv, G, block_q, E) ->
+    (B, Hkv, G * block_q, E)."""
     B, Hkv, G, _, E = p.q.shape
-    return p.q[:, :, :, rows].reshape(B, Hkv, G * (rows.stop - rows.start), E)
+    return (p.q[:, :, :, rows] * p.scale).reshape(B, Hkv, G * (rows.stop - rows.start), E)
 
 
 def _grouped(x: torch.Tensor, Hkv: int) -> torch.Tensor:
