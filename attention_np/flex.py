@@ -20,7 +20,7 @@ its score. The tiles are the block mask's; a tile is computed for the whole batc
 its kind is BlockMask.batch_kinds()'s: an empty tile (empty in every (b, h)) is skipped, a full one is
 computed without calling mask_mod, and a partial one calls it on the tile's index arrays. The forward pass
 takes a row's consecutive tiles that are not empty side by side, a run of up to RUN_SCORES scores: one
-product Q K^T and one step of the online softmax per run (a causal window of 256 in tiles of 128: one run of
+product Q K^T and one step of the online softmax per run (mods.sliding_window(256, 0) in tiles of 128: one run of
 three tiles per row), the mods still called tile by tile on each tile's index arrays.
 
 The backward pass recomputes each tile, P = exp(R - lse), and with D = rowsum(dO * O) (= rowsum(dP * P), as in
