@@ -114,10 +114,18 @@ def _ours(M: ModuleType, q, k, v, mask_mod, score_mod, tiles, **options) -> tupl
     return M.to_numpy(out), M.to_numpy(lse)
 
 
+def _one_tiling_in_jax(M: ModuleType, tiles: tuple[int, int]) -> None:
+    """JAX compiles a program for each case and tiling (a second or so each); its tile loop is one program for
+    every tiling (tests/test_flex_jax.py holds it to that), so JAX runs the cases in one odd tiling, (4, 7)."""
+    if M.__name__ == "attention_jax" and tiles != ODD_TILES[-1]:
+        pytest.skip("JAX: one odd tiling, (4, 7)")
+
+
 @pytest.mark.parametrize(("name", "tiles"), [(name, tiles) for name in CASES for tiles in ODD_TILES]
                          + [(name, tiles) for name in ("causal", "document", "and", "nested", "empty_or")
                             for tiles in EDGE_TILES])
 def test_equals_torch_flex_attention(backend, name, tiles):
+    _one_tiling_in_jax(backend, tiles)
     mask_mod, score_mod = CASES[name]
     q, k, v = _inputs()
     expected_out, expected_lse = _reference_of(name)
@@ -141,6 +149,7 @@ def test_grouped_query_heads_equal_torch(backend, name):
 @pytest.mark.parametrize("name", ["none", "causal", "document", "alibi", "softcap", "relative_bias", "and", "or",
                                   "nested", "empty_or"])
 def test_gradients_equal_torch(backend, name, tiles):
+    _one_tiling_in_jax(backend, tiles)
     mask_mod, score_mod = CASES[name]
     q, k, v = _inputs()
     d_out = _random(B, H, L, EV, seed=3)
