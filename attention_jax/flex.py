@@ -7,19 +7,21 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 The score functions and mask functions, and the catalogue of them, are in attention_np/common/mods.py; the
 block mask, which tiles a mask function leaves empty, partial or full, in attention_np/common/block_mask.py.
 
-The passes are those of flash.py (the online softmax forward; the backward recomputes each tile's weights from
-the log-sum-exp, P = exp(R - lse)), with R = score_mod(S) in place of the scores and the tiles chosen by the block
-mask, which is known before tracing: its kinds over the whole batch (BlockMask.batch_kinds()) give each row of
-query tiles the key tiles it computes, and each column of key tiles the query tiles. The JAX specifics: those
-lists are index arrays, padded to the longest, so the traced program does not grow with the number of tiles:
-the forward pass maps (lax.map) over the query tiles, each a lax.fori_loop over its row's key tiles; the
-backward pass scans over the key tiles, each a fori_loop over its column's query tiles, with dQ and the score
-function's parameters' gradients carried along. On each tile a lax.cond on its kind evaluates the mask function
-on a partial tile only. The score function's derivative is JAX's (jax.vjp on the tile). The tiled passes are one
-jax.custom_vjp, so that jax.grad through flex_attention keeps memory at L + S too; the block mask and the score
-and mask functions are static (a BlockMask, MaskMod and ScoreMod hash by identity), a ScoreMod's parameters are
-arguments, which the gradient reaches. L and S are padded up to whole tiles: the mods see the last query's and
-key's index there, a padded key is hidden, a padded query dropped.
+The passes are those of flash.py (the online softmax forward; the backward recomputes each tile's weights from the
+log-sum-exp, P = exp(R - lse)), with R = score_mod(S) in place of the scores and the tiles chosen by the block mask,
+which is known before tracing: its kinds over the whole batch (BlockMask.batch_kinds()) give each row of query tiles
+the key tiles it computes, and each column of key tiles the query tiles. The JAX specifics: those lists are index
+arrays, padded to the longest, so the traced program does not grow with the number of tiles: the forward pass loops
+(lax.fori_loop) over the query tiles, writing each one's rows into out in place, each a fori_loop over its row's key
+tiles; the backward pass scans over the key tiles, each a fori_loop over its column's query tiles, with dQ and the
+score function's parameters' gradients carried along. q keeps its layout (B, H, L, E) and each tile is grouped (B,
+Hkv, G, bq, E) where it is read: a grouped view of the whole of q, and the tiles' outputs stacked, each cost XLA an
+array of out's size. On each tile a lax.cond on its kind evaluates the mask function on a partial tile only. The
+score function's derivative is JAX's (jax.vjp on the tile). The tiled passes are one jax.custom_vjp, so that
+jax.grad through flex_attention keeps memory at L + S too; the block mask and the score and mask functions are
+static (a BlockMask, MaskMod and ScoreMod hash by identity), a ScoreMod's parameters are arguments, which the
+gradient reaches. L and S are padded up to whole tiles: the mods see the last query's and key's index there, a
+padded key is hidden, a padded query dropped.
 """
 
 from __future__ import annotations
@@ -202,17 +204,19 @@ def _plan(q: jax.Array, k: jax.Array, v: jax.Array, score_mod: Callable[..., Any
 
 def _attend(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array,
             parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """out (B, H, L, Ev) in q's dtype and lse (B, H, L) in the working dtype: the inputs grouped, in the working
-    dtype and padded to whole tiles, then the tiled core. Differentiable in q, k, v and the parameters."""
-    B, H, Hkv, L, S = plan.B, plan.H, plan.Hkv, plan.L, plan.S
+    """out (B, H, L, Ev) in q's dtype and lse (B, H, L) in the working dtype: the inputs in the working dtype and
+    padded to whole tiles, then the tiled core. Differentiable in q, k, v and the parameters."""
+    B, H, L, S = plan.B, plan.H, plan.L, plan.S
     dtype, work, Ev = q.dtype, _at_least_float32(q.dtype), v.shape[-1]
     if L == 0 or S == 0:  # no query, or no key seen: zeros, lse -inf; the gradients are zeros
         return jnp.zeros((B, H, L, Ev), dtype), jnp.full((B, H, L), -jnp.inf, work)
     Lp, Sp = _padded(L, plan.block_q), _padded(S, plan.block_k)
-    q = _pad(q.astype(work).reshape(B, Hkv, H // Hkv, L, -1), Lp)  # (B, Hkv, G, Lp, E): query head h = (h // G, h % G)
+    # q keeps its layout (B, H, Lp, E): the loops group one tile at a time, (B, Hkv, G, bq, E), query head
+    # h = (h // G, h % G); a grouped view of the whole of q is copied by XLA into the loops' state
+    q = _pad(q.astype(work), Lp)
     k, v = _pad(k.astype(work), Sp), _pad(v.astype(work), Sp)  # (B, Hkv, Sp, E), (B, Hkv, Sp, Ev)
-    out, lse = _tiled(plan, q, k, v, parameters)  # (B, Hkv, G, Lp, Ev), (B, Hkv, G, Lp)
-    out, lse = out[..., :L, :].reshape(B, H, L, Ev), lse[..., :L].reshape(B, H, L)  # padded queries dropped
+    out, lse = _tiled(plan, q, k, v, parameters)  # (B, H, Lp, Ev), (B, H, Lp)
+    out, lse = out[..., :L, :], lse[..., :L]  # padded queries dropped
     return out.astype(dtype), lse
 
 
@@ -252,7 +256,7 @@ def _visits_of(kinds: np.ndarray) -> _Visits:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _tiled(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array,
            parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """out (B, Hkv, G, Lp, Ev) and lse (B, Hkv, G, Lp) of the padded, grouped problem, in the working dtype."""
+    """out (B, H, Lp, Ev) and lse (B, H, Lp) of the padded problem, in the working dtype."""
     return _forward_tiles(plan, q, k, v, parameters)
 
 
@@ -323,21 +327,28 @@ def _hidden(scores: jax.Array, visible: jax.Array | None) -> jax.Array:
 
 def _forward_tiles(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array,
                    parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """out (B, Hkv, G, Lp, Ev) and lse (B, Hkv, G, Lp): the query tiles in turn (lax.map), each the online
-    softmax over its row's key tiles."""
+    """out (B, H, Lp, Ev) and lse (B, H, Lp): the query tiles in turn, each the online softmax over its row's key
+    tiles, written into out and lse in place (a fori_loop: stacking the tiles' results would hold a second array
+    of out's size)."""
     visits, _ = _visits(plan)
-    rows = jnp.arange(len(visits.count), dtype=jnp.int32)
-    outs, lses = lax.map(lambda row: _query_tile(plan, q, k, v, parameters, row, visits),
-                         rows)  # (nq, B, Hkv, G, bq, Ev), (nq, B, Hkv, G, bq)
-    out = jnp.moveaxis(outs, 0, -3).reshape(*q.shape[:-2], -1, v.shape[-1])  # (..., nq, bq, Ev) -> (..., Lp, Ev)
-    return out, jnp.moveaxis(lses, 0, -2).reshape(q.shape[:-1])  # (..., nq, bq) -> (..., Lp)
+
+    def query_tile(row: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        out, lse = carry
+        out_tile, lse_tile = _query_tile(plan, q, k, v, parameters, row, visits)  # (B, Hkv, G, bq, Ev), (.., bq)
+        rows = row.astype(int) * plan.block_q
+        return (lax.dynamic_update_slice_in_dim(out, out_tile.reshape(plan.B, plan.H, plan.block_q, -1), rows, -2),
+                lax.dynamic_update_slice_in_dim(lse, lse_tile.reshape(plan.B, plan.H, plan.block_q), rows, -1))
+
+    out, lse = jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), jnp.zeros(q.shape[:-1], q.dtype)
+    return lax.fori_loop(0, len(visits.count), query_tile, (out, lse))
 
 
 def _query_tile(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameters: dict[str, jax.Array],
                 row: jax.Array, visits: _Visits) -> tuple[jax.Array, jax.Array]:
     """out (B, Hkv, G, bq, Ev) and lse (B, Hkv, G, bq) of the query tile `row`: the online softmax (flash.py)."""
     rows = row.astype(int) * plan.block_q  # jax: the tables are int32, the indices the default int
-    q = lax.dynamic_slice_in_dim(q, rows, plan.block_q, axis=-2) * plan.scale  # the scale folded in: (.., bq, E)
+    q = lax.dynamic_slice_in_dim(q, rows, plan.block_q, axis=-2) * plan.scale  # the scale folded in: (B, H, bq, E)
+    q = q.reshape(plan.B, plan.Hkv, plan.H // plan.Hkv, plan.block_q, -1)  # grouped: (B, Hkv, G, bq, E)
     m = jnp.full((*q.shape[:-1], 1), -jnp.inf, q.dtype)  # running maximum (B, Hkv, G, bq, 1)
     l = jnp.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
     acc = jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)  # running output (B, Hkv, G, bq, Ev)
@@ -376,6 +387,9 @@ def _backward_tiles(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, param
     from its column's query tiles, which add their share to dQ and to the parameters' gradients, carried
     along. dK and dV sum over each group's G query heads (the products contract g)."""
     _, visits = _visits(plan)
+    # q, out, lse and their cotangents grouped as the tiles read them: (B, H, Lp, *) -> (B, Hkv, G, Lp, *)
+    q, out, lse, d_out, d_lse = (x.reshape(plan.B, plan.Hkv, plan.H // plan.Hkv, *x.shape[2:])
+                                 for x in (q, out, lse, d_out, d_lse))
     # (B, Hkv, G, Lp): False for the padded queries and for those that see no key
     seen = (_ranked(jnp.arange(q.shape[-2]), lse.ndim) < plan.L) & (lse != -jnp.inf)
     D = jnp.where(seen, jnp.sum(d_out * out, axis=-1) - d_lse, 0.0)  # rowsum(dO * O); lse's cotangent: P d_lse
@@ -401,7 +415,7 @@ def _backward_tiles(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, param
     (dq, d_parameters), (dks, dvs) = lax.scan(key_tile, (jnp.zeros_like(q), d_parameters), cols)
     dk = jnp.moveaxis(dks, 0, -3).reshape(k.shape)  # (nk, B, Hkv, bk, E) -> (B, Hkv, Sp, E)
     dv = jnp.moveaxis(dvs, 0, -3).reshape(v.shape)  # (nk, B, Hkv, bk, Ev) -> (B, Hkv, Sp, Ev)
-    return dq, dk, dv, d_parameters
+    return dq.reshape(plan.B, plan.H, *dq.shape[3:]), dk, dv, d_parameters  # dq as q: (B, H, Lp, E)
 
 
 def _tile_gradients(plan: _Plan, tile: _Tile, arrays: tuple, parameters: dict[str, jax.Array],
