@@ -328,13 +328,19 @@ def _and(visible: np.ndarray | None, rule: np.ndarray) -> np.ndarray:
 
 
 def _run(p: _Problem, task: Callable[[Any], None], items: Iterable[Any]) -> None:
-    """task(item) for every item: on a thread pool of one thread per core where the problem is large enough
-    to pay for it (NumPy releases the GIL in matmul and exp), else in turn. The pool's threads each take one
-    BLAS thread: a tile's matmul is too small to share, and BLAS threads of their own on every worker would
-    outnumber the cores (measured 2-3 times slower on 2 cores)."""
+    """_in_threads, for a problem of p's size: its query-key-width products."""
+    _in_threads(int(np.prod(p.batch)) * p.L * p.S * p.q.shape[-1], task, items)
+
+
+def _in_threads(work: int, task: Callable[[Any], None], items: Iterable[Any]) -> None:
+    """task(item) for every item: on a thread pool of one thread per core where the problem's `work` (its
+    query-key-width products) is large enough to pay for it (NumPy releases the GIL in matmul and exp), else in
+    turn. The pool's threads each take one BLAS thread: a tile's matmul is too small to share, and BLAS threads of
+    their own on every worker would outnumber the cores (measured 2-3 times slower on 2 cores). flex.py's tiles
+    run on it too."""
     items = list(items)
     workers = min(os.cpu_count() or 1, len(items))
-    if workers <= 1 or int(np.prod(p.batch)) * p.L * p.S * p.q.shape[-1] < PARALLEL_WORK:
+    if workers <= 1 or work < PARALLEL_WORK:
         for item in items:
             task(item)
         return

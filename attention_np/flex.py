@@ -43,9 +43,7 @@ do not).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -54,7 +52,7 @@ from attention_np.common import block_mask as blocks
 from attention_np.common import validation
 from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 
-from .flash import PARALLEL_WORK, _blas
+from .flash import _in_threads
 from .functional import _dtypes
 
 NO_MASK_TILE = 128  # block_mask None: tiles of 128 x 128, every one full (torch's default BLOCK_SIZE)
@@ -321,19 +319,10 @@ def _query_tile(p: _Problem, row: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _run(p: _Problem, task: Callable[[int], None], items: Iterable[int]) -> None:
-    """task(item) for every item: on a thread pool of one thread per core where the problem is large enough to
-    pay for it (flash.py's PARALLEL_WORK; NumPy releases the GIL in matmul and exp), else in turn. Each thread
-    takes one BLAS thread: a tile's matmul is too small to share (flash.py's _run)."""
-    items = list(items)
+    """task(item) for every item, on flash.py's thread pool where the problem's query-key-width products pay for
+    it (each thread one BLAS thread), else in turn."""
     B, H, L, E = p.q.shape
-    workers = min(os.cpu_count() or 1, len(items))
-    if workers <= 1 or B * H * L * p.k.shape[2] * E < PARALLEL_WORK:
-        for item in items:
-            task(item)
-        return
-    with _blas().limit(limits=1, user_api="blas"), ThreadPoolExecutor(workers) as pool:
-        for _ in pool.map(task, items):  # re-raises a task's exception
-            pass
+    _in_threads(B * H * L * p.k.shape[2] * E, task, items)
 
 
 def _backward(p: _Problem, out: np.ndarray, lse: np.ndarray, d_out: np.ndarray,
