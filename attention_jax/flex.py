@@ -40,6 +40,7 @@ from attention_np.common import validation
 from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from attention_np.common.mods import ScoreMod
 
+from .arrays import to_numpy
 from .functional import _dtypes
 from .primitives import _at_least_float32, _ranked
 
@@ -154,7 +155,7 @@ def create_block_mask(
     # function written with jax.numpy takes them all the same, and runs on concrete arrays even inside a traced
     # function (under jit), so that its tiles can be read
     with jax.ensure_compile_time_eval():
-        return blocks.create(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, arange=np.arange, to_numpy=np.asarray)
+        return blocks.create(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, arange=np.arange, to_numpy=to_numpy)
 
 
 class _Plan(NamedTuple):

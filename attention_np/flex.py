@@ -52,6 +52,7 @@ from attention_np.common import block_mask as blocks
 from attention_np.common import validation
 from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 
+from .arrays import to_numpy
 from .flash import _in_threads
 from .functional import _dtypes
 
@@ -160,7 +161,7 @@ def create_block_mask(
         A BlockMask: shape (B or 1, H or 1, L, S), block_size, tiles (B, H, ceil(L / block_q),
         ceil(S / block_k)) of kinds; counts() and sparsity() say how much is skipped.
     """
-    return blocks.create(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, arange=np.arange, to_numpy=np.asarray)
+    return blocks.create(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, arange=np.arange, to_numpy=to_numpy)
 
 
 class _Problem(NamedTuple):

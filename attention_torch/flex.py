@@ -40,6 +40,7 @@ from attention_np.common import block_mask as blocks
 from attention_np.common import mods, validation
 from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 
+from .arrays import to_numpy
 from .functional import _dtypes
 from .gradients import _grad, _leaf, _recording
 from .primitives import _cast
@@ -154,8 +155,7 @@ def create_block_mask(
         A BlockMask: shape (B or 1, H or 1, L, S), block_size, tiles (B, H, ceil(L / block_q),
         ceil(S / block_k)) of kinds; counts() and sparsity() say how much is skipped.
     """
-    return blocks.create(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, arange=torch.arange,
-                         to_numpy=lambda x: x.numpy(force=True))  # force: off the GPU, out of autograd
+    return blocks.create(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, arange=torch.arange, to_numpy=to_numpy)
 
 
 class _Options(NamedTuple):

@@ -83,12 +83,13 @@ def create(mask_mod: Callable[..., Any], B: int | None, H: int | None, Q_LEN: in
     tiles = np.empty((B, H, rows, columns), dtype=np.uint8)
     b, h = (_along(arange(n), axis, n) for axis, n in ((0, B), (1, H)))  # (B, 1, 1, 1), (1, H, 1, 1)
     step = max(1, CLASSIFY_ENTRIES // (B * H * block_q * block_k))  # key tiles per evaluation
+    queries, keys = arange(Q_LEN), arange(KV_LEN)  # sliced below, tile row by tile row
     for row in range(rows):
         start, stop = row * block_q, min(row * block_q + block_q, Q_LEN)
-        q_idx = _along(arange(Q_LEN)[start:stop], 2, stop - start)  # (1, 1, block_q, 1)
+        q_idx = _along(queries[start:stop], 2, stop - start)  # (1, 1, block_q, 1)
         for first in range(0, columns, step):
             begin, end = first * block_k, min((first + step) * block_k, KV_LEN)
-            kv_idx = _along(arange(KV_LEN)[begin:end], 3, end - begin)  # (1, 1, 1, keys)
+            kv_idx = _along(keys[begin:end], 3, end - begin)  # (1, 1, 1, keys)
             visible = mask_mod(b, h, q_idx, kv_idx)
             shape = (B, H, stop - start, end - begin)
             validation.mask_mod_result("mask_mod", np.shape(visible), str(visible.dtype), shape)
