@@ -621,3 +621,35 @@ def block_mask_fits(block_mask: object, B: int, H: int, L: int, S: int) -> None:
     if mask_B not in (1, B) or mask_H not in (1, H) or (mask_L, mask_S) != (L, S):
         raise ValueError(f"block_mask was made for scores {tuple(shape)} (B, H, L, S), which do not fit these "
                          f"scores {(B, H, L, S)}: make it with create_block_mask(mask_mod, {B}, {H}, {L}, {S})")
+
+
+def mods_inputs(function: str, q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> tuple[int, int]:
+    """q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) of an attention function given mask_mod, score_mod or
+    block_mask: the mods index the scores by (b, h, q_idx, kv_idx), so each input has exactly four axes (B may
+    broadcast, as elsewhere). Returns (B, H): the scores' batch size and q's heads, which b and h run over."""
+    shapes = {"q": _shape(q), "k": _shape(k), "v": _shape(v)}
+    if any(len(shape) != 4 for shape in shapes.values()):
+        got = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"{function}: mask_mod, score_mod and block_mask index the scores (B, H, L, S), so q, k and "
+                         f"v must have four axes, (B, H, L, E), (B, Hkv, S, E) and (B, Hkv, S, Ev); got {got}")
+    batch = _broadcast(*(shape[:1] for shape in shapes.values()))
+    if batch is None:
+        raise ValueError(f"{function}: q {shapes['q']}, k {shapes['k']} and v {shapes['v']} must have batch sizes "
+                         "that broadcast")
+    return batch[0], shapes["q"][1]
+
+
+def flash_block_mask(block_mask: object, mask_mod: object, block_q: object, block_k: object,
+                     scores: Sequence[int]) -> tuple[int, int]:
+    """flash_attention's block_mask, for scores (B, H, L, S): a BlockMask that fits them (block_mask_fits),
+    given without mask_mod (it carries its own), whose tiles are flash's: block_q and block_k None or equal to
+    its BLOCK_SIZE. Returns its (block_q, block_k)."""
+    if mask_mod is not None:
+        raise ValueError("flash_attention: pass mask_mod or block_mask, not both: a block mask carries its mask "
+                         "function (create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE))")
+    block_mask_fits(block_mask, *scores)
+    tiles = tuple(block_mask.block_size)  # type: ignore[attr-defined]
+    if (block_q, block_k) != (None, None) and (block_q, block_k) != tiles:
+        raise ValueError(f"flash_attention: with a block mask the tiles are its BLOCK_SIZE {tiles} (block_q, "
+                         f"block_k); got block_q={block_q!r}, block_k={block_k!r}: leave them None")
+    return tiles
