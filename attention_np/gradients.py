@@ -147,22 +147,25 @@ def _grouped_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray |
     return out, _ungrouped(weights_g), pullback
 
 
-def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                             mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
+def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
+                             mask_mod: Callable[..., Any] | None = None,
+                             score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
     """Backward through MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o, step by step in
     reverse: the output projection, the heads' merge (its adjoint is the split), attention per head, the
     input projections. Splitting and merging heads only move entries, so their adjoints are each other.
     With Hkv < H key/value heads, attention runs with enable_gqa, whose backward pass sums the gradients of
     each key/value head over the query heads of its group. With rope_theta, the queries and keys are turned
     after the split, and their gradients turned back before the projections' adjoints. With attention="linear"
-    the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp).
+    the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp). mask_mod and score_mod go to
+    attention on the heads (B, H, L, d_k), as in MultiHeadAttention.__call__.
 
     Returns:
         out (..., L, D), weights (..., H, L, S) (None with attention="linear") and
-        pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams), dparams {state-dict name: gradient}.
+        pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams), dparams {state-dict name: gradient}, and with a
+        score_mod its parameters' gradients under "score_mod.<name>".
     """
     validation.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
-    mha._check_inputs(q, k, v, mask)
+    mha._check_inputs(q, k, v, mask, mask_mod, score_mod)
     (q_p, pull_q), (k_p, pull_k), (v_p, pull_v) = (_linear_vjp(w, x) for w, x in
                                                   ((mha.w_q, q), (mha.w_k, k), (mha.w_v, v)))
     H, Hkv = mha.num_heads, mha.num_kv_heads
@@ -172,17 +175,19 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
         heads, weights, pull_attention = _linear_heads_vjp(mha, q_h, k_h, v_h)  # (..., H, L, d_k)
     else:
         heads, weights, pull_attention = scaled_dot_product_attention_vjp(
-            q_h, k_h, v_h, mask, enable_gqa=mha.grouped)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
+            q_h, k_h, v_h, mask, enable_gqa=mha.grouped, mask_mod=mask_mod,
+            score_mod=score_mod)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_merged, grads_o = pull_o(d_out)  # (..., L, D)
-        dq_h, dk_h, dv_h, _ = pull_attention(mha._split_heads(d_merged, H))  # (..., H | Hkv, L | S, d_k)
+        dq_h, dk_h, dv_h, _, *d_theta = pull_attention(mha._split_heads(d_merged, H))  # (..., H | Hkv, L | S, d_k)
         dq_h, dk_h = _rope_vjp(mha, dq_h), _rope_vjp(mha, dk_h)  # RoPE turned back
         (dq, grads_q), (dk, grads_k), (dv, grads_v) = (
             pull(mha._merge_heads(d)) for pull, d in ((pull_q, dq_h), (pull_k, dk_h), (pull_v, dv_h)))
         grads = _prefixed("w_q", grads_q) | _prefixed("w_k", grads_k) | _prefixed("w_v", grads_v)
+        grads |= _prefixed("score_mod", d_theta[0]) if d_theta else {}  # the score function's parameters
         return dq, dk, dv, grads | _prefixed("w_o", grads_o)
 
     return out, weights, pullback
@@ -213,33 +218,37 @@ def _rope_vjp(mha: Any, d: np.ndarray) -> np.ndarray:
     return apply_rope(d, -np.arange(d.shape[-2]), theta=mha.rope_theta)
 
 
-def transformer_block_vjp(block: Any, x: np.ndarray,
-                          mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
+def transformer_block_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None = None, *,
+                          mask_mod: Callable[..., Any] | None = None,
+                          score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
     """Backward through the block. Post-LN, y1 = LN_1(x + MHA(x)), y = LN_2(y1 + FFN(y1)):
         dh2 = LN_2'(dy),  dy1 = dh2 + FFN'(dh2),  dh1 = LN_1'(dy1),  dx = dh1 + MHA'_q(dh1) + MHA'_k(dh1) + MHA'_v(dh1).
     Pre-LN, h = x + MHA(LN_1(x)), y = h + FFN(LN_2(h)):
         dh = dy + LN_2'(FFN'(dy)),  dx = dh + LN_1'(MHA'_q(dh) + MHA'_k(dh) + MHA'_v(dh)).
     A residual sum passes its gradient to both terms; self-attention uses x three times, so its three
-    input gradients add up.
+    input gradients add up. mask_mod and score_mod go to the attention, as in TransformerBlock.__call__.
 
     Returns:
-        y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
+        y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams), and with a
+        score_mod its parameters' gradients under "score_mod.<name>" (the caller's function, not the block's).
     """
     validation.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
     block._check_input(x)
     forward = _pre_ln_vjp if block.norm_first else _post_ln_vjp
-    y, weights, pullback = forward(block, x, mask)
+    y, weights, pullback = forward(block, x, mask, {"mask_mod": mask_mod, "score_mod": score_mod})
 
     def checked(d_out: np.ndarray) -> tuple[np.ndarray, Grads]:
         validation.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         dx, grads = pullback(d_out)
-        return dx, {name: grads[name] for name in block.state_dict()}  # in state-dict order
+        modded = {name.removeprefix("attn."): grads[name] for name in grads if name.startswith("attn.score_mod.")}
+        return dx, {name: grads[name] for name in block.state_dict()} | modded  # in state-dict order, then mods
 
     return y, weights, checked
 
 
-def _post_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, Callable]:
-    a, weights, pull_attn = multi_head_attention_vjp(block.attn, x, x, x, mask)
+def _post_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None,
+                 mods: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, Callable]:
+    a, weights, pull_attn = multi_head_attention_vjp(block.attn, x, x, x, mask, **mods)
     y1, pull_norm1 = _norm_vjp(block.norm1, x + a)
     f, pull_ffn = _ffn_vjp(block.ffn, y1)
     y, pull_norm2 = _norm_vjp(block.norm2, y1 + f)
@@ -255,9 +264,10 @@ def _post_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np
     return y, weights, pullback
 
 
-def _pre_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, Callable]:
+def _pre_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None,
+                mods: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, Callable]:
     n1, pull_norm1 = _norm_vjp(block.norm1, x)
-    a, weights, pull_attn = multi_head_attention_vjp(block.attn, n1, n1, n1, mask)
+    a, weights, pull_attn = multi_head_attention_vjp(block.attn, n1, n1, n1, mask, **mods)
     h = x + a
     n2, pull_norm2 = _norm_vjp(block.norm2, h)
     f, pull_ffn = _ffn_vjp(block.ffn, n2)
