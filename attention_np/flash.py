@@ -96,7 +96,8 @@ def flash_attention(
     """
     out, lse, _ = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k), (mask_mod, score_mod, block_mask))
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k),
+        _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
     return out, lse
 
 
@@ -149,13 +150,25 @@ def flash_attention_vjp(
     _check_derivative("flash_attention_vjp", score_mod)  # numpy: the backward is derived by hand
     out, lse, problem = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k), (mask_mod, score_mod, block_mask))
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k),
+        _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
 
     def pullback(d_out: np.ndarray) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return _backward(problem, d_out, (q, k, v, bias))  # with a score_mod, its parameters' gradients too
 
     return out, lse, pullback
+
+
+class _Given(NamedTuple):
+    """The mods a caller gave flash_attention, as its public functions hand them to the problem."""
+
+    mask_mod: Callable[..., Any] | None = None
+    score_mod: Callable[..., Any] | None = None
+    block_mask: BlockMask | None = None  # replaces block_q, block_k and mask_mod by its own
+
+
+_NO_MODS = _Given()  # ring attention's problems: no mods
 
 
 class _Problem(NamedTuple):
@@ -189,12 +202,12 @@ class _Problem(NamedTuple):
 
 
 def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-             options: FlashOptions, mods: tuple = (None, None, None)) -> _Problem:
+             options: FlashOptions, given: _Given = _NO_MODS) -> _Problem:
     """The checks of scaled_dot_product_attention, then the inputs as the tiles read them: mask and bias
     broadcast views of (..., L, S), never copied; q_offset and key_lengths reduced to the Python ints that
-    choose the tiles (validation.key_tiles); `mods` (mask_mod, score_mod, block_mask) with their index arrays,
-    and a block mask's tiles in place of block_q and block_k."""
-    (mask_mod, score_mod, block_mask), B, kinds = mods, None, None
+    choose the tiles (validation.key_tiles); the mods `given` with their index arrays, and a block mask's tiles in
+    place of block_q and block_k."""
+    (mask_mod, score_mod, block_mask), B, kinds = given, None, None
     if mask_mod is not None or score_mod is not None or block_mask is not None:
         B, H = validation.mods_inputs("flash_attention", q.shape, k.shape, v.shape)
         if block_mask is not None:  # its tiles are flash's; its mask function is evaluated on the partial ones
@@ -276,10 +289,10 @@ def _trimmed(p: _Problem, rows: slice, tiles: list[slice]) -> list[slice]:
 
 
 def _forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-             options: FlashOptions, mods: tuple) -> tuple[np.ndarray, np.ndarray, _Problem]:
+             options: FlashOptions, given: _Given) -> tuple[np.ndarray, np.ndarray, _Problem]:
     """out and lse in the caller's shapes (heads ungrouped), and the problem, which keeps them grouped for the
-    backward pass; mods: (mask_mod, score_mod, block_mask)."""
-    p = _problem(q, k, v, mask, bias, options, mods)
+    backward pass."""
+    p = _problem(q, k, v, mask, bias, options, given)
     p = p._replace(out=np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work),  # (..., L, Ev)
                    lse=np.full((*p.batch, p.L), -np.inf, p.work))  # (..., L)
 
