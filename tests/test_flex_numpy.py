@@ -345,27 +345,22 @@ def test_the_vjps_match_central_differences_with_a_score_mod(function):
         assert error <= FD_RTOL, f"{function}: d{which} off by {error:.3g}"
 
 
-def _module_loss(module, x, d_out, **mods_given) -> float:
-    out, _ = module(*(x,) * (1 if isinstance(module, M.TransformerBlock) else 3), **mods_given)
-    return float(np.sum(out * d_out))
-
-
 @pytest.mark.parametrize("kind", ["mha", "post_ln", "pre_ln"])
 def test_module_vjps_give_the_score_function_parameters_gradients(kind):
-    D, slopes = 8, np.array([0.5, 0.25])
+    D, slopes, mask_mod = 8, np.array([0.5, 0.25]), mods.causal()
     if kind == "mha":
         module = M.MultiHeadAttention(D, 2, 0.0, rng=0, dtype=np.float64)
     else:
         module = M.TransformerBlock(D, 2, 16, 0.0, norm_first=kind == "pre_ln", rng=0, dtype=np.float64)
     x, d_out = _random(B, L, D, seed=4), _random(B, L, D, seed=5)
-    mask_mod = mods.causal()
-    inputs = (x,) if kind != "mha" else (x, x, x)
+    inputs = (x, x, x) if kind == "mha" else (x,)
     _, _, pullback = module.vjp(*inputs, mask_mod=mask_mod, score_mod=mods.alibi(slopes))
     grads = pullback(d_out)[-1]
     assert set(grads) == set(module.state_dict()) | {"score_mod.slopes"}
 
     def loss(which: str, value: np.ndarray) -> float:
-        return _module_loss(module, x, d_out, mask_mod=mask_mod, score_mod=mods.alibi(value))
+        out, _ = module(*inputs, mask_mod=mask_mod, score_mod=mods.alibi(value))
+        return float(np.sum(out * d_out))
 
     error = _directional_errors(loss, {"slopes": slopes}, {"slopes": grads["score_mod.slopes"]})["slopes"]
     assert error <= FD_RTOL, f"{kind}: dslopes off by {error:.3g}"
