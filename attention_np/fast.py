@@ -19,13 +19,14 @@ import numpy as np
 from attention_np.common import validation
 from attention_np.common.records import Structure
 
-from .primitives import _visible
+from .primitives import _modded, _Mods, _visible
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *,
               bias: np.ndarray | None, structure: Structure, scale: float, softcap: float | None,
-              batch: tuple) -> np.ndarray:
-    """softmax(softcap(Q K^T * scale) + bias) V over the visible keys, as scaled_dot_product_attention's out."""
+              batch: tuple, mods: _Mods | None = None) -> np.ndarray:
+    """softmax(score_mod(softcap(Q K^T * scale)) + bias) V over the visible keys, as scaled_dot_product_attention's
+    out; `mods` (None: none) with their index arrays laid out as the scores (functional._mods)."""
     dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16: sums, softmax in float32
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
@@ -34,6 +35,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
         np.divide(scores, softcap, out=scores)
         np.tanh(scores, out=scores)
         np.multiply(scores, softcap, out=scores)
+    if mods is not None:  # score_mod after softcap, before the bias; mask_mod and -inf scores hide keys
+        scores, visible = _modded(mods, scores, visible, mods.tile(), mods.mask_mod, (*batch, *scores.shape[-2:]))
     scores = _broadcast(scores, bias, visible)  # the mask and the bias may carry leading axes that only v has
     if bias is not None:
         scores += np.asarray(bias, dtype=scores.dtype)

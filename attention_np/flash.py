@@ -21,6 +21,14 @@ them. With D = rowsum(dO * O) (= rowsum(dP * P), since O = P V):
 Tiles that the structure (is_causal, window, q_offset, key_lengths) hides from every query of a tile are
 never computed: causal attention does about half the work. Query tiles (forward) and key tiles (backward)
 run on a thread pool, since NumPy releases the GIL in matmul and exp.
+
+A mask function and a score function (mask_mod, score_mod; attention_np.common.mods) see each tile's slice of
+the index arrays: score_mod changes the tile's scores after softcap and before the bias, mask_mod is and-ed with
+the mask and the keyword rules. A block mask (block_mask, from create_block_mask) brings its tiles, which become
+flash's (block_q, block_k = its BLOCK_SIZE), and their kinds over the whole batch (BlockMask.batch_kinds(), as
+flex.py reads them): an empty tile is skipped, forward and backward, never computed; a full one is computed
+without calling its mask function; a partial one calls it on the tile's indices. The keyword rules still apply
+on top, and skip their own tiles as before.
 """
 
 from __future__ import annotations
@@ -35,10 +43,11 @@ import numpy as np
 import threadpoolctl
 
 from attention_np.common import validation
+from attention_np.common.block_mask import EMPTY, PARTIAL, BlockMask
 from attention_np.common.records import FlashOptions, Structure
 
 from .functional import _dtypes, _grouped, _prepare
-from .primitives import _integers, _sum_to
+from .primitives import _check_derivative, _integers, _modded, _Mods, _parameter_dtype, _score_mod_vjp, _sum_to
 
 PARALLEL_WORK = 1 << 22  # query-key-width products (L * S * E over the batch) above which tiles run in threads
 TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: each
@@ -59,15 +68,24 @@ def flash_attention(
     key_lengths: np.ndarray | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, tile by tile with the online softmax;
-    lse = log sum_j exp(scores_ij) over the visible keys j.
+    """Attention(Q, K, V) = softmax(score_mod(softcap(Q K^T * scale)) + bias) V, tile by tile with the online
+    softmax; lse = log sum_j exp(scores_ij) over the visible keys j.
 
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
+        block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
+            and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
             (validation.default_tiles within the backend's TILE_SCORES).
         block_k: keys per tile (the last tile may be shorter); None: as for block_q.
@@ -78,7 +96,8 @@ def flash_attention(
     """
     out, lse, _ = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k),
+        _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
     return out, lse
 
 
@@ -96,12 +115,17 @@ def flash_attention_vjp(
     key_lengths: np.ndarray | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
     """P = exp(S - lse) recomputed tile by tile,  D = rowsum(dO * O),  dV += P^T dO,  dP = dO V^T,
     dS = P * (dP - D),  dQ += dS K * scale,  dK += dS^T Q * scale,  dbias = dS (with softcap, dQ and dK take
-    dR = dS * (1 - tanh^2(R / c)) in place of dS, as in scaled_dot_product_attention_vjp).
+    dR = dS * (1 - tanh^2(R / c)) in place of dS, as in scaled_dot_product_attention_vjp; with score_mod, its
+    vjp comes first, (dC, dtheta) = score_mod.vjp(dS, C), C the scores it received, dC = 0 where P = 0, and
+    dtheta, its parameters' gradients, is summed over the tiles).
 
     D replaces scaled_dot_product_attention_vjp's rowsum(dP * P), which needs a whole row of P: since
     O = P V, rowsum(dP * P) = sum_j (dO . v_j) P_ij = dO . O, one number per query from (..., L, Ev) arrays.
@@ -110,21 +134,41 @@ def flash_attention_vjp(
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             flash_attention.
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
+        block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
+            and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q, block_k: as for flash_attention.
 
     Returns:
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
-        bias is None; each gradient has its input's shape and dtype.
+        bias is None; with a score_mod (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict {parameter name:
+        gradient} of score_mod.parameters (empty without); each gradient has its input's shape and dtype.
     """
+    _check_derivative("flash_attention_vjp", score_mod)  # numpy: the backward is derived by hand
     out, lse, problem = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k),
+        _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
 
-    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    def pullback(d_out: np.ndarray) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        return _backward(problem, d_out, (q, k, v, bias))
+        return _backward(problem, d_out, (q, k, v, bias))  # with a score_mod, its parameters' gradients too
 
     return out, lse, pullback
+
+
+class _Given(NamedTuple):
+    """The mods a caller gave flash_attention, as its public functions hand them to the problem."""
+
+    mask_mod: Callable[..., Any] | None = None
+    score_mod: Callable[..., Any] | None = None
+    block_mask: BlockMask | None = None  # replaces block_q, block_k and mask_mod by its own
+
+
+_NO_MODS = _Given()  # ring attention's problems: no mods
 
 
 class _Problem(NamedTuple):
@@ -153,13 +197,24 @@ class _Problem(NamedTuple):
     lengths: tuple[int, int] | None  # key_lengths' least and greatest value (None: no key_lengths)
     out: np.ndarray | None = None  # (..., L, Ev) and (..., L) in the working dtype, once the forward pass has run
     lse: np.ndarray | None = None
+    mods: _Mods | None = None  # mask_mod (the block mask's with one) and score_mod, indices laid out as the scores
+    kinds: np.ndarray | None = None  # a block mask's tiles (rows, columns): EMPTY, PARTIAL or FULL over the batch
 
 
 def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-             options: FlashOptions) -> _Problem:
+             options: FlashOptions, given: _Given = _NO_MODS) -> _Problem:
     """The checks of scaled_dot_product_attention, then the inputs as the tiles read them: mask and bias
     broadcast views of (..., L, S), never copied; q_offset and key_lengths reduced to the Python ints that
-    choose the tiles (validation.key_tiles)."""
+    choose the tiles (validation.key_tiles); the mods `given` with their index arrays, and a block mask's tiles in
+    place of block_q and block_k."""
+    (mask_mod, score_mod, block_mask), B, kinds = given, None, None
+    if mask_mod is not None or score_mod is not None or block_mask is not None:
+        B, H = validation.mods_inputs("flash_attention", q.shape, k.shape, v.shape)
+        if block_mask is not None:  # its tiles are flash's; its mask function is evaluated on the partial ones
+            tiles = validation.flash_block_mask(block_mask, mask_mod, options.block_q, options.block_k,
+                                                (B, H, q.shape[-2], k.shape[-2]))
+            options = options._replace(block_q=tiles[0], block_k=tiles[1])
+            mask_mod, kinds = block_mask.mask_mod, block_mask.batch_kinds()
     validation.tiles(options.block_q, options.block_k)
     shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else np.shape(bias)}
     q_offset, key_lengths = options.q_offset, options.key_lengths
@@ -186,7 +241,9 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
         block_q=block_q, block_k=block_k, grouped=options.enable_gqa,
         offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.size else (0, 0),
         lengths=None if key_lengths is None or key_lengths.size == 0 else
-        (int(key_lengths.min()), int(key_lengths.max())))
+        (int(key_lengths.min()), int(key_lengths.max())),
+        mods=None if B is None else _Mods.of(mask_mod, score_mod, B, q.shape[1:-2], L, S),  # heads (H,) | (Hkv, G)
+        kinds=kinds)
 
 
 def _check_masks(mask: np.ndarray | None, bias: np.ndarray | None, shape: tuple) -> None:
@@ -207,6 +264,8 @@ def _key_tiles(p: _Problem, rows: slice) -> list[slice]:
     tiles = validation.key_tiles(rows.start, rows.stop, p.S, p.block_k, is_causal=p.structure.is_causal,
                              window=p.structure.window, q_offset=p.offsets,
                              key_lengths=None if p.lengths is None else p.lengths[1])
+    if p.kinds is not None:  # a block mask's empty tiles are never computed
+        tiles = [t for t in tiles if p.kinds[rows.start // p.block_q, t] != EMPTY]
     return [slice(t * p.block_k, min((t + 1) * p.block_k, p.S)) for t in tiles]
 
 
@@ -230,10 +289,10 @@ def _trimmed(p: _Problem, rows: slice, tiles: list[slice]) -> list[slice]:
 
 
 def _forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
-             options: FlashOptions) -> tuple[np.ndarray, np.ndarray, _Problem]:
+             options: FlashOptions, given: _Given) -> tuple[np.ndarray, np.ndarray, _Problem]:
     """out and lse in the caller's shapes (heads ungrouped), and the problem, which keeps them grouped for the
     backward pass."""
-    p = _problem(q, k, v, mask, bias, options)
+    p = _problem(q, k, v, mask, bias, options, given)
     p = p._replace(out=np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work),  # (..., L, Ev)
                    lse=np.full((*p.batch, p.L), -np.inf, p.work))  # (..., L)
 
@@ -261,7 +320,7 @@ def _query_tile(p: _Problem, rows: slice) -> tuple[np.ndarray, np.ndarray]:
     l = np.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
     acc = np.zeros((*p.batch, rows.stop - rows.start, p.v.shape[-1]), p.work)  # running output (..., block_q, Ev)
     for cols in _trimmed(p, rows, _key_tiles(p, rows)):
-        scores, visible, _ = _scores(p, q, rows, cols)  # (..., block_q, block_k), -inf where hidden
+        scores, visible, _, _ = _scores(p, q, rows, cols)  # (..., block_q, block_k), -inf where hidden
         # 1) the new running maximum; where nothing is seen yet (the maximum -inf) the shift is 0
         m_new = np.maximum(m, np.max(scores, axis=-1, keepdims=True))
         shift = m_new if visible is None else np.where(m_new == -np.inf, 0, m_new)
@@ -280,9 +339,10 @@ def _query_tile(p: _Problem, rows: slice) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _scores(p: _Problem, q: np.ndarray, rows: slice,
-            cols: slice) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """The tile's scores softcap(q k^T) + bias, q already scaled, (..., block_q, block_k), -inf where hidden;
-    where they are visible (None: everywhere); and with softcap, tanh(raw / softcap) (for the backward)."""
+            cols: slice) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """The tile's scores score_mod(softcap(q k^T)) + bias, q already scaled, (..., block_q, block_k), -inf where
+    hidden; where they are visible (None: everywhere); with softcap, tanh(raw / softcap); and with score_mod, the
+    scores it received (the last two for the backward)."""
     scores = q @ np.swapaxes(p.k[..., cols, :], -1, -2)  # (..., block_q, E) x (..., E, block_k)
     if scores.shape[:-2] != p.batch:  # q and k share a batch axis that only v or a mask carries
         scores = np.array(np.broadcast_to(scores, (*p.batch, *scores.shape[-2:])))  # its own copy, writable
@@ -290,12 +350,24 @@ def _scores(p: _Problem, q: np.ndarray, rows: slice,
     if p.softcap is not None:  # softcap * tanh(raw / softcap), before the bias and the masks
         tanh = np.tanh(scores / p.softcap)
         scores = np.multiply(tanh, p.softcap, out=scores)
+    visible, received = _tile_visible(p, rows, cols), None
+    if p.mods is not None:  # score_mod after softcap, before the bias (a new array); mask_mod and -inf hide keys
+        received = scores if p.mods.score_mod is not None else None
+        scores, visible = _modded(p.mods, scores, visible, p.mods.tile(rows, cols), _tile_mask_mod(p, rows, cols),
+                                  scores.shape)
     if p.bias is not None:
         scores += p.bias[..., rows, cols]
-    visible = _tile_visible(p, rows, cols)
     if visible is not None:
         np.copyto(scores, -np.inf, where=~visible)
-    return scores, visible, tanh
+    return scores, visible, tanh, received
+
+
+def _tile_mask_mod(p: _Problem, rows: slice, cols: slice) -> Callable[..., Any] | None:
+    """The mask function the tile evaluates: mask_mod on every tile computed; with a block mask, its mask
+    function on a partial tile, none on a full one (an empty one is never computed)."""
+    if p.kinds is None or p.kinds[rows.start // p.block_q, cols.start // p.block_k] == PARTIAL:
+        return p.mods.mask_mod
+    return None
 
 
 def _tile_visible(p: _Problem, rows: slice, cols: slice) -> np.ndarray | None:
@@ -356,12 +428,13 @@ def _blas() -> threadpoolctl.ThreadpoolController:
     return threadpoolctl.ThreadpoolController()
 
 
-def _backward(p: _Problem, d_out: np.ndarray,
-              inputs: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+def _backward(p: _Problem, d_out: np.ndarray, inputs: tuple) -> tuple:
     """The pullback: the key tiles shared out among the workers, each one's dK and dV tiles its own, and each
     worker its own dQ, summed at the end. dbias has the bias's (grouped) shape, each tile's dS summed down to
     it as it is made, so a broadcast bias costs no (..., L, S) buffer; the workers share it where their key
-    tiles write apart, and each has its own where the bias broadcasts along S (all write its one column)."""
+    tiles write apart, and each has its own where the bias broadcasts along S (all write its one column).
+    Returns (dq, dk, dv, dbias), and with a score_mod its parameters' gradients {name: gradient} too, each
+    worker's own summed at the end."""
     q_in, k_in, v_in, bias_in = inputs
     d_out = d_out.astype(p.work, copy=False).reshape(p.out.shape)  # grouped like out (..., L, Ev)
     dq = np.zeros((*p.batch, p.L, p.q.shape[-1]), p.work)  # (..., L, E)
@@ -379,10 +452,13 @@ def _backward(p: _Problem, d_out: np.ndarray,
     dqs = [dq] + [np.zeros_like(dq) for _ in range(workers - 1)]
     shared = dbias is None or dbias.shape[-1] != 1
     dbiases = [dbias] + [dbias if shared else np.zeros_like(dbias) for _ in range(workers - 1)]
+    parameters = {} if p.mods is None or p.mods.score_mod is None else p.mods.score_mod.parameters
+    d_thetas = [{name: np.zeros(np.shape(value), p.work) for name, value in parameters.items()}
+                for _ in range(workers)]  # each worker's sums of the score function's parameters' gradients
 
     def worker(w: int) -> None:
         for (start, stop), query_tiles in key_tiles[w::workers]:  # every workers-th key tile: balanced
-            _key_tile(p, slice(start, stop), query_tiles, d_out, D, lse, dqs[w], dk, dv, dbiases[w])
+            _key_tile(p, slice(start, stop), query_tiles, d_out, D, lse, dqs[w], dk, dv, dbiases[w], d_thetas[w])
 
     _run(p, worker, range(workers))
     dq = sum(dqs[1:], dqs[0])
@@ -392,16 +468,22 @@ def _backward(p: _Problem, d_out: np.ndarray,
              for d, shape, name, x in zip((dq, dk, dv), grouped, "qkv", (q_in, k_in, v_in), strict=True)]
     if dbias is not None:
         dbias = dbias.reshape(p.shapes["bias"]).astype(np.asarray(bias_in).dtype, copy=False)
-    return (*grads, dbias)
+    if p.mods is None or p.mods.score_mod is None:
+        return (*grads, dbias)
+    d_theta = {name: sum((d[name] for d in d_thetas[1:]), d_thetas[0][name]).astype(
+        _parameter_dtype(value, p.work), copy=False) for name, value in parameters.items()}
+    return (*grads, dbias, d_theta)
 
 
 def _key_tile(p: _Problem, cols: slice, query_tiles: list[slice], d_out: np.ndarray, D: np.ndarray,
-              lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, dbias: np.ndarray | None) -> None:
-    """One key tile's dK and dV, and its share of dQ, from every query tile that may see it."""
+              lse: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, dbias: np.ndarray | None,
+              d_theta: dict[str, np.ndarray]) -> None:
+    """One key tile's dK and dV, and its share of dQ and of the score function's parameters' gradients, from
+    every query tile that may see it."""
     k, v = p.k[..., cols, :], p.v[..., cols, :]  # (..., block_k, E), (..., block_k, Ev)
     for rows in query_tiles:
         q = p.q[..., rows, :] * p.scale  # (..., block_q, E)
-        scores, _, tanh = _scores(p, q, rows, cols)
+        scores, _, tanh, received = _scores(p, q, rows, cols)
         # 1) the weights again, from the log-sum-exp: P = exp(S - lse), 0 where hidden
         weights = np.exp(np.subtract(scores, lse[..., rows, :], out=scores), out=scores)  # (..., bq, bk)
         d_o = d_out[..., rows, :]  # (..., block_q, Ev)
@@ -411,7 +493,12 @@ def _key_tile(p: _Problem, cols: slice, query_tiles: list[slice], d_out: np.ndar
         d_scores = weights * (d_weights - D[..., rows, :])  # dS = P * (dP - D)
         if dbias is not None:
             _add_tile(dbias, rows, cols, d_scores)
-        # 3) through the soft-capping, then the raw scores R = (Q * scale) K^T
+        # 3) through the score function, (dC, dtheta) = score_mod.vjp(dS, C), then the soft-capping, then the raw
+        # scores R = (Q * scale) K^T
+        if received is not None:
+            d_scores, d_tile = _score_mod_vjp(p.mods.score_mod, d_scores, received, weights, p.mods.tile(rows, cols))
+            for name, gradient in d_tile.items():
+                d_theta[name] += gradient
         if tanh is not None:
             d_scores = d_scores * (1 - tanh**2)
         dq[..., rows, :] += d_scores @ k * p.scale  # (..., bq, bk) x (..., bk, E) -> (..., bq, E)

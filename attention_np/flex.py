@@ -55,6 +55,7 @@ from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from .arrays import to_numpy
 from .flash import _in_threads
 from .functional import _dtypes
+from .primitives import _check_derivative, _parameter_dtype
 
 NO_MASK_TILE = 128  # block_mask None: tiles of 128 x 128, every one full (torch's default BLOCK_SIZE)
 RUN_SCORES = 1 << 20  # scores over the batch (4 MiB of float32) of a run of key tiles computed as one product
@@ -125,7 +126,7 @@ def flex_attention_vjp(
         dq, dk, dv with its input's shape and dtype, and d_score_mod a dict {parameter name: gradient} of the
         score function's parameters (ScoreMod.parameters; empty without).
     """
-    _check_derivative(score_mod)
+    _check_derivative("flex_attention_vjp", score_mod)
     p = _problem(q, k, v, score_mod, block_mask, scale, enable_gqa)
     out, lse = _forward(p)  # out in the working dtype, which D = rowsum(dO * O) reads
     returned = out.astype(q.dtype, copy=False)
@@ -203,17 +204,6 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, score_mod: Callable[..
         q=q.astype(work, copy=False), k=k.astype(work, copy=False), v=v.astype(work, copy=False),
         score_mod=score_mod, mask_mod=mask_mod, kinds=kinds, block_q=block_q, block_k=block_k, scale=scale,
         work=work, b=np.arange(B).reshape(B, 1, 1, 1), h=np.arange(H).reshape(1, H, 1, 1))
-
-
-def _check_derivative(score_mod: Callable[..., Any] | None) -> None:
-    """NumPy's backward pass needs score_mod's derivative: a ScoreMod of the catalogue carries it (vjp)."""
-    if score_mod is not None and not callable(getattr(score_mod, "vjp", None)):
-        name = getattr(score_mod, "__name__", type(score_mod).__name__)
-        raise ValueError(
-            f"score_mod {name} has no derivative: NumPy's flex_attention_vjp derives the backward pass by hand and "
-            "needs score_mod.vjp(d_new, score, b, h, q_idx, kv_idx) -> (d_score, {parameter name: gradient}); "
-            "make it a mods.ScoreMod with its derivative (as every score function of the catalogue is), or "
-            "differentiate it with the JAX or torch backend")
 
 
 def _span(index: int, size: int, n: int) -> slice:
@@ -359,7 +349,8 @@ def _backward(p: _Problem, out: np.ndarray, lse: np.ndarray, d_out: np.ndarray,
     Hkv = k_in.shape[1]
     dk, dv = (d.reshape(B, Hkv, H // Hkv, *d.shape[2:]).sum(axis=2) for d in (dk, dv))  # the groups' sum
     return (dq.astype(q_in.dtype, copy=False), dk.astype(k_in.dtype, copy=False), dv.astype(v_in.dtype, copy=False),
-            {name: d.astype(_dtype(parameters[name], p.work), copy=False) for name, d in d_parameters.items()})
+            {name: d.astype(_parameter_dtype(parameters[name], p.work), copy=False)
+             for name, d in d_parameters.items()})
 
 
 def _score_mod_vjp(p: _Problem, d_new: np.ndarray, tile: _Tile) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -369,8 +360,3 @@ def _score_mod_vjp(p: _Problem, d_new: np.ndarray, tile: _Tile) -> tuple[np.ndar
     d_scores, d_theta = p.score_mod.vjp(d_new, tile.scores, *tile.indices)
     return np.broadcast_to(d_scores, d_new.shape), d_theta
 
-
-def _dtype(parameter: Any, work: np.dtype) -> np.dtype:
-    """A parameter's gradient's dtype: the parameter's own where it is floating, else the working dtype."""
-    dtype = np.asarray(parameter).dtype
-    return dtype if np.issubdtype(dtype, np.floating) else work

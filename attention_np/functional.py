@@ -6,13 +6,16 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from attention_np.common import validation
 from attention_np.common.records import Structure
 
 from .fast import attention
-from .primitives import _integers, _masked_softmax, _visible
+from .primitives import _integers, _masked_softmax, _modded, _Mods, _visible
 
 Rng = np.random.Generator | int | None
 
@@ -31,12 +34,15 @@ def scaled_dot_product_attention(
     key_lengths: np.ndarray | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, the softmax over the visible keys only,
-    softcap(x) = softcap * tanh(x / softcap) (x itself when softcap is None).
+    """Attention(Q, K, V) = softmax(score_mod(softcap(Q K^T * scale)) + bias) V, the softmax over the visible
+    keys only, softcap(x) = softcap * tanh(x / softcap) (x itself when softcap is None), score_mod the identity
+    when None.
 
     Args:
         q: queries (..., L, E).
@@ -52,6 +58,10 @@ def scaled_dot_product_attention(
         softcap: a positive number: raw scores become softcap * tanh(raw / softcap) before bias and masks.
         enable_gqa: grouped-query attention: q has H heads (axis -3), k and v Hkv, H a multiple of Hkv; query
             head h uses key/value head h // (H // Hkv). mask, bias, q_offset, key_lengths follow q's heads.
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a NumPy Generator or an int seed (None: fresh randomness).
@@ -60,14 +70,23 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
+    mods = _mods("scaled_dot_product_attention", q, k, v, mask_mod, score_mod, enable_gqa)  # None: no mods
     if enable_gqa:  # grouped-query attention is attention with k and v broadcast over each group of query heads
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-        out, weights = scaled_dot_product_attention(
-            q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
-            key_lengths=key_lengths, softcap=softcap, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
-        return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
+    out, weights = _attention(q, k, v, mask, bias, structure, scale=scale, softcap=softcap, mods=mods,
+                              dropout_p=dropout_p, need_weights=need_weights, rng=rng)
+    if enable_gqa:
+        return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
+    return out, weights
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+               structure: Structure, *, scale: float | None, softcap: float | None, mods: _Mods | None,
+               dropout_p: float, need_weights: bool, rng: Rng) -> tuple[np.ndarray, np.ndarray | None]:
+    """scaled_dot_product_attention once the heads are grouped (enable_gqa: q (..., Hkv, G, L, E), k and v
+    (..., Hkv, 1, S, *)) and the mods' index arrays laid out as those scores."""
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
@@ -75,7 +94,7 @@ def scaled_dot_product_attention(
     dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, softcap=softcap,
-                         batch=batch), None
+                         batch=batch, mods=mods), None
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
 
@@ -83,6 +102,8 @@ def scaled_dot_product_attention(
     scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
     if softcap is not None:  # soft-capping, before the bias and the masks: a hidden key stays hidden
         scores = softcap * np.tanh(scores / softcap)
+    if mods is not None:  # score_mod after softcap, before the bias; mask_mod and -inf scores hide keys
+        scores, visible = _modded(mods, scores, visible, mods.tile(), mods.mask_mod, (*batch, *scores.shape[-2:]))
     if bias is not None:
         scores = scores + np.asarray(bias, dtype=scores.dtype)
 
@@ -92,6 +113,20 @@ def scaled_dot_product_attention(
     weights = _masked_softmax(scores, visible)  # (..., L, S)
     out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out.astype(dtype, copy=False), (weights.astype(dtype, copy=False) if need_weights else None)
+
+
+def _mods(function: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask_mod: Callable[..., Any] | None,
+          score_mod: Callable[..., Any] | None, enable_gqa: bool) -> _Mods | None:
+    """None without mods; else, after the check that q, k and v have four axes, the mods with their index arrays
+    laid out as the scores: (B, H, L, S), or with enable_gqa (B, Hkv, G, L, S), h the query head either way."""
+    if mask_mod is None and score_mod is None:
+        return None
+    B, H = validation.mods_inputs(function, q.shape, k.shape, v.shape)
+    heads = (H,)
+    if enable_gqa:  # the grouped scores' heads: (Hkv, G)
+        H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
+        heads = (Hkv, H // Hkv)
+    return _Mods.of(mask_mod, score_mod, B, heads, q.shape[-2], k.shape[-2])
 
 
 def apply_rope(x: np.ndarray, positions: int | np.ndarray, *, theta: float = 10000.0,

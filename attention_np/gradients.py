@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from attention_np.common import validation
+from attention_np.common.records import Structure
 
-from .functional import _dtypes, _grouped, _ungrouped, apply_rope, scaled_dot_product_attention
+from .functional import _attention, _dtypes, _grouped, _mods, _ungrouped, apply_rope
 from .linear import linear_attention_vjp
-from .primitives import _activation, _erf, _sigmoid, _sum_to
+from .primitives import _activation, _check_derivative, _erf, _Mods, _parameter_dtype, _score_mod_vjp, _sigmoid, _sum_to
 
 Grads = dict[str, np.ndarray]
 
@@ -41,98 +42,130 @@ def scaled_dot_product_attention_vjp(
     key_lengths: np.ndarray | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
     With softcap, S = c tanh(R / c) + bias, R = Q K^T * scale: dR = dS * (1 - tanh^2(R / c)), and dQ, dK
-    take dR in place of dS (dbias is still dS).
+    take dR in place of dS (dbias is still dS). With score_mod, S = score_mod(C) + bias, C = softcap(R) (R
+    without softcap): (dC, dtheta) = score_mod.vjp(dS, C, b, h, q_idx, kv_idx), its hand-derived derivative
+    (mods.ScoreMod), dC = 0 where P = 0, then softcap's derivative as above; dtheta the gradients of its
+    parameters.
 
     The softmax step: P_ij = exp(S_ij) / sum_j' exp(S_ij'), so dP_ij/dS_ij' = P_ij (delta_jj' - P_ij'), and
     dS_ij' = sum_j dP_ij P_ij (delta_jj' - P_ij') = P_ij' (dP_ij' - sum_j dP_ij P_ij). A hidden key has
     P_ij = 0, so dS_ij = 0: no gradient reaches it through that query; a query with no visible key has a
     row of zeros, so its gradient is zero too, never NaN. Each gradient is summed over the axes its input
-    was broadcast along, so it has that input's shape. q_offset, window and key_lengths only choose the
-    visible keys: they take no gradient. With enable_gqa, k and v are broadcast over each group of query
+    was broadcast along, so it has that input's shape. q_offset, window, key_lengths and mask_mod only choose
+    the visible keys: they take no gradient. With enable_gqa, k and v are broadcast over each group of query
     heads, so dK and dV are summed over the group: dK_kv = sum over h in group kv of dS_h^T Q_h * scale.
 
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout).
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
-        dbias None when bias is None.
+        dbias None when bias is None; with a score_mod (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict
+        {parameter name: gradient} of score_mod.parameters (empty without).
     """
+    _check_derivative("scaled_dot_product_attention_vjp", score_mod)  # numpy: the backward is derived by hand
+    mods = _mods("scaled_dot_product_attention_vjp", q, k, v, mask_mod, score_mod, enable_gqa)  # None: no mods
+    options = {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap, "mods": mods}
     if enable_gqa:  # the grouped call's pullback (k, v broadcast over each group), its gradients reshaped back
-        return _grouped_vjp(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset,
-                            window=window, key_lengths=key_lengths, softcap=softcap)
-    out, weights = scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale,
-                                                q_offset=q_offset, window=window, key_lengths=key_lengths,
-                                                softcap=softcap)
-    scale = validation.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
+        return _grouped_vjp(q, k, v, mask, bias=bias, q_offset=q_offset, key_lengths=key_lengths, **options)
+    return _vjp(q, k, v, mask, bias=bias, q_offset=q_offset, key_lengths=key_lengths, **options)
 
-    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+
+def _vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *, bias: np.ndarray | None,
+         is_causal: bool, scale: float | None, q_offset: int | np.ndarray, window: tuple | None,
+         key_lengths: np.ndarray | None, softcap: float | None,
+         mods: _Mods | None) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """scaled_dot_product_attention_vjp once the heads are grouped (enable_gqa) and the mods' index arrays laid
+    out as those scores."""
+    structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
+                          key_lengths=key_lengths)
+    out, weights = _attention(q, k, v, mask, bias, structure, scale=scale, softcap=softcap, mods=mods,
+                              dropout_p=0.0, need_weights=True, rng=None)
+    scale = validation.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
+    score_mod = None if mods is None else mods.score_mod
+
+    def pullback(d_out: np.ndarray) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         # 1) through the value product O = P V
         dv = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)
         d_weights = d_out @ np.swapaxes(v, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
         # 2) through the softmax
         d_scores = weights * (d_weights - np.sum(d_weights * weights, axis=-1, keepdims=True))  # (..., L, S)
-        # 3) through the bias, S = softcap(R) + bias: dbias = dS
+        # 3) through the bias, S = score_mod(softcap(R)) + bias: dbias = dS
         dbias = None if bias is None else _sum_to(d_scores, np.shape(bias)).astype(np.asarray(bias).dtype)
-        # 4) through the soft-capping softcap(R) = c tanh(R / c): dR = dS * (1 - tanh^2(R / c)), from here on
-        # in d_scores
-        if softcap is not None:
-            raw = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S), as forward
+        # 4) through the score function and the soft-capping, from R = Q K^T * scale, recomputed as forward
+        raw = (q * scale) @ np.swapaxes(k, -1, -2) if softcap is not None or score_mod is not None else None
+        d_theta = {}
+        if score_mod is not None:  # (dC, dtheta) = score_mod.vjp(dS, C), C = softcap(R); dC = 0 where P = 0
+            capped = raw if softcap is None else softcap * np.tanh(raw / softcap)  # C, what score_mod received
+            d_scores, d_theta = _score_mod_vjp(score_mod, d_scores, capped, weights, mods.tile())
+            d_theta = {name: np.asarray(d_theta.get(name, np.zeros(np.shape(value)))).astype(
+                _parameter_dtype(value, d_scores.dtype), copy=False) for name, value in score_mod.parameters.items()}
+        if softcap is not None:  # softcap(R) = c tanh(R / c): dR = dC * (1 - tanh^2(R / c)), in d_scores
             d_scores = d_scores * (1 - np.tanh(raw / softcap) ** 2)  # (..., L, S)
         # 5) through the raw scores R = Q K^T * scale
         dq = d_scores @ k * scale  # (..., L, S) x (..., S, E) -> (..., L, E)
         dk = np.swapaxes(d_scores, -1, -2) @ q * scale  # (..., S, L) x (..., L, E) -> (..., S, E)
-        return _sum_to(dq, q.shape), _sum_to(dk, k.shape), _sum_to(dv, v.shape), dbias
+        grads = (_sum_to(dq, q.shape), _sum_to(dk, k.shape), _sum_to(dv, v.shape), dbias)
+        return grads if score_mod is None else (*grads, d_theta)
 
     return out, weights, pullback
 
 
 def _grouped_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *,
-                 bias: np.ndarray | None, **options: Any) -> tuple[np.ndarray, np.ndarray, Callable]:
+                 bias: np.ndarray | None, q_offset: int | np.ndarray, key_lengths: np.ndarray | None,
+                 **options: Any) -> tuple[np.ndarray, np.ndarray, Callable]:
     """scaled_dot_product_attention_vjp with enable_gqa: the vjp of the grouped call (functional._grouped),
     with each query head of a group given its own view of k and v, (..., Hkv, G, S, E | Ev), so their
     gradients come back per query head. The G heads of a group share k and v, so the gradients of k and v
     are the sums over the group: dK_kv = sum over h in group kv of dK_h, and dV alike."""
-    q_g, k_g, v_g, mask_g, bias_g, q_offset, key_lengths = _grouped(q, k, v, mask, bias, options.pop("q_offset"),
-                                                                    options.pop("key_lengths"))
+    q_g, k_g, v_g, mask_g, bias_g, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
     G = q_g.shape[-3]
     k_h, v_h = (np.broadcast_to(x, (*x.shape[:-3], G, *x.shape[-2:])) for x in (k_g, v_g))  # views: no copy
-    out_g, weights_g, pull = scaled_dot_product_attention_vjp(q_g, k_h, v_h, mask_g, bias=bias_g, q_offset=q_offset,
-                                                              key_lengths=key_lengths, **options)
+    out_g, weights_g, pull = _vjp(q_g, k_h, v_h, mask_g, bias=bias_g, q_offset=q_offset, key_lengths=key_lengths,
+                                  **options)
     out = _ungrouped(out_g)  # (..., Hkv, G, L, Ev) -> (..., H, L, Ev)
 
-    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    def pullback(d_out: np.ndarray) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        dq, dk, dv, dbias = pull(d_out.reshape(out_g.shape))  # (..., H, L, Ev) -> (..., Hkv, G, L, Ev)
+        dq, dk, dv, dbias, *d_theta = pull(d_out.reshape(out_g.shape))  # (..., H, L, Ev) -> (..., Hkv, G, L, Ev)
         dk, dv = (np.sum(d, axis=-3) for d in (dk, dv))  # each group's sum: (..., Hkv, G, S, *) -> (..., Hkv, S, *)
         dbias = dbias if dbias is None or np.ndim(bias) <= 2 else _ungrouped(dbias)  # bias (..., H | 1, L, S)
-        return _ungrouped(dq), dk, dv, dbias  # (..., Hkv, G, L, *) -> (..., H, L, *)
+        return _ungrouped(dq), dk, dv, dbias, *d_theta  # (..., Hkv, G, L, *) -> (..., H, L, *)
 
     return out, _ungrouped(weights_g), pullback
 
 
-def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                             mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
+def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
+                             mask_mod: Callable[..., Any] | None = None,
+                             score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
     """Backward through MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o, step by step in
     reverse: the output projection, the heads' merge (its adjoint is the split), attention per head, the
     input projections. Splitting and merging heads only move entries, so their adjoints are each other.
     With Hkv < H key/value heads, attention runs with enable_gqa, whose backward pass sums the gradients of
     each key/value head over the query heads of its group. With rope_theta, the queries and keys are turned
     after the split, and their gradients turned back before the projections' adjoints. With attention="linear"
-    the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp).
+    the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp). mask_mod and score_mod go to
+    attention on the heads (B, H, L, d_k), as in MultiHeadAttention.__call__.
 
     Returns:
         out (..., L, D), weights (..., H, L, S) (None with attention="linear") and
-        pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams), dparams {state-dict name: gradient}.
+        pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams), dparams {state-dict name: gradient}, and with a
+        score_mod its parameters' gradients under "score_mod.<name>".
     """
     validation.no_dropout(type(mha).__name__, mha.dropout if mha.training else 0.0)
-    mha._check_inputs(q, k, v, mask)
+    mha._check_inputs(q, k, v, mask, mask_mod, score_mod)
     (q_p, pull_q), (k_p, pull_k), (v_p, pull_v) = (_linear_vjp(w, x) for w, x in
                                                   ((mha.w_q, q), (mha.w_k, k), (mha.w_v, v)))
     H, Hkv = mha.num_heads, mha.num_kv_heads
@@ -142,17 +175,19 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
         heads, weights, pull_attention = _linear_heads_vjp(mha, q_h, k_h, v_h)  # (..., H, L, d_k)
     else:
         heads, weights, pull_attention = scaled_dot_product_attention_vjp(
-            q_h, k_h, v_h, mask, enable_gqa=mha.grouped)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
+            q_h, k_h, v_h, mask, enable_gqa=mha.grouped, mask_mod=mask_mod,
+            score_mod=score_mod)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_merged, grads_o = pull_o(d_out)  # (..., L, D)
-        dq_h, dk_h, dv_h, _ = pull_attention(mha._split_heads(d_merged, H))  # (..., H | Hkv, L | S, d_k)
+        dq_h, dk_h, dv_h, _, *d_theta = pull_attention(mha._split_heads(d_merged, H))  # (..., H | Hkv, L | S, d_k)
         dq_h, dk_h = _rope_vjp(mha, dq_h), _rope_vjp(mha, dk_h)  # RoPE turned back
         (dq, grads_q), (dk, grads_k), (dv, grads_v) = (
             pull(mha._merge_heads(d)) for pull, d in ((pull_q, dq_h), (pull_k, dk_h), (pull_v, dv_h)))
         grads = _prefixed("w_q", grads_q) | _prefixed("w_k", grads_k) | _prefixed("w_v", grads_v)
+        grads |= _prefixed("score_mod", d_theta[0]) if d_theta else {}  # the score function's parameters
         return dq, dk, dv, grads | _prefixed("w_o", grads_o)
 
     return out, weights, pullback
@@ -183,33 +218,37 @@ def _rope_vjp(mha: Any, d: np.ndarray) -> np.ndarray:
     return apply_rope(d, -np.arange(d.shape[-2]), theta=mha.rope_theta)
 
 
-def transformer_block_vjp(block: Any, x: np.ndarray,
-                          mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
+def transformer_block_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None = None, *,
+                          mask_mod: Callable[..., Any] | None = None,
+                          score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
     """Backward through the block. Post-LN, y1 = LN_1(x + MHA(x)), y = LN_2(y1 + FFN(y1)):
         dh2 = LN_2'(dy),  dy1 = dh2 + FFN'(dh2),  dh1 = LN_1'(dy1),  dx = dh1 + MHA'_q(dh1) + MHA'_k(dh1) + MHA'_v(dh1).
     Pre-LN, h = x + MHA(LN_1(x)), y = h + FFN(LN_2(h)):
         dh = dy + LN_2'(FFN'(dy)),  dx = dh + LN_1'(MHA'_q(dh) + MHA'_k(dh) + MHA'_v(dh)).
     A residual sum passes its gradient to both terms; self-attention uses x three times, so its three
-    input gradients add up.
+    input gradients add up. mask_mod and score_mod go to the attention, as in TransformerBlock.__call__.
 
     Returns:
-        y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
+        y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams), and with a
+        score_mod its parameters' gradients under "score_mod.<name>" (the caller's function, not the block's).
     """
     validation.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
     block._check_input(x)
     forward = _pre_ln_vjp if block.norm_first else _post_ln_vjp
-    y, weights, pullback = forward(block, x, mask)
+    y, weights, pullback = forward(block, x, mask, {"mask_mod": mask_mod, "score_mod": score_mod})
 
     def checked(d_out: np.ndarray) -> tuple[np.ndarray, Grads]:
         validation.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
         dx, grads = pullback(d_out)
-        return dx, {name: grads[name] for name in block.state_dict()}  # in state-dict order
+        modded = {name.removeprefix("attn."): grads[name] for name in grads if name.startswith("attn.score_mod.")}
+        return dx, {name: grads[name] for name in block.state_dict()} | modded  # in state-dict order, then mods
 
     return y, weights, checked
 
 
-def _post_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, Callable]:
-    a, weights, pull_attn = multi_head_attention_vjp(block.attn, x, x, x, mask)
+def _post_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None,
+                 mods: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, Callable]:
+    a, weights, pull_attn = multi_head_attention_vjp(block.attn, x, x, x, mask, **mods)
     y1, pull_norm1 = _norm_vjp(block.norm1, x + a)
     f, pull_ffn = _ffn_vjp(block.ffn, y1)
     y, pull_norm2 = _norm_vjp(block.norm2, y1 + f)
@@ -225,9 +264,10 @@ def _post_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np
     return y, weights, pullback
 
 
-def _pre_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, Callable]:
+def _pre_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None,
+                mods: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, Callable]:
     n1, pull_norm1 = _norm_vjp(block.norm1, x)
-    a, weights, pull_attn = multi_head_attention_vjp(block.attn, n1, n1, n1, mask)
+    a, weights, pull_attn = multi_head_attention_vjp(block.attn, n1, n1, n1, mask, **mods)
     h = x + a
     n2, pull_norm2 = _norm_vjp(block.norm2, h)
     f, pull_ffn = _ffn_vjp(block.ffn, n2)

@@ -1,6 +1,8 @@
 """The pieces the attention functions build on, in NumPy: which keys a query may see (the masks built from
-positions, and `_visible`, which joins them with a mask and a bias), the softmax over the visible keys, the sum
-of a gradient over an input's broadcast axes, and the activations of the feed-forward network.
+positions, and `_visible`, which joins them with a mask and a bias), the mask and score functions on the scores
+(`_Mods`, their index arrays laid out as the scores, and `_modded`) with the score function's derivative for the
+hand-derived backward passes, the softmax over the visible keys, the sum of a gradient over an input's broadcast
+axes, and the activations of the feed-forward network.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
@@ -12,6 +14,8 @@ modules can all import it and the imports run one way.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -71,6 +75,80 @@ def _visible(mask: np.ndarray | None, bias: np.ndarray | None, structure: Struct
         key_lengths = _integers(structure.key_lengths, "key_lengths", scores_shape[:-2])
         visible = _both(visible, np.arange(S) < key_lengths[..., None, None])  # (S,) against (..., 1, 1)
     return visible
+
+
+class _Mods(NamedTuple):
+    """A call's mask_mod and score_mod with the index arrays they receive, laid out as the scores are: b
+    (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, L, 1), kv_idx (1, 1, 1, S) against scores (B, H, L, S); against
+    enable_gqa's grouped scores (B, Hkv, G, L, S) every array has rank five and h is the query head
+    h_kv * G + g, (1, Hkv, G, 1, 1), so that b stays on the batch axis when they broadcast."""
+
+    mask_mod: Callable[..., Any] | None
+    score_mod: Callable[..., Any] | None
+    b: np.ndarray
+    h: np.ndarray
+    q_idx: np.ndarray
+    kv_idx: np.ndarray
+
+    @classmethod
+    def of(cls, mask_mod: Callable[..., Any] | None, score_mod: Callable[..., Any] | None, B: int, heads: tuple,
+           L: int, S: int) -> _Mods:
+        """The mods over scores (B, *heads, L, S): heads (H,), or (Hkv, G) grouped."""
+        ones = (1,) * (len(heads) + 3)  # the scores' rank
+        return cls(mask_mod=mask_mod, score_mod=score_mod, b=np.arange(B).reshape(B, *ones[1:]),
+                   h=np.arange(math.prod(heads)).reshape(1, *heads, 1, 1),
+                   q_idx=np.arange(L).reshape(*ones[:-2], L, 1), kv_idx=np.arange(S).reshape(*ones[:-1], S))
+
+    def tile(self, rows: slice = slice(None), cols: slice = slice(None)) -> tuple:
+        """(b, h, q_idx, kv_idx) of the scores' queries `rows` and keys `cols` (all of them by default)."""
+        return self.b, self.h, self.q_idx[..., rows, :], self.kv_idx[..., cols]
+
+
+def _modded(mods: _Mods, scores: np.ndarray, visible: np.ndarray | None, indices: tuple,
+            mask_mod: Callable[..., Any] | None, shape: tuple) -> tuple[np.ndarray, np.ndarray | None]:
+    """The mods on scores broadcasting to `shape` (..., L, S), the full scores' (a tile's, with its `indices`):
+    the new scores score_mod(scores, b, h, q_idx, kv_idx), a new writable array (..., L, S) in the scores' dtype
+    (`scores` itself without a score function), and `visible` and-ed with where the new score is not -inf (a -inf
+    score hides its key, as in flex_attention) and with `mask_mod` (None: not evaluated, as on a block mask's full
+    tile)."""
+    if mods.score_mod is not None:
+        new = np.asarray(mods.score_mod(np.broadcast_to(scores, shape), *indices))  # a read-only view: no copy
+        validation.score_mod_result(new.shape, shape)
+        if new.shape != shape or new.dtype != scores.dtype or not new.flags.writeable:
+            new = np.array(np.broadcast_to(new, shape), dtype=scores.dtype)  # (..., L, S), its own
+        scores, visible = new, _both(visible, new != -np.inf)
+    if mask_mod is not None:
+        shown = np.asarray(mask_mod(*indices))
+        validation.mask_mod_result("mask_mod", shown.shape, str(shown.dtype), shape)
+        visible = _both(visible, shown)
+    return scores, visible
+
+
+def _score_mod_vjp(score_mod: Any, d_new: np.ndarray, scores: np.ndarray, weights: np.ndarray,
+                   indices: tuple) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(dC, dtheta) from dS, the gradient at the new scores (..., L, S) (a tile's, with its `indices`), through
+    score_mod's hand-derived vjp at the scores C it received: dC is 0 where P = 0 (a hidden key), whatever the
+    derivative says at a score the softmax never used; dtheta its parameters' gradients, summed over the scores."""
+    d_scores, d_theta = score_mod.vjp(d_new, np.broadcast_to(scores, d_new.shape), *indices)
+    return np.where(weights == 0, 0, np.broadcast_to(d_scores, d_new.shape)), d_theta
+
+
+def _check_derivative(function: str, score_mod: Callable[..., Any] | None) -> None:
+    """NumPy's backward passes need score_mod's derivative: a ScoreMod of the catalogue carries it (vjp)."""
+    if score_mod is not None and not callable(getattr(score_mod, "vjp", None)):
+        name = getattr(score_mod, "__name__", type(score_mod).__name__)
+        raise ValueError(
+            f"score_mod {name} has no derivative: NumPy's {function} derives the backward pass by hand and "
+            "needs score_mod.vjp(d_new, score, b, h, q_idx, kv_idx) -> (d_score, {parameter name: gradient}); "
+            "make it a mods.ScoreMod with its derivative (as every score function of the catalogue is), or "
+            "differentiate it with the JAX or torch backend")
+
+
+def _parameter_dtype(parameter: Any, work: np.dtype) -> np.dtype:
+    """A score function's parameter's gradient's dtype: the parameter's own where it is floating, else the
+    working dtype."""
+    dtype = np.asarray(parameter).dtype
+    return dtype if np.issubdtype(dtype, np.floating) else work
 
 
 def _integers(x: int | np.ndarray, name: str = "q_offset", batch: tuple | None = None) -> np.ndarray:

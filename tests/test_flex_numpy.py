@@ -2,7 +2,9 @@
 the whole (B, H, L, S) grid, the hand-derived backward pass against central differences (the score functions'
 parameters included), grouped-query heads against k and v repeated per head, the index arrays the mods receive,
 a derivative's NaN at hidden keys kept out of the gradients, dtypes, empty inputs and the errors with their
-messages."""
+messages. Then the mods on the older functions, where NumPy's own work shows: flash_attention with a block mask
+(the tiles it computes, the mask function's calls), the hand-made vjps of sdpa, flash and the modules against
+central differences (the score function's parameters included), the cached path's indices, and the errors."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 
 import attention_np as M
 from attention_np.common import mods
-from attention_np.common.block_mask import PARTIAL, BlockMask
+from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from tests._compare import REORDERED, assert_close
 
 RTOL = REORDERED  # float64: the same math computed another way
@@ -273,3 +275,120 @@ def test_the_pullback_checks_d_out():
     _, _, pullback = M.flex_attention_vjp(q, k, v)
     with pytest.raises(ValueError, match="d_out must have the output's shape"):
         pullback(np.ones((B, H, L, EV + 1)))
+
+
+# --- the mods on flash_attention and the modules (NumPy's own: what its tiles compute and its hand-made vjps) ----
+
+def _touched(calls: list, tiles: tuple[int, int]) -> set[tuple[int, int]]:
+    """The (query tile, key tile) pairs that the recorded calls' (q_idx, kv_idx) fall in."""
+    return {(int(i), int(j)) for q_idx, kv_idx in calls for i in np.ravel(q_idx) // tiles[0]
+            for j in np.ravel(kv_idx) // tiles[1]}
+
+
+def test_flash_with_a_block_mask_skips_empty_tiles_and_masks_partial_ones_only():
+    # forward and backward: the mask function runs on the partial tiles and on them only, the score function and
+    # its derivative on every tile computed, never on an empty one
+    tiles, mask_calls, score_calls = (2, 3), [], []
+    mask_mod = mods.and_masks(mods.causal(), mods.key_lengths(np.array([8, 5])))
+    made = M.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=tiles)
+
+    def recorded_mask(b, h, q_idx, kv_idx):
+        mask_calls.append((q_idx, kv_idx))
+        return mask_mod(b, h, q_idx, kv_idx)
+
+    def recorded_score(score, b, h, q_idx, kv_idx):
+        score_calls.append((q_idx, kv_idx))
+        return score * 0.5
+
+    def recorded_derivative(d_new, score, b, h, q_idx, kv_idx):
+        score_calls.append((q_idx, kv_idx))
+        return d_new * 0.5, {}
+
+    block_mask = BlockMask(mask_mod=recorded_mask, shape=made.shape, block_size=tiles, tiles=made.tiles)
+    score_mod = mods.ScoreMod("halved", recorded_score, derivative=recorded_derivative)
+    _, _, pullback = M.flash_attention_vjp(*_inputs(), block_mask=block_mask, score_mod=score_mod)
+    pullback(_random(B, H, L, EV, seed=3))
+    kinds = made.batch_kinds()
+    partial, empty, full = ({(int(i), int(j)) for i, j in zip(*np.nonzero(kinds == kind), strict=True)}
+                            for kind in (PARTIAL, EMPTY, FULL))
+    assert partial and empty and full, "the case has tiles of every kind"
+    assert _touched(mask_calls, tiles) == partial, "the mask function on the partial tiles, and on them only"
+    assert _touched(score_calls, tiles) == partial | full, "the score function on every tile computed, no empty one"
+
+
+def test_flash_with_a_block_mask_equals_the_dense_softmax():
+    mask_mod, score_mod = CASES["window_relative_bias"]
+    q, k, v = _inputs()
+    expected, _ = _dense(q, k, v, mask_mod, score_mod, 0.6)
+    out, _ = M.flash_attention(q, k, v, block_mask=_block_mask(mask_mod, (2, 3)), score_mod=score_mod, scale=0.6)
+    assert_close(out, expected, RTOL, "out")
+
+
+@pytest.mark.parametrize("function", ["scaled_dot_product_attention_vjp", "flash_attention_vjp"])
+def test_the_vjps_match_central_differences_with_a_score_mod(function):
+    mask_mod, score_mod = CASES["document_alibi"]
+    q, k, v = _inputs()
+    d_out = _random(B, H, L, EV, seed=3)
+    point = {"q": q, "k": k, "v": v, **score_mod.parameters}
+    vjp = getattr(M, function)
+
+    def loss(which: str, value: np.ndarray) -> float:
+        args = point | {which: value}
+        mod = score_mod.replace(**{p: args[p] for p in score_mod.parameters})
+        out, _, _ = vjp(args["q"], args["k"], args["v"], mask_mod=mask_mod, score_mod=mod, scale=0.6)
+        return float(np.sum(out * d_out))
+
+    _, _, pullback = vjp(q, k, v, mask_mod=mask_mod, score_mod=score_mod, scale=0.6)
+    dq, dk, dv, dbias, d_parameters = pullback(d_out)
+    assert dbias is None and set(d_parameters) == {"slopes"}
+    for which, error in _directional_errors(loss, point, {"q": dq, "k": dk, "v": dv, **d_parameters}).items():
+        assert error <= FD_RTOL, f"{function}: d{which} off by {error:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["mha", "post_ln", "pre_ln"])
+def test_module_vjps_give_the_score_function_parameters_gradients(kind):
+    D, slopes, mask_mod = 8, np.array([0.5, 0.25]), mods.causal()
+    if kind == "mha":
+        module = M.MultiHeadAttention(D, 2, 0.0, rng=0, dtype=np.float64)
+    else:
+        module = M.TransformerBlock(D, 2, 16, 0.0, norm_first=kind == "pre_ln", rng=0, dtype=np.float64)
+    x, d_out = _random(B, L, D, seed=4), _random(B, L, D, seed=5)
+    inputs = (x, x, x) if kind == "mha" else (x,)
+    _, _, pullback = module.vjp(*inputs, mask_mod=mask_mod, score_mod=mods.alibi(slopes))
+    grads = pullback(d_out)[-1]
+    assert set(grads) == set(module.state_dict()) | {"score_mod.slopes"}
+
+    def loss(which: str, value: np.ndarray) -> float:
+        out, _ = module(*inputs, mask_mod=mask_mod, score_mod=mods.alibi(value))
+        return float(np.sum(out * d_out))
+
+    error = _directional_errors(loss, {"slopes": slopes}, {"slopes": grads["score_mod.slopes"]})["slopes"]
+    assert error <= FD_RTOL, f"{kind}: dslopes off by {error:.3g}"
+
+
+def test_extend_gives_the_mods_the_new_queries_and_the_cache_keys():
+    # two steps over an empty cache, a mask function on the keys alone (key 1 hidden): kv_idx runs over the
+    # cache, so the steps' rows equal the whole call's, causal and the same mask function
+    D, hide_key_1 = 8, mods.MaskMod("key 1 hidden", lambda b, h, q_idx, kv_idx: kv_idx != 1)
+    mha = M.MultiHeadAttention(D, 2, 0.0, rng=0, dtype=np.float64)
+    x = _random(B, L, D, seed=6)
+    cache = mha.init_cache((B,), L + 2)
+    first, _, cache = mha.extend(x[:, :4], x[:, :4], cache, mask_mod=hide_key_1)
+    second, _, cache = mha.extend(x[:, 4:], x[:, 4:], cache, mask_mod=hide_key_1)
+    whole, _ = mha(x, x, x, mask_mod=mods.and_masks(mods.causal(), hide_key_1))
+    assert_close(np.concatenate([first, second], axis=1), whole, RTOL, "out")
+
+
+def test_linear_attention_modules_refuse_the_mods():
+    mha = M.MultiHeadAttention(8, 2, 0.0, attention="linear", rng=0)
+    x = _random(B, L, 8).astype(np.float32)
+    for name, mod in (("mask_mod", mods.causal()), ("score_mod", mods.softcap(1.0))):
+        with pytest.raises(ValueError, match=f"{name} must be None with attention='linear'"):
+            mha(x, x, x, **{name: mod})
+
+
+def test_module_inputs_without_a_batch_axis_fail_the_four_axes_check():
+    mha = M.MultiHeadAttention(8, 2, 0.0, rng=0)
+    x = _random(L, 8).astype(np.float32)  # heads (H, L, d_k): three axes
+    with pytest.raises(ValueError, match=r"four axes.*got q \(2, 7, 4\)"):
+        mha(x, x, x, mask_mod=mods.causal())
