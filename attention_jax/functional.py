@@ -41,8 +41,9 @@ def scaled_dot_product_attention(
     need_weights: bool = True,
     rng: Rng = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, the softmax over the visible keys only,
-    softcap(x) = softcap * tanh(x / softcap) (x itself when softcap is None).
+    """Attention(Q, K, V) = softmax(score_mod(softcap(Q K^T * scale)) + bias) V, the softmax over the visible
+    keys only, softcap(x) = softcap * tanh(x / softcap) (x itself when softcap is None), score_mod the identity
+    when None.
 
     Args:
         q: queries (..., L, E).

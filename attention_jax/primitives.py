@@ -120,23 +120,35 @@ def _mod_indices(mods: _Mods, heads: tuple, rows: jax.Array, cols: jax.Array,
     return b, h, q_idx, kv_idx
 
 
-def _modded(mods: _Mods | None, scores: jax.Array, visible: jax.Array | None, indices: tuple,
-            parameters: dict[str, jax.Array] | None = None) -> tuple[jax.Array, jax.Array | None]:
+def _modded(mods: _Mods | None, scores: jax.Array, visible: jax.Array | None,
+            indices: tuple) -> tuple[jax.Array, jax.Array | None]:
     """The scores after score_mod, and `visible` and-ed with mask_mod and with where the modded score is not
-    -inf (a -inf score hides its key, as in flex_attention). scores: (B, *heads, L, S) in full, as the indices
-    are laid out; parameters: given when mods.score_mod is a rule (_score_rule) taking them as keywords."""
+    -inf (a -inf score hides its key, as in flex_attention); scores (B, *heads, L, S) in full, as the indices
+    are laid out (_mod_indices)."""
     if mods is None:
         return scores, visible
     if mods.score_mod is not None:
-        modded = mods.score_mod(scores, *indices, **(parameters or {}))
-        validation.score_mod_result(jnp.shape(modded), scores.shape)
-        scores = jnp.broadcast_to(modded, scores.shape).astype(scores.dtype)
+        scores = _score_modded(mods, scores, indices)
         visible = _both(visible, scores != -jnp.inf)
     if mods.mask_mod is not None:
-        shown = jnp.asarray(mods.mask_mod(*indices))
-        validation.mask_mod_result("mask_mod", shown.shape, str(shown.dtype), scores.shape)
-        visible = _both(visible, _ranked(shown, scores.ndim))
+        visible = _both(visible, _mask_modded(mods, indices, scores.shape))
     return scores, visible
+
+
+def _score_modded(mods: _Mods, scores: jax.Array, indices: tuple,
+                  parameters: dict[str, jax.Array] | None = None) -> jax.Array:
+    """score_mod(scores, b, h, q_idx, kv_idx), checked, in the scores' shape and dtype; `parameters`: given
+    where mods.score_mod is a rule that takes them as keywords (_score_rule)."""
+    modded = mods.score_mod(scores, *indices, **(parameters or {}))
+    validation.score_mod_result(jnp.shape(modded), scores.shape)
+    return jnp.broadcast_to(modded, scores.shape).astype(scores.dtype)
+
+
+def _mask_modded(mods: _Mods, indices: tuple, shape: tuple) -> jax.Array:
+    """mask_mod(b, h, q_idx, kv_idx), checked (booleans broadcasting to the scores' shape), at their rank."""
+    shown = jnp.asarray(mods.mask_mod(*indices))
+    validation.mask_mod_result("mask_mod", shown.shape, str(shown.dtype), shape)
+    return _ranked(shown, len(shape))
 
 
 def _modded_whole(mods: _Mods | None, scores: jax.Array, visible: jax.Array | None, batch: tuple,
