@@ -438,14 +438,15 @@ def _tile_range(lo: jax.Array, hi: jax.Array, block: int) -> tuple[jax.Array, ja
     return first, jnp.where(hi > lo, (hi - 1) // block + 1, first)
 
 
-def _across(p: _Problem, which: int, line: jax.Array, lo: jax.Array, hi: jax.Array) -> tuple:
-    """The loop over the tiles lo .. hi - 1 across from tile `line` (which 0: a query tile's key tiles, 1: a key
-    tile's query tiles): (start, stop, at), at(n) the n-th tile's number and kind. Without a block mask every
-    tile of the range, kind None; with one, its non-empty tiles of the range only: its visits are in order, so
-    those are a run of them, found by binary search (jax: lo and hi may be traced)."""
+def _across(p: _Problem, which: int, first: jax.Array, lo: jax.Array, hi: jax.Array) -> tuple:
+    """The loop over the tiles lo .. hi - 1 across from the tile whose first entry is `first` (which 0: a query
+    tile's key tiles, 1: a key tile's query tiles): (start, stop, at), at(n) the n-th tile's number and kind.
+    Without a block mask every tile of the range, kind None; with one, its non-empty tiles of the range only:
+    its visits are in order, so those are a run of them, found by binary search (jax: lo and hi may be
+    traced)."""
     if p.visits is None:
         return lo, hi, lambda n: (n, None)
-    visits = p.visits[which]
+    visits, line = p.visits[which], first // (p.block_k if which else p.block_q)
     index, kind = jnp.asarray(visits.index)[line], jnp.asarray(visits.kind)[line]  # (most,): the tiles across
     listed = jnp.where(jnp.arange(index.shape[0], dtype=index.dtype) < jnp.asarray(visits.count)[line], index,
                        jnp.iinfo(index.dtype).max)  # the padding after the listed ones, so that the list is sorted
@@ -461,7 +462,7 @@ def _query_tile(p: _Problem, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     l = jnp.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
     acc = jnp.zeros((*p.batch, p.block_q, p.v.shape[-1]), p.work)  # running output (..., block_q, Ev)
 
-    start, stop, at = _across(p, 0, rows // p.block_q, *_key_tiles(p, rows))
+    start, stop, at = _across(p, 0, rows, *_key_tiles(p, rows))
 
     def key_tile(n: jax.Array, carry: tuple) -> tuple:
         m, l, acc = carry  # noqa: E741
@@ -611,8 +612,6 @@ def _backward_tiles(p: _Problem, out: jax.Array, lse: jax.Array, d_out: jax.Arra
         v = lax.dynamic_slice_in_dim(p.v, cols, p.block_k, axis=-2)  # (..., block_k, Ev)
         k_t = jnp.swapaxes(k, -1, -2)  # (..., E, block_k)
 
-        start, stop, at = _across(p, 1, cols // p.block_k, *_query_tiles(p, cols))
-
         def query_tile(n: jax.Array, carry: tuple) -> tuple:
             dk, dv, dq_t, dbias, d_parameters = carry
             r, kind = at(n)
@@ -647,6 +646,7 @@ def _backward_tiles(p: _Problem, out: jax.Array, lse: jax.Array, d_out: jax.Arra
 
         dk = jnp.zeros((*p.k.shape[:-2], p.block_k, p.k.shape[-1]), p.work)  # (..., block_k, E)
         dv = jnp.zeros((*p.v.shape[:-2], p.block_k, p.v.shape[-1]), p.work)  # (..., block_k, Ev)
+        start, stop, at = _across(p, 1, cols, *_query_tiles(p, cols))  # the query tiles, read by query_tile
         dk, dv, *carry = lax.fori_loop(start, stop, query_tile, (dk, dv, *carry))
         return tuple(carry), (dk, dv)
 
