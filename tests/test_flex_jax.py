@@ -2,8 +2,9 @@
 its vjp and against a dense oracle written here), vmap over a leading axis, the learned ALiBi slopes' gradient;
 the mask function evaluated on partial tiles only (recorded at run time, as JAX traces a tile once); one
 program for any number of tiles, and one compile for new parameter values of a score function; flash_attention with
-a block mask (its empty tiles skipped, its full ones without the mask function, the keyword rules on top) and
-the ALiBi slopes learned through scaled_dot_product_attention and flash_attention.
+a block mask (its empty tiles skipped, its full ones without the mask function, the keyword rules on top); the
+ALiBi slopes learned through scaled_dot_product_attention, flash_attention and the modules' vjps; the mods on the
+cached path.
 
 The oracle is dense JAX: every score (B, H, L, S) at once, mods evaluated on the whole grid, softmax over the
 visible keys, differentiated by plain autodiff, so it shares none of the kernel's tiles, loops or custom_vjp.
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_np.common import mods
+from attention_np.common import mods, validation
 from attention_np.common.block_mask import EMPTY, FULL, PARTIAL
 from tests._compare import REORDERED, assert_close
 
@@ -346,3 +347,50 @@ def test_learned_alibi_slopes_through_sdpa_and_flash_under_jax_grad(function):
 
     expected = jax.grad(lambda slopes: jnp.sum(_dense(q, k, v, MASK, ALIBI.replace(slopes=slopes))[0] * d_out))
     assert_close(np.asarray(jax.grad(loss)(slopes)), np.asarray(expected(slopes)), RTOL, "d slopes")
+
+
+def _modules(D: int, heads: int) -> tuple[Any, Any]:
+    """A MultiHeadAttention and a TransformerBlock of random float64 parameters, in eval mode."""
+    shapes = validation.block_state_shapes(D, 2 * D, num_heads=heads)
+    state = {name: _random(*shape, seed=10 + n) for n, (name, shape) in enumerate(shapes.items())}
+    mha = M.MultiHeadAttention.from_state_dict({name.removeprefix("attn."): value for name, value in state.items()
+                                                if name.startswith("attn.")}, num_heads=heads, dropout=0.0)
+    return mha.eval(), M.TransformerBlock.from_state_dict(state, num_heads=heads, dropout=0.0).eval()
+
+
+@pytest.mark.parametrize("name", ["mha", "block"])
+def test_module_vjps_give_the_score_functions_parameters_gradients(name):
+    """MultiHeadAttention.vjp and TransformerBlock.vjp with score_mod=alibi: the slopes' gradient under
+    "score_mod.slopes", beside the state dict's, as jax.grad through the module given the slopes
+    (ScoreMod.replace). Both jitted: eager JAX compiles each operation (seconds)."""
+    mha, block = _modules(D := 8, 2)
+    module = mha if name == "mha" else block
+    x, d_out = _random(B, L, D, seed=4), _random(B, L, D, seed=5)
+    alibi, causal = mods.alibi(np.array([0.5, 0.25])), mods.causal()
+    mods_ = {"mask_mod": causal, "score_mod": alibi}
+
+    def attend(x: jax.Array, **options: Any) -> tuple:
+        return mha(x, x, x, **options) if name == "mha" else block(x, **options)
+
+    def module_vjp(x: jax.Array) -> dict[str, jax.Array]:
+        _, _, pullback = mha.vjp(x, x, x, **mods_) if name == "mha" else block.vjp(x, **mods_)
+        return pullback(d_out)[-1]
+
+    def loss(slopes: jax.Array) -> jax.Array:
+        return jnp.sum(attend(x, mask_mod=causal, score_mod=alibi.replace(slopes=slopes))[0] * d_out)
+
+    grads = jax.jit(module_vjp)(x)
+    assert set(grads) == set(module.state_dict()) | {"score_mod.slopes"}
+    expected = jax.jit(jax.grad(loss))(jnp.asarray(alibi.parameters["slopes"]))
+    assert_close(np.asarray(grads["score_mod.slopes"]), np.asarray(expected), RTOL, f"{name} d slopes")
+
+
+def test_the_cached_path_takes_the_mods():
+    """extend over an empty cache with score_mod=alibi: q_idx over the new queries, kv_idx over the cache, so the
+    first chunk equals the module's call with the causal mask function (the cache's unfilled keys hidden by
+    extend's causal rule). Jitted, as in use."""
+    mha, _ = _modules(D := 8, 2)
+    x, alibi = _random(B, L, D, seed=4), mods.alibi(np.array([0.5, 0.25]))
+    out = jax.jit(lambda x: mha.extend(x, x, mha.init_cache((B,), L + 3), score_mod=alibi)[0])(x)
+    expected = jax.jit(lambda x: mha(x, x, x, mask_mod=mods.causal(), score_mod=alibi)[0])(x)
+    assert_close(np.asarray(out), np.asarray(expected), RTOL, "extend")
