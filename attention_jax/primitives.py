@@ -1,7 +1,8 @@
 """The pieces the attention functions build on, in JAX: which keys a query may see (the masks built from
-positions, and `_visible`, which joins them with a mask and a bias), the softmax over the visible keys, the sum
-of a gradient over an input's broadcast axes, the activations of the feed-forward network, and the rank and
-dtype helpers that JAX's strict modes ask for.
+positions, and `_visible`, which joins them with a mask and a bias), mask_mod and score_mod on the scores (their
+index arrays laid out as the scores, and a ScoreMod's parameters apart for the gradients), the softmax over the
+visible keys, the sum of a gradient over an input's broadcast axes, the activations of the feed-forward network,
+and the rank and dtype helpers that JAX's strict modes ask for.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
