@@ -115,7 +115,7 @@ def flash_attention(
     return _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
         softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k),
-        _Programmed(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
+        _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
 
 
 def flash_attention_vjp(
@@ -172,9 +172,8 @@ def flash_attention_vjp(
 
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
                   parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        programmed = _Programmed(mask_mod=mask_mod, score_mod=_with_parameters(score_mod, parameters),
-                                 block_mask=block_mask)
-        return _forward(q, k, v, mask, bias, options, programmed)
+        given = _Given(mask_mod=mask_mod, score_mod=_with_parameters(score_mod, parameters), block_mask=block_mask)
+        return _forward(q, k, v, mask, bias, options, given)
 
     (out, lse), pull = jax.vjp(attention, q, k, v, bias, parameters)
     # jax: autodiff of the forward, whose tiled core is a custom_vjp carrying the backward pass below
@@ -188,12 +187,15 @@ def flash_attention_vjp(
     return out, lse, pullback
 
 
-class _Programmed(NamedTuple):
-    """flash_attention's mask_mod, score_mod and block_mask, as given."""
+class _Given(NamedTuple):
+    """The mods a caller gave flash_attention, as its public functions hand them to the problem."""
 
-    mask_mod: Callable[..., Any] | None
-    score_mod: Callable[..., Any] | None
-    block_mask: BlockMask | None
+    mask_mod: Callable[..., Any] | None = None
+    score_mod: Callable[..., Any] | None = None
+    block_mask: BlockMask | None = None  # replaces block_q, block_k and mask_mod by its own
+
+
+_NO_MODS = _Given()
 
 
 class _Tiling(NamedTuple):
@@ -246,16 +248,16 @@ class _Problem(NamedTuple):
 
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
-             options: FlashOptions, programmed: _Programmed | None = None) -> tuple[jax.Array, jax.Array]:
+             options: FlashOptions, given: _Given = _NO_MODS) -> tuple[jax.Array, jax.Array]:
     """out and lse in the caller's shapes (heads ungrouped): the checks of scaled_dot_product_attention, the
     inputs as the tiles read them, then the tiled core. Differentiable in q, k, v, bias and the score
     function's parameters: the padding, the casts and the reshapes around the core are differentiated by JAX,
     the core by its own backward pass."""
     validation.tiles(options.block_q, options.block_k)
     mods, parameters, block_mask = None, {}, None
-    if programmed is not None and programmed != (None, None, None):
-        mods, parameters, options = _programmed(q, k, v, programmed, options)
-        block_mask = programmed.block_mask
+    if given != _NO_MODS:
+        mods, parameters, options = _checked_mods(q, k, v, given, options)
+        block_mask = given.block_mask
     dtype = q.dtype
     q_offset, key_lengths = options.q_offset, options.key_lengths
     if options.enable_gqa:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
@@ -281,18 +283,18 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     return out.astype(dtype), lse
 
 
-def _programmed(q: jax.Array, k: jax.Array, v: jax.Array, programmed: _Programmed,
-                options: FlashOptions) -> tuple[_Mods, dict[str, jax.Array], FlashOptions]:
+def _checked_mods(q: jax.Array, k: jax.Array, v: jax.Array, given: _Given,
+                  options: FlashOptions) -> tuple[_Mods, dict[str, jax.Array], FlashOptions]:
     """The checked mods, the score function split into its rule (static) and its parameters (arrays), and with
     a block mask the options with its tiles (validation.flash_block_mask)."""
-    rule, parameters = _score_rule(programmed.score_mod)  # jax: the parameters as arguments, which gradients
+    rule, parameters = _score_rule(given.score_mod)  # jax: the parameters as arguments, which gradients
     # reach, and the rule static: new parameter values compile nothing new
-    mask_mod = programmed.mask_mod
-    if programmed.block_mask is not None:
+    mask_mod = given.mask_mod
+    if given.block_mask is not None:
         B, H = validation.mods_inputs("flash_attention", q.shape, k.shape, v.shape)
-        block_q, block_k = validation.flash_block_mask(programmed.block_mask, mask_mod, options.block_q,
+        block_q, block_k = validation.flash_block_mask(given.block_mask, mask_mod, options.block_q,
                                                        options.block_k, (B, H, q.shape[-2], k.shape[-2]))
-        options, mask_mod = options._replace(block_q=block_q, block_k=block_k), programmed.block_mask.mask_mod
+        options, mask_mod = options._replace(block_q=block_q, block_k=block_k), given.block_mask.mask_mod
     mods = _mods("flash_attention", q, k, v, mask_mod, rule)
     return mods, parameters, options
 
