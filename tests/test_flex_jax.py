@@ -4,7 +4,7 @@ the mask function evaluated on partial tiles only (recorded at run time, as JAX 
 program for any number of tiles, and one compile for new parameter values of a score function; flash_attention with
 a block mask (its empty tiles skipped, its full ones without the mask function, the keyword rules on top); the
 ALiBi slopes learned through scaled_dot_product_attention, flash_attention and the modules' vjps; the mods on the
-cached path.
+cached path, and linear attention's refusal of them.
 
 The oracle is dense JAX: every score (B, H, L, S) at once, mods evaluated on the whole grid, softmax over the
 visible keys, differentiated by plain autodiff, so it shares none of the kernel's tiles, loops or custom_vjp.
@@ -394,3 +394,12 @@ def test_the_cached_path_takes_the_mods():
     out = jax.jit(lambda x: mha.extend(x, x, mha.init_cache((B,), L + 3), score_mod=alibi)[0])(x)
     expected = jax.jit(lambda x: mha(x, x, x, mask_mod=mods.causal(), score_mod=alibi)[0])(x)
     assert_close(np.asarray(out), np.asarray(expected), RTOL, "extend")
+
+
+def test_linear_attention_refuses_the_mods():
+    """attention="linear" forms no scores: a mask_mod or a score_mod is an error that names it."""
+    mha = M.MultiHeadAttention(d_model=8, num_heads=2, dropout=0.0, attention="linear")
+    x = jnp.ones((B, L, 8), mha.w_q.weight.dtype)
+    for name, mod in (("mask_mod", mods.causal()), ("score_mod", ALIBI)):
+        with pytest.raises(ValueError, match=f"{name} must be None with attention='linear'"):
+            mha(x, x, x, **{name: mod})
