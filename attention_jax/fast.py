@@ -21,7 +21,8 @@ path. So do q_offset, window, key_lengths and softcap: jax.nn.dot_product_attent
 key_value_seq_lengths are not used, as the row it leaves with no visible key averages the values where ours
 gives zeros, and it has no offset for the queries. Grouped-query attention (k and v with one head that
 several query heads share) takes the formulation too, where jnp.matmul broadcasts the shared head: no copy of
-k or v per query head (XLA's temporary memory measured the same as with one head each).
+k or v per query head (XLA's temporary memory measured the same as with one head each). A mask_mod or a
+score_mod takes the formulation as well, evaluated on the scores in full as on the explicit path.
 """
 
 from __future__ import annotations
@@ -35,18 +36,20 @@ import jax.numpy as jnp
 from attention_np.common import validation
 from attention_np.common.records import Structure
 
-from .primitives import _at_least_float32, _masked_softmax, _ranked, _visible
+from .primitives import _at_least_float32, _masked_softmax, _modded_whole, _Mods, _ranked, _visible
 
 FUSED = "cudnn"  # jax.nn.dot_product_attention's implementation on CUDA ("xla" runs the same code on the CPU)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
               bias: jax.Array | None, structure: Structure, scale: float, softcap: float | None,
-              batch: tuple) -> jax.Array:
-    """softmax(softcap(Q K^T * scale) + bias) V over the visible keys, as scaled_dot_product_attention's out."""
+              batch: tuple, mods: _Mods | None = None) -> jax.Array:
+    """softmax(score_mod(softcap(Q K^T * scale)) + bias) V over the visible keys, as
+    scaled_dot_product_attention's out."""
     formulated = functools.partial(_formulated, mask=mask, bias=bias, structure=structure, scale=scale,
-                                   softcap=softcap, batch=batch)
-    if not (_fused_applies(q, k, v, mask=mask, bias=bias, structure=structure, softcap=softcap, batch=batch)
+                                   softcap=softcap, batch=batch, mods=mods)
+    if not (mods is None  # mask_mod and score_mod: the formulation's
+            and _fused_applies(q, k, v, mask=mask, bias=bias, structure=structure, softcap=softcap, batch=batch)
             and _cuda_present()):
         return formulated(q, k, v)
     fused = functools.partial(_fused, is_causal=structure.is_causal, scale=scale, batch=batch)
@@ -54,7 +57,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
 
 
 def _formulated(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None, bias: jax.Array | None,
-                structure: Structure, scale: float, softcap: float | None, batch: tuple) -> jax.Array:
+                structure: Structure, scale: float, softcap: float | None, batch: tuple,
+                mods: _Mods | None) -> jax.Array:
     """The explicit formulation without the weights, in at least float32; out in the inputs' dtype."""
     dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
     q, k, v = (x.astype(work) for x in (q, k, v))
@@ -64,6 +68,7 @@ def _formulated(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | N
     # after the product lets XLA fuse it into the softmax's pass, 3% faster alone, not worth that difference
     if softcap is not None:  # soft-capping, before the bias and the masks
         scores = softcap * jnp.tanh(scores / softcap)
+    scores, visible = _modded_whole(mods, scores, visible, batch, q.shape[1:-2])  # score_mod, mask_mod (if any)
     if bias is not None:
         scores = scores + _ranked(jnp.asarray(bias, dtype=scores.dtype), scores.ndim)
     out = _masked_softmax(scores, visible) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)

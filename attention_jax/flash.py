@@ -26,6 +26,16 @@ tiles that may see it, with dQ carried along. The loops' bounds are computed fro
 as arrays (the rule of validation.key_tiles), so those may be traced under jit. L and S are padded up to whole
 tiles (a padded key is hidden, a padded query dropped). The tiled passes are one jax.custom_vjp, so that
 jax.grad through flash_attention keeps the memory bounded too; flash_attention_vjp is jax.vjp of it.
+
+A mask_mod is evaluated on every tile computed, and-ed with the keyword rules and the mask's tile; a score_mod
+on every tile's scores after softcap (its derivative is JAX's, jax.vjp on the tile, and a ScoreMod's
+parameters are arguments of the custom_vjp, which the gradient reaches). A block mask (create_block_mask)
+tiles the scores as flash does, block_q and block_k its BLOCK_SIZE, each tile empty, partial or full over the
+whole batch (BlockMask.batch_kinds()): an empty tile is never computed, a full one is computed without its
+mask function (a lax.cond on the tile's kind), a partial one evaluates the mask function on its entries; the
+keyword rules still apply. The non-empty tiles are known before tracing: each query tile's (and, for the
+backward pass, each key tile's) list of them, in order, is an index array, and the loops run over the part of
+that list within the range the structure leaves.
 """
 
 from __future__ import annotations
@@ -39,10 +49,24 @@ import jax.numpy as jnp
 from jax import lax
 
 from attention_np.common import validation
+from attention_np.common.block_mask import PARTIAL, BlockMask
 from attention_np.common.records import FlashOptions, Structure
 
+from .flex import _Visits, _visits_of
 from .functional import _dtypes, _grouped, _prepare, _ungrouped
-from .primitives import _at_least_float32, _integers, _ranked, _sum_to
+from .primitives import (
+    _at_least_float32,
+    _integers,
+    _mask_modded,
+    _mod_indices,
+    _Mods,
+    _mods,
+    _ranked,
+    _score_modded,
+    _score_rule,
+    _sum_to,
+    _with_parameters,
+)
 
 TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: the
 # loops' steps run one after another, each with a fixed cost; 128 x 128 ran twice as long as 256 x 512 at H=8
@@ -62,15 +86,24 @@ def flash_attention(
     key_lengths: jax.Array | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, tile by tile with the online softmax;
-    lse = log sum_j exp(scores_ij) over the visible keys j.
+    """Attention(Q, K, V) = softmax(score_mod(softcap(Q K^T * scale)) + bias) V, tile by tile with the online
+    softmax; lse = log sum_j exp(scores_ij) over the visible keys j.
 
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout); mask and bias are read one tile at a time.
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
+        block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
+            and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
             (validation.default_tiles within the backend's TILE_SCORES).
         block_k: keys per tile (the last tile may be shorter); None: as for block_q.
@@ -81,7 +114,8 @@ def flash_attention(
     """
     return _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k))
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k),
+        _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
 
 
 def flash_attention_vjp(
@@ -98,6 +132,9 @@ def flash_attention_vjp(
     key_lengths: jax.Array | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
+    block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[jax.Array, jax.Array, Callable]:
@@ -114,23 +151,51 @@ def flash_attention_vjp(
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             flash_attention.
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
+        block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
+            and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q, block_k: as for flash_attention.
 
     Returns:
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
-        bias is None; each gradient has its input's shape and dtype.
+        bias is None; each gradient has its input's shape and dtype. With a score_mod, (dq, dk, dv, dbias,
+        d_score_mod), d_score_mod a dict {parameter name: gradient} of score_mod.parameters (empty for a plain
+        function).
     """
     options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
                            key_lengths=key_lengths, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
                            block_k=block_k)
-    (out, lse), pull = jax.vjp(lambda q, k, v, bias: _forward(q, k, v, mask, bias, options), q, k, v, bias)
+    _, parameters = _score_rule(score_mod)  # jax: a ScoreMod's parameters, differentiated as arguments
+
+    def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
+                  parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        given = _Given(mask_mod=mask_mod, score_mod=_with_parameters(score_mod, parameters), block_mask=block_mask)
+        return _forward(q, k, v, mask, bias, options, given)
+
+    (out, lse), pull = jax.vjp(attention, q, k, v, bias, parameters)
     # jax: autodiff of the forward, whose tiled core is a custom_vjp carrying the backward pass below
 
-    def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    def pullback(d_out: jax.Array) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        return pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its cotangent is 0 here
+        *grads, d_parameters = pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its cotangent
+        # is 0 here
+        return tuple(grads) if score_mod is None else (*grads, dict(d_parameters))
 
     return out, lse, pullback
+
+
+class _Given(NamedTuple):
+    """The mods a caller gave flash_attention, as its public functions hand them to the problem."""
+
+    mask_mod: Callable[..., Any] | None = None
+    score_mod: Callable[..., Any] | None = None
+    block_mask: BlockMask | None = None  # replaces block_q, block_k and mask_mod by its own
+
+
+_NO_MODS = _Given()
 
 
 class _Tiling(NamedTuple):
@@ -145,6 +210,8 @@ class _Tiling(NamedTuple):
     softcap: float | None
     is_causal: bool
     window: tuple[int | None, int | None] | None
+    mods: _Mods | None = None  # the mask function (a block mask's) and the score function's rule
+    block_mask: BlockMask | None = None  # None: every tile the structure leaves is computed
 
 
 class _Problem(NamedTuple):
@@ -161,6 +228,8 @@ class _Problem(NamedTuple):
     softcap: float | None
     is_causal: bool
     window: tuple[int | None, int | None] | None
+    mods: _Mods | None
+    block_mask: BlockMask | None
     # the arrays, padded to Lp queries and Sp keys
     q: jax.Array  # (..., Lp, E)
     k: jax.Array  # (..., Sp, E)
@@ -174,14 +243,21 @@ class _Problem(NamedTuple):
     work: Any  # the working dtype: at least float32
     offsets: tuple[jax.Array, jax.Array]  # q_offset's least and greatest value, which choose the tiles
     longest: jax.Array | None  # key_lengths' greatest value (None: no key_lengths)
+    parameters: dict[str, jax.Array]  # the score function's (a ScoreMod's; none for a plain function)
+    visits: tuple[_Visits, _Visits] | None  # the block mask's non-empty tiles: query tiles -> key tiles, and back
 
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
-             options: FlashOptions) -> tuple[jax.Array, jax.Array]:
+             options: FlashOptions, given: _Given = _NO_MODS) -> tuple[jax.Array, jax.Array]:
     """out and lse in the caller's shapes (heads ungrouped): the checks of scaled_dot_product_attention, the
-    inputs as the tiles read them, then the tiled core. Differentiable in q, k, v and bias: the padding, the
-    casts and the reshapes around the core are differentiated by JAX, the core by its own backward pass."""
+    inputs as the tiles read them, then the tiled core. Differentiable in q, k, v, bias and the score
+    function's parameters: the padding, the casts and the reshapes around the core are differentiated by JAX,
+    the core by its own backward pass."""
     validation.tiles(options.block_q, options.block_k)
+    mods, parameters, block_mask = None, {}, None
+    if given != _NO_MODS:
+        mods, parameters, options = _checked_mods(q, k, v, given, options)
+        block_mask = given.block_mask
     dtype = q.dtype
     q_offset, key_lengths = options.q_offset, options.key_lengths
     if options.enable_gqa:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
@@ -198,21 +274,38 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     if empty is not None:  # L = 0 or S = 0: zeros, and no key seen; the gradients are zeros
         out, lse = empty[0], jnp.full((*batch, L), -jnp.inf, work)
     else:
-        tiling = _tiling(batch, L, S, scale, options)
+        tiling = _tiling(batch, L, S, scale, options, mods, block_mask)
         arrays = _tiled_inputs(tiling, work, q, k, v, bias, mask, q_offset, key_lengths)
-        out, lse = _tiled_jit(tiling, *arrays)  # (..., Lp, Ev), (..., Lp)
+        out, lse = _tiled_jit(tiling, *arrays, parameters)  # (..., Lp, Ev), (..., Lp)
         out, lse = out[..., :L, :], lse[..., :L]  # the padded queries dropped
     if options.enable_gqa:  # (..., Hkv, G, L, *) -> (..., H, L, *)
         out, lse = _ungrouped(out), _ungrouped(lse[..., None])[..., 0]
     return out.astype(dtype), lse
 
 
-def _tiling(batch: tuple, L: int, S: int, scale: float, options: FlashOptions) -> _Tiling:
+def _checked_mods(q: jax.Array, k: jax.Array, v: jax.Array, given: _Given,
+                  options: FlashOptions) -> tuple[_Mods, dict[str, jax.Array], FlashOptions]:
+    """The checked mods, the score function split into its rule (static) and its parameters (arrays), and with
+    a block mask the options with its tiles (validation.flash_block_mask)."""
+    rule, parameters = _score_rule(given.score_mod)  # jax: the parameters as arguments, which gradients
+    # reach, and the rule static: new parameter values compile nothing new
+    mask_mod = given.mask_mod
+    if given.block_mask is not None:
+        B, H = validation.mods_inputs("flash_attention", q.shape, k.shape, v.shape)
+        block_q, block_k = validation.flash_block_mask(given.block_mask, mask_mod, options.block_q,
+                                                       options.block_k, (B, H, q.shape[-2], k.shape[-2]))
+        options, mask_mod = options._replace(block_q=block_q, block_k=block_k), given.block_mask.mask_mod
+    mods = _mods("flash_attention", q, k, v, mask_mod, rule)
+    return mods, parameters, options
+
+
+def _tiling(batch: tuple, L: int, S: int, scale: float, options: FlashOptions, mods: _Mods | None = None,
+            block_mask: BlockMask | None = None) -> _Tiling:
     """The static description of a problem of L queries and S keys (tiles no larger than the sequence)."""
     block_q, block_k = validation.default_tiles(options.block_q, options.block_k, batch, L, S, TILE_SCORES)
     return _Tiling(batch=batch, L=L, S=S, block_q=min(block_q, L), block_k=min(block_k, S),
                    scale=scale, softcap=options.softcap, is_causal=options.is_causal,
-                   window=validation.window(options.window))
+                   window=validation.window(options.window), mods=mods, block_mask=block_mask)
 
 
 def _tiled_inputs(tiling: _Tiling, work: Any, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
@@ -258,22 +351,29 @@ def _pad_tiled(x: jax.Array, Lp: int, Sp: int) -> jax.Array:
 
 
 def _problem(tiling: _Tiling, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
-             mask: jax.Array | None, q_offset: jax.Array, key_lengths: jax.Array | None) -> _Problem:
+             mask: jax.Array | None, q_offset: jax.Array, key_lengths: jax.Array | None,
+             parameters: dict[str, jax.Array] | None = None) -> _Problem:
     """The tiling and the arrays; q_offset's least and greatest and key_lengths' greatest value, which choose
-    the tiles, as arrays (jax: they may be traced)."""
+    the tiles, as arrays (jax: they may be traced); the block mask's visits, known before tracing."""
     def extreme(x: jax.Array, reduce: Callable) -> jax.Array:
         return reduce(x) if x.size else jnp.zeros((), int)  # no sequence at all: nothing to choose
+    visits = None
+    if tiling.block_mask is not None:
+        kinds = tiling.block_mask.batch_kinds()  # (query tiles, key tiles), each EMPTY, PARTIAL or FULL
+        visits = _visits_of(kinds), _visits_of(kinds.T)
     return _Problem(**tiling._asdict(), q=q, k=k, v=v, bias=bias, mask=mask, q_offset=q_offset,
                     key_lengths=key_lengths, Lp=q.shape[-2], Sp=k.shape[-2], work=q.dtype,
                     offsets=(extreme(q_offset, jnp.min), extreme(q_offset, jnp.max)),
-                    longest=None if key_lengths is None else extreme(key_lengths, jnp.max))
+                    longest=None if key_lengths is None else extreme(key_lengths, jnp.max),
+                    parameters=parameters or {}, visits=visits)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _tiled(tiling: _Tiling, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
-           mask: jax.Array | None, q_offset: jax.Array, key_lengths: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+           mask: jax.Array | None, q_offset: jax.Array, key_lengths: jax.Array | None,
+           parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """out (..., Lp, Ev) and lse (..., Lp) of the padded problem, in the working dtype."""
-    p = _problem(tiling, q, k, v, bias, mask, q_offset, key_lengths)
+    p = _problem(tiling, q, k, v, bias, mask, q_offset, key_lengths, parameters)
     return _forward_tiles(p)
 
 
@@ -284,8 +384,8 @@ def _tiled_forward(tiling: _Tiling, *arrays: Any) -> tuple[tuple[jax.Array, jax.
 
 def _tiled_backward(tiling: _Tiling, kept: tuple, cotangents: tuple) -> tuple:
     *arrays, out, lse = kept
-    grads = _backward_tiles(_problem(tiling, *arrays), out, lse, *cotangents)
-    return (*grads, None, None, None)  # mask, q_offset and key_lengths take no gradient
+    *grads, d_parameters = _backward_tiles(_problem(tiling, *arrays), out, lse, *cotangents)
+    return (*grads, None, None, None, d_parameters)  # mask, q_offset and key_lengths take no gradient
 
 
 _tiled.defvjp(_tiled_forward, _tiled_backward)
@@ -340,20 +440,39 @@ def _tile_range(lo: jax.Array, hi: jax.Array, block: int) -> tuple[jax.Array, ja
     return first, jnp.where(hi > lo, (hi - 1) // block + 1, first)
 
 
+def _across(p: _Problem, which: int, first: jax.Array, lo: jax.Array, hi: jax.Array) -> tuple:
+    """The loop over the tiles lo .. hi - 1 across from the tile whose first entry is `first` (which 0: a query
+    tile's key tiles, 1: a key tile's query tiles): (start, stop, at), at(n) the n-th tile's number and kind.
+    Without a block mask every tile of the range, kind None; with one, its non-empty tiles of the range only:
+    its visits are in order, so those are a run of them, found by binary search (jax: lo and hi may be
+    traced)."""
+    if p.visits is None:
+        return lo, hi, lambda n: (n, None)
+    visits, line = p.visits[which], first // (p.block_k if which else p.block_q)
+    index, kind = jnp.asarray(visits.index)[line], jnp.asarray(visits.kind)[line]  # (most,): the tiles across
+    listed = jnp.where(jnp.arange(index.shape[0], dtype=index.dtype) < jnp.asarray(visits.count)[line], index,
+                       jnp.iinfo(index.dtype).max)  # the padding after the listed ones, so that the list is sorted
+    start, stop = (jnp.searchsorted(listed, x.astype(index.dtype)) for x in (lo, hi))
+    return start, stop, lambda n: (index[n].astype(lo.dtype), kind[n])
+
+
 def _query_tile(p: _Problem, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     """out (..., block_q, Ev) and lse (..., block_q) of the queries from `rows` on: the online softmax over the
-    key tiles the structure leaves visible to them."""
+    key tiles the structure (and a block mask) leaves visible to them."""
     q = lax.dynamic_slice_in_dim(p.q, rows, p.block_q, axis=-2) * p.scale  # the scale folded into q: (..., bq, E)
     m = jnp.full((*p.batch, p.block_q, 1), -jnp.inf, p.work)  # running maximum (..., block_q, 1)
     l = jnp.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
     acc = jnp.zeros((*p.batch, p.block_q, p.v.shape[-1]), p.work)  # running output (..., block_q, Ev)
 
-    def key_tile(t: jax.Array, carry: tuple) -> tuple:
+    start, stop, at = _across(p, 0, rows, *_key_tiles(p, rows))
+
+    def key_tile(n: jax.Array, carry: tuple) -> tuple:
         m, l, acc = carry  # noqa: E741
+        t, kind = at(n)
         cols = t * p.block_k
         k = lax.dynamic_slice_in_dim(p.k, cols, p.block_k, axis=-2)  # (..., block_k, E)
         raw = _product("...le,...se->...ls", q, k)  # R = (Q * scale) K^T: (..., bq, E) x (..., bk, E)
-        scores, visible, _ = _scores(p, raw, rows, cols)  # (..., block_q, block_k), -inf where hidden
+        scores, visible, _, _ = _scores(p, raw, rows, cols, kind)  # (..., block_q, block_k), -inf where hidden
         # 1) the new running maximum; where nothing is seen yet (the maximum -inf) the shift is 0
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
         shift = m_new if visible is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -365,7 +484,7 @@ def _query_tile(p: _Problem, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
         acc = acc * rescale + _product("...ls,...sv->...lv", weights, v)  # (..., bq, bk) x (..., bk, Ev)
         return m_new, l, acc
 
-    m, l, acc = lax.fori_loop(*_key_tiles(p, rows), key_tile, (m, l, acc))  # noqa: E741
+    m, l, acc = lax.fori_loop(start, stop, key_tile, (m, l, acc))  # noqa: E741
     # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
     seen = l != 0
     out = acc / jnp.where(seen, l, 1.0)  # (..., block_q, Ev)
@@ -373,27 +492,65 @@ def _query_tile(p: _Problem, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     return out, lse[..., 0]
 
 
-def _scores(p: _Problem, raw: jax.Array, rows: jax.Array, cols: jax.Array,
-            transposed: bool = False) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """The tile's scores softcap(raw) + bias from its raw scores q k^T, q already scaled, (..., block_q, block_k),
-    -inf where hidden; where they are visible (None: everywhere); and with softcap, tanh(raw / softcap) (for
-    the backward). `transposed`: raw, and so the results, are (..., block_k, block_q) (jax: see
-    _backward_tiles)."""
+def _scores(p: _Problem, raw: jax.Array, rows: jax.Array, cols: jax.Array, kind: jax.Array | None,
+            transposed: bool = False, with_vjp: bool = False) -> tuple:
+    """The tile's scores score_mod(softcap(raw)) + bias from its raw scores q k^T, q already scaled,
+    (..., block_q, block_k), -inf where hidden; where they are visible (None: everywhere); with softcap,
+    tanh(raw / softcap); and with_vjp, score_mod's vjp on the tile (the last two for the backward, else None).
+    kind: the tile's kind in the block mask (None: no block mask). `transposed`: raw, and so the results, are
+    (..., block_k, block_q) (jax: see _backward_tiles)."""
     def oriented(x: jax.Array) -> jax.Array:  # a (..., block_q | 1, block_k | 1) tile as raw is laid out
         return jnp.swapaxes(x, -1, -2) if transposed else x
 
-    scores, tanh = raw, None
-    if p.softcap is not None:  # softcap * tanh(raw / softcap), before the bias and the masks
+    scores, tanh, shown, mod_vjp = raw, None, None, None
+    if p.softcap is not None:  # softcap * tanh(raw / softcap), before the score function, the bias and the masks
         tanh = jnp.tanh(raw / p.softcap)
         scores = tanh * p.softcap
+    if p.mods is not None:  # then score_mod, and where mask_mod shows the keys
+        scores, shown, mod_vjp = _tile_mods(p, scores, rows, cols, kind, transposed, with_vjp)
     bias = None if p.bias is None else _tile(p, p.bias, rows, cols)
     if bias is not None:
         scores = scores + oriented(bias)
     visible = _tile_visible(p, rows, cols, bias)
     if visible is not None:
         visible = oriented(visible)
+    if shown is not None:
+        visible = _and(visible, shown)
+    if visible is not None:
         scores = jnp.where(visible, scores, -jnp.inf)
-    return scores, visible, tanh
+    return scores, visible, tanh, mod_vjp
+
+
+def _tile_mods(p: _Problem, scores: jax.Array, rows: jax.Array, cols: jax.Array, kind: jax.Array | None,
+               transposed: bool, with_vjp: bool) -> tuple:
+    """A tile's scores (..., block_q, block_k), or transposed, through score_mod, over the whole batch; where the
+    mods show the keys (mask_mod on every tile, or with a block mask on a partial tile only: a full one never
+    calls it; a -inf modded score hidden), None where they hide none; with_vjp, score_mod's vjp (d_modded ->
+    (d_scores, d_parameters)), else None. A padded query or key sees the last one's index."""
+    mods = p.mods
+    scores = jnp.broadcast_to(scores, (*p.batch, *scores.shape[-2:]))  # b runs over the whole batch
+    q_idx = jnp.minimum(rows + jnp.arange(p.block_q), p.L - 1)  # (block_q,), not shifted by q_offset
+    kv_idx = jnp.minimum(cols + jnp.arange(p.block_k), p.S - 1)  # (block_k,)
+    indices = _mod_indices(mods, p.q.shape[1:-2], q_idx, kv_idx, transposed)
+    shown, mod_vjp = None, None
+    if mods.score_mod is not None:
+        def modded(scores: jax.Array, parameters: dict[str, jax.Array]) -> jax.Array:
+            return _score_modded(mods, scores, indices, parameters)
+
+        if with_vjp:  # jax: JAX's derivative of the score function on the tile
+            scores, mod_vjp = jax.vjp(modded, scores, p.parameters)
+        else:
+            scores = modded(scores, p.parameters)
+        shown = scores != -jnp.inf
+    if mods.mask_mod is not None:
+        def evaluated() -> jax.Array:
+            return jnp.broadcast_to(_mask_modded(mods, indices, scores.shape), scores.shape)
+
+        if kind is None:  # no block mask: every tile computed evaluates the mask function
+            shown = _and(shown, evaluated())
+        else:  # jax: a cond, so that a full tile runs no mask function (both branches are traced)
+            shown = _and(shown, lax.cond(kind == PARTIAL, evaluated, lambda: jnp.ones(scores.shape, bool)))
+    return scores, shown, mod_vjp
 
 
 def _tile(p: _Problem, x: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:
@@ -433,11 +590,11 @@ def _and(visible: jax.Array | None, rule: jax.Array) -> jax.Array:
     return rule if visible is None else visible & rule
 
 
-def _backward_tiles(p: _Problem, out: jax.Array, lse: jax.Array, d_out: jax.Array,
-                    d_lse: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """The pullback of the padded problem: the key tiles in turn (lax.scan), each its dK and dV tiles from the
-    query tiles that may see it, which add their share to dQ (and dbias), carried along; every gradient at
-    its input's shape, summed over the axes that input was broadcast along.
+def _backward_tiles(p: _Problem, out: jax.Array, lse: jax.Array, d_out: jax.Array, d_lse: jax.Array) -> tuple:
+    """The pullback of the padded problem, (dq, dk, dv, dbias, d_parameters): the key tiles in turn (lax.scan),
+    each its dK and dV tiles from the query tiles that may see it, which add their share to dQ (and dbias, and
+    the score function's parameters'), carried along; every gradient at its input's shape, summed over the
+    axes that input was broadcast along.
 
     jax: the tiles are transposed, keys by queries (..., block_k, block_q), and q, dO and dQ held as
     (..., E | Ev, Lp), so that every product contracts the axes XLA's CPU dot reads fastest: P^T dO and
@@ -457,12 +614,14 @@ def _backward_tiles(p: _Problem, out: jax.Array, lse: jax.Array, d_out: jax.Arra
         v = lax.dynamic_slice_in_dim(p.v, cols, p.block_k, axis=-2)  # (..., block_k, Ev)
         k_t = jnp.swapaxes(k, -1, -2)  # (..., E, block_k)
 
-        def query_tile(r: jax.Array, carry: tuple) -> tuple:
-            dk, dv, dq_t, dbias = carry
+        def query_tile(n: jax.Array, carry: tuple) -> tuple:
+            dk, dv, dq_t, dbias, d_parameters = carry
+            r, kind = at(n)
             rows = r * p.block_q
             q = lax.dynamic_slice_in_dim(q_t, rows, p.block_q, axis=-1)  # (..., E, block_q)
             raw = _product("...se,...el->...sl", k, q)  # R^T = K (Q * scale)^T: (..., bk, E) x (..., E, bq)
-            scores, _, tanh = _scores(p, raw, rows, cols, transposed=True)  # (..., block_k, block_q)
+            scores, visible, tanh, mod_vjp = _scores(p, raw, rows, cols, kind, transposed=True,
+                                                     with_vjp=True)  # (..., block_k, block_q)
             # 1) the weights again, from the log-sum-exp: P = exp(S - lse), 0 where hidden
             weights = jnp.exp(scores - lax.dynamic_slice_in_dim(lse, rows, p.block_q, axis=-1))  # (..., bk, bq)
             d_o = lax.dynamic_slice_in_dim(d_out_t, rows, p.block_q, axis=-1)  # (..., Ev, block_q)
@@ -472,7 +631,12 @@ def _backward_tiles(p: _Problem, out: jax.Array, lse: jax.Array, d_out: jax.Arra
             d_scores = weights * (d_weights - lax.dynamic_slice_in_dim(D, rows, p.block_q, axis=-1))  # dS^T
             if dbias is not None:
                 dbias = _add_tile(p, dbias, jnp.swapaxes(d_scores, -1, -2), rows, cols)
-            # 3) through the soft-capping, then the raw scores R = (Q * scale) K^T
+            # 3) through the score function (JAX's derivative of it), the soft-capping, then the raw scores
+            # R = (Q * scale) K^T
+            if mod_vjp is not None:
+                d_scores, d_tile_parameters = mod_vjp(d_scores)
+                d_scores = jnp.where(visible, d_scores, 0.0)  # a hidden entry's derivative never leaks (0 * inf)
+                d_parameters = jax.tree_util.tree_map(jnp.add, d_parameters, d_tile_parameters)
             if tanh is not None:
                 d_scores = d_scores * (1 - tanh**2)
             d_q = _product("...sl,...es->...el", d_scores, k_t) * p.scale  # (dS K)^T: (..., E, block_q)
@@ -480,20 +644,22 @@ def _backward_tiles(p: _Problem, out: jax.Array, lse: jax.Array, d_out: jax.Arra
             dq_t = lax.dynamic_update_slice_in_dim(dq_t, lax.dynamic_slice_in_dim(dq_t, rows, p.block_q, -1) + d_q,
                                                    rows, axis=-1)
             dk = dk + _sum_to(_product("...sl,...el->...se", d_scores, q), dk.shape)  # dS^T Q, q holds the scale
-            return dk, dv, dq_t, dbias
+            return dk, dv, dq_t, dbias, d_parameters
 
         dk = jnp.zeros((*p.k.shape[:-2], p.block_k, p.k.shape[-1]), p.work)  # (..., block_k, E)
         dv = jnp.zeros((*p.v.shape[:-2], p.block_k, p.v.shape[-1]), p.work)  # (..., block_k, Ev)
-        dk, dv, dq_t, dbias = lax.fori_loop(*_query_tiles(p, cols), query_tile, (dk, dv, *carry))
-        return (dq_t, dbias), (dk, dv)
+        start, stop, at = _across(p, 1, cols, *_query_tiles(p, cols))  # the query tiles, read by query_tile
+        dk, dv, *carry = lax.fori_loop(start, stop, query_tile, (dk, dv, *carry))
+        return tuple(carry), (dk, dv)
 
     nk = p.Sp // p.block_k
     dbias = None if p.bias is None else jnp.zeros_like(p.bias)
-    (dq_t, dbias), (dks, dvs) = lax.scan(key_tile, (jnp.zeros_like(jnp.swapaxes(p.q, -1, -2)), dbias),
-                                         jnp.arange(nk))
+    d_parameters = jax.tree_util.tree_map(jnp.zeros_like, p.parameters)  # the score function's, summed
+    (dq_t, dbias, d_parameters), (dks, dvs) = lax.scan(
+        key_tile, (jnp.zeros_like(jnp.swapaxes(p.q, -1, -2)), dbias, d_parameters), jnp.arange(nk))
     dk = jnp.moveaxis(dks, 0, -3).reshape(p.k.shape)  # (nk, ..., bk, E) -> (..., Sp, E)
     dv = jnp.moveaxis(dvs, 0, -3).reshape(p.v.shape)  # (nk, ..., bk, Ev) -> (..., Sp, Ev)
-    return jnp.swapaxes(dq_t, -1, -2), dk, dv, dbias
+    return jnp.swapaxes(dq_t, -1, -2), dk, dv, dbias, d_parameters
 
 
 def _add_tile(p: _Problem, dbias: jax.Array, d_scores: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:

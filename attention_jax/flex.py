@@ -38,11 +38,10 @@ from jax import lax
 from attention_np.common import block_mask as blocks
 from attention_np.common import validation
 from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
-from attention_np.common.mods import ScoreMod
 
 from .arrays import to_numpy
 from .functional import _dtypes
-from .primitives import _at_least_float32, _ranked
+from .primitives import _at_least_float32, _ranked, _score_rule
 
 NO_MASK_TILE = 128  # the tiles' size without a block mask, at most L and S (every tile full: no mask to evaluate)
 
@@ -195,9 +194,8 @@ def _plan(q: jax.Array, k: jax.Array, v: jax.Array, score_mod: Callable[..., Any
     else:
         validation.block_mask_fits(block_mask, B, H, L, S)
         block_q, block_k = block_mask.block_size
-    rule, parameters = score_mod, {}
-    if isinstance(score_mod, ScoreMod):  # jax: its parameters apart, as arguments, so that gradients reach them
-        rule, parameters = score_mod.rule, {name: jnp.asarray(x) for name, x in score_mod.parameters.items()}
+    rule, parameters = _score_rule(score_mod)  # jax: a ScoreMod's parameters apart, as arguments, so that
+    # gradients reach them
     return _Plan(B=B, H=H, Hkv=k.shape[1], L=L, S=S, block_q=block_q, block_k=block_k,
                  scale=validation.default_scale(scale, q.shape, k.shape), score_rule=rule,
                  block_mask=block_mask), parameters

@@ -6,6 +6,7 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ from attention_np.common import validation
 from attention_np.common.records import Structure
 
 from .fast import attention
-from .primitives import _at_least_float32, _integers, _masked_softmax, _ranked, _visible
+from .primitives import _at_least_float32, _integers, _masked_softmax, _modded_whole, _Mods, _mods, _ranked, _visible
 
 Rng = jax.Array | None
 
@@ -34,12 +35,15 @@ def scaled_dot_product_attention(
     key_lengths: jax.Array | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, the softmax over the visible keys only,
-    softcap(x) = softcap * tanh(x / softcap) (x itself when softcap is None).
+    """Attention(Q, K, V) = softmax(score_mod(softcap(Q K^T * scale)) + bias) V, the softmax over the visible
+    keys only, softcap(x) = softcap * tanh(x / softcap) (x itself when softcap is None), score_mod the identity
+    when None.
 
     Args:
         q: queries (..., L, E).
@@ -55,6 +59,10 @@ def scaled_dot_product_attention(
         softcap: a positive number: raw scores become softcap * tanh(raw / softcap) before bias and masks.
         enable_gqa: grouped-query attention: q has H heads (axis -3), k and v Hkv, H a multiple of Hkv; query
             head h uses key/value head h // (H // Hkv). mask, bias, q_offset, key_lengths follow q's heads.
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a jax.random key (required while dropout is active).
@@ -63,14 +71,23 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
+    mods = _mods("scaled_dot_product_attention", q, k, v, mask_mod, score_mod)  # None without any
     if enable_gqa:  # grouped-query attention is attention with k and v broadcast over each group of query heads
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-        out, weights = scaled_dot_product_attention(
-            q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
-            key_lengths=key_lengths, softcap=softcap, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
-        return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
+    out, weights = _attention(q, k, v, mask, bias, structure, mods, scale=scale, softcap=softcap,
+                              dropout_p=dropout_p, need_weights=need_weights, rng=rng)
+    if enable_gqa:  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
+        return _ungrouped(out), _ungrouped(weights)
+    return out, weights
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
+               structure: Structure, mods: _Mods | None, *, scale: float | None, softcap: float | None,
+               dropout_p: float, need_weights: bool, rng: Rng) -> tuple[jax.Array, jax.Array | None]:
+    """scaled_dot_product_attention on q, k, v as given, or grouped: q (..., Hkv, G, L, E) against k and v
+    (..., Hkv, 1, S, E | Ev); out and weights in that layout."""
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights, rng=rng)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
@@ -79,7 +96,7 @@ def scaled_dot_product_attention(
     dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, softcap=softcap,
-                         batch=batch), None
+                         batch=batch, mods=mods), None
     q, k, v = (x.astype(work) for x in (q, k, v))
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
 
@@ -87,6 +104,7 @@ def scaled_dot_product_attention(
     scores = (q * scale) @ jnp.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
     if softcap is not None:  # soft-capping, before the bias and the masks: a hidden key stays hidden
         scores = softcap * jnp.tanh(scores / softcap)
+    scores, visible = _modded_whole(mods, scores, visible, batch, q.shape[1:-2])  # score_mod, mask_mod (if any)
     if bias is not None:
         scores = scores + _ranked(jnp.asarray(bias, dtype=scores.dtype), scores.ndim)
 

@@ -1,7 +1,8 @@
 """The pieces the attention functions build on, in JAX: which keys a query may see (the masks built from
-positions, and `_visible`, which joins them with a mask and a bias), the softmax over the visible keys, the sum
-of a gradient over an input's broadcast axes, the activations of the feed-forward network, and the rank and
-dtype helpers that JAX's strict modes ask for.
+positions, and `_visible`, which joins them with a mask and a bias), mask_mod and score_mod on the scores (their
+index arrays laid out as the scores, and a ScoreMod's parameters apart for the gradients), the softmax over the
+visible keys, the sum of a gradient over an input's broadcast axes, the activations of the feed-forward network,
+and the rank and dtype helpers that JAX's strict modes ask for.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
@@ -13,13 +14,15 @@ modules can all import it and the imports run one way.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import jax.scipy.special
 
 from attention_np.common import validation
+from attention_np.common.mods import ScoreMod
 from attention_np.common.records import Structure
 
 
@@ -81,6 +84,99 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, structure: Structur
         keys = _ranked(jnp.arange(S), len(scores_shape)) < _ranked(key_lengths[..., None, None], len(scores_shape))
         visible = _both(visible, keys)  # (S,) against (..., 1, 1)
     return visible
+
+
+class _Mods(NamedTuple):
+    """A call's mask_mod and score_mod, and what their index arrays run over: b over 0..B-1 (the scores' batch
+    size), h over q's heads 0..H-1; hashable (the functions by identity), so that flash's static tiling holds
+    it."""
+
+    mask_mod: Callable[..., Any] | None
+    score_mod: Callable[..., Any] | None
+    B: int
+    H: int
+
+
+def _mods(function: str, q: jax.Array, k: jax.Array, v: jax.Array, mask_mod: Callable[..., Any] | None,
+          score_mod: Callable[..., Any] | None) -> _Mods | None:
+    """The checked mods (q, k and v of four axes, validation.mods_inputs); None without any, so that the paths
+    without mods build nothing more than before."""
+    if mask_mod is None and score_mod is None:
+        return None
+    B, H = validation.mods_inputs(function, q.shape, k.shape, v.shape)
+    return _Mods(mask_mod=mask_mod, score_mod=score_mod, B=B, H=H)
+
+
+def _mod_indices(mods: _Mods, heads: tuple, rows: jax.Array, cols: jax.Array,
+                 transposed: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """b, h, q_idx, kv_idx at the rank of the scores (B, *heads, rows, cols) as the code lays them out: heads
+    (H,), or (Hkv, G) grouped (query head h = h_kv * G + g); rows and cols the queries' and keys' indices
+    (L,) and (S,), or a tile's; `transposed`: the scores are (B, *heads, cols, rows)."""
+    n = len(heads) + 3
+    b = jnp.arange(mods.B).reshape(mods.B, *(1,) * (n - 1))  # (B, 1, .., 1)
+    h = jnp.arange(mods.H).reshape(1, *heads, 1, 1)  # (1, *heads, 1, 1)
+    q_idx, kv_idx = _ranked(rows[:, None], n), _ranked(cols, n)  # (1, .., L, 1), (1, .., 1, S)
+    if transposed:
+        q_idx, kv_idx = _ranked(rows, n), _ranked(cols[:, None], n)  # (1, .., 1, L), (1, .., S, 1)
+    return b, h, q_idx, kv_idx
+
+
+def _modded(mods: _Mods | None, scores: jax.Array, visible: jax.Array | None,
+            indices: tuple) -> tuple[jax.Array, jax.Array | None]:
+    """The scores after score_mod, and `visible` and-ed with mask_mod and with where the modded score is not
+    -inf (a -inf score hides its key, as in flex_attention); scores (B, *heads, L, S) in full, as the indices
+    are laid out (_mod_indices)."""
+    if mods is None:
+        return scores, visible
+    if mods.score_mod is not None:
+        scores = _score_modded(mods, scores, indices)
+        visible = _both(visible, scores != -jnp.inf)
+    if mods.mask_mod is not None:
+        visible = _both(visible, _mask_modded(mods, indices, scores.shape))
+    return scores, visible
+
+
+def _score_modded(mods: _Mods, scores: jax.Array, indices: tuple,
+                  parameters: dict[str, jax.Array] | None = None) -> jax.Array:
+    """score_mod(scores, b, h, q_idx, kv_idx), checked, in the scores' shape and dtype; `parameters`: given
+    where mods.score_mod is a rule that takes them as keywords (_score_rule)."""
+    modded = mods.score_mod(scores, *indices, **(parameters or {}))
+    validation.score_mod_result(jnp.shape(modded), scores.shape)
+    return jnp.broadcast_to(modded, scores.shape).astype(scores.dtype)
+
+
+def _mask_modded(mods: _Mods, indices: tuple, shape: tuple) -> jax.Array:
+    """mask_mod(b, h, q_idx, kv_idx), checked (booleans broadcasting to the scores' shape), at their rank."""
+    shown = jnp.asarray(mods.mask_mod(*indices))
+    validation.mask_mod_result("mask_mod", shown.shape, str(shown.dtype), shape)
+    return _ranked(shown, len(shape))
+
+
+def _modded_whole(mods: _Mods | None, scores: jax.Array, visible: jax.Array | None, batch: tuple,
+                  heads: tuple) -> tuple[jax.Array, jax.Array | None]:
+    """_modded on all the scores (..., L, S) at once, as scaled_dot_product_attention lays them out: broadcast
+    to (*batch, L, S) first (b runs over the whole batch), q_idx 0..L-1 and kv_idx 0..S-1 (not shifted by
+    q_offset: a mod takes its own); heads as for _mod_indices. Without mods, the scores and visible as given."""
+    if mods is None:
+        return scores, visible
+    scores = jnp.broadcast_to(scores, (*batch, *scores.shape[-2:]))  # (B, *heads, L, S)
+    L, S = scores.shape[-2:]
+    return _modded(mods, scores, visible, _mod_indices(mods, heads, jnp.arange(L), jnp.arange(S)))
+
+
+def _score_rule(score_mod: Callable[..., Any] | None) -> tuple[Callable[..., Any] | None, dict[str, jax.Array]]:
+    """score_mod as (rule, parameters), rule(score, b, h, q_idx, kv_idx, **parameters): a ScoreMod's rule and
+    its parameters as JAX arrays, the arguments a gradient reaches; a plain function (or None) and no
+    parameters otherwise."""
+    if isinstance(score_mod, ScoreMod):  # jax: its parameters apart, as arguments, so that gradients reach them
+        return score_mod.rule, {name: jnp.asarray(x) for name, x in score_mod.parameters.items()}
+    return score_mod, {}
+
+
+def _with_parameters(score_mod: Callable[..., Any] | None,
+                     parameters: dict[str, jax.Array]) -> Callable[..., Any] | None:
+    """score_mod with these values of its parameters (ScoreMod.replace); a plain function (or None) as it is."""
+    return score_mod.replace(**parameters) if isinstance(score_mod, ScoreMod) else score_mod
 
 
 def _integers(x: int | jax.Array, name: str = "q_offset", batch: tuple | None = None) -> jax.Array:

@@ -1,7 +1,10 @@
 """attention_jax.flex_attention under JAX's transformations: jit, grad (through flex_attention itself, against
 its vjp and against a dense oracle written here), vmap over a leading axis, the learned ALiBi slopes' gradient;
 the mask function evaluated on partial tiles only (recorded at run time, as JAX traces a tile once); one
-program for any number of tiles, and one compile for new parameter values of a score function.
+program for any number of tiles, and one compile for new parameter values of a score function; flash_attention with
+a block mask (its empty tiles skipped, its full ones without the mask function, the keyword rules on top); the
+ALiBi slopes learned through scaled_dot_product_attention, flash_attention and the modules' vjps; the mods on the
+cached path, and linear attention's refusal of them.
 
 The oracle is dense JAX: every score (B, H, L, S) at once, mods evaluated on the whole grid, softmax over the
 visible keys, differentiated by plain autodiff, so it shares none of the kernel's tiles, loops or custom_vjp.
@@ -14,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from attention_np.common import mods
+from attention_np.common import mods, validation
 from attention_np.common.block_mask import EMPTY, FULL, PARTIAL
 from tests._compare import REORDERED, assert_close
 
@@ -279,3 +282,124 @@ def test_the_forward_pass_holds_no_copy_of_q_or_out():
     compiled = jax.jit(lambda q, k, v: M.flex_attention(q, k, v, block_mask=block_mask)).lower(x, x, x).compile()
     temporaries = compiled.memory_analysis().temp_size_in_bytes / 2**20
     assert temporaries < out_mib / 2, f"{temporaries:.2f} MiB of temporaries beside an out of {out_mib:.0f} MiB"
+
+
+# --- the mods on flash_attention and scaled_dot_product_attention -------------------------------------------
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_flash_with_a_block_mask_skips_empty_tiles_and_masks_partial_ones_only(direction):
+    """flash_attention's tiles are the block mask's: an empty tile is never computed (the score function never
+    sees it), a full one runs no mask function, in the forward pass and in the backward pass alike."""
+    q, k, v = _inputs()
+    mask_mod, score_mod = _Recorder(MASK, (2, 3)), _Recorder(ALIBI, (2, 3))
+    block_mask = M.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=(2, 3))
+    mask_mod.tiles.clear()  # create_block_mask's own calls apart
+    out, _, pullback = M.flash_attention_vjp(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=SCALE)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    if direction == "backward":  # the backward pass's own records only
+        mask_mod.tiles.clear()
+        score_mod.tiles.clear()
+        jax.block_until_ready(pullback(jnp.ones_like(out)))
+        jax.effects_barrier()
+    kinds = block_mask.batch_kinds()
+    partial, empty, full = ({(int(i), int(j)) for i, j in zip(*np.nonzero(kinds == kind), strict=True)}
+                            for kind in (PARTIAL, EMPTY, FULL))
+    assert partial and empty and full, "the case has tiles of every kind"
+    assert mask_mod.tiles == partial, "the mask function runs on the partial tiles, and on them only"
+    assert score_mod.tiles == partial | full, "the score function runs on every tile computed, no empty one"
+
+
+def test_flash_with_a_block_mask_and_the_keyword_rules_equals_the_dense_oracle():
+    """A block mask's tiles and the tiles is_causal, window and key_lengths leave, both: the loops run over the
+    block mask's non-empty tiles within the structure's range; out and the gradients as the dense oracle's with
+    the keyword rules written as mask functions."""
+    q, k, v = _inputs()
+    d_out = _random(B, H, L, EV, seed=3)
+    keywords = {"is_causal": True, "q_offset": 2, "window": (3, None), "key_lengths": jnp.array([[9], [11]])}
+    as_mask = mods.and_masks(MASK, mods.causal(2), mods.sliding_window(3, None, q_offset=2),
+                             mods.key_lengths(np.array([9, 11])))
+    block_mask = M.create_block_mask(MASK, B, H, L, S, BLOCK_SIZE=(2, 3))
+    out, _, pullback = M.flash_attention_vjp(q, k, v, score_mod=ALIBI, block_mask=block_mask, scale=SCALE,
+                                             **keywords)
+    expected, pull_expected = jax.vjp(lambda q, k, v: _dense(q, k, v, as_mask, ALIBI)[0], q, k, v)
+    assert_close(np.asarray(out), np.asarray(expected), RTOL, "out")
+    for what, actual, wanted in zip(("dq", "dk", "dv"), pullback(d_out)[:3], pull_expected(d_out), strict=True):
+        assert_close(np.asarray(actual), np.asarray(wanted), RTOL, what)
+
+
+@pytest.mark.parametrize("function", ["sdpa", "flash"])
+def test_learned_alibi_slopes_through_sdpa_and_flash_under_jax_grad(function):
+    """jax.grad reaches a ScoreMod's parameters given as JAX arrays through scaled_dot_product_attention and
+    flash_attention (ScoreMod.replace inside the differentiated function), as the dense oracle's."""
+    q, k, v = _inputs()
+    d_out = _random(B, H, L, EV, seed=3)
+    slopes = jnp.asarray(ALIBI.parameters["slopes"])
+
+    def loss(slopes: jax.Array) -> jax.Array:
+        score_mod = ALIBI.replace(slopes=slopes)
+        if function == "sdpa":
+            out, _ = M.scaled_dot_product_attention(q, k, v, mask_mod=MASK, score_mod=score_mod, scale=SCALE)
+        else:
+            out, _ = M.flash_attention(q, k, v, mask_mod=MASK, score_mod=score_mod, scale=SCALE, block_q=2,
+                                       block_k=3)
+        return jnp.sum(out * d_out)
+
+    expected = jax.grad(lambda slopes: jnp.sum(_dense(q, k, v, MASK, ALIBI.replace(slopes=slopes))[0] * d_out))
+    assert_close(np.asarray(jax.grad(loss)(slopes)), np.asarray(expected(slopes)), RTOL, "d slopes")
+
+
+def _modules(D: int, heads: int) -> tuple[Any, Any]:
+    """A MultiHeadAttention and a TransformerBlock of random float64 parameters, in eval mode."""
+    shapes = validation.block_state_shapes(D, 2 * D, num_heads=heads)
+    state = {name: _random(*shape, seed=10 + n) for n, (name, shape) in enumerate(shapes.items())}
+    mha = M.MultiHeadAttention.from_state_dict({name.removeprefix("attn."): value for name, value in state.items()
+                                                if name.startswith("attn.")}, num_heads=heads, dropout=0.0)
+    return mha.eval(), M.TransformerBlock.from_state_dict(state, num_heads=heads, dropout=0.0).eval()
+
+
+@pytest.mark.parametrize("name", ["mha", "block"])
+def test_module_vjps_give_the_score_functions_parameters_gradients(name):
+    """MultiHeadAttention.vjp and TransformerBlock.vjp with score_mod=alibi: the slopes' gradient under
+    "score_mod.slopes", beside the state dict's, as jax.grad through the module given the slopes
+    (ScoreMod.replace). Both jitted: eager JAX compiles each operation (seconds)."""
+    mha, block = _modules(D := 8, 2)
+    module = mha if name == "mha" else block
+    x, d_out = _random(B, L, D, seed=4), _random(B, L, D, seed=5)
+    alibi, causal = mods.alibi(np.array([0.5, 0.25])), mods.causal()
+    mods_ = {"mask_mod": causal, "score_mod": alibi}
+
+    def attend(x: jax.Array, **options: Any) -> tuple:
+        return mha(x, x, x, **options) if name == "mha" else block(x, **options)
+
+    def module_vjp(x: jax.Array) -> dict[str, jax.Array]:
+        _, _, pullback = mha.vjp(x, x, x, **mods_) if name == "mha" else block.vjp(x, **mods_)
+        return pullback(d_out)[-1]
+
+    def loss(slopes: jax.Array) -> jax.Array:
+        return jnp.sum(attend(x, mask_mod=causal, score_mod=alibi.replace(slopes=slopes))[0] * d_out)
+
+    grads = jax.jit(module_vjp)(x)
+    assert set(grads) == set(module.state_dict()) | {"score_mod.slopes"}
+    expected = jax.jit(jax.grad(loss))(jnp.asarray(alibi.parameters["slopes"]))
+    assert_close(np.asarray(grads["score_mod.slopes"]), np.asarray(expected), RTOL, f"{name} d slopes")
+
+
+def test_the_cached_path_takes_the_mods():
+    """extend over an empty cache with score_mod=alibi: q_idx over the new queries, kv_idx over the cache, so the
+    first chunk equals the module's call with the causal mask function (the cache's unfilled keys hidden by
+    extend's causal rule). Jitted, as in use."""
+    mha, _ = _modules(D := 8, 2)
+    x, alibi = _random(B, L, D, seed=4), mods.alibi(np.array([0.5, 0.25]))
+    out = jax.jit(lambda x: mha.extend(x, x, mha.init_cache((B,), L + 3), score_mod=alibi)[0])(x)
+    expected = jax.jit(lambda x: mha(x, x, x, mask_mod=mods.causal(), score_mod=alibi)[0])(x)
+    assert_close(np.asarray(out), np.asarray(expected), RTOL, "extend")
+
+
+def test_linear_attention_refuses_the_mods():
+    """attention="linear" forms no scores: a mask_mod or a score_mod is an error that names it."""
+    mha = M.MultiHeadAttention(d_model=8, num_heads=2, dropout=0.0, attention="linear")
+    x = jnp.ones((B, L, 8), mha.w_q.weight.dtype)
+    for name, mod in (("mask_mod", mods.causal()), ("score_mod", ALIBI)):
+        with pytest.raises(ValueError, match=f"{name} must be None with attention='linear'"):
+            mha(x, x, x, **{name: mod})
