@@ -1,7 +1,8 @@
 """The pieces the attention functions build on, in PyTorch: which keys a query may see (the masks built from
-positions, and `_visible`, which joins them with a mask and a bias), the softmax over the visible keys, and the
-cast that skips a dispatch. torch: autograd sums gradients over broadcast axes, and the activations are torch's
-own modules, so neither is here.
+positions, and `_visible`, which joins them with a mask and a bias), the softmax over the visible keys, the
+cast that skips a dispatch, and a score function's parameters as tensors (flex, flash and the vjps read them).
+torch: autograd sums gradients over broadcast axes, and the activations are torch's own modules, so neither is
+here.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
@@ -13,10 +14,13 @@ modules can all import it and the imports run one way.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
-from attention_np.common import validation
+from attention_np.common import mods, validation
 from attention_np.common.records import Structure
 
 
@@ -116,3 +120,21 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor | None) -> torch
     exp = torch.exp(scores - row_max)  # (..., L, S)
     total = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
     return exp / torch.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
+
+
+def _parameters(score_mod: Callable[..., Any] | None, q: torch.Tensor) -> list[torch.Tensor]:
+    """A ScoreMod's parameters as tensors on q's device, to be inputs of the autograd operation: a tensor as it
+    is (so that its gradient reaches it), anything else as a new tensor, floating (an integer slope becomes the
+    scores' working dtype, so that it has a gradient too)."""
+    tensors = []
+    for value in _named_parameters(score_mod).values():
+        x = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+        if not x.is_floating_point():
+            x = x.to(torch.promote_types(q.dtype, torch.float32))
+        tensors.append(x.to(q.device))  # torch: differentiable, so a tensor elsewhere still gets its gradient
+    return tensors
+
+
+def _named_parameters(score_mod: Callable[..., Any] | None) -> dict[str, Any]:
+    """A ScoreMod's parameters by name; none for a plain function."""
+    return dict(score_mod.parameters) if isinstance(score_mod, mods.ScoreMod) else {}
