@@ -19,9 +19,18 @@ them. With D = rowsum(dO * O) (= rowsum(dP * P), since O = P V):
     dV += P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ += dS K * scale,  dK += dS^T Q * scale.
 
 Tiles that the structure (is_causal, window, q_offset, key_lengths) hides from every query of a tile are
-never computed: causal attention does about half the work. The tiles run in turn: torch spreads each
-matmul and exp over the cores itself. flash_attention is a torch.autograd.Function whose backward is the
-tiled pass above; it keeps q, k, v, mask, bias, out and lse between the passes, nothing of size L * S.
+never computed: causal attention does about half the work.
+
+A block mask (create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE), its tiles flash's) says the same of a mask
+function, one kind per (query tile, key tile) over the whole batch: an empty tile is never computed, a full one is
+computed without calling the mask function, and a partial one evaluates it on the tile's indices (b, h, q_idx,
+kv_idx), and-ed with the structure's rules, the mask and the bias. A mask_mod without a block mask is evaluated on
+every computed tile. A score_mod runs on every computed tile, after softcap and before the bias.
+
+The tiles run in turn: torch spreads each matmul and exp over the cores itself. flash_attention is a
+torch.autograd.Function whose backward is the tiled pass above; it keeps q, k, v, mask, bias, out, lse and the
+score function's parameters between the passes, nothing of size L * S. torch: the backward pass differentiates
+softcap and score_mod with autograd on each tile, the score function's parameters among the leaves.
 """
 
 from __future__ import annotations
