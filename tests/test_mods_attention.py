@@ -127,7 +127,7 @@ def test_the_keywords_and_the_mods_together(backend, path):
     """is_causal, window, key_lengths and softcap with a mask_mod and a score_mod: the same attention as the
     catalogue's entries for those keywords composed with the mods (softcap first, then score_mod)."""
     q, k, v = _inputs()
-    keywords = {"is_causal": True, "q_offset": 2, "window": (4, None), "key_lengths": np.array([8, 11]),
+    keywords = {"is_causal": True, "q_offset": 2, "window": (4, None), "key_lengths": np.array([[8], [11]]),
                 "softcap": 1.5}
     user_mask, user_score = CASES["document"][0], mods.alibi(np.full(H, 0.3))
     as_mods = mods.and_masks(mods.causal(2), mods.sliding_window(4, None, q_offset=2),
