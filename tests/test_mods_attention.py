@@ -13,7 +13,7 @@ import pytest
 
 from attention_np.common import mods
 from tests._compare import REORDERED, assert_close
-from tests.test_flex import B, CASES, EV, H, HKV, L, S, _inputs, _random, _reference_of
+from tests.test_flex import CASES, EV, HKV, B, H, L, S, _inputs, _random, _reference_of
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 
