@@ -95,8 +95,8 @@ def flash_attention(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
-        block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q and
-            block_k None), an empty tile is skipped, a full one computed without its mask function.
+        block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
+            and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
             (validation.default_tiles within the backend's TILE_SCORES).
         block_k: keys per tile (the last tile may be shorter); None: as for block_q.
@@ -153,8 +153,8 @@ def flash_attention_vjp(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
-        block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q and
-            block_k None), an empty tile is skipped, a full one computed without its mask function.
+        block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
+            and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q, block_k: as for flash_attention.
 
     Returns:

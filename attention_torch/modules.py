@@ -114,8 +114,8 @@ class MultiHeadAttention(nn.Module):
             rng: dropout randomness: a torch.Generator (None: the global RNG).
             mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
                 needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
-            score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
-                bias; needs four axes as mask_mod.
+            score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and
+                before bias; needs four axes as mask_mod.
 
         Returns:
             out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None).
@@ -180,8 +180,11 @@ class MultiHeadAttention(nn.Module):
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             need_weights: return the weights; with False the second result is None.
             rng: dropout randomness, as for forward.
-            mask_mod, score_mod: as for forward, over the new queries (q_idx 0 .. L - 1) and the filled
-                positions of the cache (kv_idx 0 .. length + L - 1).
+            mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+                needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+            score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and
+                before bias; needs four axes as mask_mod.
+                The mods see q_idx 0 .. L - 1 of the new queries and kv_idx 0 .. length + L - 1 of the cache.
 
         Returns:
             out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
@@ -362,8 +365,8 @@ class TransformerBlock(nn.Module):
             rng: dropout randomness: a torch.Generator (None: the global RNG).
             mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
                 needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
-            score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
-                bias; needs four axes as mask_mod.
+            score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and
+                before bias; needs four axes as mask_mod.
 
         Returns:
             x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
@@ -383,7 +386,8 @@ class TransformerBlock(nn.Module):
         return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
 
     def extend(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None, *, need_weights: bool = True,
-               rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
+               rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+               score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
         """The block on L new positions after those in the cache: as forward with a causal mask over the
         whole sequence, the attention through MultiHeadAttention.extend.
 
@@ -392,6 +396,11 @@ class TransformerBlock(nn.Module):
             cache: from init_cache, or the cache the last extend returned.
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             need_weights, rng: as for forward.
+            mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+                needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+            score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and
+                before bias; needs four axes as mask_mod.
+                The mods see q_idx 0 .. L - 1 of the new positions and kv_idx 0 .. length + L - 1 of the cache.
 
         Returns:
             x (..., L, D), the attention weights (..., H, L, capacity) (or None), and the cache holding the new
@@ -401,7 +410,8 @@ class TransformerBlock(nn.Module):
         rngs = _rngs(rng, 4)
 
         def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
-            return self.attn._extended(h, h, cache, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
+            return self.attn._extended(h, h, cache, mask, need_weights=need_weights, rng=rngs[0], mask_mod=mask_mod,
+                                       score_mod=score_mod)  # (..., L, D)
 
         return self._layers(x, attend, rngs)
 
