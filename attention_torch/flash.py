@@ -159,9 +159,8 @@ def flash_attention_vjp(
 
     Returns:
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
-        bias is None; each gradient has its input's shape and dtype. With a score_mod, (dq, dk, dv, dbias,
-        d_score_mod), d_score_mod a dict {parameter name: gradient} of its parameters (ScoreMod.parameters;
-        empty for a plain function).
+        bias is None; with a score_mod (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict {parameter name:
+        gradient} of score_mod.parameters (empty without); each gradient has its input's shape and dtype.
     """
     # torch: autograd records the call (also inside torch.no_grad() and torch.inference_mode(), as
     # gradients.scaled_dot_product_attention_vjp does), and the pullback runs _Flash.backward

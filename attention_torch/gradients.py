@@ -64,8 +64,8 @@ def scaled_dot_product_attention_vjp(
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
-        dbias None when bias is None; with a score_mod, (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict
-        {parameter name: gradient} of its parameters (ScoreMod.parameters; empty for a plain function).
+        dbias None when bias is None; with a score_mod (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict
+        {parameter name: gradient} of score_mod.parameters (empty without).
     """
     names = list(_named_parameters(score_mod))
     with _recording():
