@@ -133,8 +133,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     if softcap is not None:  # soft-capping, before the bias and the masks: a hidden key stays hidden
         scores = softcap * torch.tanh(scores / softcap)
     if modded is not None:  # the score function, after softcap and before the bias; a -inf score hides the key
-        scores = modded(scores.expand(*batch, *scores.shape[-2:]))  # (..., L, S)
+        received = scores.expand(*batch, *scores.shape[-2:])  # (..., L, S)
+        scores = modded(received)
         visible = _both(visible, scores != -math.inf)  # a row of -inf scores: zeros, never NaN
+        if received.requires_grad:  # torch: autograd's 0 at a hidden key times a NaN or inf derivative of the
+            hidden = visible.logical_not()  # score function there is NaN; the gradient there is 0
+            received.register_hook(lambda d_received: d_received.masked_fill(hidden, 0))
     if bias is not None:
         scores = scores + torch.as_tensor(bias, dtype=scores.dtype, device=scores.device)
 

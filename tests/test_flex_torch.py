@@ -249,3 +249,26 @@ def test_linear_attention_refuses_the_mods():
     for name, mod in (("mask_mod", mods.causal()), ("score_mod", mods.alibi([0.5, 0.25]))):
         with pytest.raises(ValueError, match=name):
             mha(x, x, x, **{name: mod})
+
+
+@pytest.mark.parametrize("path", ["sdpa", "fast", "flash"])
+def test_a_nan_derivative_at_hidden_keys_does_not_reach_the_gradients_of_sdpa_and_flash(path):
+    """As for flex_attention: score * sqrt(i - j + 1), NaN with its derivative at the keys j > i + 1 the causal
+    mask_mod hides, leaves dq, dk and dv those of the same scores made finite there."""
+    q, k, v = _tensors()
+
+    def damped(score, b, h, q_idx, kv_idx):
+        return score * torch.sqrt((q_idx - kv_idx + 1).to(score.dtype))  # NaN where kv_idx > q_idx + 1
+
+    def safe(score, b, h, q_idx, kv_idx):
+        return score * torch.sqrt((q_idx - kv_idx + 1).clamp(min=1).to(score.dtype))
+
+    if path == "flash":
+        out, _ = M.flash_attention(q, k, v, mask_mod=mods.causal(), score_mod=damped, block_q=2, block_k=3)
+    else:
+        out, _ = M.scaled_dot_product_attention(q, k, v, mask_mod=mods.causal(), score_mod=damped,
+                                                need_weights=path == "sdpa")
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(_dense(q, k, v, safe, mods.causal(), 1 / np.sqrt(E)).square().sum(), (q, k, v))
+    for what, actual, reference in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+        assert_close(actual.numpy(), reference.numpy(), RTOL, f"{path} {what}")
