@@ -7,8 +7,9 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 torch's kernel takes one attn_mask: a boolean of the visible keys, or, with a bias, the bias with -inf
 where a key is hidden; without mask, bias, offset, window and key lengths its own is_causal (top-left
 aligned, as ours) keeps the fused kernels available. q_offset, window and key_lengths become part of the
-one boolean mask; softcap keeps the explicit path (the kernel cannot cap the raw scores). A fully masked
-row is set to zeros explicitly, so the rule holds on every kernel and device.
+one boolean mask, as does a mask_mod (scaled_dot_product_attention evaluates it once into the mask); softcap
+and a score_mod keep the explicit path (the kernel cannot change the raw scores). A fully masked row is set to
+zeros explicitly, so the rule holds on every kernel and device.
 scaled_dot_product_attention sends inputs with a NaN or inf in q or k to the explicit path instead (see
 there). Where k and v hold one head for several query heads (grouped-query attention's groups,
 multi-query attention by broadcasting), the kernel's enable_gqa shares it: k and v are never copied per

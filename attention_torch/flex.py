@@ -37,13 +37,13 @@ import numpy as np
 import torch
 
 from attention_np.common import block_mask as blocks
-from attention_np.common import mods, validation
+from attention_np.common import validation
 from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 
 from .arrays import to_numpy
 from .functional import _dtypes
 from .gradients import _grad, _leaf, _recording
-from .primitives import _cast
+from .primitives import _cast, _named_parameters, _parameters
 
 DEFAULT_TILES = (128, 128)  # (block_q, block_k) without a block mask, every tile full
 
@@ -166,19 +166,6 @@ class _Options(NamedTuple):
     scale: float | None
     enable_gqa: bool
     names: tuple[str, ...]  # the score function's parameters, in the order their tensors follow q, k, v
-
-
-def _parameters(score_mod: Callable[..., Any] | None, q: torch.Tensor) -> list[torch.Tensor]:
-    """A ScoreMod's parameters as tensors on q's device, to be inputs of the autograd operation: a tensor as it
-    is (so that its gradient reaches it), anything else as a new tensor, floating (an integer slope becomes the
-    scores' working dtype, so that it has a gradient too)."""
-    tensors = []
-    for value in _named_parameters(score_mod).values():
-        x = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
-        if not x.is_floating_point():
-            x = x.to(torch.promote_types(q.dtype, torch.float32))
-        tensors.append(x.to(q.device))  # torch: differentiable, so a tensor elsewhere still gets its gradient
-    return tensors
 
 
 class _Flex(torch.autograd.Function):
@@ -398,8 +385,3 @@ def _tile_gradients(p: _Problem, tile: _Tile, q: torch.Tensor, d_o: torch.Tensor
     hidden = scores.detach() == -math.inf  # dR is 0 there; a NaN or inf of the derivative must not leak
     d_scores = torch.where(hidden, 0, d_scores)
     return d_scores, d_v, d_theta
-
-
-def _named_parameters(score_mod: Callable[..., Any] | None) -> dict[str, Any]:
-    """A ScoreMod's parameters by name; none for a plain function."""
-    return dict(score_mod.parameters) if isinstance(score_mod, mods.ScoreMod) else {}

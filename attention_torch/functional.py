@@ -6,8 +6,10 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -15,7 +17,16 @@ from attention_np.common import validation
 from attention_np.common.records import Structure
 
 from .fast import _grouped_matmul, attention, grouped_attention
-from .primitives import _cast, _integers, _masked_softmax, _visible
+from .primitives import (
+    _both,
+    _cast,
+    _indices,
+    _integers,
+    _mask_mod_visible,
+    _masked_softmax,
+    _score_mod_scores,
+    _visible,
+)
 
 Rng = torch.Generator | None
 
@@ -34,6 +45,8 @@ def scaled_dot_product_attention(
     key_lengths: torch.Tensor | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
@@ -55,6 +68,10 @@ def scaled_dot_product_attention(
         softcap: a positive number: raw scores become softcap * tanh(raw / softcap) before bias and masks.
         enable_gqa: grouped-query attention: q has H heads (axis -3), k and v Hkv, H a multiple of Hkv; query
             head h uses key/value head h // (H // Hkv). mask, bias, q_offset, key_lengths follow q's heads.
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a torch.Generator (None: the global RNG).
@@ -63,21 +80,33 @@ def scaled_dot_product_attention(
         out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
         A query with no visible key gets zeros in both.
     """
-    if enable_gqa and _kernel_groups(q, k, v, mask, bias, q_offset, window, key_lengths, softcap, dropout_p,
-                                     need_weights):  # torch: the kernel's own enable_gqa, without the reshapes
-        # a NaN or inf in q or k takes the general route's explicit path (see the fast path below): the call
-        # with the weights, which never goes to the kernel
+    modded = None  # scores -> score_mod's scores, with the index arrays it receives
+    if mask_mod is not None or score_mod is not None:
+        mask, modded = _mods(q, k, v, mask, mask_mod, score_mod)
+    if enable_gqa and modded is None and _kernel_groups(q, k, v, mask, bias, q_offset, window, key_lengths, softcap,
+                                                        dropout_p, need_weights):  # torch: the kernel's own
+        # enable_gqa, without the reshapes. A NaN or inf in q or k takes the general route's explicit path (see
+        # the fast path in _attention): the call with the weights, which never goes to the kernel
         return _finite_or(q, k, lambda: grouped_attention(q, k, v, is_causal=is_causal, q_offset=q_offset, scale=scale),
                           lambda: scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                                                q_offset=q_offset, enable_gqa=True)[0]), None
     if enable_gqa:  # grouped-query attention is attention with k and v broadcast over each group of query heads
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
-        out, weights = scaled_dot_product_attention(
-            q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
-            key_lengths=key_lengths, softcap=softcap, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
-        return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
+    out, weights = _attention(q, k, v, mask, bias, structure, scale=scale, softcap=softcap, modded=modded,
+                              dropout_p=dropout_p, need_weights=need_weights, rng=rng)
+    if enable_gqa:
+        return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
+    return out, weights
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               bias: torch.Tensor | None, structure: Structure, *, scale: float | None, softcap: float | None,
+               modded: Callable[[torch.Tensor], torch.Tensor] | None, dropout_p: float, need_weights: bool,
+               rng: Rng) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """scaled_dot_product_attention once the mods are evaluated (the mask_mod's keys in mask; `modded` the
+    score_mod) and the heads grouped: the fast path or the explicit path."""
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
@@ -85,18 +114,17 @@ def scaled_dot_product_attention(
     dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: sums, softmax in float32
     # torch: the fused kernel returns finite rows for a NaN query, and its -inf masking lets a hidden NaN key
     # reach rows that do not see it, so a NaN or inf in q or k keeps the explicit path (their sum is then
-    # not finite: one read of q and k). The kernel has no soft-capping of the raw scores either, so softcap too
-    # keeps the explicit path
-    fused = not need_weights and dropout_p == 0.0 and softcap is None  # the explicit path reads no sum
+    # not finite: one read of q and k). The kernel has no soft-capping of the raw scores and no score function
+    # either, so softcap and score_mod too keep the explicit path
+    fused = not need_weights and dropout_p == 0.0 and softcap is None and modded is None  # reads no sum
     # torch: compiled, a mask takes the explicit path, whose check that it holds 0 and 1 reads its values outside
     # the graph; torch.cond's branches cannot (_finite_or)
     if fused and (mask is None or not torch.compiler.is_compiling()):
         # the explicit path is the call with the weights, which never goes to the kernel
         return _finite_or(q, k, lambda: attention(q, k, v, mask, bias=bias, structure=structure, scale=scale,
                                                   batch=batch),
-                          lambda: scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal,
-                                                               scale=scale, q_offset=q_offset, window=window,
-                                                               key_lengths=key_lengths)[0]), None
+                          lambda: _attention(q, k, v, mask, bias, structure, scale=scale, softcap=None, modded=None,
+                                             dropout_p=0.0, need_weights=True, rng=None)[0]), None
     q, k, v = (x.to(work) for x in (q, k, v))
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]), q.device)  # None: every key
 
@@ -104,6 +132,13 @@ def scaled_dot_product_attention(
     scores = _grouped_matmul(q * scale, k.transpose(-1, -2))  # (..., L, E) x (..., E, S) -> (..., L, S)
     if softcap is not None:  # soft-capping, before the bias and the masks: a hidden key stays hidden
         scores = softcap * torch.tanh(scores / softcap)
+    if modded is not None:  # the score function, after softcap and before the bias; a -inf score hides the key
+        received = scores.expand(*batch, *scores.shape[-2:])  # (..., L, S)
+        scores = modded(received)
+        visible = _both(visible, scores != -math.inf)  # a row of -inf scores: zeros, never NaN
+        if received.requires_grad:  # torch: autograd's 0 at a hidden key times a NaN or inf derivative of the
+            hidden = visible.logical_not()  # score function there is NaN; the gradient there is 0
+            received.register_hook(lambda d_received: d_received.masked_fill(hidden, 0))
     if bias is not None:
         scores = scores + torch.as_tensor(bias, dtype=scores.dtype, device=scores.device)
 
@@ -113,6 +148,25 @@ def scaled_dot_product_attention(
     weights = _masked_softmax(scores, visible)  # (..., L, S)
     out = _grouped_matmul(_dropout(weights, dropout_p, rng), v)  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out.to(dtype), (weights.to(dtype) if need_weights else None)
+
+
+def _mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          mask_mod: Callable[..., Any] | None,
+          score_mod: Callable[..., Any] | None) -> tuple[torch.Tensor | None, Callable | None]:
+    """The mods on q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev): mask and-ed with mask_mod's keys
+    (B | 1, H | 1, L, S) (so that the fast path hands them to torch's kernel as one boolean mask), and
+    scores -> score_mod(scores, b, h, q_idx, kv_idx) (None without a score_mod)."""
+    B, H = validation.mods_inputs("scaled_dot_product_attention", q.shape, k.shape, v.shape)
+    idx = _indices(B, H, q.shape[-2], k.shape[-2], q.device)
+    if mask_mod is not None:
+        visible = _mask_mod_visible(mask_mod, idx)  # (B | 1, H | 1, L, S)
+        if mask is not None:  # its checks first, as _visible's: the two become one boolean mask
+            validation.broadcasts_to("mask", mask.shape, (B, H, q.shape[-2], k.shape[-2]), "B, H, L, S")
+            mask = torch.as_tensor(mask, device=q.device)
+            validation.binary_mask(mask.is_floating_point(), bool(((mask == 0) | (mask == 1)).all()))
+            visible = visible & (mask != 0)  # (B | 1, H | 1, L, S)
+        mask = visible
+    return mask, None if score_mod is None else functools.partial(_score_mod_scores, score_mod, idx=idx)
 
 
 def apply_rope(x: torch.Tensor, positions: int | torch.Tensor, *, theta: float = 10000.0,

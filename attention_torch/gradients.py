@@ -22,6 +22,7 @@ import torch
 from attention_np.common import validation
 
 from .functional import _dtypes, scaled_dot_product_attention
+from .primitives import _named_parameters, _parameters, _replaced
 
 Grads = dict[str, torch.Tensor]
 
@@ -40,49 +41,78 @@ def scaled_dot_product_attention_vjp(
     key_lengths: torch.Tensor | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., Any] | None = None,
+    score_mod: Callable[..., Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
     With softcap, S = c tanh(R / c) + bias, R = Q K^T * scale: dR = dS * (1 - tanh^2(R / c)), and dQ, dK
     take dR in place of dS (dbias is still dS). q_offset, window and key_lengths take no gradient. With
     enable_gqa, k and v are broadcast over each group of query heads, so dK and dV are summed over the group.
+    With score_mod, S = score_mod(R) + bias: dR = score_mod's vjp at dS, and its parameters' gradients.
+
+    torch's autograd differentiates through score_mod (any function of torch operations); a ScoreMod's
+    parameters are differentiated through ScoreMod.replace.
 
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
             scaled_dot_product_attention (no dropout).
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
-        dbias None when bias is None.
+        dbias None when bias is None; with a score_mod (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict
+        {parameter name: gradient} of score_mod.parameters (empty without).
     """
+    names = list(_named_parameters(score_mod))
     with _recording():
         inputs = [_leaf(x) for x in (q, k, v, bias) if x is not None]
+        parameters = [_leaf(x) for x in _parameters(score_mod, q)]  # torch: leaves that ScoreMod.replace holds
         out, weights = scaled_dot_product_attention(*inputs[:3], mask, bias=None if bias is None else inputs[3],
                                                     is_causal=is_causal, scale=scale, q_offset=q_offset,
                                                     window=window, key_lengths=key_lengths, softcap=softcap,
-                                                    enable_gqa=enable_gqa)
+                                                    enable_gqa=enable_gqa, mask_mod=mask_mod,
+                                                    score_mod=_replaced(score_mod, names, parameters))
 
-    def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def pullback(d_out: torch.Tensor) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        dq, dk, dv, *dbias = _grad(out, inputs, d_out)
-        return dq, dk, dv, dbias[0] if dbias else None
+        grads = _grad(out, [*inputs, *parameters], d_out)
+        (dq, dk, dv, *dbias), d_parameters = grads[:len(inputs)], grads[len(inputs):]
+        if score_mod is None:
+            return dq, dk, dv, dbias[0] if dbias else None
+        return dq, dk, dv, dbias[0] if dbias else None, dict(zip(names, d_parameters, strict=True))
 
     return out.detach(), weights.detach(), pullback
 
 
 def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+                             mask: torch.Tensor | None = None, *, mask_mod: Callable[..., Any] | None = None,
+                             score_mod: Callable[..., Any] | None = None,
+                             ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """Backward through MultiHead(Q, K, V): the output projection, the heads' merge, attention per head,
     the input projections, in reverse.
 
+    Args:
+        mha, q, k, v, mask: the module and its call's arguments.
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
+
     Returns:
         out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
-        dparams {state-dict name: gradient}.
+        dparams {state-dict name: gradient}, and the score function's parameters' under "score_mod.<name>".
     """
     validation.no_dropout(type(mha).__name__, _active_dropout(mha))
     with _recording():
         inputs, params = [_leaf(x) for x in (q, k, v)], _leaves(mha)
-        out, weights = torch.func.functional_call(mha, params, (*inputs, mask))
+        score_mod, learned = _learned(score_mod, q)
+        out, weights = torch.func.functional_call(mha, params, (*inputs, mask),
+                                                  {"mask_mod": mask_mod, "score_mod": score_mod})
+    params = {**params, **learned}
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Grads]:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
@@ -92,17 +122,29 @@ def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torc
     return out.detach(), None if weights is None else weights.detach(), pullback  # None: attention="linear"
 
 
-def transformer_block_vjp(block: Any, x: torch.Tensor,
-                          mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+def transformer_block_vjp(block: Any, x: torch.Tensor, mask: torch.Tensor | None = None, *,
+                          mask_mod: Callable[..., Any] | None = None,
+                          score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """Backward through the block (post-LN or pre-LN); self-attention's three input gradients add up.
 
+    Args:
+        block, x, mask: the block and its call's arguments.
+        mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+            needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
+            bias; needs four axes as mask_mod.
+
     Returns:
-        y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams).
+        y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams), dparams
+        {state-dict name: gradient}, and the score function's parameters' under "score_mod.<name>".
     """
     validation.no_dropout(type(block).__name__, _active_dropout(block))
     with _recording():
         x, params = _leaf(x), _leaves(block)
-        y, weights = torch.func.functional_call(block, params, (x, mask))
+        score_mod, learned = _learned(score_mod, x)
+        y, weights = torch.func.functional_call(block, params, (x, mask),
+                                                {"mask_mod": mask_mod, "score_mod": score_mod})
+    params = {**params, **learned}
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, Grads]:
         validation.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))
@@ -110,6 +152,16 @@ def transformer_block_vjp(block: Any, x: torch.Tensor,
         return dx, dict(zip(params, grads, strict=True))
 
     return y.detach(), weights.detach(), pullback
+
+
+def _learned(score_mod: Callable[..., Any] | None,
+             x: torch.Tensor) -> tuple[Callable[..., Any] | None, dict[str, torch.Tensor]]:
+    """score_mod holding its parameters as new leaves (called while _recording()), and those leaves by the name
+    the modules' vjps give their gradients: "score_mod.<name>"."""
+    names = list(_named_parameters(score_mod))
+    leaves = [_leaf(value) for value in _parameters(score_mod, x)]
+    return _replaced(score_mod, names, leaves), {f"score_mod.{name}": leaf for name, leaf in zip(names, leaves,
+                                                                                                  strict=True)}
 
 
 @contextlib.contextmanager

@@ -97,7 +97,8 @@ class MultiHeadAttention(nn.Module):
         return _load(module, state)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
-                need_weights: bool = True, rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                need_weights: bool = True, rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+                score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
         head_h = Attention(Q W_q,h^T + b_q,h, K W_k,g^T + b_k,g, V W_v,g^T + b_v,g), g = h // (H / Hkv),
         Attention: scaled_dot_product_attention, or linear_attention with attention="linear".
@@ -111,11 +112,15 @@ class MultiHeadAttention(nn.Module):
             need_weights: return the weights; with False the second result is None. attention="linear" forms
                 no weights: None always.
             rng: dropout randomness: a torch.Generator (None: the global RNG).
+            mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+                needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+            score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and
+                before bias; needs four axes as mask_mod.
 
         Returns:
             out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None).
         """
-        self._check_inputs(q, k, v, mask)
+        self._check_inputs(q, k, v, mask, mask_mod, score_mod)
 
         # 1) project, then split into heads of width d_k: H query heads, Hkv key/value heads
         q = self._split_heads(self.w_q(q), self.num_heads)  # (..., L, D) -> (..., H, L, d_k)
@@ -130,16 +135,19 @@ class MultiHeadAttention(nn.Module):
             dropout_p = self.dropout if self.training else 0.0
             out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
                                                         need_weights=need_weights, rng=rng,
-                                                        enable_gqa=self.grouped)  # (..., H, L, d_k)
+                                                        enable_gqa=self.grouped, mask_mod=mask_mod,
+                                                        score_mod=score_mod)  # (..., H, L, d_k)
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
 
-    def vjp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    def vjp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+            mask_mod: Callable[..., Any] | None = None,
+            score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
         """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
-        gradient}), without dropout."""
-        return multi_head_attention_vjp(self, q, k, v, mask)
+        gradient}), without dropout; mask_mod and score_mod as for forward, the score function's parameters'
+        gradients under "score_mod.<name>"."""
+        return multi_head_attention_vjp(self, q, k, v, mask, mask_mod=mask_mod, score_mod=score_mod)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
         """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
@@ -158,7 +166,8 @@ class MultiHeadAttention(nn.Module):
         return KVCache(torch.zeros(shape, **options), torch.zeros(shape, **options), length=0, rope=rope)
 
     def extend(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None, *,
-               need_weights: bool = True, rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
+               need_weights: bool = True, rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+               score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
         """Attention of L new positions over the cache and themselves: the keys and values of x_kv join the
         cache at positions p = length .. length + L - 1, where the queries of x_q stand too, so each query
         sees the keys at positions up to its own (causal, q_offset = length). With rope_theta, the new queries
@@ -171,16 +180,23 @@ class MultiHeadAttention(nn.Module):
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             need_weights: return the weights; with False the second result is None.
             rng: dropout randomness, as for forward.
+            mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+                needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+            score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and
+                before bias; needs four axes as mask_mod.
+                The mods see q_idx 0 .. L - 1 of the new queries and kv_idx 0 .. length + L - 1 of the cache.
 
         Returns:
             out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
             holding length + L positions.
         """
-        self._check_extend({"x_q": x_q, "x_kv": x_kv}, cache, mask)
-        return self._extended(x_q, x_kv, cache, mask, need_weights=need_weights, rng=rng)
+        self._check_extend({"x_q": x_q, "x_kv": x_kv}, cache, mask)  # softmax attention's only: no linear
+        return self._extended(x_q, x_kv, cache, mask, need_weights=need_weights, rng=rng, mask_mod=mask_mod,
+                              score_mod=score_mod)
 
     def _extended(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache, mask: torch.Tensor | None, *,
-                  need_weights: bool, rng: Rng) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
+                  need_weights: bool, rng: Rng, mask_mod: Callable[..., Any] | None = None,
+                  score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
         """extend once its inputs are checked (TransformerBlock.extend checks its own against the cache)."""
         start, end = cache.length, cache.length + x_q.shape[-2]
 
@@ -196,7 +212,8 @@ class MultiHeadAttention(nn.Module):
             mask = mask[..., :end]  # (..., H, L, capacity) -> (..., H, L, end)
         dropout_p = self.dropout if self.training else 0.0
         k, v = cache.k[..., :end, :], cache.v[..., :end, :]  # (..., Hkv, end, d_k)
-        if mask is None and not need_weights and dropout_p == 0.0 and start < end:
+        mods = mask_mod is not None or score_mod is not None
+        if mask is None and not mods and not need_weights and dropout_p == 0.0 and start < end:
             # torch: the kernel call that scaled_dot_product_attention's route (_kernel_groups) makes of these
             # arguments, without its tests of what extend has checked: a decode step spends no more on them.
             # The NaN guard reads q and the new keys only: every cached key stands before every new query, so
@@ -210,7 +227,8 @@ class MultiHeadAttention(nn.Module):
             weights = None
         else:
             out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start,
-                                                        enable_gqa=self.grouped, dropout_p=dropout_p,
+                                                        enable_gqa=self.grouped, mask_mod=mask_mod,
+                                                        score_mod=score_mod, dropout_p=dropout_p,
                                                         need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
         if need_weights:  # the positions not yet filled get 0
             weights = nn.functional.pad(weights, (0, cache.k.shape[-2] - end))  # (..., H, L, capacity)
@@ -230,14 +248,18 @@ class MultiHeadAttention(nn.Module):
                                  "..., H, L, capacity")
         validation.cache_room(capacity, cache.length, L)
 
-    def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: torch.Tensor | None = None) -> None:
+    def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                      mask_mod: Callable[..., Any] | None = None, score_mod: Callable[..., Any] | None = None) -> None:
         d_model = self.w_q.weight.shape[1]
         for name, x, letter in (("q", q, "L"), ("k", k, "S"), ("v", v, "S")):
             validation.module_input(name, x.shape, d_model, letter)
         validation.same_floating_dtype(_dtypes(q=q, k=k, v=v, parameters=self.w_q.weight))
         if mask is not None and self.attention == "linear":
             raise ValueError("mask must be None with attention='linear': linear attention takes no mask")
+        for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+            if mod is not None and self.attention == "linear":
+                raise ValueError(f"{name} must be None with attention='linear': linear attention takes no mask or "
+                                 "score function")
 
     @property
     def grouped(self) -> bool:
@@ -331,7 +353,8 @@ class TransformerBlock(nn.Module):
         return _load(module, state)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, need_weights: bool = True,
-                rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+                score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """post-LN: x = LN_1(x + Drop(MHA(x))),   x = LN_2(x + Drop(FFN(x)));
         pre-LN:  x = x + Drop(MHA(LN_1(x))),   x = x + Drop(FFN(LN_2(x))).
 
@@ -340,6 +363,10 @@ class TransformerBlock(nn.Module):
             mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key.
             need_weights: return the attention weights; with False the second result is None.
             rng: dropout randomness: a torch.Generator (None: the global RNG).
+            mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+                needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+            score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and
+                before bias; needs four axes as mask_mod.
 
         Returns:
             x (..., L, D) and the attention weights (..., H, L, L) per head, before dropout (or None).
@@ -348,7 +375,8 @@ class TransformerBlock(nn.Module):
         rngs = _rngs(rng, 4)
 
         def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-            return *self.attn(h, h, h, mask, need_weights=need_weights, rng=rngs[0]), None  # (..., L, D)
+            return *self.attn(h, h, h, mask, need_weights=need_weights, rng=rngs[0], mask_mod=mask_mod,
+                              score_mod=score_mod), None  # (..., L, D)
 
         x, weights, _ = self._layers(x, attend, rngs)
         return x, weights
@@ -358,7 +386,8 @@ class TransformerBlock(nn.Module):
         return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
 
     def extend(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None, *, need_weights: bool = True,
-               rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
+               rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+               score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
         """The block on L new positions after those in the cache: as forward with a causal mask over the
         whole sequence, the attention through MultiHeadAttention.extend.
 
@@ -367,6 +396,11 @@ class TransformerBlock(nn.Module):
             cache: from init_cache, or the cache the last extend returned.
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             need_weights, rng: as for forward.
+            mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
+                needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
+            score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and
+                before bias; needs four axes as mask_mod.
+                The mods see q_idx 0 .. L - 1 of the new positions and kv_idx 0 .. length + L - 1 of the cache.
 
         Returns:
             x (..., L, D), the attention weights (..., H, L, capacity) (or None), and the cache holding the new
@@ -376,13 +410,16 @@ class TransformerBlock(nn.Module):
         rngs = _rngs(rng, 4)
 
         def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
-            return self.attn._extended(h, h, cache, mask, need_weights=need_weights, rng=rngs[0])  # (..., L, D)
+            return self.attn._extended(h, h, cache, mask, need_weights=need_weights, rng=rngs[0], mask_mod=mask_mod,
+                                       score_mod=score_mod)  # (..., L, D)
 
         return self._layers(x, attend, rngs)
 
-    def vjp(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
-        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout."""
-        return transformer_block_vjp(self, x, mask)
+    def vjp(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, mask_mod: Callable[..., Any] | None = None,
+            score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout; mask_mod and
+        score_mod as for forward, the score function's parameters' gradients under "score_mod.<name>"."""
+        return transformer_block_vjp(self, x, mask, mask_mod=mask_mod, score_mod=score_mod)
 
     def _check_input(self, x: torch.Tensor) -> None:
         weight = self.norm1.weight

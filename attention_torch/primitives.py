@@ -1,7 +1,8 @@
 """The pieces the attention functions build on, in PyTorch: which keys a query may see (the masks built from
-positions, and `_visible`, which joins them with a mask and a bias), the softmax over the visible keys, and the
-cast that skips a dispatch. torch: autograd sums gradients over broadcast axes, and the activations are torch's
-own modules, so neither is here.
+positions, and `_visible`, which joins them with a mask and a bias), the softmax over the visible keys, the
+cast that skips a dispatch, and a score function's parameters as tensors (flex, flash and the vjps read them).
+torch: autograd sums gradients over broadcast axes, and the activations are torch's own modules, so neither is
+here.
 
 Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
 Ev value width, D = d_model, F = d_ff, ... leading batch axes.
@@ -13,10 +14,13 @@ modules can all import it and the imports run one way.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
-from attention_np.common import validation
+from attention_np.common import mods, validation
 from attention_np.common.records import Structure
 
 
@@ -116,3 +120,69 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor | None) -> torch
     exp = torch.exp(scores - row_max)  # (..., L, S)
     total = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
     return exp / torch.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
+
+
+def _parameters(score_mod: Callable[..., Any] | None, q: torch.Tensor) -> list[torch.Tensor]:
+    """A ScoreMod's parameters as tensors on q's device, to be inputs of the autograd operation: a tensor as it
+    is (so that its gradient reaches it), anything else as a new tensor, floating (an integer slope becomes the
+    scores' working dtype, so that it has a gradient too)."""
+    tensors = []
+    for value in _named_parameters(score_mod).values():
+        x = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+        if not x.is_floating_point():
+            x = x.to(torch.promote_types(q.dtype, torch.float32))
+        tensors.append(x.to(q.device))  # torch: differentiable, so a tensor elsewhere still gets its gradient
+    return tensors
+
+
+def _named_parameters(score_mod: Callable[..., Any] | None) -> dict[str, Any]:
+    """A ScoreMod's parameters by name; none for a plain function."""
+    return dict(score_mod.parameters) if isinstance(score_mod, mods.ScoreMod) else {}
+
+
+def _replaced(score_mod: Callable[..., Any] | None, names: list[str],
+              parameters: list[torch.Tensor]) -> Callable[..., Any] | None:
+    """score_mod holding `parameters` (its own, as autograd's leaves) in place of its parameters; itself
+    without any (None, a plain function, a ScoreMod without parameters)."""
+    return score_mod.replace(**dict(zip(names, parameters, strict=True))) if parameters else score_mod
+
+
+class _Indices(NamedTuple):
+    """The index arrays a mask or score function receives over scores (B, H, L, S), int64 on q's device; a tile
+    takes its rows of q_idx and its columns of kv_idx. torch: the mods see the scores as (B, H, L, S) also where
+    grouped-query heads lay them out (B, Hkv, G, L, S) (a view of the same tensor), as flex_attention's do."""
+
+    b: torch.Tensor  # (B, 1, 1, 1)
+    h: torch.Tensor  # (1, H, 1, 1): the query heads
+    q_idx: torch.Tensor  # (1, 1, L, 1), not shifted by q_offset
+    kv_idx: torch.Tensor  # (1, 1, 1, S)
+
+
+def _indices(B: int, H: int, L: int, S: int, device: torch.device) -> _Indices:
+    return _Indices(b=torch.arange(B, device=device).reshape(B, 1, 1, 1),
+                    h=torch.arange(H, device=device).reshape(1, H, 1, 1),
+                    q_idx=torch.arange(L, device=device).reshape(1, 1, L, 1),
+                    kv_idx=torch.arange(S, device=device).reshape(1, 1, 1, S))
+
+
+def _mask_mod_visible(mask_mod: Callable[..., Any], idx: _Indices, rows: slice = slice(None),
+                      cols: slice = slice(None)) -> torch.Tensor:
+    """mask_mod(b, h, q_idx, kv_idx) over the queries `rows` and keys `cols`, checked: booleans broadcasting to
+    (B, H, block_q, block_k)."""
+    q_idx, kv_idx = idx.q_idx[..., rows, :], idx.kv_idx[..., cols]
+    visible = mask_mod(idx.b, idx.h, q_idx, kv_idx)
+    target = (idx.b.shape[0], idx.h.shape[1], q_idx.shape[-2], kv_idx.shape[-1])
+    validation.mask_mod_result("mask_mod", visible.shape, str(visible.dtype), target)
+    return visible
+
+
+def _score_mod_scores(score_mod: Callable[..., Any], scores: torch.Tensor, idx: _Indices, rows: slice = slice(None),
+                      cols: slice = slice(None)) -> torch.Tensor:
+    """score_mod(scores, b, h, q_idx, kv_idx) over the queries `rows` and keys `cols`, checked, in the scores'
+    dtype and layout: (B, H, block_q, block_k), or grouped (B, Hkv, G, block_q, block_k), which the mods see as
+    (B, H, block_q, block_k)."""
+    layout = scores.shape
+    scores = scores.flatten(1, 2) if scores.ndim == 5 else scores  # (B, Hkv, G, bq, bk) -> (B, H, bq, bk): a view
+    new = score_mod(scores, idx.b, idx.h, idx.q_idx[..., rows, :], idx.kv_idx[..., cols])
+    validation.score_mod_result(new.shape, scores.shape)
+    return _cast(new, scores.dtype).expand(scores.shape).reshape(layout)

@@ -146,3 +146,129 @@ def test_on_a_cuda_device_equals_the_cpu():
     for what, cpu, device in zip(("dq", "dk", "dv", "dslopes"), (q, k, v, slopes), on_device, strict=True):
         assert device.grad.device == device.device
         assert_close(device.grad.cpu().numpy(), cpu.grad.numpy(), RTOL, what)
+
+
+class _Recorder:
+    """A mask function that records the (query tile, key tile) pairs of the tiles it is evaluated on."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.tiles = inner, set()
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        self.tiles |= {(int(i) // BLOCK[0], int(j) // BLOCK[1]) for i in q_idx.ravel() for j in kv_idx.ravel()}
+        return self.inner(b, h, q_idx, kv_idx)
+
+
+def _kinds(block_mask: M.BlockMask, kind: int) -> set[tuple[int, int]]:
+    return {(int(i), int(j)) for i, j in zip(*np.nonzero(block_mask.batch_kinds() == kind), strict=True)}
+
+
+def test_flash_with_a_block_mask_skips_empty_tiles_and_calls_the_mask_function_on_partial_ones_only():
+    """flash_attention(block_mask=): the mask function runs on the partial tiles and on them only, the score
+    function on the partial and full ones (every tile computed), never on an empty one; forward and backward."""
+    from attention_np.common.block_mask import EMPTY, FULL, PARTIAL
+
+    q, k, v = _tensors()
+    mask_mod = _Recorder(mods.document(np.array(Q_SEGMENTS), np.array(KV_SEGMENTS)))
+    block_mask = M.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=BLOCK)
+    scored: set[tuple[int, int]] = set()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        scored.update((int(i) // BLOCK[0], int(j) // BLOCK[1]) for i in q_idx.ravel() for j in kv_idx.ravel())
+        return score * 0.5
+
+    mask_mod.tiles.clear()
+    out, _ = M.flash_attention(q, k, v, block_mask=block_mask, score_mod=score_mod)
+    out.sum().backward()
+    partial, full = _kinds(block_mask, PARTIAL), _kinds(block_mask, FULL)
+    assert partial and full and _kinds(block_mask, EMPTY), "the case has tiles of every kind"
+    assert mask_mod.tiles == partial, "the mask function runs on the partial tiles, and on them only"
+    assert scored == partial | full, "the score function runs on every tile computed, no empty one"
+
+
+@pytest.mark.parametrize("path", ["sdpa", "fast", "flash"])
+def test_a_learned_slope_gets_the_dense_gradient_through_sdpa_and_flash(path):
+    """loss.backward() through sdpa (both paths) and flash reaches a ScoreMod's nn.Parameter, as through flex."""
+    q, k, v = _tensors()
+    ours, dense = (torch.nn.Parameter(torch.tensor([0.5, -0.25], dtype=torch.float64)) for _ in range(2))
+    mask_mod = mods.and_masks(mods.causal(), mods.document(np.array(Q_SEGMENTS), np.array(KV_SEGMENTS)))
+    if path == "flash":
+        out, _ = M.flash_attention(q, k, v, mask_mod=mask_mod, score_mod=mods.alibi(ours), block_q=2, block_k=3)
+    else:
+        out, _ = M.scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, score_mod=mods.alibi(ours),
+                                                need_weights=path == "sdpa")
+    out.square().sum().backward()
+    _dense(q, k, v, mods.alibi(dense), mask_mod, 1 / np.sqrt(E)).square().sum().backward()
+    assert ours.grad is not None and torch.any(ours.grad != 0)
+    assert_close(ours.grad.numpy(), dense.grad.numpy(), RTOL, f"{path} dslopes")
+
+
+def _mha(num_kv_heads: int = H) -> M.MultiHeadAttention:
+    torch.manual_seed(0)
+    return M.MultiHeadAttention(d_model=4, num_heads=H, dropout=0.0, num_kv_heads=num_kv_heads,
+                                dtype=torch.float64).eval()
+
+
+def test_the_module_vjps_give_the_score_functions_parameters_gradients():
+    """mha.vjp and block.vjp with score_mod=alibi: the slopes' gradient under "score_mod.slopes", equal to
+    loss.backward() through the module's call with the slopes an nn.Parameter."""
+    x = torch.tensor(np.random.default_rng(5).standard_normal((B, L, 4)))
+    d_out = torch.tensor(np.random.default_rng(6).standard_normal((B, L, 4)))
+    mask_mod = mods.document(np.array(Q_SEGMENTS))
+    mha = _mha(num_kv_heads=1)
+    block = M.TransformerBlock(d_model=4, num_heads=H, d_ff=8, dropout=0.0, dtype=torch.float64).eval()
+    for module, call in ((mha, lambda **mods_: mha(x, x, x, **mods_)), (block, lambda **mods_: block(x, **mods_))):
+        slopes = torch.nn.Parameter(torch.tensor([0.5, -0.25], dtype=torch.float64))
+        out, _ = call(mask_mod=mask_mod, score_mod=mods.alibi(slopes))
+        (out * d_out).sum().backward()
+        vjp = mha.vjp(x, x, x, mask_mod=mask_mod, score_mod=mods.alibi([0.5, -0.25])) if module is mha else \
+            block.vjp(x, mask_mod=mask_mod, score_mod=mods.alibi([0.5, -0.25]))
+        assert_close(vjp[0].numpy(), out.detach().numpy(), RTOL, f"{type(module).__name__} out")
+        grads = vjp[2](d_out)[-1]
+        assert_close(grads["score_mod.slopes"].numpy(), slopes.grad.numpy(), RTOL, type(module).__name__)
+
+
+def test_extend_passes_the_mods_over_the_cache():
+    """mha.extend on an empty cache with a mask_mod and a score_mod: the module's call with the causal mask and
+    the same mods (the new queries are q_idx 0 .. L - 1, the keys kv_idx over the filled cache); a second step
+    sees the first step's keys through a mask function of the keys only."""
+    mha, x = _mha(), torch.tensor(np.random.default_rng(7).standard_normal((B, L + 1, 4)))
+    document, alibi = mods.document(np.array(Q_SEGMENTS)), mods.alibi([0.5, -0.25])
+    out, _, cache = mha.extend(x[:, :L], x[:, :L], mha.init_cache((B,), L + 1), mask_mod=document, score_mod=alibi)
+    expected, _ = mha(*(x[:, :L],) * 3, mask_mod=mods.and_masks(mods.causal(), document), score_mod=alibi)
+    assert_close(out.detach().numpy(), expected.detach().numpy(), RTOL, "first step")
+    step, _, _ = mha.extend(x[:, L:], x[:, L:], cache, mask_mod=lambda b, h, q_idx, kv_idx: kv_idx != 1)
+    causal_but_key_1 = torch.tril(torch.ones(L + 1, L + 1, dtype=torch.bool)) & (torch.arange(L + 1) != 1)
+    whole, _ = mha(x, x, x, causal_but_key_1)
+    assert_close(step.detach().numpy(), whole[:, L:].detach().numpy(), RTOL, "second step")
+
+
+def test_linear_attention_refuses_the_mods():
+    mha = M.MultiHeadAttention(d_model=4, num_heads=H, dropout=0.0, attention="linear")
+    x = torch.zeros(B, L, 4)
+    for name, mod in (("mask_mod", mods.causal()), ("score_mod", mods.alibi([0.5, 0.25]))):
+        with pytest.raises(ValueError, match=name):
+            mha(x, x, x, **{name: mod})
+
+
+@pytest.mark.parametrize("path", ["sdpa", "fast", "flash"])
+def test_a_nan_derivative_at_hidden_keys_does_not_reach_the_gradients_of_sdpa_and_flash(path):
+    """As for flex_attention: score * sqrt(i - j + 1), NaN with its derivative at the keys j > i + 1 the causal
+    mask_mod hides, leaves dq, dk and dv those of the same scores made finite there."""
+    q, k, v = _tensors()
+
+    def damped(score, b, h, q_idx, kv_idx):
+        return score * torch.sqrt((q_idx - kv_idx + 1).to(score.dtype))  # NaN where kv_idx > q_idx + 1
+
+    def safe(score, b, h, q_idx, kv_idx):
+        return score * torch.sqrt((q_idx - kv_idx + 1).clamp(min=1).to(score.dtype))
+
+    if path == "flash":
+        out, _ = M.flash_attention(q, k, v, mask_mod=mods.causal(), score_mod=damped, block_q=2, block_k=3)
+    else:
+        out, _ = M.scaled_dot_product_attention(q, k, v, mask_mod=mods.causal(), score_mod=damped,
+                                                need_weights=path == "sdpa")
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(_dense(q, k, v, safe, mods.causal(), 1 / np.sqrt(E)).square().sum(), (q, k, v))
+    for what, actual, reference in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+        assert_close(actual.numpy(), reference.numpy(), RTOL, f"{path} {what}")
