@@ -459,6 +459,15 @@ def test_sdpa_and_flash_cases_draw_mods_in_a_third_reaching_every_entry_and_bloc
     assert 0.2 < np.mean(modded) < 0.45  # a minority: each mod is a compile for JAX
 
 
+def test_the_pinned_sdpa_examples_reach_every_catalogue_entry() -> None:
+    found = set()
+    for row in fixed_cases.rows("sdpa", "example"):
+        case = row.build()
+        for mod in (case.mask_mod, case.score_mod):
+            found.update(_entries(getattr(mod, "text", getattr(mod, "__name__", ""))) if mod is not None else set())
+    assert {*cs.MASK_MODS, *cs.SCORE_MODS, *cs.COMBINATIONS} <= found
+
+
 @FEW
 @given(cs.sdpa_cases(single_key=True))
 def test_single_key_and_unpositioned_cases_draw_no_mods(case: cases.SdpaCase) -> None:

@@ -968,9 +968,10 @@ def _mods_case(B: int = 2, H: int = 2, L: int = 5, S: int = 6, *, Hkv: int | Non
 
 
 def _mods_rows() -> list[Fixed]:
-    """The mods on sdpa and flash: every entry of the catalogue once on sdpa, in four compositions (each with the
-    keywords and arrays it is and-ed or ordered with); on flash a tile row of blind queries, a block mask of full,
-    partial and empty tiles; the errors of a call with mods."""
+    """The mods on sdpa and flash: every entry of the catalogue once on sdpa, in three compositions (each with the
+    keywords and arrays it is and-ed or ordered with; few, as each is a program for JAX to compile in every pinned
+    group); on flash a tile row of blind queries, a block mask of full, partial and empty tiles; the errors of a
+    call with mods."""
     slopes, table = np.array([0.5, 0.25, 0.125, 0.0625]), normal(2, 5, seed=7)  # ALiBi (H,), R = 2: (H, 2R + 1)
     full_and_partial = _mods_case(L=8, S=8, mask_mod=mods.and_masks(mods.causal(), mods.key_lengths(np.array([8, 5]))))
     return [
@@ -978,22 +979,20 @@ def _mods_rows() -> list[Fixed]:
             H=4, Hkv=2, L=5, S=5, mask_mod=mods.causal(), score_mod=mods.alibi(slopes), bias=normal(5, 5, seed=5)),
                 "causal with ALiBi slopes 1/2..1/16 on 4 query heads of 2 key/value heads, then a bias: the score "
                 "function sees the query heads 0..3 and comes before the bias"),
-        example("sdpa", "mods_window_and_chunks_softcap_after_the_keyword", _mods_case(
-            L=6, S=7, mask_mod=mods.and_masks(mods.sliding_window(2, 1, q_offset=1), mods.chunked(3)),
-            score_mod=mods.softcap(1.0), softcap=5.0),
-                "keys p - 2 .. p + 1 of p = i + 1 within chunks of 3; the softcap keyword (5) before the score "
-                "function's cap of 1"),
-        example("sdpa", "mods_documents_or_prefix_relative_bias_mask", _mods_case(
+        example("sdpa", "mods_window_chunks_key_lengths_softcap_causal_offset", _mods_case(
+            L=6, S=7, mask_mod=mods.and_masks(mods.sliding_window(2, 1, q_offset=1), mods.chunked(3),
+                                              mods.key_lengths(np.array([[6, 2], [4, 0]]))),
+            score_mod=mods.softcap(1.0), softcap=5.0, is_causal=True, q_offset=1),
+                "keys p - 2 .. p + 1 of p = i + 1 within chunks of 3 and key lengths per sequence and head (head 1 of "
+                "sequence 1 sees no key: zeros); is_causal from q_offset 1, which the mods' q_idx = i does not "
+                "shift; the softcap keyword (5) before the score function's cap of 1"),
+        example("sdpa", "mods_documents_or_prefix_or_dilated_relative_bias_mask", _mods_case(
             L=6, S=6, mask_mod=mods.or_masks(mods.document(np.array([0, 0, 1, 1, 1, 2])),
-                                             mods.prefix_lm(np.array([2, 0]))),
+                                             mods.prefix_lm(np.array([2, 0])),
+                                             mods.and_masks(mods.dilated(2, 2), mods.noop_mask)),
             score_mod=mods.relative_bias(table), mask=random_mask(2, 1, 6, 6)),
-                "three packed documents or a prefix of 2 keys (sequence 0), a learned bias per head and distance, "
-                "and-ed with a random mask"),
-        example("sdpa", "mods_dilated_key_lengths_noop_causal_offset", _mods_case(
-            L=5, S=6, mask_mod=mods.and_masks(mods.dilated(2, 2), mods.key_lengths(np.array([[5, 2], [3, 0]])),
-                                              mods.noop_mask), is_causal=True, q_offset=1),
-                "a dilated window and key lengths per sequence and head (head 1 of sequence 1 sees no key: zeros), "
-                "is_causal from q_offset 1; the mods' q_idx is i, not shifted by q_offset"),
+                "three packed documents, or a prefix of 2 keys (sequence 0), or a dilated window; a learned bias "
+                "per head and distance; and-ed with a random mask"),
         error("sdpa", "mods_q_three_axes", lambda: sdpa_case((2,), mask_mod=mods.causal()), ValueError, "four axes"),
         edge("flash", "mods_queries_a_tile_leaves_without_a_key", lambda: tiled(
             _mods_case(L=6, S=4, mask_mod=mods.causal(-3))(), 3, 2),
