@@ -19,12 +19,13 @@ The kernel takes q, k, v in its layout and, by keyword, those of the contract's 
 signature (mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa; mask_mod and
 score_mod, passed as they are, which it calls with its own index arrays (not in layout NLE); dropout_p and rng
 for dropout; need_weights when it returns (out, weights)); the features it does not name are what the
-declaration lacks (mods for mask_mod, score_mod for score_mod). The adapter checks the arguments as the contract does (the backends' own checks, so bad
-input raises SPEC 7's errors before the kernel sees it), broadcasts the leading axes (...) and lays q, k, v,
-the masks and the per-sequence positions out for the kernel: the last leading axis is the heads, the others the
-batch, and a mask arrives as a full (B, H, L, S) array (N, L, S folded) in the kernel's polarity. The kernel's
-output comes back as (..., L, Ev), its weights as (..., L, S). Works on NumPy, JAX (under jit too) and torch
-arrays; `vjp` adds scaled_dot_product_attention_vjp by the framework's own autodiff.
+declaration lacks (mods for mask_mod, score_mod for score_mod). The adapter checks the arguments as the
+contract does (the backends' own checks, so bad input raises SPEC 7's errors before the kernel sees it),
+broadcasts the leading axes (...) and lays q, k, v, the masks and the per-sequence positions out for the
+kernel: the last leading axis is the heads, the others the batch, and a mask arrives as a full (B, H, L, S) array
+(N, L, S folded) in the kernel's polarity. The kernel's output comes back as (..., L, Ev), its weights as
+(..., L, S). Works on NumPy, JAX (under jit too) and torch arrays; `vjp` adds scaled_dot_product_attention_vjp
+by the framework's own autodiff.
 """
 
 from __future__ import annotations
