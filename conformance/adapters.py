@@ -16,14 +16,16 @@ Shape legend: B batch, H heads, L query positions, S key/value positions, E quer
 Ev value width, D = d_model, F = d_ff, ... leading batch axes; N = B * H (heads folded into the batch).
 
 The kernel takes q, k, v in its layout and, by keyword, those of the contract's arguments it names in its
-signature (mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa; dropout_p and rng
+signature (mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa; mask_mod and
+score_mod, passed as they are, which it calls with its own index arrays (not in layout NLE); dropout_p and rng
 for dropout; need_weights when it returns (out, weights)); the features it does not name are what the
-declaration lacks. The adapter checks the arguments as the contract does (the backends' own checks, so bad
-input raises SPEC 7's errors before the kernel sees it), broadcasts the leading axes (...) and lays q, k, v,
-the masks and the per-sequence positions out for the kernel: the last leading axis is the heads, the others the
-batch, and a mask arrives as a full (B, H, L, S) array (N, L, S folded) in the kernel's polarity. The kernel's
-output comes back as (..., L, Ev), its weights as (..., L, S). Works on NumPy, JAX (under jit too) and torch
-arrays; `vjp` adds scaled_dot_product_attention_vjp by the framework's own autodiff.
+declaration lacks (mods for mask_mod, score_mod for score_mod). The adapter checks the arguments as the
+contract does (the backends' own checks, so bad input raises SPEC 7's errors before the kernel sees it),
+broadcasts the leading axes (...) and lays q, k, v, the masks and the per-sequence positions out for the
+kernel: the last leading axis is the heads, the others the batch, and a mask arrives as a full (B, H, L, S) array
+(N, L, S folded) in the kernel's polarity. The kernel's output comes back as (..., L, Ev), its weights as
+(..., L, S). Works on NumPy, JAX (under jit too) and torch arrays; `vjp` adds scaled_dot_product_attention_vjp
+by the framework's own autodiff.
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ from attention_np.common import validation
 
 from .contract.features import Declaration
 
-ARGUMENTS = ("mask", "bias", "is_causal", "scale", "q_offset", "window", "key_lengths", "softcap", "enable_gqa")
+ARGUMENTS = ("mask", "bias", "is_causal", "scale", "q_offset", "window", "key_lengths", "softcap", "enable_gqa",
+             "mask_mod", "score_mod")
 DEFAULTS = {"mask": None, "bias": None, "is_causal": False, "scale": None, "q_offset": 0, "window": None,
-            "key_lengths": None, "softcap": None, "enable_gqa": False}
+            "key_lengths": None, "softcap": None, "enable_gqa": False, "mask_mod": None, "score_mod": None}
+FEATURES = {"mask_mod": "mods", "score_mod": "score_mod"}  # an argument whose feature has another name
+MODS = ("mask_mod", "score_mod")  # passed to the kernel as they are: it calls them with its own index arrays
 LAYOUTS = ("BHLE", "BLHE", "NLE")  # (batch, heads, L, E); (batch, L, heads, E); (batch * heads, L, E)
 MASKS = {"keep": "a boolean, True where a key is seen (torch's attn_mask, jax.nn's mask)",
          "hide": "a boolean, True where a key is hidden (nn.MultiheadAttention's, Keras' inverse)",
@@ -133,22 +138,27 @@ class Adapted:
         if layout == "NLE" and "enable_gqa" in self.takes:
             raise ValueError("layout NLE folds the heads into the batch: a kernel in it cannot group query heads "
                              "(enable_gqa)")
+        if layout == "NLE" and self.takes & set(MODS):
+            raise ValueError("layout NLE folds the heads into the batch: a kernel in it cannot call mask_mod or "
+                             "score_mod with the batch and head indices b and h")
 
     @property
     def declaration(self) -> Declaration:
         """The features the kernel's signature does not name."""
-        lacks = [name for name in ARGUMENTS if name not in self.takes]
+        lacks = [FEATURES.get(name, name) for name in ARGUMENTS if name not in self.takes]
         lacks += [] if "dropout_p" in self.takes else ["dropout"]
         lacks += [] if "need_weights" in self.takes else ["weights"]
         return Declaration(dict.fromkeys(lacks, "the kernel takes no such argument"))
 
     def __call__(self, q: Any, k: Any, v: Any, mask: Any = None, *, bias: Any = None, is_causal: bool = False,
                  scale: float | None = None, q_offset: Any = 0, window: tuple | None = None, key_lengths: Any = None,
-                 softcap: float | None = None, enable_gqa: bool = False, dropout_p: float = 0.0,
-                 need_weights: bool = True, rng: Any = None) -> tuple[Any, Any]:
+                 softcap: float | None = None, enable_gqa: bool = False, mask_mod: Callable | None = None,
+                 score_mod: Callable | None = None, dropout_p: float = 0.0, need_weights: bool = True,
+                 rng: Any = None) -> tuple[Any, Any]:
         ops = _ops(q)
         given = {"mask": mask, "bias": bias, "is_causal": is_causal, "scale": scale, "q_offset": q_offset,
-                 "window": window, "key_lengths": key_lengths, "softcap": softcap, "enable_gqa": enable_gqa}
+                 "window": window, "key_lengths": key_lengths, "softcap": softcap, "enable_gqa": enable_gqa,
+                 "mask_mod": mask_mod, "score_mod": score_mod}
         given = {name: value for name, value in given.items() if not _is_default(value, DEFAULTS[name])}
         refused = [name for name in given if name not in self.takes]
         refused += ["dropout_p"] if dropout_p and "dropout_p" not in self.takes else []
@@ -280,6 +290,8 @@ def _checked(ops: _Ops, q: Any, k: Any, v: Any, given: dict, dropout_p: float) -
             dtype = (type(x).__name__, isinstance(x, int)) if isinstance(x, int | float) else ops.dtype(x)
             integer = dtype[1] if isinstance(x, int | float) else not dtype[1] and dtype[0] != "bool"
             validation.positions(name, np.shape(x) if isinstance(x, int | float) else x.shape, dtype[0], integer, batch)
+    if given.keys() & set(MODS):  # the mods index the scores (B, H, L, S): four axes
+        validation.mods_inputs("scaled_dot_product_attention", q.shape, k.shape, v.shape)
     validation.window(given.get("window"))
     validation.softcap(given.get("softcap"))
     validation.probability("dropout_p", dropout_p)
@@ -382,14 +394,41 @@ def _check_cotangent(d_out: Any, out: Any) -> None:
 
 def vjp(sdpa_: Callable) -> Callable:
     """The contract's scaled_dot_product_attention_vjp of an adapted sdpa, by autodiff (see `autodiff`):
-    (q, k, v, mask, **keywords) -> (out, weights, pullback), pullback(d_out) -> (dq, dk, dv, dbias)."""
+    (q, k, v, mask, **keywords) -> (out, weights, pullback), pullback(d_out) -> (dq, dk, dv, dbias), and with a
+    score_mod (dq, dk, dv, dbias, d_score_mod): its parameters' gradients by name (ScoreMod.parameters, each made
+    an array of q's framework and dtype and differentiated as an input; {} for a plain function)."""
     def scaled_dot_product_attention_vjp(q: Any, k: Any, v: Any, mask: Any = None, *, bias: Any = None,
                                          **keywords: Any) -> tuple[Any, Any, Callable]:
-        def call(q: Any, k: Any, v: Any, mask: Any, **keywords: Any) -> tuple[Any, Any]:
-            return sdpa_(q, k, v, mask, **keywords)
+        score_mod = keywords.pop("score_mod", None)
+        parameters = {f"score_mod.{name}": _like(value, q)
+                      for name, value in getattr(score_mod, "parameters", {}).items()}
 
-        arrays = {"q": q, "k": k, "v": v, "mask": mask, "bias": bias} | keywords  # every array through autodiff
-        out, weights, pullback = autodiff(call, arrays, ("q", "k", "v", "bias"))
-        return out, weights, lambda d_out: tuple(pullback(d_out).get(name) for name in ("q", "k", "v", "bias"))
+        def call(q: Any, k: Any, v: Any, mask: Any, **keywords: Any) -> tuple[Any, Any]:
+            values = {name.removeprefix("score_mod."): keywords.pop(name) for name in parameters}
+            modded = {} if score_mod is None else {"score_mod": score_mod.replace(**values) if values else score_mod}
+            return sdpa_(q, k, v, mask, **keywords, **modded)
+
+        arrays = {"q": q, "k": k, "v": v, "mask": mask, "bias": bias} | keywords | parameters  # all through autodiff
+        out, weights, pullback = autodiff(call, arrays, ("q", "k", "v", "bias", *parameters))
+
+        def pulled(d_out: Any) -> tuple:
+            grads = pullback(d_out)
+            plain = tuple(grads.get(name) for name in ("q", "k", "v", "bias"))
+            return plain if score_mod is None else (*plain, {name.removeprefix("score_mod."): grads[name]
+                                                             for name in parameters})
+
+        return out, weights, pulled
 
     return scaled_dot_product_attention_vjp
+
+
+def _like(value: Any, q: Any) -> Any:
+    """A score function's parameter (a NumPy array, say) as an array of q's framework, dtype and device."""
+    kind = type(q).__module__.split(".")[0]
+    if kind == "torch":
+        import torch
+        return torch.as_tensor(np.asarray(value), dtype=q.dtype, device=q.device)
+    if kind in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+        return jnp.asarray(np.asarray(value), q.dtype)
+    return np.asarray(value, q.dtype)

@@ -351,14 +351,16 @@ def _causal_only(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, is_causal: bool
 
 def _everything(q: object, k: object, v: object, *, mask: object = None, bias: object = None, is_causal: bool = False,
                 scale: float | None = None, q_offset: object = 0, window: object = None, key_lengths: object = None,
-                softcap: float | None = None, enable_gqa: bool = False, dropout_p: float = 0.0, rng: object = None,
+                softcap: float | None = None, enable_gqa: bool = False, mask_mod: object = None,
+                score_mod: object = None, dropout_p: float = 0.0, rng: object = None,
                 need_weights: bool = True) -> tuple:
     return q, None
 
 
 def test_declaration_lists_what_the_signature_does_not_name():
     assert set(adapters.sdpa(_causal_only).declaration.lacks) == {
-        "mask", "bias", "scale", "q_offset", "window", "key_lengths", "softcap", "enable_gqa", "dropout", "weights"}
+        "mask", "bias", "scale", "q_offset", "window", "key_lengths", "softcap", "enable_gqa", "mods", "score_mod",
+        "dropout", "weights"}
     assert adapters.sdpa(_everything).declaration == Declaration()
 
 
@@ -539,3 +541,52 @@ def test_boolean_jax_mask_under_strict_promotion():
 def test_vjp_of_numpy_arrays_is_refused():
     with pytest.raises(TypeError, match="torch or JAX"):
         adapters.vjp(adapters.sdpa(_causal_only))(*_qkv(B, H))
+
+
+# --- mask and score functions ----------------------------------------------------------------------------
+
+def _torch_modded_kernel(q: object, k: object, v: object, *, mask_mod: object = None,
+                         score_mod: object = None) -> object:
+    """Attention in torch on (B, H, L, E), the mods called with torch's index arrays over the whole grid."""
+    import torch
+
+    Bq, Hq, Lq, Eq = q.shape
+    b, h, i, j = (torch.arange(n).reshape([n if axis == place else 1 for axis in range(4)])
+                  for place, n in enumerate((Bq, Hq, Lq, k.shape[-2])))  # (B, 1, 1, 1) .. (1, 1, 1, S)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(Eq)  # (B, H, L, E) x (B, H, E, S) -> (B, H, L, S)
+    scores = scores if score_mod is None else score_mod(scores, b, h, i, j)
+    scores = scores if mask_mod is None else torch.where(mask_mod(b, h, i, j), scores, -math.inf)
+    return torch.softmax(scores, dim=-1) @ v  # (B, H, L, S) x (B, H, S, Ev) -> (B, H, L, Ev)
+
+
+def test_mods_reach_a_kernel_that_takes_them_and_their_parameters_get_gradients():
+    torch = pytest.importorskip("torch")
+    from attention_np.common import mods
+    from conformance.contract import oracle
+
+    q, k, v = _qkv(B, H)
+    slopes, d_out = np.array([0.5, 0.25, 0.125]), _random(B, H, L, Ev, seed=9)
+    mask_mod, score_mod = mods.causal(1), mods.alibi(slopes)
+    sdpa = adapters.sdpa(_torch_modded_kernel)
+    assert sdpa.declaration == Declaration({name: "the kernel takes no such argument" for name in (
+        "mask", "bias", "is_causal", "scale", "q_offset", "window", "key_lengths", "softcap", "enable_gqa", "dropout",
+        "weights")})
+    out, _, pullback = adapters.vjp(sdpa)(*map(torch.from_numpy, (q, k, v)), mask_mod=mask_mod, score_mod=score_mod)
+    expected, _ = oracle.sdpa(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-12, atol=1e-12)
+    *grads, d_score_mod = pullback(torch.from_numpy(d_out))
+    assert [grad.shape for grad in grads[:3]] == [x.shape for x in (q, k, v)] and grads[3] is None
+    step = 1e-6  # d <d_out, out> / d slopes[h], by central differences of the oracle
+    for head in range(H):
+        shift = np.eye(H)[head] * step
+        up, down = (oracle.sdpa(q, k, v, mask_mod=mask_mod, score_mod=mods.alibi(slopes + sign * shift))[0]
+                    for sign in (1, -1))
+        np.testing.assert_allclose(d_score_mod["slopes"].numpy()[head], np.sum(d_out * (up - down)) / (2 * step),
+                                   rtol=1e-6, atol=1e-8)
+    with pytest.raises(ValueError, match="four axes"):
+        sdpa(*_qkv(B), mask_mod=mask_mod)  # three axes: refused before the kernel runs
+
+
+def test_mods_in_layout_nle_are_refused():
+    with pytest.raises(ValueError, match=r"NLE.*mask_mod"):
+        adapters.sdpa(_torch_modded_kernel, layout="NLE")

@@ -252,18 +252,24 @@ def test_snippet_of_a_jax_float64_case_reruns_with_the_suites_precision():
 def _differenced_vjp(received: list[dict], *, drop: tuple[str, ...] = ()) -> Callable:
     """scaled_dot_product_attention_vjp for einsum_attention, its pullback by central differences of the
     forward pass, entry by entry (exact to about 1e-9: enough for the gradient check); it records the
-    keywords it is given, and differentiates without those in `drop` (a backward pass that forgets one)."""
+    keywords it is given, and differentiates without those in `drop` (a backward pass that forgets one). With a
+    score function the pullback also gives its parameters' gradients (d_score_mod), none of those in `drop`."""
     from tests.implementations import einsum_attention
 
     def vjp(q, k, v, mask=None, *, bias=None, **options):
         received.append(options)
+        score_mod = options.get("score_mod")
+        parameters = {name: np.asarray(value, float) for name, value in getattr(score_mod, "parameters", {}).items()
+                      if f"score_mod.{name}" not in drop}
 
-        def forward(q, k, v, bias):
+        def forward(q, k, v, bias, *values):
             kept = {name: value for name, value in options.items() if name not in drop}
+            if values:
+                kept["score_mod"] = score_mod.replace(**dict(zip(parameters, values, strict=True)))
             return einsum_attention.scaled_dot_product_attention(q, k, v, mask, bias=bias, **kept)[0]
 
         def pullback(d_out):
-            inputs = [q, k, v, bias]
+            inputs = [q, k, v, bias, *parameters.values()]
             grads = []
             for a, x in enumerate(inputs):
                 if x is None:
@@ -276,11 +282,29 @@ def _differenced_vjp(received: list[dict], *, drop: tuple[str, ...] = ()) -> Cal
                     shifted[1][a][index] -= 1e-6
                     grad[index] = np.sum(d_out * (forward(*shifted[0]) - forward(*shifted[1]))) / 2e-6
                 grads.append(grad)
-            return tuple(grads)
+            if score_mod is None:
+                return tuple(grads)
+            return (*grads[:4], dict(zip(parameters, grads[4:], strict=True)))
 
         return (*einsum_attention.scaled_dot_product_attention(q, k, v, mask, bias=bias, **options), pullback)
 
     return vjp
+
+
+MODS_EXAMPLES = [row.name for row in fixed_cases.rows("sdpa", "example") if row.name.startswith("mods_")]
+
+
+@pytest.mark.parametrize("name", MODS_EXAMPLES)
+def test_gradient_check_holds_the_score_functions_parameters_to_the_oracle(name: str) -> None:
+    # a vjp that differentiates the right function passes, its d_score_mod included; one that forgets a parameter's
+    # gradient fails (a missing gradient is inf)
+    case = fixed_cases.named("sdpa", name).build()
+    measures = gradient_checks.gradients(checks.Runner(_with_vjp(_differenced_vjp([]))), case, "float64")
+    assert all(measure.error <= 1 for measure in measures.values()), measures
+    if getattr(case.score_mod, "parameters", {}):
+        forgotten = tuple(f"score_mod.{parameter}" for parameter in case.score_mod.parameters)
+        module = _with_vjp(_differenced_vjp([], drop=forgotten))
+        assert gradient_checks.gradients(checks.Runner(module), case, "float64")["gradients"].error > 1
 
 
 POSITIONED_EXAMPLES = ["causal_bottom_right", "sliding_window_causal", "offset_per_sequence",

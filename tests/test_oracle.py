@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from attention_np.common import mods
 from conformance.contract import oracle
 
 
@@ -246,3 +247,41 @@ def test_window_mask_and_causal_mask_with_offsets() -> None:
     np.testing.assert_array_equal(oracle.window_mask(2, 4, (1, 0), q_offset=2), [[0, 1, 1, 0], [0, 0, 1, 1]])
     np.testing.assert_array_equal(oracle.causal_mask(2, 4, q_offset=2), [[1, 1, 1, 0], [1, 1, 1, 1]])
     assert oracle.causal_mask(2, 4, q_offset=np.array([0, 2, 1])).shape == (3, 2, 4)
+
+
+def test_mods_on_sdpa_by_hand_after_the_softcap_before_the_bias() -> None:
+    # one query head of one sequence, q = 0: every raw score 0. ALiBi with slope 1 adds j - i: query 1 of scores
+    # [-1, 0, 1] (keys 0..2); causal(q_offset=0) hides key 2 from query 1: weights of [-1, 0] = [1, e] / (1 + e);
+    # the bias comes after the score function: a cap of 1 keeps the scores 0, then a bias of -5 on key 1 gives
+    # [0, -5] (capping after the bias would give [0, tanh(-5)])
+
+    q, k, v = np.zeros((1, 1, 2, 1)), np.zeros((1, 1, 3, 1)), np.eye(3)[None, None]  # (B, H, L, E), (B, H, S, *)
+    alibi, causal = mods.alibi(np.array([1.0])), mods.causal()
+    weights = oracle.sdpa(q, k, v, mask_mod=causal, score_mod=alibi)[1]
+    np.testing.assert_allclose(weights[0, 0, 1], [1 / (1 + math.e), math.e / (1 + math.e), 0], rtol=1e-15)
+    np.testing.assert_array_equal(weights[0, 0, 0], [1, 0, 0])  # query 0 sees key 0 alone
+    biased = oracle.sdpa(q, k, v, bias=np.array([0.0, -5.0, 0.0]), mask_mod=causal, score_mod=mods.softcap(1.0))[1]
+    np.testing.assert_allclose(biased[0, 0, 1], [1 / (1 + math.exp(-5)), math.exp(-5) / (1 + math.exp(-5)), 0],
+                               rtol=1e-15)
+    # softcap 1 first, then the score function: q . k_1 = 100 capped to tanh(100) = 1 (to 1e-86), then j - i = 0
+    # added: query 1's scores [0 - 1, 1 + 0] = [-1, 1]
+    q_big = np.ones((1, 1, 2, 1))
+    capped = oracle.sdpa(q_big, np.array([[[[0.0], [100.0], [0.0]]]]), v, scale=1.0, softcap=1.0,
+                         mask_mod=causal, score_mod=alibi)[1]
+    np.testing.assert_allclose(capped[0, 0, 1], [1 / (1 + math.e**2), math.e**2 / (1 + math.e**2), 0], rtol=1e-15)
+
+
+def test_mods_see_query_heads_and_unshifted_query_indices_and_a_minus_inf_score_hides() -> None:
+    # grouped heads: 2 query heads on 1 key/value head; a score function of -inf for head 1's keys j > i hides them
+    # (as a mask would), and q_offset shifts is_causal's positions but never q_idx: causal() with q_offset 1
+    # and is_causal both on query 0 -> mods.causal hides key 1 (j > i = 0), is_causal keeps it (j <= 1)
+    def hide_later_keys_in_head_1(score: np.ndarray, b: np.ndarray, h: np.ndarray, q_idx: np.ndarray,
+                                  kv_idx: np.ndarray) -> np.ndarray:
+        return np.where((h == 1) & (kv_idx > q_idx), -np.inf, score)
+
+    q, k, v = np.zeros((1, 2, 2, 1)), np.zeros((1, 1, 2, 1)), np.eye(2)[None, None]
+    weights = oracle.sdpa(q, k, v, enable_gqa=True, score_mod=hide_later_keys_in_head_1)[1]
+    np.testing.assert_array_equal(weights[0, 0], [[0.5, 0.5], [0.5, 0.5]])
+    np.testing.assert_array_equal(weights[0, 1], [[1, 0], [0.5, 0.5]])
+    shifted = oracle.sdpa(q[:, :1], k, v, is_causal=True, q_offset=1, mask_mod=mods.causal())[1]
+    np.testing.assert_array_equal(shifted[0, 0], [[1, 0], [0.5, 0.5]])

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import attention_np
+from attention_np.common import mods
 from conformance import Declaration, check
 from conformance.contract import features as features_module
-from conformance.contract.cases import flex_case, per_query_head, sdpa_case
+from conformance.contract.cases import flex_case, per_query_head, sdpa_case, tiled
 from conformance.contract.fixed_cases import rows
 from conformance.contract.operations import features_used, init_features_used, leave_out
 from conformance.run.checks import Runner, expected
@@ -89,7 +90,7 @@ def test_lacking_arguments_keeps_them_from_the_module():
             raise AssertionError(f"passed what it lacks: {mask is not None, bias is not None, is_causal, keywords}")
         return attention_np.scaled_dot_product_attention(q, k, v, scale=scale, **keywords)
 
-    lacking = ("mask", "bias", "is_causal", "q_offset", "window", "key_lengths", "softcap", "enable_gqa")
+    lacking = ("mask", "bias", "is_causal", "q_offset", "window", "key_lengths", "softcap", "enable_gqa", "mods")
     module = _module("few_arguments", lacks=Declaration(lacking), functions=())
     module.scaled_dot_product_attention = refusing
     report = check(module, operations=("sdpa",))
@@ -209,3 +210,35 @@ def test_lacking_score_mod_keeps_score_functions_from_flex_cases():
     assert features_used(case) == {"mods", "score_mod"} and features_used(flex_case()) == {"mods"}
     assert leave_out(case, Declaration(("score_mod",))).score_mod is None
     assert leave_out(case, Declaration(("mods",))) is None
+
+
+def test_an_sdpa_without_mask_mod_and_score_mod_declares_mods_and_passes_the_rest():
+    # a third party's sdpa that takes no mask_mod or score_mod (an older one): it declares mods lacking and passes
+    # sdpa, its fixed cases with mods skipped; undeclared, the pinned examples with mods reach it and it fails
+    def without_mods(q, k, v, mask=None, **keywords):
+        if "mask_mod" in keywords or "score_mod" in keywords:
+            raise TypeError("scaled_dot_product_attention() got an unexpected keyword argument 'mask_mod'")
+        return einsum_attention.scaled_dot_product_attention(q, k, v, mask, **keywords)
+
+    lacking = _module("sdpa_without_sdpa_mods", einsum_attention, functions=(),
+                      lacks=Declaration({"mods": "no mask or score functions"}))
+    lacking.scaled_dot_product_attention = without_mods
+    report = check(lacking, operations=("sdpa",), max_examples=3)
+    assert report.passed, _failures(report)
+    errors = next(row for row in report.rows if row.operation == "sdpa" and row.check == "errors")
+    ran = [row for row in rows("sdpa", "error") if row.stage == "call" and "mods" not in features_used(row.build())]
+    assert errors.examples == len(ran) < len(rows("sdpa", "error"))  # no vjp: pullback rows skipped too
+    assert any(row.operation == "sdpa" and row.check == "values" and not row.skipped for row in report.rows)
+    undeclared = _module("sdpa_without_sdpa_mods_undeclared", einsum_attention, functions=())
+    undeclared.scaled_dot_product_attention = without_mods
+    failed = check(undeclared, operations=("sdpa",), max_examples=3, shrink=False, measures=("values",))
+    assert not failed.passed
+
+
+def test_lacking_mods_keeps_mask_and_score_functions_from_sdpa_and_flash_cases():
+    case = sdpa_case((2, 2), mask_mod=mods.causal(), score_mod=mods.softcap(1.0))
+    assert features_used(case) >= {"mods", "score_mod"} and "mods" not in features_used(sdpa_case((2, 2)))
+    assert leave_out(case, Declaration(("score_mod",))) == case._replace(score_mod=None)
+    assert leave_out(case, Declaration(("mods",))) == case._replace(mask_mod=None, score_mod=None)
+    flash = tiled(case, 2, 2)._replace(block_size=(2, 2))
+    assert leave_out(flash, Declaration(("mods",))) == flash._replace(mask_mod=None, score_mod=None, block_size=None)

@@ -49,7 +49,21 @@ def _assert_sdpa_contract(case: cases.SdpaCase) -> tuple[int, ...]:
     assert case.bias is None or not (np.isnan(case.bias).any() or np.isposinf(case.bias).any())
     assert case.scale in cs.SCALES
     _assert_positions(case, batch)
+    _assert_mods(case)
     return target
+
+
+def _assert_mods(case: cases.SdpaCase) -> None:
+    """Mods (mask and score functions, callables or None) only with q, k, v of four axes (B, H, L, E), the flex
+    strategy's sizes where drawn; a score function's parameters per query head."""
+    mask_mod, score_mod = getattr(case, "mask_mod", None), getattr(case, "score_mod", None)  # ring: none
+    if mask_mod is None and score_mod is None:
+        return
+    assert case.q.ndim == case.k.ndim == case.v.ndim == 4
+    assert mask_mod is None or callable(mask_mod)
+    assert score_mod is None or callable(score_mod)
+    for name, value in getattr(score_mod, "parameters", {}).items():
+        assert np.shape(value)[0] == case.q.shape[1], name  # slopes (H,), table (H, 2R + 1)
 
 
 def _assert_positions(case: cases.SdpaCase, batch: tuple[int, ...]) -> None:
@@ -111,6 +125,12 @@ def _oracle(case: cases.Case) -> tuple[np.ndarray, np.ndarray]:
 @given(cs.sdpa_cases())
 def test_sdpa_case_shapes_are_consistent(case: cases.SdpaCase) -> None:
     L, S = _assert_sdpa_contract(case)[-2:]
+    assert case.q.shape[-1] in cs.WIDTHS and case.v.shape[-1] in cs.WIDTHS
+    assert case.q.dtype == case.k.dtype == case.v.dtype == np.float64
+    if case.mask_mod is not None:  # a modded case: the flex strategy's sizes, (B, H) of q's leading axes
+        assert case.q.shape[0] in cs.FLEX_BATCH and {L, S} <= {*cs.FLEX_LENGTHS, *cs.FLEX_LONG_LENGTHS}
+        assert case.q.shape[1] in (cs.QUERY_HEADS if case.enable_gqa else cs.FLEX_HEADS)
+        return
     if case.enable_gqa:  # H query heads of QUERY_HEADS, Hkv of 1, H / 2 and H
         H, Hkv = case.q.shape[-3], case.k.shape[-3]
         assert H in cs.QUERY_HEADS and Hkv in (1, H // 2, H)
@@ -118,8 +138,6 @@ def test_sdpa_case_shapes_are_consistent(case: cases.SdpaCase) -> None:
         assert case.q.shape[:-2] in cs.BATCH_SHAPES
         assert case.k.shape[:-2] == case.v.shape[:-2] == case.q.shape[:-2]
     assert {L, S} <= {*cs.LENGTHS, *cs.LONG_LENGTHS}
-    assert case.q.shape[-1] in cs.WIDTHS and case.v.shape[-1] in cs.WIDTHS
-    assert case.q.dtype == case.k.dtype == case.v.dtype == np.float64
 
 
 @FEW
@@ -313,6 +331,8 @@ def _assert_decode_contract(case: cases.DecodeCase) -> None:
 def _assert_flash_contract(case: cases.FlashCase) -> None:
     _assert_sdpa_contract(case)
     assert case.dropout == 0.0 and all(isinstance(n, int) and n >= 1 for n in (case.block_q, case.block_k))
+    block_size = getattr(case, "block_size", None)  # a block mask: made of the mask function, in flash's tiles
+    assert block_size is None or (case.mask_mod is not None and block_size == (case.block_q, case.block_k))
 
 
 def _assert_ring_contract(case: cases.RingCase) -> None:
@@ -416,6 +436,44 @@ def test_flex_cases_reach_every_catalogue_entry_and_both_compositions() -> None:
     assert grouped == {False, True} and tiles == set(cs.TILE_SIZES)
 
 
+def test_sdpa_and_flash_cases_draw_mods_in_a_third_reaching_every_entry_and_block_masks() -> None:
+    found: set[str] = set()
+    modded, grouped, block_masks, positioned = [], set(), set(), set()
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.flash_cases())
+    def record(case: cases.FlashCase) -> None:
+        modded.append(case.mask_mod is not None)
+        if case.mask_mod is None:
+            return
+        for mod in (case.mask_mod, case.score_mod):
+            found.update(_entries(getattr(mod, "text", getattr(mod, "__name__", ""))) if mod is not None else
+                         {"none"})
+        grouped.add(case.enable_gqa)
+        block_masks.add(case.block_size is not None)
+        positioned.add(bool(operations.keywords_used(case).keys() - {"enable_gqa"}))
+
+    record()
+    assert {*cs.MASK_MODS, *cs.SCORE_MODS, *cs.COMBINATIONS, "none"} <= found
+    assert grouped == block_masks == positioned == {False, True}
+    assert 0.2 < np.mean(modded) < 0.45  # a minority: each mod is a compile for JAX
+
+
+def test_the_pinned_sdpa_examples_reach_every_catalogue_entry() -> None:
+    found = set()
+    for row in fixed_cases.rows("sdpa", "example"):
+        case = row.build()
+        for mod in (case.mask_mod, case.score_mod):
+            found.update(_entries(getattr(mod, "text", getattr(mod, "__name__", ""))) if mod is not None else set())
+    assert {*cs.MASK_MODS, *cs.SCORE_MODS, *cs.COMBINATIONS} <= found
+
+
+@FEW
+@given(cs.sdpa_cases(single_key=True))
+def test_single_key_and_unpositioned_cases_draw_no_mods(case: cases.SdpaCase) -> None:
+    assert case.mask_mod is None and case.score_mod is None
+
+
 @FEW
 @given(cs.flex_cases(scored=True))
 def test_flex_gradient_cases_always_have_a_score_function(case: cases.FlexCase) -> None:
@@ -504,8 +562,8 @@ def test_positions_and_groups_reach_every_form_in_a_third_of_the_cases() -> None
     seen: set[str] = set()
     positioned: list[bool] = []
 
-    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
-    @given(cs.sdpa_cases())
+    @settings(max_examples=400, derandomize=True, database=None, deadline=None)
+    @given(cs.sdpa_cases(modded=False))  # those with mods draw the keywords too (test_sdpa_and_flash_cases_draw_...)
     def record(case: cases.SdpaCase) -> None:
         S = case.k.shape[-2]
         used = operations.keywords_used(case)

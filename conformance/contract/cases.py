@@ -41,10 +41,15 @@ class SdpaCase(NamedTuple):
     key_lengths: np.ndarray | None = None  # integers broadcasting to (...): keys j < key_lengths visible
     softcap: float | None = None  # raw scores -> softcap * tanh(raw / softcap), before the bias
     enable_gqa: bool = False  # q (..., H, L, E), k and v (..., Hkv, S, *): query head h uses head h // (H / Hkv)
+    mask_mod: Callable[..., Any] | None = None  # (b, h, q_idx, kv_idx) -> True where the query sees the key, and-ed
+    # with the rest; q, k, v of four axes (B, H, L, E) (attention_np.common.mods, parameters as NumPy arrays)
+    score_mod: Callable[..., Any] | None = None  # (score, b, h, q_idx, kv_idx) -> the score, after softcap, before bias
 
 
 class FlashCase(NamedTuple):
-    """Inputs of flash_attention: an SdpaCase's (never dropout) and the tile sizes."""
+    """Inputs of flash_attention: an SdpaCase's (never dropout) and the tile sizes; with `block_size` the call
+    makes a block mask, create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block_size), and passes it for mask_mod
+    (its tiles are flash's: block_q and block_k are passed only where they differ from it, as an error row does)."""
 
     q: np.ndarray  # (..., L, E)
     k: np.ndarray  # (..., S, E)
@@ -59,13 +64,17 @@ class FlashCase(NamedTuple):
     key_lengths: np.ndarray | None = None
     softcap: float | None = None
     enable_gqa: bool = False
+    mask_mod: Callable[..., Any] | None = None  # as SdpaCase
+    score_mod: Callable[..., Any] | None = None
     block_q: int = 128  # queries per tile
     block_k: int = 128  # keys per tile
+    block_size: tuple[int, int] | None = None  # the block mask's tiles (block_q, block_k); None: mask_mod itself
+    with_mask_mod: bool = False  # with a block mask, mask_mod passed too (an error row: one of them, not both)
 
 
 def tiled(case: SdpaCase, block_q: int, block_k: int) -> FlashCase:
     """An sdpa case as a flash_attention case with these tiles (without its dropout)."""
-    return FlashCase(*case._replace(dropout=0.0), block_q=block_q, block_k=block_k)
+    return FlashCase(**case._replace(dropout=0.0)._asdict(), block_q=block_q, block_k=block_k)
 
 
 class RingCase(NamedTuple):
@@ -92,8 +101,9 @@ class RingCase(NamedTuple):
 
 
 def sharded(case: FlashCase, devices: int) -> RingCase:
-    """A flash_attention case (without mask, bias and key lengths) as ring attention over P devices."""
-    return RingCase(*case, devices=devices)
+    """A flash_attention case (without mask, bias, key lengths and mods) as ring attention over P devices."""
+    fields = case._asdict()
+    return RingCase(**{name: fields[name] for name in RingCase._fields if name in fields}, devices=devices)
 
 
 class LinearCase(NamedTuple):

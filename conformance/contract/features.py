@@ -48,10 +48,13 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
         ("enable_gqa", ": grouped-query heads, k and v with fewer heads than q (SPEC 2a)"))),
     Feature("mods", kind="argument",
             asks="programmable attention: flex_attention with mask and score functions and create_block_mask's "
-                 "block mask (the catalogue of attention_np.common.mods)",
-            without="the flex operation is SKIP, as for a module without flex_attention"),
-    Feature("score_mod", kind="argument", asks="flex_attention's score_mod: a score function of each score",
-            without="drawn flex cases take no score function; fixed cases that use one are skipped"),
+                 "block mask (the catalogue of attention_np.common.mods), and mask_mod= and score_mod= on sdpa and "
+                 "flash (flash's block_mask= too)",
+            without="the flex operation is SKIP, as for a module without flex_attention; drawn sdpa and flash cases "
+                    "take no mods; fixed cases that use them are skipped"),
+    Feature("score_mod", kind="argument",
+            asks="score_mod: a score function of each score, on flex_attention, sdpa and flash",
+            without="drawn flex, sdpa and flash cases take no score function; fixed cases that use one are skipped"),
     Feature("mask_per_head", kind="argument", asks="modules' masks that differ between the heads, (..., H, L, S)",
             without="drawn module cases give every head the first head's mask; fixed cases that use it are skipped"),
     *(Feature(name, kind="option", asks=f"modules with {what}",

@@ -958,9 +958,65 @@ def _flex_rows() -> list[Fixed]:
     ]
 
 
+def _mods_case(B: int = 2, H: int = 2, L: int = 5, S: int = 6, *, Hkv: int | None = None, seed: int = 0,
+               **fields: Any) -> Callable[[], Any]:
+    """sdpa_case's q (B, H, L, 2), k (B, Hkv, S, 2), v (B, Hkv, S, 3) (Hkv None: H; else grouped heads), changed
+    by `fields`: the four axes the mods need."""
+    Hkv = H if Hkv is None else Hkv
+    kv = {"k": normal(B, Hkv, S, 2, seed=seed + 1), "v": normal(B, Hkv, S, 3, seed=seed + 2)} if Hkv != H else {}
+    return lambda: sdpa_case((B, H), L, S, seed=seed, **kv, enable_gqa=Hkv != H, **fields)
+
+
+def _mods_rows() -> list[Fixed]:
+    """The mods on sdpa and flash: every entry of the catalogue once on sdpa, in three compositions (each with the
+    keywords and arrays it is and-ed or ordered with; few, as each is a program for JAX to compile in every pinned
+    group); on flash a tile row of blind queries, a block mask of full, partial and empty tiles; the errors of a
+    call with mods."""
+    slopes, table = np.array([0.5, 0.25, 0.125, 0.0625]), normal(2, 5, seed=7)  # ALiBi (H,), R = 2: (H, 2R + 1)
+    full_and_partial = _mods_case(L=8, S=8, mask_mod=mods.and_masks(mods.causal(), mods.key_lengths(np.array([8, 5]))))
+    return [
+        example("sdpa", "mods_causal_alibi_bias_grouped_heads", _mods_case(
+            H=4, Hkv=2, L=5, S=5, mask_mod=mods.causal(), score_mod=mods.alibi(slopes), bias=normal(5, 5, seed=5)),
+                "causal with ALiBi slopes 1/2..1/16 on 4 query heads of 2 key/value heads, then a bias: the score "
+                "function sees the query heads 0..3 and comes before the bias"),
+        example("sdpa", "mods_window_chunks_key_lengths_softcap_causal_offset", _mods_case(
+            L=6, S=7, mask_mod=mods.and_masks(mods.sliding_window(2, 1, q_offset=1), mods.chunked(3),
+                                              mods.key_lengths(np.array([[6, 2], [4, 0]]))),
+            score_mod=mods.softcap(1.0), softcap=5.0, is_causal=True, q_offset=1),
+                "keys p - 2 .. p + 1 of p = i + 1 within chunks of 3 and key lengths per sequence and head (head 1 of "
+                "sequence 1 sees no key: zeros); is_causal from q_offset 1, which the mods' q_idx = i does not "
+                "shift; the softcap keyword (5) before the score function's cap of 1"),
+        example("sdpa", "mods_documents_or_prefix_or_dilated_relative_bias_mask", _mods_case(
+            L=6, S=6, mask_mod=mods.or_masks(mods.document(np.array([0, 0, 1, 1, 1, 2])),
+                                             mods.prefix_lm(np.array([2, 0])),
+                                             mods.and_masks(mods.dilated(2, 2), mods.noop_mask)),
+            score_mod=mods.relative_bias(table), mask=random_mask(2, 1, 6, 6)),
+                "three packed documents, or a prefix of 2 keys (sequence 0), or a dilated window; a learned bias "
+                "per head and distance; and-ed with a random mask"),
+        error("sdpa", "mods_q_three_axes", lambda: sdpa_case((2,), mask_mod=mods.causal()), ValueError, "four axes"),
+        edge("flash", "mods_queries_a_tile_leaves_without_a_key", lambda: tiled(
+            _mods_case(L=6, S=4, mask_mod=mods.causal(-3))(), 3, 2),
+             "causal from q_offset -3 in tiles of 3 x 2: the first tile row sees no key, queries 0..2 get zeros and "
+             "lse -inf, query 3 sees key 0 alone",
+             Requirement("out", "zero", index=(ALL, ALL, slice(0, 3))),
+             Requirement("lse", "minus_inf", index=(ALL, ALL, slice(0, 3))),
+             Requirement("lse", "finite", index=(ALL, ALL, slice(3, 6)))),
+        example("flash", "mods_block_mask_full_and_partial_tiles", lambda: tiled(full_and_partial(), 2, 2)._replace(
+            block_size=(2, 2), score_mod=mods.alibi(slopes[:2])),
+                "a block mask of causal and key lengths 8, 5 in tiles of 2: full tiles below the diagonal, partial "
+                "ones on it and at the lengths, empty ones above; ALiBi slopes 1/2, 1/4"),
+        error("flash", "mods_q_three_axes", lambda: tiled(sdpa_case((2,), mask_mod=mods.causal()), 2, 3),
+              ValueError, "four axes"),
+        error("flash", "mods_mask_mod_and_block_mask", lambda: tiled(full_and_partial(), 2, 2)._replace(
+            block_size=(2, 2), with_mask_mod=True), ValueError, "not both"),
+        error("flash", "mods_block_mask_other_tiles", lambda: tiled(full_and_partial(), 4, 2)._replace(
+            block_size=(2, 2)), ValueError, "BLOCK_SIZE"),
+    ]
+
+
 ROWS: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_rows() + _ring_rows()
                       + _linear_rows() + _mha_examples() + _mha_edges() + _mha_errors() + _block_examples()
-                      + _block_edges() + _block_errors() + _decode_rows() + _flex_rows())
+                      + _block_edges() + _block_errors() + _decode_rows() + _flex_rows() + _mods_rows())
 
 
 def rows(operation: str, use: str) -> list[Fixed]:

@@ -183,20 +183,33 @@ def init_features_used(arguments: dict[str, Any]) -> set[str]:
 # The keywords of SPEC.md section 2a and their defaults; a case passes one only where it differs.
 OPTIONAL_KEYWORDS: dict[str, Any] = {"q_offset": 0, "window": None, "key_lengths": None, "softcap": None,
                                      "enable_gqa": False}
+# The mods on sdpa and flash (programmable attention) and their defaults: passed only where given, so that a
+# module without them runs every case that has none; the features they need (conformance.contract.features)
+MOD_KEYWORDS: dict[str, None] = {"mask_mod": None, "score_mod": None}
+MOD_FEATURES: dict[str, set[str]] = {"mask_mod": {"mods"}, "score_mod": {"mods", "score_mod"}}
+
+
+def mods_used(case: Case) -> dict[str, Any]:
+    """The case's mods (mask_mod, score_mod) that are given: passed to the module only then."""
+    fields = case._asdict()
+    return {name: fields[name] for name in MOD_KEYWORDS if fields.get(name) is not None}
 
 
 def _sdpa_oracle(case: SdpaCase, precision: str, fused_bias: bool) -> Pair:  # sdpa has no Linear: no bias to fuse
     return oracle.sdpa(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
                        scale=case.scale, q_offset=case.q_offset, window=case.window, key_lengths=case.key_lengths,
-                       softcap=case.softcap, enable_gqa=case.enable_gqa, dtype=precision)
+                       softcap=case.softcap, enable_gqa=case.enable_gqa, mask_mod=case.mask_mod,
+                       score_mod=case.score_mod, dtype=precision)
 
 
 def _sdpa_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
-    """The options without the section 2a keywords, and those keywords (static or arrays) that differ from
-    their defaults: only they reach the module."""
+    """The options without the section 2a keywords and the mods, and those keywords (static or arrays) that
+    differ from their defaults, and the mods given: only they reach the module."""
     given = {name: options.pop(name) if name in options else arrays.get(name) for name in OPTIONAL_KEYWORDS}
+    mods = {name: options.pop(name, None) for name in MOD_KEYWORDS}
     return options, {name: value for name, value in given.items()
-                     if not _is_default(value, OPTIONAL_KEYWORDS[name])}
+                     if not _is_default(value, OPTIONAL_KEYWORDS[name])} | {
+        name: value for name, value in mods.items() if value is not None}
 
 
 def _sdpa_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -211,7 +224,17 @@ def _sdpa_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float
     options, keywords = _sdpa_keywords(arrays, options)
     _, _, pullback = module.scaled_dot_product_attention_vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
                                                              bias=arrays["bias"], **options, **keywords)
-    return dict(zip(("q", "k", "v", "bias"), pullback(arrays["d_out"]), strict=True))
+    return _gradients(pullback(arrays["d_out"]), keywords)
+
+
+def _gradients(grads: tuple, keywords: dict) -> dict:
+    """(dq, dk, dv, dbias), and with a score function its parameters' gradients d_score_mod (a dict, the fifth
+    element) by "score_mod.<parameter>"."""
+    if "score_mod" not in keywords:
+        return dict(zip(("q", "k", "v", "bias"), grads, strict=True))
+    *grads, d_score_mod = grads
+    named = dict(zip(("q", "k", "v", "bias"), grads, strict=True))
+    return named | {f"score_mod.{name}": grad for name, grad in dict(d_score_mod).items()}
 
 
 def _sdpa_visible(case: SdpaCase) -> np.ndarray:
@@ -232,6 +255,8 @@ def _sdpa_visible(case: SdpaCase) -> np.ndarray:
         visible = visible & (left is None or j >= position - left) & (right is None or j <= position + right)
     if case.key_lengths is not None:
         visible = visible & (j < np.reshape(case.key_lengths, (*np.shape(case.key_lengths), 1, 1)))
+    if getattr(case, "mask_mod", None) is not None:  # (B, H, L, S): mods come with four axes (ring has none)
+        visible = visible & _mask_grid(case.mask_mod, visible.shape)
     return visible
 
 
@@ -240,17 +265,23 @@ def _sdpa_uses(case: SdpaCase) -> set[str]:
     dropout where one is configured (the dropout groups, an error row)."""
     given = {"mask": case.mask is not None, "bias": case.bias is not None, "is_causal": case.is_causal,
              "scale": case.scale is not None, "dropout": case.dropout != 0}
-    return {name for name, used in given.items() if used} | set(keywords_used(case))
+    mods = set().union(*(MOD_FEATURES[name] for name in mods_used(case)))
+    return {name for name, used in given.items() if used} | set(keywords_used(case)) | mods
 
 
 SDPA_DEFAULTS = {"mask": None, "bias": None, "is_causal": False, "scale": None} | OPTIONAL_KEYWORDS
 
 
 def _sdpa_leave_out(case: SdpaCase, declaration: Declaration) -> SdpaCase:
-    """The lacking arguments at their defaults; with enable_gqa lacking, k and v repeated per query head."""
+    """The lacking arguments at their defaults; with enable_gqa lacking, k and v repeated per query head; without
+    mods no mask or score function (nor a block mask), without score_mod no score function."""
     if case.enable_gqa and "enable_gqa" in declaration:
         case = case._replace(**dict(zip(("k", "v"), per_query_head(case), strict=True)))
-    return case._replace(**{name: default for name, default in SDPA_DEFAULTS.items() if name in declaration})
+    fields = case._asdict()
+    mods = {name: None for name, features in MOD_FEATURES.items()
+            if name in fields and features & set(declaration.lacks)}
+    mods |= {"block_size": None, "with_mask_mod": False} if "block_size" in fields and "mods" in declaration else {}
+    return case._replace(**{name: default for name, default in SDPA_DEFAULTS.items() if name in declaration}, **mods)
 
 
 def _sdpa_blind(case: SdpaCase) -> tuple[np.ndarray, np.ndarray] | None:
@@ -270,7 +301,7 @@ def _sdpa_dropout_probe(case: SdpaCase) -> Probe:
     (L, S), batch = (case.q.shape[-2], case.k.shape[-2]), _batch(case)
     v = np.broadcast_to(np.eye(S), (*case.v.shape[:-2], S, S)).copy()  # (..., S, S)
     probe = case._replace(q=np.zeros_like(case.q), v=v, mask=None, bias=None, is_causal=False,
-                          **OPTIONAL_KEYWORDS | {"enable_gqa": case.enable_gqa})  # the heads as drawn
+                          **OPTIONAL_KEYWORDS | MOD_KEYWORDS | {"enable_gqa": case.enable_gqa})  # the heads as drawn
     return Probe(probe, shape=(*batch, L, S), axes=("queries", "keys"),
                  sites=lambda out, p: _dropped({"attention weights": out}, 1 / (S * (1 - p))))
 
@@ -296,30 +327,43 @@ def _flash_oracle(case: FlashCase | RingCase, precision: str, fused_bias: bool) 
     return oracle.log_sum_exp(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
                               scale=case.scale, q_offset=case.q_offset, window=case.window,
                               key_lengths=case.key_lengths, softcap=case.softcap, enable_gqa=case.enable_gqa,
-                              dtype=precision)
+                              mask_mod=getattr(case, "mask_mod", None), score_mod=getattr(case, "score_mod", None),
+                              dtype=precision)  # ring cases have no mods
 
 
 def _flash_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
-                dropout: float, block_q: int, block_k: int, **options: Any) -> Any:
+                dropout: float, **options: Any) -> Any:
     """(out, lse): flash_attention has no dropout and one path, so training and need_weights change nothing. A
-    bias, like the keywords of SPEC 2a, is passed only where the case has one (a kernel may lack it)."""
-    options, keywords = _flash_keywords(arrays, options)
-    return module.flash_attention(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], block_q=block_q,
-                                  block_k=block_k, **options, **keywords)
+    bias, like the keywords of SPEC 2a and the mods, is passed only where the case has one (a kernel may lack
+    it)."""
+    options, keywords = _flash_keywords(module, arrays, options)
+    return module.flash_attention(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], **options, **keywords)
 
 
-def _flash_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, block_q: int, block_k: int,
-                    **options: Any) -> dict:
-    options, keywords = _flash_keywords(arrays, options)
-    _, _, pullback = module.flash_attention_vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
-                                                block_q=block_q, block_k=block_k, **options, **keywords)
-    return dict(zip(("q", "k", "v", "bias"), pullback(arrays["d_out"]), strict=True))
+def _flash_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, **options: Any) -> dict:
+    options, keywords = _flash_keywords(module, arrays, options)
+    _, _, pullback = module.flash_attention_vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], **options,
+                                                **keywords)
+    return _gradients(pullback(arrays["d_out"]), keywords)
 
 
-def _flash_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
-    """As _sdpa_keywords, with the bias among the keywords passed only where given."""
+def _flash_keywords(module: ModuleType, arrays: dict, options: dict) -> tuple[dict, dict]:
+    """As _sdpa_keywords, with the bias among the keywords passed only where given, and the tiles: block_q and
+    block_k, or with a block size the block mask made of mask_mod in its place (block_q and block_k passed too
+    only where they differ from its BLOCK_SIZE, mask_mod only with with_mask_mod: the error rows)."""
+    block_q, block_k = options.pop("block_q"), options.pop("block_k")
+    block_size, with_mask_mod = options.pop("block_size", None), options.pop("with_mask_mod", False)
     options, keywords = _sdpa_keywords(arrays, options)
-    return options, keywords | ({} if arrays["bias"] is None else {"bias": arrays["bias"]})
+    keywords |= {} if arrays["bias"] is None else {"bias": arrays["bias"]}
+    if block_size is None or "mask_mod" not in keywords:
+        return options, keywords | {"block_q": block_q, "block_k": block_k}
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    B, H, L, S = max(q.shape[0], k.shape[0], v.shape[0]), q.shape[1], q.shape[2], k.shape[2]  # q (B, H, L, E)
+    mask_mod = keywords.pop("mask_mod")
+    keywords["block_mask"] = module.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block_size)
+    keywords |= {"mask_mod": mask_mod} if with_mask_mod else {}
+    return options, keywords | ({} if (block_q, block_k) == tuple(block_size) else
+                                {"block_q": block_q, "block_k": block_k})
 
 
 # --- ring attention (ring_attention) -----------------------------------------------------------------------
@@ -672,9 +716,14 @@ def _flex_visible(case: FlexCase) -> np.ndarray:
     B, H, S = (lead[0] if lead else 1), (lead[-1] if len(lead) > 1 else 1), case.k.shape[-2]
     if case.mask_mod is None:
         return np.ones((B, H, L, S), bool)
+    return _mask_grid(case.mask_mod, (B, H, L, S))
+
+
+def _mask_grid(mask_mod: Callable[..., Any], shape: tuple[int, ...]) -> np.ndarray:
+    """mask_mod on the whole grid of index arrays of the scores (B, H, L, S), != 0."""
     b, h, i, j = (np.arange(n).reshape([n if axis == place else 1 for axis in range(4)])
-                  for place, n in enumerate((B, H, L, S)))  # (B, 1, 1, 1), (1, H, 1, 1), (1, 1, L, 1), (1, 1, 1, S)
-    return np.broadcast_to(np.asarray(case.mask_mod(b, h, i, j)) != 0, (B, H, L, S))
+                  for place, n in enumerate(shape))  # (B, 1, 1, 1), (1, H, 1, 1), (1, 1, L, 1), (1, 1, 1, S)
+    return np.broadcast_to(np.asarray(mask_mod(b, h, i, j)) != 0, shape)
 
 
 def _flex_blind(case: FlexCase) -> tuple[np.ndarray, np.ndarray] | None:
@@ -700,16 +749,17 @@ def _flex_leave_out(case: FlexCase, declaration: Declaration) -> FlexCase | None
 OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
     Operation(
         name="sdpa", function="scaled_dot_product_attention", case=SdpaCase,
-        options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa"),
-        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias"), strategy="sdpa_cases",
+        options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "mask_mod",
+                 "score_mod"),
+        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias", "score_mod"), strategy="sdpa_cases",
         oracle=_sdpa_oracle, call=_sdpa_call, vjp="scaled_dot_product_attention_vjp", pullback=_sdpa_pullback,
         visible=_sdpa_visible, dropout_sigma=_sdpa_dropout_sigma, dropout_shows=lambda case: True,
         dropout_probe=_sdpa_dropout_probe, uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind),
     Operation(
         name="flash", function="flash_attention", case=FlashCase,
-        options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "block_q",
-                 "block_k"),
-        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias"), strategy="flash_cases",
+        options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "mask_mod",
+                 "score_mod", "block_q", "block_k", "block_size", "with_mask_mod"),
+        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias", "score_mod"), strategy="flash_cases",
         oracle=_flash_oracle, call=_flash_call, vjp="flash_attention_vjp", pullback=_flash_pullback,
         visible=_sdpa_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
         uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind, second="lse"),

@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
+Mods = tuple[Callable[..., ArrayLike] | None, Callable[..., ArrayLike] | None]  # (mask_mod, score_mod)
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 NORMS = ("layer", "rms")
 
@@ -48,10 +49,12 @@ def sdpa(
     key_lengths: ArrayLike | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., ArrayLike] | None = None,
+    score_mod: Callable[..., ArrayLike] | None = None,
     dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Attention(Q, K, V) = softmax(softcap tanh(Q K^T * scale / softcap) + bias) V, the softmax over the
-    visible keys only (SPEC.md sections 2 and 2a).
+    """Attention(Q, K, V) = softmax(score_mod(softcap tanh(Q K^T * scale / softcap)) + bias) V, the softmax over
+    the visible keys only (SPEC.md sections 2 and 2a; the mods as flex_attention's).
 
     Args:
         q: queries (..., L, E); k: keys (..., S, E); v: values (..., S, Ev). Leading axes broadcast.
@@ -64,12 +67,16 @@ def sdpa(
         key_lengths: integers broadcasting to (...): a sequence sees its keys j < key_lengths.
         softcap: the raw scores become softcap * tanh(raw / softcap), before the bias; None: unchanged.
         enable_gqa: q has H heads (axis -3), k and v Hkv; query head h reads key/value head h // (H / Hkv).
+        mask_mod: (b, h, q_idx, kv_idx) -> False where it hides the key, and-ed with the rest; needs q, k, v of
+            four axes (B, H, L, E); h runs over q's heads, q_idx over 0..L-1 (not shifted by q_offset).
+        score_mod: (score, b, h, q_idx, kv_idx) -> the score, after the softcap and before the bias; a -inf
+            result hides the key. Both are called one query at a time, as flex_attention calls them.
 
     Returns:
         out (..., L, Ev) and weights (..., L, S), in `dtype`. A query with no visible key gets zeros in both.
     """
     out, weights, _ = _rows(q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap,
-                            enable_gqa, dtype)
+                            enable_gqa, (mask_mod, score_mod), dtype)
     return out, weights
 
 
@@ -87,6 +94,8 @@ def log_sum_exp(
     key_lengths: ArrayLike | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    mask_mod: Callable[..., ArrayLike] | None = None,
+    score_mod: Callable[..., ArrayLike] | None = None,
     dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """sdpa's out, and lse_i = log sum_j exp(logits_ij) over the keys query i sees (flash_attention's second
@@ -100,16 +109,16 @@ def log_sum_exp(
         float16 and bfloat16).
     """
     out, _, lse = _rows(q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap,
-                        enable_gqa, dtype)
+                        enable_gqa, (mask_mod, score_mod), dtype)
     return out, lse.astype(_work(dtype))
 
 
 def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias: ArrayLike | None,
           is_causal: bool, scale: float | None, q_offset: int | ArrayLike,
           window: tuple[int | None, int | None] | None, key_lengths: ArrayLike | None, softcap: float | None,
-          enable_gqa: bool, dtype: DTypeLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+          enable_gqa: bool, mods: Mods, dtype: DTypeLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """sdpa's out and weights in `dtype`, and each row's log-sum-exp in the scores' dtype: one query row
-    at a time."""
+    at a time (with mods, the row of query i of head h in sequence b of the scores (B, H, L, S))."""
     q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
     if enable_gqa:  # each query head gets its own copy of the key/value head it reads
         group = q.shape[-3] // k.shape[-3]
@@ -133,9 +142,9 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
         for i in range(L):
             position = int(offsets[b]) + i  # p_i; key j's position is j
             keys = _visible_keys(position, mask[(*b, i)], bias[(*b, i)], is_causal, window, int(lengths[b]))
-            out[(*b, i)], weights[(*b, i)] = _attend(q[(*b, i)], k[b], v[b], keys, bias[(*b, i)], scale, softcap)
+            keys, logits = _logits(q[(*b, i)], k[b], keys, bias[(*b, i)], scale, softcap, mods, (*b, i))
+            out[(*b, i)], weights[(*b, i)] = _attend(v[b], keys, logits, S)
             if len(keys):
-                logits = _logits(q[(*b, i)], k[b], keys, bias[(*b, i)], scale, softcap)
                 lse[(*b, i)] = np.max(logits) + np.log(np.sum(np.exp(logits - np.max(logits))))
     return out.astype(dtype), weights.astype(dtype), lse  # half precision: computed in float32, stored in dtype
 
@@ -155,8 +164,9 @@ def flex_attention(
     i, j), s_bhij = q_bhi . k_j * scale, over the keys j that mask_mod(b, h, i, j) shows and whose r is not -inf
     (programmable attention: a mask function and a score function; None: every key, the score itself).
 
-    One query at a time: the mods are called with NumPy index arrays for that one query, b, h and q_idx
-    (1, 1, 1, 1) and kv_idx (1, 1, 1, S), and its row of scores (1, 1, 1, S); never on tiles or the whole grid.
+    One query at a time (`_modded_row`): the mods are called with NumPy index arrays for that one query, b, h and
+    q_idx (1, 1, 1, 1) and kv_idx (1, 1, 1, S), and its row of scores (1, 1, 1, S); never on tiles or the whole
+    grid.
 
     Args:
         q: queries (B, H, L, E); k: keys (B, Hkv, S, E); v: values (B, Hkv, S, Ev).
@@ -174,21 +184,14 @@ def flex_attention(
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     work = _work(dtype)
     out, lse = np.zeros((B, H, L, Ev), work), np.full((B, H, L), -np.inf, work)  # no key seen: zeros, log 0
-    j = np.arange(S).reshape(1, 1, 1, S)  # kv_idx (1, 1, 1, S)
     for b, h, i in np.ndindex(B, H, L):
-        b_idx, h_idx, q_idx = (np.full((1, 1, 1, 1), n) for n in (b, h, i))
         k_h, v_h = k[b, h // group], v[b, h // group]  # (S, E), (S, Ev)
-        scores = (k_h @ q[b, h, i] * work.type(scale)).reshape(1, 1, 1, S)  # (S, E) x (E,) -> (1, 1, 1, S)
-        if score_mod is not None:
-            scores = np.asarray(score_mod(scores, b_idx, h_idx, q_idx, j), work)
-        scores = np.broadcast_to(scores, (1, 1, 1, S)).reshape(S)
-        seen = np.ones(S, bool) if mask_mod is None else \
-            np.broadcast_to(np.asarray(mask_mod(b_idx, h_idx, q_idx, j)), (1, 1, 1, S)).reshape(S)
-        keys = np.flatnonzero(seen & (scores != -np.inf))  # a score of -inf hides its key as the mask does
+        scores = k_h @ q[b, h, i] * work.type(scale)  # (S, E) x (E,) -> (S,)
+        keys, scores = _modded_row(np.arange(S), scores, (mask_mod, score_mod), (b, h, i))
         if not len(keys):  # the spec's rule: zeros and lse -inf, never 0 / 0
             continue
-        top = np.max(scores[keys])
-        exp = np.exp(scores[keys] - top)  # (visible,)
+        top = np.max(scores)
+        exp = np.exp(scores - top)  # (visible,)
         out[b, h, i] = exp @ v_h[keys] / np.sum(exp)  # (visible,) x (visible, Ev) -> (Ev,)
         lse[b, h, i] = top + np.log(np.sum(exp))
     return out.astype(dtype), lse  # half precision: computed in float32, stored in dtype
@@ -472,26 +475,46 @@ def _visible_keys(position: int, mask_row: np.ndarray, bias_row: np.ndarray, is_
     return j[seen]
 
 
-def _attend(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, keys: np.ndarray, bias_row: np.ndarray,
-            scale: float, softcap: float | None) -> tuple[np.ndarray, np.ndarray]:
-    """One query row: out_i = sum_j w_j v_j, w = softmax(cap(q_i . k_j * scale) + bias_ij) over the visible j
-    alone, cap(x) = softcap tanh(x / softcap) (the identity when softcap is None)."""
-    out_i, weights_i = np.zeros(v.shape[-1], v.dtype), np.zeros(k.shape[-2], v.dtype)  # (Ev,), (S,)
+def _attend(v: np.ndarray, keys: np.ndarray, logits: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """One query row: out_i = sum_j w_j v_j, w = softmax(logits) over the visible keys j alone."""
+    out_i, weights_i = np.zeros(v.shape[-1], v.dtype), np.zeros(S, v.dtype)  # (Ev,), (S,)
     if not len(keys):  # the spec's rule: a query with no visible key gets zeros, never 0 / 0 = NaN
         return out_i, weights_i
-    logits = _logits(q_i, k, keys, bias_row, scale, softcap)  # (visible,)
     exp = np.exp(logits - np.max(logits))  # subtracting the max changes nothing but keeps exp finite
     weights_i[keys] = exp / np.sum(exp)
     return weights_i[keys] @ v[keys], weights_i  # (visible,) x (visible, Ev) -> (Ev,)
 
 
 def _logits(q_i: np.ndarray, k: np.ndarray, keys: np.ndarray, bias_row: np.ndarray, scale: float,
-            softcap: float | None) -> np.ndarray:
-    """cap(q_i . k_j * scale) + bias_ij for the visible keys j, (visible,)."""
+            softcap: float | None, mods: Mods, index: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The keys the mods leave visible of `keys` and their logits score_mod(cap(q_i . k_j * scale)) + bias_ij,
+    (visible,) each; index is the query's (..., i), (b, h, i) where there are mods."""
     raw = k[keys] @ q_i * scale  # (visible, E) x (E,) -> (visible,)
     if softcap is not None:  # capped before the bias (Gemma 2), so the bias still decides what is hidden
         raw = (softcap * np.tanh(raw / softcap)).astype(raw.dtype)
-    return raw + bias_row[keys]
+    if mods != (None, None):  # after the cap, before the bias (SPEC 2a)
+        keys, raw = _modded_row(keys, raw, mods, index)
+    return keys, raw + bias_row[keys]
+
+
+def _modded_row(keys: np.ndarray, scores: np.ndarray, mods: Mods,
+                index: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """One query's row through the mods: score_mod(scores, b, h, q_idx, kv_idx) and mask_mod(b, h, q_idx, kv_idx)
+    called with NumPy index arrays, b, h and q_idx (1, 1, 1, 1) of the query (b, h, i) and kv_idx (1, 1, 1, n)
+    of its keys (n,); returns the keys mask_mod shows whose modded score is not -inf, and those scores."""
+    mask_mod, score_mod = mods
+    n, work = len(keys), scores.dtype
+    if not n:
+        return keys, scores
+    b, h, q_idx = (np.full((1, 1, 1, 1), int(x)) for x in index[-3:])
+    kv_idx = keys.reshape(1, 1, 1, n)
+    if score_mod is not None:
+        scores = np.asarray(score_mod(scores.reshape(1, 1, 1, n), b, h, q_idx, kv_idx), work)
+        scores = np.broadcast_to(scores, (1, 1, 1, n)).reshape(n)
+    seen = np.ones(n, bool) if mask_mod is None else \
+        np.broadcast_to(np.asarray(mask_mod(b, h, q_idx, kv_idx)) != 0, (1, 1, 1, n)).reshape(n)
+    seen = seen & (scores != -np.inf)  # a score of -inf hides its key as the mask does
+    return keys[seen], scores[seen]
 
 
 def _linear(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, dtype: DTypeLike,

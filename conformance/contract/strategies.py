@@ -80,6 +80,7 @@ OFFSET_FORMS = ("zero", "int", "array")  # q_offset: the default, a Python int (
 WINDOW_SIDES = (None, 0, 1, 3)  # each side of a window: unbounded, the query's own key, one, three
 SOFTCAPS = (0.5, 1.0, 5.0, 50.0)  # 0.5 and 1 saturate ordinary logits; 50 barely touches them
 GROUPED = (False, True)  # about one positioned sdpa case in two uses enable_gqa
+MODS_RATE = 3  # about one sdpa or flash case in three passes mods (four axes, the flex sizes)
 TILE_SIZES = (1, 2, 3, 4, 5, 6, 7)  # block_q and block_k of a flash case: short sequences cross their boundaries
 RING_CHUNK_ROWS = (1, 2, 3)  # the rows of one chunk of a ring case: L = P n (2P n with is_causal), S likewise
 QUERY_HEADS = (2, 4)  # H of an enable_gqa case; its key/value heads Hkv are 1, H / 2 or H
@@ -367,7 +368,8 @@ def grouped_heads(draw: Callable, batch: Batch) -> tuple[Batch, Batch]:
 @st.composite
 def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | None = None,
                bias: bool | None = None, single_key: bool = False, magnitude: str | None = None,
-               key_offset: bool = False, positioned: bool | None = None, long: bool = True) -> SdpaCase:
+               key_offset: bool = False, positioned: bool | None = None, long: bool = True,
+               modded: bool | None = None, mods_rate: int = MODS_RATE) -> SdpaCase:
     """Random sdpa inputs. None draws a setting; True / False force it: `mask=True` always gives a mask
     array, `mask=False` none, likewise `bias`; `is_causal` as given. `magnitude` is drawn from "normal"
     and "large" (q, k scaled by LARGE, logits in the hundreds); v is always N(0, 1).
@@ -384,9 +386,19 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     about one case of three (POSITIONED), never with single_key. False for the checks whose property they
     break (a permutation of the keys, a causal prefix). About one positioned case in two (GROUPED) is also
     grouped-query attention (`grouped_heads`): masks, bias and positions then follow q's heads.
+
+    modded: whether the case passes mods (a mask function of `mask_functions`, a score function of
+    `score_functions`); None draws it, True in about one case of `mods_rate`, never with single_key or
+    positioned=False (the properties those checks test hold for the keys as given). A modded case has four axes,
+    (B, H, L, E), B and H, L and S from the flex strategy's few sizes (JAX compiles per shape and per mod), grouped
+    heads in one case of two (`_modded_sdpa_cases`).
     """
+    if modded is None:
+        modded = not single_key and positioned is not False and draw(_one_in(mods_rate))
     if positioned is None:  # a single-key case keeps its one key: the keywords could hide it
         positioned = False if single_key else draw(st.sampled_from(POSITIONED))
+    if modded:
+        return draw(_modded_sdpa_cases(is_causal, mask, bias, magnitude, key_offset))
     batch, L = draw(batch_shapes()), draw(lengths(long=long))
     grouped = positioned and draw(st.sampled_from(GROUPED))
     batch, kv_batch = draw(grouped_heads(batch)) if grouped else (batch, batch)  # q's, and k's and v's
@@ -417,11 +429,47 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
 
 
 @st.composite
-def flash_cases(draw: Callable, *, magnitude: str | None = None, key_offset: bool = False) -> FlashCase:
-    """An sdpa case (no dropout; the keywords of SPEC 2a in one draw of two, grouped heads in half of those)
-    in tiles of 1 to 7 queries and 1 to 7 keys, drawn apart, so L and S are seldom multiples of them."""
-    case = draw(sdpa_cases(magnitude=magnitude, key_offset=key_offset, positioned=draw(st.booleans())))
-    return tiled(case, draw(st.sampled_from(TILE_SIZES)), draw(st.sampled_from(TILE_SIZES)))
+def _modded_sdpa_cases(draw: Callable, is_causal: bool | None, mask: bool | None, bias: bool | None,
+                       magnitude: str | None, key_offset: bool) -> SdpaCase:
+    """An sdpa case with mods: q (B, H, L, E), k and v (B, Hkv, S, *) of the flex strategy's sizes (grouped heads
+    in one case of two), a mask function (`mask_functions`, never none) and a score function (`score_functions`)
+    of the catalogue, and the rest drawn as an sdpa case's: a mask and a bias (..., L, S), causal, a scale, and
+    the keywords of SPEC 2a (`positions`) in one case of two."""
+    B, grouped = draw(st.sampled_from(FLEX_BATCH)), draw(st.sampled_from(GROUPED))
+    H = draw(st.sampled_from(QUERY_HEADS if grouped else FLEX_HEADS))
+    Hkv = draw(st.sampled_from((1, H // 2, H))) if grouped else H
+    L, S = draw(flex_lengths()), draw(flex_lengths())
+    q, k, v = draw(_inputs((B, H), (B, Hkv), L, S, magnitude))  # (B, H, L, E), (B, Hkv, S, E), (B, Hkv, S, Ev)
+    if key_offset:  # one vector shared by every key
+        k = k + KEY_OFFSET * _rng(draw).standard_normal((B, Hkv, 1, k.shape[-1]))  # (B, Hkv, S, E) + (.., 1, E)
+    mask_ = None if mask is False else draw(masks((B, H), L, S, families=MASKED_FAMILIES if mask else None))
+    bias_ = None if bias is False else draw(biases((B, H), L, S, allow_none=bias is None))
+    extra = draw(positions((B, H), L, S)) if draw(st.booleans()) else Positions()
+    return SdpaCase(q=q, k=k, v=v, mask=mask_, bias=bias_,
+                    is_causal=draw(st.booleans()) if is_causal is None else is_causal,
+                    scale=draw(st.sampled_from(SCALES)), dropout=0.0, **extra._asdict(), enable_gqa=grouped,
+                    mask_mod=draw(mask_functions(B, H, L, S, always=True)), score_mod=draw(score_functions(H)))
+
+
+def _one_in(n: int) -> st.SearchStrategy[bool]:
+    """True in about one draw of n; shrinks towards False."""
+    return st.sampled_from((False,) * (n - 1) + (True,))
+
+
+@st.composite
+def flash_cases(draw: Callable, *, magnitude: str | None = None, key_offset: bool = False,
+                modded: bool | None = None, mods_rate: int = MODS_RATE) -> FlashCase:
+    """An sdpa case (no dropout; the keywords of SPEC 2a in one draw of two, grouped heads in half of those;
+    mods in about one case of `mods_rate`, or as `modded` says) in tiles of 1 to 7 queries and 1 to 7 keys, drawn
+    apart, so L and S are seldom multiples of them; a modded case passes its mask function as a block mask of those
+    tiles in one case of two."""
+    modded = draw(_one_in(mods_rate)) if modded is None else modded
+    case = draw(sdpa_cases(magnitude=magnitude, key_offset=key_offset, positioned=draw(st.booleans()),
+                           modded=modded))
+    flash = tiled(case, draw(st.sampled_from(TILE_SIZES)), draw(st.sampled_from(TILE_SIZES)))
+    if case.mask_mod is not None and draw(st.booleans()):
+        return flash._replace(block_size=(flash.block_q, flash.block_k))
+    return flash
 
 
 @st.composite
@@ -580,9 +628,11 @@ def mask_entries(draw: Callable, B: int, H: int, L: int, S: int,
 
 
 @st.composite
-def mask_functions(draw: Callable, B: int, H: int, L: int, S: int) -> Callable[..., Any] | None:
-    """None, an entry of the catalogue (`mask_entries`), or and_masks / or_masks of two or three of them."""
-    form = draw(st.sampled_from(MASK_FORMS))
+def mask_functions(draw: Callable, B: int, H: int, L: int, S: int, *,
+                   always: bool = False) -> Callable[..., Any] | None:
+    """None (never with `always`), an entry of the catalogue (`mask_entries`), or and_masks / or_masks of two or
+    three of them."""
+    form = draw(st.sampled_from(MASK_FORMS[1:] if always else MASK_FORMS))
     if form == "none":
         return None
     if form == "entry":

@@ -25,7 +25,7 @@ import numpy as np
 from attention_np.common import validation
 from conformance import Declaration, adapters
 
-LACKS = Declaration(lacks=("bias", "q_offset", "window", "key_lengths", "softcap", "enable_gqa"))
+LACKS = Declaration(lacks=("bias", "q_offset", "window", "key_lengths", "softcap", "enable_gqa", "mods"))
 
 
 class Tiled:

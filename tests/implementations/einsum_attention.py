@@ -140,9 +140,10 @@ class Implementation:
                                      mask: np.ndarray | None = None, *, bias: np.ndarray | None = None,
                                      is_causal: bool = False, scale: float | None = None, q_offset: Any = 0,
                                      window: Any = None, key_lengths: Any = None, softcap: float | None = None,
-                                     enable_gqa: bool = False, dropout_p: float = 0.0, need_weights: bool = True,
-                                     rng: Rng = None) -> Pair:
-        """Attention(Q, K, V) = softmax(cap(Q K^T * scale) + bias) V, the softmax over the visible keys,
+                                     enable_gqa: bool = False, mask_mod: Callable | None = None,
+                                     score_mod: Callable | None = None, dropout_p: float = 0.0,
+                                     need_weights: bool = True, rng: Rng = None) -> Pair:
+        """Attention(Q, K, V) = softmax(score_mod(cap(Q K^T * scale)) + bias) V, the softmax over the visible keys,
         cap(x) = softcap tanh(x / softcap).
 
         Args:
@@ -155,17 +156,37 @@ class Implementation:
             key_lengths: integers broadcasting to (...): keys j < key_lengths visible.
             softcap: a positive float capping the raw scores before the bias, or None.
             enable_gqa: q (..., H, L, E) against k, v (..., Hkv, S, *): query head h reads head h // (H / Hkv).
+            mask_mod: (b, h, q_idx, kv_idx) -> True where the query sees the key, on the whole grid (B, H, L, S);
+                q, k, v of four axes. score_mod: (score, b, h, q_idx, kv_idx) -> the score, after cap, before bias.
             dropout_p: inverted dropout on the weights. rng: Generator, int seed or None (fresh).
 
         Returns:
             out (..., L, Ev) and weights (..., L, S) before dropout (None unless need_weights).
         """
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+        mods = None if mask_mod is None and score_mod is None else \
+            self.mods("scaled_dot_product_attention", q, k, v, mask_mod)
+        self.check_probability("dropout_p", dropout_p)
+        scores, visible, v, dtype = self.prepared(q, k, v, mask, bias, is_causal, scale, q_offset, window,
+                                                  key_lengths, softcap, enable_gqa, score_mod, mods)
+        weights = self.softmax(scores, visible)  # (..., L, S)
+
+        # 3) the weighted sum of the values
+        out, weights = self.attend(weights, v, dropout_p, rng)  # (..., L, Ev), (..., L, S)
+        if v.dtype != dtype:  # half precision: the outputs cast back
+            out, weights = out.astype(dtype), weights.astype(dtype)
+        return out, (weights if need_weights else None)
+
+    def prepared(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
+                 bias: np.ndarray | None, is_causal: bool, scale: float | None, q_offset: Any, window: Any,
+                 key_lengths: Any, softcap: float | None, enable_gqa: bool, score_mod: Callable | None,
+                 mods: _Mods | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.dtype]:
+        """The arguments checked; the scores the softmax takes and the keys each query sees, (..., L, S) each, v in
+        the dtype attention computes in, and the inputs' dtype."""
         if enable_gqa:  # each query head gets its key/value head, indexed out
             k, v = self.per_query_head(q, k, v)
         batch = self.check_attention(q, k, v)
         self.check_dtypes("", q=q, k=k, v=v)
-        self.check_probability("dropout_p", dropout_p)
         (L, E), S = q.shape[-2:], k.shape[-2]
         for name, extra in (("mask", mask), ("bias", bias)):
             if extra is not None:
@@ -184,20 +205,18 @@ class Implementation:
                              "pass scale= explicitly")
         dtype, work = q.dtype, self.work_dtype(q.dtype)
         q, k, v = (x.astype(work, copy=False) for x in (q, k, v))  # float16: computed in float32
-        scores = self.scores(q, k, self.resolve_scale(scale, E), bias, softcap)  # (..., L, S)
+        shown: np.ndarray | bool = True  # the keys the mods leave visible
+        if mods is None:
+            scores = self.scores(q, k, self.resolve_scale(scale, E), bias, softcap)  # (..., L, S)
+        else:  # the mods on the whole grid (B, H, L, S)
+            scores, shown = self.modded_scores(q, k, self.resolve_scale(scale, E), bias, softcap, score_mod, mods)
 
         # 2) one boolean of the keys each query sees, then the softmax over them, one per batch element (v and
         # the masks may carry batch axes that q and k lack)
         scores = np.broadcast_to(scores, (*batch, L, S))  # (..., L, S)
         visible = self.visible(scores, mask, bias, is_causal, q_offset)  # (..., L, S)
-        visible = visible & self.in_range(L, S, q_offset, window, key_lengths)  # (..., L, S)
-        weights = self.softmax(scores, visible)  # (..., L, S)
-
-        # 3) the weighted sum of the values
-        out, weights = self.attend(weights, v, dropout_p, rng)  # (..., L, Ev), (..., L, S)
-        if work != dtype:  # half precision: the outputs cast back
-            out, weights = out.astype(dtype), weights.astype(dtype)
-        return out, (weights if need_weights else None)
+        visible = visible & self.in_range(L, S, q_offset, window, key_lengths) & shown  # (..., L, S)
+        return scores, visible, v, dtype
 
     def per_query_head(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """enable_gqa: k, v (..., Hkv, S, *) -> (..., H, S, *), head h of them key/value head kv_heads[h]."""
@@ -236,6 +255,27 @@ class Implementation:
         """s_ls = cap(scale * sum_e q_le k_se) + bias_ls."""
         scores = np.einsum("...le,...se->...ls", q, k) * scale  # (..., L, E) x (..., S, E) -> (..., L, S)
         return self.add_bias(self.cap(scores, softcap), bias)
+
+    def modded_scores(self, q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None,
+                      softcap: float | None, score_mod: Callable | None,
+                      mods: _Mods) -> tuple[np.ndarray, np.ndarray]:
+        """r = score_mod(cap(scale * sum_e q_le k_se), b, h, q_idx, kv_idx) on the whole grid; returns r + bias and
+        the keys the mods leave visible: shown by the mask function, r not -inf (a -inf from the score function
+        hides the key, as in flex_attention); (B, H, L, S) each."""
+        raw = np.einsum("...le,...se->...ls", q, k) * scale  # (B, H, L, E) x (B, H, S, E) -> (B, H, L, S)
+        capped = np.broadcast_to(self.cap(raw, softcap), mods.shape)  # a batch of 1 broadcast
+        modded = self.modded(score_mod, capped, mods.grid)
+        return self.add_bias(modded, bias), mods.shown & (modded != -np.inf)
+
+    def mods(self, function: str, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+             mask_mod: Callable | None) -> _Mods:
+        """The index arrays of the scores (B, H, L, S) the mods see, q, k, v of four axes (validation.mods_inputs):
+        b over the batch, h over q's heads, q_idx over 0..L-1, kv_idx over 0..S-1; and the keys mask_mod shows."""
+        B, H = validation.mods_inputs(function, q.shape, k.shape, v.shape)
+        shape = (B, H, q.shape[-2], k.shape[-2])
+        grid = self.index_grid(*shape)
+        shown = np.ones(shape, bool) if mask_mod is None else self.grid_mask(mask_mod, grid)
+        return _Mods(grid=grid, shape=shape, shown=shown)
 
     def cap(self, raw: np.ndarray, softcap: float | None) -> np.ndarray:
         """softcap * tanh(raw / softcap), in raw's dtype; raw itself without a softcap."""
@@ -1033,6 +1073,14 @@ class _FlexForward(NamedTuple):
     v_h: np.ndarray  # (B, H, S, Ev)
     scale: float
     heads: np.ndarray  # (H,): each query head's key/value head
+
+
+class _Mods(NamedTuple):
+    """The mods' view of the scores (B, H, L, S): their index arrays and the keys the mask function shows."""
+
+    grid: tuple[np.ndarray, ...]  # b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, L, 1), kv_idx (1, 1, 1, S)
+    shape: tuple[int, int, int, int]  # (B, H, L, S)
+    shown: np.ndarray  # (B, H, L, S): True where the mask function (or a block mask) shows the key
 
 
 class _InputCache(NamedTuple):
