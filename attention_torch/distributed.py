@@ -250,7 +250,7 @@ def _ring_forward(q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Te
         exchange = _start_exchange(block, spares, t % 2, group, KV_TAG) if t < P - 1 else None
         # 2) this rank's query chunks against the visiting block's key chunks, at their relative positions
         for a, b, step in pairs:
-            _, _, part = _forward(q[a], block[b], block[n + b], None, None, step)
+            _, _, part = _forward(q[a], block[b], block[n + b], None, None, step, None, ())  # no mods in a ring
             _merge_into(out[a], lse[a], part.out, part.lse)
         # 3) the next block, received
         block = _finish(exchange) if exchange is not None else block
@@ -317,7 +317,8 @@ def _block_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     in q's, k's and v's shapes and the working dtype."""
     p = _problem(q, k, v, None, None, step)
     p = p._replace(out=out, lse=lse)  # grouped like the problem (..., rows, *)
-    dq, dk, dv, _ = _backward(p, d_out, d_lse, (p.q, p.k, p.v, None), need_bias=False)  # in the working dtype
+    dq, dk, dv, _, _ = _backward(p, d_out, d_lse, (p.q, p.k, p.v, None), need_bias=False,
+                                 need_parameters=False)  # in the working dtype
     return dq, dk, dv
 
 
