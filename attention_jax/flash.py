@@ -56,11 +56,13 @@ from .flex import _Visits, _visits_of
 from .functional import _dtypes, _grouped, _prepare, _ungrouped
 from .primitives import (
     _at_least_float32,
+    _by_position,
     _integers,
     _mask_modded,
     _mod_indices,
     _Mods,
     _mods,
+    _positions,
     _ranked,
     _score_modded,
     _score_rule,
@@ -570,17 +572,11 @@ def _tile_visible(p: _Problem, rows: jax.Array, cols: jax.Array, bias: jax.Array
         # promotion forbids mask != 0)
     if bias is not None:
         visible = _and(visible, bias != -jnp.inf)
-    left, right = p.window or (None, None)
-    position = p.q_offset[..., None, None] + _ranked((rows + jnp.arange(p.block_q))[:, None], n)  # (..., bq, 1)
-    j = _ranked(cols + jnp.arange(p.block_k), n)  # (block_k,), at the scores' rank
-    if p.is_causal:
-        visible = _and(visible, j <= position)
-    if right is not None:
-        visible = _and(visible, j <= position + right)
-    if left is not None:
-        visible = _and(visible, j >= position - left)
-    if p.key_lengths is not None:
-        visible = _and(visible, j < p.key_lengths[..., None, None])
+    structure = Structure(is_causal=p.is_causal, q_offset=p.q_offset, window=p.window, key_lengths=p.key_lengths)
+    q_idx, j = _positions(p.block_q, p.block_k, n, rows, cols)  # (1, .., block_q, 1), (1, .., 1, block_k)
+    by_position = _by_position(structure, n)  # the catalogue's rules, q_offset and key_lengths (...) of the batch
+    if by_position is not None:
+        visible = _and(visible, by_position(None, None, q_idx, j))
     if p.Sp > p.S:  # the padding
         visible = _and(visible, j < p.S)
     return visible

@@ -22,27 +22,32 @@ import jax.numpy as jnp
 import jax.scipy.special
 
 from attention_np.common import validation
-from attention_np.common.mods import ScoreMod
+from attention_np.common.mods import Aligned, ScoreMod, from_keywords
 from attention_np.common.records import Structure
 
 
 def causal_mask(L: int, S: int, *, q_offset: int | jax.Array = 0) -> jax.Array:
     """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
-    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
+    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L): the catalogue's
+    causal(q_offset) on the grid."""
+    return _on_grid(Structure(is_causal=True, q_offset=_integers(q_offset), window=None, key_lengths=None), L, S)
 
 
 def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
                 q_offset: int | jax.Array = 0) -> jax.Array:
     """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
-    p_i = q_offset + i; a side that is None is unbounded."""
-    left, right = validation.window(window)
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    shape = (*p.shape[:-2], L, S)  # (..., L, S)
-    after_left = jnp.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
-    before_right = True if right is None else j <= p + right  # (..., L, S)
-    return after_left & before_right  # (..., L, S)
+    p_i = q_offset + i; a side that is None is unbounded: the catalogue's sliding_window(left, right, q_offset)
+    on the grid."""
+    structure = Structure(is_causal=False, q_offset=_integers(q_offset), window=validation.window(window),
+                          key_lengths=None)
+    return _on_grid(structure, L, S)
+
+
+def _on_grid(structure: Structure, L: int, S: int) -> jax.Array:
+    """The position keywords' mask function evaluated on every (query, key) pair: (..., L, S), (...) the shape
+    of q_offset (a window of two unbounded sides hides nothing and reads no q_offset: broadcast)."""
+    shape = (*jnp.shape(structure.q_offset), L, S)
+    return jnp.broadcast_to(_by_position(structure, len(shape))(None, None, *_positions(L, S, len(shape))), shape)
 
 
 def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
@@ -74,16 +79,31 @@ def _visible(mask: jax.Array | None, bias: jax.Array | None, structure: Structur
     if bias is not None:
         validation.broadcasts_to("bias", jnp.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, _ranked(jnp.asarray(bias) != -jnp.inf, len(scores_shape)))
-    q_offset = _integers(structure.q_offset, "q_offset", scores_shape[:-2])  # jax: may be a tracer under jit
-    if structure.is_causal:
-        visible = _both(visible, _ranked(causal_mask(L, S, q_offset=q_offset), len(scores_shape)))
-    if structure.window is not None:
-        visible = _both(visible, _ranked(window_mask(L, S, structure.window, q_offset=q_offset), len(scores_shape)))
-    if structure.key_lengths is not None:
-        key_lengths = _integers(structure.key_lengths, "key_lengths", scores_shape[:-2])
-        keys = _ranked(jnp.arange(S), len(scores_shape)) < _ranked(key_lengths[..., None, None], len(scores_shape))
-        visible = _both(visible, keys)  # (S,) against (..., 1, 1)
+    batch, rank = scores_shape[:-2], len(scores_shape)
+    key_lengths = None if structure.key_lengths is None else _integers(structure.key_lengths, "key_lengths", batch)
+    by_position = _by_position(structure._replace(q_offset=_integers(structure.q_offset, "q_offset", batch),
+                                                  window=validation.window(structure.window),
+                                                  key_lengths=key_lengths), rank)  # jax: q_offset may be traced
+    if by_position is not None:
+        visible = _both(visible, by_position(None, None, *_positions(L, S, rank)))  # (..., L, S)
     return visible
+
+
+def _by_position(structure: Structure, rank: int) -> Callable[..., Any] | None:
+    """The mask function of the position keywords (from_keywords), q_offset and key_lengths (...) laid out
+    against scores (..., L, S) of `rank` axes: evaluated at _positions it gives (..., L, S); None where no keyword
+    hides a key."""
+    def aligned(x: jax.Array | None) -> Aligned | None:  # (...) -> (..., 1, 1) at the scores' rank
+        return None if x is None else Aligned(_ranked(jnp.asarray(x)[..., None, None], rank))
+    return from_keywords(structure._replace(q_offset=aligned(structure.q_offset),
+                                                 key_lengths=aligned(structure.key_lengths)))[0]
+
+
+def _positions(L: int, S: int, rank: int, rows: int | jax.Array = 0,
+               cols: int | jax.Array = 0) -> tuple[jax.Array, jax.Array]:
+    """q_idx (1, ..., L, 1) and kv_idx (1, ..., 1, S) from rows and cols on (a tile's first query and key, which
+    may be traced), at `rank` axes. jax: the same rank as the scores', as rank promotion may be refused."""
+    return _ranked((rows + jnp.arange(L))[:, None], rank), _ranked(cols + jnp.arange(S), rank)
 
 
 class _Mods(NamedTuple):
@@ -186,12 +206,6 @@ def _integers(x: int | jax.Array, name: str = "q_offset", batch: tuple | None = 
     validation.positions(name, x.shape, str(x.dtype), jnp.issubdtype(x.dtype, jnp.integer),
                      x.shape if batch is None else batch)
     return x.astype(int)  # jax: one int dtype for the positions, as strict promotion forbids mixing them
-
-
-def _positions(L: int, S: int, q_offset: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,) at the same rank."""
-    p = q_offset[..., None, None] + _ranked(jnp.arange(L)[:, None], q_offset.ndim + 2)  # (..., L, 1)
-    return p, _ranked(jnp.arange(S), p.ndim)  # jax: the same rank, as rank promotion may be refused
 
 
 def _at_least_float32(dtype: Any) -> Any:

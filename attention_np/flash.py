@@ -47,7 +47,16 @@ from attention_np.common.block_mask import EMPTY, PARTIAL, BlockMask
 from attention_np.common.records import FlashOptions, Structure
 
 from .functional import _dtypes, _grouped, _prepare
-from .primitives import _check_derivative, _integers, _modded, _Mods, _parameter_dtype, _score_mod_vjp, _sum_to
+from .primitives import (
+    _by_position,
+    _check_derivative,
+    _integers,
+    _modded,
+    _Mods,
+    _parameter_dtype,
+    _score_mod_vjp,
+    _sum_to,
+)
 
 PARALLEL_WORK = 1 << 22  # query-key-width products (L * S * E over the batch) above which tiles run in threads
 TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: each
@@ -382,16 +391,17 @@ def _tile_visible(p: _Problem, rows: slice, cols: slice) -> np.ndarray | None:
     structure, (least, greatest) = p.structure, p.offsets
     first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
     left, right = structure.window or (None, None)
-    position = structure.q_offset[..., None, None] + np.arange(rows.start, rows.stop)[:, None]  # (..., bq, 1)
-    j = np.arange(cols.start, cols.stop)  # (block_k,)
-    if structure.is_causal and cols.stop - 1 > first:  # some key after some query
-        visible = _and(visible, j <= position)
-    if right is not None and cols.stop - 1 > first + right:
-        visible = _and(visible, j <= position + right)
-    if left is not None and cols.start < last - left:
-        visible = _and(visible, j >= position - left)
-    if p.lengths is not None and cols.stop > p.lengths[0]:
-        visible = _and(visible, j < structure.key_lengths[..., None, None])
+    hides = structure._replace(  # the rules that hide some key of this tile: the others are not evaluated
+        is_causal=structure.is_causal and cols.stop - 1 > first,  # some key after some query
+        window=(left if left is not None and cols.start < last - left else None,
+                right if right is not None and cols.stop - 1 > first + right else None),
+        key_lengths=structure.key_lengths if p.lengths is not None and cols.stop > p.lengths[0] else None)
+    if hides.window == (None, None):
+        hides = hides._replace(window=None)
+    by_position = _by_position(hides)
+    if by_position is not None:  # the catalogue's rules at the tile's indices (..., block_q, block_k)
+        visible = _and(visible, by_position(None, None, np.arange(rows.start, rows.stop)[:, None],
+                                            np.arange(cols.start, cols.stop)))
     return visible
 
 

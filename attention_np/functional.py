@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from attention_np.common import validation
+from attention_np.common.mods import from_keywords
 from attention_np.common.records import Structure
 
 from .fast import attention
@@ -100,8 +101,9 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
 
     # 1) scores: every query against every key; (q * scale) k^T = (q k^T) * scale with L*E products, not L*S
     scores = (q * scale) @ np.swapaxes(k, -1, -2)  # (..., L, E) x (..., E, S) -> (..., L, S)
-    if softcap is not None:  # soft-capping, before the bias and the masks: a hidden key stays hidden
-        scores = softcap * np.tanh(scores / softcap)
+    capping = from_keywords(structure, softcap)[1]  # the catalogue's softcap(cap), or None
+    if capping is not None:  # soft-capping, before the bias and the masks: a hidden key stays hidden
+        scores = capping(scores, None, None, None, None)
     if mods is not None:  # score_mod after softcap, before the bias; mask_mod and -inf scores hide keys
         scores, visible = _modded(mods, scores, visible, mods.tile(), mods.mask_mod, (*batch, *scores.shape[-2:]))
     if bias is not None:

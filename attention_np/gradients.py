@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from attention_np.common import validation
+from attention_np.common.mods import from_keywords
 from attention_np.common.records import Structure
 
 from .functional import _attention, _dtypes, _grouped, _mods, _ungrouped, apply_rope
@@ -106,14 +107,15 @@ def _vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *
         dbias = None if bias is None else _sum_to(d_scores, np.shape(bias)).astype(np.asarray(bias).dtype)
         # 4) through the score function and the soft-capping, from R = Q K^T * scale, recomputed as forward
         raw = (q * scale) @ np.swapaxes(k, -1, -2) if softcap is not None or score_mod is not None else None
+        capping = from_keywords(structure, softcap)[1]  # the catalogue's softcap(cap), or None
         d_theta = {}
         if score_mod is not None:  # (dC, dtheta) = score_mod.vjp(dS, C), C = softcap(R); dC = 0 where P = 0
-            capped = raw if softcap is None else softcap * np.tanh(raw / softcap)  # C, what score_mod received
+            capped = raw if capping is None else capping(raw, None, None, None, None)  # C, what score_mod received
             d_scores, d_theta = _score_mod_vjp(score_mod, d_scores, capped, weights, mods.tile())
             d_theta = {name: np.asarray(d_theta.get(name, np.zeros(np.shape(value)))).astype(
                 _parameter_dtype(value, d_scores.dtype), copy=False) for name, value in score_mod.parameters.items()}
-        if softcap is not None:  # softcap(R) = c tanh(R / c): dR = dC * (1 - tanh^2(R / c)), in d_scores
-            d_scores = d_scores * (1 - np.tanh(raw / softcap) ** 2)  # (..., L, S)
+        if capping is not None:  # softcap(R) = c tanh(R / c): dR = dC * (1 - tanh^2(R / c)), its vjp
+            d_scores, _ = capping.vjp(d_scores, raw, None, None, None, None)  # (..., L, S)
         # 5) through the raw scores R = Q K^T * scale
         dq = d_scores @ k * scale  # (..., L, S) x (..., S, E) -> (..., L, E)
         dk = np.swapaxes(d_scores, -1, -2) @ q * scale  # (..., S, L) x (..., L, E) -> (..., S, E)

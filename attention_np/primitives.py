@@ -20,26 +20,33 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from attention_np.common import validation
+from attention_np.common.mods import Aligned, from_keywords
 from attention_np.common.records import Structure
 
 
 def causal_mask(L: int, S: int, *, q_offset: int | np.ndarray = 0) -> np.ndarray:
     """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
-    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
+    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L): the catalogue's
+    causal(q_offset) on the grid."""
+    return _on_grid(Structure(is_causal=True, q_offset=_integers(q_offset), window=None, key_lengths=None), L, S)
 
 
 def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
                 q_offset: int | np.ndarray = 0) -> np.ndarray:
     """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
-    p_i = q_offset + i; a side that is None is unbounded."""
-    left, right = validation.window(window)
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    shape = (*p.shape[:-2], L, S)  # (..., L, S)
-    after_left = np.ones(shape, dtype=bool) if left is None else j >= p - left  # (..., L, S)
-    before_right = True if right is None else j <= p + right  # (..., L, S)
-    return after_left & before_right  # (..., L, S)
+    p_i = q_offset + i; a side that is None is unbounded: the catalogue's sliding_window(left, right, q_offset)
+    on the grid."""
+    structure = Structure(is_causal=False, q_offset=_integers(q_offset), window=validation.window(window),
+                          key_lengths=None)
+    return _on_grid(structure, L, S)
+
+
+def _on_grid(structure: Structure, L: int, S: int) -> np.ndarray:
+    """The position keywords' mask function evaluated on every (query, key) pair: (..., L, S), (...) the shape
+    of q_offset (a window of two unbounded sides hides nothing and reads no q_offset: broadcast)."""
+    visible = _by_position(structure)(None, None, np.arange(L)[:, None], np.arange(S))
+    shape = (*np.shape(structure.q_offset), L, S)
+    return visible if visible.shape == shape else np.broadcast_to(visible, shape).copy()
 
 
 def padding_mask(lengths: np.ndarray, S: int) -> np.ndarray:
@@ -66,15 +73,24 @@ def _visible(mask: np.ndarray | None, bias: np.ndarray | None, structure: Struct
     if bias is not None:
         validation.broadcasts_to("bias", np.shape(bias), scores_shape, "..., L, S")
         visible = _both(visible, np.asarray(bias) != -np.inf)
-    q_offset = _integers(structure.q_offset, "q_offset", scores_shape[:-2])
-    if structure.is_causal:
-        visible = _both(visible, causal_mask(L, S, q_offset=q_offset))  # (..., L, S)
-    if structure.window is not None:
-        visible = _both(visible, window_mask(L, S, structure.window, q_offset=q_offset))  # (..., L, S)
-    if structure.key_lengths is not None:
-        key_lengths = _integers(structure.key_lengths, "key_lengths", scores_shape[:-2])
-        visible = _both(visible, np.arange(S) < key_lengths[..., None, None])  # (S,) against (..., 1, 1)
+    batch = scores_shape[:-2]
+    key_lengths = None if structure.key_lengths is None else _integers(structure.key_lengths, "key_lengths", batch)
+    by_position = _by_position(structure._replace(q_offset=_integers(structure.q_offset, "q_offset", batch),
+                                                  window=validation.window(structure.window),
+                                                  key_lengths=key_lengths))
+    if by_position is not None:
+        visible = _both(visible, by_position(None, None, np.arange(L)[:, None], np.arange(S)))  # (..., L, S)
     return visible
+
+
+def _by_position(structure: Structure) -> Callable[..., Any] | None:
+    """The mask function of the position keywords (from_keywords), q_offset and key_lengths (...) laid out
+    against scores (..., L, S): evaluated at q_idx (..., L, 1) and kv_idx (..., S) it gives (..., L, S); None
+    where no keyword hides a key."""
+    def aligned(x: np.ndarray | None) -> Aligned | None:
+        return None if x is None else Aligned(np.asarray(x)[..., None, None])  # (...) -> (..., 1, 1)
+    return from_keywords(structure._replace(q_offset=aligned(structure.q_offset),
+                                                 key_lengths=aligned(structure.key_lengths)))[0]
 
 
 class _Mods(NamedTuple):
@@ -158,11 +174,6 @@ def _integers(x: int | np.ndarray, name: str = "q_offset", batch: tuple | None =
     validation.positions(name, x.shape, str(x.dtype), np.issubdtype(x.dtype, np.integer),
                      x.shape if batch is None else batch)
     return x.astype(np.int64, copy=False)
-
-
-def _positions(L: int, S: int, q_offset: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,)."""
-    return q_offset[..., None, None] + np.arange(L)[:, None], np.arange(S)
 
 
 def _both(visible: np.ndarray | None, rule: np.ndarray) -> np.ndarray:

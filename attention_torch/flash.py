@@ -50,6 +50,7 @@ from .fast import _grouped_matmul
 from .functional import _dtypes, _grouped, _prepare
 from .gradients import _grad, _leaf, _recording
 from .primitives import (
+    _by_position,
     _cast,
     _Indices,
     _indices,
@@ -57,6 +58,7 @@ from .primitives import (
     _mask_mod_visible,
     _named_parameters,
     _parameters,
+    _positions,
     _replaced,
     _score_mod_scores,
 )
@@ -466,20 +468,14 @@ def _tile_visible(p: _Problem, rows: slice, cols: slice) -> torch.Tensor | None:
     after_right = right is not None and cols.stop - 1 > first + right
     before_left = left is not None and cols.start < last - left
     beyond_length = p.lengths is not None and cols.stop > p.lengths[0]
-    if not (causal or after_right or before_left or beyond_length):  # torch: no positions built
+    hides = structure._replace(  # the rules that hide some key of this tile: the others are not evaluated
+        is_causal=causal, window=(left if before_left else None, right if after_right else None),
+        key_lengths=structure.key_lengths if beyond_length else None)
+    by_position = _by_position(hides._replace(window=None) if hides.window == (None, None) else hides)
+    if by_position is None:  # torch: no positions built
         return visible
-    device = p.q.device
-    position = structure.q_offset[..., None, None] + torch.arange(rows.start, rows.stop, device=device)[:, None]
-    j = torch.arange(cols.start, cols.stop, device=device)  # (block_k,); position (..., block_q, 1)
-    if causal:
-        visible = _and(visible, j <= position)
-    if after_right:
-        visible = _and(visible, j <= position + right)
-    if before_left:
-        visible = _and(visible, j >= position - left)
-    if beyond_length:
-        visible = _and(visible, j < structure.key_lengths[..., None, None])
-    return visible
+    indices = _positions(rows.stop - rows.start, cols.stop - cols.start, p.q.device, rows.start, cols.start)
+    return _and(visible, by_position(None, None, *indices))  # the catalogue's rules (..., block_q, block_k)
 
 
 def _and(visible: torch.Tensor | None, rule: torch.Tensor) -> torch.Tensor:

@@ -21,26 +21,33 @@ import numpy as np
 import torch
 
 from attention_np.common import mods, validation
+from attention_np.common.mods import Aligned, from_keywords
 from attention_np.common.records import Structure
 
 
 def causal_mask(L: int, S: int, *, q_offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Boolean (..., L, S), (...) the shape of q_offset: True where key j <= p_i = q_offset + i, the keys a
-    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L)."""
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    return j <= p  # (..., L, 1) against (S,) -> (..., L, S)
+    query may see (top-left aligned for q_offset 0, bottom-right for q_offset S - L): the catalogue's
+    causal(q_offset) on the grid."""
+    return _on_grid(Structure(is_causal=True, q_offset=_integers(q_offset), window=None, key_lengths=None), L, S)
 
 
 def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
                 q_offset: int | torch.Tensor = 0) -> torch.Tensor:
     """Boolean (..., L, S), (...) the shape of q_offset: True where p_i - left <= j <= p_i + right,
-    p_i = q_offset + i; a side that is None is unbounded."""
-    left, right = validation.window(window)
-    p, j = _positions(L, S, _integers(q_offset))  # (..., L, 1), (S,)
-    shape = (*p.shape[:-2], L, S)  # (..., L, S)
-    after_left = torch.ones(shape, dtype=torch.bool, device=p.device) if left is None else j >= p - left  # (..., L, S)
-    before_right = True if right is None else j <= p + right  # (..., L, S)
-    return after_left & before_right  # (..., L, S)
+    p_i = q_offset + i; a side that is None is unbounded: the catalogue's sliding_window(left, right, q_offset)
+    on the grid."""
+    structure = Structure(is_causal=False, q_offset=_integers(q_offset), window=validation.window(window),
+                          key_lengths=None)
+    return _on_grid(structure, L, S)
+
+
+def _on_grid(structure: Structure, L: int, S: int) -> torch.Tensor:
+    """The position keywords' mask function evaluated on every (query, key) pair: (..., L, S), (...) the shape
+    of q_offset (a window of two unbounded sides hides nothing and reads no q_offset: expanded)."""
+    visible = _by_position(structure)(None, None, *_positions(L, S, structure.q_offset.device))
+    return visible.expand(*structure.q_offset.shape, L, S).clone() if visible.ndim < 2 + structure.q_offset.ndim \
+        else visible
 
 
 def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
@@ -67,15 +74,30 @@ def _visible(mask: torch.Tensor | None, bias: torch.Tensor | None, structure: St
     if bias is not None:
         validation.broadcasts_to("bias", bias.shape, scores_shape, "..., L, S")
         visible = _both(visible, torch.as_tensor(bias, device=device) != -math.inf)
-    q_offset = _integers(structure.q_offset, "q_offset", scores_shape[:-2]).to(device)
-    if structure.is_causal:
-        visible = _both(visible, causal_mask(L, S, q_offset=q_offset))  # (..., L, S)
-    if structure.window is not None:
-        visible = _both(visible, window_mask(L, S, structure.window, q_offset=q_offset))  # (..., L, S)
-    if structure.key_lengths is not None:
-        key_lengths = _integers(structure.key_lengths, "key_lengths", scores_shape[:-2]).to(device)
-        visible = _both(visible, torch.arange(S, device=device) < key_lengths[..., None, None])  # (..., 1, S)
+    batch = scores_shape[:-2]
+    key_lengths = None if structure.key_lengths is None else \
+        _integers(structure.key_lengths, "key_lengths", batch).to(device)
+    by_position = _by_position(structure._replace(q_offset=_integers(structure.q_offset, "q_offset", batch).to(device),
+                                                  window=validation.window(structure.window),
+                                                  key_lengths=key_lengths))
+    if by_position is not None:
+        visible = _both(visible, by_position(None, None, *_positions(L, S, device)))  # (..., L, S)
     return visible
+
+
+def _by_position(structure: Structure) -> Callable[..., Any] | None:
+    """The mask function of the position keywords (mods.from_keywords), q_offset and key_lengths (...) laid out
+    against scores (..., L, S): evaluated at _positions it gives (..., L, S); None where no keyword hides a key."""
+    def aligned(x: torch.Tensor | None) -> Aligned | None:
+        return None if x is None else Aligned(x[..., None, None])  # (...) -> (..., 1, 1)
+    return from_keywords(structure._replace(q_offset=aligned(structure.q_offset),
+                                            key_lengths=aligned(structure.key_lengths)))[0]
+
+
+def _positions(L: int, S: int, device: torch.device, rows: int = 0,
+               cols: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_idx (L, 1) and kv_idx (S,), from rows and cols on (a tile's first query and key), on `device`."""
+    return torch.arange(rows, rows + L, device=device)[:, None], torch.arange(cols, cols + S, device=device)
 
 
 def _integers(x: int | torch.Tensor, name: str = "q_offset", batch: tuple | None = None) -> torch.Tensor:
@@ -87,12 +109,6 @@ def _integers(x: int | torch.Tensor, name: str = "q_offset", batch: tuple | None
     integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)  # torch: no issubdtype
     validation.positions(name, x.shape, str(x.dtype), integer, x.shape if batch is None else batch)
     return x.to(torch.int64)
-
-
-def _positions(L: int, S: int, q_offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The queries' positions p_i = q_offset + i, (..., L, 1), and the keys' j, (S,), on q_offset's device."""
-    arange = torch.arange(max(L, S), device=q_offset.device)
-    return q_offset[..., None, None] + arange[:L, None], arange[:S]
 
 
 def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -38,16 +38,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attention_np.common import validation
+from attention_np.common import keywords, validation
 
 from .contract.features import Declaration
 
-ARGUMENTS = ("mask", "bias", "is_causal", "scale", "q_offset", "window", "key_lengths", "softcap", "enable_gqa",
-             "mask_mod", "score_mod")
-DEFAULTS = {"mask": None, "bias": None, "is_causal": False, "scale": None, "q_offset": 0, "window": None,
-            "key_lengths": None, "softcap": None, "enable_gqa": False, "mask_mod": None, "score_mod": None}
-FEATURES = {"mask_mod": "mods", "score_mod": "score_mod"}  # an argument whose feature has another name
-MODS = ("mask_mod", "score_mod")  # passed to the kernel as they are: it calls them with its own index arrays
+ARGUMENTS = tuple(keywords.KEYWORDS)  # sdpa's keywords (attention_np.common.keywords, the keyword set's home)
+DEFAULTS = keywords.defaults()
+FEATURES = {name: keyword.feature for name, keyword in keywords.KEYWORDS.items()}  # the feature each one needs
+MODS = keywords.MODS  # passed to the kernel as they are: it calls them with its own index arrays
 LAYOUTS = ("BHLE", "BLHE", "NLE")  # (batch, heads, L, E); (batch, L, heads, E); (batch * heads, L, E)
 MASKS = {"keep": "a boolean, True where a key is seen (torch's attn_mask, jax.nn's mask)",
          "hide": "a boolean, True where a key is hidden (nn.MultiheadAttention's, Keras' inverse)",
@@ -145,7 +143,7 @@ class Adapted:
     @property
     def declaration(self) -> Declaration:
         """The features the kernel's signature does not name."""
-        lacks = [FEATURES.get(name, name) for name in ARGUMENTS if name not in self.takes]
+        lacks = [FEATURES[name] for name in ARGUMENTS if name not in self.takes]
         lacks += [] if "dropout_p" in self.takes else ["dropout"]
         lacks += [] if "need_weights" in self.takes else ["weights"]
         return Declaration(dict.fromkeys(lacks, "the kernel takes no such argument"))

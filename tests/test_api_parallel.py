@@ -23,7 +23,7 @@ LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positi
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
 PUBLIC_FILES = {"__init__.py", "arrays.py", "distributed.py", "fast.py", "flash.py", "flex.py", "functional.py",
                 "gradients.py", "linear.py", "modules.py", "primitives.py", "py.typed"}
-COMMON_FILES = {"__init__.py", "block_mask.py", "mods.py", "module.py", "npz.py", "records.py", "validation.py"}
+COMMON_FILES = {"__init__.py", "block_mask.py", "keywords.py", "mods.py", "module.py", "npz.py", "records.py", "validation.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
 NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
 CLASSES = ("MultiHeadAttention", "TransformerBlock")
@@ -172,6 +172,30 @@ def test_public_signatures_have_the_same_names_kinds_and_defaults():
         for name in expected:
             assert actual[name] == expected[name], (
                 f"{M.__name__}.{name}{actual[name]} != {reference.__name__}.{name}{expected[name]}")
+
+
+# The operations that take the whole keyword set of attention_np.common.keywords
+WHOLE_SET = ("scaled_dot_product_attention", "scaled_dot_product_attention_vjp", "flash_attention",
+             "flash_attention_vjp")
+
+
+def test_every_keyword_of_the_set_has_its_tables_default_wherever_it_is_taken():
+    """The keyword set's one home is attention_np.common.keywords: each backend's operations take every keyword
+    of it, and every public callable that takes one of them as a keyword with a default takes it with the
+    table's default (a module's constructor apart: its `bias` is the Linears' option, not the additive bias)."""
+    from attention_np.common.keywords import KEYWORDS
+
+    for M in _backends():
+        for name in WHOLE_SET:
+            missing = set(KEYWORDS) - set(inspect.signature(getattr(M, name)).parameters)
+            assert not missing, f"{M.__name__}.{name} lacks {sorted(missing)}"
+        for name, function in _public_callables(M).items():
+            if name.endswith(".__init__"):
+                continue
+            for parameter, kind, default in _parameters(function):
+                if parameter in KEYWORDS and default is not inspect.Parameter.empty:
+                    assert default == KEYWORDS[parameter].default, (
+                        f"{M.__name__}.{name}: {parameter}={default!r}, the table's is {KEYWORDS[parameter].default!r}")
 
 
 def test_docstrings_have_the_same_args_and_returns_names():

@@ -18,6 +18,7 @@ import pytest
 import attention_np
 from attention_np.common import block_mask as blocks
 from attention_np.common import mods, validation
+from attention_np.common.records import Structure
 from tests.conftest import import_backend
 
 FRAMEWORKS = ("numpy", "torch", "jax")
@@ -129,6 +130,25 @@ def test_each_score_function_is_its_formula(name, score_mod, shape, scores, expe
     new = score_mod(_scores(framework, scores), *_indices(xp, *shape))
     assert np.asarray(new).dtype == np.float64, name  # the scores' dtype: a parameter does not promote them
     np.testing.assert_allclose(np.asarray(new), expected, rtol=1e-15, atol=0, err_msg=name)
+
+
+def test_the_position_keywords_are_the_catalogues_entries_composed():
+    """mods.from_keywords, the one function behind is_causal, q_offset, window, key_lengths and softcap: on a
+    hand-written grid (p_i = i + 1: causal j <= i + 1, window (1, None) j >= i, key_lengths 3 j < 3), with
+    per-sequence values laid out against the scores (Aligned), and nothing where no keyword is given."""
+    structure = Structure(is_causal=True, q_offset=1, window=(1, None), key_lengths=3)
+    mask_mod, score_mod = mods.from_keywords(structure, 2.0)
+    q_idx, kv_idx = np.arange(3)[:, None], np.arange(4)
+    expected = np.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 0]], bool)
+    np.testing.assert_array_equal(mask_mod(None, None, q_idx, kv_idx), expected)
+    np.testing.assert_allclose(score_mod(np.array([0.0, 2.0]), None, None, None, None), 2 * np.tanh([0.0, 1.0]),
+                               rtol=1e-15)
+    per_sequence = structure._replace(q_offset=mods.Aligned(np.array([1, 0])[:, None, None]),
+                                      key_lengths=mods.Aligned(np.array([3, 1])[:, None, None]))
+    got = mods.from_keywords(per_sequence)[0](None, None, q_idx, kv_idx)  # (2, 3, 4)
+    np.testing.assert_array_equal(got[0], expected)
+    np.testing.assert_array_equal(got[1], [[1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # p_i = i: i - 1 <= j < 1
+    assert mods.from_keywords(Structure(is_causal=False, q_offset=5, window=None, key_lengths=None)) == (None, None)
 
 
 def test_a_float64_parameter_keeps_float32_scores_float32():

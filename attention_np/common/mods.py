@@ -36,10 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from array_api_compat import array_namespace, device
+
+from .records import Structure
 
 Vjp = Callable[..., tuple[np.ndarray, dict[str, np.ndarray]]]
 
@@ -115,6 +117,31 @@ def or_masks(*mask_mods: Callable[..., Any]) -> MaskMod:
 
 def _name(mod: Callable[..., Any]) -> str:
     return repr(mod) if isinstance(mod, MaskMod | ScoreMod) else getattr(mod, "__name__", repr(mod))
+
+
+# --- the keywords as catalogue entries ----------------------------------------------------------------------
+
+class Aligned(NamedTuple):
+    """A per-sequence value laid out against the scores' leading axes already, (..., 1, 1) for scores (..., L, S),
+    as a backend holds a keyword's q_offset or key_lengths for arbitrary leading axes: an entry reads it as it
+    is, where it would index a (B,) or (B, H) array by b and h."""
+
+    array: Any
+
+
+def from_keywords(structure: Structure, softcap_: float | None = None) -> tuple[MaskMod | None, ScoreMod | None]:
+    """The position keywords (SPEC 2a) as the catalogue's entries, composed: the mask function
+    and_masks(causal(q_offset), sliding_window(left, right, q_offset), key_lengths(lengths)) of those that are
+    given (None where none is: no key hidden by position), and the score function softcap(cap) (None without a
+    cap). Every backend's masks by position and the float64 oracle's are this one function evaluated; q_offset
+    and key_lengths are numbers, or Aligned arrays of the caller's layout."""
+    rules = [causal(structure.q_offset)] if structure.is_causal else []
+    if structure.window is not None:
+        rules.append(sliding_window(*structure.window, q_offset=structure.q_offset))
+    if structure.key_lengths is not None:
+        rules.append(key_lengths(structure.key_lengths))
+    mask_mod = None if not rules else rules[0] if len(rules) == 1 else and_masks(*rules)
+    return mask_mod, None if softcap_ is None else softcap(softcap_)
 
 
 # --- the catalogue: mask functions -------------------------------------------------------------------------
@@ -246,9 +273,12 @@ def _like(x: Any, reference: Any) -> Any:
 
 
 def _per_sequence(x: Any, b: Any, h: Any, reference: Any) -> Any:
-    """A number, or an array (B,) indexed by b, or (B, H) indexed by b and h, in reference's namespace."""
+    """A number, or an array (B,) indexed by b, or (B, H) indexed by b and h, in reference's namespace; an
+    Aligned array as it is."""
     if isinstance(x, int | np.integer):
         return x
+    if isinstance(x, Aligned):  # the caller's own array, in the namespace and on the device of its scores
+        return x.array
     x = _like(x, reference)
     return x if x.ndim == 0 else x[b] if x.ndim == 1 else x[b, h]
 
@@ -269,6 +299,8 @@ def _scatter(values: np.ndarray, index: tuple[np.ndarray, ...], shape: tuple[int
 
 def _text(x: Any) -> str:
     """A parameter as a mod's text shows it: a number as itself, an array by its values when short."""
+    if isinstance(x, Aligned):  # its values are not read: they may be traced (jax.jit, torch.compile)
+        return "<aligned array>"
     if isinstance(x, int | float | np.integer | np.floating):
         return repr(x)
     if isinstance(x, np.ndarray | list | tuple) and np.size(x) <= 8:

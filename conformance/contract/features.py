@@ -10,7 +10,8 @@ boolean mask. It says so in one module-level name, and the suite checks the rest
 Each lacking feature turns the rows that need it into SKIP with the reason, and keeps the cases that use it
 away from the module; only a contradiction of the spec is a FAIL. `FEATURES` says, for each feature, what the
 contract asks and what the suite does without it; the suite's code reads the names of this table only.
-Imports nothing but the standard library.
+Imports nothing but the standard library and attention_np.common.keywords, the keyword set's home, whose
+table gives sdpa's keywords their rows here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType, ModuleType
 from typing import NamedTuple
+
+from attention_np.common.keywords import KEYWORDS
 
 DECLARATION = "CONFORMANCE"  # the module-level name the suite reads
 
@@ -38,14 +41,8 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
     Feature("dropout", kind="training",
             asks="dropout (dropout_p, a module's dropout) in training mode, drawn from rng",
             without="the dropout groups are skipped; value checks configure no dropout; its error rows are skipped"),
-    *(Feature(name, kind="argument", asks=f"sdpa's {name}{what}", without=_DRAWN) for name, what in (
-        ("mask", " (modules' too): an entry equal to 0 / False hides a key"),
-        ("bias", ": added to the scores, -inf hides a key"),
-        ("is_causal", ": hide keys j > p_i"), ("scale", ": multiplies q k^T"),
-        ("q_offset", ": query i at position q_offset + i (SPEC 2a)"), ("window", ": a sliding window (SPEC 2a)"),
-        ("key_lengths", ": keys j >= key_lengths hidden (SPEC 2a)"),
-        ("softcap", ": raw scores capped by softcap * tanh (SPEC 2a)"),
-        ("enable_gqa", ": grouped-query heads, k and v with fewer heads than q (SPEC 2a)"))),
+    *(Feature(name, kind="argument", asks=keyword.asks, without=_DRAWN)  # sdpa's keywords, but for the mods
+      for name, keyword in KEYWORDS.items() if keyword.feature == name and name != "score_mod"),
     Feature("mods", kind="argument",
             asks="programmable attention: flex_attention with mask and score functions and create_block_mask's "
                  "block mask (the catalogue of attention_np.common.mods), and mask_mod= and score_mod= on sdpa and "
@@ -53,7 +50,7 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
             without="the flex operation is SKIP, as for a module without flex_attention; drawn sdpa and flash cases "
                     "take no mods; fixed cases that use them are skipped"),
     Feature("score_mod", kind="argument",
-            asks="score_mod: a score function of each score, on flex_attention, sdpa and flash",
+            asks=KEYWORDS["score_mod"].asks,
             without="drawn flex, sdpa and flash cases take no score function; fixed cases that use one are skipped"),
     Feature("mask_per_head", kind="argument", asks="modules' masks that differ between the heads, (..., H, L, S)",
             without="drawn module cases give every head the first head's mask; fixed cases that use it are skipped"),

@@ -18,6 +18,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from attention_np.common import keywords
+
 from ..frameworks.registry import framework_of
 from . import oracle
 from .cases import (
@@ -180,12 +182,12 @@ def init_features_used(arguments: dict[str, Any]) -> set[str]:
 
 # --- scaled dot-product attention --------------------------------------------------------------------------
 
-# The keywords of SPEC.md section 2a and their defaults; a case passes one only where it differs.
-OPTIONAL_KEYWORDS: dict[str, Any] = {"q_offset": 0, "window": None, "key_lengths": None, "softcap": None,
-                                     "enable_gqa": False}
+# The keywords of SPEC.md section 2a and their defaults (attention_np.common.keywords, the keyword set's home); a
+# case passes one only where it differs.
+OPTIONAL_KEYWORDS: dict[str, Any] = keywords.defaults(keywords.POSITIONS)
 # The mods on sdpa and flash (programmable attention) and their defaults: passed only where given, so that a
 # module without them runs every case that has none; the features they need (conformance.contract.features)
-MOD_KEYWORDS: dict[str, None] = {"mask_mod": None, "score_mod": None}
+MOD_KEYWORDS: dict[str, None] = keywords.defaults(keywords.MODS)
 MOD_FEATURES: dict[str, set[str]] = {"mask_mod": {"mods"}, "score_mod": {"mods", "score_mod"}}
 
 
@@ -269,7 +271,7 @@ def _sdpa_uses(case: SdpaCase) -> set[str]:
     return {name for name, used in given.items() if used} | set(keywords_used(case)) | mods
 
 
-SDPA_DEFAULTS = {"mask": None, "bias": None, "is_causal": False, "scale": None} | OPTIONAL_KEYWORDS
+SDPA_DEFAULTS = keywords.defaults(("mask", "bias", "is_causal", "scale")) | OPTIONAL_KEYWORDS
 
 
 def _sdpa_leave_out(case: SdpaCase, declaration: Declaration) -> SdpaCase:

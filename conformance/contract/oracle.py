@@ -6,7 +6,10 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 Written apart from every backend, in another formulation: where a backend computes all scores at once
 and masks them with one boolean, the oracle walks the queries, lists the keys each one may see and takes
 a softmax over those alone. A bug in a backend then cannot pass by agreeing with itself. Everything is
-converted to float64 first; speed is not a goal.
+converted to float64 first; speed is not a goal. Which keys a query sees by position (is_causal, q_offset,
+window, key_lengths) and the soft-capping are the rules of the catalogue (attention_np.common.mods'
+`from_keywords`), evaluated one row at a time: the one home of those rules, which the backends evaluate too,
+and which tests/test_mods.py holds to hand-written grids and to torch's own flex_attention.
 
 `dtype=np.float32` runs the same formula in float32 throughout: its distance from the float64 result
 measures how much any correct float32 computation of a case may lose (ill-conditioned cases lose more),
@@ -29,6 +32,9 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
+
+from attention_np.common.mods import from_keywords
+from attention_np.common.records import Structure
 
 Mods = tuple[Callable[..., ArrayLike] | None, Callable[..., ArrayLike] | None]  # (mask_mod, score_mod)
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -140,8 +146,9 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
     lse = np.full((*batch, L), -np.inf, _work(dtype))  # a query that sees no key: log 0
     for b in np.ndindex(*batch):
         for i in range(L):
-            position = int(offsets[b]) + i  # p_i; key j's position is j
-            keys = _visible_keys(position, mask[(*b, i)], bias[(*b, i)], is_causal, window, int(lengths[b]))
+            structure = Structure(is_causal=is_causal, q_offset=int(offsets[b]), window=window,
+                                  key_lengths=None if key_lengths is None else int(lengths[b]))
+            keys = _visible_keys(i, mask[(*b, i)], bias[(*b, i)], structure)
             keys, logits = _logits(q[(*b, i)], k[b], keys, bias[(*b, i)], scale, softcap, mods, (*b, i))
             out[(*b, i)], weights[(*b, i)] = _attend(v[b], keys, logits, S)
             if len(keys):
@@ -417,28 +424,33 @@ def transformer_block(
 
 
 def causal_mask(L: int, S: int, *, q_offset: int | ArrayLike = 0) -> np.ndarray:
-    """bool (..., L, S), row by row: query i sees key j when j <= q_offset + i; (...) is q_offset's shape."""
-    return _position_mask(L, S, q_offset, lambda p, j: j <= p)
+    """bool (..., L, S), row by row: query i sees key j when j <= q_offset + i (the catalogue's
+    causal(q_offset)); (...) is q_offset's shape."""
+    return _position_mask(L, S, q_offset, Structure(is_causal=True, q_offset=0, window=None, key_lengths=None))
 
 
 def window_mask(L: int, S: int, window: tuple[int | None, int | None], *,
                 q_offset: int | ArrayLike = 0) -> np.ndarray:
     """bool (..., L, S), row by row: query i sees key j when p_i - left <= j <= p_i + right, p_i = q_offset + i
-    (None: that side unbounded); (...) is q_offset's shape."""
-    return _position_mask(L, S, q_offset, lambda p, j: _in_window(p, j, window))
+    (None: that side unbounded; the catalogue's sliding_window(left, right, q_offset)); (...) is q_offset's
+    shape."""
+    return _position_mask(L, S, q_offset, Structure(is_causal=False, q_offset=0, window=window, key_lengths=None))
 
 
-def _position_mask(L: int, S: int, q_offset: int | ArrayLike, sees: Callable[[int, int], bool]) -> np.ndarray:
-    """bool (..., L, S): sees(p_i, j) for each offset of q_offset (...), query i and key j."""
+def _position_mask(L: int, S: int, q_offset: int | ArrayLike, structure: Structure) -> np.ndarray:
+    """bool (..., L, S): the keys that the position keywords of `structure` show query i, for each offset of
+    q_offset (...)."""
     offsets = np.asarray(q_offset)
-    rows = [[[sees(int(offset) + i, j) for j in range(S)] for i in range(L)] for offset in offsets.ravel()]
+    rows = [[_by_position(structure._replace(q_offset=int(offset)), i, S) for i in range(L)]
+            for offset in offsets.ravel()]
     return np.array(rows, dtype=bool).reshape(*offsets.shape, L, S)
 
 
-def _in_window(position: int, j: int, window: tuple[int | None, int | None]) -> bool:
-    """position - left <= j <= position + right, a None side unbounded."""
-    left, right = window
-    return (left is None or position - left <= j) and (right is None or j <= position + right)
+def _by_position(structure: Structure, i: int, S: int) -> np.ndarray:
+    """bool (S,): the keys j that query i sees by the position keywords (mods.from_keywords: the catalogue's
+    causal, sliding_window and key_lengths, composed), q_offset and key_lengths those of its sequence (ints)."""
+    rule = from_keywords(structure)[0]
+    return np.ones(S, bool) if rule is None else np.broadcast_to(rule(None, None, np.asarray(i), np.arange(S)), S)
 
 
 def rope(x: ArrayLike, positions: int | ArrayLike, *, theta: float = 10000.0, interleaved: bool = False,
@@ -464,15 +476,11 @@ def padding_mask(lengths: ArrayLike, S: int) -> np.ndarray:
     return np.array(rows, dtype=bool).reshape(-1, 1, 1, S)
 
 
-def _visible_keys(position: int, mask_row: np.ndarray, bias_row: np.ndarray, is_causal: bool,
-                  window: tuple[int | None, int | None] | None, length: int) -> np.ndarray:
-    """The keys j the query at `position` may see, as indices: kept by the mask, not -inf in the bias,
-    j <= position when causal, inside the window, and j < length (its sequence's keys)."""
+def _visible_keys(i: int, mask_row: np.ndarray, bias_row: np.ndarray, structure: Structure) -> np.ndarray:
+    """The keys j query i may see, as indices: kept by the mask, not -inf in the bias, and shown by the position
+    keywords of `structure` (its sequence's q_offset and key_lengths, ints)."""
     j = np.arange(len(mask_row))
-    seen = mask_row & (bias_row != -np.inf) & (j < length) & ~(is_causal & (j > position))
-    if window is not None:
-        seen &= np.array([_in_window(position, key, window) for key in j.tolist()], dtype=bool)
-    return j[seen]
+    return j[mask_row & (bias_row != -np.inf) & _by_position(structure, i, len(mask_row))]
 
 
 def _attend(v: np.ndarray, keys: np.ndarray, logits: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
@@ -491,7 +499,8 @@ def _logits(q_i: np.ndarray, k: np.ndarray, keys: np.ndarray, bias_row: np.ndarr
     (visible,) each; index is the query's (..., i), (b, h, i) where there are mods."""
     raw = k[keys] @ q_i * scale  # (visible, E) x (E,) -> (visible,)
     if softcap is not None:  # capped before the bias (Gemma 2), so the bias still decides what is hidden
-        raw = (softcap * np.tanh(raw / softcap)).astype(raw.dtype)
+        capping = from_keywords(Structure(False, 0, None, None), softcap)[1]  # the catalogue's softcap(cap)
+        raw = np.asarray(capping(raw, None, None, None, None)).astype(raw.dtype)
     if mods != (None, None):  # after the cap, before the bias (SPEC 2a)
         keys, raw = _modded_row(keys, raw, mods, index)
     return keys, raw + bias_row[keys]
