@@ -250,7 +250,7 @@ def _ring_forward(q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Te
         exchange = _start_exchange(block, spares, t % 2, group, KV_TAG) if t < P - 1 else None
         # 2) this rank's query chunks against the visiting block's key chunks, at their relative positions
         for a, b, step in pairs:
-            _, _, part = _forward(q[a], block[b], block[n + b], None, None, step, None, ())  # no mods in a ring
+            _, _, part = _forward(q[a], block[b], block[n + b], None, None, step)
             _merge_into(out[a], lse[a], part.out, part.lse)
         # 3) the next block, received
         block = _finish(exchange) if exchange is not None else block

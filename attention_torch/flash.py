@@ -341,8 +341,8 @@ def _key_tiles(p: _Problem, rows: slice) -> list[slice]:
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-             bias: torch.Tensor | None, options: FlashOptions, mods: _Mods | None,
-             parameters: tuple) -> tuple[torch.Tensor, torch.Tensor, _Problem]:
+             bias: torch.Tensor | None, options: FlashOptions, mods: _Mods | None = None,
+             parameters: tuple = ()) -> tuple[torch.Tensor, torch.Tensor, _Problem]:
     """out and lse in the caller's shapes (heads ungrouped), and the problem, which keeps them grouped for the
     backward pass."""
     p = _problem(q, k, v, mask, bias, options, mods, parameters)
