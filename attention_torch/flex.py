@@ -21,6 +21,11 @@ so any score function written with torch's operations is differentiated, and a S
 (ALiBi's slopes, a relative-bias table) are inputs of the autograd operation: a tensor among them that requires
 a gradient gets one from loss.backward(). A tensor a plain function closes over is a constant here.
 
+From HAND_OFF query-key-width products on, a call that wants neither lse nor a gradient, in float32, runs torch's
+own FlexAttention compiled by inductor instead (`_hands_off`), over torch's BlockMask of the same tiles, as sdpa's
+fast path hands plain attention to F.scaled_dot_product_attention: the kernels agree within float32's rounding,
+and the compilation (seconds for each mask function, score function and shape) pays off at those sizes only.
+
 Grouped-query heads as reshapes: q (B, H, L, E) -> (B, Hkv, G, L, E), G = H // Hkv, so that a tile of G heads'
 queries is one matrix (B, Hkv, G * block_q, E) against its key/value head's (B, Hkv, block_k, E) tile; the
 scores (B, Hkv, G * block_q, block_k) are (B, H, block_q, block_k) for the mods (query head h = hkv * G + g),
@@ -29,7 +34,10 @@ and dK, dV sum over the group in the same matrix products.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -46,6 +54,8 @@ from .gradients import _grad, _leaf, _recording
 from .primitives import _cast, _named_parameters, _parameters
 
 DEFAULT_TILES = (128, 128)  # (block_q, block_k) without a block mask, every tile full
+HAND_OFF = 1 << 31  # query-key-width products B H L S E from which flex_attention without a gradient runs torch's
+# own FlexAttention, compiled (B=1, H=8, L=S=4096, E=64 is 2^33; every size the tests draw is far below)
 
 
 def flex_attention(
@@ -85,6 +95,8 @@ def flex_attention(
     options = _Options(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                        names=tuple(_named_parameters(score_mod)))
     parameters = _parameters(score_mod, q)
+    if not return_lse and _hands_off(q, k, v, options, parameters):  # torch: its own compiled FlexAttention,
+        return _torch_flex(q, k, v, options)  # as sdpa's fast path hands plain attention to torch's kernel
     # torch: under autograd, the gradients of q, k, v and the parameters come from _Flex.backward, the tiled pass
     out, lse = _Flex.apply(q, k, v, options, *parameters)
     return (out, lse) if return_lse else out
@@ -156,6 +168,76 @@ def create_block_mask(
         ceil(S / block_k)) of kinds; counts() and sparsity() say how much is skipped.
     """
     return blocks.create(mask_mod, B, H, Q_LEN, KV_LEN, BLOCK_SIZE, arange=torch.arange, to_numpy=to_numpy)
+
+
+# --- the hand-off to torch's own FlexAttention ------------------------------------------------------------
+
+def _hands_off(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: _Options, parameters: list) -> bool:
+    """Whether flex_attention runs torch's own FlexAttention, compiled: at HAND_OFF query-key-width products and
+    above, where its compilation (seconds per mask function and shape, once) pays off; without a gradient to
+    take (the tiled backward pass is this module's); in float32 (inductor's CPU kernel takes no float64, and half
+    precision stays with this module's float32 arithmetic); with a block mask whose tiles divide
+    L and S (torch's own are whole), and a score function without parameters of its own (a ScoreMod's learnable
+    slopes or table stay with the tiled kernel). The inputs are checked by the tiled kernel's rules first."""
+    B, H = validation.flex_inputs(q.shape, k.shape, v.shape, options.enable_gqa)
+    (L, E), S = q.shape[-2:], k.shape[-2]
+    if B * H * L * S * E < HAND_OFF or parameters or q.dtype != torch.float32:
+        return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return False
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    block_mask = options.block_mask
+    if block_mask is not None:
+        validation.block_mask_fits(block_mask, B, H, L, S)
+        if L % block_mask.block_size[0] or S % block_mask.block_size[1]:
+            return False
+    return _torch_flex_attention() is not None
+
+
+def _torch_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: _Options) -> torch.Tensor:
+    """out from torch's own flex_attention, compiled (inductor), with the block mask's tiles as torch's BlockMask:
+    the same tiles, the same mask function on the partial ones, no tile classified again. Without lse: inductor's
+    CPU kernel returns none (return_lse=True stays with the tiled kernel)."""
+    block_mask = None if options.block_mask is None else _torch_block_mask(options.block_mask, q.device)
+    with warnings.catch_warnings():  # dynamo notes the lru_caches of array-api-compat, which the catalogue's
+        warnings.filterwarnings("ignore", message=".*functools.lru_cache", category=UserWarning)  # mods call
+        return _torch_flex_attention()(q, k, v, score_mod=options.score_mod, block_mask=block_mask,
+                                       scale=options.scale, enable_gqa=options.enable_gqa)
+
+
+@functools.cache
+def _torch_flex_attention() -> Callable[..., Any] | None:
+    """torch.compile(torch.nn.attention.flex_attention.flex_attention), once (None where this torch has none).
+    Each mask function, score function and shape is one more compilation of it."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+    except ImportError:
+        return None
+    return torch.compile(torch_flex_attention, dynamic=False)
+
+
+def _torch_block_mask(block_mask: BlockMask, device: torch.device) -> Any:
+    """torch's BlockMask of the same tiles: per (b, h, query tile), the partial key tiles (kv_indices, the mask
+    function evaluated on them) and the full ones (full_kv_indices, computed without it), empty ones in
+    neither. Made once per block mask and device."""
+    made = _TORCH_BLOCK_MASKS.setdefault(block_mask, {})
+    if str(device) not in made:
+        from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+        def listed(kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+            chosen = block_mask.tiles == kind  # (B, H, rows, columns)
+            order = np.argsort(~chosen, axis=-1, kind="stable")  # the chosen columns first, in order
+            as_tensor = functools.partial(torch.as_tensor, dtype=torch.int32, device=device)
+            return as_tensor(chosen.sum(axis=-1)), as_tensor(order)
+
+        made[str(device)] = TorchBlockMask.from_kv_blocks(
+            *listed(PARTIAL), *listed(FULL), BLOCK_SIZE=block_mask.block_size, mask_mod=block_mask.mask_mod,
+            seq_lengths=block_mask.shape[2:])
+    return made[str(device)]
+
+
+# torch's BlockMask of each of ours, by device, while ours lives
+_TORCH_BLOCK_MASKS: weakref.WeakKeyDictionary[BlockMask, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 class _Options(NamedTuple):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from attention_np.common import mods
-from tests._compare import REORDERED, assert_close
+from tests._compare import REORDERED, TOLERANCE, assert_close
 
 torch = pytest.importorskip("torch")
 import attention_torch as M  # noqa: E402 (after the skip without torch)
@@ -272,3 +272,35 @@ def test_a_nan_derivative_at_hidden_keys_does_not_reach_the_gradients_of_sdpa_an
     expected = torch.autograd.grad(_dense(q, k, v, safe, mods.causal(), 1 / np.sqrt(E)).square().sum(), (q, k, v))
     for what, actual, reference in zip(("dq", "dk", "dv"), grads, expected, strict=True):
         assert_close(actual.numpy(), reference.numpy(), RTOL, f"{path} {what}")
+
+
+# --- the hand-off to torch's own compiled FlexAttention ------------------------------------------------------
+
+@pytest.mark.slow  # torch.compile: seconds per mask function, so one case: a document mask and a score function
+def test_at_the_hand_off_size_torchs_compiled_flex_attention_runs_and_equals_the_tiled_kernel(monkeypatch):
+    """From HAND_OFF on, flex_attention without a gradient or lse runs torch's own FlexAttention, compiled, over
+    the block mask's tiles (a spy counts the calls: without the hand-off it stays 0); its out equals the tiled
+    kernel's, which keeps a call with lse or a gradient to take (and below HAND_OFF every call)."""
+    from attention_torch import flex
+
+    calls = []
+    compiled = flex._torch_flex_attention()
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["block_mask"])
+        return compiled(*args, **kwargs)
+
+    rng = np.random.default_rng(0)
+    q, k, v = (M.asarray(rng.standard_normal((1, 2, 64, 16)).astype(np.float32)) for _ in range(3))
+    block_mask = M.create_block_mask(mods.document(np.repeat(np.arange(4), 16)), None, None, 64, 64, BLOCK_SIZE=16)
+    score_mod = mods.softcap(5.0)
+    tiled = M.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    monkeypatch.setattr(flex, "HAND_OFF", 0)
+    monkeypatch.setattr(flex, "_torch_flex_attention", lambda: spy)
+    handed = M.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    assert len(calls) == 1 and calls[0].BLOCK_SIZE == (16, 16)
+    assert_close(M.to_numpy(handed), M.to_numpy(tiled), TOLERANCE[np.dtype(np.float32)])  # float32 alone
+    M.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True)  # no lse on the CPU
+    q.requires_grad_(True)
+    M.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask).sum().backward()
+    assert len(calls) == 1 and q.grad is not None  # lse or a gradient to take: the tiled kernel

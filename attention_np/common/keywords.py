@@ -30,23 +30,26 @@ class Keyword(NamedTuple):
 
 
 KEYWORDS: MappingProxyType[str, Keyword] = MappingProxyType({
-    "mask": Keyword(None, "mask", "sdpa's mask (modules' too): an entry equal to 0 / False hides a key", ""),
-    "bias": Keyword(None, "bias", "sdpa's bias: added to the scores, -inf hides a key", ""),
-    "is_causal": Keyword(False, "is_causal", "sdpa's is_causal: hide keys j > p_i", "causal(q_offset)"),
-    "scale": Keyword(None, "scale", "sdpa's scale: multiplies q k^T", ""),
-    "q_offset": Keyword(0, "q_offset", "sdpa's q_offset: query i at position q_offset + i (SPEC 2a)",
-                        "the q_offset of causal and sliding_window"),
-    "window": Keyword(None, "window", "sdpa's window: a sliding window (SPEC 2a)",
-                      "sliding_window(left, right, q_offset)"),
-    "key_lengths": Keyword(None, "key_lengths", "sdpa's key_lengths: keys j >= key_lengths hidden (SPEC 2a)",
-                           "key_lengths(lengths)"),
-    "softcap": Keyword(None, "softcap", "sdpa's softcap: raw scores capped by softcap * tanh (SPEC 2a)",
-                       "softcap(cap)"),
-    "enable_gqa": Keyword(False, "enable_gqa",
-                          "sdpa's enable_gqa: grouped-query heads, k and v with fewer heads than q (SPEC 2a)", ""),
-    "mask_mod": Keyword(None, "mods", "mask_mod: a mask function of the query, key, batch and head indices", ""),
-    "score_mod": Keyword(None, "score_mod", "score_mod: a score function of each score, on flex_attention, sdpa "
-                                           "and flash", ""),
+    "mask": Keyword(default=None, feature="mask", entry="",
+                    asks="sdpa's mask (modules' too): an entry equal to 0 / False hides a key"),
+    "bias": Keyword(default=None, feature="bias", entry="", asks="sdpa's bias: added to the scores, -inf hides a key"),
+    "is_causal": Keyword(default=False, feature="is_causal", entry="causal(q_offset)",
+                         asks="sdpa's is_causal: hide keys j > p_i"),
+    "scale": Keyword(default=None, feature="scale", entry="", asks="sdpa's scale: multiplies q k^T"),
+    "q_offset": Keyword(default=0, feature="q_offset", entry="the q_offset of causal and sliding_window",
+                        asks="sdpa's q_offset: query i at position q_offset + i (SPEC 2a)"),
+    "window": Keyword(default=None, feature="window", entry="sliding_window(left, right, q_offset)",
+                      asks="sdpa's window: a sliding window (SPEC 2a)"),
+    "key_lengths": Keyword(default=None, feature="key_lengths", entry="key_lengths(lengths)",
+                           asks="sdpa's key_lengths: keys j >= key_lengths hidden (SPEC 2a)"),
+    "softcap": Keyword(default=None, feature="softcap", entry="softcap(cap)",
+                       asks="sdpa's softcap: raw scores capped by softcap * tanh (SPEC 2a)"),
+    "enable_gqa": Keyword(default=False, feature="enable_gqa", entry="",
+                          asks="sdpa's enable_gqa: grouped-query heads, k and v with fewer heads than q (SPEC 2a)"),
+    "mask_mod": Keyword(default=None, feature="mods", entry="",
+                        asks="mask_mod: a mask function of the query, key, batch and head indices"),
+    "score_mod": Keyword(default=None, feature="score_mod", entry="",
+                         asks="score_mod: a score function of each score, on flex_attention, sdpa and flash"),
 })
 
 # The keywords of SPEC 2a: passed by the suite only where a case differs from their defaults, so that a module

@@ -499,7 +499,7 @@ def _logits(q_i: np.ndarray, k: np.ndarray, keys: np.ndarray, bias_row: np.ndarr
     (visible,) each; index is the query's (..., i), (b, h, i) where there are mods."""
     raw = k[keys] @ q_i * scale  # (visible, E) x (E,) -> (visible,)
     if softcap is not None:  # capped before the bias (Gemma 2), so the bias still decides what is hidden
-        capping = from_keywords(Structure(False, 0, None, None), softcap)[1]  # the catalogue's softcap(cap)
+        capping = from_keywords(Structure(is_causal=False, q_offset=0, window=None, key_lengths=None), softcap)[1]
         raw = np.asarray(capping(raw, None, None, None, None)).astype(raw.dtype)
     if mods != (None, None):  # after the cap, before the bias (SPEC 2a)
         keys, raw = _modded_row(keys, raw, mods, index)
