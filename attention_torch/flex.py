@@ -199,8 +199,11 @@ def _torch_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: _Opt
     the same tiles, the same mask function on the partial ones, no tile classified again. Without lse: inductor's
     CPU kernel returns none (return_lse=True stays with the tiled kernel)."""
     block_mask = None if options.block_mask is None else _torch_block_mask(options.block_mask, q.device)
-    with warnings.catch_warnings():  # dynamo notes the lru_caches of array-api-compat, which the catalogue's
-        warnings.filterwarnings("ignore", message=".*functools.lru_cache", category=UserWarning)  # mods call
+    # torch: outside inference mode, where dynamo's guards on a NumPy array a mod closes over (a document's
+    # segment ids) fail on the frame that made them; and without dynamo's notes on the lru_caches of
+    # array-api-compat, which the catalogue's mods call
+    with torch.inference_mode(False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*functools.lru_cache", category=UserWarning)
         return _torch_flex_attention()(q, k, v, score_mod=options.score_mod, block_mask=block_mask,
                                        scale=options.scale, enable_gqa=options.enable_gqa)
 

@@ -23,7 +23,8 @@ LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positi
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
 PUBLIC_FILES = {"__init__.py", "arrays.py", "distributed.py", "fast.py", "flash.py", "flex.py", "functional.py",
                 "gradients.py", "linear.py", "modules.py", "primitives.py", "py.typed"}
-COMMON_FILES = {"__init__.py", "block_mask.py", "keywords.py", "mods.py", "module.py", "npz.py", "records.py", "validation.py"}
+COMMON_FILES = {"__init__.py", "block_mask.py", "keywords.py", "mods.py", "module.py", "npz.py", "records.py",
+                "validation.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
 NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
 CLASSES = ("MultiHeadAttention", "TransformerBlock")
@@ -192,7 +193,7 @@ def test_every_keyword_of_the_set_has_its_tables_default_wherever_it_is_taken():
         for name, function in _public_callables(M).items():
             if name.endswith(".__init__"):
                 continue
-            for parameter, kind, default in _parameters(function):
+            for parameter, _, default in _parameters(function):
                 if parameter in KEYWORDS and default is not inspect.Parameter.empty:
                     assert default == KEYWORDS[parameter].default, (
                         f"{M.__name__}.{name}: {parameter}={default!r}, the table's is {KEYWORDS[parameter].default!r}")
