@@ -45,7 +45,7 @@ def _one_thread_per_worker() -> None:
     """Under pytest-xdist (one worker per core), each worker's BLAS and torch, and the processes it starts, keep
     to one thread: two workers with a pool of two threads each on two cores spin against each other (the
     tests of flash, gradients, edge cases and flex took 12 % more CPU time, and as much more wall time, with the
-    pools than without)."""
+    pools than without; the whole test command 3 %)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -64,13 +64,7 @@ _one_thread_per_worker()
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that run JAX are slow: XLA compiles each program a test runs (a second or more on 2 cores), the
     larger part of the whole run, so `pytest -m "not slow"`, the everyday loop, leaves them out. A test runs JAX
-    when its id names it: the JAX backend's parameter, or JAX in the test's or its file's name.
-
-    The tests marked slow by hand (a subprocess, the whole suite, torch.compile: seconds each) run first, so
-    that pytest-xdist's workers end on short tests, not one of them on a long test while the other waits."""
-    by_hand = [item.get_closest_marker("slow") is not None for item in items]
-    items[:] = [item for item, heavy in zip(items, by_hand, strict=True) if heavy] + \
-        [item for item, heavy in zip(items, by_hand, strict=True) if not heavy]
+    when its id names it: the JAX backend's parameter, or JAX in the test's or its file's name."""
     for item in items:
         if "jax" in item.nodeid.lower():
             item.add_marker(pytest.mark.slow)
