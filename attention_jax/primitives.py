@@ -96,7 +96,7 @@ def _by_position(structure: Structure, rank: int) -> Callable[..., Any] | None:
     def aligned(x: jax.Array | None) -> Aligned | None:  # (...) -> (..., 1, 1) at the scores' rank
         return None if x is None else Aligned(_ranked(jnp.asarray(x)[..., None, None], rank))
     return from_keywords(structure._replace(q_offset=aligned(structure.q_offset),
-                                                 key_lengths=aligned(structure.key_lengths)))[0]
+                                            key_lengths=aligned(structure.key_lengths)))[0]
 
 
 def _positions(L: int, S: int, rank: int, rows: int | jax.Array = 0,

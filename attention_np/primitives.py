@@ -90,7 +90,7 @@ def _by_position(structure: Structure) -> Callable[..., Any] | None:
     def aligned(x: np.ndarray | None) -> Aligned | None:
         return None if x is None else Aligned(np.asarray(x)[..., None, None])  # (...) -> (..., 1, 1)
     return from_keywords(structure._replace(q_offset=aligned(structure.q_offset),
-                                                 key_lengths=aligned(structure.key_lengths)))[0]
+                                            key_lengths=aligned(structure.key_lengths)))[0]
 
 
 class _Mods(NamedTuple):

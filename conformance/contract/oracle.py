@@ -144,12 +144,13 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
 
     out, weights = np.zeros((*batch, L, Ev), _work(dtype)), np.zeros((*batch, L, S), _work(dtype))
     lse = np.full((*batch, L), -np.inf, _work(dtype))  # a query that sees no key: log 0
-    for b in np.ndindex(*batch):
+    for b in np.ndindex(*batch):  # the keywords' functions of this sequence (its q_offset and key_lengths)
+        by_position, capping = from_keywords(Structure(
+            is_causal=is_causal, q_offset=int(offsets[b]), window=window,
+            key_lengths=None if key_lengths is None else int(lengths[b])), softcap)
         for i in range(L):
-            structure = Structure(is_causal=is_causal, q_offset=int(offsets[b]), window=window,
-                                  key_lengths=None if key_lengths is None else int(lengths[b]))
-            keys = _visible_keys(i, mask[(*b, i)], bias[(*b, i)], structure)
-            keys, logits = _logits(q[(*b, i)], k[b], keys, bias[(*b, i)], scale, softcap, mods, (*b, i))
+            keys = _visible_keys(i, mask[(*b, i)], bias[(*b, i)], by_position)
+            keys, logits = _logits(q[(*b, i)], k[b], keys, bias[(*b, i)], scale, capping, mods, (*b, i))
             out[(*b, i)], weights[(*b, i)] = _attend(v[b], keys, logits, S)
             if len(keys):
                 lse[(*b, i)] = np.max(logits) + np.log(np.sum(np.exp(logits - np.max(logits))))
@@ -441,16 +442,17 @@ def _position_mask(L: int, S: int, q_offset: int | ArrayLike, structure: Structu
     """bool (..., L, S): the keys that the position keywords of `structure` show query i, for each offset of
     q_offset (...)."""
     offsets = np.asarray(q_offset)
-    rows = [[_by_position(structure._replace(q_offset=int(offset)), i, S) for i in range(L)]
+    rows = [[_by_position(from_keywords(structure._replace(q_offset=int(offset)))[0], i, S) for i in range(L)]
             for offset in offsets.ravel()]
     return np.array(rows, dtype=bool).reshape(*offsets.shape, L, S)
 
 
-def _by_position(structure: Structure, i: int, S: int) -> np.ndarray:
-    """bool (S,): the keys j that query i sees by the position keywords (mods.from_keywords: the catalogue's
-    causal, sliding_window and key_lengths, composed), q_offset and key_lengths those of its sequence (ints)."""
-    rule = from_keywords(structure)[0]
-    return np.ones(S, bool) if rule is None else np.broadcast_to(rule(None, None, np.asarray(i), np.arange(S)), S)
+def _by_position(by_position: Callable[..., ArrayLike] | None, i: int, S: int) -> np.ndarray:
+    """bool (S,): the keys j that query i sees by the position keywords, `by_position` their mask function of one
+    sequence (from_keywords: the catalogue's causal, sliding_window and key_lengths, composed; None: every key)."""
+    if by_position is None:
+        return np.ones(S, bool)
+    return np.broadcast_to(by_position(None, None, np.asarray(i), np.arange(S)), S)
 
 
 def rope(x: ArrayLike, positions: int | ArrayLike, *, theta: float = 10000.0, interleaved: bool = False,
@@ -476,11 +478,12 @@ def padding_mask(lengths: ArrayLike, S: int) -> np.ndarray:
     return np.array(rows, dtype=bool).reshape(-1, 1, 1, S)
 
 
-def _visible_keys(i: int, mask_row: np.ndarray, bias_row: np.ndarray, structure: Structure) -> np.ndarray:
+def _visible_keys(i: int, mask_row: np.ndarray, bias_row: np.ndarray,
+                  by_position: Callable[..., ArrayLike] | None) -> np.ndarray:
     """The keys j query i may see, as indices: kept by the mask, not -inf in the bias, and shown by the position
-    keywords of `structure` (its sequence's q_offset and key_lengths, ints)."""
+    keywords' mask function of its sequence (`_by_position`)."""
     j = np.arange(len(mask_row))
-    return j[mask_row & (bias_row != -np.inf) & _by_position(structure, i, len(mask_row))]
+    return j[mask_row & (bias_row != -np.inf) & _by_position(by_position, i, len(mask_row))]
 
 
 def _attend(v: np.ndarray, keys: np.ndarray, logits: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
@@ -494,12 +497,13 @@ def _attend(v: np.ndarray, keys: np.ndarray, logits: np.ndarray, S: int) -> tupl
 
 
 def _logits(q_i: np.ndarray, k: np.ndarray, keys: np.ndarray, bias_row: np.ndarray, scale: float,
-            softcap: float | None, mods: Mods, index: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+            capping: Callable[..., ArrayLike] | None, mods: Mods,
+            index: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """The keys the mods leave visible of `keys` and their logits score_mod(cap(q_i . k_j * scale)) + bias_ij,
-    (visible,) each; index is the query's (..., i), (b, h, i) where there are mods."""
+    (visible,) each, cap the softcap keyword's score function (from_keywords; None: none); index is the query's
+    (..., i), (b, h, i) where there are mods."""
     raw = k[keys] @ q_i * scale  # (visible, E) x (E,) -> (visible,)
-    if softcap is not None:  # capped before the bias (Gemma 2), so the bias still decides what is hidden
-        capping = from_keywords(Structure(is_causal=False, q_offset=0, window=None, key_lengths=None), softcap)[1]
+    if capping is not None:  # capped before the bias (Gemma 2), so the bias still decides what is hidden
         raw = np.asarray(capping(raw, None, None, None, None)).astype(raw.dtype)
     if mods != (None, None):  # after the cap, before the bias (SPEC 2a)
         keys, raw = _modded_row(keys, raw, mods, index)
