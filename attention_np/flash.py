@@ -44,6 +44,7 @@ import threadpoolctl
 
 from attention_np.common import validation
 from attention_np.common.block_mask import EMPTY, PARTIAL, BlockMask
+from attention_np.common.mods import within_tile
 from attention_np.common.records import FlashOptions, Structure
 
 from .functional import _dtypes, _grouped, _prepare
@@ -388,17 +389,10 @@ def _tile_visible(p: _Problem, rows: slice, cols: slice) -> np.ndarray | None:
         visible = p.mask[..., rows, cols] != 0
     if p.bias is not None:
         visible = _and(visible, p.bias[..., rows, cols] != -np.inf)
-    structure, (least, greatest) = p.structure, p.offsets
+    least, greatest = p.offsets
     first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
-    left, right = structure.window or (None, None)
-    hides = structure._replace(  # the rules that hide some key of this tile: the others are not evaluated
-        is_causal=structure.is_causal and cols.stop - 1 > first,  # some key after some query
-        window=(left if left is not None and cols.start < last - left else None,
-                right if right is not None and cols.stop - 1 > first + right else None),
-        key_lengths=structure.key_lengths if p.lengths is not None and cols.stop > p.lengths[0] else None)
-    if hides.window == (None, None):
-        hides = hides._replace(window=None)
-    by_position = _by_position(hides)
+    by_position = _by_position(within_tile(p.structure, first, last, cols, None if p.lengths is None else
+                                           p.lengths[0]))  # the rules that hide some key of this tile alone
     if by_position is not None:  # the catalogue's rules at the tile's indices (..., block_q, block_k)
         visible = _and(visible, by_position(None, None, np.arange(rows.start, rows.stop)[:, None],
                                             np.arange(cols.start, cols.stop)))

@@ -44,6 +44,7 @@ import torch
 
 from attention_np.common import validation
 from attention_np.common.block_mask import EMPTY, PARTIAL, BlockMask
+from attention_np.common.mods import within_tile
 from attention_np.common.records import FlashOptions, Structure
 
 from .fast import _grouped_matmul
@@ -461,17 +462,10 @@ def _tile_visible(p: _Problem, rows: slice, cols: slice) -> torch.Tensor | None:
     if mods is not None and mods.mask_mod is not None and (
             mods.kinds is None or mods.kinds[rows.start // p.block_q, cols.start // p.block_k] == PARTIAL):
         visible = _and(visible, _heads_laid_out(p, _mask_mod_visible(mods.mask_mod, mods.idx, rows, cols)))
-    structure, (least, greatest) = p.structure, p.offsets
+    least, greatest = p.offsets
     first, last = least + rows.start, greatest + rows.stop - 1  # the tile's least and greatest position
-    left, right = structure.window or (None, None)
-    causal = structure.is_causal and cols.stop - 1 > first  # some key after some query
-    after_right = right is not None and cols.stop - 1 > first + right
-    before_left = left is not None and cols.start < last - left
-    beyond_length = p.lengths is not None and cols.stop > p.lengths[0]
-    hides = structure._replace(  # the rules that hide some key of this tile: the others are not evaluated
-        is_causal=causal, window=(left if before_left else None, right if after_right else None),
-        key_lengths=structure.key_lengths if beyond_length else None)
-    by_position = _by_position(hides._replace(window=None) if hides.window == (None, None) else hides)
+    by_position = _by_position(within_tile(p.structure, first, last, cols, None if p.lengths is None else
+                                           p.lengths[0]))  # the rules that hide some key of this tile alone
     if by_position is None:  # torch: no positions built
         return visible
     indices = _positions(rows.stop - rows.start, cols.stop - cols.start, p.q.device, rows.start, cols.start)

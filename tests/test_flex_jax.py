@@ -184,6 +184,17 @@ class _Recorder:
         return self.inner(*arguments)
 
 
+def _assert_called_by_kind(block_mask: Any, mask_mod: Any, score_mod: Any) -> None:
+    """The recorders' tiles by the block mask's kinds: the mask function on the partial tiles alone, the score
+    function on every tile computed (partial and full), none on an empty one; the case has tiles of each kind."""
+    kinds = block_mask.batch_kinds()
+    partial, empty, full = ({(int(i), int(j)) for i, j in zip(*np.nonzero(kinds == kind), strict=True)}
+                            for kind in (PARTIAL, EMPTY, FULL))
+    assert partial and empty and full, "the case has tiles of every kind"
+    assert mask_mod.tiles == partial, "the mask function runs on the partial tiles, and on them only"
+    assert score_mod.tiles == partial | full, "the score function runs on every tile computed, no empty one"
+
+
 def test_the_mask_function_runs_on_partial_tiles_only():
     q, k, v = _inputs()
     mask_mod, score_mod = _Recorder(MASK, (2, 3)), _Recorder(ALIBI, (2, 3))
@@ -191,12 +202,7 @@ def test_the_mask_function_runs_on_partial_tiles_only():
     mask_mod.tiles.clear()
     jax.block_until_ready(M.flex_attention(q, k, v, score_mod, block_mask, SCALE))
     jax.effects_barrier()
-    kinds = block_mask.batch_kinds()
-    partial, empty, full = ({(int(i), int(j)) for i, j in zip(*np.nonzero(kinds == kind), strict=True)}
-                            for kind in (PARTIAL, EMPTY, FULL))
-    assert partial and empty and full, "the case has tiles of every kind"
-    assert mask_mod.tiles == partial, "the mask function runs on the partial tiles, and on them only"
-    assert score_mod.tiles == partial | full, "the score function runs on every tile computed, no empty one"
+    _assert_called_by_kind(block_mask, mask_mod, score_mod)
 
 
 def _equations(jaxpr: Any) -> int:
@@ -302,12 +308,7 @@ def test_flash_with_a_block_mask_skips_empty_tiles_and_masks_partial_ones_only(d
         score_mod.tiles.clear()
         jax.block_until_ready(pullback(jnp.ones_like(out)))
         jax.effects_barrier()
-    kinds = block_mask.batch_kinds()
-    partial, empty, full = ({(int(i), int(j)) for i, j in zip(*np.nonzero(kinds == kind), strict=True)}
-                            for kind in (PARTIAL, EMPTY, FULL))
-    assert partial and empty and full, "the case has tiles of every kind"
-    assert mask_mod.tiles == partial, "the mask function runs on the partial tiles, and on them only"
-    assert score_mod.tiles == partial | full, "the score function runs on every tile computed, no empty one"
+    _assert_called_by_kind(block_mask, mask_mod, score_mod)
 
 
 def test_flash_with_a_block_mask_and_the_keyword_rules_equals_the_dense_oracle():

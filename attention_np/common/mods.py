@@ -144,6 +144,21 @@ def from_keywords(structure: Structure, softcap_: float | None = None) -> tuple[
     return mask_mod, None if softcap_ is None else softcap(softcap_)
 
 
+def within_tile(structure: Structure, first: int, last: int, cols: slice, shortest: int | None) -> Structure:
+    """The position keywords of `structure` that hide some key of a tile, the others left out, so that a tiled
+    kernel evaluates only those: its queries' positions run from `first` to `last` and its keys are `cols`;
+    `shortest` is key_lengths' least value (None: no key_lengths). is_causal stays where some key follows some
+    query, a side of the window where it cuts into the tile, key_lengths where some key is at or past the
+    shortest length."""
+    left, right = structure.window or (None, None)
+    left = left if left is not None and cols.start < last - left else None
+    right = right if right is not None and cols.stop - 1 > first + right else None
+    return structure._replace(is_causal=structure.is_causal and cols.stop - 1 > first,
+                              window=None if left is None and right is None else (left, right),
+                              key_lengths=structure.key_lengths if shortest is not None and cols.stop > shortest
+                              else None)
+
+
 # --- the catalogue: mask functions -------------------------------------------------------------------------
 
 def causal(q_offset: Any = 0) -> MaskMod:
