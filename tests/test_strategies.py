@@ -252,6 +252,27 @@ def test_sdpa_cases_without_positions_pass_no_keyword_of_spec_2a(case: cases.Sdp
     assert (case.q_offset, case.window, case.key_lengths, case.softcap, case.enable_gqa) == (0, None, None, None, False)
 
 
+def test_positioned_cases_draw_every_keyword_of_the_table_away_from_its_default() -> None:
+    """The keywords of SPEC 2a that the suite draws are the table's (attention_np.common.keywords.POSITIONS):
+    each has a drawer (enable_gqa with the heads), and each is drawn away from its default somewhere."""
+    from attention_np.common.keywords import KEYWORDS, POSITIONS
+
+    assert set(cs.POSITION_DRAWERS) | set(cs.DRAWN_WITH_HEADS) == set(POSITIONS)
+    reached: set[str] = set()
+
+    @settings(max_examples=200, database=None, deadline=None)
+    @given(cs.sdpa_cases(positioned=True, modded=False))
+    def draw(case: cases.SdpaCase) -> None:
+        reached.update(name for name in POSITIONS if not _is_default(getattr(case, name), KEYWORDS[name].default))
+
+    draw()
+    assert reached == set(POSITIONS)
+
+
+def _is_default(value: object, default: object) -> bool:
+    return value is default if default is None else isinstance(value, type(default)) and value == default
+
+
 @FEW
 @given(st.data(), st.sampled_from((None, True, False)), st.sampled_from((None, True, False)),
        st.sampled_from((None, True, False)))

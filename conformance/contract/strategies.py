@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from hypothesis import strategies as st
 
-from attention_np.common import mods
+from attention_np.common import keywords, mods
 
 from .cases import (
     LARGE,
@@ -308,15 +308,6 @@ def _finite_where_visible(bias: np.ndarray, mask: np.ndarray | None) -> np.ndarr
 
 # --- positions, windows, key lengths and soft-capping (SPEC 2a) ------------------------------------------
 
-class Positions(NamedTuple):
-    """The keywords of SPEC 2a that one sdpa case passes; the defaults where it passes none."""
-
-    q_offset: int | np.ndarray = 0
-    window: tuple[int | None, int | None] | None = None
-    key_lengths: np.ndarray | None = None
-    softcap: float | None = None
-
-
 def offsets(L: int, S: int) -> tuple[int, ...]:
     """q_offset's values: S - L (bottom-right causal), negative (rows that see no key when causal), small,
     and at or past the last key."""
@@ -338,19 +329,34 @@ def _per_sequence(draw: Callable, batch: Batch, values: Sequence[int]) -> np.nda
     return np.reshape(draw(st.lists(st.sampled_from(values), min_size=n, max_size=n)), shape).astype(np.int64)
 
 
+def _q_offsets(batch: Batch, L: int, S: int) -> st.SearchStrategy:
+    """q_offset in OFFSET_FORMS: the default, a Python int of `offsets`, or one per sequence."""
+    return st.sampled_from(OFFSET_FORMS).flatmap(
+        lambda form: st.just(0) if form == "zero" else st.sampled_from(offsets(L, S)) if form == "int"
+        else _per_sequence(batch, offsets(L, S)))
+
+
+# How a case draws each keyword of SPEC 2a (keywords.POSITIONS, read from the one table): {keyword: (batch, L, S)
+# -> strategy}. enable_gqa is drawn with the heads (`grouped_heads`); a keyword added to the table without a drawer
+# here fails every positioned draw (KeyError), so none is left undrawn.
+POSITION_DRAWERS: dict[str, Callable[[Batch, int, int], st.SearchStrategy]] = {
+    "q_offset": _q_offsets,
+    "window": lambda batch, L, S: st.none() | st.tuples(st.sampled_from(WINDOW_SIDES), st.sampled_from(WINDOW_SIDES)),
+    "key_lengths": lambda batch, L, S: st.none() | _per_sequence(batch, key_lengths(S)),
+    "softcap": lambda batch, L, S: st.none() | st.sampled_from(SOFTCAPS),
+}
+DRAWN_WITH_HEADS = ("enable_gqa",)  # keywords of POSITIONS that `grouped_heads` decides
+
+
 @st.composite
-def positions(draw: Callable, batch: Batch, L: int, S: int) -> Positions:
-    """Each keyword of SPEC 2a set or left at its default, each set one from a short fixed list (JAX compiles
-    once per static q_offset, window and softcap): q_offset in OFFSET_FORMS, from `offsets`; a window of
-    WINDOW_SIDES (a side 0 with a negative offset leaves whole rows without a key); key lengths from
-    `key_lengths`, per sequence; a softcap of SOFTCAPS."""
-    form = draw(st.sampled_from(OFFSET_FORMS))
-    q_offset = (0 if form == "zero" else draw(st.sampled_from(offsets(L, S))) if form == "int"
-                else draw(_per_sequence(batch, offsets(L, S))))
-    window = draw(st.none() | st.tuples(st.sampled_from(WINDOW_SIDES), st.sampled_from(WINDOW_SIDES)))
-    lengths_ = draw(st.none() | _per_sequence(batch, key_lengths(S)))
-    return Positions(q_offset=q_offset, window=window, key_lengths=lengths_,
-                     softcap=draw(st.none() | st.sampled_from(SOFTCAPS)))
+def positions(draw: Callable, batch: Batch, L: int, S: int) -> dict[str, Any]:
+    """{keyword: value} for each keyword of SPEC 2a in keywords.POSITIONS (but enable_gqa), each set or left at its
+    default by its drawer in POSITION_DRAWERS, each set one from a short fixed list (JAX compiles once per static
+    q_offset, window and softcap): q_offset in OFFSET_FORMS, from `offsets`; a window of WINDOW_SIDES (a side 0
+    with a negative offset leaves whole rows without a key); key lengths from `key_lengths`, per sequence; a
+    softcap of SOFTCAPS."""
+    return {name: draw(POSITION_DRAWERS[name](batch, L, S)) for name in keywords.POSITIONS
+            if name not in DRAWN_WITH_HEADS}
 
 
 @st.composite
@@ -423,9 +429,9 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     bias_ = None if bias is False else draw(biases(batch, L, S, allow_none=bias is None))
     if single_key and bias_ is not None:
         bias_ = _finite_where_visible(bias_, mask_)
-    extra = draw(positions(batch, L, S)) if positioned else Positions()
+    extra = draw(positions(batch, L, S)) if positioned else {}
     return SdpaCase(q=q, k=k, v=v, mask=mask_, bias=bias_, is_causal=is_causal, scale=scale, dropout=0.0,
-                    **extra._asdict(), enable_gqa=grouped)
+                    **extra, enable_gqa=grouped)
 
 
 @st.composite
@@ -444,10 +450,10 @@ def _modded_sdpa_cases(draw: Callable, is_causal: bool | None, mask: bool | None
         k = k + KEY_OFFSET * _rng(draw).standard_normal((B, Hkv, 1, k.shape[-1]))  # (B, Hkv, S, E) + (.., 1, E)
     mask_ = None if mask is False else draw(masks((B, H), L, S, families=MASKED_FAMILIES if mask else None))
     bias_ = None if bias is False else draw(biases((B, H), L, S, allow_none=bias is None))
-    extra = draw(positions((B, H), L, S)) if draw(st.booleans()) else Positions()
+    extra = draw(positions((B, H), L, S)) if draw(st.booleans()) else {}
     return SdpaCase(q=q, k=k, v=v, mask=mask_, bias=bias_,
                     is_causal=draw(st.booleans()) if is_causal is None else is_causal,
-                    scale=draw(st.sampled_from(SCALES)), dropout=0.0, **extra._asdict(), enable_gqa=grouped,
+                    scale=draw(st.sampled_from(SCALES)), dropout=0.0, **extra, enable_gqa=grouped,
                     mask_mod=draw(mask_functions(B, H, L, S, always=True)), score_mod=draw(score_functions(H)))
 
 
