@@ -8,6 +8,7 @@ mask function, and its errors; and flex_attention against ONNX's preview FlexAtt
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -155,6 +156,18 @@ def test_a_float64_parameter_keeps_float32_scores_float32():
     scores = np.zeros((1, 2, 2, 3), dtype=np.float32)
     for mod in (mods.alibi(np.array([0.5, 2.0])), mods.relative_bias(np.zeros((2, 3))), mods.softcap(2.0)):
         assert mod(scores, *_indices(np, 1, 2, 2, 3)).dtype == np.float32, mod
+
+
+def test_a_torch_parameter_that_requires_grad_stays_in_its_graph_without_a_warning():
+    # the parameter is the framework's own tensor: kept as it is (torch.asarray would warn about requires_grad)
+    torch = pytest.importorskip("torch")
+    slopes = torch.tensor([0.5, 2.0], dtype=torch.float64, requires_grad=True)
+    scores = torch.zeros((1, 2, 2, 3), dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = mods.alibi(slopes)(scores, *_indices(torch, 1, 2, 2, 3))
+    out.sum().backward()
+    torch.testing.assert_close(slopes.grad, torch.tensor([3.0, 3.0], dtype=torch.float64))  # sum of j - i
 
 
 # --- against attn-gym's mask and score functions and torch's combinators ---------------------------------------

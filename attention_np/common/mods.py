@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
-from array_api_compat import array_namespace, device
+from array_api_compat import array_namespace, device, to_device
 
 from .records import Structure
 
@@ -282,7 +282,10 @@ def _like(x: Any, reference: Any) -> Any:
     """x as an array of `reference`'s namespace and device (in its dtype when x is floating, so that a float64
     parameter does not promote a float32 score)."""
     xp = array_namespace(reference)
-    x = xp.asarray(x, device=device(reference))
+    if not isinstance(x, type(reference)):  # a number, a NumPy parameter: converted (type(), not array_namespace(x),
+        x = xp.asarray(x, device=device(reference))  # which torch's compiler cannot trace on a NumPy array)
+    elif device(x) != device(reference):  # the framework's own array, kept in its autograd graph
+        x = to_device(x, device(reference))
     floating = xp.isdtype(x.dtype, "real floating") and xp.isdtype(reference.dtype, "real floating")
     return xp.astype(x, reference.dtype) if floating and x.dtype != reference.dtype else x
 
