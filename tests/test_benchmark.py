@@ -15,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -144,6 +145,24 @@ def test_measure_interleaves_the_candidates_so_each_follows_every_other_equally_
     # as a cycle: A -> C, C -> B, B -> C, C -> A, A -> B, B -> A, each ordered pair once per pass
     assert sorted(itertools.pairwise(timed[:7])) == sorted(itertools.permutations("ABC", 2))
     assert len(medians) == 3 and all(seconds >= 0 for seconds in medians)
+
+
+def test_measure_settles_before_each_call_for_at_most_ten_times_the_previous_call() -> None:
+    # a call of 20 ms is followed by a wait of min(settle, 0.2 s); a call that returns at once by almost none
+    starts: list[tuple[str, float]] = []
+    ends: list[float] = []
+
+    def run(name: str, seconds: float) -> None:
+        starts.append((name, time.perf_counter()))
+        time.sleep(seconds)
+        ends.append(time.perf_counter())
+
+    candidates = [timing.Candidate("slow", operation="sdpa", run=lambda: run("slow", 0.02), peak=lambda: None),
+                  timing.Candidate("quick", operation="sdpa", run=lambda: run("quick", 0.0), peak=lambda: None)]
+    timing.measure(candidates, repeats=2, warmup=0, settle=0.1)
+    gaps = {(starts[i - 1][0], starts[i][0]): starts[i][1] - ends[i - 1] for i in range(1, len(starts))}
+    assert gaps[("slow", "quick")] >= 0.1 and gaps[("quick", "slow")] < 0.05, gaps
+    assert variants.FLEX.settle > 0 and variants.PLAIN.settle == 0  # flex's NumPy thread pool, after OpenBLAS's
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])

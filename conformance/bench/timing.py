@@ -171,6 +171,7 @@ class Variant(NamedTuple):
     sizes: tuple[int, ...] = SIZES  # the lengths L = S compare times by default
     reference: Callable[[Problem, Options], np.ndarray] | None = None  # (problem, options) -> the float64 output
     # to measure errors against; None: attention_np's explicit path (which holds the (B, H, L, S) weights)
+    settle: float = 0.0  # seconds `measure` waits before each call, for the previous call's idle threads to stop
 
 
 def flops(operation: str, *, B: int, H: int, L: int, S: int, E: int) -> int:
@@ -184,7 +185,7 @@ def flops(operation: str, *, B: int, H: int, L: int, S: int, E: int) -> int:
     return count
 
 
-def measure(candidates: Sequence[Candidate], *, repeats: int, warmup: int = 1) -> list[float]:
+def measure(candidates: Sequence[Candidate], *, repeats: int, warmup: int = 1, settle: float = 0.0) -> list[float]:
     """Median seconds per call of each candidate, their repeats interleaved in an order in which each
     candidate follows every other one equally often (`balanced_order`): a call that leaves the caches cold
     or the allocator busy slows whichever call comes next, and a plain rotation (A B C, B C A, C A B) puts
@@ -192,18 +193,23 @@ def measure(candidates: Sequence[Candidate], *, repeats: int, warmup: int = 1) -
 
     Interleave candidates of one framework only: a framework's idle threads spin for a while after each
     call (OpenMP, OpenBLAS, XLA's pool), and on a machine with few cores they slow the next framework's call
-    by ten times and more; targets() joins only frameworks that a target compares across (timed_together)."""
+    by ten times and more; targets() joins only frameworks that a target compares across (timed_together).
+    Within one framework they still slow a call that runs on a thread pool of its own: settle > 0 waits, untimed,
+    before each call, up to `settle` seconds and at most ten times the previous call (a short call leaves no pool
+    spinning for long)."""
     for candidate in candidates:
         for _ in range(warmup):
             candidate.run()
     times: list[list[float]] = [[] for _ in candidates]
-    order = balanced_order(len(candidates))
+    order, previous = balanced_order(len(candidates)), 0.0
     with collector_paused():
         for index in itertools.islice(itertools.cycle(order), math.ceil(repeats / order.count(0)) * len(order)):
             if len(times[index]) < repeats:  # the last pass through `order` may need only some candidates
+                time.sleep(min(settle, 10 * previous))
                 start = time.perf_counter()
                 candidates[index].run()
-                times[index].append(time.perf_counter() - start)
+                previous = time.perf_counter() - start
+                times[index].append(previous)
     return [statistics.median(seconds) for seconds in times]
 
 
@@ -257,7 +263,8 @@ def compare(*, variant: Variant, sizes: Sequence[int] = SIZES, operations: Seque
                           for options in dict.fromkeys(candidate.options for candidate in candidates)}
             for kind in dict.fromkeys(candidate.framework for candidate in candidates):
                 group = [candidate for candidate in candidates if candidate.framework == kind]
-                for candidate, seconds in zip(group, measure(group, repeats=repeats), strict=True):
+                seconds_each = measure(group, repeats=repeats, settle=variant.settle)
+                for candidate, seconds in zip(group, seconds_each, strict=True):
                     rows.append(_row(candidate, problem, variant.name, dtype, repeats, seconds,
                                      references[candidate.options]))
     return rows
@@ -285,8 +292,8 @@ def targets(*, variant: Variant, L: int | None = None, repeats: int = 10, device
                                          calls=variant.calls)
             measured: dict[str, dict[str, float | None]] = {"time": {}}
             for group in timed_together(candidates, mine):
-                measured["time"] |= {c.name: 1e3 * seconds
-                                     for c, seconds in zip(group, measure(group, repeats=repeats), strict=True)}
+                seconds_each = measure(group, repeats=repeats, settle=variant.settle)
+                measured["time"] |= {c.name: 1e3 * seconds for c, seconds in zip(group, seconds_each, strict=True)}
             if any(COMPARISONS[target.compared].quantity == "peak" for target in mine):  # one more call each
                 measured["peak"] = {c.name: _mib(c.peak()) for c in candidates}
             rows += [target_row(target, problem, variant.name, measured) for target in mine]
