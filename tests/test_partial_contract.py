@@ -175,6 +175,27 @@ def test_a_module_lacking_an_option_never_gets_a_case_that_uses_it():
     assert seen and all(seen)
 
 
+def test_a_declaration_changes_how_the_drawn_cases_run_never_which_are_drawn():
+    # the queries each sdpa call gets, in order: the same for one seed whatever the module declares lacking (the
+    # window lacking only leaves the window out of the cases that have one)
+    def queries(lacks: Declaration | None, operation: str = "sdpa") -> list[bytes]:
+        seen: list[bytes] = []
+
+        def recording(q, *arguments, **keywords):
+            seen.append(np.asarray(q).tobytes())
+            return attention_np.scaled_dot_product_attention(q, *arguments, **keywords)
+
+        module = _module("recording", lacks=lacks)
+        module.scaled_dot_product_attention = recording
+        assert check(module, operations=(operation,), measures=("values",), max_examples=12).passed
+        return seen
+
+    plain = queries(None)
+    assert len(plain) > 12
+    assert queries(Declaration({"dropout": "inference only"})) == plain
+    assert queries(Declaration({"window": "no sliding window"})) == plain
+
+
 def test_a_check_asks_for_some_checks_only():
     report = check(attention_np, operations=("sdpa",), measures=("edge_cases", "values"), max_examples=1)
     assert {row.check for row in report.rows} == {"values", "fast_path", "weights_rows", "edge_cases"}

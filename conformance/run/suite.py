@@ -499,6 +499,8 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
     name = runner.module.__name__
 
     def body(case: Any) -> None:
+        if case is None:  # the drawn case needs a module option the module lacks (SPEC 11): not run
+            return
         count[0] += 1
         tell(f"{name} {group.operation} {group.check.__name__} {dtype}")
         try:
@@ -524,10 +526,9 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
                 first.setdefault(measure, message)
             raise CheckFailure(message, list(bad))
 
-    declaration = runner.declaration  # a partial module gets the cases it can run (SPEC 11)
-    drawn = group.strategy()
-    if declaration.lacks:
-        drawn = drawn.map(lambda case: leave_out(case, declaration)).filter(lambda case: case is not None)
+    declaration = runner.declaration  # a partial module runs the cases it can (SPEC 11); every module is drawn the
+    # same cases for a seed: a filter here would draw others in their place, so a case it cannot run is passed over
+    drawn = group.strategy().map(lambda case: leave_out(case, declaration))
     test = given(case=drawn)(body)
     pinned = (leave_out(row.build(), declaration) for row in fixed_cases.rows(group.operation, "example")) \
         if group.pinned else ()
@@ -547,6 +548,9 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
                                    "passed when run again, so the module gives different results for the same "
                                    "inputs; the first failure:\n" + next(iter(first.values()), "")}
     failures = first | shrunk  # a case over a tolerance fails its row, also one left behind while shrinking
+    if not count[0] and not failures:  # every case drawn needed a module option the module lacks
+        why = "every case drawn needs a module option it lacks"
+        return [_skipped(name, group.operation, group.check.__name__, dtype, why)]
     names = list(held) or ([] if skips and not failures else ["call"])
     names += [m for m in failures if m not in names]
     rows = []
