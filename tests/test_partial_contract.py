@@ -196,6 +196,35 @@ def test_a_declaration_changes_how_the_drawn_cases_run_never_which_are_drawn():
     assert queries(Declaration({"window": "no sliding window"})) == plain
 
 
+def test_a_kernel_of_the_first_contract_untouched_passes_the_rows_it_can_run():
+    # its sdpa takes the first contract's keywords alone: the later ones (SPEC 2a, the mods) are read off its
+    # signature as lacking, each with the reason, and its sdpa rows pass without a declaration
+    def scaled_dot_product_attention(q, k, v, mask=None, *, bias=None, is_causal=False, scale=None, dropout_p=0.0,
+                                     need_weights=True, rng=None):
+        return attention_np.scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale,
+                                                         dropout_p=dropout_p, need_weights=need_weights, rng=rng)
+
+    module = _module("first_contract", functions=())
+    module.scaled_dot_product_attention = scaled_dot_product_attention
+    lacking = ("q_offset", "window", "key_lengths", "softcap", "enable_gqa", "mods", "score_mod")
+    assert dict(Runner(module).declaration.lacks) == dict.fromkeys(
+        sorted(lacking), "not in the signature of scaled_dot_product_attention")
+    report = check(module, operations=("sdpa",), max_examples=4)
+    assert report.passed, _failures(report)
+    # a declaration still wins: its reason replaces the signature's
+    module.CONFORMANCE = Declaration({"window": "no sliding window"})
+    assert Runner(module).declaration.reason("window") == "lacks window: no sliding window"
+
+
+def test_a_kernel_taking_keywords_lacks_nothing_it_does_not_declare():
+    def scaled_dot_product_attention(q, k, v, mask=None, **keywords):
+        return attention_np.scaled_dot_product_attention(q, k, v, mask, **keywords)
+
+    module = _module("keywords", functions=())
+    module.scaled_dot_product_attention = scaled_dot_product_attention
+    assert Runner(module).declaration == Declaration()
+
+
 def test_a_check_asks_for_some_checks_only():
     report = check(attention_np, operations=("sdpa",), measures=("edge_cases", "values"), max_examples=1)
     assert {row.check for row in report.rows} == {"values", "fast_path", "weights_rows", "edge_cases"}

@@ -16,6 +16,7 @@ table gives sdpa's keywords their rows here.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType, ModuleType
 from typing import NamedTuple
@@ -119,11 +120,32 @@ class Declaration:
 
 
 def declaration_of(module: ModuleType) -> Declaration:
-    """The module's declaration (CONFORMANCE), or one that lacks nothing."""
+    """What the module lacks: what its signatures say (`from_signatures`), joined with its declaration
+    (CONFORMANCE), whose reasons win; a module whose functions take every keyword and that declares nothing
+    lacks nothing."""
     declared = getattr(module, DECLARATION, None)
-    if declared is None:
-        return Declaration()
-    if not isinstance(declared, Declaration):
+    if declared is not None and not isinstance(declared, Declaration):
         raise TypeError(f"{module.__name__}.{DECLARATION} must be a conformance.Declaration, got "
                         f"{type(declared).__name__}")
-    return declared
+    return from_signatures(module) | (declared or Declaration())
+
+
+SIGNED = ("scaled_dot_product_attention", "flash_attention")  # the function whose signature tells, the first there
+
+
+def from_signatures(module: ModuleType) -> Declaration:
+    """The features of the keywords of the set (KEYWORDS) that the module's scaled_dot_product_attention (or, without
+    one, flash_attention) does not take, each with the reason "not in the signature of ...": a kernel written before
+    a keyword joined the contract keeps passing the rows it can run. Nothing where the function takes **keywords,
+    where neither is there, or where its signature cannot be read."""
+    name = next((name for name in SIGNED if callable(getattr(module, name, None))), None)
+    if name is None:
+        return Declaration()
+    try:
+        parameters = inspect.signature(getattr(module, name)).parameters
+    except (TypeError, ValueError):  # a builtin or extension function without a readable signature
+        return Declaration()
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return Declaration()
+    return Declaration({keyword.feature: f"not in the signature of {name}" for keyword_name, keyword in KEYWORDS.items()
+                        if keyword_name not in parameters})
