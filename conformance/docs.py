@@ -336,6 +336,10 @@ GUARDS: tuple[Guard, ...] = (
           catches="a recurrent form that breaks the invariant: `linear_attention_state` and `linear_attention_step`"
                   " through a causal sequence must give the causal forward's outputs (a step that reads its state "
                   "before adding the current key)"),
+    Guard(("state_kept",), operations=("linear",),
+          catches="a recurrent step that writes into the state it is given (`S += phi(k_t) v_t^T` in place) and "
+                  "returns it: every output is right, but the caller's state has changed; each step's state must "
+                  "hold after the call the bits a copy taken before it holds (JAX's arrays cannot change)"),
     Guard(("masked_rows",),
           catches="NaN or leaked gradient where no attention reaches: a query that sees no key, a key nobody sees, "
                   "must get exactly zero gradient"),

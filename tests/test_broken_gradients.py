@@ -16,6 +16,7 @@ REACHES = {
     "dk_not_scaled": ["sdpa"],
     "dbias_not_reduced": ["sdpa"],
     "gqa_group_gradient_averaged": ["sdpa"],
+    "softcap_derivative_forgotten": ["sdpa"],
     "layer_norm_without_variance_term": ["block"],
     "linear_weight_gradient_transposed": ["mha"],
     "gelu_derivative_cdf_only": ["block"],

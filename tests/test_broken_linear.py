@@ -18,6 +18,7 @@ EXPECTED: dict[str, set[str]] = {
     "chunk_state_includes_the_chunk": {"values"},
     "eps_in_the_numerator": {"values"},
     "step_reads_before_the_update": {"steps"},
+    "step_updates_the_state_in_place": {"state_kept"},
     "backward_without_phi_prime": {"gradients"},
     "backward_ignores_key_lengths": {"gradients", "masked_rows"},
 }
@@ -36,7 +37,8 @@ def test_correct_linear_attention_passes_the_linear_rows():
     assert report.passed, "\n\n".join(row.failure for row in report.rows if row.failure)
     linear = {(row.check, row.dtype): row for row in report.rows if row.operation == "linear"}
     assert {("values", "float32"), ("values", "float64"), ("values", "float16"), ("gradients", "float64"),
-            ("masked_rows", "float64"), ("steps", "float32"), ("steps", "float64"), ("errors", "-"),
+            ("masked_rows", "float64"), ("steps", "float32"), ("steps", "float64"), ("state_kept", "float32"),
+            ("state_kept", "float64"), ("errors", "-"),
             ("edge_cases", "float64")} <= set(linear)
     assert all(row.examples > 0 and not row.skipped for row in linear.values())
 

@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
+from array_api_compat import array_namespace
 
 from ..contract.cases import BlockCase, Case, LinearCase, MhaCase, SdpaCase, per_query_head
 from ..contract.features import declaration_of
@@ -399,30 +400,51 @@ def linear_steps(runner: Runner, case: LinearCase, dtype: str) -> dict[str, Meas
     """steps: linear_attention_state, then linear_attention_step at positions 0, 1, .., L - 1 (the state in the
     inputs' dtype), gives the causal forward's outputs: each out_t against the oracle's causal out row t, as
     `values` (below float64 to LOW_PRECISION_FACTOR times what the oracle loses). The recurrent form takes no
-    key lengths; a module without the two functions is SKIP."""
+    key lengths; a module without the two functions is SKIP.
+    state_kept: the state each step is given holds after the call, bit for bit, what a copy taken before it holds
+    (SPEC 2e: the state passed in never changes; a step that adds key t into it in place gives the right out_t
+    and loses the caller's state). JAX's arrays cannot change, so there it holds by construction."""
     if absent := missing(runner.module, STEP_FUNCTIONS):
-        return {"steps": skipped(f"no {absent[0]}")}
+        why = f"no {absent[0]}"
+        return {"steps": skipped(why), "state_kept": skipped(why)}
     case = rounded(case._replace(is_causal=True, key_lengths=None, chunk=None), dtype)
     reference = expected(case)
     tolerance = _low_precision_tolerance(case, dtype, reference)
-    outs = runner.call(_stepped, {"q": case.q, "k": case.k, "v": case.v}, dtype, None,
-                       feature_map=case.feature_map, eps=case.eps)  # one staged call (JAX: one compile) per case
+    # one staged call (JAX: one compile) per case: the outputs, and each step's state as copied before the step and
+    # as it is after it
+    outs, copies, given = runner.call(_stepped, {"q": case.q, "k": case.k, "v": case.v}, dtype, None,
+                                      feature_map=case.feature_map, eps=case.eps)
     out = np.stack(outs, axis=-2) if outs else None  # L x (..., Ev) -> (..., L, Ev)
     (out, _), (expected_out, _) = (specified(runner, case, pair) for pair in ((out, None), reference))
-    return {"steps": compare("stepped out", out, expected_out, dtype)._replace(tolerance=tolerance)}
+    return {"steps": compare("stepped out", out, expected_out, dtype)._replace(tolerance=tolerance),
+            "state_kept": _state_kept(copies, given)}
 
 
-def _stepped(module: ModuleType, arrays: dict, rng: Any, *, feature_map: str, eps: float) -> list:
-    """out_t for t = 0 .. L - 1 from the recurrent form, the state starting at zeros in q's dtype."""
+def _stepped(module: ModuleType, arrays: dict, rng: Any, *, feature_map: str, eps: float) -> tuple[list, list, list]:
+    """out_t for t = 0 .. L - 1 from the recurrent form, the state starting at zeros in q's dtype; and for each
+    step a copy of the state it is given, taken before the call, and that state itself, as it is after the call."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     batch = np.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]), tuple(v.shape[:-2]))  # (...)
     state = module.linear_attention_state(batch, q.shape[-1], v.shape[-1], dtype=q.dtype)  # S (..., E, Ev), z
-    outs = []
+    outs, copies, given = [], [], []
     for t in range(q.shape[-2]):  # a Python loop: the sequences are short, so JAX traces it once, unrolled
+        copies.append([array_namespace(x).asarray(x, copy=True) for x in state])  # the state's own framework
+        given.append(list(state))
         out_t, state = module.linear_attention_step(q[..., t, :], k[..., t, :], v[..., t, :], state,
                                                     feature_map=feature_map, eps=eps)  # (..., Ev)
         outs.append(out_t)
-    return outs
+    return outs, copies, given
+
+
+def _state_kept(copies: list[list[np.ndarray]], given: list[list[np.ndarray]]) -> Measure:
+    """0 where every state given to a step holds after it the bits its copy holds; inf naming the first step and
+    array that changed."""
+    for t, (before, after) in enumerate(zip(copies, given, strict=True)):
+        for name, x, y in zip(("S", "z"), before, after, strict=True):  # SPEC 2e's pair (S, z)
+            if y.shape != x.shape or y.dtype != x.dtype or y.tobytes() != x.tobytes():
+                return Measure(math.inf, f"linear_attention_step at position {t} changed the state it was given "
+                                         f"in place ({name})")
+    return Measure(0.0)
 
 
 # --- dropout in training mode -------------------------------------------------------------------------------

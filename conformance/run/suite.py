@@ -116,7 +116,7 @@ GROUPS = (
 MEASURES: dict[Callable, tuple[str, ...]] = {
     checks.against_oracle: ("values", "fast_path", "weights_rows"),
     checks.tiled_against_oracle: ("values", "lse"),
-    checks.out_against_oracle: ("values",), checks.linear_steps: ("steps",),
+    checks.out_against_oracle: ("values",), checks.linear_steps: ("steps", "state_kept"),
     checks.sdpa_permutation: ("permutation",), checks.mha_permutation: ("permutation",),
     checks.block_permutation: ("permutation",),
     checks.sdpa_causal_prefix: ("causal_prefix",), checks.block_causal_prefix: ("causal_prefix",),

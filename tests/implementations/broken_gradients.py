@@ -48,6 +48,9 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     # RoPE's adjoint turned forward again (R instead of R^T): the gradient of a turned query or key is wrong
     "rope_gradient_turned_forward": ("apply_rope(d, -np.arange(d.shape[-2]), theta=mha.rope_theta)",
                                      "apply_rope(d, np.arange(d.shape[-2]), theta=mha.rope_theta)"),
+    # softcap's vjp without tanh's derivative: dR = dC, not dC * (1 - tanh^2(R / c))
+    "softcap_derivative_forgotten": ("d_scores, _ = capping.vjp(d_scores, raw, None, None, None, None)",
+                                     "d_scores, _ = d_scores, {}"),
     # pre-LN: the residual's gradient is dropped in the backward pass
     "pre_ln_residual_dropped": ("dh = dy + dh_norm2  # the residual passes dy on unchanged", "dh = dh_norm2"),
 }

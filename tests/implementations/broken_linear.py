@@ -121,12 +121,17 @@ class Linear:
     def step(self, q_t: np.ndarray, k_t: np.ndarray, v_t: np.ndarray, state: State, feature_map: str,
              eps: float) -> tuple[np.ndarray, State]:
         """The state takes the current position, then the query reads it (j <= t)."""
-        S, z = state
+        S, _ = state
         fq, fk = self.features(q_t.astype(S.dtype), feature_map), self.features(k_t.astype(S.dtype), feature_map)
-        after = (S + fk[..., :, None] * v_t.astype(S.dtype)[..., None, :], z + fk)  # (..., E, Ev), (..., E)
+        after = self.updated(state, fk, v_t.astype(S.dtype))
         S_read, z_read = self.read(state, after)
         num = np.einsum("...e,...ef->...f", fq, S_read)  # (..., Ev)
         return self.normalise(num, np.sum(fq * z_read, axis=-1, keepdims=True), eps), after
+
+    def updated(self, state: State, fk: np.ndarray, v_t: np.ndarray) -> State:
+        """S' = S + phi(k_t) v_t^T, z' = z + phi(k_t): a new state, the one given left as it was."""
+        S, z = state
+        return S + fk[..., :, None] * v_t[..., None, :], z + fk  # (..., E, Ev), (..., E)
 
     def read(self, before: State, after: State) -> State:
         """The state the query at position t reads: the one that holds key t."""
@@ -270,6 +275,18 @@ class StepReadsBeforeTheUpdate(Linear):
         return before  # the bug: the state without key t
 
 
+class StepUpdatesTheStateInPlace(Linear):
+    """The step adds position t into the arrays of the state it was given (`np.add(S, ..., out=S)`, torch's
+    `S += ...`) and returns them as the new state: every out_t is right, but the caller's state has changed under
+    it, so a state kept to rerun or branch from position t is lost. Caught by: state_kept."""
+
+    def updated(self, state: State, fk: np.ndarray, v_t: np.ndarray) -> State:
+        S, z = state
+        np.add(S, fk[..., :, None] * v_t[..., None, :], out=S)  # the bug: written into the state given
+        np.add(z, fk, out=z)
+        return S, z
+
+
 # --- the backward pass -----------------------------------------------------------------------------------
 
 
@@ -298,6 +315,7 @@ VARIANTS: dict[str, type[Linear]] = {
     "chunk_state_includes_the_chunk": ChunkStateIncludesTheChunk,
     "eps_in_the_numerator": EpsInTheNumerator,
     "step_reads_before_the_update": StepReadsBeforeTheUpdate,
+    "step_updates_the_state_in_place": StepUpdatesTheStateInPlace,
     "backward_without_phi_prime": BackwardWithoutPhiPrime,
     "backward_ignores_key_lengths": BackwardIgnoresKeyLengths,
 }
