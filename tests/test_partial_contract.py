@@ -17,6 +17,7 @@ from conformance.contract.cases import flex_case, per_query_head, sdpa_case, til
 from conformance.contract.fixed_cases import rows
 from conformance.contract.operations import features_used, init_features_used, leave_out
 from conformance.run.checks import Runner, expected
+from conformance.run.fixed_checks import mask_helpers
 from tests.implementations import einsum_attention
 from tests.implementations.broken import BROKEN
 
@@ -223,6 +224,35 @@ def test_a_kernel_taking_keywords_lacks_nothing_it_does_not_declare():
     module = _module("keywords", functions=())
     module.scaled_dot_product_attention = scaled_dot_product_attention
     assert Runner(module).declaration == Declaration()
+
+
+def test_error_rows_configure_dropout_only_where_the_mistake_is_the_dropout():
+    # SPEC 11: an inference-only module (dropout lacking) runs every error row whose mistake is not the dropout
+    from conformance.contract.operations import OPERATIONS
+
+    for operation in OPERATIONS:
+        for row in rows(operation, "error"):
+            made = row.build()
+            used = init_features_used(made) if row.stage == "init" else features_used(made)
+            about_dropout = "dropout" in row.name or any("dropout" in word for word in row.contains)
+            assert "dropout" not in used or about_dropout, f"{operation} {row.name} configures dropout"
+
+
+def test_a_state_in_swiglus_layout_needs_swiglu_whatever_the_activation_asked():
+    (row,) = [row for row in rows("block", "error") if row.name == "relu_with_a_swiglu_state"]
+    assert "swiglu" in features_used(row.build())
+
+
+def test_the_mask_helpers_skip_the_keywords_a_module_lacks():
+    # helpers of the first contract: causal_mask(L, S), no window_mask; q_offset declared lacking
+    module = _module("first_helpers", lacks=Declaration({"q_offset": "no positions", "window": "no windows"}))
+    module.causal_mask, module.padding_mask = (lambda L, S: attention_np.causal_mask(L, S)), attention_np.padding_mask
+    results = mask_helpers(Runner(module))
+    assert not [result for result in results if result.problems], [r for r in results if r.problems]
+    skipped = {result.row.name: result.skipped for result in results if result.skipped}
+    assert skipped and all(why.startswith(("lacks q_offset", "lacks window", "no window_mask"))
+                           for why in skipped.values()), skipped
+    assert {result.row.name for result in results if not result.skipped} >= {"causal_mask_3_3", "padding_mask_4_6"}
 
 
 def test_a_check_asks_for_some_checks_only():

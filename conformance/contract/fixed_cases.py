@@ -654,10 +654,10 @@ def _decode_rows() -> list[Fixed]:
                  "weights",
                  "zero",
                  index=(ALL, ALL, ALL, slice(3, None))), Requirement("weights", "sums_to_one")),
-        error("decode", "cache_full", lambda: decode_case((2,), (3, 2), capacity=4), ValueError, "capacity", "4",
-              "3", "2"),
-        error("decode", "capacity_negative", lambda: decode_case((2,), (1,), capacity=-1), ValueError, "capacity",
-              "-1"),
+        error("decode", "cache_full", lambda: decode_case((2,), (3, 2), capacity=4, dropout=0.0), ValueError,
+              "capacity", "4", "3", "2"),
+        error("decode", "capacity_negative", lambda: decode_case((2,), (1,), capacity=-1, dropout=0.0), ValueError,
+              "capacity", "-1"),
     ]
 
 

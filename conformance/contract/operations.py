@@ -500,7 +500,8 @@ MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "linear_attention": lambda case: getattr(case, "attention", "softmax") != "softmax",
     "rms_norm": lambda case: getattr(case, "norm", "layer") == "rms",
     "gelu": lambda case: getattr(case, "activation", "relu") == "gelu",
-    "swiglu": lambda case: getattr(case, "activation", "relu") == "swiglu",
+    "swiglu": lambda case: getattr(case, "activation", "relu") == "swiglu"  # or a state of its layout, which a
+    or "ffn.w_gate.weight" in (getattr(case, "state", None) or {}),  # module without SwiGLU cannot even refuse aright
     "mask": lambda case: getattr(case, "mask", None) is not None,
     "mask_per_head": lambda case: _head_masks(getattr(case, "mask", None)),
 }

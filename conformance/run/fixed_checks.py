@@ -268,24 +268,26 @@ WINDOWS = ((4, 4, (1, 0), 0), (3, 5, (0, 0), 2), (3, 4, (None, 1), -3), (2, 6, (
 def mask_helpers(runner: Runner) -> list[Result]:
     """The public mask helpers against the oracle's own construction, on a few sizes, the empty ones too, and
     with the offsets and windows of SPEC 2a (an array offset as the module's array). Each call is staged as the
-    operations are (JAX: traced, the sizes and an int offset static)."""
+    operations are (JAX: traced, the sizes and an int offset static). A call that passes a keyword the module
+    lacks (q_offset, window: SPEC 11) is skipped."""
     module = runner.module
     calls = [(f"causal_mask_{L}_{S}", "causal_mask", lambda L=L, S=S: module.causal_mask(L, S), (),
-              oracle.causal_mask(L, S)) for L, S in CAUSAL_SIZES]
+              oracle.causal_mask(L, S), ()) for L, S in CAUSAL_SIZES]
     calls += [(f"causal_mask_{L}_{S}_q_offset_{_text(offset)}", "causal_mask",
                lambda *offset, L=L, S=S, given=offset: module.causal_mask(L, S, q_offset=_given(given, offset)),
-               _arrays(module, offset), oracle.causal_mask(L, S, q_offset=np.array(offset)))
+               _arrays(module, offset), oracle.causal_mask(L, S, q_offset=np.array(offset)), ("q_offset",))
               for L, S, offset in CAUSAL_OFFSETS]
     calls += [(f"window_mask_{L}_{S}_{_text(window)}_q_offset_{_text(offset)}", "window_mask",
                lambda *offset, L=L, S=S, window=window, given=offset: module.window_mask(
-                   L, S, window, q_offset=_given(given, offset)),
-               _arrays(module, offset), oracle.window_mask(L, S, window, q_offset=np.array(offset)))
+                   L, S, window, **({} if given == 0 else {"q_offset": _given(given, offset)})),
+               _arrays(module, offset), oracle.window_mask(L, S, window, q_offset=np.array(offset)),
+               ("window",) if offset == 0 else ("window", "q_offset"))
               for L, S, window, offset in WINDOWS]
     calls += [(f"padding_mask_{'_'.join(map(str, lengths))}_{S}", "padding_mask",
                lambda lengths, S=S: module.padding_mask(lengths, S), (module.asarray(np.array(lengths)),),
-               oracle.padding_mask(lengths, S)) for lengths, S in PADDING_LENGTHS]
-    return [_helper(MASK_HELPERS._replace(name=name), runner, function, call, arrays, want)
-            for name, function, call, arrays, want in calls]
+               oracle.padding_mask(lengths, S), ()) for lengths, S in PADDING_LENGTHS]
+    return [_helper(MASK_HELPERS._replace(name=name), runner, function, call, arrays, want, needs)
+            for name, function, call, arrays, want, needs in calls]
 
 
 def _arrays(module: Any, offset: int | list) -> tuple[Any, ...]:
@@ -304,9 +306,11 @@ def _text(value: Any) -> str:
 
 
 def _helper(row: Fixed, runner: Runner, function: str, call: Any, arrays: tuple[Any, ...],
-            want: np.ndarray) -> Result:
+            want: np.ndarray, needs: tuple[str, ...]) -> Result:
     if missing(runner.module, (function,)):
         return Result(row, [], skipped=f"no {function}")
+    if why := runner.declaration.reason(*needs):
+        return Result(row, [], skipped=why)
     try:
         got = runner.module.to_numpy(runner.framework.stage(call)(*arrays))
     except Exception as error:
