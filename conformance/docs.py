@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 from . import PROFILES, adapters
 from .bench import precision
 from .builtins import module_names
+from .contract import fixed_cases
 from .contract.features import FEATURES
 from .contract.operations import OPERATIONS
 from .frameworks import matrix
@@ -453,6 +454,16 @@ LAYOUT_SHAPES: dict[str, tuple[str, str, str]] = {
 }
 
 
+def error_rows_table() -> str:
+    """Every error row of the suite (conformance/contract/fixed_cases.py): the exception its bad call must raise
+    and the words its message must contain, so that an implementer sees each of them."""
+    lines = ["| operation | row | raised at | exception | the message contains |", "|---|---|---|---|---|"]
+    for row in (row for row in fixed_cases.ROWS if row.use == "error"):
+        words = ", ".join(f"`{word}`".replace("|", "\\|") for word in row.contains) or "-"
+        lines.append(f"| {row.operation} | `{row.name}` | {row.stage} | `{row.error.__name__}` | {words} |")
+    return "\n".join(lines)
+
+
 def adapter_layouts_table() -> str:
     lines = ["| `layout` | q, k, v and the output as the kernel takes them | masks, bias | `q_offset`, "
              "`key_lengths` arrays |", "|---|---|---|---|"]
@@ -469,11 +480,12 @@ def adapter_masks_table() -> str:
 # --- the command ------------------------------------------------------------------------------------------------
 
 BLOCKS = ("frameworks", "frameworks-versions", "kernel", "low-precision", "checks", "groups", "profiles", "features",
-          "rules", "adapter-layouts", "adapter-masks")
+          "rules", "error-rows", "adapter-layouts", "adapter-masks")
 # the blocks read off the registries alone, without measuring anything
 REGISTRY_TABLES: dict[str, Callable[[], str]] = {
     "checks": checks_table, "groups": groups_table, "profiles": profiles_table, "features": features_table,
-    "rules": rules_table, "adapter-layouts": adapter_layouts_table, "adapter-masks": adapter_masks_table}
+    "rules": rules_table, "error-rows": error_rows_table, "adapter-layouts": adapter_layouts_table,
+    "adapter-masks": adapter_masks_table}
 
 
 def generated(found: matrix.Matrix, kernel_report: Any, low_precision: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ import pytest
 
 from conformance import adapters, docs, pytest_plugin
 from conformance.builtins import BUILT_INS, module_names
+from conformance.contract import fixed_cases
 from conformance.contract.features import Feature
 from conformance.contract.operations import OPERATIONS
 from conformance.frameworks import disagreements, matrix
@@ -62,6 +63,8 @@ NEW_ENTRIES = {
     "adapter-layouts": lambda monkeypatch: (monkeypatch.setattr(adapters, "LAYOUTS", (*adapters.LAYOUTS, "LBHE")),
                                             monkeypatch.setitem(docs.LAYOUT_SHAPES, "LBHE", ("a", "b", "c"))),
     "adapter-masks": lambda monkeypatch: monkeypatch.setitem(adapters.MASKS, "inverted", "made up"),
+    "error-rows": lambda monkeypatch: monkeypatch.setattr(fixed_cases, "ROWS", [*fixed_cases.ROWS, fixed_cases.error(
+        "sdpa", "made_up", lambda: None, ValueError, "made up")]),
     "checks": lambda monkeypatch: monkeypatch.setattr(suite, "GROUPS", (*suite.GROUPS, suite.Group(
         "linear", suite.checks.sdpa_single_key, dtypes=("float64",), examples=1))),  # a check on one more operation
 }
