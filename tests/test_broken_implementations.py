@@ -38,6 +38,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "neg_inf_bias_not_hidden": ("sdpa", {"values"}),  # NaN in a row whose keys are all -inf through the bias
     "neg_inf_score_hidden": ("sdpa", {"edge_cases"}),  # zeros in a row whose scores are all -inf through infinite q
     "window_off_by_one": ("sdpa", {"values"}),  # a bounded left side sees one key fewer
+    "window_unbounded_right_read_as_zero": ("sdpa", {"values"}),  # (left, None) without causal hides later keys
     "softcap_after_bias": ("sdpa", {"values", "edge_cases"}),  # tanh(-inf) = -1: a -inf bias no longer hides
     "q_offset_ignored_on_the_fast_path": ("sdpa", {"fast_path"}),  # need_weights=False reads query i's position as i
     "key_lengths_on_queries": ("sdpa", {"values"}),  # the lengths hide queries instead of keys

@@ -174,8 +174,10 @@ def _positions_examples() -> list[Fixed]:
                 "H = 4 query heads, Hkv = 2: heads 0, 1 read key/value head 0, heads 2, 3 head 1 (h // G, G = 2); "
                 "a mask per query head, causal"),
         example("sdpa", "multi_query_offset_per_head", lambda: _grouped(
-            3, 1, is_causal=True, q_offset=np.array([0, 2, -1]), window=(1, None), bias=normal(3, 1, 5, seed=4)),
-            "Hkv = 1 for H = 3 heads, each head its own q_offset [0, 2, -1] and a bias: head 2 query 0 sees no key"),
+            3, 1, q_offset=np.array([0, 2, 5]), window=(1, None), bias=normal(3, 1, 5, seed=4)),
+            "Hkv = 1 for H = 3 heads, each head its own q_offset [0, 2, 5] and a bias, window (1, None) without "
+            "is_causal, where its unbounded right side matters (a None read as 0 hides the later keys): query i "
+            "of head h sees keys q_offset[h] + i - 1 to 4; head 2 sees key 4 from query 0, no key from 1 and 2"),
     ]
 
 

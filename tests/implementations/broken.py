@@ -194,6 +194,16 @@ class WindowOffByOne(Implementation):
         return super().in_window(L, S, (None if left is None else left - 1, right), q_offset)
 
 
+class WindowUnboundedRightReadAsZero(Implementation):
+    """A None right side of the window is read as 0 (a sliding-window kernel written for causal attention,
+    where keys after the query are hidden anyway): without is_causal, `(left, None)` hides every key after
+    p_i instead of none. Caught by: values (sdpa with a window (left, None) and no is_causal)."""
+
+    def in_window(self, L: int, S: int, window: tuple, q_offset: object = 0) -> np.ndarray:
+        left, right = window
+        return super().in_window(L, S, (left, 0 if right is None else right), q_offset)
+
+
 class SoftcapAfterBias(Implementation):
     """The softcap is applied to the biased scores, softcap tanh((raw + bias) / softcap), and a key counts
     as hidden where its score is -inf (the masks folded into the bias): tanh(-inf) = -1, so a -inf bias
@@ -668,6 +678,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "neg_inf_bias_not_hidden": NegInfBiasNotHidden,
     "neg_inf_score_hidden": NegInfScoreHidden,
     "window_off_by_one": WindowOffByOne,
+    "window_unbounded_right_read_as_zero": WindowUnboundedRightReadAsZero,
     "softcap_after_bias": SoftcapAfterBias,
     "q_offset_ignored_on_the_fast_path": QOffsetIgnoredOnTheFastPath,
     "key_lengths_on_queries": KeyLengthsOnQueries,
