@@ -43,6 +43,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "q_offset_ignored_on_the_fast_path": ("sdpa", {"fast_path"}),  # need_weights=False reads query i's position as i
     "key_lengths_on_queries": ("sdpa", {"values"}),  # the lengths hide queries instead of keys
     "groups_interleaved": ("sdpa", {"values"}),  # query head h reads key/value head h % Hkv, not h // G
+    "head_positions_split_as_groups_first": ("sdpa", {"values"}),  # per-head positions read as (G, Hkv)
     "rope_interleaved_for_half": ("positions", {"rope"}),  # the pairs (2j, 2j + 1) where (j, j + E/2) are asked for
     "cache_length_not_advanced": ("decode", {"values"}),  # each chunk overwrites the last
     "rope_positions_from_the_chunk": ("decode", {"values"}),  # RoPE at 0.. in every chunk

@@ -251,6 +251,32 @@ class GroupsInterleaved(Implementation):
         return np.arange(H) % Hkv
 
 
+class HeadPositionsSplitAsGroupsFirst(Implementation):
+    """enable_gqa with q_offset or key_lengths per query head, (..., H): the heads are grouped as (Hkv, G) for
+    q, but the positions' head axis is split as (G, Hkv) and transposed, so query head h = kv G + g takes the
+    entry g Hkv + kv instead of h. Right for Hkv = 1 and Hkv = H (multi-query, one head each), where the two
+    splits agree.
+    Caught by: values (sdpa with enable_gqa, 1 < Hkv < H and positions that differ per query head)."""
+
+    def scaled_dot_product_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                                     mask: np.ndarray | None = None, *, q_offset: object = 0,
+                                     key_lengths: object = None, enable_gqa: bool = False,
+                                     **options: object) -> Pair:
+        if enable_gqa and np.ndim(q) >= 3 and np.ndim(k) >= 3:
+            H, Hkv = np.shape(q)[-3], np.shape(k)[-3]
+            q_offset, key_lengths = self.split(q_offset, H, Hkv), self.split(key_lengths, H, Hkv)
+        return super().scaled_dot_product_attention(q, k, v, mask, q_offset=q_offset, key_lengths=key_lengths,
+                                                    enable_gqa=enable_gqa, **options)
+
+    def split(self, positions: object, H: int, Hkv: int) -> object:
+        """(..., H) -> (..., G, Hkv) -> (..., Hkv, G) -> (..., H); anything without a head axis of H as it is."""
+        if positions is None or np.ndim(positions) == 0 or np.shape(positions)[-1] != H or H % Hkv:
+            return positions  # no head axis (or a bad one, which the checks report)
+        positions = np.asarray(positions)
+        grouped = positions.reshape(*positions.shape[:-1], H // Hkv, Hkv)  # the bug: (G, Hkv), not (Hkv, G)
+        return np.swapaxes(grouped, -1, -2).reshape(positions.shape)
+
+
 class RopeInterleavedForHalf(Implementation):
     """apply_rope pairs (x_2j, x_2j+1) where the half layout (x_j, x_j+E/2) is asked for, the mix-up between
     the paper's and GPT-J's layout and Llama's (Hugging Face's rotate_half). Caught by: rope (positions)."""
@@ -683,6 +709,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "q_offset_ignored_on_the_fast_path": QOffsetIgnoredOnTheFastPath,
     "key_lengths_on_queries": KeyLengthsOnQueries,
     "groups_interleaved": GroupsInterleaved,
+    "head_positions_split_as_groups_first": HeadPositionsSplitAsGroupsFirst,
     "rope_interleaved_for_half": RopeInterleavedForHalf,
     "cache_length_not_advanced": CacheLengthNotAdvanced,
     "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
