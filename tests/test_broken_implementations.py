@@ -77,6 +77,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "swiglu_gate_and_up_swapped": ("block", {"values"}),
     "kv_heads_interleaved": ("mha", {"values"}),  # query head h reads key/value head h % Hkv, not h // (H / Hkv)
     "asarray_widens_float16": ("arrays", {"round_trip"}),
+    "mask_rows_read_as_batch_when_l_equals_b": ("sdpa", {"values"}),  # a 2-D mask read as (B, S) when L == B
     "rank_one_mask_dropped_on_the_fast_path": ("sdpa", {"fast_path"}),
     "queries_scaled_in_place": ("sdpa", {"call"}),
     "padding_mask_off_by_one": ("masks", {"helpers"}),

@@ -146,6 +146,10 @@ def _sdpa_examples() -> list[Fixed]:
         example("sdpa", "long_sequences", lambda: sdpa_case(
             (2,), 65, 129, E=4, mask=random_mask(2, 65, 129), bias=LONG_BIAS * normal(65, 129)),
             "L = 65, S = 129: past every tile of 16, 32, 64 or 128 keys, by one; the row maximum anywhere"),
+        example("sdpa", "mask_rows_are_queries_when_L_equals_B", lambda: sdpa_case(
+            (2,), 2, 3, mask=np.array([[True, False, True], [False, True, True]])),
+            "q (B, L, E) with L = B = 2, mask (L, S): query 0 of each sequence sees keys 0, 2, query 1 keys 1, 2 "
+            "(a (B, S) key-padding mask would give sequence 0 keys 0, 2 and sequence 1 keys 1, 2)"),
         example("sdpa", "visible_scores_near_minus_1e5", _far_below_fill(-1e5),
                 "every visible score about -1e5, a hidden key in every row: a masked fill above -1e5 wins"),
         *_positions_examples(),

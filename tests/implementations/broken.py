@@ -632,6 +632,19 @@ class AsarrayWidensFloat16(Implementation):
         return x.astype(np.float32) if x.dtype == np.float16 else x
 
 
+class MaskRowsReadAsBatchWhenLEqualsB(Implementation):
+    """On three-dimensional inputs q (B, L, E), a two-dimensional mask whose first axis equals B is read as a
+    (B, S) key-padding mask (torch's key_padding_mask) instead of (L, S): sequence b sees the keys of row b
+    from every query. Right whenever L != B (an (L, S) mask then has no such axis) or the rows agree.
+    Caught by: values (sdpa, 3-D q with L == B and a 2-D mask whose rows differ)."""
+
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+                is_causal: bool, q_offset: object = 0) -> np.ndarray:
+        if mask is not None and np.ndim(mask) == 2 and scores.ndim == 3 and np.shape(mask)[0] == scores.shape[0]:
+            mask = np.asarray(mask)[:, None, :]  # the bug: (B, S) -> (B, 1, S), where (L, S) was meant
+        return super().visible(scores, mask, bias, is_causal, q_offset)
+
+
 class RankOneMaskDroppedOnTheFastPath(Implementation):
     """Without the weights, on (B, H, L, E) inputs, a mask of rank 1, (S,), is taken for "no mask" (a fused
     call for four-dimensional inputs that reads only masks of rank 2 and more, as torch's kernel once
@@ -743,6 +756,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "swiglu_gate_and_up_swapped": SwigluGateAndUpSwapped,
     "kv_heads_interleaved": KvHeadsInterleaved,
     "asarray_widens_float16": AsarrayWidensFloat16,
+    "mask_rows_read_as_batch_when_l_equals_b": MaskRowsReadAsBatchWhenLEqualsB,
     "rank_one_mask_dropped_on_the_fast_path": RankOneMaskDroppedOnTheFastPath,
     "queries_scaled_in_place": QueriesScaledInPlace,
     "padding_mask_off_by_one": PaddingMaskOffByOne,
