@@ -38,10 +38,12 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "neg_inf_bias_not_hidden": ("sdpa", {"values"}),  # NaN in a row whose keys are all -inf through the bias
     "neg_inf_score_hidden": ("sdpa", {"edge_cases"}),  # zeros in a row whose scores are all -inf through infinite q
     "window_off_by_one": ("sdpa", {"values"}),  # a bounded left side sees one key fewer
+    "window_unbounded_right_read_as_zero": ("sdpa", {"values"}),  # (left, None) without causal hides later keys
     "softcap_after_bias": ("sdpa", {"values", "edge_cases"}),  # tanh(-inf) = -1: a -inf bias no longer hides
     "q_offset_ignored_on_the_fast_path": ("sdpa", {"fast_path"}),  # need_weights=False reads query i's position as i
     "key_lengths_on_queries": ("sdpa", {"values"}),  # the lengths hide queries instead of keys
     "groups_interleaved": ("sdpa", {"values"}),  # query head h reads key/value head h % Hkv, not h // G
+    "head_positions_split_as_groups_first": ("sdpa", {"values"}),  # per-head positions read as (G, Hkv)
     "rope_interleaved_for_half": ("positions", {"rope"}),  # the pairs (2j, 2j + 1) where (j, j + E/2) are asked for
     "cache_length_not_advanced": ("decode", {"values"}),  # each chunk overwrites the last
     "rope_positions_from_the_chunk": ("decode", {"values"}),  # RoPE at 0.. in every chunk
@@ -75,6 +77,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "swiglu_gate_and_up_swapped": ("block", {"values"}),
     "kv_heads_interleaved": ("mha", {"values"}),  # query head h reads key/value head h % Hkv, not h // (H / Hkv)
     "asarray_widens_float16": ("arrays", {"round_trip"}),
+    "mask_rows_read_as_batch_when_l_equals_b": ("sdpa", {"values"}),  # a 2-D mask read as (B, S) when L == B
     "rank_one_mask_dropped_on_the_fast_path": ("sdpa", {"fast_path"}),
     "queries_scaled_in_place": ("sdpa", {"call"}),
     "padding_mask_off_by_one": ("masks", {"helpers"}),

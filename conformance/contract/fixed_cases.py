@@ -146,6 +146,10 @@ def _sdpa_examples() -> list[Fixed]:
         example("sdpa", "long_sequences", lambda: sdpa_case(
             (2,), 65, 129, E=4, mask=random_mask(2, 65, 129), bias=LONG_BIAS * normal(65, 129)),
             "L = 65, S = 129: past every tile of 16, 32, 64 or 128 keys, by one; the row maximum anywhere"),
+        example("sdpa", "mask_rows_are_queries_when_L_equals_B", lambda: sdpa_case(
+            (2,), 2, 3, mask=np.array([[True, False, True], [False, True, True]])),
+            "q (B, L, E) with L = B = 2, mask (L, S): query 0 of each sequence sees keys 0, 2, query 1 keys 1, 2 "
+            "(a (B, S) key-padding mask would give sequence 0 keys 0, 2 and sequence 1 keys 1, 2)"),
         example("sdpa", "visible_scores_near_minus_1e5", _far_below_fill(-1e5),
                 "every visible score about -1e5, a hidden key in every row: a masked fill above -1e5 wins"),
         *_positions_examples(),
@@ -174,15 +178,24 @@ def _positions_examples() -> list[Fixed]:
                 "H = 4 query heads, Hkv = 2: heads 0, 1 read key/value head 0, heads 2, 3 head 1 (h // G, G = 2); "
                 "a mask per query head, causal"),
         example("sdpa", "multi_query_offset_per_head", lambda: _grouped(
-            3, 1, is_causal=True, q_offset=np.array([0, 2, -1]), window=(1, None), bias=normal(3, 1, 5, seed=4)),
-            "Hkv = 1 for H = 3 heads, each head its own q_offset [0, 2, -1] and a bias: head 2 query 0 sees no key"),
+            3, 1, q_offset=np.array([0, 2, 5]), window=(1, None), bias=normal(3, 1, 5, seed=4)),
+            "Hkv = 1 for H = 3 heads, each head its own q_offset [0, 2, 5] and a bias, window (1, None) without "
+            "is_causal, where its unbounded right side matters (a None read as 0 hides the later keys): query i "
+            "of head h sees keys q_offset[h] + i - 1 to 4; head 2 sees key 4 from query 0, no key from 1 and 2"),
+        example("sdpa", "grouped_heads_positions_per_query_head", lambda: _grouped(
+            4, 2, batch=(), L=2, S=4, Ev=2, is_causal=True, q_offset=np.array([0, 2, -1, 1]),
+            key_lengths=np.array([4, 1, 3, 2])),
+            "H = 4 query heads on Hkv = 2, q_offset [0, 2, -1, 1] and key_lengths [4, 1, 3, 2] per query head, "
+            "causal: query head h takes entry h (heads 1 and 2, of different groups, swap if (..., H) is split as "
+            "(G, Hkv)); head 1 sees key 0 alone, head 2 query 0 no key"),
     ]
 
 
-def _grouped(H: int, Hkv: int, **fields: Any) -> Any:
-    """enable_gqa: q (2, H, 3, 2), k (2, Hkv, 5, 2), v (2, Hkv, 5, 3)."""
-    case = sdpa_case((2, H), 3, 5, **fields)
-    return case._replace(k=case.k[:, :Hkv], v=case.v[:, :Hkv], enable_gqa=True)
+def _grouped(H: int, Hkv: int, *, batch: tuple[int, ...] = (2,), L: int = 3, S: int = 5, Ev: int = 3,
+             **fields: Any) -> Any:
+    """enable_gqa: q (..., H, L, 2), k (..., Hkv, S, 2), v (..., Hkv, S, Ev); by default q (2, H, 3, 2)."""
+    case = sdpa_case((*batch, H), L, S, Ev=Ev, **fields)
+    return case._replace(k=case.k[..., :Hkv, :, :], v=case.v[..., :Hkv, :, :], enable_gqa=True)
 
 
 LONG_BIAS = 3.0  # spreads the scores of a long row, so its weights are not all about 1 / S

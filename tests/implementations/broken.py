@@ -194,6 +194,16 @@ class WindowOffByOne(Implementation):
         return super().in_window(L, S, (None if left is None else left - 1, right), q_offset)
 
 
+class WindowUnboundedRightReadAsZero(Implementation):
+    """A None right side of the window is read as 0 (a sliding-window kernel written for causal attention,
+    where keys after the query are hidden anyway): without is_causal, `(left, None)` hides every key after
+    p_i instead of none. Caught by: values (sdpa with a window (left, None) and no is_causal)."""
+
+    def in_window(self, L: int, S: int, window: tuple, q_offset: object = 0) -> np.ndarray:
+        left, right = window
+        return super().in_window(L, S, (left, 0 if right is None else right), q_offset)
+
+
 class SoftcapAfterBias(Implementation):
     """The softcap is applied to the biased scores, softcap tanh((raw + bias) / softcap), and a key counts
     as hidden where its score is -inf (the masks folded into the bias): tanh(-inf) = -1, so a -inf bias
@@ -239,6 +249,32 @@ class GroupsInterleaved(Implementation):
 
     def kv_heads(self, H: int, Hkv: int) -> np.ndarray:
         return np.arange(H) % Hkv
+
+
+class HeadPositionsSplitAsGroupsFirst(Implementation):
+    """enable_gqa with q_offset or key_lengths per query head, (..., H): the heads are grouped as (Hkv, G) for
+    q, but the positions' head axis is split as (G, Hkv) and transposed, so query head h = kv G + g takes the
+    entry g Hkv + kv instead of h. Right for Hkv = 1 and Hkv = H (multi-query, one head each), where the two
+    splits agree.
+    Caught by: values (sdpa with enable_gqa, 1 < Hkv < H and positions that differ per query head)."""
+
+    def scaled_dot_product_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                                     mask: np.ndarray | None = None, *, q_offset: object = 0,
+                                     key_lengths: object = None, enable_gqa: bool = False,
+                                     **options: object) -> Pair:
+        if enable_gqa and np.ndim(q) >= 3 and np.ndim(k) >= 3:
+            H, Hkv = np.shape(q)[-3], np.shape(k)[-3]
+            q_offset, key_lengths = self.split(q_offset, H, Hkv), self.split(key_lengths, H, Hkv)
+        return super().scaled_dot_product_attention(q, k, v, mask, q_offset=q_offset, key_lengths=key_lengths,
+                                                    enable_gqa=enable_gqa, **options)
+
+    def split(self, positions: object, H: int, Hkv: int) -> object:
+        """(..., H) -> (..., G, Hkv) -> (..., Hkv, G) -> (..., H); anything without a head axis of H as it is."""
+        if positions is None or np.ndim(positions) == 0 or np.shape(positions)[-1] != H or H % Hkv:
+            return positions  # no head axis (or a bad one, which the checks report)
+        positions = np.asarray(positions)
+        grouped = positions.reshape(*positions.shape[:-1], H // Hkv, Hkv)  # the bug: (G, Hkv), not (Hkv, G)
+        return np.swapaxes(grouped, -1, -2).reshape(positions.shape)
 
 
 class RopeInterleavedForHalf(Implementation):
@@ -596,6 +632,19 @@ class AsarrayWidensFloat16(Implementation):
         return x.astype(np.float32) if x.dtype == np.float16 else x
 
 
+class MaskRowsReadAsBatchWhenLEqualsB(Implementation):
+    """On three-dimensional inputs q (B, L, E), a two-dimensional mask whose first axis equals B is read as a
+    (B, S) key-padding mask (torch's key_padding_mask) instead of (L, S): sequence b sees the keys of row b
+    from every query. Right whenever L != B (an (L, S) mask then has no such axis) or the rows agree.
+    Caught by: values (sdpa, 3-D q with L == B and a 2-D mask whose rows differ)."""
+
+    def visible(self, scores: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
+                is_causal: bool, q_offset: object = 0) -> np.ndarray:
+        if mask is not None and np.ndim(mask) == 2 and scores.ndim == 3 and np.shape(mask)[0] == scores.shape[0]:
+            mask = np.asarray(mask)[:, None, :]  # the bug: (B, S) -> (B, 1, S), where (L, S) was meant
+        return super().visible(scores, mask, bias, is_causal, q_offset)
+
+
 class RankOneMaskDroppedOnTheFastPath(Implementation):
     """Without the weights, on (B, H, L, E) inputs, a mask of rank 1, (S,), is taken for "no mask" (a fused
     call for four-dimensional inputs that reads only masks of rank 2 and more, as torch's kernel once
@@ -668,10 +717,12 @@ VARIANTS: dict[str, type[Implementation]] = {
     "neg_inf_bias_not_hidden": NegInfBiasNotHidden,
     "neg_inf_score_hidden": NegInfScoreHidden,
     "window_off_by_one": WindowOffByOne,
+    "window_unbounded_right_read_as_zero": WindowUnboundedRightReadAsZero,
     "softcap_after_bias": SoftcapAfterBias,
     "q_offset_ignored_on_the_fast_path": QOffsetIgnoredOnTheFastPath,
     "key_lengths_on_queries": KeyLengthsOnQueries,
     "groups_interleaved": GroupsInterleaved,
+    "head_positions_split_as_groups_first": HeadPositionsSplitAsGroupsFirst,
     "rope_interleaved_for_half": RopeInterleavedForHalf,
     "cache_length_not_advanced": CacheLengthNotAdvanced,
     "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
@@ -705,6 +756,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "swiglu_gate_and_up_swapped": SwigluGateAndUpSwapped,
     "kv_heads_interleaved": KvHeadsInterleaved,
     "asarray_widens_float16": AsarrayWidensFloat16,
+    "mask_rows_read_as_batch_when_l_equals_b": MaskRowsReadAsBatchWhenLEqualsB,
     "rank_one_mask_dropped_on_the_fast_path": RankOneMaskDroppedOnTheFastPath,
     "queries_scaled_in_place": QueriesScaledInPlace,
     "padding_mask_off_by_one": PaddingMaskOffByOne,
