@@ -50,6 +50,17 @@ def test_declaration_takes_names_or_reasons_and_refuses_unknown_features():
         Runner(_module("bad_declaration", lacks=("weights",)))  # type: ignore[arg-type]
 
 
+def test_the_renamed_features_are_read_under_their_old_names_with_a_deprecation_warning():
+    # named after the options they cover: bias=False, rope_theta, attention="linear", norm="rms"
+    with pytest.warns(DeprecationWarning, match=r"\['no_bias', 'rope'\] are now \['bias_false', 'rope_theta'\]"):
+        old = Declaration({"rope": "no rotary embeddings", "no_bias": ""})
+    assert old == Declaration({"rope_theta": "no rotary embeddings", "bias_false": ""})
+    assert "rope" in old and old.reason("rope") == "lacks rope_theta: no rotary embeddings"
+    with pytest.warns(DeprecationWarning):
+        assert Declaration(("linear_attention", "rms_norm")) == Declaration(("attention_linear", "norm_rms"))
+    assert not set(features_module.RENAMED) & set(features_module.FEATURES)
+
+
 def test_every_feature_says_what_the_contract_asks_and_what_the_suite_does_without_it():
     kinds = {"result", "training", "argument", "option", "rule", "dtype", "errors"}
     for feature in features_module.FEATURES.values():
@@ -144,7 +155,7 @@ def test_fixed_rows_read_the_features_they_use():
     assert "empty" in edges["no_keys"] and "empty" in edges["no_queries"]
     assert not {"masked_rows", "non_finite", "empty"} & edges["logits_in_the_thousands"]
     assert init_features_used({"d_model": 8, "num_heads": 4, "num_kv_heads": 0}) == {"num_kv_heads"}
-    assert init_features_used({"d_model": 8, "num_heads": 4, "norm": "batch", "dropout": 0.0}) == {"rms_norm"}
+    assert init_features_used({"d_model": 8, "num_heads": 4, "norm": "batch", "dropout": 0.0}) == {"norm_rms"}
 
 
 def test_grouped_heads_left_out_are_the_same_attention():
@@ -169,7 +180,7 @@ def test_a_module_lacking_an_option_never_gets_a_case_that_uses_it():
                         and "rope_theta" not in options)
             return module
 
-    module = _module("no_module_options", lacks=Declaration(("num_kv_heads", "no_bias", "rope")), functions=())
+    module = _module("no_module_options", lacks=Declaration(("num_kv_heads", "bias_false", "rope_theta")), functions=())
     module.MultiHeadAttention = Recording
     report = check(module, operations=("mha",), max_examples=3)
     assert report.passed, _failures(report)

@@ -207,8 +207,8 @@ class MultiHeadAttention:
 
 
 CONFORMANCE = Declaration({
-    "rope": "it has no rotary position embeddings",
-    "linear_attention": "softmax attention only: its attention_fn defaults to nnx.dot_product_attention; Flax has "
+    "rope_theta": "it has no rotary position embeddings",
+    "attention_linear": "softmax attention only: its attention_fn defaults to nnx.dot_product_attention; Flax has "
                         "no linear attention to pass there",
     "masked_rows": "a head in which a query sees no key gives it uniform weights 1 / S and the mean of the "
                    "values (hidden scores are filled with the dtype's minimum, not dropped)",

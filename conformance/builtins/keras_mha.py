@@ -244,8 +244,8 @@ class MultiHeadAttention:
 CONFORMANCE = Declaration({
     "mask_per_head": "it takes one attention_mask (B, L, S) for every head",
     "num_kv_heads": "it has one key/value head per query head (grouped heads are keras.layers.GroupQueryAttention)",
-    "rope": "it has no rotary position embeddings",
-    "linear_attention": "softmax attention only: no argument of keras.layers.MultiHeadAttention chooses another kind "
+    "rope_theta": "it has no rotary position embeddings",
+    "attention_linear": "softmax attention only: no argument of keras.layers.MultiHeadAttention chooses another kind "
                         "of head",
     "non_finite": "a row whose visible scores are all -inf (from infinite inputs) gets the zeros of a fully masked "
                   "row (hidden scores are filled with -1e9, their weights then zeroed), not NaN"})

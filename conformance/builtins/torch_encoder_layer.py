@@ -188,8 +188,8 @@ def refuse_layout(cls_name: str, norm: str, activation: str, bias: bool) -> None
 CONFORMANCE = Declaration({
     "weights": "returns no attention weights",
     "num_kv_heads": "one key/value head per query head (its self_attn is an nn.MultiheadAttention)",
-    "rope": "no rotary position embeddings",
-    "rms_norm": "LayerNorm only",
+    "rope_theta": "no rotary position embeddings",
+    "norm_rms": "LayerNorm only",
     "swiglu": "a ReLU or GELU feed-forward network only",
-    "no_bias": "its bias=False drops the LayerNorms' biases too, which the contract's layout keeps",
+    "bias_false": "its bias=False drops the LayerNorms' biases too, which the contract's layout keeps",
 })

@@ -207,7 +207,7 @@ CONFORMANCE = Declaration({
     "weights": "averaged over the heads (its average_attn_weights=True default), (..., L, S), and in training "
                "mode taken after dropout",
     "num_kv_heads": "one key/value head per query head (its kdim, vdim are input widths, not heads)",
-    "rope": "no rotary position embeddings",
-    "linear_attention": "softmax attention only: nn.MultiheadAttention has no other kind of head (no option of its "
+    "rope_theta": "no rotary position embeddings",
+    "attention_linear": "softmax attention only: nn.MultiheadAttention has no other kind of head (no option of its "
                         "constructor chooses one)",
 })

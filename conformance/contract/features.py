@@ -17,6 +17,7 @@ table gives sdpa's keywords their rows here.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType, ModuleType
 from typing import NamedTuple
@@ -59,9 +60,10 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
               without="drawn module cases keep the seed's layout; fixed cases that use it are skipped")
       for name, what in (
         ("num_kv_heads", "num_kv_heads below num_heads (grouped-query attention)"),
-        ("no_bias", "bias=False (Linears without biases)"), ("rope", "rope_theta (rotary position embeddings)"),
-        ("linear_attention", 'attention="linear" (MultiHeadAttention with linear attention in each head)'),
-        ("rms_norm", 'norm="rms" (a block with RMSNorm)'), ("gelu", 'activation="gelu" (a block with GELU)'),
+        ("bias_false", "bias=False (Linears without biases)"),
+        ("rope_theta", "rope_theta (rotary position embeddings)"),
+        ("attention_linear", 'attention="linear" (MultiHeadAttention with linear attention in each head)'),
+        ("norm_rms", 'norm="rms" (a block with RMSNorm)'), ("gelu", 'activation="gelu" (a block with GELU)'),
         ("swiglu", 'activation="swiglu" (a block with a SwiGLU feed-forward network)'))),
     Feature("masked_rows", kind="rule",
             asks="a query that sees no key gets an output row (sdpa) and a weights row of zeros",
@@ -80,6 +82,12 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
 )})
 
 
+# Features renamed after the options they cover (a feature is what the contract offers, named as its option is);
+# a Declaration reads the old names, with a DeprecationWarning, until the next release
+RENAMED: MappingProxyType[str, str] = MappingProxyType({
+    "no_bias": "bias_false", "rope": "rope_theta", "linear_attention": "attention_linear", "rms_norm": "norm_rms"})
+
+
 class Declaration:
     """What a module lacks of the contract: the names of FEATURES, each with why (optional). The suite reads it
     from the module's CONFORMANCE; a module without one lacks nothing.
@@ -91,6 +99,10 @@ class Declaration:
 
     def __init__(self, lacks: Iterable[str] | Mapping[str, str] = ()) -> None:
         reasons = dict(lacks) if isinstance(lacks, Mapping) else dict.fromkeys(lacks, "")
+        if renamed := sorted(name for name in reasons if name in RENAMED):
+            warnings.warn(f"Declaration: the features {renamed} are now {[RENAMED[name] for name in renamed]}; the "
+                          "old names are read until the next release", DeprecationWarning, stacklevel=2)
+            reasons = {RENAMED.get(name, name): why for name, why in reasons.items()}
         unknown = sorted(name for name in reasons if name not in FEATURES)
         if unknown:
             raise ValueError(f"Declaration: unknown features {unknown}; the features are {sorted(FEATURES)}")
@@ -102,7 +114,7 @@ class Declaration:
     __hash__ = None  # type: ignore[assignment]  # equal by value, as the dict it holds
 
     def __contains__(self, feature: str) -> bool:
-        return feature in self.lacks
+        return RENAMED.get(feature, feature) in self.lacks
 
     def __or__(self, other: Declaration) -> Declaration:
         return Declaration({**self.lacks, **{name: why or self.lacks.get(name, "")
@@ -111,7 +123,7 @@ class Declaration:
     def reason(self, *features: str) -> str | None:
         """Why a row that needs these features is skipped ("lacks weights: a fused kernel"), or None when the
         module has them all."""
-        lacking = [name for name in features if name in self.lacks]
+        lacking = [RENAMED.get(name, name) for name in features if name in self]
         return "; ".join(f"lacks {name}" + (f": {self.lacks[name]}" if self.lacks[name] else "")
                          for name in lacking) or None
 

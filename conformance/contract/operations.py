@@ -169,9 +169,10 @@ def without_dropout(case: Case, declaration: Declaration) -> Case:
 # A constructor's keyword arguments (an error row at stage "init"): the feature each needs, and when it does
 INIT_FEATURES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "dropout": ("dropout", lambda value: value != 0), "num_kv_heads": ("num_kv_heads", lambda value: value is not None),
-    "bias": ("no_bias", lambda value: value is False), "rope_theta": ("rope", lambda value: value is not None),
-    "norm": ("rms_norm", lambda value: value != "layer"),
-    "attention": ("linear_attention", lambda value: value != "softmax")}
+    "bias": ("bias_false", lambda value: value is False),
+    "rope_theta": ("rope_theta", lambda value: value is not None),
+    "norm": ("norm_rms", lambda value: value != "layer"),
+    "attention": ("attention_linear", lambda value: value != "softmax")}
 
 
 def init_features_used(arguments: dict[str, Any]) -> set[str]:
@@ -495,10 +496,10 @@ def _mha_visible(case: MhaCase) -> np.ndarray:
 MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "dropout": lambda case: case.dropout != 0,
     "num_kv_heads": lambda case: case.num_kv_heads not in (None, case.num_heads),
-    "no_bias": lambda case: not case.bias,
-    "rope": lambda case: case.rope_theta is not None,
-    "linear_attention": lambda case: getattr(case, "attention", "softmax") != "softmax",
-    "rms_norm": lambda case: getattr(case, "norm", "layer") == "rms",
+    "bias_false": lambda case: not case.bias,
+    "rope_theta": lambda case: case.rope_theta is not None,
+    "attention_linear": lambda case: getattr(case, "attention", "softmax") != "softmax",
+    "norm_rms": lambda case: getattr(case, "norm", "layer") == "rms",
     "gelu": lambda case: getattr(case, "activation", "relu") == "gelu",
     "swiglu": lambda case: getattr(case, "activation", "relu") == "swiglu"  # or a state of its layout, which a
     or "ffn.w_gate.weight" in (getattr(case, "state", None) or {}),  # module without SwiGLU cannot even refuse aright
