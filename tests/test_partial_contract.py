@@ -11,6 +11,7 @@ import pytest
 
 import attention_np
 from attention_np.common import mods
+from attention_np.common.keywords import KEYWORDS
 from conformance import Declaration, check
 from conformance.contract import features as features_module
 from conformance.contract.cases import flex_case, per_query_head, sdpa_case, tiled
@@ -264,6 +265,40 @@ def test_the_mask_helpers_skip_the_keywords_a_module_lacks():
     assert skipped and all(why.startswith(("lacks q_offset", "lacks window", "no window_mask"))
                            for why in skipped.values()), skipped
     assert {result.row.name for result in results if not result.skipped} >= {"causal_mask_3_3", "padding_mask_4_6"}
+
+
+_REFUSED = {"mods": ("mask_mod", "block_mask")}  # beyond the table's keywords: flash's block mask is a mod too
+
+
+def _is_default(value: object, default: object) -> bool:
+    return value is default or (isinstance(value, bool | int | float | tuple) and value == default)
+
+
+@pytest.mark.parametrize("feature", sorted({keyword.feature for keyword in KEYWORDS.values()}))
+def test_a_module_lacking_a_keyword_is_never_passed_it_by_any_row(feature: str):
+    # every function of the module refuses the feature's keywords away from their defaults, and the module declares
+    # the feature lacking: each row of sdpa, flash and flex (drawn, pinned, edge cases, errors) passes or is
+    # skipped, and a row that passed one would fail (an error row: the wrong exception)
+    refused = _REFUSED.get(feature, ()) + tuple(name for name, entry in KEYWORDS.items() if entry.feature == feature)
+
+    def refusing(function):
+        def call(*arguments, **keywords):
+            if feature == "mask" and len(arguments) > 3 and arguments[3] is not None:
+                raise AssertionError(f"passed a mask, which {function.__name__} lacks")
+            given = [name for name in refused if name in keywords and not (
+                keywords[name] is None or (name in KEYWORDS and _is_default(keywords[name], KEYWORDS[name].default)))]
+            if given:
+                raise AssertionError(f"passed {given}, which {function.__name__} lacks")
+            return function(*arguments, **keywords)
+        return call
+
+    functions = ("scaled_dot_product_attention", "scaled_dot_product_attention_vjp", "flash_attention",
+                 "flash_attention_vjp", "flex_attention", "flex_attention_vjp", "create_block_mask")
+    module = _module(f"lacking_{feature}", lacks=Declaration({feature: "refused"}), functions=functions)
+    for name in functions[:-1]:
+        setattr(module, name, refusing(getattr(attention_np, name)))
+    report = check(module, operations=("sdpa", "flash", "flex"), max_examples=2)
+    assert report.passed, _failures(report)
 
 
 def test_a_check_asks_for_some_checks_only():

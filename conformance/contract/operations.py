@@ -697,8 +697,8 @@ def _flex_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, ne
     """(out, lse): flex_attention has no dropout and one path, so training and need_weights change nothing."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     block_mask = _flex_block_mask(module, q, k, mask_mod, block_size, mask_for)
-    return module.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                                 enable_gqa=enable_gqa, return_lse=True)
+    return module.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True,
+                                 **_flex_keywords(scale, enable_gqa))
 
 
 def _flex_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, mask_mod: Any, score_mod: Any,
@@ -707,8 +707,8 @@ def _flex_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float
     """dq, dk, dv and the score function's parameters' gradients, by "score_mod.<parameter>"."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     block_mask = _flex_block_mask(module, q, k, mask_mod, block_size, mask_for)
-    _, _, pullback = module.flex_attention_vjp(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                                               enable_gqa=enable_gqa)
+    _, _, pullback = module.flex_attention_vjp(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                               **_flex_keywords(scale, enable_gqa))
     dq, dk, dv, d_score_mod = pullback(arrays["d_out"])
     return {"q": dq, "k": dk, "v": dv} | {f"score_mod.{name}": grad for name, grad in d_score_mod.items()}
 
@@ -737,15 +737,27 @@ def _flex_blind(case: FlexCase) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _flex_uses(case: FlexCase) -> set[str]:
-    """mods, always (a mask or score function, or the block mask's tiles), and score_mod where one is given."""
-    return {"mods"} | ({"score_mod"} if case.score_mod is not None else set())
+    """mods, always (a mask or score function, or the block mask's tiles), score_mod where one is given, and scale
+    and enable_gqa where they differ from their defaults."""
+    given = {"score_mod": case.score_mod is not None, "scale": case.scale is not None, "enable_gqa": case.enable_gqa}
+    return {"mods"} | {name for name, used in given.items() if used}
 
 
 def _flex_leave_out(case: FlexCase, declaration: Declaration) -> FlexCase | None:
-    """None where the module lacks mods (the operation is SKIP), no score function where it lacks score_mod."""
+    """None where the module lacks mods (the operation is SKIP); no score function where it lacks score_mod; the
+    default scale where it lacks scale; k and v repeated per query head where it lacks enable_gqa."""
     if "mods" in declaration:
         return None
-    return case._replace(score_mod=None) if "score_mod" in declaration else case
+    if case.enable_gqa and "enable_gqa" in declaration:
+        case = case._replace(**dict(zip(("k", "v"), per_query_head(case), strict=True)), enable_gqa=False)
+    return case._replace(**{name: default for name, default in (("score_mod", None), ("scale", None))
+                            if name in declaration})
+
+
+def _flex_keywords(scale: float | None, enable_gqa: bool) -> dict[str, Any]:
+    """scale and enable_gqa where they differ from their defaults: a module without them runs every other case."""
+    return {name: value for name, value in (("scale", scale), ("enable_gqa", enable_gqa))
+            if not _is_default(value, SDPA_DEFAULTS[name])}
 
 
 # --- the registry ------------------------------------------------------------------------------------------
