@@ -324,7 +324,8 @@ GUARDS: tuple[Guard, ...] = (
           catches="a linear attention's bugs (`linear_attention`, SPEC 2e) against a double sum over the keys each "
                   "query sees, drawn with every feature map, causal or not, chunks of 1 to 7 that do not divide L, "
                   "key lengths and eps up to 1: a prefix sum one key too far, the normaliser forgotten, a chunk's "
-                  "own keys in the state it reads (counted twice), eps in the numerator "
+                  "own keys in the state it reads (counted twice), eps in the numerator, sums computed in float16 "
+                  "(in half precision L = S = 512 with large q and k, where they overflow) "
                   "(`tests/implementations/broken_linear.py`)"),
     Guard(("values", "lse"), operations=("flex",),
           catches="programmable attention's bugs (`flex_attention` with `create_block_mask`), drawn with the "
