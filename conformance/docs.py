@@ -378,8 +378,9 @@ GUARDS: tuple[Guard, ...] = (
                   "placed at the chunk's start instead of after the cache, RoPE at the chunk's positions instead of"
                   " the sequence's, unfilled positions with weight)"),
     Guard(("rope",),
-          catches="`apply_rope` with the wrong layout (interleaved pairs for the half rotation), angle or dtype: "
-                  "against the oracle's rotation of each pair as a complex number"),
+          catches="`apply_rope` with the wrong layout (interleaved pairs for the half rotation), angle or dtype, "
+                  "or angles computed in float16 (float16 and bfloat16 cases at positions near 4096): against the "
+                  "oracle's rotation of each pair as a complex number"),
 )
 
 
