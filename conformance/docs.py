@@ -324,7 +324,8 @@ GUARDS: tuple[Guard, ...] = (
           catches="a linear attention's bugs (`linear_attention`, SPEC 2e) against a double sum over the keys each "
                   "query sees, drawn with every feature map, causal or not, chunks of 1 to 7 that do not divide L, "
                   "key lengths and eps up to 1: a prefix sum one key too far, the normaliser forgotten, a chunk's "
-                  "own keys in the state it reads (counted twice), eps in the numerator "
+                  "own keys in the state it reads (counted twice), eps in the numerator, sums computed in float16 "
+                  "(in half precision L = S = 512 with large q and k, where they overflow) "
                   "(`tests/implementations/broken_linear.py`)"),
     Guard(("values", "lse"), operations=("flex",),
           catches="programmable attention's bugs (`flex_attention` with `create_block_mask`), drawn with the "
@@ -377,8 +378,9 @@ GUARDS: tuple[Guard, ...] = (
                   "placed at the chunk's start instead of after the cache, RoPE at the chunk's positions instead of"
                   " the sequence's, unfilled positions with weight)"),
     Guard(("rope",),
-          catches="`apply_rope` with the wrong layout (interleaved pairs for the half rotation), angle or dtype: "
-                  "against the oracle's rotation of each pair as a complex number"),
+          catches="`apply_rope` with the wrong layout (interleaved pairs for the half rotation), angle or dtype, "
+                  "or angles computed in float16 (float16 and bfloat16 cases at positions near 4096): against the "
+                  "oracle's rotation of each pair as a complex number"),
 )
 
 

@@ -17,6 +17,7 @@ EXPECTED: dict[str, set[str]] = {
     "normaliser_forgotten": {"values", "steps"},
     "chunk_state_includes_the_chunk": {"values"},
     "eps_in_the_numerator": {"values"},
+    "sums_in_half_precision": {"values"},  # float16 only: L = S = 512 with q and k LARGE overflows the sums
     "step_reads_before_the_update": {"steps"},
     "step_updates_the_state_in_place": {"state_kept"},
     "backward_without_phi_prime": {"gradients"},

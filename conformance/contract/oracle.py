@@ -459,15 +459,19 @@ def rope(x: ArrayLike, positions: int | ArrayLike, *, theta: float = 10000.0, in
          dtype: DTypeLike = np.float64) -> np.ndarray:
     """Rotary position embeddings, row by row: the row at position p is E/2 complex numbers
     z_j = x_a + i x_b, each multiplied by exp(i p theta^(-2j / E)); (a, b) = (j, j + E/2) in the half
-    layout, (2j, 2j + 1) interleaved. x (..., L, E); positions integers broadcasting to (..., L)."""
+    layout, (2j, 2j + 1) interleaved. x (..., L, E); positions integers broadcasting to (..., L). The angle
+    p theta^(-2j / E) is rounded as SPEC 2b computes it, in the working dtype (`_work`: float32 for float16 and
+    bfloat16), so that a position in the thousands loses there what a conformant module loses."""
     x = _cast(x, dtype)
     positions = np.broadcast_to(np.asarray(positions), x.shape[:-1])
     E = x.shape[-1]
     pairs = [(2 * j, 2 * j + 1) if interleaved else (j, j + E // 2) for j in range(E // 2)]
+    work = x.dtype.type  # the working dtype's scalar
     out = np.empty_like(x)
     for row in np.ndindex(*x.shape[:-1]):
         for j, (a, b) in enumerate(pairs):
-            z = complex(x[(*row, a)], x[(*row, b)]) * cmath.exp(1j * int(positions[row]) * theta ** (-2 * j / E))
+            angle = work(int(positions[row])) * work(theta ** (-2 * j / E))  # rounded in the working dtype
+            z = complex(x[(*row, a)], x[(*row, b)]) * cmath.exp(1j * float(angle))
             out[(*row, a)], out[(*row, b)] = z.real, z.imag
     return out.astype(dtype)
 

@@ -87,6 +87,8 @@ QUERY_HEADS = (2, 4)  # H of an enable_gqa case; its key/value heads Hkv are 1, 
 FEATURE_MAPS = ("elu", "relu", "identity")  # linear attention's phi
 CHUNKS = (1, 2, 3, 4, 5, 6, 7)  # a causal linear case's chunk: one drawn that does not divide L (or 1)
 LINEAR_EPSILONS = (1e-6, 1e-3, 1.0)  # the default; one that matters for small weights; one as large as they are
+OVERFLOW_LENGTHS = (512, 513)  # L = S of a linear case past float16's range: q and k LARGE, so phi(q_i) . z_i
+# (hundreds of keys of features near 15) passes 65504, and a float16 prefix sum stalls (its spacing passes 2)
 
 SEEDS = st.integers(0, 2**32 - 1)
 
@@ -527,13 +529,15 @@ def ring_cases(draw: Callable, *, magnitude: str | None = None) -> RingCase:
 
 @st.composite
 def linear_cases(draw: Callable, *, is_causal: bool | None = None, with_lengths: bool | None = None,
-                 magnitude: str | None = None, long: bool = True) -> LinearCase:
+                 magnitude: str | None = None, long: bool = True, overflowing: bool = False) -> LinearCase:
     """Linear attention (SPEC 2e): a feature map of FEATURE_MAPS; causal or not (None draws it; causal: L == S,
     the chunked form in three cases of four, with a chunk of CHUNKS that does not divide L, so the last chunk is
     partial, or 1, or one larger than L; not causal: L and S drawn apart, no chunk); key lengths per sequence
     in one case of two (None draws it; False: none, as the recurrent form takes none), from `key_lengths`; eps
     of LINEAR_EPSILONS; q and k of "normal" or "large" (LARGE: phi's exponential branch far below 1, its linear
-    branch far above), v N(0, 1).
+    branch far above), v N(0, 1). overflowing=True (the half-precision group): one case of two, the least case
+    among them, has L = S from OVERFLOW_LENGTHS and q and k LARGE, where the sums A and z and the normaliser of a
+    float16 computation pass 65504 or stop growing, while float32 holds them to a rounding (SPEC 2e).
 
     With the identity map q and k are drawn positive (|x|): every weight phi(q_i) . phi(k_j) is then a sum of
     positive products, so the normaliser sum_j w_ij + eps sums positive terms and out is a weighted mean of the
@@ -543,12 +547,14 @@ def linear_cases(draw: Callable, *, is_causal: bool | None = None, with_lengths:
     whatever the inputs (a query or key with no positive entry gives weights of 0, out 0 / eps = 0)."""
     feature_map = draw(st.sampled_from(FEATURE_MAPS))
     is_causal = draw(st.booleans()) if is_causal is None else is_causal
-    batch, L = draw(batch_shapes()), draw(lengths(long=long))
-    S = L if is_causal else draw(lengths(long=long))
+    past_half = overflowing and draw(st.sampled_from((True, False)))  # True first: the least case is one
+    batch = draw(batch_shapes())
+    L = draw(st.sampled_from(OVERFLOW_LENGTHS)) if past_half else draw(lengths(long=long))
+    S = L if is_causal or past_half else draw(lengths(long=long))
     chunk = None
     if is_causal and draw(st.sampled_from((False, True, True, True))):
         chunk = draw(st.sampled_from([c for c in CHUNKS if c == 1 or L % c]))
-    q, k, v = draw(_inputs(batch, batch, L, S, magnitude))
+    q, k, v = draw(_inputs(batch, batch, L, S, "large" if past_half else magnitude))
     if feature_map == "identity":  # positive features: a normaliser that cannot cancel (see above)
         q, k = np.abs(q), np.abs(k)
     with_lengths = draw(st.booleans()) if with_lengths is None else with_lengths

@@ -80,7 +80,9 @@ GROUPS = (
     Group("ring", checks.tiled_against_oracle, dtypes=HALF, examples=2, draw={"magnitude": "normal"}),
     Group("ring", gradient_checks.gradients, dtypes=FLOAT64, examples=4, pinned=True, gradient=True),
     Group("linear", checks.out_against_oracle, dtypes=BOTH, examples=8, pinned=True),
-    Group("linear", checks.out_against_oracle, dtypes=HALF, examples=2, draw={"magnitude": "normal"}),
+    # one case of two (the least among them) of L = S = 512 or 513 and q, k LARGE: past float16's range (SPEC 2e)
+    Group("linear", checks.out_against_oracle, dtypes=HALF, examples=2,
+          draw={"magnitude": "normal", "overflowing": True}),
     Group("linear", gradient_checks.gradients, dtypes=FLOAT64, examples=4, pinned=True, gradient=True),
     Group("linear", checks.linear_steps, dtypes=BOTH, examples=4,
           draw={"is_causal": True, "with_lengths": False, "long": False}),
@@ -146,7 +148,7 @@ FIXED_RUNS = (
 CONTRACT_RUNS = {
     "arrays": FixedRun("round_trip", dtype="-", run=lambda runner, operation: fixed_checks.round_trip(runner)),
     "masks": FixedRun("helpers", dtype="-", run=lambda runner, operation: fixed_checks.mask_helpers(runner)),
-    "positions": FixedRun("rope", dtype="float64", run=lambda runner, operation: fixed_checks.rope(runner)),
+    "positions": FixedRun("rope", dtype="-", run=lambda runner, operation: fixed_checks.rope(runner)),
 }
 
 
@@ -435,7 +437,7 @@ def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *
     operations = [operation for operation in operations if not _absent(runner, operation)]
     total = len(framework.dtypes) + sum(len(helpers) for helpers in (
         fixed_checks.CAUSAL_SIZES, fixed_checks.CAUSAL_OFFSETS, fixed_checks.WINDOWS, fixed_checks.PADDING_LENGTHS,
-        fixed_checks.ROPE_CASES))
+        fixed_checks.rope_runs(framework.dtypes)))
     for group in (group for group in GROUPS if group.operation in operations):
         examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
         examples += len(fixed_cases.rows(group.operation, "example")) if group.pinned else 0

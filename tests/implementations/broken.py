@@ -296,6 +296,19 @@ class CacheLengthNotAdvanced(Implementation):
         return start
 
 
+class RopeAnglesInHalfPrecision(Implementation):
+    """apply_rope computes the angles p * theta^(-2j / E) and their cos and sin in x's float16, not in float32 as
+    SPEC 2b asks: float16 holds integers exactly only up to 2048 and spaces them 2 to 4 apart beyond, so at
+    positions in the thousands the angle is off by whole radians, while at the positions of a short sequence it
+    loses a rounding. Caught by: rope (positions; float16, positions in the thousands)."""
+
+    def rope_rotation(self, positions: np.ndarray, E: int, theta: float, dtype: np.dtype) -> np.ndarray:
+        inverse = (1.0 / theta ** (np.arange(0, E, 2) / E)).astype(dtype)  # (E/2,)
+        angles = positions[..., None].astype(dtype) * inverse  # the bug: (..., L, E/2) in x's dtype, float16 too
+        cos, sin = np.cos(angles), np.sin(angles)
+        return np.stack([np.stack([cos, -sin], -1), np.stack([sin, cos], -1)], -2)  # (..., L, E/2, 2, 2)
+
+
 class RopePositionsFromTheChunk(Implementation):
     """extend turns each chunk's queries and keys at positions 0 .. L - 1 of the chunk instead of
     length .. length + L - 1 in the sequence (the positions of a full pass forgotten once a cache holds the
@@ -724,6 +737,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "groups_interleaved": GroupsInterleaved,
     "head_positions_split_as_groups_first": HeadPositionsSplitAsGroupsFirst,
     "rope_interleaved_for_half": RopeInterleavedForHalf,
+    "rope_angles_in_half_precision": RopeAnglesInHalfPrecision,
     "cache_length_not_advanced": CacheLengthNotAdvanced,
     "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
     "rope_keys_not_turned": RopeKeysNotTurned,

@@ -95,12 +95,17 @@ class Implementation:
         if not theta > 0:
             raise ValueError(f"theta must be positive; got {theta!r}")
         work = self.work_dtype(x.dtype)
-        angles = positions[..., None] * theta ** (-np.arange(0, E, 2) / E)  # (..., L, E/2)
-        rotation = np.stack([np.stack([np.cos(angles), -np.sin(angles)], -1),
-                             np.stack([np.sin(angles), np.cos(angles)], -1)], -2)  # (..., L, E/2, 2, 2)
+        rotation = self.rope_rotation(positions, E, theta, x.dtype)  # (..., L, E/2, 2, 2)
         pairs = self.rope_pairs(x.astype(work), interleaved)  # (..., L, E/2, 2)
         turned = np.einsum("...jab,...jb->...ja", rotation, pairs)  # (..., L, E/2, 2)
         return self.rope_unpairs(turned, interleaved).astype(x.dtype)
+
+    def rope_rotation(self, positions: np.ndarray, E: int, theta: float, dtype: np.dtype) -> np.ndarray:
+        """R(p * theta^(-2j / E)) for each position and pair: (..., L) -> (..., L, E/2, 2, 2), in float64 (at least
+        the float32 that SPEC 2b asks for x of any dtype)."""
+        angles = positions[..., None] * theta ** (-np.arange(0, E, 2) / E)  # (..., L, E/2)
+        return np.stack([np.stack([np.cos(angles), -np.sin(angles)], -1),
+                         np.stack([np.sin(angles), np.cos(angles)], -1)], -2)  # (..., L, E/2, 2, 2)
 
     def rope_pairs(self, x: np.ndarray, interleaved: bool) -> np.ndarray:
         """(..., E) -> (..., E/2, 2): the pairs (x_2j, x_2j+1) interleaved, else (x_j, x_j+E/2)."""
