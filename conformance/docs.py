@@ -399,7 +399,7 @@ def groups_table() -> str:
     lines = ["| operation | check | measures | dtypes | cases (fast profile) | drawn with | needs |",
              "|---|---|---|---|---|---|---|"]
     for group in suite.GROUPS:
-        cases = f"{group.examples}" + (" + the fixed examples" if group.pinned else "")
+        cases = f"{group.examples}" + (" + the fixed examples (float64)" if group.pinned else "")
         drawn = ", ".join(f"`{name}={value!r}`" for name, value in (group.draw or {}).items()) or "-"
         needs = _names(group.needs + (("vjp",) if group.gradient else ())) or "-"
         measures = [_measure(measure) for measure in suite.MEASURES[group.check]

@@ -343,12 +343,12 @@ class RopeCase(NamedTuple):
     dtypes: tuple[str, ...] = FLOAT64
 
 
-ROPE_CASES = (RopeCase((4, 6), [0, 1, 2, 3], 10000.0, interleaved=False),
-              RopeCase((4, 6), [0, 1, 2, 3], 10000.0, interleaved=True),
-              RopeCase((2, 3, 5, 8), FAR, 10000.0, interleaved=False, dtypes=HALF),
-              RopeCase((2, 3, 5, 8), FAR, 500.0, interleaved=True, dtypes=HALF),
-              RopeCase((3, 2), 7, 1.5, interleaved=False),
-              RopeCase((2, 4, 4), [-2, 0, 3, 9], 10.0, interleaved=True))
+ROPE_CASES = (RopeCase((4, 6), positions=[0, 1, 2, 3], theta=10000.0, interleaved=False),
+              RopeCase((4, 6), positions=[0, 1, 2, 3], theta=10000.0, interleaved=True),
+              RopeCase((2, 3, 5, 8), positions=FAR, theta=10000.0, interleaved=False, dtypes=HALF),
+              RopeCase((2, 3, 5, 8), positions=FAR, theta=500.0, interleaved=True, dtypes=HALF),
+              RopeCase((3, 2), positions=7, theta=1.5, interleaved=False),
+              RopeCase((2, 4, 4), positions=[-2, 0, 3, 9], theta=10.0, interleaved=True))
 ROPE_TOLERANCE = 1e-12  # float64: the relative error of a few rounded products
 
 

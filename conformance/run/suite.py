@@ -47,7 +47,9 @@ class Group(NamedTuple):
     dtypes: tuple[str, ...]  # each run where the module's framework has it (NumPy has no bfloat16)
     examples: int
     draw: dict[str, Any] | None = None  # options of the operation's strategy (is_causal=True, say)
-    pinned: bool = False  # also run the fixed cases' examples of the operation first
+    pinned: bool = False  # also run the fixed cases' examples of the operation first, in float64 (where the module
+    # runs the group in it; else in its first dtype): an example's error is plainest there, and JAX compiles each
+    # example anew in every dtype
     gradient: bool = False  # needs the operation's vjp: a module without one is reported as skipped
     needs: tuple[str, ...] = ()  # features (conformance.contract.features) the check cannot do without: a module that
     # declares one of them lacking is reported as skipped
@@ -238,12 +240,15 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                           if group.operation == operation and wanted(MEASURES[group.check], True)]
                 for group in groups:
                     examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
+                    runs = [dtype for dtype in _dtypes(group, runner.framework)
+                            if not _cannot_run(runner, group, dtype)]
+                    pinned_in = "float64" if "float64" in runs else runs[0] if runs else None  # Group.pinned
                     for dtype in _dtypes(group, runner.framework):
                         why = _cannot_run(runner, group, dtype)
                         rows += ([_skipped(name, operation, group.check.__name__, dtype, why)]
                                  if why else
                                  _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink,
-                                            tell=tell))
+                                            tell=tell, pinned=group.pinned and dtype == pinned_in))
                 rows += [_fixed_row(runner, fixed, operation, tell) for fixed in FIXED_RUNS
                          if wanted((fixed.check,), False)]
     return Report(rows, seed=seed, profile=profile, settings=[pinned] if pinned else [])
@@ -491,7 +496,7 @@ def _fixed_row(runner: Runner, fixed: FixedRun, operation: str, tell: Progress) 
 
 
 def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_: int, shrink: bool,
-               tell: Progress) -> list[Row]:
+               tell: Progress, pinned: bool = False) -> list[Row]:
     """Hypothesis drives the group's check over `examples` cases (plus the fixed cases' examples, if pinned); each
     measure becomes a row."""
     tolerance, count = TOLERANCES[dtype], [0]
@@ -532,9 +537,9 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
     # same cases for a seed: a filter here would draw others in their place, so a case it cannot run is passed over
     drawn = group.strategy().map(lambda case: leave_out(case, declaration))
     test = given(case=drawn)(body)
-    pinned = (leave_out(row.build(), declaration) for row in fixed_cases.rows(group.operation, "example")) \
-        if group.pinned else ()
-    for case in (case for case in pinned if case is not None):
+    examples_ = (leave_out(row.build(), declaration) for row in fixed_cases.rows(group.operation, "example")) \
+        if pinned else ()
+    for case in (case for case in examples_ if case is not None):
         test = example(case=case)(test)
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
     test = settings(max_examples=examples, deadline=None, database=None, derandomize=False, phases=phases,
