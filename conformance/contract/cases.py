@@ -174,6 +174,8 @@ class DecodeCase(NamedTuple):
     num_kv_heads: int | None = None
     bias: bool = True
     rope_theta: float | None = None  # the queries and keys turned at their positions in the whole sequence
+    cache_batch: tuple[int, ...] | None = None  # init_cache's batch shape where it is not x's (an error row)
+    cache_dtype: str | None = None  # init_cache's dtype where it is not the block's (an error row)
 
 
 class FlexCase(NamedTuple):

@@ -671,6 +671,10 @@ def _decode_rows() -> list[Fixed]:
               "capacity", "4", "3", "2"),
         error("decode", "capacity_negative", lambda: decode_case((2,), (1,), capacity=-1, dropout=0.0), ValueError,
               "capacity", "-1"),
+        error("decode", "cache_for_another_batch", lambda: decode_case((2,), (2,), dropout=0.0, cache_batch=(3,)),
+              ValueError, "x", "(2, 2, 4)", "(3,)"),
+        error("decode", "cache_of_another_dtype", lambda: decode_case((2,), (2,), dropout=0.0, cache_dtype="float32"),
+              TypeError, "cache", "float32", "float64"),
     ]
 
 

@@ -651,12 +651,16 @@ def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
 
 
 def _decode_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
-                 chunks: tuple[int, ...], capacity: int, **options: Any) -> Any:
-    """init_cache, then extend once per chunk: the chunks' outputs and weights, in order."""
+                 chunks: tuple[int, ...], capacity: int, cache_batch: tuple[int, ...] | None, cache_dtype: str | None,
+                 **options: Any) -> Any:
+    """init_cache (for x's batch shape, in the block's dtype, unless an error row asks for others), then extend
+    once per chunk: the chunks' outputs and weights, in order."""
     block = module.TransformerBlock.from_state_dict(arrays["state"], **_from_state(options))
     block = block.train() if training else block.eval()
     x = arrays["x"]
-    cache, outs, weights, start = block.init_cache(tuple(x.shape[:-2]), capacity), [], [], 0
+    dtype = {} if cache_dtype is None else {"dtype": module.asarray(np.zeros(1, cache_dtype)).dtype}
+    cache = block.init_cache(tuple(x.shape[:-2]) if cache_batch is None else cache_batch, capacity, **dtype)
+    outs, weights, start = [], [], 0
     for size in chunks:
         out, w, cache = block.extend(x[..., start:start + size, :], cache, need_weights=need_weights, rng=rng)
         outs.append(out)
@@ -813,7 +817,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
     Operation(
         name="decode", function="TransformerBlock.extend", case=DecodeCase,
         options=("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity", "norm",
-                 "num_kv_heads", "bias", "rope_theta"),
+                 "num_kv_heads", "bias", "rope_theta", "cache_batch", "cache_dtype"),
         inputs=("x",), differentiable=(), strategy="decode_cases",
         oracle=_decode_oracle, call=_decode_call, vjp="", pullback=None,
         visible=None, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,

@@ -296,6 +296,15 @@ class CacheLengthNotAdvanced(Implementation):
         return start
 
 
+class CacheUnchecked(Implementation):
+    """extend writes x into a cache made for another batch shape or dtype without a word: NumPy broadcasts or
+    casts on the write, or fails with its own message naming neither the cache nor the shapes. Caught by: errors
+    (decode's cache_for_another_batch and cache_of_another_dtype)."""
+
+    def check_cache(self, x: np.ndarray, held: np.ndarray) -> None:
+        pass
+
+
 class RopeAnglesInHalfPrecision(Implementation):
     """apply_rope computes the angles p * theta^(-2j / E) and their cos and sin in x's float16, not in float32 as
     SPEC 2b asks: float16 holds integers exactly only up to 2048 and spaces them 2 to 4 apart beyond, so at
@@ -739,6 +748,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "rope_interleaved_for_half": RopeInterleavedForHalf,
     "rope_angles_in_half_precision": RopeAnglesInHalfPrecision,
     "cache_length_not_advanced": CacheLengthNotAdvanced,
+    "cache_unchecked": CacheUnchecked,
     "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
     "rope_keys_not_turned": RopeKeysNotTurned,
     "linear_features_without_one": LinearFeaturesWithoutOne,

@@ -237,6 +237,13 @@ class Implementation:
         """The end of the positions an extend fills: length + new."""
         return length + new
 
+    def check_cache(self, x: np.ndarray, held: np.ndarray) -> None:
+        """extend's input against the cache's inputs (..., capacity, D): the batch shape and the dtype it was made
+        for."""
+        if x.shape[:-2] != held.shape[:-2]:
+            raise ValueError(f"x has shape {x.shape}; the cache holds the batch shape {held.shape[:-2]}")
+        self.check_dtypes("", x=x, cache=held)
+
     def advanced(self, start: int, end: int) -> int:
         """The length of the cache after an extend of positions start .. end - 1."""
         return end
@@ -1052,6 +1059,7 @@ class _TransformerBlock(_Module):
         """The rows of the new positions in one causal pass over every input so far (mask: not supported)."""
         x = np.asarray(x)
         capacity, L = cache.x.shape[-2], x.shape[-2]
+        self._impl.check_cache(x, cache.x)
         start, end = cache.length, self._impl.cache_end(cache.length, L)
         if end > capacity:
             raise ValueError(f"the cache's capacity is {capacity}: {start} positions held, {L} more asked")
