@@ -301,6 +301,63 @@ def test_a_module_lacking_a_keyword_is_never_passed_it_by_any_row(feature: str):
     assert report.passed, _failures(report)
 
 
+OPTIONS = ("num_kv_heads", "bias_false", "rope_theta", "attention_linear", "norm_rms", "gelu", "swiglu")
+
+
+def _options_used(state: dict, options: dict, prefix: str = "") -> set[str]:
+    """The module options (features) that a state dict's layout and from_state_dict's or a constructor's keyword
+    arguments ask for. A layout the seed's module cannot take either (w_k's rows no whole number of heads, a partial
+    set of biases) is a mistake of the seed's contract, not an option."""
+    heads, kv_heads = options.get("num_heads"), options.get("num_kv_heads")
+    if state and heads:  # the layout: w_k's rows, in whole heads of w_q's width
+        d_k, rows = state[f"{prefix}w_q.weight"].shape[0] // heads, state[f"{prefix}w_k.weight"].shape[0]
+        kv_heads = rows // d_k if d_k and rows % d_k == 0 and 0 < rows < heads * d_k else None
+    biases = [f"{prefix}{name}.bias" in state for name in ("w_q", "w_k", "w_v", "w_o")]
+    used = {"num_kv_heads": kv_heads not in (None, heads),
+            "bias_false": options.get("bias") is False or (bool(state) and not any(biases)),
+            "rope_theta": options.get("rope_theta") is not None,
+            "attention_linear": options.get("attention", "softmax") != "softmax",
+            "norm_rms": options.get("norm", "layer") != "layer" or (bool(prefix) and bool(state)
+                                                                    and "norm1.bias" not in state),
+            "gelu": options.get("activation") == "gelu",
+            "swiglu": options.get("activation") == "swiglu" or "ffn.w_gate.weight" in state}
+    return {name for name, asked in used.items() if asked}
+
+
+@pytest.mark.parametrize("feature", OPTIONS)
+def test_a_module_lacking_an_option_is_never_built_with_it_by_any_row(feature: str):
+    # the module's classes refuse the option, whether a state dict's layout or a keyword asks for it, and the module
+    # declares it lacking: each row of mha, block and decode (drawn, pinned, edge cases, errors) passes or is skipped
+    def refuse(state: dict, options: dict, prefix: str = "") -> None:
+        if feature in _options_used(state, options, prefix):
+            raise AssertionError(f"built with {feature}, which the module lacks")
+
+    class MultiHeadAttention(attention_np.MultiHeadAttention):
+        def __init__(self, *arguments, **options):
+            refuse({}, options)
+            super().__init__(*arguments, **options)
+
+        @classmethod
+        def from_state_dict(cls, state, **options):
+            refuse(state, options)
+            return attention_np.MultiHeadAttention.from_state_dict(state, **options)
+
+    class TransformerBlock(attention_np.TransformerBlock):
+        def __init__(self, *arguments, **options):
+            refuse({}, options)
+            super().__init__(*arguments, **options)
+
+        @classmethod
+        def from_state_dict(cls, state, **options):
+            refuse(state, options, "attn.")
+            return attention_np.TransformerBlock.from_state_dict(state, **options)
+
+    module = _module(f"lacking_{feature}", lacks=Declaration({feature: "refused"}), functions=())
+    module.MultiHeadAttention, module.TransformerBlock = MultiHeadAttention, TransformerBlock
+    report = check(module, operations=("mha", "block", "decode"), max_examples=2)
+    assert report.passed, _failures(report)
+
+
 def test_a_check_asks_for_some_checks_only():
     report = check(attention_np, operations=("sdpa",), measures=("edge_cases", "values"), max_examples=1)
     assert {row.check for row in report.rows} == {"values", "fast_path", "weights_rows", "edge_cases"}
