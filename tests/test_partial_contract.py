@@ -16,7 +16,7 @@ from conformance import Declaration, check
 from conformance.contract import features as features_module
 from conformance.contract.cases import flex_case, per_query_head, sdpa_case, tiled
 from conformance.contract.fixed_cases import rows
-from conformance.contract.operations import features_used, init_features_used, leave_out
+from conformance.contract.operations import _is_default, features_used, init_features_used, leave_out
 from conformance.run.checks import Runner, expected
 from conformance.run.fixed_checks import mask_helpers
 from tests.implementations import einsum_attention
@@ -270,10 +270,6 @@ def test_the_mask_helpers_skip_the_keywords_a_module_lacks():
 _REFUSED = {"mods": ("mask_mod", "block_mask")}  # beyond the table's keywords: flash's block mask is a mod too
 
 
-def _is_default(value: object, default: object) -> bool:
-    return value is default or (isinstance(value, bool | int | float | tuple) and value == default)
-
-
 @pytest.mark.parametrize("feature", sorted({keyword.feature for keyword in KEYWORDS.values()}))
 def test_a_module_lacking_a_keyword_is_never_passed_it_by_any_row(feature: str):
     # every function of the module refuses the feature's keywords away from their defaults, and the module declares
@@ -332,28 +328,24 @@ def test_a_module_lacking_an_option_is_never_built_with_it_by_any_row(feature: s
         if feature in _options_used(state, options, prefix):
             raise AssertionError(f"built with {feature}, which the module lacks")
 
-    class MultiHeadAttention(attention_np.MultiHeadAttention):
-        def __init__(self, *arguments, **options):
-            refuse({}, options)
-            super().__init__(*arguments, **options)
+    def refusing(base: type, prefix: str) -> type:
+        """`base`, refusing the option in its constructor and in from_state_dict (the attention's entries under
+        `prefix` in a block's state)."""
+        class Refusing(base):
+            def __init__(self, *arguments, **options):
+                refuse({}, options)
+                super().__init__(*arguments, **options)
 
-        @classmethod
-        def from_state_dict(cls, state, **options):
-            refuse(state, options)
-            return attention_np.MultiHeadAttention.from_state_dict(state, **options)
+            @classmethod
+            def from_state_dict(cls, state, **options):
+                refuse(state, options, prefix)
+                return base.from_state_dict(state, **options)
 
-    class TransformerBlock(attention_np.TransformerBlock):
-        def __init__(self, *arguments, **options):
-            refuse({}, options)
-            super().__init__(*arguments, **options)
-
-        @classmethod
-        def from_state_dict(cls, state, **options):
-            refuse(state, options, "attn.")
-            return attention_np.TransformerBlock.from_state_dict(state, **options)
+        return Refusing
 
     module = _module(f"lacking_{feature}", lacks=Declaration({feature: "refused"}), functions=())
-    module.MultiHeadAttention, module.TransformerBlock = MultiHeadAttention, TransformerBlock
+    module.MultiHeadAttention = refusing(attention_np.MultiHeadAttention, "")
+    module.TransformerBlock = refusing(attention_np.TransformerBlock, "attn.")
     report = check(module, operations=("mha", "block", "decode"), max_examples=2)
     assert report.passed, _failures(report)
 

@@ -263,14 +263,11 @@ def test_positioned_cases_draw_every_keyword_of_the_table_away_from_its_default(
     @settings(max_examples=200, database=None, deadline=None)
     @given(cs.sdpa_cases(positioned=True, modded=False))
     def draw(case: cases.SdpaCase) -> None:
-        reached.update(name for name in POSITIONS if not _is_default(getattr(case, name), KEYWORDS[name].default))
+        reached.update(name for name in POSITIONS
+                       if not operations._is_default(getattr(case, name), KEYWORDS[name].default))
 
     draw()
     assert reached == set(POSITIONS)
-
-
-def _is_default(value: object, default: object) -> bool:
-    return value is default if default is None else isinstance(value, type(default)) and value == default
 
 
 @FEW

@@ -275,7 +275,7 @@ def _sdpa_uses(case: SdpaCase) -> set[str]:
 SDPA_DEFAULTS = keywords.defaults(("mask", "bias", "is_causal", "scale")) | OPTIONAL_KEYWORDS
 
 
-def _sdpa_leave_out(case: SdpaCase, declaration: Declaration) -> SdpaCase:
+def _sdpa_leave_out(case: SdpaCase | FlashCase | FlexCase, declaration: Declaration) -> Any:
     """The lacking arguments at their defaults; with enable_gqa lacking, k and v repeated per query head; without
     mods no mask or score function (nor a block mask), without score_mod no score function."""
     if case.enable_gqa and "enable_gqa" in declaration:
@@ -284,7 +284,8 @@ def _sdpa_leave_out(case: SdpaCase, declaration: Declaration) -> SdpaCase:
     mods = {name: None for name, features in MOD_FEATURES.items()
             if name in fields and features & set(declaration.lacks)}
     mods |= {"block_size": None, "with_mask_mod": False} if "block_size" in fields and "mods" in declaration else {}
-    return case._replace(**{name: default for name, default in SDPA_DEFAULTS.items() if name in declaration}, **mods)
+    return case._replace(**{name: default for name, default in SDPA_DEFAULTS.items()
+                            if name in declaration and name in fields}, **mods)
 
 
 def _sdpa_blind(case: SdpaCase) -> tuple[np.ndarray, np.ndarray] | None:
@@ -748,14 +749,10 @@ def _flex_uses(case: FlexCase) -> set[str]:
 
 
 def _flex_leave_out(case: FlexCase, declaration: Declaration) -> FlexCase | None:
-    """None where the module lacks mods (the operation is SKIP); no score function where it lacks score_mod; the
-    default scale where it lacks scale; k and v repeated per query head where it lacks enable_gqa."""
-    if "mods" in declaration:
-        return None
-    if case.enable_gqa and "enable_gqa" in declaration:
-        case = case._replace(**dict(zip(("k", "v"), per_query_head(case), strict=True)), enable_gqa=False)
-    return case._replace(**{name: default for name, default in (("score_mod", None), ("scale", None))
-                            if name in declaration})
+    """None where the module lacks mods (the operation is SKIP); else sdpa's rule on the keywords flex_attention
+    shares with it: no score function without score_mod, the default scale without scale, k and v repeated per
+    query head without enable_gqa."""
+    return None if "mods" in declaration else _sdpa_leave_out(case, declaration)
 
 
 def _flex_keywords(scale: float | None, enable_gqa: bool) -> dict[str, Any]:

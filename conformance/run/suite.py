@@ -240,11 +240,10 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                           if group.operation == operation and wanted(MEASURES[group.check], True)]
                 for group in groups:
                     examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
-                    runs = [dtype for dtype in _dtypes(group, runner.framework)
-                            if not _cannot_run(runner, group, dtype)]
+                    unable = {dtype: _cannot_run(runner, group, dtype) for dtype in _dtypes(group, runner.framework)}
+                    runs = [dtype for dtype, why in unable.items() if not why]
                     pinned_in = "float64" if "float64" in runs else runs[0] if runs else None  # Group.pinned
-                    for dtype in _dtypes(group, runner.framework):
-                        why = _cannot_run(runner, group, dtype)
+                    for dtype, why in unable.items():
                         rows += ([_skipped(name, operation, group.check.__name__, dtype, why)]
                                  if why else
                                  _run_group(runner, group, dtype, examples=examples, seed_=seed, shrink=shrink,
@@ -537,9 +536,9 @@ def _run_group(runner: Runner, group: Group, dtype: str, *, examples: int, seed_
     # same cases for a seed: a filter here would draw others in their place, so a case it cannot run is passed over
     drawn = group.strategy().map(lambda case: leave_out(case, declaration))
     test = given(case=drawn)(body)
-    examples_ = (leave_out(row.build(), declaration) for row in fixed_cases.rows(group.operation, "example")) \
+    fixed = (leave_out(row.build(), declaration) for row in fixed_cases.rows(group.operation, "example")) \
         if pinned else ()
-    for case in (case for case in examples_ if case is not None):
+    for case in (case for case in fixed if case is not None):
         test = example(case=case)(test)
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
     test = settings(max_examples=examples, deadline=None, database=None, derandomize=False, phases=phases,
