@@ -297,8 +297,9 @@ GUARDS: tuple[Guard, ...] = (
     Guard(("independent",),
           catches="dropout decisions that are not independent: one mask shared by the heads or the batch elements, "
                   "or two sites replaying one stream (an int seed handed to each): over 2000 pairs and more, every "
-                  "two heads, batch elements, positions and the block's two residual sites must drop together at "
-                  "rate p^2 within 6 sigma, with every rng form"),
+                  "two heads, batch elements, positions and every two of the block's four sites (attention weights, "
+                  "activation, the two residual branches; the same entries in the order drawn) must drop together "
+                  "at rate p^2 within 6 sigma, with every rng form"),
     Guard(("weights",),
           catches="weights returned after dropout instead of before"),
     Guard(("gradients",),

@@ -69,6 +69,8 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "int_seed_taken_for_none": ("sdpa", {"rng_forms"}),  # only an int seed shows it
     "dropout_shared_by_heads": ("mha", {"independent"}),  # passes the mean: each head alone is right
     "seed_restarted_at_every_site": ("block", {"independent"}),  # only an int seed shows it
+    "attention_and_activation_one_stream": ("block", {"independent"}),  # the weights' and activation's first decisions
+    "attention_and_residual_one_stream": ("block", {"independent"}),  # the weights' and attention branch's
     "layernorm_unbiased": ("block", {"values"}),
     "layernorm_eps_outside_sqrt": ("block", {"values"}),
     "gelu_tanh": ("block", {"values"}),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import math
 import pathlib
@@ -18,6 +19,7 @@ import pytest
 
 import attention_np
 from conformance.contract import cases, fixed_cases, operations
+from conformance.contract.features import Declaration
 from conformance.contract.tolerances import TOLERANCES, relative_error, shown
 from conformance.frameworks.registry import framework_of
 from conformance.run import checks, gradient_checks, suite
@@ -114,12 +116,30 @@ def test_independent_dropout_is_within_its_bound(case):
 @pytest.mark.parametrize(("name", "case", "shown_by"), [
     ("dropout_shared_by_heads", cases.mha_case(H=2), "pairs along the heads, both dropped with a Generator"),
     ("seed_restarted_at_every_site", cases.block_case(), "feed-forward branch both dropped with an int seed"),
+    ("attention_and_activation_one_stream", cases.block_case(activation="relu"),
+     "attention weights and activation both dropped"),
+    ("attention_and_residual_one_stream", cases.block_case(activation="relu"),
+     "attention weights and attention branch both dropped"),
 ])
 def test_decisions_that_are_one_drop_together_at_p_not_p_squared(name, case, shown_by):
     # two decisions that are one are both dropped at rate p = 0.5, not p^2 = 0.25; over at least 2000 pairs
     # sigma = sqrt(0.25 * 0.75 / 2000) <= 0.0097, so the measure is at least 0.25 / (6 * 0.0097) = 4.3
     measure = checks.dropout_independence(checks.Runner(BROKEN[name]), case, "float32")["independent"]
     assert measure.error >= 4.3 and shown_by in measure.detail
+
+
+@pytest.mark.parametrize("lacks", [(), ("mask",)], ids=["every site", "lacking masks"])
+def test_block_probe_compares_every_two_of_its_sites(lacks):
+    # the four sites in the order the block draws them; a module without masks shows no attention weights
+    case = cases.block_case(H=2, F=4, activation="swiglu")
+    probe = operations.operation_of(case).dropout_probe(case, Declaration(lacks=lacks))
+    out, _ = checks.Runner(attention_np).run(checks._tiled(probe.case._replace(dropout=0.5), 64), "float32",
+                                             training=True, seed=1)
+    decisions = probe.decisions(out.astype(np.float64), 0.5)
+    sites = ["attention weights", "attention branch", "activation", "feed-forward branch"][len(lacks):]
+    assert list(decisions) == list(probe.sites) == sites
+    compared = {what for what, _, _, count in checks._drop_rates(decisions, probe, 0.5) if " and " in what}
+    assert compared == {f"{one} and {other} both dropped" for one, other in itertools.combinations(sites, 2)}
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ Imports NumPy alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -41,15 +42,27 @@ from .features import Declaration
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 
 
+class Site(NamedTuple):
+    """The keep / drop decisions that one call of a probe's case draws at one dropout site."""
+
+    shape: tuple[int, ...]  # (..., *axes), in the order the site draws them (C order)
+    axes: tuple[str, ...]  # the names of the last axes of `shape`, after the leading (batch) axes
+    shown_through: tuple[str, np.ndarray] | None = None  # (another site, True at those of its decisions, of its
+    # shape, that show or hide this site's): left out where the two sites are compared
+
+
 class Probe(NamedTuple):
     """A case made from a drawn one whose output in training mode shows the keep / drop decisions of the
-    dropout sites exactly (checks.dropout_independence): the drawn sizes, chosen values."""
+    dropout sites exactly (checks.dropout_independence): the drawn sizes, chosen values. Each decision it
+    shows is exact; the block's probe shows its inner sites' only where a residual decision keeps them."""
 
     case: Any  # the operation's case
-    shape: tuple[int, ...]  # the decisions of one site that one call of `case` shows: (..., *axes)
-    axes: tuple[str, ...]  # the names of the last axes of `shape`, after the leading (batch) axes
-    sites: Callable[[np.ndarray, float], dict[str, np.ndarray] | None]  # (out, p) -> {site: True where
-    # dropped}; None where out holds a value that no keep / drop decision gives
+    sites: dict[str, Site]  # the sites it shows, in the order the operation draws them
+    decisions: Callable[[np.ndarray, float], dict[str, np.ndarray] | None]  # (out, p) -> {site: True / 1 where
+    # dropped, False / 0 where kept, NaN where out does not show it}; None where out holds a value that no keep /
+    # drop decisions give
+    per_call: float | None = None  # about the fewest decisions that one call shows in a family the check compares;
+    # None: every decision of every site shows
 
 
 class Operation(NamedTuple):
@@ -69,7 +82,7 @@ class Operation(NamedTuple):
     visible: Callable[[Any], np.ndarray] | None  # (..., L, S): query i sees key j (in some head); None: not kept
     dropout_sigma: Callable[[Any, np.ndarray, float, int], np.ndarray] | None  # sd of the mean of n draws
     dropout_shows: Callable[[Any], bool]  # whether dropout can change the output at all
-    dropout_probe: Callable[[Any], Probe] | None  # the case -> a probe of its dropout sites
+    dropout_probe: Callable[[Any, Declaration], Probe] | None  # (case, lacks) -> a probe of its dropout sites
     uses: Callable[[Any], set[str]]  # the case -> the arguments and options of conformance.contract.features it uses
     leave_out: Callable[[Any, Declaration], Any]  # (case, lacks) -> the case without them, or None (SPEC 11)
     blind: Callable[[Any], tuple[np.ndarray, np.ndarray] | None]  # the case -> (out rows, weights rows) where a
@@ -299,15 +312,15 @@ def _sdpa_dropout_sigma(case: SdpaCase, weights: np.ndarray, p: float, draws: in
     return np.sqrt(p / (1 - p) * (weights**2) @ (per_query_head(case)[1] ** 2) / draws)
 
 
-def _sdpa_dropout_probe(case: SdpaCase) -> Probe:
+def _sdpa_dropout_probe(case: SdpaCase, declaration: Declaration) -> Probe:
     """q = 0, no mask, no bias, not causal: every weight is 1 / S; v = I (Ev = S): out_ls = keep_ls / (S (1 - p)),
     0 exactly where weight (l, s) was dropped."""
     (L, S), batch = (case.q.shape[-2], case.k.shape[-2]), _batch(case)
     v = np.broadcast_to(np.eye(S), (*case.v.shape[:-2], S, S)).copy()  # (..., S, S)
     probe = case._replace(q=np.zeros_like(case.q), v=v, mask=None, bias=None, is_causal=False,
                           **OPTIONAL_KEYWORDS | MOD_KEYWORDS | {"enable_gqa": case.enable_gqa})  # the heads as drawn
-    return Probe(probe, shape=(*batch, L, S), axes=("queries", "keys"),
-                 sites=lambda out, p: _dropped({"attention weights": out}, 1 / (S * (1 - p))))
+    return Probe(probe, sites={"attention weights": Site((*batch, L, S), ("queries", "keys"))},
+                 decisions=lambda out, p: _dropped({"attention weights": out}, 1 / (S * (1 - p))))
 
 
 def _batch(case: SdpaCase | MhaCase) -> tuple[int, ...]:
@@ -562,7 +575,7 @@ def _mha_dropout_sigma(case: MhaCase, weights: np.ndarray, p: float, draws: int)
     return sigma @ np.abs(state["w_o.weight"]).T  # sd of a sum is at most the sum of |coefficient| x sd
 
 
-def _mha_dropout_probe(case: MhaCase) -> Probe:
+def _mha_dropout_probe(case: MhaCase, declaration: Declaration) -> Probe:
     """One key (S = 1: every weight is 1), no mask, v = 1, w_v and w_o the identity with zero biases: the
     d_k features of head h at query l are keep_hl / (1 - p), so out[..., l, h d_k] shows head h's decision."""
     (L, D), H = case.q.shape[-2:], case.num_heads
@@ -573,11 +586,12 @@ def _mha_dropout_probe(case: MhaCase) -> Probe:
     probe = case._replace(state=case.state | identities, q=np.zeros_like(case.q), k=np.zeros(one_key),
                           v=np.ones(one_key), mask=None)
 
-    def sites(out: np.ndarray, p: float) -> dict[str, np.ndarray] | None:
+    def decisions(out: np.ndarray, p: float) -> dict[str, np.ndarray] | None:
         heads = np.swapaxes(out[..., :: D // H], -1, -2)  # (..., L, D) -> (..., L, H) -> (..., H, L)
         return _dropped({"attention weights": heads}, 1 / (1 - p))
 
-    return Probe(probe, shape=(*_batch(case), H, L), axes=("heads", "queries"), sites=sites)
+    return Probe(probe, sites={"attention weights": Site((*_batch(case), H, L), ("heads", "queries"))},
+                 decisions=decisions)
 
 
 # --- the transformer block ---------------------------------------------------------------------------------
@@ -603,29 +617,100 @@ def _block_pullback(module: ModuleType, arrays: dict, rng: Any, **options: Any) 
     return {"x": dx} | dict(dparams)
 
 
-def _block_dropout_probe(case: BlockCase) -> Probe:
-    """Pre-LN, x = 0, no mask; w_o = 0 with bias 1 and the last feed-forward Linear 0 with bias 2, so each
-    branch is a constant: out = 0 + Drop(1) + Drop(2) = (K_1 + 2 K_2) / (1 - p) shows the decisions K_1, K_2 of
-    the two residual sites (those inside the branches are multiplied by the zero weights). A case without
-    biases is probed with them: the residual sites are the same whatever the Linears hold."""
+# The block's probe: at most so many heads' and activation features' decisions shown, so that (1 - p) out, at
+# most 4 / (1 - p) 2^(heads + features + 1), stays a whole number that float32 holds exactly
+SHOWN_HEADS, SHOWN_FEATURES = 8, 12
+HIDDEN = 8.0  # every activation in the block's probe: relu(8) = gelu(8) = 8 and silu(32) * 0.25 (to float32)
+
+
+def _block_dropout_probe(case: BlockCase, declaration: Declaration) -> Probe:
+    """Pre-LN, x = 0; each query sees itself alone (mask = I: a kept weight is s = 1 / (1 - p)), q = 0, v = 1;
+    the first feed-forward Linears 0 with biases that make every activation 8; w_o and the last feed-forward
+    Linear 0 but at feature 0, biases 1 and 2. Then
+
+        (1 - p) out = K_1 (1 + 4 s M_W) + K_2 (2 + 4 s 2^H M_A),   M_W, M_A only at feature 0:
+
+    K_1, K_2 the decisions of the two residual sites at every (l, feature) (1 kept, 0 dropped); H the heads shown
+    (at most SHOWN_HEADS), M_W = sum_h k_hll 2^h the attention weights' decisions on the diagonal (shown where
+    K_1 keeps feature 0 of query l), M_A = sum_f a_lf 2^f the activation's (where K_2 keeps feature 0 of position
+    l). The weights' other decisions, and all of them for a module that lacks masks, are not shown. A case
+    without biases is probed with them: the sites are the same whatever the Linears hold."""
     L, D = case.x.shape[-2:]
     if not case.bias:
         case = block_case(case.x.shape[:-2], L, D, case.num_heads, _d_ff(case), activation=case.activation,
                           norm=case.norm, num_kv_heads=case.num_kv_heads)._replace(dropout=case.dropout, eps=case.eps,
                                                                                     rope_theta=case.rope_theta)
-    down = "ffn.w_down" if case.activation == "swiglu" else "ffn.3"
-    constants = {"attn.w_o.weight": np.zeros((D, D)), "attn.w_o.bias": np.ones(D),
-                 f"{down}.weight": np.zeros_like(case.state[f"{down}.weight"]), f"{down}.bias": np.full(D, 2.0)}
-    probe = case._replace(state=case.state | constants, norm_first=True, x=np.zeros_like(case.x), mask=None)
+    H, F, batch = case.num_heads, _d_ff(case), case.x.shape[:-2]
+    heads = 0 if "mask" in declaration else min(H, SHOWN_HEADS)  # the heads whose decisions show
+    features = min(F, SHOWN_FEATURES)
+    probe = case._replace(state=case.state | _block_probe_state(case, heads, features), norm_first=True,
+                          x=np.zeros_like(case.x), mask=None if heads == 0 else np.eye(L, dtype=bool))
+    feature_0 = np.zeros((*batch, L, D), dtype=bool)
+    feature_0[..., 0] = True  # the residual decisions that show or hide the inner sites'
+    sites = {"attention weights": Site((*batch, H, L, L), ("heads", "queries", "keys"),
+                                       shown_through=("attention branch", feature_0)),
+             "attention branch": Site((*batch, L, D), ("positions", "features")),
+             "activation": Site((*batch, L, F), ("positions", "hidden features"),
+                                shown_through=("feed-forward branch", feature_0)),
+             "feed-forward branch": Site((*batch, L, D), ("positions", "features"))}
+    if heads == 0:
+        del sites["attention weights"]
+    # the sparsest families, per draw and in units of B / 2 decisions (a site's pairs are half its decisions): the
+    # weights' pairs (H L / 2 shown, a quarter of their pairs both), the activation's (L F / 2), the weights and the
+    # activation (min(H L, F) / 4 entries both shown) and the weights and the attention branch (about D - 1)
+    sparsest = [heads * L / 2, L * features / 2, min(heads * L, features), 2 * (D - 1)] if heads else [L * features / 2]
+    shown = min(count for count in sparsest if count > 0)
+    return Probe(probe, sites=sites, decisions=lambda out, p: _block_decisions(out, p, (H, heads), (F, features)),
+                 per_call=math.prod(batch) * shown / 2)
 
-    def sites(out: np.ndarray, p: float) -> dict[str, np.ndarray] | None:
-        code = out.astype(np.float64) * (1 - p)  # K_1 + 2 K_2, in 0..3
-        whole = np.round(code)
-        if not np.all((np.abs(code - whole) <= 1e-4) & (whole >= 0) & (whole <= 3)):
-            return None
-        return {"attention branch": whole % 2 == 0, "feed-forward branch": whole < 2}
 
-    return Probe(probe, shape=(*case.x.shape[:-2], L, D), axes=("positions", "features"), sites=sites)
+def _block_probe_state(case: BlockCase, heads: int, features: int) -> dict[str, np.ndarray]:
+    """The Linears of _block_dropout_probe (the norms and w_k as drawn: they meet only zero weights)."""
+    state, D, H = case.state, case.x.shape[-1], case.num_heads
+    codes_w = np.zeros((D, D))
+    codes_w[0, np.arange(heads) * (D // H)] = 4.0 * 2.0 ** np.arange(heads)  # head h's first feature -> 4 2^h
+    codes_a = np.zeros_like(state[f"{_ffn_down(case)}.weight"])  # (D, F)
+    codes_a[0, :features] = 4.0 * 2.0**heads * 2.0 ** np.arange(features) / HIDDEN  # activation f -> 4 2^(H + f)
+    attention = {"attn.w_q.weight": np.zeros((D, D)), "attn.w_q.bias": np.zeros(D),
+                 "attn.w_v.weight": np.zeros_like(state["attn.w_v.weight"]),
+                 "attn.w_v.bias": np.ones(state["attn.w_v.weight"].shape[0]),
+                 "attn.w_o.weight": codes_w, "attn.w_o.bias": np.ones(D)}
+    up = ({"ffn.w_gate": 32.0, "ffn.w_up": HIDDEN / 32.0} if case.activation == "swiglu" else {"ffn.0": HIDDEN})
+    hidden = {f"{name}.{part}": np.zeros_like(state[f"{name}.weight"]) if part == "weight" else
+              np.full(state[f"{name}.weight"].shape[0], value)
+              for name, value in up.items() for part in ("weight", "bias")}  # every activation HIDDEN
+    down = {f"{_ffn_down(case)}.weight": codes_a, f"{_ffn_down(case)}.bias": np.full(D, 2.0)}
+    return attention | hidden | down
+
+
+def _block_decisions(out: np.ndarray, p: float, heads: tuple[int, int],
+                     features: tuple[int, int]) -> dict[str, np.ndarray] | None:
+    """The four sites' decisions from the probe's out (..., L, D) (_block_dropout_probe): 1 dropped, 0 kept,
+    NaN not shown; None where a value fits no decisions. heads, features: (H, shown), (F, shown)."""
+    (H, shown_heads), (F, shown_features), L = heads, features, out.shape[-2]
+    # 1) (1 - p) out = low + 4 s N, low = K_1 + 2 K_2 in 0..3 (one fits: 4 s > 3), N = K_1 M_W + K_2 2^H M_A
+    fits = (out[..., None] * (1 - p) - np.arange(4)) * (1 - p) / 4  # (..., L, D) -> (..., L, D, 4): N for each low
+    whole = np.round(fits)
+    fitting = (np.abs(fits - whole) <= 1e-3) & (whole >= 0)
+    if not np.all(np.sum(fitting, axis=-1) == 1):
+        return None
+    low = np.argmax(fitting, axis=-1)  # (..., L, D)
+    code = np.take_along_axis(whole, low[..., None], axis=-1)[..., 0].astype(np.int64)  # N, (..., L, D)
+    kept_1, kept_2 = low % 2 == 1, low >= 2  # (..., L, D)
+    # 2) N at feature 0 only: its low bits the weights' M_W where K_1 keeps, its high bits M_A where K_2 keeps
+    m_w, m_a = code[..., 0] % 2**shown_heads, code[..., 0] >> shown_heads  # (..., L)
+    if (np.any(code[..., 1:] != 0) or np.any(m_w[~kept_1[..., 0]] != 0) or np.any(m_a[~kept_2[..., 0]] != 0)
+            or np.any(m_a >= 2**shown_features)):
+        return None
+    weights = np.full((*out.shape[:-2], H, L, L), np.nan)  # (..., H, L, L)
+    bits = (m_w[..., None, :] >> np.arange(shown_heads)[:, None]) & 1  # (..., L) -> (..., H', L)
+    weights[..., :shown_heads, np.arange(L), np.arange(L)] = np.where(kept_1[..., None, :, 0], 1.0 - bits, np.nan)
+    activation = np.full((*out.shape[:-1], F), np.nan)  # (..., L, F)
+    bits = (m_a[..., None] >> np.arange(shown_features)) & 1  # (..., L) -> (..., L, F')
+    activation[..., :shown_features] = np.where(kept_2[..., 0, None], 1.0 - bits, np.nan)
+    decisions = {"attention weights": weights, "attention branch": 1.0 - kept_1, "activation": activation,
+                 "feed-forward branch": 1.0 - kept_2}
+    return decisions if shown_heads else {site: x for site, x in decisions.items() if site != "attention weights"}
 
 
 def _block_dropout_shows(case: BlockCase) -> bool:
@@ -635,6 +720,11 @@ def _block_dropout_shows(case: BlockCase) -> bool:
 
 def _d_ff(case: BlockCase) -> int:
     return case.state["ffn.w_gate.weight" if case.activation == "swiglu" else "ffn.0.weight"].shape[0]
+
+
+def _ffn_down(case: BlockCase) -> str:
+    """The last feed-forward Linear's name, (D, F)."""
+    return "ffn.w_down" if case.activation == "swiglu" else "ffn.3"
 
 
 # --- decoding through a key/value cache ---------------------------------------------------------------------

@@ -25,7 +25,7 @@ from array_api_compat import array_namespace
 
 from ..contract.cases import BlockCase, Case, LinearCase, MhaCase, SdpaCase, per_query_head
 from ..contract.features import declaration_of
-from ..contract.operations import Pair, arrays_and_options, missing, operation_of
+from ..contract.operations import Pair, Probe, arrays_and_options, missing, operation_of
 from ..contract.tolerances import relative_error
 from ..frameworks.registry import RngForm, framework_of
 
@@ -505,38 +505,43 @@ def _dropout_mean(mean: np.ndarray, expected_out: np.ndarray, spread: np.ndarray
 def dropout_independence(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     """Every keep / drop decision of dropout is drawn independently of the others, with every form of rng
     the framework allows, on both paths. The operation's probe (Operation.dropout_probe) keeps the case's
-    sizes and chooses values whose output shows each site's decisions exactly; it runs with dropout
-    INDEPENDENT_P, repeated along a new leading axis so that every family below holds at least
-    INDEPENDENT_PAIRS pairs.
+    sizes and chooses values whose output shows each site's decisions exactly (the block's shows some of
+    its inner sites' decisions: those its residual sites keep); it runs with dropout INDEPENDENT_P, repeated
+    along a new leading axis so that every family below holds about INDEPENDENT_PAIRS pairs or more.
 
     independent: along each axis of a site's decisions (the draws, each batch axis, the heads, queries,
     keys or features), disjoint pairs of entries (0 and 1, 2 and 3, ...) are both dropped at rate p^2, and
-    so are the same entries of two sites (the block's residual branches); each site drops at rate p. Over
-    M pairs (or entries) the rate has sigma = sqrt(e (1 - e) / M), e its expectation; the measure is
-    max |rate - e| / (6 sigma), and above 1 fails, which a correct implementation reaches with probability
-    below 3e-9 per family. A mask shared by two heads, or two sites that replay one stream, drop together
-    at rate p: at least four times the bound.
+    so are the same entries of two sites (the block's four: attention weights, the attention branch, the
+    activation, the feed-forward branch); each site drops at rate p. The same entries of two sites are those
+    at the same place in the order each draws its decisions in one call (C order of the call's whole array,
+    the first min(n_1, n_2)): where two sites replay one stream of randomness, those are the ones that
+    coincide. Only decisions the output shows are compared, and a residual decision that shows or hides an
+    inner site's (Site.shown_through) is not compared with that site. Over M pairs (or entries) the rate has
+    sigma = sqrt(e (1 - e) / M), e its expectation; the measure is max |rate - e| / (6 sigma), and above 1
+    fails, which a correct implementation reaches with probability below 3e-9 per family. A mask shared by
+    two heads, or two sites that replay one stream, drop together at rate p: at least four times the bound.
     rng_forms: with every form of rng the framework allows (SPEC.md section 6: an int seed besides a
     Generator, a raw key besides a typed one), the same seed reproduces the probe's output bit for bit and
     another seed changes it (each draw shows thousands of decisions, so a correct one repeats them all
     with chance about 2^-3000).
     """
-    probe = operation_of(case).dropout_probe(case)
-    per_call = math.prod(probe.shape)
-    n = 2 * math.ceil(1.5 * INDEPENDENT_PAIRS / per_call)  # >= 3 INDEPENDENT_PAIRS decisions per site
+    probe = operation_of(case).dropout_probe(case, runner.declaration)
+    per_call = probe.per_call or min(math.prod(site.shape) for site in probe.sites.values())
+    n = 2 * math.ceil(1.5 * INDEPENDENT_PAIRS / per_call)  # >= 3 INDEPENDENT_PAIRS decisions per family
     draws = _tiled(probe.case._replace(dropout=INDEPENDENT_P), n)
-    names = ("draws", *(f"batch axis {i}" for i in range(len(probe.shape) - len(probe.axes))), *probe.axes)
     found, forms = Measure(0.0), Measure(0.0)
     for form in runner.framework.rngs:
         runs = [runner.run_both_paths(draws, dtype, training=True, seed=seed, rng_form=form) for seed in (1, 1, 2)]
         for path, ((out, _), (again, _), (other, _)) in enumerate(zip(*runs, strict=True)):
             said = f" with {form.name}" + ("" if path == 0 else " and need_weights=False")
-            sites = probe.sites(out.astype(np.float64), INDEPENDENT_P) if out.shape[:1] == (n,) else None
-            if sites is None or any(dropped.shape != (n, *probe.shape) for dropped in sites.values()):
+            decisions = probe.decisions(out.astype(np.float64), INDEPENDENT_P) if out.shape[:1] == (n,) else None
+            if decisions is None or {site: np.shape(x) for site, x in decisions.items()} != \
+                    {name: (n, *site.shape) for name, site in probe.sites.items()}:
                 wrong = Measure(math.inf, f"the probe's output{said} is not what dropout's keep / drop decisions "
                                           "give (conformance/contract/operations.py)")
                 return {"independent": wrong, "rng_forms": wrong}
-            found = worst(found, *(_rate(*rate, said) for rate in _drop_rates(sites, names, INDEPENDENT_P)))
+            decisions = {site: np.asarray(x, dtype=np.float64) for site, x in decisions.items()}
+            found = worst(found, *(_rate(*rate, said) for rate in _drop_rates(decisions, probe, INDEPENDENT_P)))
             if not np.array_equal(out, again, equal_nan=True):
                 forms = worst(forms, Measure(math.inf, f"the same seed gave different outputs{said}"))
             elif np.array_equal(out, other):
@@ -544,20 +549,43 @@ def dropout_independence(runner: Runner, case: Case, dtype: str) -> dict[str, Me
     return {"independent": found, "rng_forms": forms}
 
 
-def _drop_rates(sites: dict[str, np.ndarray], names: tuple[str, ...], p: float) -> list[tuple[str, float, float, int]]:
+def _drop_rates(decisions: dict[str, np.ndarray], probe: Probe, p: float) -> list[tuple[str, float, float, int]]:
     """(what, rate, expected rate, count): each site's drop rate, the rate at which the disjoint pairs along
-    each of its axes are both dropped, and the rate at which two sites both drop the same entry."""
-    rates = [(f"{site} dropped", float(dropped.mean()), p, dropped.size) for site, dropped in sites.items()]
-    for site, dropped in sites.items():
+    each of its axes are both dropped, and the rate at which two sites both drop the same entry (the same place
+    in the order drawn), over the decisions shown (1 dropped, 0 kept, NaN not shown). A family with no pair
+    shown (the block's weights along the queries or keys: only the diagonal shows) is left out."""
+    rates = [(f"{site} dropped", float(np.nanmean(dropped)), p, int(np.sum(~np.isnan(dropped))))
+             for site, dropped in decisions.items()]
+    for site, dropped in decisions.items():
+        shape = probe.sites[site].shape
+        names = ("draws", *(f"batch axis {i}" for i in range(len(shape) - len(probe.sites[site].axes))),
+                 *probe.sites[site].axes)
         for axis, name in enumerate(names):
             m = dropped.shape[axis]
             even, odd = (np.take(dropped, range(start, m - 1 + start, 2), axis=axis) for start in (0, 1))
-            if even.size:  # an axis of length 1 has no pairs
-                rates.append((f"{site}, pairs along the {name}, both dropped", float((even & odd).mean()), p * p,
-                              even.size))
-    for (one, a), (other, b) in itertools.combinations(sites.items(), 2):
-        rates.append((f"{one} and {other} both dropped", float((a & b).mean()), p * p, a.size))
-    return rates
+            rates.append((f"{site}, pairs along the {name}, both dropped", *_both(even, odd, p)))
+    for (one, a), (other, b) in itertools.combinations(decisions.items(), 2):
+        m = min(a.size, b.size)
+        deciding = _deciding(probe, one, other, a.shape).reshape(-1)[:m] | \
+            _deciding(probe, other, one, b.shape).reshape(-1)[:m]
+        a, b = (np.where(deciding, np.nan, x.reshape(-1)[:m]) for x in (a, b))
+        rates.append((f"{one} and {other} both dropped", *_both(a, b, p)))
+    return [rate for rate in rates if rate[3] > 0]
+
+
+def _both(a: np.ndarray, b: np.ndarray, p: float) -> tuple[float, float, int]:
+    """(rate, p^2, count): the rate at which a and b are both dropped where both are shown."""
+    shown = ~np.isnan(a) & ~np.isnan(b)
+    count = int(np.sum(shown))
+    return (float(np.mean((a[shown] == 1) & (b[shown] == 1))) if count else 0.0), p * p, count
+
+
+def _deciding(probe: Probe, site: str, other: str, shape: tuple[int, ...]) -> np.ndarray:
+    """True at the decisions of `site` (shape (draws, ...)) that show or hide those of `other`."""
+    through = probe.sites[other].shown_through
+    if through is None or through[0] != site:
+        return np.zeros(shape, dtype=bool)
+    return np.broadcast_to(through[1], shape)
 
 
 def _rate(what: str, rate: float, expected_rate: float, count: int, path: str) -> Measure:

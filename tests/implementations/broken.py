@@ -553,6 +553,26 @@ class SeedRestartedAtEverySite(Implementation):
         return rng
 
 
+class AttentionAndActivationOneStream(Implementation):
+    """The block seeds the attention's generator and the feed-forward network's from one number it draws,
+    so the attention weights and the activation replay one stream: their first decisions are the same (the
+    residual branches draw from the block's generator, apart). Caught by: independent (block)."""
+
+    def site_generators(self, rng: Rng) -> tuple[Rng, Rng, Rng]:
+        seed = int(self.generator(rng).integers(2**63))
+        return np.random.default_rng(seed), rng, np.random.default_rng(seed)
+
+
+class AttentionAndResidualOneStream(Implementation):
+    """The block seeds the attention's generator and the residual branches' from one number it draws, so the
+    attention weights and the attention branch's residual dropout replay one stream (the activation draws from
+    the block's generator, apart). Caught by: independent (block)."""
+
+    def site_generators(self, rng: Rng) -> tuple[Rng, Rng, Rng]:
+        seed = int(self.generator(rng).integers(2**63))
+        return np.random.default_rng(seed), np.random.default_rng(seed), rng
+
+
 # --- the block -----------------------------------------------------------------------------------------
 
 
@@ -770,6 +790,8 @@ VARIANTS: dict[str, type[Implementation]] = {
     "int_seed_taken_for_none": IntSeedTakenForNone,
     "dropout_shared_by_heads": DropoutSharedByHeads,
     "seed_restarted_at_every_site": SeedRestartedAtEverySite,
+    "attention_and_activation_one_stream": AttentionAndActivationOneStream,
+    "attention_and_residual_one_stream": AttentionAndResidualOneStream,
     "layernorm_unbiased": LayerNormUnbiased,
     "layernorm_eps_outside_sqrt": LayerNormEpsOutsideSqrt,
     "gelu_tanh": GeluTanh,

@@ -621,26 +621,30 @@ class Implementation:
                           positions: np.ndarray | None = None) -> Pair:
         """post-LN: x = LN_1(x + Drop(MHA(x))), x = LN_2(x + Drop(FFN(x)));
         pre-LN: x = x + Drop(MHA(LN_1(x))), x = x + Drop(FFN(LN_2(x))). One generator feeds every site."""
-        rng = self.block_generator(rng)
+        weights_rng, residual_rng, activation_rng = self.site_generators(self.block_generator(rng))
         attn = {name.removeprefix("attn."): x for name, x in state.items() if name.startswith("attn.")}
         ln1, ln2 = self.norms(state, eps)
 
         def attend(y: np.ndarray) -> Pair:
             return self.multi_head_attention(attn, y, y, y, mask, num_heads=num_heads, dropout_p=dropout_p,
-                                             need_weights=need_weights, rng=rng, rope_theta=rope_theta,
+                                             need_weights=need_weights, rng=weights_rng, rope_theta=rope_theta,
                                              positions=None if positions is None else (positions, positions))
 
         def feed_forward(y: np.ndarray) -> np.ndarray:
-            return self.feed_forward(state, y, activation, dropout_p, rng)
+            return self.feed_forward(state, y, activation, dropout_p, activation_rng)
 
         def drop(y: np.ndarray) -> np.ndarray:
-            return self.dropout(y, dropout_p, rng)
+            return self.dropout(y, dropout_p, residual_rng)
 
         return self.wiring(norm_first)(x, attend, feed_forward, drop, ln1, ln2)
 
     def block_generator(self, rng: Rng) -> Rng:
         """The block's rng as one Generator, made once, whose state every site advances in turn."""
         return self.generator(rng)
+
+    def site_generators(self, rng: Rng) -> tuple[Rng, Rng, Rng]:
+        """The rngs of the attention weights, the two residual branches and the activation: the block's one."""
+        return rng, rng, rng
 
     def wiring(self, norm_first: bool) -> Callable[..., Pair]:
         return self.pre_ln if norm_first else self.post_ln
