@@ -68,7 +68,8 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
     Feature("masked_rows", kind="rule",
             asks="a query that sees no key gets an output row (sdpa) and a weights row of zeros",
             without="the rows of such queries are left out of every comparison (modules: a position where a head "
-                    "sees no key); the edge cases and the gradient rule about them are skipped"),
+                    "sees no key; with no keys, S = 0, every query); the edge cases and the gradient rule about them "
+                    "are skipped"),
     Feature("non_finite", kind="rule",
             asks="NaN and inf in the inputs reach exactly the rows that see them (SPEC 10)",
             without="the edge cases with NaN or inf inputs are skipped"),
