@@ -75,8 +75,12 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
             without="the edge cases with NaN or inf inputs are skipped"),
     Feature("empty", kind="rule", asks="L = 0 or S = 0 gives empty outputs and zeros",
             without="the edge cases with an empty axis are skipped"),
-    *(Feature(dtype, kind="dtype", asks=f"inputs in {dtype}", without=f"the rows in {dtype} are skipped")
-      for dtype in ("float16", "bfloat16", "float64")),
+    *(Feature(dtype, kind="dtype", asks=f"inputs in {dtype}",
+              without=f"the rows in {dtype} are skipped, the round trip's and apply_rope's cases in it too, and the "
+                      f"error rows whose message names {dtype}" + without)
+      for dtype, without in (("float16", " or whose arrays hold it"), ("bfloat16", " or whose arrays hold it"),
+                             ("float64", "; the pinned examples run in the module's first dtype, the other error "
+                                         "rows with their float64 arrays in float32"))),
     Feature("exceptions", kind="errors",
             asks="bad input raises the exception type of SPEC 7, its message naming the arguments and shapes",
             without="a bad call must still raise, but any exception will do"),
