@@ -563,11 +563,16 @@ def _no_weights(where, function, named, arguments, keywords):
 
 def _nan_where_no_key_is_seen(where, function, named, arguments, keywords):
     """NaN in the out rows (and weights rows) of a query that sees no key (in some head), as a softmax without a
-    guard gives them (0 / 0); flash and flex: where the lse is -inf."""
+    guard gives them (0 / 0); flash and flex: where the lse is -inf; linear attention: where key_lengths is 0 or S
+    is 0 (0 / 0 without its eps)."""
     asked = keywords.get("need_weights", True)
     result = function(*arguments, **keywords | ({"need_weights": True} if "need_weights" in keywords else {}))
 
     def change(out, second):
+        if where.startswith("linear") and isinstance(out, np.ndarray):
+            lengths = np.asarray(named["k"].shape[-2] if named.get("key_lengths") is None else named["key_lengths"])
+            rows = np.broadcast_to((lengths == 0)[..., None] | (named["k"].shape[-2] == 0), out.shape[:-1])  # (..., L)
+            return np.where(rows[..., None], out.dtype.type(np.nan), out), second
         if second is None or not isinstance(out, np.ndarray):
             return out, second
         lse = where.startswith(("flash", "flex"))
@@ -632,7 +637,7 @@ WALKS = {
     "mask_per_head": Walk(_refusing(_a_mask_per_head), MODULES),
     "dropout": Walk(_refusing(_a_dropout), ("sdpa", "mha", "block", "decode")),
     "weights": Walk(_no_weights, ("sdpa", "mha", "block", "decode"), NO_GRADIENTS),
-    "masked_rows": Walk(_nan_where_no_key_is_seen, ("sdpa", "flash", "flex", "mha", "block"),
+    "masked_rows": Walk(_nan_where_no_key_is_seen, ("sdpa", "flash", "flex", "linear", "mha", "block"),
                         undeclared=("edge_cases",)),
     "non_finite": Walk(_nan_everywhere_from_any_nan, OPERATIONS, NO_GRADIENTS, undeclared=("edge_cases",)),
     "empty": Walk(_refusing(_raising_on_empty, ValueError), OPERATIONS, NO_GRADIENTS, undeclared=("edge_cases",)),
