@@ -5,6 +5,8 @@ lacking feature away (without it the same module fails)."""
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from conformance.contract.fixed_cases import rows
 from conformance.contract.operations import _is_default, features_used, init_features_used, leave_out
 from conformance.run.checks import Runner, expected
 from conformance.run.fixed_checks import mask_helpers
+from conformance.run.suite import ANY_GROUP, known_measures
 from tests.implementations import einsum_attention
 from tests.implementations.broken import BROKEN
 
@@ -417,3 +420,246 @@ def test_lacking_mods_keeps_mask_and_score_functions_from_sdpa_and_flash_cases()
     assert leave_out(case, Declaration(("mods",))) == case._replace(mask_mod=None, score_mod=None)
     flash = tiled(case, 2, 2)._replace(block_size=(2, 2))
     assert leave_out(flash, Declaration(("mods",))) == flash._replace(mask_mod=None, score_mod=None, block_size=None)
+
+
+# --- the walk over the other features: arguments of the modules' calls, dropout, weights, rules, dtypes, errors ---
+# attention_np with every function and class of the contract going through one `Around` per feature: it refuses what
+# the feature offers (raises where a call passes it) or breaks the feature's rule; declared lacking, every row it
+# reaches passes or is skipped
+
+# The arguments a function or method takes by position, by name: a refusal reads them there
+_POSITIONAL = {"asarray": ("x",), "apply_rope": ("x", "positions"), "linear_attention": ("q", "k", "v"),
+               "linear_attention_vjp": ("q", "k", "v"), "flex_attention": ("q", "k", "v"),
+               "flex_attention_vjp": ("q", "k", "v"), "MultiHeadAttention": ("d_model", "num_heads", "dropout"),
+               "TransformerBlock": ("d_model", "num_heads", "d_ff", "dropout"),
+               "MultiHeadAttention.from_state_dict": ("state",), "TransformerBlock.from_state_dict": ("state",),
+               "TransformerBlock.__call__": ("x", "mask"), "TransformerBlock.vjp": ("x", "mask"),
+               "TransformerBlock.extend": ("x", "cache", "mask"),
+               "TransformerBlock.init_cache": ("batch_shape", "capacity")}
+_WALKED = ("asarray", "apply_rope", "scaled_dot_product_attention", "scaled_dot_product_attention_vjp",
+           "flash_attention", "flash_attention_vjp", "flex_attention", "flex_attention_vjp", "linear_attention",
+           "linear_attention_vjp")
+Around = Callable[[str, Callable, dict, tuple, dict], Any]  # (where, function, named arguments, arguments, keywords)
+# -> what the module without the feature returns (or raises) where the function would return function(*arguments,
+# **keywords)
+
+
+def _named(where: str, arguments: tuple, keywords: dict) -> dict:
+    """The call's arguments by name (a function's q, k, v, mask; a method's own)."""
+    return dict(zip(_POSITIONAL.get(where, ("q", "k", "v", "mask")), arguments, strict=False)) | keywords
+
+
+def _around(where: str, function: Callable, around: Around) -> Callable:
+    def call(*arguments, **keywords):
+        return around(where, function, _named(where, arguments, keywords), arguments, keywords)
+    return call
+
+
+def _walking_class(base: type, around: Around) -> type:
+    """`base` with its constructor, from_state_dict, calls, vjp and cache methods going through `around`."""
+    name = base.__name__
+
+    class Walking(base):
+        def __init__(self, *arguments, **keywords):
+            around(name, lambda *a, **k: super(Walking, self).__init__(*a, **k), _named(name, arguments, keywords),
+                   arguments, keywords)
+
+        @classmethod
+        def from_state_dict(cls, *arguments, **keywords):
+            where = f"{name}.from_state_dict"
+            return around(where, super().from_state_dict, _named(where, arguments, keywords), arguments, keywords)
+
+    for method in ("__call__", "vjp", "extend", "init_cache"):
+        if hasattr(base, method):
+            setattr(Walking, method, lambda self, *arguments, _method=method, **keywords: around(
+                f"{name}.{_method}", getattr(super(Walking, self), _method),
+                _named(f"{name}.{_method}", arguments, keywords), arguments, keywords))
+    Walking.__name__ = Walking.__qualname__ = name
+    return Walking
+
+
+def _walking(name: str, lacks: Declaration | None, around: Around) -> types.ModuleType:
+    """attention_np with every function and class of the contract going through `around`, declaring `lacks`."""
+    module = _module(name, lacks=lacks, functions=("create_block_mask", "causal_mask", "window_mask", "padding_mask"))
+    for function in _WALKED:
+        setattr(module, function, _around(function, getattr(attention_np, function), around))
+    module.MultiHeadAttention = _walking_class(attention_np.MultiHeadAttention, around)
+    module.TransformerBlock = _walking_class(attention_np.TransformerBlock, around)
+    return module
+
+
+def _refusing(refused: Callable[[str, dict], str | None], error: type = AssertionError) -> Around:
+    """A module that raises `error` where `refused(where, named arguments)` names what the call passed."""
+    def around(where, function, named, arguments, keywords):
+        if what := refused(where, named):
+            raise error(f"{where} passed {what}, which the module lacks")
+        return function(*arguments, **keywords)
+    return around
+
+
+def _arrays(named: dict) -> list[np.ndarray]:
+    """The call's arrays: its arguments and a state dict's entries."""
+    values = [value for name, value in named.items() if name != "state"] + list(named.get("state", {}).values())
+    return [value for value in values if isinstance(value, np.ndarray)]
+
+
+def _mask_of(named: dict) -> np.ndarray | None:
+    return None if named.get("mask") is None else np.asarray(named["mask"])
+
+
+def _module_call(where: str) -> bool:
+    return where.startswith(("MultiHeadAttention.", "TransformerBlock.")) and not where.endswith(
+        ("from_state_dict", "init_cache"))
+
+
+def _a_mask(where: str, named: dict) -> str | None:
+    return "a mask" if _module_call(where) and _mask_of(named) is not None else None
+
+
+def _a_mask_per_head(where: str, named: dict) -> str | None:
+    mask = _mask_of(named)
+    differs = mask is not None and mask.ndim >= 3 and bool(np.any(mask != mask[..., :1, :, :]))
+    return "a mask that differs between the heads" if _module_call(where) and differs else None
+
+
+def _a_dropout(where: str, named: dict) -> str | None:
+    p = named.get("dropout_p", named.get("dropout", 0.0))
+    return f"dropout {p}" if isinstance(p, int | float) and p > 0 else None
+
+
+def _in_dtype(dtype: str) -> Callable[[str, dict], str | None]:
+    """Arrays in `dtype`, or a cache or module asked for in it (dtype=)."""
+    def refused(where: str, named: dict) -> str | None:
+        held = any(x.dtype.name == dtype for x in _arrays(named))
+        asked = named.get("dtype") is not None and np.dtype(named["dtype"]).name == dtype
+        return f"arrays in {dtype}" if held or asked else None
+    return refused
+
+
+def _computes(where: str) -> bool:
+    """Whether `where` is an operation's call (a function's, a module's __call__, vjp or extend)."""
+    return where in _WALKED[2:] or _module_call(where)
+
+
+def _with_result(where: str, change: Callable[[Any, Any], tuple[Any, Any]]) -> Callable[[Any], Any]:
+    """An operation's result with (out, second) changed, where it has a second result (weights or lse)."""
+    def changed(result: Any) -> Any:
+        if not _computes(where):
+            return result
+        if isinstance(result, tuple) and len(result) >= 2 and not callable(result[1]):
+            return (*change(result[0], result[1]), *result[2:])
+        if isinstance(result, tuple):  # (out, pullback)
+            return (change(result[0], None)[0], *result[1:])
+        return change(result, None)[0]
+    return changed
+
+
+def _no_weights(where, function, named, arguments, keywords):
+    """None for the weights: need_weights is ignored (lse is not the weights)."""
+    result = function(*arguments, **keywords)
+    lse = where.startswith(("flash", "flex", "linear"))
+    return result if lse else _with_result(where, lambda out, weights: (out, None))(result)
+
+
+def _nan_where_no_key_is_seen(where, function, named, arguments, keywords):
+    """NaN in the out rows (and weights rows) of a query that sees no key (in some head), as a softmax without a
+    guard gives them (0 / 0); flash and flex: where the lse is -inf; linear attention: where key_lengths is 0 or S
+    is 0 (0 / 0 without its eps)."""
+    asked = keywords.get("need_weights", True)
+    result = function(*arguments, **keywords | ({"need_weights": True} if "need_weights" in keywords else {}))
+
+    def change(out, second):
+        if where.startswith("linear") and isinstance(out, np.ndarray):
+            lengths = np.asarray(named["k"].shape[-2] if named.get("key_lengths") is None else named["key_lengths"])
+            rows = np.broadcast_to((lengths == 0)[..., None] | (named["k"].shape[-2] == 0), out.shape[:-1])  # (..., L)
+            return np.where(rows[..., None], out.dtype.type(np.nan), out), second
+        if second is None or not isinstance(out, np.ndarray):
+            return out, second
+        lse = where.startswith(("flash", "flex"))
+        blind = np.isneginf(second) if lse else np.all(second == 0, axis=-1)  # (..., [H,] L)
+        rows = np.any(blind, axis=-2) if where.startswith(("Multi", "Transformer")) else blind  # (..., L)
+        nan = out.dtype.type(np.nan)
+        out = np.where(rows[..., None], nan, out)
+        second = second if lse else np.where(blind[..., None], nan, second)
+        return out, second if asked else None
+    return _with_result(where, change)(result)
+
+
+def _nan_everywhere_from_any_nan(where, function, named, arguments, keywords):
+    """NaN in every output where any input holds NaN or inf (a bias's -inf aside)."""
+    result = function(*arguments, **keywords)
+    inputs = [np.asarray(named[name]) for name in ("q", "k", "v", "x") if named.get(name) is not None]
+    bias = named.get("bias")
+    poisoned = any(np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(x)) for x in inputs) or (
+        isinstance(bias, np.ndarray) and bool(np.any(np.isnan(bias) | (bias == np.inf))))
+    if not poisoned:
+        return result
+
+    def nan(x):
+        return x if not isinstance(x, np.ndarray) else np.full_like(x, np.nan)
+    return _with_result(where, lambda out, second: (nan(out), nan(second)))(result)
+
+
+def _raising_on_empty(where: str, named: dict) -> str | None:
+    empty = [name for name in ("q", "k", "v", "x") if isinstance(named.get(name), np.ndarray)
+             and named[name].ndim >= 2 and named[name].shape[-2] == 0]
+    return f"an empty {empty[0]}" if empty and where != "asarray" else None
+
+
+def _foreign_errors(where, function, named, arguments, keywords):
+    """RuntimeError in place of SPEC 7's TypeError and ValueError (a pullback's too)."""
+    try:
+        result = function(*arguments, **keywords)
+    except (TypeError, ValueError) as error:
+        raise RuntimeError(f"{where} refused: {error}") from None
+    if isinstance(result, tuple) and result and callable(result[-1]) and where.endswith("vjp"):
+        return (*result[:-1], _around(f"{where} pullback", result[-1], _foreign_errors))
+    return result
+
+
+class Walk(NamedTuple):
+    """A module without one feature: how it behaves, the operations it reaches, and the checks it concerns."""
+
+    around: Around
+    operations: tuple[str, ...]
+    measures: tuple[str, ...] | None = None  # None: every check
+    undeclared: tuple[str, ...] = ()  # where it breaks the spec (a rule, SPEC 7): the checks it fails undeclared
+
+
+# Every check but the gradient groups (a vjp's gradients against finite differences, about 70% of a walk's time), for
+# the features that no gradient row can reach: weights (a vjp's are not read), float16 (the gradient groups run in
+# float64), NaN, inf and empty axes (the gradients' pinned examples are finite and not empty: finite differences need
+# them so); SPEC 7's exception types reach the error rows alone
+NO_GRADIENTS = tuple(sorted(set(known_measures()) - {"gradients", "masked_rows", "no_autograd", *ANY_GROUP}))
+MODULES, OPERATIONS = ("mha", "block", "decode"), ("sdpa", "flash", "flex", "linear", "mha", "block", "decode")
+WALKS = {
+    "mask": Walk(_refusing(_a_mask), MODULES),
+    "mask_per_head": Walk(_refusing(_a_mask_per_head), MODULES),
+    "dropout": Walk(_refusing(_a_dropout), ("sdpa", "mha", "block", "decode")),
+    "weights": Walk(_no_weights, ("sdpa", "mha", "block", "decode"), NO_GRADIENTS),
+    "masked_rows": Walk(_nan_where_no_key_is_seen, ("sdpa", "flash", "flex", "linear", "mha", "block"),
+                        undeclared=("edge_cases",)),
+    "non_finite": Walk(_nan_everywhere_from_any_nan, OPERATIONS, NO_GRADIENTS, undeclared=("edge_cases",)),
+    "empty": Walk(_refusing(_raising_on_empty, ValueError), OPERATIONS, NO_GRADIENTS, undeclared=("edge_cases",)),
+    "float16": Walk(_refusing(_in_dtype("float16"), TypeError), OPERATIONS, NO_GRADIENTS),  # bfloat16 alike: the
+    # suite reads the two by one rule, and NumPy's arrays have no bfloat16 (attention_np has no rows in it)
+    "float64": Walk(_refusing(_in_dtype("float64"), TypeError), OPERATIONS),
+    "exceptions": Walk(_foreign_errors, OPERATIONS, ("errors",), undeclared=("errors",)),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(WALKS))
+def test_a_module_lacking_a_feature_is_never_held_to_it_by_any_row(feature: str):
+    # the module refuses the feature (a call that needs it raises) or breaks its rule (masked_rows: NaN where a query
+    # sees no key, as a softmax without a guard gives; non_finite: NaN everywhere from one NaN input; empty: ValueError
+    # on an empty axis; exceptions: RuntimeError for SPEC 7's errors), and declares it lacking: each row of the
+    # operations and checks it concerns (drawn, pinned, edge cases, errors, the helpers) passes or is skipped. One
+    # that breaks the spec fails without the declaration: the declaration is what keeps its rows away
+    walk = WALKS[feature]
+    module = _walking(f"lacking_{feature}", Declaration({feature: "refused"}), walk.around)
+    report = check(module, operations=walk.operations, measures=walk.measures, max_examples=1)
+    assert report.passed, _failures(report)
+    if walk.undeclared:
+        undeclared = _walking(f"without_{feature}", None, walk.around)
+        assert not check(undeclared, operations=walk.operations, measures=walk.undeclared, shrink=False,
+                         contract=False).passed

@@ -68,14 +68,19 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
     Feature("masked_rows", kind="rule",
             asks="a query that sees no key gets an output row (sdpa) and a weights row of zeros",
             without="the rows of such queries are left out of every comparison (modules: a position where a head "
-                    "sees no key); the edge cases and the gradient rule about them are skipped"),
+                    "sees no key; with no keys, S = 0, every query); the edge cases and the gradient rule about them "
+                    "are skipped"),
     Feature("non_finite", kind="rule",
             asks="NaN and inf in the inputs reach exactly the rows that see them (SPEC 10)",
             without="the edge cases with NaN or inf inputs are skipped"),
     Feature("empty", kind="rule", asks="L = 0 or S = 0 gives empty outputs and zeros",
             without="the edge cases with an empty axis are skipped"),
-    *(Feature(dtype, kind="dtype", asks=f"inputs in {dtype}", without=f"the rows in {dtype} are skipped")
-      for dtype in ("float16", "bfloat16", "float64")),
+    *(Feature(dtype, kind="dtype", asks=f"inputs in {dtype}",
+              without=f"the rows in {dtype} are skipped, the round trip's and apply_rope's cases in it too, and the "
+                      f"error rows whose message names {dtype}" + without)
+      for dtype, without in (("float16", " or whose arrays hold it"), ("bfloat16", " or whose arrays hold it"),
+                             ("float64", "; the pinned examples run in the module's first dtype, the other error "
+                                         "rows with their float64 arrays in float32"))),
     Feature("exceptions", kind="errors",
             asks="bad input raises the exception type of SPEC 7, its message naming the arguments and shapes",
             without="a bad call must still raise, but any exception will do"),

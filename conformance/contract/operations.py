@@ -550,13 +550,13 @@ _MODULE_ARGUMENTS = ("mask", "mask_per_head", "dropout")  # what a module case c
 
 
 def _module_blind(case: MhaCase | BlockCase) -> tuple[np.ndarray, np.ndarray] | None:
-    """The queries that see no key in some head: (..., L) for out (the heads mix), (..., H, L) for weights."""
-    if case.mask is None:
-        return None
-    blind = ~np.any(case.mask != 0, axis=-1)  # (..., [H,] L) as stored
+    """The queries that see no key in some head: (..., L) for out (the heads mix), (..., H, L) for weights. With no
+    keys (S = 0) every query is one."""
+    q, k = (case.q, case.k) if isinstance(case, MhaCase) else (case.x, case.x)
+    visible = np.ones((q.shape[-2], k.shape[-2]), bool) if case.mask is None else case.mask != 0  # (..., [H,] L, S)
+    blind = ~np.any(visible, axis=-1)  # (..., [H,] L) as stored
     if not np.any(blind):
         return None
-    q = case.q if isinstance(case, MhaCase) else case.x
     weights_rows = np.broadcast_to(blind, (*q.shape[:-2], case.num_heads, q.shape[-2]))  # (..., H, L)
     return np.any(weights_rows, axis=-2), weights_rows
 

@@ -125,9 +125,10 @@ def run_edge(runner: Runner, row: Fixed) -> Result:
 
 
 def _blind_out(case: Any, expected_out: np.ndarray) -> np.ndarray:
-    """The out rows (..., L) of the queries that see no key, for an operation without a second result."""
+    """The out rows (..., L) of the queries that see no key, for an operation without a second result; none for a
+    module (its state's w_o mixes the heads and adds its bias: a blind query's out row is not zero there)."""
     rows, shape = operation_of(case).blind(case), expected_out.shape[:-1]  # (..., L)
-    return np.zeros(shape, bool) if rows is None else np.broadcast_to(rows[0], shape)
+    return np.zeros(shape, bool) if rows is None or "state" in case._fields else np.broadcast_to(rows[0], shape)
 
 
 def compare(name: str, actual: np.ndarray | None, expected: np.ndarray, *, blind_rows: np.ndarray | None = None,
@@ -180,8 +181,11 @@ def run_error(runner: Runner, row: Fixed) -> Result:
     if row.stage == "pullback" and (lacking := missing(runner.module, (operation.vjp,))):
         return Result(row, [], skipped=f"no {lacking[0]}")
     made = row.build()  # the case, or the constructor's keyword arguments
-    if why := runner.declaration.reason(*(init_features_used(made) if row.stage == "init" else features_used(made))):
+    needs = init_features_used(made) if row.stage == "init" else features_used(made) | _dtypes_needed(row, made)
+    if why := runner.declaration.reason(*needs):
         return Result(row, [], skipped=why)
+    if row.stage != "init" and "float64" in runner.declaration:  # SPEC 11: the row's mistake, in float32
+        made, row = _in_float32(made), row._replace(d_out=None if row.d_out is None else _in_float32(row.d_out))
     exact = "exceptions" not in runner.declaration  # else any exception will do (SPEC 11)
     for need_weights in (True, False) if row.stage == "call" else (True,):
         raised = _attempt(runner, row, made, need_weights)
@@ -191,6 +195,29 @@ def run_error(runner: Runner, row: Fixed) -> Result:
             got = "no exception" if raised is None else f"{type(raised).__name__}: {raised}"
             return Result(row, [got + ("" if need_weights else " (need_weights=False)")])
     return Result(row, [])
+
+
+LOW_DTYPES = ("float16", "bfloat16", "float64")  # the dtypes a module may lack (conformance.contract.features)
+
+
+def _dtypes_needed(row: Fixed, case: Any) -> set[str]:
+    """The dtypes an error row cannot do without: those its message must name, and float16 and bfloat16 where its
+    arrays hold them (a module without float64 gets float64 arrays in float32: `_in_float32`)."""
+    named = {dtype for dtype in LOW_DTYPES if any(dtype in word for word in row.contains)}
+    fields = case._asdict()
+    arrays = [*fields.values(), *(fields.get("state") or {}).values(), row.d_out]
+    held = {x.dtype.name for x in arrays if isinstance(x, np.ndarray)} | {fields.get("cache_dtype")}
+    return named | (held & {"float16", "bfloat16"})
+
+
+def _in_float32(made: Any) -> Any:
+    """An error row's case (or cotangent) with its float64 arrays, a state's too, in float32."""
+    if isinstance(made, np.ndarray):
+        return made.astype(np.float32) if made.dtype == np.float64 else made
+    if isinstance(made, dict):
+        return {name: _in_float32(x) for name, x in made.items()}
+    return made._replace(**{name: _in_float32(x) for name, x in made._asdict().items()
+                            if isinstance(x, np.ndarray | dict)})
 
 
 def _attempt(runner: Runner, row: Fixed, made: Any, need_weights: bool) -> Exception | None:
@@ -229,6 +256,8 @@ ROUND_TRIP = Fixed("arrays", "round_trip", use="round_trip", build=lambda: None,
 
 def _round_trip(runner: Runner, dtype: str) -> Result:
     row = ROUND_TRIP._replace(name=f"round_trip_{dtype}")
+    if why := runner.declaration.reason(dtype):  # a dtype the module lacks (SPEC 11)
+        return Result(row, [], skipped=why)
     try:
         x = np.random.default_rng(0).standard_normal((2, 3)).astype(numpy_dtype(dtype))
     except ImportError as error:  # bfloat16 needs ml_dtypes, which the framework may not have
@@ -371,6 +400,9 @@ def rope(runner: Runner) -> list[Result]:
         row = ROPE._replace(name=name)
         if missing(module, ("apply_rope",)):
             results.append(Result(row, [], skipped="no apply_rope"))
+            continue
+        if why := runner.declaration.reason(dtype):  # a dtype the module lacks (SPEC 11)
+            results.append(Result(row, [], skipped=why))
             continue
         try:
             stored = numpy_dtype(dtype)
