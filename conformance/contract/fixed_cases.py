@@ -673,6 +673,8 @@ def _decode_rows() -> list[Fixed]:
               "capacity", "-1"),
         error("decode", "cache_for_another_batch", lambda: decode_case((2,), (2,), dropout=0.0, cache_batch=(3,)),
               ValueError, "x", "(2, 2, 4)", "(3,)"),
+        error("decode", "input_of_another_width", lambda: decode_case((2,), (2,), dropout=0.0, x=normal(2, 2, 5)),
+              ValueError, "x", "(2, 2, 5)", "4"),
         error("decode", "cache_of_another_dtype", lambda: decode_case((2,), (2,), dropout=0.0, cache_dtype="float32"),
               TypeError, "cache", "float32", "float64"),
     ]

@@ -301,7 +301,16 @@ class CacheUnchecked(Implementation):
     casts on the write, or fails with its own message naming neither the cache nor the shapes. Caught by: errors
     (decode's cache_for_another_batch and cache_of_another_dtype)."""
 
-    def check_cache(self, x: np.ndarray, held: np.ndarray) -> None:
+    def check_cache(self, name: str, x: np.ndarray, held: np.ndarray) -> None:
+        pass
+
+
+class CacheWidthUnchecked(Implementation):
+    """extend checks the batch shape and the dtype of its input against the cache, not its width: an input of
+    another D reaches the cache's write, where NumPy's broadcast error names neither the input nor d_model.
+    Caught by: errors (decode's input_of_another_width)."""
+
+    def check_cache_width(self, name: str, x: np.ndarray, held: np.ndarray) -> None:
         pass
 
 
@@ -749,6 +758,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "rope_angles_in_half_precision": RopeAnglesInHalfPrecision,
     "cache_length_not_advanced": CacheLengthNotAdvanced,
     "cache_unchecked": CacheUnchecked,
+    "cache_width_unchecked": CacheWidthUnchecked,
     "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
     "rope_keys_not_turned": RopeKeysNotTurned,
     "linear_features_without_one": LinearFeaturesWithoutOne,

@@ -237,12 +237,18 @@ class Implementation:
         """The end of the positions an extend fills: length + new."""
         return length + new
 
-    def check_cache(self, x: np.ndarray, held: np.ndarray) -> None:
-        """extend's input against the cache's inputs (..., capacity, D): the batch shape and the dtype it was made
-        for."""
+    def check_cache(self, name: str, x: np.ndarray, held: np.ndarray) -> None:
+        """extend's input `name` against the cache's inputs (..., capacity, D): the batch shape, the width and the
+        dtype it was made for."""
         if x.shape[:-2] != held.shape[:-2]:
-            raise ValueError(f"x has shape {x.shape}; the cache holds the batch shape {held.shape[:-2]}")
-        self.check_dtypes("", x=x, cache=held)
+            raise ValueError(f"{name} has shape {x.shape}; the cache holds the batch shape {held.shape[:-2]}")
+        self.check_cache_width(name, x, held)
+        self.check_dtypes("", **{name: x, "cache": held})
+
+    def check_cache_width(self, name: str, x: np.ndarray, held: np.ndarray) -> None:
+        """x (..., L, D) of the cache's width D."""
+        if x.shape[-1] != held.shape[-1]:
+            raise ValueError(f"{name} has shape {x.shape}; the cache holds inputs of width D = {held.shape[-1]}")
 
     def advanced(self, start: int, end: int) -> int:
         """The length of the cache after an extend of positions start .. end - 1."""
@@ -1059,7 +1065,7 @@ class _TransformerBlock(_Module):
         """The rows of the new positions in one causal pass over every input so far (mask: not supported)."""
         x = np.asarray(x)
         capacity, L = cache.x.shape[-2], x.shape[-2]
-        self._impl.check_cache(x, cache.x)
+        self._impl.check_cache("x", x, cache.x)
         start, end = cache.length, self._impl.cache_end(cache.length, L)
         if end > capacity:
             raise ValueError(f"the cache's capacity is {capacity}: {start} positions held, {L} more asked")
