@@ -158,8 +158,9 @@ class BlockCase(NamedTuple):
 
 class DecodeCase(NamedTuple):
     """A TransformerBlock (from_state_dict, eval mode) fed x chunk by chunk through a key/value cache of
-    `capacity` positions (init_cache, then extend once per chunk): the block's fields, no mask (extend is
-    causal), and the chunks' sizes."""
+    `capacity` positions (init_cache, then extend once per chunk): the block's fields, the chunks' sizes, and
+    optionally a mask of the whole sequence, of which each extend gets its chunk's rows (extend is causal, the
+    mask hides keys on top)."""
 
     state: State  # as BlockCase
     num_heads: int
@@ -176,6 +177,7 @@ class DecodeCase(NamedTuple):
     rope_theta: float | None = None  # the queries and keys turned at their positions in the whole sequence
     cache_batch: tuple[int, ...] | None = None  # init_cache's batch shape where it is not x's (an error row)
     cache_dtype: str | None = None  # init_cache's dtype where it is not the block's (an error row)
+    mask: np.ndarray | None = None  # broadcasts to (..., H, L, capacity): the rows of the whole sequence (None: none)
 
 
 class FlexCase(NamedTuple):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -312,6 +313,15 @@ class CacheWidthUnchecked(Implementation):
 
     def check_cache_width(self, name: str, x: np.ndarray, held: np.ndarray) -> None:
         pass
+
+
+class ExtendMaskIgnored(Implementation):
+    """extend takes a mask and drops it: its queries see every key up to their own position, as if the mask
+    were causal_mask alone (a decode loop that forgets the padding or the sliding window it was given). Caught
+    by: values (decode with a mask)."""
+
+    def cache_mask(self, mask: Any, start: int, end: int, capacity: int) -> np.ndarray | bool:
+        return True
 
 
 class RopeAnglesInHalfPrecision(Implementation):
@@ -759,6 +769,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "cache_length_not_advanced": CacheLengthNotAdvanced,
     "cache_unchecked": CacheUnchecked,
     "cache_width_unchecked": CacheWidthUnchecked,
+    "extend_mask_ignored": ExtendMaskIgnored,
     "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
     "rope_keys_not_turned": RopeKeysNotTurned,
     "linear_features_without_one": LinearFeaturesWithoutOne,

@@ -250,6 +250,15 @@ class Implementation:
         if x.shape[-1] != held.shape[-1]:
             raise ValueError(f"{name} has shape {x.shape}; the cache holds inputs of width D = {held.shape[-1]}")
 
+    def cache_mask(self, mask: Any, start: int, end: int, capacity: int) -> np.ndarray | bool:
+        """What extend's mask (broadcasting to (..., H, L, capacity)) leaves visible to the new positions
+        start .. end - 1 of the keys 0 .. end - 1: (..., [H,] L, end), or True without a mask."""
+        if mask is None:
+            return True
+        shown = np.asarray(mask) != 0
+        shown = np.broadcast_to(shown, np.broadcast_shapes(shown.shape, (end - start, capacity)))  # (..., L, capacity)
+        return shown[..., :end]
+
     def advanced(self, start: int, end: int) -> int:
         """The length of the cache after an extend of positions start .. end - 1."""
         return end
@@ -1054,29 +1063,48 @@ class _TransformerBlock(_Module):
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> _InputCache:
         """The inputs seen so far, (*batch_shape, capacity, D), and their positions (capacity,), length 0."""
-        if not (isinstance(capacity, int) and capacity >= 0):
-            raise ValueError(f"capacity must be a non-negative int; got {capacity!r}")
-        D = self._state["norm1.weight"].shape[0]
-        inputs = np.zeros((*batch_shape, capacity, D), dtype or self._a_parameter().dtype)
-        return _InputCache(x=inputs, positions=np.zeros(capacity, np.int64), length=0)
+        return _empty_cache(self, batch_shape, capacity, self._state["norm1.weight"].shape[0], dtype)
 
     def extend(self, x: np.ndarray, cache: _InputCache, mask: np.ndarray | None = None, *, need_weights: bool = True,
                rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None, _InputCache]:
-        """The rows of the new positions in one causal pass over every input so far (mask: not supported)."""
-        x = np.asarray(x)
-        capacity, L = cache.x.shape[-2], x.shape[-2]
-        self._impl.check_cache("x", x, cache.x)
-        start, end = cache.length, self._impl.cache_end(cache.length, L)
-        if end > capacity:
-            raise ValueError(f"the cache's capacity is {capacity}: {start} positions held, {L} more asked")
-        seen, positions = cache.x.copy(), cache.positions.copy()
-        seen[..., start:end, :], positions[start:end] = x, self._impl.new_positions(start, end)
-        y, weights = self._forward(seen[..., :end, :], self._impl.causal(end, end), need_weights=need_weights,
-                                   rng=rng, positions=positions[:end])
-        if weights is not None:  # (..., H, end, end) -> the new rows, (..., H, L, capacity)
-            weights = np.pad(weights[..., start:end, :], [(0, 0)] * (weights.ndim - 1) + [(0, capacity - end)])
-        return y[..., start:end, :], weights, _InputCache(x=seen, positions=positions,
-                                                          length=self._impl.advanced(start, end))
+        """The rows of the new positions in one causal pass over every input so far; mask (broadcasting to
+        (..., H, L, capacity)) hides keys from the new rows on top (the earlier rows, dropped, see every key)."""
+        impl, x = self._impl, np.asarray(x)
+        impl.check_cache("x", x, cache.x)
+        start, end, filled = _filled(impl, cache, x)
+        new = impl.cache_mask(mask, start, end, filled.x.shape[-2]) & impl.causal(end - start, end, start)
+        earlier = np.broadcast_to(impl.causal(start, end), (*np.shape(new)[:-2], start, end))  # (..., [H,] start, end)
+        visible = np.concatenate([earlier, np.broadcast_to(new, (*earlier.shape[:-2], end - start, end))], axis=-2)
+        y, weights = self._forward(filled.x[..., :end, :], visible, need_weights=need_weights, rng=rng,
+                                   positions=filled.positions[:end])
+        weights = None if weights is None else weights[..., start:end, :]  # (..., H, end, end) -> the new rows
+        return y[..., start:end, :], _padded(weights, filled.x.shape[-2]), filled
+
+
+def _empty_cache(module: _Module, batch_shape: tuple[int, ...], capacity: int, D: int, dtype: Any) -> _InputCache:
+    """No inputs yet, (*batch_shape, capacity, D) zeros in `dtype` (the parameters' by default), length 0."""
+    if not (isinstance(capacity, int) and capacity >= 0):
+        raise ValueError(f"capacity must be a non-negative int; got {capacity!r}")
+    inputs = np.zeros((*batch_shape, capacity, D), dtype or module._a_parameter().dtype)
+    return _InputCache(x=inputs, positions=np.zeros(capacity, np.int64), length=0)
+
+
+def _filled(impl: Implementation, cache: _InputCache, x: np.ndarray) -> tuple[int, int, _InputCache]:
+    """start, end and a copy of the cache with the inputs x (..., L, D) at positions start .. end - 1."""
+    capacity, L = cache.x.shape[-2], x.shape[-2]
+    start, end = cache.length, impl.cache_end(cache.length, L)
+    if end > capacity:
+        raise ValueError(f"the cache's capacity is {capacity}: {start} positions held, {L} more asked")
+    seen, positions = cache.x.copy(), cache.positions.copy()
+    seen[..., start:end, :], positions[start:end] = x, impl.new_positions(start, end)
+    return start, end, _InputCache(x=seen, positions=positions, length=impl.advanced(start, end))
+
+
+def _padded(weights: np.ndarray | None, capacity: int) -> np.ndarray | None:
+    """The new rows' weights (..., H, L, end) padded with zeros to (..., H, L, capacity)."""
+    if weights is None:
+        return None
+    return np.pad(weights, [(0, 0)] * (weights.ndim - 1) + [(0, capacity - weights.shape[-1])])
 
 
 class _FlexForward(NamedTuple):
