@@ -673,6 +673,10 @@ def _decode_rows() -> list[Fixed]:
         example("decode", "mask_rows_per_chunk", lambda: decode_case((2,), (3, 1, 1), capacity=8, mask=_decode_mask()),
                 "a mask (2, 2, 5, 8) of the whole sequence, its rows differing by head: each extend gets its chunk's "
                 "rows, hiding keys on top of causality, as one pass with causal_mask(5, 5) & the mask"),
+        example("decode", "cross_attention_prefill_then_steps", lambda: decode_case(
+            (2,), (3, 1, 1), capacity=8, x_kv=normal(2, 5, 4, seed=3), mask=np.arange(8) != 1),
+            "MultiHeadAttention.extend(x_q, x_kv, cache) of the block's attention, x_kv another input: the keys "
+            "and values of x_kv, the queries of x_q; a mask (8,) hiding key 1 from every query"),
         edge("decode", "unfilled_positions_weigh_zero", lambda: decode_case((2,), (2, 1), capacity=7),
              "3 positions in a cache of 7: the weights of positions 3..6 are exactly 0 in every row",
              Requirement(

@@ -324,6 +324,15 @@ class ExtendMaskIgnored(Implementation):
         return True
 
 
+class CrossAttentionKeysFromTheQueries(Implementation):
+    """MultiHeadAttention.extend caches the keys and values of x_q, not of x_kv: self-attention's path taken
+    for cross-attention, which no check told apart while x_q was x_kv (the block's extend). Caught by: values
+    (decode with x_kv)."""
+
+    def cached_inputs(self, x_q: np.ndarray, x_kv: np.ndarray) -> np.ndarray:
+        return x_q
+
+
 class RopeAnglesInHalfPrecision(Implementation):
     """apply_rope computes the angles p * theta^(-2j / E) and their cos and sin in x's float16, not in float32 as
     SPEC 2b asks: float16 holds integers exactly only up to 2048 and spaces them 2 to 4 apart beyond, so at
@@ -770,6 +779,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "cache_unchecked": CacheUnchecked,
     "cache_width_unchecked": CacheWidthUnchecked,
     "extend_mask_ignored": ExtendMaskIgnored,
+    "cross_attention_keys_from_the_queries": CrossAttentionKeysFromTheQueries,
     "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
     "rope_keys_not_turned": RopeKeysNotTurned,
     "linear_features_without_one": LinearFeaturesWithoutOne,

@@ -259,6 +259,10 @@ class Implementation:
         shown = np.broadcast_to(shown, np.broadcast_shapes(shown.shape, (end - start, capacity)))  # (..., L, capacity)
         return shown[..., :end]
 
+    def cached_inputs(self, x_q: np.ndarray, x_kv: np.ndarray) -> np.ndarray:
+        """MultiHeadAttention.extend: the inputs whose keys and values the cache keeps, x_kv's."""
+        return x_kv
+
     def advanced(self, start: int, end: int) -> int:
         """The length of the cache after an extend of positions start .. end - 1."""
         return end
@@ -986,6 +990,34 @@ class _MultiHeadAttention(_Module):
                                          dropout_p=impl.active_dropout(self.dropout, self.training),
                                          need_weights=need_weights, rng=rng, rope_theta=self.rope_theta,
                                          attention=self.attention)
+
+    # --- decoding: the cache keeps the keys' and values' inputs, and each extend attends over them anew ---------
+
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> _InputCache:
+        """The keys' and values' inputs seen so far, (*batch_shape, capacity, D), and their positions, length 0;
+        softmax heads only."""
+        if self.attention == "linear":
+            raise ValueError("attention='linear' has no key/value cache: init_cache and extend are softmax's")
+        return _empty_cache(self, batch_shape, capacity, self._state["w_q.weight"].shape[1], dtype)
+
+    def extend(self, x_q: np.ndarray, x_kv: np.ndarray, cache: _InputCache, mask: np.ndarray | None = None, *,
+               need_weights: bool = True, rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None, _InputCache]:
+        """The new queries of x_q over every key so far, those of x_kv included, at positions start .. end - 1,
+        causal; mask (broadcasting to (..., H, L, capacity)) hides keys on top."""
+        impl, x_q, x_kv = self._impl, np.asarray(x_q), np.asarray(x_kv)
+        impl.check_cache("x_q", x_q, cache.x)
+        impl.check_cache("x_kv", x_kv, cache.x)
+        if x_q.shape[-2] != x_kv.shape[-2]:
+            raise ValueError(f"x_q {x_q.shape} and x_kv {x_kv.shape} stand at the same positions: one L for both")
+        start, end, filled = _filled(impl, cache, impl.cached_inputs(x_q, x_kv))
+        seen = filled.x[..., :end, :]  # (..., end, D)
+        visible = impl.causal(end - start, end, start) & impl.cache_mask(mask, start, end, filled.x.shape[-2])
+        out, weights = impl.multi_head_attention(self._state, x_q, seen, seen, visible, num_heads=self.num_heads,
+                                                 dropout_p=impl.active_dropout(self.dropout, self.training),
+                                                 need_weights=need_weights, rng=rng, rope_theta=self.rope_theta,
+                                                 attention=self.attention,
+                                                 positions=(filled.positions[start:end], filled.positions[:end]))
+        return out, _padded(weights, filled.x.shape[-2]), filled
 
 
 class _TransformerBlock(_Module):
