@@ -48,6 +48,9 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "rope_angles_in_half_precision": ("positions", {"rope"}),  # float16 angles at positions near 4096
     "cache_length_not_advanced": ("decode", {"values"}),  # each chunk overwrites the last
     "cache_unchecked": ("decode", {"errors"}),  # a cache of another batch shape or dtype written into as it comes
+    "cache_width_unchecked": ("decode", {"errors"}),  # an input of another width reaches the cache's write
+    "extend_mask_ignored": ("decode", {"values"}),  # extend's mask dropped: causal alone
+    "cross_attention_keys_from_the_queries": ("decode", {"values"}),  # MHA.extend caches x_q's keys, not x_kv's
     "rope_positions_from_the_chunk": ("decode", {"values"}),  # RoPE at 0.. in every chunk
     "rope_keys_not_turned": ("mha", {"values"}),  # the scores depend on the query's position, not the distance
     "linear_features_without_one": ("mha", {"values"}),  # linear heads with phi = elu: weights of either sign

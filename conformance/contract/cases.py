@@ -158,8 +158,10 @@ class BlockCase(NamedTuple):
 
 class DecodeCase(NamedTuple):
     """A TransformerBlock (from_state_dict, eval mode) fed x chunk by chunk through a key/value cache of
-    `capacity` positions (init_cache, then extend once per chunk): the block's fields, no mask (extend is
-    causal), and the chunks' sizes."""
+    `capacity` positions (init_cache, then extend once per chunk): the block's fields, the chunks' sizes, and
+    optionally a mask of the whole sequence, of which each extend gets its chunk's rows (extend is causal, the
+    mask hides keys on top). With x_kv, the block's attention alone (its attn.* entries) decodes cross-attention:
+    MultiHeadAttention.extend(x, x_kv, cache), the queries of x, the keys and values of x_kv."""
 
     state: State  # as BlockCase
     num_heads: int
@@ -176,6 +178,8 @@ class DecodeCase(NamedTuple):
     rope_theta: float | None = None  # the queries and keys turned at their positions in the whole sequence
     cache_batch: tuple[int, ...] | None = None  # init_cache's batch shape where it is not x's (an error row)
     cache_dtype: str | None = None  # init_cache's dtype where it is not the block's (an error row)
+    mask: np.ndarray | None = None  # broadcasts to (..., H, L, capacity): the rows of the whole sequence (None: none)
+    x_kv: np.ndarray | None = None  # (..., L, D): the keys' and values' inputs of cross-attention (None: the block)
 
 
 class FlexCase(NamedTuple):

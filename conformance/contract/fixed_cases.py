@@ -650,6 +650,15 @@ def _block_errors() -> list[Fixed]:
     ]
 
 
+def _decode_mask() -> np.ndarray:
+    """(2, 2, 5, 8): about a third of the keys hidden, the rows of the two heads different; each query keeps a
+    key up to its own position (key 0, or itself)."""
+    mask = np.random.default_rng(4).random((2, 2, 5, 8)) >= 0.35  # (B, H, L, capacity)
+    blind = ~np.any(mask & np.tri(5, 8, dtype=bool), axis=-1)  # (B, H, L): no key up to the query's position
+    mask[..., np.arange(5), np.arange(5)] |= blind  # those see themselves
+    return mask
+
+
 def _decode_rows() -> list[Fixed]:
     """SPEC 3a: a block fed chunk by chunk through its key/value cache."""
     return [
@@ -661,6 +670,13 @@ def _decode_rows() -> list[Fixed]:
             (2,), (3, 1, 2), capacity=7, D=16, H=4, norm_first=True, norm="rms", activation="swiglu", bias=False,
             num_kv_heads=2, rope_theta=10.0),
             "pre-norm RMSNorm SwiGLU block, Hkv = 2 of 4, RoPE (theta 10) at the positions in the whole sequence"),
+        example("decode", "mask_rows_per_chunk", lambda: decode_case((2,), (3, 1, 1), capacity=8, mask=_decode_mask()),
+                "a mask (2, 2, 5, 8) of the whole sequence, its rows differing by head: each extend gets its chunk's "
+                "rows, hiding keys on top of causality, as one pass with causal_mask(5, 5) & the mask"),
+        example("decode", "cross_attention_prefill_then_steps", lambda: decode_case(
+            (2,), (3, 1, 1), capacity=8, x_kv=normal(2, 5, 4, seed=3), mask=np.arange(8) != 1),
+            "MultiHeadAttention.extend(x_q, x_kv, cache) of the block's attention, x_kv another input: the keys "
+            "and values of x_kv, the queries of x_q; a mask (8,) hiding key 1 from every query"),
         edge("decode", "unfilled_positions_weigh_zero", lambda: decode_case((2,), (2, 1), capacity=7),
              "3 positions in a cache of 7: the weights of positions 3..6 are exactly 0 in every row",
              Requirement(
@@ -673,6 +689,8 @@ def _decode_rows() -> list[Fixed]:
               "capacity", "-1"),
         error("decode", "cache_for_another_batch", lambda: decode_case((2,), (2,), dropout=0.0, cache_batch=(3,)),
               ValueError, "x", "(2, 2, 4)", "(3,)"),
+        error("decode", "input_of_another_width", lambda: decode_case((2,), (2,), dropout=0.0, x=normal(2, 2, 5)),
+              ValueError, "x", "(2, 2, 5)", "4"),
         error("decode", "cache_of_another_dtype", lambda: decode_case((2,), (2,), dropout=0.0, cache_dtype="float32"),
               TypeError, "cache", "float32", "float64"),
     ]

@@ -549,7 +549,7 @@ def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Decla
 _MODULE_ARGUMENTS = ("mask", "mask_per_head", "dropout")  # what a module case can do without (the rest: options)
 
 
-def _module_blind(case: MhaCase | BlockCase) -> tuple[np.ndarray, np.ndarray] | None:
+def _module_blind(case: MhaCase | BlockCase | DecodeCase) -> tuple[np.ndarray, np.ndarray] | None:
     """The queries that see no key in some head: (..., L) for out (the heads mix), (..., H, L) for weights. With no
     keys (S = 0) every query is one."""
     q, k = (case.q, case.k) if isinstance(case, MhaCase) else (case.x, case.x)
@@ -730,34 +730,88 @@ def _ffn_down(case: BlockCase) -> str:
 # --- decoding through a key/value cache ---------------------------------------------------------------------
 
 def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
-    """One causal pass of the block over the whole sequence; the weights padded with zeros to the capacity."""
+    """One pass over the whole sequence with causal_mask(L, L) & the mask (SPEC 3a's invariant): of the block, or
+    with x_kv of its attention, queries of x and keys and values of x_kv; the weights padded with zeros to the
+    capacity."""
     L = case.x.shape[-2]
-    out, weights = oracle.transformer_block(case.state, case.x, np.tri(L, L, dtype=bool), num_heads=case.num_heads,
-                                            norm_first=case.norm_first, activation=case.activation, eps=case.eps,
-                                            norm=case.norm, num_kv_heads=case.num_kv_heads,
-                                            rope_theta=case.rope_theta, dtype=precision,
-                                            fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
+    mask = _decode_mask(case)  # (..., [H,] L, L)
+    if case.x_kv is None:
+        out, weights = oracle.transformer_block(case.state, case.x, mask, num_heads=case.num_heads,
+                                                norm_first=case.norm_first, activation=case.activation, eps=case.eps,
+                                                norm=case.norm, num_kv_heads=case.num_kv_heads,
+                                                rope_theta=case.rope_theta, dtype=precision,
+                                                fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
+    else:
+        out, weights = oracle.multi_head_attention(_attention_state(case.state), case.x, case.x_kv, case.x_kv, mask,
+                                                   num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
+                                                   rope_theta=case.rope_theta, dtype=precision,
+                                                   fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
     unfilled = np.zeros((*weights.shape[:-1], case.capacity - L), weights.dtype)
     return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
+
+
+def _decode_mask(case: DecodeCase) -> np.ndarray:
+    """What one pass over the whole sequence hides: causal_mask(L, L) and the mask's first L columns,
+    (..., [H,] L, L)."""
+    L = case.x.shape[-2]
+    causal = np.tri(L, L, dtype=bool)  # (L, L)
+    return causal if case.mask is None else causal & (case.mask[..., :L] != 0)  # (..., [H,] L or 1, L)
+
+
+def _attention_state(state: dict) -> dict:
+    """A block's attention entries attn.* as a MultiHeadAttention's state."""
+    return {name.removeprefix("attn."): value for name, value in state.items() if name.startswith("attn.")}
+
+
+_ATTENTION_OPTIONS = ("num_heads", "dropout", "rope_theta")  # the block's options that its attention takes
+
+
+def _decoder(module: ModuleType, arrays: dict, options: dict[str, Any]) -> Any:
+    """The block (TransformerBlock.from_state_dict), or with x_kv its attention alone
+    (MultiHeadAttention.from_state_dict of the state's attn.* entries)."""
+    options = _from_state(options)
+    if arrays["x_kv"] is None:
+        return module.TransformerBlock.from_state_dict(arrays["state"], **options)
+    return module.MultiHeadAttention.from_state_dict(_attention_state(arrays["state"]),
+                                                     **{name: options[name] for name in _ATTENTION_OPTIONS
+                                                        if name in options})
+
+
+def _chunk_rows(mask: Any, start: int, size: int) -> Any:
+    """The mask's rows (..., [H,] L_c, capacity) of positions start .. start + size - 1; a mask that broadcasts
+    over the rows (one row, or rank 1) as it is."""
+    if mask is None or len(mask.shape) < 2 or mask.shape[-2] == 1:
+        return mask
+    return mask[..., start:start + size, :]
 
 
 def _decode_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
                  chunks: tuple[int, ...], capacity: int, cache_batch: tuple[int, ...] | None, cache_dtype: str | None,
                  **options: Any) -> Any:
     """init_cache (for x's batch shape, in the block's dtype, unless an error row asks for others), then extend
-    once per chunk: the chunks' outputs and weights, in order."""
-    block = module.TransformerBlock.from_state_dict(arrays["state"], **_from_state(options))
-    block = block.train() if training else block.eval()
-    x = arrays["x"]
+    once per chunk (x's rows, x_kv's too where given, and the mask's rows where given): the chunks' outputs and
+    weights, in order."""
+    decoder = _decoder(module, arrays, options)
+    decoder = decoder.train() if training else decoder.eval()
+    x, x_kv, mask = arrays["x"], arrays["x_kv"], arrays["mask"]
     dtype = {} if cache_dtype is None else {"dtype": module.asarray(np.zeros(1, cache_dtype)).dtype}
-    cache = block.init_cache(tuple(x.shape[:-2]) if cache_batch is None else cache_batch, capacity, **dtype)
+    cache = decoder.init_cache(tuple(x.shape[:-2]) if cache_batch is None else cache_batch, capacity, **dtype)
     outs, weights, start = [], [], 0
     for size in chunks:
-        out, w, cache = block.extend(x[..., start:start + size, :], cache, need_weights=need_weights, rng=rng)
+        inputs = [x[..., start:start + size, :]] + ([] if x_kv is None else [x_kv[..., start:start + size, :]])
+        given = {} if mask is None else {"mask": _chunk_rows(mask, start, size)}  # a module without masks runs
+        # every case without one
+        out, w, cache = decoder.extend(*inputs, cache, need_weights=need_weights, rng=rng, **given)
         outs.append(out)
         weights.append(w)
         start += size
     return outs, weights
+
+
+def _decode_blind(case: DecodeCase) -> tuple[np.ndarray, np.ndarray] | None:
+    """The queries that see no key in some head, the mask hiding every key up to their own position: as for the
+    block, of the mask one pass over the whole sequence has."""
+    return _module_blind(case._replace(mask=None if case.mask is None else _decode_mask(case)))
 
 
 def _decode_pair(result: tuple[list, list]) -> Pair:
@@ -908,7 +962,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         inputs=("x",), differentiable=(), strategy="decode_cases",
         oracle=_decode_oracle, call=_decode_call, vjp="", pullback=None,
         visible=None, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
-        uses=_module_uses, leave_out=_module_leave_out, blind=lambda case: None, pair=_decode_pair),
+        uses=_module_uses, leave_out=_module_leave_out, blind=_decode_blind, pair=_decode_pair),
     Operation(
         name="flex", function="flex_attention", case=FlexCase,
         options=("mask_mod", "score_mod", "block_size", "scale", "enable_gqa", "dropout", "mask_for"),

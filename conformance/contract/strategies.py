@@ -825,11 +825,16 @@ def chunk_sizes(draw: Callable, L: int) -> tuple[int, ...]:
 @st.composite
 def decode_cases(draw: Callable) -> DecodeCase:
     """A drawn block (block_cases) fed chunk by chunk: L of LENGTHS (each chunk is a call, which JAX compiles
-    into one program per case), the chunks from `chunk_sizes`, a capacity of L plus SPARE."""
+    into one program per case), the chunks from `chunk_sizes`, a capacity of L plus SPARE; in about one case of
+    two a mask of the whole sequence (`masks`, (..., [H,] L, capacity)), and in one of two the block's attention
+    alone on x's queries and the keys and values of another input x_kv (cross-attention)."""
     block = draw(block_cases(causal_mask=True, long=False))
     L = draw(st.sampled_from(LENGTHS))
-    x = block.x[..., :L, :] if block.x.shape[-2] >= L else _values(_rng(draw), (*block.x.shape[:-2], L,
-                                                                               block.x.shape[-1]), "normal")
+    batch, D = block.x.shape[:-2], block.x.shape[-1]
+    x = block.x[..., :L, :] if block.x.shape[-2] >= L else _values(_rng(draw), (*batch, L, D), "normal")
+    capacity = L + draw(st.sampled_from(SPARE))
+    mask = draw(masks(batch, L, capacity, heads=block.num_heads)) if draw(st.booleans()) else None
+    x_kv = _values(_rng(draw), (*batch, L, D), "normal") if draw(st.booleans()) else None
     return DecodeCase(state=block.state,
                       num_heads=block.num_heads,
                       dropout=block.dropout,
@@ -838,8 +843,10 @@ def decode_cases(draw: Callable) -> DecodeCase:
                       eps=block.eps,
                       x=x,
                       chunks=draw(chunk_sizes(L)),
-                      capacity=L + draw(st.sampled_from(SPARE)),
+                      capacity=capacity,
                       norm=block.norm,
                       num_kv_heads=block.num_kv_heads,
                       bias=block.bias,
-                      rope_theta=block.rope_theta)
+                      rope_theta=block.rope_theta,
+                      mask=mask,
+                      x_kv=x_kv)

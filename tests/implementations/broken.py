@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -301,8 +302,35 @@ class CacheUnchecked(Implementation):
     casts on the write, or fails with its own message naming neither the cache nor the shapes. Caught by: errors
     (decode's cache_for_another_batch and cache_of_another_dtype)."""
 
-    def check_cache(self, x: np.ndarray, held: np.ndarray) -> None:
+    def check_cache(self, name: str, x: np.ndarray, held: np.ndarray) -> None:
         pass
+
+
+class CacheWidthUnchecked(Implementation):
+    """extend checks the batch shape and the dtype of its input against the cache, not its width: an input of
+    another D reaches the cache's write, where NumPy's broadcast error names neither the input nor d_model.
+    Caught by: errors (decode's input_of_another_width)."""
+
+    def check_cache_width(self, name: str, x: np.ndarray, held: np.ndarray) -> None:
+        pass
+
+
+class ExtendMaskIgnored(Implementation):
+    """extend takes a mask and drops it: its queries see every key up to their own position, as if the mask
+    were causal_mask alone (a decode loop that forgets the padding or the sliding window it was given). Caught
+    by: values (decode with a mask)."""
+
+    def cache_mask(self, mask: Any, start: int, end: int, capacity: int) -> np.ndarray | bool:
+        return True
+
+
+class CrossAttentionKeysFromTheQueries(Implementation):
+    """MultiHeadAttention.extend caches the keys and values of x_q, not of x_kv: self-attention's path taken
+    for cross-attention, which no check told apart while x_q was x_kv (the block's extend). Caught by: values
+    (decode with x_kv)."""
+
+    def cached_inputs(self, x_q: np.ndarray, x_kv: np.ndarray) -> np.ndarray:
+        return x_q
 
 
 class RopeAnglesInHalfPrecision(Implementation):
@@ -769,6 +797,9 @@ VARIANTS: dict[str, type[Implementation]] = {
     "rope_angles_in_half_precision": RopeAnglesInHalfPrecision,
     "cache_length_not_advanced": CacheLengthNotAdvanced,
     "cache_unchecked": CacheUnchecked,
+    "cache_width_unchecked": CacheWidthUnchecked,
+    "extend_mask_ignored": ExtendMaskIgnored,
+    "cross_attention_keys_from_the_queries": CrossAttentionKeysFromTheQueries,
     "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
     "rope_keys_not_turned": RopeKeysNotTurned,
     "linear_features_without_one": LinearFeaturesWithoutOne,

@@ -237,12 +237,31 @@ class Implementation:
         """The end of the positions an extend fills: length + new."""
         return length + new
 
-    def check_cache(self, x: np.ndarray, held: np.ndarray) -> None:
-        """extend's input against the cache's inputs (..., capacity, D): the batch shape and the dtype it was made
-        for."""
+    def check_cache(self, name: str, x: np.ndarray, held: np.ndarray) -> None:
+        """extend's input `name` against the cache's inputs (..., capacity, D): the batch shape, the width and the
+        dtype it was made for."""
         if x.shape[:-2] != held.shape[:-2]:
-            raise ValueError(f"x has shape {x.shape}; the cache holds the batch shape {held.shape[:-2]}")
-        self.check_dtypes("", x=x, cache=held)
+            raise ValueError(f"{name} has shape {x.shape}; the cache holds the batch shape {held.shape[:-2]}")
+        self.check_cache_width(name, x, held)
+        self.check_dtypes("", **{name: x, "cache": held})
+
+    def check_cache_width(self, name: str, x: np.ndarray, held: np.ndarray) -> None:
+        """x (..., L, D) of the cache's width D."""
+        if x.shape[-1] != held.shape[-1]:
+            raise ValueError(f"{name} has shape {x.shape}; the cache holds inputs of width D = {held.shape[-1]}")
+
+    def cache_mask(self, mask: Any, start: int, end: int, capacity: int) -> np.ndarray | bool:
+        """What extend's mask (broadcasting to (..., H, L, capacity)) leaves visible to the new positions
+        start .. end - 1 of the keys 0 .. end - 1: (..., [H,] L, end), or True without a mask."""
+        if mask is None:
+            return True
+        shown = np.asarray(mask) != 0
+        shown = np.broadcast_to(shown, np.broadcast_shapes(shown.shape, (end - start, capacity)))  # (..., L, capacity)
+        return shown[..., :end]
+
+    def cached_inputs(self, x_q: np.ndarray, x_kv: np.ndarray) -> np.ndarray:
+        """MultiHeadAttention.extend: the inputs whose keys and values the cache keeps, x_kv's."""
+        return x_kv
 
     def advanced(self, start: int, end: int) -> int:
         """The length of the cache after an extend of positions start .. end - 1."""
@@ -976,6 +995,34 @@ class _MultiHeadAttention(_Module):
                                          need_weights=need_weights, rng=rng, rope_theta=self.rope_theta,
                                          attention=self.attention)
 
+    # --- decoding: the cache keeps the keys' and values' inputs, and each extend attends over them anew ---------
+
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> _InputCache:
+        """The keys' and values' inputs seen so far, (*batch_shape, capacity, D), and their positions, length 0;
+        softmax heads only."""
+        if self.attention == "linear":
+            raise ValueError("attention='linear' has no key/value cache: init_cache and extend are softmax's")
+        return _empty_cache(self, batch_shape, capacity, self._state["w_q.weight"].shape[1], dtype)
+
+    def extend(self, x_q: np.ndarray, x_kv: np.ndarray, cache: _InputCache, mask: np.ndarray | None = None, *,
+               need_weights: bool = True, rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None, _InputCache]:
+        """The new queries of x_q over every key so far, those of x_kv included, at positions start .. end - 1,
+        causal; mask (broadcasting to (..., H, L, capacity)) hides keys on top."""
+        impl, x_q, x_kv = self._impl, np.asarray(x_q), np.asarray(x_kv)
+        impl.check_cache("x_q", x_q, cache.x)
+        impl.check_cache("x_kv", x_kv, cache.x)
+        if x_q.shape[-2] != x_kv.shape[-2]:
+            raise ValueError(f"x_q {x_q.shape} and x_kv {x_kv.shape} stand at the same positions: one L for both")
+        start, end, filled = _filled(impl, cache, impl.cached_inputs(x_q, x_kv))
+        seen = filled.x[..., :end, :]  # (..., end, D)
+        visible = impl.causal(end - start, end, start) & impl.cache_mask(mask, start, end, filled.x.shape[-2])
+        out, weights = impl.multi_head_attention(self._state, x_q, seen, seen, visible, num_heads=self.num_heads,
+                                                 dropout_p=impl.active_dropout(self.dropout, self.training),
+                                                 need_weights=need_weights, rng=rng, rope_theta=self.rope_theta,
+                                                 attention=self.attention,
+                                                 positions=(filled.positions[start:end], filled.positions[:end]))
+        return out, _padded(weights, filled.x.shape[-2]), filled
+
 
 class _TransformerBlock(_Module):
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
@@ -1052,29 +1099,48 @@ class _TransformerBlock(_Module):
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> _InputCache:
         """The inputs seen so far, (*batch_shape, capacity, D), and their positions (capacity,), length 0."""
-        if not (isinstance(capacity, int) and capacity >= 0):
-            raise ValueError(f"capacity must be a non-negative int; got {capacity!r}")
-        D = self._state["norm1.weight"].shape[0]
-        inputs = np.zeros((*batch_shape, capacity, D), dtype or self._a_parameter().dtype)
-        return _InputCache(x=inputs, positions=np.zeros(capacity, np.int64), length=0)
+        return _empty_cache(self, batch_shape, capacity, self._state["norm1.weight"].shape[0], dtype)
 
     def extend(self, x: np.ndarray, cache: _InputCache, mask: np.ndarray | None = None, *, need_weights: bool = True,
                rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None, _InputCache]:
-        """The rows of the new positions in one causal pass over every input so far (mask: not supported)."""
-        x = np.asarray(x)
-        capacity, L = cache.x.shape[-2], x.shape[-2]
-        self._impl.check_cache(x, cache.x)
-        start, end = cache.length, self._impl.cache_end(cache.length, L)
-        if end > capacity:
-            raise ValueError(f"the cache's capacity is {capacity}: {start} positions held, {L} more asked")
-        seen, positions = cache.x.copy(), cache.positions.copy()
-        seen[..., start:end, :], positions[start:end] = x, self._impl.new_positions(start, end)
-        y, weights = self._forward(seen[..., :end, :], self._impl.causal(end, end), need_weights=need_weights,
-                                   rng=rng, positions=positions[:end])
-        if weights is not None:  # (..., H, end, end) -> the new rows, (..., H, L, capacity)
-            weights = np.pad(weights[..., start:end, :], [(0, 0)] * (weights.ndim - 1) + [(0, capacity - end)])
-        return y[..., start:end, :], weights, _InputCache(x=seen, positions=positions,
-                                                          length=self._impl.advanced(start, end))
+        """The rows of the new positions in one causal pass over every input so far; mask (broadcasting to
+        (..., H, L, capacity)) hides keys from the new rows on top (the earlier rows, dropped, see every key)."""
+        impl, x = self._impl, np.asarray(x)
+        impl.check_cache("x", x, cache.x)
+        start, end, filled = _filled(impl, cache, x)
+        new = impl.cache_mask(mask, start, end, filled.x.shape[-2]) & impl.causal(end - start, end, start)
+        earlier = np.broadcast_to(impl.causal(start, end), (*np.shape(new)[:-2], start, end))  # (..., [H,] start, end)
+        visible = np.concatenate([earlier, np.broadcast_to(new, (*earlier.shape[:-2], end - start, end))], axis=-2)
+        y, weights = self._forward(filled.x[..., :end, :], visible, need_weights=need_weights, rng=rng,
+                                   positions=filled.positions[:end])
+        weights = None if weights is None else weights[..., start:end, :]  # (..., H, end, end) -> the new rows
+        return y[..., start:end, :], _padded(weights, filled.x.shape[-2]), filled
+
+
+def _empty_cache(module: _Module, batch_shape: tuple[int, ...], capacity: int, D: int, dtype: Any) -> _InputCache:
+    """No inputs yet, (*batch_shape, capacity, D) zeros in `dtype` (the parameters' by default), length 0."""
+    if not (isinstance(capacity, int) and capacity >= 0):
+        raise ValueError(f"capacity must be a non-negative int; got {capacity!r}")
+    inputs = np.zeros((*batch_shape, capacity, D), dtype or module._a_parameter().dtype)
+    return _InputCache(x=inputs, positions=np.zeros(capacity, np.int64), length=0)
+
+
+def _filled(impl: Implementation, cache: _InputCache, x: np.ndarray) -> tuple[int, int, _InputCache]:
+    """start, end and a copy of the cache with the inputs x (..., L, D) at positions start .. end - 1."""
+    capacity, L = cache.x.shape[-2], x.shape[-2]
+    start, end = cache.length, impl.cache_end(cache.length, L)
+    if end > capacity:
+        raise ValueError(f"the cache's capacity is {capacity}: {start} positions held, {L} more asked")
+    seen, positions = cache.x.copy(), cache.positions.copy()
+    seen[..., start:end, :], positions[start:end] = x, impl.new_positions(start, end)
+    return start, end, _InputCache(x=seen, positions=positions, length=impl.advanced(start, end))
+
+
+def _padded(weights: np.ndarray | None, capacity: int) -> np.ndarray | None:
+    """The new rows' weights (..., H, L, end) padded with zeros to (..., H, L, capacity)."""
+    if weights is None:
+        return None
+    return np.pad(weights, [(0, 0)] * (weights.ndim - 1) + [(0, capacity - weights.shape[-1])])
 
 
 class _FlexForward(NamedTuple):
