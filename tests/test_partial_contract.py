@@ -435,7 +435,9 @@ _POSITIONAL = {"asarray": ("x",), "apply_rope": ("x", "positions"), "linear_atte
                "MultiHeadAttention.from_state_dict": ("state",), "TransformerBlock.from_state_dict": ("state",),
                "TransformerBlock.__call__": ("x", "mask"), "TransformerBlock.vjp": ("x", "mask"),
                "TransformerBlock.extend": ("x", "cache", "mask"),
-               "TransformerBlock.init_cache": ("batch_shape", "capacity")}
+               "TransformerBlock.init_cache": ("batch_shape", "capacity"),
+               "MultiHeadAttention.extend": ("q", "k", "cache", "mask"),  # x_q, x_kv: the queries', the keys' inputs
+               "MultiHeadAttention.init_cache": ("batch_shape", "capacity")}
 _WALKED = ("asarray", "apply_rope", "scaled_dot_product_attention", "scaled_dot_product_attention_vjp",
            "flash_attention", "flash_attention_vjp", "flex_attention", "flex_attention_vjp", "linear_attention",
            "linear_attention_vjp")
