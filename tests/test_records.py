@@ -18,11 +18,22 @@ NAMED_ONLY = ("Operation",)  # registries of many fields that name every one (an
 DICTS = ("dict", "Dict", "UserDict", "OrderedDict", "defaultdict")  # the names a dict subclass's base ends in
 
 
-@functools.cache
 def _trees(*folders: str) -> dict[str, ast.Module]:
-    """{path relative to the root: parsed source} of every .py file under the folders."""
-    return {str(path.relative_to(ROOT)): ast.parse(path.read_text(), str(path))
+    """{path relative to the root: parsed source} of every .py file under the folders; each file parsed once for
+    all the tests (tests/ holds tests/implementations/, which BUILT names too)."""
+    return {str(path.relative_to(ROOT)): _tree(path)
             for folder in folders for path in sorted((ROOT / folder).rglob("*.py"))}
+
+
+@functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.cache
+def _nodes(tree: ast.Module) -> tuple[ast.AST, ...]:
+    """Every node of a tree, walked once for all the tests (ast.walk is most of their time)."""
+    return tuple(ast.walk(tree))
 
 
 def _name(node: ast.expr) -> str | None:
@@ -37,13 +48,13 @@ def _is_record(node: ast.ClassDef) -> bool:
 
 
 def _classes(trees: dict[str, ast.Module]) -> list[tuple[str, ast.ClassDef]]:
-    return [(path, node) for path, tree in trees.items() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    return [(path, node) for path, tree in trees.items() for node in _nodes(tree) if isinstance(node, ast.ClassDef)]
 
 
 def _record_calls(trees: dict[str, ast.Module]) -> list[tuple[str, ast.Call]]:
     """Every call, in the trees, of a record class defined in them, found by the record's name."""
     records = {node.name for _, node in _classes(trees) if _is_record(node)}
-    return sorted(((path, node) for path, tree in trees.items() for node in ast.walk(tree)
+    return sorted(((path, node) for path, tree in trees.items() for node in _nodes(tree)
                    if isinstance(node, ast.Call) and _name(node.func) in records),
                   key=lambda found: (found[0], found[1].lineno, found[1].col_offset))
 

@@ -3,7 +3,8 @@ and gradients of its own q, k, v shards equal the matching rows of single-proces
 of scaled_dot_product_attention), in float64, for every structure the ring must follow in global positions;
 ring_attention_vjp's pullback, in one case, against single-process flash_attention_vjp's rows; shards of
 different lengths are refused on every rank. Each test starts its processes once
-(conformance.bench.ring_torch.launch) and runs all its cases in them: starting them is most of the time."""
+(conformance.bench.ring_torch.launch) and runs all its cases in them: starting them is most of the time; the two
+tests on 2 ranks share one launch."""
 
 from __future__ import annotations
 
@@ -128,14 +129,29 @@ def _uneven_shards(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def _check_cases_then_uneven_shards(rank: int, world_size: int) -> dict[str, list[str] | str]:
+    """On one rank: what _check_cases found failing, then the message of _uneven_shards; last, as it raises."""
+    return {"failures": _check_cases(rank, world_size), "uneven": _uneven_shards(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, list[str] | str]]:
+    """One launch of 2 processes for the two tests that need 2 ranks: starting them (torch imported in each) was
+    most of each test's time."""
+    return launch(2, _check_cases_then_uneven_shards)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_every_rank_gets_its_rows_of_single_process_attention(world_size: int):
-    failures = [failure for rank_failures in launch(world_size, _check_cases) for failure in rank_failures]
+def test_every_rank_gets_its_rows_of_single_process_attention(world_size: int, request: pytest.FixtureRequest):
+    by_rank = ([result["failures"] for result in request.getfixturevalue("two_ranks")] if world_size == 2
+               else launch(world_size, _check_cases))
+    failures = [failure for rank_failures in by_rank for failure in rank_failures]
     assert not failures, "\n".join(failures)
 
 
-def test_shards_of_different_lengths_raise_on_every_rank():
-    messages = launch(2, _uneven_shards)
+def test_shards_of_different_lengths_raise_on_every_rank(two_ranks: list[dict[str, list[str] | str]]):
+    messages = [result["uneven"] for result in two_ranks]
+    assert len(messages) == 2
     for message in messages:
         assert "P = 2" in message and "L = 9" in message, message  # the whole length the shards add up to
         assert "rank 0: q (2, 2, 5, 4)" in message and "rank 1: q (2, 2, 4, 4)" in message, message
