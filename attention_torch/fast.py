@@ -44,7 +44,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     offset = structure.q_offset
     causal = _hides_keys(structure.is_causal, offset, S)
     positions = structure.window is not None or structure.key_lengths is not None or (
-        causal and not (isinstance(offset, int) and offset == 0))  # keys hidden by positions: in the one mask
+        causal and not (isinstance(offset, int) and offset == 0 and scale > 0))  # keys hidden by positions: in
+    # the one mask; torch: its is_causal gives NaN rows for a scale of 0 or below (it scales the hidden keys' -inf)
     if mask is None and bias is None and not positions:  # torch: its own is_causal is ours without an offset
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=shared)
         return out.reshape(*batch, L, Ev).to(dtype)
@@ -80,7 +81,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     q, k, v = (_cast(x, work) for x in (q, k, v))
     # scale None is the kernel's default, ours: 1 / sqrt(E), E > 0 here
     causal = _hides_keys(is_causal, q_offset, S)
-    if causal and q_offset != 0:  # ours is p_i = q_offset + i: a boolean mask of the visible keys
+    if causal and (q_offset != 0 or (scale is not None and scale <= 0)):  # ours is p_i = q_offset + i: a boolean
+        # mask of the visible keys (torch: its is_causal gives NaN rows for a scale of 0 or below, as in `attention`)
         visible = causal_mask(L, S, q_offset=q_offset).to(q.device)  # (L, S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
         return torch.where(visible.any(dim=-1, keepdim=True), out, 0).to(dtype)  # a fully masked row: zeros
