@@ -6,8 +6,9 @@ Ev value width, D = d_model, F = d_ff, ... leading batch axes.
 
 torch's kernel takes one attn_mask: a boolean of the visible keys, or, with a bias, the bias with -inf
 where a key is hidden; without mask, bias, offset, window and key lengths its own is_causal (top-left
-aligned, as ours) keeps the fused kernels available. q_offset, window and key_lengths become part of the
-one boolean mask, as does a mask_mod (scaled_dot_product_attention evaluates it once into the mask); softcap
+aligned, as ours) keeps the fused kernels available where the scale is above 0 (at 0 or below it returned
+NaN rows). q_offset, window and key_lengths become part of the one boolean mask, as does a mask_mod
+(scaled_dot_product_attention evaluates it once into the mask), and so does is_causal at a scale of 0 or below; softcap
 and a score_mod keep the explicit path (the kernel cannot change the raw scores). A fully masked row is set to
 zeros explicitly, so the rule holds on every kernel and device.
 scaled_dot_product_attention sends inputs with a NaN or inf in q or k to the explicit path instead (see
@@ -44,7 +45,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     offset = structure.q_offset
     causal = _hides_keys(structure.is_causal, offset, S)
     positions = structure.window is not None or structure.key_lengths is not None or (
-        causal and not (isinstance(offset, int) and offset == 0))  # keys hidden by positions: in the one mask
+        causal and not (isinstance(offset, int) and offset == 0 and scale > 0))  # keys hidden by positions: in
+    # the one mask; torch: its is_causal gives NaN rows for a scale of 0 or below (it scales the hidden keys' -inf)
     if mask is None and bias is None and not positions:  # torch: its own is_causal is ours without an offset
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=shared)
         return out.reshape(*batch, L, Ev).to(dtype)
@@ -80,7 +82,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
     q, k, v = (_cast(x, work) for x in (q, k, v))
     # scale None is the kernel's default, ours: 1 / sqrt(E), E > 0 here
     causal = _hides_keys(is_causal, q_offset, S)
-    if causal and q_offset != 0:  # ours is p_i = q_offset + i: a boolean mask of the visible keys
+    if causal and (q_offset != 0 or (scale is not None and scale <= 0)):  # ours is p_i = q_offset + i: a boolean
+        # mask of the visible keys (torch: its is_causal gives NaN rows for a scale of 0 or below, as in `attention`)
         visible = causal_mask(L, S, q_offset=q_offset).to(q.device)  # (L, S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
         return torch.where(visible.any(dim=-1, keepdim=True), out, 0).to(dtype)  # a fully masked row: zeros

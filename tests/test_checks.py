@@ -366,6 +366,44 @@ def test_gradient_check_rejects_a_backward_pass_that_forgets_a_keyword(name: str
     assert measures["gradients"].error > 1 or measures["masked_rows"].error > 1, measures
 
 
+def _scores_near_1e4() -> dict[str, cases.SdpaCase]:
+    """Two cases whose scores are near -1.15e4, where the float64 oracle rounds each score by about eps 1.15e4
+    = 2.6e-12, 2.6e-6 of the step h = 1e-6. shifted_bias: the suite's own failure on attention_np's correct
+    gradients (thorough profile, seed 0, shrunk), q (B, L, E) = (2, 1, 1), a bias of -1.15e4 on the 3 keys,
+    batch 0 seeing key 0 and batch 1 keys 1 and 2. capped: q and k of 15 x N(0, 1) at scale 10 (q k^T * scale in
+    the thousands), softcap 50 (+-50 but for a tanh' below 1e-8), then a bias of -11500 + N(0, 1)."""
+    rng = np.random.default_rng(1)
+    return {
+        "shifted_bias": cases.SdpaCase(
+            q=np.array([[[0.1257302210933933]], [[-0.1321048632913019]]]),
+            k=np.array([[[0.6404226504432821], [0.10490011715303971], [-0.535669373161111]],
+                        [[0.36159505490948474], [1.3040000451301372], [0.9470809631292422]]]),
+            v=np.array([[[-0.7037352358069926], [-1.2654214710460525], [-0.6232744625373522]],
+                        [[0.0413259793472436], [-2.3250307746388343], [-0.21879166393254573]]]),
+            mask=np.array([[[True, False, False]], [[False, True, True]]]),
+            bias=np.array([-11487.361467346524, -11487.619302430909, -11486.846774917174]), is_causal=False,
+            scale=None),
+        "capped": cases.SdpaCase(
+            q=15 * rng.standard_normal((2, 2)), k=15 * rng.standard_normal((3, 2)), v=rng.standard_normal((3, 1)),
+            mask=None, bias=rng.standard_normal((2, 3)) - 11500.0, is_causal=False, scale=10.0, softcap=50.0),
+    }
+
+
+@pytest.mark.parametrize("name", ["shifted_bias", "capped"])
+def test_gradient_check_resolves_the_rounding_of_scores_near_1e4(name: str) -> None:
+    # attention_np's correct gradients measured 1.84 (shifted_bias) and 34.1 (capped, where the oracle's central
+    # difference of dk is exactly 0: k's step moves a capped score by less than a rounding of -11500) units of
+    # what the comparison resolves before the oracle's rounding of its scores was counted (SPEC 9); a backward
+    # pass without the softmax's rowsum term is still off by thousands of units
+    from tests.implementations.broken_gradients import BROKEN_GRADIENTS
+
+    case = _scores_near_1e4()[name]
+    measures = gradient_checks.gradients(checks.Runner(attention_np), case, "float64")
+    assert measures["gradients"].error <= 1, measures
+    wrong = checks.Runner(BROKEN_GRADIENTS["softmax_jvp_without_rowsum"])
+    assert gradient_checks.gradients(wrong, case, "float64")["gradients"].error > 100
+
+
 def test_linear_heads_form_no_weights_and_no_weights_rows_measure():
     # attention="linear": the oracle's weights are None, so against_oracle reports no weights_rows for the case
     # (never a 0 that claims the weights were checked), and a module that returns weights anyway fails values

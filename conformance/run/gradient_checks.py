@@ -24,16 +24,18 @@ STEP = 1e-6  # central differences: truncation ~ STEP^2 f''', rounding ~ eps |f|
 RELATIVE = 1e-6  # the directional derivative's accepted relative error
 DIFFERENCE_FACTOR = 10  # times the central difference's truncation error, estimated from steps h and 2h
 RESOLUTION = 10  # times the rounding of f, divided by the step
+EPS = float(np.finfo(np.float64).eps)  # 2.2e-16: float64 rounds each result to within EPS / 2, relative
 
 
 def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     """gradients: for each input and parameter a, the directional derivative <grad_a, u> along a random u
     matches the central difference D(h) = <d_out, (f(a + h u) - f(a - h u)) / 2h> of the oracle f. The
     measure is |<grad_a, u> - D(h)| in units of what the comparison can resolve,
-        RELATIVE |grad_a| |u|  +  DIFFERENCE_FACTOR |D(h) - D(2h)|  +  RESOLUTION eps sum|d_out| |f| / h,
+        RELATIVE |grad_a| |u|  +  DIFFERENCE_FACTOR |D(h) - D(2h)|
+          +  RESOLUTION eps (sum|d_out| |f|  +  sum over every argument b of sum|grad_b| |b|) / h,
     (the gradient's own relative accuracy, the difference's truncation error estimated from a second step,
-    and the rounding of f), for the argument worst off; it passes up to 1. NaN, a missing gradient or a
-    wrong shape or dtype is inf.
+    the rounding of f's result and the rounding inside f, `_rounding`), for the argument worst off; it passes
+    up to 1. NaN, a missing gradient or a wrong shape or dtype is inf.
     masked_rows (where the operation declares which keys a query sees): a query that sees no key gets
     exactly zero gradient, and so does a key no query sees.
     no_autograd (where the framework has a mode without autograd: torch's inference mode): the vjp works
@@ -44,22 +46,28 @@ def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     d_out = specified(runner, case, (rng.standard_normal(out.shape), None))[0]  # no cotangent on rows the
     # module's declaration leaves unspecified (SPEC 11)
     grads = _pullback(runner, case, d_out, dtype)
-    worst = Measure(0.0)
     for name in _arguments(case):
-        grad, reference = grads.get(name), _argument(case, name)
-        if grad is None or grad.shape != reference.shape or grad.dtype != np.dtype(dtype):
-            found = None if grad is None else (grad.shape, grad.dtype)
-            return {"gradients": Measure(math.inf, f"d{name} is {found}, expected {reference.shape} {dtype}")}
-        if not np.all(np.isfinite(grad)):
-            return {"gradients": Measure(math.inf, f"d{name} is not finite")}
-        worst = max(worst, _directional(case, name, grad, d_out, out, rng), key=lambda m: m.error)
-    measures = {"gradients": worst}
+        if unfit := _unfit(name, grads.get(name), _argument(case, name), dtype):
+            return {"gradients": unfit}
+    rounding = _rounding(case, grads, d_out, out)
+    measures = {"gradients": max((_directional(case, name, grads[name], d_out, rounding, rng)
+                                  for name in _arguments(case)), key=lambda m: m.error, default=Measure(0.0))}
     if operation_of(case).visible is not None:
         why = runner.declaration.reason("masked_rows")
         measures["masked_rows"] = skipped(why) if why else _masked_rows(case, grads)
     if runner.framework.no_autograd is not None:
         measures["no_autograd"] = _without_autograd(runner, case, d_out, dtype, grads)
     return measures
+
+
+def _unfit(name: str, grad: np.ndarray | None, reference: np.ndarray, dtype: str) -> Measure | None:
+    """inf where the gradient of argument `name` is missing, of the wrong shape or dtype, or not finite."""
+    if grad is None or grad.shape != reference.shape or grad.dtype != np.dtype(dtype):
+        found = None if grad is None else (grad.shape, grad.dtype)
+        return Measure(math.inf, f"d{name} is {found}, expected {reference.shape} {dtype}")
+    if not np.all(np.isfinite(grad)):
+        return Measure(math.inf, f"d{name} is not finite")
+    return None
 
 
 def _without_autograd(runner: Runner, case: Case, d_out: np.ndarray, dtype: str,
@@ -114,9 +122,31 @@ def _with(case: Case, name: str, value: np.ndarray) -> Case:
     return case._replace(**{name: value})
 
 
-def _directional(case: Case, name: str, grad: np.ndarray, d_out: np.ndarray, out: np.ndarray,
+def _rounding(case: Case, grads: dict[str, np.ndarray], d_out: np.ndarray, out: np.ndarray) -> float:
+    """How far rounding moves the oracle's loss <d_out, f(a)> in float64, to first order:
+        eps (sum|d_out| |f|  +  sum over every argument b of sum|grad_b| |b|).
+    The first term is the rounding of f's result. The second is the rounding inside f: every step of the oracle
+    (the products and sums of q k^T, adding a bias or a mask shift, the softcap, softmax, the weighted sum of v,
+    a projection, a norm) rounds its result by a relative eps, and such a rounding is what a relative change of
+    eps in its inputs would make (backward error analysis: a dot product rounded in floating point is the exact
+    dot product of inputs each changed by a few eps), so it moves the loss by about eps sum_i |dL/db_i| |b_i|.
+    That is small where the arguments are of order 1, but a score near 1e4 (a bias shift of -1.15e4, or q and k
+    of 15 at scale 10) carries eps 1e4 ~ 2e-12 of rounding, which the central difference divides by h = 1e-6:
+    a relative 2e-6 of the gradient, beyond RELATIVE. It also covers the rounding of a + h u itself (eps |a|
+    / 2 per entry, the perturbed argument's share of the sum). The gradients are the module's (the oracle has
+    none): a gradient wrong by delta moves the allowance by RESOLUTION eps sum|delta| |b| / h ~ 2e-9 sum|delta| |b|,
+    which hides a delta only where the arguments near 1e8. Arguments' infinite entries (a -inf bias) are not
+    perturbed and take no gradient: left out."""
+    conditioning = sum(float(np.sum(np.abs(grads[name] * np.where(np.isfinite(value), value, 0.0))))
+                       for name, value in ((name, _argument(case, name)) for name in _arguments(case)))
+    return EPS * (float(np.sum(np.abs(d_out * out))) + conditioning)
+
+
+def _directional(case: Case, name: str, grad: np.ndarray, d_out: np.ndarray, rounding: float,
                  rng: np.random.Generator) -> Measure:
-    """The directional derivative of argument `name` against central differences of the oracle."""
+    """The directional derivative of argument `name` against central differences of the oracle, `rounding` the
+    oracle's own (`_rounding`): the difference of two losses that each carry it, over 2h, is off by up to
+    rounding / h."""
     value = _argument(case, name)
     u = np.where(np.isfinite(value), rng.standard_normal(value.shape), 0.0)  # a -inf bias stays -inf
 
@@ -127,7 +157,7 @@ def _directional(case: Case, name: str, grad: np.ndarray, d_out: np.ndarray, out
     fine, coarse = difference(STEP), difference(2 * STEP)
     analytic = float(np.sum(grad * u))
     resolvable = (RELATIVE * np.linalg.norm(grad) * np.linalg.norm(u) + DIFFERENCE_FACTOR * abs(fine - coarse)
-                  + RESOLUTION * np.finfo(np.float64).eps * np.sum(np.abs(d_out * out)) / STEP)
+                  + RESOLUTION * rounding / STEP)
     error = abs(analytic - fine) / max(resolvable, np.finfo(np.float64).tiny)
     return Measure(error, f"d{name}: <grad, u> = {analytic:.6e} but the central difference gives {fine:.6e}")
 
