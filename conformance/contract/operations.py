@@ -21,7 +21,7 @@ import numpy as np
 from attention_np.common import keywords
 
 from ..frameworks.registry import framework_of
-from . import oracle
+from . import oracle, oracle_gradients
 from .cases import (
     RING_DEVICES,
     BlockCase,
@@ -81,6 +81,8 @@ class Operation(NamedTuple):
     devices: int = 1  # the devices its cases use at most (ring attention's P); with fewer, the operation is SKIP
     needs: str | None = None  # a feature of conformance.contract.features without which a module cannot run any of
     # its cases (flex: "mods"): a module that declares it lacking has the operation SKIP, as one without `function`
+    oracle_vjp: Callable[[Any, np.ndarray, str], dict[str, np.ndarray]] | None = None  # (case, d_out, precision) ->
+    # the oracle's own gradients {argument: gradient} (conformance/contract/oracle_gradients.py); None: it has none
 
 
 def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -203,6 +205,15 @@ def _sdpa_oracle(case: SdpaCase, precision: str, fused_bias: bool) -> Pair:  # s
                        scale=case.scale, q_offset=case.q_offset, window=case.window, key_lengths=case.key_lengths,
                        softcap=case.softcap, enable_gqa=case.enable_gqa, mask_mod=case.mask_mod,
                        score_mod=case.score_mod, dtype=precision)
+
+
+def _sdpa_oracle_vjp(case: SdpaCase | FlashCase, d_out: np.ndarray, precision: str) -> dict[str, np.ndarray]:
+    """The gradients of sdpa's out (flash_attention's too: its pullback takes d_out alone), eval mode."""
+    return oracle_gradients.sdpa_vjp(case.q, case.k, case.v, d_out, case.mask, bias=case.bias,
+                                     is_causal=case.is_causal, scale=case.scale, q_offset=case.q_offset,
+                                     window=case.window, key_lengths=case.key_lengths, softcap=case.softcap,
+                                     enable_gqa=case.enable_gqa, mask_mod=case.mask_mod, score_mod=case.score_mod,
+                                     dtype=precision)
 
 
 def _sdpa_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
@@ -397,6 +408,12 @@ def _linear_oracle(case: LinearCase, precision: str, fused_bias: bool) -> Pair:
     second result."""
     return oracle.linear_attention(case.q, case.k, case.v, feature_map=case.feature_map, is_causal=case.is_causal,
                                    key_lengths=case.key_lengths, eps=case.eps, dtype=precision), None
+
+
+def _linear_oracle_vjp(case: LinearCase, d_out: np.ndarray, precision: str) -> dict[str, np.ndarray]:
+    return oracle_gradients.linear_attention_vjp(case.q, case.k, case.v, d_out, feature_map=case.feature_map,
+                                                 is_causal=case.is_causal, key_lengths=case.key_lengths, eps=case.eps,
+                                                 dtype=precision)
 
 
 def _linear_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool, dropout: float,
@@ -771,7 +788,8 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias", "score_mod"), strategy="sdpa_cases",
         oracle=_sdpa_oracle, call=_sdpa_call, vjp="scaled_dot_product_attention_vjp", pullback=_sdpa_pullback,
         visible=_sdpa_visible, dropout_sigma=_sdpa_dropout_sigma, dropout_shows=lambda case: True,
-        dropout_probe=_sdpa_dropout_probe, uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind),
+        dropout_probe=_sdpa_dropout_probe, uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind,
+        oracle_vjp=_sdpa_oracle_vjp),
     Operation(
         name="flash", function="flash_attention", case=FlashCase,
         options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "mask_mod",
@@ -779,7 +797,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias", "score_mod"), strategy="flash_cases",
         oracle=_flash_oracle, call=_flash_call, vjp="flash_attention_vjp", pullback=_flash_pullback,
         visible=_sdpa_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
-        uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind, second="lse"),
+        uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind, second="lse", oracle_vjp=_sdpa_oracle_vjp),
     Operation(
         name="ring", function="ring_attention", case=RingCase,
         options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "block_q",
@@ -795,7 +813,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         oracle=_linear_oracle, call=_linear_call, vjp="linear_attention_vjp", pullback=_linear_pullback,
         visible=_linear_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
         uses=_linear_uses, leave_out=_linear_leave_out, blind=_linear_blind, pair=lambda out: (out, None),
-        second=None),
+        second=None, oracle_vjp=_linear_oracle_vjp),
     Operation(
         name="mha", function="MultiHeadAttention", case=MhaCase,
         options=("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta", "attention"),

@@ -8,6 +8,10 @@ A module offers gradients through the contract's interface: `scaled_dot_product_
 modules' `vjp` methods, each returning (out, weights, pullback), and the other operations' vjps
 (`flex_attention_vjp`'s pullback also gives its score function's parameters' gradients, d_score_mod, each held
 to the oracle as an input is). A module without them is reported as not checked, never as failing.
+
+Below float64 (`gradients_low_precision`) a module's gradients are held to the oracle's own vjp
+(conformance/contract/oracle_gradients.py) in float64, to a multiple of what the same vjp loses computed plainly
+in the dtype, as FlashAttention's tests hold dq, dk and dv.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import numpy as np
 
 from ..contract.cases import Case
 from ..contract.operations import arrays_and_options, operation_of
-from .checks import Measure, Runner, expected, rounded, skipped, specified
+from ..contract.tolerances import TOLERANCES, relative_error
+from .checks import Measure, Runner, cast, expected, rounded, skipped, specified
 
 STEP = 1e-6  # central differences: truncation ~ STEP^2 f''', rounding ~ eps |f| / STEP
 RELATIVE = 1e-6  # the directional derivative's accepted relative error
 DIFFERENCE_FACTOR = 10  # times the central difference's truncation error, estimated from steps h and 2h
 RESOLUTION = 10  # times the rounding of f, divided by the step
+GRADIENT_FACTOR = 10  # below float64 a gradient may lose this many times what the oracle's plain vjp loses
 
 
 def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
@@ -60,6 +66,45 @@ def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     if runner.framework.no_autograd is not None:
         measures["no_autograd"] = _without_autograd(runner, case, d_out, dtype, grads)
     return measures
+
+
+def gradients_low_precision(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
+    """gradient_values: each gradient g_a of the module's vjp in `dtype` (float32, float16, bfloat16) against the
+    oracle's own vjp in float64 on the same (rounded) inputs and cotangent, ref_a; the error
+    relative_error(g_a, ref_a) = max|g_a - ref_a| / max|ref_a| is held to GRADIENT_FACTOR times the error of the
+    oracle's vjp computed plainly in `dtype` (plain_a: float32 arithmetic, every stored tensor rounded to dtype),
+    argument by argument, or to the dtype's floor in TOLERANCES where that is larger:
+        max|g_a - ref_a| <= max(GRADIENT_FACTOR max|plain_a - ref_a|, floor max|ref_a|).
+    The measure is the argument worst off (largest error / allowance). NaN, a missing gradient or a wrong shape
+    or dtype is inf.
+    deterministic: the same pullback called twice gives the same gradients, bit for bit."""
+    case = rounded(case, dtype)
+    out = expected(case)[0]
+    rng = np.random.default_rng(_seed(case))
+    d_out = specified(runner, case, (rng.standard_normal(out.shape), None))[0]  # as `gradients`
+    d_out = cast({"d_out": d_out}, dtype)["d_out"].astype(np.float64)  # the cotangent the module sees
+    grads = _pullback(runner, case, d_out, dtype)
+    oracle_vjp = operation_of(case).oracle_vjp
+    reference, plain = oracle_vjp(case, d_out, "float64"), oracle_vjp(case, d_out, dtype)
+    worst, excess = Measure(0.0), 0.0
+    for name in _arguments(case):
+        grad = grads.get(name)
+        if grad is None or grad.shape != reference[name].shape or grad.dtype != np.dtype(dtype):
+            found = None if grad is None else (grad.shape, grad.dtype)
+            return {"gradient_values": Measure(math.inf, f"d{name} is {found}, expected {reference[name].shape} "
+                                                         f"{dtype}")}
+        error, allowed = relative_error(grad, reference[name]), GRADIENT_FACTOR * relative_error(plain[name],
+                                                                                                reference[name])
+        floor = TOLERANCES[dtype]["gradient_values"]
+        if not error / max(allowed, floor) <= excess:  # NaN too
+            excess = error / max(allowed, floor)
+            worst = Measure(error, f"d{name}: relative error {error:.2e}, the plain {dtype} vjp's "
+                                   f"{allowed / GRADIENT_FACTOR:.2e}", tolerance=allowed)
+    again = _pullback(runner, case, d_out, dtype)
+    same = all(np.array_equal(again.get(name), grads[name], equal_nan=True) for name in _arguments(case))
+    return {"gradient_values": worst,
+            "deterministic": Measure(0.0) if same else Measure(math.inf, "the same vjp call twice gave other "
+                                                                          "gradients")}
 
 
 def _without_autograd(runner: Runner, case: Case, d_out: np.ndarray, dtype: str,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import types
 from pathlib import Path
 
+import ml_dtypes
+
 import attention_np
 import attention_np.flex
 import attention_np.gradients
@@ -51,6 +53,13 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     # softcap's vjp without tanh's derivative: dR = dC, not dC * (1 - tanh^2(R / c))
     "softcap_derivative_forgotten": ("d_scores, _ = capping.vjp(d_scores, raw, None, None, None, None)",
                                      "d_scores, _ = d_scores, {}"),
+    # P kept for the backward pass in bfloat16 below float64 (the forward's out is right): dV = P^T dO and
+    # dS = P * (dP - rowsum(dP * P)) then lose bfloat16's rounding in a float32 or float16 run; float64 untouched
+    "weights_kept_in_bfloat16_for_the_backward": (
+        "    score_mod = None if mods is None else mods.score_mod\n",
+        "    score_mod = None if mods is None else mods.score_mod\n"
+        "    weights = weights if weights.dtype == np.float64 else \\\n"
+        "        weights.astype(ml_dtypes.bfloat16).astype(weights.dtype)\n"),
     # pre-LN: the residual's gradient is dropped in the backward pass
     "pre_ln_residual_dropped": ("dh = dy + dh_norm2  # the residual passes dy on unchanged", "dh = dh_norm2"),
 }
@@ -86,6 +95,7 @@ def _mutant(name: str, old: str, new: str) -> types.ModuleType:
     assert SOURCE.count(old) == 1, f"{name}: the text to mutate must occur once in attention_np/gradients.py"
     gradients = types.ModuleType(f"attention_np.gradients_{name}")
     gradients.__package__ = "attention_np"  # its relative imports resolve inside attention_np
+    gradients.ml_dtypes = ml_dtypes  # the name a mutation may use (bfloat16)
     exec(compile(SOURCE.replace(old, new), f"<{name}>", "exec"), gradients.__dict__)
 
     class MultiHeadAttention(attention_np.MultiHeadAttention):
