@@ -152,3 +152,108 @@ def test_the_plain_low_precision_vjp_loses_a_few_roundings(dtype: str):
         assert plain[name].dtype == np.dtype(dtype)
         error = np.max(np.abs(plain[name].astype(np.float64) - exact[name])) / np.max(np.abs(exact[name]))
         assert 0 < error <= 20 * unit, name
+
+
+def _mha_state(rng: np.random.Generator, D: int, kv_rows: int, bias: bool, prefix: str = "") -> dict[str, np.ndarray]:
+    """w_q, w_k, w_v, w_o in nn.Linear's layout (out, in), scaled as its initialisation; biases where asked."""
+    state = {}
+    for name, rows in (("w_q", D), ("w_k", kv_rows), ("w_v", kv_rows), ("w_o", D)):
+        state[f"{prefix}{name}.weight"] = _rand(rng, rows, D) / np.sqrt(D)
+        state |= {f"{prefix}{name}.bias": 0.1 * _rand(rng, rows)} if bias else {}
+    return state
+
+
+def _block_state(rng: np.random.Generator, D: int, F: int, *, norm: str, activation: str,
+                 bias: bool) -> dict[str, np.ndarray]:
+    state = _mha_state(rng, D, D, bias, "attn.")
+    for name in ("norm1", "norm2"):
+        state[f"{name}.weight"] = 1 + 0.1 * _rand(rng, D)
+        state |= {f"{name}.bias": 0.1 * _rand(rng, D)} if norm == "layer" else {}
+    linears = ((("w_gate", F, D), ("w_up", F, D), ("w_down", D, F)) if activation == "swiglu" else
+               (("0", F, D), ("3", D, F)))
+    for name, rows, cols in linears:
+        state[f"ffn.{name}.weight"] = _rand(rng, rows, cols) / np.sqrt(cols)
+        state |= {f"ffn.{name}.bias": 0.1 * _rand(rng, rows)} if bias else {}
+    return state
+
+
+MHA_CASES = {  # options of oracle.multi_head_attention, and whether the state has biases; D = 8
+    "softmax_with_mask": ({"num_heads": 2}, True),
+    "grouped_heads": ({"num_heads": 4, "num_kv_heads": 2}, True),
+    "rope": ({"num_heads": 2, "rope_theta": 100.0}, True),
+    "linear_heads": ({"num_heads": 2, "attention": "linear"}, True),
+    "no_bias": ({"num_heads": 2}, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MHA_CASES))
+def test_multi_head_attention_vjp_matches_attention_np(name: str):
+    rng = np.random.default_rng(6)
+    options, bias = MHA_CASES[name]
+    H, D = options["num_heads"], 8
+    state = _mha_state(rng, D, (options.get("num_kv_heads") or H) * D // H, bias)
+    q, k, v = _rand(rng, 2, 3, D), _rand(rng, 2, 5, D), _rand(rng, 2, 5, D)
+    mask = None if options.get("attention") == "linear" else rng.random((2, H, 3, 5)) > 0.3
+    d_out = _rand(rng, 2, 3, D)
+    grads = oracle_gradients.multi_head_attention_vjp(state, q, k, v, d_out, mask, **options)
+    later = {name: options[name] for name in ("rope_theta", "attention") if name in options}
+    mha = attention_np.MultiHeadAttention.from_state_dict(state, num_heads=H, dropout=0.0, **later)
+    dq, dk, dv, d_params = mha.eval().vjp(q, k, v, mask)[2](d_out)
+    theirs = {"q": dq, "k": dk, "v": dv} | dict(d_params)
+    assert set(grads) == set(theirs)
+    largest = max(np.max(np.abs(grad)) for grad in theirs.values())  # w_k.bias's is zero: softmax ignores a shift
+    for key, grad in grads.items():
+        assert np.max(np.abs(grad - theirs[key])) <= 1e-12 * largest, key
+
+
+BLOCK_CASES = {  # options of oracle.transformer_block, and whether the Linears have biases; D = 8, F = 12
+    "post_ln_relu": ({}, True),
+    "pre_ln_gelu": ({"norm_first": True, "activation": "gelu"}, True),
+    "rms_post_ln": ({"norm": "rms"}, True),
+    "llama": ({"norm_first": True, "norm": "rms", "activation": "swiglu", "num_kv_heads": 1, "rope_theta": 100.0},
+              False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_CASES))
+def test_transformer_block_vjp_matches_attention_np(name: str):
+    rng = np.random.default_rng(7)
+    options, bias = BLOCK_CASES[name]
+    D = 8
+    state = _block_state(rng, D, 12, norm=options.get("norm", "layer"), activation=options.get("activation", "relu"),
+                         bias=bias)
+    if options.get("num_kv_heads"):  # w_k, w_v of one key/value head: d_k rows
+        state |= {f"attn.{w}.weight": state[f"attn.{w}.weight"][: D // 2] for w in ("w_k", "w_v")}
+    x, d_out, mask = _rand(rng, 2, 4, D), _rand(rng, 2, 4, D), np.tril(np.ones((4, 4), bool))
+    grads = oracle_gradients.transformer_block_vjp(state, x, d_out, mask, num_heads=2, **options)
+    later = {name: options[name] for name in ("norm_first", "activation", "rope_theta") if name in options}
+    block = attention_np.TransformerBlock.from_state_dict(state, num_heads=2, dropout=0.0, **later)
+    dx, d_params = block.eval().vjp(x, mask)[2](d_out)
+    theirs = {"x": dx} | dict(d_params)
+    assert set(grads) == set(theirs)
+    largest = max(np.max(np.abs(grad)) for grad in theirs.values())
+    for key, grad in grads.items():
+        assert np.max(np.abs(grad - theirs[key])) <= 1e-12 * largest, key
+
+
+def test_the_modules_vjps_match_central_differences():
+    """One pre-LN block with RoPE and grouped heads (its attention's vjp inside): every argument's directional
+    derivative against central differences of the oracle's forward."""
+    rng = np.random.default_rng(8)
+    options = {"num_heads": 2, "num_kv_heads": 1, "norm_first": True, "activation": "gelu", "rope_theta": 100.0}
+    state = _block_state(rng, 4, 6, norm="layer", activation="gelu", bias=True)
+    state |= {f"attn.{w}.weight": state[f"attn.{w}.weight"][:2] for w in ("w_k", "w_v")}
+    state |= {f"attn.{w}.bias": state[f"attn.{w}.bias"][:2] for w in ("w_k", "w_v")}
+    x, d_out = _rand(rng, 3, 4), _rand(rng, 3, 4)
+    grads = oracle_gradients.transformer_block_vjp(state, x, d_out, num_heads=2, **{
+        name: value for name, value in options.items() if name != "num_heads"})
+    for name in ("x", *state):
+        u = rng.standard_normal(np.shape(x if name == "x" else state[name]))
+
+        def loss(step: float, name: str = name, u: np.ndarray = u) -> float:
+            moved = {"x": x + step * u} if name == "x" else {"x": x}
+            given = state | ({} if name == "x" else {name: state[name] + step * u})
+            return float(np.sum(d_out * oracle.transformer_block(given, moved["x"], **options)[0]))
+
+        difference = (loss(STEP) - loss(-STEP)) / (2 * STEP)
+        assert abs(np.sum(grads[name] * u) - difference) <= 1e-6 * (1 + abs(difference)), name

@@ -486,6 +486,13 @@ def _mha_oracle(case: MhaCase, precision: str, fused_bias: bool) -> Pair:
                                        attention=case.attention, dtype=precision, fused_bias=fused_bias)
 
 
+def _mha_oracle_vjp(case: MhaCase, d_out: np.ndarray, precision: str) -> dict[str, np.ndarray]:
+    return oracle_gradients.multi_head_attention_vjp(case.state, case.q, case.k, case.v, d_out, case.mask,
+                                                     num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
+                                                     rope_theta=case.rope_theta, attention=case.attention,
+                                                     dtype=precision)
+
+
 def _mha_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
               **options: Any) -> Any:
     mha = module.MultiHeadAttention.from_state_dict(arrays["state"], **_from_state(options))
@@ -604,6 +611,13 @@ def _block_oracle(case: BlockCase, precision: str, fused_bias: bool) -> Pair:
                                     norm_first=case.norm_first, activation=case.activation, eps=case.eps,
                                     norm=case.norm, num_kv_heads=case.num_kv_heads, rope_theta=case.rope_theta,
                                     dtype=precision, fused_bias=fused_bias)
+
+
+def _block_oracle_vjp(case: BlockCase, d_out: np.ndarray, precision: str) -> dict[str, np.ndarray]:
+    return oracle_gradients.transformer_block_vjp(case.state, case.x, d_out, case.mask, num_heads=case.num_heads,
+                                                  norm_first=case.norm_first, activation=case.activation,
+                                                  eps=case.eps, norm=case.norm, num_kv_heads=case.num_kv_heads,
+                                                  rope_theta=case.rope_theta, dtype=precision)
 
 
 def _block_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -820,7 +834,8 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         inputs=("q", "k", "v"), differentiable=("q", "k", "v", "state"), strategy="mha_cases",
         oracle=_mha_oracle, call=_mha_call, vjp="MultiHeadAttention.vjp", pullback=_mha_pullback,
         visible=_mha_visible, dropout_sigma=_mha_dropout_sigma, dropout_shows=lambda case: True,
-        dropout_probe=_mha_dropout_probe, uses=_module_uses, leave_out=_module_leave_out, blind=_module_blind),
+        dropout_probe=_mha_dropout_probe, uses=_module_uses, leave_out=_module_leave_out, blind=_module_blind,
+        oracle_vjp=_mha_oracle_vjp),
     Operation(
         name="block", function="TransformerBlock", case=BlockCase,
         options=("num_heads", "dropout", "norm_first", "activation", "eps", "norm", "num_kv_heads", "bias",
@@ -828,7 +843,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         inputs=("x",), differentiable=("x", "state"), strategy="block_cases",
         oracle=_block_oracle, call=_block_call, vjp="TransformerBlock.vjp", pullback=_block_pullback,
         visible=None, dropout_sigma=None, dropout_shows=_block_dropout_shows, dropout_probe=_block_dropout_probe,
-        uses=_module_uses, leave_out=_module_leave_out, blind=_module_blind),
+        uses=_module_uses, leave_out=_module_leave_out, blind=_module_blind, oracle_vjp=_block_oracle_vjp),
     Operation(
         name="decode", function="TransformerBlock.extend", case=DecodeCase,
         options=("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity", "norm",

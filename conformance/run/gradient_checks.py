@@ -70,11 +70,12 @@ def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
 
 def gradients_low_precision(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     """gradient_values: each gradient g_a of the module's vjp in `dtype` (float32, float16, bfloat16) against the
-    oracle's own vjp in float64 on the same (rounded) inputs and cotangent, ref_a; the error
-    relative_error(g_a, ref_a) = max|g_a - ref_a| / max|ref_a| is held to GRADIENT_FACTOR times the error of the
-    oracle's vjp computed plainly in `dtype` (plain_a: float32 arithmetic, every stored tensor rounded to dtype),
-    argument by argument, or to the dtype's floor in TOLERANCES where that is larger:
-        max|g_a - ref_a| <= max(GRADIENT_FACTOR max|plain_a - ref_a|, floor max|ref_a|).
+    oracle's own vjp in float64 on the same (rounded) inputs and cotangent, ref_a, in units of the case's largest
+    gradient (a gradient that is zero by symmetry, such as a key projection's bias under softmax, is rounding
+    noise alone, of no size of its own): error_a = max|g_a - ref_a| / max_b max|ref_b|, held to GRADIENT_FACTOR
+    times the error of the oracle's vjp computed plainly in `dtype` (plain_a: float32 arithmetic, every stored
+    tensor rounded to dtype), argument by argument, or to the dtype's floor in TOLERANCES where that is larger:
+        max|g_a - ref_a| <= max(GRADIENT_FACTOR max|plain_a - ref_a|, floor max_b max|ref_b|).
     The measure is the argument worst off (largest error / allowance). NaN, a missing gradient or a wrong shape
     or dtype is inf.
     deterministic: the same pullback called twice gives the same gradients, bit for bit."""
@@ -86,25 +87,32 @@ def gradients_low_precision(runner: Runner, case: Case, dtype: str) -> dict[str,
     grads = _pullback(runner, case, d_out, dtype)
     oracle_vjp = operation_of(case).oracle_vjp
     reference, plain = oracle_vjp(case, d_out, "float64"), oracle_vjp(case, d_out, dtype)
-    worst, excess = Measure(0.0), 0.0
+    scale = max((float(np.max(np.abs(ref), where=np.isfinite(ref), initial=0.0)) for ref in reference.values()),
+                default=0.0) or 1.0
+    floor, worst, excess = TOLERANCES[dtype]["gradient_values"], Measure(0.0), 0.0
     for name in _arguments(case):
         grad = grads.get(name)
         if grad is None or grad.shape != reference[name].shape or grad.dtype != np.dtype(dtype):
             found = None if grad is None else (grad.shape, grad.dtype)
             return {"gradient_values": Measure(math.inf, f"d{name} is {found}, expected {reference[name].shape} "
                                                          f"{dtype}")}
-        error, allowed = relative_error(grad, reference[name]), GRADIENT_FACTOR * relative_error(plain[name],
-                                                                                                reference[name])
-        floor = TOLERANCES[dtype]["gradient_values"]
-        if not error / max(allowed, floor) <= excess:  # NaN too
-            excess = error / max(allowed, floor)
-            worst = Measure(error, f"d{name}: relative error {error:.2e}, the plain {dtype} vjp's "
-                                   f"{allowed / GRADIENT_FACTOR:.2e}", tolerance=allowed)
+        error, lost = (_scaled_error(x, reference[name], scale) for x in (grad, plain[name]))
+        if not error / max(GRADIENT_FACTOR * lost, floor) <= excess:  # NaN too
+            excess = error / max(GRADIENT_FACTOR * lost, floor)
+            worst = Measure(error, f"d{name}: error {error:.2e} of the largest gradient, the plain {dtype} vjp's "
+                                   f"{lost:.2e}", tolerance=GRADIENT_FACTOR * lost)
     again = _pullback(runner, case, d_out, dtype)
     same = all(np.array_equal(again.get(name), grads[name], equal_nan=True) for name in _arguments(case))
     return {"gradient_values": worst,
             "deterministic": Measure(0.0) if same else Measure(math.inf, "the same vjp call twice gave other "
                                                                           "gradients")}
+
+
+def _scaled_error(grad: np.ndarray, reference: np.ndarray, scale: float) -> float:
+    """max|grad - reference| / scale: `relative_error` (max|grad - reference| / max|reference|, or max|grad -
+    reference| where the reference is all zeros) brought to the case's scale."""
+    largest = float(np.max(np.abs(reference), where=np.isfinite(reference), initial=0.0))
+    return relative_error(grad, reference) * (largest if largest > 0 else 1.0) / scale
 
 
 def _without_autograd(runner: Runner, case: Case, d_out: np.ndarray, dtype: str,
