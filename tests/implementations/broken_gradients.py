@@ -8,6 +8,7 @@ of attention_np.flex).
 
 from __future__ import annotations
 
+import itertools
 import types
 from pathlib import Path
 
@@ -60,6 +61,13 @@ MUTATIONS: dict[str, tuple[str, str]] = {
         "    score_mod = None if mods is None else mods.score_mod\n"
         "    weights = weights if weights.dtype == np.float64 else \\\n"
         "        weights.astype(ml_dtypes.bfloat16).astype(weights.dtype)\n"),
+    # the sum over the queries of dV = P^T dO taken in the reverse order on every other call, as a kernel whose
+    # atomic adds land in another order each time: equal in exact arithmetic, other bits from call to call
+    "value_gradient_order_changes_between_calls": (
+        "        dv = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)\n",
+        "        turn = next(CALLS) % 2 == 1\n"
+        "        dv = np.swapaxes(weights[..., ::-1, :] if turn else weights, -1, -2) @ (\n"
+        "            d_out[..., ::-1, :] if turn else d_out)  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)\n"),
     # pre-LN: the residual's gradient is dropped in the backward pass
     "pre_ln_residual_dropped": ("dh = dy + dh_norm2  # the residual passes dy on unchanged", "dh = dh_norm2"),
 }
@@ -95,7 +103,8 @@ def _mutant(name: str, old: str, new: str) -> types.ModuleType:
     assert SOURCE.count(old) == 1, f"{name}: the text to mutate must occur once in attention_np/gradients.py"
     gradients = types.ModuleType(f"attention_np.gradients_{name}")
     gradients.__package__ = "attention_np"  # its relative imports resolve inside attention_np
-    gradients.ml_dtypes = ml_dtypes  # the name a mutation may use (bfloat16)
+    gradients.ml_dtypes = ml_dtypes  # the names a mutation may use: bfloat16, a count of the calls
+    gradients.CALLS = itertools.count()
     exec(compile(SOURCE.replace(old, new), f"<{name}>", "exec"), gradients.__dict__)
 
     class MultiHeadAttention(attention_np.MultiHeadAttention):
