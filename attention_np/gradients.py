@@ -288,11 +288,16 @@ def _pre_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None,
 
 def _linear_vjp(linear: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
     """y = x W^T + b:  dx = dy W,  dW = dy^T x,  db = sum of dy, both summed over every position
-    (no db for a Linear without bias)."""
+    (no db for a Linear without bias). In at least float32, each gradient stored in its tensor's dtype (SPEC 2:
+    a half-precision sum over the positions loses its terms)."""
+    work = np.promote_types(x.dtype, np.float32)
+
     def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
-        dy_rows, x_rows = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # (N, out), (N, in)
-        bias = {} if linear.bias is None else {"bias": np.sum(dy_rows, axis=0)}
-        return dy @ linear.weight, {"weight": dy_rows.T @ x_rows} | bias
+        dy, weight = dy.astype(work, copy=False), linear.weight.astype(work, copy=False)
+        dy_rows, x_rows = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).astype(work, copy=False)
+        bias = {} if linear.bias is None else {"bias": np.sum(dy_rows, axis=0).astype(linear.bias.dtype, copy=False)}
+        d_weight = (dy_rows.T @ x_rows).astype(linear.weight.dtype, copy=False)  # (out, N) x (N, in) -> (out, in)
+        return (dy @ weight).astype(x.dtype, copy=False), {"weight": d_weight} | bias
 
     return linear(x), pullback
 

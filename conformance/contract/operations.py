@@ -81,8 +81,9 @@ class Operation(NamedTuple):
     devices: int = 1  # the devices its cases use at most (ring attention's P); with fewer, the operation is SKIP
     needs: str | None = None  # a feature of conformance.contract.features without which a module cannot run any of
     # its cases (flex: "mods"): a module that declares it lacking has the operation SKIP, as one without `function`
-    oracle_vjp: Callable[[Any, np.ndarray, str], dict[str, np.ndarray]] | None = None  # (case, d_out, precision) ->
-    # the oracle's own gradients {argument: gradient} (conformance/contract/oracle_gradients.py); None: it has none
+    oracle_vjp: Callable[[Any, np.ndarray, str, bool], dict[str, np.ndarray]] | None = None  # (case, d_out,
+    # precision, fused_bias) -> the oracle's own gradients {argument: gradient} (conformance/contract/
+    # oracle_gradients.py; fused_bias as for `oracle`); None: it has none
 
 
 def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -207,13 +208,15 @@ def _sdpa_oracle(case: SdpaCase, precision: str, fused_bias: bool) -> Pair:  # s
                        score_mod=case.score_mod, dtype=precision)
 
 
-def _sdpa_oracle_vjp(case: SdpaCase | FlashCase, d_out: np.ndarray, precision: str) -> dict[str, np.ndarray]:
-    """The gradients of sdpa's out (flash_attention's too: its pullback takes d_out alone), eval mode."""
+def _sdpa_oracle_vjp(case: SdpaCase | FlashCase, d_out: np.ndarray, precision: str,
+                     fused_bias: bool) -> dict[str, np.ndarray]:  # sdpa has no Linear: no bias to fuse
+    """The gradients of sdpa's out (flash_attention's too: its pullback takes d_out alone, and recomputes P from
+    the log-sum-exp it keeps), eval mode."""
     return oracle_gradients.sdpa_vjp(case.q, case.k, case.v, d_out, case.mask, bias=case.bias,
                                      is_causal=case.is_causal, scale=case.scale, q_offset=case.q_offset,
                                      window=case.window, key_lengths=case.key_lengths, softcap=case.softcap,
                                      enable_gqa=case.enable_gqa, mask_mod=case.mask_mod, score_mod=case.score_mod,
-                                     dtype=precision)
+                                     dtype=precision, from_lse=isinstance(case, FlashCase))
 
 
 def _sdpa_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
@@ -410,7 +413,8 @@ def _linear_oracle(case: LinearCase, precision: str, fused_bias: bool) -> Pair:
                                    key_lengths=case.key_lengths, eps=case.eps, dtype=precision), None
 
 
-def _linear_oracle_vjp(case: LinearCase, d_out: np.ndarray, precision: str) -> dict[str, np.ndarray]:
+def _linear_oracle_vjp(case: LinearCase, d_out: np.ndarray, precision: str,
+                       fused_bias: bool) -> dict[str, np.ndarray]:
     return oracle_gradients.linear_attention_vjp(case.q, case.k, case.v, d_out, feature_map=case.feature_map,
                                                  is_causal=case.is_causal, key_lengths=case.key_lengths, eps=case.eps,
                                                  dtype=precision)
@@ -486,11 +490,11 @@ def _mha_oracle(case: MhaCase, precision: str, fused_bias: bool) -> Pair:
                                        attention=case.attention, dtype=precision, fused_bias=fused_bias)
 
 
-def _mha_oracle_vjp(case: MhaCase, d_out: np.ndarray, precision: str) -> dict[str, np.ndarray]:
+def _mha_oracle_vjp(case: MhaCase, d_out: np.ndarray, precision: str, fused_bias: bool) -> dict[str, np.ndarray]:
     return oracle_gradients.multi_head_attention_vjp(case.state, case.q, case.k, case.v, d_out, case.mask,
                                                      num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
                                                      rope_theta=case.rope_theta, attention=case.attention,
-                                                     dtype=precision)
+                                                     dtype=precision, fused_bias=fused_bias)
 
 
 def _mha_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -613,11 +617,12 @@ def _block_oracle(case: BlockCase, precision: str, fused_bias: bool) -> Pair:
                                     dtype=precision, fused_bias=fused_bias)
 
 
-def _block_oracle_vjp(case: BlockCase, d_out: np.ndarray, precision: str) -> dict[str, np.ndarray]:
+def _block_oracle_vjp(case: BlockCase, d_out: np.ndarray, precision: str, fused_bias: bool) -> dict[str, np.ndarray]:
     return oracle_gradients.transformer_block_vjp(case.state, case.x, d_out, case.mask, num_heads=case.num_heads,
                                                   norm_first=case.norm_first, activation=case.activation,
                                                   eps=case.eps, norm=case.norm, num_kv_heads=case.num_kv_heads,
-                                                  rope_theta=case.rope_theta, dtype=precision)
+                                                  rope_theta=case.rope_theta, dtype=precision,
+                                                  fused_bias=fused_bias)
 
 
 def _block_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,

@@ -62,6 +62,7 @@ def sdpa_vjp(
     mask_mod: Callable[..., ArrayLike] | None = None,
     score_mod: Callable[..., ArrayLike] | None = None,
     dtype: DTypeLike = np.float64,
+    from_lse: bool = False,
 ) -> Gradients:
     """The gradients of sum(d_out * out), out = oracle.sdpa(q, k, v, mask, ...), one query row i at a time over
     the keys j it sees (P the row's softmax, R_j = q_i . k_j * scale, C_j = softcap tanh(R_j / softcap)):
@@ -74,6 +75,9 @@ def sdpa_vjp(
     Args:
         q, k, v, mask and the keywords: as for oracle.sdpa; mask_mod and score_mod are not supported (raise).
         d_out: the cotangent (..., L, Ev), out's shape.
+        from_lse: P recomputed from the row's log-sum-exp, P_j = exp(logit_j - lse_i), as a tiled kernel that
+            keeps only out and lse computes it (flash_attention, SPEC 2c); the same number in float64, and in
+            float32 it loses what exp loses on a logit of large size.
 
     Returns:
         {"q", "k", "v", and "bias" where bias is given}: each of its input's shape, in `dtype`.
@@ -109,7 +113,7 @@ def sdpa_vjp(
             if not len(keys):  # no key seen: out is zeros whatever q, k and v are, so no gradient
                 continue
             row = _row_vjp(q[(*b, i)], k[b][keys], v[b][keys], d_out[(*b, i)], bias_[(*b, i)][keys], scale,
-                           softcap, dtype)
+                           softcap, dtype, from_lse)
             dq[(*b, i)] = row.dq
             dk[b][keys] += row.dk
             dv[b][keys] += row.dv
@@ -133,7 +137,7 @@ class _RowGradients(NamedTuple):
 
 
 def _row_vjp(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, d_out_i: np.ndarray, bias_row: np.ndarray,
-             scale: float, softcap: float | None, dtype: DTypeLike) -> _RowGradients:
+             scale: float, softcap: float | None, dtype: DTypeLike, from_lse: bool) -> _RowGradients:
     """One query row of sdpa_vjp over its n visible keys: k (n, E), v (n, Ev), bias_row (n,); each tensor a
     module stores (P, dP, dS, the gradients) rounded to dtype."""
     work = q_i.dtype.type
@@ -141,7 +145,10 @@ def _row_vjp(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, d_out_i: np.ndarray,
     capped = raw if softcap is None else work(softcap) * np.tanh(raw / work(softcap))  # C_j
     logits = capped + bias_row
     exp = np.exp(logits - np.max(logits))
-    p = _cast(exp / np.sum(exp), dtype)  # P_j, stored as the forward stores the weights
+    if from_lse:  # lse_i = m_i + log sum_j exp(logit_j - m_i), kept; P_j = exp(logit_j - lse_i)
+        p = _cast(np.exp(logits - (np.max(logits) + np.log(np.sum(exp)))), dtype)
+    else:
+        p = _cast(exp / np.sum(exp), dtype)  # P_j, stored as the forward stores the weights
     dv = _cast(np.outer(p, d_out_i), dtype)  # P_j dO_i: (n,) x (Ev,) -> (n, Ev)
     dp = _cast(v @ d_out_i, dtype)  # dO_i . v_j: (n, Ev) x (Ev,) -> (n,)
     ds = _cast(p * (dp - np.sum(p * dp)), dtype)  # the softmax's vjp
@@ -246,6 +253,7 @@ def multi_head_attention_vjp(
     rope_theta: float | None = None,
     attention: str = "softmax",
     dtype: DTypeLike = np.float64,
+    fused_bias: bool = True,
 ) -> Gradients:
     """The gradients of sum(d_out * out), out = oracle.multi_head_attention(state, q, k, v, mask, ...), head by
     head, backwards through its steps:
@@ -255,13 +263,16 @@ def multi_head_attention_vjp(
            -positions: dq_h = rope(dq'_h, -positions); dk_g and dv_g summed over the query heads of g;
         1) each projection y = x W^T + b: dx = dy W, dW = dy^T x, db = sum dy.
 
+    fused_bias: each Linear of the forward rounds x W^T + b once (else the product, then the sum), as the oracle's.
+
     Returns:
         {"q", "k", "v", and every state-dict name}: each of its input's shape, in `dtype`.
     """
     state = {name: _cast(value, dtype) for name, value in state.items()}
     shapes = {"q": np.shape(q), "k": np.shape(k), "v": np.shape(v)}
     inputs = {"q": _cast(q, dtype), "k": _cast(k, dtype), "v": _cast(v, dtype)}
-    projected = {name: _linear(state, f"w_{name}", x, dtype, True) for name, x in inputs.items()}  # (..., L | S, *)
+    projected = {name: _linear(state, f"w_{name}", x, dtype, fused_bias)
+                 for name, x in inputs.items()}  # (..., L | S, *)
     d_k = state["w_q.weight"].shape[0] // num_heads
     group = num_heads // (num_heads if num_kv_heads is None else num_kv_heads)
     if mask is not None:
@@ -340,6 +351,7 @@ def transformer_block_vjp(
     num_kv_heads: int | None = None,
     rope_theta: float | None = None,
     dtype: DTypeLike = np.float64,
+    fused_bias: bool = True,
 ) -> Gradients:
     """The gradients of sum(d_out * out), out = oracle.transformer_block(state, x, mask, ...), backwards through
     its steps (each residual passes its gradient on unchanged, and adds its branch's):
@@ -351,6 +363,8 @@ def transformer_block_vjp(
     (relu: x > 0; gelu: Phi(x) + x phi(x); SwiGLU: dg = dh u silu'(g), du = dh silu(g),
     silu'(g) = sigmoid(g) (1 + g (1 - sigmoid(g)))).
 
+    fused_bias: as for multi_head_attention_vjp.
+
     Returns:
         {"x", and every state-dict name}: each of its input's shape, in `dtype`.
     """
@@ -358,7 +372,8 @@ def transformer_block_vjp(
     state = {name: _cast(value, dtype) for name, value in state.items()}
     attn = {name.removeprefix("attn."): value for name, value in state.items() if name.startswith("attn.")}
     shape, x, d_out = np.shape(x), _cast(x, dtype), _cast(d_out, dtype)
-    options = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "rope_theta": rope_theta, "dtype": dtype}
+    options = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "rope_theta": rope_theta, "dtype": dtype,
+               "fused_bias": fused_bias}
     grads: Gradients = {}
 
     def attend(y: np.ndarray, dy: np.ndarray) -> np.ndarray:  # self-attention's gradient: dq + dk + dv
@@ -372,7 +387,7 @@ def transformer_block_vjp(
         return dx
 
     def feed_forward(y: np.ndarray, dy: np.ndarray) -> np.ndarray:
-        dx, d_params = _feed_forward_vjp(state, activation, y, dy, dtype)
+        dx, d_params = _feed_forward_vjp(state, activation, y, dy, dtype, fused_bias)
         grads.update(d_params)
         return dx
 
@@ -387,7 +402,7 @@ def transformer_block_vjp(
         h = _cast(multi_head_attention(attn, x, x, x, mask, **options)[0], dtype)
         r1 = _cast(x + h, dtype)
         y1 = normalize(state, "norm1", r1, eps, dtype)
-        f = _feed_forward(state, activation, y1, dtype)
+        f = _feed_forward(state, activation, y1, dtype, fused_bias)
         r2 = _cast(y1 + f, dtype)
         d_r2 = norm_vjp("norm2", r2, d_out)
         d_y1 = _cast(d_r2 + feed_forward(y1, d_r2), dtype)
@@ -430,20 +445,21 @@ def _norm_vjp(state: Mapping[str, np.ndarray], name: str, x: np.ndarray, dy: np.
     return _cast(d_centred / scale, dtype), grads
 
 
-def _feed_forward(state: Mapping[str, np.ndarray], activation: str, y: np.ndarray, dtype: DTypeLike) -> np.ndarray:
+def _feed_forward(state: Mapping[str, np.ndarray], activation: str, y: np.ndarray, dtype: DTypeLike,
+                  fused: bool) -> np.ndarray:
     """The block's FFN(y), as the oracle's forward computes and stores it."""
     if activation == "swiglu":
-        gate, up = (_linear(state, f"ffn.{name}", y, dtype, True) for name in ("w_gate", "w_up"))
-        return _linear(state, "ffn.w_down", _cast(_activation("silu", gate, dtype) * up, dtype), dtype, True)
-    return _linear(state, "ffn.3", _activation(activation, _linear(state, "ffn.0", y, dtype, True), dtype), dtype,
-                   True)
+        gate, up = (_linear(state, f"ffn.{name}", y, dtype, fused) for name in ("w_gate", "w_up"))
+        return _linear(state, "ffn.w_down", _cast(_activation("silu", gate, dtype) * up, dtype), dtype, fused)
+    return _linear(state, "ffn.3", _activation(activation, _linear(state, "ffn.0", y, dtype, fused), dtype), dtype,
+                   fused)
 
 
 def _feed_forward_vjp(state: Mapping[str, np.ndarray], activation: str, y: np.ndarray, dy: np.ndarray,
-                      dtype: DTypeLike) -> tuple[np.ndarray, Gradients]:
+                      dtype: DTypeLike, fused: bool) -> tuple[np.ndarray, Gradients]:
     """FFN's gradient with respect to y (..., D), and its parameters'."""
     if activation == "swiglu":
-        gate, up = (_linear(state, f"ffn.{name}", y, dtype, True) for name in ("w_gate", "w_up"))
+        gate, up = (_linear(state, f"ffn.{name}", y, dtype, fused) for name in ("w_gate", "w_up"))
         silu = _activation("silu", gate, dtype)
         dh, grads = _linear_vjp(state, "ffn.w_down", _cast(silu * up, dtype), dy, dtype)  # (..., F)
         sigmoid = 1 / (1 + np.exp(-gate))
@@ -452,7 +468,7 @@ def _feed_forward_vjp(state: Mapping[str, np.ndarray], activation: str, y: np.nd
         dx_gate, grads_gate = _linear_vjp(state, "ffn.w_gate", y, d_gate, dtype)
         dx_up, grads_up = _linear_vjp(state, "ffn.w_up", y, d_up, dtype)
         return _cast(dx_gate + dx_up, dtype), grads | grads_gate | grads_up
-    a = _linear(state, "ffn.0", y, dtype, True)  # (..., F)
+    a = _linear(state, "ffn.0", y, dtype, fused)  # (..., F)
     dh, grads = _linear_vjp(state, "ffn.3", _activation(activation, a, dtype), dy, dtype)
     dx, grads_0 = _linear_vjp(state, "ffn.0", y, _cast(dh * _ACTIVATION_DERIVATIVES[activation](a), dtype), dtype)
     return dx, grads | grads_0

@@ -74,7 +74,9 @@ def gradients_low_precision(runner: Runner, case: Case, dtype: str) -> dict[str,
     gradient (a gradient that is zero by symmetry, such as a key projection's bias under softmax, is rounding
     noise alone, of no size of its own): error_a = max|g_a - ref_a| / max_b max|ref_b|, held to GRADIENT_FACTOR
     times the error of the oracle's vjp computed plainly in `dtype` (plain_a: float32 arithmetic, every stored
-    tensor rounded to dtype), argument by argument, or to the dtype's floor in TOLERANCES where that is larger:
+    tensor rounded to dtype; in float16 and bfloat16 the larger loss of its two ways to round a Linear, both
+    conformant, as `values` takes: a ReLU's derivative flips where one of them rounds its input across 0),
+    argument by argument, or to the dtype's floor in TOLERANCES where that is larger:
         max|g_a - ref_a| <= max(GRADIENT_FACTOR max|plain_a - ref_a|, floor max_b max|ref_b|).
     The measure is the argument worst off (largest error / allowance). NaN, a missing gradient or a wrong shape
     or dtype is inf.
@@ -86,7 +88,9 @@ def gradients_low_precision(runner: Runner, case: Case, dtype: str) -> dict[str,
     d_out = cast({"d_out": d_out}, dtype)["d_out"].astype(np.float64)  # the cotangent the module sees
     grads = _pullback(runner, case, d_out, dtype)
     oracle_vjp = operation_of(case).oracle_vjp
-    reference, plain = oracle_vjp(case, d_out, "float64"), oracle_vjp(case, d_out, dtype)
+    reference = oracle_vjp(case, d_out, "float64", True)
+    fused = (True, False) if np.dtype(dtype).itemsize < 4 else (True,)  # float32 rounds both ways alike
+    plains = [oracle_vjp(case, d_out, dtype, fused_bias) for fused_bias in fused]
     scale = max((float(np.max(np.abs(ref), where=np.isfinite(ref), initial=0.0)) for ref in reference.values()),
                 default=0.0) or 1.0
     floor, worst, excess = TOLERANCES[dtype]["gradient_values"], Measure(0.0), 0.0
@@ -96,7 +100,8 @@ def gradients_low_precision(runner: Runner, case: Case, dtype: str) -> dict[str,
             found = None if grad is None else (grad.shape, grad.dtype)
             return {"gradient_values": Measure(math.inf, f"d{name} is {found}, expected {reference[name].shape} "
                                                          f"{dtype}")}
-        error, lost = (_scaled_error(x, reference[name], scale) for x in (grad, plain[name]))
+        error = _scaled_error(grad, reference[name], scale)
+        lost = max(_scaled_error(plain[name], reference[name], scale) for plain in plains)
         if not error / max(GRADIENT_FACTOR * lost, floor) <= excess:  # NaN too
             excess = error / max(GRADIENT_FACTOR * lost, floor)
             worst = Measure(error, f"d{name}: error {error:.2e} of the largest gradient, the plain {dtype} vjp's "

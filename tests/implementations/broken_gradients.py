@@ -35,7 +35,7 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     "layer_norm_without_variance_term": ("- x_hat * np.mean(d_hat * x_hat, axis=-1, keepdims=True)) * inv_sigma",
                                          ") * inv_sigma"),
     # a Linear layer's weight gradient transposed: x^T dy instead of dy^T x
-    "linear_weight_gradient_transposed": ('{"weight": dy_rows.T @ x_rows}', '{"weight": x_rows.T @ dy_rows}'),
+    "linear_weight_gradient_transposed": ("d_weight = (dy_rows.T @ x_rows)", "d_weight = (x_rows.T @ dy_rows)"),
     # GELU's derivative without the h * phi(h) term
     "gelu_derivative_cdf_only": ("return cdf + h * np.exp(-(h**2) / 2) / math.sqrt(2 * math.pi)", "return cdf"),
     # post-LN self-attention: only the query path's gradient flows back to x
