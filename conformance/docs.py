@@ -310,8 +310,7 @@ GUARDS: tuple[Guard, ...] = (
     Guard(("gradient_values",),
           catches="a backward pass that loses more than a plain low-precision one: each gradient of the `vjp` in "
                   "float32, float16 and bfloat16 against the oracle's own float64 vjp, within ten times what that vjp "
-                  "loses computed plainly in the dtype, the modules' every parameter too (P kept in bfloat16 for a "
-                  "float32 run is caught, and was NumPy's block computing its LayerNorm's backward in float16)"),
+                  "loses computed plainly in the dtype (P kept in bfloat16 for a float32 run is caught)"),
     Guard(("values", "lse"), operations=("flash",),
           catches="a tiled kernel's bugs (`flash_attention`, SPEC 2c), drawn with tiles of 1 to 7 against every "
                   "keyword: running sums not rescaled when the maximum grows, a last partial tile dropped, a partly"

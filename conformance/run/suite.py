@@ -103,7 +103,6 @@ GROUPS = (
     Group("mha", checks.dropout_independence, dtypes=FLOAT32, examples=3, draw={"long": False, "linear": False},
           needs=("dropout",)),
     Group("mha", gradient_checks.gradients, dtypes=FLOAT64, examples=5, pinned=True, gradient=True),
-    Group("mha", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True),
     Group("block", checks.against_oracle, dtypes=BOTH, examples=20, pinned=True),
     Group("block", checks.against_oracle, dtypes=HALF, examples=4),
     Group("block", checks.block_permutation, dtypes=FLOAT64, examples=6, draw={"rope": False}),
@@ -111,7 +110,6 @@ GROUPS = (
     Group("block", checks.dropout, dtypes=FLOAT32, examples=4, draw={"long": False}, needs=("dropout",)),
     Group("block", checks.dropout_independence, dtypes=FLOAT32, examples=3, draw={"long": False}, needs=("dropout",)),
     Group("block", gradient_checks.gradients, dtypes=FLOAT64, examples=3, pinned=True, gradient=True),
-    Group("block", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True),
     Group("decode", checks.against_oracle, dtypes=BOTH, examples=3, pinned=True),
     # flex: each case's mods are a new program for JAX to compile, so the pinned examples (every catalogue entry)
     # run in float64 alone, where an error is plainest; the drawn cases cover float32
