@@ -288,11 +288,16 @@ def _pre_ln_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None,
 
 def _linear_vjp(linear: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
     """y = x W^T + b:  dx = dy W,  dW = dy^T x,  db = sum of dy, both summed over every position
-    (no db for a Linear without bias)."""
+    (no db for a Linear without bias). In at least float32, each gradient stored in its tensor's dtype (SPEC 2:
+    a half-precision sum over the positions loses its terms)."""
+    work = np.promote_types(x.dtype, np.float32)
+
     def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
-        dy_rows, x_rows = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])  # (N, out), (N, in)
-        bias = {} if linear.bias is None else {"bias": np.sum(dy_rows, axis=0)}
-        return dy @ linear.weight, {"weight": dy_rows.T @ x_rows} | bias
+        dy, weight = dy.astype(work, copy=False), linear.weight.astype(work, copy=False)
+        dy_rows, x_rows = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1]).astype(work, copy=False)
+        bias = {} if linear.bias is None else {"bias": np.sum(dy_rows, axis=0).astype(linear.bias.dtype, copy=False)}
+        d_weight = (dy_rows.T @ x_rows).astype(linear.weight.dtype, copy=False)  # (out, N) x (N, in) -> (out, in)
+        return (dy @ weight).astype(x.dtype, copy=False), {"weight": d_weight} | bias
 
     return linear(x), pullback
 
@@ -306,35 +311,45 @@ def _rms_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
     """y = x_hat * weight, x_hat = x r, r = 1 / sqrt(mean(x^2) + eps), over the last axis (D entries):
         d_hat = dy * weight,  dx = (d_hat - x_hat * mean(d_hat * x_hat)) * r,  dweight = sum of dy * x_hat.
     From dr/dx_j = -r^3 x_j / D: dx_j = r d_hat_j - r^3 x_j / D sum_i d_hat_i x_i; no mean term, as no mean
-    is removed."""
-    inv_rms = 1 / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + norm.eps)  # (..., D) -> (..., 1)
-    x_hat = x * inv_rms  # (..., D)
+    is removed. Both ways in at least float32, as RMSNorm computes its statistics (SPEC 2); stored in x's dtype."""
+    work = np.promote_types(x.dtype, np.float32)
+    y = x.astype(work, copy=False)
+    inv_rms = 1 / np.sqrt(np.mean(y**2, axis=-1, keepdims=True) + norm.eps)  # (..., D) -> (..., 1)
+    x_hat = y * inv_rms  # (..., D)
 
     def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
-        d_hat = dy * norm.weight
+        d_y = dy.astype(work, copy=False)
+        d_hat = d_y * norm.weight
         dx = (d_hat - x_hat * np.mean(d_hat * x_hat, axis=-1, keepdims=True)) * inv_rms
-        return dx, {"weight": np.sum((dy * x_hat).reshape(-1, x.shape[-1]), axis=0)}
+        d_weight = np.sum((d_y * x_hat).reshape(-1, x.shape[-1]), axis=0)
+        return dx.astype(dy.dtype, copy=False), {"weight": d_weight.astype(norm.weight.dtype, copy=False)}
 
-    return x_hat * norm.weight, pullback
+    return (x_hat * norm.weight).astype(x.dtype, copy=False), pullback
 
 
 def _layer_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
     """y = x_hat * weight + bias, x_hat = (x - mean) / sigma, sigma = sqrt(var + eps), over the last axis:
         d_hat = dy * weight,  dx = (d_hat - mean(d_hat) - x_hat * mean(d_hat * x_hat)) / sigma,
         dweight = sum of dy * x_hat,  dbias = sum of dy.
-    The two means are what the mean and the variance take from each entry of the row."""
-    mean = np.mean(x, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
-    inv_sigma = 1 / np.sqrt(np.mean((x - mean) ** 2, axis=-1, keepdims=True) + norm.eps)  # (..., 1)
-    x_hat = (x - mean) * inv_sigma  # (..., D)
+    The two means are what the mean and the variance take from each entry of the row. Both ways in at least
+    float32, as LayerNorm computes its statistics (SPEC 2); stored in x's dtype."""
+    work = np.promote_types(x.dtype, np.float32)
+    y = x.astype(work, copy=False)
+    mean = np.mean(y, axis=-1, keepdims=True)  # (..., D) -> (..., 1)
+    inv_sigma = 1 / np.sqrt(np.mean((y - mean) ** 2, axis=-1, keepdims=True) + norm.eps)  # (..., 1)
+    x_hat = (y - mean) * inv_sigma  # (..., D)
 
     def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
-        d_hat = dy * norm.weight
+        d_y = dy.astype(work, copy=False)
+        d_hat = d_y * norm.weight
         dx = (d_hat - np.mean(d_hat, axis=-1, keepdims=True)
               - x_hat * np.mean(d_hat * x_hat, axis=-1, keepdims=True)) * inv_sigma
         rows = (-1, x.shape[-1])
-        return dx, {"weight": np.sum((dy * x_hat).reshape(rows), axis=0), "bias": np.sum(dy.reshape(rows), axis=0)}
+        d_weight, d_bias = np.sum((d_y * x_hat).reshape(rows), axis=0), np.sum(d_y.reshape(rows), axis=0)
+        return dx.astype(dy.dtype, copy=False), {"weight": d_weight.astype(norm.weight.dtype, copy=False),
+                                                 "bias": d_bias.astype(norm.bias.dtype, copy=False)}
 
-    return x_hat * norm.weight + norm.bias, pullback
+    return (x_hat * norm.weight + norm.bias).astype(x.dtype, copy=False), pullback
 
 
 def _ffn_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:

@@ -308,6 +308,10 @@ GUARDS: tuple[Guard, ...] = (
                   "(from the module's `vjp`) against central differences of the oracle, with every keyword of SPEC "
                   "2a (a grouped head's gradient averaged over its group instead of summed is caught); modules "
                   "without `vjp` are reported as skipped"),
+    Guard(("gradient_values",),
+          catches="a backward pass that loses more than a plain low-precision one: each gradient of the `vjp` in "
+                  "float32, float16 and bfloat16 against the oracle's own float64 vjp, within ten times what that vjp "
+                  "loses computed plainly in the dtype (P kept in bfloat16 for a float32 run is caught)"),
     Guard(("values", "lse"), operations=("flash",),
           catches="a tiled kernel's bugs (`flash_attention`, SPEC 2c), drawn with tiles of 1 to 7 against every "
                   "keyword: running sums not rescaled when the maximum grows, a last partial tile dropped, a partly"
@@ -366,7 +370,7 @@ GUARDS: tuple[Guard, ...] = (
                   "it is given (q, k, v, mask, bias, parameters), which must hold the same bits after every call"),
     Guard(("deterministic",),
           catches="a module that gives different results for the same inputs: a failing case that passes when run "
-                  "again"),
+                  "again, or a `vjp` whose pullback gives other bits on the same call twice"),
     Guard(("round_trip",),
           catches="`asarray` or `to_numpy` that changes a dtype or a bit: every dtype of the module's framework "
                   "must come back as it went in"),

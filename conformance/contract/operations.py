@@ -22,7 +22,7 @@ import numpy as np
 from attention_np.common import keywords
 
 from ..frameworks.registry import framework_of
-from . import oracle
+from . import oracle, oracle_gradients
 from .cases import (
     RING_DEVICES,
     BlockCase,
@@ -94,6 +94,9 @@ class Operation(NamedTuple):
     devices: int = 1  # the devices its cases use at most (ring attention's P); with fewer, the operation is SKIP
     needs: str | None = None  # a feature of conformance.contract.features without which a module cannot run any of
     # its cases (flex: "mods"): a module that declares it lacking has the operation SKIP, as one without `function`
+    oracle_vjp: Callable[[Any, np.ndarray, str, bool], dict[str, np.ndarray]] | None = None  # (case, d_out,
+    # precision, fused_bias) -> the oracle's own gradients {argument: gradient} (conformance/contract/
+    # oracle_gradients.py; fused_bias as for `oracle`); None: it has none
 
 
 def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -216,6 +219,17 @@ def _sdpa_oracle(case: SdpaCase, precision: str, fused_bias: bool) -> Pair:  # s
                        scale=case.scale, q_offset=case.q_offset, window=case.window, key_lengths=case.key_lengths,
                        softcap=case.softcap, enable_gqa=case.enable_gqa, mask_mod=case.mask_mod,
                        score_mod=case.score_mod, dtype=precision)
+
+
+def _sdpa_oracle_vjp(case: SdpaCase | FlashCase, d_out: np.ndarray, precision: str,
+                     fused_bias: bool) -> dict[str, np.ndarray]:  # sdpa has no Linear: no bias to fuse
+    """The gradients of sdpa's out (flash_attention's too: its pullback takes d_out alone, and recomputes P from
+    the log-sum-exp it keeps), eval mode."""
+    return oracle_gradients.sdpa_vjp(case.q, case.k, case.v, d_out, case.mask, bias=case.bias,
+                                     is_causal=case.is_causal, scale=case.scale, q_offset=case.q_offset,
+                                     window=case.window, key_lengths=case.key_lengths, softcap=case.softcap,
+                                     enable_gqa=case.enable_gqa, mask_mod=case.mask_mod, score_mod=case.score_mod,
+                                     dtype=precision, from_lse=isinstance(case, FlashCase))
 
 
 def _sdpa_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
@@ -412,6 +426,13 @@ def _linear_oracle(case: LinearCase, precision: str, fused_bias: bool) -> Pair:
                                    key_lengths=case.key_lengths, eps=case.eps, dtype=precision), None
 
 
+def _linear_oracle_vjp(case: LinearCase, d_out: np.ndarray, precision: str,
+                       fused_bias: bool) -> dict[str, np.ndarray]:
+    return oracle_gradients.linear_attention_vjp(case.q, case.k, case.v, d_out, feature_map=case.feature_map,
+                                                 is_causal=case.is_causal, key_lengths=case.key_lengths, eps=case.eps,
+                                                 dtype=precision)
+
+
 def _linear_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool, dropout: float,
                  **options: Any) -> Any:
     """out alone: linear_attention has no dropout, no weights and one path, so training and need_weights change
@@ -480,6 +501,13 @@ def _mha_oracle(case: MhaCase, precision: str, fused_bias: bool) -> Pair:
     return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask, num_heads=case.num_heads,
                                        num_kv_heads=case.num_kv_heads, rope_theta=case.rope_theta,
                                        attention=case.attention, dtype=precision, fused_bias=fused_bias)
+
+
+def _mha_oracle_vjp(case: MhaCase, d_out: np.ndarray, precision: str, fused_bias: bool) -> dict[str, np.ndarray]:
+    return oracle_gradients.multi_head_attention_vjp(case.state, case.q, case.k, case.v, d_out, case.mask,
+                                                     num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
+                                                     rope_theta=case.rope_theta, attention=case.attention,
+                                                     dtype=precision, fused_bias=fused_bias)
 
 
 def _mha_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -601,6 +629,14 @@ def _block_oracle(case: BlockCase, precision: str, fused_bias: bool) -> Pair:
                                     norm_first=case.norm_first, activation=case.activation, eps=case.eps,
                                     norm=case.norm, num_kv_heads=case.num_kv_heads, rope_theta=case.rope_theta,
                                     dtype=precision, fused_bias=fused_bias)
+
+
+def _block_oracle_vjp(case: BlockCase, d_out: np.ndarray, precision: str, fused_bias: bool) -> dict[str, np.ndarray]:
+    return oracle_gradients.transformer_block_vjp(case.state, case.x, d_out, case.mask, num_heads=case.num_heads,
+                                                  norm_first=case.norm_first, activation=case.activation,
+                                                  eps=case.eps, norm=case.norm, num_kv_heads=case.num_kv_heads,
+                                                  rope_theta=case.rope_theta, dtype=precision,
+                                                  fused_bias=fused_bias)
 
 
 def _block_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -915,7 +951,8 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias", "score_mod"), strategy="sdpa_cases",
         oracle=_sdpa_oracle, call=_sdpa_call, vjp="scaled_dot_product_attention_vjp", pullback=_sdpa_pullback,
         visible=_sdpa_visible, dropout_sigma=_sdpa_dropout_sigma, dropout_shows=lambda case: True,
-        dropout_probe=_sdpa_dropout_probe, uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind),
+        dropout_probe=_sdpa_dropout_probe, uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind,
+        oracle_vjp=_sdpa_oracle_vjp),
     Operation(
         name="flash", function="flash_attention", case=FlashCase,
         options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "mask_mod",
@@ -923,7 +960,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias", "score_mod"), strategy="flash_cases",
         oracle=_flash_oracle, call=_flash_call, vjp="flash_attention_vjp", pullback=_flash_pullback,
         visible=_sdpa_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
-        uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind, second="lse"),
+        uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind, second="lse", oracle_vjp=_sdpa_oracle_vjp),
     Operation(
         name="ring", function="ring_attention", case=RingCase,
         options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "block_q",
@@ -939,14 +976,15 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         oracle=_linear_oracle, call=_linear_call, vjp="linear_attention_vjp", pullback=_linear_pullback,
         visible=_linear_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
         uses=_linear_uses, leave_out=_linear_leave_out, blind=_linear_blind, pair=lambda out: (out, None),
-        second=None),
+        second=None, oracle_vjp=_linear_oracle_vjp),
     Operation(
         name="mha", function="MultiHeadAttention", case=MhaCase,
         options=("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta", "attention"),
         inputs=("q", "k", "v"), differentiable=("q", "k", "v", "state"), strategy="mha_cases",
         oracle=_mha_oracle, call=_mha_call, vjp="MultiHeadAttention.vjp", pullback=_mha_pullback,
         visible=_mha_visible, dropout_sigma=_mha_dropout_sigma, dropout_shows=lambda case: True,
-        dropout_probe=_mha_dropout_probe, uses=_module_uses, leave_out=_module_leave_out, blind=_module_blind),
+        dropout_probe=_mha_dropout_probe, uses=_module_uses, leave_out=_module_leave_out, blind=_module_blind,
+        oracle_vjp=_mha_oracle_vjp),
     Operation(
         name="block", function="TransformerBlock", case=BlockCase,
         options=("num_heads", "dropout", "norm_first", "activation", "eps", "norm", "num_kv_heads", "bias",
@@ -954,7 +992,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         inputs=("x",), differentiable=("x", "state"), strategy="block_cases",
         oracle=_block_oracle, call=_block_call, vjp="TransformerBlock.vjp", pullback=_block_pullback,
         visible=None, dropout_sigma=None, dropout_shows=_block_dropout_shows, dropout_probe=_block_dropout_probe,
-        uses=_module_uses, leave_out=_module_leave_out, blind=_module_blind),
+        uses=_module_uses, leave_out=_module_leave_out, blind=_module_blind, oracle_vjp=_block_oracle_vjp),
     Operation(
         name="decode", function="TransformerBlock.extend", case=DecodeCase,
         options=("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity", "norm",

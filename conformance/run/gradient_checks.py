@@ -8,6 +8,10 @@ A module offers gradients through the contract's interface: `scaled_dot_product_
 modules' `vjp` methods, each returning (out, weights, pullback), and the other operations' vjps
 (`flex_attention_vjp`'s pullback also gives its score function's parameters' gradients, d_score_mod, each held
 to the oracle as an input is). A module without them is reported as not checked, never as failing.
+
+Below float64 (`gradients_low_precision`) a module's gradients are held to the oracle's own vjp
+(conformance/contract/oracle_gradients.py) in float64, to a multiple of what the same vjp loses computed plainly
+in the dtype, as FlashAttention's tests hold dq, dk and dv.
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ import numpy as np
 
 from ..contract.cases import Case
 from ..contract.operations import arrays_and_options, operation_of
-from .checks import Measure, Runner, expected, rounded, skipped, specified
+from ..contract.tolerances import TOLERANCES, relative_error
+from .checks import Measure, Runner, cast, expected, rounded, skipped, specified
 
 STEP = 1e-6  # central differences: truncation ~ STEP^2 f''', rounding ~ eps |f| / STEP
 RELATIVE = 1e-6  # the directional derivative's accepted relative error
 DIFFERENCE_FACTOR = 10  # times the central difference's truncation error, estimated from steps h and 2h
 RESOLUTION = 10  # times the rounding of f, divided by the step
 EPS = float(np.finfo(np.float64).eps)  # 2.2e-16: float64 rounds each result to within EPS / 2, relative
+GRADIENT_FACTOR = 10  # below float64 a gradient may lose this many times what the oracle's plain vjp loses
 
 
 def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
@@ -68,6 +74,56 @@ def _unfit(name: str, grad: np.ndarray | None, reference: np.ndarray, dtype: str
     if not np.all(np.isfinite(grad)):
         return Measure(math.inf, f"d{name} is not finite")
     return None
+
+
+def gradients_low_precision(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
+    """gradient_values: each gradient g_a of the module's vjp in `dtype` (float32, float16, bfloat16) against the
+    oracle's own vjp in float64 on the same (rounded) inputs and cotangent, ref_a, in units of the case's largest
+    gradient (a gradient that is zero by symmetry, such as a key projection's bias under softmax, is rounding
+    noise alone, of no size of its own): error_a = max|g_a - ref_a| / max_b max|ref_b|, held to GRADIENT_FACTOR
+    times the error of the oracle's vjp computed plainly in `dtype` (plain_a: float32 arithmetic, every stored
+    tensor rounded to dtype; in float16 and bfloat16 the larger loss of its two ways to round a Linear, both
+    conformant, as `values` takes: a ReLU's derivative flips where one of them rounds its input across 0),
+    argument by argument, or to the dtype's floor in TOLERANCES where that is larger:
+        max|g_a - ref_a| <= max(GRADIENT_FACTOR max|plain_a - ref_a|, floor max_b max|ref_b|).
+    The measure is the argument worst off (largest error / allowance). NaN, a missing gradient or a wrong shape
+    or dtype is inf.
+    deterministic: the same pullback called twice gives the same gradients, bit for bit."""
+    case = rounded(case, dtype)
+    out = expected(case)[0]
+    rng = np.random.default_rng(_seed(case))
+    d_out = specified(runner, case, (rng.standard_normal(out.shape), None))[0]  # as `gradients`
+    d_out = cast({"d_out": d_out}, dtype)["d_out"].astype(np.float64)  # the cotangent the module sees
+    grads = _pullback(runner, case, d_out, dtype)
+    oracle_vjp = operation_of(case).oracle_vjp
+    reference = oracle_vjp(case, d_out, "float64", True)
+    fused = (True, False) if np.dtype(dtype).itemsize < 4 else (True,)  # float32 rounds both ways alike
+    plains = [oracle_vjp(case, d_out, dtype, fused_bias) for fused_bias in fused]
+    scale = max((float(np.max(np.abs(ref), where=np.isfinite(ref), initial=0.0)) for ref in reference.values()),
+                default=0.0) or 1.0
+    floor, worst, excess = TOLERANCES[dtype]["gradient_values"], Measure(0.0), 0.0
+    for name in _arguments(case):
+        grad = grads.get(name)
+        if unfit := _unfit(name, grad, reference[name], dtype):
+            return {"gradient_values": unfit}
+        error = _scaled_error(grad, reference[name], scale)
+        lost = max(_scaled_error(plain[name], reference[name], scale) for plain in plains)
+        if not error / max(GRADIENT_FACTOR * lost, floor) <= excess:  # NaN too
+            excess = error / max(GRADIENT_FACTOR * lost, floor)
+            worst = Measure(error, f"d{name}: error {error:.2e} of the largest gradient, the plain {dtype} vjp's "
+                                   f"{lost:.2e}", tolerance=GRADIENT_FACTOR * lost)
+    again = _pullback(runner, case, d_out, dtype)
+    same = all(np.array_equal(again.get(name), grads[name], equal_nan=True) for name in _arguments(case))
+    return {"gradient_values": worst,
+            "deterministic": Measure(0.0) if same else Measure(math.inf, "the same vjp call twice gave other "
+                                                                          "gradients")}
+
+
+def _scaled_error(grad: np.ndarray, reference: np.ndarray, scale: float) -> float:
+    """max|grad - reference| / scale: `relative_error` (max|grad - reference| / max|reference|, or max|grad -
+    reference| where the reference is all zeros) brought to the case's scale."""
+    largest = float(np.max(np.abs(reference), where=np.isfinite(reference), initial=0.0))
+    return relative_error(grad, reference) * (largest if largest > 0 else 1.0) / scale
 
 
 def _without_autograd(runner: Runner, case: Case, d_out: np.ndarray, dtype: str,

@@ -36,6 +36,7 @@ from .snippets import describe, reproduce
 
 BOTH, FLOAT32, FLOAT64 = ("float32", "float64"), ("float32",), ("float64",)
 HALF = ("float16", "bfloat16")  # computed in float32, stored in half precision (SPEC 2)
+LOW = ("float32", *HALF)  # the low-precision gradient rows: float32, float16, bfloat16
 Progress = Callable[[str], None]  # told "module operation check dtype" once per case run
 
 
@@ -74,10 +75,14 @@ GROUPS = (
     Group("sdpa", checks.dropout_independence, dtypes=FLOAT32, examples=3, draw={"long": False} | NO_MODS,
           needs=("dropout",)),
     Group("sdpa", gradient_checks.gradients, dtypes=FLOAT64, examples=8, pinned=True, gradient=True, draw=NO_MODS),
+    Group("sdpa", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True,
+          draw={"magnitude": "normal", "positioned": False} | NO_MODS),
     Group("flash", checks.tiled_against_oracle, dtypes=BOTH, examples=16, pinned=True, draw={"mods_rate": 16}),
     Group("flash", checks.tiled_against_oracle, dtypes=HALF, examples=4,
           draw={"magnitude": "normal", "key_offset": True} | NO_MODS),
     Group("flash", gradient_checks.gradients, dtypes=FLOAT64, examples=6, pinned=True, gradient=True, draw=NO_MODS),
+    Group("flash", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True,
+          draw={"magnitude": "normal"} | NO_MODS),
     Group("ring", checks.tiled_against_oracle, dtypes=BOTH, examples=8, pinned=True),
     Group("ring", checks.tiled_against_oracle, dtypes=HALF, examples=2, draw={"magnitude": "normal"}),
     Group("ring", gradient_checks.gradients, dtypes=FLOAT64, examples=4, pinned=True, gradient=True),
@@ -86,6 +91,8 @@ GROUPS = (
     Group("linear", checks.out_against_oracle, dtypes=HALF, examples=2,
           draw={"magnitude": "normal", "overflowing": True}),
     Group("linear", gradient_checks.gradients, dtypes=FLOAT64, examples=4, pinned=True, gradient=True),
+    Group("linear", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True,
+          draw={"magnitude": "normal"}),
     Group("linear", checks.linear_steps, dtypes=BOTH, examples=4,
           draw={"is_causal": True, "with_lengths": False, "long": False}),
     Group("mha", checks.against_oracle, dtypes=BOTH, examples=20, pinned=True),
@@ -128,6 +135,7 @@ MEASURES: dict[Callable, tuple[str, ...]] = {
     checks.dropout: ("weights", "reproducible", "varies", "mean"),
     checks.dropout_independence: ("independent", "rng_forms"),
     gradient_checks.gradients: ("gradients", "masked_rows", "no_autograd"),
+    gradient_checks.gradients_low_precision: ("gradient_values", "deterministic"),
 }
 ANY_GROUP = ("call", "deterministic")
 

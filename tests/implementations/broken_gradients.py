@@ -8,8 +8,11 @@ of attention_np.flex).
 
 from __future__ import annotations
 
+import itertools
 import types
 from pathlib import Path
+
+import ml_dtypes
 
 import attention_np
 import attention_np.flex
@@ -32,7 +35,7 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     "layer_norm_without_variance_term": ("- x_hat * np.mean(d_hat * x_hat, axis=-1, keepdims=True)) * inv_sigma",
                                          ") * inv_sigma"),
     # a Linear layer's weight gradient transposed: x^T dy instead of dy^T x
-    "linear_weight_gradient_transposed": ('{"weight": dy_rows.T @ x_rows}', '{"weight": x_rows.T @ dy_rows}'),
+    "linear_weight_gradient_transposed": ("d_weight = (dy_rows.T @ x_rows)", "d_weight = (x_rows.T @ dy_rows)"),
     # GELU's derivative without the h * phi(h) term
     "gelu_derivative_cdf_only": ("return cdf + h * np.exp(-(h**2) / 2) / math.sqrt(2 * math.pi)", "return cdf"),
     # post-LN self-attention: only the query path's gradient flows back to x
@@ -51,6 +54,20 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     # softcap's vjp without tanh's derivative: dR = dC, not dC * (1 - tanh^2(R / c))
     "softcap_derivative_forgotten": ("d_scores, _ = capping.vjp(d_scores, raw, None, None, None, None)",
                                      "d_scores, _ = d_scores, {}"),
+    # P kept for the backward pass in bfloat16 below float64 (the forward's out is right): dV = P^T dO and
+    # dS = P * (dP - rowsum(dP * P)) then lose bfloat16's rounding in a float32 or float16 run; float64 untouched
+    "weights_kept_in_bfloat16_for_the_backward": (
+        "    score_mod = None if mods is None else mods.score_mod\n",
+        "    score_mod = None if mods is None else mods.score_mod\n"
+        "    weights = weights if weights.dtype == np.float64 else \\\n"
+        "        weights.astype(ml_dtypes.bfloat16).astype(weights.dtype)\n"),
+    # the sum over the queries of dV = P^T dO taken in the reverse order on every other call, as a kernel whose
+    # atomic adds land in another order each time: equal in exact arithmetic, other bits from call to call
+    "value_gradient_order_changes_between_calls": (
+        "        dv = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)\n",
+        "        turn = next(CALLS) % 2 == 1\n"
+        "        dv = np.swapaxes(weights[..., ::-1, :] if turn else weights, -1, -2) @ (\n"
+        "            d_out[..., ::-1, :] if turn else d_out)  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)\n"),
     # pre-LN: the residual's gradient is dropped in the backward pass
     "pre_ln_residual_dropped": ("dh = dy + dh_norm2  # the residual passes dy on unchanged", "dh = dh_norm2"),
 }
@@ -86,6 +103,8 @@ def _mutant(name: str, old: str, new: str) -> types.ModuleType:
     assert SOURCE.count(old) == 1, f"{name}: the text to mutate must occur once in attention_np/gradients.py"
     gradients = types.ModuleType(f"attention_np.gradients_{name}")
     gradients.__package__ = "attention_np"  # its relative imports resolve inside attention_np
+    gradients.ml_dtypes = ml_dtypes  # the names a mutation may use: bfloat16, a count of the calls
+    gradients.CALLS = itertools.count()
     exec(compile(SOURCE.replace(old, new), f"<{name}>", "exec"), gradients.__dict__)
 
     class MultiHeadAttention(attention_np.MultiHeadAttention):
