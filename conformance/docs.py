@@ -404,7 +404,8 @@ def groups_table() -> str:
     lines = ["| operation | check | measures | dtypes | cases (fast profile) | drawn with | needs |",
              "|---|---|---|---|---|---|---|"]
     for group in suite.GROUPS:
-        cases = f"{group.examples}" + (" + the fixed examples (float64)" if group.pinned else "")
+        cases = (f"{group.examples}" if group.fast else f"none (thorough: {group.examples * PROFILES['thorough']})") + (
+            " + the fixed examples (float64)" if group.pinned else "")
         drawn = ", ".join(f"`{name}={value!r}`" for name, value in (group.draw or {}).items()) or "-"
         needs = _names(group.needs + (("vjp",) if group.gradient else ())) or "-"
         measures = [_measure(measure) for measure in suite.MEASURES[group.check]
@@ -429,7 +430,8 @@ def _measure(name: str) -> str:
 
 def profiles_table() -> str:
     lines = ["| profile | cases of each group |", "|---|---|"]
-    lines += [f"| `{name}` | {'' if times == 1 else f'{times} x '}the group's examples |"
+    lines += [f"| `{name}` | {'' if times == 1 else f'{times} x '}the group's examples"
+              + (" (none of a group that runs in the thorough profile alone)" if name == "fast" else "") + " |"
               for name, times in PROFILES.items()]
     return "\n".join(lines)
 

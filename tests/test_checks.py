@@ -507,3 +507,14 @@ def test_a_worker_of_the_main_job_exits_without_the_interpreters_teardown():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["end", "a later exit handler ran"], result.stdout
+
+
+def test_the_modules_low_precision_gradients_run_in_the_thorough_profile_alone():
+    # their JAX compiles, three dtypes of each module's vjp, would take more of the main job's CPU than it has
+    low = gradient_checks.gradients_low_precision
+    for operation in ("mha", "block"):
+        assert low not in {group.check for group in suite.groups_of(operation, "fast", None)}
+        assert low not in {group.check for group in suite.groups_of(operation, "thorough", 2)}  # max_examples: fast
+        assert low in {group.check for group in suite.groups_of(operation, "thorough", None)}
+    for operation in ("sdpa", "flash", "linear"):
+        assert low in {group.check for group in suite.groups_of(operation, "fast", None)}

@@ -54,6 +54,8 @@ class Group(NamedTuple):
     gradient: bool = False  # needs the operation's vjp: a module without one is reported as skipped
     needs: tuple[str, ...] = ()  # features (conformance.contract.features) the check cannot do without: a module that
     # declares one of them lacking is reported as skipped
+    fast: bool = True  # runs in the fast profile (and with max_examples); False: in the thorough profile alone, where
+    # its JAX compiles would take more of the main job's CPU than its budget leaves
 
     def strategy(self) -> st.SearchStrategy:
         return getattr(strategies, OPERATIONS[self.operation].strategy)(**(self.draw or {}))
@@ -110,6 +112,10 @@ GROUPS = (
     Group("block", checks.dropout, dtypes=FLOAT32, examples=4, draw={"long": False}, needs=("dropout",)),
     Group("block", checks.dropout_independence, dtypes=FLOAT32, examples=3, draw={"long": False}, needs=("dropout",)),
     Group("block", gradient_checks.gradients, dtypes=FLOAT64, examples=3, pinned=True, gradient=True),
+    # the modules' low-precision gradients: JAX compiles each module's vjp per shape in three dtypes, 22 to 25 s of
+    # the main job's CPU for two cases each, so the thorough profile alone draws them
+    Group("mha", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True, fast=False),
+    Group("block", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True, fast=False),
     Group("decode", checks.against_oracle, dtypes=BOTH, examples=3, pinned=True),
     # flex: each case's mods are a new program for JAX to compile, so the pinned examples (every catalogue entry)
     # run in float64 alone, where an error is plainest; the drawn cases cover float32
@@ -244,9 +250,7 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                 if too_few:
                     rows.append(_skipped(name, operation, "-", "-", too_few))
                     continue
-                groups = [group for group in GROUPS
-                          if group.operation == operation and wanted(MEASURES[group.check], True)]
-                for group in groups:
+                for group in groups_of(operation, profile, max_examples, wanted):
                     examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
                     unable = {dtype: _cannot_run(runner, group, dtype) for dtype in _dtypes(group, runner.framework)}
                     runs = [dtype for dtype, why in unable.items() if not why]
@@ -287,6 +291,14 @@ def known_measures() -> list[str]:
     """Every check (measure) a report can have a row for."""
     return sorted({*ANY_GROUP, *(m for reported in MEASURES.values() for m in reported),
                    *(fixed.check for fixed in (*FIXED_RUNS, *CONTRACT_RUNS.values()))})
+
+
+def groups_of(operation: str, profile: str, max_examples: int | None,
+              wanted: Callable[[tuple[str, ...], bool], bool] = lambda reported, group: True) -> list[Group]:
+    """The groups of `operation` that a run in `profile` (or with max_examples, as the fast profile) runs: those
+    `wanted` asks for, and a group that runs in the thorough profile alone (Group.fast False) only there."""
+    return [group for group in GROUPS if group.operation == operation and wanted(MEASURES[group.check], True)
+            and (group.fast or (profile != "fast" and max_examples is None))]
 
 
 def _wanted(measures: Sequence[str] | None) -> Callable[[tuple[str, ...], bool], bool]:
