@@ -98,28 +98,33 @@ def _vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *
 
     def pullback(d_out: np.ndarray) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        # in at least float32, each gradient stored in its input's dtype (SPEC 2: half precision computes in
+        # float32); P as the forward stored it
+        work = np.promote_types(d_out.dtype, np.float32)
+        p, d_o, q_w, k_w, v_w = (x.astype(work, copy=False) for x in (weights, d_out, q, k, v))
         # 1) through the value product O = P V
-        dv = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)
-        d_weights = d_out @ np.swapaxes(v, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
+        dv = np.swapaxes(p, -1, -2) @ d_o  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)
+        d_weights = d_o @ np.swapaxes(v_w, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
         # 2) through the softmax
-        d_scores = weights * (d_weights - np.sum(d_weights * weights, axis=-1, keepdims=True))  # (..., L, S)
+        d_scores = p * (d_weights - np.sum(d_weights * p, axis=-1, keepdims=True))  # (..., L, S)
         # 3) through the bias, S = score_mod(softcap(R)) + bias: dbias = dS
         dbias = None if bias is None else _sum_to(d_scores, np.shape(bias)).astype(np.asarray(bias).dtype)
         # 4) through the score function and the soft-capping, from R = Q K^T * scale, recomputed as forward
-        raw = (q * scale) @ np.swapaxes(k, -1, -2) if softcap is not None or score_mod is not None else None
+        raw = (q_w * scale) @ np.swapaxes(k_w, -1, -2) if softcap is not None or score_mod is not None else None
         capping = from_keywords(structure, softcap)[1]  # the catalogue's softcap(cap), or None
         d_theta = {}
         if score_mod is not None:  # (dC, dtheta) = score_mod.vjp(dS, C), C = softcap(R); dC = 0 where P = 0
             capped = raw if capping is None else capping(raw, None, None, None, None)  # C, what score_mod received
-            d_scores, d_theta = _score_mod_vjp(score_mod, d_scores, capped, weights, mods.tile())
+            d_scores, d_theta = _score_mod_vjp(score_mod, d_scores, capped, p, mods.tile())
             d_theta = {name: np.asarray(d_theta.get(name, np.zeros(np.shape(value)))).astype(
-                _parameter_dtype(value, d_scores.dtype), copy=False) for name, value in score_mod.parameters.items()}
+                _parameter_dtype(value, d_out.dtype), copy=False) for name, value in score_mod.parameters.items()}
         if capping is not None:  # softcap(R) = c tanh(R / c): dR = dC * (1 - tanh^2(R / c)), its vjp
             d_scores, _ = capping.vjp(d_scores, raw, None, None, None, None)  # (..., L, S)
         # 5) through the raw scores R = Q K^T * scale
-        dq = d_scores @ k * scale  # (..., L, S) x (..., S, E) -> (..., L, E)
-        dk = np.swapaxes(d_scores, -1, -2) @ q * scale  # (..., S, L) x (..., L, E) -> (..., S, E)
-        grads = (_sum_to(dq, q.shape), _sum_to(dk, k.shape), _sum_to(dv, v.shape), dbias)
+        dq = d_scores @ k_w * scale  # (..., L, S) x (..., S, E) -> (..., L, E)
+        dk = np.swapaxes(d_scores, -1, -2) @ q_w * scale  # (..., S, L) x (..., L, E) -> (..., S, E)
+        grads = tuple(_sum_to(d, x.shape).astype(x.dtype, copy=False) for d, x in ((dq, q), (dk, k), (dv, v)))
+        grads = (*grads, dbias)
         return grads if score_mod is None else (*grads, d_theta)
 
     return out, weights, pullback

@@ -24,10 +24,10 @@ FLEX_SOURCE = Path(attention_np.flex.__file__).read_text()
 # name -> (the exact text in attention_np/gradients.py, its buggy replacement)
 MUTATIONS: dict[str, tuple[str, str]] = {
     # the softmax Jacobian-vector product without its rowsum term: dS = P * dP
-    "softmax_jvp_without_rowsum": ("weights * (d_weights - np.sum(d_weights * weights, axis=-1, keepdims=True))",
-                                   "weights * d_weights"),
+    "softmax_jvp_without_rowsum": ("p * (d_weights - np.sum(d_weights * p, axis=-1, keepdims=True))",
+                                   "p * d_weights"),
     # the key gradient without the scale of the scores
-    "dk_not_scaled": ("dk = np.swapaxes(d_scores, -1, -2) @ q * scale", "dk = np.swapaxes(d_scores, -1, -2) @ q"),
+    "dk_not_scaled": ("dk = np.swapaxes(d_scores, -1, -2) @ q_w * scale", "dk = np.swapaxes(d_scores, -1, -2) @ q_w"),
     # a broadcast bias gets the full (..., L, S) gradient instead of its own shape
     "dbias_not_reduced": ("dbias = None if bias is None else _sum_to(d_scores, np.shape(bias))",
                           "dbias = None if bias is None else d_scores"),
@@ -64,10 +64,10 @@ MUTATIONS: dict[str, tuple[str, str]] = {
     # the sum over the queries of dV = P^T dO taken in the reverse order on every other call, as a kernel whose
     # atomic adds land in another order each time: equal in exact arithmetic, other bits from call to call
     "value_gradient_order_changes_between_calls": (
-        "        dv = np.swapaxes(weights, -1, -2) @ d_out  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)\n",
+        "        dv = np.swapaxes(p, -1, -2) @ d_o  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)\n",
         "        turn = next(CALLS) % 2 == 1\n"
-        "        dv = np.swapaxes(weights[..., ::-1, :] if turn else weights, -1, -2) @ (\n"
-        "            d_out[..., ::-1, :] if turn else d_out)  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)\n"),
+        "        dv = np.swapaxes(p[..., ::-1, :] if turn else p, -1, -2) @ (\n"
+        "            d_o[..., ::-1, :] if turn else d_o)  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)\n"),
     # pre-LN: the residual's gradient is dropped in the backward pass
     "pre_ln_residual_dropped": ("dh = dy + dh_norm2  # the residual passes dy on unchanged", "dh = dh_norm2"),
 }
