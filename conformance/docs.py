@@ -185,15 +185,16 @@ class Guard(NamedTuple):
     operations: tuple[str, ...] | None = None  # only these operations (a row of their own)
 
 
-def reported() -> list[tuple[str, str, tuple[str, ...]]]:
-    """(measure, operation, dtypes) for everything `check` can report on a module that has the whole contract: each
-    group's measures (MEASURES, those that need something of the operation or the framework only where it has it),
-    each table's row per operation that has its cases, "call" and "deterministic" from every group."""
+def reported(profile: str = "thorough") -> list[tuple[str, str, tuple[str, ...]]]:
+    """(measure, operation, dtypes) for everything `check` can report on a module that has the whole contract, in
+    `profile` (the thorough one runs every group): each group's measures (MEASURES, those that need something of the
+    operation or the framework only where it has it), each table's row per operation that has its cases, "call" and
+    "deterministic" from every group."""
     from .contract import fixed_cases
     from .run import suite  # Hypothesis is imported only here
 
     found = []
-    for group in suite.GROUPS:
+    for group in (group for operation in OPERATIONS for group in suite.groups_of(operation, profile, None)):
         operation = OPERATIONS[group.operation]
         found += [(measure, group.operation, group.dtypes) for measure in suite.MEASURES[group.check]
                   if REPORTED_WHERE.get(measure, lambda _: True)(operation)]

@@ -76,8 +76,9 @@ def sdpa_vjp(
         q, k, v, mask and the keywords: as for oracle.sdpa; mask_mod and score_mod are not supported (raise).
         d_out: the cotangent (..., L, Ev), out's shape.
         from_lse: P recomputed from the row's log-sum-exp, P_j = exp(logit_j - lse_i), as a tiled kernel that
-            keeps only out and lse computes it (flash_attention, SPEC 2c); the same number in float64, and in
-            float32 it loses what exp loses on a logit of large size.
+            keeps only out and lse computes it (flash_attention, SPEC 2c), and the softmax's row term as
+            D_i = dO_i . O_i from the stored output (FlashAttention-2's backward); the same numbers in float64, and
+            in float32 P loses what exp loses on a logit of large size, D the rounding of O.
 
     Returns:
         {"q", "k", "v", and "bias" where bias is given}: each of its input's shape, in `dtype`.
@@ -151,11 +152,14 @@ def _row_vjp(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, d_out_i: np.ndarray,
         p = _cast(exp / np.sum(exp), dtype)  # P_j, stored as the forward stores the weights
     dv = _cast(np.outer(p, d_out_i), dtype)  # P_j dO_i: (n,) x (Ev,) -> (n, Ev)
     dp = _cast(v @ d_out_i, dtype)  # dO_i . v_j: (n, Ev) x (Ev,) -> (n,)
-    ds = _cast(p * (dp - np.sum(p * dp)), dtype)  # the softmax's vjp
+    # the softmax's vjp, dS_j = P_j (dP_j - sum_j' P_j' dP_j'); a tiled kernel takes the sum as D_i = dO_i . O_i from
+    # the output it stored (FlashAttention-2), the same number in float64
+    row_term = np.sum(d_out_i * _cast(p @ v, dtype)) if from_lse else np.sum(p * dp)
+    ds = _cast(p * (dp - row_term), dtype)
     dr = ds if softcap is None else _cast(ds * (1 - np.tanh(raw / work(softcap)) ** 2), dtype)  # tanh's derivative
     dq = dr @ k * work(scale)  # scale sum_j dR_j k_j: (n,) x (n, E) -> (E,)
     dk = np.outer(dr, q_i) * work(scale)  # scale dR_j q_i: (n,) x (E,) -> (n, E)
-    return _RowGradients(dq, dk, dv, ds)
+    return _RowGradients(dq=dq, dk=dk, dv=dv, ds=ds)
 
 
 def linear_attention_vjp(
