@@ -125,19 +125,8 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
           enable_gqa: bool, mods: Mods, dtype: DTypeLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """sdpa's out and weights in `dtype`, and each row's log-sum-exp in the scores' dtype: one query row
     at a time (with mods, the row of query i of head h in sequence b of the scores (B, H, L, S))."""
-    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
-    if enable_gqa:  # each query head gets its own copy of the key/value head it reads
-        group = q.shape[-3] // k.shape[-3]
-        k, v = (np.stack([x[..., h // group, :, :] for h in range(q.shape[-3])], axis=-3) for x in (k, v))
-    (L, E), (S, Ev) = q.shape[-2:], v.shape[-2:]
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    q = np.broadcast_to(q, (*batch, L, E))
-    k = np.broadcast_to(k, (*batch, S, E))
-    v = np.broadcast_to(v, (*batch, S, Ev))
-    mask = np.ones((L, S), bool) if mask is None else np.asarray(mask) != 0
-    mask = np.broadcast_to(mask, (*batch, L, S))
-    bias = np.zeros((L, S)) if bias is None else bias
-    bias = np.broadcast_to(np.asarray(bias, _work(dtype)), (*batch, L, S))  # in the scores' dtype (SPEC 2)
+    q, k, v, mask, bias = _laid_out(q, k, v, mask, bias, enable_gqa, dtype)
+    batch, (L, E), (S, Ev) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     offsets = np.broadcast_to(np.asarray(q_offset), batch)  # one position of query 0 per sequence
     lengths = np.broadcast_to(np.asarray(S if key_lengths is None else key_lengths), batch)
@@ -155,6 +144,28 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
             if len(keys):
                 lse[(*b, i)] = np.max(logits) + np.log(np.sum(np.exp(logits - np.max(logits))))
     return out.astype(dtype), weights.astype(dtype), lse  # half precision: computed in float32, stored in dtype
+
+
+def _laid_out(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias: ArrayLike | None,
+              enable_gqa: bool, dtype: DTypeLike) -> tuple[np.ndarray, ...]:
+    """sdpa's arguments laid out for a walk over the query rows: q (*batch, L, E), k (*batch, S, E), v (*batch, S,
+    Ev) in the arithmetic's dtype (_cast), each query head with its own copy of the key/value head it reads
+    (enable_gqa), broadcast to one batch shape; the mask as booleans and the bias in the scores' dtype (SPEC 2),
+    (*batch, L, S) each."""
+    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    if enable_gqa:  # each query head gets its own copy of the key/value head it reads
+        group = q.shape[-3] // k.shape[-3]
+        k, v = (np.stack([x[..., h // group, :, :] for h in range(q.shape[-3])], axis=-3) for x in (k, v))
+    (L, E), (S, Ev) = q.shape[-2:], v.shape[-2:]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q = np.broadcast_to(q, (*batch, L, E))
+    k = np.broadcast_to(k, (*batch, S, E))
+    v = np.broadcast_to(v, (*batch, S, Ev))
+    mask = np.ones((L, S), bool) if mask is None else np.asarray(mask) != 0
+    mask = np.broadcast_to(mask, (*batch, L, S))
+    bias = np.zeros((L, S)) if bias is None else bias
+    bias = np.broadcast_to(np.asarray(bias, _work(dtype)), (*batch, L, S))
+    return q, k, v, mask, bias
 
 
 def flex_attention(

@@ -32,6 +32,7 @@ from .oracle import (
     HEAD_ATTENTIONS,
     _activation,
     _cast,
+    _laid_out,
     _layer_norm,
     _linear,
     _rms_norm,
@@ -87,17 +88,10 @@ def sdpa_vjp(
         raise NotImplementedError("sdpa_vjp: the oracle's gradients take no mask_mod or score_mod (the gradient "
                                   "checks of the mods compare central differences instead)")
     shapes = {"q": np.shape(q), "k": np.shape(k), "v": np.shape(v)} | ({} if bias is None else {"bias": np.shape(bias)})
-    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
-    group = q.shape[-3] // k.shape[-3] if enable_gqa else 1
-    if enable_gqa:  # each query head reads its own copy of the key/value head h // group
-        k, v = (np.repeat(x, group, axis=-3) for x in (k, v))
-    (L, E), (S, Ev) = q.shape[-2:], v.shape[-2:]
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    expanded = {"q": q.shape, "k": k.shape, "v": v.shape}  # the shapes before broadcasting (k, v per query head)
-    q, k, v = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
+    group = shapes["q"][-3] // shapes["k"][-3] if enable_gqa else 1
+    q, k, v, mask, bias_ = _laid_out(q, k, v, mask, bias, enable_gqa, dtype)  # k, v per query head, (*batch, ...)
+    batch, (L, E), (S, Ev) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
     d_out = _cast(np.broadcast_to(d_out, (*batch, L, Ev)), dtype)
-    mask = np.broadcast_to(np.ones((L, S), bool) if mask is None else np.asarray(mask) != 0, (*batch, L, S))
-    bias_ = np.broadcast_to(np.asarray(0.0 if bias is None else bias, _work(dtype)), (*batch, L, S))
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     offsets = np.broadcast_to(np.asarray(q_offset), batch)
     lengths = np.broadcast_to(np.asarray(S if key_lengths is None else key_lengths), batch)
@@ -119,13 +113,10 @@ def sdpa_vjp(
             dk[b][keys] += row.dk
             dv[b][keys] += row.dv
             dbias[(*b, i)][keys] = row.ds
-    grads = {"q": _summed_to(dq, expanded["q"]), "k": _summed_to(dk, expanded["k"]),
-             "v": _summed_to(dv, expanded["v"])}
+    grads = {"q": dq, "k": dk, "v": dv} | ({} if bias is None else {"bias": dbias})  # (*batch, ...) each
     if enable_gqa:  # the query heads of a group read one key/value head: its gradient is their sum
         grads["k"], grads["v"] = (_grouped_sum(grads[name], group) for name in ("k", "v"))
-    if bias is not None:
-        grads["bias"] = _summed_to(dbias, shapes["bias"])
-    return {name: grad.reshape(shapes[name]).astype(dtype) for name, grad in grads.items()}
+    return {name: _summed_to(grad, shapes[name]).reshape(shapes[name]).astype(dtype) for name, grad in grads.items()}
 
 
 class _RowGradients(NamedTuple):
