@@ -293,13 +293,19 @@ def out_against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Meas
     return {"values": compare("out", out, expected_out, dtype)._replace(tolerance=tolerance)}
 
 
+def linear_roundings(dtype: str) -> tuple[bool, ...]:
+    """The oracle's `fused_bias` values a conformant module's Linear may round as in `dtype`: once (torch's addmm)
+    or the product and then the sum (NumPy's and XLA's half-precision matmul and add); float32 and float64 round
+    both ways alike, so one is enough there."""
+    return (True, False) if np.dtype(dtype).itemsize < 4 else (True,)
+
+
 def _low_precision_tolerance(case: Case, dtype: str, reference: Pair) -> float:
     """LOW_PRECISION_FACTOR times what the oracle itself loses computing `case` in `dtype` (0 in float64); in
     float16 and bfloat16 the larger loss of its two ways to round a Linear, both conformant."""
     if dtype == "float64":
         return 0.0
-    fused = (True, False) if np.dtype(dtype).itemsize < 4 else (True,)  # float32 rounds both ways alike
-    return LOW_PRECISION_FACTOR * max(relative_error(a, b) for fused_bias in fused
+    return LOW_PRECISION_FACTOR * max(relative_error(a, b) for fused_bias in linear_roundings(dtype)
                                       for a, b in zip(expected(case, dtype, fused_bias=fused_bias), reference,
                                                       strict=True) if b is not None)  # out alone: no second
 

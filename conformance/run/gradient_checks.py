@@ -23,7 +23,7 @@ import numpy as np
 from ..contract.cases import Case
 from ..contract.operations import arrays_and_options, operation_of
 from ..contract.tolerances import TOLERANCES, relative_error
-from .checks import Measure, Runner, cast, expected, rounded, skipped, specified
+from .checks import Measure, Runner, cast, expected, linear_roundings, rounded, skipped, specified
 
 STEP = 1e-6  # central differences: truncation ~ STEP^2 f''', rounding ~ eps |f| / STEP
 RELATIVE = 1e-6  # the directional derivative's accepted relative error
@@ -47,10 +47,7 @@ def gradients(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]:
     no_autograd (where the framework has a mode without autograd: torch's inference mode): the vjp works
     there too and gives the same gradients."""
     case = rounded(case, dtype)
-    rng = np.random.default_rng(_seed(case))
-    out = expected(case)[0]
-    d_out = specified(runner, case, (rng.standard_normal(out.shape), None))[0]  # no cotangent on rows the
-    # module's declaration leaves unspecified (SPEC 11)
+    out, d_out, rng = _cotangent(runner, case)
     grads = _pullback(runner, case, d_out, dtype)
     for name in _arguments(case):
         if unfit := _unfit(name, grads.get(name), _argument(case, name), dtype):
@@ -90,15 +87,12 @@ def gradients_low_precision(runner: Runner, case: Case, dtype: str) -> dict[str,
     or dtype is inf.
     deterministic: the same pullback called twice gives the same gradients, bit for bit."""
     case = rounded(case, dtype)
-    out = expected(case)[0]
-    rng = np.random.default_rng(_seed(case))
-    d_out = specified(runner, case, (rng.standard_normal(out.shape), None))[0]  # as `gradients`
+    d_out = _cotangent(runner, case)[1]
     d_out = cast({"d_out": d_out}, dtype)["d_out"].astype(np.float64)  # the cotangent the module sees
     grads = _pullback(runner, case, d_out, dtype)
     oracle_vjp = operation_of(case).oracle_vjp
     reference = oracle_vjp(case, d_out, "float64", True)
-    fused = (True, False) if np.dtype(dtype).itemsize < 4 else (True,)  # float32 rounds both ways alike
-    plains = [oracle_vjp(case, d_out, dtype, fused_bias) for fused_bias in fused]
+    plains = [oracle_vjp(case, d_out, dtype, fused_bias) for fused_bias in linear_roundings(dtype)]
     scale = max((float(np.max(np.abs(ref), where=np.isfinite(ref), initial=0.0)) for ref in reference.values()),
                 default=0.0) or 1.0
     floor, worst, excess = TOLERANCES[dtype]["gradient_values"], Measure(0.0), 0.0
@@ -112,8 +106,7 @@ def gradients_low_precision(runner: Runner, case: Case, dtype: str) -> dict[str,
             excess = error / max(GRADIENT_FACTOR * lost, floor)
             worst = Measure(error, f"d{name}: error {error:.2e} of the largest gradient, the plain {dtype} vjp's "
                                    f"{lost:.2e}", tolerance=GRADIENT_FACTOR * lost)
-    again = _pullback(runner, case, d_out, dtype)
-    same = all(np.array_equal(again.get(name), grads[name], equal_nan=True) for name in _arguments(case))
+    same = _same(case, _pullback(runner, case, d_out, dtype), grads)
     return {"gradient_values": worst,
             "deterministic": Measure(0.0) if same else Measure(math.inf, "the same vjp call twice gave other "
                                                                           "gradients")}
@@ -135,8 +128,22 @@ def _without_autograd(runner: Runner, case: Case, d_out: np.ndarray, dtype: str,
             again = _pullback(runner, case, d_out, dtype)
     except Exception as error:  # it must work there too
         return Measure(math.inf, f"the vjp raised where autograd is off: {type(error).__name__}: {error}")
-    same = all(np.array_equal(again.get(name), grads[name], equal_nan=True) for name in _arguments(case))
+    same = _same(case, again, grads)
     return Measure(0.0) if same else Measure(math.inf, "where autograd is off the vjp gives other gradients")
+
+
+def _same(case: Case, again: dict[str, np.ndarray | None], grads: dict[str, np.ndarray | None]) -> bool:
+    """Whether two pullbacks gave every argument's gradient bit for bit alike."""
+    return all(np.array_equal(again.get(name), grads[name], equal_nan=True) for name in _arguments(case))
+
+
+def _cotangent(runner: Runner, case: Case) -> tuple[np.ndarray, np.ndarray, np.random.Generator]:
+    """The oracle's out, a random cotangent d_out of its shape (none on the rows the module's declaration leaves
+    unspecified, SPEC 11), and the generator that drew it, seeded by the case's shapes (`_seed`), so a replayed case
+    draws the same cotangent and directions."""
+    rng = np.random.default_rng(_seed(case))
+    out = expected(case)[0]
+    return out, specified(runner, case, (rng.standard_normal(out.shape), None))[0], rng
 
 
 def _pullback(runner: Runner, case: Case, d_out: np.ndarray, dtype: str) -> dict[str, np.ndarray | None]:
