@@ -196,7 +196,7 @@ def reported(profile: str = "thorough") -> list[tuple[str, str, tuple[str, ...]]
     found = []
     for group in (group for operation in OPERATIONS for group in suite.groups_of(operation, profile, None)):
         operation = OPERATIONS[group.operation]
-        found += [(measure, group.operation, group.dtypes) for measure in suite.MEASURES[group.check]
+        found += [(measure, group.operation, group.dtypes_in(profile, None)) for measure in suite.MEASURES[group.check]
                   if REPORTED_WHERE.get(measure, lambda _: True)(operation)]
         found += [(measure, group.operation, ("all",)) for measure in suite.ANY_GROUP]
     for fixed in suite.FIXED_RUNS:
@@ -405,14 +405,15 @@ def groups_table() -> str:
     lines = ["| operation | check | measures | dtypes | cases (fast profile) | drawn with | needs |",
              "|---|---|---|---|---|---|---|"]
     for group in suite.GROUPS:
-        cases = (f"{group.examples}" if group.fast else f"none (thorough: {group.examples * PROFILES['thorough']})") + (
-            " + the fixed examples (float64)" if group.pinned else "")
+        cases = f"{group.examples}" + (" + the fixed examples (float64)" if group.pinned else "")
+        dtypes = ", ".join(group.dtypes) + ("" if group.fast_dtypes is None else
+                                            f" (fast profile: {', '.join(group.fast_dtypes) or 'none'})")
         drawn = ", ".join(f"`{name}={value!r}`" for name, value in (group.draw or {}).items()) or "-"
         needs = _names(group.needs + (("vjp",) if group.gradient else ())) or "-"
         measures = [_measure(measure) for measure in suite.MEASURES[group.check]
                     if REPORTED_WHERE.get(measure, lambda _: True)(OPERATIONS[group.operation])]
         lines.append(f"| {group.operation} | `{group.check.__name__}` | {', '.join(measures)} | "
-                     f"{', '.join(group.dtypes)} | {cases} | {drawn} | {needs} |")
+                     f"{dtypes} | {cases} | {drawn} | {needs} |")
     for fixed in suite.FIXED_RUNS:
         operations = [name for name in OPERATIONS if fixed_cases.rows(name, fixed.use)]
         lines.append(f"| {', '.join(operations)} | `{fixed.run.__name__}` | `{fixed.check}` | {fixed.dtype} | "
@@ -432,7 +433,7 @@ def _measure(name: str) -> str:
 def profiles_table() -> str:
     lines = ["| profile | cases of each group |", "|---|---|"]
     lines += [f"| `{name}` | {'' if times == 1 else f'{times} x '}the group's examples"
-              + (" (none of a group that runs in the thorough profile alone)" if name == "fast" else "") + " |"
+              + (" (in the dtypes the group names for it)" if name == "fast" else "") + " |"
               for name, times in PROFILES.items()]
     return "\n".join(lines)
 

@@ -509,12 +509,18 @@ def test_a_worker_of_the_main_job_exits_without_the_interpreters_teardown():
     assert result.stdout.splitlines() == ["end", "a later exit handler ran"], result.stdout
 
 
-def test_the_modules_low_precision_gradients_run_in_the_thorough_profile_alone():
-    # their JAX compiles, three dtypes of each module's vjp, would take more of the main job's CPU than it has
+def test_the_modules_low_precision_gradients_run_in_float16_in_the_fast_profile_and_every_dtype_in_the_thorough():
+    # their JAX compiles, each module's vjp per shape and dtype, would take more of the main job's CPU than it has
     low = gradient_checks.gradients_low_precision
     for operation in ("mha", "block"):
-        assert low not in {group.check for group in suite.groups_of(operation, "fast", None)}
-        assert low not in {group.check for group in suite.groups_of(operation, "thorough", 2)}  # max_examples: fast
-        assert low in {group.check for group in suite.groups_of(operation, "thorough", None)}
+        for profile, max_examples, dtypes in (("fast", None, ("float16",)), ("thorough", 2, ("float16",)),
+                                              ("thorough", None, ("float32", "float16", "bfloat16"))):
+            found = [group for group in suite.groups_of(operation, profile, max_examples) if group.check is low]
+            assert [group.dtypes_in(profile, max_examples) for group in found] == [dtypes], (operation, profile)
+    report = suite.check("attention_np", operations=["mha"], measures=["gradient_values"], max_examples=1)
+    assert {(row.check, row.dtype) for row in report.rows if not row.skipped} == {
+        ("gradient_values", "float16"), ("deterministic", "float16")}, report.rows
+    assert "float32" not in {row.dtype for row in report.rows}, report.rows  # not even as a skipped row
     for operation in ("sdpa", "flash", "linear"):
-        assert low in {group.check for group in suite.groups_of(operation, "fast", None)}
+        found = [group for group in suite.groups_of(operation, "fast", None) if group.check is low]
+        assert [group.dtypes_in("fast", None) for group in found] == [("float32", "float16", "bfloat16")]

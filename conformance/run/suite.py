@@ -34,7 +34,7 @@ from .checks import ResultError, Runner
 from .profiles import PROFILES
 from .snippets import describe, reproduce
 
-BOTH, FLOAT32, FLOAT64 = ("float32", "float64"), ("float32",), ("float64",)
+BOTH, FLOAT16, FLOAT32, FLOAT64 = ("float32", "float64"), ("float16",), ("float32",), ("float64",)
 HALF = ("float16", "bfloat16")  # computed in float32, stored in half precision (SPEC 2)
 LOW = ("float32", *HALF)  # the low-precision gradient rows: float32, float16, bfloat16
 Progress = Callable[[str], None]  # told "module operation check dtype" once per case run
@@ -54,11 +54,18 @@ class Group(NamedTuple):
     gradient: bool = False  # needs the operation's vjp: a module without one is reported as skipped
     needs: tuple[str, ...] = ()  # features (conformance.contract.features) the check cannot do without: a module that
     # declares one of them lacking is reported as skipped
-    fast: bool = True  # runs in the fast profile (and with max_examples); False: in the thorough profile alone, where
-    # its JAX compiles would take more of the main job's CPU than its budget leaves
+    fast_dtypes: tuple[str, ...] | None = None  # the dtypes a run in the fast profile (or with max_examples) takes:
+    # None, all of `dtypes`; fewer where JAX's compiles in every dtype would take more of the main job's CPU than its
+    # budget leaves (the thorough profile runs them all)
 
     def strategy(self) -> st.SearchStrategy:
         return getattr(strategies, OPERATIONS[self.operation].strategy)(**(self.draw or {}))
+
+    def dtypes_in(self, profile: str, max_examples: int | None) -> tuple[str, ...]:
+        """The dtypes a run in `profile` takes: `fast_dtypes` in the fast profile and with max_examples (where
+        given), else every one."""
+        thorough = profile != "fast" and max_examples is None
+        return self.dtypes if thorough or self.fast_dtypes is None else self.fast_dtypes
 
 
 # sdpa and flash: a case with mods is a new program for JAX to compile, so the value groups draw them in about
@@ -112,10 +119,13 @@ GROUPS = (
     Group("block", checks.dropout, dtypes=FLOAT32, examples=4, draw={"long": False}, needs=("dropout",)),
     Group("block", checks.dropout_independence, dtypes=FLOAT32, examples=3, draw={"long": False}, needs=("dropout",)),
     Group("block", gradient_checks.gradients, dtypes=FLOAT64, examples=3, pinned=True, gradient=True),
-    # the modules' low-precision gradients: JAX compiles each module's vjp per shape in three dtypes, 22 to 25 s of
-    # the main job's CPU for two cases each, so the thorough profile alone draws them
-    Group("mha", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True, fast=False),
-    Group("block", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True, fast=False),
+    # the modules' low-precision gradients: JAX compiles each module's vjp per shape and dtype (two cases in three
+    # dtypes took 6-7 s more of the main job's CPU), so the fast profile takes float16, the lowest that every
+    # framework has, and the thorough profile all three
+    Group("mha", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True,
+          fast_dtypes=FLOAT16),
+    Group("block", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True,
+          fast_dtypes=FLOAT16),
     Group("decode", checks.against_oracle, dtypes=BOTH, examples=3, pinned=True),
     # flex: each case's mods are a new program for JAX to compile, so the pinned examples (every catalogue entry)
     # run in float64 alone, where an error is plainest; the drawn cases cover float32
@@ -252,7 +262,8 @@ def check(module: ModuleType | str, *, profile: str = "fast", max_examples: int 
                     continue
                 for group in groups_of(operation, profile, max_examples, wanted):
                     examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
-                    unable = {dtype: _cannot_run(runner, group, dtype) for dtype in _dtypes(group, runner.framework)}
+                    unable = {dtype: _cannot_run(runner, group, dtype)
+                              for dtype in _dtypes(group, runner.framework, profile, max_examples)}
                     runs = [dtype for dtype, why in unable.items() if not why]
                     pinned_in = "float64" if "float64" in runs else runs[0] if runs else None  # Group.pinned
                     for dtype, why in unable.items():
@@ -296,9 +307,9 @@ def known_measures() -> list[str]:
 def groups_of(operation: str, profile: str, max_examples: int | None,
               wanted: Callable[[tuple[str, ...], bool], bool] = lambda reported, group: True) -> list[Group]:
     """The groups of `operation` that a run in `profile` (or with max_examples, as the fast profile) runs: those
-    `wanted` asks for, and a group that runs in the thorough profile alone (Group.fast False) only there."""
+    `wanted` asks for that have a dtype there (Group.dtypes_in)."""
     return [group for group in GROUPS if group.operation == operation and wanted(MEASURES[group.check], True)
-            and (group.fast or (profile != "fast" and max_examples is None))]
+            and group.dtypes_in(profile, max_examples)]
 
 
 def _wanted(measures: Sequence[str] | None) -> Callable[[tuple[str, ...], bool], bool]:
@@ -465,7 +476,7 @@ def planned(module: ModuleType, operations: Sequence[str] = tuple(OPERATIONS), *
     for group in (group for group in GROUPS if group.operation in operations):
         examples = group.examples * PROFILES[profile] if max_examples is None else max_examples
         examples += len(fixed_cases.rows(group.operation, "example")) if group.pinned else 0
-        total += examples * len(_dtypes(group, framework))
+        total += examples * len(_dtypes(group, framework, profile, max_examples))
     return total + sum(len(fixed_cases.rows(operation, use)) for operation in operations for use in ("edge", "error"))
 
 
@@ -477,9 +488,9 @@ def contract_gaps(module: ModuleType) -> list[str]:
                                         if len(missing(module, functions)) == len(functions) else [])
 
 
-def _dtypes(group: Group, framework: Framework) -> tuple[str, ...]:
-    """The group's dtypes that the framework's arrays have."""
-    return tuple(dtype for dtype in group.dtypes if dtype in framework.dtypes)
+def _dtypes(group: Group, framework: Framework, profile: str, max_examples: int | None) -> tuple[str, ...]:
+    """The group's dtypes in a run in `profile` (Group.dtypes_in) that the framework's arrays have."""
+    return tuple(dtype for dtype in group.dtypes_in(profile, max_examples) if dtype in framework.dtypes)
 
 
 def _unnamed(dtype: str) -> str | None:
