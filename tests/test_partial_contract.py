@@ -191,6 +191,22 @@ def test_a_module_lacking_an_option_never_gets_a_case_that_uses_it():
     assert seen and all(seen)
 
 
+def test_a_block_that_decodes_beside_an_attention_without_a_cache_lacks_mha_cache_and_passes():
+    # TransformerBlock.extend beside a MultiHeadAttention without extend: the module's classes say it lacks
+    # mha_cache; drawn decode cases attend to their own input through the block, the fixed cross-attention case is
+    # skipped (each called the missing method before, and failed)
+    class Attention(attention_np.MultiHeadAttention):
+        extend = init_cache = None  # no cache of its own
+
+    module = _module("no_mha_cache", functions=())
+    module.MultiHeadAttention, module.TransformerBlock = Attention, attention_np.TransformerBlock
+    assert features_module.declaration_of(module).reason("mha_cache") == "lacks mha_cache: no MultiHeadAttention.extend"
+    assert not features_module.declaration_of(attention_np).lacks  # a module with both caches lacks nothing
+    report = check(module, operations=("decode",), max_examples=4)
+    assert report.passed, _failures(report)
+    assert any(row.examples for row in report.rows if row.check == "values" and not row.skipped), report.rows
+
+
 def test_a_declaration_changes_how_the_drawn_cases_run_never_which_are_drawn():
     # the queries each sdpa call gets, in order: the same for one seed whatever the module declares lacking (the
     # window lacking only leaves the window out of the cases that have one)
@@ -602,6 +618,10 @@ def _nan_everywhere_from_any_nan(where, function, named, arguments, keywords):
     return _with_result(where, lambda out, second: (nan(out), nan(second)))(result)
 
 
+def _an_attention_cache(where: str, named: dict) -> str | None:
+    return "its own cache" if where in ("MultiHeadAttention.extend", "MultiHeadAttention.init_cache") else None
+
+
 def _raising_on_empty(where: str, named: dict) -> str | None:
     empty = [name for name in ("q", "k", "v", "x") if isinstance(named.get(name), np.ndarray)
              and named[name].ndim >= 2 and named[name].shape[-2] == 0]
@@ -638,6 +658,7 @@ WALKS = {
     "mask": Walk(_refusing(_a_mask), MODULES),
     "mask_per_head": Walk(_refusing(_a_mask_per_head), MODULES),
     "dropout": Walk(_refusing(_a_dropout), ("sdpa", "mha", "block", "decode")),
+    "mha_cache": Walk(_refusing(_an_attention_cache), ("decode",), undeclared=("values",)),
     "weights": Walk(_no_weights, ("sdpa", "mha", "block", "decode"), NO_GRADIENTS),
     "masked_rows": Walk(_nan_where_no_key_is_seen, ("sdpa", "flash", "flex", "linear", "mha", "block"),
                         undeclared=("edge_cases",)),

@@ -65,6 +65,12 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
         ("attention_linear", 'attention="linear" (MultiHeadAttention with linear attention in each head)'),
         ("norm_rms", 'norm="rms" (a block with RMSNorm)'), ("gelu", 'activation="gelu" (a block with GELU)'),
         ("swiglu", 'activation="swiglu" (a block with a SwiGLU feed-forward network)'))),
+    Feature("mha_cache", kind="argument",
+            asks="MultiHeadAttention's own cache: init_cache, and extend(x_q, x_kv, cache), decoding with the keys "
+                 "and values of another input (cross-attention)",
+            without="drawn decode cases attend to their own input through the block's extend; fixed cases that use "
+                    "it are skipped; read from the module too: a TransformerBlock with extend beside a "
+                    "MultiHeadAttention without one lacks it"),
     Feature("masked_rows", kind="rule",
             asks="a query that sees no key gets an output row (sdpa) and a weights row of zeros",
             without="the rows of such queries are left out of every comparison (modules: a position where a head "
@@ -137,14 +143,24 @@ class Declaration:
 
 
 def declaration_of(module: ModuleType) -> Declaration:
-    """What the module lacks: what its signatures say (`from_signatures`), joined with its declaration
-    (CONFORMANCE), whose reasons win; a module whose functions take every keyword and that declares nothing
-    lacks nothing."""
+    """What the module lacks: what its signatures say (`from_signatures`) and its classes' methods (`from_methods`),
+    joined with its declaration (CONFORMANCE), whose reasons win; a module whose functions take every keyword, whose
+    classes have every method and that declares nothing lacks nothing."""
     declared = getattr(module, DECLARATION, None)
     if declared is not None and not isinstance(declared, Declaration):
         raise TypeError(f"{module.__name__}.{DECLARATION} must be a conformance.Declaration, got "
                         f"{type(declared).__name__}")
-    return from_signatures(module) | (declared or Declaration())
+    return from_signatures(module) | from_methods(module) | (declared or Declaration())
+
+
+def from_methods(module: ModuleType) -> Declaration:
+    """mha_cache where the module's TransformerBlock decodes (has extend) and its MultiHeadAttention does not: the
+    block's cache alone, with the reason "no MultiHeadAttention.extend"; nothing otherwise (a module without
+    TransformerBlock.extend has no decode operation to leave the feature out of)."""
+    block, attention = (getattr(module, name, None) for name in ("TransformerBlock", "MultiHeadAttention"))
+    if callable(getattr(block, "extend", None)) and not callable(getattr(attention, "extend", None)):
+        return Declaration({"mha_cache": "no MultiHeadAttention.extend"})
+    return Declaration()
 
 
 SIGNED = ("scaled_dot_product_attention", "flash_attention")  # the function whose signature tells, the first there

@@ -547,6 +547,7 @@ MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     or "ffn.w_gate.weight" in (getattr(case, "state", None) or {}),  # module without SwiGLU cannot even refuse aright
     "mask": lambda case: getattr(case, "mask", None) is not None,
     "mask_per_head": lambda case: _head_masks(getattr(case, "mask", None)),
+    "mha_cache": lambda case: getattr(case, "x_kv", None) is not None,  # decoding cross-attention
 }
 
 
@@ -560,11 +561,13 @@ def _module_uses(case: MhaCase | BlockCase | DecodeCase) -> set[str]:
 
 
 def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Declaration) -> Any:
-    """No mask where the module lacks masks; None where the case needs a lacking option (its state is drawn in
-    that layout)."""
+    """No mask where the module lacks masks; a decode case's block on its own input where the module lacks
+    MultiHeadAttention's cache; None where the case needs a lacking option (its state is drawn in that layout)."""
     options = [name for name in declaration.lacks if name in MODULE_FEATURES and name not in _MODULE_ARGUMENTS]
     if any(MODULE_FEATURES[name](case) for name in options):
         return None
+    if "mha_cache" in declaration and MODULE_FEATURES["mha_cache"](case):
+        case = case._replace(x_kv=None)
     if "mask" not in case._fields or case.mask is None:
         return case
     if "mask" in declaration:
@@ -574,7 +577,8 @@ def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Decla
     return case
 
 
-_MODULE_ARGUMENTS = ("mask", "mask_per_head", "dropout")  # what a module case can do without (the rest: options)
+_MODULE_ARGUMENTS = ("mask", "mask_per_head", "dropout", "mha_cache")  # what a module case can do without (the
+# rest: options)
 
 
 def _module_blind(case: MhaCase | BlockCase | DecodeCase) -> tuple[np.ndarray, np.ndarray] | None:
