@@ -50,6 +50,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "cache_unchecked": ("decode", {"errors"}),  # a cache of another batch shape or dtype written into as it comes
     "cache_width_unchecked": ("decode", {"errors"}),  # an input of another width reaches the cache's write
     "extend_mask_ignored": ("decode", {"values"}),  # extend's mask dropped: causal alone
+    "extend_mask_cropped": ("decode", {"errors"}),  # a mask of another width than the capacity read as it comes
     "cross_attention_keys_from_the_queries": ("decode", {"values"}),  # MHA.extend caches x_q's keys, not x_kv's
     "rope_positions_from_the_chunk": ("decode", {"values"}),  # RoPE at 0.. in every chunk
     "rope_keys_not_turned": ("mha", {"values"}),  # the scores depend on the query's position, not the distance

@@ -324,6 +324,19 @@ class ExtendMaskIgnored(Implementation):
         return True
 
 
+class ExtendMaskCropped(Implementation):
+    """extend takes the first `end` columns of its mask, those of the keys so far, whatever its width: a mask
+    over another number of keys than the cache's capacity (one made for the keys so far, or for another cache)
+    is read without a word, its columns at the wrong keys once it is narrower than the sequence. Caught by:
+    errors (decode's mask_not_capacity_wide)."""
+
+    def cache_mask(self, mask: Any, start: int, end: int, capacity: int) -> np.ndarray | bool:
+        if mask is None:
+            return True
+        shown = np.asarray(mask) != 0  # (..., [H,] L or 1, any width)
+        return np.broadcast_to(shown[..., :end], (*shown.shape[:-2], end - start, end))
+
+
 class CrossAttentionKeysFromTheQueries(Implementation):
     """MultiHeadAttention.extend caches the keys and values of x_q, not of x_kv: self-attention's path taken
     for cross-attention, which no check told apart while x_q was x_kv (the block's extend). Caught by: values
@@ -799,6 +812,7 @@ VARIANTS: dict[str, type[Implementation]] = {
     "cache_unchecked": CacheUnchecked,
     "cache_width_unchecked": CacheWidthUnchecked,
     "extend_mask_ignored": ExtendMaskIgnored,
+    "extend_mask_cropped": ExtendMaskCropped,
     "cross_attention_keys_from_the_queries": CrossAttentionKeysFromTheQueries,
     "rope_positions_from_the_chunk": RopePositionsFromTheChunk,
     "rope_keys_not_turned": RopeKeysNotTurned,

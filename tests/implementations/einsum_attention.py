@@ -256,7 +256,11 @@ class Implementation:
         if mask is None:
             return True
         shown = np.asarray(mask) != 0
-        shown = np.broadcast_to(shown, np.broadcast_shapes(shown.shape, (end - start, capacity)))  # (..., L, capacity)
+        try:
+            shown = np.broadcast_to(shown, np.broadcast_shapes(shown.shape, (end - start, capacity)))  # (..., L, C)
+        except ValueError:
+            raise ValueError(f"mask has shape {shown.shape}; extend's mask broadcasts to (..., H, {end - start}, "
+                             f"{capacity}), (..., H, L, capacity)") from None
         return shown[..., :end]
 
     def cached_inputs(self, x_q: np.ndarray, x_kv: np.ndarray) -> np.ndarray:
