@@ -6,6 +6,7 @@ Tiny sizes and two repeats keep these fast; no test looks at a timing value, onl
 
 from __future__ import annotations
 
+import gc
 import importlib
 import io
 import itertools
@@ -16,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -167,6 +169,31 @@ def test_measure_settles_before_each_call_for_at_most_ten_times_the_previous_cal
     # the wait after the quick call is at most ten times that call; the slack is the scheduler's on a busy machine
     assert gaps[("slow", "quick")] >= 0.1 and gaps[("quick", "slow")] < 10 * quick + 0.03, (gaps, quick)
     assert variants.FLEX.settle > 0 and variants.PLAIN.settle == 0  # flex's NumPy thread pool, after OpenBLAS's
+
+
+def test_a_timed_region_of_a_frozen_run_still_starts_after_collecting_the_garbage_made_since() -> None:
+    # older_objects_frozen (compare's, targets' and decode's whole run) freezes what is alive at its start, so that
+    # collector_paused's collection walks only newer objects: a cycle made inside is still collected before the
+    # region; the objects are handed back at the end, and a freeze made by the caller is left as it was
+    class Cycle:
+        pass
+
+    def cycle() -> weakref.ref:
+        made = Cycle()
+        made.itself = made
+        return weakref.ref(made)
+
+    assert gc.get_freeze_count() == 0
+    with timing.older_objects_frozen():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        made = cycle()
+        with timing.collector_paused():
+            assert made() is None and not gc.isenabled()
+        with timing.older_objects_frozen():  # nested: the enclosing run's freeze holds
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])

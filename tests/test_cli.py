@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pathlib
 import re
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 
@@ -33,14 +35,41 @@ def _importable(name: str) -> bool:
     return True
 
 
-def test_default_run_passes_and_names_each_importable_backend(tmp_path: pathlib.Path) -> None:
+# the main job in a process of its own, run with runpy so that the modules it imported can be read afterwards: its
+# parts need two jobs at least, which the default (one per core) gives on every machine of more than one core
+MAIN_JOB = ("import json, runpy, sys\nsys.argv = ['conformance', *json.loads(sys.argv[1])]\n"
+            "try:\n    runpy.run_module('conformance', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
+            "print('loaded:', [name for name in (*sys.modules, ) if name.split('.')[0] in "
+            "('attention_jax', 'attention_torch', 'jax', 'torch')])")
+
+
+class MainJob(NamedTuple):
+    """One run of the main job on two of its operations (sdpa, and ring for its SKIP rows): the process's result,
+    its JSON report, and the operations it checked."""
+
+    result: subprocess.CompletedProcess
+    reports: dict
+    operations: tuple[str, ...]
+
+
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory: pytest.TempPathFactory) -> MainJob:
+    """The main job, run once for the two tests that read it (each run costs seconds of CPU in every worker)."""
+    path, operations = tmp_path_factory.mktemp("main") / "report.json", ("sdpa", "ring")
+    jobs = ["--jobs", "2"] if (os.cpu_count() or 1) < 2 else []  # one core: the default would check in this process
+    args = ["--operations", ",".join(operations), "--max-examples", "1", "--seed", "7", "--json", str(path), *jobs]
+    result = subprocess.run([sys.executable, "-c", MAIN_JOB, json.dumps(args)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return MainJob(result, json.loads(path.read_text()), operations)
+
+
+def test_default_run_passes_and_names_each_importable_backend(main_job: MainJob) -> None:
     # the main job, checked in parts (one process per core); its report is the one a single process makes. Two of
     # its operations here, ring for its SKIP rows; .ci/run runs the whole main job, from the wheel
-    path, operations = tmp_path / "report.json", ("sdpa", "ring")
-    result = _run("--operations", ",".join(operations), "--max-examples", "1", "--seed", "7", "--json", str(path))
-    assert result.returncode == 0, result.stdout + result.stderr
+    result, reports, operations = main_job
     header = next(line for line in result.stdout.splitlines() if line.startswith("operation"))
-    reports = json.loads(path.read_text())
     for name in BUILT_IN:
         if _importable(name):
             assert name in header.split(), f"{name} imports but is not a column of:\n{result.stdout}"
@@ -109,17 +138,9 @@ def test_compare_and_figure_import_neither_the_suite_nor_hypothesis(command: str
     assert result.stdout.splitlines()[-1] == "loaded: []", result.stdout
 
 
-def test_the_main_job_imports_jax_and_torch_in_its_workers_only() -> None:
-    # the parent of a run in parts (--jobs 2) starts the workers and joins their reports: it imports neither
-    # framework nor its backend (each would cost it a second or more of CPU on top of the workers' own imports).
-    # Run with runpy, as above
-    code = ("import runpy, sys\nsys.argv = ['conformance', '--operations', 'decode', '--max-examples', '1', "
-            "'--jobs', '2']\n"
-            "try:\n    runpy.run_module('conformance', run_name='__main__', alter_sys=True)\n"
-            "except SystemExit as exit:\n    assert exit.code == 0, exit.code\n"
-            "print('loaded:', [name for name in (*sys.modules, ) if name.split('.')[0] in "
-            "('attention_jax', 'attention_torch', 'jax', 'torch')])")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_the_main_job_imports_jax_and_torch_in_its_workers_only(main_job: MainJob) -> None:
+    # the parent of a run in parts starts the workers and joins their reports: it imports neither framework nor its
+    # backend (each would cost it a second or more of CPU on top of the workers' own imports). The run of
+    # test_default_run_passes_and_names_each_importable_backend, which checked every backend in its workers
+    result = main_job.result
     assert "all pass" in result.stdout and result.stdout.splitlines()[-1] == "loaded: []", result.stdout

@@ -33,7 +33,8 @@ front: the first P are the prompt, then one fixed input per step (no sampling).
 
 Every timed region runs with Python's garbage collector paused after a full collection (timing.collector_paused,
 as timeit does): a full collection takes about 60 ms with torch imported, a sixth of a decode loop, and would
-land in whichever loop crosses its threshold.
+land in whichever loop crosses its threshold. The run holds the objects alive at its start frozen
+(timing.older_objects_frozen): those collections then walk only the objects made since.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..frameworks.registry import framework_of
-from .timing import Target, TargetRow, collector_paused, meets
+from .timing import Target, TargetRow, collector_paused, meets, older_objects_frozen
 
 ROPE_THETA: float | None = 10000.0  # rotary embeddings' base (Llama's); None: the block without RoPE
 D_MODEL, NUM_HEADS, NUM_KV_HEADS, D_FF, EPS = 512, 8, 2, 1408, 1e-5
@@ -114,18 +115,19 @@ def run(config: Config, backends: dict[str, ModuleType]) -> tuple[list[DecodeRow
     """The benchmark on every backend: one row each, and the targets' rows (speed-up; torch: ours / pieces)."""
     state, x = make_problem(config)
     rows, targets = [], []
-    for name, module in backends.items():
-        framework = framework_of(module)
-        converted = {key: framework.converter("float32", "cpu")(value) for key, value in state.items()}
-        inputs = framework.converter("float32", "cpu")(x)
-        with framework.no_autograd() if framework.no_autograd else contextlib.nullcontext():
-            row = benchmark(name, module, converted, inputs, config)
-        rows.append(row)
-        targets.append(_target_row(TARGETS["speed-up"]._replace(framework=row.framework), config,
-                                   (f"{name} recompute", row.recompute_ms), (f"{name} decode", row.decode_ms)))
-        if row.pieces_ms is not None:
-            targets.append(_target_row(TARGETS["pieces"], config, (f"{name} decode", row.turns_ms),
-                                       ("torch pieces decode", row.pieces_ms)))
+    with older_objects_frozen():
+        for name, module in backends.items():
+            framework = framework_of(module)
+            converted = {key: framework.converter("float32", "cpu")(value) for key, value in state.items()}
+            inputs = framework.converter("float32", "cpu")(x)
+            with framework.no_autograd() if framework.no_autograd else contextlib.nullcontext():
+                row = benchmark(name, module, converted, inputs, config)
+            rows.append(row)
+            targets.append(_target_row(TARGETS["speed-up"]._replace(framework=row.framework), config,
+                                       (f"{name} recompute", row.recompute_ms), (f"{name} decode", row.decode_ms)))
+            if row.pieces_ms is not None:
+                targets.append(_target_row(TARGETS["pieces"], config, (f"{name} decode", row.turns_ms),
+                                           ("torch pieces decode", row.pieces_ms)))
     return rows, targets
 
 
