@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import warnings
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -64,13 +64,30 @@ CASES: dict[str, tuple[Any, Any]] = {
 }
 
 
+# the cases whose gradients the tests compare with torch's (a grouped-heads one too): their references take the
+# gradients in the same call of torch's flex_attention as out and lse
+GRADIENT_CASES = ("none", "causal", "document", "alibi", "softcap", "relative_bias", "and", "or", "nested", "empty_or")
+GROUPED_GRADIENT_CASES = ("nested",)
+
+
 def _inputs(kv_heads: int = H) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _random(B, H, L, E), _random(B, kv_heads, S, E, seed=1), _random(B, kv_heads, S, EV, seed=2)
 
 
-def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=False, d_out=None):
-    """torch's own flex_attention: (out, lse) and, given d_out, the gradients of sum(out * d_out) with respect
-    to q, k, v and the score function's parameters."""
+class Reference(NamedTuple):
+    """What torch's flex_attention gives for one case: out and lse, and, where a d_out was given, the gradients
+    of sum(out * d_out) with respect to q, k, v (grads) and the score function's parameters (d_parameters)."""
+
+    out: np.ndarray
+    lse: np.ndarray
+    grads: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    d_parameters: dict[str, np.ndarray] | None = None
+
+
+def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=False, d_out=None) -> Reference:
+    """torch's own flex_attention: out and lse and, given d_out, the gradients of sum(out * d_out) with respect
+    to q, k, v and the score function's parameters, from one call (each call runs torch's dynamo over the mods,
+    most of its cost)."""
     tensors = [torch.tensor(x, requires_grad=d_out is not None) for x in (q, k, v)]
     parameters = {name: torch.tensor(np.asarray(value, dtype=np.float64), requires_grad=True)
                   for name, value in getattr(score_mod, "parameters", {}).items()} if d_out is not None else {}
@@ -90,21 +107,32 @@ def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=Fals
                                            enable_gqa=enable_gqa, return_lse=True)
         finally:
             flex._validate_device = guard
+    values = {"out": out.detach().numpy(), "lse": lse.detach().numpy()}
     if d_out is None:
-        return out.detach().numpy(), lse.detach().numpy()
+        return Reference(**values)
     grads = torch.autograd.grad(out, [*tensors, *parameters.values()], torch.tensor(d_out), allow_unused=True)
     grads = [np.zeros(x.shape) if g is None else g.numpy() for g, x in zip(grads, [*tensors, *parameters.values()],
                                                                            strict=True)]
-    return grads[:3], dict(zip(parameters, grads[3:], strict=True))
+    return Reference(**values, grads=tuple(grads[:3]), d_parameters=dict(zip(parameters, grads[3:], strict=True)))
 
 
 @functools.cache
-def _reference_of(name: str, *, enable_gqa: bool = False, gradients: bool = False) -> tuple:
-    """_torch_reference of CASES[name] on _inputs() (d_out seed 3 for the gradients), computed once per module:
-    the inputs are fixed by the name, and every backend and tile size compares with the same reference."""
+def _reference_of(name: str, *, enable_gqa: bool = False) -> Reference:
+    """_torch_reference of CASES[name] on _inputs(), with the gradients (d_out seed 3) for the names of
+    GRADIENT_CASES (GROUPED_GRADIENT_CASES with enable_gqa), computed once per process: the inputs are fixed by the
+    name, and every backend, tile size and function (tests/test_mods_attention.py's too) compares with the same
+    reference."""
     q, k, v = _inputs(kv_heads=HKV if enable_gqa else H)
+    gradients = name in (GROUPED_GRADIENT_CASES if enable_gqa else GRADIENT_CASES)
     d_out = _random(B, H, L, EV, seed=3) if gradients else None
     return _torch_reference(q, k, v, *CASES[name], enable_gqa=enable_gqa, d_out=d_out)
+
+
+def _gradients_of(name: str, *, enable_gqa: bool = False) -> tuple[tuple, dict[str, np.ndarray]]:
+    """(dq, dk, dv) and the parameters' gradients of _reference_of(name)."""
+    reference = _reference_of(name, enable_gqa=enable_gqa)
+    assert reference.grads is not None, f"{name}: its reference takes no gradients (GRADIENT_CASES)"
+    return reference.grads, reference.d_parameters
 
 
 def _ours(M: ModuleType, q, k, v, mask_mod, score_mod, tiles, **options) -> tuple[np.ndarray, np.ndarray]:
@@ -128,32 +156,31 @@ def test_equals_torch_flex_attention(backend, name, tiles):
     _one_tiling_in_jax(backend, tiles)
     mask_mod, score_mod = CASES[name]
     q, k, v = _inputs()
-    expected_out, expected_lse = _reference_of(name)
+    expected = _reference_of(name)
     out, lse = _ours(backend, q, k, v, mask_mod, score_mod, tiles if mask_mod is not None else 128, scale=0.7)
-    assert_close(out, expected_out, RTOL, f"{name} out")
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected_lse), f"{name}: lse -inf where no key")
-    finite = np.isfinite(expected_lse)
-    assert_close(lse[finite], expected_lse[finite], RTOL, f"{name} lse")
+    assert_close(out, expected.out, RTOL, f"{name} out")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expected.lse), f"{name}: lse -inf where no key")
+    finite = np.isfinite(expected.lse)
+    assert_close(lse[finite], expected.lse[finite], RTOL, f"{name} lse")
 
 
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "and", "nested"])
 def test_grouped_query_heads_equal_torch(backend, name):
     mask_mod, score_mod = CASES[name]
     q, k, v = _inputs(kv_heads=HKV)
-    expected_out, _ = _reference_of(name, enable_gqa=True)
+    expected_out = _reference_of(name, enable_gqa=True).out
     out, _ = _ours(backend, q, k, v, mask_mod, score_mod, (2, 3), scale=0.7, enable_gqa=True)
     assert_close(out, expected_out, RTOL, name)
 
 
 @pytest.mark.parametrize("tiles", [(2, 3), (4, 7)])
-@pytest.mark.parametrize("name", ["none", "causal", "document", "alibi", "softcap", "relative_bias", "and", "or",
-                                  "nested", "empty_or"])
+@pytest.mark.parametrize("name", GRADIENT_CASES)
 def test_gradients_equal_torch(backend, name, tiles):
     _one_tiling_in_jax(backend, tiles)
     mask_mod, score_mod = CASES[name]
     q, k, v = _inputs()
     d_out = _random(B, H, L, EV, seed=3)
-    (dq, dk, dv), d_parameters = _reference_of(name, gradients=True)
+    (dq, dk, dv), d_parameters = _gradients_of(name)
     block_mask = None if mask_mod is None else backend.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=tiles)
     _, _, pullback = backend.flex_attention_vjp(*(backend.asarray(x) for x in (q, k, v)), score_mod=score_mod,
                                                 block_mask=block_mask, scale=0.7)
@@ -169,7 +196,7 @@ def test_grouped_query_gradients_equal_torch(backend):
     mask_mod, score_mod = CASES["nested"]
     q, k, v = _inputs(kv_heads=HKV)
     d_out = _random(B, H, L, EV, seed=3)
-    (dq, dk, dv), d_parameters = _reference_of("nested", enable_gqa=True, gradients=True)
+    (dq, dk, dv), d_parameters = _gradients_of("nested", enable_gqa=True)
     block_mask = backend.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=(2, 3))
     _, _, pullback = backend.flex_attention_vjp(*(backend.asarray(x) for x in (q, k, v)), score_mod=score_mod,
                                                 block_mask=block_mask, scale=0.7, enable_gqa=True)
@@ -260,10 +287,16 @@ def test_a_user_mod_in_the_framework_own_functions(backend):
     def soft_causal(score, b, h, q_idx, kv_idx):  # halves the scores of future keys instead of hiding them
         return where(kv_idx <= q_idx, score, score * 0.5)
 
-    expected, _ = _torch_reference(q, k, v, None, lambda score, b, h, q_idx, kv_idx:
-                                   torch.where(kv_idx <= q_idx, score, score * 0.5))
     out, _ = _ours(backend, q, k, v, None, soft_causal, 128, scale=0.7)
-    assert_close(out, expected, RTOL, "soft causal")
+    assert_close(out, _soft_causal_reference(), RTOL, "soft causal")
+
+
+@functools.cache
+def _soft_causal_reference() -> np.ndarray:
+    """torch's flex_attention's out with soft_causal written in torch's functions, computed once for every
+    backend."""
+    return _torch_reference(*_inputs(), None, lambda score, b, h, q_idx, kv_idx:
+                            torch.where(kv_idx <= q_idx, score, score * 0.5)).out
 
 
 def test_numpy_vjp_names_the_missing_derivative():

@@ -13,7 +13,7 @@ import pytest
 
 from attention_np.common import mods
 from tests._compare import REORDERED, assert_close
-from tests.test_flex import CASES, EV, HKV, B, H, L, S, _inputs, _random, _reference_of
+from tests.test_flex import CASES, EV, HKV, B, H, L, S, _gradients_of, _inputs, _random, _reference_of
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -54,7 +54,7 @@ def _few_in_jax(M: ModuleType, path: str, name: str) -> None:
 def test_equals_torch_flex_attention(backend, path, name):
     _few_in_jax(backend, path, name)
     mask_mod, score_mod = CASES[name]
-    expected, _ = _reference_of(name)
+    expected = _reference_of(name).out
     assert_close(_attend(backend, path, *_inputs(), mask_mod, score_mod), expected, RTOL, f"{name} {path}")
 
 
@@ -62,7 +62,7 @@ def test_equals_torch_flex_attention(backend, path, name):
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "nested"])
 def test_grouped_query_heads_equal_torch(backend, path, name):
     mask_mod, score_mod = CASES[name]
-    expected, _ = _reference_of(name, enable_gqa=True)
+    expected = _reference_of(name, enable_gqa=True).out
     out = _attend(backend, path, *_inputs(kv_heads=HKV), mask_mod, score_mod, enable_gqa=True)
     assert_close(out, expected, RTOL, f"{name} {path}")
 
@@ -97,7 +97,7 @@ def _vjp(M: ModuleType, path: str, q, k, v, mask_mod, score_mod, **options):
 def test_gradients_equal_torch(backend, path, name):
     _few_in_jax(backend, "flash" if path == "flash" else path, name)
     mask_mod, score_mod = CASES[name]
-    (dq, dk, dv), d_parameters = _reference_of(name, gradients=True)
+    (dq, dk, dv), d_parameters = _gradients_of(name)
     _, _, pullback = _vjp(backend, path, *_inputs(), mask_mod, score_mod)
     grads = pullback(backend.asarray(_random(B, H, L, EV, seed=3)))
     for what, actual, expected in zip(("dq", "dk", "dv"), grads[:3], (dq, dk, dv), strict=True):
@@ -114,7 +114,7 @@ def test_gradients_equal_torch(backend, path, name):
 @pytest.mark.parametrize("path", ["sdpa", "flash"])
 def test_grouped_query_gradients_equal_torch(backend, path):
     mask_mod, score_mod = CASES["nested"]
-    (dq, dk, dv), d_parameters = _reference_of("nested", enable_gqa=True, gradients=True)
+    (dq, dk, dv), d_parameters = _gradients_of("nested", enable_gqa=True)
     _, _, pullback = _vjp(backend, path, *_inputs(kv_heads=HKV), mask_mod, score_mod, enable_gqa=True)
     grads = pullback(backend.asarray(_random(B, H, L, EV, seed=3)))
     for what, actual, expected in zip(("dq", "dk", "dv"), grads[:3], (dq, dk, dv), strict=True):
