@@ -59,6 +59,11 @@ def _inputs(M: ModuleType, seed: int = 1) -> tuple:
 
 # --- JAX ------------------------------------------------------------------------------------------
 
+# _JIT_GRAD: the tests of grad's values and structure take jax.grad under jax.jit, one program: an eager grad
+# compiles each primitive of the forward and backward passes apart, most of their CPU time. The forward each
+# compares with runs eagerly, and test_fully_masked_row_gets_exactly_zero_gradient_for_its_query takes its grad
+# eagerly.
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_jax_jit_output_equals_eager(kind: str):
     M = import_backend("attention_jax")
@@ -105,7 +110,7 @@ def test_jax_grad_wrt_a_module_is_a_module_with_the_same_names(kind: str):
     import jax
 
     f, module, (x, mask) = _apply(M, kind), _model(M, kind), _inputs(M)
-    grad = jax.grad(lambda m: (f(m, x, mask)[0] ** 2).sum())(module)
+    grad = jax.jit(jax.grad(lambda m: (f(m, x, mask)[0] ** 2).sum()))(module)  # one program (see _JIT_GRAD)
     assert type(grad) is type(module)
     assert list(grad.state_dict()) == list(module.state_dict())
     for name, value in grad.state_dict().items():
@@ -125,7 +130,7 @@ def test_jax_grad_matches_a_central_difference(kind: str):
         out = f(m, x, mask)[0]  # SDPA's carries a head axis: (B, 1, L, D)
         return (out * c.reshape(out.shape)).sum()
 
-    grads = jax.grad(loss, argnums=(0, 1))(module, x)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(module, x)  # one program (see _JIT_GRAD)
     # along a random direction u over every parameter and the input, (loss(p + h u) - loss(p - h u)) / 2h
     # equals <grad, u> up to O(h^2) plus float64 rounding / h: about 1e-9 relative here, so 1e-7 has
     # margin, while a wrong gradient term is off by order 1
@@ -195,7 +200,7 @@ def test_torch_and_jax_gradients_agree():
     (torch_block(x, mask)[0] * torch.as_tensor(c)).sum().backward()
     jax_block = _model(jax_M, "block")
     x, mask = _inputs(jax_M)
-    grad = jax.grad(lambda m: (m(x, mask)[0] * c).sum())(jax_block).state_dict()
+    grad = jax.jit(jax.grad(lambda m: (m(x, mask)[0] * c).sum()))(jax_block).state_dict()  # see _JIT_GRAD
     # measured against the largest gradient: attn.w_k.bias has gradient 0 in exact arithmetic (it adds
     # q . b_k to a whole row of scores, which the softmax ignores), so its computed values are rounding
     scale = max(parameter.grad.abs().max().item() for parameter in torch_block.parameters())

@@ -6,8 +6,10 @@ that stays bounded where the scores would not."""
 
 from __future__ import annotations
 
+import functools
 import math
 import tracemalloc
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -32,6 +34,36 @@ def flash(M: ModuleType, q, k, v, mask=None, **options) -> tuple[np.ndarray, np.
     return M.to_numpy(out), M.to_numpy(lse)
 
 
+def _one_program(M: ModuleType, name: str, *arrays, d_out=None, **options) -> tuple:
+    """M's function `name` on M's arrays (None allowed), its results; a vjp's are its out, its second result and
+    its pullback's gradients at d_out. JAX's runs as one jax.jit per function and static options, arrays traced:
+    eagerly, the untiled attention compiles each primitive apart at every new shape and set of options (several
+    times the one program's cost). Where the claim is eager behaviour, the tests call the backend directly."""
+    arrays = [None if x is None else M.asarray(x) for x in arrays]
+    traced = {key: M.asarray(x) for key, x in options.items() if isinstance(x, np.ndarray)}
+    static = tuple((key, x) for key, x in options.items() if key not in traced)
+    d_out = None if d_out is None else M.asarray(d_out)
+    if M.__name__ != "attention_jax":
+        return _values(getattr(M, name), *arrays, d_out=d_out, **dict(static), **traced)
+    return _jitted(M.__name__, name, static)(*arrays, d_out=d_out, **traced)
+
+
+def _values(function: Callable, *arrays, d_out=None, **options) -> tuple:
+    """function(*arrays, **options), a vjp's pullback (its last result) taken at d_out."""
+    results = function(*arrays, **options)
+    return results if d_out is None else (*results[:-1], results[-1](d_out))
+
+
+@functools.cache
+def _jitted(backend: str, name: str, static: tuple) -> Callable:
+    """_values of the JAX function `name` under jax.jit, its static options bound: built once."""
+    import jax
+
+    function = getattr(import_backend(backend), name)
+    return jax.jit(lambda *arrays, d_out=None, **traced: _values(function, *arrays, d_out=d_out, **dict(static),
+                                                                **traced))
+
+
 def test_two_keys_by_hand(backend):
     # one query, scores 0 and log 3 (q = 1, k = (0, log 3), scale 1): weights (1/4, 3/4), lse = log(1 + 3)
     q, k, v = np.ones((1, 1)), np.array([[0.0], [math.log(3)]]), np.array([[4.0], [8.0]])
@@ -53,9 +85,8 @@ def test_equals_its_own_attention(backend, tiles, options):
     bias = np.where(_random(7, 9, seed=4) > 1.5, -np.inf, _random(7, 9, seed=5))
     for extra in ({}, {"mask": mask, "bias": bias}):
         kw = {**options, **({"bias": extra["bias"]} if extra else {})}
-        expected, _ = backend.scaled_dot_product_attention(
-            *(backend.asarray(x) for x in (q, k, v)), converted(backend, extra.get("mask")),
-            need_weights=False, **{name: converted(backend, value) for name, value in kw.items()})
+        expected, _ = _one_program(backend, "scaled_dot_product_attention", q, k, v, extra.get("mask"),
+                                   need_weights=False, **kw)
         out, lse = flash(backend, q, k, v, extra.get("mask"), block_q=tiles[0], block_k=tiles[1], **kw)
         assert_close(out, backend.to_numpy(expected), RTOL, f"{options} {tiles} {sorted(extra)}")
         assert lse.shape == out.shape[:-1] and lse.dtype == np.float64
@@ -63,8 +94,8 @@ def test_equals_its_own_attention(backend, tiles, options):
 
 def test_grouped_heads_without_copies(backend):
     q, k, v = _random(2, 4, 5, 3), _random(2, 2, 6, 3, seed=1), _random(2, 2, 6, 2, seed=2)
-    expected, _ = backend.scaled_dot_product_attention(*(backend.asarray(x) for x in (q, k, v)), is_causal=True,
-                                                       enable_gqa=True, need_weights=False)
+    expected, _ = _one_program(backend, "scaled_dot_product_attention", q, k, v, is_causal=True, enable_gqa=True,
+                               need_weights=False)
     out, lse = flash(backend, q, k, v, is_causal=True, enable_gqa=True, block_q=2, block_k=4)
     assert_close(out, backend.to_numpy(expected), RTOL, "enable_gqa")
     assert lse.shape == (2, 4, 5)
@@ -122,16 +153,15 @@ def test_vjp_equals_the_untiled_vjp(backend, tiles):
     mask = np.ones((6, 7), bool)
     mask[2] = False  # query 2 sees no key
     d_out = _random(2, 2, 6, 4, seed=5)
-    options = {"is_causal": True, "q_offset": 1, "softcap": 1.5, "bias": backend.asarray(bias)}
-    args = [backend.asarray(x) for x in (q, k, v)] + [backend.asarray(mask)]
-    _, _, untiled = backend.scaled_dot_product_attention_vjp(*args, **options)
-    _, _, tiled = backend.flash_attention_vjp(*args, block_q=tiles[0], block_k=tiles[1], **options)
-    for name, got, expected in zip(("dq", "dk", "dv", "dbias"), tiled(backend.asarray(d_out)),
-                                   untiled(backend.asarray(d_out)), strict=True):
+    options = {"is_causal": True, "q_offset": 1, "softcap": 1.5, "bias": bias}
+    *_, untiled = _one_program(backend, "scaled_dot_product_attention_vjp", q, k, v, mask, d_out=d_out, **options)
+    *_, tiled = _one_program(backend, "flash_attention_vjp", q, k, v, mask, d_out=d_out, block_q=tiles[0],
+                             block_k=tiles[1], **options)
+    for name, got, expected in zip(("dq", "dk", "dv", "dbias"), tiled, untiled, strict=True):
         got, expected = backend.to_numpy(got), backend.to_numpy(expected)
         assert got.shape == expected.shape and got.dtype == expected.dtype, name
         assert_close(got, expected, RTOL, name)
-    assert np.all(backend.to_numpy(tiled(backend.asarray(d_out))[0])[:, :, 2] == 0)  # the blind query: exact zeros
+    assert np.all(backend.to_numpy(tiled[0])[:, :, 2] == 0)  # the blind query: exact zeros
 
 
 def test_numpy_threads_sum_a_broadcast_bias_gradient(monkeypatch):
@@ -226,9 +256,9 @@ def test_jax_under_jit_grad_and_vmap_with_lax_loops():
     grads = jax.jit(jax.grad(lambda q, k, v, o: jnp.sum(
         M.flash_attention(q, k, v, is_causal=True, q_offset=o, block_q=2, block_k=3)[0] ** 2), (0, 1, 2)))(
         q, k, v, jnp.asarray([2, -1])[:, None])
-    reference = jax.grad(lambda q, k, v: jnp.sum(M.scaled_dot_product_attention(
-        q, k, v, is_causal=True, q_offset=jnp.asarray([2, -1])[:, None], need_weights=False)[0] ** 2),
-        (0, 1, 2))(q, k, v)
+    reference = jax.jit(jax.grad(lambda q, k, v: jnp.sum(M.scaled_dot_product_attention(  # one program: eagerly,
+        q, k, v, is_causal=True, q_offset=jnp.asarray([2, -1])[:, None], need_weights=False)[0] ** 2),  # each
+        (0, 1, 2)))(q, k, v)  # primitive of the untiled grad compiled apart
     for got, expected in zip(grads, reference, strict=True):
         assert_close(np.asarray(got), np.asarray(expected), RTOL, "jit(grad)")
     batched = jax.vmap(lambda q, k, v: M.flash_attention(q, k, v, block_q=4, block_k=2)[0])(q[0], k[0], v[0])

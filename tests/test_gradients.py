@@ -84,6 +84,28 @@ def _numpy_grads(backend: ModuleType, grads: Mapping[str, Any]) -> dict[str, np.
     return {name: backend.to_numpy(g) for name, g in grads.items()}
 
 
+def _pulled_back(backend: ModuleType, vjp: Callable, d_out: Any, *arguments: Any) -> Any:
+    """vjp(*arguments)'s pullback (its last result) at d_out: the gradients. JAX's vjp and pullback run as one
+    jax.jit, the arguments (arrays, None, modules: pytrees) traced: eagerly, each primitive compiled apart at
+    every new shape, several times the one program's cost. jit returns a dict in sorted order: each dict of
+    gradients is given back in the order the pullback built it (read while tracing). The tests of the masking
+    rules, the dtypes and the errors call the vjps eagerly, as users do."""
+    orders: list = []
+
+    def pulled_back(d_out: Any, *arguments: Any) -> Any:
+        grads = vjp(*arguments)[-1](d_out)
+        orders[:] = [list(g) if isinstance(g, dict) else None for g in grads]
+        return grads
+
+    if backend.__name__ != "attention_jax":
+        return pulled_back(d_out, *arguments)
+    import jax
+
+    grads = jax.jit(pulled_back)(d_out, *arguments)
+    return tuple(g if order is None else {name: g[name] for name in order}
+                 for g, order in zip(grads, orders, strict=True))
+
+
 # ---- 1) scaled dot-product attention vs torch autograd through F.scaled_dot_product_attention -----------
 
 
@@ -164,9 +186,10 @@ def _our_sdpa_gradients(backend: ModuleType, case: SdpaCase, d_out: np.ndarray) 
     q, k, v = (backend.asarray(np.array(x)) for x in (case.q, case.k, case.v))
     as_backend = {name: None if x is None else backend.asarray(np.array(x))
                   for name, x in (("mask", case.mask), ("bias", case.bias))}
-    _, _, pullback = backend.scaled_dot_product_attention_vjp(
-        q, k, v, as_backend["mask"], bias=as_backend["bias"], is_causal=case.is_causal, scale=case.scale)
-    dq, dk, dv, dbias = pullback(backend.asarray(np.array(d_out)))
+    dq, dk, dv, dbias = _pulled_back(
+        backend, lambda q, k, v, mask, bias: backend.scaled_dot_product_attention_vjp(
+            q, k, v, mask, bias=bias, is_causal=case.is_causal, scale=case.scale),
+        backend.asarray(np.array(d_out)), q, k, v, as_backend["mask"], as_backend["bias"])
     assert (dbias is None) == (case.bias is None), "dbias must be None exactly when bias is None"
     grads = {"q": dq, "k": dk, "v": dv} | ({} if dbias is None else {"bias": dbias})
     return _numpy_grads(backend, grads)
@@ -225,9 +248,9 @@ def test_mha_vjp_gradients_match_torch_autograd(backend: ModuleType, attention: 
     (dq_t, dk_t, dv_t), expected = _torch_parameter_gradients(layer, mha_built_in.state_of, leaves, out, d_out)
 
     mha = backend.MultiHeadAttention.from_state_dict(state, num_heads=H).eval()
-    _, _, pullback = mha.vjp(*(backend.asarray(np.array(x)) for x in (q, k, v)),
-                             None if mask is None else backend.asarray(mask))
-    dq, dk, dv, dparams = pullback(backend.asarray(d_out))
+    dq, dk, dv, dparams = _pulled_back(backend, lambda mha, *inputs: mha.vjp(*inputs), backend.asarray(d_out), mha,
+                                       *(backend.asarray(np.array(x)) for x in (q, k, v)),
+                                       None if mask is None else backend.asarray(mask))
     ours = _numpy_grads(backend, dparams | {"q": dq, "k": dk, "v": dv})
     _assert_gradients_close(ours, expected | {"q": dq_t, "k": dk_t, "v": dv_t}, f"{backend.__name__} mha")
 
@@ -256,8 +279,8 @@ def test_block_vjp_gradients_match_torch_autograd(backend: ModuleType, block: tu
 
     ours = backend.TransformerBlock.from_state_dict(state, num_heads=H, norm_first=norm_first,
                                                     activation=activation, eps=EPS).eval()
-    _, _, pullback = ours.vjp(backend.asarray(x), None if mask is None else backend.asarray(mask))
-    dx, dparams = pullback(backend.asarray(d_out))
+    dx, dparams = _pulled_back(backend, lambda block, *inputs: block.vjp(*inputs), backend.asarray(d_out), ours,
+                               backend.asarray(x), None if mask is None else backend.asarray(mask))
     assert list(dparams) == list(ours.state_dict()), "dparams must be named and ordered as the state dict"
     _assert_gradients_close(_numpy_grads(backend, dparams | {"x": dx}), expected | {"x": dx_t},
                             f"{backend.__name__} block")

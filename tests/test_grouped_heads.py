@@ -28,6 +28,40 @@ def _grouped_qkv(Hkv: int, seed: int = 0) -> list[np.ndarray]:
     return [_random(B, H, L, E, seed=seed), _random(B, Hkv, S, E, seed=seed + 1), _random(B, Hkv, S, Ev, seed=seed + 2)]
 
 
+def _attention(M: ModuleType, q, k, v, mask=None, *, d_out=None, **options) -> tuple:
+    """M's attention on NumPy inputs (tests._compare.sdpa), or with d_out its vjp's gradients at d_out, as NumPy
+    arrays. JAX's runs as one jax.jit per set of static options, the arrays traced: eagerly, each primitive
+    compiled apart at every shape and set of options, several times the one program's cost. The claims of the
+    tests that call it are values; the tests of the errors and of the exact head each query reads call the
+    backend eagerly."""
+    if M.__name__ != "attention_jax" and d_out is None:
+        return sdpa(M, q, k, v, mask, **options)
+    traced = {name: M.asarray(x) for name, x in options.items() if isinstance(x, np.ndarray)}
+    static = tuple((name, x) for name, x in options.items() if name not in traced)
+    arrays = [M.asarray(x) for x in (q, k, v)] + [converted(M, mask), converted(M, d_out)]
+    if M.__name__ == "attention_jax":
+        results = _jitted(static)(*arrays, **traced)
+    else:
+        results = _values(M, *arrays, **dict(static), **traced)
+    return tuple(None if x is None else M.to_numpy(x) for x in results)
+
+
+def _values(M: ModuleType, q, k, v, mask, d_out, **options) -> tuple:
+    """M's attention (out, weights), or with d_out its vjp's pullback at d_out: (dq, dk, dv, dbias)."""
+    if d_out is None:
+        return M.scaled_dot_product_attention(q, k, v, mask, **options)
+    return M.scaled_dot_product_attention_vjp(q, k, v, mask, **options)[-1](d_out)
+
+
+@functools.cache
+def _jitted(static: tuple) -> object:
+    """_values of the JAX backend under jax.jit with the static options bound: built once per set of them."""
+    import jax
+
+    M = import_backend("attention_jax")
+    return jax.jit(lambda *arrays, **traced: _values(M, *arrays, **dict(static), **traced))
+
+
 def _repeated(x: np.ndarray) -> np.ndarray:
     """(B, Hkv, S, *) -> (B, H, S, *): query head h gets key/value head h // (H / Hkv), written out."""
     return np.stack([x[:, h // (H // x.shape[1])] for h in range(H)], axis=1)
@@ -51,7 +85,7 @@ def test_grouped_heads_equal_repeated_keys_and_values(backend: ModuleType, optio
     q, k, v = _grouped_qkv(Hkv)
     options = dict(options)
     mask = options.pop("mask", None)
-    out, weights = sdpa(backend, q, k, v, mask, enable_gqa=True, need_weights=need_weights, **options)
+    out, weights = _attention(backend, q, k, v, mask, enable_gqa=True, need_weights=need_weights, **options)
     expected, expected_weights = sdpa(import_backend("attention_np"), q, _repeated(k), _repeated(v), mask,
                                        **options)
     assert out.shape == (B, H, L, Ev)
@@ -73,8 +107,8 @@ def test_one_key_value_head_equals_broadcasting_it(backend: ModuleType):
     # multi-query attention: Hkv = 1 with the flag is k (B, 1, S, E) broadcast over the heads without it
     q, k, v = _grouped_qkv(1, seed=3)
     for need_weights in (True, False):
-        grouped, _ = sdpa(backend, q, k, v, enable_gqa=True, need_weights=need_weights, is_causal=True)
-        broadcast, _ = sdpa(backend, q, k, v, need_weights=need_weights, is_causal=True)
+        grouped, _ = _attention(backend, q, k, v, enable_gqa=True, need_weights=need_weights, is_causal=True)
+        broadcast, _ = _attention(backend, q, k, v, need_weights=need_weights, is_causal=True)
         assert_close(grouped, broadcast, RTOL, f"need_weights={need_weights}")
 
 
@@ -87,7 +121,7 @@ def test_grouped_heads_with_more_leading_axes_and_rank_3(backend: ModuleType):
         repeat = [np.repeat(x, G, axis=-3) for x in (k, v)]
         expected, _ = sdpa(import_backend("attention_np"), q, *repeat)
         for need_weights in (True, False):
-            out, _ = sdpa(backend, q, k, v, enable_gqa=True, need_weights=need_weights)
+            out, _ = _attention(backend, q, k, v, enable_gqa=True, need_weights=need_weights)
             assert_close(out, expected, RTOL, f"{q_shape} against {kv_lead}, need_weights={need_weights}")
 
 
@@ -107,8 +141,8 @@ def test_against_torch_sdpa_enable_gqa(backend: ModuleType, Hkv: int, is_causal:
                                             attn_mask=None if is_causal else torch.from_numpy(mask),
                                             is_causal=is_causal, enable_gqa=True).numpy()
     for need_weights in (True, False):
-        ours, _ = sdpa(backend, q, k, v, None if is_causal else mask, is_causal=is_causal, enable_gqa=True,
-                        need_weights=need_weights)
+        ours, _ = _attention(backend, q, k, v, None if is_causal else mask, is_causal=is_causal, enable_gqa=True,
+                             need_weights=need_weights)
         assert_close(ours, theirs, RTOL, "against torch")
 
 
@@ -123,7 +157,7 @@ def test_against_jax_nn_with_fewer_key_value_heads(backend: ModuleType, Hkv: int
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):  # jax: its own code mixes
         theirs = jax.nn.dot_product_attention(*(jnp.asarray(np.swapaxes(x, 1, 2)) for x in (q, k, v)),
                                               is_causal=True, implementation="xla")  # (B, L, H, Ev)
-    ours, _ = sdpa(backend, q, k, v, is_causal=True, enable_gqa=True, need_weights=False)
+    ours, _ = _attention(backend, q, k, v, is_causal=True, enable_gqa=True, need_weights=False)
     # jax.nn: its softmax runs in float32 even for float64 inputs; a wrong head would be off by far more
     assert_close(ours, np.swapaxes(np.asarray(theirs), 1, 2), 1e-6, "against jax.nn")
 
@@ -142,7 +176,7 @@ def test_vjp_sums_dk_and_dv_over_each_group(backend: ModuleType, options: dict):
     Hkv = 2
     q, k, v = _grouped_qkv(Hkv, seed=10)
     d_out = _random(B, H, L, Ev, seed=11)
-    dq, dk, dv, dbias = _vjp(backend, [q, k, v], d_out, options | {"enable_gqa": True})
+    dq, dk, dv, dbias = _attention(backend, q, k, v, d_out=d_out, **options, enable_gqa=True)
     r_dq, r_dk, r_dv, r_dbias = _vjp(import_backend("attention_np"), [q, _repeated(k), _repeated(v)], d_out, options)
     assert dk.shape == k.shape and dv.shape == v.shape
     assert_close(dq, r_dq, RTOL, "dq")

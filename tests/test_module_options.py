@@ -118,7 +118,7 @@ def test_mha_one_kv_head_is_every_query_head_reading_it(name: str) -> None:
     full = {name: np.tile(value, (H, 1)) if name[:3] in ("w_k", "w_v") else value for name, value in state.items()}
     mha = M.MultiHeadAttention.from_state_dict({n: M.asarray(v) for n, v in full.items()}, num_heads=H).eval()
     q, kv = M.asarray(_x(B, 3, D)), M.asarray(_x(B, L, D, seed=2))
-    for a, b in zip(mqa(q, kv, kv), mha(q, kv, kv), strict=True):
+    for a, b in zip(_called(M, mqa, q, kv, kv), _called(M, mha, q, kv, kv), strict=True):
         assert_close(M.to_numpy(a), M.to_numpy(b), 1e-13, name)
 
 
@@ -154,10 +154,22 @@ def test_mha_with_rope_matches_torch_pieces_in_cross_attention(name: str) -> Non
     out = torch.nn.functional.scaled_dot_product_attention(q_h, k_h, heads(kv, "w_v", HKV), enable_gqa=True)
     expected = torch.nn.functional.linear(out.transpose(-2, -3).flatten(-2), t["w_o.weight"], t["w_o.bias"])
     for need_weights in (True, False):
-        got, _ = mha(M.asarray(q), M.asarray(kv), M.asarray(kv), need_weights=need_weights)
+        got, _ = _called(M, mha, M.asarray(q), M.asarray(kv), M.asarray(kv), need_weights=need_weights)
         assert_close(M.to_numpy(got), expected.numpy(), REORDERED, f"{name} need_weights={need_weights}")
     plain = M.MultiHeadAttention.from_state_dict({n: M.asarray(v) for n, v in state.items()}, num_heads=H).eval()
-    assert np.max(np.abs(M.to_numpy(plain(M.asarray(q), M.asarray(kv), M.asarray(kv))[0]) - expected.numpy())) > 1e-3
+    got = _called(M, plain, M.asarray(q), M.asarray(kv), M.asarray(kv))[0]
+    assert np.max(np.abs(M.to_numpy(got) - expected.numpy())) > 1e-3
+
+
+def _called(M: ModuleType, module: object, *inputs: object, **options: object) -> tuple:
+    """module(*inputs, **options); JAX's as one jax.jit, the module a traced pytree, the options static:
+    eagerly, each primitive of the module compiled apart at every shape, several times the one program's cost.
+    The MHA tests' claims are values; test_block_matches_torch_pieces_on_both_paths calls the modules eagerly."""
+    if M.__name__ != "attention_jax":
+        return module(*inputs, **options)
+    import jax
+
+    return jax.jit(lambda module, *inputs: module(*inputs, **options))(module, *inputs)
 
 
 def _rng(M: ModuleType) -> object:
@@ -325,7 +337,8 @@ def test_jax_llama_block_under_jit_and_grad() -> None:
     block, x = _block(J, LLAMA).eval(), J.asarray(_x(B, L, D))
     out = jax.jit(lambda b, y: b(y)[0])(block, x)
     assert_close(J.to_numpy(out), J.to_numpy(block(x)[0]), 1e-14, "jit")
-    grads = jax.grad(lambda b, y: b(y)[0].sum())(block, x)
+    grads = jax.jit(jax.grad(lambda b, y: b(y)[0].sum()))(block, x)  # one program: an eager grad compiles each
+    # primitive of the block's forward and backward apart (most of this test's CPU time)
     assert list(grads.state_dict()) == list(block.state_dict())
     _, _, pullback = _block(import_backend("attention_np"), LLAMA).eval().vjp(_x(B, L, D))
     _, np_grads = pullback(np.ones((B, L, D)))
