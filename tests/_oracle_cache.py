@@ -38,8 +38,8 @@ class _Same:
 def _key(x: Any) -> Any:
     """What the oracle reads of x, exactly: arrays by dtype, shape and bytes; numbers by repr (-0.0 is not 0.0, a
     NaN equals itself); tuples, lists and dicts entry by entry, in order; anything else by identity."""
-    if isinstance(x, np.ndarray) and x.dtype != object:
-        return (np.ndarray, x.dtype.name, x.dtype.str, x.shape, x.tobytes())
+    if isinstance(x, np.ndarray) and not x.dtype.hasobject:
+        return (np.ndarray, x.dtype, x.shape, x.tobytes())  # dtypes are equal only if the same (bfloat16 too)
     if x is None or isinstance(x, bool | int | float | str | np.generic):
         return (type(x), repr(x))
     if isinstance(x, tuple | list):
