@@ -226,12 +226,6 @@ def test_numpy_writes_in_place_and_copies_no_cache_per_step():
     assert peak < before.nbytes / 8, f"a decode step allocated {peak} bytes; the cache's keys are {before.nbytes}"
 
 
-def _compiled_here(torch: ModuleType):
-    """inductor compiles in this process: its pool of compile workers (processes that each import torch, seconds
-    of CPU on 2 cores, twice the compile's own work for a step this small) changes nothing of what it compiles."""
-    return torch._inductor.config.patch(compile_threads=1)
-
-
 @pytest.mark.slow  # inductor compiles the step (seconds)
 @pytest.mark.parametrize("need_weights", [True, False], ids=["explicit", "fast"])
 def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole(need_weights: bool):
@@ -242,7 +236,7 @@ def test_torch_cache_is_preallocated_and_a_decode_step_compiles_whole(need_weigh
     x = [_random(B, 5, D)] + [_random(B, 1, D, seed=t) for t in range(5, 8)]
     nan = _random(B, 1, D, seed=8)
     nan[0, 0, 0] = np.nan  # sequence 0's new query and key: NaN reaches its row (SPEC 10), not sequence 1's
-    with torch.no_grad(), _compiled_here(torch):  # decoding
+    with torch.no_grad():  # decoding
         _, _, cache = block.extend(M.asarray(x[0]), block.init_cache((B,), 16))
         eager = cache._replace(k=cache.k.clone(), v=cache.v.clone())
         pointer, outs = cache.k.data_ptr(), []
@@ -270,7 +264,7 @@ def test_torch_compiled_decode_step_keeps_the_nan_rule():
     step = torch.compile(mha.extend, fullgraph=True, dynamic=True)
     x_q = _random(B, 1, D, seed=1)
     x_q[0, 0, 0] = np.nan  # sequence 0's query, in every head after the projection
-    with torch.no_grad(), _compiled_here(torch):
+    with torch.no_grad():
         _, _, cache = mha.extend(*_inputs(M, 3), mha.init_cache((B,), 8))
         out, _, cache = step(M.asarray(x_q), M.asarray(_random(B, 1, D, seed=2)), cache, need_weights=False)
     assert np.isnan(out[0].numpy()).all() and np.isfinite(out[1].numpy()).all() and cache.length == 4
