@@ -12,10 +12,19 @@ import pytest
 
 from conformance import check
 from conformance.run.suite import CONTRACT_RUNS
+from tests._oracle_cache import oracle_answered_once
 from tests.implementations import einsum_attention
 from tests.implementations.broken import BROKEN
 
 pytestmark = pytest.mark.slow  # the suite, one operation of it, on every variant
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _oracle_once():
+    """The variants of one operation draw the same cases (the suite's seed does not depend on the module): the
+    oracle answers each once."""
+    with oracle_answered_once():
+        yield
 
 # variant -> (the operation or contract table that shows the bug, the checks (row measures) of which at least one
 # must fail there)

@@ -22,10 +22,19 @@ from conformance.contract.operations import _is_default, features_used, init_fea
 from conformance.run.checks import Runner, expected
 from conformance.run.fixed_checks import mask_helpers
 from conformance.run.suite import ANY_GROUP, known_measures
+from tests._oracle_cache import oracle_answered_once
 from tests.implementations import einsum_attention
 from tests.implementations.broken import BROKEN
 
 pytestmark = pytest.mark.slow  # the suite's sdpa part, on a few modules
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _oracle_once():
+    """The walks draw the same cases for every declaration (a declaration changes how a case runs, never which is
+    drawn): the oracle answers each once."""
+    with oracle_answered_once():
+        yield
 
 
 def _module(name: str, base: types.ModuleType = attention_np, *, lacks: Declaration | None = None,
