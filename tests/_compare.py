@@ -3,6 +3,8 @@ conformance/contract/tolerances.py), and a backend's attention on NumPy inputs."
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from types import ModuleType
 
@@ -47,4 +49,52 @@ def sdpa(M: ModuleType, q, k, v, mask=None, **options) -> tuple[np.ndarray, np.n
     return M.to_numpy(out), None if weights is None else M.to_numpy(weights)
 
 
-__all__ = ["REORDERED", "TOLERANCE", "assert_close", "converted", "relative_error", "sdpa"]
+def one_program(M: ModuleType, name: str, *arrays, d_out=None, **options) -> tuple:
+    """M's function `name` on NumPy arrays (None allowed), its results as M's arrays; a vjp's are its out, its
+    second result and its pullback's gradients at d_out. JAX's runs as one jax.jit per function and set of static
+    options (the array options traced): eagerly, each primitive compiles apart at every new shape and set of
+    options, several times the one program's cost. Where the claim is eager behaviour, tests call the backend
+    directly."""
+    arrays = [None if x is None else M.asarray(x) for x in arrays]
+    traced = {key: M.asarray(x) for key, x in options.items() if isinstance(x, np.ndarray)}
+    static = tuple((key, x) for key, x in options.items() if key not in traced)
+    d_out = None if d_out is None else M.asarray(d_out)
+    if M.__name__ != "attention_jax":
+        return _pulled(getattr(M, name), *arrays, d_out=d_out, **dict(static), **traced)
+    return _jitted(M.__name__, name, static)(*arrays, d_out=d_out, **traced)
+
+
+def _pulled(function: Callable, *arrays, d_out=None, **options) -> tuple:
+    """function(*arrays, **options), a vjp's pullback (its last result) taken at d_out."""
+    results = function(*arrays, **options)
+    return results if d_out is None else (*results[:-1], results[-1](d_out))
+
+
+@functools.cache
+def _jitted(backend: str, name: str, static: tuple) -> Callable:
+    """_pulled of the JAX function `name` of the (imported) module `backend` under jax.jit, its static options
+    bound: built once."""
+    import jax
+
+    function = getattr(sys.modules[backend], name)
+    return jax.jit(lambda *arrays, d_out=None, **traced: _pulled(function, *arrays, d_out=d_out, **dict(static),
+                                                               **traced))
+
+
+def method_program(M: ModuleType, method: str, **options) -> Callable:
+    """module.<method>(*arguments, **options) as a function of the module and its arguments (M's arrays); JAX's
+    under one jax.jit, the module and the arguments traced pytrees, the options static: eagerly, each primitive
+    of the module compiles apart at every shape, several times the one program's cost. Where the claim is eager
+    behaviour, tests call the module directly."""
+    def call(module, *arguments):
+        return getattr(module, method)(*arguments, **options)
+
+    if M.__name__ != "attention_jax":
+        return call
+    import jax
+
+    return jax.jit(call)
+
+
+__all__ = ["REORDERED", "TOLERANCE", "assert_close", "converted", "method_program", "one_program", "relative_error",
+           "sdpa"]

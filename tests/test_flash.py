@@ -6,17 +6,15 @@ that stays bounded where the scores would not."""
 
 from __future__ import annotations
 
-import functools
 import math
 import tracemalloc
-from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
 import pytest
 
 from attention_np.common import validation
-from tests._compare import REORDERED, assert_close, converted
+from tests._compare import REORDERED, assert_close, converted, one_program
 from tests.conftest import import_backend
 
 RTOL = REORDERED  # float64 on every backend: the same math computed another way
@@ -32,36 +30,6 @@ def flash(M: ModuleType, q, k, v, mask=None, **options) -> tuple[np.ndarray, np.
     options = {name: converted(M, value) for name, value in options.items()}
     out, lse = M.flash_attention(*(M.asarray(x) for x in (q, k, v)), converted(M, mask), **options)
     return M.to_numpy(out), M.to_numpy(lse)
-
-
-def _one_program(M: ModuleType, name: str, *arrays, d_out=None, **options) -> tuple:
-    """M's function `name` on M's arrays (None allowed), its results; a vjp's are its out, its second result and
-    its pullback's gradients at d_out. JAX's runs as one jax.jit per function and static options, arrays traced:
-    eagerly, the untiled attention compiles each primitive apart at every new shape and set of options (several
-    times the one program's cost). Where the claim is eager behaviour, the tests call the backend directly."""
-    arrays = [None if x is None else M.asarray(x) for x in arrays]
-    traced = {key: M.asarray(x) for key, x in options.items() if isinstance(x, np.ndarray)}
-    static = tuple((key, x) for key, x in options.items() if key not in traced)
-    d_out = None if d_out is None else M.asarray(d_out)
-    if M.__name__ != "attention_jax":
-        return _values(getattr(M, name), *arrays, d_out=d_out, **dict(static), **traced)
-    return _jitted(M.__name__, name, static)(*arrays, d_out=d_out, **traced)
-
-
-def _values(function: Callable, *arrays, d_out=None, **options) -> tuple:
-    """function(*arrays, **options), a vjp's pullback (its last result) taken at d_out."""
-    results = function(*arrays, **options)
-    return results if d_out is None else (*results[:-1], results[-1](d_out))
-
-
-@functools.cache
-def _jitted(backend: str, name: str, static: tuple) -> Callable:
-    """_values of the JAX function `name` under jax.jit, its static options bound: built once."""
-    import jax
-
-    function = getattr(import_backend(backend), name)
-    return jax.jit(lambda *arrays, d_out=None, **traced: _values(function, *arrays, d_out=d_out, **dict(static),
-                                                                **traced))
 
 
 def test_two_keys_by_hand(backend):
@@ -85,7 +53,7 @@ def test_equals_its_own_attention(backend, tiles, options):
     bias = np.where(_random(7, 9, seed=4) > 1.5, -np.inf, _random(7, 9, seed=5))
     for extra in ({}, {"mask": mask, "bias": bias}):
         kw = {**options, **({"bias": extra["bias"]} if extra else {})}
-        expected, _ = _one_program(backend, "scaled_dot_product_attention", q, k, v, extra.get("mask"),
+        expected, _ = one_program(backend, "scaled_dot_product_attention", q, k, v, extra.get("mask"),
                                    need_weights=False, **kw)
         out, lse = flash(backend, q, k, v, extra.get("mask"), block_q=tiles[0], block_k=tiles[1], **kw)
         assert_close(out, backend.to_numpy(expected), RTOL, f"{options} {tiles} {sorted(extra)}")
@@ -94,7 +62,7 @@ def test_equals_its_own_attention(backend, tiles, options):
 
 def test_grouped_heads_without_copies(backend):
     q, k, v = _random(2, 4, 5, 3), _random(2, 2, 6, 3, seed=1), _random(2, 2, 6, 2, seed=2)
-    expected, _ = _one_program(backend, "scaled_dot_product_attention", q, k, v, is_causal=True, enable_gqa=True,
+    expected, _ = one_program(backend, "scaled_dot_product_attention", q, k, v, is_causal=True, enable_gqa=True,
                                need_weights=False)
     out, lse = flash(backend, q, k, v, is_causal=True, enable_gqa=True, block_q=2, block_k=4)
     assert_close(out, backend.to_numpy(expected), RTOL, "enable_gqa")
@@ -154,8 +122,8 @@ def test_vjp_equals_the_untiled_vjp(backend, tiles):
     mask[2] = False  # query 2 sees no key
     d_out = _random(2, 2, 6, 4, seed=5)
     options = {"is_causal": True, "q_offset": 1, "softcap": 1.5, "bias": bias}
-    *_, untiled = _one_program(backend, "scaled_dot_product_attention_vjp", q, k, v, mask, d_out=d_out, **options)
-    *_, tiled = _one_program(backend, "flash_attention_vjp", q, k, v, mask, d_out=d_out, block_q=tiles[0],
+    *_, untiled = one_program(backend, "scaled_dot_product_attention_vjp", q, k, v, mask, d_out=d_out, **options)
+    *_, tiled = one_program(backend, "flash_attention_vjp", q, k, v, mask, d_out=d_out, block_q=tiles[0],
                              block_k=tiles[1], **options)
     for name, got, expected in zip(("dq", "dk", "dv", "dbias"), tiled, untiled, strict=True):
         got, expected = backend.to_numpy(got), backend.to_numpy(expected)

@@ -12,7 +12,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import REORDERED, assert_close, converted, sdpa
+from tests._compare import REORDERED, assert_close, converted, one_program, sdpa
 from tests.conftest import import_backend
 
 RTOL = REORDERED  # float64 on every backend: the same math computed another way
@@ -29,37 +29,14 @@ def _grouped_qkv(Hkv: int, seed: int = 0) -> list[np.ndarray]:
 
 
 def _attention(M: ModuleType, q, k, v, mask=None, *, d_out=None, **options) -> tuple:
-    """M's attention on NumPy inputs (tests._compare.sdpa), or with d_out its vjp's gradients at d_out, as NumPy
-    arrays. JAX's runs as one jax.jit per set of static options, the arrays traced: eagerly, each primitive
-    compiled apart at every shape and set of options, several times the one program's cost. The claims of the
-    tests that call it are values; the tests of the errors and of the exact head each query reads call the
-    backend eagerly."""
-    if M.__name__ != "attention_jax" and d_out is None:
-        return sdpa(M, q, k, v, mask, **options)
-    traced = {name: M.asarray(x) for name, x in options.items() if isinstance(x, np.ndarray)}
-    static = tuple((name, x) for name, x in options.items() if name not in traced)
-    arrays = [M.asarray(x) for x in (q, k, v)] + [converted(M, mask), converted(M, d_out)]
-    if M.__name__ == "attention_jax":
-        results = _jitted(static)(*arrays, **traced)
-    else:
-        results = _values(M, *arrays, **dict(static), **traced)
-    return tuple(None if x is None else M.to_numpy(x) for x in results)
-
-
-def _values(M: ModuleType, q, k, v, mask, d_out, **options) -> tuple:
-    """M's attention (out, weights), or with d_out its vjp's pullback at d_out: (dq, dk, dv, dbias)."""
+    """M's attention on NumPy inputs (out, weights), or with d_out its vjp's gradients at d_out (dq, dk, dv, dbias),
+    as NumPy arrays; JAX's as one program (tests._compare.one_program). The claims of the tests that call it are
+    values; the tests of the errors and of the exact head each query reads call the backend eagerly."""
     if d_out is None:
-        return M.scaled_dot_product_attention(q, k, v, mask, **options)
-    return M.scaled_dot_product_attention_vjp(q, k, v, mask, **options)[-1](d_out)
-
-
-@functools.cache
-def _jitted(static: tuple) -> object:
-    """_values of the JAX backend under jax.jit with the static options bound: built once per set of them."""
-    import jax
-
-    M = import_backend("attention_jax")
-    return jax.jit(lambda *arrays, **traced: _values(M, *arrays, **dict(static), **traced))
+        results = one_program(M, "scaled_dot_product_attention", q, k, v, mask, **options)
+    else:
+        results = one_program(M, "scaled_dot_product_attention_vjp", q, k, v, mask, d_out=d_out, **options)[-1]
+    return tuple(None if x is None else M.to_numpy(x) for x in results)
 
 
 def _repeated(x: np.ndarray) -> np.ndarray:

@@ -6,7 +6,6 @@ under no_grad and inference_mode."""
 
 from __future__ import annotations
 
-import functools
 import importlib
 import math
 from collections.abc import Callable
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 from attention_np.common import validation
-from tests._compare import REORDERED, assert_close
+from tests._compare import REORDERED, assert_close, one_program
 from tests.conftest import import_backend
 
 RTOL = REORDERED  # float64 on every backend: the same math computed another way
@@ -133,29 +132,11 @@ def _torch_direct(torch, q, k, v, feature_map, is_causal, key_lengths):
 
 
 def _vjp_values(M: ModuleType, q, k, v, key_lengths, d_out, **options) -> tuple:
-    """M's linear_attention_vjp on NumPy inputs: out and the pullback's (dq, dk, dv) at d_out. JAX's runs as one
-    jax.jit of the vjp and its pullback, one program per set of options: eagerly, each primitive compiles
-    apart (1.8 s of CPU over the feature maps, where the programs take 1). The eager vjp and pullback run in
-    test_no_positions_and_no_keys and in the last check of test_vjp_against_torch_autograd_of_the_quadratic_form."""
-    arrays = [M.asarray(x) for x in (q, k, v, key_lengths, d_out)]
-    if M.__name__ != "attention_jax":
-        out, pullback = M.linear_attention_vjp(*arrays[:3], key_lengths=arrays[3], **options)
-        return out, pullback(arrays[4])
-    return _jax_vjp_values(tuple(options.items()))(*arrays)
-
-
-@functools.cache
-def _jax_vjp_values(options: tuple) -> Callable:
-    """The jitted vjp of _vjp_values for one set of options (static), built once."""
-    import jax
-
-    M = import_backend("attention_jax")
-
-    def values(q, k, v, key_lengths, d_out):
-        out, pullback = M.linear_attention_vjp(q, k, v, key_lengths=key_lengths, **dict(options))
-        return out, pullback(d_out)
-
-    return jax.jit(values)
+    """M's linear_attention_vjp on NumPy inputs: out and the pullback's (dq, dk, dv) at d_out; JAX's as one program
+    per set of options (tests._compare.one_program: eagerly, each primitive compiled apart, 1.8 s of CPU over the
+    feature maps, where the programs take 1). The eager vjp and pullback run in test_no_positions_and_no_keys and
+    in the last check of test_vjp_against_torch_autograd_of_the_quadratic_form."""
+    return one_program(M, "linear_attention_vjp", q, k, v, d_out=d_out, key_lengths=key_lengths, **options)
 
 
 @pytest.mark.parametrize("feature_map", validation.FEATURE_MAPS)

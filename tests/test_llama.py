@@ -16,7 +16,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import assert_close
+from tests._compare import assert_close, method_program
 from tests.conftest import import_backend
 
 torch = pytest.importorskip("torch")  # transformers is imported by the fixture: a few seconds, paid once
@@ -71,31 +71,16 @@ def _ours(M: ModuleType, state: dict[str, np.ndarray]):
                                               eps=EPS).eval()
 
 
-def _one_program(M: ModuleType, method: str):
-    """block.<method>(*arguments) as a function of the block and the arguments; JAX's under jax.jit, the block and
-    the cache traced pytrees: eagerly, each primitive of the block compiled apart at every shape (a third of this
-    file's CPU time). The claims are the values; tests/test_cache.py runs the cache's extend eagerly and under
-    jit, and tests/test_module_options.py the block with these options eagerly."""
-    def call(block, *arguments):
-        return getattr(block, method)(*arguments)
-
-    if M.__name__ != "attention_jax":
-        return call
-    import jax
-
-    return jax.jit(call)
-
-
 def test_the_block_with_llama_options_is_a_llama_decoder_layer(backend: ModuleType, reference) -> None:
     state, x, expected = reference
     block = _ours(backend, state)
-    out, _ = _one_program(backend, "__call__")(block, backend.asarray(x), backend.causal_mask(L, L))
+    out, _ = method_program(backend, "__call__")(block, backend.asarray(x), backend.causal_mask(L, L))
     assert_close(backend.to_numpy(out), expected, TOLERANCE, "out")
 
 
 def test_decoding_through_the_cache_gives_the_llama_layer_rows(backend: ModuleType, reference) -> None:
     state, x, expected = reference
-    block, extend = _ours(backend, state), _one_program(backend, "extend")
+    block, extend = _ours(backend, state), method_program(backend, "extend")
     cache, outs, start = block.init_cache((B,), L + 2), [], 0
     for size in (4, 1, 3, 1):  # a prefill, a step, a chunk, a step
         out, _, cache = extend(block, backend.asarray(x[:, start:start + size]), cache)

@@ -11,7 +11,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import REORDERED, assert_close, central_differences
+from tests._compare import REORDERED, assert_close, central_differences, method_program
 from tests.conftest import BACKENDS, import_backend
 
 D, H, HKV, F, B, L = 8, 4, 2, 12, 2, 5  # d_model, heads, key/value heads, d_ff, batch, positions
@@ -118,7 +118,8 @@ def test_mha_one_kv_head_is_every_query_head_reading_it(name: str) -> None:
     full = {name: np.tile(value, (H, 1)) if name[:3] in ("w_k", "w_v") else value for name, value in state.items()}
     mha = M.MultiHeadAttention.from_state_dict({n: M.asarray(v) for n, v in full.items()}, num_heads=H).eval()
     q, kv = M.asarray(_x(B, 3, D)), M.asarray(_x(B, L, D, seed=2))
-    for a, b in zip(_called(M, mqa, q, kv, kv), _called(M, mha, q, kv, kv), strict=True):
+    called = method_program(M, "__call__")
+    for a, b in zip(called(mqa, q, kv, kv), called(mha, q, kv, kv), strict=True):
         assert_close(M.to_numpy(a), M.to_numpy(b), 1e-13, name)
 
 
@@ -154,22 +155,12 @@ def test_mha_with_rope_matches_torch_pieces_in_cross_attention(name: str) -> Non
     out = torch.nn.functional.scaled_dot_product_attention(q_h, k_h, heads(kv, "w_v", HKV), enable_gqa=True)
     expected = torch.nn.functional.linear(out.transpose(-2, -3).flatten(-2), t["w_o.weight"], t["w_o.bias"])
     for need_weights in (True, False):
-        got, _ = _called(M, mha, M.asarray(q), M.asarray(kv), M.asarray(kv), need_weights=need_weights)
+        got, _ = method_program(M, "__call__", need_weights=need_weights)(mha, M.asarray(q), M.asarray(kv),
+                                                                          M.asarray(kv))
         assert_close(M.to_numpy(got), expected.numpy(), REORDERED, f"{name} need_weights={need_weights}")
     plain = M.MultiHeadAttention.from_state_dict({n: M.asarray(v) for n, v in state.items()}, num_heads=H).eval()
-    got = _called(M, plain, M.asarray(q), M.asarray(kv), M.asarray(kv))[0]
+    got = method_program(M, "__call__")(plain, M.asarray(q), M.asarray(kv), M.asarray(kv))[0]
     assert np.max(np.abs(M.to_numpy(got) - expected.numpy())) > 1e-3
-
-
-def _called(M: ModuleType, module: object, *inputs: object, **options: object) -> tuple:
-    """module(*inputs, **options); JAX's as one jax.jit, the module a traced pytree, the options static:
-    eagerly, each primitive of the module compiled apart at every shape, several times the one program's cost.
-    The MHA tests' claims are values; test_block_matches_torch_pieces_on_both_paths calls the modules eagerly."""
-    if M.__name__ != "attention_jax":
-        return module(*inputs, **options)
-    import jax
-
-    return jax.jit(lambda module, *inputs: module(*inputs, **options))(module, *inputs)
 
 
 def _rng(M: ModuleType) -> object:
