@@ -13,6 +13,7 @@ from .gradients import scaled_dot_product_attention_vjp
 from .linear import linear_attention, linear_attention_state, linear_attention_step, linear_attention_vjp
 from .modules import MultiHeadAttention, TransformerBlock
 from .primitives import causal_mask, padding_mask, window_mask
+from .varlen import varlen_attention, varlen_attention_vjp
 
 __all__ = [
     "BlockMask",
@@ -42,5 +43,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp",
     "to_numpy",
+    "varlen_attention",
+    "varlen_attention_vjp",
     "window_mask",
 ]

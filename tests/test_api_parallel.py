@@ -22,7 +22,7 @@ from tests.conftest import BACKENDS, import_backend
 LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width, "
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
 PUBLIC_FILES = {"__init__.py", "arrays.py", "distributed.py", "fast.py", "flash.py", "flex.py", "functional.py",
-                "gradients.py", "linear.py", "modules.py", "primitives.py", "py.typed"}
+                "gradients.py", "linear.py", "modules.py", "primitives.py", "py.typed", "varlen.py"}
 COMMON_FILES = {"__init__.py", "block_mask.py", "keywords.py", "mods.py", "module.py", "npz.py", "records.py",
                 "validation.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another

@@ -202,6 +202,38 @@ def document(q_segments: Any, kv_segments: Any = None) -> MaskMod:
     return MaskMod(f"document({text})", rule)
 
 
+def varlen(cu_seqlens_q: Any, cu_seqlens_k: Any = None, *, is_causal: bool = False,
+           window: tuple[int | None, int | None] | None = None) -> MaskMod:
+    """Packed sequences by their boundaries (flash-attn's cu_seqlens): query i of sequence n,
+    cu_seqlens_q[n] <= i < cu_seqlens_q[n + 1], sees key j of the same sequence, cu_seqlens_k[n] <= j <
+    cu_seqlens_k[n + 1]; with is_causal j <= p, with window (left, right) p - left <= j <= p + right, where
+    p = i + cu_seqlens_k[n + 1] - cu_seqlens_q[n + 1]: each sequence's last query sits at its last key
+    (bottom-right, flash-attn's alignment where a sequence has fewer queries than keys). A query or key past
+    the last boundary belongs to no sequence and is seen by none. cu_seqlens_k defaults to cu_seqlens_q."""
+    kv_bounds = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    left, right = window or (None, None)
+
+    def rule(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        q_bounds, k_bounds = _like(cu_seqlens_q, q_idx), _like(kv_bounds, kv_idx)
+        n, m = _sequence(q_bounds, q_idx), _sequence(k_bounds, kv_idx)  # N: past the last boundary
+        visible = (n == m) & (n < q_bounds.shape[0] - 1)
+        if not is_causal and window is None:
+            return visible
+        last = array_namespace(n).clip(n + 1, 0, q_bounds.shape[0] - 1)  # n + 1 <= N where n is a sequence
+        position = q_idx + _like(k_bounds[last], q_idx) - q_bounds[last]  # i on the keys' axis, bottom-right
+        if is_causal:
+            visible = visible & (kv_idx <= position)
+        if left is not None:
+            visible = visible & (kv_idx >= position - left)
+        if right is not None:
+            visible = visible & (kv_idx <= position + right)
+        return visible
+    causal_text = ", is_causal=True" if is_causal else ""
+    window_text = f", window={window}" if window is not None else ""
+    kv_text = "" if cu_seqlens_k is None else f", {_text(cu_seqlens_k)}"
+    return MaskMod(f"varlen({_text(cu_seqlens_q)}{kv_text}{causal_text}{window_text})", rule)
+
+
 def prefix_lm(prefix_lengths: Any) -> MaskMod:
     """j <= i or j < prefix_lengths[b]: the prefix is seen by every query (bidirectional), the rest causally;
     prefix_lengths a number or (B,)."""
@@ -305,6 +337,13 @@ def _along(x: Any, b: Any, idx: Any) -> Any:
     """x[idx] of ids (N,), or x[b, idx] of ids (B, N), in idx's namespace."""
     x = _like(x, idx)
     return x[idx] if x.ndim == 1 else x[b, idx]
+
+
+def _sequence(bounds: Any, idx: Any) -> Any:
+    """The sequence each index lies in, given the boundaries (N + 1,) of N packed sequences: how many
+    sequences end at or before it (a zero-length sequence ends where it starts), N past the last boundary."""
+    xp = array_namespace(idx)
+    return xp.sum(xp.astype(bounds[1:] <= idx[..., None], idx.dtype), axis=-1)
 
 
 def _scatter(values: np.ndarray, index: tuple[np.ndarray, ...], shape: tuple[int, ...]) -> np.ndarray:

@@ -653,3 +653,61 @@ def flash_block_mask(block_mask: object, mask_mod: object, block_q: object, bloc
         raise ValueError(f"flash_attention: with a block mask the tiles are its BLOCK_SIZE {tiles} (block_q, "
                          f"block_k); got block_q={block_q!r}, block_k={block_k!r}: leave them None")
     return tiles
+
+
+def varlen_inputs(q: Sequence[int], k: Sequence[int], v: Sequence[int], bounds: Mapping[str, Sequence[int]],
+                  enable_gqa: bool, block_size: object) -> None:
+    """varlen_attention's packed q (Tq, H, E), k (Tk, Hkv, E), v (Tk, Hkv, Ev): three axes, q and k one width E,
+    k and v one length Tk; Hkv = H, or with enable_gqa a divisor of it. cu_seqlens_q and cu_seqlens_k: one
+    axis each, the same length N + 1 (N sequences). block_size None or a positive integer."""
+    q, k, v = _shape(q), _shape(k), _shape(v)
+    for name, shape, letters in (("q", q, "Tq, H, E"), ("k", k, "Tk, Hkv, E"), ("v", v, "Tk, Hkv, Ev")):
+        if len(shape) != 3:
+            raise ValueError(f"varlen_attention: {name} must have shape ({letters}), packed sequences; got {shape}")
+    if q[2] != k[2] or k[0] != v[0]:
+        raise ValueError(f"varlen_attention: q {q} is (Tq, H, E), k {k} (Tk, Hkv, E) and v {v} (Tk, Hkv, Ev): "
+                         "q and k must have the same width E, k and v the same length Tk")
+    H, Hkv = q[1], k[1]
+    if v[1] != Hkv:
+        raise ValueError(f"varlen_attention: k {k} (Tk, Hkv, E) and v {v} (Tk, Hkv, Ev) must have the same number "
+                         "of heads Hkv")
+    if enable_gqa and (Hkv == 0 or H % Hkv):
+        raise ValueError(f"varlen_attention: enable_gqa: the H = {H} query heads must be a multiple of the Hkv = "
+                         f"{Hkv} key/value heads; q {q} is (Tq, H, E), k {k} is (Tk, Hkv, E)")
+    if not enable_gqa and Hkv != H:
+        raise ValueError(f"varlen_attention: q {q} and k {k} must have the same number of heads H; with fewer "
+                         "key/value heads pass enable_gqa=True")
+    shapes = {name: _shape(shape) for name, shape in bounds.items()}
+    if any(len(shape) != 1 for shape in shapes.values()) or len(set(shapes.values())) != 1:
+        got = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+        raise ValueError(f"varlen_attention: cu_seqlens_q and cu_seqlens_k must both have shape (N + 1,), the "
+                         f"boundaries of the same N sequences; got {got}")
+    if block_size is not None and not _positive_int(block_size):
+        raise ValueError(f"varlen_attention: block_size must be None or a positive integer; got {block_size!r}")
+
+
+def varlen_bounds(name: str, bounds: np.ndarray, total: int, max_seqlen: object) -> None:
+    """cu_seqlens (N + 1,) of packed sequences along an axis of `total` positions: integers, starting at 0,
+    never decreasing (a sequence may be empty), at most `total` at the end; each sequence at most `max_seqlen`
+    long, a non-negative int. The values are read here, so a backend calls it with concrete boundaries only."""
+    axis = "Tq" if name.endswith("_q") else "Tk"
+    longest = f"max_seqlen{name[len('cu_seqlens'):]}"
+    if not (isinstance(max_seqlen, int | np.integer) and not isinstance(max_seqlen, bool) and max_seqlen >= 0):
+        raise ValueError(f"varlen_attention: {longest} must be a non-negative int; got {max_seqlen!r}")
+    if not np.issubdtype(bounds.dtype, np.integer):
+        raise TypeError(f"varlen_attention: {name} must be an integer array; got dtype {bounds.dtype}")
+    values = bounds.tolist()
+    if values[0] != 0:
+        raise ValueError(f"varlen_attention: {name} must start at 0; got {values[:4]}...")
+    lengths = np.diff(bounds)
+    if (lengths < 0).any():
+        n = int(np.argmax(lengths < 0))
+        raise ValueError(f"varlen_attention: {name} must not decrease; {name}[{n}] = {values[n]} > "
+                         f"{name}[{n + 1}] = {values[n + 1]}")
+    if values[-1] > total:
+        raise ValueError(f"varlen_attention: {name} ends at {values[-1]}, past the {total} packed positions "
+                         f"({axis} = {total})")
+    if lengths.size and lengths.max() > max_seqlen:
+        n = int(np.argmax(lengths))
+        raise ValueError(f"varlen_attention: sequence {n} has {int(lengths[n])} positions in {name}, more than "
+                         f"{longest} = {max_seqlen}")
