@@ -108,7 +108,7 @@ def varlen_attention_vjp(
     gradient crosses from one sequence to another.
 
     Args:
-        as for varlen_attention.
+        q, k, v, cu_seqlens_q, cu_seqlens_k: as for varlen_attention, and each keyword as there.
 
     Returns:
         out (Tq, H, Ev) and pullback(d_out (Tq, H, Ev)) -> (dq (Tq, H, E), dk (Tk, Hkv, E), dv (Tk, Hkv, Ev)).

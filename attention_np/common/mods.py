@@ -17,6 +17,8 @@ query's index, j the key's, b and h the batch element and the head:
     sliding_window(l, r, q_offset) i + q_offset - l <= j <= i + q_offset + r        (a side None: unbounded)
     key_lengths(n)                 j < n[b]  (n a number, (B,), or (B, H): n[b, h])
     document(qs, ks)               qs[b, i] == ks[b, j]        (segment ids (L,) or (B, L); ks defaults to qs)
+    varlen(cq, ck, causal, window) i and j in one packed sequence n, cq[n] <= i < cq[n + 1], ck[n] <= j < ck[n + 1];
+                                   causal: j <= i + ck[n + 1] - cq[n + 1]  (bottom-right; window likewise)
     prefix_lm(n)                   j <= i  or  j < n[b]         (n a number or (B,))
     chunked(size)                  j <= i  and  i // size == j // size
     dilated(window, dilation)      0 <= i - j < window * dilation  and  (i - j) % dilation == 0
