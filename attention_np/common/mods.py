@@ -345,7 +345,8 @@ def _sequence(bounds: Any, idx: Any) -> Any:
     """The sequence each index lies in, given the boundaries (N + 1,) of N packed sequences: how many
     sequences end at or before it (a zero-length sequence ends where it starts), N past the last boundary."""
     xp = array_namespace(idx)
-    return xp.sum(xp.astype(bounds[1:] <= idx[..., None], idx.dtype), axis=-1)
+    ends = xp.reshape(bounds[1:], (1,) * idx.ndim + (-1,))  # (1, ..., 1, N): no broadcasting by rank (JAX's raises)
+    return xp.sum(xp.astype(ends <= idx[..., None], idx.dtype), axis=-1)
 
 
 def _scatter(values: np.ndarray, index: tuple[np.ndarray, ...], shape: tuple[int, ...]) -> np.ndarray:
