@@ -181,6 +181,15 @@ def _jax_program(case: Case, block_size: int | None, partition: Partition | None
                                                         *cu_seqlens, d_out=d_out))
 
 
+def _compiled(M: ModuleType, function):
+    """function, JAX's under jax.jit (eagerly, each of its primitives compiles apart)."""
+    if M.__name__ != "attention_jax":
+        return function
+    import jax
+
+    return jax.jit(function)
+
+
 # --- values: against the per-sequence loops ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES, ids=["untiled", "tiled3"])
@@ -202,6 +211,17 @@ def test_tiles_of_two_and_the_zeros(backend):
     for row in (0, 3, 4, 8, 9):
         np.testing.assert_array_equal(out[row], 0.0, err_msg=f"query {row} sees no key: zeros")
     assert np.all(out[[1, 2, 5, 6, 7]] != 0.0)
+
+
+def test_int32_boundaries(backend):
+    # flash-attn's cu_seqlens are int32; the positions are int64 where 64-bit types are on (JAX's strict promotion
+    # has no implicit path between the two)
+    q, k, v, _ = _inputs(CASES["causal"])
+    bounds = [backend.asarray(x.astype(np.int32)) for x in (PACKED.cu_seqlens_q, PACKED.cu_seqlens_k)]
+    out = _compiled(backend, lambda q, k, v, cu_q, cu_k: backend.varlen_attention(
+        q, k, v, cu_q, cu_k, max_seqlen_q=TQ, max_seqlen_k=TK, is_causal=True))(
+        *(backend.asarray(x) for x in (q, k, v)), *bounds)
+    assert_close(backend.to_numpy(out), _references("causal")[1], RTOL, f"{backend.__name__} int32 boundaries")
 
 
 # --- gradients -----------------------------------------------------------------------------------------------------
@@ -403,15 +423,6 @@ def test_segment_ids_equal_varlen_for_self_attention(backend, is_causal):
     out = _compiled(backend, attention)(*(backend.asarray(_batched(x)) for x in (q, k, v)))
     (expected,) = _varlen(backend, partition, case, None, q, k, v)
     assert_close(_packed(backend.to_numpy(out)), expected, RTOL, f"{backend.__name__} document(segment_ids)")
-
-
-def _compiled(M: ModuleType, function):
-    """function, JAX's under jax.jit (eagerly, each of its primitives compiles apart)."""
-    if M.__name__ != "attention_jax":
-        return function
-    import jax
-
-    return jax.jit(function)
 
 
 # --- the tiled path skips the tiles across sequences ---------------------------------------------------------------

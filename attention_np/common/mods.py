@@ -216,7 +216,7 @@ def varlen(cu_seqlens_q: Any, cu_seqlens_k: Any = None, *, is_causal: bool = Fal
     left, right = window or (None, None)
 
     def rule(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        q_bounds, k_bounds = _like(cu_seqlens_q, q_idx), _like(kv_bounds, kv_idx)
+        q_bounds, k_bounds = _index_like(cu_seqlens_q, q_idx), _index_like(kv_bounds, kv_idx)
         n, m = _sequence(q_bounds, q_idx), _sequence(k_bounds, kv_idx)  # N: past the last boundary
         visible = (n == m) & (n < q_bounds.shape[0] - 1)
         if not is_causal and window is None:
@@ -339,6 +339,13 @@ def _along(x: Any, b: Any, idx: Any) -> Any:
     """x[idx] of ids (N,), or x[b, idx] of ids (B, N), in idx's namespace."""
     x = _like(x, idx)
     return x[idx] if x.ndim == 1 else x[b, idx]
+
+
+def _index_like(x: Any, idx: Any) -> Any:
+    """Integers x (boundaries) in the namespace, device and dtype of the index array idx: int32 boundaries
+    (flash-attn's) meet int64 indices without promotion (JAX's strict promotion has none)."""
+    x = _like(x, idx)
+    return x if x.dtype == idx.dtype else array_namespace(idx).astype(x, idx.dtype)
 
 
 def _sequence(bounds: Any, idx: Any) -> Any:
