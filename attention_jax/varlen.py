@@ -109,7 +109,8 @@ def varlen_attention_vjp(
     gradient crosses from one sequence to another.
 
     Args:
-        q, k, v, cu_seqlens_q, cu_seqlens_k: as for varlen_attention, and each keyword as there.
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: as for varlen_attention.
+        is_causal, window, softcap, scale, enable_gqa, block_size: as for varlen_attention.
 
     Returns:
         out (Tq, H, Ev) and pullback(d_out (Tq, H, Ev)) -> (dq (Tq, H, E), dk (Tk, Hkv, E), dv (Tk, Hkv, Ev)).
