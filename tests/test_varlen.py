@@ -1,9 +1,9 @@
-"""SPEC 2g on every backend in float64: varlen_attention equals a loop over the packed sequences of the library's
-scaled dot-product attention (q_offset = S_n - L_n, bottom-right) and of the float64 oracle within 1e-12, tiled
-and untiled, with every keyword, empty sequences and positions past the last boundary; its vjp, jax.grad and
-torch's autograd against the per-sequence vjp; xformers' BlockDiagonal* masks and torch's nested (jagged) tensors
-as independent references; JAX under jit with traced boundaries (one program for every partition); segment ids;
-the tiles skipped across sequences; every error row of SPEC 7.
+"""SPEC 2g on every backend in float64: varlen_attention equals a loop over the packed sequences of the
+library's scaled dot-product attention (NumPy's, q_offset = S_n - L_n: bottom-right) and of the float64 oracle
+within 1e-12, tiled and untiled, with every keyword, empty sequences and positions past the last boundary; its
+vjp, jax.grad and torch's autograd against the per-sequence vjp; xformers' BlockDiagonal* masks and torch's
+nested (jagged) tensors as independent references; JAX under jit with traced boundaries (one program for every
+partition); int32 boundaries; segment ids; the tiles skipped across sequences; every error row of SPEC 7.
 
 One shape for every test where it can be (Tq = 10, Tk = 13, H = 2, E = 3, Ev = 2): JAX compiles per shape.
 """
@@ -148,7 +148,7 @@ def _varlen(M: ModuleType, partition: Partition, case: Case, block_size: int | N
     arrays = [M.asarray(x) for x in (q, k, v, partition.cu_seqlens_q, partition.cu_seqlens_k)]
     if M.__name__ == "attention_jax":
         traced = block_size is None
-        results = _jax_program(case, block_size, None if traced else partition, d_out is not None)(
+        results = _jax_program(case, block_size, None if traced else partition)(
             *arrays, d_out=None if d_out is None else M.asarray(d_out))
     else:
         results = _run(M, case, block_size, _bounds(partition), *arrays,
@@ -167,7 +167,7 @@ def _run(M: ModuleType, case: Case, block_size: int | None, bounds: dict, q, k, 
 
 
 @functools.cache
-def _jax_program(case: Case, block_size: int | None, partition: Partition | None, vjp: bool):
+def _jax_program(case: Case, block_size: int | None, partition: Partition | None):
     """_run of JAX under jax.jit: partition None takes the boundaries as traced arguments, max_seqlen the bounds
     (Tq, Tk) that every partition meets; else the partition's own boundaries, concrete."""
     import jax
