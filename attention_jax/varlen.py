@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention_np.common import mods, validation
 
@@ -133,7 +134,10 @@ def _mask_mod(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
               block_size: object) -> mods.MaskMod:
     """The inputs checked, and the catalogue's mask function of the packed sequences (traced boundaries as they
     are: jax, their values are checked where concrete)."""
-    bounds = {"cu_seqlens_q": jnp.asarray(cu_seqlens_q), "cu_seqlens_k": jnp.asarray(cu_seqlens_k)}
+    # jax: boundaries given as NumPy arrays (or tuples) stay NumPy, concrete under jax.jit too (jnp.asarray would
+    # trace them there, and the tiled path could never run under jit); JAX arrays as they are
+    bounds = {name: b if isinstance(b, jax.Array) else np.asarray(b)
+              for name, b in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))}
     validation.varlen_inputs(q.shape, k.shape, v.shape, {name: b.shape for name, b in bounds.items()}, enable_gqa,
                              block_size)
     for (name, b), total, longest in zip(bounds.items(), (q.shape[0], k.shape[0]), (max_seqlen_q, max_seqlen_k),
@@ -142,8 +146,8 @@ def _mask_mod(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
             validation.varlen_bounds(name, to_numpy(b), total, longest)
         elif block_size is not None:
             raise ValueError(f"varlen_attention: the tiled path (block_size={block_size}) skips tiles by the "
-                             f"boundaries' values, so {name} must be concrete, not traced: pass it as a static "
-                             "argument of jax.jit, or block_size=None")
+                             f"boundaries' values, so {name} must be concrete, not traced: pass it as a NumPy array or "
+                             "a tuple (a constant or a static argument of jax.jit), or block_size=None")
     return mods.varlen(bounds["cu_seqlens_q"], bounds["cu_seqlens_k"], is_causal=is_causal,
                        window=validation.window(window))
 

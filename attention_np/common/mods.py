@@ -216,7 +216,7 @@ def varlen(cu_seqlens_q: Any, cu_seqlens_k: Any = None, *, is_causal: bool = Fal
     left, right = window or (None, None)
 
     def rule(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        q_bounds, k_bounds = _like(cu_seqlens_q, q_idx), _like(kv_bounds, kv_idx)
+        q_bounds, k_bounds = _index_like(cu_seqlens_q, q_idx), _index_like(kv_bounds, kv_idx)
         n, m = _sequence(q_bounds, q_idx), _sequence(k_bounds, kv_idx)  # N: past the last boundary
         visible = (n == m) & (n < q_bounds.shape[0] - 1)
         if not is_causal and window is None:
@@ -341,11 +341,19 @@ def _along(x: Any, b: Any, idx: Any) -> Any:
     return x[idx] if x.ndim == 1 else x[b, idx]
 
 
+def _index_like(x: Any, idx: Any) -> Any:
+    """Integers x (boundaries) in the namespace, device and dtype of the index array idx: int32 boundaries
+    (flash-attn's) meet int64 indices without promotion (JAX's strict promotion has none)."""
+    x = _like(x, idx)
+    return x if x.dtype == idx.dtype else array_namespace(idx).astype(x, idx.dtype)
+
+
 def _sequence(bounds: Any, idx: Any) -> Any:
     """The sequence each index lies in, given the boundaries (N + 1,) of N packed sequences: how many
     sequences end at or before it (a zero-length sequence ends where it starts), N past the last boundary."""
     xp = array_namespace(idx)
-    return xp.sum(xp.astype(bounds[1:] <= idx[..., None], idx.dtype), axis=-1)
+    ends = xp.reshape(bounds[1:], (1,) * idx.ndim + (-1,))  # (1, ..., 1, N): no broadcasting by rank (JAX's raises)
+    return xp.sum(xp.astype(ends <= idx[..., None], idx.dtype), axis=-1)
 
 
 def _scatter(values: np.ndarray, index: tuple[np.ndarray, ...], shape: tuple[int, ...]) -> np.ndarray:
