@@ -79,6 +79,7 @@ def varlen_attention(
     """
     mask_mod = _mask_mod(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, window,
                          enable_gqa, block_size)
+    q, k, v = _padding_zeroed(q, cu_seqlens_q), _padding_zeroed(k, cu_seqlens_k), _padding_zeroed(v, cu_seqlens_k)
     q, k, v = (_batched(x) for x in (q, k, v))  # (T, H, E) -> (1, H, T, E)
     options = {"softcap": softcap, "scale": scale, "enable_gqa": enable_gqa}
     if block_size is None:
@@ -150,6 +151,14 @@ def _mask_mod(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                              "a tuple (a constant or a static argument of jax.jit), or block_size=None")
     return mods.varlen(bounds["cu_seqlens_q"], bounds["cu_seqlens_k"], is_causal=is_causal,
                        window=validation.window(window))
+
+
+def _padding_zeroed(x: jax.Array, bounds: jax.Array) -> jax.Array:
+    """x (T, heads, width) with the rows past the last boundary zeroed: they belong to no sequence, and the product
+    of the weights with the values would carry a NaN or inf there (times a weight of 0) into every row (torch's
+    kernel route would also take another path for a NaN among q or k)."""
+    end = jnp.asarray(bounds)[-1]
+    return jnp.where((jnp.arange(x.shape[0], dtype=end.dtype) < end)[:, None, None], x, 0)  # jax: one int dtype
 
 
 def _batched(x: jax.Array) -> jax.Array:

@@ -74,6 +74,7 @@ def varlen_attention(
     """
     mask_mod = _mask_mod(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, window,
                          enable_gqa, block_size)
+    q, k, v = _padding_zeroed(q, cu_seqlens_q), _padding_zeroed(k, cu_seqlens_k), _padding_zeroed(v, cu_seqlens_k)
     q, k, v = (_batched(x) for x in (q, k, v))  # (T, H, E) -> (1, H, T, E)
     options = {"softcap": softcap, "scale": scale, "enable_gqa": enable_gqa}
     if block_size is None:
@@ -113,6 +114,7 @@ def varlen_attention_vjp(
     """
     mask_mod = _mask_mod(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, window,
                          enable_gqa, block_size)
+    q, k, v = _padding_zeroed(q, cu_seqlens_q), _padding_zeroed(k, cu_seqlens_k), _padding_zeroed(v, cu_seqlens_k)
     q, k, v = (_batched(x) for x in (q, k, v))  # (T, H, E) -> (1, H, T, E)
     options = {"softcap": softcap, "scale": scale, "enable_gqa": enable_gqa}
     if block_size is None:
@@ -140,6 +142,13 @@ def _mask_mod(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndar
     validation.varlen_bounds("cu_seqlens_k", bounds["cu_seqlens_k"], k.shape[0], max_seqlen_k)
     return mods.varlen(bounds["cu_seqlens_q"], bounds["cu_seqlens_k"], is_causal=is_causal,
                        window=validation.window(window))
+
+
+def _padding_zeroed(x: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """x (T, heads, width) with the rows past the last boundary zeroed: they belong to no sequence, and the product
+    of the weights with the values would carry a NaN or inf there (times a weight of 0) into every row (torch's
+    kernel route would also take another path for a NaN among q or k)."""
+    return np.where((np.arange(len(x)) < to_numpy(bounds)[-1])[:, None, None], x, 0)
 
 
 def _batched(x: np.ndarray) -> np.ndarray:

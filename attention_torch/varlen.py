@@ -73,6 +73,7 @@ def varlen_attention(
     """
     mask_mod = _mask_mod(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, window,
                          enable_gqa, block_size)
+    q, k, v = _padding_zeroed(q, cu_seqlens_q), _padding_zeroed(k, cu_seqlens_k), _padding_zeroed(v, cu_seqlens_k)
     q, k, v = (_batched(x) for x in (q, k, v))  # (T, H, E) -> (1, H, T, E)
     options = {"softcap": softcap, "scale": scale, "enable_gqa": enable_gqa}
     if block_size is None:
@@ -138,6 +139,14 @@ def _mask_mod(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
         validation.varlen_bounds(name, to_numpy(b), total, longest)
     return mods.varlen(bounds["cu_seqlens_q"], bounds["cu_seqlens_k"], is_causal=is_causal,
                        window=validation.window(window))
+
+
+def _padding_zeroed(x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, width) with the rows past the last boundary zeroed: they belong to no sequence, and the product
+    of the weights with the values would carry a NaN or inf there (times a weight of 0) into every row (torch's
+    kernel route would also take another path for a NaN among q or k)."""
+    end = torch.as_tensor(bounds, device=x.device)[-1]
+    return torch.where((torch.arange(x.shape[0], device=x.device) < end)[:, None, None], x, 0)
 
 
 def _batched(x: torch.Tensor) -> torch.Tensor:
