@@ -18,6 +18,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention_np.common import module, validation
 
@@ -54,8 +55,9 @@ class Module(module.Module):
 
 class KVCache(NamedTuple):
     """The keys and values of the positions seen so far, each (..., Hkv, capacity, d_k), filled at positions
-    0 .. length - 1. jax: a pytree whose length is an int32 array, so one jitted extend serves every length
-    (the capacity, an array's shape, is static); extend returns new arrays, as JAX arrays never change.
+    0 .. length - 1. jax: a pytree whose length is an int32 array, () or one per sequence (...), so one jitted
+    extend serves every length (the capacity, an array's shape, is static); extend returns new arrays, as JAX
+    arrays never change.
     `rope`: RoPE's cos and sin tables (capacity, d_k) for the positions 0 .. capacity - 1, which init_cache
     makes once for a module with rope_theta, so that a step reads its angles (None: extend makes the angles
     of its positions)."""
@@ -181,18 +183,23 @@ class MultiHeadAttention(Module):
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), length=jnp.zeros((), jnp.int32), rope=rope)
 
     def extend(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None = None, *,
-               need_weights: bool = True, rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+               new_lengths: jax.Array | None = None, need_weights: bool = True, rng: Rng = None,
+               mask_mod: Callable[..., Any] | None = None,
                score_mod: Callable[..., Any] | None = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """Attention of L new positions over the cache and themselves: the keys and values of x_kv join the
         cache at positions p = length .. length + L - 1, where the queries of x_q stand too, so each query
         sees the keys at positions up to its own (causal, q_offset = length). With rope_theta, the new queries
-        and keys are turned at those positions, and the cache holds turned keys.
+        and keys are turned at those positions, and the cache holds turned keys. Each sequence has its own
+        length: with new_lengths, sequence b takes the first new_lengths[b] rows of its chunk alone, at its
+        own positions length[b] .., and its other rows are padding, zeros in every output.
 
         Args:
             x_q: the new queries' inputs (..., L, D).
             x_kv: the new keys' and values' inputs (..., L, D).
             cache: from init_cache, or the cache the last extend returned.
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions (a ragged chunk);
+                None: L for every sequence.
             need_weights: return the weights; with False the second result is None.
             rng: dropout randomness, as for __call__.
             mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
@@ -203,16 +210,20 @@ class MultiHeadAttention(Module):
 
         Returns:
             out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
-            holding length + L positions.
+            holding length + L positions (length + new_lengths); a padding row's out and weights are zeros.
         """
-        self._check_extend({"x_q": x_q, "x_kv": x_kv}, cache, mask)
-        return self._extended(x_q, x_kv, cache, mask, need_weights=need_weights, rng=rng, mask_mod=mask_mod,
-                              score_mod=score_mod)
+        self._check_extend({"x_q": x_q, "x_kv": x_kv}, cache, mask, new_lengths)
+        return self._extended(x_q, x_kv, cache, mask, new_lengths=new_lengths, need_weights=need_weights, rng=rng,
+                              mask_mod=mask_mod, score_mod=score_mod)
 
     def _extended(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None, *,
-                  need_weights: bool, rng: Rng, mask_mod: Callable[..., Any] | None = None,
+                  new_lengths: jax.Array | None = None, need_weights: bool, rng: Rng,
+                  mask_mod: Callable[..., Any] | None = None,
                   score_mod: Callable[..., Any] | None = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """extend once its inputs are checked (TransformerBlock.extend checks its own against the cache)."""
+        if new_lengths is not None or jnp.ndim(cache.length):  # a length per sequence
+            return self._ragged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights, rng=rng,
+                                mask_mod=mask_mod, score_mod=score_mod)
         start, L = cache.length, x_q.shape[-2]  # jax: the length is an array, traced under jit
 
         # 1) project the new positions, then write their keys and values into the cache
@@ -239,9 +250,51 @@ class MultiHeadAttention(Module):
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights, KVCache(k, v, length=start + L, rope=cache.rope)
 
-    def _check_extend(self, inputs: dict[str, jax.Array], cache: KVCache, mask: jax.Array | None) -> None:
+    def _ragged(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None,
+                new_lengths: jax.Array | None, *, need_weights: bool, rng: Rng,
+                mask_mod: Callable[..., Any] | None = None,
+                score_mod: Callable[..., Any] | None = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
+        """extend with a length per sequence: sequence b's new rows i < new[b] stand at positions start[b] + i,
+        its other rows are padding."""
+        batch, L, capacity = cache.k.shape[:-3], x_q.shape[-2], cache.k.shape[-2]
+        start = jnp.broadcast_to(cache.length, batch)  # (...), int32
+        new = jnp.broadcast_to(jnp.asarray(L if new_lengths is None else new_lengths, start.dtype), batch)
+        end = start + new  # (...)
+        rows = jnp.arange(L, dtype=start.dtype).reshape((1,) * len(batch) + (L,))  # jax: ranks equal, (..., L)
+        positions = start[..., None] + rows  # (..., L): each row's position
+        kept = positions < end[..., None]  # (..., L): the sequence's own new rows, not padding
+
+        # 1) project, turn each sequence's rows at its own positions, write the kept rows into the cache
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        k_new = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
+        v_new = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        q, k_new = self._rotated(q, k_new, positions[..., None, :], cache.rope)  # RoPE at (..., 1, L) positions
+        # jax: a scatter of each kept row to its position; a padding row aims past the capacity and is dropped
+        index = (*jnp.indices(kept.shape, sparse=True)[:-1], slice(None), jnp.where(kept, positions, capacity))
+        k = cache.k.at[index].set(jnp.swapaxes(k_new, -3, -2), mode="drop")  # rows (..., L, Hkv, d_k)
+        v = cache.v.at[index].set(jnp.swapaxes(v_new, -3, -2), mode="drop")
+
+        # 2) attend over every position of the cache: each sequence causal from its own start, up to its end
+        dropout_p = self.dropout if self.training else 0.0
+        validation.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
+        out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start[..., None],
+                                                    key_lengths=end[..., None], enable_gqa=self.grouped,
+                                                    mask_mod=mask_mod, score_mod=score_mod, dropout_p=dropout_p,
+                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+        # jax: under jit a full cache cannot raise: that sequence's output is NaN, as extend's
+        own = kept[..., None, :, None]  # (..., 1, L, 1): padding rows get zeros
+        out = jnp.where((end > capacity)[..., None, None, None], jnp.nan, jnp.where(own, out, 0))
+        if need_weights:
+            weights = jnp.where(own, weights, 0)
+
+        # 3) concatenate the heads and mix them; a padding row stays 0 (w_o's bias not added to it)
+        out = jnp.where(kept[..., None], self.w_o(self._merge_heads(out)), 0)  # (..., L, D)
+        return out, weights, KVCache(k, v, length=end, rope=cache.rope)
+
+    def _check_extend(self, inputs: dict[str, jax.Array], cache: KVCache, mask: jax.Array | None,
+                      new_lengths: jax.Array | None = None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters (the
-        cache's room only where its length is known, outside jit)."""
+        cache's room, and new_lengths' range, only where the values are known, outside jit)."""
         validation.cached(self.attention)
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
@@ -250,8 +303,17 @@ class MultiHeadAttention(Module):
         if mask is not None:
             validation.broadcasts_to("mask", jnp.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
                                  "..., H, L, capacity")
-        if not isinstance(cache.length, jax.core.Tracer):
-            validation.cache_room(capacity, int(cache.length), L)
+        batch, length = cache.k.shape[:-3], jnp.asarray(cache.length)
+        validation.cache_lengths(batch, length.shape, length.dtype.name, jnp.issubdtype(length.dtype, jnp.integer))
+        new = L
+        if new_lengths is not None:
+            new = jnp.asarray(new_lengths)
+            validation.new_lengths(batch, new.shape, new.dtype.name, jnp.issubdtype(new.dtype, jnp.integer))
+        known = [x for x in (length, new) if isinstance(x, jax.core.Tracer)] == []  # jax: values seen outside jit
+        if known and new_lengths is not None:
+            validation.new_lengths_range(L, np.asarray(new))
+        if known:
+            validation.cache_room(capacity, np.asarray(length), np.asarray(new))
 
     def _check_inputs(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None,
                       mask_mod: Callable[..., Any] | None = None, score_mod: Callable[..., Any] | None = None) -> None:
@@ -275,9 +337,17 @@ class MultiHeadAttention(Module):
                  tables: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
         """q (..., H, L, d_k) and k (..., Hkv, S, d_k) turned by RoPE (apply_rope's half rotation), row i of each
         at position start + i, from one table of angles: `tables` (cos, sin) of positions 0, 1, ... (a cache's),
-        or made here for positions start ..; q and k themselves without rope_theta."""
+        or made here for positions start ..; q and k themselves without rope_theta. `start` may be the positions
+        themselves, an integer array (..., 1, L) of each sequence's rows (L = S: a cache's step)."""
         if self.rope_theta is None:
             return q, k
+        if jnp.ndim(start):  # each row's own position: (..., 1, L, d_k) angles, a cache's rows gathered
+            if tables is None:
+                cos, sin = _rope_table(start, q.shape[-1], self.rope_theta, _at_least_float32(q.dtype), False)
+            else:  # a padding row may stand past the capacity: any row will do for it
+                rows = jnp.minimum(start, tables[0].shape[0] - 1)
+                cos, sin = tables[0][rows], tables[1][rows]
+            return _turned(q, cos, sin, False), _turned(k, cos, sin, False)
         L, S = q.shape[-2], k.shape[-2]
         if tables is None:  # row r of the tables: position start + r
             work, count = _at_least_float32(q.dtype), max(L, S)
@@ -394,16 +464,19 @@ class TransformerBlock(Module):
         """An empty cache of the block's attention (MultiHeadAttention.init_cache)."""
         return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
 
-    def extend(self, x: jax.Array, cache: KVCache, mask: jax.Array | None = None, *, need_weights: bool = True,
-               rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+    def extend(self, x: jax.Array, cache: KVCache, mask: jax.Array | None = None, *,
+               new_lengths: jax.Array | None = None, need_weights: bool = True, rng: Rng = None,
+               mask_mod: Callable[..., Any] | None = None,
                score_mod: Callable[..., Any] | None = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """The block on L new positions after those in the cache: as __call__ with a causal mask over the
-        whole sequence, the attention through MultiHeadAttention.extend.
+        whole sequence, the attention through MultiHeadAttention.extend (a length per sequence as there: a
+        padding row's output is zeros).
 
         Args:
             x: the new positions' inputs (..., L, D).
             cache: from init_cache, or the cache the last extend returned.
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions; None: L for all.
             need_weights, rng: as for __call__.
             mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
                 needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
@@ -415,15 +488,20 @@ class TransformerBlock(Module):
             x (..., L, D), the attention weights (..., H, L, capacity) (or None), and the cache holding the new
             positions too.
         """
-        self.attn._check_extend({"x": x}, cache, mask)  # once: the attention's input, a norm of x or x, is alike
+        self.attn._check_extend({"x": x}, cache, mask, new_lengths)  # once: the attention's input is alike
         validation.dropout_rng(self.dropout if self.training else 0.0, rng, type(self).__name__)  # jax: no global RNG
         rngs = _rngs(rng, 4)
 
         def attend(h: jax.Array) -> tuple[jax.Array, jax.Array | None, KVCache]:
-            return self.attn._extended(h, h, cache, mask, need_weights=need_weights, rng=rngs[0], mask_mod=mask_mod,
-                                       score_mod=score_mod)  # (..., L, D)
+            return self.attn._extended(h, h, cache, mask, new_lengths=new_lengths, need_weights=need_weights,
+                                       rng=rngs[0], mask_mod=mask_mod, score_mod=score_mod)  # (..., L, D)
 
-        return self._layers(x, attend, rngs)
+        x, weights, cache = self._layers(x, attend, rngs)
+        if new_lengths is not None:  # a padding row: zeros, as the attention's
+            new = jnp.asarray(new_lengths)
+            rows = jnp.arange(x.shape[-2], dtype=new.dtype).reshape((1,) * new.ndim + (-1, 1))  # jax: ranks equal
+            x = jnp.where(rows < new[..., None, None], x, 0)
+        return x, weights, cache
 
     def vjp(self, x: jax.Array, mask: jax.Array | None = None, *, mask_mod: Callable[..., Any] | None = None,
             score_mod: Callable[..., Any] | None = None) -> tuple[jax.Array, jax.Array, Callable]:

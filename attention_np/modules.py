@@ -29,14 +29,15 @@ from .primitives import _activation, _silu
 
 class KVCache(NamedTuple):
     """The keys and values of the positions seen so far, each (..., Hkv, capacity, d_k), filled at positions
-    0 .. length - 1. NumPy: extend writes the new positions into these arrays in place and returns a cache
-    with the longer length; the positions an older cache covers never change. `rope`: RoPE's cos and sin
-    tables (capacity, d_k) for the positions 0 .. capacity - 1, which init_cache makes once for a module with
-    rope_theta, so that a step reads its angles (None: extend makes the angles of its positions)."""
+    0 .. length - 1: `length` an int (every sequence as long) or an integer array (...), one length per sequence.
+    NumPy: extend writes the new positions into these arrays in place and returns a cache with the longer
+    length; the positions an older cache covers never change. `rope`: RoPE's cos and sin tables (capacity, d_k)
+    for the positions 0 .. capacity - 1, which init_cache makes once for a module with rope_theta, so that a step
+    reads its angles (None: extend makes the angles of its positions)."""
 
     k: np.ndarray
     v: np.ndarray
-    length: int
+    length: int | np.ndarray
     rope: tuple[np.ndarray, np.ndarray] | None = None
 
 
@@ -154,18 +155,23 @@ class MultiHeadAttention(Module):
         return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), length=0, rope=rope)
 
     def extend(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache, mask: np.ndarray | None = None, *,
-               need_weights: bool = True, rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+               new_lengths: np.ndarray | None = None, need_weights: bool = True, rng: Rng = None,
+               mask_mod: Callable[..., Any] | None = None,
                score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
         """Attention of L new positions over the cache and themselves: the keys and values of x_kv join the
         cache at positions p = length .. length + L - 1, where the queries of x_q stand too, so each query
         sees the keys at positions up to its own (causal, q_offset = length). With rope_theta, the new queries
-        and keys are turned at those positions, and the cache holds turned keys.
+        and keys are turned at those positions, and the cache holds turned keys. Each sequence has its own
+        length: with new_lengths, sequence b takes the first new_lengths[b] rows of its chunk alone, at its
+        own positions length[b] .., and its other rows are padding, zeros in every output.
 
         Args:
             x_q: the new queries' inputs (..., L, D).
             x_kv: the new keys' and values' inputs (..., L, D).
             cache: from init_cache, or the cache the last extend returned.
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions (a ragged chunk);
+                None: L for every sequence.
             need_weights: return the weights; with False the second result is None.
             rng: dropout randomness, as for __call__.
             mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
@@ -176,16 +182,20 @@ class MultiHeadAttention(Module):
 
         Returns:
             out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
-            holding length + L positions.
+            holding length + L positions (length + new_lengths); a padding row's out and weights are zeros.
         """
-        self._check_extend({"x_q": x_q, "x_kv": x_kv}, cache, mask)
-        return self._extended(x_q, x_kv, cache, mask, need_weights=need_weights, rng=rng, mask_mod=mask_mod,
-                              score_mod=score_mod)
+        self._check_extend({"x_q": x_q, "x_kv": x_kv}, cache, mask, new_lengths)
+        return self._extended(x_q, x_kv, cache, mask, new_lengths=new_lengths, need_weights=need_weights, rng=rng,
+                              mask_mod=mask_mod, score_mod=score_mod)
 
     def _extended(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache, mask: np.ndarray | None, *,
-                  need_weights: bool, rng: Rng, mask_mod: Callable[..., Any] | None = None,
+                  new_lengths: np.ndarray | None = None, need_weights: bool, rng: Rng,
+                  mask_mod: Callable[..., Any] | None = None,
                   score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
         """extend once its inputs are checked (TransformerBlock.extend checks its own against the cache)."""
+        if new_lengths is not None or np.ndim(cache.length):  # a length per sequence
+            return self._ragged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights, rng=rng,
+                                mask_mod=mask_mod, score_mod=score_mod)
         start, end = cache.length, cache.length + x_q.shape[-2]
 
         # 1) project the new positions, then write their keys and values into the cache, in place
@@ -210,7 +220,49 @@ class MultiHeadAttention(Module):
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, length=end, rope=cache.rope)
 
-    def _check_extend(self, inputs: dict[str, np.ndarray], cache: KVCache, mask: np.ndarray | None) -> None:
+    def _ragged(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache, mask: np.ndarray | None,
+                new_lengths: np.ndarray | None, *, need_weights: bool, rng: Rng,
+                mask_mod: Callable[..., Any] | None = None,
+                score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
+        """extend with a length per sequence: sequence b's new rows i < new[b] stand at positions start[b] + i,
+        its other rows are padding."""
+        batch, L, capacity = cache.k.shape[:-3], x_q.shape[-2], cache.k.shape[-2]
+        start = np.broadcast_to(np.asarray(cache.length), batch)  # (...)
+        end = start + np.broadcast_to(np.asarray(L if new_lengths is None else new_lengths), batch)  # (...)
+        positions = start[..., None] + np.arange(L)  # (..., L): each row's position in its sequence
+        kept = positions < end[..., None]  # (..., L): the sequence's own new rows, not padding
+
+        # 1) project, turn each sequence's rows at its own positions, write the kept rows into the cache in place
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
+        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        q, k = self._rotated(q, k, positions[..., None, :], cache.rope)  # RoPE at (..., 1, L) positions
+        *sequence, row = np.nonzero(kept)  # the kept rows: their sequences' indices and their rows
+        to, of = (*sequence, slice(None), positions[kept]), (*sequence, slice(None), row)  # (n, Hkv, d_k) each
+        cache.k[to], cache.v[to] = k[of], v[of]
+
+        # 2) attend over the filled positions: each sequence causal from its own start, up to its own end
+        span = int(end.max(initial=0))  # the longest sequence's positions: the rest is read by none
+        if mask is not None and np.shape(mask)[-1] > 1:
+            mask = mask[..., :span]  # (..., H, L, capacity) -> (..., H, L, span)
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = scaled_dot_product_attention(q, cache.k[..., :span, :], cache.v[..., :span, :], mask,
+                                                    is_causal=True, q_offset=start[..., None],
+                                                    key_lengths=end[..., None], enable_gqa=self.grouped,
+                                                    mask_mod=mask_mod, score_mod=score_mod, dropout_p=dropout_p,
+                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+        rows = kept[..., None, :, None]  # (..., 1, L, 1): padding rows get zeros
+        if need_weights:  # the positions past the longest sequence get 0 too
+            weights = np.where(rows, weights, 0)
+            weights = np.concatenate([weights, np.zeros((*weights.shape[:-1], capacity - span), weights.dtype)],
+                                     axis=-1)  # (..., H, L, capacity)
+
+        # 3) concatenate the heads and mix them; a padding row stays 0 (w_o's bias not added to it)
+        out = np.where(kept[..., None], self.w_o(self._merge_heads(out)), 0)  # (..., L, D)
+        return out.astype(x_q.dtype, copy=False), weights, KVCache(cache.k, cache.v, length=end, rope=cache.rope)
+
+    def _check_extend(self, inputs: dict[str, np.ndarray], cache: KVCache, mask: np.ndarray | None,
+                      new_lengths: np.ndarray | None = None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""
         validation.cached(self.attention)
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
@@ -220,7 +272,14 @@ class MultiHeadAttention(Module):
         if mask is not None:
             validation.broadcasts_to("mask", np.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
                                  "..., H, L, capacity")
-        validation.cache_room(capacity, cache.length, L)
+        batch, length = cache.k.shape[:-3], np.asarray(cache.length)
+        validation.cache_lengths(batch, length.shape, length.dtype.name, np.issubdtype(length.dtype, np.integer))
+        new = None
+        if new_lengths is not None:
+            new = np.asarray(new_lengths)
+            validation.new_lengths(batch, new.shape, new.dtype.name, np.issubdtype(new.dtype, np.integer))
+            validation.new_lengths_range(L, new)
+        validation.cache_room(capacity, length, L if new is None else new)
 
     def _check_inputs(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None,
                       mask_mod: Callable[..., Any] | None = None, score_mod: Callable[..., Any] | None = None) -> None:
@@ -240,13 +299,22 @@ class MultiHeadAttention(Module):
         """Whether key/value heads are shared (Hkv < H): attention then runs with enable_gqa."""
         return self.num_kv_heads != self.num_heads
 
-    def _rotated(self, q: np.ndarray, k: np.ndarray, start: int,
+    def _rotated(self, q: np.ndarray, k: np.ndarray, start: int | np.ndarray,
                  tables: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """q (..., H, L, d_k) and k (..., Hkv, S, d_k) turned by RoPE (apply_rope's half rotation), row i of each
         at position start + i, from one table of angles: `tables` (cos, sin) of positions 0, 1, ... (a cache's),
-        or made here for positions start ..; q and k themselves without rope_theta."""
+        or made here for positions start ..; q and k themselves without rope_theta. `start` may be the positions
+        themselves, an integer array (..., 1, L) of each sequence's rows (L = S: a cache's step)."""
         if self.rope_theta is None:
             return q, k
+        if np.ndim(start):  # each row's own position: (..., 1, L, d_k) angles, a cache's rows gathered
+            if tables is None:
+                cos, sin = _rope_table(start, q.shape[-1], self.rope_theta, np.promote_types(q.dtype, np.float32),
+                                       False)
+            else:  # a padding row may stand past the capacity: any row will do for it
+                rows = np.minimum(start, tables[0].shape[0] - 1)
+                cos, sin = tables[0][rows], tables[1][rows]
+            return _turned(q, cos, sin, False), _turned(k, cos, sin, False)
         L, S = q.shape[-2], k.shape[-2]
         if tables is None:  # row r of the tables: position start + r
             work, positions = np.promote_types(q.dtype, np.float32), start + np.arange(max(L, S))
@@ -362,16 +430,19 @@ class TransformerBlock(Module):
         """An empty cache of the block's attention (MultiHeadAttention.init_cache)."""
         return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
 
-    def extend(self, x: np.ndarray, cache: KVCache, mask: np.ndarray | None = None, *, need_weights: bool = True,
-               rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+    def extend(self, x: np.ndarray, cache: KVCache, mask: np.ndarray | None = None, *,
+               new_lengths: np.ndarray | None = None, need_weights: bool = True, rng: Rng = None,
+               mask_mod: Callable[..., Any] | None = None,
                score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
         """The block on L new positions after those in the cache: as __call__ with a causal mask over the
-        whole sequence, the attention through MultiHeadAttention.extend.
+        whole sequence, the attention through MultiHeadAttention.extend (a length per sequence as there: a
+        padding row's output is zeros).
 
         Args:
             x: the new positions' inputs (..., L, D).
             cache: from init_cache, or the cache the last extend returned.
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions; None: L for all.
             need_weights, rng: as for __call__.
             mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
                 needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
@@ -383,14 +454,17 @@ class TransformerBlock(Module):
             x (..., L, D), the attention weights (..., H, L, capacity) (or None), and the cache holding the new
             positions too.
         """
-        self.attn._check_extend({"x": x}, cache, mask)  # once: the attention's input, a norm of x or x, is alike
+        self.attn._check_extend({"x": x}, cache, mask, new_lengths)  # once: the attention's input is alike
         rngs = _rngs(rng, 4)
 
         def attend(h: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
-            return self.attn._extended(h, h, cache, mask, need_weights=need_weights, rng=rngs[0], mask_mod=mask_mod,
-                                       score_mod=score_mod)  # (..., L, D)
+            return self.attn._extended(h, h, cache, mask, new_lengths=new_lengths, need_weights=need_weights,
+                                       rng=rngs[0], mask_mod=mask_mod, score_mod=score_mod)  # (..., L, D)
 
-        return self._layers(x, attend, rngs)
+        x, weights, cache = self._layers(x, attend, rngs)
+        if new_lengths is not None:  # a padding row: zeros, as the attention's
+            x = np.where(np.arange(x.shape[-2])[:, None] < np.asarray(new_lengths)[..., None, None], x, 0)
+        return x, weights, cache
 
     def vjp(self, x: np.ndarray, mask: np.ndarray | None = None, *, mask_mod: Callable[..., Any] | None = None,
             score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:

@@ -456,11 +456,46 @@ def cache_inputs(names: Sequence[str], shapes: Sequence[Sequence[int]], cache: S
     return lengths.pop()
 
 
-def cache_room(capacity: int, length: int, new: int) -> None:
-    """extend: the cache must hold its `length` positions and the `new` ones."""
-    if length + new > capacity:
-        raise ValueError(f"the cache is full: its capacity is {capacity} positions, {length} are filled, and "
-                         f"extend asks for {new} more ({length + new} in all); start from a larger init_cache")
+def cache_room(capacity: int, length: int | np.ndarray, new: int | np.ndarray) -> None:
+    """extend: the cache must hold its `length` positions and the `new` ones, in every sequence (either may be
+    an array of a length per sequence)."""
+    if not isinstance(length, np.ndarray) and not isinstance(new, np.ndarray):  # plain ints (symbolic ones too:
+        if length + new > capacity:  # torch.compile traces this check)
+            raise ValueError(f"the cache is full: its capacity is {capacity} positions, {length} are filled, and "
+                             f"extend asks for {new} more ({length + new} in all); start from a larger init_cache")
+        return
+    total = np.asarray(length) + np.asarray(new)
+    if (total > capacity).any():
+        at = np.unravel_index(int(np.argmax(total)), total.shape)
+        which = f"sequence {tuple(map(int, at))}: " if total.ndim else ""
+        filled, more = int(np.broadcast_to(length, total.shape)[at]), int(np.broadcast_to(new, total.shape)[at])
+        raise ValueError(f"the cache is full: {which}its capacity is {capacity} positions, {filled} are filled, "
+                         f"and extend asks for {more} more ({filled + more} in all); start from a larger init_cache")
+
+
+def cache_lengths(batch: Sequence[int], shape: Sequence[int], dtype: str, integer: bool) -> None:
+    """A cache's length: an int, or an integer array of the cache's leading axes (...), one per sequence."""
+    if not integer:
+        raise TypeError(f"the cache's length must be an int or an integer array; got dtype {dtype}")
+    if _shape(shape) not in ((), _shape(batch)):
+        raise ValueError(f"the cache's length must be an int or one per sequence, of the cache's leading axes "
+                         f"{_shape(batch)}; got shape {_shape(shape)}")
+
+
+def new_lengths(batch: Sequence[int], shape: Sequence[int], dtype: str, integer: bool) -> None:
+    """extend's new_lengths: integer, one per sequence (...) (or one for all, ())."""
+    if not integer:
+        raise TypeError(f"new_lengths must be an int or an integer array; got dtype {dtype}")
+    if _shape(shape) not in ((), _shape(batch)):
+        raise ValueError(f"new_lengths must have the cache's leading axes {_shape(batch)} (one per sequence); got "
+                         f"shape {_shape(shape)}")
+
+
+def new_lengths_range(L: int, values: np.ndarray) -> None:
+    """new_lengths' values within 0 .. L, the chunk's rows (read where they are concrete)."""
+    if values.size and (values.min() < 0 or values.max() > L):
+        bad = int(values.min()) if values.min() < 0 else int(values.max())
+        raise ValueError(f"new_lengths must lie in 0 .. L = {L}, the chunk's rows; got {bad}")
 
 
 def mha_state_shapes(d_model: int, num_heads: int = 1, num_kv_heads: int | None = None,
