@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention_np.common import mods, validation
 
@@ -132,7 +133,7 @@ def _mask_mod(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
               block_size: object) -> mods.MaskMod:
     """The inputs checked, and the catalogue's mask function of the packed sequences (traced boundaries as they
     are: jax, their values are checked where concrete)."""
-    bounds = {"cu_seqlens_q": jnp.asarray(cu_seqlens_q), "cu_seqlens_k": jnp.asarray(cu_seqlens_k)}
+    bounds = {"cu_seqlens_q": _bounds(cu_seqlens_q), "cu_seqlens_k": _bounds(cu_seqlens_k)}
     validation.varlen_inputs(q.shape, k.shape, v.shape, {name: b.shape for name, b in bounds.items()}, enable_gqa,
                              block_size)
     for (name, b), total, longest in zip(bounds.items(), (q.shape[0], k.shape[0]), (max_seqlen_q, max_seqlen_k),
@@ -145,6 +146,13 @@ def _mask_mod(q: jax.Array, k: jax.Array, v: jax.Array, cu_seqlens_q: jax.Array,
                              "argument of jax.jit, or block_size=None")
     return mods.varlen(bounds["cu_seqlens_q"], bounds["cu_seqlens_k"], is_causal=is_causal,
                        window=validation.window(window))
+
+
+def _bounds(cu_seqlens: jax.Array) -> jax.Array | np.ndarray:
+    """A boundary array as given: a JAX array (traced under jit, or concrete), or NumPy's for anything else (a NumPy
+    array, a list), which stays concrete under jit (jax: jnp.asarray there makes a tracer, which the tiled path
+    cannot read)."""
+    return cu_seqlens if isinstance(cu_seqlens, jax.Array) else np.asarray(cu_seqlens)
 
 
 def _batched(x: jax.Array) -> jax.Array:
