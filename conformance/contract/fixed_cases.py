@@ -955,13 +955,12 @@ def _varlen_rows() -> list[Fixed]:
              Requirement("out", "zero"), Requirement("out", "shape", value=(3, 2, 3))),
         edge("varlen", "every_sequence_empty", _varlen((0, 0), (0, 0), past=(2, 2)),
              "two empty sequences, two queries and keys past them: out zeros (2, 2, 3)", Requirement("out", "zero")),
-        edge("varlen", "keys_without_queries_and_queries_without_keys", _varlen((0, 3, 2), (3, 0, 2)),
-             "sequence 0 has keys but no queries, sequence 1 queries but no keys (out rows 0..2 zeros), sequence 2 "
-             "as the oracle", Requirement("out", "zero", index=slice(0, 3)), Requirement("out", "finite")),
-        edge("varlen", "queries_past_the_last_boundary_get_zeros", _varlen((2, 3), (2, 3), is_causal=True,
-                                                                           past=(2, 1)),
-             "two queries and a key past the last boundary: out rows 5, 6 zeros", Requirement(
-                 "out", "zero", index=slice(5, 7))),
+        edge("varlen", "keys_without_queries_and_queries_without_keys", _varlen((0, 3, 2), (3, 0, 2), is_causal=True,
+                                                                                past=(2, 1)),
+             "is_causal; sequence 0 has keys but no queries, sequence 1 queries but no keys (out rows 0..2 zeros), "
+             "sequence 2 as the oracle, two queries and a key past the last boundary (out rows 5, 6 zeros)",
+             Requirement("out", "zero", index=slice(0, 3)), Requirement("out", "zero", index=slice(5, 7)),
+             Requirement("out", "finite")),
         error("varlen", "q_two_axes", lambda: (case := varlen_case())._replace(q=case.q[:, 0]), ValueError,
               "varlen_attention", "(Tq, H, E)"),
         error("varlen", "heads_differ", _varlen(Hkv=1, enable_gqa=False), ValueError, "varlen_attention",

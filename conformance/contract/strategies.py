@@ -700,7 +700,8 @@ VARLEN_SEQUENCES = (2, 1, 3, 4, 0)  # N: two first, so the least case has a boun
 VARLEN_LENGTHS = (2, 0, 1, 3, 4, 5)  # each sequence's query and key lengths, drawn apart: empty ones included
 VARLEN_TOTALS = (6, 12, 20)  # Tq and Tk: the least that holds the sequences (N <= 4 of <= 5 positions)
 VARLEN_HEADS = ((1, 1), (2, 2), (2, 1))  # (H, Hkv): one head, two, grouped (enable_gqa)
-VARLEN_BLOCKS = (None, None, 2, 3)  # block_size: the untiled path in one case of two, else tiles of 2 or 3
+VARLEN_BLOCKS = (None, None, None, None, 2, 3)  # block_size: tiles of 2 or 3 in one case of three (a tiled program,
+# its boundaries static, takes JAX about twice as long to compile), else the untiled path
 
 
 @st.composite
