@@ -541,7 +541,8 @@ def _varlen_seen(case: VarlenCase) -> np.ndarray:
 
 def _varlen_visible(case: VarlenCase) -> np.ndarray:
     """(H, Tq, Tk): the same keys in every head (`packed`: the gradient check swaps its rows to (T, heads))."""
-    return np.broadcast_to(_varlen_seen(case), (case.q.shape[1], *_varlen_seen(case).shape))
+    seen = _varlen_seen(case)  # (Tq, Tk)
+    return np.broadcast_to(seen, (case.q.shape[1], *seen.shape))
 
 
 def _varlen_blind(case: VarlenCase) -> tuple[np.ndarray, None] | None:
