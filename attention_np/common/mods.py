@@ -216,7 +216,7 @@ def varlen(cu_seqlens_q: Any, cu_seqlens_k: Any = None, *, is_causal: bool = Fal
     left, right = window or (None, None)
 
     def rule(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        q_bounds, k_bounds = _like(cu_seqlens_q, q_idx), _like(kv_bounds, kv_idx)
+        q_bounds, k_bounds = _indices_like(cu_seqlens_q, q_idx), _indices_like(kv_bounds, kv_idx)
         n, m = _sequence(q_bounds, q_idx), _sequence(k_bounds, kv_idx)  # N: past the last boundary
         visible = (n == m) & (n < q_bounds.shape[0] - 1)
         if not is_causal and window is None:
@@ -324,6 +324,14 @@ def _like(x: Any, reference: Any) -> Any:
     return xp.astype(x, reference.dtype) if floating and x.dtype != reference.dtype else x
 
 
+def _indices_like(x: Any, idx: Any) -> Any:
+    """Integer boundaries as `idx`'s: its namespace, device and integer dtype (flash-attn's int32 boundaries beside
+    int64 indices would otherwise mix dtypes, which JAX's strict promotion refuses)."""
+    xp = array_namespace(idx)
+    x = _like(x, idx)
+    return xp.astype(x, idx.dtype) if x.dtype != idx.dtype else x
+
+
 def _per_sequence(x: Any, b: Any, h: Any, reference: Any) -> Any:
     """A number, or an array (B,) indexed by b, or (B, H) indexed by b and h, in reference's namespace; an
     Aligned array as it is."""
@@ -345,7 +353,9 @@ def _sequence(bounds: Any, idx: Any) -> Any:
     """The sequence each index lies in, given the boundaries (N + 1,) of N packed sequences: how many
     sequences end at or before it (a zero-length sequence ends where it starts), N past the last boundary."""
     xp = array_namespace(idx)
-    return xp.sum(xp.astype(bounds[1:] <= idx[..., None], idx.dtype), axis=-1)
+    ends = xp.reshape(bounds[1:], (1,) * idx.ndim + (-1,))  # (1, ..., 1, N): ranks spelled out (JAX's strict rank
+    # promotion refuses (N,) against idx's axes)
+    return xp.sum(xp.astype(ends <= idx[..., None], idx.dtype), axis=-1)
 
 
 def _scatter(values: np.ndarray, index: tuple[np.ndarray, ...], shape: tuple[int, ...]) -> np.ndarray:
