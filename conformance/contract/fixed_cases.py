@@ -965,6 +965,8 @@ def _varlen_rows() -> list[Fixed]:
               "varlen_attention", "(Tq, H, E)"),
         error("varlen", "heads_differ", _varlen(Hkv=1, enable_gqa=False), ValueError, "varlen_attention",
               "enable_gqa"),
+        error("varlen", "widths_differ", lambda: (case := varlen_case())._replace(k=case.k[..., :1]), ValueError,
+              "varlen_attention", "(5, 2, 2)", "(8, 2, 1)"),
         error("varlen", "bounds_of_different_lengths", lambda: varlen_case()._replace(
             cu_seqlens_k=np.array([0, 3, 5], np.int32)), ValueError, "cu_seqlens_q", "cu_seqlens_k"),
         error("varlen", "bounds_not_integer", lambda: (case := varlen_case())._replace(
@@ -977,6 +979,7 @@ def _varlen_rows() -> list[Fixed]:
             cu_seqlens_q=np.array([0, 2, 2, 6], np.int32)), ValueError, "cu_seqlens_q", "Tq = 5"),
         error("varlen", "sequence_longer_than_max_seqlen", _varlen(max_seqlen_k=2), ValueError, "max_seqlen_k",
               "sequence 0"),
+        error("varlen", "max_seqlen_negative", _varlen(max_seqlen_q=-1), ValueError, "max_seqlen_q", "-1"),
         error("varlen", "block_size_zero", _varlen(block_size=0), ValueError, "block_size", "0"),
         error("varlen", "d_out_shape", _varlen(), ValueError, "d_out", stage="pullback", d_out=np.zeros((5, 2, 2))),
     ]
