@@ -340,6 +340,12 @@ GUARDS: tuple[Guard, ...] = (
                   "q_idx and kv_idx swapped, a partial tile taken as full, the score function applied after the mask "
                   "(a softcap brings hidden keys back) or to unscaled scores, a block mask read off each tile's first "
                   "query row, ALiBi's distance of the wrong sign (`tests/implementations/broken_flex.py`)"),
+    Guard(("values",), operations=("varlen",),
+          catches="packed attention's bugs (`varlen_attention`, SPEC 2g) against a loop over the sequences, each one's "
+                  "attention with q_offset = S_n - L_n, drawn with 0 to 4 sequences of 0 to 5 queries and keys apart "
+                  "(empty ones, positions past the last boundary), grouped heads, every keyword and tiles of 2 or 3: "
+                  "the last sequence dropped, causal aligned top-left inside each sequence, a query that sees the "
+                  "first key of the next sequence (`tests/implementations/broken_varlen.py`)"),
     Guard(("steps",), operations=("linear",),
           catches="a recurrent form that breaks the invariant: `linear_attention_state` and `linear_attention_step`"
                   " through a causal sequence must give the causal forward's outputs (a step that reads its state "

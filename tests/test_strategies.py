@@ -409,6 +409,52 @@ def test_linear_step_cases_are_causal_short_and_without_key_lengths(case: cases.
     assert case.is_causal and case.key_lengths is None and case.q.shape[-2] in cs.LENGTHS
 
 
+def _assert_varlen_contract(case: cases.VarlenCase) -> None:
+    """q (Tq, H, E), k (Tk, Hkv, E), v (Tk, Hkv, Ev); Hkv = H, or with enable_gqa a divisor of it; boundaries of
+    equal length N + 1, integers, from 0, never decreasing, within Tq and Tk (tuples exactly where block_size is
+    set); max_seqlen at least every sequence's length; no dropout."""
+    (Tq, H, E), (Tk, Hkv, _) = case.q.shape, case.k.shape
+    assert case.k.shape[-1] == E and case.v.shape[:2] == (Tk, Hkv)
+    assert Hkv == H if not case.enable_gqa else H % Hkv == 0
+    assert isinstance(case.cu_seqlens_q, tuple) == isinstance(case.cu_seqlens_k, tuple) == (case.block_size is not None)
+    cu_q, cu_k = cases.boundaries(case)
+    assert cu_q.shape == cu_k.shape and np.issubdtype(cu_q.dtype, np.integer) and np.issubdtype(cu_k.dtype, np.integer)
+    for bounds, T, longest in ((cu_q, Tq, case.max_seqlen_q), (cu_k, Tk, case.max_seqlen_k)):
+        assert bounds[0] == 0 and np.all(np.diff(bounds) >= 0) and bounds[-1] <= T
+        assert np.all(np.diff(bounds) <= longest)
+    assert case.dropout == 0.0
+
+
+@FEW
+@given(cs.varlen_cases())
+def test_varlen_cases_keep_their_contract_on_few_packed_totals(case: cases.VarlenCase) -> None:
+    _assert_varlen_contract(case)
+    assert case.q.shape[0] in cs.VARLEN_TOTALS and case.k.shape[0] in cs.VARLEN_TOTALS  # few shapes to compile
+    assert case.block_size in cs.VARLEN_BLOCKS
+
+
+@pytest.mark.slow  # 40 draws, about 1.2 s
+def test_varlen_cases_reach_every_packing_in_few_draws() -> None:
+    """No sequence, empty sequences, fewer queries than keys and more, positions past the last boundary and none,
+    grouped heads and tiles, each in 40 draws."""
+    seen: set[str] = set()
+
+    @settings(max_examples=40, derandomize=True, database=None, deadline=None)
+    @given(cs.varlen_cases())
+    def record(case: cases.VarlenCase) -> None:
+        cu_q, cu_k = cases.boundaries(case)
+        L, S = np.diff(cu_q), np.diff(cu_k)
+        forms = {"no sequence": len(L) == 0, "empty queries": np.any(L == 0), "empty keys": np.any(S == 0),
+                 "fewer queries": np.any(L < S), "more queries": np.any(L > S),
+                 "past the end": cu_q[-1] < case.q.shape[0], "filled": len(L) > 0 and cu_q[-1] == case.q.shape[0],
+                 "grouped": case.enable_gqa, "tiled": case.block_size is not None, "causal": case.is_causal}
+        seen.update(name for name, reached in forms.items() if reached)
+
+    record()
+    assert seen == {"no sequence", "empty queries", "empty keys", "fewer queries", "more queries", "past the end",
+                    "filled", "grouped", "tiled", "causal"}
+
+
 def _assert_flex_contract(case: cases.FlexCase) -> None:
     """q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev); Hkv = H, or with enable_gqa a divisor of it; mods
     that are callables or None (a score function of the catalogue with its parameters per query head); tiles of
@@ -503,7 +549,7 @@ def test_flex_gradient_cases_always_have_a_score_function(case: cases.FlexCase) 
 
 CONTRACTS = {"sdpa": _assert_sdpa_contract, "flash": _assert_flash_contract, "ring": _assert_ring_contract,
              "linear": _assert_linear_contract, "mha": _assert_mha_contract, "block": _assert_block_contract,
-             "decode": _assert_decode_contract, "flex": _assert_flex_contract}
+             "decode": _assert_decode_contract, "flex": _assert_flex_contract, "varlen": _assert_varlen_contract}
 EXAMPLES = [row for row in fixed_cases.ROWS if row.use == "example"]
 
 

@@ -200,7 +200,35 @@ class FlexCase(NamedTuple):
     # None: the case's own (an error row makes it for others)
 
 
-Case = SdpaCase | FlashCase | RingCase | LinearCase | MhaCase | BlockCase | DecodeCase | FlexCase
+class VarlenCase(NamedTuple):
+    """Inputs of varlen_attention (SPEC 2g): packed sequences laid end to end, and their boundaries. The
+    boundaries are integer arrays (N + 1,), data the call passes as arrays (JAX traces them); with block_size
+    they are tuples, static options, as the tiled path chooses its tiles by their values (JAX refuses traced
+    boundaries there)."""
+
+    q: np.ndarray  # (Tq, H, E)
+    k: np.ndarray  # (Tk, Hkv, E)
+    v: np.ndarray  # (Tk, Hkv, Ev)
+    cu_seqlens_q: np.ndarray | tuple[int, ...]  # (N + 1,): sequence n's queries cu_seqlens_q[n] <= i < [n + 1]
+    cu_seqlens_k: np.ndarray | tuple[int, ...]  # (N + 1,): its keys cu_seqlens_k[n] <= j < [n + 1]
+    max_seqlen_q: int  # at least every sequence's query length
+    max_seqlen_k: int  # at least every sequence's key length
+    is_causal: bool = False  # bottom-right inside each sequence: p_i = i + cu_seqlens_k[n + 1] - cu_seqlens_q[n + 1]
+    window: tuple[int | None, int | None] | None = None  # (left, right) around p_i
+    softcap: float | None = None  # raw scores -> softcap * tanh(raw / softcap)
+    scale: float | None = None  # None: 1 / sqrt(E)
+    enable_gqa: bool = False  # Hkv divides H: query head h uses key/value head h // (H / Hkv)
+    block_size: int | None = None  # None: one product over the packed axes; an int: tiles of block_size
+    dropout: float = 0.0  # always 0: varlen attention has no dropout (the field the generic machinery reads)
+
+
+def boundaries(case: VarlenCase) -> tuple[np.ndarray, np.ndarray]:
+    """The case's cu_seqlens_q and cu_seqlens_k as integer NumPy arrays (N + 1,), whether arrays or tuples."""
+    return tuple(np.asarray(bounds, np.int64) if isinstance(bounds, tuple) else np.asarray(bounds)
+                 for bounds in (case.cu_seqlens_q, case.cu_seqlens_k))
+
+
+Case = SdpaCase | FlashCase | RingCase | LinearCase | MhaCase | BlockCase | DecodeCase | FlexCase | VarlenCase
 
 
 # --- parameters --------------------------------------------------------------------------------------------
@@ -279,6 +307,25 @@ def flex_case(B: int = 2, H: int = 2, L: int = 4, S: int = 5, E: int = 2, Ev: in
     q, k, v = (rng.standard_normal((B, heads, n, width)) for heads, n, width in ((H, L, E), (Hkv, S, E), (Hkv, S, Ev)))
     return FlexCase(q=q, k=k, v=v, mask_mod=None, score_mod=None, block_size=(2, 3),
                     enable_gqa=Hkv != H)._replace(**fields)
+
+
+def varlen_case(lengths_q: tuple[int, ...] = (2, 0, 3), lengths_k: tuple[int, ...] = (3, 2, 3), *, H: int = 2,
+                Hkv: int | None = None, E: int = 2, Ev: int = 3, past: tuple[int, int] = (0, 0), seed: int = 0,
+                **fields: Any) -> VarlenCase:
+    """Packed q (Tq, H, E), k (Tk, Hkv, E), v (Tk, Hkv, Ev) of sequences with these query and key lengths (Hkv None:
+    H; else grouped heads), `past` positions (queries, keys) after the last boundary, int32 boundaries (tuples with
+    block_size), max_seqlen the longest sequence's; not causal, default scale."""
+    rng = np.random.default_rng(seed)
+    Hkv = H if Hkv is None else Hkv
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n, dtype=np.int64)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    Tq, Tk = int(cu_q[-1]) + past[0], int(cu_k[-1]) + past[1]
+    q, k, v = (rng.standard_normal((T, heads, width)) for T, heads, width in ((Tq, H, E), (Tk, Hkv, E), (Tk, Hkv, Ev)))
+    case = VarlenCase(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q, default=0),
+                      max_seqlen_k=max(lengths_k, default=0), enable_gqa=Hkv != H)._replace(**fields)
+    if case.block_size is not None and isinstance(case.cu_seqlens_q, np.ndarray):  # static where tiled
+        case = case._replace(**{name: tuple(np.asarray(getattr(case, name)).tolist())
+                                for name in ("cu_seqlens_q", "cu_seqlens_k")})
+    return case
 
 
 def mha_case(batch: Batch = (2,), L: int = 3, S: int = 5, D: int = 4, H: int = 2, *, seed: int = 1,

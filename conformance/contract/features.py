@@ -163,14 +163,15 @@ def from_methods(module: ModuleType) -> Declaration:
     return Declaration()
 
 
-SIGNED = ("scaled_dot_product_attention", "flash_attention")  # the function whose signature tells, the first there
+SIGNED = ("scaled_dot_product_attention", "flash_attention", "varlen_attention")  # the function whose signature
+# tells, the first there
 
 
 def from_signatures(module: ModuleType) -> Declaration:
     """The features of the keywords of the set (KEYWORDS) that the module's scaled_dot_product_attention (or, without
-    one, flash_attention) does not take, each with the reason "not in the signature of ...": a kernel written before
-    a keyword joined the contract keeps passing the rows it can run. Nothing where the function takes **keywords,
-    where neither is there, or where its signature cannot be read."""
+    one, flash_attention, or without both varlen_attention) does not take, each with the reason "not in the signature
+    of ...": a kernel written before a keyword joined the contract keeps passing the rows it can run. Nothing where
+    the function takes **keywords, where none of them is there, or where its signature cannot be read."""
     name = next((name for name in SIGNED if callable(getattr(module, name, None))), None)
     if name is None:
         return Declaration()

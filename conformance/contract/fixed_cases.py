@@ -43,6 +43,7 @@ from .cases import (
     sdpa_case,
     sharded,
     tiled,
+    varlen_case,
     w_o_bias,
 )
 
@@ -929,6 +930,61 @@ def _linear_rows() -> list[Fixed]:
     ]
 
 
+# --- packed sequences (varlen_attention) ---------------------------------------------------------------------
+
+def _varlen(lengths_q: tuple[int, ...] = (2, 0, 3), lengths_k: tuple[int, ...] = (3, 2, 3),
+            **fields: Any) -> Callable[[], Any]:
+    """varlen_case's packed q (Tq, 2, 2), k (Tk, 2, 2), v (Tk, 2, 3) of sequences of these lengths, changed by
+    `fields`."""
+    return lambda: varlen_case(lengths_q, lengths_k, **fields)
+
+
+def _varlen_rows() -> list[Fixed]:
+    """SPEC 2g: bottom-right alignment with fewer queries than keys, tiles across sequences, positions past the last
+    boundary, empty sequences; the errors of its shapes and boundaries (SPEC 7)."""
+    return [
+        example("varlen", "causal_fewer_queries_than_keys", _varlen((1, 2, 3), (4, 2, 5), is_causal=True),
+                "is_causal, sequences of (L, S) = (1, 4), (2, 2), (3, 5): bottom-right, query i of sequence n sees "
+                "its keys up to i + S_n - L_n (the first sequence's one query every key)"),
+        example("varlen", "grouped_window_tiles_across_sequences", _varlen(
+            (3, 4, 2), (3, 5, 2), Hkv=1, window=(1, None), softcap=5.0, block_size=2, past=(1, 2)),
+            "Hkv = 1 of H = 2, window (1, None), softcap 5, tiles of 2 that lie across two sequences, one query and "
+            "two keys past the last boundary"),
+        edge("varlen", "no_sequences", _varlen((), (), past=(3, 2)),
+             "N = 0: every query is past the last boundary, out zeros (3, 2, 3)",
+             Requirement("out", "zero"), Requirement("out", "shape", value=(3, 2, 3))),
+        edge("varlen", "every_sequence_empty", _varlen((0, 0), (0, 0), past=(2, 2)),
+             "two empty sequences, two queries and keys past them: out zeros (2, 2, 3)", Requirement("out", "zero")),
+        edge("varlen", "keys_without_queries_and_queries_without_keys", _varlen((0, 3, 2), (3, 0, 2), is_causal=True,
+                                                                                past=(2, 1)),
+             "is_causal; sequence 0 has keys but no queries, sequence 1 queries but no keys (out rows 0..2 zeros), "
+             "sequence 2 as the oracle, two queries and a key past the last boundary (out rows 5, 6 zeros)",
+             Requirement("out", "zero", index=slice(0, 3)), Requirement("out", "zero", index=slice(5, 7)),
+             Requirement("out", "finite")),
+        error("varlen", "q_two_axes", lambda: (case := varlen_case())._replace(q=case.q[:, 0]), ValueError,
+              "varlen_attention", "(Tq, H, E)"),
+        error("varlen", "heads_differ", _varlen(Hkv=1, enable_gqa=False), ValueError, "varlen_attention",
+              "enable_gqa"),
+        error("varlen", "widths_differ", lambda: (case := varlen_case())._replace(k=case.k[..., :1]), ValueError,
+              "varlen_attention", "(5, 2, 2)", "(8, 2, 1)"),
+        error("varlen", "bounds_of_different_lengths", lambda: varlen_case()._replace(
+            cu_seqlens_k=np.array([0, 3, 5], np.int32)), ValueError, "cu_seqlens_q", "cu_seqlens_k"),
+        error("varlen", "bounds_not_integer", lambda: (case := varlen_case())._replace(
+            cu_seqlens_q=case.cu_seqlens_q.astype(np.float64)), TypeError, "cu_seqlens_q", "float64"),
+        error("varlen", "bounds_not_starting_at_0", lambda: varlen_case()._replace(
+            cu_seqlens_q=np.array([1, 2, 2, 5], np.int32)), ValueError, "cu_seqlens_q", "start at 0"),
+        error("varlen", "bounds_decreasing", lambda: varlen_case()._replace(
+            cu_seqlens_k=np.array([0, 3, 2, 8], np.int32)), ValueError, "cu_seqlens_k", "decrease"),
+        error("varlen", "bounds_past_the_end", lambda: varlen_case()._replace(
+            cu_seqlens_q=np.array([0, 2, 2, 6], np.int32)), ValueError, "cu_seqlens_q", "Tq = 5"),
+        error("varlen", "sequence_longer_than_max_seqlen", _varlen(max_seqlen_k=2), ValueError, "max_seqlen_k",
+              "sequence 0"),
+        error("varlen", "max_seqlen_negative", _varlen(max_seqlen_q=-1), ValueError, "max_seqlen_q", "-1"),
+        error("varlen", "block_size_zero", _varlen(block_size=0), ValueError, "block_size", "0"),
+        error("varlen", "d_out_shape", _varlen(), ValueError, "d_out", stage="pullback", d_out=np.zeros((5, 2, 2))),
+    ]
+
+
 # --- programmable attention (flex_attention) -----------------------------------------------------------------
 
 def _flex(**fields: Any) -> Callable[[], Any]:
@@ -1054,7 +1110,8 @@ def _mods_rows() -> list[Fixed]:
 
 ROWS: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_rows() + _ring_rows()
                       + _linear_rows() + _mha_examples() + _mha_edges() + _mha_errors() + _block_examples()
-                      + _block_edges() + _block_errors() + _decode_rows() + _flex_rows() + _mods_rows())
+                      + _block_edges() + _block_errors() + _decode_rows() + _flex_rows() + _mods_rows()
+                      + _varlen_rows())
 
 
 def rows(operation: str, use: str) -> list[Fixed]:

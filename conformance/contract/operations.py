@@ -34,7 +34,9 @@ from .cases import (
     MhaCase,
     RingCase,
     SdpaCase,
+    VarlenCase,
     block_case,
+    boundaries,
     per_query_head,
 )
 from .features import Declaration
@@ -97,6 +99,8 @@ class Operation(NamedTuple):
     oracle_vjp: Callable[[Any, np.ndarray, str, bool], dict[str, np.ndarray]] | None = None  # (case, d_out,
     # precision, fused_bias) -> the oracle's own gradients {argument: gradient} (conformance/contract/
     # oracle_gradients.py; fused_bias as for `oracle`); None: it has none
+    packed: bool = False  # the positions come first, q (Tq, H, E) (varlen): `visible` is then (H, Tq, Tk) and the
+    # rows of a gradient (T, heads), so a check swaps the last two axes of its rows
 
 
 def arrays_and_options(case: Case) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -475,6 +479,97 @@ def _linear_uses(case: LinearCase) -> set[str]:
 def _linear_leave_out(case: LinearCase, declaration: Declaration) -> LinearCase:
     """The lacking arguments at their defaults."""
     return case._replace(**{name: default for name, default in LINEAR_DEFAULTS.items() if name in declaration})
+
+
+# --- packed sequences (varlen_attention) ---------------------------------------------------------------------
+
+def _varlen_oracle(case: VarlenCase, precision: str, fused_bias: bool) -> Pair:
+    """Each sequence's sdpa, aligned bottom-right (the tiles change nothing but rounding); no second result."""
+    return oracle.varlen_attention(case.q, case.k, case.v, *boundaries(case), is_causal=case.is_causal,
+                                   window=case.window, softcap=case.softcap, scale=case.scale,
+                                   enable_gqa=case.enable_gqa, dtype=precision), None
+
+
+def _varlen_oracle_vjp(case: VarlenCase, d_out: np.ndarray, precision: str,
+                       fused_bias: bool) -> dict[str, np.ndarray]:
+    return oracle_gradients.varlen_attention_vjp(case.q, case.k, case.v, d_out, *boundaries(case),
+                                                 is_causal=case.is_causal, window=case.window, softcap=case.softcap,
+                                                 scale=case.scale, enable_gqa=case.enable_gqa, dtype=precision)
+
+
+def _varlen_arguments(arrays: dict, options: dict) -> tuple[list, dict]:
+    """q, k, v and the boundaries (arrays, or static tuples as NumPy arrays), and the keywords: max_seqlen_q and
+    max_seqlen_k always, the others only where they differ from their defaults (a module without them runs every
+    case that does not use them)."""
+    bounds = [arrays[name] if name in arrays else np.asarray(options.pop(name), np.int32)
+              for name in ("cu_seqlens_q", "cu_seqlens_k")]
+    keywords = {name: options[name] for name in ("max_seqlen_q", "max_seqlen_k")}
+    keywords |= {name: options[name] for name, default in VARLEN_DEFAULTS.items()
+                 if name in options and not _is_default(options[name], default)}
+    return [arrays["q"], arrays["k"], arrays["v"], *bounds], keywords
+
+
+def _varlen_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool, dropout: float,
+                 **options: Any) -> Any:
+    """out alone: varlen_attention has no dropout, no weights and one path, so training and need_weights change
+    nothing."""
+    inputs, keywords = _varlen_arguments(arrays, options)
+    return module.varlen_attention(*inputs, **keywords)
+
+
+def _varlen_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, **options: Any) -> dict:
+    inputs, keywords = _varlen_arguments(arrays, options)
+    _, pullback = module.varlen_attention_vjp(*inputs, **keywords)
+    return dict(zip(("q", "k", "v"), pullback(arrays["d_out"]), strict=True))
+
+
+def _varlen_seen(case: VarlenCase) -> np.ndarray:
+    """Which keys each query sees, by SPEC 2g, (Tq, Tk): its own sequence's keys, and with is_causal and window
+    those around p_i = i + cu_seqlens_k[n + 1] - cu_seqlens_q[n + 1]; none past the last boundary. (An error
+    row's float boundaries are read as integers.)"""
+    cu_q, cu_k = (bounds.astype(np.int64) for bounds in boundaries(case))
+    seen = np.zeros((case.q.shape[0], case.k.shape[0]), bool)
+    left, right = case.window or (None, None)
+    for n in range(len(cu_q) - 1):
+        i, j = np.arange(cu_q[n], cu_q[n + 1])[:, None], np.arange(cu_k[n], cu_k[n + 1])  # (L_n, 1), (S_n,)
+        position = i + cu_k[n + 1] - cu_q[n + 1]  # (L_n, 1): bottom-right
+        seen[cu_q[n]:cu_q[n + 1], cu_k[n]:cu_k[n + 1]] = (
+            (not case.is_causal or j <= position) & (left is None or j >= position - left)
+            & (right is None or j <= position + right))
+    return seen
+
+
+def _varlen_visible(case: VarlenCase) -> np.ndarray:
+    """(H, Tq, Tk): the same keys in every head (`packed`: the gradient check swaps its rows to (T, heads))."""
+    seen = _varlen_seen(case)  # (Tq, Tk)
+    return np.broadcast_to(seen, (case.q.shape[1], *seen.shape))
+
+
+def _varlen_blind(case: VarlenCase) -> tuple[np.ndarray, None] | None:
+    """The queries that see no key, (Tq, H) as out's rows: an empty key sequence, a query past the last boundary,
+    is_causal or a window that leave it nothing."""
+    blind = ~np.any(_varlen_seen(case), axis=-1)  # (Tq,)
+    return (np.broadcast_to(blind[:, None], case.q.shape[:2]), None) if np.any(blind) else None
+
+
+VARLEN_DEFAULTS = {"is_causal": False, "window": None, "softcap": None, "scale": None, "enable_gqa": False,
+                   "block_size": None}  # its keywords besides the bounds; all but block_size are sdpa's features
+
+
+def _varlen_uses(case: VarlenCase) -> set[str]:
+    """The features of SPEC 2a's keywords it passes, and empty where a sequence has no queries or no keys."""
+    cu_q, cu_k = boundaries(case)
+    given = {name for name, default in VARLEN_DEFAULTS.items()
+             if name != "block_size" and not _is_default(getattr(case, name), default)}
+    return given | ({"empty"} if np.any(np.diff(cu_q) == 0) or np.any(np.diff(cu_k) == 0) else set())
+
+
+def _varlen_leave_out(case: VarlenCase, declaration: Declaration) -> VarlenCase:
+    """The lacking keywords at their defaults; with enable_gqa lacking, k and v repeated per query head."""
+    if case.enable_gqa and "enable_gqa" in declaration:
+        group = case.q.shape[1] // case.k.shape[1]
+        case = case._replace(k=np.repeat(case.k, group, axis=1), v=np.repeat(case.v, group, axis=1))
+    return case._replace(**{name: default for name, default in VARLEN_DEFAULTS.items() if name in declaration})
 
 
 # --- multi-head attention ----------------------------------------------------------------------------------
@@ -1012,6 +1107,15 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         oracle=_flex_oracle, call=_flex_call, vjp="flex_attention_vjp", pullback=_flex_pullback,
         visible=_flex_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
         uses=_flex_uses, leave_out=_flex_leave_out, blind=_flex_blind, second="lse", needs="mods"),
+    Operation(
+        name="varlen", function="varlen_attention", case=VarlenCase,
+        options=("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "is_causal", "window", "softcap",
+                 "scale", "enable_gqa", "block_size", "dropout"),
+        inputs=("q", "k", "v"), differentiable=("q", "k", "v"), strategy="varlen_cases",
+        oracle=_varlen_oracle, call=_varlen_call, vjp="varlen_attention_vjp", pullback=_varlen_pullback,
+        visible=_varlen_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
+        uses=_varlen_uses, leave_out=_varlen_leave_out, blind=_varlen_blind, pair=lambda out: (out, None),
+        second=None, oracle_vjp=_varlen_oracle_vjp, packed=True),
 )}
 CONTRACT = ("asarray", "to_numpy")  # what every operation needs besides its own name
 

@@ -265,6 +265,49 @@ def linear_attention(
     return out.astype(dtype)  # half precision: computed in float32, stored in dtype
 
 
+def varlen_attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    *,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    dtype: DTypeLike = np.float64,
+) -> np.ndarray:
+    """Packed sequences (SPEC 2g): each sequence n on its own, out[n] = sdpa(q_n, k_n, v_n, q_offset = S_n - L_n)
+    (bottom-right: its last query sits at its last key), by the oracle's own sdpa; a query past the last boundary
+    belongs to no sequence and gets zeros. Never the catalogue's mods.varlen, which the backends use as their mask.
+
+    Args:
+        q: packed queries (Tq, H, E); k: packed keys (Tk, Hkv, E); v: packed values (Tk, Hkv, Ev).
+        cu_seqlens_q, cu_seqlens_k: integers (N + 1,): sequence n's queries cu_seqlens_q[n] <= i <
+            cu_seqlens_q[n + 1], its keys cu_seqlens_k[n] <= j < cu_seqlens_k[n + 1].
+        is_causal, window, softcap, scale, enable_gqa: as for sdpa, inside each sequence.
+
+    Returns:
+        out (Tq, H, Ev) in `dtype`.
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    out = np.zeros((*q.shape[:-1], v.shape[-1]), _work(dtype))  # (Tq, H, Ev)
+    for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        q_n, k_n, v_n = (np.swapaxes(x, 0, 1) for x in (q[rows], k[keys], v[keys]))  # (H, L_n, E), (Hkv, S_n, *)
+        out_n, _ = sdpa(q_n, k_n, v_n, is_causal=is_causal, scale=scale, q_offset=k_n.shape[-2] - q_n.shape[-2],
+                        window=window, softcap=softcap, enable_gqa=enable_gqa, dtype=dtype)  # (H, L_n, Ev)
+        out[rows] = np.swapaxes(out_n, 0, 1)  # (L_n, H, Ev)
+    return out.astype(dtype)
+
+
+def _sequences(cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike) -> list[tuple[slice, slice]]:
+    """(its queries, its keys) of each packed sequence n: slices of the packed axes."""
+    cu_q, cu_k = (np.asarray(bounds).tolist() for bounds in (cu_seqlens_q, cu_seqlens_k))
+    return [(slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])) for n in range(len(cu_q) - 1)]
+
+
 def _elu_plus_one(x: np.ndarray) -> np.ndarray:
     """elu(x) + 1, entry by entry: x + 1 for x > 0, e^x otherwise (never 1 + (e^x - 1), which loses e^x)."""
     values = (t + 1.0 if t > 0 else math.exp(t) for t in x.ravel().tolist())

@@ -36,6 +36,7 @@ from .oracle import (
     _layer_norm,
     _linear,
     _rms_norm,
+    _sequences,
     _visible_keys,
     _work,
     multi_head_attention,
@@ -204,6 +205,40 @@ def linear_attention_vjp(
         dk[b] = d_phi_k * derivative(k[b])
     grads = {"q": dq, "k": dk, "v": dv}
     return {name: _summed_to(grad, shapes[name]).reshape(shapes[name]).astype(dtype) for name, grad in grads.items()}
+
+
+def varlen_attention_vjp(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    d_out: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    *,
+    is_causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    dtype: DTypeLike = np.float64,
+) -> Gradients:
+    """The gradients of sum(d_out * out), out = oracle.varlen_attention(...): each sequence's sdpa_vjp with
+    q_offset = S_n - L_n, laid back into the packed axes; a query past the last boundary, and a key past it, gets
+    zero.
+
+    Returns:
+        {"q", "k", "v"}: each of its input's shape (Tq, H, E), (Tk, Hkv, E), (Tk, Hkv, Ev), in `dtype`.
+    """
+    q, k, v, d_out = (np.asarray(x) for x in (q, k, v, d_out))
+    grads = {name: np.zeros(x.shape, _work(dtype)) for name, x in (("q", q), ("k", k), ("v", v))}
+    for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        q_n, k_n, v_n, d_out_n = (np.swapaxes(x, 0, 1) for x in (q[rows], k[keys], v[keys], d_out[rows]))
+        grads_n = sdpa_vjp(q_n, k_n, v_n, d_out_n, is_causal=is_causal, scale=scale,
+                           q_offset=k_n.shape[-2] - q_n.shape[-2], window=window, softcap=softcap,
+                           enable_gqa=enable_gqa, dtype=dtype)  # (H, L_n, E), (Hkv, S_n, E), (Hkv, S_n, Ev)
+        for name, place in (("q", rows), ("k", keys), ("v", keys)):
+            grads[name][place] = np.swapaxes(grads_n[name], 0, 1)  # (L_n or S_n, heads, width)
+    return {name: grad.astype(dtype) for name, grad in grads.items()}
 
 
 def _elu_plus_one_derivative(x: np.ndarray) -> np.ndarray:

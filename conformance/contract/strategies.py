@@ -44,6 +44,7 @@ from .cases import (
     RingCase,
     SdpaCase,
     State,
+    VarlenCase,
     block_state,
     mha_state,
     tiled,
@@ -689,6 +690,60 @@ def flex_cases(draw: Callable, *, magnitude: str | None = None, scored: bool = F
                     block_size=(draw(st.sampled_from(TILE_SIZES)), draw(st.sampled_from(TILE_SIZES))),
                     scale=draw(st.sampled_from(SCALES)),
                     enable_gqa=grouped)
+
+
+# --- packed sequences (varlen_attention) ---------------------------------------------------------------------
+# JAX compiles once per shape and static option, so the packed totals come from a few values, the sequences' lengths
+# and their number vary inside them, and the boundaries are traced data (static only with a block_size).
+
+VARLEN_SEQUENCES = (2, 1, 3, 4, 0)  # N: two first, so the least case has a boundary between two sequences
+VARLEN_LENGTHS = (2, 0, 1, 3, 4, 5)  # each sequence's query and key lengths, drawn apart: empty ones included
+VARLEN_TOTALS = (6, 12, 20)  # Tq and Tk: the least that holds the sequences (N <= 4 of <= 5 positions)
+VARLEN_HEADS = ((1, 1), (2, 2), (2, 1))  # (H, Hkv): one head, two, grouped (enable_gqa)
+VARLEN_BLOCKS = (None, None, None, None, 2, 3)  # block_size: tiles of 2 or 3 in one case of three (a tiled program,
+# its boundaries static, takes JAX about twice as long to compile), else the untiled path
+
+
+@st.composite
+def _packed_bounds(draw: Callable, n: int) -> tuple[np.ndarray, int]:
+    """Boundaries (N + 1,) int32 of n sequences of VARLEN_LENGTHS on an axis of T from VARLEN_TOTALS: in one case of
+    two the last sequence stretched to fill the axis, else positions past the last boundary (all of them for N = 0)."""
+    lengths = [draw(st.sampled_from(VARLEN_LENGTHS)) for _ in range(n)]
+    padded = n == 0 or draw(st.booleans())
+    T = min(total for total in VARLEN_TOTALS if total >= sum(lengths) + padded)
+    if not padded:
+        lengths[-1] += T - sum(lengths)
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), T
+
+
+@st.composite
+def varlen_cases(draw: Callable, *, magnitude: str | None = None) -> VarlenCase:
+    """Packed sequences (SPEC 2g): N of VARLEN_SEQUENCES sequences whose query and key lengths are drawn apart from
+    VARLEN_LENGTHS (empty sequences, fewer queries than keys and more), on axes Tq and Tk of VARLEN_TOTALS, with
+    positions past the last boundary in about one case of two per axis; heads of VARLEN_HEADS (grouped: enable_gqa);
+    E and Ev of WIDTHS; q, k of `magnitude` (None: "normal" or "large"), v N(0, 1); is_causal, a window (of
+    WINDOW_SIDES, None sides), a softcap and a scale each drawn (bottom-right in each sequence); block_size of
+    VARLEN_BLOCKS (with one, the boundaries are static tuples); max_seqlen the longest sequence's."""
+    n = draw(st.sampled_from(VARLEN_SEQUENCES))
+    (cu_q, Tq), (cu_k, Tk) = draw(_packed_bounds(n)), draw(_packed_bounds(n))
+    H, Hkv = draw(st.sampled_from(VARLEN_HEADS))
+    q, k, v = draw(_inputs((H,), (Hkv,), Tq, Tk, magnitude))  # (H, Tq, E), (Hkv, Tk, E), (Hkv, Tk, Ev)
+    q, k, v = (np.ascontiguousarray(np.swapaxes(x, 0, 1)) for x in (q, k, v))  # (Tq, H, E), (Tk, Hkv, *)
+    block_size = draw(st.sampled_from(VARLEN_BLOCKS))
+    static = (lambda bounds: tuple(bounds.tolist())) if block_size is not None else (lambda bounds: bounds)
+    return VarlenCase(q=q,
+                      k=k,
+                      v=v,
+                      cu_seqlens_q=static(cu_q),
+                      cu_seqlens_k=static(cu_k),
+                      max_seqlen_q=int(np.max(np.diff(cu_q), initial=0)),
+                      max_seqlen_k=int(np.max(np.diff(cu_k), initial=0)),
+                      is_causal=draw(st.booleans()),
+                      window=draw(st.none() | st.tuples(st.sampled_from(WINDOW_SIDES), st.sampled_from(WINDOW_SIDES))),
+                      softcap=draw(st.none() | st.sampled_from(SOFTCAPS)),
+                      scale=draw(st.sampled_from(SCALES)),
+                      enable_gqa=Hkv != H,
+                      block_size=block_size)
 
 
 # --- parameters --------------------------------------------------------------------------------------------

@@ -228,9 +228,12 @@ def _directional(case: Case, name: str, grad: np.ndarray, d_out: np.ndarray, rou
 def _masked_rows(case: Case, grads: dict[str, np.ndarray]) -> Measure:
     """Queries that see no key get exactly zero dq; keys that no query sees get exactly zero dk and dv.
     (For MHA, a query or key counts only when that holds in every head.)"""
-    visible = operation_of(case).visible(case)  # (..., L, S)
+    operation = operation_of(case)
+    visible = operation.visible(case)  # (..., L, S)
     blind = ~np.any(visible, axis=-1)  # (..., L): queries that see nothing
     unseen = ~np.any(visible, axis=-2)  # (..., S): keys nobody sees
+    if operation.packed:  # (H, T) -> (T, H): the packed layout's rows, positions first
+        blind, unseen = np.swapaxes(blind, -1, -2), np.swapaxes(unseen, -1, -2)
     for name, grad, rows in (("q", grads["q"], blind), ("k", grads["k"], unseen), ("v", grads["v"], unseen)):
         rows = _reduce_to(rows, grad.shape[:-1])
         if np.any(grad[rows] != 0):

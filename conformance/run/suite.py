@@ -136,6 +136,14 @@ GROUPS = (
     Group("flex", checks.tiled_against_oracle, dtypes=HALF, examples=2, draw={"magnitude": "normal"}),
     Group("flex", gradient_checks.gradients, dtypes=FLOAT64, examples=2, pinned=True, draw={"scored": True},
           gradient=True),
+    # varlen: each case is a new program for JAX (its shapes and static options; with a block_size its boundaries
+    # too), so few cases, and in the fast profile float16 alone below float32 (the thorough profile runs them all)
+    Group("varlen", checks.out_against_oracle, dtypes=BOTH, examples=2, pinned=True),
+    Group("varlen", checks.out_against_oracle, dtypes=HALF, examples=2, draw={"magnitude": "normal"},
+          fast_dtypes=FLOAT16),
+    Group("varlen", gradient_checks.gradients, dtypes=FLOAT64, examples=2, pinned=True, gradient=True),
+    Group("varlen", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True,
+          draw={"magnitude": "normal"}, fast_dtypes=FLOAT16),
 )
 
 
