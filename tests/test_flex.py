@@ -116,12 +116,17 @@ def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=Fals
     return Reference(**values, grads=tuple(grads[:3]), d_parameters=dict(zip(parameters, grads[3:], strict=True)))
 
 
-@functools.cache
 def _reference_of(name: str, *, enable_gqa: bool = False) -> Reference:
     """_torch_reference of CASES[name] on _inputs(), with the gradients (d_out seed 3) for the names of
     GRADIENT_CASES (GROUPED_GRADIENT_CASES with enable_gqa), computed once per process: the inputs are fixed by the
     name, and every backend, tile size and function (tests/test_mods_attention.py's too) compares with the same
     reference."""
+    return _cached_reference(name, enable_gqa)  # one key however enable_gqa is passed (functools.cache keys
+    # _reference_of(name) and _reference_of(name, enable_gqa=False) apart)
+
+
+@functools.cache
+def _cached_reference(name: str, enable_gqa: bool) -> Reference:
     q, k, v = _inputs(kv_heads=HKV if enable_gqa else H)
     gradients = name in (GROUPED_GRADIENT_CASES if enable_gqa else GRADIENT_CASES)
     d_out = _random(B, H, L, EV, seed=3) if gradients else None
