@@ -11,7 +11,7 @@ that guard for the duration of a test. Eager flex_attention first traces the mod
 call); the references without gradients call the same dense pass on the mods as they are
 (`_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`), which gives the traced call's values bit for bit
 (test_torch_reference_is_the_same_without_dynamos_trace); the gradients of a score function's parameters need
-the trace, which lifts the tensors the mods hold.
+the trace, which lifts the tensors the mods hold, and those references alone trace.
 """
 
 from __future__ import annotations
@@ -91,13 +91,13 @@ class Reference(NamedTuple):
 def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=False, d_out=None,
                      traced: bool | None = None) -> Reference:
     """torch's own flex_attention: out and lse and, given d_out, the gradients of sum(out * d_out) with respect
-    to q, k, v and the score function's parameters, from one call. `traced` (default: with d_out) runs torch's
-    dynamo over the mods first, as eager flex_attention does by default, most of a call's cost; the gradients
-    need it (see the module's docstring)."""
-    traced = d_out is not None if traced is None else traced
+    to q, k, v and the score function's parameters, from one call. `traced` (default: where the gradients of a
+    score function's parameters are asked for, which need it; see the module's docstring) runs torch's dynamo
+    over the mods first, as eager flex_attention does by default, most of a call's cost."""
     tensors = [torch.tensor(x, requires_grad=d_out is not None) for x in (q, k, v)]
     parameters = {name: torch.tensor(np.asarray(value, dtype=np.float64), requires_grad=True)
                   for name, value in getattr(score_mod, "parameters", {}).items()} if d_out is not None else {}
+    traced = bool(parameters) if traced is None else traced
     if parameters:
         score_mod = score_mod.replace(**parameters)
     block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, B, H, L, S, device="cpu",
@@ -144,14 +144,25 @@ def _cached_reference(name: str, enable_gqa: bool) -> Reference:
 
 
 def test_torch_reference_is_the_same_without_dynamos_trace():
-    # the references with gradients are the traced calls (the default of eager flex_attention): the untraced call
-    # that the other references are gives their out and lse bit for bit, masks, score functions and grouped heads
-    for name, enable_gqa in [(name, False) for name in GRADIENT_CASES] + [(n, True) for n in GROUPED_GRADIENT_CASES]:
+    # the references with the gradients of a score function's parameters are traced calls (the default of eager
+    # flex_attention): the untraced call that the other references are gives their out and lse bit for bit, with
+    # masks, score functions and grouped heads
+    cases = [(name, False) for name in GRADIENT_CASES] + [(name, True) for name in GROUPED_GRADIENT_CASES]
+    cases = [(name, enable_gqa) for name, enable_gqa in cases if getattr(CASES[name][1], "parameters", None)]
+    assert len(cases) == 5  # alibi, relative_bias, or, nested, and nested with grouped heads
+    for name, enable_gqa in cases:
         q, k, v = _inputs(kv_heads=HKV if enable_gqa else H)
         traced = _reference_of(name, enable_gqa=enable_gqa)
         untraced = _torch_reference(q, k, v, *CASES[name], enable_gqa=enable_gqa, traced=False)
         np.testing.assert_array_equal(untraced.out, traced.out, f"{name} out")
         np.testing.assert_array_equal(untraced.lse, traced.lse, f"{name} lse")
+    # and the gradients of q, k, v where no parameter asks for the trace: "and" (a mask and a score function),
+    # whose reference is untraced, against the traced call
+    untraced = _reference_of("and")
+    traced = _torch_reference(*_inputs(), *CASES["and"], d_out=_random(B, H, L, EV, seed=3), traced=True)
+    for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), (untraced.out, untraced.lse, *untraced.grads),
+                          (traced.out, traced.lse, *traced.grads), strict=True):
+        np.testing.assert_array_equal(a, b, f"and {what}")
 
 
 def _gradients_of(name: str, *, enable_gqa: bool = False) -> tuple[tuple, dict[str, np.ndarray]]:
