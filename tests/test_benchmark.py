@@ -6,7 +6,6 @@ Tiny sizes and two repeats keep these fast; no test looks at a timing value, onl
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib
 import io
@@ -15,6 +14,7 @@ import json
 import math
 import pathlib
 import re
+import subprocess
 import sys
 import time
 import weakref
@@ -29,6 +29,7 @@ from conformance.bench.baselines import tutorial_attention
 from conformance.frameworks.registry import framework_of
 from tests._compare import assert_close
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW_KEYS = {"implementation", "framework", "device", "operation", "variant", "dtype", "B", "H", "E", "L", "S", "D",
             "F", "flops", "repeats", "time_ms", "gflops", "peak_mib", "rel_error"}  # as timing's docstring lists
 
@@ -51,15 +52,14 @@ def _expected_implementations() -> set[str]:
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict], pathlib.Path]:
     """One run of the command line on tiny sizes: (stdout, the JSON rows, the plot it drew, where matplotlib is
-    installed). main() in this process, as the other tests of compare call it: a fresh interpreter would import
-    NumPy, JAX and torch again, seconds of it."""
+    installed)."""
     folder = tmp_path_factory.mktemp("compare")
     plot = ["--plot", str(folder / "compare.png")] if _importable("matplotlib") else []
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = main(["compare", "--sizes", "8,16", "--repeats", "2", "--json", str(folder / "rows.json"), *plot])
-    assert code == 0, stdout.getvalue() + stderr.getvalue()
-    return stdout.getvalue(), json.loads((folder / "rows.json").read_text())["rows"], folder / "compare.png"
+    result = subprocess.run([sys.executable, "-m", "conformance", "compare", "--sizes", "8,16", "--repeats", "2",
+                             "--json", str(folder / "rows.json"), *plot], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout, json.loads((folder / "rows.json").read_text())["rows"], folder / "compare.png"
 
 
 @pytest.mark.slow
