@@ -12,7 +12,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import REORDERED, assert_close
+from tests._compare import REORDERED, assert_close, method_program
 from tests.conftest import import_backend
 
 B, L, D, H, F = 2, 7, 8, 2, 16
@@ -46,12 +46,13 @@ def _chunks(sizes: tuple[int, ...]) -> list[slice]:
 
 
 def _extended(M: ModuleType, module, inputs: list[np.ndarray], sizes: tuple[int, ...], capacity: int):
-    """extend chunk by chunk; the outputs and weights rows concatenated along the positions."""
-    cache = module.init_cache((B,), capacity)
+    """extend chunk by chunk; the outputs and weights rows concatenated along the positions. JAX's extend runs
+    under one jax.jit per chunk length (method_program): eagerly, each primitive compiled apart."""
+    cache, extend = module.init_cache((B,), capacity), method_program(M, "extend")
     outs, weights = [], []
     for chunk in _chunks(sizes):
         args = [M.asarray(x[:, chunk]) for x in inputs]
-        out, w, cache = module.extend(*args, cache)
+        out, w, cache = extend(module, *args, cache)
         outs.append(M.to_numpy(out))
         weights.append(M.to_numpy(w))
     return np.concatenate(outs, axis=-2), np.concatenate(weights, axis=-2), cache
@@ -62,7 +63,8 @@ def _extended(M: ModuleType, module, inputs: list[np.ndarray], sizes: tuple[int,
 def test_mha_extend_equals_one_causal_pass(backend: ModuleType, sizes, options):
     mha = _module(backend, "mha", **options)
     x_q, x_kv = _random(B, L, D, seed=1), _random(B, L, D, seed=2)  # the queries' and keys' inputs differ
-    full, full_weights = mha(*(backend.asarray(x) for x in (x_q, x_kv, x_kv)), backend.causal_mask(L, L))
+    full, full_weights = method_program(backend, "__call__")(mha, *(backend.asarray(x) for x in (x_q, x_kv, x_kv)),
+                                                             backend.causal_mask(L, L))
     out, weights, cache = _extended(backend, mha, [x_q, x_kv], sizes, capacity=L + 3)
     assert_close(out, backend.to_numpy(full), REORDERED, "out")
     assert weights.shape == (B, H, L, L + 3)
@@ -77,7 +79,7 @@ def test_mha_extend_equals_one_causal_pass(backend: ModuleType, sizes, options):
 def test_block_extend_equals_one_causal_pass(backend: ModuleType, sizes, options):
     block = _module(backend, "block", **options)
     x = _random(B, L, D, seed=3)
-    full, full_weights = block(backend.asarray(x), backend.causal_mask(L, L))
+    full, full_weights = method_program(backend, "__call__")(block, backend.asarray(x), backend.causal_mask(L, L))
     out, weights, _ = _extended(backend, block, [x], sizes, capacity=L)
     assert_close(out, backend.to_numpy(full), REORDERED, "out")
     assert_close(weights, backend.to_numpy(full_weights), REORDERED, "weights")
@@ -88,11 +90,12 @@ def test_a_mask_hides_cached_keys_too(backend: ModuleType):
     x = _random(B, L, D, seed=4)
     mask = _random(B, 1, 1, L, seed=5) > -0.5  # a padding mask over the capacity's keys
     mask[..., 0] = True
-    full, _ = mha(*(backend.asarray(x),) * 3, backend.asarray(mask & np.tril(np.ones((L, L), bool))))
-    cache, outs = mha.init_cache((B,), L), []
+    full, _ = method_program(backend, "__call__")(mha, *(backend.asarray(x),) * 3,
+                                                  backend.asarray(mask & np.tril(np.ones((L, L), bool))))
+    cache, outs, extend = mha.init_cache((B,), L), [], method_program(backend, "extend")
     for chunk in _chunks((3, 2, 2)):
-        out, _, cache = mha.extend(backend.asarray(x[:, chunk]), backend.asarray(x[:, chunk]), cache,
-                                   backend.asarray(mask))
+        out, _, cache = extend(mha, backend.asarray(x[:, chunk]), backend.asarray(x[:, chunk]), cache,
+                               backend.asarray(mask))
         outs.append(backend.to_numpy(out))
     assert_close(np.concatenate(outs, axis=-2), backend.to_numpy(full), REORDERED, "masked")
 
@@ -100,9 +103,9 @@ def test_a_mask_hides_cached_keys_too(backend: ModuleType):
 def test_without_weights(backend: ModuleType):
     block = _module(backend, "block")
     x = backend.asarray(_random(B, 3, D, seed=6))
-    out, weights, cache = block.extend(x, block.init_cache((B,), 5), need_weights=False)
+    out, weights, cache = method_program(backend, "extend", need_weights=False)(block, x, block.init_cache((B,), 5))
     assert weights is None and int(cache.length) == 3
-    expected, _ = block(x, backend.causal_mask(3, 3))
+    expected, _ = method_program(backend, "__call__")(block, x, backend.causal_mask(3, 3))
     assert_close(backend.to_numpy(out), backend.to_numpy(expected), REORDERED, "fast path")
 
 
@@ -166,8 +169,9 @@ def test_a_cache_built_by_hand_has_no_tables_and_gives_the_same_outputs(backend:
     empty = block.init_cache((B,), 9)
     cache, outs = type(empty)(empty.k, empty.v, empty.length), []  # rope=None: extend computes the angles
     assert cache.rope is None
+    extend = method_program(backend, "extend")
     for chunk in _chunks(SPLITS["chunks"]):
-        out, _, cache = block.extend(backend.asarray(x[:, chunk]), cache)
+        out, _, cache = extend(block, backend.asarray(x[:, chunk]), cache)
         outs.append(backend.to_numpy(out))
     assert cache.rope is None
     assert_close(np.concatenate(outs, axis=-2), made, REORDERED, "hand-built cache")

@@ -7,7 +7,11 @@ evaluated on partial tiles only); a user's own mods in the framework's functions
 torch's flex_attention refuses a backward pass on the CPU (`_validate_device`): its compiled kernels have none
 there. Its eager pass, which the references below use, is torch's dense math (`sdpa_dense` and
 `sdpa_dense_backward` of torch._higher_order_ops.flex_attention), which has one, so the gradient references lift
-that guard for the duration of a test.
+that guard for the duration of a test. Eager flex_attention first traces the mods with dynamo (half a second a
+call); the references without gradients call the same dense pass on the mods as they are
+(`_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`), which gives the traced call's values bit for bit
+(test_torch_reference_is_the_same_without_dynamos_trace); the gradients of a score function's parameters need
+the trace, which lifts the tensors the mods hold, and those references alone trace.
 """
 
 from __future__ import annotations
@@ -84,13 +88,16 @@ class Reference(NamedTuple):
     d_parameters: dict[str, np.ndarray] | None = None
 
 
-def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=False, d_out=None) -> Reference:
+def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=False, d_out=None,
+                     traced: bool | None = None) -> Reference:
     """torch's own flex_attention: out and lse and, given d_out, the gradients of sum(out * d_out) with respect
-    to q, k, v and the score function's parameters, from one call (each call runs torch's dynamo over the mods,
-    most of its cost)."""
+    to q, k, v and the score function's parameters, from one call. `traced` (default: where the gradients of a
+    score function's parameters are asked for, which need it; see the module's docstring) runs torch's dynamo
+    over the mods first, as eager flex_attention does by default, most of a call's cost."""
     tensors = [torch.tensor(x, requires_grad=d_out is not None) for x in (q, k, v)]
     parameters = {name: torch.tensor(np.asarray(value, dtype=np.float64), requires_grad=True)
                   for name, value in getattr(score_mod, "parameters", {}).items()} if d_out is not None else {}
+    traced = bool(parameters) if traced is None else traced
     if parameters:
         score_mod = score_mod.replace(**parameters)
     block_mask = None if mask_mod is None else flex.create_block_mask(mask_mod, B, H, L, S, device="cpu",
@@ -99,14 +106,17 @@ def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=Fals
     # eager flex_attention still runs its operation through dynamo, which, once a later call brings other sizes or
     # closure values, retraces them as symbols: array-api-compat's clip and softcap's float then fail inside torch
     static = torch._dynamo.config.patch(automatic_dynamic_shapes=False, specialize_float=True)
+    untraced = flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
     with warnings.catch_warnings(), static:
         warnings.simplefilter("ignore")  # eager flex_attention's advice to compile it
         try:
             flex._validate_device = lambda *args: None  # the eager pass has a backward on the CPU: see above
+            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = not traced  # the same dense pass, without dynamo's trace
             out, lse = flex.flex_attention(*tensors, score_mod=score_mod, block_mask=block_mask, scale=scale,
                                            enable_gqa=enable_gqa, return_lse=True)
         finally:
             flex._validate_device = guard
+            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = untraced
     values = {"out": out.detach().numpy(), "lse": lse.detach().numpy()}
     if d_out is None:
         return Reference(**values)
@@ -116,16 +126,43 @@ def _torch_reference(q, k, v, mask_mod, score_mod, *, scale=0.7, enable_gqa=Fals
     return Reference(**values, grads=tuple(grads[:3]), d_parameters=dict(zip(parameters, grads[3:], strict=True)))
 
 
-@functools.cache
 def _reference_of(name: str, *, enable_gqa: bool = False) -> Reference:
     """_torch_reference of CASES[name] on _inputs(), with the gradients (d_out seed 3) for the names of
     GRADIENT_CASES (GROUPED_GRADIENT_CASES with enable_gqa), computed once per process: the inputs are fixed by the
     name, and every backend, tile size and function (tests/test_mods_attention.py's too) compares with the same
     reference."""
+    return _cached_reference(name, enable_gqa)  # one key however enable_gqa is passed (functools.cache keys
+    # _reference_of(name) and _reference_of(name, enable_gqa=False) apart)
+
+
+@functools.cache
+def _cached_reference(name: str, enable_gqa: bool) -> Reference:
     q, k, v = _inputs(kv_heads=HKV if enable_gqa else H)
     gradients = name in (GROUPED_GRADIENT_CASES if enable_gqa else GRADIENT_CASES)
     d_out = _random(B, H, L, EV, seed=3) if gradients else None
     return _torch_reference(q, k, v, *CASES[name], enable_gqa=enable_gqa, d_out=d_out)
+
+
+def test_torch_reference_is_the_same_without_dynamos_trace():
+    # the references with the gradients of a score function's parameters are traced calls (the default of eager
+    # flex_attention): the untraced call that the other references are gives their out and lse bit for bit, with
+    # masks, score functions and grouped heads
+    cases = [(name, False) for name in GRADIENT_CASES] + [(name, True) for name in GROUPED_GRADIENT_CASES]
+    cases = [(name, enable_gqa) for name, enable_gqa in cases if getattr(CASES[name][1], "parameters", None)]
+    assert len(cases) == 5  # alibi, relative_bias, or, nested, and nested with grouped heads
+    for name, enable_gqa in cases:
+        q, k, v = _inputs(kv_heads=HKV if enable_gqa else H)
+        traced = _reference_of(name, enable_gqa=enable_gqa)
+        untraced = _torch_reference(q, k, v, *CASES[name], enable_gqa=enable_gqa, traced=False)
+        np.testing.assert_array_equal(untraced.out, traced.out, f"{name} out")
+        np.testing.assert_array_equal(untraced.lse, traced.lse, f"{name} lse")
+    # and the gradients of q, k, v where no parameter asks for the trace: "and" (a mask and a score function),
+    # whose reference is untraced, against the traced call
+    untraced = _reference_of("and")
+    traced = _torch_reference(*_inputs(), *CASES["and"], d_out=_random(B, H, L, EV, seed=3), traced=True)
+    for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), (untraced.out, untraced.lse, *untraced.grads),
+                          (traced.out, traced.lse, *traced.grads), strict=True):
+        np.testing.assert_array_equal(a, b, f"and {what}")
 
 
 def _gradients_of(name: str, *, enable_gqa: bool = False) -> tuple[tuple, dict[str, np.ndarray]]:
