@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_np.common import module, validation
+from attention_np.common import module, pages, validation
 
 from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, _ungrouped, scaled_dot_product_attention
@@ -66,6 +66,35 @@ class KVCache(NamedTuple):
     v: jax.Array
     length: jax.Array
     rope: tuple[jax.Array, jax.Array] | None = None
+
+
+class PagedKVCache(NamedTuple):
+    """A paged cache (vLLM's PagedAttention): the keys and values of every sequence in one pool of pages, k and v
+    (num_pages, Hkv, page_size, d_k); sequence b's position p in page block_table[b, p // page_size], slot
+    p % page_size (an entry -1: no page); length (B,) the positions each sequence holds. A sequence's pages
+    need not be consecutive nor in order, and a page freed by one sequence serves another. `reserve` gives the
+    sequences the pages their next positions need before extend writes them; `release` frees sequences'
+    pages. jax: a pytree (the pool, the table and the lengths are arrays: one jitted extend serves every table);
+    reserve and release read the table on the host, between steps; extend returns a new pool. `rope`: the tables
+    of positions 0 .. max_pages * page_size - 1, as KVCache's."""
+
+    k: jax.Array
+    v: jax.Array
+    block_table: jax.Array
+    length: jax.Array
+    rope: tuple[jax.Array, jax.Array] | None = None
+
+    def reserve(self, new_lengths: jax.Array) -> PagedKVCache:
+        """The cache with pages for new_lengths (B,) more positions of each sequence (free pages, lowest first)."""
+        table = pages.reserve(np.asarray(self.block_table), np.asarray(self.length), np.asarray(new_lengths),
+                              self.k.shape[0], self.k.shape[-2])
+        return self._replace(block_table=jnp.asarray(table, jnp.int32))
+
+    def release(self, sequences: jax.Array) -> PagedKVCache:
+        """The cache with the pages of `sequences` (indices or a boolean (B,)) freed and their lengths 0."""
+        table = pages.release(np.asarray(self.block_table), sequences)
+        return self._replace(block_table=jnp.asarray(table, jnp.int32),
+                             length=self.length.at[jnp.asarray(sequences)].set(0))
 
 
 class MultiHeadAttention(Module):
@@ -182,6 +211,24 @@ class MultiHeadAttention(Module):
             rope = _rope_table(jnp.arange(capacity), d_k, self.rope_theta, _at_least_float32(dtype), False)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), length=jnp.zeros((), jnp.int32), rope=rope)
 
+    def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
+                         dtype: Any = None) -> PagedKVCache:
+        """An empty paged cache: a pool of num_pages pages of page_size positions, keys and values (num_pages, Hkv,
+        page_size, d_k) of zeros in `dtype` (the parameters' by default), for batch_size sequences of up to
+        max_pages pages each (block table (batch_size, max_pages) of -1, lengths 0); with rope_theta, the tables
+        of the positions 0 .. max_pages * page_size - 1. Softmax attention's only."""
+        validation.cached(self.attention)
+        validation.paged_sizes(batch_size, num_pages, page_size, max_pages)
+        d_k = self.w_q.weight.shape[1] // self.num_heads
+        shape = (num_pages, self.num_kv_heads, page_size, d_k)  # (P, Hkv, page, d_k)
+        dtype = self.w_q.weight.dtype if dtype is None else dtype
+        rope = None
+        if self.rope_theta is not None:
+            rope = _rope_table(jnp.arange(max_pages * page_size), d_k, self.rope_theta, _at_least_float32(dtype), False)
+        return PagedKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                            jnp.full((batch_size, max_pages), pages.NO_PAGE, jnp.int32),
+                            jnp.zeros(batch_size, jnp.int32), rope)
+
     def extend(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None = None, *,
                new_lengths: jax.Array | None = None, need_weights: bool = True, rng: Rng = None,
                mask_mod: Callable[..., Any] | None = None,
@@ -221,6 +268,9 @@ class MultiHeadAttention(Module):
                   mask_mod: Callable[..., Any] | None = None,
                   score_mod: Callable[..., Any] | None = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """extend once its inputs are checked (TransformerBlock.extend checks its own against the cache)."""
+        if isinstance(cache, PagedKVCache):  # the keys and values in pages
+            validation.paged_options(mask_mod, score_mod, self.dropout if self.training else 0.0)
+            return self._paged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights)
         if new_lengths is not None or jnp.ndim(cache.length):  # a length per sequence
             return self._ragged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights, rng=rng,
                                 mask_mod=mask_mod, score_mod=score_mod)
@@ -291,11 +341,126 @@ class MultiHeadAttention(Module):
         out = jnp.where(kept[..., None], self.w_o(self._merge_heads(out)), 0)  # (..., L, D)
         return out, weights, KVCache(k, v, length=end, rope=cache.rope)
 
+    def _paged(self, x_q: jax.Array, x_kv: jax.Array, cache: PagedKVCache, mask: jax.Array | None,
+               new_lengths: jax.Array | None, *,
+               need_weights: bool) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
+        """extend over a paged cache: as _ragged, the keys and values written into their sequences' pages and
+        attention read through the block table, one block of every sequence at a time (the online softmax of
+        flash.py over the blocks): no sequence's keys are ever gathered whole."""
+        B, L, page = x_q.shape[0], x_q.shape[-2], cache.k.shape[-2]
+        start = cache.length  # (B,) int32
+        end = start + jnp.broadcast_to(jnp.asarray(L if new_lengths is None else new_lengths, start.dtype), (B,))
+        positions = start[:, None] + jnp.arange(L, dtype=start.dtype)[None, :]  # (B, L): each row's position
+        kept = positions < end[:, None]  # (B, L): the sequence's own new rows, not padding
+
+        # 1) project, turn, scatter the kept rows into their pages: position p at (table[b, p // page], p % page)
+        q = self._split_heads(self.w_q(x_q))  # (B, L, D) -> (B, H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (B, L, D) -> (B, Hkv, L, d_k)
+        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        q, k = self._rotated(q, k, positions[:, None, :], cache.rope)  # RoPE at (B, 1, L) positions
+        blocks = jnp.clip(positions // page, 0, cache.block_table.shape[1] - 1)
+        index = jnp.take_along_axis(cache.block_table, blocks, axis=1)  # (B, L): each row's page
+        index = jnp.where(kept & (index >= 0), index, cache.k.shape[0])  # jax: padding aims past the pool, dropped
+        slot = (index, slice(None), positions % page)  # rows (B, L, Hkv, d_k)
+        pool_k = cache.k.at[slot].set(jnp.swapaxes(k, 1, 2), mode="drop")
+        pool_v = cache.v.at[slot].set(jnp.swapaxes(v, 1, 2), mode="drop")
+        cache = cache._replace(k=pool_k, v=pool_v)
+
+        # 2) attend block by block: the online softmax over each sequence's pages (flash.py's m, l, O)
+        out, lse = self._through_pages(q, cache, positions, end, mask)  # (B, H, L, d_k), (B, H, L)
+        own = kept[:, None, :, None]  # (B, 1, L, 1): padding rows get zeros
+        weights = None
+        if need_weights:  # exp(s - lse) block by block, at each key's position: (B, H, L, M * page)
+            weights = jnp.where(own, self._page_weights(q, cache, positions, end, mask, lse), 0)
+
+        # 3) concatenate the heads and mix them; a padding row stays 0
+        out = jnp.where(kept[..., None], self.w_o(self._merge_heads(jnp.where(own, out, 0))), 0)  # (B, L, D)
+        return out, weights, cache._replace(length=end)
+
+    def _page_scores(self, q: jax.Array, cache: PagedKVCache, block: jax.Array, positions: jax.Array,
+                     end: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """Block `block` of every sequence: its scores (B, H, L, page), -inf where hidden, and the values (B, Hkv,
+        page, d_k) with the slots no query sees zeroed (a NaN left in an unused slot reaches no output)."""
+        page, M = cache.k.shape[-2], cache.block_table.shape[1]
+        index = cache.block_table[:, block]  # (B,): each sequence's page of this block, -1 where none
+        k, v = cache.k[jnp.maximum(index, 0)], cache.v[jnp.maximum(index, 0)]  # (B, Hkv, page, d_k): one page each
+        at = block * page + jnp.arange(page, dtype=positions.dtype)  # (page,): the positions the block holds
+        held = (at[None, :] < end[:, None]) & (index >= 0)[:, None]  # (B, page): filled slots of a held page
+        seen = held[:, None, None, :] & (at[None, None, None, :] <= positions[:, None, :, None])  # (B, 1, L, page)
+        if mask is not None:  # (..., H, L, M * page) -> this block's columns (jax: block may be traced)
+            columns = jax.lax.dynamic_slice_in_dim(jnp.broadcast_to(mask, (*mask.shape[:-1], M * page)),
+                                                   block * page, page, axis=-1)
+            seen = seen & (columns if columns.dtype == jnp.bool_ else columns != 0)  # jax: no bool-int compare
+        G, scale = self.num_heads // self.num_kv_heads, 1.0 / math.sqrt(q.shape[-1])
+        scores = (q * scale) @ jnp.swapaxes(jnp.repeat(k, G, axis=1), -1, -2).astype(q.dtype)  # (B, H, L, page)
+        return jnp.where(seen, scores, -jnp.inf), jnp.where(held[:, None, :, None], v, 0)
+
+    def _through_pages(self, q: jax.Array, cache: PagedKVCache, positions: jax.Array, end: jax.Array,
+                       mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """out (B, H, L, d_k) and lse (B, H, L) over the blocks of every sequence, by the online softmax:
+        m_t = max(m_{t-1}, rowmax(S_t)), l_t = e^(m_{t-1} - m_t) l_{t-1} + rowsum(e^(S_t - m_t)),
+        O_t = e^(m_{t-1} - m_t) O_{t-1} + e^(S_t - m_t) V_t;  out = O / l (0 where no key is seen). jax: a
+        lax.scan over the table's blocks, every one (a block no sequence reaches adds nothing)."""
+        q = q.astype(_at_least_float32(q.dtype))
+        G = self.num_heads // self.num_kv_heads
+
+        def step(carry: tuple, block: jax.Array) -> tuple[tuple, None]:
+            m, total, acc = carry
+            scores, v = self._page_scores(q, cache, block, positions, end, mask)
+            m_new = jnp.maximum(m, scores.max(axis=-1))
+            shift = jnp.where(jnp.isfinite(m_new), m_new, 0)  # a row with no key seen yet keeps 0
+            weights = jnp.exp(scores - shift[..., None])  # (B, H, L, page); hidden: exp(-inf) = 0
+            decay = jnp.exp(m - shift)  # exp(-inf) = 0 before the first seen key
+            acc = decay[..., None] * acc + weights @ jnp.repeat(v, G, axis=1).astype(q.dtype)
+            return (m_new, decay * total + weights.sum(axis=-1), acc), None
+
+        start = (jnp.full(q.shape[:-1], -jnp.inf, q.dtype), jnp.zeros(q.shape[:-1], q.dtype), jnp.zeros_like(q))
+        blocks = jnp.arange(cache.block_table.shape[1], dtype=positions.dtype)
+        (m, total, acc), _ = jax.lax.scan(step, start, blocks)
+        seen = total > 0
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, total, 1)[..., None], 0)
+        return out, jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1)), -jnp.inf)
+
+    def _page_weights(self, q: jax.Array, cache: PagedKVCache, positions: jax.Array, end: jax.Array,
+                      mask: jax.Array | None, lse: jax.Array) -> jax.Array:
+        """The weights exp(s - lse) (B, H, L, max_pages * page) at each key's position in its sequence."""
+        finite = jnp.isfinite(lse)[..., None]  # a query that sees no key: a row of zeros
+        q = q.astype(lse.dtype)
+        blocks = [jnp.where(finite, jnp.exp(self._page_scores(q, cache, jnp.asarray(block, positions.dtype),
+                                                              positions, end, mask)[0]
+                                            - jnp.where(finite, lse[..., None], 0)), 0)
+                  for block in range(cache.block_table.shape[1])]
+        return jnp.concatenate(blocks, axis=-1).astype(q.dtype)
+
+    def _check_paged(self, inputs: dict[str, jax.Array], cache: PagedKVCache, mask: jax.Array | None,
+                     new_lengths: jax.Array | None) -> None:
+        """The checks of extend over a paged cache: inputs (B, L, D) of the block table's B sequences, a mask of
+        (B, H, L, max_pages * page_size) at most, and (where the values are known, outside jit) a page reserved
+        for every position to be written."""
+        weight, (B, M), page = self.w_q.weight, cache.block_table.shape, cache.k.shape[-2]
+        L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), (B, 1, 1, 1),
+                                    weight.shape[1])
+        validation.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
+        if mask is not None:
+            validation.broadcasts_to("mask", jnp.shape(mask), (B, self.num_heads, L, M * page),
+                                     "B, H, L, max_pages * page_size")
+        new = jnp.broadcast_to(L if new_lengths is None else jnp.asarray(new_lengths), (B,))
+        if new_lengths is not None:
+            validation.new_lengths((B,), jnp.shape(new_lengths), new.dtype.name, jnp.issubdtype(new.dtype, jnp.integer))
+        traced = any(isinstance(x, jax.core.Tracer) for x in (new, cache.length, cache.block_table))
+        if not traced:  # jax: the values are seen outside jit only
+            if new_lengths is not None:
+                validation.new_lengths_range(L, np.asarray(new))
+            validation.cache_room(M * page, np.asarray(cache.length), np.asarray(new))
+            validation.pages_reserved(np.asarray(cache.block_table), np.asarray(cache.length), np.asarray(new), page)
+
     def _check_extend(self, inputs: dict[str, jax.Array], cache: KVCache, mask: jax.Array | None,
                       new_lengths: jax.Array | None = None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters (the
         cache's room, and new_lengths' range, only where the values are known, outside jit)."""
         validation.cached(self.attention)
+        if isinstance(cache, PagedKVCache):
+            return self._check_paged(inputs, cache, mask, new_lengths)
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
                                 weight.shape[1])
@@ -463,6 +628,11 @@ class TransformerBlock(Module):
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
         """An empty cache of the block's attention (MultiHeadAttention.init_cache)."""
         return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
+
+    def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
+                         dtype: Any = None) -> PagedKVCache:
+        """An empty paged cache of the block's attention (MultiHeadAttention.init_paged_cache)."""
+        return self.attn.init_paged_cache(batch_size, num_pages, page_size, max_pages, dtype=dtype)
 
     def extend(self, x: jax.Array, cache: KVCache, mask: jax.Array | None = None, *,
                new_lengths: jax.Array | None = None, need_weights: bool = True, rng: Rng = None,

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from attention_np.common import validation
+from attention_np.common import pages, validation
 from attention_np.common.module import Module
 
 from .arrays import asarray
@@ -39,6 +39,34 @@ class KVCache(NamedTuple):
     v: np.ndarray
     length: int | np.ndarray
     rope: tuple[np.ndarray, np.ndarray] | None = None
+
+
+class PagedKVCache(NamedTuple):
+    """A paged cache (vLLM's PagedAttention): the keys and values of every sequence in one pool of pages, k and v
+    (num_pages, Hkv, page_size, d_k); sequence b's position p in page block_table[b, p // page_size], slot
+    p % page_size (an entry -1: no page); length (B,) the positions each sequence holds. A sequence's pages
+    need not be consecutive nor in order, and a page freed by one sequence serves another. `reserve` gives the
+    sequences the pages their next positions need before extend writes them; `release` frees sequences'
+    pages. NumPy: extend writes into the pool in place, as KVCache's arrays. `rope`: the tables of positions
+    0 .. max_pages * page_size - 1, as KVCache's."""
+
+    k: np.ndarray
+    v: np.ndarray
+    block_table: np.ndarray
+    length: np.ndarray
+    rope: tuple[np.ndarray, np.ndarray] | None = None
+
+    def reserve(self, new_lengths: np.ndarray) -> PagedKVCache:
+        """The cache with pages for new_lengths (B,) more positions of each sequence (free pages, lowest first)."""
+        table = pages.reserve(self.block_table, self.length, np.asarray(new_lengths), self.k.shape[0],
+                              self.k.shape[-2])
+        return self._replace(block_table=table)
+
+    def release(self, sequences: np.ndarray) -> PagedKVCache:
+        """The cache with the pages of `sequences` (indices or a boolean (B,)) freed and their lengths 0."""
+        length = np.array(self.length, copy=True)
+        length[np.asarray(sequences)] = 0
+        return self._replace(block_table=pages.release(self.block_table, sequences), length=length)
 
 
 class MultiHeadAttention(Module):
@@ -154,6 +182,24 @@ class MultiHeadAttention(Module):
             rope = _rope_table(np.arange(capacity), d_k, self.rope_theta, np.promote_types(dtype, np.float32), False)
         return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), length=0, rope=rope)
 
+    def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
+                         dtype: Any = None) -> PagedKVCache:
+        """An empty paged cache: a pool of num_pages pages of page_size positions, keys and values (num_pages, Hkv,
+        page_size, d_k) of zeros in `dtype` (the parameters' by default), for batch_size sequences of up to
+        max_pages pages each (block table (batch_size, max_pages) of -1, lengths 0); with rope_theta, the tables
+        of the positions 0 .. max_pages * page_size - 1. Softmax attention's only."""
+        validation.cached(self.attention)
+        validation.paged_sizes(batch_size, num_pages, page_size, max_pages)
+        d_k = self.w_q.weight.shape[1] // self.num_heads
+        shape = (num_pages, self.num_kv_heads, page_size, d_k)  # (P, Hkv, page, d_k)
+        dtype = self.w_q.weight.dtype if dtype is None else dtype
+        rope = None
+        if self.rope_theta is not None:
+            rope = _rope_table(np.arange(max_pages * page_size), d_k, self.rope_theta,
+                               np.promote_types(dtype, np.float32), False)
+        return PagedKVCache(np.zeros(shape, dtype), np.zeros(shape, dtype),
+                            np.full((batch_size, max_pages), pages.NO_PAGE), np.zeros(batch_size, np.int64), rope)
+
     def extend(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache, mask: np.ndarray | None = None, *,
                new_lengths: np.ndarray | None = None, need_weights: bool = True, rng: Rng = None,
                mask_mod: Callable[..., Any] | None = None,
@@ -193,6 +239,9 @@ class MultiHeadAttention(Module):
                   mask_mod: Callable[..., Any] | None = None,
                   score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
         """extend once its inputs are checked (TransformerBlock.extend checks its own against the cache)."""
+        if isinstance(cache, PagedKVCache):  # the keys and values in pages
+            validation.paged_options(mask_mod, score_mod, self.dropout if self.training else 0.0)
+            return self._paged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights)
         if new_lengths is not None or np.ndim(cache.length):  # a length per sequence
             return self._ragged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights, rng=rng,
                                 mask_mod=mask_mod, score_mod=score_mod)
@@ -261,10 +310,113 @@ class MultiHeadAttention(Module):
         out = np.where(kept[..., None], self.w_o(self._merge_heads(out)), 0)  # (..., L, D)
         return out.astype(x_q.dtype, copy=False), weights, KVCache(cache.k, cache.v, length=end, rope=cache.rope)
 
+    def _paged(self, x_q: np.ndarray, x_kv: np.ndarray, cache: PagedKVCache, mask: np.ndarray | None,
+               new_lengths: np.ndarray | None, *,
+               need_weights: bool) -> tuple[np.ndarray, np.ndarray | None, PagedKVCache]:
+        """extend over a paged cache: as _ragged, the keys and values written into their sequences' pages and
+        attention read through the block table, one block of every sequence at a time (the online softmax of
+        flash.py over the blocks): no sequence's keys are ever gathered whole."""
+        B, L, page = x_q.shape[0], x_q.shape[-2], cache.k.shape[-2]
+        start = np.asarray(cache.length)  # (B,)
+        end = start + np.broadcast_to(np.asarray(L if new_lengths is None else new_lengths), (B,))
+        positions = start[:, None] + np.arange(L)  # (B, L): each row's position in its sequence
+        kept = positions < end[:, None]  # (B, L): the sequence's own new rows, not padding
+
+        # 1) project, turn, write the kept rows into their pages in place: position p at (table[b, p // page], p % page)
+        q = self._split_heads(self.w_q(x_q))  # (B, L, D) -> (B, H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (B, L, D) -> (B, Hkv, L, d_k)
+        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        q, k = self._rotated(q, k, positions[:, None, :], cache.rope)  # RoPE at (B, 1, L) positions
+        sequence, row = np.nonzero(kept)
+        at = positions[sequence, row]
+        slot = (cache.block_table[sequence, at // page], slice(None), at % page)  # (n, Hkv, d_k) each
+        cache.k[slot], cache.v[slot] = k[sequence, :, row], v[sequence, :, row]
+
+        # 2) attend block by block: the online softmax over each sequence's pages (flash.py's m, l, O)
+        out, lse = self._through_pages(q, cache, positions, end, mask)  # (B, H, L, d_k), (B, H, L)
+        own = kept[:, None, :, None]  # (B, 1, L, 1): padding rows get zeros
+        weights = None
+        if need_weights:  # exp(s - lse) block by block, at each key's position: (B, H, L, M * page)
+            weights = np.where(own, self._page_weights(q, cache, positions, end, mask, lse), 0)
+
+        # 3) concatenate the heads and mix them; a padding row stays 0
+        out = np.where(kept[..., None], self.w_o(self._merge_heads(np.where(own, out, 0))), 0)  # (B, L, D)
+        return out.astype(x_q.dtype, copy=False), weights, cache._replace(length=end)
+
+    def _page_scores(self, q: np.ndarray, cache: PagedKVCache, block: int, positions: np.ndarray, end: np.ndarray,
+                     mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Block `block` of every sequence: its scores (B, H, L, page), -inf where hidden, the values (B, Hkv, page,
+        d_k) with the slots no query sees zeroed (a NaN left in an unused slot reaches no output), and which
+        keys each query sees (B, H or 1, L, page)."""
+        page = cache.k.shape[-2]
+        index = cache.block_table[:, block]  # (B,): each sequence's page of this block, -1 where none
+        k, v = cache.k[np.maximum(index, 0)], cache.v[np.maximum(index, 0)]  # (B, Hkv, page, d_k): one page each
+        at = block * page + np.arange(page)  # (page,): the positions the block holds
+        held = (at < end[:, None]) & (index >= 0)[:, None]  # (B, page): filled slots of a page the sequence has
+        seen = held[:, None, None, :] & (at <= positions[:, None, :, None])  # (B, 1, L, page): causal
+        if mask is not None:  # (..., H, L, M * page) -> this block's columns
+            seen = seen & (mask[..., block * page:(block + 1) * page] != 0)
+        G, scale = self.num_heads // self.num_kv_heads, 1.0 / math.sqrt(q.shape[-1])
+        scores = (q * scale) @ np.swapaxes(np.repeat(k, G, axis=1), -1, -2)  # (B, H, L, page)
+        return np.where(seen, scores, -np.inf), np.where(held[:, None, :, None], v, 0), seen
+
+    def _through_pages(self, q: np.ndarray, cache: PagedKVCache, positions: np.ndarray, end: np.ndarray,
+                       mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """out (B, H, L, d_k) and lse (B, H, L) over the blocks of every sequence, by the online softmax:
+        m_t = max(m_{t-1}, rowmax(S_t)), l_t = e^(m_{t-1} - m_t) l_{t-1} + rowsum(e^(S_t - m_t)),
+        O_t = e^(m_{t-1} - m_t) O_{t-1} + e^(S_t - m_t) V_t;  out = O / l (0 where no key is seen)."""
+        work = np.promote_types(q.dtype, np.float32)
+        q = q.astype(work, copy=False)
+        G = self.num_heads // self.num_kv_heads
+        m = np.full(q.shape[:-1], -np.inf, work)  # (B, H, L)
+        total, acc = np.zeros(q.shape[:-1], work), np.zeros(q.shape, work)
+        for block in range(-(-int(end.max(initial=0)) // cache.k.shape[-2])):  # the blocks some sequence reaches
+            scores, v, _ = self._page_scores(q, cache, block, positions, end, mask)
+            m_new = np.maximum(m, scores.max(axis=-1))
+            shift = np.where(np.isfinite(m_new), m_new, 0)  # a row with no key seen yet keeps 0
+            weights = np.exp(scores - shift[..., None])  # (B, H, L, page); hidden: exp(-inf) = 0
+            decay = np.exp(m - shift)  # exp(-inf) = 0 before the first seen key
+            total = decay * total + weights.sum(axis=-1)
+            acc = decay[..., None] * acc + weights @ np.repeat(v.astype(work, copy=False), G, axis=1)
+            m = m_new
+        seen = total > 0
+        out = np.where(seen[..., None], acc / np.where(seen, total, 1)[..., None], 0)
+        return out, np.where(seen, m + np.log(np.where(seen, total, 1)), -np.inf)
+
+    def _page_weights(self, q: np.ndarray, cache: PagedKVCache, positions: np.ndarray, end: np.ndarray,
+                      mask: np.ndarray | None, lse: np.ndarray) -> np.ndarray:
+        """The weights exp(s - lse) (B, H, L, max_pages * page) at each key's position in its sequence."""
+        work = lse.dtype
+        finite = np.isfinite(lse)[..., None]  # a query that sees no key: a row of zeros
+        blocks = [np.where(finite, np.exp(self._page_scores(q.astype(work, copy=False), cache, block, positions, end,
+                                                            mask)[0] - np.where(finite, lse[..., None], 0)), 0)
+                  for block in range(cache.block_table.shape[1])]
+        return np.concatenate(blocks, axis=-1).astype(q.dtype, copy=False)
+
+    def _check_paged(self, inputs: dict[str, np.ndarray], cache: PagedKVCache, mask: np.ndarray | None,
+                     new_lengths: np.ndarray | None) -> None:
+        """The checks of extend over a paged cache: inputs (B, L, D) of the block table's B sequences, a mask of
+        (B, H, L, max_pages * page_size) at most, and a page reserved for every position to be written."""
+        weight, (B, M), page = self.w_q.weight, cache.block_table.shape, cache.k.shape[-2]
+        L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), (B, 1, 1, 1),
+                                    weight.shape[1])
+        validation.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
+        if mask is not None:
+            validation.broadcasts_to("mask", np.shape(mask), (B, self.num_heads, L, M * page),
+                                     "B, H, L, max_pages * page_size")
+        new = np.broadcast_to(L if new_lengths is None else np.asarray(new_lengths), (B,))
+        if new_lengths is not None:
+            validation.new_lengths((B,), np.shape(new_lengths), new.dtype.name, np.issubdtype(new.dtype, np.integer))
+            validation.new_lengths_range(L, new)
+        validation.cache_room(M * page, np.asarray(cache.length), new)
+        validation.pages_reserved(cache.block_table, np.asarray(cache.length), new, page)
+
     def _check_extend(self, inputs: dict[str, np.ndarray], cache: KVCache, mask: np.ndarray | None,
                       new_lengths: np.ndarray | None = None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""
         validation.cached(self.attention)
+        if isinstance(cache, PagedKVCache):
+            return self._check_paged(inputs, cache, mask, new_lengths)
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
                                 weight.shape[1])
@@ -429,6 +581,11 @@ class TransformerBlock(Module):
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
         """An empty cache of the block's attention (MultiHeadAttention.init_cache)."""
         return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
+
+    def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
+                         dtype: Any = None) -> PagedKVCache:
+        """An empty paged cache of the block's attention (MultiHeadAttention.init_paged_cache)."""
+        return self.attn.init_paged_cache(batch_size, num_pages, page_size, max_pages, dtype=dtype)
 
     def extend(self, x: np.ndarray, cache: KVCache, mask: np.ndarray | None = None, *,
                new_lengths: np.ndarray | None = None, need_weights: bool = True, rng: Rng = None,

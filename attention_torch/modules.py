@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from attention_np.common import validation
+from attention_np.common import pages, validation
 
 from .arrays import asarray
 from .fast import grouped_attention
@@ -50,6 +50,36 @@ class KVCache(NamedTuple):
     v: torch.Tensor
     length: int | torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class PagedKVCache(NamedTuple):
+    """A paged cache (vLLM's PagedAttention): the keys and values of every sequence in one pool of pages, k and v
+    (num_pages, Hkv, page_size, d_k); sequence b's position p in page block_table[b, p // page_size], slot
+    p % page_size (an entry -1: no page); length (B,) the positions each sequence holds. A sequence's pages
+    need not be consecutive nor in order, and a page freed by one sequence serves another. `reserve` gives the
+    sequences the pages their next positions need before extend writes them; `release` frees sequences'
+    pages. torch: extend writes into the pool in place, as KVCache's tensors; reserve and release read the
+    table on the host, between steps. `rope`: the tables of positions
+    0 .. max_pages * page_size - 1, as KVCache's."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_table: torch.Tensor
+    length: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def reserve(self, new_lengths: torch.Tensor) -> PagedKVCache:
+        """The cache with pages for new_lengths (B,) more positions of each sequence (free pages, lowest first)."""
+        table = pages.reserve(self.block_table.cpu().numpy(), self.length.cpu().numpy(),
+                              torch.as_tensor(new_lengths).cpu().numpy(), self.k.shape[0], self.k.shape[-2])
+        return self._replace(block_table=torch.as_tensor(table, device=self.block_table.device))
+
+    def release(self, sequences: torch.Tensor) -> PagedKVCache:
+        """The cache with the pages of `sequences` (indices or a boolean (B,)) freed and their lengths 0."""
+        length = self.length.clone()
+        length[torch.as_tensor(sequences)] = 0
+        table = pages.release(self.block_table.cpu().numpy(), torch.as_tensor(sequences).cpu().numpy())
+        return self._replace(block_table=torch.as_tensor(table, device=self.block_table.device), length=length)
 
 
 class MultiHeadAttention(nn.Module):
@@ -166,6 +196,26 @@ class MultiHeadAttention(nn.Module):
             rope = _rope_table(torch.arange(capacity, device=options["device"]), d_k, self.rope_theta, work, False)
         return KVCache(torch.zeros(shape, **options), torch.zeros(shape, **options), length=0, rope=rope)
 
+    def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
+                         dtype: Any = None) -> PagedKVCache:
+        """An empty paged cache: a pool of num_pages pages of page_size positions, keys and values (num_pages, Hkv,
+        page_size, d_k) of zeros in `dtype` (the parameters' by default), for batch_size sequences of up to
+        max_pages pages each (block table (batch_size, max_pages) of -1, lengths 0); with rope_theta, the tables
+        of the positions 0 .. max_pages * page_size - 1. Softmax attention's only."""
+        validation.cached(self.attention)
+        validation.paged_sizes(batch_size, num_pages, page_size, max_pages)
+        d_k = self.w_q.weight.shape[1] // self.num_heads
+        shape = (num_pages, self.num_kv_heads, page_size, d_k)  # (P, Hkv, page, d_k)
+        dtype, device = self.w_q.weight.dtype if dtype is None else dtype, self.w_q.weight.device
+        rope = None
+        if self.rope_theta is not None:
+            rope = _rope_table(torch.arange(max_pages * page_size, device=device), d_k, self.rope_theta,
+                               torch.promote_types(dtype, torch.float32), False)
+        return PagedKVCache(torch.zeros(shape, dtype=dtype, device=device),
+                            torch.zeros(shape, dtype=dtype, device=device),
+                            torch.full((batch_size, max_pages), pages.NO_PAGE, device=device),
+                            torch.zeros(batch_size, dtype=torch.int64, device=device), rope)
+
     def extend(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None, *,
                new_lengths: torch.Tensor | None = None, need_weights: bool = True, rng: Rng = None,
                mask_mod: Callable[..., Any] | None = None,
@@ -205,6 +255,9 @@ class MultiHeadAttention(nn.Module):
                   mask_mod: Callable[..., Any] | None = None,
                   score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
         """extend once its inputs are checked (TransformerBlock.extend checks its own against the cache)."""
+        if isinstance(cache, PagedKVCache):  # the keys and values in pages
+            validation.paged_options(mask_mod, score_mod, self.dropout if self.training else 0.0)
+            return self._paged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights)
         if new_lengths is not None or isinstance(cache.length, torch.Tensor):  # a length per sequence
             return self._ragged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights, rng=rng,
                                 mask_mod=mask_mod, score_mod=score_mod)
@@ -287,10 +340,114 @@ class MultiHeadAttention(nn.Module):
         out = torch.where(kept[..., None], self.w_o(self._merge_heads(out)), 0)  # (..., L, D)
         return out, weights, KVCache(cache.k, cache.v, length=end, rope=cache.rope)
 
+    def _paged(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: PagedKVCache, mask: torch.Tensor | None,
+               new_lengths: torch.Tensor | None, *,
+               need_weights: bool) -> tuple[torch.Tensor, torch.Tensor | None, PagedKVCache]:
+        """extend over a paged cache: as _ragged, the keys and values written into their sequences' pages and
+        attention read through the block table, one block of every sequence at a time (the online softmax of
+        flash.py over the blocks): no sequence's keys are ever gathered whole."""
+        B, L, page = x_q.shape[0], x_q.shape[-2], cache.k.shape[-2]
+        start, device = cache.length, cache.k.device  # (B,)
+        end = start + torch.as_tensor(L if new_lengths is None else new_lengths, device=device).expand(B)
+        positions = start[:, None] + torch.arange(L, device=device)  # (B, L): each row's position in its sequence
+        kept = positions < end[:, None]  # (B, L): the sequence's own new rows, not padding
+
+        # 1) project, turn, write the kept rows into their pages in place: position p at (table[b, p // page], p % page)
+        q = self._split_heads(self.w_q(x_q))  # (B, L, D) -> (B, H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (B, L, D) -> (B, Hkv, L, d_k)
+        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        q, k = self._rotated(q, k, positions[:, None, :], cache.rope)  # RoPE at (B, 1, L) positions
+        sequence, row = torch.nonzero(kept, as_tuple=True)
+        at = positions[sequence, row]
+        slot = (cache.block_table[sequence, at // page], slice(None), at % page)  # (n, Hkv, d_k) each
+        cache.k[slot], cache.v[slot] = k[sequence, :, row], v[sequence, :, row]
+
+        # 2) attend block by block: the online softmax over each sequence's pages (flash.py's m, l, O)
+        out, lse = self._through_pages(q, cache, positions, end, mask)  # (B, H, L, d_k), (B, H, L)
+        own = kept[:, None, :, None]  # (B, 1, L, 1): padding rows get zeros
+        weights = None
+        if need_weights:  # exp(s - lse) block by block, at each key's position: (B, H, L, M * page)
+            weights = torch.where(own, self._page_weights(q, cache, positions, end, mask, lse), 0)
+
+        # 3) concatenate the heads and mix them; a padding row stays 0
+        out = torch.where(kept[..., None], self.w_o(self._merge_heads(torch.where(own, out, 0).to(x_q.dtype))), 0)
+        return out, weights, cache._replace(length=end)
+
+    def _page_scores(self, q: torch.Tensor, cache: PagedKVCache, block: int, positions: torch.Tensor, end: torch.Tensor,
+                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block `block` of every sequence: its scores (B, H, L, page), -inf where hidden, the values (B, Hkv, page,
+        d_k) with the slots no query sees zeroed (a NaN left in an unused slot reaches no output), and which
+        keys each query sees (B, H or 1, L, page)."""
+        page = cache.k.shape[-2]
+        index = cache.block_table[:, block]  # (B,): each sequence's page of this block, -1 where none
+        k, v = cache.k[index.clamp(min=0)], cache.v[index.clamp(min=0)]  # (B, Hkv, page, d_k): one page each
+        at = block * page + torch.arange(page, device=q.device)  # (page,): the positions the block holds
+        held = (at < end[:, None]) & (index >= 0)[:, None]  # (B, page): filled slots of a page the sequence has
+        seen = held[:, None, None, :] & (at <= positions[:, None, :, None])  # (B, 1, L, page): causal
+        if mask is not None:  # (..., H, L, M * page) -> this block's columns
+            seen = seen & (mask[..., block * page:(block + 1) * page] != 0)
+        G, scale = self.num_heads // self.num_kv_heads, 1.0 / math.sqrt(q.shape[-1])
+        scores = (q * scale) @ k.repeat_interleave(G, dim=1).transpose(-1, -2).to(q.dtype)  # (B, H, L, page)
+        return torch.where(seen, scores, -torch.inf), torch.where(held[:, None, :, None], v, 0), seen
+
+    def _through_pages(self, q: torch.Tensor, cache: PagedKVCache, positions: torch.Tensor, end: torch.Tensor,
+                       mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """out (B, H, L, d_k) and lse (B, H, L) over the blocks of every sequence, by the online softmax:
+        m_t = max(m_{t-1}, rowmax(S_t)), l_t = e^(m_{t-1} - m_t) l_{t-1} + rowsum(e^(S_t - m_t)),
+        O_t = e^(m_{t-1} - m_t) O_{t-1} + e^(S_t - m_t) V_t;  out = O / l (0 where no key is seen)."""
+        q = q.to(torch.promote_types(q.dtype, torch.float32))
+        G = self.num_heads // self.num_kv_heads
+        m = torch.full(q.shape[:-1], -torch.inf, dtype=q.dtype, device=q.device)  # (B, H, L)
+        total, acc = torch.zeros_like(m), torch.zeros_like(q)
+        reached = -(-int(end.max()) // cache.k.shape[-2]) if end.numel() else 0
+        for block in range(reached):  # the blocks some sequence reaches
+            scores, v, _ = self._page_scores(q, cache, block, positions, end, mask)
+            m_new = torch.maximum(m, scores.amax(dim=-1))
+            shift = torch.where(torch.isfinite(m_new), m_new, 0)  # a row with no key seen yet keeps 0
+            weights = torch.exp(scores - shift[..., None])  # (B, H, L, page); hidden: exp(-inf) = 0
+            decay = torch.exp(m - shift)  # exp(-inf) = 0 before the first seen key
+            total = decay * total + weights.sum(dim=-1)
+            acc = decay[..., None] * acc + weights @ v.repeat_interleave(G, dim=1).to(q.dtype)
+            m = m_new
+        seen = total > 0
+        out = torch.where(seen[..., None], acc / torch.where(seen, total, 1)[..., None], 0)
+        return out, torch.where(seen, m + torch.log(torch.where(seen, total, 1)), -torch.inf)
+
+    def _page_weights(self, q: torch.Tensor, cache: PagedKVCache, positions: torch.Tensor, end: torch.Tensor,
+                      mask: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor:
+        """The weights exp(s - lse) (B, H, L, max_pages * page) at each key's position in its sequence."""
+        finite = torch.isfinite(lse)[..., None]  # a query that sees no key: a row of zeros
+        blocks = [torch.where(finite, torch.exp(self._page_scores(q.to(lse.dtype), cache, block, positions, end,
+                                                                  mask)[0] - torch.where(finite, lse[..., None], 0)), 0)
+                  for block in range(cache.block_table.shape[1])]
+        return torch.cat(blocks, dim=-1).to(q.dtype)
+
+    def _check_paged(self, inputs: dict[str, torch.Tensor], cache: PagedKVCache, mask: torch.Tensor | None,
+                     new_lengths: torch.Tensor | None) -> None:
+        """The checks of extend over a paged cache: inputs (B, L, D) of the block table's B sequences, a mask of
+        (B, H, L, max_pages * page_size) at most, and a page reserved for every position to be written."""
+        weight, (B, M), page = self.w_q.weight, cache.block_table.shape, cache.k.shape[-2]
+        L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), (B, 1, 1, 1),
+                                    weight.shape[1])
+        validation.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=weight))
+        if mask is not None:
+            validation.broadcasts_to("mask", mask.shape, (B, self.num_heads, L, M * page),
+                                     "B, H, L, max_pages * page_size")
+        new = torch.as_tensor(L if new_lengths is None else new_lengths).expand(B)
+        if new_lengths is not None:
+            validation.new_lengths((B,), tuple(torch.as_tensor(new_lengths).shape), str(new.dtype),
+                                   not new.is_floating_point() and new.dtype != torch.bool)
+            validation.new_lengths_range(L, new.cpu().numpy())
+        length = cache.length.cpu().numpy()
+        validation.cache_room(M * page, length, new.cpu().numpy())
+        validation.pages_reserved(cache.block_table.cpu().numpy(), length, new.cpu().numpy(), page)
+
     def _check_extend(self, inputs: dict[str, torch.Tensor], cache: KVCache, mask: torch.Tensor | None,
                       new_lengths: torch.Tensor | None = None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""
         validation.cached(self.attention)
+        if isinstance(cache, PagedKVCache):
+            return self._check_paged(inputs, cache, mask, new_lengths)
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
                                 weight.shape[1])
@@ -456,6 +613,11 @@ class TransformerBlock(nn.Module):
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: torch.dtype | None = None) -> KVCache:
         """An empty cache of the block's attention (MultiHeadAttention.init_cache)."""
         return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
+
+    def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
+                         dtype: Any = None) -> PagedKVCache:
+        """An empty paged cache of the block's attention (MultiHeadAttention.init_paged_cache)."""
+        return self.attn.init_paged_cache(batch_size, num_pages, page_size, max_pages, dtype=dtype)
 
     def extend(self, x: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None, *,
                new_lengths: torch.Tensor | None = None, need_weights: bool = True, rng: Rng = None,

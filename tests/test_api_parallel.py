@@ -23,8 +23,8 @@ LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positi
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
 PUBLIC_FILES = {"__init__.py", "arrays.py", "distributed.py", "fast.py", "flash.py", "flex.py", "functional.py",
                 "gradients.py", "linear.py", "modules.py", "primitives.py", "py.typed", "varlen.py"}
-COMMON_FILES = {"__init__.py", "block_mask.py", "keywords.py", "mods.py", "module.py", "npz.py", "records.py",
-                "validation.py"}
+COMMON_FILES = {"__init__.py", "block_mask.py", "keywords.py", "mods.py", "module.py", "npz.py", "pages.py",
+                "records.py", "validation.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
 NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
 CLASSES = ("MultiHeadAttention", "TransformerBlock")

@@ -746,3 +746,31 @@ def varlen_bounds(name: str, bounds: np.ndarray, total: int, max_seqlen: object)
         n = int(np.argmax(lengths))
         raise ValueError(f"varlen_attention: sequence {n} has {int(lengths[n])} positions in {name}, more than "
                          f"{longest} = {max_seqlen}")
+
+
+def paged_sizes(batch_size: object, num_pages: object, page_size: object, max_pages: object) -> None:
+    """init_paged_cache: batch_size and num_pages non-negative ints, page_size and max_pages positive ones."""
+    for name, n, least in (("batch_size", batch_size, 0), ("num_pages", num_pages, 0), ("page_size", page_size, 1),
+                           ("max_pages", max_pages, 1)):
+        if not (isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= least):
+            raise ValueError(f"{name} must be an int >= {least}; got {n!r}")
+
+
+def pages_reserved(block_table: np.ndarray, length: np.ndarray, new: np.ndarray, page: int) -> None:
+    """extend over a paged cache: every position it writes, length[b] .. length[b] + new[b] - 1, lies in a page the
+    block table holds (cache.reserve(new_lengths) first)."""
+    for b, (start, count) in enumerate(zip(length.tolist(), new.tolist(), strict=True)):
+        blocks = range(start // page, -(-(start + count) // page))
+        missing = [block for block in blocks if block_table[b, block] < 0]
+        if missing:
+            raise ValueError(f"sequence {b} has no page for its positions {start} .. {start + count - 1} (block "
+                             f"{missing[0]} of its block table is -1): call cache.reserve(new_lengths) before extend")
+
+
+def paged_options(mask_mod: object, score_mod: object, dropout_p: float) -> None:
+    """extend over a paged cache takes neither mods nor dropout (yet): refused, never ignored."""
+    for name, given in (("mask_mod", mask_mod is not None), ("score_mod", score_mod is not None),
+                        ("dropout", dropout_p > 0)):
+        if given:
+            raise ValueError(f"extend over a PagedKVCache takes no {name}: use the module in eval mode (or dropout 0) "
+                             "without mask_mod and score_mod, or a KVCache")
