@@ -225,9 +225,9 @@ class MultiHeadAttention(Module):
         rope = None
         if self.rope_theta is not None:
             rope = _rope_table(jnp.arange(max_pages * page_size), d_k, self.rope_theta, _at_least_float32(dtype), False)
-        return PagedKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                            jnp.full((batch_size, max_pages), pages.NO_PAGE, jnp.int32),
-                            jnp.zeros(batch_size, jnp.int32), rope)
+        return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                            block_table=jnp.full((batch_size, max_pages), pages.NO_PAGE, jnp.int32),
+                            length=jnp.zeros(batch_size, jnp.int32), rope=rope)
 
     def extend(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache, mask: jax.Array | None = None, *,
                new_lengths: jax.Array | None = None, need_weights: bool = True, rng: Rng = None,

@@ -197,8 +197,9 @@ class MultiHeadAttention(Module):
         if self.rope_theta is not None:
             rope = _rope_table(np.arange(max_pages * page_size), d_k, self.rope_theta,
                                np.promote_types(dtype, np.float32), False)
-        return PagedKVCache(np.zeros(shape, dtype), np.zeros(shape, dtype),
-                            np.full((batch_size, max_pages), pages.NO_PAGE), np.zeros(batch_size, np.int64), rope)
+        return PagedKVCache(k=np.zeros(shape, dtype), v=np.zeros(shape, dtype),
+                            block_table=np.full((batch_size, max_pages), pages.NO_PAGE),
+                            length=np.zeros(batch_size, np.int64), rope=rope)
 
     def extend(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache, mask: np.ndarray | None = None, *,
                new_lengths: np.ndarray | None = None, need_weights: bool = True, rng: Rng = None,

@@ -211,10 +211,10 @@ class MultiHeadAttention(nn.Module):
         if self.rope_theta is not None:
             rope = _rope_table(torch.arange(max_pages * page_size, device=device), d_k, self.rope_theta,
                                torch.promote_types(dtype, torch.float32), False)
-        return PagedKVCache(torch.zeros(shape, dtype=dtype, device=device),
-                            torch.zeros(shape, dtype=dtype, device=device),
-                            torch.full((batch_size, max_pages), pages.NO_PAGE, device=device),
-                            torch.zeros(batch_size, dtype=torch.int64, device=device), rope)
+        return PagedKVCache(k=torch.zeros(shape, dtype=dtype, device=device),
+                            v=torch.zeros(shape, dtype=dtype, device=device),
+                            block_table=torch.full((batch_size, max_pages), pages.NO_PAGE, device=device),
+                            length=torch.zeros(batch_size, dtype=torch.int64, device=device), rope=rope)
 
     def extend(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache, mask: torch.Tensor | None = None, *,
                new_lengths: torch.Tensor | None = None, need_weights: bool = True, rng: Rng = None,
