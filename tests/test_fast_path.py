@@ -104,9 +104,10 @@ def test_fast_path_gradient_is_zero_and_finite_for_a_fully_masked_row_jax():
     import attention_jax
 
     q, k, v, mask, bias = _case()
-    # d/dq of sum(out): row 1 of sequence 0 sees no key, so its output is 0 whatever q is
-    dq = jax.grad(lambda q: attention_jax.scaled_dot_product_attention(
-        q, k, v, mask, bias=bias, need_weights=False)[0].sum())(q)
+    # d/dq of sum(out): row 1 of sequence 0 sees no key, so its output is 0 whatever q is; one program (eagerly,
+    # each primitive of the grad compiled apart, 0.7 s of CPU)
+    dq = jax.jit(jax.grad(lambda q: attention_jax.scaled_dot_product_attention(
+        q, k, v, mask, bias=bias, need_weights=False)[0].sum()))(q)
     assert np.all(np.isfinite(dq)) and np.array_equal(np.asarray(dq)[0, 1], np.zeros(3))
 
 
@@ -141,7 +142,7 @@ def test_active_dropout_keeps_the_explicit_path_and_its_rng(backend):
     ((1, 6, 8), (2, 6, 8), False), ((2, 1, 6, 8), (1, 3, 7, 8), False)], ids=str)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_call_equals_the_explicit_path(monkeypatch, q_shape, kv_shape, is_causal, dtype):
-    pytest.importorskip("jax")
+    jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
     from attention_jax import fast, scaled_dot_product_attention
@@ -150,8 +151,11 @@ def test_fused_call_equals_the_explicit_path(monkeypatch, q_shape, kv_shape, is_
     q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in (q_shape, kv_shape, kv_shape))
     batch = np.broadcast_shapes(q_shape[:-2], kv_shape[:-2])
     monkeypatch.setattr(fast, "FUSED", "xla")
-    fused = fast._fused(q, k, v, is_causal=is_causal, scale=0.3, batch=batch)
-    explicit, _ = scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=0.3)
+    # each as one program, traced here with the patch in place: eagerly, each primitive compiled apart at each
+    # of these shapes and dtypes, 0.3-0.7 s of CPU per case
+    fused = jax.jit(lambda q, k, v: fast._fused(q, k, v, is_causal=is_causal, scale=0.3, batch=batch))(q, k, v)
+    explicit = jax.jit(lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=0.3)[0])(
+        q, k, v)
     assert fused.dtype == q.dtype and fused.shape == explicit.shape
     # bfloat16: both round to bfloat16 once at the end, from float32 sums in different orders: 1 ulp apart
     assert_close(np.asarray(fused, np.float64), np.asarray(explicit, np.float64), 1e-6 if dtype == "float32" else 2**-7)
@@ -217,9 +221,11 @@ def test_the_per_platform_choice_passes_through_grad_and_vmap(monkeypatch):
     def total(q: jax.Array, need_weights: bool) -> jax.Array:
         return scaled_dot_product_attention(q, k, v, need_weights=need_weights)[0].astype(jnp.float32).sum()
 
-    fast_dq, explicit_dq = (jax.grad(total)(q, need_weights) for need_weights in (False, True))
+    # each as one program (traced with the patches in place): eagerly, each primitive compiled apart, 1 s of CPU
+    fast_dq, explicit_dq = (jax.jit(jax.grad(total), static_argnums=1)(q, need_weights)
+                            for need_weights in (False, True))
     # both paths sum in float32 and round to bfloat16 once: at most an ulp apart
     assert_close(np.asarray(fast_dq, np.float64), np.asarray(explicit_dq, np.float64), 2**-7, "dq")
-    batched = jax.vmap(lambda q: scaled_dot_product_attention(q, k, v, need_weights=False)[0])(q[None])
-    explicit, _ = scaled_dot_product_attention(q, k, v)
+    batched = jax.jit(jax.vmap(lambda q: scaled_dot_product_attention(q, k, v, need_weights=False)[0]))(q[None])
+    explicit = jax.jit(lambda q: scaled_dot_product_attention(q, k, v)[0])(q)
     assert_close(np.asarray(batched[0], np.float64), np.asarray(explicit, np.float64), 2**-7, "vmap")

@@ -88,8 +88,9 @@ def _pulled_back(backend: ModuleType, vjp: Callable, d_out: Any, *arguments: Any
     """vjp(*arguments)'s pullback (its last result) at d_out: the gradients. JAX's vjp and pullback run as one
     jax.jit, the arguments (arrays, None, modules: pytrees) traced: eagerly, each primitive compiled apart at
     every new shape, several times the one program's cost. jit returns a dict in sorted order: each dict of
-    gradients is given back in the order the pullback built it (read while tracing). The tests of the masking
-    rules, the dtypes and the errors call the vjps eagerly, as users do."""
+    gradients is given back in the order the pullback built it (read while tracing). The claims on exact zeros
+    and dtypes hold for the program as for its primitives; test_key_hidden_from_a_query_gets_no_gradient_through_it
+    and the tests of the errors and of dropout call the vjps eagerly, as users do."""
     orders: list = []
 
     def pulled_back(d_out: Any, *arguments: Any) -> Any:
@@ -306,9 +307,10 @@ def test_sdpa_fully_masked_rows_keys_and_batch_elements_get_exactly_zero_gradien
     rng = np.random.default_rng(0)
     q, k, v = _qkv(rng, lead=(3, H), L=5, S=6)
     bias, mask = rng.standard_normal((3, H, 5, 6)), _masked_sdpa_mask()
-    _, _, pullback = backend.scaled_dot_product_attention_vjp(
-        *(backend.asarray(x) for x in (q, k, v)), backend.asarray(mask), bias=backend.asarray(bias))
-    dq, dk, dv, dbias = (backend.to_numpy(g) for g in pullback(backend.asarray(rng.standard_normal((3, H, 5, 4)))))
+    grads = _pulled_back(backend, lambda q, k, v, mask, bias: backend.scaled_dot_product_attention_vjp(
+        q, k, v, mask, bias=bias), backend.asarray(rng.standard_normal((3, H, 5, 4))),
+        *(backend.asarray(x) for x in (q, k, v, mask, bias)))
+    dq, dk, dv, dbias = (backend.to_numpy(g) for g in grads)
     for name, g in {"dq": dq, "dk": dk, "dv": dv, "dbias": dbias}.items():
         assert np.all(np.isfinite(g)), f"{name} is not finite"
     assert np.array_equal(dq[0, 1, 2], np.zeros(4))  # the fully masked query row
@@ -328,8 +330,9 @@ def test_mha_fully_masked_row_head_and_batch_element_get_exactly_zero_gradient(b
     mask[:, 1] = False  # a fully masked head; batch 0 query 2 now sees no key in any head
     mask[0, 0, 2] = False
     mha = backend.MultiHeadAttention.from_state_dict(state, num_heads=H).eval()
-    _, _, pullback = mha.vjp(*(backend.asarray(x) for x in (q, k, v)), backend.asarray(mask))
-    dq, dk, dv, dparams = pullback(backend.asarray(rng.standard_normal((3, 5, D))))
+    dq, dk, dv, dparams = _pulled_back(backend, lambda mha, *inputs: mha.vjp(*inputs),
+                                       backend.asarray(rng.standard_normal((3, 5, D))), mha,
+                                       *(backend.asarray(x) for x in (q, k, v, mask)))
     dq, dk, dv = (backend.to_numpy(g) for g in (dq, dk, dv))
     dparams = _numpy_grads(backend, dparams)
     for name, g in (dparams | {"q": dq, "k": dk, "v": dv}).items():
@@ -352,8 +355,9 @@ def test_block_gradients_are_finite_with_a_fully_masked_row(backend: ModuleType)
     mask[0, 0, 2] = False  # batch 0, query 2 sees no key
     block = backend.TransformerBlock.from_state_dict(state, num_heads=H, norm_first=True,
                                                      activation="gelu").eval()
-    _, _, pullback = block.vjp(backend.asarray(rng.standard_normal((B, L, D))), backend.asarray(mask))
-    dx, dparams = pullback(backend.asarray(rng.standard_normal((B, L, D))))
+    x = backend.asarray(rng.standard_normal((B, L, D)))
+    dx, dparams = _pulled_back(backend, lambda block, *inputs: block.vjp(*inputs),
+                               backend.asarray(rng.standard_normal((B, L, D))), block, x, backend.asarray(mask))
     for name, g in _numpy_grads(backend, dparams | {"x": dx}).items():
         assert np.all(np.isfinite(g)), f"d{name} is not finite"
 
@@ -395,15 +399,16 @@ def _all_gradients(backend: ModuleType, kind: str, dtype: np.dtype) -> dict[str,
     d_out = backend.asarray(rng.standard_normal((B, 5, D)).astype(dtype))
     if kind == "sdpa":
         bias = backend.asarray(rng.standard_normal((5, 5)).astype(dtype))
-        _, _, pullback = backend.scaled_dot_product_attention_vjp(x, x, x, bias=bias)
-        return dict(zip(("q", "k", "v", "bias"), pullback(d_out), strict=True))
+        grads = _pulled_back(backend, lambda x, bias: backend.scaled_dot_product_attention_vjp(x, x, x, bias=bias),
+                             d_out, x, bias)
+        return dict(zip(("q", "k", "v", "bias"), grads, strict=True))
     state = random_state(kind, D, F, rng, dtype)
     if kind == "mha":
-        _, _, pullback = backend.MultiHeadAttention.from_state_dict(state, num_heads=H).eval().vjp(x, x, x)
-        dq, dk, dv, dparams = pullback(d_out)
+        mha = backend.MultiHeadAttention.from_state_dict(state, num_heads=H).eval()
+        dq, dk, dv, dparams = _pulled_back(backend, lambda mha, x: mha.vjp(x, x, x), d_out, mha, x)
         return dparams | {"q": dq, "k": dk, "v": dv}
-    _, _, pullback = backend.TransformerBlock.from_state_dict(state, num_heads=H).eval().vjp(x)
-    dx, dparams = pullback(d_out)
+    block = backend.TransformerBlock.from_state_dict(state, num_heads=H).eval()
+    dx, dparams = _pulled_back(backend, lambda block, x: block.vjp(x), d_out, block, x)
     return dparams | {"x": dx}
 
 
@@ -422,8 +427,9 @@ def test_bias_gradient_has_the_bias_dtype(backend: ModuleType, bias_dtype: type)
     q_dtype = np.float64 if bias_dtype == np.float32 else np.float32
     x = backend.asarray(np.random.default_rng(0).standard_normal((B, 3, 4)).astype(q_dtype))
     bias = backend.asarray(np.zeros((3, 3), bias_dtype))
-    out, _, pullback = backend.scaled_dot_product_attention_vjp(x, x, x, bias=bias)
-    dbias = backend.to_numpy(pullback(backend.asarray(np.ones(out.shape, q_dtype)))[3])
+    grads = _pulled_back(backend, lambda x, bias: backend.scaled_dot_product_attention_vjp(x, x, x, bias=bias),
+                         backend.asarray(np.ones((B, 3, 4), q_dtype)), x, bias)  # d_out: out's shape and dtype
+    dbias = backend.to_numpy(grads[3])
     assert dbias.dtype == np.dtype(bias_dtype) and dbias.shape == (3, 3)
 
 

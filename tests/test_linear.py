@@ -134,8 +134,8 @@ def _torch_direct(torch, q, k, v, feature_map, is_causal, key_lengths):
 def _vjp_values(M: ModuleType, q, k, v, key_lengths, d_out, **options) -> tuple:
     """M's linear_attention_vjp on NumPy inputs: out and the pullback's (dq, dk, dv) at d_out; JAX's as one program
     per set of options (tests._compare.one_program: eagerly, each primitive compiled apart, 1.8 s of CPU over the
-    feature maps, where the programs take 1). The eager vjp and pullback run in test_no_positions_and_no_keys and
-    in the last check of test_vjp_against_torch_autograd_of_the_quadratic_form."""
+    feature maps, where the programs take 1). The eager vjp and pullback run in the last check of
+    test_vjp_against_torch_autograd_of_the_quadratic_form."""
     return one_program(M, "linear_attention_vjp", q, k, v, d_out=d_out, key_lengths=key_lengths, **options)
 
 
@@ -180,14 +180,17 @@ def test_numpy_backward_by_hand_against_central_differences():
 
 
 def test_no_positions_and_no_keys(backend):
+    # JAX's as one program each (tests._compare.one_program): eagerly, each primitive compiled apart at these
+    # shapes alone, 1.5 s of CPU
     M = backend
-    empty, none = M.asarray(np.zeros((2, 0, 3))), M.asarray(np.zeros((2, 0, 4)))
+    empty, none = np.zeros((2, 0, 3)), np.zeros((2, 0, 4))
     for chunk in (None, 2):  # L = S = 0: empty outputs and gradients, also through autodiff
-        out, pullback = M.linear_attention_vjp(empty, empty, none, is_causal=True, chunk=chunk)
+        out, grads = one_program(M, "linear_attention_vjp", empty, empty, none, d_out=none, is_causal=True,
+                                 chunk=chunk)
         assert tuple(out.shape) == (2, 0, 4)
-        assert [tuple(g.shape) for g in pullback(none)] == [(2, 0, 3), (2, 0, 3), (2, 0, 4)]
-    q = M.asarray(np.ones((2, 3, 3)))  # S = 0: every query sees no key, 0 / eps
-    np.testing.assert_array_equal(M.to_numpy(M.linear_attention(q, empty, none)), np.zeros((2, 3, 4)))
+        assert [tuple(g.shape) for g in grads] == [(2, 0, 3), (2, 0, 3), (2, 0, 4)]
+    q = np.ones((2, 3, 3))  # S = 0: every query sees no key, 0 / eps
+    np.testing.assert_array_equal(M.to_numpy(one_program(M, "linear_attention", q, empty, none)), np.zeros((2, 3, 4)))
 
 
 def test_half_precision_returns_its_dtype(backend):

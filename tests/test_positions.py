@@ -9,7 +9,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import REORDERED, assert_close, converted, sdpa
+from tests._compare import REORDERED, assert_close, converted, one_program, sdpa
 from tests.conftest import BACKENDS, import_backend
 
 RTOL = REORDERED  # float64 on every backend: the same math computed another way
@@ -38,6 +38,14 @@ def _reference(q, k, v, visible, *, bias=None, softcap=None, scale=None) -> tupl
             row = np.exp(scores[index][seen] - scores[index][seen].max())
             weights[index][seen] = row / row.sum()
     return weights @ v, weights
+
+
+def _program(M: ModuleType, q, k, v, mask=None, **options) -> tuple[np.ndarray, np.ndarray | None]:
+    """tests._compare.sdpa as one program: JAX's under one jax.jit per shape and set of static options, where a
+    test's shapes are its own (eagerly, each primitive compiles apart at every new shape); the tests whose
+    shapes many calls share run eagerly, as users do."""
+    out, weights = one_program(M, "scaled_dot_product_attention", q, k, v, mask, **options)
+    return M.to_numpy(out), None if weights is None else M.to_numpy(weights)
 
 
 def _positions_mask(L: int, S: int, *, lead=(), is_causal=False, q_offset=0, window=None, key_lengths=None):
@@ -77,7 +85,7 @@ def test_bottom_right_causal_equals_torchs_causal_lower_right(backend: ModuleTyp
         theirs = F.scaled_dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)),
                                                 attn_mask=causal_lower_right(L, S)).numpy()
         for need_weights in (True, False):
-            ours, _ = sdpa(backend, q, k, v, is_causal=True, q_offset=S - L, need_weights=need_weights)
+            ours, _ = _program(backend, q, k, v, is_causal=True, q_offset=S - L, need_weights=need_weights)
             assert_close(ours, theirs, RTOL, f"L={L}, S={S}, need_weights={need_weights}")
 
 
@@ -178,7 +186,7 @@ def test_empty_queries_or_keys_with_every_keyword(backend: ModuleType, need_weig
                    softcap=3.0)
     for L, S in ((0, 4), (3, 0)):
         q, k, v = _qkv(lead=(2,), L=L, S=S)
-        out, weights = sdpa(backend, q, k, v, **options, need_weights=need_weights)
+        out, weights = _program(backend, q, k, v, **options, need_weights=need_weights)
         assert out.shape == (2, L, 3) and not out.any()
         if need_weights:
             assert weights.shape == (2, L, S)
@@ -230,7 +238,7 @@ def test_backends_and_paths_agree_with_every_keyword(seed: int):
     for name in BACKENDS:
         M = import_backend(name)
         for need_weights in (True, False):
-            out, _ = sdpa(M, q, k, v, mask, **options, need_weights=need_weights)
+            out, _ = _program(M, q, k, v, mask, **options, need_weights=need_weights)
             assert_close(out, expected, RTOL, f"{name} need_weights={need_weights}")
 
 
@@ -240,7 +248,7 @@ def test_half_precision_is_computed_in_float32(backend: ModuleType):
                    softcap=2.0)
     expected, _ = _reference(*(x.astype(np.float64) for x in (q, k, v)), _explicit(options), softcap=2.0)
     for need_weights in (True, False):
-        out, _ = sdpa(backend, q, k, v, **options, need_weights=need_weights)
+        out, _ = _program(backend, q, k, v, **options, need_weights=need_weights)
         assert out.dtype == np.float16
         assert_close(out.astype(np.float64), expected.astype(np.float16).astype(np.float64), 2e-3, "float16")
 
