@@ -83,7 +83,8 @@ def tiny_llama(*, vocab: int, d_model: int, n_layers: int, num_heads: int, num_k
     return Model(embedding, blocks, norm=np.ones(d_model, dtype), eps=1e-5, head=head)
 
 
-def logits(model: Model, tokens: np.ndarray, caches: list, new_lengths: np.ndarray | None = None) -> tuple:
+def logits(model: Model, tokens: np.ndarray, caches: list,
+           new_lengths: np.ndarray | None = None) -> tuple[np.ndarray, list]:
     """The logits (B, L, V) of a chunk of tokens (B, L) after the positions in the caches (one per layer), and the
     caches holding the chunk too; new_lengths (B,): sequence b's first new_lengths[b] tokens (None: all L)."""
     x = model.embedding[tokens]  # (B, L) -> (B, L, D)
@@ -120,7 +121,9 @@ def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, 
         live = _join(live, waiting, requests, now=len(steps))
         new_lengths = np.array([0 if s is None else len(s.feed) for s in live])  # (B,)
         live, caches = _step(model, live, caches, new_lengths)
-        live, caches = _leave(live, caches, requests, tokens)
+        live, caches, done = _leave(live, caches, requests)
+        for slot in done:
+            tokens[slot.request] = list(slot.generated)
         steps.append(_record(new_lengths, live, caches, requests))
     return Served(tokens, steps)
 
@@ -138,7 +141,8 @@ def _join(live: list[Slot | None], waiting: deque, requests: list[Request], *, n
 def _step(model: Model, live: list[Slot | None], caches: list,
           new_lengths: np.ndarray) -> tuple[list[Slot | None], list]:
     """One ragged chunk through the layers, new_lengths (B,) each live slot's feed; each slot's next token."""
-    chunk = np.zeros((len(live), max(new_lengths.max(), 1)), np.int64)  # (B, L), padding token 0
+    # (B, L), padding token 0; a step with no live slot (nothing has arrived yet) is all padding, L = 1
+    chunk = np.zeros((len(live), max(new_lengths.max(), 1)), np.int64)
     for b, slot in enumerate(live):
         if slot is not None:
             chunk[b, :len(slot.feed)] = slot.feed
@@ -154,15 +158,12 @@ def _advance(slot: Slot, scores: np.ndarray) -> Slot:
     return slot._replace(feed=(token,), generated=(*slot.generated, token))
 
 
-def _leave(live: list[Slot | None], caches: list, requests: list[Request],
-           tokens: list[list[int]]) -> tuple[list[Slot | None], list]:
-    """The slots without the finished requests and the caches with their pages released; their tokens written
-    into `tokens`."""
+def _leave(live: list[Slot | None], caches: list,
+           requests: list[Request]) -> tuple[list[Slot | None], list, list[Slot]]:
+    """The slots without the finished requests, the caches with their pages released, and the finished slots."""
     done = [b for b, s in enumerate(live) if s is not None and len(s.generated) == requests[s.request].new_tokens]
-    for b in done:
-        tokens[live[b].request] = list(live[b].generated)
-    live = [None if b in done else s for b, s in enumerate(live)]
-    return live, [cache.release(np.array(done, np.int64)) for cache in caches]
+    left = [None if b in done else s for b, s in enumerate(live)]
+    return left, [cache.release(np.array(done, np.int64)) for cache in caches], [live[b] for b in done]
 
 
 def _record(new_lengths: np.ndarray, live: list[Slot | None], caches: list, requests: list[Request]) -> Step:
@@ -179,12 +180,14 @@ def _stream(rng: np.random.Generator, n: int, *, vocab: int) -> list[Request]:
 
 
 if __name__ == "__main__":
+    SLOTS, PAGE, PAGES = 8, 8, 64
     model = tiny_llama(vocab=256, d_model=64, n_layers=2, num_heads=4, num_kv_heads=2, d_ff=128)
     requests = _stream(np.random.default_rng(1), 24, vocab=256)
     start = time.perf_counter()
-    served = serve(model, requests, slots=8, page_size=8, num_pages=64)
+    served = serve(model, requests, slots=SLOTS, page_size=PAGE, num_pages=PAGES)
     seconds = time.perf_counter() - start
     generated = sum(len(t) for t in served.tokens)
+    contiguous = SLOTS * max(-(-(len(r.prompt) + r.new_tokens) // PAGE) for r in requests)  # every slot the longest
     print(f"{len(requests)} requests, {generated} tokens in {len(served.steps)} steps: "
           f"{generated / seconds:.0f} tokens/s; pages in use per layer at most "
-          f"{max(max(s.pages_in_use) for s in served.steps)} of 64")
+          f"{max(max(s.pages_in_use) for s in served.steps)} of {PAGES} (a contiguous cache: {contiguous})")
