@@ -24,7 +24,7 @@ STREAM = (  # (prompt, new tokens, arrival step): prompts of 1-6 tokens, 1-5 new
     ((9, 3, 2, 3, 8), 2, 2),
     ((4, 6), 5, 3),
     ((2, 6, 4, 3, 3, 8), 3, 7),
-    ((1,), 1, 9),
+    ((1,), 1, 14),  # after the others have finished: idle steps before it, all padding
 )
 
 
@@ -61,6 +61,8 @@ def test_prompts_join_in_the_same_chunk_as_decode_steps():
     assert any(_prefill_beside_decode(before, now) for before, now in itertools.pairwise(steps)), \
         [s.new_lengths for s in steps]
     assert steps[0].new_lengths == tuple(len(p) for p, _, _ in STREAM[:SLOTS])  # the first three, in slot order
+    assert (0,) * SLOTS in [s.new_lengths for s in steps]  # idle steps before the last request, all padding
+    assert len(steps) == STREAM[-1][2] + 1  # the last one joins at its arrival, generating one token
 
 
 def _prefill_beside_decode(before, now) -> bool:
