@@ -446,7 +446,8 @@ class MultiHeadAttention(Module):
                                      "B, H, L, max_pages * page_size")
         new = jnp.broadcast_to(L if new_lengths is None else jnp.asarray(new_lengths), (B,))
         if new_lengths is not None:
-            validation.new_lengths((B,), jnp.shape(new_lengths), new.dtype.name, jnp.issubdtype(new.dtype, jnp.integer))
+            validation.lengths("new_lengths", (B,), jnp.shape(new_lengths), new.dtype.name,
+                               jnp.issubdtype(new.dtype, jnp.integer))
         traced = any(isinstance(x, jax.core.Tracer) for x in (new, cache.length, cache.block_table))
         if not traced:  # jax: the values are seen outside jit only
             if new_lengths is not None:
@@ -469,11 +470,12 @@ class MultiHeadAttention(Module):
             validation.broadcasts_to("mask", jnp.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
                                  "..., H, L, capacity")
         batch, length = cache.k.shape[:-3], jnp.asarray(cache.length)
-        validation.cache_lengths(batch, length.shape, length.dtype.name, jnp.issubdtype(length.dtype, jnp.integer))
+        validation.lengths("the cache's length", batch, length.shape, length.dtype.name,
+                           jnp.issubdtype(length.dtype, jnp.integer))
         new = L
         if new_lengths is not None:
             new = jnp.asarray(new_lengths)
-            validation.new_lengths(batch, new.shape, new.dtype.name, jnp.issubdtype(new.dtype, jnp.integer))
+            validation.lengths("new_lengths", batch, new.shape, new.dtype.name, jnp.issubdtype(new.dtype, jnp.integer))
         known = [x for x in (length, new) if isinstance(x, jax.core.Tracer)] == []  # jax: values seen outside jit
         if known and new_lengths is not None:
             validation.new_lengths_range(L, np.asarray(new))

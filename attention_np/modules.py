@@ -407,7 +407,8 @@ class MultiHeadAttention(Module):
                                      "B, H, L, max_pages * page_size")
         new = np.broadcast_to(L if new_lengths is None else np.asarray(new_lengths), (B,))
         if new_lengths is not None:
-            validation.new_lengths((B,), np.shape(new_lengths), new.dtype.name, np.issubdtype(new.dtype, np.integer))
+            validation.lengths("new_lengths", (B,), np.shape(new_lengths), new.dtype.name,
+                               np.issubdtype(new.dtype, np.integer))
             validation.new_lengths_range(L, new)
         validation.cache_room(M * page, np.asarray(cache.length), new)
         validation.pages_reserved(cache.block_table, np.asarray(cache.length), new, page)
@@ -426,11 +427,12 @@ class MultiHeadAttention(Module):
             validation.broadcasts_to("mask", np.shape(mask), (*cache.k.shape[:-3], self.num_heads, L, capacity),
                                  "..., H, L, capacity")
         batch, length = cache.k.shape[:-3], np.asarray(cache.length)
-        validation.cache_lengths(batch, length.shape, length.dtype.name, np.issubdtype(length.dtype, np.integer))
+        validation.lengths("the cache's length", batch, length.shape, length.dtype.name,
+                           np.issubdtype(length.dtype, np.integer))
         new = None
         if new_lengths is not None:
             new = np.asarray(new_lengths)
-            validation.new_lengths(batch, new.shape, new.dtype.name, np.issubdtype(new.dtype, np.integer))
+            validation.lengths("new_lengths", batch, new.shape, new.dtype.name, np.issubdtype(new.dtype, np.integer))
             validation.new_lengths_range(L, new)
         validation.cache_room(capacity, length, L if new is None else new)
 

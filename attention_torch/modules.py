@@ -435,8 +435,8 @@ class MultiHeadAttention(nn.Module):
                                      "B, H, L, max_pages * page_size")
         new = torch.as_tensor(L if new_lengths is None else new_lengths).expand(B)
         if new_lengths is not None:
-            validation.new_lengths((B,), tuple(torch.as_tensor(new_lengths).shape), str(new.dtype),
-                                   not new.is_floating_point() and new.dtype != torch.bool)
+            validation.lengths("new_lengths", (B,), tuple(torch.as_tensor(new_lengths).shape), str(new.dtype),
+                               not new.is_floating_point() and new.dtype != torch.bool)
             validation.new_lengths_range(L, new.cpu().numpy())
         length = cache.length.cpu().numpy()
         validation.cache_room(M * page, length, new.cpu().numpy())
@@ -457,13 +457,13 @@ class MultiHeadAttention(nn.Module):
                                  "..., H, L, capacity")
         length, new = cache.length, L
         if isinstance(length, torch.Tensor):  # one length per sequence
-            validation.cache_lengths(cache.k.shape[:-3], length.shape, str(length.dtype), not length.is_floating_point()
-                                     and length.dtype != torch.bool)
+            validation.lengths("the cache's length", cache.k.shape[:-3], length.shape, str(length.dtype),
+                               not length.is_floating_point() and length.dtype != torch.bool)
             length = length.cpu().numpy()
         if new_lengths is not None:
             new = torch.as_tensor(new_lengths)
-            validation.new_lengths(cache.k.shape[:-3], new.shape, str(new.dtype), not new.is_floating_point()
-                                   and new.dtype != torch.bool)
+            validation.lengths("new_lengths", cache.k.shape[:-3], new.shape, str(new.dtype),
+                               not new.is_floating_point() and new.dtype != torch.bool)
             new = new.cpu().numpy()
             validation.new_lengths_range(L, new)
         validation.cache_room(capacity, length, new)

@@ -473,22 +473,14 @@ def cache_room(capacity: int, length: int | np.ndarray, new: int | np.ndarray) -
                          f"and extend asks for {more} more ({filled + more} in all); start from a larger init_cache")
 
 
-def cache_lengths(batch: Sequence[int], shape: Sequence[int], dtype: str, integer: bool) -> None:
-    """A cache's length: an int, or an integer array of the cache's leading axes (...), one per sequence."""
+def lengths(name: str, batch: Sequence[int], shape: Sequence[int], dtype: str, integer: bool) -> None:
+    """A length per sequence (a cache's length, extend's new_lengths): an int, or an integer array of the cache's
+    leading axes (...), one per sequence."""
     if not integer:
-        raise TypeError(f"the cache's length must be an int or an integer array; got dtype {dtype}")
+        raise TypeError(f"{name} must be an int or an integer array; got dtype {dtype}")
     if _shape(shape) not in ((), _shape(batch)):
-        raise ValueError(f"the cache's length must be an int or one per sequence, of the cache's leading axes "
-                         f"{_shape(batch)}; got shape {_shape(shape)}")
-
-
-def new_lengths(batch: Sequence[int], shape: Sequence[int], dtype: str, integer: bool) -> None:
-    """extend's new_lengths: integer, one per sequence (...) (or one for all, ())."""
-    if not integer:
-        raise TypeError(f"new_lengths must be an int or an integer array; got dtype {dtype}")
-    if _shape(shape) not in ((), _shape(batch)):
-        raise ValueError(f"new_lengths must have the cache's leading axes {_shape(batch)} (one per sequence); got "
-                         f"shape {_shape(shape)}")
+        raise ValueError(f"{name} must be an int or one per sequence, of the cache's leading axes {_shape(batch)}; "
+                         f"got shape {_shape(shape)}")
 
 
 def new_lengths_range(L: int, values: np.ndarray) -> None:
