@@ -85,16 +85,24 @@ def tiny_llama(*, vocab: int, d_model: int, n_layers: int, num_heads: int, num_k
 
 def logits(model: Model, tokens: np.ndarray, caches: list,
            new_lengths: np.ndarray | None = None) -> tuple[np.ndarray, list]:
-    """The logits (B, L, V) of a chunk of tokens (B, L) after the positions in the caches (one per layer), and the
-    caches holding the chunk too; new_lengths (B,): sequence b's first new_lengths[b] tokens (None: all L)."""
+    """The logits (B, V) at each sequence's last new position of a chunk of tokens (B, L) after the positions in the
+    caches (one per layer), and the caches holding the chunk too; new_lengths (B,): sequence b's first
+    new_lengths[b] tokens (None: all L). The head runs on those B positions only: greedy decoding reads no other."""
     x = model.embedding[tokens]  # (B, L) -> (B, L, D)
     extended = []
     for block, cache in zip(model.blocks, caches, strict=True):
         x, _, cache = block.extend(x, cache, new_lengths=new_lengths, need_weights=False)  # (B, L, D)
         extended.append(cache)
+    B, L, _ = x.shape
+    last = np.full(B, L - 1) if new_lengths is None else np.maximum(new_lengths - 1, 0)  # (B,); a free slot: 0
+    return _head(model, x[np.arange(B), last][:, None])[:, 0], extended  # (B, 1, D) -> (B, V)
+
+
+def _head(model: Model, x: np.ndarray) -> np.ndarray:
+    """The logits (B, L, V) of the last layer's outputs (B, L, D): the final RMSNorm, then the LM head."""
     # RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight
     x = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + model.eps) * model.norm  # (B, L, D)
-    return x @ model.head, extended  # (B, L, D) x (D, V) -> (B, L, V)
+    return x @ model.head  # (B, L, D) x (D, V) -> (B, L, V)
 
 
 def generate_alone(model: Model, prompt: tuple[int, ...], n: int) -> list[int]:
@@ -102,8 +110,8 @@ def generate_alone(model: Model, prompt: tuple[int, ...], n: int) -> list[int]:
     caches = [block.init_cache((1,), capacity=len(prompt) + n) for block in model.blocks]
     feed, generated = np.array([prompt]), []  # (1, L)
     while len(generated) < n:
-        scores, caches = logits(model, feed, caches)  # (1, L, V)
-        generated.append(int(np.argmax(scores[0, -1])))
+        scores, caches = logits(model, feed, caches)  # (1, V)
+        generated.append(int(np.argmax(scores[0])))
         feed = np.array([[generated[-1]]])  # (1, 1)
     return generated
 
@@ -147,8 +155,8 @@ def _step(model: Model, live: list[Slot | None], caches: list,
         if slot is not None:
             chunk[b, :len(slot.feed)] = slot.feed
     caches = [cache.reserve(new_lengths) for cache in caches]
-    scores, caches = logits(model, chunk, caches, new_lengths)  # (B, L, V)
-    after = [None if s is None else _advance(s, scores[b, len(s.feed) - 1]) for b, s in enumerate(live)]
+    scores, caches = logits(model, chunk, caches, new_lengths)  # (B, V)
+    after = [None if s is None else _advance(s, scores[b]) for b, s in enumerate(live)]
     return after, caches
 
 
@@ -171,3 +179,54 @@ def _record(new_lengths: np.ndarray, live: list[Slot | None], caches: list, requ
     positions = [len(requests[s.request].prompt) + len(s.generated) - 1 for s in live if s is not None]
     in_use = [int((cache.block_table != -1).sum()) for cache in caches]  # -1: no page
     return Step(new_lengths=tuple(new_lengths.tolist()), positions=tuple(positions), pages_in_use=tuple(in_use))
+
+
+# --- what continuous batching is measured against ---------------------------------------------------------------
+
+
+def static(model: Model, requests: list[Request], *, slots: int) -> list[list[int]]:
+    """Every request's tokens by static batching with padding: batches of `slots` requests in arrival order (each
+    batch starts once the one before has finished; arrival steps are not waited on), each served by `_padded`."""
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    tokens: list[list[int]] = [[] for _ in requests]
+    for first in range(0, len(order), slots):
+        batch = order[first:first + slots]
+        for i, generated in zip(batch, _padded(model, [requests[i] for i in batch]), strict=True):
+            tokens[i] = generated
+    return tokens
+
+
+def _padded(model: Model, batch: list[Request]) -> list[list[int]]:
+    """One static batch: the prompts padded to the longest (token 0, past each prompt's length), a contiguous
+    cache per layer of the longest prompt plus the most new tokens, and every request stepping until the
+    batch's longest is done; each request keeps its first new_tokens."""
+    B, P = len(batch), max(len(r.prompt) for r in batch)
+    steps = max(r.new_tokens for r in batch)
+    caches = [block.init_cache((B,), capacity=P + steps) for block in model.blocks]
+    feed = np.zeros((B, P), np.int64)  # (B, L): the prompts, padded
+    for b, r in enumerate(batch):
+        feed[b, :len(r.prompt)] = r.prompt
+    new_lengths = np.array([len(r.prompt) for r in batch])  # (B,)
+    generated = np.zeros((B, steps), np.int64)
+    for t in range(steps):
+        scores, caches = logits(model, feed, caches, new_lengths)  # (B, V)
+        generated[:, t] = np.argmax(scores, axis=-1)  # (B, V) -> (B,)
+        feed, new_lengths = generated[:, t:t + 1], np.ones(B, np.int64)  # (B, 1): every slot steps
+    return [generated[b, :r.new_tokens].tolist() for b, r in enumerate(batch)]
+
+
+def recompute(model: Model, requests: list[Request]) -> list[list[int]]:
+    """Every request's tokens without a cache, one request at a time: each new token runs the whole sequence so
+    far through the layers (a causal pass of its p positions)."""
+    return [_recomputed(model, r.prompt, r.new_tokens) for r in requests]
+
+
+def _recomputed(model: Model, prompt: tuple[int, ...], n: int) -> list[int]:
+    sequence = list(prompt)
+    while len(sequence) < len(prompt) + n:
+        p = len(sequence)
+        x = model.embedding[np.array([sequence])]  # (1, L) -> (1, L, D), L = p
+        for block in model.blocks:
+            x = block(x, M.causal_mask(p, p), need_weights=False)[0]  # (1, L, D)
+        sequence.append(int(np.argmax(_head(model, x[:, -1:])[0, -1])))  # (1, 1, V) -> the greedy token
+    return sequence[len(prompt):]
