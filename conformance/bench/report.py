@@ -4,7 +4,7 @@ path is from the fast one, and how the cost grows with the sequence length.
 This module is the command line and what it prints: the table, the targets, the machine, the plot and the
 JSON. What is timed and how (the candidates, the interleaving, the FLOPs, the rows) is bench/timing.py; the
 variants (--variant) are declared in bench/variants.py, the decode benchmark (--decode) in bench/decode.py, the
-complexity table (--complexity) in bench/complexity.py.
+serving benchmark (--variant serve) in bench/batching.py, the complexity table (--complexity) in bench/complexity.py.
 """
 
 from __future__ import annotations
