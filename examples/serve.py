@@ -1,176 +1,27 @@
 """Continuous batching over the paged cache: `python examples/serve.py`.
 
-A tiny Llama-style decoder (random weights from a seed) serves a stream of requests, each a prompt of token ids
-and a number of tokens to generate, greedily, in a fixed number of slots (the batch B). At every step:
-  1) waiting requests that have arrived join the free slots;
-  2) each layer's paged cache reserves the pages of this step's positions;
-  3) one ragged chunk goes through the layers: a joining request's whole prompt, every other request's last
-     token (`new_lengths`, one per slot; 0 for a free slot);
-  4) each live request takes the argmax of the logits at its last new position;
-  5) finished requests leave, and their pages go back to the pool for the next ones.
-Every layer has its own pool (`init_paged_cache`). `generate_alone` decodes one request with a contiguous cache:
-the reference each request's tokens must equal (tests/test_serve.py).
-
-Shape legend: B slots (the batch), L positions of a step's chunk, D = d_model, V the vocabulary.
+A tiny Llama-style decoder serves a stream of requests in a fixed number of slots through paged caches; the model
+and the serving loop live in conformance/bench/serving.py (one copy, which `compare --variant serve` times too),
+re-exported here: Model, Request, Slot, Step, Served, tiny_llama, logits, generate_alone, serve.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
-from typing import NamedTuple
 
 import numpy as np
 
-import attention_np as M
-
-
-class Model(NamedTuple):
-    """Token embedding (V, D), the decoder layers, the final RMSNorm's weight (D,) and eps, the LM head (D, V)."""
-
-    embedding: np.ndarray
-    blocks: tuple[M.TransformerBlock, ...]
-    norm: np.ndarray
-    eps: float
-    head: np.ndarray
-
-
-class Request(NamedTuple):
-    """A prompt of token ids, the number of tokens to generate, and the step at which the request arrives."""
-
-    prompt: tuple[int, ...]
-    new_tokens: int
-    arrival: int = 0
-
-
-class Slot(NamedTuple):
-    """A live request in a slot: its index in the stream, the tokens the next step feeds (the prompt when it
-    joins, then its last token) and the tokens generated so far."""
-
-    request: int
-    feed: tuple[int, ...]
-    generated: tuple[int, ...]
-
-
-class Step(NamedTuple):
-    """One step: the chunk's new positions per slot (new_lengths), and what it left behind: the positions each
-    live request holds (its prompt and every token but the last it generated) and the pages in use in each layer's
-    pool."""
-
-    new_lengths: tuple[int, ...]
-    positions: tuple[int, ...]
-    pages_in_use: tuple[int, ...]
-
-
-class Served(NamedTuple):
-    """Each request's generated tokens, in the stream's order, and a Step per step."""
-
-    tokens: list[list[int]]
-    steps: list[Step]
-
-
-def tiny_llama(*, vocab: int, d_model: int, n_layers: int, num_heads: int, num_kv_heads: int, d_ff: int,
-               rope_theta: float = 10000.0, rng: int = 0, dtype: type = np.float64) -> Model:
-    """A Llama-style decoder of random weights from the seed `rng`, in eval mode."""
-    generator = np.random.default_rng(rng)
-    blocks = tuple(M.TransformerBlock(d_model, num_heads, d_ff, norm_first=True, norm="rms", activation="swiglu",
-                                      bias=False, num_kv_heads=num_kv_heads, rope_theta=rope_theta,
-                                      rng=int(generator.integers(2**31)), dtype=dtype).eval()
-                   for _ in range(n_layers))
-    embedding = generator.standard_normal((vocab, d_model)).astype(dtype)  # (V, D)
-    head = generator.standard_normal((d_model, vocab)).astype(dtype) / math.sqrt(d_model)  # (D, V)
-    return Model(embedding, blocks, norm=np.ones(d_model, dtype), eps=1e-5, head=head)
-
-
-def logits(model: Model, tokens: np.ndarray, caches: list,
-           new_lengths: np.ndarray | None = None) -> tuple[np.ndarray, list]:
-    """The logits (B, L, V) of a chunk of tokens (B, L) after the positions in the caches (one per layer), and the
-    caches holding the chunk too; new_lengths (B,): sequence b's first new_lengths[b] tokens (None: all L)."""
-    x = model.embedding[tokens]  # (B, L) -> (B, L, D)
-    extended = []
-    for block, cache in zip(model.blocks, caches, strict=True):
-        x, _, cache = block.extend(x, cache, new_lengths=new_lengths, need_weights=False)  # (B, L, D)
-        extended.append(cache)
-    # RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight
-    x = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + model.eps) * model.norm  # (B, L, D)
-    return x @ model.head, extended  # (B, L, D) x (D, V) -> (B, L, V)
-
-
-def generate_alone(model: Model, prompt: tuple[int, ...], n: int) -> list[int]:
-    """n tokens after `prompt`, greedily, one request with a contiguous cache: the reference for `serve`."""
-    caches = [block.init_cache((1,), capacity=len(prompt) + n) for block in model.blocks]
-    feed, generated = np.array([prompt]), []  # (1, L)
-    while len(generated) < n:
-        scores, caches = logits(model, feed, caches)  # (1, L, V)
-        generated.append(int(np.argmax(scores[0, -1])))
-        feed = np.array([[generated[-1]]])  # (1, 1)
-    return generated
-
-
-def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, num_pages: int) -> Served:
-    """Every request's tokens, served by continuous batching in `slots` slots over paged caches of num_pages pages
-    of page_size positions (one pool per layer), and what each step left in the pools."""
-    max_pages = max(-(-(len(r.prompt) + r.new_tokens) // page_size) for r in requests)  # ceil
-    caches = [block.init_paged_cache(slots, num_pages, page_size, max_pages) for block in model.blocks]
-    waiting = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival))
-    live: list[Slot | None] = [None] * slots
-    tokens: list[list[int]] = [[] for _ in requests]
-    steps: list[Step] = []
-    while waiting or any(s is not None for s in live):
-        live = _join(live, waiting, requests, now=len(steps))
-        new_lengths = np.array([0 if s is None else len(s.feed) for s in live])  # (B,)
-        live, caches = _step(model, live, caches, new_lengths)
-        live, caches, done = _leave(live, caches, requests)
-        for slot in done:
-            tokens[slot.request] = list(slot.generated)
-        steps.append(_record(new_lengths, live, caches, requests))
-    return Served(tokens, steps)
-
-
-def _join(live: list[Slot | None], waiting: deque, requests: list[Request], *, now: int) -> list[Slot | None]:
-    """The slots with the arrived waiting requests, first come first served, in the free ones."""
-    live = list(live)
-    for b, slot in enumerate(live):
-        if slot is None and waiting and requests[waiting[0]].arrival <= now:
-            i = waiting.popleft()
-            live[b] = Slot(request=i, feed=tuple(requests[i].prompt), generated=())
-    return live
-
-
-def _step(model: Model, live: list[Slot | None], caches: list,
-          new_lengths: np.ndarray) -> tuple[list[Slot | None], list]:
-    """One ragged chunk through the layers, new_lengths (B,) each live slot's feed; each slot's next token."""
-    # (B, L), padding token 0; a step with no live slot (nothing has arrived yet) is all padding, L = 1
-    chunk = np.zeros((len(live), max(new_lengths.max(), 1)), np.int64)
-    for b, slot in enumerate(live):
-        if slot is not None:
-            chunk[b, :len(slot.feed)] = slot.feed
-    caches = [cache.reserve(new_lengths) for cache in caches]
-    scores, caches = logits(model, chunk, caches, new_lengths)  # (B, L, V)
-    after = [None if s is None else _advance(s, scores[b, len(s.feed) - 1]) for b, s in enumerate(live)]
-    return after, caches
-
-
-def _advance(slot: Slot, scores: np.ndarray) -> Slot:
-    """The slot after a step: its greedy token, argmax over the logits (V,), generated and fed next."""
-    token = int(np.argmax(scores))
-    return slot._replace(feed=(token,), generated=(*slot.generated, token))
-
-
-def _leave(live: list[Slot | None], caches: list,
-           requests: list[Request]) -> tuple[list[Slot | None], list, list[Slot]]:
-    """The slots without the finished requests, the caches with their pages released, and the finished slots."""
-    done = [b for b, s in enumerate(live) if s is not None and len(s.generated) == requests[s.request].new_tokens]
-    left = [None if b in done else s for b, s in enumerate(live)]
-    return left, [cache.release(np.array(done, np.int64)) for cache in caches], [live[b] for b in done]
-
-
-def _record(new_lengths: np.ndarray, live: list[Slot | None], caches: list, requests: list[Request]) -> Step:
-    """The step's record: the positions of the live requests counted from their tokens, the pages from the tables."""
-    positions = [len(requests[s.request].prompt) + len(s.generated) - 1 for s in live if s is not None]
-    in_use = [int((cache.block_table != -1).sum()) for cache in caches]  # -1: no page
-    return Step(new_lengths=tuple(new_lengths.tolist()), positions=tuple(positions), pages_in_use=tuple(in_use))
+from conformance.bench.serving import (  # noqa: F401 (re-exported: tests/test_serve.py reads them from here)
+    Model,
+    Request,
+    Served,
+    Slot,
+    Step,
+    generate_alone,
+    logits,
+    serve,
+    tiny_llama,
+)
 
 
 def _stream(rng: np.random.Generator, n: int, *, vocab: int) -> list[Request]:

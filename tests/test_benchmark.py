@@ -355,7 +355,7 @@ _VARIANT_LABELS = {
 }
 
 
-@pytest.mark.parametrize("name", ["plain", "gqa", "window", "long", "flex"])
+@pytest.mark.parametrize("name", ["plain", "gqa", "window", "long", "flex", "serve"])
 def test_cli_parses_each_variant(name: str) -> None:
     from conformance.__main__ import build_parser
 

@@ -1,19 +1,26 @@
-"""examples/serve.py: continuous batching over the paged cache (SPEC 3b) of a tiny Llama-style decoder in NumPy,
-float64. Every request's greedy tokens equal those of the request decoded alone with a contiguous cache, though
-requests join late, their prompts prefilled in the same ragged chunk as the others' decode steps, and pages freed
-by finished requests serve the next; a pool's pages in use never exceed ceil(length / page_size) per live request."""
+"""examples/serve.py (its model and loop: conformance/bench/serving.py): continuous batching over the paged cache
+(SPEC 3b) of a tiny Llama-style decoder in NumPy, float64. Every request's greedy tokens equal those of the request
+decoded alone with a contiguous cache, though requests join late, their prompts prefilled in the same ragged chunk
+as the others' decode steps, and pages freed by finished requests serve the next; a pool's pages in use never
+exceed ceil(length / page_size) per live request. `compare --variant serve` (bench/batching.py) sets it against
+static batching with padding and recomputing: the three give every request the same tokens."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
 import itertools
+import json
 import math
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from conformance.__main__ import main
+from conformance.bench import batching, serving
 
 SLOTS, PAGE, PAGES = 3, 2, 14
 STREAM = (  # (prompt, new tokens, arrival step): prompts of 1-6 tokens, 1-5 new, four arriving late
@@ -79,3 +86,59 @@ def test_pages_in_use_never_exceed_what_live_requests_hold():
         held = sum(math.ceil(p / PAGE) for p in step.positions)  # ceil(length / page_size) per live request
         assert all(in_use <= held for in_use in step.pages_in_use), step
     assert served.steps[-1].pages_in_use == (0, 0)  # every page back in the pool at the end
+
+
+# --- compare --variant serve (bench/batching.py) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_static_and_recompute_generate_the_tokens_of_continuous_batching(num_kv_heads):
+    model, requests, served = _served(num_kv_heads)
+    assert serving.static(model, requests, slots=SLOTS) == served.tokens  # batches padded to their longest prompt
+    assert serving.recompute(model, requests) == served.tokens  # no cache: a causal pass per new token
+
+
+def test_static_steps_every_batch_until_its_longest_is_done():
+    _, requests, _ = _served(2)
+    # batches of 3 in arrival order: new tokens (5, 3, 1), (4, 2, 5), (3, 1): 5 + 5 + 3 steps
+    assert batching.static_steps(requests, SLOTS) == 13
+
+
+def test_memory_ratios_read_the_step_with_the_most_pages():
+    # pages of 4: the peak step holds 3 pages (12 positions) for live requests of 5 and 6 positions (11 held);
+    # a contiguous cache: 2 slots x the longest total, 3 + 6 = 9
+    requests = [serving.Request(prompt=(1, 2), new_tokens=4), serving.Request(prompt=(1, 2, 3), new_tokens=6)]
+    steps = [serving.Step(new_lengths=(2, 3), positions=(2, 3), pages_in_use=(2, 2)),
+             serving.Step(new_lengths=(1, 1), positions=(5, 6), pages_in_use=(3, 3)),
+             serving.Step(new_lengths=(0, 1), positions=(7,), pages_in_use=(2, 2))]
+    held, contiguous = batching.memory_ratios(serving.Served(tokens=[], steps=steps), requests,
+                                              batching.Config(slots=2, page_size=4))
+    assert (held.numerator_value, held.denominator_value, held.met) == (12, 11, True)  # 12 / 11 = 1.09 <= 1.1
+    assert (contiguous.numerator_value, contiguous.denominator_value, contiguous.bound) == (12, 18, None)
+
+
+def test_serve_variant_runs_at_a_tiny_size_with_labelled_rows(tmp_path, capsys):
+    path = tmp_path / "serve.json"
+    assert main(["compare", "--variant", "serve", "--requests", "4", "--repeats", "1", "--json", str(path)]) == 0
+    stdout = capsys.readouterr().out
+    printed = [re.split(r"\s{2,}", line.strip()) for line in stdout.splitlines()]
+    assert [line[0] for line in printed if line[0] in ("continuous", "static", "recompute")] == [
+        "continuous", "static", "recompute"]
+    assert {"tokens/s: continuous / static", "tokens/s: continuous / recompute", "positions: pages in use / held",
+            "positions: pages in use / padded contiguous"} <= {line[0] for line in printed}, stdout
+    document = json.loads(path.read_text())
+    assert document["variant"] == "serve" and document["config"]["requests"] == 4
+    generated = sum(r.new_tokens for r in batching.stream(batching.Config(requests=4)))
+    assert [(row["method"], row["tokens"]) for row in document["rows"]] == [
+        (method, generated) for method in ("continuous", "static", "recompute")]
+    assert document["rows"][2]["steps"] == generated  # recompute: one pass per token
+    assert [(r["numerator"], r["denominator"], r["bound"]) for r in document["ratios"]] == [
+        ("continuous", "static", batching.SPEED_TARGET), ("continuous", "recompute", None),
+        ("pages in use", "held", batching.MEMORY_TARGET), ("pages in use", "padded contiguous", None)]
+    for ratio in document["ratios"]:
+        assert math.isfinite(ratio["measured"]) and ratio["measured"] > 0  # no timing target is asserted: noisy
+
+
+def test_serve_stream_lengths_vary_tenfold():
+    totals = [len(r.prompt) + r.new_tokens for r in batching.stream(batching.Config())]
+    assert min(totals) >= 8 and max(totals) <= 80 and max(totals) >= 8 * min(totals)

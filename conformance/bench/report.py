@@ -4,7 +4,7 @@ path is from the fast one, and how the cost grows with the sequence length.
 This module is the command line and what it prints: the table, the targets, the machine, the plot and the
 JSON. What is timed and how (the candidates, the interleaving, the FLOPs, the rows) is bench/timing.py; the
 variants (--variant) are declared in bench/variants.py, the decode benchmark (--decode) in bench/decode.py, the
-complexity table (--complexity) in bench/complexity.py.
+serving benchmark (--variant serve) in bench/batching.py, the complexity table (--complexity) in bench/complexity.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 
 from ..cli import names_of, positive_int, positive_ints
 from ..frameworks.registry import BUILT_IN, NUMPY, TORCH, framework_of
-from . import cluster, complexity, decode, memory, ring, ring_torch, timing, variants
+from . import batching, cluster, complexity, decode, memory, ring, ring_torch, timing, variants
 from .columns import columns
 
 FOOTNOTE = """\
@@ -71,6 +71,17 @@ torch pieces: the same step from nn.Linear, nn.RMSNorm, a preallocated cache wri
   before timing; its loops run interleaved with ours."""
 
 
+SERVE_FOOTNOTE = """\
+continuous: requests join free slots and leave as they finish, every step, one ragged chunk through paged caches
+  (a joining prompt beside the others' one new token). static: batches of slots requests in arrival order, each
+  padded to its longest prompt, a contiguous cache, every request stepping until the batch's longest is done.
+  recompute: no cache, one request at a time, a causal pass over the whole sequence per new token.
+steps: calls of the layers on a chunk (recompute: its passes). tokens/s: the generated tokens / the median seconds;
+  the three run in turns, after a check that they generate the same tokens for every request.
+positions: at the step whose pool holds the most pages, pages in use x page_size against the positions the live
+  requests hold then (held), and against a padded contiguous cache of slots x the longest total."""
+
+
 # --- the tables, the machine and the plot --------------------------------------------------------------
 
 
@@ -107,6 +118,20 @@ def format_decode(rows: Sequence[decode.DecodeRow]) -> str:
                       f"{row.tokens_per_s:.0f}", f"{row.recompute_ms / 1e3:.2f}", f"{row.speedup:.1f}", traces,
                       pieces, error))
     return columns(lines, right=tuple(range(1, 10)))
+
+
+def format_serve(rows: Sequence[batching.MethodRow], ratios: Sequence[batching.Ratio]) -> str:
+    """One line per method (tokens, steps, seconds, tokens/s), then one per ratio with its target and verdict."""
+    methods = [("method", "tokens", "steps", "seconds", "tokens/s")]
+    methods += [(row.method, str(row.tokens), str(row.steps), f"{row.seconds:.3f}", f"{row.tokens_per_s:.0f}")
+                for row in rows]
+    compared = [("compared", "values", "measured", "target", "verdict")]
+    for ratio in ratios:
+        target = "-" if ratio.bound is None else f"{ratio.relation} {ratio.bound:g}"
+        compared.append((f"{ratio.compared}: {ratio.numerator} / {ratio.denominator}",
+                         f"{ratio.numerator_value:.0f} / {ratio.denominator_value:.0f}", f"{ratio.measured:.2f}",
+                         target, {None: "-", True: "MET", False: "MISSED"}[ratio.met]))
+    return columns(methods, right=(1, 2, 3, 4)) + "\n\n" + columns(compared, right=(1, 2))
 
 
 def format_targets(rows: Sequence[timing.TargetRow]) -> str:
@@ -229,12 +254,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--operations", type=names_of("operations", lambda: timing.OPERATIONS), default=None,
                         metavar="OP,...",
                         help="any of sdpa,mha,block (default: all three; gqa and window: sdpa only)")
-    parser.add_argument("--variant", choices=tuple(variants.VARIANTS), default="plain",
+    parser.add_argument("--variant", choices=(*variants.VARIANTS, "serve"), default="plain",
                         help="plain (default); gqa: grouped-query attention, H=32 query heads on 8 key/value "
                              "heads; window: is_causal with window=(256, 0) beside full causal (B=1); long: "
                              "flash_attention, its gradient and the untiled paths, B=1, H=1, up to L=32768; flex: "
                              "flex_attention with block masks (a causal window of 256, 8 documents) against the "
-                             "dense mask and torch's compiled flex_attention, B=1, L=S=4096 (CPU)")
+                             "dense mask and torch's compiled flex_attention, B=1, L=S=4096 (CPU); serve: "
+                             "continuous batching through the paged cache against static batching with padding "
+                             "and recomputing, one stream, a tiny Llama in NumPy (bench/batching.py; takes "
+                             "--requests, --repeats (default 3), --json)")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
                         help="float32 (default), float64, or bfloat16 (torch and JAX only)")
     parser.add_argument("--repeats", type=positive_int, default=None, metavar="N",
@@ -274,6 +302,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", type=names_of("backends", lambda: BUILT_IN, aliases=BACKENDS), default=None,
                         metavar="NAME,...",
                         help="--complexity: any of numpy,jax,torch (default: every installed backend)")
+    parser.add_argument("--requests", type=positive_int, default=batching.Config().requests, metavar="N",
+                        help=f"--variant serve: the requests of the stream (default {batching.Config().requests})")
     parser.add_argument("--prefill", type=positive_int, default=decode.PREFILL, metavar="N",
                         help=f"--decode: the prompt's positions P (default {decode.PREFILL})")
     parser.add_argument("--tokens", type=positive_int, default=decode.TOKENS, metavar="N",
@@ -285,6 +315,8 @@ def main(args: argparse.Namespace) -> int:
     of --targets do not set the exit code: timings are noisy)."""
     if args.decode:
         return decode_main(args)
+    if args.variant == "serve":  # not a timing.Variant of attention calls: a stream served three ways
+        return serve_main(args)
     if args.memory:
         return memory_main(args.variant)
     if args.ring:
@@ -436,4 +468,20 @@ def decode_main(args: argparse.Namespace) -> int:
             json.dump({"machine": machine(backends), "variant": "decode", "config": config._asdict(),
                        "rows": [row._asdict() for row in rows], "targets": [row._asdict() for row in targets]},
                       file, indent=1)
+    return 0
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """`compare --variant serve`: tokens/s of continuous batching, static batching and recomputing on one stream,
+    their ratios and the pages' memory, side by side from one run; 0 (the verdicts do not set the exit code)."""
+    config = batching.Config(requests=args.requests, repeats=args.repeats or batching.Config().repeats)
+    print("\n".join(machine({})))
+    print(batching.describe(config) + "\n")
+    rows, ratios, _ = batching.run(config)
+    print(format_serve(rows, ratios) + "\n\n" + SERVE_FOOTNOTE)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"machine": machine({}), "variant": "serve",
+                       "config": config._asdict(), "rows": [row._asdict() for row in rows],
+                       "ratios": [ratio._asdict() for ratio in ratios]}, file, indent=1)
     return 0
