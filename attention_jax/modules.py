@@ -306,19 +306,11 @@ class MultiHeadAttention(Module):
                 score_mod: Callable[..., Any] | None = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """extend with a length per sequence: sequence b's new rows i < new[b] stand at positions start[b] + i,
         its other rows are padding."""
-        batch, L, capacity = cache.k.shape[:-3], x_q.shape[-2], cache.k.shape[-2]
-        start = jnp.broadcast_to(cache.length, batch)  # (...), int32
-        new = jnp.broadcast_to(jnp.asarray(L if new_lengths is None else new_lengths, start.dtype), batch)
-        end = start + new  # (...)
-        rows = jnp.arange(L, dtype=start.dtype).reshape((1,) * len(batch) + (L,))  # jax: ranks equal, (..., L)
-        positions = start[..., None] + rows  # (..., L): each row's position
-        kept = positions < end[..., None]  # (..., L): the sequence's own new rows, not padding
+        capacity = cache.k.shape[-2]
 
         # 1) project, turn each sequence's rows at its own positions, write the kept rows into the cache
-        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
-        k_new = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
-        v_new = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
-        q, k_new = self._rotated(q, k_new, positions[..., None, :], cache.rope)  # RoPE at (..., 1, L) positions
+        q, k_new, v_new, start, end, positions, kept = self._new_rows(x_q, x_kv, cache, new_lengths,
+                                                                      cache.k.shape[:-3])
         # jax: a scatter of each kept row to its position; a padding row aims past the capacity and is dropped
         index = (*jnp.indices(kept.shape, sparse=True)[:-1], slice(None), jnp.where(kept, positions, capacity))
         k = cache.k.at[index].set(jnp.swapaxes(k_new, -3, -2), mode="drop")  # rows (..., L, Hkv, d_k)
@@ -341,23 +333,32 @@ class MultiHeadAttention(Module):
         out = jnp.where(kept[..., None], self.w_o(self._merge_heads(out)), 0)  # (..., L, D)
         return out, weights, KVCache(k, v, length=end, rope=cache.rope)
 
+    def _new_rows(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache | PagedKVCache,
+                  new_lengths: jax.Array | None, batch: tuple[int, ...]) -> tuple[jax.Array, ...]:
+        """A chunk with a length per sequence (batch (...)): q (..., H, L, d_k), k and v (..., Hkv, L, d_k)
+        projected, q and k turned by RoPE at each row's position in its sequence; each sequence's start and end
+        (...); the rows' positions (..., L), and which rows are the sequence's own, not padding (..., L)."""
+        L = x_q.shape[-2]
+        start = jnp.broadcast_to(cache.length, batch)  # (...), int32
+        end = start + jnp.broadcast_to(jnp.asarray(L if new_lengths is None else new_lengths, start.dtype), batch)
+        rows = jnp.arange(L, dtype=start.dtype).reshape((1,) * len(batch) + (L,))  # jax: ranks equal, (..., L)
+        positions = start[..., None] + rows  # (..., L): each row's position in its sequence
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
+        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        q, k = self._rotated(q, k, positions[..., None, :], cache.rope)  # RoPE at (..., 1, L) positions
+        return q, k, v, start, end, positions, positions < end[..., None]
+
     def _paged(self, x_q: jax.Array, x_kv: jax.Array, cache: PagedKVCache, mask: jax.Array | None,
                new_lengths: jax.Array | None, *,
                need_weights: bool) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
         """extend over a paged cache: as _ragged, the keys and values written into their sequences' pages and
         attention read through the block table, one block of every sequence at a time (the online softmax of
         flash.py over the blocks): no sequence's keys are ever gathered whole."""
-        B, L, page = x_q.shape[0], x_q.shape[-2], cache.k.shape[-2]
-        start = cache.length  # (B,) int32
-        end = start + jnp.broadcast_to(jnp.asarray(L if new_lengths is None else new_lengths, start.dtype), (B,))
-        positions = start[:, None] + jnp.arange(L, dtype=start.dtype)[None, :]  # (B, L): each row's position
-        kept = positions < end[:, None]  # (B, L): the sequence's own new rows, not padding
+        page = cache.k.shape[-2]
 
         # 1) project, turn, scatter the kept rows into their pages: position p at (table[b, p // page], p % page)
-        q = self._split_heads(self.w_q(x_q))  # (B, L, D) -> (B, H, L, d_k)
-        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (B, L, D) -> (B, Hkv, L, d_k)
-        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
-        q, k = self._rotated(q, k, positions[:, None, :], cache.rope)  # RoPE at (B, 1, L) positions
+        q, k, v, _, end, positions, kept = self._new_rows(x_q, x_kv, cache, new_lengths, cache.length.shape)
         blocks = jnp.clip(positions // page, 0, cache.block_table.shape[1] - 1)
         index = jnp.take_along_axis(cache.block_table, blocks, axis=1)  # (B, L): each row's page
         index = jnp.where(kept & (index >= 0), index, cache.k.shape[0])  # jax: padding aims past the pool, dropped

@@ -276,17 +276,10 @@ class MultiHeadAttention(Module):
                 score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
         """extend with a length per sequence: sequence b's new rows i < new[b] stand at positions start[b] + i,
         its other rows are padding."""
-        batch, L, capacity = cache.k.shape[:-3], x_q.shape[-2], cache.k.shape[-2]
-        start = np.broadcast_to(np.asarray(cache.length), batch)  # (...)
-        end = start + np.broadcast_to(np.asarray(L if new_lengths is None else new_lengths), batch)  # (...)
-        positions = start[..., None] + np.arange(L)  # (..., L): each row's position in its sequence
-        kept = positions < end[..., None]  # (..., L): the sequence's own new rows, not padding
+        capacity = cache.k.shape[-2]
 
         # 1) project, turn each sequence's rows at its own positions, write the kept rows into the cache in place
-        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
-        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
-        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
-        q, k = self._rotated(q, k, positions[..., None, :], cache.rope)  # RoPE at (..., 1, L) positions
+        q, k, v, start, end, positions, kept = self._new_rows(x_q, x_kv, cache, new_lengths, cache.k.shape[:-3])
         *sequence, row = np.nonzero(kept)  # the kept rows: their sequences' indices and their rows
         to, of = (*sequence, slice(None), positions[kept]), (*sequence, slice(None), row)  # (n, Hkv, d_k) each
         cache.k[to], cache.v[to] = k[of], v[of]
@@ -311,23 +304,31 @@ class MultiHeadAttention(Module):
         out = np.where(kept[..., None], self.w_o(self._merge_heads(out)), 0)  # (..., L, D)
         return out.astype(x_q.dtype, copy=False), weights, KVCache(cache.k, cache.v, length=end, rope=cache.rope)
 
+    def _new_rows(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache | PagedKVCache,
+                  new_lengths: np.ndarray | None, batch: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+        """A chunk with a length per sequence (batch (...)): q (..., H, L, d_k), k and v (..., Hkv, L, d_k)
+        projected, q and k turned by RoPE at each row's position in its sequence; each sequence's start and end
+        (...); the rows' positions (..., L), and which rows are the sequence's own, not padding (..., L)."""
+        L = x_q.shape[-2]
+        start = np.broadcast_to(np.asarray(cache.length), batch)  # (...)
+        end = start + np.broadcast_to(np.asarray(L if new_lengths is None else new_lengths), batch)  # (...)
+        positions = start[..., None] + np.arange(L)  # (..., L): each row's position in its sequence
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
+        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        q, k = self._rotated(q, k, positions[..., None, :], cache.rope)  # RoPE at (..., 1, L) positions
+        return q, k, v, start, end, positions, positions < end[..., None]
+
     def _paged(self, x_q: np.ndarray, x_kv: np.ndarray, cache: PagedKVCache, mask: np.ndarray | None,
                new_lengths: np.ndarray | None, *,
                need_weights: bool) -> tuple[np.ndarray, np.ndarray | None, PagedKVCache]:
         """extend over a paged cache: as _ragged, the keys and values written into their sequences' pages and
         attention read through the block table, one block of every sequence at a time (the online softmax of
         flash.py over the blocks): no sequence's keys are ever gathered whole."""
-        B, L, page = x_q.shape[0], x_q.shape[-2], cache.k.shape[-2]
-        start = np.asarray(cache.length)  # (B,)
-        end = start + np.broadcast_to(np.asarray(L if new_lengths is None else new_lengths), (B,))
-        positions = start[:, None] + np.arange(L)  # (B, L): each row's position in its sequence
-        kept = positions < end[:, None]  # (B, L): the sequence's own new rows, not padding
+        page = cache.k.shape[-2]
 
         # 1) project, turn, write the kept rows into their pages in place: position p at (table[b, p // page], p % page)
-        q = self._split_heads(self.w_q(x_q))  # (B, L, D) -> (B, H, L, d_k)
-        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (B, L, D) -> (B, Hkv, L, d_k)
-        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
-        q, k = self._rotated(q, k, positions[:, None, :], cache.rope)  # RoPE at (B, 1, L) positions
+        q, k, v, _, end, positions, kept = self._new_rows(x_q, x_kv, cache, new_lengths, cache.length.shape)
         sequence, row = np.nonzero(kept)
         at = positions[sequence, row]
         slot = (cache.block_table[sequence, at // page], slice(None), at % page)  # (n, Hkv, d_k) each
@@ -345,10 +346,9 @@ class MultiHeadAttention(Module):
         return out.astype(x_q.dtype, copy=False), weights, cache._replace(length=end)
 
     def _page_scores(self, q: np.ndarray, cache: PagedKVCache, block: int, positions: np.ndarray, end: np.ndarray,
-                     mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Block `block` of every sequence: its scores (B, H, L, page), -inf where hidden, the values (B, Hkv, page,
-        d_k) with the slots no query sees zeroed (a NaN left in an unused slot reaches no output), and which
-        keys each query sees (B, H or 1, L, page)."""
+                     mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Block `block` of every sequence: its scores (B, H, L, page), -inf where hidden, and the values (B, Hkv,
+        page, d_k) with the slots no query sees zeroed (a NaN left in an unused slot reaches no output)."""
         page = cache.k.shape[-2]
         index = cache.block_table[:, block]  # (B,): each sequence's page of this block, -1 where none
         k, v = cache.k[np.maximum(index, 0)], cache.v[np.maximum(index, 0)]  # (B, Hkv, page, d_k): one page each
@@ -359,7 +359,7 @@ class MultiHeadAttention(Module):
             seen = seen & (mask[..., block * page:(block + 1) * page] != 0)
         G, scale = self.num_heads // self.num_kv_heads, 1.0 / math.sqrt(q.shape[-1])
         scores = (q * scale) @ np.swapaxes(np.repeat(k, G, axis=1), -1, -2)  # (B, H, L, page)
-        return np.where(seen, scores, -np.inf), np.where(held[:, None, :, None], v, 0), seen
+        return np.where(seen, scores, -np.inf), np.where(held[:, None, :, None], v, 0)
 
     def _through_pages(self, q: np.ndarray, cache: PagedKVCache, positions: np.ndarray, end: np.ndarray,
                        mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -372,7 +372,7 @@ class MultiHeadAttention(Module):
         m = np.full(q.shape[:-1], -np.inf, work)  # (B, H, L)
         total, acc = np.zeros(q.shape[:-1], work), np.zeros(q.shape, work)
         for block in range(-(-int(end.max(initial=0)) // cache.k.shape[-2])):  # the blocks some sequence reaches
-            scores, v, _ = self._page_scores(q, cache, block, positions, end, mask)
+            scores, v = self._page_scores(q, cache, block, positions, end, mask)
             m_new = np.maximum(m, scores.max(axis=-1))
             shift = np.where(np.isfinite(m_new), m_new, 0)  # a row with no key seen yet keeps 0
             weights = np.exp(scores - shift[..., None])  # (B, H, L, page); hidden: exp(-inf) = 0

@@ -305,19 +305,10 @@ class MultiHeadAttention(nn.Module):
                 score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
         """extend with a length per sequence: sequence b's new rows i < new[b] stand at positions start[b] + i,
         its other rows are padding."""
-        batch, L, capacity = cache.k.shape[:-3], x_q.shape[-2], cache.k.shape[-2]
-        device = cache.k.device
-        start = torch.as_tensor(cache.length, device=device).expand(batch)  # (...)
-        new = torch.as_tensor(L if new_lengths is None else new_lengths, device=device).expand(batch)
-        end = start + new  # (...)
-        positions = start[..., None] + torch.arange(L, device=device)  # (..., L): each row's position
-        kept = positions < end[..., None]  # (..., L): the sequence's own new rows, not padding
+        capacity = cache.k.shape[-2]
 
         # 1) project, turn each sequence's rows at its own positions, write the kept rows into the cache in place
-        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
-        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
-        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
-        q, k = self._rotated(q, k, positions[..., None, :], cache.rope)  # RoPE at (..., 1, L) positions
+        q, k, v, start, end, positions, kept = self._new_rows(x_q, x_kv, cache, new_lengths, cache.k.shape[:-3])
         *sequence, row = torch.nonzero(kept, as_tuple=True)  # the kept rows: their sequences' indices and their rows
         to, of = (*sequence, slice(None), positions[kept]), (*sequence, slice(None), row)  # (n, Hkv, d_k) each
         cache.k[to], cache.v[to] = k[of], v[of]
@@ -340,23 +331,31 @@ class MultiHeadAttention(nn.Module):
         out = torch.where(kept[..., None], self.w_o(self._merge_heads(out)), 0)  # (..., L, D)
         return out, weights, KVCache(cache.k, cache.v, length=end, rope=cache.rope)
 
+    def _new_rows(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: KVCache | PagedKVCache,
+                  new_lengths: torch.Tensor | None, batch: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """A chunk with a length per sequence (batch (...)): q (..., H, L, d_k), k and v (..., Hkv, L, d_k)
+        projected, q and k turned by RoPE at each row's position in its sequence; each sequence's start and end
+        (...); the rows' positions (..., L), and which rows are the sequence's own, not padding (..., L)."""
+        L, device = x_q.shape[-2], cache.k.device
+        start = torch.as_tensor(cache.length, device=device).expand(batch)  # (...)
+        end = start + torch.as_tensor(L if new_lengths is None else new_lengths, device=device).expand(batch)
+        positions = start[..., None] + torch.arange(L, device=device)  # (..., L): each row's position in its sequence
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
+        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        q, k = self._rotated(q, k, positions[..., None, :], cache.rope)  # RoPE at (..., 1, L) positions
+        return q, k, v, start, end, positions, positions < end[..., None]
+
     def _paged(self, x_q: torch.Tensor, x_kv: torch.Tensor, cache: PagedKVCache, mask: torch.Tensor | None,
                new_lengths: torch.Tensor | None, *,
                need_weights: bool) -> tuple[torch.Tensor, torch.Tensor | None, PagedKVCache]:
         """extend over a paged cache: as _ragged, the keys and values written into their sequences' pages and
         attention read through the block table, one block of every sequence at a time (the online softmax of
         flash.py over the blocks): no sequence's keys are ever gathered whole."""
-        B, L, page = x_q.shape[0], x_q.shape[-2], cache.k.shape[-2]
-        start, device = cache.length, cache.k.device  # (B,)
-        end = start + torch.as_tensor(L if new_lengths is None else new_lengths, device=device).expand(B)
-        positions = start[:, None] + torch.arange(L, device=device)  # (B, L): each row's position in its sequence
-        kept = positions < end[:, None]  # (B, L): the sequence's own new rows, not padding
+        page = cache.k.shape[-2]
 
         # 1) project, turn, write the kept rows into their pages in place: position p at (table[b, p // page], p % page)
-        q = self._split_heads(self.w_q(x_q))  # (B, L, D) -> (B, H, L, d_k)
-        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (B, L, D) -> (B, Hkv, L, d_k)
-        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
-        q, k = self._rotated(q, k, positions[:, None, :], cache.rope)  # RoPE at (B, 1, L) positions
+        q, k, v, _, end, positions, kept = self._new_rows(x_q, x_kv, cache, new_lengths, tuple(cache.length.shape))
         sequence, row = torch.nonzero(kept, as_tuple=True)
         at = positions[sequence, row]
         slot = (cache.block_table[sequence, at // page], slice(None), at % page)  # (n, Hkv, d_k) each
@@ -374,10 +373,9 @@ class MultiHeadAttention(nn.Module):
         return out, weights, cache._replace(length=end)
 
     def _page_scores(self, q: torch.Tensor, cache: PagedKVCache, block: int, positions: torch.Tensor, end: torch.Tensor,
-                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Block `block` of every sequence: its scores (B, H, L, page), -inf where hidden, the values (B, Hkv, page,
-        d_k) with the slots no query sees zeroed (a NaN left in an unused slot reaches no output), and which
-        keys each query sees (B, H or 1, L, page)."""
+                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block `block` of every sequence: its scores (B, H, L, page), -inf where hidden, and the values (B, Hkv,
+        page, d_k) with the slots no query sees zeroed (a NaN left in an unused slot reaches no output)."""
         page = cache.k.shape[-2]
         index = cache.block_table[:, block]  # (B,): each sequence's page of this block, -1 where none
         k, v = cache.k[index.clamp(min=0)], cache.v[index.clamp(min=0)]  # (B, Hkv, page, d_k): one page each
@@ -388,7 +386,7 @@ class MultiHeadAttention(nn.Module):
             seen = seen & (mask[..., block * page:(block + 1) * page] != 0)
         G, scale = self.num_heads // self.num_kv_heads, 1.0 / math.sqrt(q.shape[-1])
         scores = (q * scale) @ k.repeat_interleave(G, dim=1).transpose(-1, -2).to(q.dtype)  # (B, H, L, page)
-        return torch.where(seen, scores, -torch.inf), torch.where(held[:, None, :, None], v, 0), seen
+        return torch.where(seen, scores, -torch.inf), torch.where(held[:, None, :, None], v, 0)
 
     def _through_pages(self, q: torch.Tensor, cache: PagedKVCache, positions: torch.Tensor, end: torch.Tensor,
                        mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -401,7 +399,7 @@ class MultiHeadAttention(nn.Module):
         total, acc = torch.zeros_like(m), torch.zeros_like(q)
         reached = -(-int(end.max()) // cache.k.shape[-2]) if end.numel() else 0
         for block in range(reached):  # the blocks some sequence reaches
-            scores, v, _ = self._page_scores(q, cache, block, positions, end, mask)
+            scores, v = self._page_scores(q, cache, block, positions, end, mask)
             m_new = torch.maximum(m, scores.amax(dim=-1))
             shift = torch.where(torch.isfinite(m_new), m_new, 0)  # a row with no key seen yet keeps 0
             weights = torch.exp(scores - shift[..., None])  # (B, H, L, page); hidden: exp(-inf) = 0
