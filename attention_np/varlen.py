@@ -18,6 +18,7 @@ packed layout.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -72,16 +73,12 @@ def varlen_attention(
         out (Tq, H, Ev) in q's dtype; a query that sees no key (an empty key sequence, a query past the last
         boundary, a window that leaves nothing) gets zeros.
     """
-    mask_mod = _mask_mod(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, window,
-                         enable_gqa, block_size)
-    q, k, v = _padding_zeroed(q, cu_seqlens_q), _padding_zeroed(k, cu_seqlens_k), _padding_zeroed(v, cu_seqlens_k)
-    q, k, v = (_batched(x) for x in (q, k, v))  # (T, H, E) -> (1, H, T, E)
-    options = {"softcap": softcap, "scale": scale, "enable_gqa": enable_gqa}
+    q, k, v, keywords = _batched_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         is_causal, window, softcap, scale, enable_gqa, block_size)
     if block_size is None:
-        out, _ = scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, need_weights=False, **options)
+        out, _ = scaled_dot_product_attention(q, k, v, need_weights=False, **keywords)
     else:
-        block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], BLOCK_SIZE=block_size)
-        out, _ = flash_attention(q, k, v, block_mask=block_mask, **options)
+        out, _ = flash_attention(q, k, v, **keywords)
     return _packed(out)
 
 
@@ -112,16 +109,12 @@ def varlen_attention_vjp(
     Returns:
         out (Tq, H, Ev) and pullback(d_out (Tq, H, Ev)) -> (dq (Tq, H, E), dk (Tk, Hkv, E), dv (Tk, Hkv, Ev)).
     """
-    mask_mod = _mask_mod(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, window,
-                         enable_gqa, block_size)
-    q, k, v = _padding_zeroed(q, cu_seqlens_q), _padding_zeroed(k, cu_seqlens_k), _padding_zeroed(v, cu_seqlens_k)
-    q, k, v = (_batched(x) for x in (q, k, v))  # (T, H, E) -> (1, H, T, E)
-    options = {"softcap": softcap, "scale": scale, "enable_gqa": enable_gqa}
+    q, k, v, keywords = _batched_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         is_causal, window, softcap, scale, enable_gqa, block_size)
     if block_size is None:
-        out, _, batched_pullback = scaled_dot_product_attention_vjp(q, k, v, mask_mod=mask_mod, **options)
+        out, _, batched_pullback = scaled_dot_product_attention_vjp(q, k, v, **keywords)
     else:
-        block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], BLOCK_SIZE=block_size)
-        out, _, batched_pullback = flash_attention_vjp(q, k, v, block_mask=block_mask, **options)
+        out, _, batched_pullback = flash_attention_vjp(q, k, v, **keywords)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         validation.cotangent("d_out", np.shape(d_out), _packed(out).shape, {})
@@ -129,6 +122,24 @@ def varlen_attention_vjp(
         return _packed(dq), _packed(dk), _packed(dv)
 
     return _packed(out), pullback
+
+
+def _batched_problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
+                     cu_seqlens_k: np.ndarray, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, window: object,
+                     softcap: float | None, scale: float | None, enable_gqa: bool,
+                     block_size: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+    """What both passes hand to scaled dot-product attention or tiled attention: q, k, v checked, zeroed past the
+    last boundary and laid out as one batch element (1, H, T, E), and the keywords: the mask function of the packed
+    sequences (block_size None) or its block mask (tiles of block_size), softcap, scale and enable_gqa."""
+    mask_mod = _mask_mod(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, window,
+                         enable_gqa, block_size)
+    q, k, v = _padding_zeroed(q, cu_seqlens_q), _padding_zeroed(k, cu_seqlens_k), _padding_zeroed(v, cu_seqlens_k)
+    q, k, v = (_batched(x) for x in (q, k, v))  # (T, H, E) -> (1, H, T, E)
+    keywords: dict[str, Any] = {"softcap": softcap, "scale": scale, "enable_gqa": enable_gqa}
+    if block_size is None:
+        return q, k, v, {**keywords, "mask_mod": mask_mod}
+    block_mask = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], BLOCK_SIZE=block_size)
+    return q, k, v, {**keywords, "block_mask": block_mask}
 
 
 def _mask_mod(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray,
