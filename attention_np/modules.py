@@ -323,8 +323,8 @@ class MultiHeadAttention(Module):
                new_lengths: np.ndarray | None, *,
                need_weights: bool) -> tuple[np.ndarray, np.ndarray | None, PagedKVCache]:
         """extend over a paged cache: as _ragged, the keys and values written into their sequences' pages and
-        attention read through the block table, one block of every sequence at a time (the online softmax of
-        flash.py over the blocks): no sequence's keys are ever gathered whole."""
+        attention read through the block table, one tile of pages of every sequence at a time (the online softmax
+        of flash.py over the tiles, pages.TILE positions each): no sequence's keys are ever gathered whole."""
         page = cache.k.shape[-2]
 
         # 1) project, turn, write the kept rows into their pages in place: position p at (table[b, p // page], p % page)
@@ -345,40 +345,44 @@ class MultiHeadAttention(Module):
         out = np.where(kept[..., None], self.w_o(self._merge_heads(np.where(own, out, 0))), 0)  # (B, L, D)
         return out.astype(x_q.dtype, copy=False), weights, cache._replace(length=end)
 
-    def _page_scores(self, q: np.ndarray, cache: PagedKVCache, block: int, positions: np.ndarray, end: np.ndarray,
+    def _page_scores(self, q: np.ndarray, cache: PagedKVCache, tile: int, positions: np.ndarray, end: np.ndarray,
                      mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """Block `block` of every sequence: its scores (B, H, L, page), -inf where hidden, and the values (B, Hkv,
-        page, d_k) with the slots no query sees zeroed (a NaN left in an unused slot reaches no output)."""
-        page = cache.k.shape[-2]
-        index = cache.block_table[:, block]  # (B,): each sequence's page of this block, -1 where none
-        k, v = cache.k[np.maximum(index, 0)], cache.v[np.maximum(index, 0)]  # (B, Hkv, page, d_k): one page each
-        at = block * page + np.arange(page)  # (page,): the positions the block holds
-        held = (at < end[:, None]) & (index >= 0)[:, None]  # (B, page): filled slots of a page the sequence has
-        seen = held[:, None, None, :] & (at <= positions[:, None, :, None])  # (B, 1, L, page): causal
-        if mask is not None:  # (..., H, L, M * page) -> this block's columns
-            seen = seen & (mask[..., block * page:(block + 1) * page] != 0)
-        G, scale = self.num_heads // self.num_kv_heads, 1.0 / math.sqrt(q.shape[-1])
-        scores = (q * scale) @ np.swapaxes(np.repeat(k, G, axis=1), -1, -2)  # (B, H, L, page)
+        """Tile `tile` of every sequence (its blocks tile * n .. tile * n + n - 1, n = pages.tile_blocks(page), T = n
+        * page positions): its scores (B, H, L, T), -inf where hidden, and the values (B, Hkv, T, d_k) with the
+        slots no query sees zeroed (a NaN left in an unused slot reaches no output)."""
+        (B, M), page = cache.block_table.shape, cache.k.shape[-2]
+        n = pages.tile_blocks(page)
+        blocks = tile * n + np.arange(n)  # (n,); past the table's M blocks: no page
+        index = np.where(blocks < M, cache.block_table[:, np.minimum(blocks, M - 1)], pages.NO_PAGE)  # (B, n)
+        k, v = (np.moveaxis(pool[np.maximum(index, 0)], 1, 2).reshape(B, -1, n * page, pool.shape[-1])
+                for pool in (cache.k, cache.v))  # (B, n, Hkv, page, d_k) -> (B, Hkv, T, d_k): n pages each
+        at = blocks[0] * page + np.arange(n * page)  # (T,): the positions the tile holds
+        held = (at < end[:, None]) & np.repeat(index >= 0, page, axis=1)  # (B, T): filled slots of held pages
+        seen = held[:, None, None, :] & (at <= positions[:, None, :, None])  # (B, 1, L, T): causal
+        if mask is not None:  # (..., H, L, M * page) -> the tile's columns (past the table: not held anyway)
+            seen = seen & ((mask[..., np.minimum(at, M * page - 1)] if np.shape(mask)[-1] > 1 else mask) != 0)
+        q, k, _ = self._grouped_heads(q / math.sqrt(q.shape[-1]), k, k)  # (B, Hkv, G, L, d_k), (B, Hkv, 1, T, d_k)
+        scores = _ungrouped(q @ np.swapaxes(k, -1, -2))  # (B, Hkv, G, L, T) -> (B, H, L, T)
         return np.where(seen, scores, -np.inf), np.where(held[:, None, :, None], v, 0)
 
     def _through_pages(self, q: np.ndarray, cache: PagedKVCache, positions: np.ndarray, end: np.ndarray,
                        mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """out (B, H, L, d_k) and lse (B, H, L) over the blocks of every sequence, by the online softmax:
+        """out (B, H, L, d_k) and lse (B, H, L) over the tiles of every sequence, by the online softmax:
         m_t = max(m_{t-1}, rowmax(S_t)), l_t = e^(m_{t-1} - m_t) l_{t-1} + rowsum(e^(S_t - m_t)),
         O_t = e^(m_{t-1} - m_t) O_{t-1} + e^(S_t - m_t) V_t;  out = O / l (0 where no key is seen)."""
         work = np.promote_types(q.dtype, np.float32)
         q = q.astype(work, copy=False)
-        G = self.num_heads // self.num_kv_heads
         m = np.full(q.shape[:-1], -np.inf, work)  # (B, H, L)
         total, acc = np.zeros(q.shape[:-1], work), np.zeros(q.shape, work)
-        for block in range(-(-int(end.max(initial=0)) // cache.k.shape[-2])):  # the blocks some sequence reaches
-            scores, v = self._page_scores(q, cache, block, positions, end, mask)
+        for tile in range(pages.tiles(int(end.max(initial=0)), cache.k.shape[-2])):  # the tiles some sequence reaches
+            scores, v = self._page_scores(q, cache, tile, positions, end, mask)
             m_new = np.maximum(m, scores.max(axis=-1))
             shift = np.where(np.isfinite(m_new), m_new, 0)  # a row with no key seen yet keeps 0
-            weights = np.exp(scores - shift[..., None])  # (B, H, L, page); hidden: exp(-inf) = 0
+            weights = np.exp(scores - shift[..., None])  # (B, H, L, T); hidden: exp(-inf) = 0
             decay = np.exp(m - shift)  # exp(-inf) = 0 before the first seen key
             total = decay * total + weights.sum(axis=-1)
-            acc = decay[..., None] * acc + weights @ np.repeat(v.astype(work, copy=False), G, axis=1)
+            weights, v, _ = self._grouped_heads(weights, v.astype(work, copy=False), v)  # v: (B, Hkv, 1, T, d_k)
+            acc = decay[..., None] * acc + _ungrouped(weights @ v)  # (B, Hkv, G, L, d_k) -> (B, H, L, d_k)
             m = m_new
         seen = total > 0
         out = np.where(seen[..., None], acc / np.where(seen, total, 1)[..., None], 0)
@@ -387,12 +391,12 @@ class MultiHeadAttention(Module):
     def _page_weights(self, q: np.ndarray, cache: PagedKVCache, positions: np.ndarray, end: np.ndarray,
                       mask: np.ndarray | None, lse: np.ndarray) -> np.ndarray:
         """The weights exp(s - lse) (B, H, L, max_pages * page) at each key's position in its sequence."""
-        work = lse.dtype
+        work, M, page = lse.dtype, cache.block_table.shape[1], cache.k.shape[-2]
         finite = np.isfinite(lse)[..., None]  # a query that sees no key: a row of zeros
-        blocks = [np.where(finite, np.exp(self._page_scores(q.astype(work, copy=False), cache, block, positions, end,
-                                                            mask)[0] - np.where(finite, lse[..., None], 0)), 0)
-                  for block in range(cache.block_table.shape[1])]
-        return np.concatenate(blocks, axis=-1).astype(q.dtype, copy=False)
+        tiles = [np.where(finite, np.exp(self._page_scores(q.astype(work, copy=False), cache, tile, positions, end,
+                                                           mask)[0] - np.where(finite, lse[..., None], 0)), 0)
+                 for tile in range(pages.tiles(M * page, page))]
+        return np.concatenate(tiles, axis=-1)[..., :M * page].astype(q.dtype, copy=False)
 
     def _check_paged(self, inputs: dict[str, np.ndarray], cache: PagedKVCache, mask: np.ndarray | None,
                      new_lengths: np.ndarray | None) -> None:

@@ -77,6 +77,24 @@ def test_decoding_through_pages_equals_the_contiguous_cache(backend: ModuleType,
         assert_close(paged_weights[t], weights[t], REORDERED, f"step {t}'s weights")
 
 
+@pytest.mark.parametrize("tile", [1, 6], ids=["a_page_a_tile", "three_pages_a_tile"])
+def test_reading_several_pages_at_a_time_changes_nothing(backend: ModuleType, tile: int,
+                                                         monkeypatch: pytest.MonkeyPatch):
+    """Attention reads the pages a tile at a time (pages.TILE positions): one page per tile, or three with the
+    table's last tile cut short (5 blocks), give what the contiguous cache gives."""
+    from attention_np.common import pages
+
+    monkeypatch.setattr(pages, "TILE", tile)
+    block = _module(backend, "block", **LLAMA)
+    paged_outs, paged_weights = _decode(backend, block, _paged(backend, block, SHUFFLED), masked=True)
+    contiguous = block.init_cache((B,), PAGE * MAX_PAGES)
+    outs, weights = _decode(backend, block, contiguous._replace(length=backend.asarray(np.zeros(B, np.int32))),
+                            masked=True)
+    for t, (got, expected) in enumerate(zip(paged_outs, outs, strict=True)):
+        assert_close(got, expected, REORDERED, f"step {t}")
+        assert_close(paged_weights[t], weights[t], REORDERED, f"step {t}'s weights")
+
+
 def test_nan_in_every_unused_slot_changes_no_output_bit(backend: ModuleType):
     block = _module(backend, "block", **LLAMA)
     clean = _decode(backend, block, _paged(backend, block, SHUFFLED, fill=0.0))

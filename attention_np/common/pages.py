@@ -15,6 +15,17 @@ from __future__ import annotations
 import numpy as np
 
 NO_PAGE = -1  # a block-table entry that holds no page
+TILE = 64  # attention reads the pages of every sequence this many positions at a time (a tile; one page at least)
+
+
+def tile_blocks(page: int) -> int:
+    """The blocks of a tile: the pages that TILE positions fill, one at least."""
+    return max(1, TILE // page)
+
+
+def tiles(positions: int, page: int) -> int:
+    """The tiles that hold a sequence's first `positions` positions."""
+    return -(-positions // (tile_blocks(page) * page))  # ceil
 
 
 def reserve(block_table: np.ndarray, lengths: np.ndarray, new: np.ndarray, num_pages: int,
