@@ -16,6 +16,9 @@ code by hand and no typed number drifts:
     rules                the rules of the frameworks matrix (conformance/frameworks/disagreements.py RULES)
     adapter-layouts      the layouts `adapters.sdpa` takes (conformance/adapters.py LAYOUTS)
     adapter-masks        the mask polarities `adapters.sdpa` takes (conformance/adapters.py MASKS)
+    serve                the serving benchmark's run recorded in docs/serve.json (`python -m conformance compare
+                         --variant serve --json docs/serve.json` measures it; tests/test_serve.py recomputes every
+                         cell that is not a time)
 
 A block sits between `<!-- generated: python -m conformance docs --write (NAME) -->` and
 `<!-- end generated (NAME) -->`, in any of the documents (README.md, SPEC.md, docs/**/*.md); a name may appear in
@@ -49,6 +52,7 @@ from .frameworks.registry import FRAMEWORKS
 ROOT = Path(__file__).resolve().parent.parent  # a checkout: the docs are not in the wheel
 README = ROOT / "README.md"
 FRAMEWORKS_JSON = ROOT / "docs" / "frameworks.json"
+SERVE_JSON = ROOT / "docs" / "serve.json"  # the serving benchmark's recorded run (compare --variant serve --json)
 CHECKING = Path("docs") / "checking.md"  # under the root: the page whose kernel module the `kernel` block counts
 
 # the suite's row of the matrix: `check(module)` with these options, as docs/suite.md says: every fixed case of
@@ -494,15 +498,35 @@ def adapter_masks_table() -> str:
     return "\n".join(lines)
 
 
+# --- serve: the serving benchmark's recorded run ---------------------------------------------------------------
+
+def serve_record() -> dict[str, Any]:
+    """docs/serve.json: what `compare --variant serve --json` wrote (machine, config, rows, ratios)."""
+    return json.loads(SERVE_JSON.read_text())
+
+
+def serve_table() -> str:
+    """The recorded run as the command printed it: the machine, the stream, the methods and the ratios."""
+    from .bench import batching
+    from .bench.report import format_serve
+
+    record = serve_record()
+    rows = [batching.MethodRow(**row) for row in record["rows"]]
+    ratios = [batching.Ratio(**ratio) for ratio in record["ratios"]]
+    lines = [*record["machine"], batching.describe(batching.Config(**record["config"])), "",
+             format_serve(rows, ratios)]
+    return "```\n" + "\n".join(lines) + "\n```"
+
+
 # --- the command ------------------------------------------------------------------------------------------------
 
 BLOCKS = ("frameworks", "frameworks-versions", "kernel", "low-precision", "checks", "groups", "profiles", "features",
-          "rules", "error-rows", "adapter-layouts", "adapter-masks")
-# the blocks read off the registries alone, without measuring anything
+          "rules", "error-rows", "adapter-layouts", "adapter-masks", "serve")
+# the blocks read off the registries (and the serving benchmark's record) alone, without measuring anything
 REGISTRY_TABLES: dict[str, Callable[[], str]] = {
     "checks": checks_table, "groups": groups_table, "profiles": profiles_table, "features": features_table,
     "rules": rules_table, "error-rows": error_rows_table, "adapter-layouts": adapter_layouts_table,
-    "adapter-masks": adapter_masks_table}
+    "adapter-masks": adapter_masks_table, "serve": serve_table}
 
 
 def generated(found: matrix.Matrix, kernel_report: Any, low_precision: str) -> dict[str, str]:

@@ -7,6 +7,7 @@ docs/frameworks.json measured afresh, where every built-in also passes the suite
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import pathlib
@@ -67,7 +68,15 @@ NEW_ENTRIES = {
         "sdpa", "made_up", lambda: None, ValueError, "made up")]),
     "checks": lambda monkeypatch: monkeypatch.setattr(suite, "GROUPS", (*suite.GROUPS, suite.Group(
         "linear", suite.checks.sdpa_single_key, dtypes=("float64",), examples=1))),  # a check on one more operation
+    "serve": lambda monkeypatch: monkeypatch.setattr(docs, "serve_record", functools.partial(_rerun,
+                                                                              docs.serve_record())),
 }
+
+
+def _rerun(record: dict) -> dict:
+    """The serving benchmark's record as another run might leave it: continuous batching a second slower."""
+    rows = [row | {"seconds": row["seconds"] + 1.0} if row["method"] == "continuous" else row for row in record["rows"]]
+    return record | {"rows": rows}
 
 
 @pytest.mark.parametrize("name", docs.REGISTRY_TABLES)

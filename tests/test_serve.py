@@ -1,9 +1,11 @@
 """examples/serve.py (its model and loop: conformance/bench/serving.py): continuous batching over the paged cache
 (SPEC 3b) of a tiny Llama-style decoder in NumPy, float64. Every request's greedy tokens equal those of the request
-decoded alone with a contiguous cache, though requests join late, their prompts prefilled in the same ragged chunk
-as the others' decode steps, and pages freed by finished requests serve the next; a pool's pages in use never
-exceed ceil(length / page_size) per live request. `compare --variant serve` (bench/batching.py) sets it against
-static batching with padding and recomputing: the three give every request the same tokens."""
+decoded alone with a contiguous cache, though requests join late, their prompts prefilled in the same step as the
+others' decode steps, a request waits while the pool cannot promise it its pages, and pages freed by finished
+requests serve the next; a pool's pages in use never exceed ceil(length / page_size) per live request.
+`compare --variant serve` (bench/batching.py) sets it against static batching with padding and recomputing: the
+three give every request the same tokens; the run recorded in docs/serve.json (the docs' table) holds every cell
+that is not a time when the stream is served afresh."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from types import ModuleType
 
 import pytest
 
+from conformance import docs
 from conformance.__main__ import main
 from conformance.bench import batching, serving
 
@@ -63,7 +66,7 @@ def test_every_request_equals_its_generation_alone(num_kv_heads):
     assert [len(t) for t in served.tokens] == [r.new_tokens for r in requests]
 
 
-def test_prompts_join_in_the_same_chunk_as_decode_steps():
+def test_prompts_join_in_the_same_step_as_decode_steps():
     steps = _served(2)[2].steps
     assert any(_prefill_beside_decode(before, now) for before, now in itertools.pairwise(steps)), \
         [s.new_lengths for s in steps]
@@ -86,6 +89,26 @@ def test_pages_in_use_never_exceed_what_live_requests_hold():
         held = sum(math.ceil(p / PAGE) for p in step.positions)  # ceil(length / page_size) per live request
         assert all(in_use <= held for in_use in step.pages_in_use), step
     assert served.steps[-1].pages_in_use == (0, 0)  # every page back in the pool at the end
+
+
+def test_a_request_waits_while_the_pool_cannot_promise_its_whole_length():
+    model, requests, _ = _served(2)
+    tight = 9  # pages of 2: the first three requests promise 4 + 1 + 2 pages; the fourth (4 pages) must wait
+    served = serving.serve(model, requests, slots=SLOTS, page_size=PAGE, num_pages=tight)
+    assert served.tokens == _served(2)[2].tokens  # the same tokens, later
+    whole = [math.ceil((len(r.prompt) + r.new_tokens) / PAGE) for r in requests]
+    assert all(sum(whole[i] for i in step.requests if i >= 0) <= tight for step in served.steps)
+    joined = {i: next(t for t, step in enumerate(served.steps) if i in step.requests) for i in range(len(requests))}
+    held_back = [i for i, r in enumerate(requests) if any(
+        -1 in served.steps[t].requests for t in range(r.arrival, joined[i]))]  # a free slot, yet it waited
+    assert held_back, joined
+    with pytest.raises(ValueError, match=r"too few free ones|all in use"):  # without the promise: out of pages
+        promising_nothing = functools.partial(serving._join, pages=(math.inf, PAGE))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(serving, "_join", lambda *args, pages, **kwargs: promising_nothing(*args, **kwargs))
+            serving.serve(model, requests, slots=SLOTS, page_size=PAGE, num_pages=tight)
+    with pytest.raises(ValueError, match="request 0 needs 6 pages of 2 positions; the pool has 5"):
+        serving.serve(model, requests, slots=SLOTS, page_size=PAGE, num_pages=5)  # it could never join
 
 
 # --- compare --variant serve (bench/batching.py) ----------------------------------------------------------------
@@ -137,6 +160,24 @@ def test_serve_variant_runs_at_a_tiny_size_with_labelled_rows(tmp_path, capsys):
         ("pages in use", "held", batching.MEMORY_TARGET), ("pages in use", "padded contiguous", None)]
     for ratio in document["ratios"]:
         assert math.isfinite(ratio["measured"]) and ratio["measured"] > 0  # no timing target is asserted: noisy
+
+
+def test_the_recorded_run_is_the_stream_served_afresh():
+    """docs/serve.json (the performance page's table): its tokens, steps and positions are those of the stream
+    served now, and its ratios those of its rows; only the seconds are the record's own."""
+    record = json.loads(docs.SERVE_JSON.read_text())
+    config = batching.Config(**record["config"])
+    model, requests = batching.model_of(config), batching.stream(config)
+    served = batching._continuous(model, requests, config)
+    generated = sum(r.new_tokens for r in requests)
+    steps = {"continuous": len(served.steps), "static": batching.static_steps(requests, config.slots),
+             "recompute": generated}
+    assert [(row["method"], row["tokens"], row["steps"]) for row in record["rows"]] == [
+        (method, generated, steps[method]) for method in ("continuous", "static", "recompute")]
+    rows = [batching.MethodRow(**row) for row in record["rows"]]
+    assert [row.tokens_per_s for row in rows] == pytest.approx([row.tokens / row.seconds for row in rows])
+    fresh = batching.speed_ratios(rows) + batching.memory_ratios(served, requests, config)
+    assert [batching.Ratio(**ratio) for ratio in record["ratios"]] == fresh  # JSON keeps a float exactly
 
 
 def test_serve_stream_lengths_vary_tenfold():

@@ -9,7 +9,10 @@ log-uniformly from shortest .. longest (8 .. 80 by default: a 10x range, most re
 lengths run in served traffic), its first half the prompt (random tokens) and the rest the tokens to generate;
 all waiting at step 0, so that no method waits on arrivals.
 
-- continuous: serving.serve, `slots` slots over a pool of pages per layer: requests join and leave every step.
+- continuous: serving.serve, `continuous_slots` slots over a pool of pages per layer of the same positions as
+  static's padded contiguous cache (slots x the longest total): requests join as the pool admits them (the pages
+  of their whole length promised) and leave every step; a step runs the joining prompts as one ragged chunk and
+  the others' last tokens as another.
 - static: serving.static, batches of `slots` requests in arrival order, each padded to its longest prompt, a
   contiguous cache, every request stepping until the batch's longest is done.
 - recompute: serving.recompute, one request at a time, each new token a causal pass over the whole sequence.
@@ -44,7 +47,8 @@ class Config(NamedTuple):
     requests: int = 48
     shortest: int = 8
     longest: int = 80
-    slots: int = 8
+    slots: int = 8  # static's batch; its padded contiguous cache, slots x the longest total, is continuous's pool
+    continuous_slots: int = 16  # continuous's batch, as many as the pool admits (serving.serve)
     page_size: int = 4
     vocab: int = 256
     d_model: int = 64
@@ -134,10 +138,10 @@ def run(config: Config) -> tuple[list[MethodRow], list[Ratio], serving.Served]:
 
 
 def _continuous(model: serving.Model, requests: list[serving.Request], config: Config) -> serving.Served:
-    """serving.serve over pools as large as the padded contiguous cache (never short of pages): what is measured is
-    the pages in use, not the pool."""
+    """serving.serve in continuous_slots slots over pools of the positions of static's padded contiguous cache (the
+    same memory): the requests the pool admits run together."""
     longest = max(len(r.prompt) + r.new_tokens for r in requests)
-    return serving.serve(model, requests, slots=config.slots, page_size=config.page_size,
+    return serving.serve(model, requests, slots=config.continuous_slots, page_size=config.page_size,
                          num_pages=config.slots * -(-longest // config.page_size))  # ceil
 
 
@@ -186,5 +190,7 @@ def describe(config: Config, requests: list[serving.Request] | None = None) -> s
     return (f"serve: NumPy float64, tiny Llama (V={config.vocab}, D={config.d_model}, {config.n_layers} layers, "
             f"H={config.num_heads} on Hkv={config.num_kv_heads}, F={config.d_ff}); {config.requests} requests of "
             f"{min(totals)}..{max(totals)} tokens (log-uniform in {config.shortest}..{config.longest}, half prompt), "
-            f"{sum(r.new_tokens for r in requests)} generated; {config.slots} slots, pages of {config.page_size}; "
+            f"{sum(r.new_tokens for r in requests)} generated; static: {config.slots} slots, a padded contiguous "
+            f"cache; continuous: up to {config.continuous_slots} slots over pages of {config.page_size} in as many "
+            f"positions; "
             f"{config.repeats} repeats in turns, medians")

@@ -72,9 +72,10 @@ torch pieces: the same step from nn.Linear, nn.RMSNorm, a preallocated cache wri
 
 
 SERVE_FOOTNOTE = """\
-continuous: requests join free slots and leave as they finish, every step, one ragged chunk through paged caches
-  (a joining prompt beside the others' one new token). static: batches of slots requests in arrival order, each
-  padded to its longest prompt, a contiguous cache, every request stepping until the batch's longest is done.
+continuous: requests join free slots as the pool admits them and leave as they finish, every step, through paged
+  caches of the positions of static's padded cache (the joining prompts one ragged chunk, the others' new tokens
+  another). static: batches of slots requests in arrival order, each padded to its longest prompt, a contiguous
+  cache, every request stepping until the batch's longest is done.
   recompute: no cache, one request at a time, a causal pass over the whole sequence per new token.
 steps: calls of the layers on a chunk (recompute: its passes). tokens/s: the generated tokens / the median seconds;
   the three run in turns, after a check that they generate the same tokens for every request.

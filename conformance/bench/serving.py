@@ -2,7 +2,8 @@
 
 A tiny Llama-style decoder (random weights from a seed) serves a stream of requests, each a prompt of token ids
 and a number of tokens to generate, greedily, in a fixed number of slots (the batch B). At every step of `serve`:
-  1) waiting requests that have arrived join the free slots;
+  1) waiting requests that have arrived join the free slots, first come first served, as long as the pool holds
+     the pages of every live request's whole length and of theirs (admission: no request is ever short of a page);
   2) each layer's paged cache reserves the pages of this step's positions;
   3) one ragged chunk goes through the layers: a joining request's whole prompt, every other request's last
      token (`new_lengths`, one per slot; 0 for a free slot);
@@ -54,13 +55,15 @@ class Slot(NamedTuple):
 
 
 class Step(NamedTuple):
-    """One step: the chunk's new positions per slot (new_lengths), and what it left behind: the positions each
-    live request holds (its prompt and every token but the last it generated) and the pages in use in each layer's
-    pool."""
+    """One step: the new positions per slot (new_lengths; a joining slot's prompt, 1 for every other live slot), and
+    what it left behind: the positions each live request holds (its prompt and every token but the last it
+    generated), the pages in use in each layer's pool, and the request in each slot during the step (its index in
+    the stream; -1 for a free slot)."""
 
     new_lengths: tuple[int, ...]
     positions: tuple[int, ...]
     pages_in_use: tuple[int, ...]
+    requests: tuple[int, ...] = ()
 
 
 class Served(NamedTuple):
@@ -119,45 +122,76 @@ def generate_alone(model: Model, prompt: tuple[int, ...], n: int) -> list[int]:
 def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, num_pages: int) -> Served:
     """Every request's tokens, served by continuous batching in `slots` slots over paged caches of num_pages pages
     of page_size positions (one pool per layer), and what each step left in the pools."""
-    max_pages = max(-(-(len(r.prompt) + r.new_tokens) // page_size) for r in requests)  # ceil
+    whole = [-(-(len(r.prompt) + r.new_tokens) // page_size) for r in requests]  # ceil: each request's pages
+    if (i := max(range(len(requests)), key=whole.__getitem__, default=None)) is not None and whole[i] > num_pages:
+        raise ValueError(f"request {i} needs {whole[i]} pages of {page_size} positions; the pool has {num_pages}: "
+                         "it could never join")
+    max_pages = max(whole, default=1)
     caches = [block.init_paged_cache(slots, num_pages, page_size, max_pages) for block in model.blocks]
     waiting = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival))
     live: list[Slot | None] = [None] * slots
     tokens: list[list[int]] = [[] for _ in requests]
     steps: list[Step] = []
     while waiting or any(s is not None for s in live):
-        live = _join(live, waiting, requests, now=len(steps))
+        live = _join(live, waiting, requests, now=len(steps), pages=(num_pages, page_size))
         new_lengths = np.array([0 if s is None else len(s.feed) for s in live])  # (B,)
+        in_slots = tuple(-1 if s is None else s.request for s in live)
         live, caches = _step(model, live, caches, new_lengths)
         live, caches, done = _leave(live, caches, requests)
         for slot in done:
             tokens[slot.request] = list(slot.generated)
-        steps.append(_record(new_lengths, live, caches, requests))
+        steps.append(_record(new_lengths, live, caches, requests)._replace(requests=in_slots))
     return Served(tokens, steps)
 
 
-def _join(live: list[Slot | None], waiting: deque, requests: list[Request], *, now: int) -> list[Slot | None]:
-    """The slots with the arrived waiting requests, first come first served, in the free ones."""
-    live = list(live)
+def _join(live: list[Slot | None], waiting: deque, requests: list[Request], *, now: int,
+          pages: tuple[int, int]) -> list[Slot | None]:
+    """The slots with the arrived waiting requests, first come first served, in the free ones, while the pool
+    (pages = (num_pages, page_size)) holds the pages of every live request's whole length (prompt and new tokens)
+    and of the next one's: pages are taken as the positions come, but promised at admission."""
+    live, (num_pages, page) = list(live), pages
+    whole = [-(-(len(r.prompt) + r.new_tokens) // page) for r in requests]  # ceil: each request's pages at its end
+    promised = sum(whole[s.request] for s in live if s is not None)
     for b, slot in enumerate(live):
         if slot is None and waiting and requests[waiting[0]].arrival <= now:
+            if promised + whole[waiting[0]] > num_pages:
+                break  # first come first served: the next request waits for pages
             i = waiting.popleft()
-            live[b] = Slot(request=i, feed=tuple(requests[i].prompt), generated=())
+            live[b], promised = Slot(request=i, feed=tuple(requests[i].prompt), generated=()), promised + whole[i]
     return live
 
 
 def _step(model: Model, live: list[Slot | None], caches: list,
           new_lengths: np.ndarray) -> tuple[list[Slot | None], list]:
-    """One ragged chunk through the layers, new_lengths (B,) each live slot's feed; each slot's next token."""
-    # (B, L), padding token 0; a step with no live slot (nothing has arrived yet) is all padding, L = 1
-    chunk = np.zeros((len(live), max(new_lengths.max(), 1)), np.int64)
-    for b, slot in enumerate(live):
-        if slot is not None:
-            chunk[b, :len(slot.feed)] = slot.feed
+    """One step of the live slots, new_lengths (B,) their feeds: the joining prompts as one ragged chunk, the others'
+    last tokens as another (a chunk of one position), so that no one-token row is padded to a prompt's length; each
+    slot's next token."""
     caches = [cache.reserve(new_lengths) for cache in caches]
-    scores, caches = logits(model, chunk, caches, new_lengths)  # (B, V)
+    scores = np.zeros((len(live), model.head.shape[1]), model.head.dtype)  # (B, V)
+    joining = [b for b, s in enumerate(live) if s is not None and not s.generated]
+    decoding = [b for b, s in enumerate(live) if s is not None and s.generated]
+    for rows in (np.array(joining, np.int64), np.array(decoding, np.int64)):
+        if rows.size:
+            chunk = np.zeros((rows.size, new_lengths[rows].max()), np.int64)  # (b, L), padding token 0
+            for i, b in enumerate(rows.tolist()):
+                chunk[i, :new_lengths[b]] = live[b].feed
+            scores[rows], parts = logits(model, chunk, [_rows_of(cache, rows) for cache in caches], new_lengths[rows])
+            caches = [_with_rows(cache, rows, part) for cache, part in zip(caches, parts, strict=True)]
     after = [None if s is None else _advance(s, scores[b]) for b, s in enumerate(live)]
     return after, caches
+
+
+def _rows_of(cache: M.PagedKVCache, rows: np.ndarray) -> M.PagedKVCache:
+    """The paged cache of some of its sequences (indices `rows`): their rows of the block table and lengths, the
+    same pool."""
+    return cache._replace(block_table=cache.block_table[rows], length=cache.length[rows])
+
+
+def _with_rows(cache: M.PagedKVCache, rows: np.ndarray, part: M.PagedKVCache) -> M.PagedKVCache:
+    """The cache after `part` (from _rows_of(cache, rows)) was extended: its pool and its sequences' lengths."""
+    length = np.array(cache.length, copy=True)
+    length[rows] = part.length
+    return cache._replace(k=part.k, v=part.v, length=length)
 
 
 def _advance(slot: Slot, scores: np.ndarray) -> Slot:
