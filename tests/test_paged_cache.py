@@ -36,11 +36,12 @@ def _extend(M: ModuleType) -> Callable:
     return jax.jit(call)
 
 
-def _decode(M: ModuleType, block, cache, steps=STEPS, seed: int = 0,
-            masked: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """STEPS through `cache` (paged: each step's pages reserved first): the outputs and weights of every step;
-    with `masked`, each step hides a drawn third of the keys, (B, 1, L, capacity) at their positions."""
-    extend, outs, weights = _extend(M), [], []
+def _decode(M: ModuleType, block, cache, steps=STEPS, seed: int = 0, masked: bool = False,
+            extend: Callable | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """STEPS through `cache` (paged: each step's pages reserved first) by `extend` (_extend's by default): the
+    outputs and weights of every step; with `masked`, each step hides a drawn third of the keys, (B, 1, L,
+    capacity) at their positions."""
+    extend, outs, weights = extend or _extend(M), [], []
     for t, lengths in enumerate(steps):
         new = M.asarray(np.array(lengths, np.int32))
         if hasattr(cache, "block_table"):
@@ -81,12 +82,14 @@ def test_decoding_through_pages_equals_the_contiguous_cache(backend: ModuleType,
 def test_reading_several_pages_at_a_time_changes_nothing(backend: ModuleType, tile: int,
                                                          monkeypatch: pytest.MonkeyPatch):
     """Attention reads the pages a tile at a time (pages.TILE positions): one page per tile, or three with the
-    table's last tile cut short (5 blocks), give what the contiguous cache gives."""
+    table's last tile cut short (5 blocks), give what the contiguous cache gives. JAX reads pages.TILE when it
+    traces: a fresh jax.jit here, so that the shared one, traced with another TILE, is not reused."""
     from attention_np.common import pages
 
     monkeypatch.setattr(pages, "TILE", tile)
     block = _module(backend, "block", **LLAMA)
-    paged_outs, paged_weights = _decode(backend, block, _paged(backend, block, SHUFFLED), masked=True)
+    fresh = _extend.__wrapped__(backend)  # traced with this TILE
+    paged_outs, paged_weights = _decode(backend, block, _paged(backend, block, SHUFFLED), masked=True, extend=fresh)
     contiguous = block.init_cache((B,), PAGE * MAX_PAGES)
     outs, weights = _decode(backend, block, contiguous._replace(length=backend.asarray(np.zeros(B, np.int32))),
                             masked=True)
