@@ -17,10 +17,13 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 from conformance.__main__ import main
 from conformance.bench import batching, serving
+from tests._compare import REORDERED, assert_close
+from tests.conftest import import_backend
 
 SLOTS, PAGE, PAGES = 3, 2, 14
 STREAM = (  # (prompt, new tokens, arrival step): prompts of 1-6 tokens, 1-5 new, four arriving late
@@ -86,6 +89,42 @@ def test_pages_in_use_never_exceed_what_live_requests_hold():
         held = sum(math.ceil(p / PAGE) for p in step.positions)  # ceil(length / page_size) per live request
         assert all(in_use <= held for in_use in step.pages_in_use), step
     assert served.steps[-1].pages_in_use == (0, 0)  # every page back in the pool at the end
+
+
+def test_jax_serves_the_stream_with_one_compiled_decode_step():
+    """The stream served by JAX blocks (NumPy's weights) with the layers of every step under one jax.jit: the
+    table, the lengths and new_lengths are data, so every step of one chunk width runs one compiled program, the
+    decode steps (width 1, slots joining and leaving, pages reserved and released on the host between steps) and
+    the idle ones alike; a prefill step of another width (its longest joining prompt) compiles once for that
+    width. Each step's outputs equal NumPy's serving of the same stream."""
+    jax = pytest.importorskip("jax")
+    J = import_backend("attention_jax")
+    model, requests, _ = _served(2)
+    blocks = tuple(J.TransformerBlock.from_state_dict(block.state_dict(), num_heads=4, norm_first=True,
+                                                      rope_theta=block.attn.rope_theta).eval()
+                   for block in model.blocks)
+    traces, outs = [], {"numpy": [], "jax": []}
+
+    def traced(blocks, x, caches, new_lengths):
+        traces.append(x.shape[1])  # runs when JAX traces, not when the compiled program runs
+        return serving.layers(blocks, x, caches, new_lengths)
+
+    def recorded(name, layers):
+        def run(blocks, x, caches, new_lengths):
+            x, caches = layers(blocks, x, caches, new_lengths)
+            outs[name].append(np.asarray(x))  # (B, L, D)
+            return x, caches
+        return run
+
+    kwargs = {"slots": SLOTS, "page_size": PAGE, "num_pages": PAGES}
+    expected = serving.serve(model, requests, layers=recorded("numpy", serving.layers), **kwargs)
+    served = serving.serve(model._replace(blocks=blocks), requests, layers=recorded("jax", jax.jit(traced)), **kwargs)
+    assert served == expected  # the tokens, each step's new lengths, positions and pages in use
+    for t, (got, want) in enumerate(zip(outs["jax"], outs["numpy"], strict=True)):
+        assert_close(got, want, REORDERED, f"step {t}'s outputs")
+    widths = [max(*step.new_lengths, 1) for step in served.steps]  # each step's chunk width
+    assert widths.count(1) > len(STREAM) and traces.count(1) == 1  # every step of width 1: one program
+    assert sorted(traces) == sorted(set(widths))  # and one per prefill width
 
 
 # --- compare --variant serve (bench/batching.py) ----------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -83,16 +84,24 @@ def tiny_llama(*, vocab: int, d_model: int, n_layers: int, num_heads: int, num_k
     return Model(embedding, blocks, norm=np.ones(d_model, dtype), eps=1e-5, head=head)
 
 
-def logits(model: Model, tokens: np.ndarray, caches: list,
-           new_lengths: np.ndarray | None = None) -> tuple[np.ndarray, list]:
+def layers(blocks: tuple, x: np.ndarray, caches: list, new_lengths: np.ndarray | None) -> tuple[np.ndarray, list]:
+    """A chunk x (B, L, D) through the decoder layers, each extending its own cache: x (B, L, D) and the caches.
+    serve and logits take another function of these arguments (`layers=`): a compiled one (tests/test_serve.py
+    runs a stream of JAX blocks under one jax.jit of this one)."""
+    extended = []
+    for block, cache in zip(blocks, caches, strict=True):
+        x, _, cache = block.extend(x, cache, new_lengths=new_lengths, need_weights=False)  # (B, L, D)
+        extended.append(cache)
+    return x, extended
+
+
+def logits(model: Model, tokens: np.ndarray, caches: list, new_lengths: np.ndarray | None = None, *,
+           layers: Callable = layers) -> tuple[np.ndarray, list]:
     """The logits (B, V) at each sequence's last new position of a chunk of tokens (B, L) after the positions in the
     caches (one per layer), and the caches holding the chunk too; new_lengths (B,): sequence b's first
     new_lengths[b] tokens (None: all L). The head runs on those B positions only: greedy decoding reads no other."""
-    x = model.embedding[tokens]  # (B, L) -> (B, L, D)
-    extended = []
-    for block, cache in zip(model.blocks, caches, strict=True):
-        x, _, cache = block.extend(x, cache, new_lengths=new_lengths, need_weights=False)  # (B, L, D)
-        extended.append(cache)
+    x, extended = layers(model.blocks, model.embedding[tokens], caches, new_lengths)  # (B, L) -> (B, L, D)
+    x = np.asarray(x)  # another backend's blocks: the head in NumPy
     B, L, _ = x.shape
     last = np.full(B, L - 1) if new_lengths is None else np.maximum(new_lengths - 1, 0)  # (B,); a free slot: 0
     return _head(model, x[np.arange(B), last][:, None])[:, 0], extended  # (B, 1, D) -> (B, V)
@@ -116,9 +125,11 @@ def generate_alone(model: Model, prompt: tuple[int, ...], n: int) -> list[int]:
     return generated
 
 
-def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, num_pages: int) -> Served:
+def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, num_pages: int,
+          layers: Callable = layers) -> Served:
     """Every request's tokens, served by continuous batching in `slots` slots over paged caches of num_pages pages
-    of page_size positions (one pool per layer), and what each step left in the pools."""
+    of page_size positions (one pool per layer), and what each step left in the pools; `layers` runs each step's
+    chunk through the layers (see `layers`)."""
     max_pages = max(-(-(len(r.prompt) + r.new_tokens) // page_size) for r in requests)  # ceil
     caches = [block.init_paged_cache(slots, num_pages, page_size, max_pages) for block in model.blocks]
     waiting = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival))
@@ -128,7 +139,7 @@ def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, 
     while waiting or any(s is not None for s in live):
         live = _join(live, waiting, requests, now=len(steps))
         new_lengths = np.array([0 if s is None else len(s.feed) for s in live])  # (B,)
-        live, caches = _step(model, live, caches, new_lengths)
+        live, caches = _step(model, live, caches, new_lengths, layers)
         live, caches, done = _leave(live, caches, requests)
         for slot in done:
             tokens[slot.request] = list(slot.generated)
@@ -146,8 +157,8 @@ def _join(live: list[Slot | None], waiting: deque, requests: list[Request], *, n
     return live
 
 
-def _step(model: Model, live: list[Slot | None], caches: list,
-          new_lengths: np.ndarray) -> tuple[list[Slot | None], list]:
+def _step(model: Model, live: list[Slot | None], caches: list, new_lengths: np.ndarray,
+          layers: Callable) -> tuple[list[Slot | None], list]:
     """One ragged chunk through the layers, new_lengths (B,) each live slot's feed; each slot's next token."""
     # (B, L), padding token 0; a step with no live slot (nothing has arrived yet) is all padding, L = 1
     chunk = np.zeros((len(live), max(new_lengths.max(), 1)), np.int64)
@@ -155,7 +166,7 @@ def _step(model: Model, live: list[Slot | None], caches: list,
         if slot is not None:
             chunk[b, :len(slot.feed)] = slot.feed
     caches = [cache.reserve(new_lengths) for cache in caches]
-    scores, caches = logits(model, chunk, caches, new_lengths)  # (B, V)
+    scores, caches = logits(model, chunk, caches, new_lengths, layers=layers)  # (B, V)
     after = [None if s is None else _advance(s, scores[b]) for b, s in enumerate(live)]
     return after, caches
 
