@@ -356,10 +356,16 @@ class MultiHeadAttention(nn.Module):
 
         # 1) project, turn, write the kept rows into their pages in place: position p at (table[b, p // page], p % page)
         q, k, v, _, end, positions, kept = self._new_rows(x_q, x_kv, cache, new_lengths, tuple(cache.length.shape))
-        sequence, row = torch.nonzero(kept, as_tuple=True)
-        at = positions[sequence, row]
-        slot = (cache.block_table[sequence, at // page], slice(None), at % page)  # (n, Hkv, d_k) each
-        cache.k[slot], cache.v[slot] = k[sequence, :, row], v[sequence, :, row]
+        blocks = (positions // page).clamp(max=cache.block_table.shape[1] - 1)
+        index = cache.block_table.gather(1, blocks).clamp(min=0)  # (B, L): each row's page
+        # torch: every row is written, shapes fixed for torch.compile (no nonzero) and no index dropped: a padding
+        # row aims at the first kept row's slot and writes what that slot will hold (none kept: what it holds)
+        first = kept.flatten().to(torch.uint8).argmax(dim=0, keepdim=True)  # (1,): the first kept row, or row 0
+        index, at = (torch.where(kept, x, x.flatten()[first]) for x in (index, positions % page))  # (B, L) each
+        for pool, rows in ((cache.k, k.transpose(1, 2)), (cache.v, v.transpose(1, 2))):  # rows (B, L, Hkv, d_k)
+            held = torch.where(kept.flatten()[first, None, None], rows.flatten(0, 1)[first],
+                               pool[index.flatten()[first], :, at.flatten()[first]])  # (1, Hkv, d_k)
+            pool[index, :, at] = torch.where(kept[..., None, None], rows, held)
 
         # 2) attend block by block: the online softmax over each sequence's pages (flash.py's m, l, O)
         out, lse = self._through_pages(q, cache, positions, end, mask)  # (B, H, L, d_k), (B, H, L)
@@ -401,8 +407,11 @@ class MultiHeadAttention(nn.Module):
         q = q.to(torch.promote_types(q.dtype, torch.float32))
         m = torch.full(q.shape[:-1], -torch.inf, dtype=q.dtype, device=q.device)  # (B, H, L)
         total, acc = torch.zeros_like(m), torch.zeros_like(q)
-        reached = int(end.max()) if end.numel() else 0
-        for tile in range(pages.tiles(reached, cache.k.shape[-2])):  # the tiles some sequence reaches
+        M, page = cache.block_table.shape[1], cache.k.shape[-2]
+        reached = M * page  # torch: compiled, no value is read on the host: every tile of the table, as JAX's scan
+        if not torch.compiler.is_compiling():  # eagerly, only the tiles some sequence reaches
+            reached = int(end.max()) if end.numel() else 0
+        for tile in range(pages.tiles(reached, page)):  # a tile no sequence reaches would add nothing
             scores, v = self._page_scores(q, cache, tile, positions, end, mask)
             m_new = torch.maximum(m, scores.amax(dim=-1))
             shift = torch.where(torch.isfinite(m_new), m_new, 0)  # a row with no key seen yet keeps 0
@@ -429,7 +438,8 @@ class MultiHeadAttention(nn.Module):
     def _check_paged(self, inputs: dict[str, torch.Tensor], cache: PagedKVCache, mask: torch.Tensor | None,
                      new_lengths: torch.Tensor | None) -> None:
         """The checks of extend over a paged cache: inputs (B, L, D) of the block table's B sequences, a mask of
-        (B, H, L, max_pages * page_size) at most, and a page reserved for every position to be written."""
+        (B, H, L, max_pages * page_size) at most, and (where the values are known, outside torch.compile) a page
+        reserved for every position to be written."""
         weight, (B, M), page = self.w_q.weight, cache.block_table.shape, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), (B, 1, 1, 1),
                                     weight.shape[1])
@@ -441,6 +451,9 @@ class MultiHeadAttention(nn.Module):
         if new_lengths is not None:
             validation.lengths("new_lengths", (B,), tuple(torch.as_tensor(new_lengths).shape), str(new.dtype),
                                not new.is_floating_point() and new.dtype != torch.bool)
+        if torch.compiler.is_compiling():  # torch: the values are seen eagerly only (a compiled step reads none)
+            return
+        if new_lengths is not None:
             validation.new_lengths_range(L, new.cpu().numpy())
         length = cache.length.cpu().numpy()
         validation.cache_room(M * page, length, new.cpu().numpy())
