@@ -1,8 +1,9 @@
 """The paged key/value cache (SPEC 3b) on every backend: decoding through pages equals decoding with the
 contiguous cache of a length per sequence, whatever the block table (pages shuffled, a pool shared by every
 sequence, pages freed by one sequence and reused by another); NaN in every unused slot of the pool changes no
-output bit; the pages are reserved before extend writes them, and the errors say so; JAX serves every block
-table with one compiled step."""
+output bit; reading the pages a tile at a time changes nothing, whatever the tile; the pages are reserved before
+extend writes them, and the errors say so; JAX serves every block table with one compiled step, and torch's decode
+step compiles whole (fullgraph), one graph for every step."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 decoded alone with a contiguous cache, though requests join late, their prompts prefilled in the same ragged chunk
 as the others' decode steps, and pages freed by finished requests serve the next; a pool's pages in use never
 exceed ceil(length / page_size) per live request. `compare --variant serve` (bench/batching.py) sets it against
-static batching with padding and recomputing: the three give every request the same tokens."""
+static batching with padding and recomputing: the three give every request the same tokens. Served by JAX blocks
+under one jax.jit of the layers, the stream's decode steps run one compiled program."""
 
 from __future__ import annotations
 
