@@ -353,8 +353,8 @@ class MultiHeadAttention(Module):
                new_lengths: jax.Array | None, *,
                need_weights: bool) -> tuple[jax.Array, jax.Array | None, PagedKVCache]:
         """extend over a paged cache: as _ragged, the keys and values written into their sequences' pages and
-        attention read through the block table, one block of every sequence at a time (the online softmax of
-        flash.py over the blocks): no sequence's keys are ever gathered whole."""
+        attention read through the block table, one tile of pages of every sequence at a time (the online softmax
+        of flash.py over the tiles, pages.TILE positions each): no sequence's keys are ever gathered whole."""
         page = cache.k.shape[-2]
 
         # 1) project, turn, scatter the kept rows into their pages: position p at (table[b, p // page], p % page)
@@ -378,46 +378,53 @@ class MultiHeadAttention(Module):
         out = jnp.where(kept[..., None], self.w_o(self._merge_heads(jnp.where(own, out, 0))), 0)  # (B, L, D)
         return out, weights, cache._replace(length=end)
 
-    def _page_scores(self, q: jax.Array, cache: PagedKVCache, block: jax.Array, positions: jax.Array,
+    def _page_scores(self, q: jax.Array, cache: PagedKVCache, tile: jax.Array, positions: jax.Array,
                      end: jax.Array, mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        """Block `block` of every sequence: its scores (B, H, L, page), -inf where hidden, and the values (B, Hkv,
-        page, d_k) with the slots no query sees zeroed (a NaN left in an unused slot reaches no output)."""
-        page, M = cache.k.shape[-2], cache.block_table.shape[1]
-        index = cache.block_table[:, block]  # (B,): each sequence's page of this block, -1 where none
-        k, v = cache.k[jnp.maximum(index, 0)], cache.v[jnp.maximum(index, 0)]  # (B, Hkv, page, d_k): one page each
-        at = block * page + jnp.arange(page, dtype=positions.dtype)  # (page,): the positions the block holds
-        held = (at[None, :] < end[:, None]) & (index >= 0)[:, None]  # (B, page): filled slots of a held page
-        seen = held[:, None, None, :] & (at[None, None, None, :] <= positions[:, None, :, None])  # (B, 1, L, page)
-        if mask is not None:  # (..., H, L, M * page) -> this block's columns (jax: block may be traced)
-            columns = jax.lax.dynamic_slice_in_dim(jnp.broadcast_to(mask, (*mask.shape[:-1], M * page)),
-                                                   block * page, page, axis=-1)
+        """Tile `tile` of every sequence (its blocks tile * n .. tile * n + n - 1, n = pages.tile_blocks(page), T = n
+        * page positions): its scores (B, H, L, T), -inf where hidden, and the values (B, Hkv, T, d_k) with the
+        slots no query sees zeroed (a NaN left in an unused slot reaches no output)."""
+        (B, M), page = cache.block_table.shape, cache.k.shape[-2]
+        n = pages.tile_blocks(page)  # jax: read when the step is traced, a shape
+        blocks = tile * n + jnp.arange(n, dtype=positions.dtype)  # (n,); past the table's M blocks: no page
+        index = jnp.where(blocks < M, cache.block_table[:, jnp.minimum(blocks, M - 1)], pages.NO_PAGE)  # (B, n)
+        k, v = (jnp.moveaxis(pool[jnp.maximum(index, 0)], 1, 2).reshape(B, -1, n * page, pool.shape[-1])
+                for pool in (cache.k, cache.v))  # (B, n, Hkv, page, d_k) -> (B, Hkv, T, d_k): n pages each
+        at = blocks[0] * page + jnp.arange(n * page, dtype=positions.dtype)  # (T,): the positions the tile holds
+        held = (at[None, :] < end[:, None]) & jnp.repeat(index >= 0, page, axis=1)  # (B, T): filled slots of held pages
+        seen = held[:, None, None, :] & (at[None, None, None, :] <= positions[:, None, :, None])  # (B, 1, L, T)
+        if mask is not None:  # (..., H, L, M * page) -> the tile's columns (past the table: not held anyway)
+            columns = mask[..., jnp.minimum(at, M * page - 1)] if jnp.shape(mask)[-1] > 1 else mask
             seen = seen & (columns if columns.dtype == jnp.bool_ else columns != 0)  # jax: no bool-int compare
-        G, scale = self.num_heads // self.num_kv_heads, 1.0 / math.sqrt(q.shape[-1])
-        scores = (q * scale) @ jnp.swapaxes(jnp.repeat(k, G, axis=1), -1, -2).astype(q.dtype)  # (B, H, L, page)
+        k = k.astype(q.dtype)  # jax: a narrower pool meets q in its dtype (no implicit promotion)
+        q, k, _ = self._grouped_heads(q / math.sqrt(q.shape[-1]), k, k)  # (B, Hkv, G, L, d_k), (B, Hkv, 1, T, d_k)
+        scores = _ungrouped(q @ jnp.swapaxes(k, -1, -2))  # (B, Hkv, G, L, T) -> (B, H, L, T)
         return jnp.where(seen, scores, -jnp.inf), jnp.where(held[:, None, :, None], v, 0)
 
     def _through_pages(self, q: jax.Array, cache: PagedKVCache, positions: jax.Array, end: jax.Array,
                        mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        """out (B, H, L, d_k) and lse (B, H, L) over the blocks of every sequence, by the online softmax:
+        """out (B, H, L, d_k) and lse (B, H, L) over the tiles of every sequence, by the online softmax:
         m_t = max(m_{t-1}, rowmax(S_t)), l_t = e^(m_{t-1} - m_t) l_{t-1} + rowsum(e^(S_t - m_t)),
         O_t = e^(m_{t-1} - m_t) O_{t-1} + e^(S_t - m_t) V_t;  out = O / l (0 where no key is seen). jax: a
-        lax.scan over the table's blocks, every one (a block no sequence reaches adds nothing)."""
+        lax.scan over the table's tiles, every one (a tile no sequence reaches adds nothing); a tile past the
+        table's last block reads no page, so every tile has one shape."""
         q = q.astype(_at_least_float32(q.dtype))
-        G = self.num_heads // self.num_kv_heads
 
-        def step(carry: tuple, block: jax.Array) -> tuple[tuple, None]:
+        def step(carry: tuple, tile: jax.Array) -> tuple[tuple, None]:
             m, total, acc = carry
-            scores, v = self._page_scores(q, cache, block, positions, end, mask)
+            scores, v = self._page_scores(q, cache, tile, positions, end, mask)
             m_new = jnp.maximum(m, scores.max(axis=-1))
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0)  # a row with no key seen yet keeps 0
-            weights = jnp.exp(scores - shift[..., None])  # (B, H, L, page); hidden: exp(-inf) = 0
+            weights = jnp.exp(scores - shift[..., None])  # (B, H, L, T); hidden: exp(-inf) = 0
             decay = jnp.exp(m - shift)  # exp(-inf) = 0 before the first seen key
-            acc = decay[..., None] * acc + weights @ jnp.repeat(v, G, axis=1).astype(q.dtype)
-            return (m_new, decay * total + weights.sum(axis=-1), acc), None
+            total = decay * total + weights.sum(axis=-1)
+            weights, v, _ = self._grouped_heads(weights, v.astype(q.dtype), v)  # v: (B, Hkv, 1, T, d_k)
+            acc = decay[..., None] * acc + _ungrouped(weights @ v)  # (B, Hkv, G, L, d_k) -> (B, H, L, d_k)
+            return (m_new, total, acc), None
 
         start = (jnp.full(q.shape[:-1], -jnp.inf, q.dtype), jnp.zeros(q.shape[:-1], q.dtype), jnp.zeros_like(q))
-        blocks = jnp.arange(cache.block_table.shape[1], dtype=positions.dtype)
-        (m, total, acc), _ = jax.lax.scan(step, start, blocks)
+        M, page = cache.block_table.shape[1], cache.k.shape[-2]
+        tiles = jnp.arange(pages.tiles(M * page, page), dtype=positions.dtype)  # jax: every tile of the table
+        (m, total, acc), _ = jax.lax.scan(step, start, tiles)
         seen = total > 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, total, 1)[..., None], 0)
         return out, jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1)), -jnp.inf)
@@ -425,13 +432,12 @@ class MultiHeadAttention(Module):
     def _page_weights(self, q: jax.Array, cache: PagedKVCache, positions: jax.Array, end: jax.Array,
                       mask: jax.Array | None, lse: jax.Array) -> jax.Array:
         """The weights exp(s - lse) (B, H, L, max_pages * page) at each key's position in its sequence."""
+        work, M, page = lse.dtype, cache.block_table.shape[1], cache.k.shape[-2]
         finite = jnp.isfinite(lse)[..., None]  # a query that sees no key: a row of zeros
-        q = q.astype(lse.dtype)
-        blocks = [jnp.where(finite, jnp.exp(self._page_scores(q, cache, jnp.asarray(block, positions.dtype),
-                                                              positions, end, mask)[0]
-                                            - jnp.where(finite, lse[..., None], 0)), 0)
-                  for block in range(cache.block_table.shape[1])]
-        return jnp.concatenate(blocks, axis=-1).astype(q.dtype)
+        tiles = [jnp.where(finite, jnp.exp(self._page_scores(q.astype(work), cache, tile, positions, end,
+                                                             mask)[0] - jnp.where(finite, lse[..., None], 0)), 0)
+                 for tile in range(pages.tiles(M * page, page))]
+        return jnp.concatenate(tiles, axis=-1)[..., :M * page].astype(q.dtype)
 
     def _check_paged(self, inputs: dict[str, jax.Array], cache: PagedKVCache, mask: jax.Array | None,
                      new_lengths: jax.Array | None) -> None:

@@ -350,16 +350,22 @@ class MultiHeadAttention(nn.Module):
                new_lengths: torch.Tensor | None, *,
                need_weights: bool) -> tuple[torch.Tensor, torch.Tensor | None, PagedKVCache]:
         """extend over a paged cache: as _ragged, the keys and values written into their sequences' pages and
-        attention read through the block table, one block of every sequence at a time (the online softmax of
-        flash.py over the blocks): no sequence's keys are ever gathered whole."""
+        attention read through the block table, one tile of pages of every sequence at a time (the online softmax
+        of flash.py over the tiles, pages.TILE positions each): no sequence's keys are ever gathered whole."""
         page = cache.k.shape[-2]
 
         # 1) project, turn, write the kept rows into their pages in place: position p at (table[b, p // page], p % page)
         q, k, v, _, end, positions, kept = self._new_rows(x_q, x_kv, cache, new_lengths, tuple(cache.length.shape))
-        sequence, row = torch.nonzero(kept, as_tuple=True)
-        at = positions[sequence, row]
-        slot = (cache.block_table[sequence, at // page], slice(None), at % page)  # (n, Hkv, d_k) each
-        cache.k[slot], cache.v[slot] = k[sequence, :, row], v[sequence, :, row]
+        blocks = (positions // page).clamp(max=cache.block_table.shape[1] - 1)
+        index = cache.block_table.gather(1, blocks).clamp(min=0)  # (B, L): each row's page
+        # torch: every row is written, shapes fixed for torch.compile (no nonzero) and no index dropped: a padding
+        # row aims at the first kept row's slot and writes what that slot will hold (none kept: what it holds)
+        first = kept.flatten().to(torch.uint8).argmax(dim=0, keepdim=True)  # (1,): the first kept row, or row 0
+        index, at = (torch.where(kept, x, x.flatten()[first]) for x in (index, positions % page))  # (B, L) each
+        for pool, rows in ((cache.k, k.transpose(1, 2)), (cache.v, v.transpose(1, 2))):  # rows (B, L, Hkv, d_k)
+            held = torch.where(kept.flatten()[first, None, None], rows.flatten(0, 1)[first],
+                               pool[index.flatten()[first], :, at.flatten()[first]])  # (1, Hkv, d_k)
+            pool[index, :, at] = torch.where(kept[..., None, None], rows, held)
 
         # 2) attend block by block: the online softmax over each sequence's pages (flash.py's m, l, O)
         out, lse = self._through_pages(q, cache, positions, end, mask)  # (B, H, L, d_k), (B, H, L)
@@ -372,40 +378,48 @@ class MultiHeadAttention(nn.Module):
         out = torch.where(kept[..., None], self.w_o(self._merge_heads(torch.where(own, out, 0).to(x_q.dtype))), 0)
         return out, weights, cache._replace(length=end)
 
-    def _page_scores(self, q: torch.Tensor, cache: PagedKVCache, block: int, positions: torch.Tensor, end: torch.Tensor,
+    def _page_scores(self, q: torch.Tensor, cache: PagedKVCache, tile: int, positions: torch.Tensor, end: torch.Tensor,
                      mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block `block` of every sequence: its scores (B, H, L, page), -inf where hidden, and the values (B, Hkv,
-        page, d_k) with the slots no query sees zeroed (a NaN left in an unused slot reaches no output)."""
-        page = cache.k.shape[-2]
-        index = cache.block_table[:, block]  # (B,): each sequence's page of this block, -1 where none
-        k, v = cache.k[index.clamp(min=0)], cache.v[index.clamp(min=0)]  # (B, Hkv, page, d_k): one page each
-        at = block * page + torch.arange(page, device=q.device)  # (page,): the positions the block holds
-        held = (at < end[:, None]) & (index >= 0)[:, None]  # (B, page): filled slots of a page the sequence has
-        seen = held[:, None, None, :] & (at <= positions[:, None, :, None])  # (B, 1, L, page): causal
-        if mask is not None:  # (..., H, L, M * page) -> this block's columns
-            seen = seen & (mask[..., block * page:(block + 1) * page] != 0)
-        G, scale = self.num_heads // self.num_kv_heads, 1.0 / math.sqrt(q.shape[-1])
-        scores = (q * scale) @ k.repeat_interleave(G, dim=1).transpose(-1, -2).to(q.dtype)  # (B, H, L, page)
+        """Tile `tile` of every sequence (its blocks tile * n .. tile * n + n - 1, n = pages.tile_blocks(page), T = n
+        * page positions): its scores (B, H, L, T), -inf where hidden, and the values (B, Hkv, T, d_k) with the
+        slots no query sees zeroed (a NaN left in an unused slot reaches no output)."""
+        (B, M), page = cache.block_table.shape, cache.k.shape[-2]
+        n = pages.tile_blocks(page)
+        blocks = tile * n + torch.arange(n, device=q.device)  # (n,); past the table's M blocks: no page
+        index = torch.where(blocks < M, cache.block_table[:, blocks.clamp(max=M - 1)], pages.NO_PAGE)  # (B, n)
+        k, v = (pool[index.clamp(min=0)].transpose(1, 2).reshape(B, -1, n * page, pool.shape[-1])
+                for pool in (cache.k, cache.v))  # (B, n, Hkv, page, d_k) -> (B, Hkv, T, d_k): n pages each
+        at = blocks[0] * page + torch.arange(n * page, device=q.device)  # (T,): the positions the tile holds
+        held = (at < end[:, None]) & (index >= 0).repeat_interleave(page, dim=1)  # (B, T): filled slots of held pages
+        seen = held[:, None, None, :] & (at <= positions[:, None, :, None])  # (B, 1, L, T): causal
+        if mask is not None:  # (..., H, L, M * page) -> the tile's columns (past the table: not held anyway)
+            seen = seen & ((mask[..., at.clamp(max=M * page - 1)] if mask.shape[-1] > 1 else mask) != 0)
+        k = k.to(q.dtype)  # torch: matmul takes one dtype, a narrower pool meets q in its own
+        q, k, _ = self._grouped_heads(q / math.sqrt(q.shape[-1]), k, k)  # (B, Hkv, G, L, d_k), (B, Hkv, 1, T, d_k)
+        scores = _ungrouped(q @ k.transpose(-1, -2))  # (B, Hkv, G, L, T) -> (B, H, L, T)
         return torch.where(seen, scores, -torch.inf), torch.where(held[:, None, :, None], v, 0)
 
     def _through_pages(self, q: torch.Tensor, cache: PagedKVCache, positions: torch.Tensor, end: torch.Tensor,
                        mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """out (B, H, L, d_k) and lse (B, H, L) over the blocks of every sequence, by the online softmax:
+        """out (B, H, L, d_k) and lse (B, H, L) over the tiles of every sequence, by the online softmax:
         m_t = max(m_{t-1}, rowmax(S_t)), l_t = e^(m_{t-1} - m_t) l_{t-1} + rowsum(e^(S_t - m_t)),
         O_t = e^(m_{t-1} - m_t) O_{t-1} + e^(S_t - m_t) V_t;  out = O / l (0 where no key is seen)."""
         q = q.to(torch.promote_types(q.dtype, torch.float32))
-        G = self.num_heads // self.num_kv_heads
         m = torch.full(q.shape[:-1], -torch.inf, dtype=q.dtype, device=q.device)  # (B, H, L)
         total, acc = torch.zeros_like(m), torch.zeros_like(q)
-        reached = -(-int(end.max()) // cache.k.shape[-2]) if end.numel() else 0
-        for block in range(reached):  # the blocks some sequence reaches
-            scores, v = self._page_scores(q, cache, block, positions, end, mask)
+        M, page = cache.block_table.shape[1], cache.k.shape[-2]
+        reached = M * page  # torch: compiled, no value is read on the host: every tile of the table, as JAX's scan
+        if not torch.compiler.is_compiling():  # eagerly, only the tiles some sequence reaches
+            reached = int(end.max()) if end.numel() else 0
+        for tile in range(pages.tiles(reached, page)):  # a tile no sequence reaches would add nothing
+            scores, v = self._page_scores(q, cache, tile, positions, end, mask)
             m_new = torch.maximum(m, scores.amax(dim=-1))
             shift = torch.where(torch.isfinite(m_new), m_new, 0)  # a row with no key seen yet keeps 0
-            weights = torch.exp(scores - shift[..., None])  # (B, H, L, page); hidden: exp(-inf) = 0
+            weights = torch.exp(scores - shift[..., None])  # (B, H, L, T); hidden: exp(-inf) = 0
             decay = torch.exp(m - shift)  # exp(-inf) = 0 before the first seen key
             total = decay * total + weights.sum(dim=-1)
-            acc = decay[..., None] * acc + weights @ v.repeat_interleave(G, dim=1).to(q.dtype)
+            weights, v, _ = self._grouped_heads(weights, v.to(q.dtype), v)  # v: (B, Hkv, 1, T, d_k)
+            acc = decay[..., None] * acc + _ungrouped(weights @ v)  # (B, Hkv, G, L, d_k) -> (B, H, L, d_k)
             m = m_new
         seen = total > 0
         out = torch.where(seen[..., None], acc / torch.where(seen, total, 1)[..., None], 0)
@@ -414,16 +428,18 @@ class MultiHeadAttention(nn.Module):
     def _page_weights(self, q: torch.Tensor, cache: PagedKVCache, positions: torch.Tensor, end: torch.Tensor,
                       mask: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor:
         """The weights exp(s - lse) (B, H, L, max_pages * page) at each key's position in its sequence."""
+        work, M, page = lse.dtype, cache.block_table.shape[1], cache.k.shape[-2]
         finite = torch.isfinite(lse)[..., None]  # a query that sees no key: a row of zeros
-        blocks = [torch.where(finite, torch.exp(self._page_scores(q.to(lse.dtype), cache, block, positions, end,
-                                                                  mask)[0] - torch.where(finite, lse[..., None], 0)), 0)
-                  for block in range(cache.block_table.shape[1])]
-        return torch.cat(blocks, dim=-1).to(q.dtype)
+        tiles = [torch.where(finite, torch.exp(self._page_scores(q.to(work), cache, tile, positions, end,
+                                                                 mask)[0] - torch.where(finite, lse[..., None], 0)), 0)
+                 for tile in range(pages.tiles(M * page, page))]
+        return torch.cat(tiles, dim=-1)[..., :M * page].to(q.dtype)
 
     def _check_paged(self, inputs: dict[str, torch.Tensor], cache: PagedKVCache, mask: torch.Tensor | None,
                      new_lengths: torch.Tensor | None) -> None:
         """The checks of extend over a paged cache: inputs (B, L, D) of the block table's B sequences, a mask of
-        (B, H, L, max_pages * page_size) at most, and a page reserved for every position to be written."""
+        (B, H, L, max_pages * page_size) at most, and (where the values are known, outside torch.compile) a page
+        reserved for every position to be written."""
         weight, (B, M), page = self.w_q.weight, cache.block_table.shape, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), (B, 1, 1, 1),
                                     weight.shape[1])
@@ -435,6 +451,9 @@ class MultiHeadAttention(nn.Module):
         if new_lengths is not None:
             validation.lengths("new_lengths", (B,), tuple(torch.as_tensor(new_lengths).shape), str(new.dtype),
                                not new.is_floating_point() and new.dtype != torch.bool)
+        if torch.compiler.is_compiling():  # torch: the values are seen eagerly only (a compiled step reads none)
+            return
+        if new_lengths is not None:
             validation.new_lengths_range(L, new.cpu().numpy())
         length = cache.length.cpu().numpy()
         validation.cache_room(M * page, length, new.cpu().numpy())

@@ -1,8 +1,9 @@
 """The paged key/value cache (SPEC 3b) on every backend: decoding through pages equals decoding with the
 contiguous cache of a length per sequence, whatever the block table (pages shuffled, a pool shared by every
 sequence, pages freed by one sequence and reused by another); NaN in every unused slot of the pool changes no
-output bit; the pages are reserved before extend writes them, and the errors say so; JAX serves every block
-table with one compiled step."""
+output bit; reading the pages a tile at a time changes nothing, whatever the tile; the pages are reserved before
+extend writes them, and the errors say so; JAX serves every block table with one compiled step, and torch's decode
+step compiles whole (fullgraph), one graph for every step."""
 
 from __future__ import annotations
 
@@ -36,11 +37,12 @@ def _extend(M: ModuleType) -> Callable:
     return jax.jit(call)
 
 
-def _decode(M: ModuleType, block, cache, steps=STEPS, seed: int = 0,
-            masked: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """STEPS through `cache` (paged: each step's pages reserved first): the outputs and weights of every step;
-    with `masked`, each step hides a drawn third of the keys, (B, 1, L, capacity) at their positions."""
-    extend, outs, weights = _extend(M), [], []
+def _decode(M: ModuleType, block, cache, steps=STEPS, seed: int = 0, masked: bool = False,
+            extend: Callable | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """STEPS through `cache` (paged: each step's pages reserved first) by `extend` (_extend's by default): the
+    outputs and weights of every step; with `masked`, each step hides a drawn third of the keys, (B, 1, L,
+    capacity) at their positions."""
+    extend, outs, weights = extend or _extend(M), [], []
     for t, lengths in enumerate(steps):
         new = M.asarray(np.array(lengths, np.int32))
         if hasattr(cache, "block_table"):
@@ -81,12 +83,14 @@ def test_decoding_through_pages_equals_the_contiguous_cache(backend: ModuleType,
 def test_reading_several_pages_at_a_time_changes_nothing(backend: ModuleType, tile: int,
                                                          monkeypatch: pytest.MonkeyPatch):
     """Attention reads the pages a tile at a time (pages.TILE positions): one page per tile, or three with the
-    table's last tile cut short (5 blocks), give what the contiguous cache gives."""
+    table's last tile cut short (5 blocks), give what the contiguous cache gives. JAX reads pages.TILE when it
+    traces: a fresh jax.jit here, so that the shared one, traced with another TILE, is not reused."""
     from attention_np.common import pages
 
     monkeypatch.setattr(pages, "TILE", tile)
     block = _module(backend, "block", **LLAMA)
-    paged_outs, paged_weights = _decode(backend, block, _paged(backend, block, SHUFFLED), masked=True)
+    fresh = _extend.__wrapped__(backend)  # traced with this TILE
+    paged_outs, paged_weights = _decode(backend, block, _paged(backend, block, SHUFFLED), masked=True, extend=fresh)
     contiguous = block.init_cache((B,), PAGE * MAX_PAGES)
     outs, weights = _decode(backend, block, contiguous._replace(length=backend.asarray(np.zeros(B, np.int32))),
                             masked=True)
@@ -154,6 +158,60 @@ def test_mods_and_dropout_are_refused_not_ignored(backend: ModuleType):
     x = backend.asarray(_random(2, 1, D))
     with pytest.raises(ValueError, match="takes no mask_mod"):
         block.extend(x, cache.reserve(backend.asarray(np.array([1, 1], np.int32))), mask_mod=mods.causal())
+
+
+@pytest.mark.slow  # dynamo traces the step (5 s on 2 cores, the first time in a process)
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "no_weights"])
+def test_torch_paged_decode_step_compiles_whole(need_weights: bool, monkeypatch: pytest.MonkeyPatch):
+    """torch.compile(fullgraph=True) of a decode step through pages (a graph break raises) makes one graph for
+    every step (a recompile raises), the block table and the lengths being data, with no operation whose shape
+    is a value (nonzero) nor a value read on the host (item); it equals the eager step: outputs, weights, the
+    pool (NaN in every unused slot: a padding row writes nothing new) and the lengths. The steps pause a sequence
+    (a padding row) and free a finished one's pages for a new request. Tiles of 3 pages: the compiled step reads
+    both tiles of the table, the eager one the first only, which holds every sequence's positions."""
+    torch = pytest.importorskip("torch")
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from attention_np.common import pages
+
+    monkeypatch.setattr(pages, "TILE", 6)
+    M = import_backend("attention_torch")
+    block = _module(M, "block", **LLAMA)
+    graphs = []
+
+    def step(x, cache, new_lengths):
+        return block.extend(x, cache, new_lengths=new_lengths, need_weights=need_weights)
+
+    def aot_eager(graph, inputs):  # dynamo's graph, kept, then AOTAutograd's (the in-place writes functionalized)
+        graphs.append(graph)
+        return lookup_backend("aot_eager")(graph, inputs)
+
+    compiled = torch.compile(step, fullgraph=True, backend=aot_eager)  # inductor: 13-23 s to compile on 2 cores
+    prompts = M.asarray(np.array([2, 2, 1]))
+    with torch.no_grad():  # decoding
+        cache = _paged(M, block, SHUFFLED, fill=np.nan).reserve(prompts)
+        _, _, cache = step(M.asarray(_random(B, 2, D)), cache, prompts)  # the prompts, eagerly
+        eager = cache._replace(k=cache.k.clone(), v=cache.v.clone())
+        for t, lengths in enumerate(((1, 1, 1), (1, 0, 1), (1, 1, 1), (0, 1, 1))):
+            if t == 2:  # sequence 0 is done: its pages freed, a new request in its slot
+                cache, eager = cache.release([0]), eager.release([0])
+            new = M.asarray(np.array(lengths))
+            cache, eager = cache.reserve(new), eager.reserve(new)
+            x = M.asarray(_random(B, 1, D, seed=t + 1))
+            with torch.compiler.set_stance("fail_on_recompile" if t else "default"):  # one graph for every step
+                out, weights, cache = compiled(x, cache, new)
+            expected, expected_weights, eager = step(x, eager, new)
+            assert_close(out.numpy(), expected.numpy(), REORDERED, f"the compiled step {t}")
+            if need_weights:
+                assert_close(weights.numpy(), expected_weights.numpy(), REORDERED, f"the compiled step {t}'s weights")
+            for name in ("k", "v"):
+                assert_close(getattr(cache, name).numpy(), getattr(eager, name).numpy(), REORDERED, f"pool {name}")
+            assert cache.length.tolist() == eager.length.tolist()
+    assert cache.block_table[0].tolist() == [0, -1, -1, -1, -1]  # the new request took the lowest free page
+    assert cache.length.max() <= 6  # every position in the first tile
+    names = [getattr(node.target, "__name__", node.target) for node in graphs[0].graph.nodes]  # ops and methods
+    read = [name for name in names if name in ("nonzero", "item", "tolist", "_local_scalar_dense")]
+    assert len(graphs) == 1 and read == [], read
 
 
 @pytest.mark.slow  # JAX compiles

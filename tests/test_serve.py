@@ -5,7 +5,8 @@ others' decode steps, a request waits while the pool cannot promise it its pages
 requests serve the next; a pool's pages in use never exceed ceil(length / page_size) per live request.
 `compare --variant serve` (bench/batching.py) sets it against static batching with padding and recomputing: the
 three give every request the same tokens; the run recorded in docs/serve.json (the docs' table) holds every cell
-that is not a time when the stream is served afresh."""
+that is not a time when the stream is served afresh. Served by JAX blocks under one jax.jit of the layers, the
+stream's decode steps run one compiled program."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 from conformance import docs
 from conformance.__main__ import main
 from conformance.bench import batching, serving
+from tests._compare import REORDERED, assert_close
+from tests.conftest import import_backend
 
 SLOTS, PAGE, PAGES = 3, 2, 14
 STREAM = (  # (prompt, new tokens, arrival step): prompts of 1-6 tokens, 1-5 new, four arriving late
@@ -109,6 +113,48 @@ def test_a_request_waits_while_the_pool_cannot_promise_its_whole_length():
             serving.serve(model, requests, slots=SLOTS, page_size=PAGE, num_pages=tight)
     with pytest.raises(ValueError, match="request 0 needs 6 pages of 2 positions; the pool has 5"):
         serving.serve(model, requests, slots=SLOTS, page_size=PAGE, num_pages=5)  # it could never join
+
+
+def test_jax_serves_the_stream_with_one_compiled_decode_step():
+    """The stream served by JAX blocks (NumPy's weights) with the layers of every step under one jax.jit: the
+    table, the lengths and new_lengths are data, so every step of one chunk width runs one compiled program, the
+    decode steps (width 1, slots joining and leaving, pages reserved and released on the host between steps) and
+    the idle ones alike; a prefill step of another width (its longest joining prompt) compiles once for that
+    width. Each step's outputs equal NumPy's serving of the same stream."""
+    jax = pytest.importorskip("jax")
+    J = import_backend("attention_jax")
+    model, requests, _ = _served(2)
+    blocks = tuple(J.TransformerBlock.from_state_dict(block.state_dict(), num_heads=4, norm_first=True,
+                                                      rope_theta=block.attn.rope_theta).eval()
+                   for block in model.blocks)
+    traces, outs = [], {"numpy": [], "jax": []}
+
+    def traced(blocks, x, caches, new_lengths):
+        traces.append(x.shape[1])  # runs when JAX traces, not when the compiled program runs
+        return serving.layers(blocks, x, caches, new_lengths)
+
+    def recorded(name, layers):
+        def run(blocks, x, caches, new_lengths):
+            x, caches = layers(blocks, x, caches, new_lengths)
+            outs[name].append(np.asarray(x))  # (B, L, D)
+            return x, caches
+        return run
+
+    kwargs = {"slots": SLOTS, "page_size": PAGE, "num_pages": PAGES}
+    expected = serving.serve(model, requests, layers=recorded("numpy", serving.layers), **kwargs)
+    served = serving.serve(model._replace(blocks=blocks), requests, layers=recorded("jax", jax.jit(traced)), **kwargs)
+    assert served == expected  # the tokens, each step's new lengths, positions and pages in use
+    for t, (got, want) in enumerate(zip(outs["jax"], outs["numpy"], strict=True)):
+        assert_close(got, want, REORDERED, f"step {t}'s outputs")
+    widths, decoding, seen = set(), 0, set()  # each step's chunks: the joining prompts' (their longest), the decodes' 1
+    for step in served.steps:
+        joining = [n for i, n in zip(step.requests, step.new_lengths, strict=True) if i >= 0 and i not in seen]
+        widths |= {max(joining)} if joining else set()
+        decoding += any(i >= 0 and i in seen for i in step.requests)
+        widths |= {1} if any(i >= 0 and i in seen for i in step.requests) else set()
+        seen |= set(step.requests)
+    assert decoding >= len(STREAM) and traces.count(1) == 1  # every decode chunk, of width 1: one program
+    assert sorted(traces) == sorted(widths)  # and one per prefill width
 
 
 # --- compare --variant serve (bench/batching.py) ----------------------------------------------------------------

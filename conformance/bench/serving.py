@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -86,16 +87,24 @@ def tiny_llama(*, vocab: int, d_model: int, n_layers: int, num_heads: int, num_k
     return Model(embedding, blocks, norm=np.ones(d_model, dtype), eps=1e-5, head=head)
 
 
-def logits(model: Model, tokens: np.ndarray, caches: list,
-           new_lengths: np.ndarray | None = None) -> tuple[np.ndarray, list]:
+def layers(blocks: tuple, x: np.ndarray, caches: list, new_lengths: np.ndarray | None) -> tuple[np.ndarray, list]:
+    """A chunk x (B, L, D) through the decoder layers, each extending its own cache: x (B, L, D) and the caches.
+    serve and logits take another function of these arguments (`layers=`): a compiled one (tests/test_serve.py
+    runs a stream of JAX blocks under one jax.jit of this one)."""
+    extended = []
+    for block, cache in zip(blocks, caches, strict=True):
+        x, _, cache = block.extend(x, cache, new_lengths=new_lengths, need_weights=False)  # (B, L, D)
+        extended.append(cache)
+    return x, extended
+
+
+def logits(model: Model, tokens: np.ndarray, caches: list, new_lengths: np.ndarray | None = None, *,
+           layers: Callable = layers) -> tuple[np.ndarray, list]:
     """The logits (B, V) at each sequence's last new position of a chunk of tokens (B, L) after the positions in the
     caches (one per layer), and the caches holding the chunk too; new_lengths (B,): sequence b's first
     new_lengths[b] tokens (None: all L). The head runs on those B positions only: greedy decoding reads no other."""
-    x = model.embedding[tokens]  # (B, L) -> (B, L, D)
-    extended = []
-    for block, cache in zip(model.blocks, caches, strict=True):
-        x, _, cache = block.extend(x, cache, new_lengths=new_lengths, need_weights=False)  # (B, L, D)
-        extended.append(cache)
+    x, extended = layers(model.blocks, model.embedding[tokens], caches, new_lengths)  # (B, L) -> (B, L, D)
+    x = np.asarray(x)  # another backend's blocks: the head in NumPy
     B, L, _ = x.shape
     last = np.full(B, L - 1) if new_lengths is None else np.maximum(new_lengths - 1, 0)  # (B,); a free slot: 0
     return _head(model, x[np.arange(B), last][:, None])[:, 0], extended  # (B, 1, D) -> (B, V)
@@ -119,9 +128,11 @@ def generate_alone(model: Model, prompt: tuple[int, ...], n: int) -> list[int]:
     return generated
 
 
-def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, num_pages: int) -> Served:
+def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, num_pages: int,
+          layers: Callable = layers) -> Served:
     """Every request's tokens, served by continuous batching in `slots` slots over paged caches of num_pages pages
-    of page_size positions (one pool per layer), and what each step left in the pools."""
+    of page_size positions (one pool per layer), and what each step left in the pools; `layers` runs each step's
+    chunks through the layers (see `layers`)."""
     whole = [-(-(len(r.prompt) + r.new_tokens) // page_size) for r in requests]  # ceil: each request's pages
     if (i := max(range(len(requests)), key=whole.__getitem__, default=None)) is not None and whole[i] > num_pages:
         raise ValueError(f"request {i} needs {whole[i]} pages of {page_size} positions; the pool has {num_pages}: "
@@ -136,7 +147,7 @@ def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, 
         live = _join(live, waiting, requests, now=len(steps), pages=(num_pages, page_size))
         new_lengths = np.array([0 if s is None else len(s.feed) for s in live])  # (B,)
         in_slots = tuple(-1 if s is None else s.request for s in live)
-        live, caches = _step(model, live, caches, new_lengths)
+        live, caches = _step(model, live, caches, new_lengths, layers)
         live, caches, done = _leave(live, caches, requests)
         for slot in done:
             tokens[slot.request] = list(slot.generated)
@@ -161,8 +172,8 @@ def _join(live: list[Slot | None], waiting: deque, requests: list[Request], *, n
     return live
 
 
-def _step(model: Model, live: list[Slot | None], caches: list,
-          new_lengths: np.ndarray) -> tuple[list[Slot | None], list]:
+def _step(model: Model, live: list[Slot | None], caches: list, new_lengths: np.ndarray,
+          layers: Callable) -> tuple[list[Slot | None], list]:
     """One step of the live slots, new_lengths (B,) their feeds: the joining prompts as one ragged chunk, the others'
     last tokens as another (a chunk of one position), so that no one-token row is padded to a prompt's length; each
     slot's next token."""
@@ -175,8 +186,9 @@ def _step(model: Model, live: list[Slot | None], caches: list,
             chunk = np.zeros((rows.size, new_lengths[rows].max()), np.int64)  # (b, L), padding token 0
             for i, b in enumerate(rows.tolist()):
                 chunk[i, :new_lengths[b]] = live[b].feed
-            scores[rows], parts = logits(model, chunk, [_rows_of(cache, rows) for cache in caches], new_lengths[rows])
-            caches = [_with_rows(cache, rows, part) for cache, part in zip(caches, parts, strict=True)]
+            scores[rows], parts = logits(model, chunk, [_rows_of(cache, rows) for cache in caches], new_lengths[rows],
+                                         layers=layers)
+            caches = [_with_rows(cache, rows, part, new_lengths) for cache, part in zip(caches, parts, strict=True)]
     after = [None if s is None else _advance(s, scores[b]) for b, s in enumerate(live)]
     return after, caches
 
@@ -187,11 +199,12 @@ def _rows_of(cache: M.PagedKVCache, rows: np.ndarray) -> M.PagedKVCache:
     return cache._replace(block_table=cache.block_table[rows], length=cache.length[rows])
 
 
-def _with_rows(cache: M.PagedKVCache, rows: np.ndarray, part: M.PagedKVCache) -> M.PagedKVCache:
-    """The cache after `part` (from _rows_of(cache, rows)) was extended: its pool and its sequences' lengths."""
-    length = np.array(cache.length, copy=True)
-    length[rows] = part.length
-    return cache._replace(k=part.k, v=part.v, length=length)
+def _with_rows(cache: M.PagedKVCache, rows: np.ndarray, part: M.PagedKVCache, added: np.ndarray) -> M.PagedKVCache:
+    """The cache after `part` (from _rows_of(cache, rows)) took added[rows] positions of those sequences: its pool,
+    and their lengths grown (in the cache's own array type: any backend's cache)."""
+    grown = np.zeros(len(added), np.asarray(cache.length).dtype)
+    grown[rows] = added[rows]
+    return cache._replace(k=part.k, v=part.v, length=cache.length + grown)
 
 
 def _advance(slot: Slot, scores: np.ndarray) -> Slot:
