@@ -117,10 +117,10 @@ def test_a_request_waits_while_the_pool_cannot_promise_its_whole_length():
 
 def test_jax_serves_the_stream_with_one_compiled_decode_step():
     """The stream served by JAX blocks (NumPy's weights) with the layers of every step under one jax.jit: the
-    table, the lengths and new_lengths are data, so every step of one chunk width runs one compiled program, the
-    decode steps (width 1, slots joining and leaving, pages reserved and released on the host between steps) and
-    the idle ones alike; a prefill step of another width (its longest joining prompt) compiles once for that
-    width. Each step's outputs equal NumPy's serving of the same stream."""
+    table, the lengths and new_lengths are data, so every chunk of one shape runs one compiled program: the decode
+    chunks (every slot's last token, (B, 1), slots joining and leaving, pages reserved and released on the host
+    between steps) all one; the joining prompts' chunk (their slots alone, the longest one's width) once per such
+    shape. Each step's outputs equal NumPy's serving of the same stream."""
     jax = pytest.importorskip("jax")
     J = import_backend("attention_jax")
     model, requests, _ = _served(2)
@@ -130,7 +130,7 @@ def test_jax_serves_the_stream_with_one_compiled_decode_step():
     traces, outs = [], {"numpy": [], "jax": []}
 
     def traced(blocks, x, caches, new_lengths):
-        traces.append(x.shape[1])  # runs when JAX traces, not when the compiled program runs
+        traces.append(x.shape[:2])  # runs when JAX traces, not when the compiled program runs
         return serving.layers(blocks, x, caches, new_lengths)
 
     def recorded(name, layers):
@@ -146,15 +146,15 @@ def test_jax_serves_the_stream_with_one_compiled_decode_step():
     assert served == expected  # the tokens, each step's new lengths, positions and pages in use
     for t, (got, want) in enumerate(zip(outs["jax"], outs["numpy"], strict=True)):
         assert_close(got, want, REORDERED, f"step {t}'s outputs")
-    widths, decoding, seen = set(), 0, set()  # each step's chunks: the joining prompts' (their longest), the decodes' 1
+    shapes, decoding, seen = set(), 0, set()  # each step's chunks: the joining prompts' (b, L), every slot's (B, 1)
     for step in served.steps:
         joining = [n for i, n in zip(step.requests, step.new_lengths, strict=True) if i >= 0 and i not in seen]
-        widths |= {max(joining)} if joining else set()
+        shapes |= {(len(joining), max(joining))} if joining else set()
         decoding += any(i >= 0 and i in seen for i in step.requests)
-        widths |= {1} if any(i >= 0 and i in seen for i in step.requests) else set()
+        shapes |= {(SLOTS, 1)} if any(i >= 0 and i in seen for i in step.requests) else set()
         seen |= set(step.requests)
-    assert decoding >= len(STREAM) and traces.count(1) == 1  # every decode chunk, of width 1: one program
-    assert sorted(traces) == sorted(widths)  # and one per prefill width
+    assert decoding >= len(STREAM) and traces.count((SLOTS, 1)) == 1  # every decode chunk: one program
+    assert sorted(traces) == sorted(shapes)  # and one per prefill shape
 
 
 # --- compare --variant serve (bench/batching.py) ----------------------------------------------------------------

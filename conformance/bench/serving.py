@@ -174,21 +174,25 @@ def _join(live: list[Slot | None], waiting: deque, requests: list[Request], *, n
 
 def _step(model: Model, live: list[Slot | None], caches: list, new_lengths: np.ndarray,
           layers: Callable) -> tuple[list[Slot | None], list]:
-    """One step of the live slots, new_lengths (B,) their feeds: the joining prompts as one ragged chunk, the others'
-    last tokens as another (a chunk of one position), so that no one-token row is padded to a prompt's length; each
-    slot's next token."""
+    """One step of the live slots, new_lengths (B,) their feeds, as two chunks, so that no one-token row is padded to a
+    prompt's length: the joining prompts, a ragged chunk of their slots alone (b, L); then every slot's last token,
+    a chunk (B, 1) of every slot (new length 1 where the slot decodes, 0 elsewhere: a compiled step keeps one
+    shape). Each slot's next token."""
     caches = [cache.reserve(new_lengths) for cache in caches]
     scores = np.zeros((len(live), model.head.shape[1]), model.head.dtype)  # (B, V)
-    joining = [b for b, s in enumerate(live) if s is not None and not s.generated]
-    decoding = [b for b, s in enumerate(live) if s is not None and s.generated]
-    for rows in (np.array(joining, np.int64), np.array(decoding, np.int64)):
-        if rows.size:
-            chunk = np.zeros((rows.size, new_lengths[rows].max()), np.int64)  # (b, L), padding token 0
-            for i, b in enumerate(rows.tolist()):
-                chunk[i, :new_lengths[b]] = live[b].feed
-            scores[rows], parts = logits(model, chunk, [_rows_of(cache, rows) for cache in caches], new_lengths[rows],
-                                         layers=layers)
-            caches = [_with_rows(cache, rows, part, new_lengths) for cache, part in zip(caches, parts, strict=True)]
+    joining = np.array([b for b, s in enumerate(live) if s is not None and not s.generated], np.int64)
+    if joining.size:
+        chunk = np.zeros((joining.size, new_lengths[joining].max()), np.int64)  # (b, L), padding token 0
+        for i, b in enumerate(joining.tolist()):
+            chunk[i, :new_lengths[b]] = live[b].feed
+        scores[joining], parts = logits(model, chunk, [_rows_of(cache, joining) for cache in caches],
+                                        new_lengths[joining], layers=layers)
+        caches = [_with_rows(cache, joining, part, new_lengths) for cache, part in zip(caches, parts, strict=True)]
+    decoding = np.array([s is not None and bool(s.generated) for s in live])  # (B,)
+    if decoding.any():
+        chunk = np.array([[s.feed[0] if d else 0] for s, d in zip(live, decoding, strict=True)])  # (B, 1)
+        decoded, caches = logits(model, chunk, caches, decoding.astype(new_lengths.dtype), layers=layers)
+        scores[decoding] = decoded[decoding]
     after = [None if s is None else _advance(s, scores[b]) for b, s in enumerate(live)]
     return after, caches
 
