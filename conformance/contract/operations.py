@@ -874,39 +874,42 @@ def _ffn_down(case: BlockCase) -> str:
 def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
     """One pass over the whole sequence with causal_mask(L, L) & the mask (SPEC 3a's invariant): of the block, or
     with x_kv of its attention, queries of x and keys and values of x_kv; the weights padded with zeros to the
-    capacity. With new_lengths, that pass over each sequence alone, on its own rows (the first new_lengths of each
-    chunk), scattered back to them; a padding row's out and weights are zeros."""
-    if case.new_lengths is None:
-        return _whole_pass(case, case.x, case.x_kv, _decode_mask(case), precision, fused_bias)
-    batch, (L, D), capacity = case.x.shape[:-2], case.x.shape[-2:], case.capacity
-    x = case.x.reshape(-1, L, D)  # (B, L, D): the batch flattened, as new_lengths is
-    x_kv = None if case.x_kv is None else case.x_kv.reshape(-1, L, D)
-    out, weights = np.zeros(x.shape), np.zeros((len(x), case.num_heads, L, capacity))  # (B, L, D), (B, H, L, capacity)
-    for b, rows in enumerate(_own_rows(case)):
-        if rows.size:
-            one = [None if y is None else y[b:b + 1, rows] for y in (x, x_kv)]  # (1, L_b, D): its rows alone
-            out_b, weights_b = _whole_pass(case, *one, np.tri(rows.size, dtype=bool), precision, fused_bias)
-            out[b, rows], weights[b][:, rows, :rows.size] = out_b[0], weights_b[0, ..., :rows.size]
-    return out.reshape(*batch, L, D), weights.reshape(*batch, *weights.shape[1:])
-
-
-def _whole_pass(case: DecodeCase, x: np.ndarray, x_kv: np.ndarray | None, mask: np.ndarray, precision: str,
-                fused_bias: bool) -> Pair:
-    """The oracle's block on x (or with x_kv its attention) under mask (..., [H,] L, L), the weights padded with
-    zeros to the case's capacity."""
-    if x_kv is None:
-        out, weights = oracle.transformer_block(case.state, x, mask, num_heads=case.num_heads,
+    capacity. With new_lengths, that of each sequence alone (`_each_alone`)."""
+    if case.new_lengths is not None:
+        return _each_alone(case, precision, fused_bias)
+    L = case.x.shape[-2]
+    mask = _decode_mask(case)  # (..., [H,] L, L)
+    if case.x_kv is None:
+        out, weights = oracle.transformer_block(case.state, case.x, mask, num_heads=case.num_heads,
                                                 norm_first=case.norm_first, activation=case.activation, eps=case.eps,
                                                 norm=case.norm, num_kv_heads=case.num_kv_heads,
                                                 rope_theta=case.rope_theta, dtype=precision,
                                                 fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
     else:
-        out, weights = oracle.multi_head_attention(_attention_state(case.state), x, x_kv, x_kv, mask,
+        out, weights = oracle.multi_head_attention(_attention_state(case.state), case.x, case.x_kv, case.x_kv, mask,
                                                    num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
                                                    rope_theta=case.rope_theta, dtype=precision,
                                                    fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
-    unfilled = np.zeros((*weights.shape[:-1], case.capacity - x.shape[-2]), weights.dtype)
+    unfilled = np.zeros((*weights.shape[:-1], case.capacity - L), weights.dtype)
     return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
+
+
+def _each_alone(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
+    """Each sequence alone, a decode case of its own rows (the first new_lengths of each chunk) in one chunk,
+    scattered back to them (its weights at the keys' positions in the sequence); a padding row's out and weights
+    are zeros. Whatever cache the case decodes through (contiguous or paged), its outputs are these."""
+    batch, (L, D) = case.x.shape[:-2], case.x.shape[-2:]
+    x = case.x.reshape(-1, L, D)  # (B, L, D): the batch flattened, as new_lengths is
+    x_kv = None if case.x_kv is None else case.x_kv.reshape(-1, L, D)
+    out = np.zeros(x.shape)  # (B, L, D)
+    weights = np.zeros((len(x), case.num_heads, L, case.capacity))  # (B, H, L, capacity)
+    for b, rows in enumerate(_own_rows(case)):
+        if rows.size:
+            alone = case._replace(x=x[b:b + 1, rows], x_kv=None if x_kv is None else x_kv[b:b + 1, rows],
+                                  chunks=(rows.size,), capacity=rows.size, new_lengths=None, paging=None, mask=None)
+            out_b, weights_b = _decode_oracle(alone, precision, fused_bias)  # (1, L_b, D), (1, H, L_b, L_b)
+            out[b, rows], weights[b][:, rows, :rows.size] = out_b[0], weights_b[0]
+    return out.reshape(*batch, L, D), weights.reshape(*batch, *weights.shape[1:])
 
 
 def _own_rows(case: DecodeCase) -> list[np.ndarray]:
