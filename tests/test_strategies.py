@@ -344,7 +344,7 @@ def _assert_decode_contract(case: cases.DecodeCase) -> None:
     assert case.state["norm1.weight"].shape == (d_model,) and d_model % case.num_heads == 0
     assert d_model // case.num_heads == cs.ROPE_D_K if case.rope_theta is not None else d_model <= 8
     assert all(size >= 1 for size in case.chunks) and sum(case.chunks) == L
-    assert L <= case.capacity or case.new_lengths is not None  # ragged: the longest sequence's, checked below
+    assert case.capacity >= L or case.new_lengths is not None  # ragged: the longest sequence's, checked below
     assert case.x_kv is None or case.x_kv.shape == case.x.shape  # cross-attention: the keys' inputs at x's positions
     heads = (*case.x.shape[:-2], case.num_heads, L, case.capacity)
     assert case.mask is None or np.broadcast_shapes(case.mask.shape, heads) == heads  # rows of the whole sequence
