@@ -442,8 +442,8 @@ class MultiHeadAttention(Module):
     def _check_paged(self, inputs: dict[str, jax.Array], cache: PagedKVCache, mask: jax.Array | None,
                      new_lengths: jax.Array | None) -> None:
         """The checks of extend over a paged cache: inputs (B, L, D) of the block table's B sequences, a mask of
-        (B, H, L, max_pages * page_size) at most, and (where the values are known, outside jit) a page reserved
-        for every position to be written."""
+        (B, H, L, max_pages * page_size) at most, and (where the values are known, outside jit) a block table of
+        the pool's pages and a page reserved for every position to be written."""
         weight, (B, M), page = self.w_q.weight, cache.block_table.shape, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), (B, 1, 1, 1),
                                     weight.shape[1])
@@ -459,6 +459,7 @@ class MultiHeadAttention(Module):
         if not traced:  # jax: the values are seen outside jit only
             if new_lengths is not None:
                 validation.new_lengths_range(L, np.asarray(new))
+            validation.block_table(np.asarray(cache.block_table), cache.k.shape[0])
             validation.cache_room(M * page, np.asarray(cache.length), np.asarray(new))
             validation.pages_reserved(np.asarray(cache.block_table), np.asarray(cache.length), np.asarray(new), page)
 

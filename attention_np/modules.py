@@ -401,7 +401,8 @@ class MultiHeadAttention(Module):
     def _check_paged(self, inputs: dict[str, np.ndarray], cache: PagedKVCache, mask: np.ndarray | None,
                      new_lengths: np.ndarray | None) -> None:
         """The checks of extend over a paged cache: inputs (B, L, D) of the block table's B sequences, a mask of
-        (B, H, L, max_pages * page_size) at most, and a page reserved for every position to be written."""
+        (B, H, L, max_pages * page_size) at most, a block table of the pool's pages, and a page reserved for every
+        position to be written."""
         weight, (B, M), page = self.w_q.weight, cache.block_table.shape, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), (B, 1, 1, 1),
                                     weight.shape[1])
@@ -414,6 +415,7 @@ class MultiHeadAttention(Module):
             validation.lengths("new_lengths", (B,), np.shape(new_lengths), new.dtype.name,
                                np.issubdtype(new.dtype, np.integer))
             validation.new_lengths_range(L, new)
+        validation.block_table(np.asarray(cache.block_table), cache.k.shape[0])
         validation.cache_room(M * page, np.asarray(cache.length), new)
         validation.pages_reserved(cache.block_table, np.asarray(cache.length), new, page)
 

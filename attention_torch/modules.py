@@ -438,8 +438,8 @@ class MultiHeadAttention(nn.Module):
     def _check_paged(self, inputs: dict[str, torch.Tensor], cache: PagedKVCache, mask: torch.Tensor | None,
                      new_lengths: torch.Tensor | None) -> None:
         """The checks of extend over a paged cache: inputs (B, L, D) of the block table's B sequences, a mask of
-        (B, H, L, max_pages * page_size) at most, and (where the values are known, outside torch.compile) a page
-        reserved for every position to be written."""
+        (B, H, L, max_pages * page_size) at most, and (where the values are known, outside torch.compile) a block
+        table of the pool's pages and a page reserved for every position to be written."""
         weight, (B, M), page = self.w_q.weight, cache.block_table.shape, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), (B, 1, 1, 1),
                                     weight.shape[1])
@@ -456,6 +456,7 @@ class MultiHeadAttention(nn.Module):
         if new_lengths is not None:
             validation.new_lengths_range(L, new.cpu().numpy())
         length = cache.length.cpu().numpy()
+        validation.block_table(cache.block_table.cpu().numpy(), cache.k.shape[0])
         validation.cache_room(M * page, length, new.cpu().numpy())
         validation.pages_reserved(cache.block_table.cpu().numpy(), length, new.cpu().numpy(), page)
 

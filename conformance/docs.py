@@ -392,7 +392,10 @@ GUARDS: tuple[Guard, ...] = (
           catches="a key/value cache that breaks the invariant: a block fed chunk by chunk through `init_cache` and"
                   " `extend` must give the rows of one causal pass (a cache whose length is not advanced, a query "
                   "placed at the chunk's start instead of after the cache, RoPE at the chunk's positions instead of"
-                  " the sequence's, unfilled positions with weight)"),
+                  " the sequence's, unfilled positions with weight); with ragged chunks and paged caches of shuffled "
+                  "pages whose unused slots hold NaN, each sequence's rows against that sequence alone (a block table "
+                  "read with the wrong page size, a padding slot read, RoPE at sequence 0's positions: "
+                  "`tests/implementations/broken_paged.py`)"),
     Guard(("rope",),
           catches="`apply_rope` with the wrong layout (interleaved pairs for the half rotation), angle or dtype, "
                   "or angles computed in float16 (float16 and bfloat16 cases at positions near 4096): against the "

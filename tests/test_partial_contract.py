@@ -217,6 +217,26 @@ def test_a_block_that_decodes_beside_an_attention_without_a_cache_lacks_mha_cach
     assert any(row.examples for row in report.rows if row.check == "values" and not row.skipped), report.rows
 
 
+def test_a_block_that_decodes_without_lengths_and_pages_lacks_cache_lengths_and_paged_cache_and_passes():
+    # a TransformerBlock whose extend takes no new_lengths and which has no init_paged_cache (a module from before
+    # SPEC 3a's lengths and 3b's pages): its methods say it lacks both; drawn decode cases take every row of each
+    # chunk through init_cache's cache, the fixed ragged and paged cases are skipped (each raised before)
+    class Block(attention_np.TransformerBlock):
+        init_paged_cache = None
+
+        def extend(self, x, cache, mask=None, *, need_weights=True, rng=None):
+            return super().extend(x, cache, mask, need_weights=need_weights, rng=rng)
+
+    module = _module("no_cache_lengths", functions=())
+    module.MultiHeadAttention, module.TransformerBlock = attention_np.MultiHeadAttention, Block
+    assert features_module.declaration_of(module).reason("cache_lengths", "paged_cache") == (
+        "lacks cache_lengths: no new_lengths in TransformerBlock.extend; "
+        "lacks paged_cache: no TransformerBlock.init_paged_cache")
+    report = check(module, operations=("decode",), max_examples=6)
+    assert report.passed, _failures(report)
+    assert any(row.examples for row in report.rows if row.check == "values" and not row.skipped), report.rows
+
+
 def test_a_declaration_changes_how_the_drawn_cases_run_never_which_are_drawn():
     # the queries each sdpa call gets, in order: the same for one seed whatever the module declares lacking (the
     # window lacking only leaves the window out of the cases that have one)

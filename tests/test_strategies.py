@@ -343,10 +343,25 @@ def _assert_decode_contract(case: cases.DecodeCase) -> None:
     L, d_model = case.x.shape[-2:]
     assert case.state["norm1.weight"].shape == (d_model,) and d_model % case.num_heads == 0
     assert d_model // case.num_heads == cs.ROPE_D_K if case.rope_theta is not None else d_model <= 8
-    assert all(size >= 1 for size in case.chunks) and sum(case.chunks) == L <= case.capacity
+    assert all(size >= 1 for size in case.chunks) and sum(case.chunks) == L
+    assert case.capacity >= L or case.new_lengths is not None  # ragged: the longest sequence's, checked below
     assert case.x_kv is None or case.x_kv.shape == case.x.shape  # cross-attention: the keys' inputs at x's positions
     heads = (*case.x.shape[:-2], case.num_heads, L, case.capacity)
     assert case.mask is None or np.broadcast_shapes(case.mask.shape, heads) == heads  # rows of the whole sequence
+    if case.new_lengths is not None:  # each chunk a length per sequence (the batch flattened), within its rows
+        B = int(np.prod(case.x.shape[:-2]))
+        assert case.mask is None and len(case.new_lengths) == len(case.chunks)
+        assert all(len(new) == B and all(0 <= n <= size for n in new)
+                   for new, size in zip(case.new_lengths, case.chunks, strict=True))
+        assert max(map(sum, zip(*case.new_lengths, strict=True))) <= case.capacity
+    if case.paging is not None:  # x (B, L, D), the capacity the blocks', the pages a shuffle of the pool
+        paging = case.paging
+        assert case.x.ndim == 3 and case.capacity == paging.max_pages * paging.page_size
+        assert sorted(paging.order) == list(range(paging.num_pages))
+        tables = cases.page_tables(paging, case.new_lengths or tuple((n,) * len(case.x) for n in case.chunks))
+        for table, _ in tables:  # a page holds one block of one sequence at a time
+            held = table[table >= 0]
+            assert len(set(held.tolist())) == held.size and held.size < paging.num_pages
 
 
 def _assert_flash_contract(case: cases.FlashCase) -> None:
@@ -453,6 +468,32 @@ def test_varlen_cases_reach_every_packing_in_few_draws() -> None:
     record()
     assert seen == {"no sequence", "empty queries", "empty keys", "fewer queries", "more queries", "past the end",
                     "filled", "grouped", "tiled", "causal"}
+
+
+@pytest.mark.slow  # 100 draws, about 0.4 s
+def test_decode_cases_reach_ragged_chunks_and_paged_caches_in_few_draws() -> None:
+    """Ragged chunks in a contiguous cache and in a paged one, an empty row of a chunk, a sequence that takes
+    nothing at all, pages of one and of five positions, a sequence over several pages, a sequence released and its
+    pages reused, each in 100 draws."""
+    seen: set[str] = set()
+
+    @settings(max_examples=100, derandomize=True, database=None, deadline=None)
+    @given(cs.decode_cases())
+    def record(case: cases.DecodeCase) -> None:
+        if case.new_lengths is None:
+            return
+        new, paging = np.array(case.new_lengths), case.paging
+        forms = {"ragged": paging is None, "paged": paging is not None, "padding": np.any(new < np.array(
+            case.chunks)[:, None]), "empty sequence": np.any(new.sum(axis=0) == 0)}
+        if paging is not None:
+            tables = cases.page_tables(paging, case.new_lengths)
+            forms |= {f"page {paging.page_size}": True,
+                      "several pages": any(np.any((table >= 0).sum(axis=1) > 1) for table, _ in tables),
+                      "released": any(released.any() for _, released in tables)}
+        seen.update(name for name, reached in forms.items() if reached)
+
+    record()
+    assert seen >= {"ragged", "paged", "padding", "empty sequence", "page 1", "page 5", "several pages", "released"}
 
 
 def _assert_flex_contract(case: cases.FlexCase) -> None:

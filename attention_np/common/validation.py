@@ -748,6 +748,17 @@ def paged_sizes(batch_size: object, num_pages: object, page_size: object, max_pa
             raise ValueError(f"{name} must be an int >= {least}; got {n!r}")
 
 
+def block_table(table: np.ndarray, num_pages: int) -> None:
+    """extend over a paged cache: every entry of the block table (B, max_pages) names a page of the pool,
+    0 .. num_pages - 1, or is -1 (no page)."""
+    bad = (table < -1) | (table >= num_pages)
+    if bad.any():
+        b, block = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_table {tuple(table.shape)} must hold pages of the pool, 0 .. {num_pages - 1} "
+                         f"(num_pages = {num_pages}), or -1 for none; got {int(table[b, block])} at sequence {b}, "
+                         f"block {block}")
+
+
 def pages_reserved(block_table: np.ndarray, length: np.ndarray, new: np.ndarray, page: int) -> None:
     """extend over a paged cache: every position it writes, length[b] .. length[b] + new[b] - 1, lies in a page the
     block table holds (cache.reserve(new_lengths) first)."""

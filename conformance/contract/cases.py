@@ -161,7 +161,9 @@ class DecodeCase(NamedTuple):
     `capacity` positions (init_cache, then extend once per chunk): the block's fields, the chunks' sizes, and
     optionally a mask of the whole sequence, of which each extend gets its chunk's rows (extend is causal, the
     mask hides keys on top). With x_kv, the block's attention alone (its attn.* entries) decodes cross-attention:
-    MultiHeadAttention.extend(x, x_kv, cache), the queries of x, the keys and values of x_kv."""
+    MultiHeadAttention.extend(x, x_kv, cache), the queries of x, the keys and values of x_kv. With new_lengths each
+    extend takes a length per sequence (a ragged chunk, SPEC 3a), and with paging the cache is a paged one (SPEC 3b)
+    whose unused slots hold NaN: each sequence's outputs are those of its own rows alone."""
 
     state: State  # as BlockCase
     num_heads: int
@@ -180,6 +182,45 @@ class DecodeCase(NamedTuple):
     cache_dtype: str | None = None  # init_cache's dtype where it is not the block's (an error row)
     mask: np.ndarray | None = None  # broadcasts to (..., H, L, capacity): the rows of the whole sequence (None: none)
     x_kv: np.ndarray | None = None  # (..., L, D): the keys' and values' inputs of cross-attention (None: the block)
+    new_lengths: tuple[tuple[int, ...], ...] | None = None  # per chunk, each sequence's new positions (the batch
+    # flattened, 0 .. the chunk's size): extend(..., new_lengths=), the chunk's other rows padding (SPEC 3a); None:
+    # every row. With it the case has no mask
+    paging: Paging | None = None  # a paged cache (SPEC 3b) in place of init_cache's; x (B, L, D)
+
+
+class Paging(NamedTuple):
+    """A decode case's paged cache (SPEC 3b): init_paged_cache(B, num_pages, page_size, max_pages), every slot of
+    the pool NaN before the first extend (no output may show it), pages given in `order` (a permutation of the
+    pool, so a sequence's pages are neither consecutive nor in order); a sequence that takes no more positions is
+    released (its length 0, its pages first in the free list, so the next sequence to grow reuses them with the
+    old keys in their slots). `page_tables` gives each extend's block table."""
+
+    page_size: int
+    num_pages: int  # the pool: more pages than the sequences hold at once
+    max_pages: int  # each sequence's blocks; the case's capacity is max_pages * page_size
+    order: tuple[int, ...]  # the free pages, the first given first (an entry past the pool: an error row)
+
+
+def page_tables(paging: Paging, new_lengths: tuple[tuple[int, ...], ...]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each chunk's block table (B, max_pages) int32 and which sequences are released before it (B,) bool: the
+    released ones (those that held positions and take none from this chunk on) give their pages back first, then
+    each sequence takes, from the front of the free list, a page for every block it needs and lacks (up to
+    max_pages: past it, extend raises the full cache's error)."""
+    B, M, page = len(new_lengths[0]), paging.max_pages, paging.page_size
+    table, length, free = np.full((B, M), -1, np.int32), np.zeros(B, int), list(paging.order)
+    steps = []
+    for c, new in enumerate(new_lengths):
+        released = (length > 0) & np.all(np.asarray(new_lengths[c:]).reshape(-1, B) == 0, axis=0)  # (B,)
+        for b in np.flatnonzero(released):
+            free[:0] = [int(p) for p in table[b] if p >= 0]  # the freed pages serve next
+            table[b], length[b] = -1, 0
+        for b, n in enumerate(new):
+            for block in range(min(-(-(length[b] + n) // page), M)):
+                if table[b, block] < 0:
+                    table[b, block] = free.pop(0)
+        length += np.asarray(new)
+        steps.append((table.copy(), released))
+    return steps
 
 
 class FlexCase(NamedTuple):

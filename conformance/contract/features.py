@@ -71,6 +71,16 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
             without="drawn decode cases attend to their own input through the block's extend; fixed cases that use "
                     "it are skipped; read from the module too: a TransformerBlock with extend beside a "
                     "MultiHeadAttention without one lacks it"),
+    Feature("cache_lengths", kind="argument",
+            asks="a key/value cache with a length per sequence: extend(..., new_lengths=), ragged chunks whose "
+                 "padding rows give zeros",
+            without="drawn decode cases take every row of each chunk; fixed cases that use it are skipped; read from "
+                    "the module too: a TransformerBlock.extend without new_lengths lacks it"),
+    Feature("paged_cache", kind="argument",
+            asks="the paged cache: init_paged_cache, a block table of pages shuffled and reused, NaN in the unused "
+                 "slots reaching no output",
+            without="drawn decode cases decode through init_cache's contiguous cache; fixed cases that use it are "
+                    "skipped; read from the module too: a TransformerBlock without init_paged_cache lacks it"),
     Feature("masked_rows", kind="rule",
             asks="a query that sees no key gets an output row (sdpa) and a weights row of zeros",
             without="the rows of such queries are left out of every comparison (modules: a position where a head "
@@ -154,13 +164,31 @@ def declaration_of(module: ModuleType) -> Declaration:
 
 
 def from_methods(module: ModuleType) -> Declaration:
-    """mha_cache where the module's TransformerBlock decodes (has extend) and its MultiHeadAttention does not: the
-    block's cache alone, with the reason "no MultiHeadAttention.extend"; nothing otherwise (a module without
-    TransformerBlock.extend has no decode operation to leave the feature out of)."""
+    """Where the module's TransformerBlock decodes (has extend): mha_cache where its MultiHeadAttention does not
+    (the reason "no MultiHeadAttention.extend"), cache_lengths where the block's extend takes no new_lengths, and
+    paged_cache where the block has no init_paged_cache; nothing otherwise (a module without TransformerBlock.extend
+    has no decode operation to leave the features out of)."""
     block, attention = (getattr(module, name, None) for name in ("TransformerBlock", "MultiHeadAttention"))
-    if callable(getattr(block, "extend", None)) and not callable(getattr(attention, "extend", None)):
-        return Declaration({"mha_cache": "no MultiHeadAttention.extend"})
-    return Declaration()
+    extend = getattr(block, "extend", None)
+    if not callable(extend):
+        return Declaration()
+    lacks = {}
+    if not callable(getattr(attention, "extend", None)):
+        lacks["mha_cache"] = "no MultiHeadAttention.extend"
+    if not _takes(extend, "new_lengths"):
+        lacks["cache_lengths"] = "no new_lengths in TransformerBlock.extend"
+    if not callable(getattr(block, "init_paged_cache", None)):
+        lacks["paged_cache"] = "no TransformerBlock.init_paged_cache"
+    return Declaration(lacks)
+
+
+def _takes(function: object, name: str) -> bool:
+    """Whether `function` takes the keyword `name` (or **keywords); True where its signature cannot be read."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 SIGNED = ("scaled_dot_product_attention", "flash_attention", "varlen_attention")  # the function whose signature

@@ -30,6 +30,8 @@ from attention_np.common import mods
 from .cases import (
     LARGE,
     SMALL,
+    DecodeCase,
+    Paging,
     Requirement,
     block_case,
     changed,
@@ -660,6 +662,15 @@ def _decode_mask() -> np.ndarray:
     return mask
 
 
+def _paged(batch: int, chunks: tuple[int, ...], new_lengths: tuple[tuple[int, ...], ...], page: int, max_pages: int,
+           num_pages: int, *, order: tuple[int, ...] | None = None, **fields: Any) -> Callable[[], DecodeCase]:
+    """decode_case's block on `batch` sequences through a paged cache of these sizes, the pool's pages given in a
+    shuffled order (or `order`), each chunk taking new_lengths."""
+    shuffled = tuple(int(p) for p in np.random.default_rng(5).permutation(num_pages))
+    paging = Paging(page_size=page, num_pages=num_pages, max_pages=max_pages, order=order or shuffled)
+    return lambda: decode_case((batch,), chunks, page * max_pages, new_lengths=new_lengths, paging=paging, **fields)
+
+
 def _decode_rows() -> list[Fixed]:
     """SPEC 3a: a block fed chunk by chunk through its key/value cache."""
     return [
@@ -678,6 +689,16 @@ def _decode_rows() -> list[Fixed]:
             (2,), (3, 1, 1), capacity=8, x_kv=normal(2, 5, 4, seed=3), mask=np.arange(8) != 1),
             "MultiHeadAttention.extend(x_q, x_kv, cache) of the block's attention, x_kv another input: the keys "
             "and values of x_kv, the queries of x_q; a mask (8,) hiding key 1 from every query"),
+        example("decode", "ragged_chunks", lambda: decode_case(
+            (2,), (3, 1, 1), capacity=5, new_lengths=((3, 1), (1, 0), (0, 1)), x_kv=normal(2, 5, 4, seed=3)),
+            "two sequences of 4 and 2 positions in one contiguous cache: each chunk a length per sequence, its other "
+            "rows padding (zeros); cross-attention's x_kv cut alike"),
+        example("decode", "paged_pages_shuffled_and_reused", _paged(
+            3, (3, 1), ((3, 1, 2), (1, 0, 1)), page=2, max_pages=2, num_pages=7, D=16, H=4,
+            norm_first=True, norm="rms", activation="swiglu", bias=False, num_kv_heads=2, rope_theta=10.0),
+            "a Llama block on 3 sequences of 4, 1 and 3 positions through pages of 2 given in a shuffled order, NaN "
+            "in every unused slot; sequence 1 released after its prefill and its page reused by sequence 2: each "
+            "sequence's outputs those of its own rows alone"),
         edge("decode", "unfilled_positions_weigh_zero", lambda: decode_case((2,), (2, 1), capacity=7),
              "3 positions in a cache of 7: the weights of positions 3..6 are exactly 0 in every row",
              Requirement(
@@ -695,6 +716,17 @@ def _decode_rows() -> list[Fixed]:
               "mask", "(2, 7)", "capacity"),
         error("decode", "input_of_another_width", lambda: decode_case((2,), (2,), dropout=0.0, x=normal(2, 2, 5)),
               ValueError, "x", "(2, 2, 5)", "4"),
+        error("decode", "block_table_outside_the_pool", _paged(2, (2,), ((2, 1),), page=2, max_pages=1, num_pages=3,
+                                                             order=(0, 9, 1, 2), dropout=0.0),
+              ValueError, "block_table", "9", "num_pages = 3"),
+        error("decode", "paged_sequence_past_its_pages", _paged(2, (3,), ((3, 1),), page=2, max_pages=1, num_pages=3,
+                                                              dropout=0.0),
+              ValueError, "capacity", "2", "3"),
+        error("decode", "new_lengths_past_the_chunk", _paged(2, (2,), ((3, 1),), page=2, max_pages=2, num_pages=5,
+                                                           dropout=0.0),
+              ValueError, "new_lengths", "3"),
+        error("decode", "new_lengths_negative", lambda: decode_case((2,), (2,), new_lengths=((-1, 2),), dropout=0.0),
+              ValueError, "new_lengths", "-1"),
         error("decode", "cache_of_another_dtype", lambda: decode_case((2,), (2,), dropout=0.0, cache_dtype="float32"),
               TypeError, "cache", "float32", "float64"),
     ]

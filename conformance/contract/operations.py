@@ -32,11 +32,13 @@ from .cases import (
     FlexCase,
     LinearCase,
     MhaCase,
+    Paging,
     RingCase,
     SdpaCase,
     VarlenCase,
     block_case,
     boundaries,
+    page_tables,
     per_query_head,
 )
 from .features import Declaration
@@ -643,6 +645,8 @@ MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "mask": lambda case: getattr(case, "mask", None) is not None,
     "mask_per_head": lambda case: _head_masks(getattr(case, "mask", None)),
     "mha_cache": lambda case: getattr(case, "x_kv", None) is not None,  # decoding cross-attention
+    "cache_lengths": lambda case: getattr(case, "new_lengths", None) is not None,  # ragged chunks
+    "paged_cache": lambda case: getattr(case, "paging", None) is not None,
 }
 
 
@@ -657,12 +661,15 @@ def _module_uses(case: MhaCase | BlockCase | DecodeCase) -> set[str]:
 
 def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Declaration) -> Any:
     """No mask where the module lacks masks; a decode case's block on its own input where the module lacks
-    MultiHeadAttention's cache; None where the case needs a lacking option (its state is drawn in that layout)."""
+    MultiHeadAttention's cache, every row of each chunk where it lacks a length per sequence, the contiguous cache
+    where it lacks the paged one; None where the case needs a lacking option (its state is drawn in that layout)."""
     options = [name for name in declaration.lacks if name in MODULE_FEATURES and name not in _MODULE_ARGUMENTS]
     if any(MODULE_FEATURES[name](case) for name in options):
         return None
-    if "mha_cache" in declaration and MODULE_FEATURES["mha_cache"](case):
-        case = case._replace(x_kv=None)
+    for name, default in (("mha_cache", {"x_kv": None}), ("cache_lengths", {"new_lengths": None}),
+                          ("paged_cache", {"paging": None})):  # a decode case's: contiguous, every row taken
+        if name in declaration and MODULE_FEATURES[name](case):
+            case = case._replace(**default)
     if "mask" not in case._fields or case.mask is None:
         return case
     if "mask" in declaration:
@@ -672,8 +679,8 @@ def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Decla
     return case
 
 
-_MODULE_ARGUMENTS = ("mask", "mask_per_head", "dropout", "mha_cache")  # what a module case can do without (the
-# rest: options)
+_MODULE_ARGUMENTS = ("mask", "mask_per_head", "dropout", "mha_cache", "cache_lengths",
+                     "paged_cache")  # what a module case can do without (the rest: options)
 
 
 def _module_blind(case: MhaCase | BlockCase | DecodeCase) -> tuple[np.ndarray, np.ndarray] | None:
@@ -867,7 +874,9 @@ def _ffn_down(case: BlockCase) -> str:
 def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
     """One pass over the whole sequence with causal_mask(L, L) & the mask (SPEC 3a's invariant): of the block, or
     with x_kv of its attention, queries of x and keys and values of x_kv; the weights padded with zeros to the
-    capacity."""
+    capacity. With new_lengths, that of each sequence alone (`_each_alone`)."""
+    if case.new_lengths is not None:
+        return _each_alone(case, precision, fused_bias)
     L = case.x.shape[-2]
     mask = _decode_mask(case)  # (..., [H,] L, L)
     if case.x_kv is None:
@@ -883,6 +892,32 @@ def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
                                                    fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
     unfilled = np.zeros((*weights.shape[:-1], case.capacity - L), weights.dtype)
     return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
+
+
+def _each_alone(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
+    """Each sequence alone, a decode case of its own rows (the first new_lengths of each chunk) in one chunk,
+    scattered back to them (its weights at the keys' positions in the sequence); a padding row's out and weights
+    are zeros. Whatever cache the case decodes through (contiguous or paged), its outputs are these."""
+    batch, (L, D) = case.x.shape[:-2], case.x.shape[-2:]
+    x = case.x.reshape(-1, L, D)  # (B, L, D): the batch flattened, as new_lengths is
+    x_kv = None if case.x_kv is None else case.x_kv.reshape(-1, L, D)
+    out = np.zeros(x.shape)  # (B, L, D)
+    weights = np.zeros((len(x), case.num_heads, L, case.capacity))  # (B, H, L, capacity)
+    for b, rows in enumerate(_own_rows(case)):
+        if rows.size:
+            alone = case._replace(x=x[b:b + 1, rows], x_kv=None if x_kv is None else x_kv[b:b + 1, rows],
+                                  chunks=(rows.size,), capacity=rows.size, new_lengths=None, paging=None, mask=None)
+            out_b, weights_b = _decode_oracle(alone, precision, fused_bias)  # (1, L_b, D), (1, H, L_b, L_b)
+            out[b, rows], weights[b][:, rows, :rows.size] = out_b[0], weights_b[0]
+    return out.reshape(*batch, L, D), weights.reshape(*batch, *weights.shape[1:])
+
+
+def _own_rows(case: DecodeCase) -> list[np.ndarray]:
+    """Each sequence's own rows of x (the batch flattened), in order: the first new_lengths[c][b] rows of each
+    chunk c."""
+    starts = np.cumsum((0, *case.chunks[:-1]))
+    return [np.concatenate([start + np.arange(new[b]) for start, new in zip(starts, case.new_lengths, strict=True)])
+            .astype(int) for b in range(len(case.new_lengths[0]))]
 
 
 def _decode_mask(case: DecodeCase) -> np.ndarray:
@@ -922,25 +957,46 @@ def _chunk_rows(mask: Any, start: int, size: int) -> Any:
 
 def _decode_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
                  chunks: tuple[int, ...], capacity: int, cache_batch: tuple[int, ...] | None, cache_dtype: str | None,
+                 new_lengths: tuple[tuple[int, ...], ...] | None = None, paging: Paging | None = None,
                  **options: Any) -> Any:
-    """init_cache (for x's batch shape, in the block's dtype, unless an error row asks for others), then extend
-    once per chunk (x's rows, x_kv's too where given, and the mask's rows where given): the chunks' outputs and
-    weights, in order."""
+    """init_cache (for x's batch shape, in the block's dtype, unless an error row asks for others), or with paging
+    init_paged_cache with NaN in every slot, then extend once per chunk (x's rows, x_kv's too where given, the
+    mask's rows where given, and the chunk's new_lengths where given; with paging, the chunk's block table set
+    first): the chunks' outputs and weights, in order."""
     decoder = _decoder(module, arrays, options)
     decoder = decoder.train() if training else decoder.eval()
     x, x_kv, mask = arrays["x"], arrays["x_kv"], arrays["mask"]
+    batch = tuple(x.shape[:-2]) if cache_batch is None else cache_batch
     dtype = {} if cache_dtype is None else {"dtype": module.asarray(np.zeros(1, cache_dtype)).dtype}
-    cache = decoder.init_cache(tuple(x.shape[:-2]) if cache_batch is None else cache_batch, capacity, **dtype)
+    if paging is None:
+        cache, tables = decoder.init_cache(batch, capacity, **dtype), None
+    else:
+        cache = decoder.init_paged_cache(batch[0], paging.num_pages, paging.page_size, paging.max_pages, **dtype)
+        cache = cache._replace(k=cache.k * math.nan, v=cache.v * math.nan)  # every slot unused: NaN reaches nothing
+        tables = page_tables(paging, new_lengths or tuple((size,) * batch[0] for size in chunks))
     outs, weights, start = [], [], 0
-    for size in chunks:
+    for c, size in enumerate(chunks):
         inputs = [x[..., start:start + size, :]] + ([] if x_kv is None else [x_kv[..., start:start + size, :]])
         given = {} if mask is None else {"mask": _chunk_rows(mask, start, size)}  # a module without masks runs
         # every case without one
+        if new_lengths is not None:
+            given["new_lengths"] = module.asarray(np.reshape(np.array(new_lengths[c], np.int32), batch))
+        if tables is not None:
+            cache = _paged_step(module, cache, *tables[c])
         out, w, cache = decoder.extend(*inputs, cache, need_weights=need_weights, rng=rng, **given)
         outs.append(out)
         weights.append(w)
         start += size
     return outs, weights
+
+
+def _paged_step(module: ModuleType, cache: Any, table: np.ndarray, released: np.ndarray) -> Any:
+    """The paged cache with this step's block table, and the released sequences' lengths 0 (as cache.release
+    does, in array operations: JAX stages the whole call, where release's bookkeeping on the host cannot run)."""
+    cache = cache._replace(block_table=module.asarray(table))
+    if released.any():
+        cache = cache._replace(length=cache.length * module.asarray((~released).astype(np.int32)))
+    return cache
 
 
 def _decode_blind(case: DecodeCase) -> tuple[np.ndarray, np.ndarray] | None:
@@ -1095,7 +1151,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
     Operation(
         name="decode", function="TransformerBlock.extend", case=DecodeCase,
         options=("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity", "norm",
-                 "num_kv_heads", "bias", "rope_theta", "cache_batch", "cache_dtype"),
+                 "num_kv_heads", "bias", "rope_theta", "cache_batch", "cache_dtype", "new_lengths", "paging"),
         inputs=("x",), differentiable=(), strategy="decode_cases",
         oracle=_decode_oracle, call=_decode_call, vjp="", pullback=None,
         visible=None, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,

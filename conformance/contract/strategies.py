@@ -41,6 +41,7 @@ from .cases import (
     FlexCase,
     LinearCase,
     MhaCase,
+    Paging,
     RingCase,
     SdpaCase,
     State,
@@ -877,19 +878,33 @@ def chunk_sizes(draw: Callable, L: int) -> tuple[int, ...]:
     return tuple(int(b - a) for a, b in zip([0, *cuts], [*cuts, L], strict=True))
 
 
+LAYOUTS = ("contiguous", "ragged", "paged")  # a decode case's cache: init_cache's, with a length per sequence,
+# or paged
+PAGE_SIZES = (1, 2, 3, 4, 5)
+
+
 @st.composite
 def decode_cases(draw: Callable) -> DecodeCase:
     """A drawn block (block_cases) fed chunk by chunk: L of LENGTHS (each chunk is a call, which JAX compiles
     into one program per case), the chunks from `chunk_sizes`, a capacity of L plus SPARE; in about one case of
     two a mask of the whole sequence (`masks`, (..., [H,] L, capacity)), and in one of two the block's attention
-    alone on x's queries and the keys and values of another input x_kv (cross-attention)."""
+    alone on x's queries and the keys and values of another input x_kv (cross-attention). In one case of three
+    each chunk takes a length per sequence (`ragged_chunks`), and in one of three besides through a paged cache
+    (`paged`)."""
     block = draw(block_cases(causal_mask=True, long=False))
+    layout = draw(st.sampled_from(LAYOUTS))
+    if layout != "contiguous":
+        return draw(ragged_chunks(block, paged=layout == "paged"))
     L = draw(st.sampled_from(LENGTHS))
     batch, D = block.x.shape[:-2], block.x.shape[-1]
     x = block.x[..., :L, :] if block.x.shape[-2] >= L else _values(_rng(draw), (*batch, L, D), "normal")
     capacity = L + draw(st.sampled_from(SPARE))
     mask = draw(masks(batch, L, capacity, heads=block.num_heads)) if draw(st.booleans()) else None
     x_kv = _values(_rng(draw), (*batch, L, D), "normal") if draw(st.booleans()) else None
+    return _decode_case(block, x, draw(chunk_sizes(L)), capacity, mask=mask, x_kv=x_kv)
+
+
+def _decode_case(block: BlockCase, x: np.ndarray, chunks: tuple[int, ...], capacity: int, **fields: Any) -> DecodeCase:
     return DecodeCase(state=block.state,
                       num_heads=block.num_heads,
                       dropout=block.dropout,
@@ -897,11 +912,34 @@ def decode_cases(draw: Callable) -> DecodeCase:
                       activation=block.activation,
                       eps=block.eps,
                       x=x,
-                      chunks=draw(chunk_sizes(L)),
+                      chunks=chunks,
                       capacity=capacity,
                       norm=block.norm,
                       num_kv_heads=block.num_kv_heads,
                       bias=block.bias,
                       rope_theta=block.rope_theta,
-                      mask=mask,
-                      x_kv=x_kv)
+                      **fields)
+
+
+@st.composite
+def ragged_chunks(draw: Callable, block: BlockCase, *, paged: bool) -> DecodeCase:
+    """The block on B <= 3 sequences (x (B, L, D), L <= 4) in at most two chunks, each sequence taking 0 .. the
+    chunk's size of each (SPEC 3a), no mask, x_kv in one case of two; `paged`: a paged cache (SPEC 3b) of pages of
+    1 .. 5 positions, enough blocks for the longest sequence and maybe one more, a pool one to three pages larger
+    than the sequences need, given in a random order."""
+    B, L, D = draw(st.integers(1, 3)), draw(st.integers(1, 4)), block.x.shape[-1]
+    chunks = draw(chunk_sizes(L))
+    chunks = chunks if len(chunks) <= 2 else (L - 1, 1)  # two calls at most, a prefill and a step: JAX compiles each
+    new_lengths = tuple(tuple(draw(st.lists(st.integers(0, size), min_size=B, max_size=B))) for size in chunks)
+    longest = max(map(sum, zip(*new_lengths, strict=True)))
+    x = _values(_rng(draw), (B, L, D), "normal")
+    x_kv = _values(_rng(draw), (B, L, D), "normal") if draw(st.booleans()) else None
+    if not paged:
+        return _decode_case(block, x, chunks, max(longest, 1) + draw(st.sampled_from(SPARE)), x_kv=x_kv,
+                            new_lengths=new_lengths)
+    page = draw(st.sampled_from(PAGE_SIZES))
+    max_pages = max(1, -(-longest // page)) + draw(st.integers(0, 1))
+    num_pages = B * max_pages + draw(st.integers(1, 3))
+    paging = Paging(page_size=page, num_pages=num_pages, max_pages=max_pages,
+                    order=tuple(draw(st.permutations(range(num_pages)))))
+    return _decode_case(block, x, chunks, max_pages * page, x_kv=x_kv, new_lengths=new_lengths, paging=paging)
