@@ -13,10 +13,20 @@ from hypothesis import strategies as st
 
 from conformance.contract import cases, fixed_cases, operations
 from conformance.contract import strategies as cs
+from conformance.run import suite
 from conformance.run.checks import expected
 
 FEW = settings(max_examples=25, deadline=None)
 MHA_NAMES = {f"w_{p}.{part}" for p in "qkvo" for part in ("weight", "bias")}
+
+
+@pytest.fixture(autouse=True)
+def _draws_of_the_strategies_alone():
+    """Each test's draws depend on the strategies alone, as the suite's do (suite._reproducible_draws): Hypothesis
+    also draws constants it collects from the source of the project's imported modules, so a test counting how
+    soon the draws reach a form would pass or fail with any change to any module's numbers."""
+    with suite._reproducible_draws():
+        yield
 
 
 def _assert_broadcasts(name: str, array: np.ndarray | None, target: tuple[int, ...]) -> None:
@@ -670,7 +680,9 @@ def test_positions_and_groups_reach_every_form_in_a_third_of_the_cases() -> None
     seen: set[str] = set()
     positioned: list[bool] = []
 
-    @settings(max_examples=400, derandomize=True, database=None, deadline=None)
+    # 1000 draws: the rarest forms (a causal window with an int offset; bottom-right offsets) come a few times in
+    # a thousand, and 400 or 600 derandomized draws missed one of them
+    @settings(max_examples=1000, derandomize=True, database=None, deadline=None)
     @given(cs.sdpa_cases(modded=False))  # those with mods draw the keywords too (test_sdpa_and_flash_cases_draw_...)
     def record(case: cases.SdpaCase) -> None:
         S = case.k.shape[-2]
