@@ -403,14 +403,16 @@ class MultiHeadAttention(Module):
         v_seen = jnp.concatenate([cache.v, v], axis=-2)[..., source, :]
         if cache.rope_positions == "cache" and cache.rope is not None:  # column c at place c, query i at its own
             cos, sin = cache.rope  # (slots, d_k) each
-            q, k_seen = _turned(q, cos[place], sin[place], False), _turned(k_seen, cos, sin, False)
+            q = _turned(q, _ranked(cos[place], q.ndim), _ranked(sin[place], q.ndim), False)  # jax: ranks equal
+            k_seen = _turned(k_seen, _ranked(cos, k_seen.ndim), _ranked(sin, k_seen.ndim), False)
 
         # 3) attend, each query alone over its view: the queries stand on a batch axis
         q = jnp.swapaxes(q, -2, -3)[..., None, :]  # (..., H, L, d_k) -> (..., L, H, 1, d_k)
         k_seen, v_seen = jnp.swapaxes(k_seen, -3, -4), jnp.swapaxes(v_seen, -3, -4)  # (..., L, Hkv, slots, d_k)
         dropout_p = self.dropout if self.training else 0.0
         validation.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
-        out, weights = scaled_dot_product_attention(q, k_seen, v_seen, seen[:, None, None, :], enable_gqa=self.grouped,
+        out, weights = scaled_dot_product_attention(q, k_seen, v_seen, _ranked(seen[:, None, None, :], q.ndim),
+                                                    enable_gqa=self.grouped,
                                                     dropout_p=dropout_p, need_weights=need_weights,
                                                     rng=rng)  # (..., L, H, 1, d_k), mask (L, 1, 1, slots)
         out = jnp.swapaxes(out[..., 0, :], -2, -3)  # (..., L, H, 1, d_k) -> (..., H, L, d_k)
@@ -958,7 +960,7 @@ def _streaming_view(start: jax.Array, L: int, sink_tokens: int,
     p = start + jnp.arange(L, dtype=start.dtype)  # (L,), traced under jit
     evicted = jnp.maximum(p + 1 - slots, 0)  # (L,)
     column = jnp.arange(slots, dtype=start.dtype)  # (slots,)
-    at = jnp.where(column < sink_tokens, column, column + evicted[:, None])  # (L, slots)
+    at = jnp.where(column < sink_tokens, column, column[None, :] + evicted[:, None])  # (L, slots) (jax: ranks equal)
     seen = at <= p[:, None]  # a sink not yet written, or a column past the query: unseen
     older = _streaming_slot(at, sink_tokens, slots)  # where a position before this step lives
     source = jnp.where(at >= start, slots + jnp.minimum(at - start, L - 1), older)  # a new row after the slots

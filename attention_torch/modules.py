@@ -888,7 +888,7 @@ def _streaming_slot(positions: torch.Tensor, sink_tokens: int, slots: int) -> to
 
 
 def _streaming_view(start: int, L: int, sink_tokens: int, slots: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The views of the L queries at positions p_i = start + i of a streaming cache, in the cache's order, column c
     holding position at = c below sink_tokens, else c + e_i (e_i = max(0, p_i + 1 - slots), the window positions
     evicted): seen (L, slots) where that is a key the query sees (at <= p_i), source (L, slots) its row in [the
