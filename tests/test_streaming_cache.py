@@ -13,7 +13,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import method_program
+from tests._compare import REORDERED, method_program
 from tests.conftest import import_backend
 from tests.test_cache import LLAMA, _module, _random
 
@@ -68,8 +68,9 @@ def _reference(state: dict, x: np.ndarray, *, kv_heads: int, rope: str | None) -
 
 
 def _decode(M: ModuleType, module, cache, x: np.ndarray, chunk: int, twice: bool):
-    """extend `chunk` positions at a time (the last chunk what is left; twice: x as x_q and x_kv, MHA); outputs and weights rows concatenated,
-    the last cache, and the shapes of the cache's keys after every step. JAX: one jax.jit per chunk length."""
+    """extend `chunk` positions at a time (the last chunk what is left; twice: x as x_q and x_kv, for MHA); outputs
+    and weights rows concatenated, the last cache, and the shapes of the cache's keys after every step. JAX: one
+    jax.jit per chunk length."""
     extend, outs, weights, shapes = method_program(M, "extend"), [], [], []
     for start in range(0, N, chunk):
         rows = M.asarray(x[:, start:start + chunk])
@@ -174,8 +175,8 @@ def test_the_sink_slots_hold_the_first_positions_forever(backend: ModuleType, ro
     got_k, got_v = backend.to_numpy(cache.k)[:, 0], backend.to_numpy(cache.v)[:, 0]  # (B, s + w, d_k)
     for p, s in slot.items():
         for b in range(B):
-            np.testing.assert_allclose(got_k[b, s], turn(k[b, p], p), rtol=0, atol=1e-12, err_msg=f"key {p}")
-            np.testing.assert_allclose(got_v[b, s], v[b, p], rtol=0, atol=1e-12, err_msg=f"value {p}")
+            np.testing.assert_allclose(got_k[b, s], turn(k[b, p], p), rtol=0, atol=REORDERED, err_msg=f"key {p}")
+            np.testing.assert_allclose(got_v[b, s], v[b, p], rtol=0, atol=REORDERED, err_msg=f"value {p}")
 
 
 def test_each_query_reads_its_sinks_and_window_in_position_order(backend: ModuleType):
