@@ -258,7 +258,9 @@ class MultiHeadAttention(nn.Module):
         Args:
             x_q: the new queries' inputs (..., L, D).
             x_kv: the new keys' and values' inputs (..., L, D).
-            cache: from init_cache, or the cache the last extend returned.
+            cache: from init_cache, or the cache the last extend returned; a streaming cache (window) takes
+                1 <= L <= window rows and no mask, new_lengths or mods, and its weights' last axis is its view
+                in the cache's order (SPEC 3c).
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions (a ragged chunk);
                 None: L for every sequence.
@@ -708,7 +710,8 @@ class TransformerBlock(nn.Module):
 
         Args:
             x: the new positions' inputs (..., L, D).
-            cache: from init_cache, or the cache the last extend returned.
+            cache: from init_cache, or the cache the last extend returned (a streaming cache as for
+                MultiHeadAttention.extend).
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions; None: L for all.
             need_weights, rng: as for __call__.
