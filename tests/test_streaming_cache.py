@@ -13,7 +13,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tests._compare import REORDERED, method_program
+from tests._compare import REORDERED, method_program, sdpa
 from tests.conftest import import_backend
 from tests.test_cache import LLAMA, _module, _random
 
@@ -199,6 +199,30 @@ def test_each_query_reads_its_sinks_and_window_in_position_order(backend: Module
                 assert read == expected, f"query {p} (start {start}, L {L}): read {read}, sees {expected}"
                 assert list(np.flatnonzero(seen[i])) == list(range(len(expected)))  # the columns seen come first
                 assert int(place[i]) == len(expected) - 1
+
+
+@pytest.mark.parametrize("chunk", [1, WINDOW], ids=["one_by_one", "window_chunks"])
+def test_attention_over_the_views_equals_sdpa_with_the_streaming_mask(backend: ModuleType, chunk: int):
+    """The function level, at float64's reordering tolerance: raw q, k, v (B, H, N, E) decoded through a ring of s + w
+    slots written as SPEC 3c says, each query attending to its view (modules._streaming_view), give the rows of
+    scaled_dot_product_attention with the streaming mask over the whole sequence."""
+    M, slots, E = backend, SINK + WINDOW, 4
+    q, k, v = (_random(B, H, N, E, seed=seed) for seed in (7, 8, 9))
+    full, _ = sdpa(M, q, k, v, _streaming_mask(N, SINK, WINDOW))
+    ring_k, ring_v, outs = np.zeros((B, H, slots, E)), np.zeros((B, H, slots, E)), []
+    for start in range(0, N, chunk):
+        L = min(chunk, N - start)
+        new = slice(start, start + L)
+        length = M.asarray(np.int32(start)) if M.__name__ == "attention_jax" else start  # jax: an array
+        seen, source, _ = (M.to_numpy(a) for a in M.modules._streaming_view(length, L, SINK, slots))
+        view_k = np.concatenate([ring_k, k[:, :, new]], axis=-2)[:, :, source]  # (B, H, L, slots, E)
+        view_v = np.concatenate([ring_v, v[:, :, new]], axis=-2)[:, :, source]
+        out, _ = sdpa(M, q[:, :, new, None], view_k, view_v, seen[None, None, :, None])  # each query alone
+        outs.append(out[:, :, :, 0])  # (B, H, L, 1, E) -> (B, H, L, E)
+        for p in range(start, start + L):  # the writes: a sink's slot, else the ring's
+            ring_k[:, :, p if p < SINK else SINK + (p - SINK) % WINDOW] = k[:, :, p]
+            ring_v[:, :, p if p < SINK else SINK + (p - SINK) % WINDOW] = v[:, :, p]
+    np.testing.assert_allclose(np.concatenate(outs, axis=-2), full, rtol=0, atol=REORDERED)
 
 
 def test_numpy_memory_per_step_is_flat():
