@@ -97,6 +97,37 @@ class PagedKVCache(NamedTuple):
                              length=self.length.at[jnp.asarray(sequences)].set(0))
 
 
+class StreamingKVCache(NamedTuple):
+    """A streaming cache (StreamingLLM): the first sink_tokens positions and the last window = slots - sink_tokens
+    positions in slots = sink_tokens + window slots, k and v (..., Hkv, slots, d_k). Position p < sink_tokens lives
+    in slot p forever; p >= sink_tokens in slot sink_tokens + (p - sink_tokens) % window, a ring over which nothing
+    moves. length: an int32 array (), the positions seen so far (unbounded). rope_positions "original": the keys are
+    stored turned at their positions; "cache": stored unturned and turned when read, at their column in the cache's
+    order, `rope` the tables of columns 0 .. slots - 1. jax: a pytree whose k, v, length and rope are leaves and
+    whose sink_tokens and rope_positions are static, so one jitted extend serves every step (the slots are data);
+    extend returns new arrays."""
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+    sink_tokens: int
+    rope: tuple[jax.Array, jax.Array] | None = None
+    rope_positions: str = "original"
+
+
+def _streaming_leaves(cache: StreamingKVCache) -> tuple[tuple, tuple]:
+    return (cache.k, cache.v, cache.length, cache.rope), (cache.sink_tokens, cache.rope_positions)
+
+
+def _streaming_cache(static: tuple, leaves: tuple) -> StreamingKVCache:
+    (k, v, length, rope), (sink_tokens, rope_positions) = leaves, static
+    return StreamingKVCache(k, v, length=length, sink_tokens=sink_tokens, rope=rope, rope_positions=rope_positions)
+
+
+# jax: sink_tokens and rope_positions shape the program (the slots' layout, where RoPE turns), so they are static
+jax.tree_util.register_pytree_node(StreamingKVCache, _streaming_leaves, _streaming_cache)
+
+
 class MultiHeadAttention(Module):
     """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice; with
     num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads; with
@@ -196,20 +227,33 @@ class MultiHeadAttention(Module):
         gradients under "score_mod.<name>"."""
         return multi_head_attention_vjp(self, q, k, v, mask, mask_mod=mask_mod, score_mod=score_mod)
 
-    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None, sink_tokens: int = 0,
+                   window: int | None = None,
+                   rope_positions: str = "original") -> KVCache | StreamingKVCache:
         """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
         values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
         with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32.
+        With window, a streaming cache (StreamingKVCache, SPEC 3c): the first sink_tokens positions and the
+        last window ones in sink_tokens + window <= capacity slots, for any number of positions; RoPE at the
+        original positions, or at the places in the cache with rope_positions="cache".
         Softmax attention's only: attention="linear" raises ValueError."""
         validation.cached(self.attention)
         batch_shape = validation.cache_size(batch_shape, capacity)
+        streaming = validation.streaming_sizes(capacity, sink_tokens, window, rope_positions)
+        slots = sink_tokens + window if streaming else capacity
         d_k = self.w_q.weight.shape[1] // self.num_heads
-        shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
+        shape = (*batch_shape, self.num_kv_heads, slots, d_k)  # (..., Hkv, capacity, d_k)
         dtype = self.w_q.weight.dtype if dtype is None else dtype
         rope = None
-        if self.rope_theta is not None:  # made once, for positions 0 .. capacity - 1: a step slices its angles
-            rope = _rope_table(jnp.arange(capacity), d_k, self.rope_theta, _at_least_float32(dtype), False)
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), length=jnp.zeros((), jnp.int32), rope=rope)
+        if self.rope_theta is not None and not (streaming and rope_positions == "original"):
+            # made once, for positions 0 .. slots - 1 (a streaming cache's columns): a step slices its angles; a
+            # streaming cache's original positions are unbounded, so each step makes theirs
+            rope = _rope_table(jnp.arange(slots), d_k, self.rope_theta, _at_least_float32(dtype), False)
+        length = jnp.zeros((), jnp.int32)
+        if streaming:
+            return StreamingKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), length=length,
+                                    sink_tokens=sink_tokens, rope=rope, rope_positions=rope_positions)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), length=length, rope=rope)
 
     def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
                          dtype: Any = None) -> PagedKVCache:
@@ -243,7 +287,9 @@ class MultiHeadAttention(Module):
         Args:
             x_q: the new queries' inputs (..., L, D).
             x_kv: the new keys' and values' inputs (..., L, D).
-            cache: from init_cache, or the cache the last extend returned.
+            cache: from init_cache, or the cache the last extend returned; a streaming cache (window) takes
+                1 <= L <= window rows and no mask, new_lengths or mods, and its weights' last axis is its view
+                in the cache's order (SPEC 3c).
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions (a ragged chunk);
                 None: L for every sequence.
@@ -271,6 +317,10 @@ class MultiHeadAttention(Module):
         if isinstance(cache, PagedKVCache):  # the keys and values in pages
             validation.paged_options(mask_mod, score_mod, self.dropout if self.training else 0.0)
             return self._paged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights)
+        if isinstance(cache, StreamingKVCache):  # the sinks and a ring of the last window positions
+            validation.streaming_step(x_q.shape[-2], cache.k.shape[-2] - cache.sink_tokens, new_lengths,
+                                      jnp.shape(cache.length), mask, mask_mod, score_mod)
+            return self._streaming(x_q, x_kv, cache, need_weights=need_weights, rng=rng)
         if new_lengths is not None or jnp.ndim(cache.length):  # a length per sequence
             return self._ragged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights, rng=rng,
                                 mask_mod=mask_mod, score_mod=score_mod)
@@ -332,6 +382,52 @@ class MultiHeadAttention(Module):
         # 3) concatenate the heads and mix them; a padding row stays 0 (w_o's bias not added to it)
         out = jnp.where(kept[..., None], self.w_o(self._merge_heads(out)), 0)  # (..., L, D)
         return out, weights, KVCache(k, v, length=end, rope=cache.rope)
+
+    def _streaming(self, x_q: jax.Array, x_kv: jax.Array, cache: StreamingKVCache, *, need_weights: bool,
+                   rng: Rng) -> tuple[jax.Array, jax.Array | None, StreamingKVCache]:
+        """extend over a streaming cache (SPEC 3c): query i at position p_i sees the keys j < sink_tokens and
+        p_i - window < j <= p_i, read into its view in the cache's order, column c: position c (c < sink_tokens),
+        else c + e_i, e_i = max(0, p_i + 1 - slots) the window positions evicted; the view is gathered from the
+        slots before this step writes and the new rows, so a chunk's early queries still read what it overwrites."""
+        start, L, slots = cache.length, x_q.shape[-2], cache.k.shape[-2]  # jax: the length traced, the slots static
+        seen, source, place = _streaming_view(start, L, cache.sink_tokens, slots)  # (L, slots) x2, (L,)
+
+        # 1) project; RoPE "original": the new queries and keys turned at their positions, stored turned
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
+        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        if cache.rope_positions == "original":
+            q, k = self._rotated(q, k, start)  # RoPE at positions start .. start + L - 1
+
+        # 2) each query's view in the cache's order, from the slots as they were and the new rows after them
+        # (..., Hkv, slots + L, d_k) -> (..., Hkv, L, slots, d_k): query i's column c from row source[i, c]
+        k_seen = jnp.concatenate([cache.k, k], axis=-2)[..., source, :]
+        v_seen = jnp.concatenate([cache.v, v], axis=-2)[..., source, :]
+        if cache.rope_positions == "cache" and cache.rope is not None:  # column c at place c, query i at its own
+            cos, sin = cache.rope  # (slots, d_k) each
+            q = _turned(q, _ranked(cos[place], q.ndim), _ranked(sin[place], q.ndim), False)  # jax: ranks equal
+            k_seen = _turned(k_seen, _ranked(cos, k_seen.ndim), _ranked(sin, k_seen.ndim), False)
+
+        # 3) attend, each query alone over its view: the queries stand on a batch axis
+        q = jnp.swapaxes(q, -2, -3)[..., None, :]  # (..., H, L, d_k) -> (..., L, H, 1, d_k)
+        k_seen, v_seen = jnp.swapaxes(k_seen, -3, -4), jnp.swapaxes(v_seen, -3, -4)  # (..., L, Hkv, slots, d_k)
+        dropout_p = self.dropout if self.training else 0.0
+        validation.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
+        out, weights = scaled_dot_product_attention(q, k_seen, v_seen, _ranked(seen[:, None, None, :], q.ndim),
+                                                    enable_gqa=self.grouped,
+                                                    dropout_p=dropout_p, need_weights=need_weights,
+                                                    rng=rng)  # (..., L, H, 1, d_k), mask (L, 1, 1, slots)
+        out = jnp.swapaxes(out[..., 0, :], -2, -3)  # (..., L, H, 1, d_k) -> (..., H, L, d_k)
+        if need_weights:
+            weights = jnp.swapaxes(weights[..., 0, :], -2, -3)  # (..., L, H, 1, slots) -> (..., H, L, slots)
+
+        # 4) write the new rows into their slots (L <= window: distinct slots); the other slots stay
+        # (jax: a scatter into new arrays, the slots' indices data, so one compile serves every step)
+        to = _streaming_slot(start + jnp.arange(L, dtype=start.dtype), cache.sink_tokens, slots)  # (L,)
+        k, v = cache.k.at[..., to, :].set(k), cache.v.at[..., to, :].set(v)
+
+        # 5) concatenate the heads and mix them
+        return self.w_o(self._merge_heads(out)), weights, cache._replace(k=k, v=v, length=start + L)
 
     def _new_rows(self, x_q: jax.Array, x_kv: jax.Array, cache: KVCache | PagedKVCache,
                   new_lengths: jax.Array | None, batch: tuple[int, ...]) -> tuple[jax.Array, ...]:
@@ -470,6 +566,10 @@ class MultiHeadAttention(Module):
         validation.cached(self.attention)
         if isinstance(cache, PagedKVCache):
             return self._check_paged(inputs, cache, mask, new_lengths)
+        if isinstance(cache, StreamingKVCache):  # its own rules are _extended's (validation.streaming_step)
+            validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
+                                    self.w_q.weight.shape[1])
+            return validation.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=self.w_q.weight))
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
                                 weight.shape[1])
@@ -635,9 +735,12 @@ class TransformerBlock(Module):
         x, weights, _ = self._layers(x, attend, rngs)
         return x, weights
 
-    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
-        """An empty cache of the block's attention (MultiHeadAttention.init_cache)."""
-        return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None, sink_tokens: int = 0,
+                   window: int | None = None,
+                   rope_positions: str = "original") -> KVCache | StreamingKVCache:
+        """An empty cache of the block's attention (MultiHeadAttention.init_cache; with window, streaming)."""
+        return self.attn.init_cache(batch_shape, capacity, dtype=dtype, sink_tokens=sink_tokens, window=window,
+                                    rope_positions=rope_positions)
 
     def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
                          dtype: Any = None) -> PagedKVCache:
@@ -654,7 +757,8 @@ class TransformerBlock(Module):
 
         Args:
             x: the new positions' inputs (..., L, D).
-            cache: from init_cache, or the cache the last extend returned.
+            cache: from init_cache, or the cache the last extend returned (a streaming cache as for
+                MultiHeadAttention.extend).
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions; None: L for all.
             need_weights, rng: as for __call__.
@@ -849,6 +953,28 @@ def _fresh(rng: jax.Array | None) -> jax.Array:
     """jax: there is no global RNG, so rng=None seeds a fresh key from the OS, as NumPy and torch
     draw fresh initial values."""
     return jax.random.key(secrets.randbits(63)) if rng is None else rng
+
+
+def _streaming_slot(positions: jax.Array, sink_tokens: int, slots: int) -> jax.Array:
+    """The slot of each position in a streaming cache: p < sink_tokens in slot p, else a ring over the rest."""
+    window = slots - sink_tokens
+    return jnp.where(positions < sink_tokens, positions, sink_tokens + (positions - sink_tokens) % window)
+
+
+def _streaming_view(start: jax.Array, L: int, sink_tokens: int,
+                    slots: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The views of the L queries at positions p_i = start + i of a streaming cache, in the cache's order, column c
+    holding position at = c below sink_tokens, else c + e_i (e_i = max(0, p_i + 1 - slots), the window positions
+    evicted): seen (L, slots) where that is a key the query sees (at <= p_i), source (L, slots) its row in [the
+    slots before the step, the L new rows], and place (L,) the query's own column, p_i - e_i."""
+    p = start + jnp.arange(L, dtype=start.dtype)  # (L,), traced under jit
+    evicted = jnp.maximum(p + 1 - slots, 0)  # (L,)
+    column = jnp.arange(slots, dtype=start.dtype)  # (slots,)
+    at = jnp.where(column < sink_tokens, column, column[None, :] + evicted[:, None])  # (L, slots) (jax: ranks equal)
+    seen = at <= p[:, None]  # a sink not yet written, or a column past the query: unseen
+    older = _streaming_slot(at, sink_tokens, slots)  # where a position before this step lives
+    source = jnp.where(at >= start, slots + jnp.minimum(at - start, L - 1), older)  # a new row after the slots
+    return seen, source, p - evicted
 
 
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}

@@ -69,6 +69,22 @@ class PagedKVCache(NamedTuple):
         return self._replace(block_table=pages.release(self.block_table, sequences), length=length)
 
 
+class StreamingKVCache(NamedTuple):
+    """A streaming cache (StreamingLLM): the first sink_tokens positions and the last window = slots - sink_tokens
+    positions in slots = sink_tokens + window slots, k and v (..., Hkv, slots, d_k). Position p < sink_tokens lives
+    in slot p forever; p >= sink_tokens in slot sink_tokens + (p - sink_tokens) % window, a ring over which nothing
+    moves. length: an int, the positions seen so far (unbounded). rope_positions "original": the keys are stored
+    turned at their positions; "cache": stored unturned and turned when read, at their column in the cache's order,
+    `rope` the tables of columns 0 .. slots - 1. NumPy: extend writes in place, so an older cache's slots change."""
+
+    k: np.ndarray
+    v: np.ndarray
+    length: int
+    sink_tokens: int
+    rope: tuple[np.ndarray, np.ndarray] | None = None
+    rope_positions: str = "original"
+
+
 class MultiHeadAttention(Module):
     """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice; with
     num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads; with
@@ -167,19 +183,31 @@ class MultiHeadAttention(Module):
         gradients under "score_mod.<name>"."""
         return multi_head_attention_vjp(self, q, k, v, mask, mask_mod=mask_mod, score_mod=score_mod)
 
-    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None, sink_tokens: int = 0,
+                   window: int | None = None,
+                   rope_positions: str = "original") -> KVCache | StreamingKVCache:
         """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
         values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
         with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32.
+        With window, a streaming cache (StreamingKVCache, SPEC 3c): the first sink_tokens positions and the
+        last window ones in sink_tokens + window <= capacity slots, for any number of positions; RoPE at the
+        original positions, or at the places in the cache with rope_positions="cache".
         Softmax attention's only: attention="linear" raises ValueError."""
         validation.cached(self.attention)
         batch_shape = validation.cache_size(batch_shape, capacity)
+        streaming = validation.streaming_sizes(capacity, sink_tokens, window, rope_positions)
+        slots = sink_tokens + window if streaming else capacity
         d_k = self.w_q.weight.shape[1] // self.num_heads
-        shape = (*batch_shape, self.num_kv_heads, capacity, d_k)  # (..., Hkv, capacity, d_k)
+        shape = (*batch_shape, self.num_kv_heads, slots, d_k)  # (..., Hkv, capacity, d_k)
         dtype = self.w_q.weight.dtype if dtype is None else dtype
         rope = None
-        if self.rope_theta is not None:  # made once, for positions 0 .. capacity - 1: a step slices its angles
-            rope = _rope_table(np.arange(capacity), d_k, self.rope_theta, np.promote_types(dtype, np.float32), False)
+        if self.rope_theta is not None and not (streaming and rope_positions == "original"):
+            # made once, for positions 0 .. slots - 1 (a streaming cache's columns): a step slices its angles; a
+            # streaming cache's original positions are unbounded, so each step makes theirs
+            rope = _rope_table(np.arange(slots), d_k, self.rope_theta, np.promote_types(dtype, np.float32), False)
+        if streaming:
+            return StreamingKVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), length=0, sink_tokens=sink_tokens,
+                                    rope=rope, rope_positions=rope_positions)
         return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), length=0, rope=rope)
 
     def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
@@ -215,7 +243,9 @@ class MultiHeadAttention(Module):
         Args:
             x_q: the new queries' inputs (..., L, D).
             x_kv: the new keys' and values' inputs (..., L, D).
-            cache: from init_cache, or the cache the last extend returned.
+            cache: from init_cache, or the cache the last extend returned; a streaming cache (window) takes
+                1 <= L <= window rows and no mask, new_lengths or mods, and its weights' last axis is its view
+                in the cache's order (SPEC 3c).
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions (a ragged chunk);
                 None: L for every sequence.
@@ -243,6 +273,10 @@ class MultiHeadAttention(Module):
         if isinstance(cache, PagedKVCache):  # the keys and values in pages
             validation.paged_options(mask_mod, score_mod, self.dropout if self.training else 0.0)
             return self._paged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights)
+        if isinstance(cache, StreamingKVCache):  # the sinks and a ring of the last window positions
+            validation.streaming_step(x_q.shape[-2], cache.k.shape[-2] - cache.sink_tokens, new_lengths,
+                                      np.shape(cache.length), mask, mask_mod, score_mod)
+            return self._streaming(x_q, x_kv, cache, need_weights=need_weights, rng=rng)
         if new_lengths is not None or np.ndim(cache.length):  # a length per sequence
             return self._ragged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights, rng=rng,
                                 mask_mod=mask_mod, score_mod=score_mod)
@@ -303,6 +337,48 @@ class MultiHeadAttention(Module):
         # 3) concatenate the heads and mix them; a padding row stays 0 (w_o's bias not added to it)
         out = np.where(kept[..., None], self.w_o(self._merge_heads(out)), 0)  # (..., L, D)
         return out.astype(x_q.dtype, copy=False), weights, KVCache(cache.k, cache.v, length=end, rope=cache.rope)
+
+    def _streaming(self, x_q: np.ndarray, x_kv: np.ndarray, cache: StreamingKVCache, *, need_weights: bool,
+                   rng: Rng) -> tuple[np.ndarray, np.ndarray | None, StreamingKVCache]:
+        """extend over a streaming cache (SPEC 3c): query i at position p_i sees the keys j < sink_tokens and
+        p_i - window < j <= p_i, read into its view in the cache's order, column c: position c (c < sink_tokens),
+        else c + e_i, e_i = max(0, p_i + 1 - slots) the window positions evicted; the view is gathered from the
+        slots before this step writes and the new rows, so a chunk's early queries still read what it overwrites."""
+        start, L, slots = cache.length, x_q.shape[-2], cache.k.shape[-2]
+        seen, source, place = _streaming_view(start, L, cache.sink_tokens, slots)  # (L, slots) x2, (L,)
+
+        # 1) project; RoPE "original": the new queries and keys turned at their positions, stored turned
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
+        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        if cache.rope_positions == "original":
+            q, k = self._rotated(q, k, start)  # RoPE at positions start .. start + L - 1
+
+        # 2) each query's view in the cache's order, from the slots as they were and the new rows after them
+        # (..., Hkv, slots + L, d_k) -> (..., Hkv, L, slots, d_k): query i's column c from row source[i, c]
+        k_seen = np.concatenate([cache.k, k], axis=-2)[..., source, :]
+        v_seen = np.concatenate([cache.v, v], axis=-2)[..., source, :]
+        if cache.rope_positions == "cache" and cache.rope is not None:  # column c at place c, query i at its own
+            cos, sin = cache.rope  # (slots, d_k) each
+            q, k_seen = _turned(q, cos[place], sin[place], False), _turned(k_seen, cos, sin, False)
+
+        # 3) attend, each query alone over its view: the queries stand on a batch axis
+        q = np.swapaxes(q, -2, -3)[..., None, :]  # (..., H, L, d_k) -> (..., L, H, 1, d_k)
+        k_seen, v_seen = np.swapaxes(k_seen, -3, -4), np.swapaxes(v_seen, -3, -4)  # (..., L, Hkv, slots, d_k)
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = scaled_dot_product_attention(q, k_seen, v_seen, seen[:, None, None, :], enable_gqa=self.grouped,
+                                                    dropout_p=dropout_p, need_weights=need_weights,
+                                                    rng=rng)  # (..., L, H, 1, d_k), mask (L, 1, 1, slots)
+        out = np.swapaxes(out[..., 0, :], -2, -3)  # (..., L, H, 1, d_k) -> (..., H, L, d_k)
+        if need_weights:
+            weights = np.swapaxes(weights[..., 0, :], -2, -3)  # (..., L, H, 1, slots) -> (..., H, L, slots)
+
+        # 4) write the new rows into their slots, in place (L <= window: distinct slots); the other slots stay
+        to = _streaming_slot(start + np.arange(L), cache.sink_tokens, slots)  # (L,)
+        cache.k[..., to, :], cache.v[..., to, :] = k, v
+
+        # 5) concatenate the heads and mix them
+        return self.w_o(self._merge_heads(out)), weights, cache._replace(length=start + L)
 
     def _new_rows(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache | PagedKVCache,
                   new_lengths: np.ndarray | None, batch: tuple[int, ...]) -> tuple[np.ndarray, ...]:
@@ -425,6 +501,10 @@ class MultiHeadAttention(Module):
         validation.cached(self.attention)
         if isinstance(cache, PagedKVCache):
             return self._check_paged(inputs, cache, mask, new_lengths)
+        if isinstance(cache, StreamingKVCache):  # its own rules are _extended's (validation.streaming_step)
+            validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
+                                    self.w_q.weight.shape[1])
+            return validation.same_floating_dtype(_dtypes(**inputs, cache=cache.k, parameters=self.w_q.weight))
         weight, capacity = self.w_q.weight, cache.k.shape[-2]
         L = validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.k.shape,
                                 weight.shape[1])
@@ -587,9 +667,12 @@ class TransformerBlock(Module):
         x, weights, _ = self._layers(x, attend, rngs)
         return x, weights
 
-    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> KVCache:
-        """An empty cache of the block's attention (MultiHeadAttention.init_cache)."""
-        return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None, sink_tokens: int = 0,
+                   window: int | None = None,
+                   rope_positions: str = "original") -> KVCache | StreamingKVCache:
+        """An empty cache of the block's attention (MultiHeadAttention.init_cache; with window, streaming)."""
+        return self.attn.init_cache(batch_shape, capacity, dtype=dtype, sink_tokens=sink_tokens, window=window,
+                                    rope_positions=rope_positions)
 
     def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
                          dtype: Any = None) -> PagedKVCache:
@@ -606,7 +689,8 @@ class TransformerBlock(Module):
 
         Args:
             x: the new positions' inputs (..., L, D).
-            cache: from init_cache, or the cache the last extend returned.
+            cache: from init_cache, or the cache the last extend returned (a streaming cache as for
+                MultiHeadAttention.extend).
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions; None: L for all.
             need_weights, rng: as for __call__.
@@ -791,6 +875,28 @@ def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias
                                 dropout)
     return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
                        Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
+
+
+def _streaming_slot(positions: np.ndarray, sink_tokens: int, slots: int) -> np.ndarray:
+    """The slot of each position in a streaming cache: p < sink_tokens in slot p, else a ring over the rest."""
+    window = slots - sink_tokens
+    return np.where(positions < sink_tokens, positions, sink_tokens + (positions - sink_tokens) % window)
+
+
+def _streaming_view(start: int, L: int, sink_tokens: int,
+                    slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The views of the L queries at positions p_i = start + i of a streaming cache, in the cache's order, column c
+    holding position at = c below sink_tokens, else c + e_i (e_i = max(0, p_i + 1 - slots), the window positions
+    evicted): seen (L, slots) where that is a key the query sees (at <= p_i), source (L, slots) its row in [the
+    slots before the step, the L new rows], and place (L,) the query's own column, p_i - e_i."""
+    p = start + np.arange(L)  # (L,)
+    evicted = np.maximum(p + 1 - slots, 0)  # (L,)
+    column = np.arange(slots)  # (slots,)
+    at = np.where(column < sink_tokens, column, column + evicted[:, None])  # (L, slots)
+    seen = at <= p[:, None]  # a sink not yet written, or a column past the query: unseen
+    older = _streaming_slot(at, sink_tokens, slots)  # where a position before this step lives
+    source = np.where(at >= start, slots + np.minimum(at - start, L - 1), older)  # a new row after the slots
+    return seen, source, p - evicted
 
 
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}

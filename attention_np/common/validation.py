@@ -777,3 +777,47 @@ def paged_options(mask_mod: object, score_mod: object, dropout_p: float) -> None
         if given:
             raise ValueError(f"extend over a PagedKVCache takes no {name}: use the module in eval mode (or dropout 0) "
                              "without mask_mod and score_mod, or a KVCache")
+
+
+ROPE_POSITIONS = ("original", "cache")  # a streaming cache's RoPE positions (SPEC 3c)
+
+
+def streaming_sizes(capacity: int, sink_tokens: object, window: object, rope_positions: object) -> bool:
+    """init_cache: a streaming cache (window given) keeps sink_tokens >= 0 first positions and the last
+    window >= 1 in sink_tokens + window <= capacity slots; returns whether the cache streams (window given)."""
+    if window is None:
+        for name, value, default in (("sink_tokens", sink_tokens, 0), ("rope_positions", rope_positions, "original")):
+            if value != default:
+                raise ValueError(f"{name}={value!r} needs window (a streaming cache); got window=None")
+        return False
+
+    def count(n: object) -> bool:
+        return isinstance(n, int | np.integer) and not isinstance(n, bool)
+    if not count(window) or window < 1:
+        raise ValueError(f"window must be a positive int (the last positions a streaming cache keeps); got {window!r}")
+    if not count(sink_tokens) or sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be a non-negative int (the first positions a streaming cache keeps "
+                         f"forever); got {sink_tokens!r}")
+    if sink_tokens + window > capacity:
+        raise ValueError(f"sink_tokens + window must fit the capacity: sink_tokens={sink_tokens} + window={window} "
+                         f"= {sink_tokens + window} slots, capacity={capacity}")
+    if rope_positions not in ROPE_POSITIONS:
+        raise ValueError(f"rope_positions must be one of {ROPE_POSITIONS}; got {rope_positions!r}")
+    return True
+
+
+def streaming_step(rows: int, window: int, new_lengths: object, length_shape: Shape, mask: object, mask_mod: object,
+                   score_mod: object) -> None:
+    """extend over a streaming cache: a chunk of at most `window` rows, every sequence as long, no mask or mods."""
+    if rows > window:
+        raise ValueError(f"extend over a streaming cache takes at most window={window} new positions at once; got "
+                         f"L={rows} (its early rows' slots would be overwritten by its later rows): extend in chunks "
+                         f"of at most {window}")
+    if new_lengths is not None or tuple(length_shape) != ():
+        raise ValueError("extend over a streaming cache (sink_tokens, window) takes no new_lengths and needs an int "
+                         f"length, every sequence as long; got new_lengths={'None' if new_lengths is None else 'given'}"
+                         f" and a length of shape {tuple(length_shape)}")
+    for name, given in (("mask", mask), ("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if given is not None:
+            raise ValueError(f"extend over a streaming cache takes no {name}: its mask is the streaming rule "
+                             "(SPEC 3c), j < sink_tokens or p - window < j <= p")
