@@ -32,7 +32,7 @@ against one key head [c_KV, k_R] and one value head c_KV, with the scale of the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -141,6 +141,23 @@ class MultiHeadLatentAttention(Module):
         c_kv, k_rope = self._latents(x, positions)  # (..., S, Dc), (..., S, Er), S = L
         out, weights = self._expanded(q_nope, q_rope, c_kv, k_rope, mask, need_weights=need_weights)
         return self.o_proj(self._merge_heads(out)), weights  # (..., H, L, Ev) -> (..., L, H Ev) -> (..., L, D)
+
+    def vjp(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
+        """out, weights and pullback(d_out) -> (dx, {state-dict name: gradient}): __call__'s steps in reverse
+        (jax: jax.vjp of __call__, the module a pytree)."""
+        self._check_input(x, mask)
+
+        def attention(module: MultiHeadLatentAttention, x_: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return module(x_, mask)
+
+        out, pull, weights = jax.vjp(attention, self, x, has_aux=True)
+
+        def pullback(d_out: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+            validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+            d_module, dx = pull(d_out)
+            return dx, d_module.state_dict()  # jax: the gradient of a module is a module
+
+        return out, weights, pullback
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> LatentCache:
         """An empty latent cache for inputs with leading axes `batch_shape` and up to `capacity` positions:

@@ -32,7 +32,7 @@ against one key head [c_KV, k_R] and one value head c_KV, with the scale of the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -42,7 +42,8 @@ from attention_np.common.module import Module
 from attention_np.common.records import LatentSizes
 
 from .arrays import asarray
-from .functional import Rng, _dtypes, _rngs, _rope_table, _turned, scaled_dot_product_attention
+from .functional import Rng, _dtypes, _rngs, _rope_table, _turned, apply_rope, scaled_dot_product_attention
+from .gradients import _linear_vjp, _prefixed, _rms_norm_vjp, scaled_dot_product_attention_vjp
 from .modules import Linear, RMSNorm
 
 EPS = 1e-6  # DeepSeek's RMSNorm eps: DeepseekV3RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
@@ -139,6 +140,11 @@ class MultiHeadLatentAttention(Module):
         c_kv, k_rope = self._latents(x, positions)  # (..., S, Dc), (..., S, Er), S = L
         out, weights = self._expanded(q_nope, q_rope, c_kv, k_rope, mask, need_weights=need_weights)
         return self.o_proj(self._merge_heads(out)), weights  # (..., H, L, Ev) -> (..., L, H Ev) -> (..., L, D)
+
+    def vjp(self, x: np.ndarray, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
+        """out, weights and pullback(d_out) -> (dx, {state-dict name: gradient}): __call__'s steps in reverse
+        (latent_attention_vjp)."""
+        return latent_attention_vjp(self, x, mask)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> LatentCache:
         """An empty latent cache for inputs with leading axes `batch_shape` and up to `capacity` positions:
@@ -273,3 +279,63 @@ class MultiHeadLatentAttention(Module):
                                      "..., H, L, capacity")
         validation.cache_room(capacity, cache.length, L)
         return L
+
+
+def latent_attention_vjp(mla: MultiHeadLatentAttention, x: np.ndarray,
+                         mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """Backward through MLA, __call__'s steps in reverse, each the vjp of a piece the library has: the Linears
+    (dx = dy W, dW = dy^T x), the RMSNorms, scaled_dot_product_attention_vjp on the heads, RoPE (a rotation,
+    whose adjoint turns back by the same angles: apply_rope at -positions). The shared k_R is broadcast over the H
+    heads, so its gradient is the sum over the heads of theirs; the splits into heads and into parts only move
+    entries, so their adjoints are the merges and joins; x feeds the queries and the latents, so dx is the sum."""
+    mla._check_input(x, mask)
+    En, Dc, positions = mla.qk_nope_head_dim, mla.kv_a_layernorm.weight.shape[0], np.arange(x.shape[-2])
+
+    # forward, keeping each piece's pullback: the queries, the latents, the heads' keys and values, attention
+    if mla.q_proj is None:
+        a, pull_qa = _linear_vjp(mla.q_a_proj, x)  # (..., L, Dq)
+        c_q, pull_qn = _rms_norm_vjp(mla.q_a_layernorm, a)
+        q, pull_qb = _linear_vjp(mla.q_b_proj, c_q)  # (..., L, H E)
+    else:
+        q, pull_q = _linear_vjp(mla.q_proj, x)  # (..., L, H E)
+    q = mla._split_heads(q)  # (..., H, L, E)
+    kv, pull_kva = _linear_vjp(mla.kv_a_proj_with_mqa, x)  # (..., L, Dc + Er)
+    c_kv, pull_kvn = _rms_norm_vjp(mla.kv_a_layernorm, kv[..., :Dc])  # (..., L, Dc)
+    up, pull_kvb = _linear_vjp(mla.kv_b_proj, c_kv)  # (..., S, H (En + Ev))
+    k_nope, v = mla._split_heads(up)[..., :En], mla._split_heads(up)[..., En:]  # (..., H, S, En), (..., H, S, Ev)
+    k_rope = mla._rope(kv[..., Dc:], positions)  # (..., S, Er)
+    q = np.concatenate([q[..., :En], mla._rope(q[..., En:], positions)], axis=-1)  # (..., H, L, E)
+    k = np.concatenate([k_nope, np.broadcast_to(k_rope[..., None, :, :], (*k_nope.shape[:-1], k_rope.shape[-1]))],
+                       axis=-1)  # (..., H, S, E)
+    heads, weights, pull_attention = scaled_dot_product_attention_vjp(q, k, v, mask, scale=mla.scale)
+    out, pull_o = _linear_vjp(mla.o_proj, mla._merge_heads(heads))  # (..., L, D)
+
+    def turned_back(d: np.ndarray) -> np.ndarray:
+        return apply_rope(d, -positions, theta=mla.rope_theta, interleaved=True)
+
+    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        d_merged, grads = pull_o(d_out)
+        grads = _prefixed("o_proj", grads)
+        dq, dk, dv, *_ = pull_attention(mla._split_heads(d_merged))  # (..., H, L, E), (..., H, S, E), (..., H, S, Ev)
+        # the latents: k_C and v_C back through kv_b_proj and kv_a_layernorm; k_R summed over the heads, turned back
+        d_c_kv, grads_kvb = pull_kvb(mla._merge_heads(np.concatenate([dk[..., :En], dv], axis=-1)))  # (..., S, Dc)
+        d_c_raw, grads_kvn = pull_kvn(d_c_kv)
+        d_k_rope = turned_back(np.sum(dk[..., En:], axis=-3))  # (..., H, S, Er) -> (..., S, Er)
+        dx, grads_kva = pull_kva(np.concatenate([d_c_raw, d_k_rope], axis=-1))  # (..., S, Dc + Er) -> (..., S, D)
+        grads |= (_prefixed("kv_b_proj", grads_kvb) | _prefixed("kv_a_layernorm", grads_kvn)
+                  | _prefixed("kv_a_proj_with_mqa", grads_kva))
+        # the queries: q_R turned back, then the query projections
+        dq = mla._merge_heads(np.concatenate([dq[..., :En], turned_back(dq[..., En:])], axis=-1))  # (..., L, H E)
+        if mla.q_proj is None:
+            d_c_q, grads_qb = pull_qb(dq)
+            d_a, grads_qn = pull_qn(d_c_q)
+            dx_q, grads_qa = pull_qa(d_a)
+            grads |= _prefixed("q_b_proj", grads_qb) | _prefixed("q_a_layernorm", grads_qn) | _prefixed(
+                "q_a_proj", grads_qa)
+        else:
+            dx_q, grads_q = pull_q(dq)
+            grads |= _prefixed("q_proj", grads_q)
+        return dx + dx_q, {name: grads[name] for name in mla.state_dict()}
+
+    return out, weights, pullback

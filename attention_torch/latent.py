@@ -32,7 +32,7 @@ against one key head [c_KV, k_R] and one value head c_KV, with the scale of the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -42,6 +42,7 @@ from attention_np.common import validation
 
 from .arrays import asarray
 from .functional import Rng, _dtypes, _rngs, _rope_table, _turned, scaled_dot_product_attention
+from .gradients import _grad, _leaf, _leaves, _recording
 from .modules import Linear, RMSNorm, _load
 
 EPS = 1e-6  # DeepSeek's RMSNorm eps: DeepseekV3RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
@@ -135,6 +136,21 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = self._latents(x, positions)  # (..., S, Dc), (..., S, Er), S = L
         out, weights = self._expanded(q_nope, q_rope, c_kv, k_rope, mask, need_weights=need_weights)
         return self.o_proj(self._merge_heads(out)), weights  # (..., H, L, Ev) -> (..., L, H Ev) -> (..., L, D)
+
+    def vjp(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+        """out, weights and pullback(d_out) -> (dx, {state-dict name: gradient}): __call__'s steps in reverse
+        (torch: autograd through forward, the parameters as new leaves)."""
+        self._check_input(x, mask)
+        with _recording():
+            x_, params = _leaf(x), _leaves(self)
+            out, weights = torch.func.functional_call(self, params, (x_, mask))
+
+        def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+            dx, *grads = _grad(out, [x_, *params.values()], d_out)
+            return dx, dict(zip(params, grads, strict=True))
+
+        return out.detach(), weights.detach(), pullback
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *,
                    dtype: torch.dtype | None = None) -> LatentCache:

@@ -30,7 +30,7 @@ NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a fig
 CLASSES = ("MultiHeadAttention", "TransformerBlock", "MultiHeadLatentAttention")
 # each class's public methods beyond those of every module (__init__, __call__, from_state_dict, train, eval)
 METHODS = {"MultiHeadAttention": ("vjp",), "TransformerBlock": ("vjp",),
-           "MultiHeadLatentAttention": ("init_cache", "extend")}
+           "MultiHeadLatentAttention": ("vjp", "init_cache", "extend")}
 # the one place where the backends' signatures differ by design: where ring attention's devices are, named as each
 # framework names them (NumPy simulates P devices; JAX takes a mesh and its axis; torch a process group)
 TOPOLOGY = {name: {"attention_np": ("devices",), "attention_jax": ("mesh", "axis"), "attention_torch": ("group",)}

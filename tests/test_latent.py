@@ -2,7 +2,7 @@
 with the same weights, mapped by name, on every backend, with and without the query latent (DeepSeek-V2-Lite's
 q_proj); decoding through the latent cache, expanded and absorbed, equals the full causal pass; the cache holds
 transformers' own latents; the state dict round-trips under DeepSeek's names; mistakes raise errors naming the
-argument and the shapes; JAX's and torch's gradients equal central differences.
+argument and the shapes; the vjp of every backend (NumPy's composed by hand) equals central differences.
 
 transformers is a test-only dependency. Its DeepseekV3RMSNorm normalises in float32 whatever the input's dtype, so
 the reference runs the same formula in the input's dtype (float64); its rotary angles are computed here in float64
@@ -179,7 +179,7 @@ def _small() -> dict[str, np.ndarray]:
 
 
 def _numerical_gradients(state: dict, x: np.ndarray, d_out: np.ndarray, mask: np.ndarray) -> dict:
-    """Central differences of <out, d_out> in every parameter and x, through NumPy's module."""
+    """Central differences of <out, d_out> in every parameter and x, through NumPy's forward pass."""
     M = import_backend("attention_np")
 
     def out(x_: np.ndarray, **changed: np.ndarray) -> np.ndarray:
@@ -191,30 +191,46 @@ def _numerical_gradients(state: dict, x: np.ndarray, d_out: np.ndarray, mask: np
     return found
 
 
-@pytest.mark.parametrize("name", ["attention_jax", "attention_torch"])
-def test_autodiff_gradients_equal_central_differences(name: str) -> None:
-    M, state = import_backend(name), _small()
+def test_vjp_equals_central_differences(backend: ModuleType) -> None:
+    """Every parameter's gradient and the input's, through the vjp: NumPy's composed by hand from the pieces'
+    backward passes, JAX's jax.vjp, torch's autograd."""
+    state = _small()
     rng = np.random.default_rng(5)
     x, d_out, mask = rng.standard_normal((1, 3, 8)), rng.standard_normal((1, 3, 8)), np.tri(3, 3, dtype=bool)
-    if name == "attention_jax":
+    module = backend.MultiHeadLatentAttention.from_state_dict({name: backend.asarray(value)
+                                                               for name, value in state.items()}, num_heads=2)
+
+    def gradients(module, x_, d_out_):
+        return module.vjp(x_, backend.asarray(mask))[2](d_out_)
+
+    if backend.__name__ == "attention_jax":
         import jax
-        import jax.numpy as jnp
 
-        def loss(module, x_):
-            return jnp.sum(module(x_, M.asarray(mask))[0] * M.asarray(d_out))
-
-        module = M.MultiHeadLatentAttention.from_state_dict(state, num_heads=2)
-        d_module, dx = jax.jit(jax.grad(loss, argnums=(0, 1)))(module, M.asarray(x))  # one program: see _step
-        found = {"x": np.asarray(dx)} | {key: np.asarray(value) for key, value in d_module.state_dict().items()}
-    else:
-        module = M.MultiHeadLatentAttention.from_state_dict(state, num_heads=2)
-        x_ = torch.tensor(x, requires_grad=True)
-        (module(x_, torch.from_numpy(mask))[0] * torch.from_numpy(d_out)).sum().backward()
-        found = {"x": x_.grad.numpy()} | {key: p.grad.numpy() for key, p in module.named_parameters()}
+        gradients = jax.jit(gradients)  # one program: see _step
+    dx, grads = gradients(module, backend.asarray(x), backend.asarray(d_out))
+    found = {"x": backend.to_numpy(dx)} | {name: backend.to_numpy(value) for name, value in grads.items()}
     expected = _numerical_gradients(state, x, d_out, mask)
     assert found.keys() == expected.keys()
-    for key, value in expected.items():
-        assert_close(found[key], value, 1e-6, key)
+    for name, value in expected.items():
+        assert_close(found[name], value, 1e-6, name)
+
+
+def test_vjp_of_the_v2_lite_form_equals_central_differences() -> None:
+    """NumPy's hand-composed vjp without the query latent (q_proj), where it takes the other branch."""
+    M = import_backend("attention_np")
+    mla = M.MultiHeadLatentAttention(8, 2, q_lora_rank=None, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2,
+                                     v_head_dim=3, rng=6, dtype=np.float64)
+    state = {name: np.array(value) for name, value in mla.state_dict().items()}
+    rng = np.random.default_rng(7)
+    x, d_out, mask = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 3, 8)), np.tri(3, 3, dtype=bool)
+    out, weights, pullback = mla.vjp(x, mask)
+    expected_out, expected_weights = mla(x, mask)
+    assert_close(out, expected_out, EXACT, "out")  # scaled_dot_product_attention_vjp's forward, reassociated
+    assert_close(weights, expected_weights, EXACT, "weights")
+    dx, grads = pullback(d_out)
+    expected = _numerical_gradients(state, x, d_out, mask)
+    for name, value in ({"x": dx} | grads).items():
+        assert_close(value, expected[name], 1e-6, name)
 
 
 # the mistakes and the words their message must hold: the argument, and the shapes
