@@ -13,7 +13,10 @@ with the "sdpa" attention, as its "eager" one takes the softmax in float32.
 from __future__ import annotations
 
 import importlib
+import re
+import sys
 import types
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -267,3 +270,79 @@ def test_mistakes_raise_errors_naming_the_argument_and_shapes(backend: ModuleTyp
     with pytest.raises(ValueError) as raised:
         call(backend, module)
     assert all(word in str(raised.value) for word in words), str(raised.value)
+
+
+def test_the_absorbed_step_forms_no_heads_keys_or_values() -> None:
+    """The absorbed form reads kv_b_proj's weight and never calls it: with a kv_b_proj that refuses to be called,
+    absorbed decoding runs and equals the expanded form, which does call it."""
+    M = import_backend("attention_np")
+    linear = importlib.import_module("attention_np.modules").Linear
+
+    class Refused(linear):
+        def __call__(self, x):
+            raise AssertionError("kv_b_proj applied: keys and values formed per head")
+
+    mla = M.MultiHeadLatentAttention(16, 2, q_lora_rank=8, **SIZES, rng=0, dtype=np.float64)
+    refusing = mla._replace(kv_b_proj=Refused(mla.kv_b_proj.weight))
+    x = np.random.default_rng(2).standard_normal((1, 4, 16))
+    expected, _, _ = mla.extend(x, mla.init_cache((1,), 4))
+    out, _, _ = refusing.extend(x, refusing.init_cache((1,), 4), absorbed=True)
+    assert_close(out, expected, EXACT, "out")
+    with pytest.raises(AssertionError, match="kv_b_proj applied"):
+        refusing.extend(x, refusing.init_cache((1,), 4), absorbed=False)
+
+
+# What a cache holds per token and layer, at DeepSeek-V3's attention sizes (its config.json), for MLA and for
+# attention of the same heads (keys of E = En + Er, values of Ev) caching H, 8 or 1 key/value heads.
+V3 = {"num_heads": 128, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+KV_HEADS = {"MHA": None, "GQA (Hkv = 8)": 8, "MQA": 1}  # the key/value heads each cache holds (None: H)
+BF16 = 2  # bytes a number: DeepSeek-V3 serves its cache in bfloat16
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "latent.md"
+BEGIN, END = "<!-- generated: python -m tests.test_latent (cache) -->\n", "<!-- end generated (cache) -->"
+
+
+def cache_numbers_per_token(attention: str, sizes: dict[str, int]) -> int:
+    """The numbers a cache holds for one token of one layer: Hkv (E + Ev) for a key and a value of each cached
+    head; MLA's Dc + Er (c_kv and k_rope), whatever H."""
+    if attention == "MLA":
+        return sizes["kv_lora_rank"] + sizes["qk_rope_head_dim"]
+    Hkv = KV_HEADS[attention] or sizes["num_heads"]
+    return Hkv * (sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"] + sizes["v_head_dim"])
+
+
+def cache_table() -> str:
+    """The docs' table: numbers and bfloat16 bytes per token per layer at DeepSeek-V3's sizes, and each against MLA."""
+    mla = cache_numbers_per_token("MLA", V3)
+    rows = [f"| {name} | {n:,} | {n * BF16:,} | {n / mla:.2f}x |"
+            for name, n in ((name, cache_numbers_per_token(name, V3)) for name in (*KV_HEADS, "MLA"))]
+    return "\n".join(["| attention | numbers per token per layer | bytes (bfloat16) | against MLA |",
+                      "|---|---|---|---|", *rows]) + "\n"
+
+
+def test_cache_numbers_are_those_of_an_allocated_cache() -> None:
+    """The formula against init_cache's arrays: MLA's latent cache, and MultiHeadAttention's with H, 8 and 1
+    key/value heads (its keys and values of one width d_k: E = Ev = d_k), float16 as a two-byte dtype."""
+    M = import_backend("attention_np")
+    capacity, d_k = 5, 8
+    mla = M.MultiHeadLatentAttention(32, 16, q_lora_rank=8, **SIZES, rng=0)
+    cache = mla.init_cache((1,), capacity, dtype=np.float16)
+    assert (cache.c_kv.nbytes + cache.k_rope.nbytes) // capacity == cache_numbers_per_token("MLA", SIZES) * BF16
+    same_width = {"num_heads": 16, "qk_nope_head_dim": d_k - 2, "qk_rope_head_dim": 2, "v_head_dim": d_k}  # E = Ev
+    for name, Hkv in KV_HEADS.items():
+        mha = M.MultiHeadAttention(16 * d_k, 16, num_kv_heads=Hkv, rng=0)
+        cache = mha.init_cache((1,), capacity, dtype=np.float16)
+        assert (cache.k.nbytes + cache.v.nbytes) // capacity == cache_numbers_per_token(name, same_width) * BF16
+
+
+def test_the_docs_show_the_cache_table() -> None:
+    """docs/latent.md's table is cache_table() (`python -m tests.test_latent` writes it), and its sentence's
+    numbers are the table's."""
+    text = DOCS.read_text()
+    assert re.search(re.escape(BEGIN) + "(.*?)" + re.escape(END), text, re.DOTALL)[1] == cache_table()
+    assert f"{cache_numbers_per_token('MLA', V3):,} numbers a position against " \
+        f"{cache_numbers_per_token('MHA', V3):,}" in text
+
+
+if __name__ == "__main__" and sys.argv[1:] in ([], ["--write"]):  # python -m tests.test_latent: the docs' table
+    DOCS.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END),
+                           lambda _: BEGIN + cache_table() + END, DOCS.read_text(), flags=re.DOTALL))
