@@ -121,8 +121,8 @@ class MultiHeadLatentAttention(Module):
 
     def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, *, need_weights: bool = True,
                  rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None]:
-        """MLA(h) = [o_1, ..., o_H] W_O^T, o_h = softmax([q_C,h, q_R,h] [k_C,h, k_R]^T / sqrt(En + Er)) v_C,h,
-        position i at i (the module docstring's equations).
+        """MLA(h) = Concat(o_1, ..., o_H) W_O^T, o_h = softmax(q_h k_h^T / sqrt(En + Er)) v_C,h, q_h = (q_C,h, q_R,h)
+        and k_h = (k_C,h, k_R) joined, position i at i (the module docstring's equations).
 
         Args:
             x: inputs (..., L, D).

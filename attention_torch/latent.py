@@ -117,8 +117,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, need_weights: bool = True,
                  rng: Rng = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """MLA(h) = [o_1, ..., o_H] W_O^T, o_h = softmax([q_C,h, q_R,h] [k_C,h, k_R]^T / sqrt(En + Er)) v_C,h,
-        position i at i (the module docstring's equations).
+        """MLA(h) = Concat(o_1, ..., o_H) W_O^T, o_h = softmax(q_h k_h^T / sqrt(En + Er)) v_C,h, q_h = (q_C,h, q_R,h)
+        and k_h = (k_C,h, k_R) joined, position i at i (the module docstring's equations).
 
         Args:
             x: inputs (..., L, D).
