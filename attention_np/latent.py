@@ -143,8 +143,8 @@ class MultiHeadLatentAttention(Module):
 
     def vjp(self, x: np.ndarray, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
         """out, weights and pullback(d_out) -> (dx, {state-dict name: gradient}): __call__'s steps in reverse
-        (latent_attention_vjp)."""
-        return latent_attention_vjp(self, x, mask)
+        (_latent_vjp, below)."""
+        return _latent_vjp(self, x, mask)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> LatentCache:
         """An empty latent cache for inputs with leading axes `batch_shape` and up to `capacity` positions:
@@ -281,7 +281,7 @@ class MultiHeadLatentAttention(Module):
         return L
 
 
-def latent_attention_vjp(mla: MultiHeadLatentAttention, x: np.ndarray,
+def _latent_vjp(mla: MultiHeadLatentAttention, x: np.ndarray,
                          mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
     """Backward through MLA, __call__'s steps in reverse, each the vjp of a piece the library has: the Linears
     (dx = dy W, dW = dy^T x), the RMSNorms, scaled_dot_product_attention_vjp on the heads, RoPE (a rotation,
@@ -302,7 +302,8 @@ def latent_attention_vjp(mla: MultiHeadLatentAttention, x: np.ndarray,
     kv, pull_kva = _linear_vjp(mla.kv_a_proj_with_mqa, x)  # (..., L, Dc + Er)
     c_kv, pull_kvn = _rms_norm_vjp(mla.kv_a_layernorm, kv[..., :Dc])  # (..., L, Dc)
     up, pull_kvb = _linear_vjp(mla.kv_b_proj, c_kv)  # (..., S, H (En + Ev))
-    k_nope, v = mla._split_heads(up)[..., :En], mla._split_heads(up)[..., En:]  # (..., H, S, En), (..., H, S, Ev)
+    up = mla._split_heads(up)  # (..., H, S, En + Ev)
+    k_nope, v = up[..., :En], up[..., En:]  # (..., H, S, En), (..., H, S, Ev)
     k_rope = mla._rope(kv[..., Dc:], positions)  # (..., S, Er)
     q = np.concatenate([q[..., :En], mla._rope(q[..., En:], positions)], axis=-1)  # (..., H, L, E)
     k = np.concatenate([k_nope, np.broadcast_to(k_rope[..., None, :, :], (*k_nope.shape[:-1], k_rope.shape[-1]))],
