@@ -22,12 +22,15 @@ from tests.conftest import BACKENDS, import_backend
 LEGEND = ("Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width, "
           "Ev value width, D = d_model, F = d_ff, ... leading batch axes.")
 PUBLIC_FILES = {"__init__.py", "arrays.py", "distributed.py", "fast.py", "flash.py", "flex.py", "functional.py",
-                "gradients.py", "linear.py", "modules.py", "primitives.py", "py.typed", "varlen.py"}
+                "gradients.py", "latent.py", "linear.py", "modules.py", "primitives.py", "py.typed", "varlen.py"}
 COMMON_FILES = {"__init__.py", "block_mask.py", "keywords.py", "mods.py", "module.py", "npz.py", "pages.py",
                 "records.py", "validation.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
 NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
-CLASSES = ("MultiHeadAttention", "TransformerBlock")
+CLASSES = ("MultiHeadAttention", "TransformerBlock", "MultiHeadLatentAttention")
+# each class's public methods beyond those of every module (__init__, __call__, from_state_dict, train, eval)
+METHODS = {"MultiHeadAttention": ("vjp",), "TransformerBlock": ("vjp",),
+           "MultiHeadLatentAttention": ("vjp", "init_cache", "extend")}
 # the one place where the backends' signatures differ by design: where ring attention's devices are, named as each
 # framework names them (NumPy simulates P devices; JAX takes a mesh and its axis; torch a process group)
 TOPOLOGY = {name: {"attention_np": ("devices",), "attention_jax": ("mesh", "axis"), "attention_torch": ("group",)}
@@ -43,7 +46,7 @@ def _methods(M: ModuleType, cls_name: str) -> dict[str, Callable]:
     cls = getattr(M, cls_name)
     call = cls.forward if M.__name__ == "attention_torch" else cls.__call__
     return {"__init__": cls.__init__, "__call__": call, "from_state_dict": cls.from_state_dict,
-            "train": cls.train, "eval": cls.eval, "vjp": cls.vjp}
+            "train": cls.train, "eval": cls.eval} | {name: getattr(cls, name) for name in METHODS[cls_name]}
 
 
 def _public_callables(M: ModuleType) -> dict[str, Callable]:

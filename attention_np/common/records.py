@@ -54,6 +54,18 @@ class MhaLayout(NamedTuple):
     bias: bool  # whether the projections have biases
 
 
+class LatentSizes(NamedTuple):
+    """MultiHeadLatentAttention's sizes (validation.latent_sizes), read off a state's shapes by latent_layout."""
+
+    d_model: int  # D
+    num_heads: int  # H
+    q_lora_rank: int | None  # Dq, the queries' latent; None: the queries projected directly (q_proj)
+    kv_lora_rank: int  # Dc, the keys' and values' latent, what the cache holds per position
+    qk_nope_head_dim: int  # En, each head's query/key entries without position
+    qk_rope_head_dim: int  # Er, each head's query entries turned by RoPE; one key of Er shared by the heads
+    v_head_dim: int  # Ev, each head's value width
+
+
 class BlockLayout(NamedTuple):
     """A TransformerBlock state's sizes and options, read off its entries' shapes (validation.block_layout)."""
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .records import BlockLayout, MhaLayout
+from .records import BlockLayout, LatentSizes, MhaLayout
 
 Shape = tuple[int, ...]
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -821,3 +821,79 @@ def streaming_step(rows: int, window: int, new_lengths: object, length_shape: Sh
         if given is not None:
             raise ValueError(f"extend over a streaming cache takes no {name}: its mask is the streaming rule "
                              "(SPEC 3c), j < sink_tokens or p - window < j <= p")
+
+
+def latent_sizes(d_model: object, num_heads: object, *, q_lora_rank: object, kv_lora_rank: object,
+                 qk_nope_head_dim: object, qk_rope_head_dim: object, v_head_dim: object) -> LatentSizes:
+    """MultiHeadLatentAttention's sizes: positive ints (q_lora_rank may be None: no query latent), and
+    qk_rope_head_dim even, as RoPE turns pairs of entries. Returns them as a record."""
+    sizes = {"d_model": d_model, "num_heads": num_heads, "q_lora_rank": q_lora_rank, "kv_lora_rank": kv_lora_rank,
+             "qk_nope_head_dim": qk_nope_head_dim, "qk_rope_head_dim": qk_rope_head_dim, "v_head_dim": v_head_dim}
+    for name, size in sizes.items():
+        if name == "q_lora_rank" and size is None:
+            continue
+        if not (isinstance(size, int | np.integer) and not isinstance(size, bool) and size > 0):
+            raise ValueError(f"{name} must be a positive integer{' or None' if name == 'q_lora_rank' else ''}; "
+                             f"got {size!r}")
+    if qk_rope_head_dim % 2:  # type: ignore[operator]
+        raise ValueError(f"qk_rope_head_dim must be even: RoPE turns pairs of entries; got {qk_rope_head_dim}")
+    return LatentSizes(**{name: None if size is None else int(size) for name, size in sizes.items()})
+
+
+def latent_theta(theta: object) -> float:
+    """MultiHeadLatentAttention's rope_theta: a positive finite number (its RoPE is not optional)."""
+    if not _positive_finite(theta):
+        raise ValueError(f"rope_theta must be a positive finite number; got {theta!r}")
+    return float(theta)  # type: ignore[arg-type]
+
+
+def latent_state_shapes(sizes: LatentSizes) -> dict[str, Shape]:
+    """State-dict names and shapes of MultiHeadLatentAttention, DeepSeek-V3's (nn.Linear layout: weight (out,
+    in), no biases): q_a_proj (Dq, D), q_a_layernorm (Dq,), q_b_proj (H (En + Er), Dq), or q_proj (H (En + Er), D)
+    without a query latent; kv_a_proj_with_mqa (Dc + Er, D), kv_a_layernorm (Dc,), kv_b_proj (H (En + Ev), Dc),
+    o_proj (D, H Ev)."""
+    D, H, Dq, Dc = sizes.d_model, sizes.num_heads, sizes.q_lora_rank, sizes.kv_lora_rank
+    E = sizes.qk_nope_head_dim + sizes.qk_rope_head_dim
+    if Dq is None:
+        queries = {"q_proj.weight": (H * E, D)}
+    else:
+        queries = {"q_a_proj.weight": (Dq, D), "q_a_layernorm.weight": (Dq,), "q_b_proj.weight": (H * E, Dq)}
+    return queries | {"kv_a_proj_with_mqa.weight": (Dc + sizes.qk_rope_head_dim, D), "kv_a_layernorm.weight": (Dc,),
+                      "kv_b_proj.weight": (H * (sizes.qk_nope_head_dim + sizes.v_head_dim), Dc),
+                      "o_proj.weight": (D, H * sizes.v_head_dim)}
+
+
+def latent_layout(shapes: Mapping[str, Sequence[int]], num_heads: int) -> LatentSizes:
+    """A MultiHeadLatentAttention state's sizes, read off its shapes: D and Dc + Er from kv_a_proj_with_mqa, Dc
+    from kv_a_layernorm, Dq from q_a_proj (None with q_proj instead), Ev from o_proj's columns / H, En from
+    kv_b_proj's rows / H - Ev. validation.state then compares every entry with the shapes these sizes give."""
+    missing = [name for name in ("kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
+                                 "o_proj.weight") if name not in shapes]
+    if "q_proj.weight" not in shapes and "q_a_proj.weight" not in shapes:
+        missing.append("q_a_proj.weight (or q_proj.weight)")
+    if missing:
+        raise ValueError(f"MultiHeadLatentAttention.from_state_dict: missing {', '.join(missing)}")
+    rows, d_model = _shape(shapes["kv_a_proj_with_mqa.weight"])
+    (kv_lora_rank,) = _shape(shapes["kv_a_layernorm.weight"])
+    v_rows = _shape(shapes["o_proj.weight"])[-1]
+    if not (isinstance(num_heads, int | np.integer) and num_heads > 0):
+        raise ValueError(f"num_heads must be a positive integer; got {num_heads!r}")
+    if v_rows % num_heads or _shape(shapes["kv_b_proj.weight"])[0] % num_heads:
+        raise ValueError(f"MultiHeadLatentAttention.from_state_dict: o_proj.weight {_shape(shapes['o_proj.weight'])} "
+                         f"and kv_b_proj.weight {_shape(shapes['kv_b_proj.weight'])} must have H = num_heads = "
+                         f"{num_heads} heads' widths")
+    v_head_dim = v_rows // num_heads
+    q_lora_rank = _shape(shapes["q_a_proj.weight"])[0] if "q_a_proj.weight" in shapes else None
+    return latent_sizes(d_model, num_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                        qk_nope_head_dim=_shape(shapes["kv_b_proj.weight"])[0] // num_heads - v_head_dim,
+                        qk_rope_head_dim=rows - kv_lora_rank, v_head_dim=v_head_dim)
+
+
+def latent_cache_input(x: Sequence[int], c_kv: Sequence[int], d_model: int) -> int:
+    """MultiHeadLatentAttention.extend: x (..., L, D) with the cache's leading axes (...), the cache's latents
+    c_kv (..., capacity, Dc). Returns L."""
+    x, c_kv = _shape(x), _shape(c_kv)
+    if len(x) < 2 or x[-1] != d_model or x[:-2] != c_kv[:-2]:
+        raise ValueError(f"x must have shape (..., L, D) with the cache's leading axes (...) = {c_kv[:-2]} and D = "
+                         f"d_model = {d_model}; got {x} (the cache's c_kv is {c_kv})")
+    return x[-2]

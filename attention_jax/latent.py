@@ -1,0 +1,297 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 and V3), as an immutable JAX module (a pytree).
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+MLA's own widths: Dq = q_lora_rank (the queries' latent), Dc = kv_lora_rank (the keys' and values' latent),
+En = qk_nope_head_dim and Er = qk_rope_head_dim (a head's query/key width E = En + Er), Ev = v_head_dim.
+
+DeepSeek-V2 (arXiv:2405.04434, section 2.1), rows of the inputs h (..., L, D), in the paper's names and the
+parameters' (DeepSeek-V3's checkpoints):
+
+    c_Q = RMSNorm(h W_DQ^T)                        (..., L, Dq)             q_a_proj, q_a_layernorm
+    [q_C,h, q_R,h] = (c_Q W_UQ^T)_h                (..., H, L, En + Er)     q_b_proj (q_proj: h W_Q^T, no c_Q)
+    [c_KV, k_R] = h W_DKV^T                        (..., L, Dc + Er)        kv_a_proj_with_mqa
+    c_KV = RMSNorm(c_KV)                           (..., L, Dc)             kv_a_layernorm
+    q_R, k_R = RoPE(q_R), RoPE(k_R)                k_R one key for all the heads (interleaved pairs)
+    [k_C,h, v_C,h] = (c_KV W_UKV^T)_h              (..., H, S, En + Ev)     kv_b_proj
+    o_h = softmax([q_C,h, q_R,h] [k_C,h, k_R]^T / sqrt(En + Er)) v_C,h   (..., H, L, Ev)
+    out = [o_1, ..., o_H] W_O^T                    (..., L, D)              o_proj
+
+A cache holds c_KV and k_R alone, Dc + Er numbers a position where multi-head attention holds 2 H E. A step
+reads it in one of two forms. Expanded: up-project the cached latents through kv_b_proj (W_UKV) and attend as
+above. Absorbed: W_UKV's rows per head are W_UK,h (En, Dc) and W_UV,h (Ev, Dc), so
+
+    q_C,h k_C,h^T = q_C,h (c_KV W_UK,h^T)^T = (q_C,h W_UK,h) c_KV^T        W_UK folded into the query
+    o_h = P_h (c_KV W_UV,h^T) = (P_h c_KV) W_UV,h^T                        W_UV folded into the output
+
+and attention runs on the cache itself: multi-query attention of the queries [q_C,h W_UK,h, q_R,h] (Dc + Er)
+against one key head [c_KV, k_R] and one value head c_KV, with the scale of the heads' own width, 1 / sqrt(En + Er).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_np.common import validation
+from attention_np.common.records import LatentSizes
+
+from .arrays import asarray
+from .functional import Rng, _dtypes, _rngs, _rope_table, _turned, scaled_dot_product_attention
+from .modules import Linear, Module, RMSNorm, _fresh
+from .primitives import _at_least_float32
+
+EPS = 1e-6  # DeepSeek's RMSNorm eps: DeepseekV3RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
+NORMS = ("q_a_layernorm", "kv_a_layernorm")  # the children that are RMSNorms; the others are Linears
+
+
+class LatentCache(NamedTuple):
+    """The latents of the positions seen so far: c_kv (..., capacity, Dc), after kv_a_layernorm, and k_rope
+    (..., capacity, Er), after RoPE, filled at positions 0 .. length - 1. jax: extend returns new arrays, as JAX
+    arrays never change; the length is a Python int, so a jitted extend takes the cache's length as static."""
+
+    c_kv: jax.Array
+    k_rope: jax.Array
+    length: int
+
+
+class MultiHeadLatentAttention(Module):
+    """Multi-head latent attention (DeepSeek-V2/V3): the keys and values of H heads up-projected from one
+    latent c_KV of Dc per position, and a RoPE part of the key shared by the heads; no biases, no dropout."""
+
+    _children = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                 "kv_b_proj", "o_proj")
+    _settings = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_theta", "training")
+
+    def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float = 10000.0,
+                 rng: Rng = None, dtype: Any = None) -> None:
+        """DeepSeek-V3's attention with these sizes, its parameters drawn afresh.
+
+        Args:
+            d_model: D, the inputs' and outputs' width.
+            num_heads: H.
+            q_lora_rank: Dq, the queries' latent (q_a_proj, q_a_layernorm, q_b_proj); None: DeepSeek-V2-Lite's
+                q_proj (H (En + Er), D) instead.
+            kv_lora_rank: Dc, the keys' and values' latent: what the cache holds per position, with k_rope.
+            qk_nope_head_dim: En, each head's query/key entries without position.
+            qk_rope_head_dim: Er, even, each head's query entries turned by RoPE, and the one key part of all heads.
+            v_head_dim: Ev, each head's value width.
+            rope_theta: RoPE's base (interleaved pairs, as DeepSeek's).
+            rng: randomness for the initial parameters, drawn as nn.Linear draws them (RMSNorm weights ones).
+            dtype: the parameters' dtype (float32 by default).
+        """
+        sizes = validation.latent_sizes(d_model, num_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                                        qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                                        v_head_dim=v_head_dim)
+        rope_theta = validation.latent_theta(rope_theta)
+        dtype = jnp.float32 if dtype is None else dtype
+        shapes = {name.removesuffix(".weight"): shape for name, shape in validation.latent_state_shapes(sizes).items()}
+        linears = [name for name in shapes if name not in NORMS]
+        parts = {name: Linear.initialized(shapes[name][1], shapes[name][0], rng, dtype, bias=False)
+                 for name, rng in zip(linears, _rngs(_fresh(rng), len(linears)), strict=True)}
+        parts |= {name: RMSNorm.initialized(shapes[name][0], EPS, dtype) for name in NORMS if name in shapes}
+        self._init(**{name: parts.get(name) for name in self._children}, **self._sizes(sizes, rope_theta))
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
+                        rope_theta: float = 10000.0) -> MultiHeadLatentAttention:
+        """A module holding `state` (NumPy or native arrays; computes in their dtype), its sizes read off the
+        shapes; DeepSeek-V3's names (q_proj for a state without q_a_proj)."""
+        state = {name: asarray(value) for name, value in state.items()}
+        shapes = {name: value.shape for name, value in state.items()}
+        sizes = validation.latent_layout(shapes, num_heads)
+        rope_theta = validation.latent_theta(rope_theta)
+        validation.state(cls.__name__, shapes, validation.latent_state_shapes(sizes))
+        validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        parts = {name: (RMSNorm(state[f"{name}.weight"], EPS) if name in NORMS else Linear(state[f"{name}.weight"]))
+                 if f"{name}.weight" in state else None for name in cls._children}
+        return cls._build(**parts, **cls._sizes(sizes, rope_theta))
+
+    @staticmethod
+    def _sizes(sizes: LatentSizes, rope_theta: float) -> dict[str, Any]:
+        return {"num_heads": sizes.num_heads, "qk_nope_head_dim": sizes.qk_nope_head_dim,
+                "qk_rope_head_dim": sizes.qk_rope_head_dim, "v_head_dim": sizes.v_head_dim,
+                "rope_theta": rope_theta, "training": True}
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, need_weights: bool = True,
+                 rng: Rng = None) -> tuple[jax.Array, jax.Array | None]:
+        """MLA(h) = Concat(o_1, ..., o_H) W_O^T, o_h = softmax(q_h k_h^T / sqrt(En + Er)) v_C,h, q_h = (q_C,h, q_R,h)
+        and k_h = (k_C,h, k_R) joined, position i at i (the module docstring's equations).
+
+        Args:
+            x: inputs (..., L, D).
+            mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key (causal_mask(L, L)
+                for a decoder).
+            need_weights: return the weights; with False the second result is None.
+            rng: unused: MLA has no dropout (DeepSeek's attention_dropout is 0); taken as MultiHeadAttention does.
+
+        Returns:
+            out (..., L, D) and weights (..., H, L, L) per head (or None).
+        """
+        self._check_input(x, mask)
+        positions = jnp.arange(x.shape[-2])  # (L,): position i at i
+        q_nope, q_rope = self._queries(x, positions)  # (..., H, L, En), (..., H, L, Er)
+        c_kv, k_rope = self._latents(x, positions)  # (..., S, Dc), (..., S, Er), S = L
+        out, weights = self._expanded(q_nope, q_rope, c_kv, k_rope, mask, need_weights=need_weights)
+        return self.o_proj(self._merge_heads(out)), weights  # (..., H, L, Ev) -> (..., L, H Ev) -> (..., L, D)
+
+    def vjp(self, x: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Callable]:
+        """out, weights and pullback(d_out) -> (dx, {state-dict name: gradient}): __call__'s steps in reverse
+        (jax: jax.vjp of __call__, the module a pytree)."""
+        self._check_input(x, mask)
+
+        def attention(module: MultiHeadLatentAttention, x_: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return module(x_, mask)
+
+        out, pull, weights = jax.vjp(attention, self, x, has_aux=True)
+
+        def pullback(d_out: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+            validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+            d_module, dx = pull(d_out)
+            return dx, d_module.state_dict()  # jax: the gradient of a module is a module
+
+        return out, weights, pullback
+
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> LatentCache:
+        """An empty latent cache for inputs with leading axes `batch_shape` and up to `capacity` positions:
+        c_kv (*batch_shape, capacity, Dc) and k_rope (*batch_shape, capacity, Er) of zeros, length 0, in `dtype`
+        (the parameters' by default)."""
+        batch_shape = validation.cache_size(batch_shape, capacity)
+        dtype = self.o_proj.weight.dtype if dtype is None else dtype
+        return LatentCache(c_kv=jnp.zeros((*batch_shape, capacity, self.kv_a_layernorm.weight.shape[0]), dtype),
+                           k_rope=jnp.zeros((*batch_shape, capacity, self.qk_rope_head_dim), dtype), length=0)
+
+    def extend(self, x: jax.Array, cache: LatentCache, mask: jax.Array | None = None, *, absorbed: bool = False,
+               need_weights: bool = True) -> tuple[jax.Array, jax.Array | None, LatentCache]:
+        """Attention of L new positions over the cache and themselves, causal: the new rows stand at positions
+        length .. length + L - 1, their latents join the cache there, and each query sees the positions up to its
+        own. Equal to __call__ with causal_mask over the whole sequence, in either form.
+
+        Args:
+            x: the new positions' inputs (..., L, D).
+            cache: from init_cache, or the cache the last extend returned.
+            mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            absorbed: False: the cached latents up-projected through kv_b_proj (the keys and values of every
+                head); True: W_UK folded into the queries and W_UV into the output, attention as multi-query
+                attention over the latents themselves (key Dc + Er, value Dc).
+            need_weights: return the weights; with False the second result is None.
+
+        Returns:
+            out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
+            holding length + L positions.
+        """
+        L = self._check_extend(x, cache, mask)
+        start, end = cache.length, cache.length + L
+        positions = jnp.arange(start, end)  # (L,)
+
+        # 1) the new rows' queries and latents; the latents join the cache at start .. end - 1
+        q_nope, q_rope = self._queries(x, positions)  # (..., H, L, En), (..., H, L, Er)
+        c_kv, k_rope = self._latents(x, positions)  # (..., L, Dc), (..., L, Er)
+        cache = cache._replace(c_kv=cache.c_kv.at[..., start:end, :].set(c_kv),  # jax: new arrays, not in place
+                               k_rope=cache.k_rope.at[..., start:end, :].set(k_rope))
+
+        # 2) attend over the filled positions, causal from start, in the form asked for
+        if mask is not None and np.shape(mask)[-1] > 1:
+            mask = mask[..., :end]  # (..., H, L, capacity) -> (..., H, L, end)
+        attend = self._absorbed if absorbed else self._expanded
+        out, weights = attend(q_nope, q_rope, cache.c_kv[..., :end, :], cache.k_rope[..., :end, :], mask,
+                              is_causal=True, q_offset=start, need_weights=need_weights)  # (..., H, L, Ev)
+        if need_weights:  # the positions not yet filled get 0
+            weights = jnp.concatenate([weights, jnp.zeros((*weights.shape[:-1], cache.c_kv.shape[-2] - end),
+                                                        weights.dtype)], axis=-1)  # (..., H, L, capacity)
+
+        # 3) concatenate the heads and mix them
+        out = self.o_proj(self._merge_heads(out))  # (..., H, L, Ev) -> (..., L, D)
+        return out, weights, LatentCache(cache.c_kv, cache.k_rope, length=end)
+
+    @property
+    def scale(self) -> float:
+        """1 / sqrt(En + Er): a head's query/key width, in both forms (not the absorbed query's Dc + Er)."""
+        return 1 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
+
+    def _queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q_C (..., H, L, En) and q_R (..., H, L, Er), turned at `positions` (L,)."""
+        if self.q_proj is None:  # c_Q = RMSNorm(h W_DQ^T), q = c_Q W_UQ^T
+            c_q = self.q_a_layernorm(self.q_a_proj(x))  # (..., L, D) -> (..., L, Dq)
+            q = self.q_b_proj(c_q)  # (..., L, Dq) -> (..., L, H E)
+        else:  # V2-Lite: q = h W_Q^T
+            q = self.q_proj(x)  # (..., L, D) -> (..., L, H E)
+        q = self._split_heads(q)  # (..., L, H E) -> (..., H, L, E)
+        En = self.qk_nope_head_dim
+        return q[..., :En], self._rope(q[..., En:], positions)  # (..., H, L, En), (..., H, L, Er)
+
+    def _latents(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """c_KV (..., L, Dc) after kv_a_layernorm and k_R (..., L, Er) after RoPE at `positions` (L,): what the
+        cache holds."""
+        kv = self.kv_a_proj_with_mqa(x)  # [c_KV, k_R] = h W_DKV^T: (..., L, D) -> (..., L, Dc + Er)
+        Dc = self.kv_a_layernorm.weight.shape[0]
+        c_kv = self.kv_a_layernorm(kv[..., :Dc])  # (..., L, Dc)
+        return c_kv, self._rope(kv[..., Dc:], positions)  # (..., L, Dc), (..., L, Er)
+
+    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x (..., L, Er) turned by RoPE at positions (L,), DeepSeek's interleaved pairs (x_2j, x_2j+1)."""
+        work = _at_least_float32(x.dtype)
+        cos, sin = _rope_table(positions, x.shape[-1], self.rope_theta, work, True)  # (L, Er) each
+        return _turned(x, cos, sin, True)
+
+    def _expanded(self, q_nope: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
+                  mask: jax.Array | None, **rules: Any) -> tuple[jax.Array, jax.Array | None]:
+        """The heads' attention with the keys and values up-projected from the latents: o (..., H, L, Ev) and
+        the weights (..., H, L, S); `rules`: scaled_dot_product_attention's keywords (causal, q_offset)."""
+        En, H = self.qk_nope_head_dim, self.num_heads
+        kv = self._split_heads(self.kv_b_proj(c_kv))  # [k_C, v_C] = c_KV W_UKV^T: (..., S, Dc) -> (..., H, S, En + Ev)
+        k_nope, v = kv[..., :En], kv[..., En:]  # (..., H, S, En), (..., H, S, Ev)
+        k_rope = jnp.broadcast_to(k_rope[..., None, :, :], (*k_rope.shape[:-2], H, *k_rope.shape[-2:]))  # one k_R
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)  # q_h = [q_C,h, q_R,h]: (..., H, L, E)
+        k = jnp.concatenate([k_nope, k_rope], axis=-1)  # k_h = [k_C,h, k_R]: (..., H, S, E)
+        return scaled_dot_product_attention(q, k, v, mask, scale=self.scale, **rules)  # (..., H, L, Ev)
+
+    def _absorbed(self, q_nope: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
+                  mask: jax.Array | None, **rules: Any) -> tuple[jax.Array, jax.Array | None]:
+        """The same heads' attention on the latents themselves, W_UK folded into the query and W_UV into the
+        output: multi-query attention, one key head [c_KV, k_R] (Dc + Er) and one value head c_KV (Dc)."""
+        En, Dc = self.qk_nope_head_dim, c_kv.shape[-1]
+        w_ukv = self.kv_b_proj.weight.reshape(self.num_heads, -1, Dc)  # (H (En + Ev), Dc) -> (H, En + Ev, Dc)
+        w_uk, w_uv = w_ukv[:, :En, :], w_ukv[:, En:, :]  # W_UK,h (H, En, Dc), W_UV,h (H, Ev, Dc)
+        # jax: einsum, as rank promotion may be refused
+        q_latent = jnp.einsum("...hle,hec->...hlc", q_nope, w_uk)  # q_C,h W_UK,h: (..., H, L, En) -> (..., H, L, Dc)
+        q = jnp.concatenate([q_latent, q_rope], axis=-1)  # (..., H, L, Dc + Er)
+        k = jnp.concatenate([c_kv, k_rope], axis=-1)[..., None, :, :]  # one key head: (..., 1, S, Dc + Er)
+        v = c_kv[..., None, :, :]  # one value head: (..., 1, S, Dc)
+        o_latent, weights = scaled_dot_product_attention(q, k, v, mask, scale=self.scale, enable_gqa=True,
+                                                         **rules)  # P_h c_KV: (..., H, L, Dc)
+        return jnp.einsum("...hlc,hvc->...hlv", o_latent, w_uv), weights  # (..., H, L, Dc) -> (..., H, L, Ev)
+
+    def _split_heads(self, x: jax.Array) -> jax.Array:
+        """x (..., L, H W) -> (..., H, L, W)."""
+        *lead, length, width = x.shape
+        return jnp.swapaxes(x.reshape(*lead, length, self.num_heads, width // self.num_heads), -2, -3)
+
+    def _merge_heads(self, x: jax.Array) -> jax.Array:
+        *lead, heads, length, width = x.shape
+        return jnp.swapaxes(x, -2, -3).reshape(*lead, length, heads * width)  # (..., H, L, Ev) -> (..., L, H Ev)
+
+    def _check_input(self, x: jax.Array, mask: jax.Array | None) -> None:
+        validation.module_input("x", x.shape, self.o_proj.weight.shape[0], "L")
+        validation.same_floating_dtype(_dtypes(x=x, parameters=self.o_proj.weight))
+        if mask is not None:
+            L = x.shape[-2]
+            validation.broadcasts_to("mask", np.shape(mask), (*x.shape[:-2], self.num_heads, L, L), "..., H, L, L")
+
+    def _check_extend(self, x: jax.Array, cache: LatentCache, mask: jax.Array | None) -> int:
+        """The checks of extend: x (..., L, D) against the cache and the parameters; returns L."""
+        L = validation.latent_cache_input(x.shape, cache.c_kv.shape, self.o_proj.weight.shape[0])
+        validation.same_floating_dtype(_dtypes(x=x, cache=cache.c_kv, parameters=self.o_proj.weight))
+        capacity = cache.c_kv.shape[-2]
+        if mask is not None:
+            validation.broadcasts_to("mask", np.shape(mask), (*x.shape[:-2], self.num_heads, L, capacity),
+                                     "..., H, L, capacity")
+        validation.cache_room(capacity, cache.length, L)
+        return L

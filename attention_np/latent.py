@@ -1,0 +1,342 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 and V3), as an immutable NumPy module.
+
+Shape legend: B batch, H heads, L query positions, S key/value positions, E query/key width,
+Ev value width, D = d_model, F = d_ff, ... leading batch axes.
+
+MLA's own widths: Dq = q_lora_rank (the queries' latent), Dc = kv_lora_rank (the keys' and values' latent),
+En = qk_nope_head_dim and Er = qk_rope_head_dim (a head's query/key width E = En + Er), Ev = v_head_dim.
+
+DeepSeek-V2 (arXiv:2405.04434, section 2.1), rows of the inputs h (..., L, D), in the paper's names and the
+parameters' (DeepSeek-V3's checkpoints):
+
+    c_Q = RMSNorm(h W_DQ^T)                        (..., L, Dq)             q_a_proj, q_a_layernorm
+    [q_C,h, q_R,h] = (c_Q W_UQ^T)_h                (..., H, L, En + Er)     q_b_proj (q_proj: h W_Q^T, no c_Q)
+    [c_KV, k_R] = h W_DKV^T                        (..., L, Dc + Er)        kv_a_proj_with_mqa
+    c_KV = RMSNorm(c_KV)                           (..., L, Dc)             kv_a_layernorm
+    q_R, k_R = RoPE(q_R), RoPE(k_R)                k_R one key for all the heads (interleaved pairs)
+    [k_C,h, v_C,h] = (c_KV W_UKV^T)_h              (..., H, S, En + Ev)     kv_b_proj
+    o_h = softmax([q_C,h, q_R,h] [k_C,h, k_R]^T / sqrt(En + Er)) v_C,h   (..., H, L, Ev)
+    out = [o_1, ..., o_H] W_O^T                    (..., L, D)              o_proj
+
+A cache holds c_KV and k_R alone, Dc + Er numbers a position where multi-head attention holds 2 H E. A step
+reads it in one of two forms. Expanded: up-project the cached latents through kv_b_proj (W_UKV) and attend as
+above. Absorbed: W_UKV's rows per head are W_UK,h (En, Dc) and W_UV,h (Ev, Dc), so
+
+    q_C,h k_C,h^T = q_C,h (c_KV W_UK,h^T)^T = (q_C,h W_UK,h) c_KV^T        W_UK folded into the query
+    o_h = P_h (c_KV W_UV,h^T) = (P_h c_KV) W_UV,h^T                        W_UV folded into the output
+
+and attention runs on the cache itself: multi-query attention of the queries [q_C,h W_UK,h, q_R,h] (Dc + Er)
+against one key head [c_KV, k_R] and one value head c_KV, with the scale of the heads' own width, 1 / sqrt(En + Er).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from attention_np.common import validation
+from attention_np.common.module import Module
+from attention_np.common.records import LatentSizes
+
+from .arrays import asarray
+from .functional import Rng, _dtypes, _rngs, _rope_table, _turned, apply_rope, scaled_dot_product_attention
+from .gradients import _linear_vjp, _prefixed, _rms_norm_vjp, scaled_dot_product_attention_vjp
+from .modules import Linear, RMSNorm
+
+EPS = 1e-6  # DeepSeek's RMSNorm eps: DeepseekV3RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
+NORMS = ("q_a_layernorm", "kv_a_layernorm")  # the children that are RMSNorms; the others are Linears
+
+
+class LatentCache(NamedTuple):
+    """The latents of the positions seen so far: c_kv (..., capacity, Dc), after kv_a_layernorm, and k_rope
+    (..., capacity, Er), after RoPE, filled at positions 0 .. length - 1. NumPy: extend writes the new positions
+    into these arrays in place and returns a cache with the longer length."""
+
+    c_kv: np.ndarray
+    k_rope: np.ndarray
+    length: int
+
+
+class MultiHeadLatentAttention(Module):
+    """Multi-head latent attention (DeepSeek-V2/V3): the keys and values of H heads up-projected from one
+    latent c_KV of Dc per position, and a RoPE part of the key shared by the heads; no biases, no dropout."""
+
+    _children = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                 "kv_b_proj", "o_proj")
+    _settings = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_theta", "training")
+
+    def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float = 10000.0,
+                 rng: Rng = None, dtype: Any = None) -> None:
+        """DeepSeek-V3's attention with these sizes, its parameters drawn afresh.
+
+        Args:
+            d_model: D, the inputs' and outputs' width.
+            num_heads: H.
+            q_lora_rank: Dq, the queries' latent (q_a_proj, q_a_layernorm, q_b_proj); None: DeepSeek-V2-Lite's
+                q_proj (H (En + Er), D) instead.
+            kv_lora_rank: Dc, the keys' and values' latent: what the cache holds per position, with k_rope.
+            qk_nope_head_dim: En, each head's query/key entries without position.
+            qk_rope_head_dim: Er, even, each head's query entries turned by RoPE, and the one key part of all heads.
+            v_head_dim: Ev, each head's value width.
+            rope_theta: RoPE's base (interleaved pairs, as DeepSeek's).
+            rng: randomness for the initial parameters, drawn as nn.Linear draws them (RMSNorm weights ones).
+            dtype: the parameters' dtype (float32 by default).
+        """
+        sizes = validation.latent_sizes(d_model, num_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                                        qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                                        v_head_dim=v_head_dim)
+        rope_theta = validation.latent_theta(rope_theta)
+        dtype = np.float32 if dtype is None else dtype
+        shapes = {name.removesuffix(".weight"): shape for name, shape in validation.latent_state_shapes(sizes).items()}
+        linears = [name for name in shapes if name not in NORMS]
+        parts = {name: Linear.initialized(shapes[name][1], shapes[name][0], rng, dtype, bias=False)
+                 for name, rng in zip(linears, _rngs(rng, len(linears)), strict=True)}
+        parts |= {name: RMSNorm.initialized(shapes[name][0], EPS, dtype) for name in NORMS if name in shapes}
+        self._init(**{name: parts.get(name) for name in self._children}, **self._sizes(sizes, rope_theta))
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int,
+                        rope_theta: float = 10000.0) -> MultiHeadLatentAttention:
+        """A module holding `state` (NumPy or native arrays; computes in their dtype), its sizes read off the
+        shapes; DeepSeek-V3's names (q_proj for a state without q_a_proj)."""
+        state = {name: asarray(value) for name, value in state.items()}
+        shapes = {name: value.shape for name, value in state.items()}
+        sizes = validation.latent_layout(shapes, num_heads)
+        rope_theta = validation.latent_theta(rope_theta)
+        validation.state(cls.__name__, shapes, validation.latent_state_shapes(sizes))
+        validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        parts = {name: (RMSNorm(state[f"{name}.weight"], EPS) if name in NORMS else Linear(state[f"{name}.weight"]))
+                 if f"{name}.weight" in state else None for name in cls._children}
+        return cls._build(**parts, **cls._sizes(sizes, rope_theta))
+
+    @staticmethod
+    def _sizes(sizes: LatentSizes, rope_theta: float) -> dict[str, Any]:
+        return {"num_heads": sizes.num_heads, "qk_nope_head_dim": sizes.qk_nope_head_dim,
+                "qk_rope_head_dim": sizes.qk_rope_head_dim, "v_head_dim": sizes.v_head_dim,
+                "rope_theta": rope_theta, "training": True}
+
+    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, *, need_weights: bool = True,
+                 rng: Rng = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """MLA(h) = Concat(o_1, ..., o_H) W_O^T, o_h = softmax(q_h k_h^T / sqrt(En + Er)) v_C,h, q_h = (q_C,h, q_R,h)
+        and k_h = (k_C,h, k_R) joined, position i at i (the module docstring's equations).
+
+        Args:
+            x: inputs (..., L, D).
+            mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key (causal_mask(L, L)
+                for a decoder).
+            need_weights: return the weights; with False the second result is None.
+            rng: unused: MLA has no dropout (DeepSeek's attention_dropout is 0); taken as MultiHeadAttention does.
+
+        Returns:
+            out (..., L, D) and weights (..., H, L, L) per head (or None).
+        """
+        self._check_input(x, mask)
+        positions = np.arange(x.shape[-2])  # (L,): position i at i
+        q_nope, q_rope = self._queries(x, positions)  # (..., H, L, En), (..., H, L, Er)
+        c_kv, k_rope = self._latents(x, positions)  # (..., S, Dc), (..., S, Er), S = L
+        out, weights = self._expanded(q_nope, q_rope, c_kv, k_rope, mask, need_weights=need_weights)
+        return self.o_proj(self._merge_heads(out)), weights  # (..., H, L, Ev) -> (..., L, H Ev) -> (..., L, D)
+
+    def vjp(self, x: np.ndarray, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
+        """out, weights and pullback(d_out) -> (dx, {state-dict name: gradient}): __call__'s steps in reverse
+        (_latent_vjp, below)."""
+        return _latent_vjp(self, x, mask)
+
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> LatentCache:
+        """An empty latent cache for inputs with leading axes `batch_shape` and up to `capacity` positions:
+        c_kv (*batch_shape, capacity, Dc) and k_rope (*batch_shape, capacity, Er) of zeros, length 0, in `dtype`
+        (the parameters' by default)."""
+        batch_shape = validation.cache_size(batch_shape, capacity)
+        dtype = self.o_proj.weight.dtype if dtype is None else dtype
+        return LatentCache(c_kv=np.zeros((*batch_shape, capacity, self.kv_a_layernorm.weight.shape[0]), dtype),
+                           k_rope=np.zeros((*batch_shape, capacity, self.qk_rope_head_dim), dtype), length=0)
+
+    def extend(self, x: np.ndarray, cache: LatentCache, mask: np.ndarray | None = None, *, absorbed: bool = False,
+               need_weights: bool = True) -> tuple[np.ndarray, np.ndarray | None, LatentCache]:
+        """Attention of L new positions over the cache and themselves, causal: the new rows stand at positions
+        length .. length + L - 1, their latents join the cache there, and each query sees the positions up to its
+        own. Equal to __call__ with causal_mask over the whole sequence, in either form.
+
+        Args:
+            x: the new positions' inputs (..., L, D).
+            cache: from init_cache, or the cache the last extend returned.
+            mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            absorbed: False: the cached latents up-projected through kv_b_proj (the keys and values of every
+                head); True: W_UK folded into the queries and W_UV into the output, attention as multi-query
+                attention over the latents themselves (key Dc + Er, value Dc).
+            need_weights: return the weights; with False the second result is None.
+
+        Returns:
+            out (..., L, D), weights (..., H, L, capacity) (zero past the new length, or None), and the cache
+            holding length + L positions.
+        """
+        L = self._check_extend(x, cache, mask)
+        start, end = cache.length, cache.length + L
+        positions = np.arange(start, end)  # (L,)
+
+        # 1) the new rows' queries and latents; the latents join the cache at start .. end - 1, in place
+        q_nope, q_rope = self._queries(x, positions)  # (..., H, L, En), (..., H, L, Er)
+        cache.c_kv[..., start:end, :], cache.k_rope[..., start:end, :] = self._latents(x, positions)
+
+        # 2) attend over the filled positions, causal from start, in the form asked for
+        if mask is not None and np.shape(mask)[-1] > 1:
+            mask = mask[..., :end]  # (..., H, L, capacity) -> (..., H, L, end)
+        attend = self._absorbed if absorbed else self._expanded
+        out, weights = attend(q_nope, q_rope, cache.c_kv[..., :end, :], cache.k_rope[..., :end, :], mask,
+                              is_causal=True, q_offset=start, need_weights=need_weights)  # (..., H, L, Ev)
+        if need_weights:  # the positions not yet filled get 0
+            weights = np.concatenate([weights, np.zeros((*weights.shape[:-1], cache.c_kv.shape[-2] - end),
+                                                        weights.dtype)], axis=-1)  # (..., H, L, capacity)
+
+        # 3) concatenate the heads and mix them
+        out = self.o_proj(self._merge_heads(out))  # (..., H, L, Ev) -> (..., L, D)
+        return out, weights, LatentCache(cache.c_kv, cache.k_rope, length=end)
+
+    @property
+    def scale(self) -> float:
+        """1 / sqrt(En + Er): a head's query/key width, in both forms (not the absorbed query's Dc + Er)."""
+        return 1 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
+
+    def _queries(self, x: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """q_C (..., H, L, En) and q_R (..., H, L, Er), turned at `positions` (L,)."""
+        if self.q_proj is None:  # c_Q = RMSNorm(h W_DQ^T), q = c_Q W_UQ^T
+            c_q = self.q_a_layernorm(self.q_a_proj(x))  # (..., L, D) -> (..., L, Dq)
+            q = self.q_b_proj(c_q)  # (..., L, Dq) -> (..., L, H E)
+        else:  # V2-Lite: q = h W_Q^T
+            q = self.q_proj(x)  # (..., L, D) -> (..., L, H E)
+        q = self._split_heads(q)  # (..., L, H E) -> (..., H, L, E)
+        En = self.qk_nope_head_dim
+        return q[..., :En], self._rope(q[..., En:], positions)  # (..., H, L, En), (..., H, L, Er)
+
+    def _latents(self, x: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """c_KV (..., L, Dc) after kv_a_layernorm and k_R (..., L, Er) after RoPE at `positions` (L,): what the
+        cache holds."""
+        kv = self.kv_a_proj_with_mqa(x)  # [c_KV, k_R] = h W_DKV^T: (..., L, D) -> (..., L, Dc + Er)
+        Dc = self.kv_a_layernorm.weight.shape[0]
+        c_kv = self.kv_a_layernorm(kv[..., :Dc])  # (..., L, Dc)
+        return c_kv, self._rope(kv[..., Dc:], positions)  # (..., L, Dc), (..., L, Er)
+
+    def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """x (..., L, Er) turned by RoPE at positions (L,), DeepSeek's interleaved pairs (x_2j, x_2j+1)."""
+        work = np.promote_types(x.dtype, np.float32)
+        cos, sin = _rope_table(positions, x.shape[-1], self.rope_theta, work, True)  # (L, Er) each
+        return _turned(x, cos, sin, True)
+
+    def _expanded(self, q_nope: np.ndarray, q_rope: np.ndarray, c_kv: np.ndarray, k_rope: np.ndarray,
+                  mask: np.ndarray | None, **rules: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """The heads' attention with the keys and values up-projected from the latents: o (..., H, L, Ev) and
+        the weights (..., H, L, S); `rules`: scaled_dot_product_attention's keywords (causal, q_offset)."""
+        En, H = self.qk_nope_head_dim, self.num_heads
+        kv = self._split_heads(self.kv_b_proj(c_kv))  # [k_C, v_C] = c_KV W_UKV^T: (..., S, Dc) -> (..., H, S, En + Ev)
+        k_nope, v = kv[..., :En], kv[..., En:]  # (..., H, S, En), (..., H, S, Ev)
+        k_rope = np.broadcast_to(k_rope[..., None, :, :], (*k_rope.shape[:-2], H, *k_rope.shape[-2:]))  # one k_R
+        q = np.concatenate([q_nope, q_rope], axis=-1)  # q_h = [q_C,h, q_R,h]: (..., H, L, E)
+        k = np.concatenate([k_nope, k_rope], axis=-1)  # k_h = [k_C,h, k_R]: (..., H, S, E)
+        return scaled_dot_product_attention(q, k, v, mask, scale=self.scale, **rules)  # (..., H, L, Ev)
+
+    def _absorbed(self, q_nope: np.ndarray, q_rope: np.ndarray, c_kv: np.ndarray, k_rope: np.ndarray,
+                  mask: np.ndarray | None, **rules: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        """The same heads' attention on the latents themselves, W_UK folded into the query and W_UV into the
+        output: multi-query attention, one key head [c_KV, k_R] (Dc + Er) and one value head c_KV (Dc)."""
+        En, Dc = self.qk_nope_head_dim, c_kv.shape[-1]
+        w_ukv = self.kv_b_proj.weight.reshape(self.num_heads, -1, Dc)  # (H (En + Ev), Dc) -> (H, En + Ev, Dc)
+        w_uk, w_uv = w_ukv[:, :En, :], w_ukv[:, En:, :]  # W_UK,h (H, En, Dc), W_UV,h (H, Ev, Dc)
+        q_latent = q_nope @ w_uk  # q_C,h W_UK,h: (..., H, L, En) x (H, En, Dc) -> (..., H, L, Dc)
+        q = np.concatenate([q_latent, q_rope], axis=-1)  # (..., H, L, Dc + Er)
+        k = np.concatenate([c_kv, k_rope], axis=-1)[..., None, :, :]  # one key head: (..., 1, S, Dc + Er)
+        v = c_kv[..., None, :, :]  # one value head: (..., 1, S, Dc)
+        o_latent, weights = scaled_dot_product_attention(q, k, v, mask, scale=self.scale, enable_gqa=True,
+                                                         **rules)  # P_h c_KV: (..., H, L, Dc)
+        return o_latent @ np.swapaxes(w_uv, -1, -2), weights  # (..., H, L, Dc) x (H, Dc, Ev) -> (..., H, L, Ev)
+
+    def _split_heads(self, x: np.ndarray) -> np.ndarray:
+        """x (..., L, H W) -> (..., H, L, W)."""
+        *lead, length, width = x.shape
+        return np.swapaxes(x.reshape(*lead, length, self.num_heads, width // self.num_heads), -2, -3)
+
+    def _merge_heads(self, x: np.ndarray) -> np.ndarray:
+        *lead, heads, length, width = x.shape
+        return np.swapaxes(x, -2, -3).reshape(*lead, length, heads * width)  # (..., H, L, Ev) -> (..., L, H Ev)
+
+    def _check_input(self, x: np.ndarray, mask: np.ndarray | None) -> None:
+        validation.module_input("x", x.shape, self.o_proj.weight.shape[0], "L")
+        validation.same_floating_dtype(_dtypes(x=x, parameters=self.o_proj.weight))
+        if mask is not None:
+            L = x.shape[-2]
+            validation.broadcasts_to("mask", np.shape(mask), (*x.shape[:-2], self.num_heads, L, L), "..., H, L, L")
+
+    def _check_extend(self, x: np.ndarray, cache: LatentCache, mask: np.ndarray | None) -> int:
+        """The checks of extend: x (..., L, D) against the cache and the parameters; returns L."""
+        L = validation.latent_cache_input(x.shape, cache.c_kv.shape, self.o_proj.weight.shape[0])
+        validation.same_floating_dtype(_dtypes(x=x, cache=cache.c_kv, parameters=self.o_proj.weight))
+        capacity = cache.c_kv.shape[-2]
+        if mask is not None:
+            validation.broadcasts_to("mask", np.shape(mask), (*x.shape[:-2], self.num_heads, L, capacity),
+                                     "..., H, L, capacity")
+        validation.cache_room(capacity, cache.length, L)
+        return L
+
+
+def _latent_vjp(mla: MultiHeadLatentAttention, x: np.ndarray,
+                         mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """Backward through MLA, __call__'s steps in reverse, each the vjp of a piece the library has: the Linears
+    (dx = dy W, dW = dy^T x), the RMSNorms, scaled_dot_product_attention_vjp on the heads, RoPE (a rotation,
+    whose adjoint turns back by the same angles: apply_rope at -positions). The shared k_R is broadcast over the H
+    heads, so its gradient is the sum over the heads of theirs; the splits into heads and into parts only move
+    entries, so their adjoints are the merges and joins; x feeds the queries and the latents, so dx is the sum."""
+    mla._check_input(x, mask)
+    En, Dc, positions = mla.qk_nope_head_dim, mla.kv_a_layernorm.weight.shape[0], np.arange(x.shape[-2])
+
+    # forward, keeping each piece's pullback: the queries, the latents, the heads' keys and values, attention
+    if mla.q_proj is None:
+        a, pull_qa = _linear_vjp(mla.q_a_proj, x)  # (..., L, Dq)
+        c_q, pull_qn = _rms_norm_vjp(mla.q_a_layernorm, a)
+        q, pull_qb = _linear_vjp(mla.q_b_proj, c_q)  # (..., L, H E)
+    else:
+        q, pull_q = _linear_vjp(mla.q_proj, x)  # (..., L, H E)
+    q = mla._split_heads(q)  # (..., H, L, E)
+    kv, pull_kva = _linear_vjp(mla.kv_a_proj_with_mqa, x)  # (..., L, Dc + Er)
+    c_kv, pull_kvn = _rms_norm_vjp(mla.kv_a_layernorm, kv[..., :Dc])  # (..., L, Dc)
+    up, pull_kvb = _linear_vjp(mla.kv_b_proj, c_kv)  # (..., S, H (En + Ev))
+    up = mla._split_heads(up)  # (..., H, S, En + Ev)
+    k_nope, v = up[..., :En], up[..., En:]  # (..., H, S, En), (..., H, S, Ev)
+    k_rope = mla._rope(kv[..., Dc:], positions)  # (..., S, Er)
+    q = np.concatenate([q[..., :En], mla._rope(q[..., En:], positions)], axis=-1)  # (..., H, L, E)
+    k = np.concatenate([k_nope, np.broadcast_to(k_rope[..., None, :, :], (*k_nope.shape[:-1], k_rope.shape[-1]))],
+                       axis=-1)  # (..., H, S, E)
+    heads, weights, pull_attention = scaled_dot_product_attention_vjp(q, k, v, mask, scale=mla.scale)
+    out, pull_o = _linear_vjp(mla.o_proj, mla._merge_heads(heads))  # (..., L, D)
+
+    def turned_back(d: np.ndarray) -> np.ndarray:
+        return apply_rope(d, -positions, theta=mla.rope_theta, interleaved=True)
+
+    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
+        d_merged, grads = pull_o(d_out)
+        grads = _prefixed("o_proj", grads)
+        dq, dk, dv, *_ = pull_attention(mla._split_heads(d_merged))  # (..., H, L, E), (..., H, S, E), (..., H, S, Ev)
+        # the latents: k_C and v_C back through kv_b_proj and kv_a_layernorm; k_R summed over the heads, turned back
+        d_c_kv, grads_kvb = pull_kvb(mla._merge_heads(np.concatenate([dk[..., :En], dv], axis=-1)))  # (..., S, Dc)
+        d_c_raw, grads_kvn = pull_kvn(d_c_kv)
+        d_k_rope = turned_back(np.sum(dk[..., En:], axis=-3))  # (..., H, S, Er) -> (..., S, Er)
+        dx, grads_kva = pull_kva(np.concatenate([d_c_raw, d_k_rope], axis=-1))  # (..., S, Dc + Er) -> (..., S, D)
+        grads |= (_prefixed("kv_b_proj", grads_kvb) | _prefixed("kv_a_layernorm", grads_kvn)
+                  | _prefixed("kv_a_proj_with_mqa", grads_kva))
+        # the queries: q_R turned back, then the query projections
+        dq = mla._merge_heads(np.concatenate([dq[..., :En], turned_back(dq[..., En:])], axis=-1))  # (..., L, H E)
+        if mla.q_proj is None:
+            d_c_q, grads_qb = pull_qb(dq)
+            d_a, grads_qn = pull_qn(d_c_q)
+            dx_q, grads_qa = pull_qa(d_a)
+            grads |= _prefixed("q_b_proj", grads_qb) | _prefixed("q_a_layernorm", grads_qn) | _prefixed(
+                "q_a_proj", grads_qa)
+        else:
+            dx_q, grads_q = pull_q(dq)
+            grads |= _prefixed("q_proj", grads_q)
+        return dx + dx_q, {name: grads[name] for name in mla.state_dict()}
+
+    return out, weights, pullback
