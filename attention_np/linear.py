@@ -432,21 +432,24 @@ def _position(p: _Problem, t: int) -> tuple:
             *(None if x is None else x[..., t, :] for x in (p.decay, p.beta)))
 
 
-def _states(p: _Problem) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The recurrence from S = 0 (_rule_step at each position): num (..., L, Ev) and the states S_{t-1}
-    (..., E, Ev) each position starts from, L of them."""
-    E, Ev = p.phi_k.shape[-1], p.v.shape[-1]
-    S = np.zeros((*p.batch, E, Ev), p.work)
-    num, before = np.zeros((*p.batch, p.L, Ev), p.work), []
+def _states(p: _Problem) -> list[np.ndarray]:
+    """The states S_{t-1} (..., E, Ev) each position of the recurrence starts from, L of them: the backward
+    pass's memory."""
+    S, before = np.zeros((*p.batch, p.phi_k.shape[-1], p.v.shape[-1]), p.work), []
     for t in range(p.L):
         before.append(S)
-        num[..., t, :], S = _rule_step(S, *_position(p, t))
-    return num, before
+        S = _rule_step(S, *_position(p, t))[1]
+    return before
 
 
 def _recurrence(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
-    """Causal, the rules with decay or beta: the recurrence position by position; no normaliser, den = 1."""
-    return _states(p)[0], np.ones((*p.batch, p.L, 1), p.work)
+    """Causal, the rules with decay or beta: the recurrence position by position from S = 0, one state at a time;
+    no normaliser, den = 1."""
+    S = np.zeros((*p.batch, p.phi_k.shape[-1], p.v.shape[-1]), p.work)  # (..., E, Ev)
+    num = np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work)  # (..., L, Ev)
+    for t in range(p.L):
+        num[..., t, :], S = _rule_step(S, *_position(p, t))
+    return num, np.ones((*p.batch, p.L, 1), p.work)
 
 
 def _recurrence_backward(p: _Problem, d_num: np.ndarray, d_den: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -458,7 +461,7 @@ def _recurrence_backward(p: _Problem, d_num: np.ndarray, d_den: np.ndarray) -> t
             dP -= beta_t phi(k_t) du^T,   d phi(k_t) -= beta_t P du;   otherwise dv_t = du
         gated, P = exp(g_t) S_{t-1}:   d g_t = rowsum(dP * P),   dS_{t-1} = exp(g_t) dP;   otherwise dS_{t-1} = dP
     Returns d phi(Q), d phi(K), dV, then d_decay and d_beta where the rule takes them."""
-    _, before = _states(p)
+    before = _states(p)
     E, Ev = p.phi_k.shape[-1], p.v.shape[-1]
     d_phi_q, d_phi_k = np.zeros((*p.batch, p.L, E), p.work), np.zeros((*p.batch, p.L, E), p.work)
     dv = np.zeros((*p.batch, p.L, Ev), p.work)
