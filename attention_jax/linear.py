@@ -24,8 +24,10 @@ recurrences over the positions (causal only) and read S_i with no normaliser, ou
     "delta"        S_i = S_{i-1} + phi(k_i) u_i^T,   u_i = beta_i (v_i - S_{i-1}^T phi(k_i))
     "gated_delta"  S_i = P_i + phi(k_i) u_i^T,       u_i = beta_i (v_i - P_i^T phi(k_i)),  P_i = exp(g_i) S_{i-1}
 with g_i the log-space decay (one per head, or one per key dimension: a row scale of S) and beta_i the update
-rate. They run position by position (_rule_step), one lax.scan over the positions, the state its carry; their
-gradients are jax.vjp's.
+rate. They run position by position (_rule_step), one lax.scan over the positions, the state its carry, or chunk
+by chunk (_rule_chunk: unrolled inside a chunk, a masked quadratic form with the decays between positions, and for
+the delta rules a unit lower triangular system, the UT transform of the WY representation), one lax.scan over the
+chunks; their gradients are jax.vjp's.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.scipy.linalg import solve_triangular
 
 from attention_np.common import validation
 from attention_np.common.records import LinearOptions
@@ -79,7 +82,8 @@ def linear_attention(
         eps: a positive number added to the normaliser; a query that sees no key gets 0 / eps = 0.
         chunk: None, or a positive int: causal attention chunk by chunk (quadratic inside a chunk, the state
             carried across), in O(L / chunk E Ev + chunk^2) memory; None: the prefix sums (..., L, E, Ev).
-            Non-causal attention and the rules with decay or beta (one position at a time) ignore it.
+            Non-causal attention ignores it. The rules with decay or beta: None, one position at a time; an int,
+            chunk by chunk (quadratic inside a chunk, the delta rules' triangular solve).
         update_rule: how the state S_i takes key i (ONNX LinearAttention's): "linear" (the sums above), or, causal
             only and read with no normaliser (out_i = phi(q_i)^T S_i, eps unused), "gated"
             (S_i = exp(g_i) S_{i-1} + phi(k_i) v_i^T), "delta" (S_i = S_{i-1} + phi(k_i) u_i^T with
@@ -294,7 +298,7 @@ def _problem(q: jax.Array, k: jax.Array, v: jax.Array, options: LinearOptions) -
 def _form(p: _Problem) -> Callable:
     """The call's form: global sums, prefix sums, chunks, or the recurrence."""
     if p.update_rule != "linear":
-        return _recurrence
+        return _recurrence if p.chunk is None else _rule_chunks
     if not p.is_causal:
         return _global
     return _prefix if p.chunk is None else _chunked
@@ -365,3 +369,60 @@ def _recurrence(p: _Problem) -> tuple[jax.Array, jax.Array]:
     start = jnp.zeros((*p.batch, E, Ev), p.work)
     _, num = lax.scan(step, start, tuple(positions(x) for x in (p.phi_q, p.phi_k, p.v, p.decay, p.beta)))
     return jnp.moveaxis(num, 0, -2), jnp.ones((*p.batch, p.L, 1), p.work)  # (L, ..., Ev) -> (..., L, Ev)
+
+
+def _rule_chunks(p: _Problem) -> tuple[jax.Array, jax.Array]:
+    """Causal, the rules with decay or beta, chunk by chunk (_rule_chunk), the state carried across; no
+    normaliser, den = 1. jax: one lax.scan over L padded up to whole chunks (a padded position has k, v, g and
+    beta 0: it leaves the state as it was; its query is dropped), the state its carry."""
+    E, Ev, C = p.phi_k.shape[-1], p.v.shape[-1], p.chunk
+    count = -(-p.L // C)  # chunks; L padded up to count * C
+
+    def chunks(x: jax.Array | None) -> jax.Array | None:  # (..., L, *) -> (count, ..., C, *), padded with zeros
+        if x is None:
+            return None
+        x = jnp.broadcast_to(x, (*p.batch, *x.shape[-2:]))
+        x = jnp.pad(x, [(0, 0)] * len(p.batch) + [(0, count * C - p.L), (0, 0)])
+        return jnp.moveaxis(x.reshape(*p.batch, count, C, x.shape[-1]), -3, 0)
+
+    @jax.checkpoint  # jax: the backward pass keeps the carried states, and recomputes each chunk
+    def step(S: jax.Array, chunk: tuple) -> tuple[jax.Array, jax.Array]:
+        phi_q, phi_k, v, g, beta = chunk
+        # b_i: the log decay from the chunk's start to position i, inclusive (0 without decay)
+        b = jnp.zeros((*phi_k.shape[:-1], 1), p.work) if g is None else jnp.cumsum(g, axis=-2)
+        out, S = _rule_chunk(S, phi_q, phi_k, v, b, beta)
+        return S, out
+
+    start = jnp.zeros((*p.batch, E, Ev), p.work)
+    _, num = lax.scan(step, start, tuple(chunks(x) for x in (p.phi_q, p.phi_k, p.v, p.decay, p.beta)))
+    num = jnp.moveaxis(num, 0, -3).reshape(*p.batch, count * C, Ev)[..., :p.L, :]  # the padding dropped
+    return num, jnp.ones((*p.batch, p.L, 1), p.work)
+
+
+def _rule_chunk(S: jax.Array, phi_q: jax.Array, phi_k: jax.Array, v: jax.Array, b: jax.Array,
+                beta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """One chunk of C positions from the state S_0 = S, b (..., C, 1 or E) the cumulative log decay. Unrolled,
+        S_i = exp(b_i) S_0 + sum_{j <= i} exp(b_i - b_j) phi(k_j) u_j^T          (exp(...) scaling rows)
+    so the chunk's outputs are a read of S_0 and one masked quadratic form:
+        out = (phi(Q) exp(b)) S_0 + W U,   W_ij = sum_e phi(q_i)_e phi(k_j)_e exp(b_i - b_j)_e   (j <= i)
+    The gated rule's U = V. The delta rules' u_i = beta_i (v_i - P_i^T phi(k_i)) read the u_j before them
+    through P_i: with M_ij = sum_e phi(k_i)_e phi(k_j)_e exp(b_i - b_j)_e (j < i) they solve the unit lower
+    triangular system (the UT transform of the WY representation)
+        (I + diag(beta) M) U = diag(beta) (V - (phi(K) exp(b)) S_0)
+    Returns the outputs (..., C, Ev) and S_C = exp(b_C) S_0 + (phi(K) exp(b_C - b))^T U."""
+    C = phi_k.shape[-2]
+    gap = b[..., :, None, :] - b[..., None, :, :]  # b_i - b_j: (..., C, C, 1 or E)
+    below = _ranked(jnp.tril(jnp.ones((C, C), bool))[..., None], gap.ndim)  # j <= i; jax: at gap's rank
+    decays = jnp.exp(jnp.where(below, gap, -jnp.inf))  # exp(b_i - b_j) where j <= i, else 0 (never overflows)
+    W = jnp.sum(phi_q[..., :, None, :] * phi_k[..., None, :, :] * decays, axis=-1)  # (..., C, 1, E) x (..., 1, C, E)
+    U = v  # (..., C, Ev)
+    if beta is not None:
+        M = jnp.tril(jnp.sum(phi_k[..., :, None, :] * phi_k[..., None, :, :] * decays, axis=-1), -1)  # (..., C, C)
+        rhs = beta * (v - (phi_k * jnp.exp(b)) @ S)  # (..., C, 1) * ((..., C, E) x (..., E, Ev)) -> (..., C, Ev)
+        eye = _ranked(jnp.eye(C, dtype=M.dtype), M.ndim)  # jax: at M's rank
+        system = jnp.broadcast_to(eye + beta * M, (*rhs.shape[:-1], C))  # (..., C, C)
+        U = solve_triangular(system, rhs, lower=True, unit_diagonal=True)  # (..., C, C) \ (..., C, Ev)
+    out = (phi_q * jnp.exp(b)) @ S + W @ U  # (..., C, E) x (..., E, Ev) + (..., C, C) x (..., C, Ev)
+    last = b[..., -1:, :]  # b_C: (..., 1, 1 or E)
+    S = jnp.exp(jnp.swapaxes(last, -1, -2)) * S + jnp.swapaxes(phi_k * jnp.exp(last - b), -1, -2) @ U  # (..., E, Ev)
+    return out, S

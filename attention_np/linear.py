@@ -28,8 +28,10 @@ recurrences over the positions (causal only) and read S_i with no normaliser, ou
     "delta"        S_i = S_{i-1} + phi(k_i) u_i^T,   u_i = beta_i (v_i - S_{i-1}^T phi(k_i))
     "gated_delta"  S_i = P_i + phi(k_i) u_i^T,       u_i = beta_i (v_i - P_i^T phi(k_i)),  P_i = exp(g_i) S_{i-1}
 with g_i the log-space decay (one per head, or one per key dimension: a row scale of S) and beta_i the update
-rate. They run position by position (_rule_step); their backward pass runs the recurrence in reverse, the states
-S_{i-1} recomputed by the forward loop (_recurrence_backward).
+rate. They run position by position (_rule_step), or chunk by chunk (_rule_chunk: unrolled inside a chunk, a masked
+quadratic form with the decays between positions, and for the delta rules a unit lower triangular system, the UT
+transform of the WY representation; the state carried across); the backward pass of both runs the recurrence in
+reverse, the states S_{i-1} recomputed by the forward loop (_recurrence_backward).
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def linear_attention(
         eps: a positive number added to the normaliser; a query that sees no key gets 0 / eps = 0.
         chunk: None, or a positive int: causal attention chunk by chunk (quadratic inside a chunk, the state
             carried across), in O(L / chunk E Ev + chunk^2) memory; None: the prefix sums (..., L, E, Ev).
-            Non-causal attention and the rules with decay or beta (one position at a time) ignore it.
+            Non-causal attention ignores it. The rules with decay or beta: None, one position at a time; an int,
+            chunk by chunk (quadratic inside a chunk, the delta rules' triangular solve).
         update_rule: how the state S_i takes key i (ONNX LinearAttention's): "linear" (the sums above), or, causal
             only and read with no normaliser (out_i = phi(q_i)^T S_i, eps unused), "gated"
             (S_i = exp(g_i) S_{i-1} + phi(k_i) v_i^T), "delta" (S_i = S_{i-1} + phi(k_i) u_i^T with
@@ -305,8 +308,8 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, options: LinearOptions
 
 def _form(p: _Problem) -> tuple[Callable, Callable]:
     """The (forward, backward) pair of the call's form: global sums, prefix sums, chunks, or the recurrence."""
-    if p.update_rule != "linear":
-        return _recurrence, _recurrence_backward
+    if p.update_rule != "linear":  # the chunks' backward pass is the recurrence's: the same function
+        return (_recurrence if p.chunk is None else _rule_chunks), _recurrence_backward
     if not p.is_causal:
         return _global, _global_backward
     return (_prefix, _prefix_backward) if p.chunk is None else (_chunked, _chunked_backward)
@@ -498,3 +501,45 @@ def _recurrence_backward(p: _Problem, d_num: np.ndarray, d_den: np.ndarray) -> t
             d_g[..., t, :] = np.sum(dP * P, axis=-1)  # d exp(g) S / dg = P, row by row: (..., E)
             dS = np.exp(g)[..., :, None] * dP  # (..., E or 1, 1) * (..., E, Ev)
     return d_phi_q, d_phi_k, dv, *(d for d in (d_g, d_beta) if d is not None)
+
+
+def _rule_chunks(p: _Problem) -> tuple[np.ndarray, np.ndarray]:
+    """Causal, the rules with decay or beta, chunk by chunk (_rule_chunk), the state carried across; no
+    normaliser, den = 1."""
+    S = np.zeros((*p.batch, p.phi_k.shape[-1], p.v.shape[-1]), p.work)  # (..., E, Ev)
+    num = np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work)  # (..., L, Ev)
+    for rows in _chunks(p):
+        phi_k = p.phi_k[..., rows, :]
+        # b_i: the log decay from the chunk's start to position i, inclusive (0 without decay)
+        b = np.zeros((*phi_k.shape[:-1], 1), p.work) if p.decay is None else np.cumsum(p.decay[..., rows, :], -2)
+        num[..., rows, :], S = _rule_chunk(S, p.phi_q[..., rows, :], phi_k, p.v[..., rows, :], b,
+                                           None if p.beta is None else p.beta[..., rows, :])
+    return num, np.ones((*p.batch, p.L, 1), p.work)
+
+
+def _rule_chunk(S: np.ndarray, phi_q: np.ndarray, phi_k: np.ndarray, v: np.ndarray, b: np.ndarray,
+                beta: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk of C positions from the state S_0 = S, b (..., C, 1 or E) the cumulative log decay. Unrolled,
+        S_i = exp(b_i) S_0 + sum_{j <= i} exp(b_i - b_j) phi(k_j) u_j^T          (exp(...) scaling rows)
+    so the chunk's outputs are a read of S_0 and one masked quadratic form:
+        out = (phi(Q) exp(b)) S_0 + W U,   W_ij = sum_e phi(q_i)_e phi(k_j)_e exp(b_i - b_j)_e   (j <= i)
+    The gated rule's U = V. The delta rules' u_i = beta_i (v_i - P_i^T phi(k_i)) read the u_j before them
+    through P_i: with M_ij = sum_e phi(k_i)_e phi(k_j)_e exp(b_i - b_j)_e (j < i) they solve the unit lower
+    triangular system (the UT transform of the WY representation)
+        (I + diag(beta) M) U = diag(beta) (V - (phi(K) exp(b)) S_0)
+    Returns the outputs (..., C, Ev) and S_C = exp(b_C) S_0 + (phi(K) exp(b_C - b))^T U."""
+    C = phi_k.shape[-2]
+    gap = b[..., :, None, :] - b[..., None, :, :]  # b_i - b_j: (..., C, C, 1 or E)
+    below = np.tril(np.ones((C, C), bool))[..., None]  # j <= i: (C, C, 1)
+    decays = np.exp(np.where(below, gap, -np.inf))  # exp(b_i - b_j) where j <= i, else 0 (never overflows)
+    W = np.sum(phi_q[..., :, None, :] * phi_k[..., None, :, :] * decays, axis=-1)  # (..., C, 1, E) x (..., 1, C, E)
+    U = v  # (..., C, Ev)
+    if beta is not None:
+        M = np.tril(np.sum(phi_k[..., :, None, :] * phi_k[..., None, :, :] * decays, axis=-1), -1)  # (..., C, C)
+        rhs = beta * (v - (phi_k * np.exp(b)) @ S)  # (..., C, 1) * ((..., C, E) x (..., E, Ev)) -> (..., C, Ev)
+        system = np.broadcast_to(np.eye(C) + beta * M, (*rhs.shape[:-1], C))  # (..., C, C)
+        U = np.linalg.solve(system, rhs)  # (..., C, C) \ (..., C, Ev)
+    out = (phi_q * np.exp(b)) @ S + W @ U  # (..., C, E) x (..., E, Ev) + (..., C, C) x (..., C, Ev)
+    last = b[..., -1:, :]  # b_C: (..., 1, 1 or E)
+    S = np.exp(np.swapaxes(last, -1, -2)) * S + np.swapaxes(phi_k * np.exp(last - b), -1, -2) @ U  # (..., E, Ev)
+    return out, S

@@ -23,7 +23,9 @@ recurrences over the positions (causal only) and read S_i with no normaliser, ou
     "delta"        S_i = S_{i-1} + phi(k_i) u_i^T,   u_i = beta_i (v_i - S_{i-1}^T phi(k_i))
     "gated_delta"  S_i = P_i + phi(k_i) u_i^T,       u_i = beta_i (v_i - P_i^T phi(k_i)),  P_i = exp(g_i) S_{i-1}
 with g_i the log-space decay (one per head, or one per key dimension: a row scale of S) and beta_i the update
-rate. They run position by position (_rule_step), a Python loop over the positions; their gradients are
+rate. They run position by position (_rule_step), a Python loop over the positions, or chunk by chunk
+(_rule_chunk: unrolled inside a chunk, a masked quadratic form with the decays between positions, and for the
+delta rules a unit lower triangular system, the UT transform of the WY representation); their gradients are
 autograd's.
 """
 
@@ -78,7 +80,8 @@ def linear_attention(
         eps: a positive number added to the normaliser; a query that sees no key gets 0 / eps = 0.
         chunk: None, or a positive int: causal attention chunk by chunk (quadratic inside a chunk, the state
             carried across), in O(L / chunk E Ev + chunk^2) memory; None: the prefix sums (..., L, E, Ev).
-            Non-causal attention and the rules with decay or beta (one position at a time) ignore it.
+            Non-causal attention ignores it. The rules with decay or beta: None, one position at a time; an int,
+            chunk by chunk (quadratic inside a chunk, the delta rules' triangular solve).
         update_rule: how the state S_i takes key i (ONNX LinearAttention's): "linear" (the sums above), or, causal
             only and read with no normaliser (out_i = phi(q_i)^T S_i, eps unused), "gated"
             (S_i = exp(g_i) S_{i-1} + phi(k_i) v_i^T), "delta" (S_i = S_{i-1} + phi(k_i) u_i^T with
@@ -288,7 +291,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: LinearO
 def _form(p: _Problem) -> Callable:
     """The call's form: global sums, prefix sums, chunks, or the recurrence."""
     if p.update_rule != "linear":
-        return _recurrence
+        return _recurrence if p.chunk is None or p.L == 0 else _rule_chunks
     if not p.is_causal:
         return _global
     # torch: with L = 0 no chunk is written, and autograd needs an output that depends on the inputs: the
@@ -358,3 +361,48 @@ def _recurrence(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
         out, S = _rule_step(S, *_position(p, t))
         num.append(out)
     return torch.stack(num, dim=-2), den  # L of (..., Ev) -> (..., L, Ev)
+
+
+def _rule_chunks(p: _Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal, the rules with decay or beta, chunk by chunk (_rule_chunk), the state carried across; no
+    normaliser, den = 1."""
+    E, Ev, device = p.phi_k.shape[-1], p.v.shape[-1], p.phi_q.device
+    S = torch.zeros((*p.batch, E, Ev), dtype=p.work, device=device)  # (..., E, Ev)
+    num = []
+    for rows in _chunks(p):
+        phi_k = p.phi_k[..., rows, :]
+        # b_i: the log decay from the chunk's start to position i, inclusive (0 without decay)
+        b = (torch.zeros((*phi_k.shape[:-1], 1), dtype=p.work, device=device) if p.decay is None
+             else torch.cumsum(p.decay[..., rows, :], dim=-2))
+        out, S = _rule_chunk(S, p.phi_q[..., rows, :], phi_k, p.v[..., rows, :], b,
+                             None if p.beta is None else p.beta[..., rows, :])
+        num.append(out)
+    return torch.cat(num, dim=-2), torch.ones((*p.batch, p.L, 1), dtype=p.work, device=device)  # (..., L, Ev)
+
+
+def _rule_chunk(S: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, b: torch.Tensor,
+                beta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of C positions from the state S_0 = S, b (..., C, 1 or E) the cumulative log decay. Unrolled,
+        S_i = exp(b_i) S_0 + sum_{j <= i} exp(b_i - b_j) phi(k_j) u_j^T          (exp(...) scaling rows)
+    so the chunk's outputs are a read of S_0 and one masked quadratic form:
+        out = (phi(Q) exp(b)) S_0 + W U,   W_ij = sum_e phi(q_i)_e phi(k_j)_e exp(b_i - b_j)_e   (j <= i)
+    The gated rule's U = V. The delta rules' u_i = beta_i (v_i - P_i^T phi(k_i)) read the u_j before them
+    through P_i: with M_ij = sum_e phi(k_i)_e phi(k_j)_e exp(b_i - b_j)_e (j < i) they solve the unit lower
+    triangular system (the UT transform of the WY representation)
+        (I + diag(beta) M) U = diag(beta) (V - (phi(K) exp(b)) S_0)
+    Returns the outputs (..., C, Ev) and S_C = exp(b_C) S_0 + (phi(K) exp(b_C - b))^T U."""
+    C = phi_k.shape[-2]
+    gap = b[..., :, None, :] - b[..., None, :, :]  # b_i - b_j: (..., C, C, 1 or E)
+    below = torch.tril(torch.ones((C, C), dtype=torch.bool, device=S.device))[..., None]  # j <= i: (C, C, 1)
+    decays = torch.exp(torch.where(below, gap, -torch.inf))  # exp(b_i - b_j) where j <= i, else 0 (never overflows)
+    W = torch.sum(phi_q[..., :, None, :] * phi_k[..., None, :, :] * decays, dim=-1)  # (..., C, 1, E) x (..., 1, C, E)
+    U = v  # (..., C, Ev)
+    if beta is not None:
+        M = torch.tril(torch.sum(phi_k[..., :, None, :] * phi_k[..., None, :, :] * decays, dim=-1), -1)  # (..., C, C)
+        rhs = beta * (v - (phi_k * torch.exp(b)) @ S)  # (..., C, 1) * ((..., C, E) x (..., E, Ev)) -> (..., C, Ev)
+        system = (torch.eye(C, dtype=M.dtype, device=M.device) + beta * M).expand(*rhs.shape[:-1], C)
+        U = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # (..., C, Ev)
+    out = (phi_q * torch.exp(b)) @ S + W @ U  # (..., C, E) x (..., E, Ev) + (..., C, C) x (..., C, Ev)
+    last = b[..., -1:, :]  # b_C: (..., 1, 1 or E)
+    S = torch.exp(last.transpose(-1, -2)) * S + (phi_k * torch.exp(last - b)).transpose(-1, -2) @ U  # (..., E, Ev)
+    return out, S

@@ -156,12 +156,14 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("chunk", [None, 2], ids=["recurrence", "chunks_of_2"])
 @pytest.mark.parametrize("layout", CASES)
 @pytest.mark.parametrize("rule", RULES)
-def test_full_sequence_equals_onnx(backend: ModuleType, rule: str, layout: str):
+def test_full_sequence_equals_onnx(backend: ModuleType, rule: str, layout: str, chunk: int | None):
+    # the recurrence, and chunks of 2 of L = 5 (the last chunk shorter; the delta rules' triangular solve)
     case = Case(rule, **CASES[layout])
     out, _ = _onnx(case.onnx_inputs(), **case.attributes)
-    assert_close(_pack(_full(backend, case)), out, RTOL, f"{rule} {layout}")
+    assert_close(_pack(_full(backend, case, chunk=chunk)), out, RTOL, f"{rule} {layout} chunk {chunk}")
 
 
 @pytest.mark.parametrize("layout", CASES)
@@ -218,10 +220,11 @@ def test_hidden_keys_leave_the_state_as_it_was(backend: ModuleType, rule: str):
         if getattr(case, name) is not None:
             setattr(short, name, getattr(case, name)[..., :3, :])
     out, present = _onnx(short.onnx_inputs(), **short.attributes)
-    ours = _full(backend, case, key_lengths=backend.asarray(np.array(3)))
-    assert_close(_pack(ours[..., :3, :]), out, RTOL, f"{rule} before key_lengths")
     after = np.einsum("bhgte,bhev->bhgtv", case.scaled_q()[..., 3:, :], present)  # q_t^T S_2
-    assert_close(ours[..., 3:, :], after, RTOL, f"{rule} after key_lengths")
+    for chunk in (None, 2):
+        ours = _full(backend, case, key_lengths=backend.asarray(np.array(3)), chunk=chunk)
+        assert_close(_pack(ours[..., :3, :]), out, RTOL, f"{rule} before key_lengths, chunk {chunk}")
+        assert_close(ours[..., 3:, :], after, RTOL, f"{rule} after key_lengths, chunk {chunk}")
 
 
 def test_delta_rules_by_hand(backend: ModuleType):
@@ -238,9 +241,10 @@ def test_delta_rules_by_hand(backend: ModuleType):
                                                                                               "decay": g}),
                 "gated": ([[4.0], [10.4]], {"decay": g})}
     for rule, (want, gates) in expected.items():
-        out = M.linear_attention(*(M.asarray(x) for x in (q, k, v)), feature_map="identity", is_causal=True,
-                                 update_rule=rule, **{name: M.asarray(x) for name, x in gates.items()})
-        np.testing.assert_allclose(M.to_numpy(out), want, rtol=1e-14, err_msg=rule)
+        for chunk in (None, 2):  # one position at a time, and one chunk of both
+            out = M.linear_attention(*(M.asarray(x) for x in (q, k, v)), feature_map="identity", is_causal=True,
+                                     chunk=chunk, update_rule=rule, **{name: M.asarray(x) for name, x in gates.items()})
+            np.testing.assert_allclose(M.to_numpy(out), want, rtol=1e-14, err_msg=f"{rule} chunk {chunk}")
 
 
 def test_the_float64_run_is_onnxs_run():
@@ -283,18 +287,19 @@ def _numeric(f, inputs: list[np.ndarray], d_out: np.ndarray, h: float = 1e-6) ->
     return grads
 
 
-@pytest.mark.parametrize(("rule", "width"), [("gated", 2), ("gated", 1), ("delta", 1), ("gated_delta", 2),
-                                             ("gated_delta", 1)])
-def test_vjp_against_central_differences(backend: ModuleType, rule: str, width: int):
-    # NumPy's backward pass by hand, JAX's and torch's by autodiff; elu + 1 on inputs away from its kink at 0,
-    # key_lengths hiding the last key of sequence 1, decay and beta broadcast over the batch
+@pytest.mark.parametrize(("rule", "width", "chunk"), [("gated", 2, None), ("gated", 1, 3), ("delta", 1, None),
+                                                      ("delta", 1, 3), ("gated_delta", 2, 3), ("gated_delta", 1, None)])
+def test_vjp_against_central_differences(backend: ModuleType, rule: str, width: int, chunk: int | None):
+    # NumPy's backward pass by hand (the recurrence's, also for the chunks), JAX's and torch's by autodiff of
+    # their form; elu + 1 on inputs away from its kink at 0, key_lengths hiding the last key of sequence 1,
+    # decay and beta broadcast over the batch
     M, rng = backend, np.random.default_rng(7)
     q, k = (np.sign(x) * (0.2 + np.abs(x)) for x in rng.standard_normal((2, 2, 4, 2)))
     v = rng.standard_normal((2, 4, 3))
     gated, delta = validation.UPDATE_RULES[rule]
     gates = {**({"decay": -rng.uniform(0.05, 1.0, (2, 4, width))} if gated else {}),
              **({"beta": rng.uniform(0.1, 0.9, (1, 4, 1))} if delta else {})}
-    options = dict(is_causal=True, update_rule=rule, key_lengths=np.array([4, 3]))
+    options = dict(is_causal=True, update_rule=rule, key_lengths=np.array([4, 3]), chunk=chunk)
 
     def forward(q, k, v, *given):  # NumPy's forward, which equals ONNX's (above)
         numpy = import_backend("attention_np")
@@ -378,16 +383,28 @@ def _beta_on_the_key(S, phi_q, phi_k, v, g, beta):
     return (phi_q[..., None, :] @ S)[..., 0, :], S
 
 
-@pytest.mark.parametrize("bug", [_decay_after_the_update, _beta_on_the_key])
-def test_the_comparisons_catch_planted_bugs(monkeypatch: pytest.MonkeyPatch, bug):
-    # NumPy's rule step replaced by a broken one: the ONNX comparisons of the full sequence and of the steps,
-    # and the case by hand, each fail
+_RULE_CHUNK = importlib.import_module("attention_np.linear")._rule_chunk
+
+
+def _chunk_state_undecayed(S, phi_q, phi_k, v, b, beta):
+    """Planted bug: the state handed to the next chunk without the chunk's decay (b read as 0 for it)."""
+    return _RULE_CHUNK(S, phi_q, phi_k, v, b, beta)[0], _RULE_CHUNK(S, phi_q, phi_k, v, 0 * b, beta)[1]
+
+
+@pytest.mark.parametrize(("bug", "chunk"), [(_decay_after_the_update, None), (_beta_on_the_key, None),
+                                            (_chunk_state_undecayed, 2)])
+def test_the_comparisons_catch_planted_bugs(monkeypatch: pytest.MonkeyPatch, bug, chunk: int | None):
+    # NumPy's rule step (or chunk) replaced by a broken one: the ONNX comparisons of the full sequence and of the
+    # steps, and the case by hand, each fail (the steps and the hand case of two positions never carry a chunk's
+    # state, so the chunk's bug is the full sequence's alone)
     M = import_backend("attention_np")
-    monkeypatch.setattr(importlib.import_module("attention_np.linear"), "_rule_step", bug)
-    rule = "gated_delta" if bug is _decay_after_the_update else "delta"
-    for check in (lambda: test_full_sequence_equals_onnx(M, rule, "gqa_per_key_decay_shared_beta"),
-                  lambda: test_steps_from_a_past_state_equal_onnx(M, rule, "heads_per_head_decay"),
-                  lambda: test_delta_rules_by_hand(M)):
+    name = "_rule_step" if chunk is None else "_rule_chunk"
+    monkeypatch.setattr(importlib.import_module("attention_np.linear"), name, bug)
+    rule = "delta" if bug is _beta_on_the_key else "gated_delta"
+    checks = [lambda: test_full_sequence_equals_onnx(M, rule, "gqa_per_key_decay_shared_beta", chunk)]
+    if chunk is None:
+        checks += [lambda: test_steps_from_a_past_state_equal_onnx(M, rule, "heads_per_head_decay"),
+                   lambda: test_delta_rules_by_hand(M)]
+    for check in checks:
         with pytest.raises(AssertionError):
             check()
-
