@@ -20,6 +20,7 @@ it against the evaluator as it ships (float32) and that the two differ only by f
 from __future__ import annotations
 
 import importlib
+import math
 import types
 from types import ModuleType
 from typing import Any
@@ -117,7 +118,7 @@ class Case:
         return inputs
 
     def scaled_q(self) -> np.ndarray:
-        return self.q * (1 / np.sqrt(E) if self.scale is None else self.scale)
+        return self.q * (1 / math.sqrt(E) if self.scale is None else self.scale)  # a Python float: q keeps its dtype
 
     def gates(self) -> dict[str, np.ndarray]:
         return {name: x for name, x in (("decay", self.decay), ("beta", self.beta)) if x is not None}
@@ -408,3 +409,16 @@ def test_the_comparisons_catch_planted_bugs(monkeypatch: pytest.MonkeyPatch, bug
     for check in checks:
         with pytest.raises(AssertionError):
             check()
+
+
+def test_half_precision_returns_its_dtype(backend: ModuleType):
+    # float16 inputs, decay and beta: computed in float32 and cast back, within float16's rounding of the inputs
+    # and the output of the float64 result
+    M, case = backend, Case("gated_delta", Hkv=2, G=1, decay="key", seed=8)
+    expected = _full(M, case)
+    case.q, case.k, case.v, case.decay, case.beta = (x.astype(np.float16) for x in (case.q, case.k, case.v,
+                                                                                    case.decay, case.beta))
+    for chunk in (None, 2):
+        out = _full(M, case, chunk=chunk)
+        assert out.dtype == np.float16
+        assert_close(out.astype(np.float64), expected, 5e-3, f"float16, chunk {chunk}")
