@@ -16,6 +16,18 @@ The JAX specifics: the chunks are one lax.scan over L padded up to whole chunks 
 padded query is dropped), so the traced program does not grow with L / chunk; its body is a jax.checkpoint, so
 that the backward pass keeps the carried states only and recomputes each chunk. The gradients are jax.vjp of
 the forward code (attention_np.linear derives them by hand); the state is a tuple, a pytree.
+
+The update rules of ONNX's LinearAttention (opset 27) change how the state S_i (..., E, Ev) takes key i; they are
+recurrences over the positions (causal only) and read S_i with no normaliser, out_i = phi(q_i)^T S_i:
+    "linear"       S_i = S_{i-1} + phi(k_i) v_i^T                      (the sums above, with the normaliser)
+    "gated"        S_i = exp(g_i) S_{i-1} + phi(k_i) v_i^T
+    "delta"        S_i = S_{i-1} + phi(k_i) u_i^T,   u_i = beta_i (v_i - S_{i-1}^T phi(k_i))
+    "gated_delta"  S_i = P_i + phi(k_i) u_i^T,       u_i = beta_i (v_i - P_i^T phi(k_i)),  P_i = exp(g_i) S_{i-1}
+with g_i the log-space decay (one per head, or one per key dimension: a row scale of S) and beta_i the update
+rate. They run position by position (_rule_step), one lax.scan over the positions, the state its carry, or chunk
+by chunk (_rule_chunk: unrolled inside a chunk, a masked quadratic form with the decays between positions, and for
+the delta rules a unit lower triangular system, the UT transform of the WY representation), one lax.scan over the
+chunks; their gradients are jax.vjp's.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.scipy.linalg import solve_triangular
 
 from attention_np.common import validation
 from attention_np.common.records import LinearOptions
@@ -52,6 +65,9 @@ def linear_attention(
     key_lengths: jax.Array | None = None,
     eps: float = 1e-6,
     chunk: int | None = None,
+    update_rule: str = "linear",
+    decay: jax.Array | None = None,
+    beta: jax.Array | None = None,
 ) -> jax.Array:
     """out_i = phi(q_i)^T (sum_j phi(k_j) v_j^T) / (phi(q_i)^T sum_j phi(k_j) + eps), the sums over the keys
     query i sees (all, or j <= i with is_causal).
@@ -66,13 +82,21 @@ def linear_attention(
         eps: a positive number added to the normaliser; a query that sees no key gets 0 / eps = 0.
         chunk: None, or a positive int: causal attention chunk by chunk (quadratic inside a chunk, the state
             carried across), in O(L / chunk E Ev + chunk^2) memory; None: the prefix sums (..., L, E, Ev).
-            Non-causal attention ignores it.
+            Non-causal attention ignores it. The rules with decay or beta: None, one position at a time; an int,
+            chunk by chunk (quadratic inside a chunk, the delta rules' triangular solve).
+        update_rule: how the state S_i takes key i (ONNX LinearAttention's): "linear" (the sums above), or, causal
+            only and read with no normaliser (out_i = phi(q_i)^T S_i, eps unused), "gated"
+            (S_i = exp(g_i) S_{i-1} + phi(k_i) v_i^T), "delta" (S_i = S_{i-1} + phi(k_i) u_i^T with
+            u_i = beta_i (v_i - S_{i-1}^T phi(k_i))) or "gated_delta" (both, u_i read off the decayed state).
+        decay: g, the log-space decay of "gated" and "gated_delta": (..., S, 1), one per head, or (..., S, E), one
+            per key dimension; None for the other rules.
+        beta: the update rate of "delta" and "gated_delta": (..., S, 1); None for the other rules.
 
     Returns:
         out (..., L, Ev) in q's dtype, computed in at least float32.
     """
-    p = _problem(q, k, v, LinearOptions(feature_map=feature_map, is_causal=is_causal,
-                                        key_lengths=key_lengths, eps=eps, chunk=chunk))
+    p = _problem(q, k, v, LinearOptions(feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths,
+                                        eps=eps, chunk=chunk, update_rule=update_rule, decay=decay, beta=beta))
     num, den = _form(p)(p)
     return (num / den).astype(q.dtype)
 
@@ -87,71 +111,93 @@ def linear_attention_vjp(
     key_lengths: jax.Array | None = None,
     eps: float = 1e-6,
     chunk: int | None = None,
+    update_rule: str = "linear",
+    decay: jax.Array | None = None,
+    beta: jax.Array | None = None,
 ) -> tuple[jax.Array, Callable]:
     """d_num = d_out / den,  d_den = -sum(d_out * out) / den,  d phi(Q) = d_num A^T + d_den z^T,
     dA = phi(Q)^T d_num,  dz = phi(Q)^T d_den,  d phi(K) = V dA^T + dz,  dV = phi(K) dA,
-    dQ = d phi(Q) * phi'(Q),  dK = d phi(K) * phi'(K); causal: dA and dz as suffix sums over the queries.
-    jax.vjp of linear_attention computes them (usable inside jax.jit).
+    dQ = d phi(Q) * phi'(Q),  dK = d phi(K) * phi'(K); causal: dA and dz as suffix sums over the queries; the
+    rules with decay or beta: the recurrence in reverse. jax.vjp of linear_attention computes them (usable inside
+    jax.jit).
 
     Args:
-        q, k, v, feature_map, is_causal, key_lengths, eps, chunk: as for linear_attention.
+        q, k, v, feature_map, is_causal, key_lengths, eps, chunk, update_rule, decay, beta: as for
+            linear_attention.
 
     Returns:
-        out (..., L, Ev) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv), each gradient summed to its input's
-        shape and in its dtype; hidden keys (key_lengths) get zero dk and dv.
+        out (..., L, Ev) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv), then d_decay if decay was given and
+        d_beta if beta was given, each gradient summed to its input's shape and in its dtype; hidden keys
+        (key_lengths) get zero dk, dv, d_decay and d_beta.
     """
-    def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    gates = [x for x in (decay, beta) if x is not None]
+
+    def attention(q: jax.Array, k: jax.Array, v: jax.Array, *given: jax.Array) -> jax.Array:
+        rest = iter(given)  # the gates given, in order
+        decay_, beta_ = (None if x is None else next(rest) for x in (decay, beta))
         return linear_attention(q, k, v, feature_map=feature_map, is_causal=is_causal, key_lengths=key_lengths,
-                                eps=eps, chunk=chunk)
+                                eps=eps, chunk=chunk, update_rule=update_rule, decay=decay_, beta=beta_)
 
-    out, pull = jax.vjp(attention, q, k, v)  # jax: autodiff of the forward
+    out, pull = jax.vjp(attention, q, k, v, *gates)  # jax: autodiff of the forward
 
-    def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def pullback(d_out: jax.Array) -> tuple[jax.Array, ...]:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         return pull(d_out)
 
     return out, pullback
 
 
-def linear_attention_state(batch_shape: tuple[int, ...], E: int, Ev: int, *,
-                           dtype: Any | None = None) -> tuple[jax.Array, jax.Array]:
+def linear_attention_state(batch_shape: tuple[int, ...], E: int, Ev: int, *, dtype: Any | None = None,
+                           update_rule: str = "linear") -> tuple[jax.Array, jax.Array | None]:
     """(S, z) = (0, 0): the recurrent form's state before the first position, S = sum_j phi(k_j) v_j^T and
-    z = sum_j phi(k_j) over the positions seen.
+    z = sum_j phi(k_j) over the positions seen; (S, None) = (0, None) for the rules with decay or beta, which
+    have no normaliser.
 
     Args:
         batch_shape: the inputs' leading axes (...), a tuple of non-negative ints.
         E: the query/key width.
         Ev: the value width.
         dtype: the state's floating dtype, the dtype the steps compute in; None: float32.
+        update_rule: the rule the steps will run, as for linear_attention.
 
     Returns:
-        S (..., E, Ev) and z (..., E), zeros.
+        S (..., E, Ev) and z (..., E), zeros; z None for the rules other than "linear".
     """
     batch = validation.linear_state_size(batch_shape, E, Ev)
+    validation.update_rule(update_rule)
     dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
     validation.same_floating_dtype({"dtype": (str(dtype), jnp.issubdtype(dtype, jnp.floating))})
-    return jnp.zeros((*batch, E, Ev), dtype), jnp.zeros((*batch, E), dtype)
+    S = jnp.zeros((*batch, E, Ev), dtype)
+    return S, (jnp.zeros((*batch, E), dtype) if update_rule == "linear" else None)
 
 
 def linear_attention_step(
     q_t: jax.Array,
     k_t: jax.Array,
     v_t: jax.Array,
-    state: tuple[jax.Array, jax.Array],
+    state: tuple[jax.Array, jax.Array | None],
     *,
     feature_map: str = "elu",
     eps: float = 1e-6,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    update_rule: str = "linear",
+    decay: jax.Array | None = None,
+    beta: jax.Array | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None]]:
     """S' = S + phi(k_t) v_t^T,  z' = z + phi(k_t),  out_t = phi(q_t)^T S' / (phi(q_t) . z' + eps): one position of
-    causal linear attention, the current key included (j <= i).
+    causal linear attention, the current key included (j <= i); the rules with decay or beta:
+    S' = exp(g_t) S + phi(k_t) u_t^T,  out_t = phi(q_t)^T S'.
 
     Args:
         q_t: the query (..., E).
         k_t: the key (..., E).
         v_t: the value (..., Ev).
         state: (S (..., E, Ev), z (..., E)) from linear_attention_state or the previous step; never changed.
+            (S, None) for the rules other than "linear".
         feature_map: as for linear_attention.
         eps: as for linear_attention.
+        update_rule: as for linear_attention.
+        decay: g_t (..., 1) or (..., E) of "gated" and "gated_delta"; None for the other rules.
+        beta: beta_t (..., 1) of "delta" and "gated_delta"; None for the other rules.
 
     Returns:
         out_t (..., Ev) in q_t's dtype and the new state (S', z') in the state's dtype, which the step computes in
@@ -159,15 +205,25 @@ def linear_attention_step(
     """
     validation.linear_state_pair(state)
     S, z = state
-    validation.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t))
-    validation.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, z.shape)
+    validation.update_rule(update_rule)
+    validation.linear_state_rule(update_rule, z is not None)
+    gates = {name: x for name, x in (("decay", decay), ("beta", beta)) if x is not None}
+    validation.same_floating_dtype(_dtypes(q_t=q_t, k_t=k_t, v_t=v_t, **gates))
+    validation.linear_step(q_t.shape, k_t.shape, v_t.shape, S.shape, S.shape[:-1] if z is None else z.shape)
+    validation.linear_gates(update_rule, *(None if x is None else x.shape for x in (decay, beta)), S.shape[:-2],
+                            None, S.shape[-2])
     validation.linear_options(feature_map, eps)
     work = _at_least_float32(q_t.dtype)
-    validation.linear_state_dtype(_dtypes(S=S, z=z), S.dtype.itemsize * 8, str(work), work.itemsize * 8)
+    validation.linear_state_dtype(_dtypes(S=S, **({} if z is None else {"z": z})), S.dtype.itemsize * 8, str(work),
+                                  work.itemsize * 8)
     phi = FEATURE_MAPS[feature_map]
-    # jax: the inputs at z's rank, as rank promotion may be refused
-    q, k, v = (_ranked(x.astype(S.dtype), z.ndim) for x in (q_t, k_t, v_t))
+    # jax: the inputs at the state's rank less one, as rank promotion may be refused
+    q, k, v, g, b = (None if x is None else _ranked(x.astype(S.dtype), S.ndim - 1) for x in (q_t, k_t, v_t, decay,
+                                                                                          beta))
     phi_q, phi_k = phi(q), phi(k)  # (..., E)
+    if update_rule != "linear":  # new arrays too: decay, then the update, then the read, no normaliser
+        out, S = _rule_step(S, phi_q, phi_k, v, g, b)
+        return out.astype(q_t.dtype), (S, None)
     # 1) the state takes the current position: new arrays, the caller's state stays as it was
     S = S + phi_k[..., :, None] * v[..., None, :]  # (..., E, 1) x (..., 1, Ev)
     z = z + phi_k  # (..., E)
@@ -177,16 +233,32 @@ def linear_attention_step(
     return (num / den).astype(q_t.dtype), (S, z)
 
 
+def _rule_step(S: jax.Array, phi_q: jax.Array, phi_k: jax.Array, v: jax.Array, g: jax.Array | None,
+               beta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """One position of the rules with decay or beta (g None: no decay; beta None: no delta correction):
+    P = exp(g) S,  u = v or beta (v - P^T phi(k)),  S' = P + phi(k) u^T,  out = phi(q)^T S'."""
+    if g is not None:
+        S = jnp.exp(g)[..., :, None] * S  # (..., E or 1, 1) * (..., E, Ev): the decay, before the update
+    if beta is not None:  # the delta rule: write the error of what the decayed state recalls for phi(k)
+        v = beta * (v - (phi_k[..., None, :] @ S)[..., 0, :])  # (..., 1) * ((..., 1, E) x (..., E, Ev) -> (..., Ev))
+    S = S + phi_k[..., :, None] * v[..., None, :]  # (..., E, 1) x (..., 1, Ev)
+    return (phi_q[..., None, :] @ S)[..., 0, :], S  # (..., 1, E) x (..., E, Ev) -> (..., Ev)
+
+
 class _Problem(NamedTuple):
     """One call's checked inputs in the working dtype, all at the scores' rank less one: phi(Q), phi(K) and V with
-    the hidden keys' rows zeroed, and the options."""
+    the hidden keys' rows zeroed, the gates of the update rule (None where it takes none; the hidden keys'
+    zeroed, so that they leave the state as it was), and the options."""
 
     is_causal: bool
     chunk: int | None
     eps: float  # a Python float: no promotion
+    update_rule: str
     phi_q: jax.Array  # (..., L, E)
     phi_k: jax.Array  # (..., S, E), hidden keys' rows zeroed
     v: jax.Array  # (..., S, Ev), hidden keys' rows zeroed
+    decay: jax.Array | None  # g (..., S, 1) or (..., S, E), hidden keys' rows zeroed (exp(0) = 1)
+    beta: jax.Array | None  # (..., S, 1)
     batch: tuple  # the leading axes (...)
     L: int
     work: Any  # the working dtype: at least float32
@@ -194,28 +266,39 @@ class _Problem(NamedTuple):
 
 def _problem(q: jax.Array, k: jax.Array, v: jax.Array, options: LinearOptions) -> _Problem:
     """The checks of scaled_dot_product_attention that apply (shapes, dtypes, key_lengths), linear attention's
-    own (feature_map, eps, chunk, L == S when causal), then phi(Q) and phi(K) in the working dtype."""
+    own (feature_map, eps, chunk, L == S when causal, the update rule and its gates), then phi(Q) and phi(K) in
+    the working dtype."""
     batch = validation.attention_batch(q.shape, k.shape, v.shape)
-    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
+    gates = {name: x for name, x in (("decay", options.decay), ("beta", options.beta)) if x is not None}
+    validation.same_floating_dtype(_dtypes(q=q, k=k, v=v, **gates))
     validation.linear_options(options.feature_map, options.eps, options.chunk)
     L, S = q.shape[-2], k.shape[-2]
+    validation.linear_gates(options.update_rule, *(None if x is None else x.shape for x in (options.decay,
+                                                                                            options.beta)),
+                            batch, S, k.shape[-1])
+    validation.linear_rule_causal(options.update_rule, options.is_causal)
     if options.is_causal:
         validation.linear_causal(L, S)
     work = _at_least_float32(q.dtype)  # float16, bfloat16: in float32
     n = len(batch) + 2  # jax: every array at one rank, as rank promotion may be refused
     q, k, v = (_ranked(x.astype(work), n) for x in (q, k, v))
+    decay, beta = (None if x is None else _ranked(x.astype(work), n) for x in (options.decay, options.beta))
     phi = FEATURE_MAPS[options.feature_map]
     phi_k = phi(k)
     if options.key_lengths is not None:  # hidden keys add nothing to either sum: their rows zeroed
         key_lengths = _ranked(_integers(options.key_lengths, "key_lengths", batch), len(batch))
         keep = _ranked(jnp.arange(S)[:, None], n) < key_lengths[..., None, None]  # (..., S, 1)
         phi_k, v = jnp.where(keep, phi_k, 0), jnp.where(keep, v, 0)  # (..., S, E), (..., S, Ev)
-    return _Problem(is_causal=options.is_causal, chunk=options.chunk, eps=float(options.eps), phi_q=phi(q),
-                    phi_k=phi_k, v=v, batch=batch, L=L, work=work)
+        decay = None if decay is None else jnp.where(keep, decay, 0)  # no decay at a hidden key: S stays
+    return _Problem(is_causal=options.is_causal, chunk=options.chunk, eps=float(options.eps),
+                    update_rule=options.update_rule, phi_q=phi(q), phi_k=phi_k, v=v, decay=decay, beta=beta,
+                    batch=batch, L=L, work=work)
 
 
 def _form(p: _Problem) -> Callable:
-    """The call's form: global sums, prefix sums, or chunks."""
+    """The call's form: global sums, prefix sums, chunks, or the recurrence."""
+    if p.update_rule != "linear":
+        return _recurrence if p.chunk is None else _rule_chunks
     if not p.is_causal:
         return _global
     return _prefix if p.chunk is None else _chunked
@@ -269,3 +352,77 @@ def _chunked(p: _Problem) -> tuple[jax.Array, jax.Array]:
         return jnp.moveaxis(x, 0, -3).reshape(*p.batch, count * C, x.shape[-1])[..., :p.L, :]
 
     return positions(num), positions(den)
+
+
+def _recurrence(p: _Problem) -> tuple[jax.Array, jax.Array]:
+    """Causal, the rules with decay or beta: the recurrence position by position; no normaliser, den = 1.
+    jax: one lax.scan over the positions, the state its carry."""
+    E, Ev = p.phi_k.shape[-1], p.v.shape[-1]
+
+    def positions(x: jax.Array | None) -> jax.Array | None:  # (..., L, *) -> (L, ..., *)
+        return None if x is None else jnp.moveaxis(jnp.broadcast_to(x, (*p.batch, *x.shape[-2:])), -2, 0)
+
+    def step(S: jax.Array, position: tuple) -> tuple[jax.Array, jax.Array]:
+        out, S = _rule_step(S, *position)
+        return S, out
+
+    start = jnp.zeros((*p.batch, E, Ev), p.work)
+    _, num = lax.scan(step, start, tuple(positions(x) for x in (p.phi_q, p.phi_k, p.v, p.decay, p.beta)))
+    return jnp.moveaxis(num, 0, -2), jnp.ones((*p.batch, p.L, 1), p.work)  # (L, ..., Ev) -> (..., L, Ev)
+
+
+def _rule_chunks(p: _Problem) -> tuple[jax.Array, jax.Array]:
+    """Causal, the rules with decay or beta, chunk by chunk (_rule_chunk), the state carried across; no
+    normaliser, den = 1. jax: one lax.scan over L padded up to whole chunks (a padded position has k, v, g and
+    beta 0: it leaves the state as it was; its query is dropped), the state its carry."""
+    E, Ev, C = p.phi_k.shape[-1], p.v.shape[-1], p.chunk
+    count = -(-p.L // C)  # chunks; L padded up to count * C
+
+    def chunks(x: jax.Array | None) -> jax.Array | None:  # (..., L, *) -> (count, ..., C, *), padded with zeros
+        if x is None:
+            return None
+        x = jnp.broadcast_to(x, (*p.batch, *x.shape[-2:]))
+        x = jnp.pad(x, [(0, 0)] * len(p.batch) + [(0, count * C - p.L), (0, 0)])
+        return jnp.moveaxis(x.reshape(*p.batch, count, C, x.shape[-1]), -3, 0)
+
+    @jax.checkpoint  # jax: the backward pass keeps the carried states, and recomputes each chunk
+    def step(S: jax.Array, chunk: tuple) -> tuple[jax.Array, jax.Array]:
+        phi_q, phi_k, v, g, beta = chunk
+        # b_i: the log decay from the chunk's start to position i, inclusive (0 without decay)
+        b = jnp.zeros((*phi_k.shape[:-1], 1), p.work) if g is None else jnp.cumsum(g, axis=-2)
+        out, S = _rule_chunk(S, phi_q, phi_k, v, b, beta)
+        return S, out
+
+    start = jnp.zeros((*p.batch, E, Ev), p.work)
+    _, num = lax.scan(step, start, tuple(chunks(x) for x in (p.phi_q, p.phi_k, p.v, p.decay, p.beta)))
+    num = jnp.moveaxis(num, 0, -3).reshape(*p.batch, count * C, Ev)[..., :p.L, :]  # the padding dropped
+    return num, jnp.ones((*p.batch, p.L, 1), p.work)
+
+
+def _rule_chunk(S: jax.Array, phi_q: jax.Array, phi_k: jax.Array, v: jax.Array, b: jax.Array,
+                beta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """One chunk of C positions from the state S_0 = S, b (..., C, 1 or E) the cumulative log decay. Unrolled,
+        S_i = exp(b_i) S_0 + sum_{j <= i} exp(b_i - b_j) phi(k_j) u_j^T          (exp(...) scaling rows)
+    so the chunk's outputs are a read of S_0 and one masked quadratic form:
+        out = (phi(Q) exp(b)) S_0 + W U,   W_ij = sum_e phi(q_i)_e phi(k_j)_e exp(b_i - b_j)_e   (j <= i)
+    The gated rule's U = V. The delta rules' u_i = beta_i (v_i - P_i^T phi(k_i)) read the u_j before them
+    through P_i: with M_ij = sum_e phi(k_i)_e phi(k_j)_e exp(b_i - b_j)_e (j < i) they solve the unit lower
+    triangular system (the UT transform of the WY representation)
+        (I + diag(beta) M) U = diag(beta) (V - (phi(K) exp(b)) S_0)
+    Returns the outputs (..., C, Ev) and S_C = exp(b_C) S_0 + (phi(K) exp(b_C - b))^T U."""
+    C = phi_k.shape[-2]
+    gap = b[..., :, None, :] - b[..., None, :, :]  # b_i - b_j: (..., C, C, 1 or E)
+    below = _ranked(jnp.tril(jnp.ones((C, C), bool))[..., None], gap.ndim)  # j <= i; jax: at gap's rank
+    decays = jnp.exp(jnp.where(below, gap, -jnp.inf))  # exp(b_i - b_j) where j <= i, else 0 (never overflows)
+    W = jnp.sum(phi_q[..., :, None, :] * phi_k[..., None, :, :] * decays, axis=-1)  # (..., C, 1, E) x (..., 1, C, E)
+    U = v  # (..., C, Ev)
+    if beta is not None:
+        M = jnp.tril(jnp.sum(phi_k[..., :, None, :] * phi_k[..., None, :, :] * decays, axis=-1), -1)  # (..., C, C)
+        rhs = beta * (v - (phi_k * jnp.exp(b)) @ S)  # (..., C, 1) * ((..., C, E) x (..., E, Ev)) -> (..., C, Ev)
+        eye = _ranked(jnp.eye(C, dtype=M.dtype), M.ndim)  # jax: at M's rank
+        system = jnp.broadcast_to(eye + beta * M, (*rhs.shape[:-1], C))  # (..., C, C)
+        U = solve_triangular(system, rhs, lower=True, unit_diagonal=True)  # (..., C, C) \ (..., C, Ev)
+    out = (phi_q * jnp.exp(b)) @ S + W @ U  # (..., C, E) x (..., E, Ev) + (..., C, C) x (..., C, Ev)
+    last = b[..., -1:, :]  # b_C: (..., 1, 1 or E)
+    S = jnp.exp(jnp.swapaxes(last, -1, -2)) * S + jnp.swapaxes(phi_k * jnp.exp(last - b), -1, -2) @ U  # (..., E, Ev)
+    return out, S

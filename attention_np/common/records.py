@@ -29,6 +29,9 @@ class LinearOptions(NamedTuple):
     key_lengths: Any  # None, or an integer array broadcasting to (...): hide keys j >= key_lengths
     eps: float  # added to the normaliser
     chunk: int | None  # causal: positions per chunk (None: prefix sums)
+    update_rule: str  # the recurrence of the state: "linear", "gated", "delta" or "gated_delta"
+    decay: Any  # None, or the log-space decay g (..., S, 1) or (..., S, E) of "gated" and "gated_delta"
+    beta: Any  # None, or the update rate (..., S, 1) of "delta" and "gated_delta"
 
 
 class FlashOptions(NamedTuple):

@@ -19,6 +19,9 @@ NORMS = ("layer", "rms")
 PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
 SWIGLU = ("w_gate", "w_up", "w_down")  # the feed-forward Linears of activation="swiglu"
 FEATURE_MAPS = ("elu", "relu", "identity")  # linear_attention's phi: elu(x) + 1, max(x, 0), x
+# linear_attention's update rules (ONNX LinearAttention's), each with whether it takes (decay, beta)
+UPDATE_RULES = {"linear": (False, False), "gated": (True, False), "delta": (False, True),
+                "gated_delta": (True, True)}
 
 
 def _shape(shape: Iterable[int]) -> Shape:
@@ -304,6 +307,45 @@ def linear_causal(L: int, S: int) -> None:
                          f"the recurrent form linear_attention_step computes it); got L = {L}, S = {S}")
 
 
+def update_rule(rule: object) -> None:
+    """linear_attention's update_rule: one of UPDATE_RULES."""
+    if rule not in UPDATE_RULES:
+        raise ValueError(f"update_rule must be one of {tuple(UPDATE_RULES)}; got {rule!r}")
+
+
+def linear_gates(rule: object, decay: Sequence[int] | None, beta: Sequence[int] | None, batch: Sequence[int],
+                 S: int | None, E: int) -> None:
+    """linear_attention's update_rule with the inputs it takes (their shapes, or None): decay for "gated" and
+    "gated_delta", beta for "delta" and "gated_delta", neither for "linear". decay is (..., S, 1), a scalar per
+    head, or (..., S, E), one per key dimension; beta (..., S, 1); their leading axes (...) broadcast to the
+    inputs' `batch` without enlarging it. The step's (S None) drop the S axis: (..., 1) or (..., E)."""
+    update_rule(rule)
+    for name, shape, needed, widths in (("decay", decay, UPDATE_RULES[rule][0], (1, E)),
+                                        ("beta", beta, UPDATE_RULES[rule][1], (1,))):
+        if needed and shape is None:
+            raise ValueError(f"update_rule={rule!r} needs {name}; got {name}=None")
+        if not needed and shape is not None:
+            raise ValueError(f"update_rule={rule!r} takes no {name}; got {name} of shape {_shape(shape)}")
+        if shape is not None:
+            _linear_gate(name, _shape(shape), widths, _shape(batch), S, E)
+
+
+def _linear_gate(name: str, shape: Shape, widths: tuple[int, ...], batch: Shape, S: int | None, E: int) -> None:
+    rank = 1 if S is None else 2
+    rows = "" if S is None else "S, "
+    forms = " or ".join(dict.fromkeys(f"(..., {rows}{'1' if w == 1 else 'E'})" for w in widths))
+    if not (len(shape) >= rank and shape[-1] in widths and (S is None or shape[-2] == S)
+            and _fits(shape[:len(shape) - rank], batch)):
+        raise ValueError(f"{name} must have shape {forms} with E = {E}{'' if S is None else f', S = {S}'} and "
+                         f"leading axes that broadcast to the inputs' {batch}; got {name} of shape {shape}")
+
+
+def linear_rule_causal(rule: str, is_causal: bool) -> None:
+    """The rules with decay or beta are recurrences over the positions: causal only."""
+    if rule != "linear" and not is_causal:
+        raise ValueError(f"update_rule={rule!r} is a recurrence over the positions: it needs is_causal=True")
+
+
 def linear_state_size(batch_shape: object, E: object, Ev: object) -> Shape:
     """linear_attention_state: batch_shape a tuple of non-negative ints, E and Ev non-negative ints; returns
     batch_shape as a tuple."""
@@ -323,6 +365,15 @@ def linear_state_pair(state: object) -> None:
     if not (isinstance(state, tuple | list) and len(state) == 2):
         raise ValueError(f"state must be the pair (S, z) that linear_attention_state returns; got "
                          f"{type(state).__name__}")
+
+
+def linear_state_rule(rule: str, has_z: bool) -> None:
+    """The state's second entry: z (..., E) under "linear", whose normaliser it sums; None under the rules with
+    decay or beta, which have no normaliser."""
+    if (rule == "linear") != has_z:
+        form = "(S, z)" if rule == "linear" else "(S, None)"
+        raise ValueError(f"state must be {form} under update_rule={rule!r}, as linear_attention_state(..., "
+                         f"update_rule={rule!r}) returns; got z {'None' if not has_z else 'an array'}")
 
 
 def linear_step(q: Sequence[int], k: Sequence[int], v: Sequence[int], S: Sequence[int], z: Sequence[int]) -> None:
