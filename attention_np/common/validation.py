@@ -139,6 +139,18 @@ def grouped_shape(shape: Sequence[int], H: int, Hkv: int, trailing: int) -> Shap
     return shape[:axis] + split + shape[axis + 1:]
 
 
+def sinks(shape: Sequence[int], batch: Sequence[int], grouped: bool) -> Shape:
+    """The sinks, one logit per head, must broadcast to the scores' leading axes (..., H), `batch` those axes
+    ((..., Hkv, G) with enable_gqa, H = Hkv * G). Returns the sinks' shape laid out against the scores
+    (..., L, S): (..., 1, 1), the head axis split into (Hkv, G) where the heads are grouped."""
+    shape, batch = _shape(shape), _shape(batch)
+    heads = (*batch[:-2], batch[-2] * batch[-1]) if grouped else batch
+    broadcasts_to("sinks", shape, heads, "..., H")
+    if grouped:
+        shape = grouped_shape(shape, heads[-1], batch[-2], 0)
+    return (*shape, 1, 1)
+
+
 def shared_kv_head(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> bool:
     """Whether k and v hold one head (axis -3, or none) that several query heads of q's axis -3 share: GQA's
     groups (enable_gqa), or multi-query attention by broadcasting. A fast path then needs no copy of k and v
