@@ -317,7 +317,7 @@ def _block_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     in q's, k's and v's shapes and the working dtype."""
     p = _problem(q, k, v, None, None, step)
     p = p._replace(out=out, lse=lse)  # grouped like the problem (..., rows, *)
-    dq, dk, dv, _, _ = _backward(p, d_out, d_lse, (p.q, p.k, p.v, None), need_bias=False,
+    dq, dk, dv, *_ = _backward(p, d_out, d_lse, (p.q, p.k, p.v, None), need_bias=False,
                                  need_parameters=False)  # in the working dtype
     return dq, dk, dv
 

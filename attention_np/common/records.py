@@ -44,6 +44,7 @@ class FlashOptions(NamedTuple):
     enable_gqa: bool
     block_q: int | None  # queries per tile (None: chosen from the shapes)
     block_k: int | None  # keys per tile (None: chosen from the shapes)
+    sinks: Any = None  # one logit per head, broadcasting to (..., H), or None (ring attention takes none)
 
 
 class MhaLayout(NamedTuple):
