@@ -183,7 +183,8 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     reverse: the output projection, the heads' merge (its adjoint is the split), attention per head, the
     input projections. Splitting and merging heads only move entries, so their adjoints are each other.
     With Hkv < H key/value heads, attention runs with enable_gqa, whose backward pass sums the gradients of
-    each key/value head over the query heads of its group. With rope_theta, the queries and keys are turned
+    each key/value head over the query heads of its group. With sinks, attention takes mha.sinks, and its
+    gradient d_sinks is the parameter's, "sinks". With rope_theta, the queries and keys are turned
     after the split, and their gradients turned back before the projections' adjoints. With attention="linear"
     the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp). mask_mod and score_mod go to
     attention on the heads (B, H, L, d_k), as in MultiHeadAttention.__call__.
@@ -204,20 +205,21 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
         heads, weights, pull_attention = _linear_heads_vjp(mha, q_h, k_h, v_h)  # (..., H, L, d_k)
     else:
         heads, weights, pull_attention = scaled_dot_product_attention_vjp(
-            q_h, k_h, v_h, mask, enable_gqa=mha.grouped, mask_mod=mask_mod,
-            score_mod=score_mod)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
+            q_h, k_h, v_h, mask, enable_gqa=mha.grouped, mask_mod=mask_mod, score_mod=score_mod,
+            sinks=mha.sinks)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_merged, grads_o = pull_o(d_out)  # (..., L, D)
         dq_h, dk_h, dv_h, _, *d_theta = pull_attention(mha._split_heads(d_merged, H))  # (..., H | Hkv, L | S, d_k)
+        d_sinks = {} if mha.sinks is None else {"sinks": d_theta.pop(0)}  # the sinks' gradient follows dbias
         dq_h, dk_h = _rope_vjp(mha, dq_h), _rope_vjp(mha, dk_h)  # RoPE turned back
         (dq, grads_q), (dk, grads_k), (dv, grads_v) = (
             pull(mha._merge_heads(d)) for pull, d in ((pull_q, dq_h), (pull_k, dk_h), (pull_v, dv_h)))
         grads = _prefixed("w_q", grads_q) | _prefixed("w_k", grads_k) | _prefixed("w_v", grads_v)
         grads |= _prefixed("score_mod", d_theta[0]) if d_theta else {}  # the score function's parameters
-        return dq, dk, dv, grads | _prefixed("w_o", grads_o)
+        return dq, dk, dv, grads | _prefixed("w_o", grads_o) | d_sinks
 
     return out, weights, pullback
 

@@ -53,6 +53,7 @@ class MhaLayout(NamedTuple):
     d_model: int  # w_q.weight's columns
     num_kv_heads: int  # w_k.weight's rows / d_k
     bias: bool  # whether the projections have biases
+    sinks: bool = False  # whether the state holds the sink logits `sinks` (H,)
 
 
 class BlockLayout(NamedTuple):
@@ -64,3 +65,4 @@ class BlockLayout(NamedTuple):
     d_ff: int  # the feed-forward's hidden width
     norm: str  # "layer", or "rms" (no norm1.bias)
     activation: str  # "relu", "gelu" or "swiglu"
+    sinks: bool = False  # whether attention holds the sink logits attn.sinks (H,)
