@@ -75,7 +75,8 @@ class MultiHeadAttention(Module):
     attention="linear", the same projections around linear attention in each head; with sinks=True, a learned
     sink logit per head (gpt-oss's `sinks`) in every softmax's denominator."""
 
-    _children = ("w_q", "w_k", "w_v", "w_o", "sinks")  # sinks None without sinks=True
+    _children = ("sinks", "w_q", "w_k", "w_v", "w_o")  # sinks None without sinks=True; first, as torch's own
+    # parameters come before its sub-modules' in a state dict
     _settings = ("num_heads", "num_kv_heads", "rope_theta", "attention", "dropout", "training")
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,

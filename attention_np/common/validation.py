@@ -513,10 +513,11 @@ def mha_state_shapes(d_model: int, num_heads: int = 1, num_kv_heads: int | None 
                      bias: bool = True, sinks: bool = False) -> dict[str, Shape]:
     """State-dict names and shapes of MultiHeadAttention (nn.Linear layout: weight (out, in)): w_q and w_o
     (D, D), w_k and w_v (Hkv * d_k, D), d_k = D / H; each with its bias (out,) unless bias is False; with sinks,
-    then the sink logits sinks (H,)."""
+    first the sink logits sinks (H,) (torch's state dict holds a module's own parameters before its children's)."""
     d_kv = d_model // num_heads * kv_heads(num_heads, num_kv_heads)
-    return _linear_shapes({"w_q": (d_model, d_model), "w_k": (d_kv, d_model), "w_v": (d_kv, d_model),
-                           "w_o": (d_model, d_model)}, bias) | ({"sinks": (num_heads,)} if sinks else {})
+    return ({"sinks": (num_heads,)} if sinks else {}) | _linear_shapes(
+        {"w_q": (d_model, d_model), "w_k": (d_kv, d_model), "w_v": (d_kv, d_model), "w_o": (d_model, d_model)},
+        bias)
 
 
 def block_state_shapes(d_model: int, d_ff: int, *, num_heads: int = 1, num_kv_heads: int | None = None,
