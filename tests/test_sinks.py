@@ -1,0 +1,219 @@
+"""Attention sinks (SPEC.md section 2g) on every backend: one logit per head that joins every softmax's
+denominator and carries no value, weights_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij)).
+
+scaled_dot_product_attention (both paths), flash_attention (several tiles) and their vjps against a
+hand-derived case, the float64 oracle (which takes the sink as one more logit of a key of zero value, one query
+at a time) and central differences of the oracle; the rule that a query that sees no key outputs zeros; the
+errors; and MultiHeadAttention(sinks=True) against transformers' GptOssAttention (gpt-oss), with the same
+weights mapped by name, grouped-query heads and RoPE, through the full pass, its gradients and the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from conformance.contract import oracle
+from tests._compare import REORDERED, assert_close, central_differences, method_program, one_program
+
+B, H, HKV, L, S, E = 2, 4, 2, 5, 7, 3  # grouped-query heads: two query heads per key/value head
+GRADIENT_RTOL = 1e-7  # central differences at h = 1e-5 resolve a float64 derivative to about 1e-10
+TILES = ((1, 1), (2, 3), (4, 16))  # flash_attention's (block_q, block_k): single entries, ragged, one key tile
+
+
+def _case(seed: int = 0) -> dict[str, np.ndarray]:
+    """q (B, H, L, E), k and v (B, Hkv, S, E), sinks (H,) with one of -inf (no sink for that head), and a mask
+    (L, S) that hides every key from query 1 and a few more."""
+    rng = np.random.default_rng(seed)
+    mask = rng.random((L, S)) > 0.3
+    mask[1] = False  # query 1 sees no key
+    return {"q": rng.standard_normal((B, H, L, E)), "k": rng.standard_normal((B, HKV, S, E)),
+            "v": rng.standard_normal((B, HKV, S, E)), "mask": mask,
+            "sinks": np.array([0.5, -1.0, 2.0, -np.inf])}
+
+
+def _finite(case: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The case with every sink finite, for the gradients (a sink of -inf has no derivative to take)."""
+    return case | {"sinks": np.array([0.5, -1.0, 2.0, 1.5])}
+
+
+def _numpy(M: ModuleType, x: object) -> object:
+    return M.to_numpy(x) if x is not None else None
+
+
+def test_hand_derived_weights_leave_the_sink_its_share(backend: ModuleType) -> None:
+    # one query, two keys, E = 1 (scale 1): scores q k_j = [0, ln 2], so exp(scores) = [1, 2]; with sink 0 the
+    # denominator is e^0 + 1 + 2 = 4: weights [1/4, 2/4] (the sink's 1/4 dropped), out = 1/4 * 1 + 2/4 * 3 = 7/4;
+    # with sink ln 2: 2 + 1 + 2 = 5, weights [1/5, 2/5], out = 1/5 + 6/5 = 7/5
+    q, k, v = np.array([[1.0]]), np.array([[0.0], [math.log(2)]]), np.array([[1.0], [3.0]])
+    for sink, weights, out in ((0.0, [0.25, 0.5], 1.75), (math.log(2), [0.2, 0.4], 1.4)):
+        got_out, got_weights = backend.scaled_dot_product_attention(
+            *(backend.asarray(x) for x in (q, k, v)), sinks=backend.asarray(np.array(sink)))
+        np.testing.assert_allclose(backend.to_numpy(got_weights), [weights], rtol=1e-15)
+        np.testing.assert_allclose(backend.to_numpy(got_out), [[out]], rtol=1e-15)
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["explicit", "fast"])
+@pytest.mark.parametrize("shape", ["(H,)", "(B, H)"])
+def test_sdpa_with_sinks_is_the_oracles(backend: ModuleType, need_weights: bool, shape: str) -> None:
+    case = _case()
+    sinks = case["sinks"] if shape == "(H,)" else case["sinks"] + np.array([[0.0], [0.7]])  # (B, H)
+    expected_out, expected_weights = oracle.sdpa(case["q"], case["k"], case["v"], case["mask"], is_causal=True,
+                                                 enable_gqa=True, sinks=sinks)
+    out, weights = one_program(backend, "scaled_dot_product_attention", case["q"], case["k"], case["v"],
+                               case["mask"], is_causal=True, enable_gqa=True, need_weights=need_weights, sinks=sinks)
+    assert_close(backend.to_numpy(out), expected_out, REORDERED, "out")
+    if need_weights:
+        assert_close(backend.to_numpy(weights), expected_weights, REORDERED, "weights")
+        assert np.all(backend.to_numpy(weights)[:, :3].sum(axis=-1) < 1), "a finite sink keeps a share of each row"
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=str)
+def test_flash_with_sinks_is_the_oracles_out_and_lse(backend: ModuleType, tiles: tuple[int, int]) -> None:
+    case = _case()
+    expected_out, expected_lse = oracle.log_sum_exp(case["q"], case["k"], case["v"], case["mask"], is_causal=True,
+                                                    enable_gqa=True, sinks=case["sinks"])
+    out, lse = one_program(backend, "flash_attention", case["q"], case["k"], case["v"], case["mask"],
+                           is_causal=True, enable_gqa=True, sinks=case["sinks"], block_q=tiles[0], block_k=tiles[1])
+    assert_close(backend.to_numpy(out), expected_out, REORDERED, "out")
+    assert_close(backend.to_numpy(lse), expected_lse, REORDERED, "lse")
+    assert np.all(backend.to_numpy(lse)[:, :3, 1] == case["sinks"][:3]), "a query that sees no key: lse = sink"
+
+
+def test_a_query_that_sees_no_key_gets_zeros_with_any_sink(backend: ModuleType) -> None:
+    # query 1 sees no key: out and weights 0 whatever the sink (0, -1, 2, and -inf, which is no sink at all)
+    case = _case()
+    arrays = (case["q"], case["k"], case["v"], case["mask"])
+    for need_weights in (True, False):
+        out, weights = one_program(backend, "scaled_dot_product_attention", *arrays, enable_gqa=True,
+                                   need_weights=need_weights, sinks=case["sinks"])
+        assert np.all(backend.to_numpy(out)[:, :, 1] == 0), f"out, need_weights={need_weights}"
+        assert weights is None or np.all(backend.to_numpy(weights)[:, :, 1] == 0), "weights"
+    out, _ = one_program(backend, "flash_attention", *arrays, enable_gqa=True, sinks=case["sinks"], block_q=2,
+                         block_k=3)
+    assert np.all(backend.to_numpy(out)[:, :, 1] == 0), "flash out"
+
+
+@pytest.fixture(scope="module")
+def reference_gradients() -> dict[str, np.ndarray]:
+    """d <oracle.sdpa(...), d_out> / d{q, k, v, sinks} by central differences, float64, and the d_out."""
+    case = _finite(_case(1))
+    d_out = np.random.default_rng(2).standard_normal((B, H, L, E))
+
+    def out(**changed: np.ndarray) -> np.ndarray:
+        arrays = case | changed
+        return oracle.sdpa(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], is_causal=True, enable_gqa=True,
+                           sinks=arrays["sinks"])[0]
+
+    grads = {name: central_differences(lambda x, name=name: out(**{name: x}), case[name], d_out, 1e-5)
+             for name in ("q", "k", "v", "sinks")}
+    return grads | {"d_out": d_out}
+
+
+@pytest.mark.parametrize("function", ["scaled_dot_product_attention_vjp", "flash_attention_vjp"])
+def test_gradients_with_sinks_are_central_differences(backend: ModuleType, function: str,
+                                                      reference_gradients: dict[str, np.ndarray]) -> None:
+    case = _finite(_case(1))
+    tiles = {"block_q": 2, "block_k": 3} if function == "flash_attention_vjp" else {}
+    *_, grads = one_program(backend, function, case["q"], case["k"], case["v"], case["mask"],
+                            d_out=reference_gradients["d_out"], is_causal=True, enable_gqa=True,
+                            sinks=case["sinks"], **tiles)
+    dq, dk, dv, dbias, d_sinks = grads  # with sinks, d_sinks follows dbias
+    assert dbias is None
+    for name, grad in (("q", dq), ("k", dk), ("v", dv), ("sinks", d_sinks)):
+        assert_close(backend.to_numpy(grad), reference_gradients[name], GRADIENT_RTOL, f"d{name}")
+
+
+@pytest.mark.parametrize("function", ["scaled_dot_product_attention", "flash_attention"])
+def test_sinks_that_do_not_broadcast_to_the_heads_raise(backend: ModuleType, function: str) -> None:
+    case = _case()
+    q, k, v = (backend.asarray(case[name]) for name in "qkv")
+    with pytest.raises(ValueError, match=r"sinks of shape \(3,\) does not broadcast to \(2, 4\)"):
+        getattr(backend, function)(q, k, v, enable_gqa=True, sinks=backend.asarray(np.zeros(3)))
+    with pytest.raises(ValueError, match=r"sinks of shape \(3, 4\) does not broadcast"):
+        getattr(backend, function)(q, k, v, enable_gqa=True, sinks=backend.asarray(np.zeros((3, 4))))
+
+
+# MultiHeadAttention(sinks=True) is gpt-oss's attention: GptOssAttention with its eager attention function
+D, THETA = 16, 500.0  # d_k = 4: two RoPE pairs
+NAMES = {"sinks": "sinks"} | {f"w_{ours}.{part}": f"{theirs}_proj.{part}" for ours, theirs in
+                              (("q", "q"), ("k", "k"), ("v", "v"), ("o", "o")) for part in ("weight", "bias")}
+
+
+def test_mha_sinks_is_a_parameter_of_zeros_in_the_state_dict(backend: ModuleType) -> None:
+    mha = backend.MultiHeadAttention(D, H, 0.0, num_kv_heads=HKV, sinks=True)
+    state = mha.state_dict()
+    assert next(iter(state)) == "sinks" and backend.to_numpy(state["sinks"]).tolist() == [0.0] * H
+    assert "sinks" not in backend.MultiHeadAttention(D, H, 0.0).state_dict()
+    block = backend.TransformerBlock(D, H, 2 * D, 0.0, num_kv_heads=HKV, rope_theta=THETA, sinks=True)
+    loaded = backend.TransformerBlock.from_state_dict(block.state_dict(), num_heads=H, rope_theta=THETA)
+    assert "attn.sinks" in loaded.state_dict()
+    with pytest.raises(ValueError, match="sinks=True needs attention='softmax'"):
+        backend.MultiHeadAttention(D, H, 0.0, attention="linear", sinks=True)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss() -> dict[str, object]:
+    """Random weights and sinks, an input, and transformers' GptOssAttention's out, weights and gradients of
+    sum(out * d_out) (float64, CPU, eager attention, RoPE without scaling at positions 0 .. L - 1)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    config = transformers.GptOssConfig(
+        hidden_size=D, num_attention_heads=H, num_key_value_heads=HKV, head_dim=D // H, attention_bias=True,
+        attention_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": THETA},
+        layer_types=["full_attention"], num_hidden_layers=1)
+    config._attn_implementation = "eager"  # eager_attention_forward: the sink column joins the softmax
+    layer = modeling.GptOssAttention(config, layer_idx=0).double().eval()
+    rng = np.random.default_rng(3)
+    theirs = {name: rng.uniform(-0.5, 0.5, tuple(value.shape)) for name, value in layer.state_dict().items()}
+    theirs["sinks"] = rng.uniform(-1.0, 1.0, H)
+    layer.load_state_dict({name: torch.from_numpy(value) for name, value in theirs.items()})
+    x = rng.standard_normal((B, L, D))
+    d_out = rng.standard_normal((B, L, D))
+    angles = np.arange(L)[:, None] * THETA ** (-np.arange(0, D // H, 2) / (D // H))  # (L, d_k / 2), float64
+    cos_sin = (torch.from_numpy(np.cos(angles))[None], torch.from_numpy(np.sin(angles))[None])  # gpt-oss's halves
+    hidden = torch.from_numpy(np.where(np.tri(L, L, dtype=bool), 0.0, -np.inf)[None, None])  # causal, additive
+    out, weights = layer(torch.from_numpy(x), position_embeddings=cos_sin, attention_mask=hidden)
+    (out * torch.from_numpy(d_out)).sum().backward()
+    grads = {name: parameter.grad.numpy() for name, parameter in layer.named_parameters()}
+    return {"state": {ours: theirs[name] for ours, name in NAMES.items()}, "x": x, "d_out": d_out,
+            "out": out.detach().numpy(), "weights": weights.detach().numpy(),
+            "grads": {ours: grads[name] for ours, name in NAMES.items()}}
+
+
+def _mha(M: ModuleType, state: dict[str, np.ndarray]):
+    return M.MultiHeadAttention.from_state_dict({name: M.asarray(value) for name, value in state.items()},
+                                                num_heads=H, dropout=0.0, rope_theta=THETA).eval()
+
+
+GPT_OSS_RTOL = 1e-10
+
+
+def test_mha_with_sinks_is_gpt_oss_attention(backend: ModuleType, gpt_oss: dict) -> None:
+    mha, x = _mha(backend, gpt_oss["state"]), backend.asarray(gpt_oss["x"])
+    out, weights = method_program(backend, "__call__")(mha, x, x, x, backend.causal_mask(L, L))
+    assert_close(backend.to_numpy(out), gpt_oss["out"], GPT_OSS_RTOL, "out")
+    assert_close(backend.to_numpy(weights), gpt_oss["weights"], GPT_OSS_RTOL, "weights")
+    *_, pullback = mha.vjp(x, x, x, backend.causal_mask(L, L))
+    grads = pullback(backend.asarray(gpt_oss["d_out"]))[3]
+    for name in ("sinks", "w_q.weight", "w_k.bias", "w_o.weight"):
+        assert_close(backend.to_numpy(grads[name]), gpt_oss["grads"][name], GPT_OSS_RTOL, f"d {name}")
+
+
+@pytest.mark.parametrize("cache", ["dense", "ragged", "paged"])
+def test_decoding_with_sinks_is_gpt_oss_attention(backend: ModuleType, gpt_oss: dict, cache: str) -> None:
+    mha, x = _mha(backend, gpt_oss["state"]), backend.asarray(gpt_oss["x"])
+    if cache == "paged":  # pages of 2 positions, 3 per sequence
+        store = mha.init_paged_cache(B, 8, 2, 3).reserve(backend.asarray(np.array([L, L])))
+    else:
+        store = mha.init_cache((B,), L)
+    options = {"new_lengths": backend.asarray(np.array([1, 1]))} if cache == "ragged" else {}
+    outs = []
+    for i in range(L):  # one position at a time: each query over the cache and itself
+        out, _, store = mha.extend(x[:, i:i + 1], x[:, i:i + 1], store, need_weights=False, **options)
+        outs.append(backend.to_numpy(out))
+    assert_close(np.concatenate(outs, axis=1), gpt_oss["out"], GPT_OSS_RTOL, f"{cache} decode")
