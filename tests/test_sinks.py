@@ -11,6 +11,10 @@ weights mapped by name, grouped-query heads and RoPE, through the full pass, its
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -217,3 +221,110 @@ def test_decoding_with_sinks_is_gpt_oss_attention(backend: ModuleType, gpt_oss: 
         out, _, store = mha.extend(x[:, i:i + 1], x[:, i:i + 1], store, need_weights=False, **options)
         outs.append(backend.to_numpy(out))
     assert_close(np.concatenate(outs, axis=1), gpt_oss["out"], GPT_OSS_RTOL, f"{cache} decode")
+
+
+# ring_attention: the sink joins each row once, after the ring, never once per device
+RING = {"B": 2, "H": 4, "HKV": 2, "L": 8, "E": 3}  # L = S = 8: 2P chunks of 2 on P = 2 devices with is_causal
+
+
+def _ring_case(seed: int = 4) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    (B, H, HKV, L, E) = RING.values()
+    return {"q": rng.standard_normal((B, H, L, E)), "k": rng.standard_normal((B, HKV, L, E)),
+            "v": rng.standard_normal((B, HKV, L, E)), "d_out": rng.standard_normal((B, H, L, E)),
+            "sinks": np.array([0.5, -1.0, 2.0, 1.5])}
+
+
+def _ring_reference(case: dict[str, np.ndarray], is_causal: bool) -> tuple:
+    """The oracle's out and lse, and NumPy's flash_attention_vjp's gradients (held to central differences
+    above): the ring's reference."""
+    q, k, v, d_out, sinks = case.values()
+    out, lse = oracle.log_sum_exp(q, k, v, is_causal=is_causal, enable_gqa=True, sinks=sinks)
+    import attention_np
+
+    *_, pullback = attention_np.flash_attention_vjp(q, k, v, is_causal=is_causal, enable_gqa=True, sinks=sinks)
+    dq, dk, dv, _, d_sinks = pullback(d_out)
+    return out, lse, (dq, dk, dv, d_sinks)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_numpy_ring_with_sinks_is_the_oracles(devices: int, is_causal: bool) -> None:
+    import attention_np
+
+    case = _ring_case()  # with is_causal on 4 devices: 2P = 8 chunks of one position each
+    out, lse, grads = _ring_reference(case, is_causal)
+    got_out, got_lse, pullback = attention_np.ring_attention_vjp(
+        case["q"], case["k"], case["v"], devices=devices, is_causal=is_causal, enable_gqa=True,
+        sinks=case["sinks"], block_q=2, block_k=2)
+    assert_close(got_out, out, REORDERED, "out")
+    assert_close(got_lse, lse, REORDERED, "lse")
+    for name, got, expected in zip(("dq", "dk", "dv", "d_sinks"), pullback(case["d_out"]), grads, strict=True):
+        assert_close(got, expected, REORDERED, name)
+
+
+def _torch_ring_with_sinks(rank: int, world_size: int) -> list[str]:
+    """On one rank of a gloo group: ring_attention_vjp with sinks against the rank's rows of the reference;
+    what failed."""
+    import torch
+
+    import attention_torch
+
+    failures = []
+    for is_causal in (False, True):
+        case = _ring_case()
+        out, lse, grads = _ring_reference(case, is_causal)
+        rows = slice(rank * RING["L"] // world_size, (rank + 1) * RING["L"] // world_size)
+        q, k, v, d_out = (torch.from_numpy(case[name][..., rows, :].copy()) for name in ("q", "k", "v", "d_out"))
+        got_out, got_lse, pullback = attention_torch.ring_attention_vjp(
+            q, k, v, is_causal=is_causal, enable_gqa=True, sinks=torch.from_numpy(case["sinks"]), block_q=2,
+            block_k=2)
+        dq, dk, dv, d_sinks = (g.numpy() for g in pullback(d_out))
+        for name, got, expected in (("out", got_out.numpy(), out[..., rows, :]), ("lse", got_lse.numpy(),
+                                    lse[..., rows]), ("dq", dq, grads[0][..., rows, :]),
+                                    ("dk", dk, grads[1][..., rows, :]), ("dv", dv, grads[2][..., rows, :]),
+                                    ("d_sinks", d_sinks, grads[3])):
+            error = np.max(np.abs(got - expected)) / np.max(np.abs(expected))
+            if not error <= REORDERED:
+                failures.append(f"rank {rank}, is_causal={is_causal}, {name}: relative error {error:.3g}")
+    return failures
+
+
+@pytest.mark.slow  # starts two processes joined in a gloo group
+def test_torch_ring_with_sinks_is_the_oracles_on_two_ranks() -> None:
+    pytest.importorskip("torch")
+    from conformance.bench.ring_torch import launch
+
+    failures = [failure for rank in launch(2, _torch_ring_with_sinks) for failure in rank]
+    assert not failures, "\n".join(failures)
+
+
+JAX_RING = """
+import jax, numpy as np
+jax.config.update("jax_enable_x64", True)
+from jax.sharding import Mesh
+import attention_jax
+from tests.test_sinks import _ring_case, _ring_reference, REORDERED
+mesh = Mesh(np.array(jax.devices()), ("x",))
+assert mesh.shape["x"] == 2, mesh
+for is_causal in (False, True):
+    case = _ring_case()
+    out, lse, grads = _ring_reference(case, is_causal)
+    q, k, v, d_out, sinks = (jax.numpy.asarray(x) for x in case.values())
+    got_out, got_lse, pullback = attention_jax.ring_attention_vjp(q, k, v, mesh=mesh, axis="x", is_causal=is_causal,
+                                                                  enable_gqa=True, sinks=sinks, block_q=2, block_k=2)
+    for name, got, expected in zip(("out", "lse", "dq", "dk", "dv", "d_sinks"), (got_out, got_lse, *pullback(d_out)),
+                                   (out, lse, *grads)):
+        error = np.max(np.abs(np.asarray(got) - expected)) / np.max(np.abs(expected))
+        assert error <= REORDERED, (is_causal, name, error)
+print("ok")
+"""
+
+
+@pytest.mark.slow  # starts a process with its own JAX, on two simulated devices
+def test_jax_ring_with_sinks_is_the_oracles_on_two_devices() -> None:
+    pytest.importorskip("jax")
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    result = subprocess.run([sys.executable, "-c", JAX_RING], env=env, capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0 and "ok" in result.stdout, f"{result.stdout}\n{result.stderr}"
