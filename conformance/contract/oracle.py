@@ -151,7 +151,7 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
             if sinks is not None:  # the sink: a last logit, of a key of zero value whose weight is dropped
                 logits = np.append(logits, sinks[b])
             out[(*b, i)], weights[(*b, i)] = _attend(v[b], keys, logits, S)
-            if len(logits) and np.max(logits) > -np.inf:  # a sink of -inf and no key: log 0 = -inf
+            if len(keys) or (sinks is not None and sinks[b] != -np.inf):  # no key and no finite sink: log 0
                 lse[(*b, i)] = np.max(logits) + np.log(np.sum(np.exp(logits - np.max(logits))))
     return out.astype(dtype), weights.astype(dtype), lse  # half precision: computed in float32, stored in dtype
 
