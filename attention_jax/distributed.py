@@ -53,7 +53,7 @@ from attention_np.common.records import FlashOptions
 
 from .flash import _backward_tiles, _pad, _problem, _tiled_inputs, _tiling, flash_attention
 from .functional import _dtypes, _grouped
-from .primitives import _integers, _ranked, _sink_logits
+from .primitives import _integers, _ranked, _sunk_rows
 
 
 class _Layout(NamedTuple):
@@ -91,10 +91,11 @@ def ring_attention(
         mesh: the jax.sharding.Mesh; the leading axes (...) may be sharded over its other axes.
         axis: the name of the mesh axis the sequence is sharded over; L and S must be multiples of its size P,
             of 2P with is_causal (the zig-zag layout).
-        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for flash_attention, on
-            global positions; q_offset a Python int.
+        is_causal, scale, q_offset, window, softcap, enable_gqa: as for flash_attention, on global positions;
+            q_offset a Python int.
         sinks: one logit per head, broadcasting to (..., H), as for flash_attention: merged in once, after the
             ring, as one more partial result (out 0, lse the sink), never once per device.
+        block_q, block_k: as for flash_attention.
 
     Returns:
         out (..., L, Ev) and lse (..., L), sharded like q: flash_attention's on one device.
@@ -111,18 +112,8 @@ def ring_attention(
     options = FlashOptions(is_causal=bool(is_causal), scale=scale, q_offset=int(q_offset), window=window,
                            key_lengths=None, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
     out, lse = _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, options)(q, k, v)
-    return _sunk(out, lse, sinks)
-
-
-def _sunk(out: jax.Array, lse: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """out (..., L, Ev) and lse (..., L) over every key, merged with the sinks' partial result (out 0, lse the
-    sink): lse' = logaddexp(lse, sink), out' = exp(lse - lse') out, the sink in each row's denominator once
-    (jax: elementwise on the global arrays, differentiated by JAX, the ring's own backward taking d_lse)."""
-    if sinks is None:
-        return out, lse
-    sink = _ranked(_sink_logits(sinks, lse.shape[:-1], False, lse.dtype)[..., 0], lse.ndim)  # (..., 1)
-    merged, lse = _merge((out, lse), (jnp.zeros_like(out), jnp.broadcast_to(sink, lse.shape)))  # in lse's dtype
-    return merged.astype(out.dtype), lse
+    return _sunk_rows(out, lse, sinks)  # the sink joins each row once, after the ring (jax: elementwise on the
+    # global arrays, differentiated by JAX, the ring's own backward taking d_lse)
 
 
 def ring_attention_vjp(

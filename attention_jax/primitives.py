@@ -261,6 +261,18 @@ def _sunk_softmax(scores: jax.Array, visible: jax.Array | None, sinks: jax.Array
     return exp / jnp.where(total == 0.0, 1.0, total)  # a sink of -inf and no key seen: 0 / 1 = 0, never 0 / 0
 
 
+def _sunk_rows(out: jax.Array, lse: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """out (..., L, Ev) and lse (..., L) of a softmax over the keys, with each row's sink joined once, as one more
+    partial result of out 0 and lse the sink: lse' = logaddexp(lse, sink), out' = exp(lse - lse') out (a row that
+    sees no key keeps zeros); both unchanged without sinks. sinks broadcast to (..., H), lse's leading axes."""
+    if sinks is None:
+        return out, lse
+    sink = _ranked(_sink_logits(sinks, lse.shape[:-1], False, lse.dtype)[..., 0], lse.ndim)  # jax: no rank promotion
+    merged = jnp.logaddexp(lse, sink)  # (..., L)
+    shift = jnp.where(merged == -jnp.inf, 0.0, merged)  # no key and a sink of -inf: exp(-inf - 0) = 0, never NaN
+    return (jnp.exp(lse - shift)[..., None] * out.astype(lse.dtype)).astype(out.dtype), merged
+
+
 def _sink_logits(sinks: jax.Array | None, batch: tuple, grouped: bool, work: Any) -> jax.Array | None:
     """sinks broadcasting to the scores' leading axes (..., H), checked, in the working dtype and laid out
     against the scores (..., L, S): (..., 1, 1), grouped (..., Hkv, G, 1, 1) with enable_gqa; None without."""

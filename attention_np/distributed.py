@@ -44,7 +44,7 @@ from attention_np.common.records import FlashOptions
 
 from .flash import _backward, _problem, flash_attention
 from .functional import _dtypes
-from .primitives import _parameter_dtype, _sink_gradient, _sink_logits
+from .primitives import _parameter_dtype, _sink_gradient, _sink_logits, _sunk_rows
 
 
 def ring_attention(
@@ -69,10 +69,10 @@ def ring_attention(
     Args:
         q, k, v: as for flash_attention, the whole sequence; cut into P shards along axis -2.
         devices: P, the devices of the ring (simulated); L and S must be multiples of P, of 2P with is_causal.
-        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for flash_attention;
-            q_offset an int.
+        is_causal, scale, q_offset, window, softcap, enable_gqa: as for flash_attention; q_offset an int.
         sinks: one logit per head, broadcasting to (..., H), as for flash_attention: merged in once, after the
             ring, as one more partial result (out 0, lse the sink), never once per device.
+        block_q, block_k: as for flash_attention.
 
     Returns:
         out (..., L, Ev) and lse (..., L), flash_attention's.
@@ -96,16 +96,7 @@ def ring_attention(
                     # 3) merged into what this device's queries have seen so far
                     merged = _merged((out[..., slice(*rows), :], lse[..., slice(*rows)]), (part, part_lse))
                     out[..., slice(*rows), :], lse[..., slice(*rows)] = merged
-    return _sunk(out, lse, sinks)
-
-
-def _sunk(out: np.ndarray, lse: np.ndarray, sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """out (..., L, Ev) and lse (..., L) over every key, merged with the sinks' partial result (out 0, lse the
-    sink): lse' = logaddexp(lse, sink), out' = exp(lse - lse') out, the sink in each row's denominator once."""
-    if sinks is None:
-        return out, lse
-    sink = _sink_logits(sinks, lse.shape[:-1], False, lse.dtype)[..., 0]  # (..., 1)
-    return _merged((out, lse), (np.zeros_like(out), np.broadcast_to(sink, lse.shape)))
+    return _sunk_rows(out, lse, sinks)  # the sink joins each row once, after the ring
 
 
 def ring_attention_vjp(

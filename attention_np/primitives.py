@@ -222,6 +222,17 @@ def _sink_logits(sinks: np.ndarray | None, batch: tuple, grouped: bool, work: np
     return sinks.astype(work, copy=False).reshape(validation.sinks(sinks.shape, batch, grouped))
 
 
+def _sunk_rows(out: np.ndarray, lse: np.ndarray, sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """out (..., L, Ev) and lse (..., L) of a softmax over the keys, with each row's sink joined once, as one more
+    partial result of out 0 and lse the sink: lse' = logaddexp(lse, sink), out' = exp(lse - lse') out (a row that
+    sees no key keeps zeros); both unchanged without sinks. sinks broadcast to (..., H), lse's leading axes."""
+    if sinks is None:
+        return out, lse
+    merged = np.logaddexp(lse, _sink_logits(sinks, lse.shape[:-1], False, lse.dtype)[..., 0])  # (..., L)
+    shift = np.where(merged == -np.inf, 0, merged)  # no key and a sink of -inf: exp(-inf - 0) = 0, never NaN
+    return (np.exp(lse - shift)[..., None] * out).astype(out.dtype, copy=False), merged
+
+
 def _sink_gradient(D: np.ndarray, sink_share: np.ndarray, laid: np.ndarray, shape: tuple) -> np.ndarray:
     """d sink = -sum over the rows of p_sink_i * D_i, D_i = rowsum(dP * P) = dO_i . O_i, p_sink_i the sink's
     share of row i's denominator, exp(sink) / (exp(sink) + sum_j exp(s_ij)): the sink reaches the loss only

@@ -50,7 +50,7 @@ from attention_np.common.records import FlashOptions
 from .flash import _backward, _forward, _heads, _Problem, _problem
 from .functional import _dtypes
 from .gradients import _grad, _leaf, _recording
-from .primitives import _cast, _sink_logits
+from .primitives import _cast, _sunk_rows
 
 KV_TAG, GRAD_TAG, LAYOUT_TAG = 0, 1, 2  # gloo matches messages by (peer, tag): blocks, gradients, layout moves
 # (LAYOUT_TAG + slot: with odd P one rank may send both its chunks to the same rank)
@@ -100,19 +100,8 @@ def ring_attention(
                            softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
     _check_shards(q, k, v, group)
     layout = _layout(dist.get_world_size(group), q.shape[-2], k.shape[-2], bool(is_causal))  # or the ValueError
-    return _sunk(*_Ring.apply(q, k, v, options, layout, group), sinks)
-
-
-def _sunk(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (..., L, Ev) and lse (..., L) over every key, merged with the sinks' partial result (out 0, lse the
-    sink): lse' = logaddexp(lse, sink), out' = exp(lse - lse') out, the sink in each row's denominator once
-    (torch: out of place, so that autograd takes it to _Ring.backward as d_out and d_lse)."""
-    if sinks is None:
-        return out, lse
-    sink = _sink_logits(sinks, lse.shape[:-1], False, lse.dtype, lse.device)[..., 0].expand(lse.shape)  # (..., L)
-    merged = torch.logaddexp(lse, sink)
-    shift = torch.where(merged != -math.inf, merged, 0)  # a row that sees nothing and a sink of -inf: zeros
-    return (torch.exp(lse - shift)[..., None] * out.to(lse.dtype)).to(out.dtype), merged
+    return _sunk_rows(*_Ring.apply(q, k, v, options, layout, group), sinks)  # the sink joins each row once, after
+    # the ring (torch: autograd takes its gradients to _Ring.backward as d_out and d_lse)
 
 
 def ring_attention_vjp(

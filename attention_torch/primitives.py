@@ -156,6 +156,19 @@ def _sunk_softmax(scores: torch.Tensor, visible: torch.Tensor | None, sinks: tor
     return exp / torch.where(total == 0, 1, total)  # a sink of -inf and no key seen: 0 / 1 = 0, never 0 / 0
 
 
+def _sunk_rows(out: torch.Tensor, lse: torch.Tensor,
+               sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (..., L, Ev) and lse (..., L) of a softmax over the keys, with each row's sink joined once, as one more
+    partial result of out 0 and lse the sink: lse' = logaddexp(lse, sink), out' = exp(lse - lse') out (a row that
+    sees no key keeps zeros); both unchanged without sinks. sinks broadcast to (..., H), lse's leading axes.
+    torch: out of place, so that autograd takes its gradients on to out's and lse's."""
+    if sinks is None:
+        return out, lse
+    merged = torch.logaddexp(lse, _sink_logits(sinks, lse.shape[:-1], False, lse.dtype, lse.device)[..., 0])
+    shift = torch.where(merged == -math.inf, 0, merged)  # no key and a sink of -inf: exp(-inf - 0) = 0, never NaN
+    return (torch.exp(lse - shift)[..., None] * out.to(lse.dtype)).to(out.dtype), merged
+
+
 def _sink_logits(sinks: torch.Tensor | None, batch: tuple, grouped: bool, work: torch.dtype,
                  device: torch.device) -> torch.Tensor | None:
     """sinks broadcasting to the scores' leading axes (..., H), checked, in the working dtype and laid out

@@ -5,7 +5,8 @@ scaled_dot_product_attention (both paths), flash_attention (several tiles) and t
 hand-derived case, the float64 oracle (which takes the sink as one more logit of a key of zero value, one query
 at a time) and central differences of the oracle; the rule that a query that sees no key outputs zeros; the
 errors; and MultiHeadAttention(sinks=True) against transformers' GptOssAttention (gpt-oss), with the same
-weights mapped by name, grouped-query heads and RoPE, through the full pass, its gradients and the cache.
+weights mapped by name, grouped-query heads and RoPE, through the full pass, its gradients and the cache;
+ring_attention (the sink joined once, never once per device) and flex_attention with sinks.
 """
 
 from __future__ import annotations
@@ -328,3 +329,32 @@ def test_jax_ring_with_sinks_is_the_oracles_on_two_devices() -> None:
     result = subprocess.run([sys.executable, "-c", JAX_RING], env=env, capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).parent.parent)
     assert result.returncode == 0 and "ok" in result.stdout, f"{result.stdout}\n{result.stderr}"
+
+
+# flex_attention: the sink joins each row once, after the tiles of the block mask
+def test_flex_with_sinks_is_the_oracles(backend: ModuleType) -> None:
+    from attention_np.common import mods
+
+    case = _finite(_case(5))
+    q, k, v = case["q"], case["k"], case["v"]
+    mask_mod, score_mod = mods.causal(), mods.softcap(2.0)
+    out, lse = oracle.log_sum_exp(q, k, v, enable_gqa=True, mask_mod=mask_mod, score_mod=score_mod,
+                                  sinks=case["sinks"])
+    block_mask = backend.create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=(2, 3))
+    arrays = [backend.asarray(x) for x in (q, k, v)]
+    got_out, got_lse = backend.flex_attention(*arrays, score_mod=score_mod, block_mask=block_mask, enable_gqa=True,
+                                              return_lse=True, sinks=backend.asarray(case["sinks"]))
+    assert_close(backend.to_numpy(got_out), out, REORDERED, "out")
+    assert_close(backend.to_numpy(got_lse), lse, REORDERED, "lse")
+    # the gradients: NumPy's flash_attention_vjp with the same mods (held to central differences above, without)
+    import attention_np
+
+    d_out = np.random.default_rng(6).standard_normal(out.shape)
+    *_, pullback = attention_np.flash_attention_vjp(q, k, v, enable_gqa=True, mask_mod=mask_mod, score_mod=score_mod,
+                                                    sinks=case["sinks"], block_q=2, block_k=3)
+    dq, dk, dv, _, d_sinks, _ = pullback(d_out)
+    *_, got_pullback = backend.flex_attention_vjp(*arrays, score_mod=score_mod, block_mask=block_mask,
+                                                  enable_gqa=True, sinks=backend.asarray(case["sinks"]))
+    got = got_pullback(backend.asarray(d_out))
+    for name, grad, expected in zip(("dq", "dk", "dv", "d_sinks"), got[:4], (dq, dk, dv, d_sinks), strict=True):
+        assert_close(backend.to_numpy(grad), expected, REORDERED, name)
