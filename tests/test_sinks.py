@@ -358,3 +358,14 @@ def test_flex_with_sinks_is_the_oracles(backend: ModuleType) -> None:
     got = got_pullback(backend.asarray(d_out))
     for name, grad, expected in zip(("dq", "dk", "dv", "d_sinks"), got[:4], (dq, dk, dv, d_sinks), strict=True):
         assert_close(backend.to_numpy(grad), expected, REORDERED, name)
+
+
+def test_the_oracles_vjp_with_sinks_is_central_differences(reference_gradients: dict[str, np.ndarray]) -> None:
+    from conformance.contract import oracle_gradients
+
+    case = _finite(_case(1))
+    for from_lse in (False, True):
+        grads = oracle_gradients.sdpa_vjp(case["q"], case["k"], case["v"], reference_gradients["d_out"], case["mask"],
+                                          is_causal=True, enable_gqa=True, sinks=case["sinks"], from_lse=from_lse)
+        for name in ("q", "k", "v", "sinks"):
+            assert_close(grads[name], reference_gradients[name], GRADIENT_RTOL, f"d{name}, from_lse={from_lse}")
