@@ -124,11 +124,12 @@ def _vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *
         # 1) through the value product O = P V
         dv = np.swapaxes(p, -1, -2) @ d_o  # (..., S, L) x (..., L, Ev) -> (..., S, Ev)
         d_weights = d_o @ np.swapaxes(v_w, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
-        # 2) through the softmax (and its sink, which takes 1 - rowsum(P) of each row)
-        D = np.sum(d_weights * p, axis=-1, keepdims=True)  # rowsum(dP * P), (..., L, 1)
-        d_scores = p * (d_weights - D)  # (..., L, S)
-        d_sinks = None if sinks is None else _sink_gradient(D, 1 - np.sum(p, axis=-1, keepdims=True), laid,
-                                                            np.shape(sinks)).astype(_parameter_dtype(sinks, work))
+        # 2) through the softmax
+        d_scores = p * (d_weights - np.sum(d_weights * p, axis=-1, keepdims=True))  # (..., L, S)
+        d_sinks = None  # the sink's: it takes 1 - rowsum(P) of each row, D = rowsum(dP * P) (..., L, 1)
+        if sinks is not None:
+            D, share = np.sum(d_weights * p, axis=-1, keepdims=True), 1 - np.sum(p, axis=-1, keepdims=True)
+            d_sinks = _sink_gradient(D, share, laid, np.shape(sinks)).astype(_parameter_dtype(sinks, work))
         # 3) through the bias, S = score_mod(softcap(R)) + bias: dbias = dS
         dbias = None if bias is None else _sum_to(d_scores, np.shape(bias)).astype(np.asarray(bias).dtype)
         # 4) through the score function and the soft-capping, from R = Q K^T * scale, recomputed as forward
