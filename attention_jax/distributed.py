@@ -53,7 +53,7 @@ from attention_np.common.records import FlashOptions
 
 from .flash import _backward_tiles, _pad, _problem, _tiled_inputs, _tiling, flash_attention
 from .functional import _dtypes, _grouped
-from .primitives import _integers, _ranked
+from .primitives import _integers, _ranked, _sunk_rows
 
 
 class _Layout(NamedTuple):
@@ -79,6 +79,7 @@ def ring_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    sinks: jax.Array | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[jax.Array, jax.Array]:
@@ -90,8 +91,11 @@ def ring_attention(
         mesh: the jax.sharding.Mesh; the leading axes (...) may be sharded over its other axes.
         axis: the name of the mesh axis the sequence is sharded over; L and S must be multiples of its size P,
             of 2P with is_causal (the zig-zag layout).
-        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for flash_attention, on
-            global positions; q_offset a Python int.
+        is_causal, scale, q_offset, window, softcap, enable_gqa: as for flash_attention, on global positions;
+            q_offset a Python int.
+        sinks: one logit per head, broadcasting to (..., H), as for flash_attention: merged in once, after the
+            ring, as one more partial result (out 0, lse the sink), never once per device.
+        block_q, block_k: as for flash_attention.
 
     Returns:
         out (..., L, Ev) and lse (..., L), sharded like q: flash_attention's on one device.
@@ -107,7 +111,9 @@ def ring_attention(
     window = None if window is None else tuple(window)
     options = FlashOptions(is_causal=bool(is_causal), scale=scale, q_offset=int(q_offset), window=window,
                            key_lengths=None, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
-    return _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, options)(q, k, v)
+    out, lse = _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, options)(q, k, v)
+    return _sunk_rows(out, lse, sinks)  # the sink joins each row once, after the ring (jax: elementwise on the
+    # global arrays, differentiated by JAX, the ring's own backward taking d_lse)
 
 
 def ring_attention_vjp(
@@ -123,6 +129,7 @@ def ring_attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    sinks: jax.Array | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[jax.Array, jax.Array, Callable]:
@@ -135,20 +142,23 @@ def ring_attention_vjp(
     Args:
         q, k, v: as for ring_attention.
         mesh, axis: as for ring_attention.
-        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for ring_attention.
+        is_causal, scale, q_offset, window, softcap, enable_gqa, sinks, block_q, block_k: as for ring_attention.
 
     Returns:
         out (..., L, Ev), lse (..., L), ring_attention's, and pullback(d_out (..., L, Ev)) -> (dq, dk, dv),
-        flash_attention_vjp's gradients; each has its input's shape and dtype.
+        flash_attention_vjp's gradients, with sinks (dq, dk, dv, d_sinks); each has its input's shape and dtype.
     """
     options = dict(mesh=mesh, axis=axis, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
                    softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
-    (out, lse), pull = jax.vjp(lambda q, k, v: ring_attention(q, k, v, **options), q, k, v)
+    sinks = None if sinks is None else jnp.asarray(sinks)  # jax: differentiated as an argument
+    (out, lse), pull = jax.vjp(lambda q, k, v, sinks: ring_attention(q, k, v, sinks=sinks, **options), q, k, v,
+                               sinks)
     # jax: autodiff of the forward, whose ring is a custom_vjp carrying the backward ring (_ring_backward)
 
-    def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def pullback(d_out: jax.Array) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        return pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its cotangent is 0 here
+        *grads, d_sinks = pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its cotangent is 0
+        return tuple(grads) if sinks is None else (*grads, d_sinks)
 
     return out, lse, pullback
 

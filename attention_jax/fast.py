@@ -22,7 +22,8 @@ key_value_seq_lengths are not used, as the row it leaves with no visible key ave
 gives zeros, and it has no offset for the queries. Grouped-query attention (k and v with one head that
 several query heads share) takes the formulation too, where jnp.matmul broadcasts the shared head: no copy of
 k or v per query head (XLA's temporary memory measured the same as with one head each). A mask_mod or a
-score_mod takes the formulation as well, evaluated on the scores in full as on the explicit path.
+score_mod takes the formulation as well, evaluated on the scores in full as on the explicit path, and so do sinks
+(the cuDNN call has no sink logit).
 """
 
 from __future__ import annotations
@@ -43,12 +44,13 @@ FUSED = "cudnn"  # jax.nn.dot_product_attention's implementation on CUDA ("xla" 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, *,
               bias: jax.Array | None, structure: Structure, scale: float, softcap: float | None,
-              batch: tuple, mods: _Mods | None = None) -> jax.Array:
+              batch: tuple, mods: _Mods | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """softmax(score_mod(softcap(Q K^T * scale)) + bias) V over the visible keys, as
-    scaled_dot_product_attention's out."""
+    scaled_dot_product_attention's out; `sinks` (None: none) laid out against the scores (..., 1, 1), each row's
+    sink logit in its denominator."""
     formulated = functools.partial(_formulated, mask=mask, bias=bias, structure=structure, scale=scale,
-                                   softcap=softcap, batch=batch, mods=mods)
-    if not (mods is None  # mask_mod and score_mod: the formulation's
+                                   softcap=softcap, batch=batch, mods=mods, sinks=sinks)
+    if not (mods is None and sinks is None  # mask_mod, score_mod and sinks: the formulation's
             and _fused_applies(q, k, v, mask=mask, bias=bias, structure=structure, softcap=softcap, batch=batch)
             and _cuda_present()):
         return formulated(q, k, v)
@@ -58,7 +60,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, 
 
 def _formulated(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None, bias: jax.Array | None,
                 structure: Structure, scale: float, softcap: float | None, batch: tuple,
-                mods: _Mods | None) -> jax.Array:
+                mods: _Mods | None, sinks: jax.Array | None) -> jax.Array:
     """The explicit formulation without the weights, in at least float32; out in the inputs' dtype."""
     dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
     q, k, v = (x.astype(work) for x in (q, k, v))
@@ -71,7 +73,7 @@ def _formulated(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | N
     scores, visible = _modded_whole(mods, scores, visible, batch, q.shape[1:-2])  # score_mod, mask_mod (if any)
     if bias is not None:
         scores = scores + _ranked(jnp.asarray(bias, dtype=scores.dtype), scores.ndim)
-    out = _masked_softmax(scores, visible) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
+    out = _masked_softmax(scores, visible, sinks) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out.astype(dtype)
 
 

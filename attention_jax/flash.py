@@ -66,6 +66,7 @@ from .primitives import (
     _ranked,
     _score_modded,
     _score_rule,
+    _sink_logits,
     _sum_to,
     _with_parameters,
 )
@@ -90,12 +91,14 @@ def flash_attention(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: jax.Array | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention(Q, K, V) = softmax(score_mod(softcap(Q K^T * scale)) + bias) V, tile by tile with the online
-    softmax; lse = log sum_j exp(scores_ij) over the visible keys j.
+    softmax; lse = log sum_j exp(scores_ij) over the visible keys j. With sinks, the running maximum starts at the
+    sink and the running denominator at exp(sink - sink) = 1: lse = log(exp(sink) + sum_j exp(scores_ij)).
 
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
@@ -104,6 +107,7 @@ def flash_attention(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
@@ -112,11 +116,12 @@ def flash_attention(
 
     Returns:
         out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
-        are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key.
+        are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key (with sinks, the
+        sink: its out is still zeros).
     """
     return _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k),
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k, sinks=sinks),
         _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
 
 
@@ -136,6 +141,7 @@ def flash_attention_vjp(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: jax.Array | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -157,6 +163,7 @@ def flash_attention_vjp(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q, block_k: as for flash_attention.
@@ -165,26 +172,29 @@ def flash_attention_vjp(
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
         bias is None; each gradient has its input's shape and dtype. With a score_mod, (dq, dk, dv, dbias,
         d_score_mod), d_score_mod a dict {parameter name: gradient} of score_mod.parameters (empty for a plain
-        function).
+        function); with sinks, d_sinks (sinks' shape) follows dbias: (dq, dk, dv, dbias, d_sinks) or
+        (dq, dk, dv, dbias, d_sinks, d_score_mod).
     """
     options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
                            key_lengths=key_lengths, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
                            block_k=block_k)
     _, parameters = _score_rule(score_mod)  # jax: a ScoreMod's parameters, differentiated as arguments
 
-    def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
+    def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None, sinks: jax.Array | None,
                   parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         given = _Given(mask_mod=mask_mod, score_mod=_with_parameters(score_mod, parameters), block_mask=block_mask)
-        return _forward(q, k, v, mask, bias, options, given)
+        return _forward(q, k, v, mask, bias, options._replace(sinks=sinks), given)
 
-    (out, lse), pull = jax.vjp(attention, q, k, v, bias, parameters)
+    sinks = None if sinks is None else jnp.asarray(sinks)  # jax: differentiated as an argument
+    (out, lse), pull = jax.vjp(attention, q, k, v, bias, sinks, parameters)
     # jax: autodiff of the forward, whose tiled core is a custom_vjp carrying the backward pass below
 
     def pullback(d_out: jax.Array) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        *grads, d_parameters = pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its cotangent
-        # is 0 here
-        return tuple(grads) if score_mod is None else (*grads, dict(d_parameters))
+        *grads, d_sinks, d_parameters = pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its
+        # cotangent is 0 here
+        grads = (*grads, d_sinks) if sinks is not None else tuple(grads)
+        return grads if score_mod is None else (*grads, dict(d_parameters))
 
     return out, lse, pullback
 
@@ -246,13 +256,14 @@ class _Problem(NamedTuple):
     offsets: tuple[jax.Array, jax.Array]  # q_offset's least and greatest value, which choose the tiles
     longest: jax.Array | None  # key_lengths' greatest value (None: no key_lengths)
     parameters: dict[str, jax.Array]  # the score function's (a ScoreMod's; none for a plain function)
+    sinks: jax.Array | None  # the sink logits (..., 1, 1) at the scores' rank (None: no sinks)
     visits: tuple[_Visits, _Visits] | None  # the block mask's non-empty tiles: query tiles -> key tiles, and back
 
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
              options: FlashOptions, given: _Given = _NO_MODS) -> tuple[jax.Array, jax.Array]:
     """out and lse in the caller's shapes (heads ungrouped): the checks of scaled_dot_product_attention, the
-    inputs as the tiles read them, then the tiled core. Differentiable in q, k, v, bias and the score
+    inputs as the tiles read them, then the tiled core. Differentiable in q, k, v, bias, the sinks and the score
     function's parameters: the padding, the casts and the reshapes around the core are differentiated by JAX,
     the core by its own backward pass."""
     validation.tiles(options.block_q, options.block_k)
@@ -273,12 +284,15 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     q_offset = _integers(q_offset, "q_offset", batch)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch)
     work = _at_least_float32(dtype)  # float16, bfloat16: in float32
-    if empty is not None:  # L = 0 or S = 0: zeros, and no key seen; the gradients are zeros
+    sinks = _sink_logits(options.sinks, batch, options.enable_gqa, work)  # (..., 1, 1), or None
+    sinks = None if sinks is None else _ranked(sinks, len(batch) + 2)  # jax: no rank promotion
+    if empty is not None:  # L = 0 or S = 0: zeros, and no key seen (lse the sink, if any); zero gradients
         out, lse = empty[0], jnp.full((*batch, L), -jnp.inf, work)
+        lse = lse if sinks is None else jnp.broadcast_to(sinks[..., 0], lse.shape)
     else:
         tiling = _tiling(batch, L, S, scale, options, mods, block_mask)
         arrays = _tiled_inputs(tiling, work, q, k, v, bias, mask, q_offset, key_lengths)
-        out, lse = _tiled_jit(tiling, *arrays, parameters)  # (..., Lp, Ev), (..., Lp)
+        out, lse = _tiled_jit(tiling, *arrays, sinks, parameters)  # (..., Lp, Ev), (..., Lp)
         out, lse = out[..., :L, :], lse[..., :L]  # the padded queries dropped
     if options.enable_gqa:  # (..., Hkv, G, L, *) -> (..., H, L, *)
         out, lse = _ungrouped(out), _ungrouped(lse[..., None])[..., 0]
@@ -354,7 +368,7 @@ def _pad_tiled(x: jax.Array, Lp: int, Sp: int) -> jax.Array:
 
 def _problem(tiling: _Tiling, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
              mask: jax.Array | None, q_offset: jax.Array, key_lengths: jax.Array | None,
-             parameters: dict[str, jax.Array] | None = None) -> _Problem:
+             sinks: jax.Array | None = None, parameters: dict[str, jax.Array] | None = None) -> _Problem:
     """The tiling and the arrays; q_offset's least and greatest and key_lengths' greatest value, which choose
     the tiles, as arrays (jax: they may be traced); the block mask's visits, known before tracing."""
     def extreme(x: jax.Array, reduce: Callable) -> jax.Array:
@@ -367,15 +381,15 @@ def _problem(tiling: _Tiling, q: jax.Array, k: jax.Array, v: jax.Array, bias: ja
                     key_lengths=key_lengths, Lp=q.shape[-2], Sp=k.shape[-2], work=q.dtype,
                     offsets=(extreme(q_offset, jnp.min), extreme(q_offset, jnp.max)),
                     longest=None if key_lengths is None else extreme(key_lengths, jnp.max),
-                    parameters=parameters or {}, visits=visits)
+                    parameters=parameters or {}, sinks=sinks, visits=visits)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _tiled(tiling: _Tiling, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
-           mask: jax.Array | None, q_offset: jax.Array, key_lengths: jax.Array | None,
+           mask: jax.Array | None, q_offset: jax.Array, key_lengths: jax.Array | None, sinks: jax.Array | None,
            parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """out (..., Lp, Ev) and lse (..., Lp) of the padded problem, in the working dtype."""
-    p = _problem(tiling, q, k, v, bias, mask, q_offset, key_lengths, parameters)
+    p = _problem(tiling, q, k, v, bias, mask, q_offset, key_lengths, sinks, parameters)
     return _forward_tiles(p)
 
 
@@ -386,8 +400,8 @@ def _tiled_forward(tiling: _Tiling, *arrays: Any) -> tuple[tuple[jax.Array, jax.
 
 def _tiled_backward(tiling: _Tiling, kept: tuple, cotangents: tuple) -> tuple:
     *arrays, out, lse = kept
-    *grads, d_parameters = _backward_tiles(_problem(tiling, *arrays), out, lse, *cotangents)
-    return (*grads, None, None, None, d_parameters)  # mask, q_offset and key_lengths take no gradient
+    dq, dk, dv, dbias, d_sinks, d_parameters = _backward_tiles(_problem(tiling, *arrays), out, lse, *cotangents)
+    return dq, dk, dv, dbias, None, None, None, d_sinks, d_parameters  # mask, q_offset, key_lengths: no gradient
 
 
 _tiled.defvjp(_tiled_forward, _tiled_backward)
@@ -464,6 +478,9 @@ def _query_tile(p: _Problem, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     q = lax.dynamic_slice_in_dim(p.q, rows, p.block_q, axis=-2) * p.scale  # the scale folded into q: (..., bq, E)
     m = jnp.full((*p.batch, p.block_q, 1), -jnp.inf, p.work)  # running maximum (..., block_q, 1)
     l = jnp.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
+    if p.sinks is not None:  # the sink first: m_0 = sink, l_0 = exp(sink - m_0) = 1 (0 for a sink of -inf)
+        m = jnp.broadcast_to(p.sinks, m.shape)
+        l = jnp.where(m == -jnp.inf, 0.0, 1.0).astype(p.work)  # noqa: E741
     acc = jnp.zeros((*p.batch, p.block_q, p.v.shape[-1]), p.work)  # running output (..., block_q, Ev)
 
     start, stop, at = _across(p, 0, rows, *_key_tiles(p, rows))
@@ -487,7 +504,8 @@ def _query_tile(p: _Problem, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
         return m_new, l, acc
 
     m, l, acc = lax.fori_loop(start, stop, key_tile, (m, l, acc))  # noqa: E741
-    # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
+    # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf (with a sink,
+    # l = 1 and acc = 0: zeros, and lse = sink)
     seen = l != 0
     out = acc / jnp.where(seen, l, 1.0)  # (..., block_q, Ev)
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)  # (..., block_q, 1)
@@ -587,7 +605,7 @@ def _and(visible: jax.Array | None, rule: jax.Array) -> jax.Array:
 
 
 def _backward_tiles(p: _Problem, out: jax.Array, lse: jax.Array, d_out: jax.Array, d_lse: jax.Array) -> tuple:
-    """The pullback of the padded problem, (dq, dk, dv, dbias, d_parameters): the key tiles in turn (lax.scan),
+    """The pullback of the padded problem, (dq, dk, dv, dbias, d_sinks, d_parameters): the key tiles in turn (lax.scan),
     each its dK and dV tiles from the query tiles that may see it, which add their share to dQ (and dbias, and
     the score function's parameters'), carried along; every gradient at its input's shape, summed over the
     axes that input was broadcast along.
@@ -601,6 +619,9 @@ def _backward_tiles(p: _Problem, out: jax.Array, lse: jax.Array, d_out: jax.Arra
     D = jnp.sum(d_out * out, axis=-1) - d_lse  # rowsum(dO * O) = rowsum(dP * P); lse's cotangent adds P d_lse
     D = jnp.where(seen, D, 0.0)[..., None, :]  # (..., 1, Lp): one per query, a row as the tiles are transposed
     lse = jnp.where(seen, lse, jnp.inf)[..., None, :]  # a query that sees nothing: P = exp(-inf) = 0
+    d_sinks = None  # d sink = -sum_i p_i D_i, p_i = exp(sink - lse_i) the sink's share of row i
+    if p.sinks is not None:
+        d_sinks = _sum_to(-jnp.sum(jnp.exp(p.sinks - lse) * D, axis=-1, keepdims=True), p.sinks.shape)
     q_t = jnp.swapaxes(p.q, -1, -2) * p.scale  # (..., E, Lp), the scale folded in
     d_out_t = jnp.swapaxes(d_out, -1, -2)  # (..., Ev, Lp)
 
@@ -655,7 +676,7 @@ def _backward_tiles(p: _Problem, out: jax.Array, lse: jax.Array, d_out: jax.Arra
         key_tile, (jnp.zeros_like(jnp.swapaxes(p.q, -1, -2)), dbias, d_parameters), jnp.arange(nk))
     dk = jnp.moveaxis(dks, 0, -3).reshape(p.k.shape)  # (nk, ..., bk, E) -> (..., Sp, E)
     dv = jnp.moveaxis(dvs, 0, -3).reshape(p.v.shape)  # (nk, ..., bk, Ev) -> (..., Sp, Ev)
-    return jnp.swapaxes(dq_t, -1, -2), dk, dv, dbias, d_parameters
+    return jnp.swapaxes(dq_t, -1, -2), dk, dv, dbias, d_sinks, d_parameters
 
 
 def _add_tile(p: _Problem, dbias: jax.Array, d_scores: jax.Array, rows: jax.Array, cols: jax.Array) -> jax.Array:

@@ -41,7 +41,7 @@ from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 
 from .arrays import to_numpy
 from .functional import _dtypes
-from .primitives import _at_least_float32, _ranked, _score_rule
+from .primitives import _at_least_float32, _ranked, _score_rule, _sunk_rows
 
 NO_MASK_TILE = 128  # the tiles' size without a block mask, at most L and S (every tile full: no mask to evaluate)
 
@@ -55,6 +55,7 @@ def flex_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention(Q, K, V)_bhi = sum_j softmax_j(score_mod(s_bhij, b, h, i, j)) v_bhj, s = (Q K^T) * scale, the
     softmax over the keys j that block_mask's mask_mod shows query i (every key without a block mask);
@@ -75,13 +76,15 @@ def flex_attention(
         enable_gqa: grouped-query attention: query head h uses key/value head h // (H // Hkv); score_mod
             and the mask function see the query head h.
         return_lse: also return lse.
+        sinks: one logit per head, broadcasting to (B, H), as for flash_attention: each row's sink joins its
+            softmax's denominator once, after the tiles (lse includes it; a query that sees no key keeps zeros).
 
     Returns:
         out (B, H, L, Ev) in q's dtype, computed in at least float32; with return_lse, (out, lse (B, H, L)) in
         the dtype the scores are computed in.
     """
     plan, parameters = _plan(q, k, v, score_mod, block_mask, scale, enable_gqa)
-    out, lse = _attend_jit(plan, q, k, v, parameters)
+    out, lse = _sunk_rows(*_attend_jit(plan, q, k, v, parameters), sinks)  # the sink joins each row once
     return (out, lse) if return_lse else out
 
 
@@ -93,6 +96,7 @@ def flex_attention_vjp(
     block_mask: BlockMask | None = None,
     scale: float | None = None,
     enable_gqa: bool = False,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, Callable]:
     """P = exp(R - lse) recomputed tile by tile, R = score_mod(S), S = (Q K^T) * scale;  D = rowsum(dO * O),
     dV += P^T dO,  dP = dO V^T,  dR = P * (dP - D),  (dS, dtheta) = score_mod's vjp at dR,
@@ -105,22 +109,29 @@ def flex_attention_vjp(
     D - d_lse (d lse / dR = P).
 
     Args:
-        q, k, v, score_mod, block_mask, scale, enable_gqa: as for flex_attention.
+        q, k, v, score_mod, block_mask, scale, enable_gqa, sinks: as for flex_attention.
 
     Returns:
         out (B, H, L, Ev), lse (B, H, L) and pullback(d_out (B, H, L, Ev)) -> (dq, dk, dv, d_score_mod), each of
         dq, dk, dv with its input's shape and dtype, and d_score_mod a dict {parameter name: gradient} of the
-        score function's parameters (ScoreMod.parameters; empty without).
+        score function's parameters (ScoreMod.parameters; empty without); with sinks (dq, dk, dv, d_sinks,
+        d_score_mod), d_sinks = -sum_i exp(sink - lse_i) rowsum(dO * O)_i in the sinks' shape.
     """
     plan, parameters = _plan(q, k, v, score_mod, block_mask, scale, enable_gqa)
-    (out, lse), pull = jax.vjp(functools.partial(_attend_jit, plan), q, k, v, parameters)
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, parameters: dict[str, jax.Array],
+               sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        return _sunk_rows(*_attend_jit(plan, q, k, v, parameters), sinks)  # the sink joins each row once
+
+    sinks = None if sinks is None else jnp.asarray(sinks)  # jax: differentiated as an argument
+    (out, lse), pull = jax.vjp(attend, q, k, v, parameters, sinks)
     # jax: autodiff of the forward, whose tiled core is a custom_vjp carrying the backward pass below
 
-    def pullback(d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+    def pullback(d_out: jax.Array) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        dq, dk, dv, d_parameters = pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too; its
-        # cotangent is 0 here
-        return dq, dk, dv, dict(d_parameters)
+        dq, dk, dv, d_parameters, d_sinks = pull((d_out, jnp.zeros_like(lse)))  # jax: lse is an output too;
+        # its cotangent is 0 here
+        return (dq, dk, dv, dict(d_parameters)) if sinks is None else (dq, dk, dv, d_sinks, dict(d_parameters))
 
     return out, lse, pullback
 

@@ -16,7 +16,17 @@ from attention_np.common import validation
 from attention_np.common.records import Structure
 
 from .fast import attention
-from .primitives import _at_least_float32, _integers, _masked_softmax, _modded_whole, _Mods, _mods, _ranked, _visible
+from .primitives import (
+    _at_least_float32,
+    _integers,
+    _masked_softmax,
+    _modded_whole,
+    _Mods,
+    _mods,
+    _ranked,
+    _sink_logits,
+    _visible,
+)
 
 Rng = jax.Array | None
 
@@ -37,6 +47,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: jax.Array | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
@@ -63,21 +74,23 @@ def scaled_dot_product_attention(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H) (per query head with enable_gqa): it joins each
+            softmax's denominator and carries no value, weights_ij = exp(s_ij) / (exp(sinks) + sum_j exp(s_ij)).
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a jax.random key (required while dropout is active).
 
     Returns:
-        out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
-        A query with no visible key gets zeros in both.
+        out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None); with
+        sinks, the keys' probabilities, which sum to less than 1. A query with no visible key gets zeros in both.
     """
     mods = _mods("scaled_dot_product_attention", q, k, v, mask_mod, score_mod)  # None without any
     if enable_gqa:  # grouped-query attention is attention with k and v broadcast over each group of query heads
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
-    out, weights = _attention(q, k, v, mask, bias, structure, mods, scale=scale, softcap=softcap,
-                              dropout_p=dropout_p, need_weights=need_weights, rng=rng)
+    out, weights = _attention(q, k, v, mask, bias, structure, mods, scale=scale, softcap=softcap, sinks=sinks,
+                              grouped=enable_gqa, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
     if enable_gqa:  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
         return _ungrouped(out), _ungrouped(weights)
     return out, weights
@@ -85,18 +98,20 @@ def scaled_dot_product_attention(
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
                structure: Structure, mods: _Mods | None, *, scale: float | None, softcap: float | None,
-               dropout_p: float, need_weights: bool, rng: Rng) -> tuple[jax.Array, jax.Array | None]:
-    """scaled_dot_product_attention on q, k, v as given, or grouped: q (..., Hkv, G, L, E) against k and v
-    (..., Hkv, 1, S, E | Ev); out and weights in that layout."""
+               sinks: jax.Array | None, grouped: bool, dropout_p: float, need_weights: bool,
+               rng: Rng) -> tuple[jax.Array, jax.Array | None]:
+    """scaled_dot_product_attention on q, k, v as given, or grouped (`grouped`): q (..., Hkv, G, L, E) against k
+    and v (..., Hkv, 1, S, E | Ev); out and weights in that layout."""
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights, rng=rng)
+    dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
+    sinks = _sink_logits(sinks, batch, grouped, work)  # (..., 1, 1) against the scores, or None
     if empty is not None:  # L = 0 or S = 0: nothing to attend
         return empty
     q, k, v = (_ranked(x, len(batch) + 2) for x in (q, k, v))  # jax: one rank for all, no rank promotion
-    dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, softcap=softcap,
-                         batch=batch, mods=mods), None
+                         batch=batch, mods=mods, sinks=sinks), None
     q, k, v = (x.astype(work) for x in (q, k, v))
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
 
@@ -111,7 +126,7 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None,
     # 2) softmax over the keys each query may see, then the weighted sum of the values; the scores of q and k
     # are shared by the batch axes only v or the masks carry, the weights and their dropout are not
     scores = jnp.broadcast_to(scores, (*batch, *scores.shape[-2:]))  # (..., L, S): each batch element its own
-    weights = _masked_softmax(scores, visible)  # (..., L, S)
+    weights = _masked_softmax(scores, visible, sinks)  # (..., L, S); with sinks, each row's sink joins the sum
     out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out.astype(dtype), (weights.astype(dtype) if need_weights else None)
 

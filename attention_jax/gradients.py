@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from attention_np.common import validation
 
@@ -40,6 +41,7 @@ def scaled_dot_product_attention_vjp(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
@@ -47,7 +49,8 @@ def scaled_dot_product_attention_vjp(
     take dR in place of dS (dbias is still dS). q_offset, window and key_lengths take no gradient. With
     enable_gqa, k and v are broadcast over each group of query heads, so dK and dV are summed over the group.
     With score_mod, S = score_mod(R') + bias, R' the (soft-capped) scaled scores: dR' = score_mod's vjp at dS,
-    which also gives its parameters' gradients; mask_mod takes no gradient.
+    which also gives its parameters' gradients; mask_mod takes no gradient. With sinks, d sink =
+    -sum_i p_i rowsum(dP * P)_i, p_i the sink's share of row i's denominator.
 
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
@@ -56,28 +59,32 @@ def scaled_dot_product_attention_vjp(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
         dbias None when bias is None; with a score_mod, (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict
-        {parameter name: gradient} of score_mod.parameters (empty for a plain function).
+        {parameter name: gradient} of score_mod.parameters (empty for a plain function); with sinks, d_sinks
+        (sinks' shape) follows dbias: (dq, dk, dv, dbias, d_sinks) or (dq, dk, dv, dbias, d_sinks, d_score_mod).
     """
     _, parameters = _score_rule(score_mod)  # jax: a ScoreMod's parameters, differentiated as arguments
 
-    def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
+    def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None, sinks: jax.Array | None,
                   parameters: dict[str, jax.Array]) -> tuple:
         return scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale,
                                             q_offset=q_offset, window=window, key_lengths=key_lengths,
                                             softcap=softcap, enable_gqa=enable_gqa, mask_mod=mask_mod,
-                                            score_mod=_with_parameters(score_mod, parameters))
+                                            score_mod=_with_parameters(score_mod, parameters), sinks=sinks)
 
-    out, pull, weights = jax.vjp(attention, q, k, v, bias, parameters, has_aux=True)  # jax: autodiff of the
-    # forward
+    sinks = None if sinks is None else jnp.asarray(sinks)  # jax: differentiated as an argument
+    out, pull, weights = jax.vjp(attention, q, k, v, bias, sinks, parameters, has_aux=True)  # jax: autodiff of
+    # the forward
 
     def pullback(d_out: jax.Array) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        *grads, d_parameters = pull(d_out)
-        return tuple(grads) if score_mod is None else (*grads, dict(d_parameters))
+        *grads, d_sinks, d_parameters = pull(d_out)
+        grads = (*grads, d_sinks) if sinks is not None else tuple(grads)
+        return grads if score_mod is None else (*grads, dict(d_parameters))
 
     return out, weights, pullback
 

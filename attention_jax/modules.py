@@ -131,47 +131,57 @@ jax.tree_util.register_pytree_node(StreamingKVCache, _streaming_leaves, _streami
 class MultiHeadAttention(Module):
     """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice; with
     num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads; with
-    attention="linear", the same projections around linear attention in each head."""
+    attention="linear", the same projections around linear attention in each head; with sinks=True, a learned
+    sink logit per head (gpt-oss's `sinks`) in every softmax's denominator."""
 
-    _children = ("w_q", "w_k", "w_v", "w_o")
+    _children = ("sinks", "w_q", "w_k", "w_v", "w_o")  # sinks None without sinks=True; first, as torch's own
+    # parameters come before its sub-modules' in a state dict
     _settings = ("num_heads", "num_kv_heads", "rope_theta", "attention", "dropout", "training")
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
-                 attention: str = "softmax", rng: Rng = None, dtype: Any = None) -> None:
+                 attention: str = "softmax", sinks: bool = False, rng: Rng = None, dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights; num_kv_heads Hkv, dividing num_heads
         (None: num_heads), sizes w_k and w_v (Hkv * d_k, D); bias=False drops the four projections' biases;
         rope_theta (None: off) turns each head's queries and keys by their positions (apply_rope, half
         rotation, base rope_theta); attention "softmax" (scaled dot-product attention) or "linear"
-        (linear_attention with its defaults: no mask, no weights, so dropout must be 0);
-        rng and dtype (float32 by default) for the initial parameters, drawn as nn.Linear draws them."""
+        (linear_attention with its defaults: no mask, no weights, so dropout must be 0); sinks=True adds the
+        parameter `sinks` (H,), one sink logit per query head (scaled_dot_product_attention's sinks), initialised
+        to zeros (softmax attention only); rng and dtype (float32 by default) for the initial parameters, drawn
+        as nn.Linear draws them."""
         validation.module_sizes(d_model, num_heads)
         num_kv_heads = validation.kv_heads(num_heads, num_kv_heads)
         rope_theta = validation.rope_theta(rope_theta, d_model, num_heads)
         validation.probability("dropout", dropout)
         validation.attention(attention, dropout)
+        validation.attention_sinks(attention, sinks)
         rngs, dtype = _rngs(_fresh(rng), 4), jnp.float32 if dtype is None else dtype
         shapes = validation.mha_state_shapes(d_model, num_heads, num_kv_heads)
         projections = {name: Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
-                       for name, rng in zip(self._children, rngs, strict=True)}
-        self._init(**projections, num_heads=num_heads, num_kv_heads=num_kv_heads, rope_theta=rope_theta,
-                   attention=attention, dropout=dropout, training=True)
+                       for name, rng in zip(validation.PROJECTIONS, rngs, strict=True)}
+        self._init(**projections, sinks=jnp.zeros(num_heads, dtype) if sinks else None, num_heads=num_heads,
+                   num_kv_heads=num_kv_heads, rope_theta=rope_theta, attention=attention, dropout=dropout,
+                   training=True)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
                         rope_theta: float | None = None, attention: str = "softmax") -> MultiHeadAttention:
-        """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
+        """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode; with
+        sinks=True's parameters where the state holds `sinks` (H,)."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
+        layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads, bias and sinks, from the shapes
         rope_theta = validation.rope_theta(rope_theta, layout.d_model, num_heads)
         validation.probability("dropout", dropout)
         validation.attention(attention, dropout)
+        validation.attention_sinks(attention, layout.sinks)
         validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout._asdict()))
         validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
-        projections = {name: Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in cls._children}
-        return cls._build(**projections, num_heads=num_heads, num_kv_heads=layout.num_kv_heads,
-                          rope_theta=rope_theta, attention=attention, dropout=dropout, training=True)
+        projections = {name: Linear(state[f"{name}.weight"], state.get(f"{name}.bias"))
+                       for name in validation.PROJECTIONS}
+        return cls._build(**projections, sinks=state.get("sinks"), num_heads=num_heads,
+                          num_kv_heads=layout.num_kv_heads, rope_theta=rope_theta, attention=attention,
+                          dropout=dropout, training=True)
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, *,
                  need_weights: bool = True, rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
@@ -195,7 +205,8 @@ class MultiHeadAttention(Module):
                 before bias; needs four axes as mask_mod.
 
         Returns:
-            out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None).
+            out (..., L, D) and weights (..., H, L, S) per head, before dropout (or None); with sinks, the keys'
+            probabilities, which sum to less than 1.
         """
         self._check_inputs(q, k, v, mask, mask_mod, score_mod)
 
@@ -214,7 +225,7 @@ class MultiHeadAttention(Module):
             out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
                                                         need_weights=need_weights, rng=rng,
                                                         enable_gqa=self.grouped, mask_mod=mask_mod,
-                                                        score_mod=score_mod)  # (..., H, L, d_k)
+                                                        score_mod=score_mod, sinks=self.sinks)  # (..., H, L, d_k)
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
@@ -341,7 +352,7 @@ class MultiHeadAttention(Module):
         validation.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
         out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start,
                                                     enable_gqa=self.grouped, mask_mod=mask_mod,
-                                                    score_mod=score_mod, dropout_p=dropout_p,
+                                                    score_mod=score_mod, sinks=self.sinks, dropout_p=dropout_p,
                                                     need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
         # jax: under jit a full cache cannot raise (the length is traced): its output is NaN, never a silent
         # result from keys written where they do not belong
@@ -371,8 +382,9 @@ class MultiHeadAttention(Module):
         validation.dropout_rng(dropout_p, rng, type(self).__name__)  # jax: no global RNG to fall back on
         out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start[..., None],
                                                     key_lengths=end[..., None], enable_gqa=self.grouped,
-                                                    mask_mod=mask_mod, score_mod=score_mod, dropout_p=dropout_p,
-                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+                                                    mask_mod=mask_mod, score_mod=score_mod, sinks=self.sinks,
+                                                    dropout_p=dropout_p, need_weights=need_weights,
+                                                    rng=rng)  # (..., H, L, d_k)
         # jax: under jit a full cache cannot raise: that sequence's output is NaN, as extend's
         own = kept[..., None, :, None]  # (..., 1, L, 1): padding rows get zeros
         out = jnp.where((end > capacity)[..., None, None, None], jnp.nan, jnp.where(own, out, 0))
@@ -502,7 +514,8 @@ class MultiHeadAttention(Module):
         m_t = max(m_{t-1}, rowmax(S_t)), l_t = e^(m_{t-1} - m_t) l_{t-1} + rowsum(e^(S_t - m_t)),
         O_t = e^(m_{t-1} - m_t) O_{t-1} + e^(S_t - m_t) V_t;  out = O / l (0 where no key is seen). jax: a
         lax.scan over the table's tiles, every one (a tile no sequence reaches adds nothing); a tile past the
-        table's last block reads no page, so every tile has one shape."""
+        table's last block reads no page, so every tile has one shape. With sinks, m_0 = sink and l_0 = 1: the sink
+        joins each denominator and lse."""
         q = q.astype(_at_least_float32(q.dtype))
 
         def step(carry: tuple, tile: jax.Array) -> tuple[tuple, None]:
@@ -518,6 +531,9 @@ class MultiHeadAttention(Module):
             return (m_new, total, acc), None
 
         start = (jnp.full(q.shape[:-1], -jnp.inf, q.dtype), jnp.zeros(q.shape[:-1], q.dtype), jnp.zeros_like(q))
+        if self.sinks is not None:  # the sink first: m_0 = sink, l_0 = exp(sink - m_0) = 1
+            sinks = jnp.broadcast_to(self.sinks.astype(q.dtype)[:, None], q.shape[:-1])  # (H,) -> (B, H, L)
+            start = (sinks, jnp.ones(q.shape[:-1], q.dtype), start[2])
         M, page = cache.block_table.shape[1], cache.k.shape[-2]
         tiles = jnp.arange(pages.tiles(M * page, page), dtype=positions.dtype)  # jax: every tile of the table
         (m, total, acc), _ = jax.lax.scan(step, start, tiles)
@@ -668,19 +684,20 @@ class TransformerBlock(Module):
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layer",
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
-                 eps: float = 1e-5, rng: Rng = None, dtype: Any = None) -> None:
+                 sinks: bool = False, eps: float = 1e-5, rng: Rng = None, dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
         activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
-        the feed-forward network; rope_theta for attention (None: no rotary embeddings); eps inside the norm's
-        square root; rng and dtype (float32 by default) for the initial parameters."""
+        the feed-forward network; rope_theta for attention (None: no rotary embeddings); sinks for attention
+        (MultiHeadAttention's: attn.sinks (H,), zeros at first); eps inside the norm's square root;
+        rng and dtype (float32 by default) for the initial parameters."""
         validation.module_sizes(d_model, num_heads, d_ff)
         validation.probability("dropout", dropout)
         validation.activation(activation)
         validation.norm(norm)
         rngs, dtype = _rngs(_fresh(rng), 4 if activation == "swiglu" else 3), jnp.float32 if dtype is None else dtype
         attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
-                                  rope_theta=rope_theta, rng=rngs[0], dtype=dtype)
+                                  rope_theta=rope_theta, sinks=sinks, rng=rngs[0], dtype=dtype)
         norm1, norm2 = (_NORMS[norm].initialized(d_model, eps, dtype) for _ in range(2))
         self._init(attn=attn, norm1=norm1, norm2=norm2,
                    ffn=_feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype),

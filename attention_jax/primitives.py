@@ -224,12 +224,17 @@ def _both(visible: jax.Array | None, rule: jax.Array) -> jax.Array:
     return rule if visible is None else visible & rule
 
 
-def _masked_softmax(scores: jax.Array, visible: jax.Array | None) -> jax.Array:
+def _masked_softmax(scores: jax.Array, visible: jax.Array | None, sinks: jax.Array | None = None) -> jax.Array:
     """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
 
     weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
-    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
+    Subtracting m_i changes nothing mathematically and keeps exp from overflowing. With sinks (..., 1, 1)
+    (_sink_logits), each row's sink logit joins the denominator and carries no value:
+    weights_ij = exp(s_ij - m_i) / (exp(sink - m_i) + sum_j' exp(s_ij' - m_i)), m_i = max(sink, max_j s_ij);
+    the weights then sum to less than 1, and a row with none visible is still all zeros (0 / exp(0)).
     """
+    if sinks is not None:
+        return _sunk_softmax(scores, visible, sinks)
     if visible is None:  # every key visible: the plain softmax
         row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf))
         exp = jnp.exp(scores - row_max)  # (..., L, S)
@@ -241,6 +246,40 @@ def _masked_softmax(scores: jax.Array, visible: jax.Array | None) -> jax.Array:
     exp = jnp.exp(scores - row_max)  # (..., L, S)
     total = jnp.sum(exp, axis=-1, keepdims=True)  # (..., L, 1)
     return exp / jnp.where(total == 0.0, 1.0, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
+
+
+def _sunk_softmax(scores: jax.Array, visible: jax.Array | None, sinks: jax.Array) -> jax.Array:
+    """_masked_softmax with each row's sink logit in its denominator (and in the shift m_i)."""
+    if visible is not None:
+        scores = jnp.where(visible, scores, -jnp.inf)  # hidden entries become exp(-inf) = 0 below
+    sinks = _ranked(sinks, scores.ndim)  # jax: no rank promotion
+    row_max = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf), sinks)  # (..., L, 1)
+    row_max = jax.lax.stop_gradient(jnp.where(row_max == -jnp.inf, 0.0, row_max))  # jax: the shift cancels;
+    # no key seen and a sink of -inf: any finite shift
+    exp = jnp.exp(scores - row_max)  # (..., L, S)
+    total = jnp.sum(exp, axis=-1, keepdims=True) + jnp.exp(sinks - row_max)  # (..., L, 1): the sink's share too
+    return exp / jnp.where(total == 0.0, 1.0, total)  # a sink of -inf and no key seen: 0 / 1 = 0, never 0 / 0
+
+
+def _sunk_rows(out: jax.Array, lse: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """out (..., L, Ev) and lse (..., L) of a softmax over the keys, with each row's sink joined once, as one more
+    partial result of out 0 and lse the sink: lse' = logaddexp(lse, sink), out' = exp(lse - lse') out (a row that
+    sees no key keeps zeros); both unchanged without sinks. sinks broadcast to (..., H), lse's leading axes."""
+    if sinks is None:
+        return out, lse
+    sink = _ranked(_sink_logits(sinks, lse.shape[:-1], False, lse.dtype)[..., 0], lse.ndim)  # jax: no rank promotion
+    merged = jnp.logaddexp(lse, sink)  # (..., L)
+    shift = jnp.where(merged == -jnp.inf, 0.0, merged)  # no key and a sink of -inf: exp(-inf - 0) = 0, never NaN
+    return (jnp.exp(lse - shift)[..., None] * out.astype(lse.dtype)).astype(out.dtype), merged
+
+
+def _sink_logits(sinks: jax.Array | None, batch: tuple, grouped: bool, work: Any) -> jax.Array | None:
+    """sinks broadcasting to the scores' leading axes (..., H), checked, in the working dtype and laid out
+    against the scores (..., L, S): (..., 1, 1), grouped (..., Hkv, G, 1, 1) with enable_gqa; None without."""
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    return sinks.astype(work).reshape(validation.sinks(sinks.shape, batch, grouped))
 
 
 def _sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:

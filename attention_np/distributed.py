@@ -44,6 +44,7 @@ from attention_np.common.records import FlashOptions
 
 from .flash import _backward, _problem, flash_attention
 from .functional import _dtypes
+from .primitives import _parameter_dtype, _sink_gradient, _sink_logits, _sunk_rows
 
 
 def ring_attention(
@@ -58,6 +59,7 @@ def ring_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    sinks: np.ndarray | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -67,8 +69,10 @@ def ring_attention(
     Args:
         q, k, v: as for flash_attention, the whole sequence; cut into P shards along axis -2.
         devices: P, the devices of the ring (simulated); L and S must be multiples of P, of 2P with is_causal.
-        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for flash_attention;
-            q_offset an int.
+        is_causal, scale, q_offset, window, softcap, enable_gqa: as for flash_attention; q_offset an int.
+        sinks: one logit per head, broadcasting to (..., H), as for flash_attention: merged in once, after the
+            ring, as one more partial result (out 0, lse the sink), never once per device.
+        block_q, block_k: as for flash_attention.
 
     Returns:
         out (..., L, Ev) and lse (..., L), flash_attention's.
@@ -92,7 +96,7 @@ def ring_attention(
                     # 3) merged into what this device's queries have seen so far
                     merged = _merged((out[..., slice(*rows), :], lse[..., slice(*rows)]), (part, part_lse))
                     out[..., slice(*rows), :], lse[..., slice(*rows)] = merged
-    return out, lse
+    return _sunk_rows(out, lse, sinks)  # the sink joins each row once, after the ring
 
 
 def ring_attention_vjp(
@@ -107,6 +111,7 @@ def ring_attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    sinks: np.ndarray | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
@@ -119,21 +124,29 @@ def ring_attention_vjp(
     Args:
         q, k, v: as for ring_attention.
         devices: as for ring_attention.
-        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for ring_attention.
+        is_causal, scale, q_offset, window, softcap, enable_gqa, sinks, block_q, block_k: as for ring_attention.
 
     Returns:
         out (..., L, Ev), lse (..., L), ring_attention's, and pullback(d_out (..., L, Ev)) -> (dq, dk, dv),
-        flash_attention_vjp's gradients; each has its input's shape and dtype.
+        flash_attention_vjp's gradients, with sinks (dq, dk, dv, d_sinks); each has its input's shape and dtype.
+        With sinks the global lse holds the sink, so the ring's P = exp(S - lse) are the final weights, and
+        d sink = -sum_i exp(sink - lse_i) D_i over every row, once.
     """
     out, lse = ring_attention(q, k, v, devices=devices, is_causal=is_causal, scale=scale, q_offset=q_offset,
-                              window=window, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
+                              window=window, softcap=softcap, enable_gqa=enable_gqa, sinks=sinks, block_q=block_q,
                               block_k=block_k)  # global, and the checks
     options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=None,
                            softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        return _ring_backward((q, k, v), (out, lse, d_out), devices, options)
+        grads = _ring_backward((q, k, v), (out, lse, d_out), devices, options)
+        if sinks is None:
+            return grads
+        laid = _sink_logits(sinks, lse.shape[:-1], False, lse.dtype)  # (..., 1, 1)
+        D = np.sum(d_out.astype(lse.dtype) * out.astype(lse.dtype), axis=-1, keepdims=True)  # (..., L, 1)
+        share = np.exp(laid - np.where(lse == -np.inf, np.inf, lse)[..., None])  # (..., L, 1); 0 where lse -inf
+        return (*grads, _sink_gradient(D, share, laid, np.shape(sinks)).astype(_parameter_dtype(sinks, lse.dtype)))
 
     return out, lse, pullback
 
@@ -173,7 +186,7 @@ def _pair_gradients(inputs: tuple, outputs: tuple, rows: slice, cols: slice,
     # grouped as the problem groups the heads with enable_gqa (H -> Hkv, G), as flash._forward keeps them
     p = p._replace(out=out[..., rows, :].astype(p.work, copy=False).reshape(*p.batch, L, out.shape[-1]),
                    lse=lse[..., rows].astype(p.work, copy=False).reshape(*p.batch, L))  # (..., L, Ev), (..., L)
-    dq, dk, dv, _ = _backward(p, d_out[..., rows, :], (p.q, p.k, p.v, None))  # p's dtypes: the working one
+    dq, dk, dv, _ = _backward(p, d_out[..., rows, :], (p.q, p.k, p.v, None, None))  # p's dtypes: the working one
     return dq, dk, dv
 
 

@@ -24,9 +24,10 @@ from .primitives import _modded, _Mods, _visible
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *,
               bias: np.ndarray | None, structure: Structure, scale: float, softcap: float | None,
-              batch: tuple, mods: _Mods | None = None) -> np.ndarray:
+              batch: tuple, mods: _Mods | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
     """softmax(score_mod(softcap(Q K^T * scale)) + bias) V over the visible keys, as scaled_dot_product_attention's
-    out; `mods` (None: none) with their index arrays laid out as the scores (functional._mods)."""
+    out; `mods` (None: none) with their index arrays laid out as the scores (functional._mods); `sinks` (None:
+    none) laid out against the scores (..., 1, 1), each row's sink logit in its denominator."""
     dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16: sums, softmax in float32
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
@@ -37,19 +38,23 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | No
         np.multiply(scores, softcap, out=scores)
     if mods is not None:  # score_mod after softcap, before the bias; mask_mod and -inf scores hide keys
         scores, visible = _modded(mods, scores, visible, mods.tile(), mods.mask_mod, (*batch, *scores.shape[-2:]))
-    scores = _broadcast(scores, bias, visible)  # the mask and the bias may carry leading axes that only v has
+    scores = _broadcast(scores, bias, visible, sinks)  # mask, bias and sinks may carry axes only v has
     if bias is not None:
         scores += np.asarray(bias, dtype=scores.dtype)
     if visible is not None:
         np.copyto(scores, -np.inf, where=~visible)  # hidden: exp(-inf) = 0
     row_max = np.max(scores, axis=-1, keepdims=True, initial=-np.inf)  # (..., L, 1)
-    if visible is not None:
-        row_max[row_max == -np.inf] = 0  # a fully masked row: any finite shift will do
+    if sinks is not None:  # the shift is the greater of the row's maximum and its sink
+        row_max = np.maximum(row_max, sinks)
+    if visible is not None or sinks is not None:
+        row_max[row_max == -np.inf] = 0  # a fully masked row (and no finite sink): any finite shift will do
     np.subtract(scores, row_max, out=scores)
     np.exp(scores, out=scores)  # (..., L, S), unnormalised weights
     total = np.sum(scores, axis=-1, keepdims=True)  # (..., L, 1)
+    if sinks is not None:  # the sink's share of the denominator; it carries no value
+        total += np.exp(sinks - row_max)
     out = _grouped_matmul(scores, v)  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
-    out /= total if visible is None else np.where(total == 0, 1, total)  # normalise after the value product
+    out /= total if visible is None and sinks is None else np.where(total == 0, 1, total)  # after the product
     return out.astype(dtype, copy=False)
 
 

@@ -56,6 +56,8 @@ from .primitives import (
     _Mods,
     _parameter_dtype,
     _score_mod_vjp,
+    _sink_gradient,
+    _sink_logits,
     _sum_to,
 )
 
@@ -80,12 +82,14 @@ def flash_attention(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: np.ndarray | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Attention(Q, K, V) = softmax(score_mod(softcap(Q K^T * scale)) + bias) V, tile by tile with the online
-    softmax; lse = log sum_j exp(scores_ij) over the visible keys j.
+    softmax; lse = log sum_j exp(scores_ij) over the visible keys j. With sinks, the running maximum starts at the
+    sink and the running denominator at exp(sink - sink) = 1: lse = log(exp(sink) + sum_j exp(scores_ij)).
 
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
@@ -94,6 +98,7 @@ def flash_attention(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
@@ -102,11 +107,12 @@ def flash_attention(
 
     Returns:
         out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
-        are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key.
+        are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key (with sinks, the
+        sink: its out is still zeros).
     """
     out, lse, _ = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k),
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k, sinks=sinks),
         _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
     return out, lse
 
@@ -127,6 +133,7 @@ def flash_attention_vjp(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: np.ndarray | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -135,7 +142,8 @@ def flash_attention_vjp(
     dS = P * (dP - D),  dQ += dS K * scale,  dK += dS^T Q * scale,  dbias = dS (with softcap, dQ and dK take
     dR = dS * (1 - tanh^2(R / c)) in place of dS, as in scaled_dot_product_attention_vjp; with score_mod, its
     vjp comes first, (dC, dtheta) = score_mod.vjp(dS, C), C the scores it received, dC = 0 where P = 0, and
-    dtheta, its parameters' gradients, is summed over the tiles).
+    dtheta, its parameters' gradients, is summed over the tiles). With sinks, lse holds the sink, so P is the
+    keys' share of a denominator with the sink in it, and d sink = -sum_i exp(sink - lse_i) D_i.
 
     D replaces scaled_dot_product_attention_vjp's rowsum(dP * P), which needs a whole row of P: since
     O = P V, rowsum(dP * P) = sum_j (dO . v_j) P_ij = dO . O, one number per query from (..., L, Ev) arrays.
@@ -148,6 +156,7 @@ def flash_attention_vjp(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q, block_k: as for flash_attention.
@@ -155,17 +164,19 @@ def flash_attention_vjp(
     Returns:
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
         bias is None; with a score_mod (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict {parameter name:
-        gradient} of score_mod.parameters (empty without); each gradient has its input's shape and dtype.
+        gradient} of score_mod.parameters (empty without); with sinks, d_sinks (sinks' shape) follows dbias:
+        (dq, dk, dv, dbias, d_sinks) or (dq, dk, dv, dbias, d_sinks, d_score_mod); each gradient has its input's
+        shape and dtype.
     """
     _check_derivative("flash_attention_vjp", score_mod)  # numpy: the backward is derived by hand
     out, lse, problem = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k),
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k, sinks=sinks),
         _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
 
     def pullback(d_out: np.ndarray) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        return _backward(problem, d_out, (q, k, v, bias))  # with a score_mod, its parameters' gradients too
+        return _backward(problem, d_out, (q, k, v, bias, sinks))  # score_mod's parameters' gradients too
 
     return out, lse, pullback
 
@@ -209,6 +220,7 @@ class _Problem(NamedTuple):
     lse: np.ndarray | None = None
     mods: _Mods | None = None  # mask_mod (the block mask's with one) and score_mod, indices laid out as the scores
     kinds: np.ndarray | None = None  # a block mask's tiles (rows, columns): EMPTY, PARTIAL or FULL over the batch
+    sinks: np.ndarray | None = None  # the sink logits laid out against the scores (..., 1, 1) (None: no sinks)
 
 
 def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
@@ -226,7 +238,8 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
             options = options._replace(block_q=tiles[0], block_k=tiles[1])
             mask_mod, kinds = block_mask.mask_mod, block_mask.batch_kinds()
     validation.tiles(options.block_q, options.block_k)
-    shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else np.shape(bias)}
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else np.shape(bias),
+              "sinks": None if options.sinks is None else np.shape(options.sinks)}
     q_offset, key_lengths = options.q_offset, options.key_lengths
     if options.enable_gqa:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
@@ -239,6 +252,7 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     _check_masks(mask, bias, shape)
     block_q, block_k = validation.default_tiles(options.block_q, options.block_k, batch, L, S, TILE_SCORES)
     work = np.promote_types(q.dtype, np.float32)  # float16, bfloat16: in float32
+    sinks = _sink_logits(options.sinks, batch, options.enable_gqa, work)  # (..., 1, 1), or None
     q_offset = _integers(q_offset, "q_offset", batch)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch)
     return _Problem(
@@ -253,7 +267,7 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
         lengths=None if key_lengths is None or key_lengths.size == 0 else
         (int(key_lengths.min()), int(key_lengths.max())),
         mods=None if B is None else _Mods.of(mask_mod, score_mod, B, q.shape[1:-2], L, S),  # heads (H,) | (Hkv, G)
-        kinds=kinds)
+        kinds=kinds, sinks=sinks)
 
 
 def _check_masks(mask: np.ndarray | None, bias: np.ndarray | None, shape: tuple) -> None:
@@ -304,7 +318,9 @@ def _forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     backward pass."""
     p = _problem(q, k, v, mask, bias, options, given)
     p = p._replace(out=np.zeros((*p.batch, p.L, p.v.shape[-1]), p.work),  # (..., L, Ev)
-                   lse=np.full((*p.batch, p.L), -np.inf, p.work))  # (..., L)
+                   lse=np.full((*p.batch, p.L), -np.inf, p.work))  # (..., L); with sinks, each query's sink:
+    if p.sinks is not None:  # lse = log(exp(sink) + 0) where no key is seen (S = 0)
+        p.lse[...] = p.sinks[..., 0]
 
     def query_tile(rows: slice) -> None:
         p.out[..., rows, :], p.lse[..., rows] = _query_tile(p, rows)
@@ -328,6 +344,9 @@ def _query_tile(p: _Problem, rows: slice) -> tuple[np.ndarray, np.ndarray]:
     q = p.q[..., rows, :] * p.scale  # the scale folded into q: (..., block_q, E)
     m = np.full((*p.batch, rows.stop - rows.start, 1), -np.inf, p.work)  # running maximum (..., block_q, 1)
     l = np.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
+    if p.sinks is not None:  # the sink first: m_0 = sink, l_0 = exp(sink - m_0) = 1 (0 for a sink of -inf)
+        m[...] = p.sinks
+        l[m != -np.inf] = 1
     acc = np.zeros((*p.batch, rows.stop - rows.start, p.v.shape[-1]), p.work)  # running output (..., block_q, Ev)
     for cols in _trimmed(p, rows, _key_tiles(p, rows)):
         scores, visible, _, _ = _scores(p, q, rows, cols)  # (..., block_q, block_k), -inf where hidden
@@ -340,7 +359,8 @@ def _query_tile(p: _Problem, rows: slice) -> tuple[np.ndarray, np.ndarray]:
         l = l * rescale + np.sum(weights, axis=-1, keepdims=True)  # noqa: E741
         acc = acc * rescale + weights @ p.v[..., cols, :]  # (..., block_q, block_k) x (..., block_k, Ev)
         m = m_new
-    # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
+    # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf (with a sink,
+    # l = 1 and acc = 0: zeros, and lse = sink)
     seen = l != 0
     out = acc / np.where(seen, l, 1)  # (..., block_q, Ev)
     with np.errstate(divide="ignore"):
@@ -437,9 +457,9 @@ def _backward(p: _Problem, d_out: np.ndarray, inputs: tuple) -> tuple:
     worker its own dQ, summed at the end. dbias has the bias's (grouped) shape, each tile's dS summed down to
     it as it is made, so a broadcast bias costs no (..., L, S) buffer; the workers share it where their key
     tiles write apart, and each has its own where the bias broadcasts along S (all write its one column).
-    Returns (dq, dk, dv, dbias), and with a score_mod its parameters' gradients {name: gradient} too, each
-    worker's own summed at the end."""
-    q_in, k_in, v_in, bias_in = inputs
+    Returns (dq, dk, dv, dbias), with sinks d_sinks after dbias, and with a score_mod its parameters' gradients
+    {name: gradient} too, each worker's own summed at the end."""
+    q_in, k_in, v_in, bias_in, sinks_in = inputs
     d_out = d_out.astype(p.work, copy=False).reshape(p.out.shape)  # grouped like out (..., L, Ev)
     dq = np.zeros((*p.batch, p.L, p.q.shape[-1]), p.work)  # (..., L, E)
     dk = np.zeros((*p.batch, p.S, p.k.shape[-1]), p.work)  # (..., S, E)
@@ -472,11 +492,15 @@ def _backward(p: _Problem, d_out: np.ndarray, inputs: tuple) -> tuple:
              for d, shape, name, x in zip((dq, dk, dv), grouped, "qkv", (q_in, k_in, v_in), strict=True)]
     if dbias is not None:
         dbias = dbias.reshape(p.shapes["bias"]).astype(np.asarray(bias_in).dtype, copy=False)
+    tail = (dbias,)  # with sinks, d sink = -sum_i p_i D_i, p_i = exp(sink - lse_i) the sink's share of row i
+    if p.sinks is not None:
+        d_sinks = _sink_gradient(D, np.exp(p.sinks - lse), p.sinks, p.shapes["sinks"])
+        tail = (dbias, d_sinks.astype(_parameter_dtype(sinks_in, p.work), copy=False))
     if p.mods is None or p.mods.score_mod is None:
-        return (*grads, dbias)
+        return (*grads, *tail)
     d_theta = {name: sum((d[name] for d in d_thetas[1:]), d_thetas[0][name]).astype(
         _parameter_dtype(value, p.work), copy=False) for name, value in parameters.items()}
-    return (*grads, dbias, d_theta)
+    return (*grads, *tail, d_theta)
 
 
 def _key_tile(p: _Problem, cols: slice, query_tiles: list[slice], d_out: np.ndarray, D: np.ndarray,

@@ -55,7 +55,7 @@ from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from .arrays import to_numpy
 from .flash import _in_threads
 from .functional import _dtypes
-from .primitives import _check_derivative, _parameter_dtype
+from .primitives import _check_derivative, _parameter_dtype, _sink_gradient, _sink_logits, _sunk_rows
 
 NO_MASK_TILE = 128  # block_mask None: tiles of 128 x 128, every one full (torch's default BLOCK_SIZE)
 RUN_SCORES = 1 << 20  # scores over the batch (4 MiB of float32) of a run of key tiles computed as one product
@@ -70,6 +70,7 @@ def flex_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Attention(Q, K, V)_bhi = sum_j softmax_j(score_mod(s_bhij, b, h, i, j)) v_bhj, s = (Q K^T) * scale, the
     softmax over the keys j that block_mask's mask_mod shows query i (every key without a block mask);
@@ -90,13 +91,15 @@ def flex_attention(
         enable_gqa: grouped-query attention: query head h uses key/value head h // (H // Hkv); score_mod
             and the mask function see the query head h.
         return_lse: also return lse.
+        sinks: one logit per head, broadcasting to (B, H), as for flash_attention: each row's sink joins its
+            softmax's denominator once, after the tiles (lse includes it; a query that sees no key keeps zeros).
 
     Returns:
         out (B, H, L, Ev) in q's dtype, computed in at least float32; with return_lse, (out, lse (B, H, L)) in
         the dtype the scores are computed in.
     """
     p = _problem(q, k, v, score_mod, block_mask, scale, enable_gqa)
-    out, lse = _forward(p)
+    out, lse = _sunk_rows(*_forward(p), sinks)  # the sink joins each row once, after the tiles
     out = out.astype(q.dtype, copy=False)
     return (out, lse) if return_lse else out
 
@@ -109,6 +112,7 @@ def flex_attention_vjp(
     block_mask: BlockMask | None = None,
     scale: float | None = None,
     enable_gqa: bool = False,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
     """P = exp(R - lse) recomputed tile by tile, R = score_mod(S), S = (Q K^T) * scale;  D = rowsum(dO * O),
     dV += P^T dO,  dP = dO V^T,  dR = P * (dP - D),  (dS, dtheta) = score_mod's vjp at dR,
@@ -119,21 +123,30 @@ def flex_attention_vjp(
     attention_np.common.mods does); a plain function has none, and a ValueError says so.
 
     Args:
-        q, k, v, score_mod, block_mask, scale, enable_gqa: as for flex_attention.
+        q, k, v, score_mod, block_mask, scale, enable_gqa, sinks: as for flex_attention.
 
     Returns:
         out (B, H, L, Ev), lse (B, H, L) and pullback(d_out (B, H, L, Ev)) -> (dq, dk, dv, d_score_mod), each of
         dq, dk, dv with its input's shape and dtype, and d_score_mod a dict {parameter name: gradient} of the
-        score function's parameters (ScoreMod.parameters; empty without).
+        score function's parameters (ScoreMod.parameters; empty without); with sinks (dq, dk, dv, d_sinks,
+        d_score_mod), d_sinks = -sum_i exp(sink - lse_i) rowsum(dO * O)_i in the sinks' shape.
     """
     _check_derivative("flex_attention_vjp", score_mod)
     p = _problem(q, k, v, score_mod, block_mask, scale, enable_gqa)
-    out, lse = _forward(p)  # out in the working dtype, which D = rowsum(dO * O) reads
+    out, lse = _sunk_rows(*_forward(p), sinks)  # out in the working dtype, which D = rowsum(dO * O) reads; with
+    # sinks, lse holds the sink, so P = exp(R - lse) are the final weights
     returned = out.astype(q.dtype, copy=False)
 
-    def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    def pullback(d_out: np.ndarray) -> tuple:
         validation.cotangent("d_out", d_out.shape, returned.shape, _dtypes(d_out=d_out, out=returned))
-        return _backward(p, out, lse, d_out.astype(p.work, copy=False), (q, k, v))
+        dq, dk, dv, d_theta = _backward(p, out, lse, d_out.astype(p.work, copy=False), (q, k, v))
+        if sinks is None:
+            return dq, dk, dv, d_theta
+        laid = _sink_logits(sinks, lse.shape[:-1], False, lse.dtype)  # (B | 1, H | 1, 1, 1)
+        D = np.sum(d_out.astype(p.work) * out, axis=-1, keepdims=True)  # rowsum(dO * O), (B, H, L, 1)
+        share = np.exp(laid - np.where(lse == -np.inf, np.inf, lse)[..., None])  # (B, H, L, 1); 0 where lse -inf
+        d_sinks = _sink_gradient(D, share, laid, np.shape(sinks)).astype(_parameter_dtype(sinks, p.work))
+        return dq, dk, dv, d_sinks, d_theta
 
     return returned, lse, pullback
 

@@ -16,7 +16,7 @@ from attention_np.common.mods import from_keywords
 from attention_np.common.records import Structure
 
 from .fast import attention
-from .primitives import _integers, _masked_softmax, _modded, _Mods, _visible
+from .primitives import _integers, _masked_softmax, _modded, _Mods, _sink_logits, _visible
 
 Rng = np.random.Generator | int | None
 
@@ -37,6 +37,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: np.ndarray | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
@@ -63,13 +64,15 @@ def scaled_dot_product_attention(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H) (per query head with enable_gqa): it joins each
+            softmax's denominator and carries no value, weights_ij = exp(s_ij) / (exp(sinks) + sum_j exp(s_ij)).
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a NumPy Generator or an int seed (None: fresh randomness).
 
     Returns:
-        out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
-        A query with no visible key gets zeros in both.
+        out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None); with
+        sinks, the keys' probabilities, which sum to less than 1. A query with no visible key gets zeros in both.
     """
     mods = _mods("scaled_dot_product_attention", q, k, v, mask_mod, score_mod, enable_gqa)  # None: no mods
     if enable_gqa:  # grouped-query attention is attention with k and v broadcast over each group of query heads
@@ -77,7 +80,8 @@ def scaled_dot_product_attention(
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
     out, weights = _attention(q, k, v, mask, bias, structure, scale=scale, softcap=softcap, mods=mods,
-                              dropout_p=dropout_p, need_weights=need_weights, rng=rng)
+                              sinks=sinks, grouped=enable_gqa, dropout_p=dropout_p, need_weights=need_weights,
+                              rng=rng)
     if enable_gqa:
         return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
     return out, weights
@@ -85,17 +89,19 @@ def scaled_dot_product_attention(
 
 def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
                structure: Structure, *, scale: float | None, softcap: float | None, mods: _Mods | None,
-               dropout_p: float, need_weights: bool, rng: Rng) -> tuple[np.ndarray, np.ndarray | None]:
-    """scaled_dot_product_attention once the heads are grouped (enable_gqa: q (..., Hkv, G, L, E), k and v
-    (..., Hkv, 1, S, *)) and the mods' index arrays laid out as those scores."""
+               sinks: np.ndarray | None, grouped: bool, dropout_p: float, need_weights: bool,
+               rng: Rng) -> tuple[np.ndarray, np.ndarray | None]:
+    """scaled_dot_product_attention once the heads are grouped (`grouped`, enable_gqa: q (..., Hkv, G, L, E), k
+    and v (..., Hkv, 1, S, *)) and the mods' index arrays laid out as those scores."""
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights)
+    dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
+    sinks = _sink_logits(sinks, batch, grouped, work)  # (..., 1, 1) against the scores, or None
     if empty is not None:  # L = 0 or S = 0: nothing to attend
         return empty
-    dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)
         return attention(q, k, v, mask, bias=bias, structure=structure, scale=scale, softcap=softcap,
-                         batch=batch, mods=mods), None
+                         batch=batch, mods=mods, sinks=sinks), None
     q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
     visible = _visible(mask, bias, structure, (*batch, q.shape[-2], k.shape[-2]))  # None: every key
 
@@ -112,7 +118,7 @@ def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     # 2) softmax over the keys each query may see, then the weighted sum of the values; the scores of q and k
     # are shared by the batch axes only v or the masks carry, the weights and their dropout are not
     scores = np.broadcast_to(scores, (*batch, *scores.shape[-2:]))  # (..., L, S): each batch element its own
-    weights = _masked_softmax(scores, visible)  # (..., L, S)
+    weights = _masked_softmax(scores, visible, sinks)  # (..., L, S); with sinks, each row's sink joins the sum
     out = _dropout(weights, dropout_p, rng) @ v  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out.astype(dtype, copy=False), (weights.astype(dtype, copy=False) if need_weights else None)
 

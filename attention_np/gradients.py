@@ -24,7 +24,18 @@ from attention_np.common.records import Structure
 
 from .functional import _attention, _dtypes, _grouped, _mods, _ungrouped, apply_rope
 from .linear import linear_attention_vjp
-from .primitives import _activation, _check_derivative, _erf, _Mods, _parameter_dtype, _score_mod_vjp, _sigmoid, _sum_to
+from .primitives import (
+    _activation,
+    _check_derivative,
+    _erf,
+    _Mods,
+    _parameter_dtype,
+    _score_mod_vjp,
+    _sigmoid,
+    _sink_gradient,
+    _sink_logits,
+    _sum_to,
+)
 
 Grads = dict[str, np.ndarray]
 
@@ -45,6 +56,7 @@ def scaled_dot_product_attention_vjp(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
@@ -52,7 +64,9 @@ def scaled_dot_product_attention_vjp(
     take dR in place of dS (dbias is still dS). With score_mod, S = score_mod(C) + bias, C = softcap(R) (R
     without softcap): (dC, dtheta) = score_mod.vjp(dS, C, b, h, q_idx, kv_idx), its hand-derived derivative
     (mods.ScoreMod), dC = 0 where P = 0, then softcap's derivative as above; dtheta the gradients of its
-    parameters.
+    parameters. With sinks, P_ij = exp(S_ij) / (exp(sink) + sum_j' exp(S_ij')): dS keeps its form, and
+    d sink = -sum_i p_i rowsum(dP * P)_i, p_i = exp(sink) / (exp(sink) + sum_j exp(S_ij)) = 1 - rowsum(P)_i the
+    sink's share of row i, summed over the rows (and the axes the sinks broadcast along).
 
     The softmax step: P_ij = exp(S_ij) / sum_j' exp(S_ij'), so dP_ij/dS_ij' = P_ij (delta_jj' - P_ij'), and
     dS_ij' = sum_j dP_ij P_ij (delta_jj' - P_ij') = P_ij' (dP_ij' - sum_j dP_ij P_ij). A hidden key has
@@ -69,15 +83,18 @@ def scaled_dot_product_attention_vjp(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
         dbias None when bias is None; with a score_mod (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict
-        {parameter name: gradient} of score_mod.parameters (empty without).
+        {parameter name: gradient} of score_mod.parameters (empty without); with sinks, d_sinks (sinks' shape)
+        follows dbias: (dq, dk, dv, dbias, d_sinks) or (dq, dk, dv, dbias, d_sinks, d_score_mod).
     """
     _check_derivative("scaled_dot_product_attention_vjp", score_mod)  # numpy: the backward is derived by hand
     mods = _mods("scaled_dot_product_attention_vjp", q, k, v, mask_mod, score_mod, enable_gqa)  # None: no mods
-    options = {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap, "mods": mods}
+    options = {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap, "mods": mods,
+               "sinks": sinks}
     if enable_gqa:  # the grouped call's pullback (k, v broadcast over each group), its gradients reshaped back
         return _grouped_vjp(q, k, v, mask, bias=bias, q_offset=q_offset, key_lengths=key_lengths, **options)
     return _vjp(q, k, v, mask, bias=bias, q_offset=q_offset, key_lengths=key_lengths, **options)
@@ -85,15 +102,17 @@ def scaled_dot_product_attention_vjp(
 
 def _vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *, bias: np.ndarray | None,
          is_causal: bool, scale: float | None, q_offset: int | np.ndarray, window: tuple | None,
-         key_lengths: np.ndarray | None, softcap: float | None,
-         mods: _Mods | None) -> tuple[np.ndarray, np.ndarray, Callable]:
-    """scaled_dot_product_attention_vjp once the heads are grouped (enable_gqa) and the mods' index arrays laid
-    out as those scores."""
+         key_lengths: np.ndarray | None, softcap: float | None, mods: _Mods | None, sinks: np.ndarray | None,
+         grouped: bool = False) -> tuple[np.ndarray, np.ndarray, Callable]:
+    """scaled_dot_product_attention_vjp once the heads are grouped (`grouped`, enable_gqa) and the mods' index
+    arrays laid out as those scores."""
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
     out, weights = _attention(q, k, v, mask, bias, structure, scale=scale, softcap=softcap, mods=mods,
-                              dropout_p=0.0, need_weights=True, rng=None)
+                              sinks=sinks, grouped=grouped, dropout_p=0.0, need_weights=True, rng=None)
     scale = validation.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
+    laid = None if sinks is None else _sink_logits(sinks, validation.attention_batch(q.shape, k.shape, v.shape),
+                                                   grouped, np.promote_types(q.dtype, np.float32))
     score_mod = None if mods is None else mods.score_mod
 
     def pullback(d_out: np.ndarray) -> tuple:
@@ -107,6 +126,10 @@ def _vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *
         d_weights = d_o @ np.swapaxes(v_w, -1, -2)  # (..., L, Ev) x (..., Ev, S) -> (..., L, S)
         # 2) through the softmax
         d_scores = p * (d_weights - np.sum(d_weights * p, axis=-1, keepdims=True))  # (..., L, S)
+        d_sinks = None  # the sink's: it takes 1 - rowsum(P) of each row, D = rowsum(dP * P) (..., L, 1)
+        if sinks is not None:
+            D, share = np.sum(d_weights * p, axis=-1, keepdims=True), 1 - np.sum(p, axis=-1, keepdims=True)
+            d_sinks = _sink_gradient(D, share, laid, np.shape(sinks)).astype(_parameter_dtype(sinks, work))
         # 3) through the bias, S = score_mod(softcap(R)) + bias: dbias = dS
         dbias = None if bias is None else _sum_to(d_scores, np.shape(bias)).astype(np.asarray(bias).dtype)
         # 4) through the score function and the soft-capping, from R = Q K^T * scale, recomputed as forward
@@ -124,7 +147,7 @@ def _vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *
         dq = d_scores @ k_w * scale  # (..., L, S) x (..., S, E) -> (..., L, E)
         dk = np.swapaxes(d_scores, -1, -2) @ q_w * scale  # (..., S, L) x (..., L, E) -> (..., S, E)
         grads = tuple(_sum_to(d, x.shape).astype(x.dtype, copy=False) for d, x in ((dq, q), (dk, k), (dv, v)))
-        grads = (*grads, dbias)
+        grads = (*grads, dbias) if sinks is None else (*grads, dbias, d_sinks)
         return grads if score_mod is None else (*grads, d_theta)
 
     return out, weights, pullback
@@ -141,7 +164,7 @@ def _grouped_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray |
     G = q_g.shape[-3]
     k_h, v_h = (np.broadcast_to(x, (*x.shape[:-3], G, *x.shape[-2:])) for x in (k_g, v_g))  # views: no copy
     out_g, weights_g, pull = _vjp(q_g, k_h, v_h, mask_g, bias=bias_g, q_offset=q_offset, key_lengths=key_lengths,
-                                  **options)
+                                  grouped=True, **options)
     out = _ungrouped(out_g)  # (..., Hkv, G, L, Ev) -> (..., H, L, Ev)
 
     def pullback(d_out: np.ndarray) -> tuple:
@@ -161,7 +184,8 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     reverse: the output projection, the heads' merge (its adjoint is the split), attention per head, the
     input projections. Splitting and merging heads only move entries, so their adjoints are each other.
     With Hkv < H key/value heads, attention runs with enable_gqa, whose backward pass sums the gradients of
-    each key/value head over the query heads of its group. With rope_theta, the queries and keys are turned
+    each key/value head over the query heads of its group. With sinks, attention takes mha.sinks, and its
+    gradient d_sinks is the parameter's, "sinks". With rope_theta, the queries and keys are turned
     after the split, and their gradients turned back before the projections' adjoints. With attention="linear"
     the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp). mask_mod and score_mod go to
     attention on the heads (B, H, L, d_k), as in MultiHeadAttention.__call__.
@@ -182,20 +206,21 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
         heads, weights, pull_attention = _linear_heads_vjp(mha, q_h, k_h, v_h)  # (..., H, L, d_k)
     else:
         heads, weights, pull_attention = scaled_dot_product_attention_vjp(
-            q_h, k_h, v_h, mask, enable_gqa=mha.grouped, mask_mod=mask_mod,
-            score_mod=score_mod)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
+            q_h, k_h, v_h, mask, enable_gqa=mha.grouped, mask_mod=mask_mod, score_mod=score_mod,
+            sinks=mha.sinks)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
         d_merged, grads_o = pull_o(d_out)  # (..., L, D)
         dq_h, dk_h, dv_h, _, *d_theta = pull_attention(mha._split_heads(d_merged, H))  # (..., H | Hkv, L | S, d_k)
+        d_sinks = {} if mha.sinks is None else {"sinks": d_theta.pop(0)}  # the sinks' gradient follows dbias
         dq_h, dk_h = _rope_vjp(mha, dq_h), _rope_vjp(mha, dk_h)  # RoPE turned back
         (dq, grads_q), (dk, grads_k), (dv, grads_v) = (
             pull(mha._merge_heads(d)) for pull, d in ((pull_q, dq_h), (pull_k, dk_h), (pull_v, dv_h)))
         grads = _prefixed("w_q", grads_q) | _prefixed("w_k", grads_k) | _prefixed("w_v", grads_v)
         grads |= _prefixed("score_mod", d_theta[0]) if d_theta else {}  # the score function's parameters
-        return dq, dk, dv, grads | _prefixed("w_o", grads_o)
+        return dq, dk, dv, grads | _prefixed("w_o", grads_o) | d_sinks
 
     return out, weights, pullback
 

@@ -180,12 +180,17 @@ def _both(visible: np.ndarray | None, rule: np.ndarray) -> np.ndarray:
     return rule if visible is None else visible & rule
 
 
-def _masked_softmax(scores: np.ndarray, visible: np.ndarray | None) -> np.ndarray:
+def _masked_softmax(scores: np.ndarray, visible: np.ndarray | None, sinks: np.ndarray | None = None) -> np.ndarray:
     """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
 
     weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
-    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
+    Subtracting m_i changes nothing mathematically and keeps exp from overflowing. With sinks (..., 1, 1)
+    (_sink_logits), each row's sink logit joins the denominator and carries no value:
+    weights_ij = exp(s_ij - m_i) / (exp(sink - m_i) + sum_j' exp(s_ij' - m_i)), m_i = max(sink, max_j s_ij);
+    the weights then sum to less than 1, and a row with none visible is still all zeros (0 / exp(0)).
     """
+    if sinks is not None:
+        return _sunk_softmax(scores, visible, sinks)
     if visible is None:  # every key visible: the plain softmax
         exp = np.exp(scores - np.max(scores, axis=-1, keepdims=True, initial=-np.inf))  # (..., L, S)
         return exp / np.sum(exp, axis=-1, keepdims=True)
@@ -195,6 +200,46 @@ def _masked_softmax(scores: np.ndarray, visible: np.ndarray | None) -> np.ndarra
     exp = np.exp(scores - row_max)  # (..., L, S)
     total = np.sum(exp, axis=-1, keepdims=True)  # (..., L, 1)
     return exp / np.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
+
+
+def _sunk_softmax(scores: np.ndarray, visible: np.ndarray | None, sinks: np.ndarray) -> np.ndarray:
+    """_masked_softmax with each row's sink logit in its denominator (and in the shift m_i)."""
+    if visible is not None:
+        scores = np.where(visible, scores, -np.inf)  # hidden entries become exp(-inf) = 0 below
+    row_max = np.maximum(np.max(scores, axis=-1, keepdims=True, initial=-np.inf), sinks)  # (..., L, 1)
+    row_max = np.where(row_max == -np.inf, 0, row_max)  # no key seen and a sink of -inf: any finite shift
+    exp = np.exp(scores - row_max)  # (..., L, S)
+    total = np.sum(exp, axis=-1, keepdims=True) + np.exp(sinks - row_max)  # (..., L, 1): the sink's share too
+    return exp / np.where(total == 0, 1, total)  # a sink of -inf and no key seen: 0 / 1 = 0, never 0 / 0
+
+
+def _sink_logits(sinks: np.ndarray | None, batch: tuple, grouped: bool, work: np.dtype) -> np.ndarray | None:
+    """sinks broadcasting to the scores' leading axes (..., H), checked, in the working dtype and laid out
+    against the scores (..., L, S): (..., 1, 1), grouped (..., Hkv, G, 1, 1) with enable_gqa; None without."""
+    if sinks is None:
+        return None
+    sinks = np.asarray(sinks)
+    return sinks.astype(work, copy=False).reshape(validation.sinks(sinks.shape, batch, grouped))
+
+
+def _sunk_rows(out: np.ndarray, lse: np.ndarray, sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """out (..., L, Ev) and lse (..., L) of a softmax over the keys, with each row's sink joined once, as one more
+    partial result of out 0 and lse the sink: lse' = logaddexp(lse, sink), out' = exp(lse - lse') out (a row that
+    sees no key keeps zeros); both unchanged without sinks. sinks broadcast to (..., H), lse's leading axes."""
+    if sinks is None:
+        return out, lse
+    merged = np.logaddexp(lse, _sink_logits(sinks, lse.shape[:-1], False, lse.dtype)[..., 0])  # (..., L)
+    shift = np.where(merged == -np.inf, 0, merged)  # no key and a sink of -inf: exp(-inf - 0) = 0, never NaN
+    return (np.exp(lse - shift)[..., None] * out).astype(out.dtype, copy=False), merged
+
+
+def _sink_gradient(D: np.ndarray, sink_share: np.ndarray, laid: np.ndarray, shape: tuple) -> np.ndarray:
+    """d sink = -sum over the rows of p_sink_i * D_i, D_i = rowsum(dP * P) = dO_i . O_i, p_sink_i the sink's
+    share of row i's denominator, exp(sink) / (exp(sink) + sum_j exp(s_ij)): the sink reaches the loss only
+    through the denominator, dP_ij / d sink = -P_ij p_sink_i. D and sink_share (..., L, 1); the sum over the
+    rows and over the axes the sinks `laid` (_sink_logits) were broadcast along, in the sinks' own `shape`."""
+    d_sinks = -np.sum(sink_share * D, axis=(-2, -1))  # (..., L, 1) -> (...)
+    return _sum_to(d_sinks, laid.shape[:-2]).reshape(shape)
 
 
 def _sum_to(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -50,7 +50,7 @@ from attention_np.common.records import FlashOptions
 from .flash import _backward, _forward, _heads, _Problem, _problem
 from .functional import _dtypes
 from .gradients import _grad, _leaf, _recording
-from .primitives import _cast
+from .primitives import _cast, _sunk_rows
 
 KV_TAG, GRAD_TAG, LAYOUT_TAG = 0, 1, 2  # gloo matches messages by (peer, tag): blocks, gradients, layout moves
 # (LAYOUT_TAG + slot: with odd P one rank may send both its chunks to the same rank)
@@ -68,6 +68,7 @@ def ring_attention(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +81,9 @@ def ring_attention(
         v: this rank's values (..., S/P, Ev).
         group: the process group of the P ranks (None: the default group).
         is_causal, scale, q_offset, window, softcap, enable_gqa: as for flash_attention, in global positions.
+        sinks: one logit per head, broadcasting to (..., H), the same on every rank, as for flash_attention:
+            merged in once, after the ring, as one more partial result (out 0, lse the sink), never once per
+            rank; autograd gives each rank its own rows' share of its gradient.
         block_q, block_k: the tiles of the kernel on each rank.
 
     Returns:
@@ -96,7 +100,8 @@ def ring_attention(
                            softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
     _check_shards(q, k, v, group)
     layout = _layout(dist.get_world_size(group), q.shape[-2], k.shape[-2], bool(is_causal))  # or the ValueError
-    return _Ring.apply(q, k, v, options, layout, group)
+    return _sunk_rows(*_Ring.apply(q, k, v, options, layout, group), sinks)  # the sink joins each row once, after
+    # the ring (torch: autograd takes its gradients to _Ring.backward as d_out and d_lse)
 
 
 def ring_attention_vjp(
@@ -111,6 +116,7 @@ def ring_attention_vjp(
     window: tuple[int | None, int | None] | None = None,
     softcap: float | None = None,
     enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
@@ -123,25 +129,29 @@ def ring_attention_vjp(
     Args:
         q, k, v: as for ring_attention, this rank's contiguous shards.
         group: as for ring_attention.
-        is_causal, scale, q_offset, window, softcap, enable_gqa, block_q, block_k: as for ring_attention.
+        is_causal, scale, q_offset, window, softcap, enable_gqa, sinks, block_q, block_k: as for ring_attention.
 
     Returns:
         out (..., L/P, Ev), lse (..., L/P), ring_attention's, and pullback(d_out (..., L/P, Ev)) -> (dq, dk, dv),
         the gradients of this rank's shards (flash_attention_vjp's rows); each has its input's shape and dtype.
+        With sinks (dq, dk, dv, d_sinks), d_sinks the whole sequence's, its ranks' shares summed (all_reduce).
         Every rank of the group calls the pullback: the backward ring passes blocks between them.
     """
     # torch: autograd records the call (also inside torch.no_grad() and torch.inference_mode(), as
     # flash_attention_vjp does), and the pullback runs _Ring.backward, the backward ring
     with _recording():
         inputs = [_leaf(x) for x in (q, k, v)]
+        sunk = [] if sinks is None else [_leaf(torch.as_tensor(sinks, device=q.device))]  # torch: a leaf too
         out, lse = ring_attention(*inputs, group=group, is_causal=is_causal, scale=scale, q_offset=q_offset,
-                                  window=window, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
-                                  block_k=block_k)
+                                  window=window, softcap=softcap, enable_gqa=enable_gqa,
+                                  sinks=sunk[0] if sunk else None, block_q=block_q, block_k=block_k)
 
-    def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pullback(d_out: torch.Tensor) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        dq, dk, dv = _grad(out, inputs, d_out)
-        return dq, dk, dv
+        dq, dk, dv, *d_sinks = _grad(out, [*inputs, *sunk], d_out)
+        for share in d_sinks:  # this rank's rows' share; every rank holds the same sinks: the sum over the ranks
+            dist.all_reduce(share, group=group)
+        return dq, dk, dv, *d_sinks
 
     return out.detach(), lse.detach(), pullback
 
@@ -317,7 +327,7 @@ def _block_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     in q's, k's and v's shapes and the working dtype."""
     p = _problem(q, k, v, None, None, step)
     p = p._replace(out=out, lse=lse)  # grouped like the problem (..., rows, *)
-    dq, dk, dv, _, _ = _backward(p, d_out, d_lse, (p.q, p.k, p.v, None), need_bias=False,
+    dq, dk, dv, *_ = _backward(p, d_out, d_lse, (p.q, p.k, p.v, None), need_bias=False,
                                  need_parameters=False)  # in the working dtype
     return dq, dk, dv
 

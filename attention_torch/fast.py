@@ -9,7 +9,8 @@ where a key is hidden; without mask, bias, offset, window and key lengths its ow
 aligned, as ours) keeps the fused kernels available where the scale is above 0 (at 0 or below it returned
 NaN rows). q_offset, window and key_lengths become part of the one boolean mask, as does a mask_mod
 (scaled_dot_product_attention evaluates it once into the mask), and so does is_causal at a scale of 0 or below; softcap
-and a score_mod keep the explicit path (the kernel cannot change the raw scores). A fully masked row is set to
+and a score_mod keep the explicit path (the kernel cannot change the raw scores), as do sinks (it has no sink
+logit). A fully masked row is set to
 zeros explicitly, so the rule holds on every kernel and device.
 scaled_dot_product_attention sends inputs with a NaN or inf in q or k to the explicit path instead (see
 there). Where k and v hold one head for several query heads (grouped-query attention's groups,

@@ -62,6 +62,7 @@ from .primitives import (
     _positions,
     _replaced,
     _score_mod_scores,
+    _sink_logits,
 )
 
 TILE_SCORES = 1 << 20  # scores in a tile over the batch (4 MiB of float32) where block_q, block_k are None: each
@@ -84,12 +85,14 @@ def flash_attention(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention(Q, K, V) = softmax(softcap(Q K^T * scale) + bias) V, tile by tile with the online softmax;
-    lse = log sum_j exp(scores_ij) over the visible keys j.
+    lse = log sum_j exp(scores_ij) over the visible keys j. With sinks, the running maximum starts at the sink and
+    the running denominator at exp(sink - sink) = 1: lse = log(exp(sink) + sum_j exp(scores_ij)).
 
     Args:
         q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa: as for
@@ -98,6 +101,7 @@ def flash_attention(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
@@ -106,16 +110,18 @@ def flash_attention(
 
     Returns:
         out (..., L, Ev), equal to scaled_dot_product_attention's, and lse (..., L) in the dtype the scores
-        are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key.
+        are computed in (float32 for float16 and bfloat16 inputs): -inf where a query sees no key (with sinks, the
+        sink: its out is still zeros).
     """
     options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
                            key_lengths=key_lengths, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
                            block_k=block_k)
     mods = None if mask_mod is None and score_mod is None and block_mask is None else _Mods(
         mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask, names=tuple(_named_parameters(score_mod)))
-    # torch: under autograd, the gradients of q, k, v, bias and the score function's parameters come from
-    # _Flash.backward, the tiled pass
-    return _Flash.apply(q, k, v, mask, None if bias is None else torch.as_tensor(bias), options, mods,
+    # torch: under autograd, the gradients of q, k, v, bias, the sinks and the score function's parameters come
+    # from _Flash.backward, the tiled pass
+    return _Flash.apply(q, k, v, mask, None if bias is None else torch.as_tensor(bias),
+                        None if sinks is None else torch.as_tensor(sinks, device=q.device), options, mods,
                         *_parameters(score_mod, q))
 
 
@@ -135,6 +141,7 @@ def flash_attention_vjp(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -143,7 +150,8 @@ def flash_attention_vjp(
     dS = P * (dP - D),  dQ += dS K * scale,  dK += dS^T Q * scale,  dbias = dS (with softcap, dQ and dK take
     dR = dS * (1 - tanh^2(R / c)) in place of dS, as in scaled_dot_product_attention_vjp; with score_mod, dR
     is the vjp of softcap and score_mod at dS, torch's autograd's on each tile, with the score function's
-    parameters' gradients summed over the tiles).
+    parameters' gradients summed over the tiles). With sinks, lse holds the sink, so P is the keys' share of a
+    denominator with the sink in it, and d sink = -sum_i exp(sink - lse_i) D_i.
 
     D replaces scaled_dot_product_attention_vjp's rowsum(dP * P), which needs a whole row of P: since
     O = P V, rowsum(dP * P) = sum_j (dO . v_j) P_ij = dO . O, one number per query from (..., L, Ev) arrays.
@@ -156,6 +164,7 @@ def flash_attention_vjp(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q, block_k: as for flash_attention.
@@ -163,58 +172,64 @@ def flash_attention_vjp(
     Returns:
         out (..., L, Ev), lse (..., L) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias), dbias None when
         bias is None; with a score_mod (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict {parameter name:
-        gradient} of score_mod.parameters (empty without); each gradient has its input's shape and dtype.
+        gradient} of score_mod.parameters (empty without); with sinks, d_sinks (sinks' shape) follows dbias:
+        (dq, dk, dv, dbias, d_sinks) or (dq, dk, dv, dbias, d_sinks, d_score_mod); each gradient has its input's
+        shape and dtype.
     """
     # torch: autograd records the call (also inside torch.no_grad() and torch.inference_mode(), as
     # gradients.scaled_dot_product_attention_vjp does), and the pullback runs _Flash.backward
     names = list(_named_parameters(score_mod))
     with _recording():
         inputs = [_leaf(x) for x in (q, k, v, bias) if x is not None]
+        sunk = [] if sinks is None else [_leaf(torch.as_tensor(sinks, device=q.device))]  # torch: a leaf too
         parameters = [_leaf(x) for x in _parameters(score_mod, q)]  # torch: leaves that ScoreMod.replace holds
         if isinstance(mask, torch.Tensor) and mask.is_inference():  # torch: autograd cannot save an inference
             mask = mask.clone()  # tensor (made in torch.inference_mode()) for the backward pass; a copy it can
         out, lse = flash_attention(*inputs[:3], mask, bias=None if bias is None else inputs[3], is_causal=is_causal,
                                    scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
                                    softcap=softcap, enable_gqa=enable_gqa, mask_mod=mask_mod,
-                                   score_mod=_replaced(score_mod, names, parameters), block_mask=block_mask,
-                                   block_q=block_q, block_k=block_k)
+                                   score_mod=_replaced(score_mod, names, parameters), sinks=sunk[0] if sunk else None,
+                                   block_mask=block_mask, block_q=block_q, block_k=block_k)
 
     def pullback(d_out: torch.Tensor) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        grads = _grad(out, [*inputs, *parameters], d_out)
-        (dq, dk, dv, *dbias), d_parameters = grads[:len(inputs)], grads[len(inputs):]
-        if score_mod is None:
-            return dq, dk, dv, dbias[0] if dbias else None
-        return dq, dk, dv, dbias[0] if dbias else None, dict(zip(names, d_parameters, strict=True))
+        grads = _grad(out, [*inputs, *sunk, *parameters], d_out)
+        (dq, dk, dv, *dbias), d_sinks = grads[:len(inputs)], grads[len(inputs):len(inputs) + len(sunk)]
+        d_parameters = grads[len(inputs) + len(sunk):]
+        found = (dq, dk, dv, dbias[0] if dbias else None, *d_sinks)
+        return found if score_mod is None else (*found, dict(zip(names, d_parameters, strict=True)))
 
     return out.detach(), lse.detach(), pullback
 
 
 class _Flash(torch.autograd.Function):
     """torch: the forward and backward passes as one autograd operation, so that autograd keeps what the
-    tiled backward reads (q, k, v, mask, bias, out, lse and the score function's parameters) and never the
+    tiled backward reads (q, k, v, mask, bias, sinks, out, lse and the score function's parameters) and never the
     tiles' weights."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None, bias: torch.Tensor | None, options: FlashOptions, mods: _Mods | None,
+                mask: torch.Tensor | None, bias: torch.Tensor | None, sinks: torch.Tensor | None,
+                options: FlashOptions, mods: _Mods | None,
                 *parameters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse, p = _forward(q, k, v, mask, bias, options, mods, parameters)
+        out, lse, p = _forward(q, k, v, mask, bias, options._replace(sinks=sinks), mods, parameters)
         ctx.options, ctx.mods = options, mods
         # out in the working dtype (float32 for half precision), for D = rowsum(dO * O)
-        ctx.save_for_backward(q, k, v, mask, bias, p.out, lse, *parameters)
+        ctx.save_for_backward(q, k, v, mask, bias, sinks, p.out, lse, *parameters)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: torch.autograd.function.FunctionCtx, d_out: torch.Tensor, d_lse: torch.Tensor) -> tuple:
-        q, k, v, mask, bias, out, lse, *parameters = ctx.saved_tensors
+        q, k, v, mask, bias, sinks, out, lse, *parameters = ctx.saved_tensors
         # the same checked inputs again, from the saved tensors
-        p = _problem(q, k, v, mask, bias, ctx.options, ctx.mods, parameters)
+        p = _problem(q, k, v, mask, bias, ctx.options._replace(sinks=sinks), ctx.mods, parameters)
         p = p._replace(out=out, lse=lse.reshape(*p.batch, p.L))  # grouped like the problem (..., L, *)
-        dq, dk, dv, dbias, d_parameters = _backward(p, d_out, d_lse, (q, k, v, bias), need_bias=ctx.needs_input_grad[4],
-                                                    need_parameters=any(ctx.needs_input_grad[7:]))
-        return dq, dk, dv, None, dbias, None, None, *d_parameters
+        dq, dk, dv, dbias, d_sinks, d_parameters = _backward(p, d_out, d_lse, (q, k, v, bias),
+                                                             need_bias=ctx.needs_input_grad[4],
+                                                             need_parameters=any(ctx.needs_input_grad[8:]))
+        d_sinks = None if d_sinks is None else d_sinks.to(sinks.dtype)
+        return dq, dk, dv, None, dbias, d_sinks, None, None, *d_parameters
 
 
 class _Mods(NamedTuple):
@@ -264,6 +279,7 @@ class _Problem(NamedTuple):
     mods: _TileMods | None = None  # None: no mask_mod, score_mod or block_mask
     out: torch.Tensor | None = None  # (..., L, Ev) and (..., L) in the working dtype, once the forward pass has run
     lse: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # the sink logits laid out against the scores (..., 1, 1) (None: no sinks)
 
 
 def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -276,7 +292,8 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     if tile_mods is not None and mods.block_mask is not None:
         options = options._replace(block_q=mods.block_mask.block_size[0], block_k=mods.block_mask.block_size[1])
     validation.tiles(options.block_q, options.block_k)
-    shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else bias.shape}
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape, "bias": None if bias is None else bias.shape,
+              "sinks": None if options.sinks is None else options.sinks.shape}
     q_offset, key_lengths = options.q_offset, options.key_lengths
     if options.enable_gqa:  # grouped-query attention as broadcasting: reshapes only (functional._grouped)
         q, k, v, mask, bias, q_offset, key_lengths = _grouped(q, k, v, mask, bias, q_offset, key_lengths)
@@ -289,6 +306,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     _check_masks(mask, bias, shape)
     block_q, block_k = validation.default_tiles(options.block_q, options.block_k, batch, L, S, TILE_SCORES)
     work = torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: in float32
+    sinks = _sink_logits(options.sinks, batch, options.enable_gqa, work, q.device)  # (..., 1, 1), or None
     q_offset = _integers(q_offset, "q_offset", batch).to(q.device)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch).to(q.device)
     return _Problem(
@@ -301,7 +319,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         block_q=block_q, block_k=block_k, grouped=options.enable_gqa,
         offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.numel() else (0, 0),
         lengths=None if key_lengths is None or key_lengths.numel() == 0 else
-        (int(key_lengths.min()), int(key_lengths.max())), mods=tile_mods)
+        (int(key_lengths.min()), int(key_lengths.max())), mods=tile_mods, sinks=sinks)
 
 
 def _tile_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: FlashOptions, mods: _Mods,
@@ -349,6 +367,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     p = _problem(q, k, v, mask, bias, options, mods, parameters)
     p = p._replace(out=torch.zeros((*p.batch, p.L, p.v.shape[-1]), dtype=p.work, device=q.device),  # (..., L, Ev)
                    lse=torch.full((*p.batch, p.L), -math.inf, dtype=p.work, device=q.device))  # (..., L)
+    if p.sinks is not None:  # each query's sink: lse = log(exp(sink) + 0) where no key is seen (S = 0)
+        p.lse[...] = p.sinks[..., 0]
     for rows in ([] if p.empty else _query_tiles(p)):
         p.out[..., rows, :], p.lse[..., rows] = _query_tile(p, rows)
     return _cast(_heads(p, p.out), q.dtype), _heads(p, p.lse), p
@@ -368,6 +388,9 @@ def _query_tile(p: _Problem, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     q = p.q[..., rows, :] * p.scale  # the scale folded into q: (..., block_q, E)
     m = torch.full((*p.batch, rows.stop - rows.start, 1), -math.inf, dtype=p.work, device=q.device)  # (..., bq, 1)
     l = torch.zeros_like(m)  # running denominator  # noqa: E741 (the paper's name)
+    if p.sinks is not None:  # the sink first: m_0 = sink, l_0 = exp(sink - m_0) = 1 (0 for a sink of -inf)
+        m[...] = p.sinks
+        l[m != -math.inf] = 1
     acc = torch.zeros((*p.batch, rows.stop - rows.start, p.v.shape[-1]), dtype=p.work, device=q.device)  # (.., bq, Ev)
     for cols in _key_tiles(p, rows):
         scores, visible, _ = _scores(p, q, rows, cols)  # (..., block_q, block_k), -inf where hidden
@@ -381,7 +404,8 @@ def _query_tile(p: _Problem, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         l = l.mul_(rescale).add_(weights.sum(dim=-1, keepdim=True))  # noqa: E741
         acc = acc.mul_(rescale).add_(_grouped_matmul(weights, p.v[..., cols, :]))  # (..., bq, bk) x (..., bk, Ev)
         m = m_new
-    # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf
+    # 3) normalise once, at the end; a query with no visible key has l = 0: zeros, and lse -inf (with a sink,
+    # l = 1 and acc = 0: zeros, and lse = sink)
     seen = l != 0
     out = acc / torch.where(seen, l, 1)  # (..., block_q, Ev)
     lse = torch.where(seen, m + torch.log(l), -math.inf)  # (..., block_q, 1)
@@ -485,12 +509,13 @@ def _heads_laid_out(p: _Problem, x: torch.Tensor) -> torch.Tensor:
 
 
 def _backward(p: _Problem, d_out: torch.Tensor, d_lse: torch.Tensor, inputs: tuple, need_bias: bool,
-              need_parameters: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, list]:
+              need_parameters: bool) -> tuple:
     """The pullback: the key tiles in turn, each one's dK, dV (and dbias) tiles its own, dQ summed over them.
     torch: lse is an output of the autograd operation too; since d lse_i / d S_ij = P_ij, its cotangent adds
     P * d_lse to dS, which is D - d_lse in place of D. Each gradient is summed to its input's (grouped) shape
     tile by tile, so nothing of the broadcast shape (..., L, S) or (..., S, E) is allocated. The score function's
-    parameters' gradients (where wanted) are summed over the tiles."""
+    parameters' gradients (where wanted) are summed over the tiles. Returns (dq, dk, dv, dbias, d_sinks,
+    d_parameters), d_sinks -sum_i exp(sink - lse_i) D_i in the sinks' shape (None without sinks)."""
     q_in, k_in, v_in, bias_in = inputs
     score_mod = None if p.mods is None else p.mods.score_mod
     d_parameters = [torch.zeros_like(x) for x in _named_parameters(score_mod).values()]
@@ -518,7 +543,10 @@ def _backward(p: _Problem, d_out: torch.Tensor, d_lse: torch.Tensor, inputs: tup
                                                                           strict=True)]
     if dbias is not None:
         dbias = dbias.reshape(p.shapes["bias"]).to(bias_in.dtype)
-    return (*grads, dbias, d_parameters)
+    d_sinks = None  # d sink = -sum_i p_i D_i, p_i = exp(sink - lse_i) the sink's share of row i
+    if p.sinks is not None:
+        d_sinks = (-(torch.exp(p.sinks - lse) * D)).sum_to_size(p.sinks.shape).reshape(p.shapes["sinks"])
+    return (*grads, dbias, d_sinks, d_parameters)
 
 
 def _ranked(shape: tuple, batch: tuple) -> tuple:

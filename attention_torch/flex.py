@@ -51,7 +51,7 @@ from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from .arrays import to_numpy
 from .functional import _dtypes
 from .gradients import _grad, _leaf, _recording
-from .primitives import _cast, _named_parameters, _parameters
+from .primitives import _cast, _named_parameters, _parameters, _sunk_rows
 
 DEFAULT_TILES = (128, 128)  # (block_q, block_k) without a block mask, every tile full
 HAND_OFF = 1 << 31  # query-key-width products B H L S E from which flex_attention without a gradient runs torch's
@@ -67,6 +67,7 @@ def flex_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention(Q, K, V)_bhi = sum_j softmax_j(score_mod(s_bhij, b, h, i, j)) v_bhj, s = (Q K^T) * scale, the
     softmax over the keys j that block_mask's mask_mod shows query i (every key without a block mask);
@@ -87,6 +88,8 @@ def flex_attention(
         enable_gqa: grouped-query attention: query head h uses key/value head h // (H // Hkv); score_mod
             and the mask function see the query head h.
         return_lse: also return lse.
+        sinks: one logit per head, broadcasting to (B, H), as for flash_attention: each row's sink joins its
+            softmax's denominator once, after the tiles (lse includes it; a query that sees no key keeps zeros).
 
     Returns:
         out (B, H, L, Ev) in q's dtype, computed in at least float32; with return_lse, (out, lse (B, H, L)) in
@@ -95,10 +98,10 @@ def flex_attention(
     options = _Options(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                        names=tuple(_named_parameters(score_mod)))
     parameters = _parameters(score_mod, q)
-    if not return_lse and _hands_off(q, k, v, options, parameters):  # torch: its own compiled FlexAttention,
-        return _torch_flex(q, k, v, options)  # as sdpa's fast path hands plain attention to torch's kernel
+    if not return_lse and sinks is None and _hands_off(q, k, v, options, parameters):  # torch: its own compiled
+        return _torch_flex(q, k, v, options)  # FlexAttention, as sdpa's fast path hands attention to torch's kernel
     # torch: under autograd, the gradients of q, k, v and the parameters come from _Flex.backward, the tiled pass
-    out, lse = _Flex.apply(q, k, v, options, *parameters)
+    out, lse = _sunk_rows(*_Flex.apply(q, k, v, options, *parameters), sinks)  # the sink joins each row once
     return (out, lse) if return_lse else out
 
 
@@ -110,6 +113,7 @@ def flex_attention_vjp(
     block_mask: BlockMask | None = None,
     scale: float | None = None,
     enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """P = exp(R - lse) recomputed tile by tile, R = score_mod(S), S = (Q K^T) * scale;  D = rowsum(dO * O),
     dV += P^T dO,  dP = dO V^T,  dR = P * (dP - D),  (dS, dtheta) = score_mod's vjp at dR,
@@ -120,12 +124,13 @@ def flex_attention_vjp(
     parameters are differentiated through ScoreMod.replace.
 
     Args:
-        q, k, v, score_mod, block_mask, scale, enable_gqa: as for flex_attention.
+        q, k, v, score_mod, block_mask, scale, enable_gqa, sinks: as for flex_attention.
 
     Returns:
         out (B, H, L, Ev), lse (B, H, L) and pullback(d_out (B, H, L, Ev)) -> (dq, dk, dv, d_score_mod), each of
         dq, dk, dv with its input's shape and dtype, and d_score_mod a dict {parameter name: gradient} of the
-        score function's parameters (ScoreMod.parameters; empty without).
+        score function's parameters (ScoreMod.parameters; empty without); with sinks (dq, dk, dv, d_sinks,
+        d_score_mod), d_sinks = -sum_i exp(sink - lse_i) rowsum(dO * O)_i in the sinks' shape.
     """
     options = _Options(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                        names=tuple(_named_parameters(score_mod)))
@@ -133,12 +138,14 @@ def flex_attention_vjp(
     # pullback runs _Flex.backward
     with _recording():
         inputs = [_leaf(x) for x in (q, k, v, *_parameters(score_mod, q))]
-        out, lse = _Flex.apply(*inputs[:3], options, *inputs[3:])
+        sunk = [] if sinks is None else [_leaf(torch.as_tensor(sinks, device=q.device))]  # torch: a leaf too
+        out, lse = _sunk_rows(*_Flex.apply(*inputs[:3], options, *inputs[3:]), sunk[0] if sunk else None)
 
-    def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def pullback(d_out: torch.Tensor) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        dq, dk, dv, *d_parameters = _grad(out, inputs, d_out)
-        return dq, dk, dv, dict(zip(options.names, d_parameters, strict=True))
+        dq, dk, dv, *d_parameters = _grad(out, [*inputs, *sunk], d_out)
+        d_sinks = [d_parameters.pop()] if sunk else []  # the last: the sinks'
+        return dq, dk, dv, *d_sinks, dict(zip(options.names, d_parameters, strict=True))
 
     return out.detach(), lse.detach(), pullback
 

@@ -25,6 +25,7 @@ from .primitives import (
     _mask_mod_visible,
     _masked_softmax,
     _score_mod_scores,
+    _sink_logits,
     _visible,
 )
 
@@ -47,6 +48,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
@@ -72,21 +74,23 @@ def scaled_dot_product_attention(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H) (per query head with enable_gqa): it joins each
+            softmax's denominator and carries no value, weights_ij = exp(s_ij) / (exp(sinks) + sum_j exp(s_ij)).
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a torch.Generator (None: the global RNG).
 
     Returns:
-        out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None).
-        A query with no visible key gets zeros in both.
+        out (..., L, Ev) and weights (..., L, S), the softmax probabilities before dropout (or None); with
+        sinks, the keys' probabilities, which sum to less than 1. A query with no visible key gets zeros in both.
     """
     modded = None  # scores -> score_mod's scores, with the index arrays it receives
     if mask_mod is not None or score_mod is not None:
         mask, modded = _mods(q, k, v, mask, mask_mod, score_mod)
-    if enable_gqa and modded is None and _kernel_groups(q, k, v, mask, bias, q_offset, window, key_lengths, softcap,
-                                                        dropout_p, need_weights):  # torch: the kernel's own
-        # enable_gqa, without the reshapes. A NaN or inf in q or k takes the general route's explicit path (see
-        # the fast path in _attention): the call with the weights, which never goes to the kernel
+    if enable_gqa and modded is None and sinks is None and _kernel_groups(
+            q, k, v, mask, bias, q_offset, window, key_lengths, softcap, dropout_p, need_weights):  # torch: the
+        # kernel's own enable_gqa, without the reshapes. A NaN or inf in q or k takes the general route's explicit
+        # path (see the fast path in _attention): the call with the weights, which never goes to the kernel
         return _finite_or(q, k, lambda: grouped_attention(q, k, v, is_causal=is_causal, q_offset=q_offset, scale=scale),
                           lambda: scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                                                q_offset=q_offset, enable_gqa=True)[0]), None
@@ -95,7 +99,8 @@ def scaled_dot_product_attention(
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
     out, weights = _attention(q, k, v, mask, bias, structure, scale=scale, softcap=softcap, modded=modded,
-                              dropout_p=dropout_p, need_weights=need_weights, rng=rng)
+                              sinks=sinks, grouped=enable_gqa, dropout_p=dropout_p, need_weights=need_weights,
+                              rng=rng)
     if enable_gqa:
         return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
     return out, weights
@@ -104,19 +109,21 @@ def scaled_dot_product_attention(
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                bias: torch.Tensor | None, structure: Structure, *, scale: float | None, softcap: float | None,
                modded: Callable[[torch.Tensor], torch.Tensor] | None, dropout_p: float, need_weights: bool,
-               rng: Rng) -> tuple[torch.Tensor, torch.Tensor | None]:
+               rng: Rng, sinks: torch.Tensor | None = None,
+               grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """scaled_dot_product_attention once the mods are evaluated (the mask_mod's keys in mask; `modded` the
-    score_mod) and the heads grouped: the fast path or the explicit path."""
+    score_mod) and the heads grouped (`grouped`): the fast path or the explicit path."""
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights)
+    dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: sums, softmax in float32
+    sinks = _sink_logits(sinks, batch, grouped, work, q.device)  # (..., 1, 1) against the scores, or None
     if empty is not None:  # L = 0 or S = 0: nothing to attend
         return empty
-    dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: sums, softmax in float32
     # torch: the fused kernel returns finite rows for a NaN query, and its -inf masking lets a hidden NaN key
     # reach rows that do not see it, so a NaN or inf in q or k keeps the explicit path (their sum is then
     # not finite: one read of q and k). The kernel has no soft-capping of the raw scores and no score function
-    # either, so softcap and score_mod too keep the explicit path
-    fused = not need_weights and dropout_p == 0.0 and softcap is None and modded is None  # reads no sum
+    # either, so softcap and score_mod too keep the explicit path, and so do sinks (it has no sink logit)
+    fused = not need_weights and dropout_p == 0.0 and softcap is None and modded is None and sinks is None
     # torch: compiled, a mask takes the explicit path, whose check that it holds 0 and 1 reads its values outside
     # the graph; torch.cond's branches cannot (_finite_or)
     if fused and (mask is None or not torch.compiler.is_compiling()):
@@ -145,7 +152,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     # 2) softmax over the keys each query may see, then the weighted sum of the values; the scores of q and k
     # are shared by the batch axes only v or the masks carry, the weights and their dropout are not
     scores = scores.expand(*batch, *scores.shape[-2:])  # (..., L, S): each batch element its own
-    weights = _masked_softmax(scores, visible)  # (..., L, S)
+    weights = _masked_softmax(scores, visible, sinks)  # (..., L, S); with sinks, each row's sink joins the sum
     out = _grouped_matmul(_dropout(weights, dropout_p, rng), v)  # (..., L, S) x (..., S, Ev) -> (..., L, Ev)
     return out.to(dtype), (weights.to(dtype) if need_weights else None)
 

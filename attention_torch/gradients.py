@@ -43,13 +43,15 @@ def scaled_dot_product_attention_vjp(
     enable_gqa: bool = False,
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
     With softcap, S = c tanh(R / c) + bias, R = Q K^T * scale: dR = dS * (1 - tanh^2(R / c)), and dQ, dK
     take dR in place of dS (dbias is still dS). q_offset, window and key_lengths take no gradient. With
     enable_gqa, k and v are broadcast over each group of query heads, so dK and dV are summed over the group.
-    With score_mod, S = score_mod(R) + bias: dR = score_mod's vjp at dS, and its parameters' gradients.
+    With score_mod, S = score_mod(R) + bias: dR = score_mod's vjp at dS, and its parameters' gradients. With
+    sinks, d sink = -sum_i p_i rowsum(dP * P)_i, p_i the sink's share of row i's denominator.
 
     torch's autograd differentiates through score_mod (any function of torch operations); a ScoreMod's
     parameters are differentiated through ScoreMod.replace.
@@ -61,29 +63,33 @@ def scaled_dot_product_attention_vjp(
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
+        sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
         dbias None when bias is None; with a score_mod (dq, dk, dv, dbias, d_score_mod), d_score_mod a dict
-        {parameter name: gradient} of score_mod.parameters (empty without).
+        {parameter name: gradient} of score_mod.parameters (empty without); with sinks, d_sinks (sinks' shape)
+        follows dbias: (dq, dk, dv, dbias, d_sinks) or (dq, dk, dv, dbias, d_sinks, d_score_mod).
     """
     names = list(_named_parameters(score_mod))
     with _recording():
         inputs = [_leaf(x) for x in (q, k, v, bias) if x is not None]
+        sunk = [] if sinks is None else [_leaf(torch.as_tensor(sinks, device=q.device))]  # torch: a leaf too
         parameters = [_leaf(x) for x in _parameters(score_mod, q)]  # torch: leaves that ScoreMod.replace holds
         out, weights = scaled_dot_product_attention(*inputs[:3], mask, bias=None if bias is None else inputs[3],
                                                     is_causal=is_causal, scale=scale, q_offset=q_offset,
                                                     window=window, key_lengths=key_lengths, softcap=softcap,
                                                     enable_gqa=enable_gqa, mask_mod=mask_mod,
-                                                    score_mod=_replaced(score_mod, names, parameters))
+                                                    score_mod=_replaced(score_mod, names, parameters),
+                                                    sinks=sunk[0] if sunk else None)
 
     def pullback(d_out: torch.Tensor) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
-        grads = _grad(out, [*inputs, *parameters], d_out)
-        (dq, dk, dv, *dbias), d_parameters = grads[:len(inputs)], grads[len(inputs):]
-        if score_mod is None:
-            return dq, dk, dv, dbias[0] if dbias else None
-        return dq, dk, dv, dbias[0] if dbias else None, dict(zip(names, d_parameters, strict=True))
+        grads = _grad(out, [*inputs, *sunk, *parameters], d_out)
+        (dq, dk, dv, *dbias), d_sinks = grads[:len(inputs)], grads[len(inputs):len(inputs) + len(sunk)]
+        d_parameters = grads[len(inputs) + len(sunk):]
+        found = (dq, dk, dv, dbias[0] if dbias else None, *d_sinks)
+        return found if score_mod is None else (*found, dict(zip(names, d_parameters, strict=True)))
 
     return out.detach(), weights.detach(), pullback
 

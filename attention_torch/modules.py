@@ -101,46 +101,54 @@ class StreamingKVCache(NamedTuple):
 class MultiHeadAttention(nn.Module):
     """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice; with
     num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads; with
-    attention="linear", the same projections around linear attention in each head."""
+    attention="linear", the same projections around linear attention in each head; with sinks=True, a learned
+    sink logit per head (gpt-oss's `sinks`) in every softmax's denominator."""
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
-                 attention: str = "softmax", rng: Rng = None, dtype: torch.dtype | None = None) -> None:
+                 attention: str = "softmax", sinks: bool = False, rng: Rng = None,
+                 dtype: torch.dtype | None = None) -> None:
         """Args: sizes as named; dropout on the attention weights; num_kv_heads Hkv, dividing num_heads
         (None: num_heads), sizes w_k and w_v (Hkv * d_k, D); bias=False drops the four projections' biases;
         rope_theta (None: off) turns each head's queries and keys by their positions (apply_rope, half
         rotation, base rope_theta); attention "softmax" (scaled dot-product attention) or "linear"
-        (linear_attention with its defaults: no mask, no weights, so dropout must be 0);
-        rng and dtype (torch's default dtype, float32, when None) for the initial parameters, drawn as
-        nn.Linear draws them."""
+        (linear_attention with its defaults: no mask, no weights, so dropout must be 0); sinks=True adds the
+        parameter `sinks` (H,), one sink logit per query head (scaled_dot_product_attention's sinks), initialised
+        to zeros (softmax attention only); rng and dtype (torch's default dtype, float32, when None) for the
+        initial parameters, drawn as nn.Linear draws them."""
         super().__init__()
         validation.module_sizes(d_model, num_heads)
         num_kv_heads = validation.kv_heads(num_heads, num_kv_heads)
         rope_theta = validation.rope_theta(rope_theta, d_model, num_heads)
         validation.probability("dropout", dropout)
         validation.attention(attention, dropout)
+        validation.attention_sinks(attention, sinks)
         rngs, shapes = _rngs(rng, 4), validation.mha_state_shapes(d_model, num_heads, num_kv_heads)
         self.w_q, self.w_k, self.w_v, self.w_o = (
             Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
             for name, rng in zip(("w_q", "w_k", "w_v", "w_o"), rngs, strict=True))
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=dtype)) if sinks else None  # torch: None registers
+        # no parameter; after w_o in the state dict
         self.num_heads, self.num_kv_heads, self.dropout = num_heads, num_kv_heads, dropout
         self.rope_theta, self.attention = rope_theta, attention
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
                         rope_theta: float | None = None, attention: str = "softmax") -> MultiHeadAttention:
-        """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
+        """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode; with
+        sinks=True's parameters where the state holds `sinks` (H,)."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
-        layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads and bias, from the shapes
+        layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads, bias and sinks, from the shapes
         rope_theta = validation.rope_theta(rope_theta, layout.d_model, num_heads)
         validation.probability("dropout", dropout)
         validation.attention(attention, dropout)
+        validation.attention_sinks(attention, layout.sinks)
         validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout._asdict()))
         validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(layout.d_model, num_heads, dropout, num_kv_heads=layout.num_kv_heads,
-                         bias=layout.bias, rope_theta=rope_theta, attention=attention)
+                         bias=layout.bias, rope_theta=rope_theta, attention=attention, sinks=layout.sinks)
         return _load(module, state)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
@@ -183,7 +191,7 @@ class MultiHeadAttention(nn.Module):
             out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
                                                         need_weights=need_weights, rng=rng,
                                                         enable_gqa=self.grouped, mask_mod=mask_mod,
-                                                        score_mod=score_mod)  # (..., H, L, d_k)
+                                                        score_mod=score_mod, sinks=self.sinks)  # (..., H, L, d_k)
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
@@ -310,7 +318,7 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         k, v = cache.k[..., :end, :], cache.v[..., :end, :]  # (..., Hkv, end, d_k)
         mods = mask_mod is not None or score_mod is not None
-        if mask is None and not mods and not need_weights and dropout_p == 0.0 and start < end:
+        if mask is None and not mods and self.sinks is None and not need_weights and dropout_p == 0.0 and start < end:
             # torch: the kernel call that scaled_dot_product_attention's route (_kernel_groups) makes of these
             # arguments, without its tests of what extend has checked: a decode step spends no more on them.
             # The NaN guard reads q and the new keys only: every cached key stands before every new query, so
@@ -325,7 +333,7 @@ class MultiHeadAttention(nn.Module):
         else:
             out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start,
                                                         enable_gqa=self.grouped, mask_mod=mask_mod,
-                                                        score_mod=score_mod, dropout_p=dropout_p,
+                                                        score_mod=score_mod, sinks=self.sinks, dropout_p=dropout_p,
                                                         need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
         if need_weights:  # the positions not yet filled get 0
             weights = nn.functional.pad(weights, (0, cache.k.shape[-2] - end))  # (..., H, L, capacity)
@@ -355,8 +363,9 @@ class MultiHeadAttention(nn.Module):
         out, weights = scaled_dot_product_attention(q, cache.k[..., :span, :], cache.v[..., :span, :], mask,
                                                     is_causal=True, q_offset=start[..., None],
                                                     key_lengths=end[..., None], enable_gqa=self.grouped,
-                                                    mask_mod=mask_mod, score_mod=score_mod, dropout_p=dropout_p,
-                                                    need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
+                                                    mask_mod=mask_mod, score_mod=score_mod, sinks=self.sinks,
+                                                    dropout_p=dropout_p, need_weights=need_weights,
+                                                    rng=rng)  # (..., H, L, d_k)
         rows = kept[..., None, :, None]  # (..., 1, L, 1): padding rows get zeros
         if need_weights:  # the positions past the longest sequence get 0 too
             weights = nn.functional.pad(torch.where(rows, weights, 0), (0, capacity - span))  # (..., H, L, capacity)
@@ -479,10 +488,13 @@ class MultiHeadAttention(nn.Module):
                        mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """out (B, H, L, d_k) and lse (B, H, L) over the tiles of every sequence, by the online softmax:
         m_t = max(m_{t-1}, rowmax(S_t)), l_t = e^(m_{t-1} - m_t) l_{t-1} + rowsum(e^(S_t - m_t)),
-        O_t = e^(m_{t-1} - m_t) O_{t-1} + e^(S_t - m_t) V_t;  out = O / l (0 where no key is seen)."""
+        O_t = e^(m_{t-1} - m_t) O_{t-1} + e^(S_t - m_t) V_t;  out = O / l (0 where no key is seen). With sinks,
+        m_0 = sink and l_0 = 1: the sink joins each denominator and lse."""
         q = q.to(torch.promote_types(q.dtype, torch.float32))
         m = torch.full(q.shape[:-1], -torch.inf, dtype=q.dtype, device=q.device)  # (B, H, L)
         total, acc = torch.zeros_like(m), torch.zeros_like(q)
+        if self.sinks is not None:  # the sink first: m_0 = sink, l_0 = exp(sink - m_0) = 1
+            m, total = self.sinks.to(q.dtype)[:, None].expand(m.shape), torch.ones_like(m)  # (H,) -> (B, H, L)
         M, page = cache.block_table.shape[1], cache.k.shape[-2]
         reached = M * page  # torch: compiled, no value is read on the host: every tile of the table, as JAX's scan
         if not torch.compiler.is_compiling():  # eagerly, only the tiles some sequence reaches
@@ -643,12 +655,13 @@ class TransformerBlock(nn.Module):
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layer",
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
-                 eps: float = 1e-5, rng: Rng = None, dtype: torch.dtype | None = None) -> None:
+                 sinks: bool = False, eps: float = 1e-5, rng: Rng = None, dtype: torch.dtype | None = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
         activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
-        the feed-forward network; rope_theta for attention (None: no rotary embeddings); eps inside the norm's
-        square root; rng and dtype (torch's default dtype, float32, when None) for the initial parameters."""
+        the feed-forward network; rope_theta for attention (None: no rotary embeddings); sinks for attention
+        (MultiHeadAttention's: attn.sinks (H,), zeros at first); eps inside the norm's square root;
+        rng and dtype (torch's default dtype, float32, when None) for the initial parameters."""
         super().__init__()
         validation.module_sizes(d_model, num_heads, d_ff)
         validation.probability("dropout", dropout)
@@ -656,7 +669,7 @@ class TransformerBlock(nn.Module):
         validation.norm(norm)
         rngs = _rngs(rng, 4 if activation == "swiglu" else 3)
         self.attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
-                                       rope_theta=rope_theta, rng=rngs[0], dtype=dtype)
+                                       rope_theta=rope_theta, sinks=sinks, rng=rngs[0], dtype=dtype)
         self.norm1 = _NORMS[norm].initialized(d_model, eps, dtype)
         self.norm2 = _NORMS[norm].initialized(d_model, eps, dtype)
         ffn = _feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype)
@@ -676,7 +689,8 @@ class TransformerBlock(nn.Module):
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(layout.d_model, num_heads, layout.d_ff, dropout, norm_first=norm_first,
                          activation=layout.activation, norm=layout.norm,
-                         num_kv_heads=layout.num_kv_heads, bias=layout.bias, rope_theta=rope_theta, eps=eps)
+                         num_kv_heads=layout.num_kv_heads, bias=layout.bias, rope_theta=rope_theta,
+                         sinks=layout.sinks, eps=eps)
         return _load(module, state)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, need_weights: bool = True,

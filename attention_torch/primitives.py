@@ -121,12 +121,18 @@ def _both(visible: torch.Tensor | None, rule: torch.Tensor) -> torch.Tensor:
     return rule if visible is None else visible & rule
 
 
-def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor | None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax over the visible entries of each row (last axis); a row with none visible is all zeros.
 
     weights_ij = exp(s_ij - m_i) / sum_j' exp(s_ij' - m_i) over visible j, with m_i the row maximum.
-    Subtracting m_i changes nothing mathematically and keeps exp from overflowing.
+    Subtracting m_i changes nothing mathematically and keeps exp from overflowing. With sinks (..., 1, 1)
+    (_sink_logits), each row's sink logit joins the denominator and carries no value:
+    weights_ij = exp(s_ij - m_i) / (exp(sink - m_i) + sum_j' exp(s_ij' - m_i)), m_i = max(sink, max_j s_ij);
+    the weights then sum to less than 1, and a row with none visible is still all zeros (0 / exp(0)).
     """
+    if sinks is not None:
+        return _sunk_softmax(scores, visible, sinks)
     if visible is None:  # every key visible: the plain softmax
         exp = torch.exp(scores - scores.amax(dim=-1, keepdim=True).detach())  # (..., L, S)
         return exp / exp.sum(dim=-1, keepdim=True)
@@ -136,6 +142,41 @@ def _masked_softmax(scores: torch.Tensor, visible: torch.Tensor | None) -> torch
     exp = torch.exp(scores - row_max)  # (..., L, S)
     total = exp.sum(dim=-1, keepdim=True)  # (..., L, 1)
     return exp / torch.where(total == 0, 1, total)  # fully masked row: 0 / 1 = 0, never 0 / 0
+
+
+def _sunk_softmax(scores: torch.Tensor, visible: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
+    """_masked_softmax with each row's sink logit in its denominator (and in the shift m_i)."""
+    if visible is not None:
+        scores = torch.where(visible, scores, -math.inf)  # hidden entries become exp(-inf) = 0 below
+    row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks).detach()  # (..., L, 1); torch: the shift
+    # needs no gradient
+    row_max = torch.where(row_max == -math.inf, 0, row_max)  # no key seen and a sink of -inf: any finite shift
+    exp = torch.exp(scores - row_max)  # (..., L, S)
+    total = exp.sum(dim=-1, keepdim=True) + torch.exp(sinks - row_max)  # (..., L, 1): the sink's share too
+    return exp / torch.where(total == 0, 1, total)  # a sink of -inf and no key seen: 0 / 1 = 0, never 0 / 0
+
+
+def _sunk_rows(out: torch.Tensor, lse: torch.Tensor,
+               sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (..., L, Ev) and lse (..., L) of a softmax over the keys, with each row's sink joined once, as one more
+    partial result of out 0 and lse the sink: lse' = logaddexp(lse, sink), out' = exp(lse - lse') out (a row that
+    sees no key keeps zeros); both unchanged without sinks. sinks broadcast to (..., H), lse's leading axes.
+    torch: out of place, so that autograd takes its gradients on to out's and lse's."""
+    if sinks is None:
+        return out, lse
+    merged = torch.logaddexp(lse, _sink_logits(sinks, lse.shape[:-1], False, lse.dtype, lse.device)[..., 0])
+    shift = torch.where(merged == -math.inf, 0, merged)  # no key and a sink of -inf: exp(-inf - 0) = 0, never NaN
+    return (torch.exp(lse - shift)[..., None] * out.to(lse.dtype)).to(out.dtype), merged
+
+
+def _sink_logits(sinks: torch.Tensor | None, batch: tuple, grouped: bool, work: torch.dtype,
+                 device: torch.device) -> torch.Tensor | None:
+    """sinks broadcasting to the scores' leading axes (..., H), checked, in the working dtype and laid out
+    against the scores (..., L, S): (..., 1, 1), grouped (..., Hkv, G, 1, 1) with enable_gqa; None without."""
+    if sinks is None:
+        return None
+    sinks = torch.as_tensor(sinks, device=device)
+    return sinks.to(work).reshape(validation.sinks(sinks.shape, batch, grouped))
 
 
 def _parameters(score_mod: Callable[..., Any] | None, q: torch.Tensor) -> list[torch.Tensor]:

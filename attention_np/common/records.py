@@ -47,6 +47,7 @@ class FlashOptions(NamedTuple):
     enable_gqa: bool
     block_q: int | None  # queries per tile (None: chosen from the shapes)
     block_k: int | None  # keys per tile (None: chosen from the shapes)
+    sinks: Any = None  # one logit per head, broadcasting to (..., H), or None (ring attention takes none)
 
 
 class MhaLayout(NamedTuple):
@@ -55,6 +56,7 @@ class MhaLayout(NamedTuple):
     d_model: int  # w_q.weight's columns
     num_kv_heads: int  # w_k.weight's rows / d_k
     bias: bool  # whether the projections have biases
+    sinks: bool = False  # whether the state holds the sink logits `sinks` (H,)
 
 
 class LatentSizes(NamedTuple):
@@ -78,3 +80,4 @@ class BlockLayout(NamedTuple):
     d_ff: int  # the feed-forward's hidden width
     norm: str  # "layer", or "rms" (no norm1.bias)
     activation: str  # "relu", "gelu" or "swiglu"
+    sinks: bool = False  # whether attention holds the sink logits attn.sinks (H,)

@@ -142,6 +142,18 @@ def grouped_shape(shape: Sequence[int], H: int, Hkv: int, trailing: int) -> Shap
     return shape[:axis] + split + shape[axis + 1:]
 
 
+def sinks(shape: Sequence[int], batch: Sequence[int], grouped: bool) -> Shape:
+    """The sinks, one logit per head, must broadcast to the scores' leading axes (..., H), `batch` those axes
+    ((..., Hkv, G) with enable_gqa, H = Hkv * G). Returns the sinks' shape laid out against the scores
+    (..., L, S): (..., 1, 1), the head axis split into (Hkv, G) where the heads are grouped."""
+    shape, batch = _shape(shape), _shape(batch)
+    heads = (*batch[:-2], batch[-2] * batch[-1]) if grouped else batch
+    broadcasts_to("sinks", shape, heads, "..., H")
+    if grouped:
+        shape = grouped_shape(shape, heads[-1], batch[-2], 0)
+    return (*shape, 1, 1)
+
+
 def shared_kv_head(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> bool:
     """Whether k and v hold one head (axis -3, or none) that several query heads of q's axis -3 share: GQA's
     groups (enable_gqa), or multi-query attention by broadcasting. A fast path then needs no copy of k and v
@@ -269,6 +281,13 @@ def attention(name: str, dropout: float) -> None:
     if name == "linear" and dropout != 0:
         raise ValueError(f"dropout must be 0 with attention='linear' (dropout acts on the attention weights, which "
                          f"linear attention does not form); got {dropout!r}")
+
+
+def attention_sinks(attention: str, sinks: bool) -> None:
+    """MultiHeadAttention's sinks join a softmax's denominator: linear attention has none."""
+    if sinks and attention != "softmax":
+        raise ValueError(f"sinks=True needs attention='softmax': a sink logit joins the softmax's denominator, "
+                         f"which attention={attention!r} does not form")
 
 
 def cached(attention: str) -> None:
@@ -542,20 +561,23 @@ def new_lengths_range(L: int, values: np.ndarray) -> None:
 
 
 def mha_state_shapes(d_model: int, num_heads: int = 1, num_kv_heads: int | None = None,
-                     bias: bool = True) -> dict[str, Shape]:
+                     bias: bool = True, sinks: bool = False) -> dict[str, Shape]:
     """State-dict names and shapes of MultiHeadAttention (nn.Linear layout: weight (out, in)): w_q and w_o
-    (D, D), w_k and w_v (Hkv * d_k, D), d_k = D / H; each with its bias (out,) unless bias is False."""
+    (D, D), w_k and w_v (Hkv * d_k, D), d_k = D / H; each with its bias (out,) unless bias is False; with sinks,
+    first the sink logits sinks (H,) (torch's state dict holds a module's own parameters before its children's)."""
     d_kv = d_model // num_heads * kv_heads(num_heads, num_kv_heads)
-    return _linear_shapes({"w_q": (d_model, d_model), "w_k": (d_kv, d_model), "w_v": (d_kv, d_model),
-                           "w_o": (d_model, d_model)}, bias)
+    return ({"sinks": (num_heads,)} if sinks else {}) | _linear_shapes(
+        {"w_q": (d_model, d_model), "w_k": (d_kv, d_model), "w_v": (d_kv, d_model), "w_o": (d_model, d_model)},
+        bias)
 
 
 def block_state_shapes(d_model: int, d_ff: int, *, num_heads: int = 1, num_kv_heads: int | None = None,
-                       bias: bool = True, norm: str = "layer", activation: str = "relu") -> dict[str, Shape]:
+                       bias: bool = True, norm: str = "layer", activation: str = "relu",
+                       sinks: bool = False) -> dict[str, Shape]:
     """State-dict names and shapes of TransformerBlock: attn.*, norm1 and norm2 (weight, and bias with
     norm="layer"), then ffn.0 (F, D) and ffn.3 (D, F), or with activation="swiglu" ffn.w_gate, ffn.w_up (F, D)
-    and ffn.w_down (D, F); the Linears' biases unless bias is False."""
-    attn = mha_state_shapes(d_model, num_heads, num_kv_heads, bias)
+    and ffn.w_down (D, F); the Linears' biases unless bias is False; with sinks, attn.sinks (H,)."""
+    attn = mha_state_shapes(d_model, num_heads, num_kv_heads, bias, sinks)
     norms = {f"{name}.{part}": (d_model,) for name in ("norm1", "norm2")
              for part in (("weight", "bias") if norm == "layer" else ("weight",))}
     linears = ({"w_gate": (d_ff, d_model), "w_up": (d_ff, d_model), "w_down": (d_model, d_ff)}
@@ -576,13 +598,15 @@ def _linear_shapes(linears: Mapping[str, Shape], bias: bool) -> dict[str, Shape]
 def mha_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, prefix: str = "") -> MhaLayout:
     """A MultiHeadAttention state's sizes and options, read off its shapes: d_model (w_q.weight's columns),
     num_kv_heads (w_k.weight's rows / d_k) and bias (whether any projection has one; validation.state then names
-    those missing from a partial set). A shape that fits no Hkv gives Hkv = H, so that validation.state names it."""
+    those missing from a partial set), and sinks (whether it holds the sink logits). A shape that fits no Hkv gives
+    Hkv = H, so that validation.state names it."""
     (d_model,) = state_widths(shapes, {f"{prefix}w_q.weight": 1})
     module_sizes(d_model, num_heads)
     d_k, rows = d_model // num_heads, _shape(shapes.get(f"{prefix}w_k.weight", (d_model,)))[0]
     fits = rows % d_k == 0 and rows > 0 and num_heads % (rows // d_k) == 0
     return MhaLayout(d_model=d_model, num_kv_heads=rows // d_k if fits else num_heads,
-                     bias=any(f"{prefix}{name}.bias" in shapes for name in PROJECTIONS))
+                     bias=any(f"{prefix}{name}.bias" in shapes for name in PROJECTIONS),
+                     sinks=f"{prefix}sinks" in shapes)
 
 
 def block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, activation_: str | None) -> BlockLayout:
@@ -603,7 +627,8 @@ def block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, activation
     module_sizes(layout.d_model, num_heads, d_ff)
     ffn_bias = any(name.startswith("ffn.") and name.endswith(".bias") for name in shapes)
     return BlockLayout(d_model=layout.d_model, num_kv_heads=layout.num_kv_heads, bias=layout.bias or ffn_bias,
-                       d_ff=d_ff, norm="layer" if "norm1.bias" in shapes else "rms", activation=activation_)
+                       d_ff=d_ff, norm="layer" if "norm1.bias" in shapes else "rms", activation=activation_,
+                       sinks=layout.sinks)
 
 
 def state(cls_name: str, shapes: Mapping[str, Sequence[int]], expected: Mapping[str, Shape]) -> None:

@@ -57,6 +57,7 @@ def sdpa(
     enable_gqa: bool = False,
     mask_mod: Callable[..., ArrayLike] | None = None,
     score_mod: Callable[..., ArrayLike] | None = None,
+    sinks: ArrayLike | None = None,
     dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Attention(Q, K, V) = softmax(score_mod(softcap tanh(Q K^T * scale / softcap)) + bias) V, the softmax over
@@ -77,12 +78,14 @@ def sdpa(
             four axes (B, H, L, E); h runs over q's heads, q_idx over 0..L-1 (not shifted by q_offset).
         score_mod: (score, b, h, q_idx, kv_idx) -> the score, after the softcap and before the bias; a -inf
             result hides the key. Both are called one query at a time, as flex_attention calls them.
+        sinks: one logit per head, broadcasting to (..., H) (q's heads with enable_gqa): each row's softmax takes
+            it as one more logit, of a key whose value is zero; its probability is not returned.
 
     Returns:
         out (..., L, Ev) and weights (..., L, S), in `dtype`. A query with no visible key gets zeros in both.
     """
     out, weights, _ = _rows(q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap,
-                            enable_gqa, (mask_mod, score_mod), dtype)
+                            enable_gqa, (mask_mod, score_mod), dtype, sinks)
     return out, weights
 
 
@@ -102,6 +105,7 @@ def log_sum_exp(
     enable_gqa: bool = False,
     mask_mod: Callable[..., ArrayLike] | None = None,
     score_mod: Callable[..., ArrayLike] | None = None,
+    sinks: ArrayLike | None = None,
     dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """sdpa's out, and lse_i = log sum_j exp(logits_ij) over the keys query i sees (flash_attention's second
@@ -112,21 +116,25 @@ def log_sum_exp(
 
     Returns:
         out (..., L, Ev) in `dtype` and lse (..., L) in the dtype the scores are computed in (float32 for
-        float16 and bfloat16).
+        float16 and bfloat16). With sinks the sink is one of the logits: lse_i = log(exp(sink) + sum_j
+        exp(logits_ij)), the sink itself where the query sees no key.
     """
     out, _, lse = _rows(q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap,
-                        enable_gqa, (mask_mod, score_mod), dtype)
+                        enable_gqa, (mask_mod, score_mod), dtype, sinks)
     return out, lse.astype(_work(dtype))
 
 
 def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias: ArrayLike | None,
           is_causal: bool, scale: float | None, q_offset: int | ArrayLike,
           window: tuple[int | None, int | None] | None, key_lengths: ArrayLike | None, softcap: float | None,
-          enable_gqa: bool, mods: Mods, dtype: DTypeLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+          enable_gqa: bool, mods: Mods, dtype: DTypeLike,
+          sinks: ArrayLike | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """sdpa's out and weights in `dtype`, and each row's log-sum-exp in the scores' dtype: one query row
-    at a time (with mods, the row of query i of head h in sequence b of the scores (B, H, L, S))."""
+    at a time (with mods, the row of query i of head h in sequence b of the scores (B, H, L, S)). A sink is
+    one more logit of the row, of a key whose value is zero and whose weight is not returned."""
     q, k, v, mask, bias = _laid_out(q, k, v, mask, bias, enable_gqa, dtype)
     batch, (L, E), (S, Ev) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    sinks = None if sinks is None else np.broadcast_to(_cast(sinks, dtype), batch)  # one logit per sequence
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     offsets = np.broadcast_to(np.asarray(q_offset), batch)  # one position of query 0 per sequence
     lengths = np.broadcast_to(np.asarray(S if key_lengths is None else key_lengths), batch)
@@ -140,8 +148,10 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
         for i in range(L):
             keys = _visible_keys(i, mask[(*b, i)], bias[(*b, i)], by_position)
             keys, logits = _logits(q[(*b, i)], k[b], keys, bias[(*b, i)], scale, capping, mods, (*b, i))
+            if sinks is not None:  # the sink: a last logit, of a key of zero value whose weight is dropped
+                logits = np.append(logits, sinks[b])
             out[(*b, i)], weights[(*b, i)] = _attend(v[b], keys, logits, S)
-            if len(keys):
+            if len(keys) or (sinks is not None and sinks[b] != -np.inf):  # no key and no finite sink: log 0
                 lse[(*b, i)] = np.max(logits) + np.log(np.sum(np.exp(logits - np.max(logits))))
     return out.astype(dtype), weights.astype(dtype), lse  # half precision: computed in float32, stored in dtype
 
@@ -545,12 +555,13 @@ def _visible_keys(i: int, mask_row: np.ndarray, bias_row: np.ndarray,
 
 
 def _attend(v: np.ndarray, keys: np.ndarray, logits: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
-    """One query row: out_i = sum_j w_j v_j, w = softmax(logits) over the visible keys j alone."""
+    """One query row: out_i = sum_j w_j v_j, w = softmax(logits) over the visible keys j alone; a sink's logit,
+    where there is one, follows the keys' (len(logits) = len(keys) + 1), joins the softmax and is dropped."""
     out_i, weights_i = np.zeros(v.shape[-1], v.dtype), np.zeros(S, v.dtype)  # (Ev,), (S,)
     if not len(keys):  # the spec's rule: a query with no visible key gets zeros, never 0 / 0 = NaN
         return out_i, weights_i
     exp = np.exp(logits - np.max(logits))  # subtracting the max changes nothing but keeps exp finite
-    weights_i[keys] = exp / np.sum(exp)
+    weights_i[keys] = (exp / np.sum(exp))[:len(keys)]
     return weights_i[keys] @ v[keys], weights_i  # (visible,) x (visible, Ev) -> (Ev,)
 
 

@@ -63,6 +63,7 @@ def sdpa_vjp(
     enable_gqa: bool = False,
     mask_mod: Callable[..., ArrayLike] | None = None,
     score_mod: Callable[..., ArrayLike] | None = None,
+    sinks: ArrayLike | None = None,
     dtype: DTypeLike = np.float64,
     from_lse: bool = False,
 ) -> Gradients:
@@ -72,7 +73,9 @@ def sdpa_vjp(
         dR_j = dS_j (1 - tanh^2(R_j / softcap)) (dS_j without softcap),
         dq_i = scale sum_j dR_j k_j,   dk_j += scale dR_j q_i.
     A query that sees no key adds nothing; a key no query sees gets zero. The gradient of a broadcast input is
-    summed over its broadcast axes; with enable_gqa a key/value head's over the query heads of its group.
+    summed over its broadcast axes; with enable_gqa a key/value head's over the query heads of its group. With
+    sinks, P is the row's softmax over its logits and the sink, the sink's share P_sink dropped, and
+    d sink += -P_sink sum_j P_j dP_j for each row.
 
     Args:
         q, k, v, mask and the keywords: as for oracle.sdpa; mask_mod and score_mod are not supported (raise).
@@ -83,7 +86,8 @@ def sdpa_vjp(
             in float32 P loses what exp loses on a logit of large size, D the rounding of O.
 
     Returns:
-        {"q", "k", "v", and "bias" where bias is given}: each of its input's shape, in `dtype`.
+        {"q", "k", "v", and "bias" where bias is given, and "sinks" where sinks are}: each of its input's shape,
+        in `dtype`.
     """
     if mask_mod is not None or score_mod is not None:
         raise NotImplementedError("sdpa_vjp: the oracle's gradients take no mask_mod or score_mod (the gradient "
@@ -100,6 +104,8 @@ def sdpa_vjp(
     work = _work(dtype)
     dq, dk, dv = np.zeros((*batch, L, E), work), np.zeros((*batch, S, E), work), np.zeros((*batch, S, Ev), work)
     dbias = np.zeros((*batch, L, S), work)
+    sink_of = None if sinks is None else np.broadcast_to(_cast(sinks, dtype), batch)  # one logit per sequence
+    d_sinks = np.zeros(batch, work)
     for b in np.ndindex(*batch):
         by_position, _ = from_keywords(Structure(
             is_causal=is_causal, q_offset=int(offsets[b]), window=window,
@@ -109,12 +115,15 @@ def sdpa_vjp(
             if not len(keys):  # no key seen: out is zeros whatever q, k and v are, so no gradient
                 continue
             row = _row_vjp(q[(*b, i)], k[b][keys], v[b][keys], d_out[(*b, i)], bias_[(*b, i)][keys], scale,
-                           softcap, dtype, from_lse)
+                           softcap, dtype, from_lse, None if sink_of is None else sink_of[b])
+            d_sinks[b] += row.d_sink
             dq[(*b, i)] = row.dq
             dk[b][keys] += row.dk
             dv[b][keys] += row.dv
             dbias[(*b, i)][keys] = row.ds
     grads = {"q": dq, "k": dk, "v": dv} | ({} if bias is None else {"bias": dbias})  # (*batch, ...) each
+    grads |= {} if sinks is None else {"sinks": d_sinks}
+    shapes |= {} if sinks is None else {"sinks": np.shape(sinks)}
     if enable_gqa:  # the query heads of a group read one key/value head: its gradient is their sum
         grads["k"], grads["v"] = (_grouped_sum(grads[name], group) for name in ("k", "v"))
     return {name: _summed_to(grad, shapes[name]).reshape(shapes[name]).astype(dtype) for name, grad in grads.items()}
@@ -127,21 +136,26 @@ class _RowGradients(NamedTuple):
     dk: np.ndarray  # (n, E)
     dv: np.ndarray  # (n, Ev)
     ds: np.ndarray  # (n,): dS, the bias's gradient
+    d_sink: float = 0.0  # the sink's, -P_sink sum_j P_j dP_j (0 without a sink)
 
 
 def _row_vjp(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, d_out_i: np.ndarray, bias_row: np.ndarray,
-             scale: float, softcap: float | None, dtype: DTypeLike, from_lse: bool) -> _RowGradients:
+             scale: float, softcap: float | None, dtype: DTypeLike, from_lse: bool,
+             sink: float | None = None) -> _RowGradients:
     """One query row of sdpa_vjp over its n visible keys: k (n, E), v (n, Ev), bias_row (n,); each tensor a
-    module stores (P, dP, dS, the gradients) rounded to dtype."""
+    module stores (P, dP, dS, the gradients) rounded to dtype. A sink is one more logit, after the keys'."""
     work = q_i.dtype.type
     raw = k @ q_i * work(scale)  # R_j = q_i . k_j * scale: (n, E) x (E,) -> (n,)
     capped = raw if softcap is None else work(softcap) * np.tanh(raw / work(softcap))  # C_j
     logits = capped + bias_row
+    if sink is not None:  # the sink's logit joins the softmax; its share is split off below
+        logits = np.append(logits, sink)
     exp = np.exp(logits - np.max(logits))
     if from_lse:  # lse_i = m_i + log sum_j exp(logit_j - m_i), kept; P_j = exp(logit_j - lse_i)
         p = _cast(np.exp(logits - (np.max(logits) + np.log(np.sum(exp)))), dtype)
     else:
         p = _cast(exp / np.sum(exp), dtype)  # P_j, stored as the forward stores the weights
+    p, p_sink = (p, None) if sink is None else (p[:-1], p[-1])  # the keys' P_j (n,), and the sink's
     dv = _cast(np.outer(p, d_out_i), dtype)  # P_j dO_i: (n,) x (Ev,) -> (n, Ev)
     dp = _cast(v @ d_out_i, dtype)  # dO_i . v_j: (n, Ev) x (Ev,) -> (n,)
     # the softmax's vjp, dS_j = P_j (dP_j - sum_j' P_j' dP_j'); a tiled kernel takes the sum as D_i = dO_i . O_i from
@@ -151,7 +165,8 @@ def _row_vjp(q_i: np.ndarray, k: np.ndarray, v: np.ndarray, d_out_i: np.ndarray,
     dr = ds if softcap is None else _cast(ds * (1 - np.tanh(raw / work(softcap)) ** 2), dtype)  # tanh's derivative
     dq = dr @ k * work(scale)  # scale sum_j dR_j k_j: (n,) x (n, E) -> (E,)
     dk = np.outer(dr, q_i) * work(scale)  # scale dR_j q_i: (n,) x (E,) -> (n, E)
-    return _RowGradients(dq=dq, dk=dk, dv=dv, ds=ds)
+    d_sink = 0.0 if p_sink is None else -p_sink * row_term  # d P_j / d sink = -P_j P_sink
+    return _RowGradients(dq=dq, dk=dk, dv=dv, ds=ds, d_sink=d_sink)
 
 
 def linear_attention_vjp(
