@@ -163,3 +163,15 @@ def _softmax_extends_a_linear_cache(M: ModuleType) -> object:
 def test_linear_cache_errors_are_one_value_error_on_every_backend(make, words: tuple[str, ...]) -> None:
     (seen,) = _errors(make)  # one type and message on all three backends
     assert seen[0] == "ValueError" and all(word in seen[1] for word in words), seen
+
+
+def test_softmax_mha_is_causal_is_its_causal_mask(backend: ModuleType) -> None:
+    # the keyword both attentions take: softmax's is scaled_dot_product_attention's is_causal, causal_mask's numbers
+    x = backend.asarray(_x(B, 5, D))
+    mha = backend.MultiHeadAttention.from_state_dict({n: backend.asarray(v) for n, v in _state({}).items()},
+                                                     num_heads=H, dropout=0.0)
+    out, weights = mha(x, x, x, is_causal=True)
+    expected, expected_weights = mha(x, x, x, backend.causal_mask(5, 5))
+    assert_close(backend.to_numpy(out), backend.to_numpy(expected), REORDERED, "out")
+    assert_close(backend.to_numpy(weights), backend.to_numpy(expected_weights), REORDERED, "weights")
+    assert np.all(np.triu(backend.to_numpy(weights)[0, 0], 1) == 0)  # no weight above the diagonal
