@@ -15,7 +15,7 @@ import pytest
 
 from tests._compare import REORDERED, assert_close
 from tests.conftest import import_backend
-from tests.test_linear_module import B, D, H, OPTIONS, _errors, _linear_mha, _state, _written_out, _x
+from tests.test_linear_module import OPTIONS, B, D, H, _errors, _linear_mha, _state, _written_out, _x
 
 MODULES = 1e-10  # float64: a module's chunks against its own full pass, through the norms and the feed-forward
 CHUNKS = (3, 1, 4, 1)  # a prefill, a decode step, a longer chunk, a step: 9 positions in all
@@ -75,6 +75,7 @@ def test_linear_block_decode_is_its_causal_call(backend: ModuleType) -> None:
     block, x = _block(backend), _x(B, sum(CHUNKS), D)
     assert block.attn.attention == "linear"
     out, cache = _chunked(backend, block.extend, block.init_cache((B,), 1), x)
+    assert int(cache.length) == sum(CHUNKS)
     expected, weights = block(backend.asarray(x), is_causal=True)
     assert weights is None
     assert_close(out, backend.to_numpy(expected), MODULES, f"{backend.__name__} block")

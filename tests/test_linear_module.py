@@ -44,8 +44,8 @@ def _written_out(state: dict[str, np.ndarray], options: dict, q: np.ndarray, kv:
                  is_causal: bool = False) -> np.ndarray:
     """The module written out one head at a time: project, slice head h and its key/value head g = h // (H / Hkv),
     turn q and k by RoPE (apply_rope, positions from 0 in each), linear_attention with its defaults (causal or
-    not), then concatenate and mix with w_o. NumPy's pieces, which tests/test_rope.py and tests/test_linear.py hold to the
-    other backends'."""
+    not), then concatenate and mix with w_o. NumPy's pieces, which tests/test_rope.py and tests/test_linear.py hold
+    to the other backends'."""
     import attention_np as N
 
     hkv = options.get("num_kv_heads") or H
