@@ -190,12 +190,13 @@ class MultiHeadAttention(Module):
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
 
     def vjp(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
-            mask_mod: Callable[..., Any] | None = None,
+            is_causal: bool = False, mask_mod: Callable[..., Any] | None = None,
             score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
         """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
-        gradient}), without dropout; mask_mod and score_mod as for __call__, the score function's parameters'
-        gradients under "score_mod.<name>"."""
-        return multi_head_attention_vjp(self, q, k, v, mask, mask_mod=mask_mod, score_mod=score_mod)
+        gradient}), without dropout; is_causal, mask_mod and score_mod as for __call__, the score function's
+        parameters' gradients under "score_mod.<name>"."""
+        return multi_head_attention_vjp(self, q, k, v, mask, is_causal=is_causal, mask_mod=mask_mod,
+                                        score_mod=score_mod)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None, sink_tokens: int = 0,
                    window: int | None = None,
@@ -785,11 +786,12 @@ class TransformerBlock(Module):
             x = np.where(np.arange(x.shape[-2])[:, None] < np.asarray(new_lengths)[..., None, None], x, 0)
         return x, weights, cache
 
-    def vjp(self, x: np.ndarray, mask: np.ndarray | None = None, *, mask_mod: Callable[..., Any] | None = None,
+    def vjp(self, x: np.ndarray, mask: np.ndarray | None = None, *, is_causal: bool = False,
+            mask_mod: Callable[..., Any] | None = None,
             score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
-        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout; mask_mod and
-        score_mod as for __call__, the score function's parameters' gradients under "score_mod.<name>"."""
-        return transformer_block_vjp(self, x, mask, mask_mod=mask_mod, score_mod=score_mod)
+        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout; is_causal, mask_mod
+        and score_mod as for __call__, the score function's parameters' gradients under "score_mod.<name>"."""
+        return transformer_block_vjp(self, x, mask, is_causal=is_causal, mask_mod=mask_mod, score_mod=score_mod)
 
     def _check_input(self, x: np.ndarray) -> None:
         validation.module_input("x", x.shape, self.norm1.weight.shape[0], "L")

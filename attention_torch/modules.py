@@ -203,12 +203,13 @@ class MultiHeadAttention(nn.Module):
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
 
     def vjp(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
-            mask_mod: Callable[..., Any] | None = None,
+            is_causal: bool = False, mask_mod: Callable[..., Any] | None = None,
             score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
         """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
-        gradient}), without dropout; mask_mod and score_mod as for forward, the score function's parameters'
-        gradients under "score_mod.<name>"."""
-        return multi_head_attention_vjp(self, q, k, v, mask, mask_mod=mask_mod, score_mod=score_mod)
+        gradient}), without dropout; is_causal, mask_mod and score_mod as for forward, the score function's
+        parameters' gradients under "score_mod.<name>"."""
+        return multi_head_attention_vjp(self, q, k, v, mask, is_causal=is_causal, mask_mod=mask_mod,
+                                        score_mod=score_mod)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: torch.dtype | None = None,
                    sink_tokens: int = 0, window: int | None = None,
@@ -830,11 +831,12 @@ class TransformerBlock(nn.Module):
             x = torch.where(rows < torch.as_tensor(new_lengths, device=x.device)[..., None, None], x, 0)
         return x, weights, cache
 
-    def vjp(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, mask_mod: Callable[..., Any] | None = None,
+    def vjp(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, is_causal: bool = False,
+            mask_mod: Callable[..., Any] | None = None,
             score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
-        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout; mask_mod and
-        score_mod as for forward, the score function's parameters' gradients under "score_mod.<name>"."""
-        return transformer_block_vjp(self, x, mask, mask_mod=mask_mod, score_mod=score_mod)
+        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout; is_causal, mask_mod
+        and score_mod as for forward, the score function's parameters' gradients under "score_mod.<name>"."""
+        return transformer_block_vjp(self, x, mask, is_causal=is_causal, mask_mod=mask_mod, score_mod=score_mod)
 
     def _check_input(self, x: torch.Tensor) -> None:
         weight = self.norm1.weight

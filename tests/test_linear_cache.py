@@ -176,3 +176,22 @@ def test_softmax_mha_is_causal_is_its_causal_mask(backend: ModuleType) -> None:
     assert_close(backend.to_numpy(out), backend.to_numpy(expected), REORDERED, "out")
     assert_close(backend.to_numpy(weights), backend.to_numpy(expected_weights), REORDERED, "weights")
     assert np.all(np.triu(backend.to_numpy(weights)[0, 0], 1) == 0)  # no weight above the diagonal
+
+
+def test_causal_vjps_match_central_differences_of_the_causal_call(backend: ModuleType) -> None:
+    # MultiHeadAttention.vjp and TransformerBlock.vjp take is_causal as the call does: every backend's gradients
+    # against central differences of NumPy's causal call (linear heads, RoPE, grouped; the Llama-like block)
+    from tests._compare import central_differences
+
+    N, options = import_backend("attention_np"), OPTIONS["rope_one_kv_head"]
+    state, x, d_out = _state(options), _x(1, 3, D), _x(1, 3, D, seed=3)
+    mha_np, mha = _linear_mha(N, state, options), _linear_mha(backend, state, options)
+    grads = mha.vjp(*(backend.asarray(x),) * 3, is_causal=True)[2](backend.asarray(d_out))[:3]
+    for i, (name, grad) in enumerate(zip("qkv", grads, strict=True)):
+        def f(y: np.ndarray, i: int = i) -> np.ndarray:
+            return mha_np(*(y if j == i else x for j in range(3)), is_causal=True)[0]
+        assert_close(backend.to_numpy(grad), central_differences(f, x, d_out, 1e-5), 1e-7, f"mha d{name}")
+    block_np, block = _block(N), _block(backend)
+    dx = block.vjp(backend.asarray(x), is_causal=True)[2](backend.asarray(d_out))[0]
+    expected = central_differences(lambda y: block_np(y, is_causal=True)[0], x, d_out, 1e-5)
+    assert_close(backend.to_numpy(dx), expected, 1e-7, "block dx")
