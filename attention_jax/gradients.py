@@ -90,11 +90,11 @@ def scaled_dot_product_attention_vjp(
 
 
 def multi_head_attention_vjp(mha: Any, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None, *,
-                             mask_mod: Callable[..., Any] | None = None,
+                             is_causal: bool = False, mask_mod: Callable[..., Any] | None = None,
                              score_mod: Callable[..., Any] | None = None) -> tuple[jax.Array, jax.Array, Callable]:
     """Backward through MultiHead(Q, K, V): the output projection, the heads' merge, attention per head,
-    the input projections, in reverse. mask_mod and score_mod go to attention on the heads (B, H, L, d_k), as
-    in MultiHeadAttention.__call__.
+    the input projections, in reverse. is_causal, mask_mod and score_mod go to attention on the heads
+    (B, H, L, d_k), as in MultiHeadAttention.__call__.
 
     Returns:
         out (..., L, D), weights (..., H, L, S) and pullback(d_out (..., L, D)) -> (dq, dk, dv, dparams),
@@ -105,7 +105,8 @@ def multi_head_attention_vjp(mha: Any, q: jax.Array, k: jax.Array, v: jax.Array,
     _, parameters = _score_rule(score_mod)  # jax: a ScoreMod's parameters, differentiated as arguments
 
     def attention(m: Any, q: jax.Array, k: jax.Array, v: jax.Array, parameters: Grads) -> tuple:
-        return m(q, k, v, mask, mask_mod=mask_mod, score_mod=_with_parameters(score_mod, parameters))
+        return m(q, k, v, mask, is_causal=is_causal, mask_mod=mask_mod,
+                 score_mod=_with_parameters(score_mod, parameters))
 
     out, pull, weights = jax.vjp(attention, mha, q, k, v, parameters, has_aux=True)
 
@@ -118,11 +119,11 @@ def multi_head_attention_vjp(mha: Any, q: jax.Array, k: jax.Array, v: jax.Array,
     return out, weights, pullback
 
 
-def transformer_block_vjp(block: Any, x: jax.Array, mask: jax.Array | None = None, *,
+def transformer_block_vjp(block: Any, x: jax.Array, mask: jax.Array | None = None, *, is_causal: bool = False,
                           mask_mod: Callable[..., Any] | None = None,
                           score_mod: Callable[..., Any] | None = None) -> tuple[jax.Array, jax.Array, Callable]:
     """Backward through the block (post-LN or pre-LN); self-attention's three input gradients add up.
-    mask_mod and score_mod go to the attention, as in TransformerBlock.__call__.
+    is_causal, mask_mod and score_mod go to the attention, as in TransformerBlock.__call__.
 
     Returns:
         y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams), and with a
@@ -132,7 +133,7 @@ def transformer_block_vjp(block: Any, x: jax.Array, mask: jax.Array | None = Non
     _, parameters = _score_rule(score_mod)  # jax: a ScoreMod's parameters, differentiated as arguments
 
     def layers(b: Any, x: jax.Array, parameters: Grads) -> tuple:
-        return b(x, mask, mask_mod=mask_mod, score_mod=_with_parameters(score_mod, parameters))
+        return b(x, mask, is_causal=is_causal, mask_mod=mask_mod, score_mod=_with_parameters(score_mod, parameters))
 
     y, pull, weights = jax.vjp(layers, block, x, parameters, has_aux=True)
 

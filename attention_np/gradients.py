@@ -178,7 +178,7 @@ def _grouped_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray |
 
 
 def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
-                             mask_mod: Callable[..., Any] | None = None,
+                             is_causal: bool = False, mask_mod: Callable[..., Any] | None = None,
                              score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
     """Backward through MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o, step by step in
     reverse: the output projection, the heads' merge (its adjoint is the split), attention per head, the
@@ -187,8 +187,8 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     each key/value head over the query heads of its group. With sinks, attention takes mha.sinks, and its
     gradient d_sinks is the parameter's, "sinks". With rope_theta, the queries and keys are turned
     after the split, and their gradients turned back before the projections' adjoints. With attention="linear"
-    the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp). mask_mod and score_mod go to
-    attention on the heads (B, H, L, d_k), as in MultiHeadAttention.__call__.
+    the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp). is_causal, mask_mod and
+    score_mod go to attention on the heads (B, H, L, d_k), as in MultiHeadAttention.__call__.
 
     Returns:
         out (..., L, D), weights (..., H, L, S) (None with attention="linear") and
@@ -203,11 +203,11 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     q_h, k_h = mha._rotated(mha._split_heads(q_p, H), mha._split_heads(k_p, Hkv), 0)  # RoPE at 0.., 0..
     v_h = mha._split_heads(v_p, Hkv)  # (..., Hkv, S, d_k)
     if mha.attention == "linear":  # no mask (checked above), no weights
-        heads, weights, pull_attention = _linear_heads_vjp(mha, q_h, k_h, v_h)  # (..., H, L, d_k)
+        heads, weights, pull_attention = _linear_heads_vjp(mha, q_h, k_h, v_h, is_causal)  # (..., H, L, d_k)
     else:
         heads, weights, pull_attention = scaled_dot_product_attention_vjp(
-            q_h, k_h, v_h, mask, enable_gqa=mha.grouped, mask_mod=mask_mod, score_mod=score_mod,
-            sinks=mha.sinks)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
+            q_h, k_h, v_h, mask, is_causal=is_causal, enable_gqa=mha.grouped, mask_mod=mask_mod,
+            score_mod=score_mod, sinks=mha.sinks)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:
@@ -225,14 +225,15 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     return out, weights, pullback
 
 
-def _linear_heads_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, None, Callable]:
+def _linear_heads_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                      is_causal: bool) -> tuple[np.ndarray, None, Callable]:
     """The vjp of MultiHeadAttention._linear_heads: linear_attention_vjp on the grouped heads, q (..., Hkv, G, L, d_k)
     against k, v (..., Hkv, 1, S, d_k). Key/value head g is broadcast over the G query heads of its group, so
     linear_attention_vjp, which sums each gradient over its input's broadcast axes, returns dK_g = sum over h in
     group g of dK_h, and dV alike. Returns heads (..., H, L, d_k), no weights, and a pullback with
     scaled_dot_product_attention_vjp's results (dq, dk, dv, dbias None)."""
     q_g, k_g, v_g = mha._grouped_heads(q, k, v)
-    out_g, pull = linear_attention_vjp(q_g, k_g, v_g)  # (..., Hkv, G, L, d_k)
+    out_g, pull = linear_attention_vjp(q_g, k_g, v_g, is_causal=is_causal)  # (..., Hkv, G, L, d_k)
 
     def pullback(d_heads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, None]:
         dq, dk, dv = pull(d_heads.reshape(out_g.shape))  # (..., H, L, d_k) -> (..., Hkv, G, L, d_k)
@@ -250,7 +251,7 @@ def _rope_vjp(mha: Any, d: np.ndarray) -> np.ndarray:
     return apply_rope(d, -np.arange(d.shape[-2]), theta=mha.rope_theta)
 
 
-def transformer_block_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None = None, *,
+def transformer_block_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None = None, *, is_causal: bool = False,
                           mask_mod: Callable[..., Any] | None = None,
                           score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
     """Backward through the block. Post-LN, y1 = LN_1(x + MHA(x)), y = LN_2(y1 + FFN(y1)):
@@ -258,7 +259,7 @@ def transformer_block_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None = N
     Pre-LN, h = x + MHA(LN_1(x)), y = h + FFN(LN_2(h)):
         dh = dy + LN_2'(FFN'(dy)),  dx = dh + LN_1'(MHA'_q(dh) + MHA'_k(dh) + MHA'_v(dh)).
     A residual sum passes its gradient to both terms; self-attention uses x three times, so its three
-    input gradients add up. mask_mod and score_mod go to the attention, as in TransformerBlock.__call__.
+    input gradients add up. is_causal, mask_mod and score_mod go to the attention, as in TransformerBlock.__call__.
 
     Returns:
         y (..., L, D), weights (..., H, L, L) and pullback(d_out (..., L, D)) -> (dx, dparams), and with a
@@ -267,7 +268,8 @@ def transformer_block_vjp(block: Any, x: np.ndarray, mask: np.ndarray | None = N
     validation.no_dropout(type(block).__name__, block.dropout if block.training else 0.0)
     block._check_input(x)
     forward = _pre_ln_vjp if block.norm_first else _post_ln_vjp
-    y, weights, pullback = forward(block, x, mask, {"mask_mod": mask_mod, "score_mod": score_mod})
+    y, weights, pullback = forward(block, x, mask, {"is_causal": is_causal, "mask_mod": mask_mod,
+                                                    "score_mod": score_mod})
 
     def checked(d_out: np.ndarray) -> tuple[np.ndarray, Grads]:
         validation.cotangent("d_out", d_out.shape, y.shape, _dtypes(d_out=d_out, out=y))

@@ -23,7 +23,7 @@ from attention_np.common.module import Module
 from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, _ungrouped, scaled_dot_product_attention
 from .gradients import multi_head_attention_vjp, transformer_block_vjp
-from .linear import linear_attention
+from .linear import FEATURE_MAPS, linear_attention, linear_attention_state
 from .primitives import _activation, _silu
 
 
@@ -85,6 +85,17 @@ class StreamingKVCache(NamedTuple):
     rope_positions: str = "original"
 
 
+class LinearCache(NamedTuple):
+    """The cache of attention="linear" (SPEC 3a): the recurrent state of causal linear attention over the positions
+    0 .. length - 1, S = sum_j phi(k_j) v_j^T (..., Hkv, d_k, d_k) and z = sum_j phi(k_j) (..., Hkv, d_k), one per
+    key/value head (linear_attention_state's), in at least float32; length an int. Its size does not grow with the
+    positions: decoding holds constant memory. NumPy: extend returns new arrays; an older cache stays as it was."""
+
+    S: np.ndarray
+    z: np.ndarray
+    length: int
+
+
 class MultiHeadAttention(Module):
     """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice; with
     num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads; with
@@ -141,7 +152,8 @@ class MultiHeadAttention(Module):
                           dropout=dropout, training=True)
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
-                 need_weights: bool = True, rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+                 is_causal: bool = False, need_weights: bool = True, rng: Rng = None,
+                 mask_mod: Callable[..., Any] | None = None,
                  score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W_o^T + b_o,
         head_h = Attention(Q W_q,h^T + b_q,h, K W_k,g^T + b_k,g, V W_v,g^T + b_v,g), g = h // (H / Hkv),
@@ -153,6 +165,8 @@ class MultiHeadAttention(Module):
             v: values (..., S, D).
             mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key. attention="linear":
                 None (linear attention takes no mask).
+            is_causal: query i sees keys j <= i (and-ed with mask); needs L == S with attention="linear", whose
+                causal form is the one extend continues.
             need_weights: return the weights; with False the second result is None. attention="linear" forms
                 no weights: None always.
             rng: dropout randomness: a NumPy Generator or an int seed (None: fresh randomness).
@@ -175,10 +189,10 @@ class MultiHeadAttention(Module):
 
         # 2) attend, every head at once; query head h reads key/value head h // (H / Hkv)
         if self.attention == "linear":  # no mask (checked above), no weights, no dropout (the constructor's check)
-            out, weights = self._linear_heads(q, k, v), None  # (..., H, L, d_k)
+            out, weights = self._linear_heads(q, k, v, is_causal), None  # (..., H, L, d_k)
         else:
             dropout_p = self.dropout if self.training else 0.0
-            out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout_p,
+            out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p,
                                                         need_weights=need_weights, rng=rng,
                                                         enable_gqa=self.grouped, mask_mod=mask_mod,
                                                         score_mod=score_mod, sinks=self.sinks)  # (..., H, L, d_k)
@@ -187,25 +201,28 @@ class MultiHeadAttention(Module):
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
 
     def vjp(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
-            mask_mod: Callable[..., Any] | None = None,
+            is_causal: bool = False, mask_mod: Callable[..., Any] | None = None,
             score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
         """out, weights (None with attention="linear") and pullback(d_out) -> (dq, dk, dv, {state-dict name:
-        gradient}), without dropout; mask_mod and score_mod as for __call__, the score function's parameters'
-        gradients under "score_mod.<name>"."""
-        return multi_head_attention_vjp(self, q, k, v, mask, mask_mod=mask_mod, score_mod=score_mod)
+        gradient}), without dropout; is_causal, mask_mod and score_mod as for __call__, the score function's
+        parameters' gradients under "score_mod.<name>"."""
+        return multi_head_attention_vjp(self, q, k, v, mask, is_causal=is_causal, mask_mod=mask_mod,
+                                        score_mod=score_mod)
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None, sink_tokens: int = 0,
                    window: int | None = None,
-                   rope_positions: str = "original") -> KVCache | StreamingKVCache:
+                   rope_positions: str = "original") -> KVCache | StreamingKVCache | LinearCache:
         """An empty cache for inputs with leading axes `batch_shape` and up to `capacity` positions: keys and
         values (*batch_shape, Hkv, capacity, d_k) of zeros, length 0, in `dtype` (the parameters' by default);
         with rope_theta, the cos and sin of every position's angles, (capacity, d_k) in at least float32.
         With window, a streaming cache (StreamingKVCache, SPEC 3c): the first sink_tokens positions and the
         last window ones in sink_tokens + window <= capacity slots, for any number of positions; RoPE at the
         original positions, or at the places in the cache with rope_positions="cache".
-        Softmax attention's only: attention="linear" raises ValueError."""
-        validation.cached(self.attention)
+        With attention="linear", the recurrent state (LinearCache, SPEC 3a): S and z of zeros in at least float32,
+        of the same size for any number of positions (capacity checked, not a bound; no streaming options)."""
         batch_shape = validation.cache_size(batch_shape, capacity)
+        if self.attention == "linear":
+            return self._linear_cache(batch_shape, dtype, sink_tokens, window, rope_positions)
         streaming = validation.streaming_sizes(capacity, sink_tokens, window, rope_positions)
         slots = sink_tokens + window if streaming else capacity
         d_k = self.w_q.weight.shape[1] // self.num_heads
@@ -220,6 +237,16 @@ class MultiHeadAttention(Module):
             return StreamingKVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), length=0, sink_tokens=sink_tokens,
                                     rope=rope, rope_positions=rope_positions)
         return KVCache(np.zeros(shape, dtype), np.zeros(shape, dtype), length=0, rope=rope)
+
+    def _linear_cache(self, batch_shape: tuple[int, ...], dtype: Any, sink_tokens: int, window: int | None,
+                      rope_positions: str) -> LinearCache:
+        """init_cache with attention="linear": linear_attention_state's zeros per key/value head, in at least float32
+        (the dtype the chunks compute in)."""
+        validation.linear_cache(sink_tokens, window, rope_positions)
+        d_k = self.w_q.weight.shape[1] // self.num_heads
+        dtype = np.promote_types(self.w_q.weight.dtype if dtype is None else dtype, np.float32)
+        S, z = linear_attention_state((*batch_shape, self.num_kv_heads), d_k, d_k, dtype=dtype)  # (..., Hkv, d_k, d_k)
+        return LinearCache(S, z, length=0)
 
     def init_paged_cache(self, batch_size: int, num_pages: int, page_size: int, max_pages: int, *,
                          dtype: Any = None) -> PagedKVCache:
@@ -256,7 +283,8 @@ class MultiHeadAttention(Module):
             x_kv: the new keys' and values' inputs (..., L, D).
             cache: from init_cache, or the cache the last extend returned; a streaming cache (window) takes
                 1 <= L <= window rows and no mask, new_lengths or mods, and its weights' last axis is its view
-                in the cache's order (SPEC 3c).
+                in the cache's order (SPEC 3c); attention="linear" takes its LinearCache, the recurrent state, any
+                number of rows and no mask, new_lengths or mods, and returns no weights (SPEC 3a).
             mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
             new_lengths: integer (...), 0 <= new_lengths <= L: each sequence's new positions (a ragged chunk);
                 None: L for every sequence.
@@ -281,6 +309,9 @@ class MultiHeadAttention(Module):
                   mask_mod: Callable[..., Any] | None = None,
                   score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray | None, KVCache]:
         """extend once its inputs are checked (TransformerBlock.extend checks its own against the cache)."""
+        if isinstance(cache, LinearCache):  # the recurrent state of linear attention
+            validation.linear_extend(mask, new_lengths, mask_mod, score_mod)
+            return self._linear_extended(x_q, x_kv, cache)
         if isinstance(cache, PagedKVCache):  # the keys and values in pages
             validation.paged_options(mask_mod, score_mod, self.dropout if self.training else 0.0)
             return self._paged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights)
@@ -315,6 +346,37 @@ class MultiHeadAttention(Module):
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights, KVCache(cache.k, cache.v, length=end, rope=cache.rope)
+
+    def _linear_extended(self, x_q: np.ndarray, x_kv: np.ndarray,
+                         cache: LinearCache) -> tuple[np.ndarray, None, LinearCache]:
+        """extend with attention="linear": the L new positions p = length .. length + L - 1 read the state of the
+        earlier ones and, causally, each other (linear_attention's chunked form, one chunk):
+            num_i = phi(q_i)^T (S + sum_{j <= i} phi(k_j) v_j^T),  den_i = phi(q_i) . (z + sum_{j <= i} phi(k_j)) + eps,
+        then the state takes the chunk: S' = S + phi(K)^T V, z' = z + phi(K)^T 1. No weights."""
+        start, L, phi = cache.length, x_q.shape[-2], FEATURE_MAPS["elu"][0]  # linear_attention's defaults
+
+        # 1) project, turn by RoPE at positions start .. start + L - 1, group the query heads by key/value head
+        q = self._split_heads(self.w_q(x_q))  # (..., L, D) -> (..., H, L, d_k)
+        k = self._split_heads(self.w_k(x_kv), self.num_kv_heads)  # (..., L, D) -> (..., Hkv, L, d_k)
+        v = self._split_heads(self.w_v(x_kv), self.num_kv_heads)
+        q, k = self._rotated(q, k, start)
+        q, k, v = self._grouped_heads(*(x.astype(cache.S.dtype, copy=False) for x in (q, k, v)))
+        phi_q, phi_k = phi(q), phi(k)  # (..., Hkv, G, L, d_k), (..., Hkv, 1, L, d_k)
+
+        # 2) read: the chunk causally (keys j <= i), the earlier positions through the state
+        S, z = cache.S[..., None, :, :], cache.z[..., None, :, None]  # (..., Hkv, 1, d_k, d_k), (..., Hkv, 1, d_k, 1)
+        kernel = np.tril(phi_q @ np.swapaxes(phi_k, -1, -2))  # (..., Hkv, G, L, d_k) x (..., Hkv, 1, d_k, L)
+        num = kernel @ v + phi_q @ S  # (..., Hkv, G, L, L) x (..., Hkv, 1, L, d_k) + (..., L, d_k) x (..., d_k, d_k)
+        den = np.sum(kernel, axis=-1, keepdims=True) + phi_q @ z + _LINEAR_EPS  # (..., Hkv, G, L, 1)
+        out = _ungrouped((num / den).astype(x_q.dtype, copy=False))  # (..., Hkv, G, L, d_k) -> (..., H, L, d_k)
+
+        # 3) the state takes the chunk: new arrays, the caller's cache stays as it was
+        phi_k, v = phi_k[..., 0, :, :], v[..., 0, :, :]  # (..., Hkv, L, d_k)
+        S = cache.S + np.swapaxes(phi_k, -1, -2) @ v  # (..., Hkv, d_k, L) x (..., Hkv, L, d_k)
+        z = cache.z + np.sum(phi_k, axis=-2)  # (..., Hkv, d_k)
+
+        # 4) concatenate the heads and mix them
+        return self.w_o(self._merge_heads(out)), None, LinearCache(S, z, length=start + L)
 
     def _ragged(self, x_q: np.ndarray, x_kv: np.ndarray, cache: KVCache, mask: np.ndarray | None,
                 new_lengths: np.ndarray | None, *, need_weights: bool, rng: Rng,
@@ -515,7 +577,11 @@ class MultiHeadAttention(Module):
     def _check_extend(self, inputs: dict[str, np.ndarray], cache: KVCache, mask: np.ndarray | None,
                       new_lengths: np.ndarray | None = None) -> None:
         """The checks of extend, its inputs {name: (..., L, D)} against the cache and the parameters."""
-        validation.cached(self.attention)
+        validation.cache_kind(self.attention, type(cache).__name__)
+        if isinstance(cache, LinearCache):  # no mask: each position reads the state and the chunk up to its own
+            validation.cache_inputs(tuple(inputs), tuple(x.shape for x in inputs.values()), cache.S.shape,
+                                    self.w_q.weight.shape[1])
+            return validation.same_floating_dtype(_dtypes(**inputs, parameters=self.w_q.weight))
         if isinstance(cache, PagedKVCache):
             return self._check_paged(inputs, cache, mask, new_lengths)
         if isinstance(cache, StreamingKVCache):  # its own rules are _extended's (validation.streaming_step)
@@ -581,10 +647,10 @@ class MultiHeadAttention(Module):
         return (_turned(q, cos[start:start + L], sin[start:start + L], False),
                 _turned(k, cos[start:start + S], sin[start:start + S], False))
 
-    def _linear_heads(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """linear_attention (its defaults: phi = elu + 1, eps 1e-6, not causal) in every head, q (..., H, L, d_k)
+    def _linear_heads(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, is_causal: bool) -> np.ndarray:
+        """linear_attention (its defaults: phi = elu + 1, eps 1e-6) in every head, causal or not, q (..., H, L, d_k)
         against k, v (..., Hkv, S, d_k): out (..., H, L, d_k)."""
-        out = linear_attention(*self._grouped_heads(q, k, v))  # (..., Hkv, G, L, d_k)
+        out = linear_attention(*self._grouped_heads(q, k, v), is_causal=is_causal)  # (..., Hkv, G, L, d_k)
         return _ungrouped(out)  # (..., Hkv, G, L, d_k) -> (..., H, L, d_k)
 
     def _grouped_heads(self, q: np.ndarray, k: np.ndarray,
@@ -618,12 +684,14 @@ class TransformerBlock(Module):
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layer",
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
-                 sinks: bool = False, eps: float = 1e-5, rng: Rng = None, dtype: Any = None) -> None:
+                 sinks: bool = False, eps: float = 1e-5, attention: str = "softmax",
+                 rng: Rng = None, dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
         activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
         the feed-forward network; rope_theta for attention (None: no rotary embeddings); sinks for attention
-        (MultiHeadAttention's: attn.sinks (H,), zeros at first); eps inside the norm's square root; rng and
+        (MultiHeadAttention's: attn.sinks (H,), zeros at first); eps inside the norm's square root; attention
+        "softmax" or "linear" (MultiHeadAttention's: dropout 0 then); rng and
         dtype (float32 by default) for the initial parameters."""
         validation.module_sizes(d_model, num_heads, d_ff)
         validation.probability("dropout", dropout)
@@ -631,7 +699,7 @@ class TransformerBlock(Module):
         validation.norm(norm)
         rngs, dtype = _rngs(rng, 4 if activation == "swiglu" else 3), np.float32 if dtype is None else dtype
         attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
-                                  rope_theta=rope_theta, sinks=sinks, rng=rngs[0], dtype=dtype)
+                                  rope_theta=rope_theta, sinks=sinks, attention=attention, rng=rngs[0], dtype=dtype)
         norm1, norm2 = (_NORMS[norm].initialized(d_model, eps, dtype) for _ in range(2))
         self._init(attn=attn, norm1=norm1, norm2=norm2,
                    ffn=_feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype),
@@ -640,7 +708,8 @@ class TransformerBlock(Module):
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
                         norm_first: bool = False, activation: str | None = None,
-                        rope_theta: float | None = None, eps: float = 1e-5) -> TransformerBlock:
+                        rope_theta: float | None = None, eps: float = 1e-5,
+                        attention: str = "softmax") -> TransformerBlock:
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
@@ -649,15 +718,15 @@ class TransformerBlock(Module):
         validation.state(cls.__name__, shapes, validation.block_state_shapes(num_heads=num_heads, **layout._asdict()))
         validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         attn = MultiHeadAttention.from_state_dict(_prefixed(state, "attn"), num_heads=num_heads,
-                                                  dropout=dropout, rope_theta=rope_theta)
+                                                  dropout=dropout, rope_theta=rope_theta, attention=attention)
         norm1, norm2 = (_NORMS[layout.norm].from_state(_prefixed(state, name), eps) for name in ("norm1", "norm2"))
         return cls._build(attn=attn, norm1=norm1, norm2=norm2,
                           ffn=_FEED_FORWARDS[layout.activation].from_state(_prefixed(state, "ffn"),
                                                                              layout.activation, dropout),
                           dropout=dropout, norm_first=norm_first, training=True)
 
-    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, *, need_weights: bool = True,
-                 rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
+    def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, *, is_causal: bool = False,
+                 need_weights: bool = True, rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
                  score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """post-LN: x = LN_1(x + Drop(MHA(x))),   x = LN_2(x + Drop(FFN(x)));
         pre-LN:  x = x + Drop(MHA(LN_1(x))),   x = x + Drop(FFN(LN_2(x))).
@@ -665,6 +734,7 @@ class TransformerBlock(Module):
         Args:
             x: inputs (..., L, D).
             mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key.
+            is_causal: position i sees positions j <= i (and-ed with mask): a decoder block, which extend continues.
             need_weights: return the attention weights; with False the second result is None.
             rng: dropout randomness: a NumPy Generator or an int seed (None: fresh randomness).
             mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
@@ -679,16 +749,17 @@ class TransformerBlock(Module):
         rngs = _rngs(rng, 4)
 
         def attend(h: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, None]:
-            return *self.attn(h, h, h, mask, need_weights=need_weights, rng=rngs[0], mask_mod=mask_mod,
-                              score_mod=score_mod), None  # (..., L, D)
+            return *self.attn(h, h, h, mask, is_causal=is_causal, need_weights=need_weights, rng=rngs[0],
+                              mask_mod=mask_mod, score_mod=score_mod), None  # (..., L, D)
 
         x, weights, _ = self._layers(x, attend, rngs)
         return x, weights
 
     def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None, sink_tokens: int = 0,
                    window: int | None = None,
-                   rope_positions: str = "original") -> KVCache | StreamingKVCache:
-        """An empty cache of the block's attention (MultiHeadAttention.init_cache; with window, streaming)."""
+                   rope_positions: str = "original") -> KVCache | StreamingKVCache | LinearCache:
+        """An empty cache of the block's attention (MultiHeadAttention.init_cache; with window, streaming; with
+        attention="linear", the recurrent state)."""
         return self.attn.init_cache(batch_shape, capacity, dtype=dtype, sink_tokens=sink_tokens, window=window,
                                     rope_positions=rope_positions)
 
@@ -734,11 +805,12 @@ class TransformerBlock(Module):
             x = np.where(np.arange(x.shape[-2])[:, None] < np.asarray(new_lengths)[..., None, None], x, 0)
         return x, weights, cache
 
-    def vjp(self, x: np.ndarray, mask: np.ndarray | None = None, *, mask_mod: Callable[..., Any] | None = None,
+    def vjp(self, x: np.ndarray, mask: np.ndarray | None = None, *, is_causal: bool = False,
+            mask_mod: Callable[..., Any] | None = None,
             score_mod: Callable[..., Any] | None = None) -> tuple[np.ndarray, np.ndarray, Callable]:
-        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout; mask_mod and
-        score_mod as for __call__, the score function's parameters' gradients under "score_mod.<name>"."""
-        return transformer_block_vjp(self, x, mask, mask_mod=mask_mod, score_mod=score_mod)
+        """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout; is_causal, mask_mod
+        and score_mod as for __call__, the score function's parameters' gradients under "score_mod.<name>"."""
+        return transformer_block_vjp(self, x, mask, is_causal=is_causal, mask_mod=mask_mod, score_mod=score_mod)
 
     def _check_input(self, x: np.ndarray) -> None:
         validation.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
@@ -917,6 +989,7 @@ def _streaming_view(start: int, L: int, sink_tokens: int,
     return seen, source, p - evicted
 
 
+_LINEAR_EPS = 1e-6  # linear_attention's default eps, which attention="linear" uses
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}
 _FEED_FORWARDS: dict[str, Any] = {"relu": FeedForward, "gelu": FeedForward, "swiglu": GatedFeedForward}
 

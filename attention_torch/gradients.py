@@ -95,14 +95,14 @@ def scaled_dot_product_attention_vjp(
 
 
 def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             mask: torch.Tensor | None = None, *, mask_mod: Callable[..., Any] | None = None,
-                             score_mod: Callable[..., Any] | None = None,
+                             mask: torch.Tensor | None = None, *, is_causal: bool = False,
+                             mask_mod: Callable[..., Any] | None = None, score_mod: Callable[..., Any] | None = None,
                              ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """Backward through MultiHead(Q, K, V): the output projection, the heads' merge, attention per head,
     the input projections, in reverse.
 
     Args:
-        mha, q, k, v, mask: the module and its call's arguments.
+        mha, q, k, v, mask, is_causal: the module and its call's arguments.
         mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
@@ -117,7 +117,8 @@ def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torc
         inputs, params = [_leaf(x) for x in (q, k, v)], _leaves(mha)
         score_mod, learned = _learned(score_mod, q)
         out, weights = torch.func.functional_call(mha, params, (*inputs, mask),
-                                                  {"mask_mod": mask_mod, "score_mod": score_mod})
+                                                  {"is_causal": is_causal, "mask_mod": mask_mod,
+                                                   "score_mod": score_mod})
     params = {**params, **learned}
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Grads]:
@@ -129,12 +130,12 @@ def multi_head_attention_vjp(mha: Any, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def transformer_block_vjp(block: Any, x: torch.Tensor, mask: torch.Tensor | None = None, *,
-                          mask_mod: Callable[..., Any] | None = None,
+                          is_causal: bool = False, mask_mod: Callable[..., Any] | None = None,
                           score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """Backward through the block (post-LN or pre-LN); self-attention's three input gradients add up.
 
     Args:
-        block, x, mask: the block and its call's arguments.
+        block, x, mask, is_causal: the block and its call's arguments.
         mask_mod: (b, h, q_idx, kv_idx) -> bool, True where the query sees the key (attention_np.common.mods);
             needs q, k, v of four axes (B, H, L, E); and-ed with mask and the keyword rules.
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
@@ -149,7 +150,8 @@ def transformer_block_vjp(block: Any, x: torch.Tensor, mask: torch.Tensor | None
         x, params = _leaf(x), _leaves(block)
         score_mod, learned = _learned(score_mod, x)
         y, weights = torch.func.functional_call(block, params, (x, mask),
-                                                {"mask_mod": mask_mod, "score_mod": score_mod})
+                                                {"is_causal": is_causal, "mask_mod": mask_mod,
+                                                 "score_mod": score_mod})
     params = {**params, **learned}
 
     def pullback(d_out: torch.Tensor) -> tuple[torch.Tensor, Grads]:
@@ -157,7 +159,7 @@ def transformer_block_vjp(block: Any, x: torch.Tensor, mask: torch.Tensor | None
         dx, *grads = _grad(y, [x, *params.values()], d_out)
         return dx, dict(zip(params, grads, strict=True))
 
-    return y.detach(), weights.detach(), pullback
+    return y.detach(), None if weights is None else weights.detach(), pullback  # None: attention="linear"
 
 
 def _learned(score_mod: Callable[..., Any] | None,

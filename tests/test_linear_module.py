@@ -40,11 +40,12 @@ def _linear_mha(M: ModuleType, state: dict[str, np.ndarray], options: dict) -> o
                                                 dropout=0.0, rope_theta=options.get("rope_theta"), attention="linear")
 
 
-def _written_out(state: dict[str, np.ndarray], options: dict, q: np.ndarray, kv: np.ndarray) -> np.ndarray:
+def _written_out(state: dict[str, np.ndarray], options: dict, q: np.ndarray, kv: np.ndarray, *,
+                 is_causal: bool = False) -> np.ndarray:
     """The module written out one head at a time: project, slice head h and its key/value head g = h // (H / Hkv),
-    turn q and k by RoPE (apply_rope, positions from 0 in each), linear_attention with its defaults, then
-    concatenate and mix with w_o. NumPy's pieces, which tests/test_rope.py and tests/test_linear.py hold to the
-    other backends'."""
+    turn q and k by RoPE (apply_rope, positions from 0 in each), linear_attention with its defaults (causal or
+    not), then concatenate and mix with w_o. NumPy's pieces, which tests/test_rope.py and tests/test_linear.py hold
+    to the other backends'."""
     import attention_np as N
 
     hkv = options.get("num_kv_heads") or H
@@ -58,9 +59,9 @@ def _written_out(state: dict[str, np.ndarray], options: dict, q: np.ndarray, kv:
         g = h // (H // hkv)
         q_h, k_h, v_h = (x[..., i * D_K:(i + 1) * D_K] for x, i in ((q_p, h), (k_p, g), (v_p, g)))  # (B, n, d_k)
         if "rope_theta" in options:
-            q_h = N.apply_rope(q_h, np.arange(L), theta=options["rope_theta"])
-            k_h = N.apply_rope(k_h, np.arange(S), theta=options["rope_theta"])
-        heads.append(N.linear_attention(q_h, k_h, v_h))  # (B, L, d_k)
+            q_h = N.apply_rope(q_h, np.arange(q.shape[-2]), theta=options["rope_theta"])
+            k_h = N.apply_rope(k_h, np.arange(kv.shape[-2]), theta=options["rope_theta"])
+        heads.append(N.linear_attention(q_h, k_h, v_h, is_causal=is_causal))  # (B, L, d_k)
     return linear("w_o", np.concatenate(heads, axis=-1))  # (B, L, H * d_k) -> (B, L, D)
 
 
@@ -76,6 +77,22 @@ def test_linear_mha_is_the_projections_around_linear_attention_per_head(backend:
         assert_close(backend.to_numpy(out), expected, REORDERED, f"{backend.__name__} {case}")
     out, _ = mha.eval()(backend.asarray(q), backend.asarray(kv), backend.asarray(kv))  # eval: the same numbers
     assert_close(backend.to_numpy(out), expected, REORDERED, f"{backend.__name__} {case} eval")
+
+
+@pytest.mark.parametrize("case", sorted(OPTIONS))
+def test_causal_linear_mha_is_the_causal_linear_attention_per_head(backend: ModuleType, case: str) -> None:
+    # self-attention (L = S), each head's linear_attention(is_causal=True): query i sees keys j <= i only
+    options, x = OPTIONS[case], _x(B, S, D)
+    state = _state(options)
+    mha, X = _linear_mha(backend, state, options), backend.asarray(x)
+    expected = _written_out(state, options, x, x, is_causal=True)
+    out, weights = mha(X, X, X, is_causal=True)
+    assert weights is None
+    assert_close(backend.to_numpy(out), expected, REORDERED, f"{backend.__name__} {case} causal")
+    # the last query sees every key: causal or not, the same row; the first differs (it sees one key)
+    bidirectional = backend.to_numpy(mha(X, X, X)[0])
+    assert_close(backend.to_numpy(out)[:, -1], bidirectional[:, -1], REORDERED, "the last query")
+    assert np.abs(backend.to_numpy(out)[:, 0] - bidirectional[:, 0]).max() > 1e-3
 
 
 def test_linear_mha_state_dict_is_the_softmax_modules(backend: ModuleType) -> None:
@@ -127,9 +144,10 @@ def _extend_a_softmax_cache(M: ModuleType) -> object:
                                                     num_heads=H, dropout=0.0, attention="Linear"),
      ("attention", "'Linear'")),
     (_call_with_mask, ("mask", "attention='linear'")),
-    (lambda M: _linear_mha(M, _state({}), {}).init_cache((B,), L), ("init_cache", "attention='linear'")),
+    (lambda M: _linear_mha(M, _state({}), {}).init_paged_cache(B, 2, 2, 2),
+     ("init_paged_cache", "attention='linear'")),
     (_extend_a_softmax_cache, ("extend", "attention='linear'")),
-], ids=["unknown", "dropout", "dropout_from_state_dict", "unknown_from_state_dict", "mask", "init_cache",
+], ids=["unknown", "dropout", "dropout_from_state_dict", "unknown_from_state_dict", "mask", "init_paged_cache",
         "extend"])
 def test_linear_mha_errors_are_one_value_error_on_every_backend(make: Callable, words: tuple[str, ...]) -> None:
     (seen,) = _errors(make)  # one type and message on all three backends

@@ -291,10 +291,36 @@ def attention_sinks(attention: str, sinks: bool) -> None:
 
 
 def cached(attention: str) -> None:
-    """init_cache and extend keep softmax attention's keys and values: linear attention has no such cache."""
+    """init_paged_cache keeps softmax attention's keys and values in pages: linear attention keeps a state."""
     if attention != "softmax":
-        raise ValueError(f"init_cache and extend need attention='softmax'; got attention={attention!r} (linear "
-                         "attention's recurrent form is linear_attention_step)")
+        raise ValueError(f"init_paged_cache needs attention='softmax'; got attention={attention!r} (linear "
+                         "attention's cache is init_cache's recurrent state, whose size does not grow)")
+
+
+def cache_kind(attention: str, kind: str) -> None:
+    """extend's cache is its attention's: softmax attention keeps keys and values (KVCache, PagedKVCache,
+    StreamingKVCache), linear attention its recurrent state (LinearCache); `kind` the cache's class name."""
+    if (attention == "linear") != (kind == "LinearCache"):
+        wanted = "a LinearCache" if attention == "linear" else "a KVCache, PagedKVCache or StreamingKVCache"
+        raise ValueError(f"extend with attention={attention!r} needs {wanted} from init_cache; got a {kind}")
+
+
+def linear_cache(sink_tokens: int, window: int | None, rope_positions: str) -> None:
+    """init_cache with attention='linear': the recurrent state holds every position, so no streaming options."""
+    if sink_tokens != 0 or window is not None or rope_positions != "original":
+        raise ValueError("init_cache with attention='linear' keeps the recurrent state of every position: "
+                         "sink_tokens, window and rope_positions keep their defaults; got "
+                         f"sink_tokens={sink_tokens!r}, window={window!r}, rope_positions={rope_positions!r}")
+
+
+def linear_extend(mask: object, new_lengths: object, mask_mod: object, score_mod: object) -> None:
+    """extend with attention='linear': every position of the chunk causal over the state, nothing to hide or
+    modify: no mask, new_lengths, mask_mod or score_mod."""
+    for name, value in (("mask", mask), ("new_lengths", new_lengths), ("mask_mod", mask_mod),
+                        ("score_mod", score_mod)):
+        if value is not None:
+            raise ValueError(f"{name} must be None in extend with attention='linear': each new position reads the "
+                             "state of the earlier ones and the chunk's positions up to its own")
 
 
 def ring_offset(q_offset: object) -> None:
