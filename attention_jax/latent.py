@@ -256,7 +256,8 @@ class MultiHeadLatentAttention(Module):
     def _absorbed(self, q_nope: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
                   mask: jax.Array | None, **rules: Any) -> tuple[jax.Array, jax.Array | None]:
         """The same heads' attention on the latents themselves, W_UK folded into the query and W_UV into the
-        output: multi-query attention, one key head [c_KV, k_R] (Dc + Er) and one value head c_KV (Dc)."""
+        output: multi-query attention, one key head [c_KV, k_R] (Dc + Er) and one value head c_KV (Dc), the key's
+        first Dc columns."""
         En, Dc = self.qk_nope_head_dim, c_kv.shape[-1]
         w_ukv = self.kv_b_proj.weight.reshape(self.num_heads, -1, Dc)  # (H (En + Ev), Dc) -> (H, En + Ev, Dc)
         w_uk, w_uv = w_ukv[:, :En, :], w_ukv[:, En:, :]  # W_UK,h (H, En, Dc), W_UV,h (H, Ev, Dc)
@@ -264,9 +265,11 @@ class MultiHeadLatentAttention(Module):
         q_latent = jnp.einsum("...hle,hec->...hlc", q_nope, w_uk)  # q_C,h W_UK,h: (..., H, L, En) -> (..., H, L, Dc)
         q = jnp.concatenate([q_latent, q_rope], axis=-1)  # (..., H, L, Dc + Er)
         k = jnp.concatenate([c_kv, k_rope], axis=-1)[..., None, :, :]  # one key head: (..., 1, S, Dc + Er)
-        v = c_kv[..., None, :, :]  # one value head: (..., 1, S, Dc)
-        o_latent, weights = scaled_dot_product_attention(q, k, v, mask, scale=self.scale, enable_gqa=True,
-                                                         **rules)  # P_h c_KV: (..., H, L, Dc)
+        # the key serves as the value: P_h [c_KV, k_R] holds P_h c_KV in its first Dc columns; one width for both
+        # keeps torch's CPU kernel on its fast path (with Dc != Dc + Er it takes its general one, 20x slower)
+        o_joined, weights = scaled_dot_product_attention(q, k, k, mask, scale=self.scale, enable_gqa=True,
+                                                         **rules)  # P_h [c_KV, k_R]: (..., H, L, Dc + Er)
+        o_latent = o_joined[..., :Dc]  # P_h c_KV: (..., H, L, Dc)
         return jnp.einsum("...hlc,hvc->...hlv", o_latent, w_uv), weights  # (..., H, L, Dc) -> (..., H, L, Ev)
 
     def _split_heads(self, x: jax.Array) -> jax.Array:

@@ -241,16 +241,19 @@ class MultiHeadLatentAttention(Module):
     def _absorbed(self, q_nope: np.ndarray, q_rope: np.ndarray, c_kv: np.ndarray, k_rope: np.ndarray,
                   mask: np.ndarray | None, **rules: Any) -> tuple[np.ndarray, np.ndarray | None]:
         """The same heads' attention on the latents themselves, W_UK folded into the query and W_UV into the
-        output: multi-query attention, one key head [c_KV, k_R] (Dc + Er) and one value head c_KV (Dc)."""
+        output: multi-query attention, one key head [c_KV, k_R] (Dc + Er) and one value head c_KV (Dc), the key's
+        first Dc columns."""
         En, Dc = self.qk_nope_head_dim, c_kv.shape[-1]
         w_ukv = self.kv_b_proj.weight.reshape(self.num_heads, -1, Dc)  # (H (En + Ev), Dc) -> (H, En + Ev, Dc)
         w_uk, w_uv = w_ukv[:, :En, :], w_ukv[:, En:, :]  # W_UK,h (H, En, Dc), W_UV,h (H, Ev, Dc)
         q_latent = q_nope @ w_uk  # q_C,h W_UK,h: (..., H, L, En) x (H, En, Dc) -> (..., H, L, Dc)
         q = np.concatenate([q_latent, q_rope], axis=-1)  # (..., H, L, Dc + Er)
         k = np.concatenate([c_kv, k_rope], axis=-1)[..., None, :, :]  # one key head: (..., 1, S, Dc + Er)
-        v = c_kv[..., None, :, :]  # one value head: (..., 1, S, Dc)
-        o_latent, weights = scaled_dot_product_attention(q, k, v, mask, scale=self.scale, enable_gqa=True,
-                                                         **rules)  # P_h c_KV: (..., H, L, Dc)
+        # the key serves as the value: P_h [c_KV, k_R] holds P_h c_KV in its first Dc columns; one width for both
+        # keeps torch's CPU kernel on its fast path (with Dc != Dc + Er it takes its general one, 20x slower)
+        o_joined, weights = scaled_dot_product_attention(q, k, k, mask, scale=self.scale, enable_gqa=True,
+                                                         **rules)  # P_h [c_KV, k_R]: (..., H, L, Dc + Er)
+        o_latent = o_joined[..., :Dc]  # P_h c_KV: (..., H, L, Dc)
         return o_latent @ np.swapaxes(w_uv, -1, -2), weights  # (..., H, L, Dc) x (H, Dc, Ev) -> (..., H, L, Ev)
 
     def _split_heads(self, x: np.ndarray) -> np.ndarray:
@@ -340,3 +343,4 @@ def _latent_vjp(mla: MultiHeadLatentAttention, x: np.ndarray,
         return dx + dx_q, {name: grads[name] for name in mla.state_dict()}
 
     return out, weights, pullback
+

@@ -343,6 +343,26 @@ def test_the_docs_show_the_cache_table() -> None:
         f"{cache_numbers_per_token('MHA', V3):,}" in text
 
 
+def test_the_recorded_decode_run_is_recomputed() -> None:
+    """docs/mla.json (the performance page's table, `compare --variant mla`): its rows are every backend's two forms
+    at the config's S, their MFLOP recomputed from the config, the forms' difference within the benchmark's check and
+    the same on both rows of a backend, and its ratios those of its rows; only the times are the record's own."""
+    from conformance import docs
+    from conformance.bench import batching, latent
+
+    record = docs.mla_record()
+    config = latent.Config(**record["config"])
+    rows = [latent.FormRow(**row) for row in record["rows"]]
+    backends = {"attention_np": "numpy", "attention_jax": "jax", "attention_torch": "torch"}
+    assert [(row.backend, row.framework, row.form, row.context, row.mflops) for row in rows] == [
+        (name, framework, form, config.context, latent.flops(config, form) / 1e6)
+        for name, framework in backends.items() for form in latent.FORMS]
+    assert all(0 <= row.max_diff <= latent.ATOL for row in rows)
+    assert [row.max_diff for row in rows[0::2]] == [row.max_diff for row in rows[1::2]]  # one per backend
+    assert [batching.Ratio(**ratio) for ratio in record["ratios"]] == latent.ratios(rows)  # JSON keeps a float exactly
+    assert all(ratio.measured == ratio.numerator_value / ratio.denominator_value for ratio in latent.ratios(rows))
+
+
 if __name__ == "__main__" and sys.argv[1:] in ([], ["--write"]):  # python -m tests.test_latent: the docs' table
     DOCS.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END),
                            lambda _: BEGIN + cache_table() + END, DOCS.read_text(), flags=re.DOTALL))
