@@ -44,7 +44,8 @@ from attention_np.common.records import LatentSizes
 
 from .arrays import asarray
 from .functional import Rng, _dtypes, _rngs, _rope_table, _turned, scaled_dot_product_attention
-from .modules import Linear, Module, RMSNorm, _fresh
+from .modules import GatedFeedForward, Linear, Module, RMSNorm, _feed_forward, _fresh
+from .modules import _prefixed as _prefixed_state
 from .primitives import _at_least_float32
 
 EPS = 1e-6  # DeepSeek's RMSNorm eps: DeepseekV3RMSNorm's default, which q_a_layernorm and kv_a_layernorm keep
@@ -256,7 +257,8 @@ class MultiHeadLatentAttention(Module):
     def _absorbed(self, q_nope: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
                   mask: jax.Array | None, **rules: Any) -> tuple[jax.Array, jax.Array | None]:
         """The same heads' attention on the latents themselves, W_UK folded into the query and W_UV into the
-        output: multi-query attention, one key head [c_KV, k_R] (Dc + Er) and one value head c_KV (Dc)."""
+        output: multi-query attention, one key head [c_KV, k_R] (Dc + Er) and one value head c_KV (Dc), the key's
+        first Dc columns."""
         En, Dc = self.qk_nope_head_dim, c_kv.shape[-1]
         w_ukv = self.kv_b_proj.weight.reshape(self.num_heads, -1, Dc)  # (H (En + Ev), Dc) -> (H, En + Ev, Dc)
         w_uk, w_uv = w_ukv[:, :En, :], w_ukv[:, En:, :]  # W_UK,h (H, En, Dc), W_UV,h (H, Ev, Dc)
@@ -264,9 +266,11 @@ class MultiHeadLatentAttention(Module):
         q_latent = jnp.einsum("...hle,hec->...hlc", q_nope, w_uk)  # q_C,h W_UK,h: (..., H, L, En) -> (..., H, L, Dc)
         q = jnp.concatenate([q_latent, q_rope], axis=-1)  # (..., H, L, Dc + Er)
         k = jnp.concatenate([c_kv, k_rope], axis=-1)[..., None, :, :]  # one key head: (..., 1, S, Dc + Er)
-        v = c_kv[..., None, :, :]  # one value head: (..., 1, S, Dc)
-        o_latent, weights = scaled_dot_product_attention(q, k, v, mask, scale=self.scale, enable_gqa=True,
-                                                         **rules)  # P_h c_KV: (..., H, L, Dc)
+        # the key serves as the value: P_h [c_KV, k_R] holds P_h c_KV in its first Dc columns; one width for both
+        # keeps torch's CPU kernel on its fast path (with Dc != Dc + Er it takes its general one, 20x slower)
+        o_joined, weights = scaled_dot_product_attention(q, k, k, mask, scale=self.scale, enable_gqa=True,
+                                                         **rules)  # P_h [c_KV, k_R]: (..., H, L, Dc + Er)
+        o_latent = o_joined[..., :Dc]  # P_h c_KV: (..., H, L, Dc)
         return jnp.einsum("...hlc,hvc->...hlv", o_latent, w_uv), weights  # (..., H, L, Dc) -> (..., H, L, Ev)
 
     def _split_heads(self, x: jax.Array) -> jax.Array:
@@ -295,3 +299,106 @@ class MultiHeadLatentAttention(Module):
                                      "..., H, L, capacity")
         validation.cache_room(capacity, cache.length, L)
         return L
+
+
+class LatentTransformerBlock(Module):
+    """DeepSeek-V3's decoder layer with a dense MLP (DeepseekV3DecoderLayer below first_k_dense_replace; the MoE
+    layers are out of scope): pre-norm RMSNorms, multi-head latent attention and a SwiGLU feed-forward network, no
+    biases, no dropout. State-dict names: attn.* (MultiHeadLatentAttention's), norm1, norm2 (input_layernorm,
+    post_attention_layernorm), ffn.w_gate, ffn.w_up, ffn.w_down (mlp.gate_proj, up_proj, down_proj)."""
+
+    _children = ("attn", "norm1", "norm2", "ffn")
+    _settings = ("training",)
+
+    def __init__(self, d_model: int, num_heads: int, d_ff: int, *, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float = 10000.0,
+                 eps: float = EPS, rng: Rng = None, dtype: Any = None) -> None:
+        """The layer with these sizes, its parameters drawn afresh.
+
+        Args:
+            d_model: D, the inputs' and outputs' width.
+            num_heads: H.
+            d_ff: F, the feed-forward network's hidden width (DeepSeek-V3's intermediate_size).
+            q_lora_rank: Dq, or None for q_proj (MultiHeadLatentAttention's).
+            kv_lora_rank: Dc, what the cache holds per position, with k_rope.
+            qk_nope_head_dim: En.
+            qk_rope_head_dim: Er, even.
+            v_head_dim: Ev.
+            rope_theta: RoPE's base (interleaved pairs).
+            eps: inside norm1's and norm2's square root (DeepSeek-V3's rms_norm_eps, 1e-6).
+            rng: randomness for the initial parameters, drawn as nn.Linear draws them (RMSNorm weights ones).
+            dtype: the parameters' dtype (float32 by default).
+        """
+        d_ff, dtype = validation.latent_d_ff(d_ff), jnp.float32 if dtype is None else dtype
+        rngs = _rngs(_fresh(rng), 4)
+        attn = MultiHeadLatentAttention(d_model, num_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                                        qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                                        v_head_dim=v_head_dim, rope_theta=rope_theta, rng=rngs[0], dtype=dtype)
+        norm1, norm2 = (RMSNorm.initialized(d_model, eps, dtype) for _ in range(2))
+        ffn = _feed_forward(d_model, d_ff, "swiglu", 0.0, False, rngs[1:], dtype)
+        self._init(attn=attn, norm1=norm1, norm2=norm2, ffn=ffn, training=True)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, rope_theta: float = 10000.0,
+                        eps: float = EPS) -> LatentTransformerBlock:
+        """A layer holding `state` (NumPy or native arrays; computes in their dtype), its sizes read off the
+        shapes."""
+        state = {name: asarray(value) for name, value in state.items()}
+        shapes = {name: value.shape for name, value in state.items()}
+        sizes, d_ff = validation.latent_block_layout(shapes, num_heads)
+        validation.state(cls.__name__, shapes, validation.latent_block_state_shapes(sizes, d_ff))
+        validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
+        attn = MultiHeadLatentAttention.from_state_dict(_prefixed_state(state, "attn"), num_heads=num_heads,
+                                                        rope_theta=rope_theta)
+        norm1, norm2 = (RMSNorm.from_state(_prefixed_state(state, name), eps) for name in ("norm1", "norm2"))
+        ffn = GatedFeedForward.from_state(_prefixed_state(state, "ffn"), "swiglu", 0.0)
+        return cls._build(attn=attn, norm1=norm1, norm2=norm2, ffn=ffn, training=True)
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, need_weights: bool = True,
+                 rng: Rng = None) -> tuple[jax.Array, jax.Array | None]:
+        """x = x + MLA(RMSNorm_1(x)),   x = x + FFN(RMSNorm_2(x)),   FFN(h) = W_down (silu(W_gate h) * W_up h).
+
+        Args:
+            x: inputs (..., L, D).
+            mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key (causal_mask(L, L)
+                for a decoder).
+            need_weights: return the attention weights; with False the second result is None.
+            rng: unused: no dropout; taken as TransformerBlock does.
+
+        Returns:
+            x (..., L, D) and the attention weights (..., H, L, L) per head (or None).
+        """
+        self._check_input(x)
+        h, weights = self.attn(self.norm1(x), mask, need_weights=need_weights)  # (..., L, D)
+        x = x + h
+        return x + self.ffn(self.norm2(x)), weights  # (..., L, D) -> (..., L, F) -> (..., L, D)
+
+    def init_cache(self, batch_shape: tuple[int, ...], capacity: int, *, dtype: Any = None) -> LatentCache:
+        """An empty latent cache of the layer's attention (MultiHeadLatentAttention.init_cache)."""
+        return self.attn.init_cache(batch_shape, capacity, dtype=dtype)
+
+    def extend(self, x: jax.Array, cache: LatentCache, mask: jax.Array | None = None, *, absorbed: bool = False,
+               need_weights: bool = True) -> tuple[jax.Array, jax.Array | None, LatentCache]:
+        """The layer on L new positions after those in the cache: as __call__ with causal_mask over the whole
+        sequence, the attention through MultiHeadLatentAttention.extend in the form asked for.
+
+        Args:
+            x: the new positions' inputs (..., L, D).
+            cache: from init_cache, or the cache the last extend returned.
+            mask: broadcasts to (..., H, L, capacity); an entry equal to 0 / False hides that key too.
+            absorbed: the attention's decode form, as MultiHeadLatentAttention.extend's.
+            need_weights: return the attention weights; with False the second result is None.
+
+        Returns:
+            x (..., L, D), the attention weights (..., H, L, capacity) (or None), and the cache holding the new
+            positions too.
+        """
+        self._check_input(x)
+        h, weights, cache = self.attn.extend(self.norm1(x), cache, mask, absorbed=absorbed,
+                                             need_weights=need_weights)  # (..., L, D)
+        x = x + h
+        return x + self.ffn(self.norm2(x)), weights, cache  # (..., L, D)
+
+    def _check_input(self, x: jax.Array) -> None:
+        validation.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
+        validation.same_floating_dtype(_dtypes(x=x, parameters=self.norm1.weight))

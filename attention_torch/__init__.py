@@ -10,7 +10,7 @@ from .flash import flash_attention, flash_attention_vjp
 from .flex import create_block_mask, flex_attention, flex_attention_vjp
 from .functional import apply_rope, scaled_dot_product_attention
 from .gradients import scaled_dot_product_attention_vjp
-from .latent import MultiHeadLatentAttention
+from .latent import LatentTransformerBlock, MultiHeadLatentAttention
 from .linear import linear_attention, linear_attention_state, linear_attention_step, linear_attention_vjp
 from .modules import MultiHeadAttention, TransformerBlock
 from .primitives import causal_mask, padding_mask, window_mask
@@ -18,6 +18,7 @@ from .varlen import varlen_attention, varlen_attention_vjp
 
 __all__ = [
     "BlockMask",
+    "LatentTransformerBlock",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
     "TransformerBlock",

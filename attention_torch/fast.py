@@ -88,6 +88,12 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_c
         visible = causal_mask(L, S, q_offset=q_offset).to(q.device)  # (L, S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
         return torch.where(visible.any(dim=-1, keepdim=True), out, 0).to(dtype)  # a fully masked row: zeros
+    if L == 1 and not causal and not q.is_cuda:  # a decode step: each key/value head's G query heads as G rows of
+        # one head (torch: its CPU kernel runs a head of one row at a few times the cost of G rows together)
+        (H, _, E), Hkv = q.shape[-3:], k.shape[-3]
+        rows = q.reshape(*q.shape[:-3], Hkv, H // Hkv, E)  # (..., H, 1, E) -> (..., Hkv, G, E)
+        out = F.scaled_dot_product_attention(rows, k, v, scale=scale)  # (..., Hkv, G, Ev)
+        return _cast(out.reshape(*out.shape[:-3], H, 1, out.shape[-1]), dtype)  # (..., H, 1, Ev)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
     return _cast(out, dtype)
 

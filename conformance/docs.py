@@ -19,6 +19,9 @@ code by hand and no typed number drifts:
     serve                the serving benchmark's run recorded in docs/serve.json (`python -m conformance compare
                          --variant serve --json docs/serve.json` measures it; tests/test_serve.py recomputes every
                          cell that is not a time)
+    mla                  latent attention's decode step recorded in docs/mla.json (`python -m conformance compare
+                         --variant mla --json docs/mla.json`; tests/test_latent.py recomputes every cell that is
+                         not a time or a difference)
 
 A block sits between `<!-- generated: python -m conformance docs --write (NAME) -->` and
 `<!-- end generated (NAME) -->`, in any of the documents (README.md, SPEC.md, docs/**/*.md); a name may appear in
@@ -53,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent  # a checkout: the docs are not in
 README = ROOT / "README.md"
 FRAMEWORKS_JSON = ROOT / "docs" / "frameworks.json"
 SERVE_JSON = ROOT / "docs" / "serve.json"  # the serving benchmark's recorded run (compare --variant serve --json)
+MLA_JSON = ROOT / "docs" / "mla.json"  # latent attention's decode step recorded (compare --variant mla --json)
 CHECKING = Path("docs") / "checking.md"  # under the root: the page whose kernel module the `kernel` block counts
 
 # the suite's row of the matrix: `check(module)` with these options, as docs/suite.md says: every fixed case of
@@ -521,15 +525,34 @@ def serve_table() -> str:
     return "```\n" + "\n".join(lines) + "\n```"
 
 
+# --- mla: latent attention's decode step, recorded -------------------------------------------------------------
+
+def mla_record() -> dict[str, Any]:
+    """docs/mla.json: what `compare --variant mla --json` wrote (machine, config, rows, ratios)."""
+    return json.loads(MLA_JSON.read_text())
+
+
+def mla_table() -> str:
+    """The recorded run as the command printed it: the machine, the configuration, the forms and the ratios."""
+    from .bench import batching, latent
+    from .bench.report import format_mla
+
+    record = mla_record()
+    rows = [latent.FormRow(**row) for row in record["rows"]]
+    ratios = [batching.Ratio(**ratio) for ratio in record["ratios"]]
+    lines = [*record["machine"], latent.describe(latent.Config(**record["config"])), "", format_mla(rows, ratios)]
+    return "```\n" + "\n".join(lines) + "\n```"
+
+
 # --- the command ------------------------------------------------------------------------------------------------
 
 BLOCKS = ("frameworks", "frameworks-versions", "kernel", "low-precision", "checks", "groups", "profiles", "features",
-          "rules", "error-rows", "adapter-layouts", "adapter-masks", "serve")
+          "rules", "error-rows", "adapter-layouts", "adapter-masks", "serve", "mla")
 # the blocks read off the registries (and the serving benchmark's record) alone, without measuring anything
 REGISTRY_TABLES: dict[str, Callable[[], str]] = {
     "checks": checks_table, "groups": groups_table, "profiles": profiles_table, "features": features_table,
     "rules": rules_table, "error-rows": error_rows_table, "adapter-layouts": adapter_layouts_table,
-    "adapter-masks": adapter_masks_table, "serve": serve_table}
+    "adapter-masks": adapter_masks_table, "serve": serve_table, "mla": mla_table}
 
 
 def generated(found: matrix.Matrix, kernel_report: Any, low_precision: str) -> dict[str, str]:

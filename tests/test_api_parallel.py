@@ -27,10 +27,11 @@ COMMON_FILES = {"__init__.py", "block_mask.py", "keywords.py", "mods.py", "modul
                 "records.py", "validation.py"}
 SHARED = "attention_np.common"  # the code every backend shares, and the one module a backend imports from another
 NUMPY_ONLY = {SHARED.rpartition(".")[2], "figures.py"}  # the shared home; a figure of the textbook, where present
-CLASSES = ("MultiHeadAttention", "TransformerBlock", "MultiHeadLatentAttention")
+CLASSES = ("MultiHeadAttention", "TransformerBlock", "MultiHeadLatentAttention", "LatentTransformerBlock")
 # each class's public methods beyond those of every module (__init__, __call__, from_state_dict, train, eval)
 METHODS = {"MultiHeadAttention": ("vjp",), "TransformerBlock": ("vjp",),
-           "MultiHeadLatentAttention": ("vjp", "init_cache", "extend")}
+           "MultiHeadLatentAttention": ("vjp", "init_cache", "extend"),
+           "LatentTransformerBlock": ("init_cache", "extend")}
 # the one place where the backends' signatures differ by design: where ring attention's devices are, named as each
 # framework names them (NumPy simulates P devices; JAX takes a mesh and its axis; torch a process group)
 TOPOLOGY = {name: {"attention_np": ("devices",), "attention_jax": ("mesh", "axis"), "attention_torch": ("group",)}

@@ -24,7 +24,7 @@ import pytest
 
 import attention_np
 from conformance.__main__ import main
-from conformance.bench import baselines, decode, report, timing, variants
+from conformance.bench import baselines, decode, latent, report, timing, variants
 from conformance.bench.baselines import tutorial_attention
 from conformance.frameworks.registry import framework_of
 from tests._compare import assert_close
@@ -355,7 +355,7 @@ _VARIANT_LABELS = {
 }
 
 
-@pytest.mark.parametrize("name", ["plain", "gqa", "window", "long", "flex", "serve"])
+@pytest.mark.parametrize("name", ["plain", "gqa", "window", "long", "flex", "serve", "mla"])
 def test_cli_parses_each_variant(name: str) -> None:
     from conformance.__main__ import build_parser
 
@@ -608,3 +608,21 @@ def test_cli_parses_ring() -> None:
     from conformance.__main__ import build_parser
 
     assert build_parser().parse_args(["compare", "--ring"]).ring
+
+
+def test_mla_variant_runs_at_a_tiny_size_with_both_forms_and_their_ratios() -> None:
+    """`compare --variant mla`'s run (bench/latent.py) on every installed backend at a tiny size: two rows per
+    backend, the forms checked equal before timing, the ratios absorbed / expanded with the target in torch and
+    JAX alone, and the table printed as the docs show it."""
+    config = latent.Config(d_model=16, num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                           v_head_dim=4, context=24, turn=1, repeats=1)
+    backends, _ = timing.installed_backends()
+    with timing.pinned(backends):
+        rows, ratios = latent.run(config, backends)
+    assert [(row.backend, row.form) for row in rows] == [(name, form) for name in backends for form in latent.FORMS]
+    assert all(row.max_diff <= latent.ATOL and row.ms_per_token > 0 for row in rows)
+    assert [(r.numerator, r.denominator, r.bound) for r in ratios] == [
+        (f"{name} absorbed", f"{name} expanded", None if name == "attention_np" else latent.TARGET)
+        for name in backends]
+    table = report.format_mla(rows, ratios)
+    assert all(f"ms/token: {name} absorbed / {name} expanded" in table for name in backends)

@@ -229,3 +229,16 @@ def test_the_per_platform_choice_passes_through_grad_and_vmap(monkeypatch):
     batched = jax.jit(jax.vmap(lambda q: scaled_dot_product_attention(q, k, v, need_weights=False)[0]))(q[None])
     explicit = jax.jit(lambda q: scaled_dot_product_attention(q, k, v)[0])(q)
     assert_close(np.asarray(batched[0], np.float64), np.asarray(explicit, np.float64), 2**-7, "vmap")
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 6])
+def test_a_grouped_decode_step_equals_the_explicit_path(backend, num_kv_heads):
+    """One query after S - 1 keys (causal, q_offset = S - 1: every key visible), H = 6 query heads on Hkv: torch
+    hands its kernel each key/value head's G query heads as G rows of one head (fast.grouped_attention)."""
+    rng = np.random.default_rng(4)
+    q = backend.asarray(rng.standard_normal((2, 6, 1, 5)))  # (B, H, 1, E)
+    k, v = (backend.asarray(rng.standard_normal((2, num_kv_heads, 9, width))) for width in (5, 3))  # (B, Hkv, S, .)
+    keywords = {"is_causal": True, "q_offset": 8, "enable_gqa": True, "scale": 0.7}
+    explicit, _ = backend.scaled_dot_product_attention(q, k, v, **keywords)
+    fast, _ = backend.scaled_dot_product_attention(q, k, v, need_weights=False, **keywords)
+    assert_close(backend.to_numpy(fast), backend.to_numpy(explicit), REORDERED, "fast vs explicit")

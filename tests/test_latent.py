@@ -292,6 +292,130 @@ def test_the_absorbed_step_forms_no_heads_keys_or_values() -> None:
         refusing.extend(x, refusing.init_cache((1,), 4), absorbed=False)
 
 
+# --- LatentTransformerBlock: DeepSeek-V3's decoder layer with a dense MLP ---------------------------------------
+
+F = 24  # d_ff: the dense MLP's intermediate_size
+LAYER_NAMES = {"self_attn.": "attn.", "input_layernorm.": "norm1.", "post_attention_layernorm.": "norm2.",
+               "mlp.gate_proj.": "ffn.w_gate.", "mlp.up_proj.": "ffn.w_up.", "mlp.down_proj.": "ffn.w_down."}
+
+
+def _ours_named(name: str) -> str:
+    """transformers' DeepseekV3DecoderLayer state-dict name -> LatentTransformerBlock's."""
+    prefix = next(prefix for prefix in LAYER_NAMES if name.startswith(prefix))
+    return LAYER_NAMES[prefix] + name.removeprefix(prefix)
+
+
+@pytest.fixture(scope="module", params=Q_LORA_RANKS, ids=("q_lora", "q_proj"))
+def layer_reference(request: pytest.FixtureRequest) -> dict:
+    """transformers' DeepseekV3DecoderLayer at layer 0 below first_k_dense_replace (its dense MLP, not the MoE),
+    random weights (norm gains not 1), float64: the state under our names, an input and its causal pass."""
+    transformers = pytest.importorskip("transformers")
+    deepseek = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    config = transformers.DeepseekV3Config(
+        vocab_size=16, hidden_size=D, intermediate_size=F, moe_intermediate_size=8, num_hidden_layers=1,
+        first_k_dense_replace=1, hidden_act="silu", rms_norm_eps=1e-6, num_attention_heads=H, num_key_value_heads=H,
+        q_lora_rank=request.param, **SIZES, rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": THETA}, attention_bias=False, attention_dropout=0.0)
+    config._attn_implementation = "sdpa"  # float64 throughout (eager's softmax is float32)
+    layer = deepseek.DeepseekV3DecoderLayer(config, layer_idx=0).double().eval()
+    assert isinstance(layer.mlp, deepseek.DeepseekV3MLP)  # the dense MLP
+    for norm in layer.modules():
+        if isinstance(norm, deepseek.DeepseekV3RMSNorm):
+            norm.forward = types.MethodType(_rms_norm_in_input_dtype, norm)
+    rng = np.random.default_rng(3)
+    state = {name: rng.uniform(-0.4, 0.4, tuple(value.shape)) for name, value in layer.state_dict().items()}
+    state |= {name: rng.uniform(0.5, 1.5, value.shape) for name, value in state.items() if "layernorm" in name}
+    layer.load_state_dict({name: torch.from_numpy(value) for name, value in state.items()})
+    x = rng.standard_normal((B, L, D))
+    hidden = np.where(np.tri(L, L, dtype=bool), 0.0, -np.inf)[None, None]  # (1, 1, L, L) additive causal mask
+    with torch.no_grad():
+        out = layer(torch.from_numpy(x), attention_mask=torch.from_numpy(hidden), position_embeddings=_cos_sin(
+            np.arange(L)))
+    return {"q_lora_rank": request.param, "state": {_ours_named(name): value for name, value in state.items()},
+            "x": x, "out": out.numpy()}
+
+
+def _block(M: ModuleType, state: dict[str, np.ndarray]):
+    return M.LatentTransformerBlock.from_state_dict({name: M.asarray(value) for name, value in state.items()},
+                                                    num_heads=H, rope_theta=THETA).eval()
+
+
+def test_block_equals_transformers_deepseek_v3_decoder_layer(backend: ModuleType, layer_reference: dict) -> None:
+    block = _block(backend, layer_reference["state"])
+    out, _ = method_program(backend, "__call__")(block, backend.asarray(layer_reference["x"]),
+                                                 backend.causal_mask(L, L))
+    assert_close(backend.to_numpy(out), layer_reference["out"], TOLERANCE, "out")
+
+
+def test_block_is_its_pieces_composed(backend: ModuleType, layer_reference: dict) -> None:
+    """x + MLA(RMSNorm_1(x)), then + W_down (silu(W_gate h) * W_up h) of RMSNorm_2: the RMSNorms and the MLP written
+    out here in NumPy, the attention the backend's MultiHeadLatentAttention holding attn.*."""
+    state, x = layer_reference["state"], layer_reference["x"]
+
+    def rms(name: str, h: np.ndarray) -> np.ndarray:
+        return state[f"{name}.weight"] * h / np.sqrt(np.mean(h**2, axis=-1, keepdims=True) + 1e-6)
+
+    attn = _ours(backend, {name.removeprefix("attn."): value for name, value in state.items()
+                           if name.startswith("attn.")})
+    h, _ = method_program(backend, "__call__")(attn, backend.asarray(rms("norm1", x)), backend.causal_mask(L, L))
+    x = x + backend.to_numpy(h)
+    gate, up = (rms("norm2", x) @ state[f"ffn.{name}.weight"].T for name in ("w_gate", "w_up"))
+    expected = x + (gate / (1 + np.exp(-gate)) * up) @ state["ffn.w_down.weight"].T  # silu(g) = g sigmoid(g)
+    out, _ = method_program(backend, "__call__")(_block(backend, state), backend.asarray(layer_reference["x"]),
+                                                 backend.causal_mask(L, L))
+    assert_close(backend.to_numpy(out), expected, EXACT, "out")
+
+
+@pytest.mark.parametrize("absorbed", [False, True], ids=["expanded", "absorbed"])
+def test_block_decodes_through_its_cache_as_its_full_pass(backend: ModuleType, layer_reference: dict,
+                                                          absorbed: bool) -> None:
+    block, x = _block(backend, layer_reference["state"]), layer_reference["x"]
+    out, weights, cache = _decode(backend, block, x, absorbed)
+    assert_close(out, layer_reference["out"], TOLERANCE, "out")
+    _, full_weights = method_program(backend, "__call__")(block, backend.asarray(x), backend.causal_mask(L, L))
+    assert_close(weights[..., :L], backend.to_numpy(full_weights), EXACT, "weights")
+    assert backend.to_numpy(cache.c_kv).shape == (B, CAPACITY, SIZES["kv_lora_rank"])  # the attention's latents
+
+
+def test_block_state_dict_holds_the_layer_s_names(backend: ModuleType, layer_reference: dict) -> None:
+    block = backend.LatentTransformerBlock(D, H, F, q_lora_rank=layer_reference["q_lora_rank"], **SIZES,
+                                           rng=backend_rng(backend, 0))
+    state = {name: backend.to_numpy(value) for name, value in block.state_dict().items()}
+    assert {name: value.shape for name, value in state.items()} == \
+        {name: value.shape for name, value in layer_reference["state"].items()}
+    assert list(state)[:2] == ["attn.q_a_proj.weight" if layer_reference["q_lora_rank"] else "attn.q_proj.weight",
+                               "attn.q_a_layernorm.weight" if layer_reference["q_lora_rank"]
+                               else "attn.kv_a_proj_with_mqa.weight"]
+    again = backend.LatentTransformerBlock.from_state_dict(block.state_dict(), num_heads=H)
+    assert all(np.array_equal(backend.to_numpy(value), state[name]) for name, value in again.state_dict().items())
+
+
+BLOCK_MISTAKES = {
+    "x without D": (lambda M, m: m(M.asarray(np.zeros((B, L, D + 1), np.float32))), ["x", "(2, 7, 33)", "32"]),
+    "extend: x without D": (lambda M, m: m.extend(M.asarray(np.zeros((B, 1, D + 1), np.float32)),
+                                                  m.init_cache((B,), 4)), ["x", "(2, 1, 33)", "32"]),
+    "zero d_ff": (lambda M, m: M.LatentTransformerBlock(D, H, 0, q_lora_rank=12, **SIZES),
+                  ["d_ff", "0"]),
+    "entry unexpected": (lambda M, m: M.LatentTransformerBlock.from_state_dict(
+        m.state_dict() | {"ffn.bias": M.asarray(np.zeros((3,), np.float32))}, num_heads=H), ["unexpected ffn.bias"]),
+    "entry mis-shaped": (lambda M, m: M.LatentTransformerBlock.from_state_dict(
+        m.state_dict() | {"ffn.w_up.weight": M.asarray(np.zeros((F, D + 1), np.float32))}, num_heads=H),
+        ["ffn.w_up.weight", "(24, 33)", "(24, 32)"]),
+    "entry missing": (lambda M, m: M.LatentTransformerBlock.from_state_dict(
+        {name: value for name, value in m.state_dict().items() if name != "norm2.weight"}, num_heads=H),
+        ["norm2.weight"]),
+}
+
+
+@pytest.mark.parametrize("mistake", BLOCK_MISTAKES.values(), ids=BLOCK_MISTAKES.keys())
+def test_block_mistakes_raise_errors_naming_the_argument_and_shapes(backend: ModuleType, mistake) -> None:
+    call, words = mistake
+    block = backend.LatentTransformerBlock(D, H, F, q_lora_rank=12, **SIZES, rng=backend_rng(backend, 0))
+    with pytest.raises(ValueError) as raised:
+        call(backend, block)
+    assert all(word in str(raised.value) for word in words), str(raised.value)
+
+
 # What a cache holds per token and layer, at DeepSeek-V3's attention sizes (its config.json), for MLA and for
 # attention of the same heads (keys of E = En + Er, values of Ev) caching H, 8 or 1 key/value heads.
 V3 = {"num_heads": 128, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
@@ -341,6 +465,26 @@ def test_the_docs_show_the_cache_table() -> None:
     assert re.search(re.escape(BEGIN) + "(.*?)" + re.escape(END), text, re.DOTALL)[1] == cache_table()
     assert f"{cache_numbers_per_token('MLA', V3):,} numbers a position against " \
         f"{cache_numbers_per_token('MHA', V3):,}" in text
+
+
+def test_the_recorded_decode_run_is_recomputed() -> None:
+    """docs/mla.json (the performance page's table, `compare --variant mla`): its rows are every backend's two forms
+    at the config's S, their MFLOP recomputed from the config, the forms' difference within the benchmark's check and
+    the same on both rows of a backend, and its ratios those of its rows; only the times are the record's own."""
+    from conformance import docs
+    from conformance.bench import batching, latent
+
+    record = docs.mla_record()
+    config = latent.Config(**record["config"])
+    rows = [latent.FormRow(**row) for row in record["rows"]]
+    backends = {"attention_np": "numpy", "attention_jax": "jax", "attention_torch": "torch"}
+    assert [(row.backend, row.framework, row.form, row.context, row.mflops) for row in rows] == [
+        (name, framework, form, config.context, latent.flops(config, form) / 1e6)
+        for name, framework in backends.items() for form in latent.FORMS]
+    assert all(0 <= row.max_diff <= latent.ATOL for row in rows)
+    assert [row.max_diff for row in rows[0::2]] == [row.max_diff for row in rows[1::2]]  # one per backend
+    assert [batching.Ratio(**ratio) for ratio in record["ratios"]] == latent.ratios(rows)  # JSON keeps a float exactly
+    assert all(ratio.measured == ratio.numerator_value / ratio.denominator_value for ratio in latent.ratios(rows))
 
 
 if __name__ == "__main__" and sys.argv[1:] in ([], ["--write"]):  # python -m tests.test_latent: the docs' table

@@ -965,6 +965,30 @@ def latent_state_shapes(sizes: LatentSizes) -> dict[str, Shape]:
                       "o_proj.weight": (D, H * sizes.v_head_dim)}
 
 
+def latent_d_ff(d_ff: int) -> int:
+    """LatentTransformerBlock's d_ff: a positive integer."""
+    if not _positive_int(d_ff):
+        raise ValueError(f"d_ff must be a positive integer; got {d_ff!r}")
+    return int(d_ff)
+
+
+def latent_block_state_shapes(sizes: LatentSizes, d_ff: int) -> dict[str, Shape]:
+    """State-dict names and shapes of LatentTransformerBlock: attn.* as latent_state_shapes, norm1 and norm2 (D,),
+    ffn.w_gate and ffn.w_up (F, D), ffn.w_down (D, F), no biases."""
+    D = sizes.d_model
+    return ({f"attn.{name}": shape for name, shape in latent_state_shapes(sizes).items()}
+            | {"norm1.weight": (D,), "norm2.weight": (D,), "ffn.w_gate.weight": (d_ff, D), "ffn.w_up.weight": (d_ff, D),
+               "ffn.w_down.weight": (D, d_ff)})
+
+
+def latent_block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int) -> tuple[LatentSizes, int]:
+    """A LatentTransformerBlock state's sizes: the attention's (latent_layout on attn.*) and F from ffn.w_gate's
+    rows; validation.state then compares every entry with latent_block_state_shapes."""
+    (d_ff,) = state_widths(shapes, {"ffn.w_gate.weight": 0})
+    attention = {name.removeprefix("attn."): shape for name, shape in shapes.items() if name.startswith("attn.")}
+    return latent_layout(attention, num_heads), d_ff
+
+
 def latent_layout(shapes: Mapping[str, Sequence[int]], num_heads: int) -> LatentSizes:
     """A MultiHeadLatentAttention state's sizes, read off its shapes: D and Dc + Er from kv_a_proj_with_mqa, Dc
     from kv_a_layernorm, Dq from q_a_proj (None with q_proj instead), Ev from o_proj's columns / H, En from

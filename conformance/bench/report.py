@@ -4,7 +4,8 @@ path is from the fast one, and how the cost grows with the sequence length.
 This module is the command line and what it prints: the table, the targets, the machine, the plot and the
 JSON. What is timed and how (the candidates, the interleaving, the FLOPs, the rows) is bench/timing.py; the
 variants (--variant) are declared in bench/variants.py, the decode benchmark (--decode) in bench/decode.py, the
-serving benchmark (--variant serve) in bench/batching.py, the complexity table (--complexity) in bench/complexity.py.
+serving benchmark (--variant serve) in bench/batching.py, latent attention's decode step (--variant mla) in
+bench/latent.py, the complexity table (--complexity) in bench/complexity.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from ..cli import names_of, positive_int, positive_ints
 from ..frameworks.registry import BUILT_IN, NUMPY, TORCH, framework_of
-from . import batching, cluster, complexity, decode, memory, ring, ring_torch, timing, variants
+from . import batching, cluster, complexity, decode, latent, memory, ring, ring_torch, timing, variants
 from .columns import columns
 
 FOOTNOTE = """\
@@ -83,6 +84,14 @@ positions: at the step whose pool holds the most pages, pages in use x page_size
   requests hold then (held), and against a padded contiguous cache of slots x the longest total."""
 
 
+MLA_FOOTNOTE = """\
+ms/token: one extend of one position over the cache of S - 1 (need_weights=False); each (backend, form) runs turns of
+  the config's steps, all in turn, rounds after a warm-up round; the median over the rounds. MFLOP: the step's
+  matrix products that grow with S (expanded: kv_b_proj over the S latents and H heads of attention; absorbed:
+  multi-query attention over the latents, the weights folded into the query and the output).
+max|diff|: the absorbed step's output against the expanded one's, checked <= 1e-3 before timing."""
+
+
 # --- the tables, the machine and the plot --------------------------------------------------------------
 
 
@@ -133,6 +142,20 @@ def format_serve(rows: Sequence[batching.MethodRow], ratios: Sequence[batching.R
                          f"{ratio.numerator_value:.0f} / {ratio.denominator_value:.0f}", f"{ratio.measured:.2f}",
                          target, {None: "-", True: "MET", False: "MISSED"}[ratio.met]))
     return columns(methods, right=(1, 2, 3, 4)) + "\n\n" + columns(compared, right=(1, 2))
+
+
+def format_mla(rows: Sequence[latent.FormRow], ratios: Sequence[batching.Ratio]) -> str:
+    """One line per backend and form (ms/token, MFLOP, max|diff|), then one per ratio with its target and verdict."""
+    forms = [("backend", "form", "S", "MFLOP", "ms/token", "max|diff|")]
+    forms += [(row.backend, row.form, str(row.context), f"{row.mflops:.1f}", f"{row.ms_per_token:.3f}",
+               f"{row.max_diff:.1e}") for row in rows]
+    compared = [("compared", "values", "measured", "target", "verdict")]
+    for ratio in ratios:
+        target = "-" if ratio.bound is None else f"{ratio.relation} {ratio.bound:g}"
+        compared.append((f"{ratio.compared}: {ratio.numerator} / {ratio.denominator}",
+                         f"{ratio.numerator_value:.3f} / {ratio.denominator_value:.3f}", f"{ratio.measured:.3f}",
+                         target, {None: "-", True: "MET", False: "MISSED"}[ratio.met]))
+    return columns(forms, right=(2, 3, 4, 5)) + "\n\n" + columns(compared, right=(1, 2))
 
 
 def format_targets(rows: Sequence[timing.TargetRow]) -> str:
@@ -255,7 +278,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--operations", type=names_of("operations", lambda: timing.OPERATIONS), default=None,
                         metavar="OP,...",
                         help="any of sdpa,mha,block (default: all three; gqa and window: sdpa only)")
-    parser.add_argument("--variant", choices=(*variants.VARIANTS, "serve"), default="plain",
+    parser.add_argument("--variant", choices=(*variants.VARIANTS, "serve", "mla"), default="plain",
                         help="plain (default); gqa: grouped-query attention, H=32 query heads on 8 key/value "
                              "heads; window: is_causal with window=(256, 0) beside full causal (B=1); long: "
                              "flash_attention, its gradient and the untiled paths, B=1, H=1, up to L=32768; flex: "
@@ -263,7 +286,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "dense mask and torch's compiled flex_attention, B=1, L=S=4096 (CPU); serve: "
                              "continuous batching through the paged cache against static batching with padding "
                              "and recomputing, one stream, a tiny Llama in NumPy (bench/batching.py; takes "
-                             "--requests, --repeats (default 3), --json)")
+                             "--requests, --repeats (default 3), --json); mla: multi-head latent attention's decode "
+                             "step over 4096 positions, absorbed against expanded, every backend (bench/latent.py; "
+                             "takes --repeats (default 5), --json)")
     parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
                         help="float32 (default), float64, or bfloat16 (torch and JAX only)")
     parser.add_argument("--repeats", type=positive_int, default=None, metavar="N",
@@ -318,6 +343,8 @@ def main(args: argparse.Namespace) -> int:
         return decode_main(args)
     if args.variant == "serve":  # not a timing.Variant of attention calls: a stream served three ways
         return serve_main(args)
+    if args.variant == "mla":  # one decode step of MultiHeadLatentAttention in two forms
+        return mla_main(args)
     if args.memory:
         return memory_main(args.variant)
     if args.ring:
@@ -485,4 +512,25 @@ def serve_main(args: argparse.Namespace) -> int:
             json.dump({"machine": machine({}), "variant": "serve",
                        "config": config._asdict(), "rows": [row._asdict() for row in rows],
                        "ratios": [ratio._asdict() for ratio in ratios]}, file, indent=1)
+    return 0
+
+
+def mla_main(args: argparse.Namespace) -> int:
+    """`compare --variant mla`: latent attention's decode step, absorbed against expanded, on every backend, in
+    turns; the ratios and their verdicts; 0 (the verdicts do not set the exit code)."""
+    backends, skipped = timing.installed_backends()
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    config = latent.Config(repeats=args.repeats or latent.Config().repeats)
+    with timing.pinned(backends) as settings:
+        print("\n".join(machine(backends)))
+        print("; ".join(settings) or "no precision settings")
+        print(latent.describe(config) + "\n")
+        rows, ratios = latent.run(config, backends)
+    print(format_mla(rows, ratios) + "\n\n" + MLA_FOOTNOTE)
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"machine": machine(backends), "variant": "mla", "config": config._asdict(),
+                       "rows": [row._asdict() for row in rows], "ratios": [ratio._asdict() for ratio in ratios]},
+                      file, indent=1)
     return 0
