@@ -261,6 +261,22 @@ def _sunk_softmax(scores: jax.Array, visible: jax.Array | None, sinks: jax.Array
     return exp / jnp.where(total == 0.0, 1.0, total)  # a sink of -inf and no key seen: 0 / 1 = 0, never 0 / 0
 
 
+def _alibi(slopes: jax.Array | None, bias: jax.Array | None, q_offset: int | jax.Array, batch: tuple,
+           grouped: bool, L: int, S: int, work: Any) -> jax.Array | None:
+    """bias plus ALiBi's -slope_h * |p_i - j|, p_i = q_offset + i query i's position and j key j's, as one
+    additive bias (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H),
+    checked against the scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
+    if slopes is None:
+        return bias
+    slopes = jnp.asarray(slopes)
+    slopes = slopes.astype(work).reshape(validation.alibi_slopes(slopes.shape, batch, grouped))
+    rank = len(batch) + 2  # jax: one rank for all, no rank promotion
+    q_idx, kv_idx = _positions(L, S, rank)  # (1, ..., L, 1), (1, ..., 1, S)
+    positions = _ranked(_integers(q_offset, "q_offset", batch)[..., None, None], rank) + q_idx  # (..., L, 1)
+    alibi = -_ranked(slopes, rank) * jnp.abs(positions - kv_idx).astype(work)  # (..., 1, 1) x (..., L, S)
+    return alibi if bias is None else _ranked(jnp.asarray(bias, dtype=work), rank) + alibi  # -inf still hides
+
+
 def _sunk_rows(out: jax.Array, lse: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """out (..., L, Ev) and lse (..., L) of a softmax over the keys, with each row's sink joined once, as one more
     partial result of out 0 and lse the sink: lse' = logaddexp(lse, sink), out' = exp(lse - lse') out (a row that

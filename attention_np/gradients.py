@@ -57,6 +57,7 @@ def scaled_dot_product_attention_vjp(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
@@ -84,6 +85,8 @@ def scaled_dot_product_attention_vjp(
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for scaled_dot_product_attention; constants: they take
+            no gradient (their bias -slope_h * |p_i - j| joins S as bias does, dS unchanged).
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
@@ -94,7 +97,7 @@ def scaled_dot_product_attention_vjp(
     _check_derivative("scaled_dot_product_attention_vjp", score_mod)  # numpy: the backward is derived by hand
     mods = _mods("scaled_dot_product_attention_vjp", q, k, v, mask_mod, score_mod, enable_gqa)  # None: no mods
     options = {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap, "mods": mods,
-               "sinks": sinks}
+               "sinks": sinks, "alibi_slopes": alibi_slopes}
     if enable_gqa:  # the grouped call's pullback (k, v broadcast over each group), its gradients reshaped back
         return _grouped_vjp(q, k, v, mask, bias=bias, q_offset=q_offset, key_lengths=key_lengths, **options)
     return _vjp(q, k, v, mask, bias=bias, q_offset=q_offset, key_lengths=key_lengths, **options)
@@ -103,13 +106,14 @@ def scaled_dot_product_attention_vjp(
 def _vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *, bias: np.ndarray | None,
          is_causal: bool, scale: float | None, q_offset: int | np.ndarray, window: tuple | None,
          key_lengths: np.ndarray | None, softcap: float | None, mods: _Mods | None, sinks: np.ndarray | None,
-         grouped: bool = False) -> tuple[np.ndarray, np.ndarray, Callable]:
+         alibi_slopes: np.ndarray | None = None, grouped: bool = False) -> tuple[np.ndarray, np.ndarray, Callable]:
     """scaled_dot_product_attention_vjp once the heads are grouped (`grouped`, enable_gqa) and the mods' index
     arrays laid out as those scores."""
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
     out, weights = _attention(q, k, v, mask, bias, structure, scale=scale, softcap=softcap, mods=mods,
-                              sinks=sinks, grouped=grouped, dropout_p=0.0, need_weights=True, rng=None)
+                              sinks=sinks, grouped=grouped, dropout_p=0.0, need_weights=True, rng=None,
+                              alibi_slopes=alibi_slopes)
     scale = validation.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
     laid = None if sinks is None else _sink_logits(sinks, validation.attention_batch(q.shape, k.shape, v.shape),
                                                    grouped, np.promote_types(q.dtype, np.float32))

@@ -222,6 +222,20 @@ def _sink_logits(sinks: np.ndarray | None, batch: tuple, grouped: bool, work: np
     return sinks.astype(work, copy=False).reshape(validation.sinks(sinks.shape, batch, grouped))
 
 
+def _alibi(slopes: np.ndarray | None, bias: np.ndarray | None, q_offset: int | np.ndarray, batch: tuple,
+           grouped: bool, L: int, S: int, work: np.dtype) -> np.ndarray | None:
+    """bias plus ALiBi's -slope_h * |p_i - j|, p_i = q_offset + i query i's position and j key j's, as one
+    additive bias (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H),
+    checked against the scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
+    if slopes is None:
+        return bias
+    slopes = np.asarray(slopes)
+    slopes = slopes.astype(work, copy=False).reshape(validation.alibi_slopes(slopes.shape, batch, grouped))
+    positions = _integers(q_offset, "q_offset", batch)[..., None, None] + np.arange(L)[:, None]  # (..., L, 1)
+    alibi = -slopes * np.abs(positions - np.arange(S)).astype(work)  # (..., 1, 1) x (..., L, S) -> (..., L, S)
+    return alibi if bias is None else np.asarray(bias, dtype=work) + alibi  # a -inf bias still hides
+
+
 def _sunk_rows(out: np.ndarray, lse: np.ndarray, sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """out (..., L, Ev) and lse (..., L) of a softmax over the keys, with each row's sink joined once, as one more
     partial result of out 0 and lse the sink: lse' = logaddexp(lse, sink), out' = exp(lse - lse') out (a row that

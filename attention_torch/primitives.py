@@ -179,6 +179,21 @@ def _sink_logits(sinks: torch.Tensor | None, batch: tuple, grouped: bool, work: 
     return sinks.to(work).reshape(validation.sinks(sinks.shape, batch, grouped))
 
 
+def _alibi(slopes: torch.Tensor | None, bias: torch.Tensor | None, q_offset: int | torch.Tensor, batch: tuple,
+           grouped: bool, L: int, S: int, work: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """bias plus ALiBi's -slope_h * |p_i - j|, p_i = q_offset + i query i's position and j key j's, as one
+    additive bias (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H),
+    checked against the scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
+    if slopes is None:
+        return bias
+    slopes = torch.as_tensor(slopes, device=device)
+    slopes = slopes.to(work).reshape(validation.alibi_slopes(slopes.shape, batch, grouped)).detach()  # constants
+    q_idx, kv_idx = _positions(L, S, device)  # (L, 1), (S,)
+    positions = _integers(q_offset, "q_offset", batch).to(device)[..., None, None] + q_idx  # (..., L, 1)
+    alibi = -slopes * (positions - kv_idx).abs().to(work)  # (..., 1, 1) x (..., L, S) -> (..., L, S)
+    return alibi if bias is None else torch.as_tensor(bias, dtype=work, device=device) + alibi  # -inf still hides
+
+
 def _parameters(score_mod: Callable[..., Any] | None, q: torch.Tensor) -> list[torch.Tensor]:
     """A ScoreMod's parameters as tensors on q's device, to be inputs of the autograd operation: a tensor as it
     is (so that its gradient reaches it), anything else as a new tensor, floating (an integer slope becomes the

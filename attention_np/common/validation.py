@@ -154,6 +154,20 @@ def sinks(shape: Sequence[int], batch: Sequence[int], grouped: bool) -> Shape:
     return (*shape, 1, 1)
 
 
+def alibi_slopes(shape: Sequence[int], batch: Sequence[int], grouped: bool) -> Shape:
+    """ALiBi's slopes, one per query head, (H,) or (B, H), must broadcast to the scores' leading axes (..., H),
+    `batch` those axes ((..., Hkv, G) with enable_gqa, H = Hkv * G). Returns the slopes' shape laid out against
+    the scores (..., L, S): (..., 1, 1), the head axis split into (Hkv, G) where the heads are grouped."""
+    shape, batch = _shape(shape), _shape(batch)
+    heads = (*batch[:-2], batch[-2] * batch[-1]) if grouped else batch
+    if len(shape) not in (1, 2) or not heads or shape[-1] != heads[-1] or not _fits(shape, heads):
+        raise ValueError(f"alibi_slopes of shape {shape} must be (H,) or (B, H), one slope per query head, "
+                         f"broadcasting to the scores' leading axes {heads} (..., H)")
+    if grouped:
+        shape = grouped_shape(shape, heads[-1], batch[-2], 0)
+    return (*shape, 1, 1)
+
+
 def shared_kv_head(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> bool:
     """Whether k and v hold one head (axis -3, or none) that several query heads of q's axis -3 share: GQA's
     groups (enable_gqa), or multi-query attention by broadcasting. A fast path then needs no copy of k and v

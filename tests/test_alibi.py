@@ -1,0 +1,124 @@
+"""ALiBi (SPEC.md section 2i) on every backend: each score gets the bias -slope_h * |p_i - j|, p_i = q_offset + i
+the query's position and j the key's, flash-attn's `alibi_slopes` (BLOOM, MPT).
+
+scaled_dot_product_attention (both paths) and its vjp against the rule written out here as an additive bias
+(with q_offset != 0, causal, grouped-query heads, slopes (H,) and (B, H)), against the float64 oracle, the
+gradients against central differences (the slopes take none), and the errors.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from conformance.contract import oracle
+from tests._compare import assert_close, central_differences, one_program
+
+B, H, HKV, L, S, E = 2, 4, 2, 5, 7, 3  # grouped-query heads: two query heads per key/value head
+Q_OFFSET = S - L  # bottom-right alignment: the last query sits at the last key
+RTOL = 1e-12  # float64 against the rule written out: a few roundings apart
+GRADIENT_RTOL = 1e-7  # central differences at h = 1e-5 resolve a float64 derivative to about 1e-10
+
+
+def _case(seed: int = 0) -> dict[str, np.ndarray]:
+    """q (B, H, L, E), k and v (B, Hkv, S, E), slopes (H,) of different sizes."""
+    rng = np.random.default_rng(seed)
+    return {"q": rng.standard_normal((B, H, L, E)), "k": rng.standard_normal((B, HKV, S, E)),
+            "v": rng.standard_normal((B, HKV, S, E)), "slopes": np.array([0.5, 0.25, 1.5, 0.0625])}
+
+
+def _alibi_bias(slopes: np.ndarray, q_offset: int, L: int, S: int) -> np.ndarray:
+    """flash-attn's rule, written out: bias_hij = -slope_h * |i + q_offset - j|; slopes (H,) or (B, H) ->
+    (H, L, S) or (B, H, L, S)."""
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    return -np.asarray(slopes)[..., None, None] * np.abs(i + q_offset - j)
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["explicit", "fast"])
+@pytest.mark.parametrize("shape", ["(H,)", "(B, H)"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_sdpa_with_alibi_is_the_bias_written_out(backend: ModuleType, need_weights: bool, shape: str,
+                                                 is_causal: bool) -> None:
+    case = _case()
+    slopes = case["slopes"] if shape == "(H,)" else case["slopes"] * np.array([[1.0], [3.0]])  # (B, H)
+    bias = _alibi_bias(slopes, Q_OFFSET, L, S)
+    options = {"is_causal": is_causal, "q_offset": Q_OFFSET, "enable_gqa": True}
+    expected_out, expected_weights = one_program(backend, "scaled_dot_product_attention", case["q"], case["k"],
+                                                 case["v"], bias=bias, **options)
+    out, weights = one_program(backend, "scaled_dot_product_attention", case["q"], case["k"], case["v"],
+                               alibi_slopes=slopes, need_weights=need_weights, **options)
+    assert_close(backend.to_numpy(out), backend.to_numpy(expected_out), RTOL, "out")
+    if need_weights:
+        assert_close(backend.to_numpy(weights), backend.to_numpy(expected_weights), RTOL, "weights")
+    oracle_out, _ = oracle.sdpa(case["q"], case["k"], case["v"], alibi_slopes=slopes, **options)
+    assert_close(backend.to_numpy(out), oracle_out, RTOL, "out against the oracle")
+
+
+def test_the_oracle_with_alibi_is_the_bias_written_out() -> None:
+    case = _case()
+    for q_offset in (0, Q_OFFSET, -2):
+        bias = _alibi_bias(case["slopes"], q_offset, L, S)
+        expected = oracle.sdpa(case["q"], case["k"], case["v"], bias=bias, q_offset=q_offset, is_causal=True,
+                               enable_gqa=True)
+        got = oracle.sdpa(case["q"], case["k"], case["v"], alibi_slopes=case["slopes"], q_offset=q_offset,
+                          is_causal=True, enable_gqa=True)
+        for name, a, b in zip(("out", "weights"), got, expected, strict=True):
+            assert_close(a, b, RTOL, f"{name}, q_offset={q_offset}")
+
+
+def test_alibi_adds_to_a_bias_and_follows_a_q_offset_per_sequence(backend: ModuleType) -> None:
+    case = _case(3)
+    bias = np.random.default_rng(4).standard_normal((L, S))
+    offsets = np.array([1, 4])[:, None]  # (B, 1): one position of query 0 per sequence
+    expected = np.stack([_alibi_bias(case["slopes"], int(offset), L, S) for offset in offsets[:, 0]]) + bias
+    for need_weights in (True, False):
+        out, _ = one_program(backend, "scaled_dot_product_attention", case["q"], case["k"], case["v"],
+                             bias=bias, alibi_slopes=case["slopes"], q_offset=offsets, is_causal=True,
+                             enable_gqa=True, need_weights=need_weights)
+        reference, _ = oracle.sdpa(case["q"], case["k"], case["v"], bias=expected, q_offset=offsets,
+                                   is_causal=True, enable_gqa=True)
+        assert_close(backend.to_numpy(out), reference, RTOL, f"out, need_weights={need_weights}")
+
+
+@pytest.fixture(scope="module")
+def reference_gradients() -> dict[str, np.ndarray]:
+    """d <oracle.sdpa(...), d_out> / d{q, k, v} by central differences, float64, with ALiBi's bias written out."""
+    case = _case(1)
+    d_out = np.random.default_rng(2).standard_normal((B, H, L, E))
+    bias = _alibi_bias(case["slopes"], Q_OFFSET, L, S)
+
+    def out(**changed: np.ndarray) -> np.ndarray:
+        arrays = case | changed
+        return oracle.sdpa(arrays["q"], arrays["k"], arrays["v"], bias=bias, is_causal=True, q_offset=Q_OFFSET,
+                           enable_gqa=True)[0]
+
+    grads = {name: central_differences(lambda x, name=name: out(**{name: x}), case[name], d_out, 1e-5)
+             for name in ("q", "k", "v")}
+    return grads | {"d_out": d_out}
+
+
+def test_gradients_with_alibi_are_central_differences(backend: ModuleType,
+                                                      reference_gradients: dict[str, np.ndarray]) -> None:
+    case = _case(1)
+    *_, grads = one_program(backend, "scaled_dot_product_attention_vjp", case["q"], case["k"], case["v"],
+                            d_out=reference_gradients["d_out"], is_causal=True, q_offset=Q_OFFSET, enable_gqa=True,
+                            alibi_slopes=case["slopes"])
+    dq, dk, dv, dbias = grads  # the slopes are constants: no gradient follows dbias
+    assert dbias is None
+    for name, grad in (("q", dq), ("k", dk), ("v", dv)):
+        assert_close(backend.to_numpy(grad), reference_gradients[name], GRADIENT_RTOL, f"d{name}")
+
+
+@pytest.mark.parametrize("function", ["scaled_dot_product_attention"])
+def test_slopes_not_one_per_query_head_raise(backend: ModuleType, function: str) -> None:
+    case = _case()
+    q, k, v = (backend.asarray(case[name]) for name in "qkv")
+    for shape in ((HKV,), (3, H), (B, H, 1), ()):
+        with pytest.raises(ValueError, match=rf"alibi_slopes of shape {re_shape(shape)} must be \(H,\) or \(B, H\)"):
+            getattr(backend, function)(q, k, v, enable_gqa=True, alibi_slopes=backend.asarray(np.ones(shape)))
+
+
+def re_shape(shape: tuple[int, ...]) -> str:
+    return str(tuple(shape)).replace("(", r"\(").replace(")", r"\)")
