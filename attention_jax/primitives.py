@@ -263,18 +263,36 @@ def _sunk_softmax(scores: jax.Array, visible: jax.Array | None, sinks: jax.Array
 
 def _alibi(slopes: jax.Array | None, bias: jax.Array | None, q_offset: int | jax.Array, batch: tuple,
            grouped: bool, L: int, S: int, work: Any) -> jax.Array | None:
-    """bias plus ALiBi's -slope_h * |p_i - j|, p_i = q_offset + i query i's position and j key j's, as one
-    additive bias (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H),
-    checked against the scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
+    """bias plus ALiBi's -slope_h * |p_i - j| (_alibi_tile over every query and key) as one additive bias
+    (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H), checked against the
+    scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
     if slopes is None:
         return bias
+    q_offset = _integers(q_offset, "q_offset", batch)
+    alibi = _alibi_tile(_alibi_slopes(slopes, batch, grouped, work), q_offset, 0, 0, L, S)
+    return alibi if bias is None else _ranked(jnp.asarray(bias, dtype=work), alibi.ndim) + alibi  # -inf hides
+
+
+def _alibi_slopes(slopes: jax.Array | None, batch: tuple, grouped: bool, work: Any) -> jax.Array | None:
+    """ALiBi's slopes (H,) or (B, H), checked against the scores' leading axes `batch`, in the working dtype and
+    laid out against the scores (..., L, S): (..., 1, 1), grouped (..., Hkv, G, 1, 1) with enable_gqa; None
+    without. jax: at the scores' rank, as rank promotion may be refused."""
+    if slopes is None:
+        return None
     slopes = jnp.asarray(slopes)
-    slopes = slopes.astype(work).reshape(validation.alibi_slopes(slopes.shape, batch, grouped))
-    rank = len(batch) + 2  # jax: one rank for all, no rank promotion
-    q_idx, kv_idx = _positions(L, S, rank)  # (1, ..., L, 1), (1, ..., 1, S)
-    positions = _ranked(_integers(q_offset, "q_offset", batch)[..., None, None], rank) + q_idx  # (..., L, 1)
-    alibi = -_ranked(slopes, rank) * jnp.abs(positions - kv_idx).astype(work)  # (..., 1, 1) x (..., L, S)
-    return alibi if bias is None else _ranked(jnp.asarray(bias, dtype=work), rank) + alibi  # -inf still hides
+    laid = slopes.astype(work).reshape(validation.alibi_slopes(slopes.shape, batch, grouped))
+    return _ranked(laid, len(batch) + 2)
+
+
+def _alibi_tile(slopes: jax.Array, q_offset: jax.Array, rows: int | jax.Array, cols: int | jax.Array, L: int,
+                S: int) -> jax.Array:
+    """ALiBi's bias on the L queries from `rows` on and the S keys from `cols` on, from their positions:
+    -slope_h * |p_i - j|, p_i = q_offset + i; slopes laid out (..., 1, 1) (_alibi_slopes), q_offset integers
+    (...). Returns (..., L, S), never more than the tile."""
+    rank = slopes.ndim
+    q_idx, kv_idx = _positions(L, S, rank, rows, cols)  # (1, ..., L, 1), (1, ..., 1, S)
+    positions = _ranked(q_offset[..., None, None], rank) + q_idx  # (..., L, 1)
+    return -slopes * jnp.abs(positions - kv_idx).astype(slopes.dtype)  # (..., 1, 1) x (..., L, S)
 
 
 def _sunk_rows(out: jax.Array, lse: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:

@@ -224,16 +224,33 @@ def _sink_logits(sinks: np.ndarray | None, batch: tuple, grouped: bool, work: np
 
 def _alibi(slopes: np.ndarray | None, bias: np.ndarray | None, q_offset: int | np.ndarray, batch: tuple,
            grouped: bool, L: int, S: int, work: np.dtype) -> np.ndarray | None:
-    """bias plus ALiBi's -slope_h * |p_i - j|, p_i = q_offset + i query i's position and j key j's, as one
-    additive bias (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H),
-    checked against the scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
+    """bias plus ALiBi's -slope_h * |p_i - j| (_alibi_tile over every query and key) as one additive bias
+    (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H), checked against the
+    scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
     if slopes is None:
         return bias
-    slopes = np.asarray(slopes)
-    slopes = slopes.astype(work, copy=False).reshape(validation.alibi_slopes(slopes.shape, batch, grouped))
-    positions = _integers(q_offset, "q_offset", batch)[..., None, None] + np.arange(L)[:, None]  # (..., L, 1)
-    alibi = -slopes * np.abs(positions - np.arange(S)).astype(work)  # (..., 1, 1) x (..., L, S) -> (..., L, S)
+    q_offset = _integers(q_offset, "q_offset", batch)
+    alibi = _alibi_tile(_alibi_slopes(slopes, batch, grouped, work), q_offset, slice(0, L), slice(0, S))
     return alibi if bias is None else np.asarray(bias, dtype=work) + alibi  # a -inf bias still hides
+
+
+def _alibi_slopes(slopes: np.ndarray | None, batch: tuple, grouped: bool, work: np.dtype) -> np.ndarray | None:
+    """ALiBi's slopes (H,) or (B, H), checked against the scores' leading axes `batch`, in the working dtype and
+    laid out against the scores (..., L, S): (..., 1, 1), grouped (..., Hkv, G, 1, 1) with enable_gqa; None
+    without."""
+    if slopes is None:
+        return None
+    slopes = np.asarray(slopes)
+    return slopes.astype(work, copy=False).reshape(validation.alibi_slopes(slopes.shape, batch, grouped))
+
+
+def _alibi_tile(slopes: np.ndarray, q_offset: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
+    """ALiBi's bias on the queries `rows` and keys `cols`, from their positions: -slope_h * |p_i - j|,
+    p_i = q_offset + i; slopes laid out (..., 1, 1) (_alibi_slopes), q_offset integers (...). Returns
+    (..., rows, cols), never more than the tile."""
+    positions = q_offset[..., None, None] + np.arange(rows.start, rows.stop)[:, None]  # (..., rows, 1)
+    distance = np.abs(positions - np.arange(cols.start, cols.stop))  # (..., rows, cols)
+    return -slopes * distance.astype(slopes.dtype)  # (..., 1, 1) x (..., rows, cols)
 
 
 def _sunk_rows(out: np.ndarray, lse: np.ndarray, sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

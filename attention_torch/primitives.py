@@ -181,17 +181,34 @@ def _sink_logits(sinks: torch.Tensor | None, batch: tuple, grouped: bool, work: 
 
 def _alibi(slopes: torch.Tensor | None, bias: torch.Tensor | None, q_offset: int | torch.Tensor, batch: tuple,
            grouped: bool, L: int, S: int, work: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """bias plus ALiBi's -slope_h * |p_i - j|, p_i = q_offset + i query i's position and j key j's, as one
-    additive bias (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H),
-    checked against the scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
+    """bias plus ALiBi's -slope_h * |p_i - j| (_alibi_tile over every query and key) as one additive bias
+    (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H), checked against the
+    scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
     if slopes is None:
         return bias
-    slopes = torch.as_tensor(slopes, device=device)
-    slopes = slopes.to(work).reshape(validation.alibi_slopes(slopes.shape, batch, grouped)).detach()  # constants
-    q_idx, kv_idx = _positions(L, S, device)  # (L, 1), (S,)
-    positions = _integers(q_offset, "q_offset", batch).to(device)[..., None, None] + q_idx  # (..., L, 1)
-    alibi = -slopes * (positions - kv_idx).abs().to(work)  # (..., 1, 1) x (..., L, S) -> (..., L, S)
+    q_offset = _integers(q_offset, "q_offset", batch).to(device)
+    alibi = _alibi_tile(_alibi_slopes(slopes, batch, grouped, work, device), q_offset, slice(0, L), slice(0, S))
     return alibi if bias is None else torch.as_tensor(bias, dtype=work, device=device) + alibi  # -inf still hides
+
+
+def _alibi_slopes(slopes: torch.Tensor | None, batch: tuple, grouped: bool, work: torch.dtype,
+                  device: torch.device) -> torch.Tensor | None:
+    """ALiBi's slopes (H,) or (B, H), checked against the scores' leading axes `batch`, in the working dtype and
+    laid out against the scores (..., L, S): (..., 1, 1), grouped (..., Hkv, G, 1, 1) with enable_gqa; None
+    without. Constants: detached, they take no gradient."""
+    if slopes is None:
+        return None
+    slopes = torch.as_tensor(slopes, device=device).detach()
+    return slopes.to(work).reshape(validation.alibi_slopes(slopes.shape, batch, grouped))
+
+
+def _alibi_tile(slopes: torch.Tensor, q_offset: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
+    """ALiBi's bias on the queries `rows` and keys `cols`, from their positions: -slope_h * |p_i - j|,
+    p_i = q_offset + i; slopes laid out (..., 1, 1) (_alibi_slopes), q_offset integers (...). Returns
+    (..., rows, cols), never more than the tile."""
+    q_idx, kv_idx = _positions(rows.stop - rows.start, cols.stop - cols.start, slopes.device, rows.start, cols.start)
+    positions = q_offset[..., None, None] + q_idx  # (..., rows, 1)
+    return -slopes * (positions - kv_idx).abs().to(slopes.dtype)  # (..., 1, 1) x (..., rows, cols)
 
 
 def _parameters(score_mod: Callable[..., Any] | None, q: torch.Tensor) -> list[torch.Tensor]:

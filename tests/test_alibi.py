@@ -1,9 +1,10 @@
 """ALiBi (SPEC.md section 2i) on every backend: each score gets the bias -slope_h * |p_i - j|, p_i = q_offset + i
 the query's position and j the key's, flash-attn's `alibi_slopes` (BLOOM, MPT).
 
-scaled_dot_product_attention (both paths) and its vjp against the rule written out here as an additive bias
-(with q_offset != 0, causal, grouped-query heads, slopes (H,) and (B, H)), against the float64 oracle, the
-gradients against central differences (the slopes take none), and the errors.
+scaled_dot_product_attention (both paths), flash_attention (several tiles, the bias built per tile) and their
+vjps against the rule written out here as an additive bias (with q_offset != 0, causal, grouped-query heads,
+slopes (H,) and (B, H)), against the float64 oracle, the gradients against central differences (the slopes take
+none), and the errors.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests._compare import assert_close, central_differences, one_program
 
 B, H, HKV, L, S, E = 2, 4, 2, 5, 7, 3  # grouped-query heads: two query heads per key/value head
 Q_OFFSET = S - L  # bottom-right alignment: the last query sits at the last key
+TILES = ((1, 1), (2, 3), (4, 16))  # flash_attention's (block_q, block_k): single entries, ragged, one key tile
 RTOL = 1e-12  # float64 against the rule written out: a few roundings apart
 GRADIENT_RTOL = 1e-7  # central differences at h = 1e-5 resolve a float64 derivative to about 1e-10
 
@@ -54,6 +56,20 @@ def test_sdpa_with_alibi_is_the_bias_written_out(backend: ModuleType, need_weigh
         assert_close(backend.to_numpy(weights), backend.to_numpy(expected_weights), RTOL, "weights")
     oracle_out, _ = oracle.sdpa(case["q"], case["k"], case["v"], alibi_slopes=slopes, **options)
     assert_close(backend.to_numpy(out), oracle_out, RTOL, "out against the oracle")
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=str)
+@pytest.mark.parametrize("q_offset", [Q_OFFSET, -2], ids=["bottom-right", "negative"])
+def test_flash_with_alibi_is_the_bias_written_out(backend: ModuleType, tiles: tuple[int, int], q_offset: int) -> None:
+    case = _case()
+    slopes = case["slopes"] * np.array([[1.0], [3.0]])  # (B, H)
+    options = {"is_causal": True, "q_offset": q_offset, "enable_gqa": True}
+    expected_out, expected_lse = oracle.log_sum_exp(case["q"], case["k"], case["v"],
+                                                    bias=_alibi_bias(slopes, q_offset, L, S), **options)
+    out, lse = one_program(backend, "flash_attention", case["q"], case["k"], case["v"], alibi_slopes=slopes,
+                           block_q=tiles[0], block_k=tiles[1], **options)
+    assert_close(backend.to_numpy(out), expected_out, RTOL, "out")
+    assert_close(backend.to_numpy(lse), expected_lse, RTOL, "lse")
 
 
 def test_the_oracle_with_alibi_is_the_bias_written_out() -> None:
@@ -99,19 +115,20 @@ def reference_gradients() -> dict[str, np.ndarray]:
     return grads | {"d_out": d_out}
 
 
-def test_gradients_with_alibi_are_central_differences(backend: ModuleType,
+@pytest.mark.parametrize("function", ["scaled_dot_product_attention_vjp", "flash_attention_vjp"])
+def test_gradients_with_alibi_are_central_differences(backend: ModuleType, function: str,
                                                       reference_gradients: dict[str, np.ndarray]) -> None:
     case = _case(1)
-    *_, grads = one_program(backend, "scaled_dot_product_attention_vjp", case["q"], case["k"], case["v"],
-                            d_out=reference_gradients["d_out"], is_causal=True, q_offset=Q_OFFSET, enable_gqa=True,
-                            alibi_slopes=case["slopes"])
+    tiles = {"block_q": 2, "block_k": 3} if function == "flash_attention_vjp" else {}
+    *_, grads = one_program(backend, function, case["q"], case["k"], case["v"], d_out=reference_gradients["d_out"],
+                            is_causal=True, q_offset=Q_OFFSET, enable_gqa=True, alibi_slopes=case["slopes"], **tiles)
     dq, dk, dv, dbias = grads  # the slopes are constants: no gradient follows dbias
     assert dbias is None
     for name, grad in (("q", dq), ("k", dk), ("v", dv)):
         assert_close(backend.to_numpy(grad), reference_gradients[name], GRADIENT_RTOL, f"d{name}")
 
 
-@pytest.mark.parametrize("function", ["scaled_dot_product_attention"])
+@pytest.mark.parametrize("function", ["scaled_dot_product_attention", "flash_attention"])
 def test_slopes_not_one_per_query_head_raise(backend: ModuleType, function: str) -> None:
     case = _case()
     q, k, v = (backend.asarray(case[name]) for name in "qkv")
