@@ -50,6 +50,25 @@ def _on_grid(structure: Structure, L: int, S: int) -> torch.Tensor:
         else visible
 
 
+def alibi_slopes(H: int) -> torch.Tensor:
+    """ALiBi's slopes, one per head: the geometric sequence of the ALiBi paper (Press et al.) and BLOOM. For H a
+    power of two, slope_h = 2^(-8 h / H), h = 1 .. H; otherwise, n the greatest power of two below H, the n
+    slopes 2^(-8 h / n), then the odd terms 2^(-8 h / (2 n)), h = 1, 3, 5, .., of the sequence for 2 n, H - n of
+    them (transformers' build_alibi_tensor).
+
+    Args:
+        H: the number of heads, a positive integer.
+
+    Returns:
+        slopes (H,), computed in Python floats, in the backend's default floating dtype (NumPy: float64).
+    """
+    H = validation.alibi_heads(H)
+    n = 1 << (H.bit_length() - 1)  # the greatest power of two <= H
+    slopes = [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]  # 2^(-8/n), its square, ..
+    slopes += [2.0 ** (-8.0 * h / (2 * n)) for h in range(1, 2 * (H - n), 2)]  # the odd terms for 2n
+    return torch.tensor(slopes)  # torch: the default dtype
+
+
 def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
     """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
 

@@ -9,6 +9,7 @@ none), and the errors.
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import numpy as np
@@ -139,3 +140,43 @@ def test_slopes_not_one_per_query_head_raise(backend: ModuleType, function: str)
 
 def re_shape(shape: tuple[int, ...]) -> str:
     return str(tuple(shape)).replace("(", r"\(").replace(")", r"\)")
+
+
+def _bloom_slopes(H: int) -> np.ndarray:
+    """transformers' build_alibi_tensor's slopes, its steps written out in float64: base = 2^(-(2^-(log2 n - 3)))
+    for n the greatest power of two <= H, slopes base^1 .. base^n, then for H > n the extra base of 2n to the odd
+    powers 1, 3, .., 2 min(n, H - n) - 1."""
+    n = 2 ** math.floor(math.log2(H))
+    base = 2 ** (-(2 ** -(math.log2(n) - 3)))
+    slopes = base ** np.arange(1, 1 + n)
+    if n != H:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * n) - 3)))
+        slopes = np.concatenate([slopes, extra_base ** np.arange(1, 1 + 2 * min(n, H - n), 2)])
+    return slopes
+
+
+@pytest.mark.parametrize("H", [1, 2, 3, 4, 5, 8, 12, 16])
+def test_alibi_slopes_are_blooms(backend: ModuleType, H: int) -> None:
+    # H = 8: 2^-1, 2^-2, .., 2^-8; H = 12: those eight, then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5 (the odd terms for 16)
+    expected = _bloom_slopes(H)
+    got = backend.to_numpy(backend.alibi_slopes(H))
+    assert got.shape == (H,)
+    assert_close(got, expected, RTOL if got.dtype == np.float64 else 1e-7, f"alibi_slopes({H})")
+    if H == 12:
+        np.testing.assert_allclose(got, 2.0 ** -np.array([1, 2, 3, 4, 5, 6, 7, 8, 0.5, 1.5, 2.5, 3.5]), rtol=1e-7)
+
+
+def test_alibi_slopes_are_transformers_build_alibi_tensor() -> None:
+    torch = pytest.importorskip("torch")
+    bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
+    import attention_np
+    for H in (1, 2, 3, 4, 5, 8, 12, 16):
+        # the tensor is slope_h * position (B * H, 1, S); position 1 of a mask of ones holds the slopes themselves
+        alibi = bloom.build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), H, torch.float32)
+        assert_close(attention_np.alibi_slopes(H), alibi[:, 0, 1].numpy(), 1e-7, f"H={H}")  # theirs in float32
+
+
+@pytest.mark.parametrize("H", [0, -1, 2.0, True])
+def test_alibi_slopes_of_no_positive_integer_raise(backend: ModuleType, H: object) -> None:
+    with pytest.raises(ValueError, match="alibi_slopes needs the number of heads H, a positive integer"):
+        backend.alibi_slopes(H)

@@ -483,6 +483,29 @@ def norm(name: str) -> None:
         raise ValueError(f"norm must be one of {NORMS}; got {name!r}")
 
 
+def alibi_heads(H: object) -> int:
+    """alibi_slopes(H): one slope per head, H a positive integer."""
+    if not (isinstance(H, int | np.integer) and not isinstance(H, bool) and H > 0):
+        raise ValueError(f"alibi_slopes needs the number of heads H, a positive integer; got {H!r}")
+    return int(H)
+
+
+def position(position: object, rope_theta: float | None, attention: str) -> str | None:
+    """MultiHeadAttention's position encoding: None (rope_theta decides: "rope" where it is given), "rope"
+    (needs rope_theta) or "alibi" (ALiBi's bias in the softmax: needs attention="softmax" and no rope_theta).
+    Returns the encoding in use, "rope", "alibi" or None."""
+    if position not in (None, "rope", "alibi"):
+        raise ValueError(f"position must be None, 'rope' or 'alibi'; got {position!r}")
+    if position == "rope" and rope_theta is None:
+        raise ValueError("position='rope' needs rope_theta, the rotary embeddings' base; got rope_theta=None")
+    if position == "alibi" and rope_theta is not None:
+        raise ValueError(f"position='alibi' takes no rope_theta (one position encoding); got rope_theta={rope_theta}")
+    if position == "alibi" and attention != "softmax":
+        raise ValueError(f"position='alibi' needs attention='softmax': ALiBi's bias joins the softmax's scores, "
+                         f"which attention={attention!r} does not form")
+    return "rope" if position is None and rope_theta is not None else position
+
+
 def rope_theta(theta: object, d_model: int, num_heads: int) -> float | None:
     """rope_theta None (no rotary embeddings) or a positive finite number; RoPE turns pairs of each head's
     entries, so d_k = d_model / num_heads must be even. Returns the theta as a float (or None)."""
