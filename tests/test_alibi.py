@@ -180,3 +180,71 @@ def test_alibi_slopes_are_transformers_build_alibi_tensor() -> None:
 def test_alibi_slopes_of_no_positive_integer_raise(backend: ModuleType, H: object) -> None:
     with pytest.raises(ValueError, match="alibi_slopes needs the number of heads H, a positive integer"):
         backend.alibi_slopes(H)
+
+
+# MultiHeadAttention(position="alibi") is BLOOM's attention: projections, heads, scores + slope_h * j (BLOOM's
+# bias, by key position; with is_causal it differs from -slope_h * |i - j| by -slope_h * i, a shift of each row,
+# which the softmax ignores), softmax, merge, output projection
+D = 24  # H = 4 heads of d_k = 6; two key/value heads
+
+
+def _bloom_attention(state: dict[str, np.ndarray], x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """BLOOM's composition written out in float64: the projections, the heads (B, H, L, d_k), the scores
+    q k^T / sqrt(d_k) + slope_h * j, causal, through the float64 oracle, then the merge and w_o."""
+    def linear(name: str, y: np.ndarray) -> np.ndarray:
+        return y @ state[f"{name}.weight"].T + state[f"{name}.bias"]
+
+    def heads(y: np.ndarray, n: int) -> np.ndarray:  # (B, L, n * d_k) -> (B, n, L, d_k)
+        return y.reshape(*y.shape[:-1], n, D // H).swapaxes(-2, -3)
+
+    q, k, v = heads(linear("w_q", x), H), heads(linear("w_k", x), HKV), heads(linear("w_v", x), HKV)
+    bias = _bloom_slopes(H)[:, None, None] * np.arange(x.shape[-2])  # (H, 1, S): slope_h * j
+    out, weights = oracle.sdpa(q, k, v, bias=bias, is_causal=True, enable_gqa=True)  # (B, H, L, d_k)
+    merged = out.swapaxes(-2, -3).reshape(*x.shape[:-1], D)  # (B, L, D)
+    return linear("w_o", merged), weights
+
+
+@pytest.fixture(scope="module")
+def alibi_state() -> dict[str, np.ndarray]:
+    import attention_np
+    rng = np.random.default_rng(7)
+    shapes = attention_np.MultiHeadAttention(D, H, 0.0, num_kv_heads=HKV).state_dict()
+    return {name: rng.uniform(-0.5, 0.5, np.shape(value)) for name, value in shapes.items()}
+
+
+def test_mha_with_alibi_is_blooms_composition(backend: ModuleType, alibi_state: dict[str, np.ndarray]) -> None:
+    x = np.random.default_rng(8).standard_normal((B, L, D))
+    mha = backend.MultiHeadAttention.from_state_dict({name: backend.asarray(v) for name, v in alibi_state.items()},
+                                                     num_heads=H, dropout=0.0, position="alibi")
+    assert mha.position == "alibi"
+    out, weights = mha(backend.asarray(x), backend.asarray(x), backend.asarray(x), is_causal=True)
+    expected_out, expected_weights = _bloom_attention(alibi_state, x)
+    assert_close(backend.to_numpy(out), expected_out, RTOL, "out")
+    assert_close(backend.to_numpy(weights), expected_weights, RTOL, "weights")
+
+
+def test_mha_with_alibi_extends_its_cache_as_its_causal_call(backend: ModuleType,
+                                                              alibi_state: dict[str, np.ndarray]) -> None:
+    # the cache's queries stand at positions length .. length + L - 1: ALiBi's q_offset is the cache's length
+    x = np.random.default_rng(9).standard_normal((B, L, D))
+    mha = backend.MultiHeadAttention.from_state_dict({name: backend.asarray(v) for name, v in alibi_state.items()},
+                                                     num_heads=H, dropout=0.0, position="alibi")
+    cache = mha.init_cache((B,), L, dtype=backend.asarray(x).dtype)
+    first, _, cache = mha.extend(backend.asarray(x[:, :2]), backend.asarray(x[:, :2]), cache)
+    rest, _, cache = mha.extend(backend.asarray(x[:, 2:]), backend.asarray(x[:, 2:]), cache)
+    expected, _ = _bloom_attention(alibi_state, x)
+    assert_close(np.concatenate([backend.to_numpy(first), backend.to_numpy(rest)], axis=-2), expected, RTOL, "out")
+
+
+def test_mha_position_options_and_their_errors(backend: ModuleType) -> None:
+    assert backend.MultiHeadAttention(D, H, 0.0).position is None
+    assert backend.MultiHeadAttention(D, H, 0.0, rope_theta=10000.0).position == "rope"
+    assert backend.MultiHeadAttention(D, H, 0.0).alibi_slopes is None
+    with pytest.raises(ValueError, match="position='rope' needs rope_theta"):
+        backend.MultiHeadAttention(D, H, 0.0, position="rope")
+    with pytest.raises(ValueError, match="position='alibi' takes no rope_theta"):
+        backend.MultiHeadAttention(D, H, 0.0, position="alibi", rope_theta=10000.0)
+    with pytest.raises(ValueError, match="position='alibi' needs attention='softmax'"):
+        backend.MultiHeadAttention(D, H, 0.0, position="alibi", attention="linear")
+    with pytest.raises(ValueError, match="position must be None, 'rope' or 'alibi'"):
+        backend.MultiHeadAttention(D, H, 0.0, position="absolute")
