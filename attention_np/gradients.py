@@ -189,8 +189,8 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     input projections. Splitting and merging heads only move entries, so their adjoints are each other.
     With Hkv < H key/value heads, attention runs with enable_gqa, whose backward pass sums the gradients of
     each key/value head over the query heads of its group. With sinks, attention takes mha.sinks, and its
-    gradient d_sinks is the parameter's, "sinks". With rope_theta, the queries and keys are turned
-    after the split, and their gradients turned back before the projections' adjoints. With attention="linear"
+    gradient d_sinks is the parameter's, "sinks"; with position="alibi", mha.alibi_slopes (no gradient). With
+    rope_theta, the queries and keys are turned after the split, and their gradients turned back before the projections' adjoints. With attention="linear"
     the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp). is_causal, mask_mod and
     score_mod go to attention on the heads (B, H, L, d_k), as in MultiHeadAttention.__call__.
 
@@ -211,7 +211,8 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     else:
         heads, weights, pull_attention = scaled_dot_product_attention_vjp(
             q_h, k_h, v_h, mask, is_causal=is_causal, enable_gqa=mha.grouped, mask_mod=mask_mod,
-            score_mod=score_mod, sinks=mha.sinks)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
+            score_mod=score_mod, sinks=mha.sinks,
+            alibi_slopes=mha.alibi_slopes)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:

@@ -248,3 +248,29 @@ def test_mha_position_options_and_their_errors(backend: ModuleType) -> None:
         backend.MultiHeadAttention(D, H, 0.0, position="alibi", attention="linear")
     with pytest.raises(ValueError, match="position must be None, 'rope' or 'alibi'"):
         backend.MultiHeadAttention(D, H, 0.0, position="absolute")
+
+
+def test_mha_vjp_with_alibi_is_central_differences(backend: ModuleType, alibi_state: dict[str, np.ndarray]) -> None:
+    # d <BLOOM's composition, d_out> / dx by central differences, x the queries (keys and values held)
+    rng = np.random.default_rng(10)
+    x, d_out = rng.standard_normal((B, L, D)), rng.standard_normal((B, L, D))
+    expected = central_differences(lambda y: _bloom_queries(alibi_state, y, x), x, d_out, 1e-5)
+    mha = backend.MultiHeadAttention.from_state_dict({name: backend.asarray(v) for name, v in alibi_state.items()},
+                                                     num_heads=H, dropout=0.0, position="alibi")
+    _, _, pullback = mha.vjp(backend.asarray(x), backend.asarray(x), backend.asarray(x), is_causal=True)
+    dq, *_ = pullback(backend.asarray(d_out))
+    assert_close(backend.to_numpy(dq), expected, GRADIENT_RTOL, "dq")
+
+
+def _bloom_queries(state: dict[str, np.ndarray], x_q: np.ndarray, x_kv: np.ndarray) -> np.ndarray:
+    """_bloom_attention's out with the queries from x_q and the keys and values from x_kv."""
+    def linear(name: str, y: np.ndarray) -> np.ndarray:
+        return y @ state[f"{name}.weight"].T + state[f"{name}.bias"]
+
+    def heads(y: np.ndarray, n: int) -> np.ndarray:  # (B, L, n * d_k) -> (B, n, L, d_k)
+        return y.reshape(*y.shape[:-1], n, D // H).swapaxes(-2, -3)
+
+    q, k, v = heads(linear("w_q", x_q), H), heads(linear("w_k", x_kv), HKV), heads(linear("w_v", x_kv), HKV)
+    bias = _bloom_slopes(H)[:, None, None] * np.arange(x_kv.shape[-2])  # (H, 1, S): slope_h * j
+    out, _ = oracle.sdpa(q, k, v, bias=bias, is_causal=True, enable_gqa=True)  # (B, H, L, d_k)
+    return linear("w_o", out.swapaxes(-2, -3).reshape(*x_q.shape[:-1], D))
