@@ -190,9 +190,10 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     With Hkv < H key/value heads, attention runs with enable_gqa, whose backward pass sums the gradients of
     each key/value head over the query heads of its group. With sinks, attention takes mha.sinks, and its
     gradient d_sinks is the parameter's, "sinks"; with position="alibi", mha.alibi_slopes (no gradient). With
-    rope_theta, the queries and keys are turned after the split, and their gradients turned back before the projections' adjoints. With attention="linear"
-    the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp). is_causal, mask_mod and
-    score_mod go to attention on the heads (B, H, L, d_k), as in MultiHeadAttention.__call__.
+    rope_theta, the queries and keys are turned after the split, and their gradients turned back before the
+    projections' adjoints. With attention="linear" the heads' step is linear_attention_vjp's pullback instead
+    (_linear_heads_vjp). is_causal, mask_mod and score_mod go to attention on the heads (B, H, L, d_k), as in
+    MultiHeadAttention.__call__.
 
     Returns:
         out (..., L, D), weights (..., H, L, S) (None with attention="linear") and
