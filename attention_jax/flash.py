@@ -55,6 +55,8 @@ from attention_np.common.records import FlashOptions, Structure
 from .flex import _Visits, _visits_of
 from .functional import _dtypes, _grouped, _prepare, _ungrouped
 from .primitives import (
+    _alibi_slopes,
+    _alibi_tile,
     _at_least_float32,
     _by_position,
     _integers,
@@ -92,6 +94,7 @@ def flash_attention(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -108,6 +111,8 @@ def flash_attention(
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for scaled_dot_product_attention: each tile adds
+            -slope_h * |p_i - j| from its positions (no (L, S) bias is formed); constants, no gradient.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
@@ -121,7 +126,8 @@ def flash_attention(
     """
     return _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k, sinks=sinks),
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k, sinks=sinks,
+        alibi_slopes=alibi_slopes),
         _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
 
 
@@ -142,6 +148,7 @@ def flash_attention_vjp(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -164,6 +171,8 @@ def flash_attention_vjp(
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for scaled_dot_product_attention: each tile adds
+            -slope_h * |p_i - j| from its positions (no (L, S) bias is formed); constants, no gradient.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q, block_k: as for flash_attention.
@@ -177,7 +186,7 @@ def flash_attention_vjp(
     """
     options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
                            key_lengths=key_lengths, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
-                           block_k=block_k)
+                           block_k=block_k, alibi_slopes=alibi_slopes)  # the slopes: constants, no gradient
     _, parameters = _score_rule(score_mod)  # jax: a ScoreMod's parameters, differentiated as arguments
 
     def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None, sinks: jax.Array | None,
@@ -257,6 +266,7 @@ class _Problem(NamedTuple):
     longest: jax.Array | None  # key_lengths' greatest value (None: no key_lengths)
     parameters: dict[str, jax.Array]  # the score function's (a ScoreMod's; none for a plain function)
     sinks: jax.Array | None  # the sink logits (..., 1, 1) at the scores' rank (None: no sinks)
+    slopes: jax.Array | None  # ALiBi's slopes (..., 1, 1) at the scores' rank (None: no ALiBi)
     visits: tuple[_Visits, _Visits] | None  # the block mask's non-empty tiles: query tiles -> key tiles, and back
 
 
@@ -286,13 +296,14 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, b
     work = _at_least_float32(dtype)  # float16, bfloat16: in float32
     sinks = _sink_logits(options.sinks, batch, options.enable_gqa, work)  # (..., 1, 1), or None
     sinks = None if sinks is None else _ranked(sinks, len(batch) + 2)  # jax: no rank promotion
+    slopes = _alibi_slopes(options.alibi_slopes, batch, options.enable_gqa, work)  # (..., 1, 1), or None
     if empty is not None:  # L = 0 or S = 0: zeros, and no key seen (lse the sink, if any); zero gradients
         out, lse = empty[0], jnp.full((*batch, L), -jnp.inf, work)
         lse = lse if sinks is None else jnp.broadcast_to(sinks[..., 0], lse.shape)
     else:
         tiling = _tiling(batch, L, S, scale, options, mods, block_mask)
         arrays = _tiled_inputs(tiling, work, q, k, v, bias, mask, q_offset, key_lengths)
-        out, lse = _tiled_jit(tiling, *arrays, sinks, parameters)  # (..., Lp, Ev), (..., Lp)
+        out, lse = _tiled_jit(tiling, *arrays, sinks, parameters, slopes)  # (..., Lp, Ev), (..., Lp)
         out, lse = out[..., :L, :], lse[..., :L]  # the padded queries dropped
     if options.enable_gqa:  # (..., Hkv, G, L, *) -> (..., H, L, *)
         out, lse = _ungrouped(out), _ungrouped(lse[..., None])[..., 0]
@@ -368,7 +379,8 @@ def _pad_tiled(x: jax.Array, Lp: int, Sp: int) -> jax.Array:
 
 def _problem(tiling: _Tiling, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
              mask: jax.Array | None, q_offset: jax.Array, key_lengths: jax.Array | None,
-             sinks: jax.Array | None = None, parameters: dict[str, jax.Array] | None = None) -> _Problem:
+             sinks: jax.Array | None = None, parameters: dict[str, jax.Array] | None = None,
+             slopes: jax.Array | None = None) -> _Problem:
     """The tiling and the arrays; q_offset's least and greatest and key_lengths' greatest value, which choose
     the tiles, as arrays (jax: they may be traced); the block mask's visits, known before tracing."""
     def extreme(x: jax.Array, reduce: Callable) -> jax.Array:
@@ -381,15 +393,15 @@ def _problem(tiling: _Tiling, q: jax.Array, k: jax.Array, v: jax.Array, bias: ja
                     key_lengths=key_lengths, Lp=q.shape[-2], Sp=k.shape[-2], work=q.dtype,
                     offsets=(extreme(q_offset, jnp.min), extreme(q_offset, jnp.max)),
                     longest=None if key_lengths is None else extreme(key_lengths, jnp.max),
-                    parameters=parameters or {}, sinks=sinks, visits=visits)
+                    parameters=parameters or {}, sinks=sinks, slopes=slopes, visits=visits)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _tiled(tiling: _Tiling, q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None,
            mask: jax.Array | None, q_offset: jax.Array, key_lengths: jax.Array | None, sinks: jax.Array | None,
-           parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+           parameters: dict[str, jax.Array], slopes: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """out (..., Lp, Ev) and lse (..., Lp) of the padded problem, in the working dtype."""
-    p = _problem(tiling, q, k, v, bias, mask, q_offset, key_lengths, sinks, parameters)
+    p = _problem(tiling, q, k, v, bias, mask, q_offset, key_lengths, sinks, parameters, slopes)
     return _forward_tiles(p)
 
 
@@ -401,7 +413,8 @@ def _tiled_forward(tiling: _Tiling, *arrays: Any) -> tuple[tuple[jax.Array, jax.
 def _tiled_backward(tiling: _Tiling, kept: tuple, cotangents: tuple) -> tuple:
     *arrays, out, lse = kept
     dq, dk, dv, dbias, d_sinks, d_parameters = _backward_tiles(_problem(tiling, *arrays), out, lse, *cotangents)
-    return dq, dk, dv, dbias, None, None, None, d_sinks, d_parameters  # mask, q_offset, key_lengths: no gradient
+    return dq, dk, dv, dbias, None, None, None, d_sinks, d_parameters, None  # mask, q_offset, key_lengths and
+    # ALiBi's slopes: no gradient
 
 
 _tiled.defvjp(_tiled_forward, _tiled_backward)
@@ -531,6 +544,8 @@ def _scores(p: _Problem, raw: jax.Array, rows: jax.Array, cols: jax.Array, kind:
     bias = None if p.bias is None else _tile(p, p.bias, rows, cols)
     if bias is not None:
         scores = scores + oriented(bias)
+    if p.slopes is not None:  # ALiBi, as a bias built from the tile's positions
+        scores = scores + oriented(_alibi_tile(p.slopes, p.q_offset, rows, cols, p.block_q, p.block_k))
     visible = _tile_visible(p, rows, cols, bias)
     if visible is not None:
         visible = oriented(visible)

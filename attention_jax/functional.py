@@ -17,6 +17,7 @@ from attention_np.common.records import Structure
 
 from .fast import attention
 from .primitives import (
+    _alibi,
     _at_least_float32,
     _integers,
     _masked_softmax,
@@ -48,6 +49,7 @@ def scaled_dot_product_attention(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
@@ -76,6 +78,8 @@ def scaled_dot_product_attention(
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H) (per query head with enable_gqa): it joins each
             softmax's denominator and carries no value, weights_ij = exp(s_ij) / (exp(sinks) + sum_j exp(s_ij)).
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), one per query head (also with enable_gqa): each score gets
+            the bias -slope_h * |p_i - j|, p_i = q_offset + i, after softcap, as bias (see alibi_slopes).
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a jax.random key (required while dropout is active).
@@ -90,7 +94,8 @@ def scaled_dot_product_attention(
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
     out, weights = _attention(q, k, v, mask, bias, structure, mods, scale=scale, softcap=softcap, sinks=sinks,
-                              grouped=enable_gqa, dropout_p=dropout_p, need_weights=need_weights, rng=rng)
+                              alibi_slopes=alibi_slopes, grouped=enable_gqa, dropout_p=dropout_p,
+                              need_weights=need_weights, rng=rng)
     if enable_gqa:  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
         return _ungrouped(out), _ungrouped(weights)
     return out, weights
@@ -99,13 +104,14 @@ def scaled_dot_product_attention(
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None,
                structure: Structure, mods: _Mods | None, *, scale: float | None, softcap: float | None,
                sinks: jax.Array | None, grouped: bool, dropout_p: float, need_weights: bool,
-               rng: Rng) -> tuple[jax.Array, jax.Array | None]:
+               rng: Rng, alibi_slopes: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """scaled_dot_product_attention on q, k, v as given, or grouped (`grouped`): q (..., Hkv, G, L, E) against k
     and v (..., Hkv, 1, S, E | Ev); out and weights in that layout."""
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights, rng=rng)
     dtype, work = q.dtype, _at_least_float32(q.dtype)  # float16, bfloat16: sums, softmax in float32
     sinks = _sink_logits(sinks, batch, grouped, work)  # (..., 1, 1) against the scores, or None
+    bias = _alibi(alibi_slopes, bias, structure.q_offset, batch, grouped, q.shape[-2], k.shape[-2], work)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
         return empty
     q, k, v = (_ranked(x, len(batch) + 2) for x in (q, k, v))  # jax: one rank for all, no rank promotion

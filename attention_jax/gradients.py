@@ -42,6 +42,7 @@ def scaled_dot_product_attention_vjp(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
@@ -60,6 +61,8 @@ def scaled_dot_product_attention_vjp(
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for scaled_dot_product_attention; constants: they take
+            no gradient (their bias -slope_h * |p_i - j| joins S as bias does, dS unchanged).
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
@@ -74,7 +77,8 @@ def scaled_dot_product_attention_vjp(
         return scaled_dot_product_attention(q, k, v, mask, bias=bias, is_causal=is_causal, scale=scale,
                                             q_offset=q_offset, window=window, key_lengths=key_lengths,
                                             softcap=softcap, enable_gqa=enable_gqa, mask_mod=mask_mod,
-                                            score_mod=_with_parameters(score_mod, parameters), sinks=sinks)
+                                            score_mod=_with_parameters(score_mod, parameters), sinks=sinks,
+                                            alibi_slopes=alibi_slopes)  # a constant
 
     sinks = None if sinks is None else jnp.asarray(sinks)  # jax: differentiated as an argument
     out, pull, weights = jax.vjp(attention, q, k, v, bias, sinks, parameters, has_aux=True)  # jax: autodiff of

@@ -50,6 +50,25 @@ def _on_grid(structure: Structure, L: int, S: int) -> jax.Array:
     return jnp.broadcast_to(_by_position(structure, len(shape))(None, None, *_positions(L, S, len(shape))), shape)
 
 
+def alibi_slopes(H: int) -> jax.Array:
+    """ALiBi's slopes, one per head: the geometric sequence of the ALiBi paper (Press et al.) and BLOOM. For H a
+    power of two, slope_h = 2^(-8 h / H), h = 1 .. H; otherwise, n the greatest power of two below H, the n
+    slopes 2^(-8 h / n), then the odd terms 2^(-8 h / (2 n)), h = 1, 3, 5, .., of the sequence for 2 n, H - n of
+    them (transformers' build_alibi_tensor).
+
+    Args:
+        H: the number of heads, a positive integer.
+
+    Returns:
+        slopes (H,), computed in Python floats, in the backend's default floating dtype (NumPy: float64).
+    """
+    H = validation.alibi_heads(H)
+    n = 1 << (H.bit_length() - 1)  # the greatest power of two <= H
+    slopes = [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]  # 2^(-8/n), its square, ..
+    slopes += [2.0 ** (-8.0 * h / (2 * n)) for h in range(1, 2 * (H - n), 2)]  # the odd terms for 2n
+    return jnp.asarray(slopes, dtype=float)  # jax: float32 unless x64 is enabled
+
+
 def padding_mask(lengths: jax.Array, S: int) -> jax.Array:
     """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
 
@@ -259,6 +278,40 @@ def _sunk_softmax(scores: jax.Array, visible: jax.Array | None, sinks: jax.Array
     exp = jnp.exp(scores - row_max)  # (..., L, S)
     total = jnp.sum(exp, axis=-1, keepdims=True) + jnp.exp(sinks - row_max)  # (..., L, 1): the sink's share too
     return exp / jnp.where(total == 0.0, 1.0, total)  # a sink of -inf and no key seen: 0 / 1 = 0, never 0 / 0
+
+
+def _alibi(slopes: jax.Array | None, bias: jax.Array | None, q_offset: int | jax.Array, batch: tuple,
+           grouped: bool, L: int, S: int, work: Any) -> jax.Array | None:
+    """bias plus ALiBi's -slope_h * |p_i - j| (_alibi_tile over every query and key) as one additive bias
+    (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H), checked against the
+    scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
+    if slopes is None:
+        return bias
+    q_offset = _integers(q_offset, "q_offset", batch)
+    alibi = _alibi_tile(_alibi_slopes(slopes, batch, grouped, work), q_offset, 0, 0, L, S)
+    return alibi if bias is None else _ranked(jnp.asarray(bias, dtype=work), alibi.ndim) + alibi  # -inf hides
+
+
+def _alibi_slopes(slopes: jax.Array | None, batch: tuple, grouped: bool, work: Any) -> jax.Array | None:
+    """ALiBi's slopes (H,) or (B, H), checked against the scores' leading axes `batch`, in the working dtype and
+    laid out against the scores (..., L, S): (..., 1, 1), grouped (..., Hkv, G, 1, 1) with enable_gqa; None
+    without. jax: at the scores' rank, as rank promotion may be refused."""
+    if slopes is None:
+        return None
+    slopes = jnp.asarray(slopes)
+    laid = slopes.astype(work).reshape(validation.alibi_slopes(slopes.shape, batch, grouped))
+    return _ranked(laid, len(batch) + 2)
+
+
+def _alibi_tile(slopes: jax.Array, q_offset: jax.Array, rows: int | jax.Array, cols: int | jax.Array, L: int,
+                S: int) -> jax.Array:
+    """ALiBi's bias on the L queries from `rows` on and the S keys from `cols` on, from their positions:
+    -slope_h * |p_i - j|, p_i = q_offset + i; slopes laid out (..., 1, 1) (_alibi_slopes), q_offset integers
+    (...). Returns (..., L, S), never more than the tile."""
+    rank = slopes.ndim
+    q_idx, kv_idx = _positions(L, S, rank, rows, cols)  # (1, ..., L, 1), (1, ..., 1, S)
+    positions = _ranked(q_offset[..., None, None], rank) + q_idx  # (..., L, 1)
+    return -slopes * jnp.abs(positions - kv_idx).astype(slopes.dtype)  # (..., 1, 1) x (..., L, S)
 
 
 def _sunk_rows(out: jax.Array, lse: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:

@@ -49,6 +49,8 @@ from attention_np.common.records import FlashOptions, Structure
 
 from .functional import _dtypes, _grouped, _prepare
 from .primitives import (
+    _alibi_slopes,
+    _alibi_tile,
     _by_position,
     _check_derivative,
     _integers,
@@ -83,6 +85,7 @@ def flash_attention(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -99,6 +102,8 @@ def flash_attention(
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for scaled_dot_product_attention: each tile adds
+            -slope_h * |p_i - j| from its positions (no (L, S) bias is formed); constants, no gradient.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
@@ -112,7 +117,8 @@ def flash_attention(
     """
     out, lse, _ = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k, sinks=sinks),
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k, sinks=sinks,
+        alibi_slopes=alibi_slopes),
         _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
     return out, lse
 
@@ -134,6 +140,7 @@ def flash_attention_vjp(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -157,6 +164,8 @@ def flash_attention_vjp(
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for scaled_dot_product_attention: each tile adds
+            -slope_h * |p_i - j| from its positions (no (L, S) bias is formed); constants, no gradient.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q, block_k: as for flash_attention.
@@ -171,7 +180,8 @@ def flash_attention_vjp(
     _check_derivative("flash_attention_vjp", score_mod)  # numpy: the backward is derived by hand
     out, lse, problem = _forward(q, k, v, mask, bias, FlashOptions(
         is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
-        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k, sinks=sinks),
+        softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k, sinks=sinks,
+        alibi_slopes=alibi_slopes),
         _Given(mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask))
 
     def pullback(d_out: np.ndarray) -> tuple:
@@ -221,6 +231,7 @@ class _Problem(NamedTuple):
     mods: _Mods | None = None  # mask_mod (the block mask's with one) and score_mod, indices laid out as the scores
     kinds: np.ndarray | None = None  # a block mask's tiles (rows, columns): EMPTY, PARTIAL or FULL over the batch
     sinks: np.ndarray | None = None  # the sink logits laid out against the scores (..., 1, 1) (None: no sinks)
+    slopes: np.ndarray | None = None  # ALiBi's slopes laid out against the scores (..., 1, 1) (None: no ALiBi)
 
 
 def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
@@ -253,6 +264,7 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
     block_q, block_k = validation.default_tiles(options.block_q, options.block_k, batch, L, S, TILE_SCORES)
     work = np.promote_types(q.dtype, np.float32)  # float16, bfloat16: in float32
     sinks = _sink_logits(options.sinks, batch, options.enable_gqa, work)  # (..., 1, 1), or None
+    slopes = _alibi_slopes(options.alibi_slopes, batch, options.enable_gqa, work)  # (..., 1, 1), or None
     q_offset = _integers(q_offset, "q_offset", batch)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch)
     return _Problem(
@@ -267,7 +279,7 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | Non
         lengths=None if key_lengths is None or key_lengths.size == 0 else
         (int(key_lengths.min()), int(key_lengths.max())),
         mods=None if B is None else _Mods.of(mask_mod, score_mod, B, q.shape[1:-2], L, S),  # heads (H,) | (Hkv, G)
-        kinds=kinds, sinks=sinks)
+        kinds=kinds, sinks=sinks, slopes=slopes)
 
 
 def _check_masks(mask: np.ndarray | None, bias: np.ndarray | None, shape: tuple) -> None:
@@ -387,6 +399,8 @@ def _scores(p: _Problem, q: np.ndarray, rows: slice,
                                   scores.shape)
     if p.bias is not None:
         scores += p.bias[..., rows, cols]
+    if p.slopes is not None:  # ALiBi, as a bias built from the tile's positions
+        scores += _alibi_tile(p.slopes, p.structure.q_offset, rows, cols)
     if visible is not None:
         np.copyto(scores, -np.inf, where=~visible)
     return scores, visible, tanh, received

@@ -16,7 +16,7 @@ from attention_np.common.mods import from_keywords
 from attention_np.common.records import Structure
 
 from .fast import attention
-from .primitives import _integers, _masked_softmax, _modded, _Mods, _sink_logits, _visible
+from .primitives import _alibi, _integers, _masked_softmax, _modded, _Mods, _sink_logits, _visible
 
 Rng = np.random.Generator | int | None
 
@@ -38,6 +38,7 @@ def scaled_dot_product_attention(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
@@ -66,6 +67,8 @@ def scaled_dot_product_attention(
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H) (per query head with enable_gqa): it joins each
             softmax's denominator and carries no value, weights_ij = exp(s_ij) / (exp(sinks) + sum_j exp(s_ij)).
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), one per query head (also with enable_gqa): each score gets
+            the bias -slope_h * |p_i - j|, p_i = q_offset + i, after softcap, as bias (see alibi_slopes).
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a NumPy Generator or an int seed (None: fresh randomness).
@@ -80,8 +83,8 @@ def scaled_dot_product_attention(
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
     out, weights = _attention(q, k, v, mask, bias, structure, scale=scale, softcap=softcap, mods=mods,
-                              sinks=sinks, grouped=enable_gqa, dropout_p=dropout_p, need_weights=need_weights,
-                              rng=rng)
+                              sinks=sinks, alibi_slopes=alibi_slopes, grouped=enable_gqa, dropout_p=dropout_p,
+                              need_weights=need_weights, rng=rng)
     if enable_gqa:
         return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
     return out, weights
@@ -90,13 +93,14 @@ def scaled_dot_product_attention(
 def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, bias: np.ndarray | None,
                structure: Structure, *, scale: float | None, softcap: float | None, mods: _Mods | None,
                sinks: np.ndarray | None, grouped: bool, dropout_p: float, need_weights: bool,
-               rng: Rng) -> tuple[np.ndarray, np.ndarray | None]:
+               rng: Rng, alibi_slopes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """scaled_dot_product_attention once the heads are grouped (`grouped`, enable_gqa: q (..., Hkv, G, L, E), k
     and v (..., Hkv, 1, S, *)) and the mods' index arrays laid out as those scores."""
     batch, scale, empty = _prepare(q, k, v, mask, bias, structure, scale=scale, softcap=softcap,
                                    dropout_p=dropout_p, need_weights=need_weights)
     dtype, work = q.dtype, np.promote_types(q.dtype, np.float32)  # float16, bfloat16: sums, softmax in float32
     sinks = _sink_logits(sinks, batch, grouped, work)  # (..., 1, 1) against the scores, or None
+    bias = _alibi(alibi_slopes, bias, structure.q_offset, batch, grouped, q.shape[-2], k.shape[-2], work)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
         return empty
     if not need_weights and dropout_p == 0.0:  # no weights wanted: the fast path, same result (see fast.py)

@@ -57,6 +57,7 @@ def scaled_dot_product_attention_vjp(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
@@ -84,6 +85,8 @@ def scaled_dot_product_attention_vjp(
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for scaled_dot_product_attention; constants: they take
+            no gradient (their bias -slope_h * |p_i - j| joins S as bias does, dS unchanged).
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
@@ -94,7 +97,7 @@ def scaled_dot_product_attention_vjp(
     _check_derivative("scaled_dot_product_attention_vjp", score_mod)  # numpy: the backward is derived by hand
     mods = _mods("scaled_dot_product_attention_vjp", q, k, v, mask_mod, score_mod, enable_gqa)  # None: no mods
     options = {"is_causal": is_causal, "scale": scale, "window": window, "softcap": softcap, "mods": mods,
-               "sinks": sinks}
+               "sinks": sinks, "alibi_slopes": alibi_slopes}
     if enable_gqa:  # the grouped call's pullback (k, v broadcast over each group), its gradients reshaped back
         return _grouped_vjp(q, k, v, mask, bias=bias, q_offset=q_offset, key_lengths=key_lengths, **options)
     return _vjp(q, k, v, mask, bias=bias, q_offset=q_offset, key_lengths=key_lengths, **options)
@@ -103,13 +106,14 @@ def scaled_dot_product_attention_vjp(
 def _vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, *, bias: np.ndarray | None,
          is_causal: bool, scale: float | None, q_offset: int | np.ndarray, window: tuple | None,
          key_lengths: np.ndarray | None, softcap: float | None, mods: _Mods | None, sinks: np.ndarray | None,
-         grouped: bool = False) -> tuple[np.ndarray, np.ndarray, Callable]:
+         alibi_slopes: np.ndarray | None = None, grouped: bool = False) -> tuple[np.ndarray, np.ndarray, Callable]:
     """scaled_dot_product_attention_vjp once the heads are grouped (`grouped`, enable_gqa) and the mods' index
     arrays laid out as those scores."""
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
     out, weights = _attention(q, k, v, mask, bias, structure, scale=scale, softcap=softcap, mods=mods,
-                              sinks=sinks, grouped=grouped, dropout_p=0.0, need_weights=True, rng=None)
+                              sinks=sinks, grouped=grouped, dropout_p=0.0, need_weights=True, rng=None,
+                              alibi_slopes=alibi_slopes)
     scale = validation.default_scale(scale, q.shape, k.shape)  # the checks above passed: q has rank 2 or more
     laid = None if sinks is None else _sink_logits(sinks, validation.attention_batch(q.shape, k.shape, v.shape),
                                                    grouped, np.promote_types(q.dtype, np.float32))
@@ -185,10 +189,11 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     input projections. Splitting and merging heads only move entries, so their adjoints are each other.
     With Hkv < H key/value heads, attention runs with enable_gqa, whose backward pass sums the gradients of
     each key/value head over the query heads of its group. With sinks, attention takes mha.sinks, and its
-    gradient d_sinks is the parameter's, "sinks". With rope_theta, the queries and keys are turned
-    after the split, and their gradients turned back before the projections' adjoints. With attention="linear"
-    the heads' step is linear_attention_vjp's pullback instead (_linear_heads_vjp). is_causal, mask_mod and
-    score_mod go to attention on the heads (B, H, L, d_k), as in MultiHeadAttention.__call__.
+    gradient d_sinks is the parameter's, "sinks"; with position="alibi", mha.alibi_slopes (no gradient). With
+    rope_theta, the queries and keys are turned after the split, and their gradients turned back before the
+    projections' adjoints. With attention="linear" the heads' step is linear_attention_vjp's pullback instead
+    (_linear_heads_vjp). is_causal, mask_mod and score_mod go to attention on the heads (B, H, L, d_k), as in
+    MultiHeadAttention.__call__.
 
     Returns:
         out (..., L, D), weights (..., H, L, S) (None with attention="linear") and
@@ -207,7 +212,8 @@ def multi_head_attention_vjp(mha: Any, q: np.ndarray, k: np.ndarray, v: np.ndarr
     else:
         heads, weights, pull_attention = scaled_dot_product_attention_vjp(
             q_h, k_h, v_h, mask, is_causal=is_causal, enable_gqa=mha.grouped, mask_mod=mask_mod,
-            score_mod=score_mod, sinks=mha.sinks)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
+            score_mod=score_mod, sinks=mha.sinks,
+            alibi_slopes=mha.alibi_slopes)  # (..., H, L, d_k), k, v (..., Hkv, S, d_k)
     out, pull_o = _linear_vjp(mha.w_o, mha._merge_heads(heads))  # (..., L, D)
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, Grads]:

@@ -24,7 +24,7 @@ from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, _ungrouped, scaled_dot_product_attention
 from .gradients import multi_head_attention_vjp, transformer_block_vjp
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state
-from .primitives import _activation, _silu
+from .primitives import _activation, _silu, alibi_slopes
 
 
 class KVCache(NamedTuple):
@@ -100,19 +100,23 @@ class MultiHeadAttention(Module):
     """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice; with
     num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads; with
     attention="linear", the same projections around linear attention in each head; with sinks=True, a learned
-    sink logit per head (gpt-oss's `sinks`) in every softmax's denominator."""
+    sink logit per head (gpt-oss's `sinks`) in every softmax's denominator; with position="alibi", ALiBi's bias
+    -slope_h * |p_i - j| (alibi_slopes(H)) in every head's scores, BLOOM's and MPT's position encoding."""
 
     _children = ("sinks", "w_q", "w_k", "w_v", "w_o")  # sinks None without sinks=True; first, as torch's own
     # parameters come before its sub-modules' in a state dict
-    _settings = ("num_heads", "num_kv_heads", "rope_theta", "attention", "dropout", "training")
+    _settings = ("num_heads", "num_kv_heads", "rope_theta", "position", "attention", "dropout", "training")
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
-                 attention: str = "softmax", sinks: bool = False, rng: Rng = None, dtype: Any = None) -> None:
+                 position: str | None = None, attention: str = "softmax", sinks: bool = False, rng: Rng = None,
+                 dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights; num_kv_heads Hkv, dividing num_heads
         (None: num_heads), sizes w_k and w_v (Hkv * d_k, D); bias=False drops the four projections' biases;
         rope_theta (None: off) turns each head's queries and keys by their positions (apply_rope, half
-        rotation, base rope_theta); attention "softmax" (scaled dot-product attention) or "linear"
+        rotation, base rope_theta); position None (rope_theta decides: RoPE where it is given, else none),
+        "rope" (needs rope_theta) or "alibi" (ALiBi's bias with alibi_slopes(H); softmax attention, no
+        rope_theta); attention "softmax" (scaled dot-product attention) or "linear"
         (linear_attention with its defaults: no mask, no weights, so dropout must be 0); sinks=True adds the
         parameter `sinks` (H,), one sink logit per query head (scaled_dot_product_attention's sinks), initialised
         to zeros (softmax attention only); rng and dtype (float32 by default) for the initial parameters, drawn
@@ -123,19 +127,27 @@ class MultiHeadAttention(Module):
         validation.probability("dropout", dropout)
         validation.attention(attention, dropout)
         validation.attention_sinks(attention, sinks)
+        position = validation.position(position, rope_theta, attention)
         rngs, dtype = _rngs(rng, 4), np.float32 if dtype is None else dtype
         shapes = validation.mha_state_shapes(d_model, num_heads, num_kv_heads)
         projections = {name: Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
                        for name, rng in zip(validation.PROJECTIONS, rngs, strict=True)}
         self._init(**projections, sinks=np.zeros(num_heads, dtype) if sinks else None, num_heads=num_heads,
-                   num_kv_heads=num_kv_heads, rope_theta=rope_theta, attention=attention, dropout=dropout,
+                   num_kv_heads=num_kv_heads, rope_theta=rope_theta, position=position, attention=attention,
+                   dropout=dropout,
                    training=True)
+
+    @property
+    def alibi_slopes(self) -> np.ndarray | None:
+        """ALiBi's slopes (H,), alibi_slopes(H), with position="alibi"; None otherwise."""
+        return alibi_slopes(self.num_heads) if self.position == "alibi" else None
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
-                        rope_theta: float | None = None, attention: str = "softmax") -> MultiHeadAttention:
+                        rope_theta: float | None = None, position: str | None = None,
+                        attention: str = "softmax") -> MultiHeadAttention:
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode; with
-        sinks=True's parameters where the state holds `sinks` (H,)."""
+        sinks=True's parameters where the state holds `sinks` (H,); position as for the constructor."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
         layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads, bias and sinks, from the shapes
@@ -143,12 +155,14 @@ class MultiHeadAttention(Module):
         validation.probability("dropout", dropout)
         validation.attention(attention, dropout)
         validation.attention_sinks(attention, layout.sinks)
+        position = validation.position(position, rope_theta, attention)
         validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout._asdict()))
         validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         projections = {name: Linear(state[f"{name}.weight"], state.get(f"{name}.bias"))
                        for name in validation.PROJECTIONS}
         return cls._build(**projections, sinks=state.get("sinks"), num_heads=num_heads,
-                          num_kv_heads=layout.num_kv_heads, rope_theta=rope_theta, attention=attention,
+                          num_kv_heads=layout.num_kv_heads, rope_theta=rope_theta, position=position,
+                          attention=attention,
                           dropout=dropout, training=True)
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *,
@@ -195,7 +209,8 @@ class MultiHeadAttention(Module):
             out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p,
                                                         need_weights=need_weights, rng=rng,
                                                         enable_gqa=self.grouped, mask_mod=mask_mod,
-                                                        score_mod=score_mod, sinks=self.sinks)  # (..., H, L, d_k)
+                                                        score_mod=score_mod, sinks=self.sinks,
+                                                        alibi_slopes=self.alibi_slopes)  # (..., H, L, d_k)
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
@@ -312,6 +327,8 @@ class MultiHeadAttention(Module):
         if isinstance(cache, LinearCache):  # the recurrent state of linear attention
             validation.linear_extend(mask, new_lengths, mask_mod, score_mod)
             return self._linear_extended(x_q, x_kv, cache)
+        if self.position == "alibi" and isinstance(cache, PagedKVCache | StreamingKVCache):
+            raise ValueError(f"position='alibi' extends a dense KVCache only; got a {type(cache).__name__}")
         if isinstance(cache, PagedKVCache):  # the keys and values in pages
             validation.paged_options(mask_mod, score_mod, self.dropout if self.training else 0.0)
             return self._paged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights)
@@ -338,6 +355,7 @@ class MultiHeadAttention(Module):
         out, weights = scaled_dot_product_attention(q, cache.k[..., :end, :], cache.v[..., :end, :], mask,
                                                     is_causal=True, q_offset=start, enable_gqa=self.grouped,
                                                     mask_mod=mask_mod, score_mod=score_mod, sinks=self.sinks,
+                                                    alibi_slopes=self.alibi_slopes,
                                                     dropout_p=dropout_p, need_weights=need_weights,
                                                     rng=rng)  # (..., H, L, d_k)
         if need_weights:  # the positions not yet filled get 0
@@ -401,6 +419,7 @@ class MultiHeadAttention(Module):
                                                     is_causal=True, q_offset=start[..., None],
                                                     key_lengths=end[..., None], enable_gqa=self.grouped,
                                                     mask_mod=mask_mod, score_mod=score_mod, sinks=self.sinks,
+                                                    alibi_slopes=self.alibi_slopes,
                                                     dropout_p=dropout_p, need_weights=need_weights,
                                                     rng=rng)  # (..., H, L, d_k)
         rows = kept[..., None, :, None]  # (..., 1, L, 1): padding rows get zeros

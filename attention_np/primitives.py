@@ -49,6 +49,25 @@ def _on_grid(structure: Structure, L: int, S: int) -> np.ndarray:
     return visible if visible.shape == shape else np.broadcast_to(visible, shape).copy()
 
 
+def alibi_slopes(H: int) -> np.ndarray:
+    """ALiBi's slopes, one per head: the geometric sequence of the ALiBi paper (Press et al.) and BLOOM. For H a
+    power of two, slope_h = 2^(-8 h / H), h = 1 .. H; otherwise, n the greatest power of two below H, the n
+    slopes 2^(-8 h / n), then the odd terms 2^(-8 h / (2 n)), h = 1, 3, 5, .., of the sequence for 2 n, H - n of
+    them (transformers' build_alibi_tensor).
+
+    Args:
+        H: the number of heads, a positive integer.
+
+    Returns:
+        slopes (H,), computed in Python floats, in the backend's default floating dtype (NumPy: float64).
+    """
+    H = validation.alibi_heads(H)
+    n = 1 << (H.bit_length() - 1)  # the greatest power of two <= H
+    slopes = [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]  # 2^(-8/n), its square, ..
+    slopes += [2.0 ** (-8.0 * h / (2 * n)) for h in range(1, 2 * (H - n), 2)]  # the odd terms for 2n
+    return np.array(slopes)
+
+
 def padding_mask(lengths: np.ndarray, S: int) -> np.ndarray:
     """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
 
@@ -220,6 +239,37 @@ def _sink_logits(sinks: np.ndarray | None, batch: tuple, grouped: bool, work: np
         return None
     sinks = np.asarray(sinks)
     return sinks.astype(work, copy=False).reshape(validation.sinks(sinks.shape, batch, grouped))
+
+
+def _alibi(slopes: np.ndarray | None, bias: np.ndarray | None, q_offset: int | np.ndarray, batch: tuple,
+           grouped: bool, L: int, S: int, work: np.dtype) -> np.ndarray | None:
+    """bias plus ALiBi's -slope_h * |p_i - j| (_alibi_tile over every query and key) as one additive bias
+    (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H), checked against the
+    scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
+    if slopes is None:
+        return bias
+    q_offset = _integers(q_offset, "q_offset", batch)
+    alibi = _alibi_tile(_alibi_slopes(slopes, batch, grouped, work), q_offset, slice(0, L), slice(0, S))
+    return alibi if bias is None else np.asarray(bias, dtype=work) + alibi  # a -inf bias still hides
+
+
+def _alibi_slopes(slopes: np.ndarray | None, batch: tuple, grouped: bool, work: np.dtype) -> np.ndarray | None:
+    """ALiBi's slopes (H,) or (B, H), checked against the scores' leading axes `batch`, in the working dtype and
+    laid out against the scores (..., L, S): (..., 1, 1), grouped (..., Hkv, G, 1, 1) with enable_gqa; None
+    without."""
+    if slopes is None:
+        return None
+    slopes = np.asarray(slopes)
+    return slopes.astype(work, copy=False).reshape(validation.alibi_slopes(slopes.shape, batch, grouped))
+
+
+def _alibi_tile(slopes: np.ndarray, q_offset: np.ndarray, rows: slice, cols: slice) -> np.ndarray:
+    """ALiBi's bias on the queries `rows` and keys `cols`, from their positions: -slope_h * |p_i - j|,
+    p_i = q_offset + i; slopes laid out (..., 1, 1) (_alibi_slopes), q_offset integers (...). Returns
+    (..., rows, cols), never more than the tile."""
+    positions = q_offset[..., None, None] + np.arange(rows.start, rows.stop)[:, None]  # (..., rows, 1)
+    distance = np.abs(positions - np.arange(cols.start, cols.stop))  # (..., rows, cols)
+    return -slopes * distance.astype(slopes.dtype)  # (..., 1, 1) x (..., rows, cols)
 
 
 def _sunk_rows(out: np.ndarray, lse: np.ndarray, sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ from .gradients import scaled_dot_product_attention_vjp
 from .latent import LatentTransformerBlock, MultiHeadLatentAttention
 from .linear import linear_attention, linear_attention_state, linear_attention_step, linear_attention_vjp
 from .modules import MultiHeadAttention, TransformerBlock
-from .primitives import causal_mask, padding_mask, window_mask
+from .primitives import alibi_slopes, causal_mask, padding_mask, window_mask
 from .varlen import varlen_attention, varlen_attention_vjp
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadLatentAttention",
     "TransformerBlock",
+    "alibi_slopes",
     "and_masks",
     "apply_rope",
     "asarray",

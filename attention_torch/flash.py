@@ -51,6 +51,8 @@ from .fast import _grouped_matmul
 from .functional import _dtypes, _grouped, _prepare
 from .gradients import _grad, _leaf, _recording
 from .primitives import (
+    _alibi_slopes,
+    _alibi_tile,
     _by_position,
     _cast,
     _Indices,
@@ -86,6 +88,7 @@ def flash_attention(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -102,6 +105,8 @@ def flash_attention(
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for scaled_dot_product_attention: each tile adds
+            -slope_h * |p_i - j| from its positions (no (L, S) bias is formed); constants, no gradient.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q: queries per tile (the last tile may be shorter); None: chosen from the shapes
@@ -115,7 +120,7 @@ def flash_attention(
     """
     options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
                            key_lengths=key_lengths, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
-                           block_k=block_k)
+                           block_k=block_k, alibi_slopes=alibi_slopes)  # the slopes: constants, no gradient
     mods = None if mask_mod is None and score_mod is None and block_mask is None else _Mods(
         mask_mod=mask_mod, score_mod=score_mod, block_mask=block_mask, names=tuple(_named_parameters(score_mod)))
     # torch: under autograd, the gradients of q, k, v, bias, the sinks and the score function's parameters come
@@ -142,6 +147,7 @@ def flash_attention_vjp(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     block_mask: BlockMask | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -165,6 +171,8 @@ def flash_attention_vjp(
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for scaled_dot_product_attention: each tile adds
+            -slope_h * |p_i - j| from its positions (no (L, S) bias is formed); constants, no gradient.
         block_mask: from create_block_mask over (B or 1, H or 1, L, S): its tiles are flash's (block_q
             and block_k None), an empty tile is skipped, a full one computed without its mask function.
         block_q, block_k: as for flash_attention.
@@ -189,7 +197,7 @@ def flash_attention_vjp(
                                    scale=scale, q_offset=q_offset, window=window, key_lengths=key_lengths,
                                    softcap=softcap, enable_gqa=enable_gqa, mask_mod=mask_mod,
                                    score_mod=_replaced(score_mod, names, parameters), sinks=sunk[0] if sunk else None,
-                                   block_mask=block_mask, block_q=block_q, block_k=block_k)
+                                   alibi_slopes=alibi_slopes, block_mask=block_mask, block_q=block_q, block_k=block_k)
 
     def pullback(d_out: torch.Tensor) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))
@@ -280,6 +288,7 @@ class _Problem(NamedTuple):
     out: torch.Tensor | None = None  # (..., L, Ev) and (..., L) in the working dtype, once the forward pass has run
     lse: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # the sink logits laid out against the scores (..., 1, 1) (None: no sinks)
+    slopes: torch.Tensor | None = None  # ALiBi's slopes laid out against the scores (..., 1, 1) (None: no ALiBi)
 
 
 def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -307,6 +316,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     block_q, block_k = validation.default_tiles(options.block_q, options.block_k, batch, L, S, TILE_SCORES)
     work = torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: in float32
     sinks = _sink_logits(options.sinks, batch, options.enable_gqa, work, q.device)  # (..., 1, 1), or None
+    slopes = _alibi_slopes(options.alibi_slopes, batch, options.enable_gqa, work, q.device)  # (..., 1, 1), or None
     q_offset = _integers(q_offset, "q_offset", batch).to(q.device)
     key_lengths = None if key_lengths is None else _integers(key_lengths, "key_lengths", batch).to(q.device)
     return _Problem(
@@ -319,7 +329,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         block_q=block_q, block_k=block_k, grouped=options.enable_gqa,
         offsets=(int(q_offset.min()), int(q_offset.max())) if q_offset.numel() else (0, 0),
         lengths=None if key_lengths is None or key_lengths.numel() == 0 else
-        (int(key_lengths.min()), int(key_lengths.max())), mods=tile_mods, sinks=sinks)
+        (int(key_lengths.min()), int(key_lengths.max())), mods=tile_mods, sinks=sinks, slopes=slopes)
 
 
 def _tile_mods(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: FlashOptions, mods: _Mods,
@@ -432,6 +442,8 @@ def _scores(p: _Problem, q: torch.Tensor, rows: slice, cols: slice, *,
             scores = _score_mod_scores(score_mod, scores, p.mods.idx, rows, cols).contiguous()
     if p.bias is not None:
         scores += p.bias[..., rows, cols]
+    if p.slopes is not None:  # ALiBi, as a bias built from the tile's positions
+        scores += _alibi_tile(p.slopes, p.structure.q_offset, rows, cols)
     visible = _tile_visible(p, rows, cols)
     if visible is not None:
         scores.masked_fill_(visible.logical_not(), -math.inf)

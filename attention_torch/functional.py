@@ -18,6 +18,7 @@ from attention_np.common.records import Structure
 
 from .fast import _grouped_matmul, attention, grouped_attention
 from .primitives import (
+    _alibi,
     _both,
     _cast,
     _indices,
@@ -49,6 +50,7 @@ def scaled_dot_product_attention(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = True,
     rng: Rng = None,
@@ -76,6 +78,8 @@ def scaled_dot_product_attention(
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H) (per query head with enable_gqa): it joins each
             softmax's denominator and carries no value, weights_ij = exp(s_ij) / (exp(sinks) + sum_j exp(s_ij)).
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), one per query head (also with enable_gqa): each score gets
+            the bias -slope_h * |p_i - j|, p_i = q_offset + i, after softcap, as bias (see alibi_slopes).
         dropout_p: inverted dropout on the weights before the value product.
         need_weights: return the weights; with False the second result is None.
         rng: dropout randomness: a torch.Generator (None: the global RNG).
@@ -87,7 +91,7 @@ def scaled_dot_product_attention(
     modded = None  # scores -> score_mod's scores, with the index arrays it receives
     if mask_mod is not None or score_mod is not None:
         mask, modded = _mods(q, k, v, mask, mask_mod, score_mod)
-    if enable_gqa and modded is None and sinks is None and _kernel_groups(
+    if enable_gqa and modded is None and sinks is None and alibi_slopes is None and _kernel_groups(
             q, k, v, mask, bias, q_offset, window, key_lengths, softcap, dropout_p, need_weights):  # torch: the
         # kernel's own enable_gqa, without the reshapes. A NaN or inf in q or k takes the general route's explicit
         # path (see the fast path in _attention): the call with the weights, which never goes to the kernel
@@ -99,8 +103,8 @@ def scaled_dot_product_attention(
     structure = Structure(is_causal=is_causal, q_offset=q_offset, window=validation.window(window),
                           key_lengths=key_lengths)
     out, weights = _attention(q, k, v, mask, bias, structure, scale=scale, softcap=softcap, modded=modded,
-                              sinks=sinks, grouped=enable_gqa, dropout_p=dropout_p, need_weights=need_weights,
-                              rng=rng)
+                              sinks=sinks, alibi_slopes=alibi_slopes, grouped=enable_gqa, dropout_p=dropout_p,
+                              need_weights=need_weights, rng=rng)
     if enable_gqa:
         return _ungrouped(out), _ungrouped(weights)  # (..., Hkv, G, L, Ev | S) -> (..., H, L, Ev | S)
     return out, weights
@@ -109,7 +113,7 @@ def scaled_dot_product_attention(
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                bias: torch.Tensor | None, structure: Structure, *, scale: float | None, softcap: float | None,
                modded: Callable[[torch.Tensor], torch.Tensor] | None, dropout_p: float, need_weights: bool,
-               rng: Rng, sinks: torch.Tensor | None = None,
+               rng: Rng, sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
                grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """scaled_dot_product_attention once the mods are evaluated (the mask_mod's keys in mask; `modded` the
     score_mod) and the heads grouped (`grouped`): the fast path or the explicit path."""
@@ -117,6 +121,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
                                    dropout_p=dropout_p, need_weights=need_weights)
     dtype, work = q.dtype, torch.promote_types(q.dtype, torch.float32)  # float16, bfloat16: sums, softmax in float32
     sinks = _sink_logits(sinks, batch, grouped, work, q.device)  # (..., 1, 1) against the scores, or None
+    bias = _alibi(alibi_slopes, bias, structure.q_offset, batch, grouped, q.shape[-2], k.shape[-2], work, q.device)
     if empty is not None:  # L = 0 or S = 0: nothing to attend
         return empty
     # torch: the fused kernel returns finite rows for a NaN query, and its -inf masking lets a hidden NaN key

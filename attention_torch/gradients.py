@@ -44,6 +44,7 @@ def scaled_dot_product_attention_vjp(
     mask_mod: Callable[..., Any] | None = None,
     score_mod: Callable[..., Any] | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dP * P)),  dQ = dS K * scale,  dK = dS^T Q * scale,
     dbias = dS, for O = P V and P = softmax(S) over the visible keys, S = Q K^T * scale + bias.
@@ -64,6 +65,8 @@ def scaled_dot_product_attention_vjp(
         score_mod: (score, b, h, q_idx, kv_idx) -> the score the softmax uses, applied after softcap and before
             bias; needs four axes as mask_mod.
         sinks: one logit per head, broadcasting to (..., H), as for scaled_dot_product_attention.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for scaled_dot_product_attention; constants: they take
+            no gradient (their bias -slope_h * |p_i - j| joins S as bias does, dS unchanged).
 
     Returns:
         out (..., L, Ev), weights (..., L, S) and pullback(d_out (..., L, Ev)) -> (dq, dk, dv, dbias),
@@ -81,7 +84,8 @@ def scaled_dot_product_attention_vjp(
                                                     window=window, key_lengths=key_lengths, softcap=softcap,
                                                     enable_gqa=enable_gqa, mask_mod=mask_mod,
                                                     score_mod=_replaced(score_mod, names, parameters),
-                                                    sinks=sunk[0] if sunk else None)
+                                                    sinks=sunk[0] if sunk else None,
+                                                    alibi_slopes=alibi_slopes)  # a constant: no gradient
 
     def pullback(d_out: torch.Tensor) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))

@@ -35,7 +35,7 @@ from .functional import (
 )
 from .gradients import multi_head_attention_vjp, transformer_block_vjp
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state
-from .primitives import _cast
+from .primitives import _cast, alibi_slopes
 
 
 class KVCache(NamedTuple):
@@ -113,16 +113,19 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention: H heads of scaled dot-product attention, each on a d_k = D / H slice; with
     num_kv_heads, grouped-query attention: Hkv key/value heads, each shared by H / Hkv query heads; with
     attention="linear", the same projections around linear attention in each head; with sinks=True, a learned
-    sink logit per head (gpt-oss's `sinks`) in every softmax's denominator."""
+    sink logit per head (gpt-oss's `sinks`) in every softmax's denominator; with position="alibi", ALiBi's bias
+    -slope_h * |p_i - j| (alibi_slopes(H)) in every head's scores, BLOOM's and MPT's position encoding."""
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, dropout: float = 0.1, *,
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
-                 attention: str = "softmax", sinks: bool = False, rng: Rng = None,
+                 position: str | None = None, attention: str = "softmax", sinks: bool = False, rng: Rng = None,
                  dtype: torch.dtype | None = None) -> None:
         """Args: sizes as named; dropout on the attention weights; num_kv_heads Hkv, dividing num_heads
         (None: num_heads), sizes w_k and w_v (Hkv * d_k, D); bias=False drops the four projections' biases;
         rope_theta (None: off) turns each head's queries and keys by their positions (apply_rope, half
-        rotation, base rope_theta); attention "softmax" (scaled dot-product attention) or "linear"
+        rotation, base rope_theta); position None (rope_theta decides: RoPE where it is given, else none),
+        "rope" (needs rope_theta) or "alibi" (ALiBi's bias with alibi_slopes(H); softmax attention, no
+        rope_theta); attention "softmax" (scaled dot-product attention) or "linear"
         (linear_attention with its defaults: no mask, no weights, so dropout must be 0); sinks=True adds the
         parameter `sinks` (H,), one sink logit per query head (scaled_dot_product_attention's sinks), initialised
         to zeros (softmax attention only); rng and dtype (torch's default dtype, float32, when None) for the
@@ -134,6 +137,7 @@ class MultiHeadAttention(nn.Module):
         validation.probability("dropout", dropout)
         validation.attention(attention, dropout)
         validation.attention_sinks(attention, sinks)
+        position = validation.position(position, rope_theta, attention)
         rngs, shapes = _rngs(rng, 4), validation.mha_state_shapes(d_model, num_heads, num_kv_heads)
         self.w_q, self.w_k, self.w_v, self.w_o = (
             Linear.initialized(d_model, shapes[f"{name}.weight"][0], rng, dtype, bias=bias)
@@ -141,13 +145,19 @@ class MultiHeadAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=dtype)) if sinks else None  # torch: None registers
         # no parameter; after w_o in the state dict
         self.num_heads, self.num_kv_heads, self.dropout = num_heads, num_kv_heads, dropout
-        self.rope_theta, self.attention = rope_theta, attention
+        self.rope_theta, self.position, self.attention = rope_theta, position, attention
+
+    @property
+    def alibi_slopes(self) -> torch.Tensor | None:
+        """ALiBi's slopes (H,), alibi_slopes(H), with position="alibi"; None otherwise."""
+        return alibi_slopes(self.num_heads) if self.position == "alibi" else None
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
-                        rope_theta: float | None = None, attention: str = "softmax") -> MultiHeadAttention:
+                        rope_theta: float | None = None, position: str | None = None,
+                        attention: str = "softmax") -> MultiHeadAttention:
         """A module holding `state` (NumPy or native arrays; computes in their dtype), in training mode; with
-        sinks=True's parameters where the state holds `sinks` (H,)."""
+        sinks=True's parameters where the state holds `sinks` (H,); position as for the constructor."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
         layout = validation.mha_layout(shapes, num_heads)  # d_model, num_kv_heads, bias and sinks, from the shapes
@@ -155,11 +165,13 @@ class MultiHeadAttention(nn.Module):
         validation.probability("dropout", dropout)
         validation.attention(attention, dropout)
         validation.attention_sinks(attention, layout.sinks)
+        position = validation.position(position, rope_theta, attention)
         validation.state(cls.__name__, shapes, validation.mha_state_shapes(num_heads=num_heads, **layout._asdict()))
         validation.same_floating_dtype(_dtypes(**state), f"{cls.__name__}.from_state_dict: ")
         with torch.device("meta"):  # torch: no memory or random draws for values about to be replaced
             module = cls(layout.d_model, num_heads, dropout, num_kv_heads=layout.num_kv_heads,
-                         bias=layout.bias, rope_theta=rope_theta, attention=attention, sinks=layout.sinks)
+                         bias=layout.bias, rope_theta=rope_theta, position=position, attention=attention,
+                         sinks=layout.sinks)
         return _load(module, state)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
@@ -205,7 +217,8 @@ class MultiHeadAttention(nn.Module):
             out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=is_causal, dropout_p=dropout_p,
                                                         need_weights=need_weights, rng=rng,
                                                         enable_gqa=self.grouped, mask_mod=mask_mod,
-                                                        score_mod=score_mod, sinks=self.sinks)  # (..., H, L, d_k)
+                                                        score_mod=score_mod, sinks=self.sinks,
+                                                        alibi_slopes=self.alibi_slopes)  # (..., H, L, d_k)
 
         # 3) concatenate the heads and mix them
         return self.w_o(self._merge_heads(out)), weights  # (..., H, L, d_k) -> (..., L, D)
@@ -325,6 +338,8 @@ class MultiHeadAttention(nn.Module):
         if isinstance(cache, LinearCache):  # the recurrent state of linear attention
             validation.linear_extend(mask, new_lengths, mask_mod, score_mod)
             return self._linear_extended(x_q, x_kv, cache)
+        if self.position == "alibi" and isinstance(cache, PagedKVCache | StreamingKVCache):
+            raise ValueError(f"position='alibi' extends a dense KVCache only; got a {type(cache).__name__}")
         if isinstance(cache, PagedKVCache):  # the keys and values in pages
             validation.paged_options(mask_mod, score_mod, self.dropout if self.training else 0.0)
             return self._paged(x_q, x_kv, cache, mask, new_lengths, need_weights=need_weights)
@@ -365,7 +380,8 @@ class MultiHeadAttention(nn.Module):
         else:
             out, weights = scaled_dot_product_attention(q, k, v, mask, is_causal=True, q_offset=start,
                                                         enable_gqa=self.grouped, mask_mod=mask_mod,
-                                                        score_mod=score_mod, sinks=self.sinks, dropout_p=dropout_p,
+                                                        score_mod=score_mod, sinks=self.sinks,
+                                                        alibi_slopes=self.alibi_slopes, dropout_p=dropout_p,
                                                         need_weights=need_weights, rng=rng)  # (..., H, L, d_k)
         if need_weights:  # the positions not yet filled get 0
             weights = nn.functional.pad(weights, (0, cache.k.shape[-2] - end))  # (..., H, L, capacity)
@@ -427,6 +443,7 @@ class MultiHeadAttention(nn.Module):
                                                     is_causal=True, q_offset=start[..., None],
                                                     key_lengths=end[..., None], enable_gqa=self.grouped,
                                                     mask_mod=mask_mod, score_mod=score_mod, sinks=self.sinks,
+                                                    alibi_slopes=self.alibi_slopes,
                                                     dropout_p=dropout_p, need_weights=need_weights,
                                                     rng=rng)  # (..., H, L, d_k)
         rows = kept[..., None, :, None]  # (..., 1, L, 1): padding rows get zeros

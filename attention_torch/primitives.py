@@ -50,6 +50,25 @@ def _on_grid(structure: Structure, L: int, S: int) -> torch.Tensor:
         else visible
 
 
+def alibi_slopes(H: int) -> torch.Tensor:
+    """ALiBi's slopes, one per head: the geometric sequence of the ALiBi paper (Press et al.) and BLOOM. For H a
+    power of two, slope_h = 2^(-8 h / H), h = 1 .. H; otherwise, n the greatest power of two below H, the n
+    slopes 2^(-8 h / n), then the odd terms 2^(-8 h / (2 n)), h = 1, 3, 5, .., of the sequence for 2 n, H - n of
+    them (transformers' build_alibi_tensor).
+
+    Args:
+        H: the number of heads, a positive integer.
+
+    Returns:
+        slopes (H,), computed in Python floats, in the backend's default floating dtype (NumPy: float64).
+    """
+    H = validation.alibi_heads(H)
+    n = 1 << (H.bit_length() - 1)  # the greatest power of two <= H
+    slopes = [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]  # 2^(-8/n), its square, ..
+    slopes += [2.0 ** (-8.0 * h / (2 * n)) for h in range(1, 2 * (H - n), 2)]  # the odd terms for 2n
+    return torch.tensor(slopes)  # torch: the default dtype
+
+
 def padding_mask(lengths: torch.Tensor, S: int) -> torch.Tensor:
     """Boolean (B, 1, 1, S) from lengths (B,): True for the first lengths[b] keys of sequence b.
 
@@ -177,6 +196,38 @@ def _sink_logits(sinks: torch.Tensor | None, batch: tuple, grouped: bool, work: 
         return None
     sinks = torch.as_tensor(sinks, device=device)
     return sinks.to(work).reshape(validation.sinks(sinks.shape, batch, grouped))
+
+
+def _alibi(slopes: torch.Tensor | None, bias: torch.Tensor | None, q_offset: int | torch.Tensor, batch: tuple,
+           grouped: bool, L: int, S: int, work: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """bias plus ALiBi's -slope_h * |p_i - j| (_alibi_tile over every query and key) as one additive bias
+    (..., L, S) in the working dtype; bias unchanged without slopes. slopes (H,) or (B, H), checked against the
+    scores' leading axes `batch` ((..., Hkv, G) where `grouped`, enable_gqa)."""
+    if slopes is None:
+        return bias
+    q_offset = _integers(q_offset, "q_offset", batch).to(device)
+    alibi = _alibi_tile(_alibi_slopes(slopes, batch, grouped, work, device), q_offset, slice(0, L), slice(0, S))
+    return alibi if bias is None else torch.as_tensor(bias, dtype=work, device=device) + alibi  # -inf still hides
+
+
+def _alibi_slopes(slopes: torch.Tensor | None, batch: tuple, grouped: bool, work: torch.dtype,
+                  device: torch.device) -> torch.Tensor | None:
+    """ALiBi's slopes (H,) or (B, H), checked against the scores' leading axes `batch`, in the working dtype and
+    laid out against the scores (..., L, S): (..., 1, 1), grouped (..., Hkv, G, 1, 1) with enable_gqa; None
+    without. Constants: detached, they take no gradient."""
+    if slopes is None:
+        return None
+    slopes = torch.as_tensor(slopes, device=device).detach()
+    return slopes.to(work).reshape(validation.alibi_slopes(slopes.shape, batch, grouped))
+
+
+def _alibi_tile(slopes: torch.Tensor, q_offset: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
+    """ALiBi's bias on the queries `rows` and keys `cols`, from their positions: -slope_h * |p_i - j|,
+    p_i = q_offset + i; slopes laid out (..., 1, 1) (_alibi_slopes), q_offset integers (...). Returns
+    (..., rows, cols), never more than the tile."""
+    q_idx, kv_idx = _positions(rows.stop - rows.start, cols.stop - cols.start, slopes.device, rows.start, cols.start)
+    positions = q_offset[..., None, None] + q_idx  # (..., rows, 1)
+    return -slopes * (positions - kv_idx).abs().to(slopes.dtype)  # (..., 1, 1) x (..., rows, cols)
 
 
 def _parameters(score_mod: Callable[..., Any] | None, q: torch.Tensor) -> list[torch.Tensor]:

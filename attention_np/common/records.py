@@ -48,6 +48,7 @@ class FlashOptions(NamedTuple):
     block_q: int | None  # queries per tile (None: chosen from the shapes)
     block_k: int | None  # keys per tile (None: chosen from the shapes)
     sinks: Any = None  # one logit per head, broadcasting to (..., H), or None (ring attention takes none)
+    alibi_slopes: Any = None  # ALiBi's slopes, (H,) or (B, H), or None
 
 
 class MhaLayout(NamedTuple):

@@ -154,6 +154,20 @@ def sinks(shape: Sequence[int], batch: Sequence[int], grouped: bool) -> Shape:
     return (*shape, 1, 1)
 
 
+def alibi_slopes(shape: Sequence[int], batch: Sequence[int], grouped: bool) -> Shape:
+    """ALiBi's slopes, one per query head, (H,) or (B, H), must broadcast to the scores' leading axes (..., H),
+    `batch` those axes ((..., Hkv, G) with enable_gqa, H = Hkv * G). Returns the slopes' shape laid out against
+    the scores (..., L, S): (..., 1, 1), the head axis split into (Hkv, G) where the heads are grouped."""
+    shape, batch = _shape(shape), _shape(batch)
+    heads = (*batch[:-2], batch[-2] * batch[-1]) if grouped else batch
+    if len(shape) not in (1, 2) or not heads or shape[-1] != heads[-1] or not _fits(shape, heads):
+        raise ValueError(f"alibi_slopes of shape {shape} must be (H,) or (B, H), one slope per query head, "
+                         f"broadcasting to the scores' leading axes {heads} (..., H)")
+    if grouped:
+        shape = grouped_shape(shape, heads[-1], batch[-2], 0)
+    return (*shape, 1, 1)
+
+
 def shared_kv_head(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> bool:
     """Whether k and v hold one head (axis -3, or none) that several query heads of q's axis -3 share: GQA's
     groups (enable_gqa), or multi-query attention by broadcasting. A fast path then needs no copy of k and v
@@ -467,6 +481,29 @@ def activation(name: str) -> None:
 def norm(name: str) -> None:
     if name not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}; got {name!r}")
+
+
+def alibi_heads(H: object) -> int:
+    """alibi_slopes(H): one slope per head, H a positive integer."""
+    if not (isinstance(H, int | np.integer) and not isinstance(H, bool) and H > 0):
+        raise ValueError(f"alibi_slopes needs the number of heads H, a positive integer; got {H!r}")
+    return int(H)
+
+
+def position(position: object, rope_theta: float | None, attention: str) -> str | None:
+    """MultiHeadAttention's position encoding: None (rope_theta decides: "rope" where it is given), "rope"
+    (needs rope_theta) or "alibi" (ALiBi's bias in the softmax: needs attention="softmax" and no rope_theta).
+    Returns the encoding in use, "rope", "alibi" or None."""
+    if position not in (None, "rope", "alibi"):
+        raise ValueError(f"position must be None, 'rope' or 'alibi'; got {position!r}")
+    if position == "rope" and rope_theta is None:
+        raise ValueError("position='rope' needs rope_theta, the rotary embeddings' base; got rope_theta=None")
+    if position == "alibi" and rope_theta is not None:
+        raise ValueError(f"position='alibi' takes no rope_theta (one position encoding); got rope_theta={rope_theta}")
+    if position == "alibi" and attention != "softmax":
+        raise ValueError(f"position='alibi' needs attention='softmax': ALiBi's bias joins the softmax's scores, "
+                         f"which attention={attention!r} does not form")
+    return "rope" if position is None and rope_theta is not None else position
 
 
 def rope_theta(theta: object, d_model: int, num_heads: int) -> float | None:

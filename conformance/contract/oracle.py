@@ -58,6 +58,7 @@ def sdpa(
     mask_mod: Callable[..., ArrayLike] | None = None,
     score_mod: Callable[..., ArrayLike] | None = None,
     sinks: ArrayLike | None = None,
+    alibi_slopes: ArrayLike | None = None,
     dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Attention(Q, K, V) = softmax(score_mod(softcap tanh(Q K^T * scale / softcap)) + bias) V, the softmax over
@@ -80,12 +81,14 @@ def sdpa(
             result hides the key. Both are called one query at a time, as flex_attention calls them.
         sinks: one logit per head, broadcasting to (..., H) (q's heads with enable_gqa): each row's softmax takes
             it as one more logit, of a key whose value is zero; its probability is not returned.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), one per query head: the logit of key j for the query at
+            position p_i = q_offset + i gets -slope * |p_i - j|, after score_mod, as the bias.
 
     Returns:
         out (..., L, Ev) and weights (..., L, S), in `dtype`. A query with no visible key gets zeros in both.
     """
     out, weights, _ = _rows(q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap,
-                            enable_gqa, (mask_mod, score_mod), dtype, sinks)
+                            enable_gqa, (mask_mod, score_mod), dtype, sinks, alibi_slopes)
     return out, weights
 
 
@@ -106,6 +109,7 @@ def log_sum_exp(
     mask_mod: Callable[..., ArrayLike] | None = None,
     score_mod: Callable[..., ArrayLike] | None = None,
     sinks: ArrayLike | None = None,
+    alibi_slopes: ArrayLike | None = None,
     dtype: DTypeLike = np.float64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """sdpa's out, and lse_i = log sum_j exp(logits_ij) over the keys query i sees (flash_attention's second
@@ -120,7 +124,7 @@ def log_sum_exp(
         exp(logits_ij)), the sink itself where the query sees no key.
     """
     out, _, lse = _rows(q, k, v, mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap,
-                        enable_gqa, (mask_mod, score_mod), dtype, sinks)
+                        enable_gqa, (mask_mod, score_mod), dtype, sinks, alibi_slopes)
     return out, lse.astype(_work(dtype))
 
 
@@ -128,13 +132,16 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
           is_causal: bool, scale: float | None, q_offset: int | ArrayLike,
           window: tuple[int | None, int | None] | None, key_lengths: ArrayLike | None, softcap: float | None,
           enable_gqa: bool, mods: Mods, dtype: DTypeLike,
-          sinks: ArrayLike | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+          sinks: ArrayLike | None = None,
+          alibi_slopes: ArrayLike | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """sdpa's out and weights in `dtype`, and each row's log-sum-exp in the scores' dtype: one query row
     at a time (with mods, the row of query i of head h in sequence b of the scores (B, H, L, S)). A sink is
-    one more logit of the row, of a key whose value is zero and whose weight is not returned."""
+    one more logit of the row, of a key whose value is zero and whose weight is not returned. ALiBi's slope
+    takes its distance penalty off each logit of the row."""
     q, k, v, mask, bias = _laid_out(q, k, v, mask, bias, enable_gqa, dtype)
     batch, (L, E), (S, Ev) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
     sinks = None if sinks is None else np.broadcast_to(_cast(sinks, dtype), batch)  # one logit per sequence
+    slopes = None if alibi_slopes is None else np.broadcast_to(_cast(alibi_slopes, dtype), batch)  # one a head
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     offsets = np.broadcast_to(np.asarray(q_offset), batch)  # one position of query 0 per sequence
     lengths = np.broadcast_to(np.asarray(S if key_lengths is None else key_lengths), batch)
@@ -148,6 +155,8 @@ def _rows(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None, bias
         for i in range(L):
             keys = _visible_keys(i, mask[(*b, i)], bias[(*b, i)], by_position)
             keys, logits = _logits(q[(*b, i)], k[b], keys, bias[(*b, i)], scale, capping, mods, (*b, i))
+            if slopes is not None:  # ALiBi: the key's distance from the query's position, times the head's slope
+                logits = logits - slopes[b] * np.abs(int(offsets[b]) + i - keys)
             if sinks is not None:  # the sink: a last logit, of a key of zero value whose weight is dropped
                 logits = np.append(logits, sinks[b])
             out[(*b, i)], weights[(*b, i)] = _attend(v[b], keys, logits, S)
