@@ -35,7 +35,7 @@ from .functional import (
 )
 from .gradients import multi_head_attention_vjp, transformer_block_vjp
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state
-from .primitives import _cast
+from .primitives import _cast, window_mask
 
 
 class KVCache(NamedTuple):
@@ -723,13 +723,16 @@ class TransformerBlock(nn.Module):
                  norm_first: bool = False, activation: str = "relu", norm: str = "layer",
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
                  sinks: bool = False, eps: float = 1e-5, attention: str = "softmax",
+                 window: tuple[int | None, int | None] | None = None,
                  rng: Rng = None, dtype: torch.dtype | None = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
         activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
         the feed-forward network; rope_theta for attention (None: no rotary embeddings); sinks for attention
         (MultiHeadAttention's: attn.sinks (H,), zeros at first); eps inside the norm's square root; attention
-        "softmax" or "linear" (MultiHeadAttention's: dropout 0 then);
+        "softmax" or "linear" (MultiHeadAttention's: dropout 0 then); window (left, right): query i sees keys
+        p_i - left <= j <= p_i + right only (scaled_dot_product_attention's window, and-ed with the mask, on
+        the call, vjp and extend; gpt-oss's sliding_window W is (W - 1, 0) with is_causal);
         rng and dtype (torch's default dtype, float32, when None) for the initial parameters."""
         super().__init__()
         validation.module_sizes(d_model, num_heads, d_ff)
@@ -744,12 +747,14 @@ class TransformerBlock(nn.Module):
         self.norm2 = _NORMS[norm].initialized(d_model, eps, dtype)
         ffn = _feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype)
         self.ffn, self.dropout, self.norm_first = ffn, dropout, norm_first  # torch: registered in state-dict order
+        self.window = validation.window(window)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
                         norm_first: bool = False, activation: str | None = None,
                         rope_theta: float | None = None, eps: float = 1e-5,
-                        attention: str = "softmax") -> TransformerBlock:
+                        attention: str = "softmax",
+                        window: tuple[int | None, int | None] | None = None) -> TransformerBlock:
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
@@ -761,7 +766,8 @@ class TransformerBlock(nn.Module):
             module = cls(layout.d_model, num_heads, layout.d_ff, dropout, norm_first=norm_first,
                          activation=layout.activation, norm=layout.norm,
                          num_kv_heads=layout.num_kv_heads, bias=layout.bias, rope_theta=rope_theta,
-                         sinks=layout.sinks, eps=eps, attention=attention)
+                         sinks=layout.sinks, eps=eps, attention=attention,
+                         window=window)
         return _load(module, state)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, is_causal: bool = False,
@@ -788,8 +794,9 @@ class TransformerBlock(nn.Module):
         rngs = _rngs(rng, 4)
 
         def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-            return *self.attn(h, h, h, mask, is_causal=is_causal, need_weights=need_weights, rng=rngs[0],
-                              mask_mod=mask_mod, score_mod=score_mod), None  # (..., L, D)
+            return *self.attn(h, h, h, self._windowed(mask, h.shape[-2]), is_causal=is_causal,
+                              need_weights=need_weights, rng=rngs[0], mask_mod=mask_mod,
+                              score_mod=score_mod), None  # (..., L, D)
 
         x, weights, _ = self._layers(x, attend, rngs)
         return x, weights
@@ -836,7 +843,8 @@ class TransformerBlock(nn.Module):
         rngs = _rngs(rng, 4)
 
         def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
-            return self.attn._extended(h, h, cache, mask, new_lengths=new_lengths, need_weights=need_weights,
+            return self.attn._extended(h, h, cache, self._windowed(mask, h.shape[-2], cache),
+                                       new_lengths=new_lengths, need_weights=need_weights,
                                        rng=rngs[0], mask_mod=mask_mod, score_mod=score_mod)  # (..., L, D)
 
         x, weights, cache = self._layers(x, attend, rngs)
@@ -850,7 +858,17 @@ class TransformerBlock(nn.Module):
             score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout; is_causal, mask_mod
         and score_mod as for forward, the score function's parameters' gradients under "score_mod.<name>"."""
-        return transformer_block_vjp(self, x, mask, is_causal=is_causal, mask_mod=mask_mod, score_mod=score_mod)
+        return transformer_block_vjp(self, x, self._windowed(mask, x.shape[-2]), is_causal=is_causal,
+                                     mask_mod=mask_mod, score_mod=score_mod)
+
+    def _windowed(self, mask: torch.Tensor | None, L: int, cache: Any = None) -> torch.Tensor | None:
+        """mask and-ed with the block's window: L queries at positions q_offset + i over keys 0 .. S - 1, S = L
+        and q_offset 0 on the call, the cache's key positions and length on extend; mask itself without one."""
+        if self.window is None:
+            return mask
+        S, q_offset = (L, 0) if cache is None else (_key_positions(cache), cache.length)
+        seen = window_mask(L, S, self.window, q_offset=q_offset)[..., None, :, :]  # (..., 1, L, S): every head
+        return seen if mask is None else torch.logical_and(seen, torch.as_tensor(mask, device=seen.device) != 0)
 
     def _check_input(self, x: torch.Tensor) -> None:
         weight = self.norm1.weight
@@ -1016,6 +1034,16 @@ def _streaming_view(start: int, L: int, sink_tokens: int, slots: int,
 
 _LINEAR_EPS = 1e-6  # linear_attention's default eps, which attention="linear" uses
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}
+
+
+def _key_positions(cache: Any) -> int:
+    """The key positions a mask of extend covers: a dense cache's capacity, a paged one's max_pages * page_size."""
+    if isinstance(cache, PagedKVCache):
+        return cache.block_table.shape[-1] * cache.k.shape[-2]
+    if not isinstance(cache, KVCache):
+        raise ValueError("TransformerBlock(window=...) extends a KVCache or a PagedKVCache (its window is a mask); "
+                         f"got {type(cache).__name__}")
+    return cache.k.shape[-2]
 
 
 def _load(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Any:

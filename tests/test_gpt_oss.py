@@ -1,0 +1,149 @@
+"""A gpt-oss-style block is our block with gpt-oss's options: TransformerBlock(norm_first=True, norm="rms",
+bias=True, num_kv_heads=Hkv, rope_theta=theta, sinks=True), and on alternate layers window=(W - 1, 0), gpt-oss's
+sliding_window W. Checked on every backend, float64, against transformers' GptOssAttention (eager: the sink
+column joins the softmax) with the masks of transformers' own mask functions (masking_utils: a sliding layer's
+key j is seen by query i iff j <= i and j > i - W, so W counts the query itself), layer_types alternating; the
+full pass of a stack of two blocks, one full and one sliding, and decoding through the cache.
+
+The reference composes transformers' attention with an RMSNorm and the feed-forward network written out here in
+float64 (transformers' GptOssRMSNorm normalises in float32 whatever the input dtype, which would hide a 1e-10
+comparison); gpt-oss's MLP is a mixture of experts, of which the block is one dense expert (SPEC 4).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from tests._compare import assert_close, method_program
+
+torch = pytest.importorskip("torch")  # transformers is imported by the fixture: a few seconds, paid once
+
+B, L, D, H, HKV, F, W, THETA, EPS = 2, 9, 16, 4, 2, 24, 3, 500.0, 1e-5  # d_k = 4: two RoPE pairs
+RTOL = 1e-10
+LAYER_TYPES = ("full_attention", "sliding_attention")
+WINDOWS = {"full_attention": None, "sliding_attention": (W - 1, 0)}  # gpt-oss's W keys, the query's own among them
+
+# our attention's state-dict names -> GptOssAttention's
+ATTENTION = {"attn.sinks": "sinks"} | {f"attn.w_{name}.{part}": f"{name}_proj.{part}"
+                                       for name in "qkvo" for part in ("weight", "bias")}
+
+
+def _rms(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """RMSNorm in float64: x / sqrt(mean(x^2) + eps) * weight."""
+    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + EPS) * weight
+
+
+def _swiglu(x: np.ndarray, state: dict[str, np.ndarray]) -> np.ndarray:
+    """silu(W_gate x + b_gate) * (W_up x + b_up), then W_down: the written-out feed-forward network."""
+    gate = x @ state["ffn.w_gate.weight"].T + state["ffn.w_gate.bias"]  # (B, L, D) -> (B, L, F)
+    up = x @ state["ffn.w_up.weight"].T + state["ffn.w_up.bias"]
+    return (gate / (1 + np.exp(-gate)) * up) @ state["ffn.w_down.weight"].T + state["ffn.w_down.bias"]
+
+
+def _states(rng: np.random.Generator, layers: list) -> list[dict[str, np.ndarray]]:
+    """Our blocks' states: the attention's drawn for transformers' layers and copied by name, the norms' gains
+    and the feed-forward network's drawn here."""
+    states = []
+    for layer in layers:
+        theirs = {name: rng.uniform(-0.5, 0.5, tuple(value.shape)) for name, value in layer.state_dict().items()}
+        theirs["sinks"] = rng.uniform(-1.0, 1.0, H)
+        layer.load_state_dict({name: torch.from_numpy(value) for name, value in theirs.items()})
+        state = {ours: theirs[name] for ours, name in ATTENTION.items()}
+        state |= {f"norm{i}.weight": rng.uniform(0.5, 1.5, D) for i in (1, 2)}
+        for name, shape in (("w_gate", (F, D)), ("w_up", (F, D)), ("w_down", (D, F))):
+            state[f"ffn.{name}.weight"] = rng.uniform(-0.5, 0.5, shape)
+            state[f"ffn.{name}.bias"] = rng.uniform(-0.5, 0.5, shape[0])
+        states.append(state)
+    return states
+
+
+@pytest.fixture(scope="module")
+def gpt_oss() -> dict[str, object]:
+    """Two layers' states (full, then sliding), an input, and the stack's output: each layer
+    x = x + Attn(RMS_1(x)), x = x + FFN(RMS_2(x)), Attn transformers' GptOssAttention under the mask of its layer
+    type made by transformers' mask functions."""
+    transformers = pytest.importorskip("transformers")
+    modeling = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    masking = pytest.importorskip("transformers.masking_utils")
+    config = transformers.GptOssConfig(
+        hidden_size=D, num_attention_heads=H, num_key_value_heads=HKV, head_dim=D // H, attention_bias=True,
+        attention_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": THETA},
+        layer_types=list(LAYER_TYPES), num_hidden_layers=2, sliding_window=W)
+    config._attn_implementation = "eager"  # eager_attention_forward: the mask below, the sink in the softmax
+    layers = [modeling.GptOssAttention(config, layer_idx=i).double().eval() for i in range(2)]
+    assert [layer.sliding_window for layer in layers] == [None, W]
+    rng = np.random.default_rng(5)
+    states, x = _states(rng, layers), rng.standard_normal((B, L, D))
+    angles = np.arange(L)[:, None] * THETA ** (-np.arange(0, D // H, 2) / (D // H))  # (L, d_k / 2), float64
+    cos_sin = (torch.from_numpy(np.cos(angles))[None], torch.from_numpy(np.sin(angles))[None])
+    i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    seen = {"full_attention": masking.causal_mask_function(0, 0, i, j),
+            "sliding_attention": masking.sliding_window_causal_mask_function(W)(0, 0, i, j)}  # (L, L)
+    h = x
+    with torch.no_grad():
+        for layer, state, kind in zip(layers, states, LAYER_TYPES, strict=True):
+            hidden = torch.where(seen[kind], 0.0, -torch.inf).double()[None, None]  # additive, as transformers'
+            attended, _ = layer(torch.from_numpy(_rms(h, state["norm1.weight"])), position_embeddings=cos_sin,
+                                attention_mask=hidden)
+            h = h + attended.numpy()
+            h = h + _swiglu(_rms(h, state["norm2.weight"]), state)
+    return {"states": states, "x": x, "out": h, "seen": {kind: mask.numpy() for kind, mask in seen.items()}}
+
+
+def _blocks(M: ModuleType, states: list[dict[str, np.ndarray]]) -> list:
+    return [M.TransformerBlock.from_state_dict({name: M.asarray(value) for name, value in state.items()},
+                                               num_heads=H, dropout=0.0, norm_first=True, activation="swiglu",
+                                               rope_theta=THETA, eps=EPS, window=WINDOWS[kind]).eval()
+            for state, kind in zip(states, LAYER_TYPES, strict=True)]
+
+
+def test_the_window_counts_the_query_itself(gpt_oss: dict) -> None:
+    """gpt-oss's sliding window W: query i sees keys i - W < j <= i, W of them with its own; our (W - 1, 0)."""
+    i, j = np.arange(L)[:, None], np.arange(L)
+    assert np.array_equal(gpt_oss["seen"]["sliding_attention"], (j <= i) & (j >= i - (W - 1)))
+    assert gpt_oss["seen"]["sliding_attention"].sum(axis=1).max() == W
+
+
+def test_the_sliding_block_weights_only_the_window(backend: ModuleType, gpt_oss: dict) -> None:
+    _, sliding = _blocks(backend, gpt_oss["states"])
+    _, weights = sliding(backend.asarray(gpt_oss["x"]), is_causal=True)  # (B, H, L, L)
+    visible = backend.to_numpy(weights) != 0
+    assert np.array_equal(visible, np.broadcast_to(gpt_oss["seen"]["sliding_attention"], visible.shape))
+
+
+def test_a_full_and_a_sliding_block_are_gpt_oss_layers(backend: ModuleType, gpt_oss: dict) -> None:
+    x = backend.asarray(gpt_oss["x"])
+    call = method_program(backend, "__call__", is_causal=True)
+    for block in _blocks(backend, gpt_oss["states"]):
+        x, _ = call(block, x)
+    assert_close(backend.to_numpy(x), gpt_oss["out"], RTOL, "two blocks")
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_decoding_with_the_window_is_the_full_pass(backend: ModuleType, gpt_oss: dict, chunk: int) -> None:
+    """Each block keeps its whole cache; the sliding one hides the keys before its window (a chunk of 4 > W:
+    its queries' windows differ)."""
+    blocks, x = _blocks(backend, gpt_oss["states"]), backend.asarray(gpt_oss["x"])
+    caches, outs = [block.init_cache((B,), L) for block in blocks], []
+    step = method_program(backend, "extend", need_weights=False)
+    for start in range(0, L, chunk):
+        h = x[:, start:start + chunk]
+        for n, block in enumerate(blocks):
+            h, _, caches[n] = step(block, h, caches[n])
+        outs.append(backend.to_numpy(h))
+    assert_close(np.concatenate(outs, axis=1), gpt_oss["out"], RTOL, f"decoding in chunks of {chunk}")
+
+
+def test_paged_decoding_with_the_window_is_the_full_pass(backend: ModuleType, gpt_oss: dict) -> None:
+    blocks, x = _blocks(backend, gpt_oss["states"]), backend.asarray(gpt_oss["x"])
+    caches, outs = [block.init_paged_cache(B, 10, 2, 5) for block in blocks], []  # pages of 2 positions
+    for i in range(L):
+        h = x[:, i:i + 1]
+        for n, block in enumerate(blocks):
+            store = caches[n].reserve(backend.asarray(np.array([1, 1])))
+            h, _, caches[n] = block.extend(h, store, need_weights=False)
+        outs.append(backend.to_numpy(h))
+    assert_close(np.concatenate(outs, axis=1), gpt_oss["out"], RTOL, "paged decoding")
