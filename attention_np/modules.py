@@ -24,7 +24,7 @@ from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, _ungrouped, scaled_dot_product_attention
 from .gradients import multi_head_attention_vjp, transformer_block_vjp
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state
-from .primitives import _activation, _silu, window_mask
+from .primitives import _activation, _gated, window_mask
 
 
 class KVCache(NamedTuple):
@@ -688,7 +688,8 @@ class TransformerBlock(Module):
                  window: tuple[int | None, int | None] | None = None,
                  rng: Rng = None, dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
-        activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
+        activation; activation "relu", "gelu" (exact erf form), "swiglu" (gated, hidden size d_ff) or "swiglu_oss"
+        (gpt-oss's clamped SwiGLU, one dense expert); norm
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
         the feed-forward network; rope_theta for attention (None: no rotary embeddings); sinks for attention
         (MultiHeadAttention's: attn.sinks (H,), zeros at first); eps inside the norm's square root; attention
@@ -700,7 +701,7 @@ class TransformerBlock(Module):
         validation.probability("dropout", dropout)
         validation.activation(activation)
         validation.norm(norm)
-        rngs, dtype = _rngs(rng, 4 if activation == "swiglu" else 3), np.float32 if dtype is None else dtype
+        rngs, dtype = _rngs(rng, 4 if activation in validation.GATED else 3), np.float32 if dtype is None else dtype
         attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
                                   rope_theta=rope_theta, sinks=sinks, attention=attention, rng=rngs[0], dtype=dtype)
         norm1, norm2 = (_NORMS[norm].initialized(d_model, eps, dtype) for _ in range(2))
@@ -827,7 +828,7 @@ class TransformerBlock(Module):
             return mask
         S, q_offset = (L, 0) if cache is None else (_key_positions(cache), cache.length)
         seen = window_mask(L, S, self.window, q_offset=q_offset)[..., None, :, :]  # (..., 1, L, S): every head
-        return seen if mask is None else np.logical_and(seen, np.asarray(mask) != 0)
+        return seen if mask is None else np.logical_and(seen, np.asarray(mask).astype(bool))
 
     def _check_input(self, x: np.ndarray) -> None:
         validation.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
@@ -959,16 +960,18 @@ class GatedFeedForward(Module):
     _children = ("w_gate", "w_up", "w_down")
     _settings = ("activation", "dropout", "training")
 
-    def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0) -> None:
-        self._init(w_gate=w_gate, w_up=w_up, w_down=w_down, activation="swiglu", dropout=dropout, training=True)
+    def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0,
+                 activation: str = "swiglu") -> None:
+        self._init(w_gate=w_gate, w_up=w_up, w_down=w_down, activation=activation, dropout=dropout,
+                   training=True)
 
     @classmethod
     def from_state(cls, state: Mapping[str, np.ndarray], activation: str, dropout: float) -> GatedFeedForward:
         linears = (Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in cls._children)
-        return cls(*linears, dropout)
+        return cls(*linears, dropout, activation)
 
     def __call__(self, x: np.ndarray, *, rng: Rng = None) -> np.ndarray:
-        h = _silu(self.w_gate(x)) * self.w_up(x)  # (..., L, D) -> (..., L, F)
+        h = _gated(self.activation, self.w_gate(x), self.w_up(x))  # (..., L, D) -> (..., L, F)
         h = _dropout(h, self.dropout if self.training else 0.0, rng)
         return self.w_down(h)  # (..., L, F) -> (..., L, D)
 
@@ -976,10 +979,10 @@ class GatedFeedForward(Module):
 def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias: bool, rngs: list,
                   dtype: Any) -> FeedForward | GatedFeedForward:
     """The feed-forward network of `activation`, drawn as nn.Linear draws its parameters."""
-    if activation == "swiglu":  # w_gate, w_up (F, D), w_down (D, F)
+    if activation in validation.GATED:  # w_gate, w_up (F, D), w_down (D, F)
         return GatedFeedForward(*(Linear.initialized(d_in, d_out, rng, dtype, bias=bias) for (d_in, d_out), rng in
                                   zip(((d_model, d_ff), (d_model, d_ff), (d_ff, d_model)), rngs, strict=True)),
-                                dropout)
+                                dropout, activation)
     return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
                        Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
 
@@ -1008,7 +1011,8 @@ def _streaming_view(start: int, L: int, sink_tokens: int,
 
 _LINEAR_EPS = 1e-6  # linear_attention's default eps, which attention="linear" uses
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}
-_FEED_FORWARDS: dict[str, Any] = {"relu": FeedForward, "gelu": FeedForward, "swiglu": GatedFeedForward}
+_FEED_FORWARDS: dict[str, Any] = {"relu": FeedForward, "gelu": FeedForward, "swiglu": GatedFeedForward,
+                                  "swiglu_oss": GatedFeedForward}
 
 
 def _key_positions(cache: Any) -> int:

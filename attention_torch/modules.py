@@ -35,7 +35,7 @@ from .functional import (
 )
 from .gradients import multi_head_attention_vjp, transformer_block_vjp
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state
-from .primitives import _cast, window_mask
+from .primitives import _cast, _gated, window_mask
 
 
 class KVCache(NamedTuple):
@@ -726,7 +726,8 @@ class TransformerBlock(nn.Module):
                  window: tuple[int | None, int | None] | None = None,
                  rng: Rng = None, dtype: torch.dtype | None = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
-        activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
+        activation; activation "relu", "gelu" (exact erf form), "swiglu" (gated, hidden size d_ff) or "swiglu_oss"
+        (gpt-oss's clamped SwiGLU, one dense expert); norm
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
         the feed-forward network; rope_theta for attention (None: no rotary embeddings); sinks for attention
         (MultiHeadAttention's: attn.sinks (H,), zeros at first); eps inside the norm's square root; attention
@@ -739,7 +740,7 @@ class TransformerBlock(nn.Module):
         validation.probability("dropout", dropout)
         validation.activation(activation)
         validation.norm(norm)
-        rngs = _rngs(rng, 4 if activation == "swiglu" else 3)
+        rngs = _rngs(rng, 4 if activation in validation.GATED else 3)
         self.attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
                                        rope_theta=rope_theta, sinks=sinks, attention=attention, rng=rngs[0],
                                        dtype=dtype)
@@ -868,7 +869,7 @@ class TransformerBlock(nn.Module):
             return mask
         S, q_offset = (L, 0) if cache is None else (_key_positions(cache), cache.length)
         seen = window_mask(L, S, self.window, q_offset=q_offset)[..., None, :, :]  # (..., 1, L, S): every head
-        return seen if mask is None else torch.logical_and(seen, torch.as_tensor(mask, device=seen.device) != 0)
+        return seen if mask is None else torch.logical_and(seen, torch.as_tensor(mask, device=seen.device).bool())
 
     def _check_input(self, x: torch.Tensor) -> None:
         weight = self.norm1.weight
@@ -986,13 +987,14 @@ class GatedFeedForward(nn.Module):
     """SwiGLU: FFN(x) = W_down Dropout(silu(W_gate x + b_gate) * (W_up x + b_up)) + b_down, silu(x) =
     x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down."""
 
-    def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0) -> None:
+    def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0,
+                 activation: str = "swiglu") -> None:
         super().__init__()
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down  # torch: registered in state-dict order
-        self.activation, self.dropout = "swiglu", dropout
+        self.activation, self.dropout = activation, dropout
 
     def forward(self, x: torch.Tensor, *, rng: Rng = None) -> torch.Tensor:
-        h = nn.functional.silu(self.w_gate(x)) * self.w_up(x)  # (..., L, D) -> (..., L, F)
+        h = _gated(self.activation, self.w_gate(x), self.w_up(x))  # (..., L, D) -> (..., L, F)
         h = _dropout(h, self.dropout if self.training else 0.0, rng)
         return self.w_down(h)  # (..., L, F) -> (..., L, D)
 
@@ -1000,10 +1002,10 @@ class GatedFeedForward(nn.Module):
 def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias: bool, rngs: list,
                   dtype: torch.dtype | None) -> FeedForward | GatedFeedForward:
     """The feed-forward network of `activation`, drawn as nn.Linear draws its parameters."""
-    if activation == "swiglu":  # w_gate, w_up (F, D), w_down (D, F)
+    if activation in validation.GATED:  # w_gate, w_up (F, D), w_down (D, F)
         return GatedFeedForward(*(Linear.initialized(d_in, d_out, rng, dtype, bias=bias) for (d_in, d_out), rng in
                                   zip(((d_model, d_ff), (d_model, d_ff), (d_ff, d_model)), rngs, strict=True)),
-                                dropout)
+                                dropout, activation)
     return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
                        Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
 

@@ -5,9 +5,12 @@ column joins the softmax) with the masks of transformers' own mask functions (ma
 key j is seen by query i iff j <= i and j > i - W, so W counts the query itself), layer_types alternating; the
 full pass of a stack of two blocks, one full and one sliding, and decoding through the cache.
 
-The reference composes transformers' attention with an RMSNorm and the feed-forward network written out here in
-float64 (transformers' GptOssRMSNorm normalises in float32 whatever the input dtype, which would hide a 1e-10
-comparison); gpt-oss's MLP is a mixture of experts, of which the block is one dense expert (SPEC 4).
+The feed-forward network is activation="swiglu_oss", gpt-oss's clamped SwiGLU: the reference is transformers'
+GptOssExperts with one expert and the router forced (gpt-oss's MLP is a mixture of experts; the block is one
+dense expert, SPEC 4), its interleaved gate_up_proj mapped onto ffn.w_gate and ffn.w_up here, in the test. The
+reference composes transformers' attention and expert with an RMSNorm written out in float64 (transformers'
+GptOssRMSNorm normalises in float32 whatever the input dtype, which would hide a 1e-10 comparison). The
+gradients of the sliding block's parameters are transformers' autograd of the stack.
 """
 
 from __future__ import annotations
@@ -31,31 +34,37 @@ ATTENTION = {"attn.sinks": "sinks"} | {f"attn.w_{name}.{part}": f"{name}_proj.{p
                                        for name in "qkvo" for part in ("weight", "bias")}
 
 
-def _rms(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def _rms(x: torch.Tensor, weight: np.ndarray) -> torch.Tensor:
     """RMSNorm in float64: x / sqrt(mean(x^2) + eps) * weight."""
-    return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + EPS) * weight
+    return x / torch.sqrt((x**2).mean(dim=-1, keepdim=True) + EPS) * torch.from_numpy(weight)
 
 
-def _swiglu(x: np.ndarray, state: dict[str, np.ndarray]) -> np.ndarray:
-    """silu(W_gate x + b_gate) * (W_up x + b_up), then W_down: the written-out feed-forward network."""
-    gate = x @ state["ffn.w_gate.weight"].T + state["ffn.w_gate.bias"]  # (B, L, D) -> (B, L, F)
-    up = x @ state["ffn.w_up.weight"].T + state["ffn.w_up.bias"]
-    return (gate / (1 + np.exp(-gate)) * up) @ state["ffn.w_down.weight"].T + state["ffn.w_down.bias"]
+def _expert(experts: object, x: torch.Tensor) -> torch.Tensor:
+    """transformers' GptOssExperts with its one expert, the router forced: every token to expert 0, weight 1."""
+    tokens = x.reshape(-1, D)  # (B * L, D)
+    chosen, weight = torch.zeros((len(tokens), 1), dtype=torch.long), torch.ones((len(tokens), 1), dtype=x.dtype)
+    return experts(tokens, chosen, weight).reshape(x.shape)
 
 
-def _states(rng: np.random.Generator, layers: list) -> list[dict[str, np.ndarray]]:
-    """Our blocks' states: the attention's drawn for transformers' layers and copied by name, the norms' gains
-    and the feed-forward network's drawn here."""
+def _states(rng: np.random.Generator, layers: list, experts: list) -> list[dict[str, np.ndarray]]:
+    """Our blocks' states: the attention's and the expert's drawn for transformers' layers and copied by name
+    (the expert's gate_up_proj (1, D, 2F) interleaves its columns: gate ::2, up 1::2; large enough that many
+    gate and up values pass the clamp's limit), the norms' gains drawn here."""
     states = []
-    for layer in layers:
+    for layer, expert in zip(layers, experts, strict=True):
         theirs = {name: rng.uniform(-0.5, 0.5, tuple(value.shape)) for name, value in layer.state_dict().items()}
         theirs["sinks"] = rng.uniform(-1.0, 1.0, H)
         layer.load_state_dict({name: torch.from_numpy(value) for name, value in theirs.items()})
         state = {ours: theirs[name] for ours, name in ATTENTION.items()}
         state |= {f"norm{i}.weight": rng.uniform(0.5, 1.5, D) for i in (1, 2)}
-        for name, shape in (("w_gate", (F, D)), ("w_up", (F, D)), ("w_down", (D, F))):
-            state[f"ffn.{name}.weight"] = rng.uniform(-0.5, 0.5, shape)
-            state[f"ffn.{name}.bias"] = rng.uniform(-0.5, 0.5, shape[0])
+        mlp = {"gate_up_proj": rng.uniform(-3.0, 3.0, (1, D, 2 * F)),
+               "gate_up_proj_bias": rng.uniform(-1.0, 1.0, (1, 2 * F)),
+               "down_proj": rng.uniform(-0.5, 0.5, (1, F, D)), "down_proj_bias": rng.uniform(-0.5, 0.5, (1, D))}
+        expert.load_state_dict({name: torch.from_numpy(value) for name, value in mlp.items()})
+        for name, columns in (("w_gate", slice(0, None, 2)), ("w_up", slice(1, None, 2))):
+            state[f"ffn.{name}.weight"] = mlp["gate_up_proj"][0, :, columns].T  # (D, F) -> (F, D)
+            state[f"ffn.{name}.bias"] = mlp["gate_up_proj_bias"][0, columns]
+        state["ffn.w_down.weight"], state["ffn.w_down.bias"] = mlp["down_proj"][0].T, mlp["down_proj_bias"][0]
         states.append(state)
     return states
 
@@ -71,31 +80,42 @@ def gpt_oss() -> dict[str, object]:
     config = transformers.GptOssConfig(
         hidden_size=D, num_attention_heads=H, num_key_value_heads=HKV, head_dim=D // H, attention_bias=True,
         attention_dropout=0.0, rope_parameters={"rope_type": "default", "rope_theta": THETA},
-        layer_types=list(LAYER_TYPES), num_hidden_layers=2, sliding_window=W)
+        layer_types=list(LAYER_TYPES), num_hidden_layers=2, sliding_window=W, intermediate_size=F,
+        num_local_experts=1, num_experts_per_tok=1)
     config._attn_implementation = "eager"  # eager_attention_forward: the mask below, the sink in the softmax
     layers = [modeling.GptOssAttention(config, layer_idx=i).double().eval() for i in range(2)]
     assert [layer.sliding_window for layer in layers] == [None, W]
+    experts = [modeling.GptOssExperts(config).double() for _ in range(2)]
+    assert (experts[0].alpha, experts[0].limit) == (1.702, 7.0)
     rng = np.random.default_rng(5)
-    states, x = _states(rng, layers), rng.standard_normal((B, L, D))
+    states, x = _states(rng, layers, experts), rng.standard_normal((B, L, D))
+    d_out = rng.standard_normal((B, L, D))
     angles = np.arange(L)[:, None] * THETA ** (-np.arange(0, D // H, 2) / (D // H))  # (L, d_k / 2), float64
     cos_sin = (torch.from_numpy(np.cos(angles))[None], torch.from_numpy(np.sin(angles))[None])
     i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
     seen = {"full_attention": masking.causal_mask_function(0, 0, i, j),
             "sliding_attention": masking.sliding_window_causal_mask_function(W)(0, 0, i, j)}  # (L, L)
-    h = x
-    with torch.no_grad():
-        for layer, state, kind in zip(layers, states, LAYER_TYPES, strict=True):
-            hidden = torch.where(seen[kind], 0.0, -torch.inf).double()[None, None]  # additive, as transformers'
-            attended, _ = layer(torch.from_numpy(_rms(h, state["norm1.weight"])), position_embeddings=cos_sin,
-                                attention_mask=hidden)
-            h = h + attended.numpy()
-            h = h + _swiglu(_rms(h, state["norm2.weight"]), state)
-    return {"states": states, "x": x, "out": h, "seen": {kind: mask.numpy() for kind, mask in seen.items()}}
+    h, inputs = torch.from_numpy(x), []
+    for layer, expert, state, kind in zip(layers, experts, states, LAYER_TYPES, strict=True):
+        inputs.append(h.detach().numpy())
+        hidden = torch.where(seen[kind], 0.0, -torch.inf).double()[None, None]  # additive, as transformers'
+        attended, _ = layer(_rms(h, state["norm1.weight"]), position_embeddings=cos_sin, attention_mask=hidden)
+        h = h + attended
+        h = h + _expert(expert, _rms(h, state["norm2.weight"]))
+    (h * torch.from_numpy(d_out)).sum().backward()
+    sliding, expert = layers[1], experts[1]  # the second block's parameters: the gradients of sum(out * d_out)
+    gate_up, gate_up_bias = expert.gate_up_proj.grad[0].numpy(), expert.gate_up_proj_bias.grad[0].numpy()
+    grads = {"attn.sinks": sliding.sinks.grad.numpy(), "attn.w_q.weight": sliding.q_proj.weight.grad.numpy(),
+             "ffn.w_gate.weight": gate_up[:, ::2].T, "ffn.w_gate.bias": gate_up_bias[::2],
+             "ffn.w_up.weight": gate_up[:, 1::2].T, "ffn.w_up.bias": gate_up_bias[1::2],
+             "ffn.w_down.weight": expert.down_proj.grad[0].numpy().T}
+    return {"states": states, "x": x, "inputs": inputs, "out": h.detach().numpy(), "d_out": d_out, "grads": grads,
+            "seen": {kind: mask.numpy() for kind, mask in seen.items()}}
 
 
 def _blocks(M: ModuleType, states: list[dict[str, np.ndarray]]) -> list:
     return [M.TransformerBlock.from_state_dict({name: M.asarray(value) for name, value in state.items()},
-                                               num_heads=H, dropout=0.0, norm_first=True, activation="swiglu",
+                                               num_heads=H, dropout=0.0, norm_first=True, activation="swiglu_oss",
                                                rope_theta=THETA, eps=EPS, window=WINDOWS[kind]).eval()
             for state, kind in zip(states, LAYER_TYPES, strict=True)]
 
@@ -120,6 +140,15 @@ def test_a_full_and_a_sliding_block_are_gpt_oss_layers(backend: ModuleType, gpt_
     for block in _blocks(backend, gpt_oss["states"]):
         x, _ = call(block, x)
     assert_close(backend.to_numpy(x), gpt_oss["out"], RTOL, "two blocks")
+
+
+def test_the_sliding_blocks_gradients_are_gpt_oss(backend: ModuleType, gpt_oss: dict) -> None:
+    """vjp through the window and the clamped SwiGLU (NumPy's by hand): transformers' autograd of the stack."""
+    _, sliding = _blocks(backend, gpt_oss["states"])
+    _, _, pullback = sliding.vjp(backend.asarray(gpt_oss["inputs"][1]), is_causal=True)
+    _, grads = pullback(backend.asarray(gpt_oss["d_out"]))
+    for name, expected in gpt_oss["grads"].items():
+        assert_close(backend.to_numpy(grads[name]), expected, RTOL, f"d {name}")
 
 
 @pytest.mark.parametrize("chunk", [1, 4])
@@ -147,3 +176,11 @@ def test_paged_decoding_with_the_window_is_the_full_pass(backend: ModuleType, gp
             h, _, caches[n] = block.extend(h, store, need_weights=False)
         outs.append(backend.to_numpy(h))
     assert_close(np.concatenate(outs, axis=1), gpt_oss["out"], RTOL, "paged decoding")
+
+
+def test_the_window_is_and_ed_with_a_mask(backend: ModuleType, gpt_oss: dict) -> None:
+    """A 0 / 1 float causal mask in place of is_causal: the same two blocks."""
+    x, mask = backend.asarray(gpt_oss["x"]), backend.asarray(np.tri(L, L))
+    for block in _blocks(backend, gpt_oss["states"]):
+        x, _ = block(x, mask)
+    assert_close(backend.to_numpy(x), gpt_oss["out"], RTOL, "two blocks under a mask")
