@@ -743,7 +743,9 @@ class MultiHeadAttention(Module):
 class TransformerBlock(Module):
     """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
     with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN).
-    A Llama decoder layer: norm_first=True, norm="rms", activation="swiglu", bias=False, rope_theta."""
+    A Llama decoder layer: norm_first=True, norm="rms", activation="swiglu", bias=False, rope_theta; a gpt-oss one:
+    norm_first=True, norm="rms", activation="swiglu_oss", rope_theta, sinks=True, window=(W - 1, 0) on alternate
+    layers."""
 
     _children = ("attn", "norm1", "norm2", "ffn")
     _settings = ("dropout", "norm_first", "window", "training")
@@ -1032,7 +1034,8 @@ class FeedForward(Module):
 
 class GatedFeedForward(Module):
     """SwiGLU: FFN(x) = W_down Dropout(silu(W_gate x + b_gate) * (W_up x + b_up)) + b_down, silu(x) =
-    x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down."""
+    x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down. activation="swiglu_oss": gpt-oss's clamped form
+    in place of silu(g) * u (primitives' _gated)."""
 
     _children = ("w_gate", "w_up", "w_down")
     _settings = ("activation", "dropout", "training")

@@ -717,7 +717,9 @@ class MultiHeadAttention(nn.Module):
 class TransformerBlock(nn.Module):
     """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
     with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN).
-    A Llama decoder layer: norm_first=True, norm="rms", activation="swiglu", bias=False, rope_theta."""
+    A Llama decoder layer: norm_first=True, norm="rms", activation="swiglu", bias=False, rope_theta; a gpt-oss one:
+    norm_first=True, norm="rms", activation="swiglu_oss", rope_theta, sinks=True, window=(W - 1, 0) on alternate
+    layers."""
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layer",
@@ -985,7 +987,8 @@ class FeedForward(nn.Sequential):
 
 class GatedFeedForward(nn.Module):
     """SwiGLU: FFN(x) = W_down Dropout(silu(W_gate x + b_gate) * (W_up x + b_up)) + b_down, silu(x) =
-    x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down."""
+    x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down. activation="swiglu_oss": gpt-oss's clamped form
+    in place of silu(g) * u (primitives' _gated)."""
 
     def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0,
                  activation: str = "swiglu") -> None:
