@@ -709,7 +709,8 @@ class TransformerBlock(Module):
         norm1, norm2 = (_NORMS[norm].initialized(d_model, eps, dtype) for _ in range(2))
         self._init(attn=attn, norm1=norm1, norm2=norm2,
                    ffn=_feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype),
-                   dropout=dropout, norm_first=norm_first, window=validation.window(window), training=True)
+                   dropout=dropout, norm_first=norm_first, window=validation.block_window(window, attention),
+                   training=True)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
@@ -730,7 +731,7 @@ class TransformerBlock(Module):
         return cls._build(attn=attn, norm1=norm1, norm2=norm2,
                           ffn=_FEED_FORWARDS[layout.activation].from_state(_prefixed(state, "ffn"),
                                                                              layout.activation, dropout),
-                          dropout=dropout, norm_first=norm_first, window=validation.window(window),
+                          dropout=dropout, norm_first=norm_first, window=validation.block_window(window, attention),
                           training=True)
 
     def __call__(self, x: np.ndarray, mask: np.ndarray | None = None, *, is_causal: bool = False,

@@ -750,7 +750,7 @@ class TransformerBlock(nn.Module):
         self.norm2 = _NORMS[norm].initialized(d_model, eps, dtype)
         ffn = _feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype)
         self.ffn, self.dropout, self.norm_first = ffn, dropout, norm_first  # torch: registered in state-dict order
-        self.window = validation.window(window)
+        self.window = validation.block_window(window, attention)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
@@ -871,6 +871,7 @@ class TransformerBlock(nn.Module):
             return mask
         S, q_offset = (L, 0) if cache is None else (_key_positions(cache), cache.length)
         seen = window_mask(L, S, self.window, q_offset=q_offset)[..., None, :, :]  # (..., 1, L, S): every head
+        seen = seen.to(self.norm1.weight.device)  # torch: the mask on the parameters' device
         return seen if mask is None else torch.logical_and(seen, torch.as_tensor(mask, device=seen.device).bool())
 
     def _check_input(self, x: torch.Tensor) -> None:

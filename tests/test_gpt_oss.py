@@ -184,3 +184,13 @@ def test_the_window_is_and_ed_with_a_mask(backend: ModuleType, gpt_oss: dict) ->
     for block in _blocks(backend, gpt_oss["states"]):
         x, _ = block(x, mask)
     assert_close(backend.to_numpy(x), gpt_oss["out"], RTOL, "two blocks under a mask")
+
+
+def test_a_bad_window_or_cache_raises(backend: ModuleType) -> None:
+    with pytest.raises(ValueError, match=r"window must be None or a pair \(left, right\)"):
+        backend.TransformerBlock(D, H, F, 0.0, window=(-1, 0))
+    with pytest.raises(ValueError, match="window=\\(2, 0\\) needs attention='softmax'"):
+        backend.TransformerBlock(D, H, F, 0.0, attention="linear", window=(2, 0))
+    block = backend.TransformerBlock(D, H, F, 0.0, window=(2, 0))
+    with pytest.raises(ValueError, match=r"extends a KVCache or a PagedKVCache .* got StreamingKVCache"):
+        block.extend(backend.asarray(np.zeros((1, 1, D), np.float32)), block.init_cache((1,), 8, window=4))

@@ -461,6 +461,13 @@ def module_sizes(d_model: int, num_heads: int, d_ff: int | None = None) -> None:
         raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
 
 
+def block_window(window_: object, attention_: str) -> tuple[int | None, int | None] | None:
+    """TransformerBlock's window: None or (left, right) as `window`; softmax attention only (a mask)."""
+    if window_ is not None and attention_ != "softmax":
+        raise ValueError(f"TransformerBlock: window={window_!r} needs attention='softmax' (the window is a mask); "
+                         f"got attention={attention_!r}")
+    return window(window_)
+
 def activation(name: str) -> None:
     if name not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {name!r}")
