@@ -26,7 +26,7 @@ from .arrays import asarray
 from .functional import Rng, _dropout, _dtypes, _rngs, _rope_table, _turned, _ungrouped, scaled_dot_product_attention
 from .gradients import multi_head_attention_vjp, transformer_block_vjp
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state
-from .primitives import _activation, _at_least_float32, _ranked, _silu, alibi_slopes
+from .primitives import _activation, _at_least_float32, _gated, _ranked, alibi_slopes, window_mask
 
 
 class Module(module.Module):
@@ -762,40 +762,49 @@ class MultiHeadAttention(Module):
 class TransformerBlock(Module):
     """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
     with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN).
-    A Llama decoder layer: norm_first=True, norm="rms", activation="swiglu", bias=False, rope_theta."""
+    A Llama decoder layer: norm_first=True, norm="rms", activation="swiglu", bias=False, rope_theta; a gpt-oss one:
+    norm_first=True, norm="rms", activation="swiglu_oss", rope_theta, sinks=True, window=(W - 1, 0) on alternate
+    layers."""
 
     _children = ("attn", "norm1", "norm2", "ffn")
-    _settings = ("dropout", "norm_first", "training")
+    _settings = ("dropout", "norm_first", "window", "training")
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layer",
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
                  sinks: bool = False, eps: float = 1e-5, attention: str = "softmax",
+                 window: tuple[int | None, int | None] | None = None,
                  rng: Rng = None, dtype: Any = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
-        activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
+        activation; activation "relu", "gelu" (exact erf form), "swiglu" (gated, hidden size d_ff) or "swiglu_oss"
+        (gpt-oss's clamped SwiGLU, one dense expert); norm
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
         the feed-forward network; rope_theta for attention (None: no rotary embeddings); sinks for attention
         (MultiHeadAttention's: attn.sinks (H,), zeros at first); eps inside the norm's square root; attention
-        "softmax" or "linear" (MultiHeadAttention's: dropout 0 then);
+        "softmax" or "linear" (MultiHeadAttention's: dropout 0 then); window (left, right): query i sees keys
+        p_i - left <= j <= p_i + right only (scaled_dot_product_attention's window, and-ed with the mask, on
+        the call, vjp and extend; gpt-oss's sliding_window W is (W - 1, 0) with is_causal);
         rng and dtype (float32 by default) for the initial parameters."""
         validation.module_sizes(d_model, num_heads, d_ff)
         validation.probability("dropout", dropout)
         validation.activation(activation)
         validation.norm(norm)
-        rngs, dtype = _rngs(_fresh(rng), 4 if activation == "swiglu" else 3), jnp.float32 if dtype is None else dtype
+        rngs = _rngs(_fresh(rng), 4 if activation in validation.GATED else 3)
+        dtype = jnp.float32 if dtype is None else dtype
         attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
                                   rope_theta=rope_theta, sinks=sinks, attention=attention, rng=rngs[0], dtype=dtype)
         norm1, norm2 = (_NORMS[norm].initialized(d_model, eps, dtype) for _ in range(2))
         self._init(attn=attn, norm1=norm1, norm2=norm2,
                    ffn=_feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype),
-                   dropout=dropout, norm_first=norm_first, training=True)
+                   dropout=dropout, norm_first=norm_first, window=validation.block_window(window, attention),
+                   training=True)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
                         norm_first: bool = False, activation: str | None = None,
                         rope_theta: float | None = None, eps: float = 1e-5,
-                        attention: str = "softmax") -> TransformerBlock:
+                        attention: str = "softmax",
+                        window: tuple[int | None, int | None] | None = None) -> TransformerBlock:
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
@@ -809,7 +818,8 @@ class TransformerBlock(Module):
         return cls._build(attn=attn, norm1=norm1, norm2=norm2,
                           ffn=_FEED_FORWARDS[layout.activation].from_state(_prefixed(state, "ffn"),
                                                                              layout.activation, dropout),
-                          dropout=dropout, norm_first=norm_first, training=True)
+                          dropout=dropout, norm_first=norm_first, window=validation.block_window(window, attention),
+                          training=True)
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None, *, is_causal: bool = False,
                  need_weights: bool = True, rng: Rng = None, mask_mod: Callable[..., Any] | None = None,
@@ -836,8 +846,9 @@ class TransformerBlock(Module):
         rngs = _rngs(rng, 4)
 
         def attend(h: jax.Array) -> tuple[jax.Array, jax.Array | None, None]:
-            return *self.attn(h, h, h, mask, is_causal=is_causal, need_weights=need_weights, rng=rngs[0],
-                              mask_mod=mask_mod, score_mod=score_mod), None  # (..., L, D)
+            return *self.attn(h, h, h, self._windowed(mask, h.shape[-2]), is_causal=is_causal,
+                              need_weights=need_weights, rng=rngs[0], mask_mod=mask_mod,
+                              score_mod=score_mod), None  # (..., L, D)
 
         x, weights, _ = self._layers(x, attend, rngs)
         return x, weights
@@ -885,7 +896,8 @@ class TransformerBlock(Module):
         rngs = _rngs(rng, 4)
 
         def attend(h: jax.Array) -> tuple[jax.Array, jax.Array | None, KVCache]:
-            return self.attn._extended(h, h, cache, mask, new_lengths=new_lengths, need_weights=need_weights,
+            return self.attn._extended(h, h, cache, self._windowed(mask, h.shape[-2], cache),
+                                       new_lengths=new_lengths, need_weights=need_weights,
                                        rng=rngs[0], mask_mod=mask_mod, score_mod=score_mod)  # (..., L, D)
 
         x, weights, cache = self._layers(x, attend, rngs)
@@ -900,7 +912,21 @@ class TransformerBlock(Module):
             score_mod: Callable[..., Any] | None = None) -> tuple[jax.Array, jax.Array, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout; is_causal, mask_mod
         and score_mod as for __call__, the score function's parameters' gradients under "score_mod.<name>"."""
-        return transformer_block_vjp(self, x, mask, is_causal=is_causal, mask_mod=mask_mod, score_mod=score_mod)
+        return transformer_block_vjp(self, x, self._windowed(mask, x.shape[-2]), is_causal=is_causal,
+                                     mask_mod=mask_mod, score_mod=score_mod)
+
+    def _windowed(self, mask: jax.Array | None, L: int, cache: Any = None) -> jax.Array | None:
+        """mask and-ed with the block's window: L queries at positions q_offset + i over keys 0 .. S - 1, S = L
+        and q_offset 0 on the call, the cache's key positions and length on extend; mask itself without one."""
+        if self.window is None:
+            return mask
+        S, q_offset = (L, 0) if cache is None else (_key_positions(cache), cache.length)
+        seen = window_mask(L, S, self.window, q_offset=q_offset)[..., None, :, :]  # (..., 1, L, S): every head
+        if mask is None:
+            return seen
+        mask = jnp.asarray(mask).astype(bool)
+        rank = max(seen.ndim, mask.ndim)  # jax: broadcasting without rank promotion
+        return jnp.logical_and(_ranked(seen, rank), _ranked(mask, rank))
 
     def _check_input(self, x: jax.Array) -> None:
         validation.module_input("x", x.shape, self.norm1.weight.shape[0], "L")
@@ -1028,21 +1054,24 @@ class FeedForward(Module):
 
 class GatedFeedForward(Module):
     """SwiGLU: FFN(x) = W_down Dropout(silu(W_gate x + b_gate) * (W_up x + b_up)) + b_down, silu(x) =
-    x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down."""
+    x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down. activation="swiglu_oss": gpt-oss's clamped form
+    in place of silu(g) * u (primitives' _gated)."""
 
     _children = ("w_gate", "w_up", "w_down")
     _settings = ("activation", "dropout", "training")
 
-    def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0) -> None:
-        self._init(w_gate=w_gate, w_up=w_up, w_down=w_down, activation="swiglu", dropout=dropout, training=True)
+    def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0,
+                 activation: str = "swiglu") -> None:
+        self._init(w_gate=w_gate, w_up=w_up, w_down=w_down, activation=activation, dropout=dropout,
+                   training=True)
 
     @classmethod
     def from_state(cls, state: Mapping[str, jax.Array], activation: str, dropout: float) -> GatedFeedForward:
         linears = (Linear(state[f"{name}.weight"], state.get(f"{name}.bias")) for name in cls._children)
-        return cls(*linears, dropout)
+        return cls(*linears, dropout, activation)
 
     def __call__(self, x: jax.Array, *, rng: Rng = None) -> jax.Array:
-        h = _silu(self.w_gate(x)) * self.w_up(x)  # (..., L, D) -> (..., L, F)
+        h = _gated(self.activation, self.w_gate(x), self.w_up(x))  # (..., L, D) -> (..., L, F)
         h = _dropout(h, self.dropout if self.training else 0.0, rng)
         return self.w_down(h)  # (..., L, F) -> (..., L, D)
 
@@ -1050,10 +1079,10 @@ class GatedFeedForward(Module):
 def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias: bool, rngs: list,
                   dtype: Any) -> FeedForward | GatedFeedForward:
     """The feed-forward network of `activation`, drawn as nn.Linear draws its parameters."""
-    if activation == "swiglu":  # w_gate, w_up (F, D), w_down (D, F)
+    if activation in validation.GATED:  # w_gate, w_up (F, D), w_down (D, F)
         return GatedFeedForward(*(Linear.initialized(d_in, d_out, rng, dtype, bias=bias) for (d_in, d_out), rng in
                                   zip(((d_model, d_ff), (d_model, d_ff), (d_ff, d_model)), rngs, strict=True)),
-                                dropout)
+                                dropout, activation)
     return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
                        Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
 
@@ -1088,7 +1117,18 @@ def _streaming_view(start: jax.Array, L: int, sink_tokens: int,
 
 _LINEAR_EPS = 1e-6  # linear_attention's default eps, which attention="linear" uses
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}
-_FEED_FORWARDS: dict[str, Any] = {"relu": FeedForward, "gelu": FeedForward, "swiglu": GatedFeedForward}
+_FEED_FORWARDS: dict[str, Any] = {"relu": FeedForward, "gelu": FeedForward, "swiglu": GatedFeedForward,
+                                  "swiglu_oss": GatedFeedForward}
+
+
+def _key_positions(cache: Any) -> int:
+    """The key positions a mask of extend covers: a dense cache's capacity, a paged one's max_pages * page_size."""
+    if isinstance(cache, PagedKVCache):
+        return cache.block_table.shape[-1] * cache.k.shape[-2]
+    if not isinstance(cache, KVCache):
+        raise ValueError("TransformerBlock(window=...) extends a KVCache or a PagedKVCache (its window is a mask); "
+                         f"got {type(cache).__name__}")
+    return cache.k.shape[-2]
 
 
 def _prefixed(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -351,3 +351,15 @@ def _activation(name: str, x: jax.Array) -> jax.Array:
 def _silu(x: jax.Array) -> jax.Array:
     """silu(x) = x * sigmoid(x)."""
     return x * jax.nn.sigmoid(x)
+
+
+def _gated(name: str, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The gated activation of the feed-forward network, (..., L, F) -> (..., L, F):
+    swiglu:     silu(gate) * up
+    swiglu_oss: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g),  g = min(gate, limit)
+    gpt-oss's clamped form (GptOssExperts), alpha = 1.702 and limit = 7.0 (validation.SWIGLU_OSS_*)."""
+    if name == "swiglu":
+        return _silu(gate) * up
+    alpha, limit = validation.SWIGLU_OSS_ALPHA, validation.SWIGLU_OSS_LIMIT
+    gate = jnp.minimum(gate, limit)  # clamped above only
+    return (jnp.clip(up, -limit, limit) + 1) * gate * jax.nn.sigmoid(alpha * gate)

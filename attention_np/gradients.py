@@ -391,8 +391,10 @@ def _layer_norm_vjp(norm: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
 
 
 def _ffn_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
-    """The block's feed-forward network: SwiGLU (activation="swiglu") or relu / gelu."""
-    return _swiglu_vjp(ffn, x) if ffn.activation == "swiglu" else _feed_forward_vjp(ffn, x)
+    """The block's feed-forward network: SwiGLU (activation="swiglu"), gpt-oss's clamped SwiGLU ("swiglu_oss")
+    or relu / gelu."""
+    gated = {"swiglu": _swiglu_vjp, "swiglu_oss": _swiglu_oss_vjp}
+    return gated.get(ffn.activation, _feed_forward_vjp)(ffn, x)
 
 
 def _swiglu_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
@@ -409,6 +411,28 @@ def _swiglu_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
         dh, grads_down = pull_down(dy)  # (..., L, F)
         dx_gate, grads_gate = pull_gate(dh * u * sigmoid * (1 + g * (1 - sigmoid)))  # (..., L, D)
         dx_up, grads_up = pull_up(dh * g * sigmoid)  # (..., L, D)
+        grads = _prefixed("w_gate", grads_gate) | _prefixed("w_up", grads_up)
+        return dx_gate + dx_up, grads | _prefixed("w_down", grads_down)
+
+    return y, pullback
+
+
+def _swiglu_oss_vjp(ffn: Any, x: np.ndarray) -> tuple[np.ndarray, Callable]:
+    """FFN(x) = W_down ((c + 1) * m * sigmoid(alpha m)), m = min(g, limit), c = clip(u, -limit, limit), g and u as
+    for SwiGLU:  dg = dh (c + 1) s (1 + alpha m (1 - s)) where g <= limit (else 0, the clamp's derivative),
+    du = dh m s where -limit <= u <= limit, s = sigmoid(alpha m); then back through W_gate and W_up, as SwiGLU's."""
+    alpha, limit = validation.SWIGLU_OSS_ALPHA, validation.SWIGLU_OSS_LIMIT
+    g, pull_gate = _linear_vjp(ffn.w_gate, x)  # (..., L, D) -> (..., L, F)
+    u, pull_up = _linear_vjp(ffn.w_up, x)  # (..., L, D) -> (..., L, F)
+    m, c = np.minimum(g, limit), np.clip(u, -limit, limit)
+    sigmoid = _sigmoid(alpha * m)
+    y, pull_down = _linear_vjp(ffn.w_down, (c + 1) * m * sigmoid)  # (..., L, F) -> (..., L, D)
+
+    def pullback(dy: np.ndarray) -> tuple[np.ndarray, Grads]:
+        dh, grads_down = pull_down(dy)  # (..., L, F)
+        d_gate = np.where(g <= limit, dh * (c + 1) * sigmoid * (1 + alpha * m * (1 - sigmoid)), 0)
+        dx_gate, grads_gate = pull_gate(d_gate)  # (..., L, D)
+        dx_up, grads_up = pull_up(np.where(np.abs(u) <= limit, dh * m * sigmoid, 0))  # (..., L, D)
         grads = _prefixed("w_gate", grads_gate) | _prefixed("w_up", grads_up)
         return dx_gate + dx_up, grads | _prefixed("w_down", grads_down)
 

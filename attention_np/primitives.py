@@ -316,6 +316,18 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x * _sigmoid(x)
 
 
+def _gated(name: str, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """The gated activation of the feed-forward network, (..., L, F) -> (..., L, F):
+    swiglu:     silu(gate) * up
+    swiglu_oss: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g),  g = min(gate, limit)
+    gpt-oss's clamped form (GptOssExperts), alpha = 1.702 and limit = 7.0 (validation.SWIGLU_OSS_*)."""
+    if name == "swiglu":
+        return _silu(gate) * up
+    alpha, limit = validation.SWIGLU_OSS_ALPHA, validation.SWIGLU_OSS_LIMIT
+    gate = np.minimum(gate, limit)  # clamped above only
+    return (np.clip(up, -limit, limit) + 1) * gate * _sigmoid(alpha * gate)
+
+
 def _erf(x: np.ndarray) -> np.ndarray:
     """erf, elementwise: NumPy has none, so math.erf is vectorised (exact to the last bit)."""
     return np.vectorize(math.erf, otypes=[x.dtype])(x)

@@ -35,7 +35,7 @@ from .functional import (
 )
 from .gradients import multi_head_attention_vjp, transformer_block_vjp
 from .linear import FEATURE_MAPS, linear_attention, linear_attention_state
-from .primitives import _cast, alibi_slopes
+from .primitives import _cast, _gated, alibi_slopes, window_mask
 
 
 class KVCache(NamedTuple):
@@ -734,26 +734,32 @@ class MultiHeadAttention(nn.Module):
 class TransformerBlock(nn.Module):
     """A transformer encoder block: self-attention and a feed-forward network, each a residual branch
     with dropout, normalised after the residual sum (post-LN, the default) or before the branch (pre-LN).
-    A Llama decoder layer: norm_first=True, norm="rms", activation="swiglu", bias=False, rope_theta."""
+    A Llama decoder layer: norm_first=True, norm="rms", activation="swiglu", bias=False, rope_theta; a gpt-oss one:
+    norm_first=True, norm="rms", activation="swiglu_oss", rope_theta, sinks=True, window=(W - 1, 0) on alternate
+    layers."""
 
     def __init__(self, d_model: int = 512, num_heads: int = 8, d_ff: int = 2048, dropout: float = 0.1, *,
                  norm_first: bool = False, activation: str = "relu", norm: str = "layer",
                  num_kv_heads: int | None = None, bias: bool = True, rope_theta: float | None = None,
                  sinks: bool = False, eps: float = 1e-5, attention: str = "softmax",
+                 window: tuple[int | None, int | None] | None = None,
                  rng: Rng = None, dtype: torch.dtype | None = None) -> None:
         """Args: sizes as named; dropout on the attention weights, both residual branches and after the
-        activation; activation "relu", "gelu" (exact erf form) or "swiglu" (gated, hidden size d_ff); norm
+        activation; activation "relu", "gelu" (exact erf form), "swiglu" (gated, hidden size d_ff) or "swiglu_oss"
+        (gpt-oss's clamped SwiGLU, one dense expert); norm
         "layer" (LayerNorm) or "rms" (RMSNorm); num_kv_heads and bias (the Linears' biases) for attention and
         the feed-forward network; rope_theta for attention (None: no rotary embeddings); sinks for attention
         (MultiHeadAttention's: attn.sinks (H,), zeros at first); eps inside the norm's square root; attention
-        "softmax" or "linear" (MultiHeadAttention's: dropout 0 then);
+        "softmax" or "linear" (MultiHeadAttention's: dropout 0 then); window (left, right): query i sees keys
+        p_i - left <= j <= p_i + right only (scaled_dot_product_attention's window, and-ed with the mask, on
+        the call, vjp and extend; gpt-oss's sliding_window W is (W - 1, 0) with is_causal);
         rng and dtype (torch's default dtype, float32, when None) for the initial parameters."""
         super().__init__()
         validation.module_sizes(d_model, num_heads, d_ff)
         validation.probability("dropout", dropout)
         validation.activation(activation)
         validation.norm(norm)
-        rngs = _rngs(rng, 4 if activation == "swiglu" else 3)
+        rngs = _rngs(rng, 4 if activation in validation.GATED else 3)
         self.attn = MultiHeadAttention(d_model, num_heads, dropout, num_kv_heads=num_kv_heads, bias=bias,
                                        rope_theta=rope_theta, sinks=sinks, attention=attention, rng=rngs[0],
                                        dtype=dtype)
@@ -761,12 +767,14 @@ class TransformerBlock(nn.Module):
         self.norm2 = _NORMS[norm].initialized(d_model, eps, dtype)
         ffn = _feed_forward(d_model, d_ff, activation, dropout, bias, rngs[1:], dtype)
         self.ffn, self.dropout, self.norm_first = ffn, dropout, norm_first  # torch: registered in state-dict order
+        self.window = validation.block_window(window, attention)
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], *, num_heads: int, dropout: float = 0.1,
                         norm_first: bool = False, activation: str | None = None,
                         rope_theta: float | None = None, eps: float = 1e-5,
-                        attention: str = "softmax") -> TransformerBlock:
+                        attention: str = "softmax",
+                        window: tuple[int | None, int | None] | None = None) -> TransformerBlock:
         """A block holding `state` (NumPy or native arrays; computes in their dtype), in training mode."""
         state = {name: asarray(value) for name, value in state.items()}
         shapes = {name: value.shape for name, value in state.items()}
@@ -778,7 +786,8 @@ class TransformerBlock(nn.Module):
             module = cls(layout.d_model, num_heads, layout.d_ff, dropout, norm_first=norm_first,
                          activation=layout.activation, norm=layout.norm,
                          num_kv_heads=layout.num_kv_heads, bias=layout.bias, rope_theta=rope_theta,
-                         sinks=layout.sinks, eps=eps, attention=attention)
+                         sinks=layout.sinks, eps=eps, attention=attention,
+                         window=window)
         return _load(module, state)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, is_causal: bool = False,
@@ -805,8 +814,9 @@ class TransformerBlock(nn.Module):
         rngs = _rngs(rng, 4)
 
         def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-            return *self.attn(h, h, h, mask, is_causal=is_causal, need_weights=need_weights, rng=rngs[0],
-                              mask_mod=mask_mod, score_mod=score_mod), None  # (..., L, D)
+            return *self.attn(h, h, h, self._windowed(mask, h.shape[-2]), is_causal=is_causal,
+                              need_weights=need_weights, rng=rngs[0], mask_mod=mask_mod,
+                              score_mod=score_mod), None  # (..., L, D)
 
         x, weights, _ = self._layers(x, attend, rngs)
         return x, weights
@@ -853,7 +863,8 @@ class TransformerBlock(nn.Module):
         rngs = _rngs(rng, 4)
 
         def attend(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, KVCache]:
-            return self.attn._extended(h, h, cache, mask, new_lengths=new_lengths, need_weights=need_weights,
+            return self.attn._extended(h, h, cache, self._windowed(mask, h.shape[-2], cache),
+                                       new_lengths=new_lengths, need_weights=need_weights,
                                        rng=rngs[0], mask_mod=mask_mod, score_mod=score_mod)  # (..., L, D)
 
         x, weights, cache = self._layers(x, attend, rngs)
@@ -867,7 +878,18 @@ class TransformerBlock(nn.Module):
             score_mod: Callable[..., Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, Callable]:
         """x, weights and pullback(d_out) -> (dx, {state-dict name: gradient}), without dropout; is_causal, mask_mod
         and score_mod as for forward, the score function's parameters' gradients under "score_mod.<name>"."""
-        return transformer_block_vjp(self, x, mask, is_causal=is_causal, mask_mod=mask_mod, score_mod=score_mod)
+        return transformer_block_vjp(self, x, self._windowed(mask, x.shape[-2]), is_causal=is_causal,
+                                     mask_mod=mask_mod, score_mod=score_mod)
+
+    def _windowed(self, mask: torch.Tensor | None, L: int, cache: Any = None) -> torch.Tensor | None:
+        """mask and-ed with the block's window: L queries at positions q_offset + i over keys 0 .. S - 1, S = L
+        and q_offset 0 on the call, the cache's key positions and length on extend; mask itself without one."""
+        if self.window is None:
+            return mask
+        S, q_offset = (L, 0) if cache is None else (_key_positions(cache), cache.length)
+        seen = window_mask(L, S, self.window, q_offset=q_offset)[..., None, :, :]  # (..., 1, L, S): every head
+        seen = seen.to(self.norm1.weight.device)  # torch: the mask on the parameters' device
+        return seen if mask is None else torch.logical_and(seen, torch.as_tensor(mask, device=seen.device).bool())
 
     def _check_input(self, x: torch.Tensor) -> None:
         weight = self.norm1.weight
@@ -983,15 +1005,17 @@ class FeedForward(nn.Sequential):
 
 class GatedFeedForward(nn.Module):
     """SwiGLU: FFN(x) = W_down Dropout(silu(W_gate x + b_gate) * (W_up x + b_up)) + b_down, silu(x) =
-    x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down."""
+    x * sigmoid(x); named ffn.w_gate, ffn.w_up and ffn.w_down. activation="swiglu_oss": gpt-oss's clamped form
+    in place of silu(g) * u (primitives' _gated)."""
 
-    def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0) -> None:
+    def __init__(self, w_gate: Linear, w_up: Linear, w_down: Linear, dropout: float = 0.0,
+                 activation: str = "swiglu") -> None:
         super().__init__()
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down  # torch: registered in state-dict order
-        self.activation, self.dropout = "swiglu", dropout
+        self.activation, self.dropout = activation, dropout
 
     def forward(self, x: torch.Tensor, *, rng: Rng = None) -> torch.Tensor:
-        h = nn.functional.silu(self.w_gate(x)) * self.w_up(x)  # (..., L, D) -> (..., L, F)
+        h = _gated(self.activation, self.w_gate(x), self.w_up(x))  # (..., L, D) -> (..., L, F)
         h = _dropout(h, self.dropout if self.training else 0.0, rng)
         return self.w_down(h)  # (..., L, F) -> (..., L, D)
 
@@ -999,10 +1023,10 @@ class GatedFeedForward(nn.Module):
 def _feed_forward(d_model: int, d_ff: int, activation: str, dropout: float, bias: bool, rngs: list,
                   dtype: torch.dtype | None) -> FeedForward | GatedFeedForward:
     """The feed-forward network of `activation`, drawn as nn.Linear draws its parameters."""
-    if activation == "swiglu":  # w_gate, w_up (F, D), w_down (D, F)
+    if activation in validation.GATED:  # w_gate, w_up (F, D), w_down (D, F)
         return GatedFeedForward(*(Linear.initialized(d_in, d_out, rng, dtype, bias=bias) for (d_in, d_out), rng in
                                   zip(((d_model, d_ff), (d_model, d_ff), (d_ff, d_model)), rngs, strict=True)),
-                                dropout)
+                                dropout, activation)
     return FeedForward(Linear.initialized(d_model, d_ff, rngs[0], dtype, bias=bias),
                        Linear.initialized(d_ff, d_model, rngs[1], dtype, bias=bias), activation, dropout)
 
@@ -1033,6 +1057,16 @@ def _streaming_view(start: int, L: int, sink_tokens: int, slots: int,
 
 _LINEAR_EPS = 1e-6  # linear_attention's default eps, which attention="linear" uses
 _NORMS: dict[str, Any] = {"layer": LayerNorm, "rms": RMSNorm}
+
+
+def _key_positions(cache: Any) -> int:
+    """The key positions a mask of extend covers: a dense cache's capacity, a paged one's max_pages * page_size."""
+    if isinstance(cache, PagedKVCache):
+        return cache.block_table.shape[-1] * cache.k.shape[-2]
+    if not isinstance(cache, KVCache):
+        raise ValueError("TransformerBlock(window=...) extends a KVCache or a PagedKVCache (its window is a mask); "
+                         f"got {type(cache).__name__}")
+    return cache.k.shape[-2]
 
 
 def _load(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Any:

@@ -294,3 +294,15 @@ def _score_mod_scores(score_mod: Callable[..., Any], scores: torch.Tensor, idx: 
     new = score_mod(scores, idx.b, idx.h, idx.q_idx[..., rows, :], idx.kv_idx[..., cols])
     validation.score_mod_result(new.shape, scores.shape)
     return _cast(new, scores.dtype).expand(scores.shape).reshape(layout)
+
+
+def _gated(name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated activation of the feed-forward network, (..., L, F) -> (..., L, F):
+    swiglu:     silu(gate) * up
+    swiglu_oss: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g),  g = min(gate, limit)
+    gpt-oss's clamped form (GptOssExperts), alpha = 1.702 and limit = 7.0 (validation.SWIGLU_OSS_*)."""
+    if name == "swiglu":
+        return torch.nn.functional.silu(gate) * up
+    alpha, limit = validation.SWIGLU_OSS_ALPHA, validation.SWIGLU_OSS_LIMIT
+    gate = torch.clamp(gate, max=limit)  # clamped above only
+    return (torch.clamp(up, -limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)

@@ -14,7 +14,9 @@ import numpy as np
 from .records import BlockLayout, LatentSizes, MhaLayout
 
 Shape = tuple[int, ...]
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "swiglu", "swiglu_oss")
+GATED = ("swiglu", "swiglu_oss")  # the activations of the gated feed-forward network (SWIGLU's Linears)
+SWIGLU_OSS_ALPHA, SWIGLU_OSS_LIMIT = 1.702, 7.0  # gpt-oss's swiglu_alpha and swiglu_limit (GptOssConfig's)
 NORMS = ("layer", "rms")
 PROJECTIONS = ("w_q", "w_k", "w_v", "w_o")
 SWIGLU = ("w_gate", "w_up", "w_down")  # the feed-forward Linears of activation="swiglu"
@@ -473,6 +475,13 @@ def module_sizes(d_model: int, num_heads: int, d_ff: int | None = None) -> None:
         raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
 
 
+def block_window(window_: object, attention_: str) -> tuple[int | None, int | None] | None:
+    """TransformerBlock's window: None or (left, right) as `window`; softmax attention only (a mask)."""
+    if window_ is not None and attention_ != "softmax":
+        raise ValueError(f"TransformerBlock: window={window_!r} needs attention='softmax' (the window is a mask); "
+                         f"got attention={attention_!r}")
+    return window(window_)
+
 def activation(name: str) -> None:
     if name not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {name!r}")
@@ -644,7 +653,7 @@ def block_state_shapes(d_model: int, d_ff: int, *, num_heads: int = 1, num_kv_he
     norms = {f"{name}.{part}": (d_model,) for name in ("norm1", "norm2")
              for part in (("weight", "bias") if norm == "layer" else ("weight",))}
     linears = ({"w_gate": (d_ff, d_model), "w_up": (d_ff, d_model), "w_down": (d_model, d_ff)}
-               if activation == "swiglu" else {"0": (d_ff, d_model), "3": (d_model, d_ff)})
+               if activation in GATED else {"0": (d_ff, d_model), "3": (d_model, d_ff)})
     return ({f"attn.{name}": shape for name, shape in attn.items()} | norms
             | {f"ffn.{name}": shape for name, shape in _linear_shapes(linears, bias).items()})
 
@@ -675,16 +684,16 @@ def mha_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, prefix: str 
 def block_layout(shapes: Mapping[str, Sequence[int]], num_heads: int, activation_: str | None) -> BlockLayout:
     """A TransformerBlock state's sizes and options, read off its shapes as mha_layout does, and d_ff, norm
     ("rms" without norm1.bias) and the activation: whether the feed-forward is SwiGLU (ffn.w_gate, ffn.w_up,
-    ffn.w_down), which `activation_` must agree with: "swiglu" for those entries, "relu" or "gelu" for ffn.0
-    and ffn.3; None takes "swiglu" or "relu" (the shapes cannot tell ReLU from GELU)."""
+    ffn.w_down), which `activation_` must agree with: "swiglu" or "swiglu_oss" for those entries, "relu" or
+    "gelu" for ffn.0 and ffn.3; None takes "swiglu" or "relu" (the shapes cannot tell ReLU from GELU)."""
     swiglu = any(name.startswith(tuple(f"ffn.{linear}." for linear in SWIGLU)) for name in shapes)
     activation_ = ("swiglu" if swiglu else "relu") if activation_ is None else activation_
     activation(activation_)
-    if swiglu != (activation_ == "swiglu"):
+    if swiglu != (activation_ in GATED):
         found = "ffn.w_gate, ffn.w_up and ffn.w_down (SwiGLU)" if swiglu else "ffn.0 and ffn.3"
         raise ValueError(f"TransformerBlock.from_state_dict: activation={activation_!r} does not match the state's "
                          f"feed-forward entries {found}; pass activation="
-                         + ("'swiglu'" if swiglu else "'relu' or 'gelu'"))
+                         + ("'swiglu' or 'swiglu_oss'" if swiglu else "'relu' or 'gelu'"))
     layout = mha_layout(shapes, num_heads, "attn.")
     (d_ff,) = state_widths(shapes, {"ffn.w_gate.weight" if swiglu else "ffn.0.weight": 0})
     module_sizes(layout.d_model, num_heads, d_ff)
