@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 
 from conformance.contract import oracle
-from tests._compare import assert_close, central_differences, one_program
+from tests._compare import REORDERED, assert_close, central_differences, one_program
 
 B, H, HKV, L, S, E = 2, 4, 2, 5, 7, 3  # grouped-query heads: two query heads per key/value head
 Q_OFFSET = S - L  # bottom-right alignment: the last query sits at the last key
 TILES = ((1, 1), (2, 3), (4, 16))  # flash_attention's (block_q, block_k): single entries, ragged, one key tile
-RTOL = 1e-12  # float64 against the rule written out: a few roundings apart
 GRADIENT_RTOL = 1e-7  # central differences at h = 1e-5 resolve a float64 derivative to about 1e-10
 
 
@@ -52,11 +51,11 @@ def test_sdpa_with_alibi_is_the_bias_written_out(backend: ModuleType, need_weigh
                                                  case["v"], bias=bias, **options)
     out, weights = one_program(backend, "scaled_dot_product_attention", case["q"], case["k"], case["v"],
                                alibi_slopes=slopes, need_weights=need_weights, **options)
-    assert_close(backend.to_numpy(out), backend.to_numpy(expected_out), RTOL, "out")
+    assert_close(backend.to_numpy(out), backend.to_numpy(expected_out), REORDERED, "out")
     if need_weights:
-        assert_close(backend.to_numpy(weights), backend.to_numpy(expected_weights), RTOL, "weights")
+        assert_close(backend.to_numpy(weights), backend.to_numpy(expected_weights), REORDERED, "weights")
     oracle_out, _ = oracle.sdpa(case["q"], case["k"], case["v"], alibi_slopes=slopes, **options)
-    assert_close(backend.to_numpy(out), oracle_out, RTOL, "out against the oracle")
+    assert_close(backend.to_numpy(out), oracle_out, REORDERED, "out against the oracle")
 
 
 @pytest.mark.parametrize("tiles", TILES, ids=str)
@@ -69,8 +68,8 @@ def test_flash_with_alibi_is_the_bias_written_out(backend: ModuleType, tiles: tu
                                                     bias=_alibi_bias(slopes, q_offset, L, S), **options)
     out, lse = one_program(backend, "flash_attention", case["q"], case["k"], case["v"], alibi_slopes=slopes,
                            block_q=tiles[0], block_k=tiles[1], **options)
-    assert_close(backend.to_numpy(out), expected_out, RTOL, "out")
-    assert_close(backend.to_numpy(lse), expected_lse, RTOL, "lse")
+    assert_close(backend.to_numpy(out), expected_out, REORDERED, "out")
+    assert_close(backend.to_numpy(lse), expected_lse, REORDERED, "lse")
 
 
 def test_the_oracle_with_alibi_is_the_bias_written_out() -> None:
@@ -82,7 +81,7 @@ def test_the_oracle_with_alibi_is_the_bias_written_out() -> None:
         got = oracle.sdpa(case["q"], case["k"], case["v"], alibi_slopes=case["slopes"], q_offset=q_offset,
                           is_causal=True, enable_gqa=True)
         for name, a, b in zip(("out", "weights"), got, expected, strict=True):
-            assert_close(a, b, RTOL, f"{name}, q_offset={q_offset}")
+            assert_close(a, b, REORDERED, f"{name}, q_offset={q_offset}")
 
 
 def test_alibi_adds_to_a_bias_and_follows_a_q_offset_per_sequence(backend: ModuleType) -> None:
@@ -96,7 +95,7 @@ def test_alibi_adds_to_a_bias_and_follows_a_q_offset_per_sequence(backend: Modul
                              enable_gqa=True, need_weights=need_weights)
         reference, _ = oracle.sdpa(case["q"], case["k"], case["v"], bias=expected, q_offset=offsets,
                                    is_causal=True, enable_gqa=True)
-        assert_close(backend.to_numpy(out), reference, RTOL, f"out, need_weights={need_weights}")
+        assert_close(backend.to_numpy(out), reference, REORDERED, f"out, need_weights={need_weights}")
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +160,7 @@ def test_alibi_slopes_are_blooms(backend: ModuleType, H: int) -> None:
     expected = _bloom_slopes(H)
     got = backend.to_numpy(backend.alibi_slopes(H))
     assert got.shape == (H,)
-    assert_close(got, expected, RTOL if got.dtype == np.float64 else 1e-7, f"alibi_slopes({H})")
+    assert_close(got, expected, REORDERED if got.dtype == np.float64 else 1e-7, f"alibi_slopes({H})")
     if H == 12:
         np.testing.assert_allclose(got, 2.0 ** -np.array([1, 2, 3, 4, 5, 6, 7, 8, 0.5, 1.5, 2.5, 3.5]), rtol=1e-7)
 
@@ -219,8 +218,8 @@ def test_mha_with_alibi_is_blooms_composition(backend: ModuleType, alibi_state: 
     assert mha.position == "alibi"
     out, weights = mha(backend.asarray(x), backend.asarray(x), backend.asarray(x), is_causal=True)
     expected_out, expected_weights = _bloom_attention(alibi_state, x)
-    assert_close(backend.to_numpy(out), expected_out, RTOL, "out")
-    assert_close(backend.to_numpy(weights), expected_weights, RTOL, "weights")
+    assert_close(backend.to_numpy(out), expected_out, REORDERED, "out")
+    assert_close(backend.to_numpy(weights), expected_weights, REORDERED, "weights")
 
 
 def test_mha_with_alibi_extends_its_cache_as_its_causal_call(backend: ModuleType,
@@ -233,7 +232,7 @@ def test_mha_with_alibi_extends_its_cache_as_its_causal_call(backend: ModuleType
     first, _, cache = mha.extend(backend.asarray(x[:, :2]), backend.asarray(x[:, :2]), cache)
     rest, _, cache = mha.extend(backend.asarray(x[:, 2:]), backend.asarray(x[:, 2:]), cache)
     expected, _ = _bloom_attention(alibi_state, x)
-    assert_close(np.concatenate([backend.to_numpy(first), backend.to_numpy(rest)], axis=-2), expected, RTOL, "out")
+    assert_close(np.concatenate([backend.to_numpy(first), backend.to_numpy(rest)], axis=-2), expected, REORDERED, "out")
 
 
 def test_mha_position_options_and_their_errors(backend: ModuleType) -> None:
