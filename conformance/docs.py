@@ -514,12 +514,12 @@ def serve_record() -> dict[str, Any]:
 
 def serve_table() -> str:
     """The recorded run as the command printed it: the machine, the stream, the methods and the ratios."""
-    from .bench import batching
+    from .bench import batching, timing
     from .bench.report import format_serve
 
     record = serve_record()
     rows = [batching.MethodRow(**row) for row in record["rows"]]
-    ratios = [batching.Ratio(**ratio) for ratio in record["ratios"]]
+    ratios = [timing.Ratio(**ratio) for ratio in record["ratios"]]
     lines = [*record["machine"], batching.describe(batching.Config(**record["config"])), "",
              format_serve(rows, ratios)]
     return "```\n" + "\n".join(lines) + "\n```"
@@ -534,12 +534,12 @@ def mla_record() -> dict[str, Any]:
 
 def mla_table() -> str:
     """The recorded run as the command printed it: the machine, the configuration, the forms and the ratios."""
-    from .bench import batching, latent
+    from .bench import latent, timing
     from .bench.report import format_mla
 
     record = mla_record()
     rows = [latent.FormRow(**row) for row in record["rows"]]
-    ratios = [batching.Ratio(**ratio) for ratio in record["ratios"]]
+    ratios = [timing.Ratio(**ratio) for ratio in record["ratios"]]
     lines = [*record["machine"], latent.describe(latent.Config(**record["config"])), "", format_mla(rows, ratios)]
     return "```\n" + "\n".join(lines) + "\n```"
 

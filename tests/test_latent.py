@@ -472,7 +472,7 @@ def test_the_recorded_decode_run_is_recomputed() -> None:
     at the config's S, their MFLOP recomputed from the config, the forms' difference within the benchmark's check and
     the same on both rows of a backend, and its ratios those of its rows; only the times are the record's own."""
     from conformance import docs
-    from conformance.bench import batching, latent
+    from conformance.bench import latent, timing
 
     record = docs.mla_record()
     config = latent.Config(**record["config"])
@@ -483,7 +483,7 @@ def test_the_recorded_decode_run_is_recomputed() -> None:
         for name, framework in backends.items() for form in latent.FORMS]
     assert all(0 <= row.max_diff <= latent.ATOL for row in rows)
     assert [row.max_diff for row in rows[0::2]] == [row.max_diff for row in rows[1::2]]  # one per backend
-    assert [batching.Ratio(**ratio) for ratio in record["ratios"]] == latent.ratios(rows)  # JSON keeps a float exactly
+    assert [timing.Ratio(**ratio) for ratio in record["ratios"]] == latent.ratios(rows)  # JSON keeps a float exactly
     assert all(ratio.measured == ratio.numerator_value / ratio.denominator_value for ratio in latent.ratios(rows))
 
 

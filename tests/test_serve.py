@@ -25,7 +25,7 @@ import pytest
 
 from conformance import docs
 from conformance.__main__ import main
-from conformance.bench import batching, serving
+from conformance.bench import batching, serving, timing
 from tests._compare import REORDERED, assert_close
 from tests.conftest import import_backend
 
@@ -223,7 +223,7 @@ def test_the_recorded_run_is_the_stream_served_afresh():
     rows = [batching.MethodRow(**row) for row in record["rows"]]
     assert [row.tokens_per_s for row in rows] == pytest.approx([row.tokens / row.seconds for row in rows])
     fresh = batching.speed_ratios(rows) + batching.memory_ratios(served, requests, config)
-    assert [batching.Ratio(**ratio) for ratio in record["ratios"]] == fresh  # JSON keeps a float exactly
+    assert [timing.Ratio(**ratio) for ratio in record["ratios"]] == fresh  # JSON keeps a float exactly
 
 
 def test_serve_stream_lengths_vary_tenfold():

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import serving
-from .timing import collector_paused, meets
+from .timing import Ratio, collector_paused, ratio
 
 SPEED_TARGET, MEMORY_TARGET = 3.0, 1.1  # continuous / static tokens/s >= 3; pages' positions / held <= 1.1
 
@@ -69,20 +69,6 @@ class MethodRow(NamedTuple):
     steps: int
     seconds: float
     tokens_per_s: float
-
-
-class Ratio(NamedTuple):
-    """numerator / denominator, its target (bound None: shown without one) and the verdict."""
-
-    compared: str
-    numerator: str
-    denominator: str
-    numerator_value: float
-    denominator_value: float
-    measured: float
-    relation: str
-    bound: float | None
-    met: bool | None
 
 
 def stream(config: Config) -> list[serving.Request]:
@@ -160,7 +146,7 @@ def _first_difference(found: list[list[int]], expected: list[list[int]]) -> str:
 def speed_ratios(rows: list[MethodRow]) -> list[Ratio]:
     """continuous / static (target >= SPEED_TARGET) and continuous / recompute (no target), in tokens/s."""
     rate = {row.method: row.tokens_per_s for row in rows}
-    return [_ratio("tokens/s", "continuous", rate["continuous"], other, rate[other], ">=", bound)
+    return [ratio("tokens/s", "continuous", rate["continuous"], other, rate[other], ">=", bound)
             for other, bound in (("static", SPEED_TARGET), ("recompute", None))]
 
 
@@ -171,16 +157,8 @@ def memory_ratios(served: serving.Served, requests: list[serving.Request], confi
     peak = max(served.steps, key=lambda step: step.pages_in_use[0])
     pages = peak.pages_in_use[0] * config.page_size
     contiguous = config.slots * max(len(r.prompt) + r.new_tokens for r in requests)
-    return [_ratio("positions", "pages in use", pages, "held", sum(peak.positions), "<=", MEMORY_TARGET),
-            _ratio("positions", "pages in use", pages, "padded contiguous", contiguous, "<=", None)]
-
-
-def _ratio(compared: str, numerator: str, numerator_value: float, denominator: str, denominator_value: float,
-           relation: str, bound: float | None) -> Ratio:
-    measured = numerator_value / denominator_value
-    return Ratio(compared=compared, numerator=numerator, denominator=denominator, numerator_value=numerator_value,
-                 denominator_value=denominator_value, measured=measured, relation=relation, bound=bound,
-                 met=None if bound is None else meets(measured, relation, bound))
+    return [ratio("positions", "pages in use", pages, "held", sum(peak.positions), "<=", MEMORY_TARGET),
+            ratio("positions", "pages in use", pages, "padded contiguous", contiguous, "<=", None)]
 
 
 def describe(config: Config, requests: list[serving.Request] | None = None) -> str:

@@ -39,8 +39,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..frameworks.registry import framework_of
-from .batching import Ratio, _ratio
-from .timing import collector_paused, older_objects_frozen
+from .timing import Ratio, collector_paused, older_objects_frozen, ratio
 
 FORMS = ("expanded", "absorbed")
 TARGET = 0.5  # absorbed / expanded ms per token, torch and JAX
@@ -151,8 +150,8 @@ def ratios(rows: list[FormRow]) -> list[Ratio]:
     """absorbed / expanded ms per token, one per backend (target <= TARGET in TARGETED)."""
     ms = {(row.backend, row.form): row.ms_per_token for row in rows}
     frameworks = {row.backend: row.framework for row in rows}
-    return [_ratio("ms/token", f"{backend} absorbed", ms[backend, "absorbed"], f"{backend} expanded",
-                   ms[backend, "expanded"], "<=", TARGET if framework in TARGETED else None)
+    return [ratio("ms/token", f"{backend} absorbed", ms[backend, "absorbed"], f"{backend} expanded",
+                  ms[backend, "expanded"], "<=", TARGET if framework in TARGETED else None)
             for backend, framework in frameworks.items()]
 
 

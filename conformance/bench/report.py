@@ -130,32 +130,32 @@ def format_decode(rows: Sequence[decode.DecodeRow]) -> str:
     return columns(lines, right=tuple(range(1, 10)))
 
 
-def format_serve(rows: Sequence[batching.MethodRow], ratios: Sequence[batching.Ratio]) -> str:
+def format_serve(rows: Sequence[batching.MethodRow], ratios: Sequence[timing.Ratio]) -> str:
     """One line per method (tokens, steps, seconds, tokens/s), then one per ratio with its target and verdict."""
     methods = [("method", "tokens", "steps", "seconds", "tokens/s")]
     methods += [(row.method, str(row.tokens), str(row.steps), f"{row.seconds:.3f}", f"{row.tokens_per_s:.0f}")
                 for row in rows]
-    compared = [("compared", "values", "measured", "target", "verdict")]
-    for ratio in ratios:
-        target = "-" if ratio.bound is None else f"{ratio.relation} {ratio.bound:g}"
-        compared.append((f"{ratio.compared}: {ratio.numerator} / {ratio.denominator}",
-                         f"{ratio.numerator_value:.0f} / {ratio.denominator_value:.0f}", f"{ratio.measured:.2f}",
-                         target, {None: "-", True: "MET", False: "MISSED"}[ratio.met]))
-    return columns(methods, right=(1, 2, 3, 4)) + "\n\n" + columns(compared, right=(1, 2))
+    return columns(methods, right=(1, 2, 3, 4)) + "\n\n" + format_ratios(ratios, values=0, measured=2)
 
 
-def format_mla(rows: Sequence[latent.FormRow], ratios: Sequence[batching.Ratio]) -> str:
+def format_mla(rows: Sequence[latent.FormRow], ratios: Sequence[timing.Ratio]) -> str:
     """One line per backend and form (ms/token, MFLOP, max|diff|), then one per ratio with its target and verdict."""
     forms = [("backend", "form", "S", "MFLOP", "ms/token", "max|diff|")]
     forms += [(row.backend, row.form, str(row.context), f"{row.mflops:.1f}", f"{row.ms_per_token:.3f}",
                f"{row.max_diff:.1e}") for row in rows]
-    compared = [("compared", "values", "measured", "target", "verdict")]
+    return columns(forms, right=(2, 3, 4, 5)) + "\n\n" + format_ratios(ratios, values=3, measured=3)
+
+
+def format_ratios(ratios: Sequence[timing.Ratio], *, values: int, measured: int) -> str:
+    """One line per ratio: what is compared, its two values and the ratio (to `values` and `measured` decimals),
+    its target and MET or MISSED ("-" without a target)."""
+    lines = [("compared", "values", "measured", "target", "verdict")]
     for ratio in ratios:
         target = "-" if ratio.bound is None else f"{ratio.relation} {ratio.bound:g}"
-        compared.append((f"{ratio.compared}: {ratio.numerator} / {ratio.denominator}",
-                         f"{ratio.numerator_value:.3f} / {ratio.denominator_value:.3f}", f"{ratio.measured:.3f}",
-                         target, {None: "-", True: "MET", False: "MISSED"}[ratio.met]))
-    return columns(forms, right=(2, 3, 4, 5)) + "\n\n" + columns(compared, right=(1, 2))
+        lines.append((f"{ratio.compared}: {ratio.numerator} / {ratio.denominator}",
+                      f"{ratio.numerator_value:.{values}f} / {ratio.denominator_value:.{values}f}",
+                      f"{ratio.measured:.{measured}f}", target, {None: "-", True: "MET", False: "MISSED"}[ratio.met]))
+    return columns(lines, right=(1, 2))
 
 
 def format_targets(rows: Sequence[timing.TargetRow]) -> str:

@@ -368,6 +368,30 @@ def meets(value: float, relation: str, bound: float) -> bool:
     return value <= bound if relation == "<=" else value >= bound
 
 
+class Ratio(NamedTuple):
+    """numerator / denominator of a benchmark (serve, mla), its target (bound None: shown without one) and the
+    verdict."""
+
+    compared: str
+    numerator: str
+    denominator: str
+    numerator_value: float
+    denominator_value: float
+    measured: float
+    relation: str
+    bound: float | None
+    met: bool | None
+
+
+def ratio(compared: str, numerator: str, numerator_value: float, denominator: str, denominator_value: float,
+          relation: str, bound: float | None) -> Ratio:
+    """numerator_value / denominator_value as a Ratio, with its verdict against `bound` (None: no verdict)."""
+    measured = numerator_value / denominator_value
+    return Ratio(compared=compared, numerator=numerator, denominator=denominator, numerator_value=numerator_value,
+                 denominator_value=denominator_value, measured=measured, relation=relation, bound=bound,
+                 met=None if bound is None else meets(measured, relation, bound))
+
+
 def ratios(rows: Sequence[Row], variant: Variant) -> list[TargetRow]:
     """The variant's `ratios` from compare's rows (time and peak as measured there), at each operation and L
     where both sides ran; rows come grouped by operation and L, as compare() makes them."""
