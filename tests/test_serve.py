@@ -107,9 +107,9 @@ def test_a_request_waits_while_the_pool_cannot_promise_its_whole_length():
         -1 in served.steps[t].requests for t in range(r.arrival, joined[i]))]  # a free slot, yet it waited
     assert held_back, joined
     with pytest.raises(ValueError, match=r"too few free ones|all in use"):  # without the promise: out of pages
-        promising_nothing = functools.partial(serving._join, pages=(math.inf, PAGE))
+        promising_nothing = functools.partial(serving._join, num_pages=math.inf)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(serving, "_join", lambda *args, pages, **kwargs: promising_nothing(*args, **kwargs))
+            patch.setattr(serving, "_join", lambda *args, num_pages, **kwargs: promising_nothing(*args, **kwargs))
             serving.serve(model, requests, slots=SLOTS, page_size=PAGE, num_pages=tight)
     with pytest.raises(ValueError, match="request 0 needs 6 pages of 2 positions; the pool has 5"):
         serving.serve(model, requests, slots=SLOTS, page_size=PAGE, num_pages=5)  # it could never join

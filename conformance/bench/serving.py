@@ -5,8 +5,8 @@ and a number of tokens to generate, greedily, in a fixed number of slots (the ba
   1) waiting requests that have arrived join the free slots, first come first served, as long as the pool holds
      the pages of every live request's whole length and of theirs (admission: no request is ever short of a page);
   2) each layer's paged cache reserves the pages of this step's positions;
-  3) one ragged chunk goes through the layers: a joining request's whole prompt, every other request's last
-     token (`new_lengths`, one per slot; 0 for a free slot);
+  3) two chunks go through the layers: the joining requests' whole prompts (a ragged chunk of their slots), then
+     every slot's last token (`new_lengths` 1 where the slot decodes, 0 elsewhere);
   4) each live request takes the argmax of the logits at its last new position;
   5) finished requests leave, and their pages go back to the pool for the next ones.
 Every layer has its own pool (`init_paged_cache`). `generate_alone` decodes one request with a contiguous cache:
@@ -134,7 +134,8 @@ def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, 
     of page_size positions (one pool per layer), and what each step left in the pools; `layers` runs each step's
     chunks through the layers (see `layers`)."""
     whole = [-(-(len(r.prompt) + r.new_tokens) // page_size) for r in requests]  # ceil: each request's pages
-    if (i := max(range(len(requests)), key=whole.__getitem__, default=None)) is not None and whole[i] > num_pages:
+    if whole and max(whole) > num_pages:
+        i = whole.index(max(whole))
         raise ValueError(f"request {i} needs {whole[i]} pages of {page_size} positions; the pool has {num_pages}: "
                          "it could never join")
     max_pages = max(whole, default=1)
@@ -144,7 +145,7 @@ def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, 
     tokens: list[list[int]] = [[] for _ in requests]
     steps: list[Step] = []
     while waiting or any(s is not None for s in live):
-        live = _join(live, waiting, requests, now=len(steps), pages=(num_pages, page_size))
+        live = _join(live, waiting, requests, now=len(steps), whole=whole, num_pages=num_pages)
         new_lengths = np.array([0 if s is None else len(s.feed) for s in live])  # (B,)
         in_slots = tuple(-1 if s is None else s.request for s in live)
         live, caches = _step(model, live, caches, new_lengths, layers)
@@ -155,13 +156,12 @@ def serve(model: Model, requests: list[Request], *, slots: int, page_size: int, 
     return Served(tokens, steps)
 
 
-def _join(live: list[Slot | None], waiting: deque, requests: list[Request], *, now: int,
-          pages: tuple[int, int]) -> list[Slot | None]:
-    """The slots with the arrived waiting requests, first come first served, in the free ones, while the pool
-    (pages = (num_pages, page_size)) holds the pages of every live request's whole length (prompt and new tokens)
-    and of the next one's: pages are taken as the positions come, but promised at admission."""
-    live, (num_pages, page) = list(live), pages
-    whole = [-(-(len(r.prompt) + r.new_tokens) // page) for r in requests]  # ceil: each request's pages at its end
+def _join(live: list[Slot | None], waiting: deque, requests: list[Request], *, now: int, whole: list[int],
+          num_pages: int) -> list[Slot | None]:
+    """The slots with the arrived waiting requests, first come first served, in the free ones, while the pool of
+    num_pages holds the pages of every live request's whole length (prompt and new tokens; whole[i] pages for
+    request i) and of the next one's: pages are taken as the positions come, but promised at admission."""
+    live = list(live)
     promised = sum(whole[s.request] for s in live if s is not None)
     for b, slot in enumerate(live):
         if slot is None and waiting and requests[waiting[0]].arrival <= now:
