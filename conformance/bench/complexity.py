@@ -19,6 +19,10 @@ outputs. The forms, one declaration each in FORMS:
   one trace serves every n), the loop finished by block_until_ready; torch: under inference_mode, as every torch
   candidate. The whole loop is timed, no prefix scaled, up to n = LOOP_UP_TO (a step's cost does not depend on n:
   the loop at 32768 adds minutes to the run and nothing to the slope).
+- gated chunked, gated loop, delta chunked, delta loop: the same chunked form and loop with update_rule "gated"
+  (a decay g per head and position) and "delta" (a rate beta per head and position), ONNX LinearAttention's
+  rules, on the rules' own inputs (`rule_inputs`: unit keys and the identity feature map, so that the delta
+  rule's state stays bounded at every n, as DeltaNet normalises its keys).
 
 NumPy's BLAS and torch run on one thread (`one_thread`). The candidates of one backend at one n are timed
 interleaved (timing.measure: one warm-up call, then the repeats in a balanced order), medians reported. Each
@@ -31,6 +35,7 @@ sizes around it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -52,6 +57,7 @@ MEMORY_LIMIT = 2**28  # bytes (256 MiB): a capped form's largest array; keeps th
 FIT_FROM = 1024  # slopes are fitted over n >= FIT_FROM: below it per-call overheads flatten every line
 LOOP_UP_TO = 8192  # the step loop's largest n: each step costs the same at every n; 1.7-3.8 s a loop at 32768
 ERROR_UP_TO = 4096  # errors against the float64 reference are measured up to this n ("-" above)
+RULE_OPTIONS = {"feature_map": "identity"}  # the gated and delta forms' phi: keys of unit length (rule_inputs)
 ORIGINAL = {"RNN": ("O(n d^2)", "O(n)"), "self-attention": ("O(n^2 d)", "O(1)"),
             "linear attention": ("O(n d^2)", "O(1)")}  # the tutorial's row: (time, sequential steps)
 
@@ -67,34 +73,47 @@ class Form(NamedTuple):
     reference: str  # "softmax" or "linear": the float64 output it must equal
     style: dict[str, Any]  # its line in the plot
     up_to: int | None = None  # the largest n it runs at (a cap on time, not memory); None: every n
+    rule: str = "linear"  # linear attention's update rule; its inputs are rule_inputs(rule, ...)
 
 
-def _call(compute: Callable[..., Any]) -> Callable[[ModuleType, str, tuple], Callable[[], Any]]:
-    """A one-call form: compute(module, q, k, v), timed as compare times our calls (JAX: jitted ahead)."""
+def _call(compute: Callable[..., Any]) -> Callable[[ModuleType, str, dict], Callable[[], Any]]:
+    """A one-call form: compute(module, q, k, v, **gates), timed as compare times our calls (JAX: jitted ahead)."""
 
-    def prepare(module: ModuleType, framework: str, inputs: tuple) -> Callable[[], Any]:
-        call = lambda _, q, k, v: compute(module, q, k, v)  # noqa: E731
-        return FRAMEWORKS[framework].timed(call, (None, *inputs), "cpu")[0]
+    def prepare(module: ModuleType, framework: str, inputs: dict) -> Callable[[], Any]:
+        names = tuple(inputs)
+        call = lambda _, *arrays: compute(module, **dict(zip(names, arrays, strict=True)))  # noqa: E731
+        return FRAMEWORKS[framework].timed(call, (None, *inputs.values()), "cpu")[0]
 
     return prepare
 
 
-def _loop(module: ModuleType, framework: str, inputs: tuple) -> Callable[[], Any]:
-    """n steps of the recurrent form from zeros; returns the n outputs, each (B, H, Ev)."""
-    q, k, v = inputs  # (B, H, L, E), (B, H, S, E), (B, H, S, Ev)
+def _rule_call(rule: str) -> Callable[[ModuleType, str, dict], Callable[[], Any]]:
+    """The chunked form of an update rule, chunks of CHUNK, on rule_inputs(rule, ...)."""
+    return _call(lambda M, q, k, v, **gates: M.linear_attention(q, k, v, is_causal=True, chunk=CHUNK,
+                                                                update_rule=rule, **RULE_OPTIONS, **gates))
+
+
+def _loop(module: ModuleType, framework: str, inputs: dict) -> Callable[[], Any]:
+    """n steps of the recurrent form from zeros, with the update rule of `inputs` (their decay and beta: "gated",
+    "delta"; neither: "linear"); returns the n outputs, each (B, H, Ev)."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]  # (B, H, L, E), (B, H, S, E), (B, H, S, Ev)
+    gates = {name: x for name, x in inputs.items() if name in ("decay", "beta")}  # (B, H, S, 1) each
+    rule = {(): "linear", ("decay",): "gated", ("beta",): "delta"}[tuple(gates)]
+    options = {} if rule == "linear" else {"update_rule": rule, **RULE_OPTIONS}
     n = q.shape[-2]
-    positions = [(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(n)]  # n of (B, H, E), (.., E), (.., Ev)
-    step = module.linear_attention_step
+    positions = [(q[..., t, :], k[..., t, :], v[..., t, :], {name: x[..., t, :] for name, x in gates.items()})
+                 for t in range(n)]  # n of (B, H, E), (.., E), (.., Ev) and the gates (B, H, 1)
+    step = functools.partial(module.linear_attention_step, **options)
     if framework == "jax":
         import jax
 
         step = jax.jit(step)  # jax: one trace for every n, the loop stays in Python
 
     def loop(_: None) -> list[Any]:
-        state = module.linear_attention_state((B, H), E, EV)  # S (B, H, E, Ev), z (B, H, E): zeros
+        state = module.linear_attention_state((B, H), E, EV, update_rule=rule)  # S (B, H, E, Ev), z: zeros
         outputs = []
-        for q_t, k_t, v_t in positions:
-            out_t, state = step(q_t, k_t, v_t, state)  # (B, H, Ev)
+        for q_t, k_t, v_t, gates_t in positions:
+            out_t, state = step(q_t, k_t, v_t, state, **gates_t)  # (B, H, Ev)
             outputs.append(out_t)
         return outputs
 
@@ -149,6 +168,26 @@ FORMS = (
          reference="linear",
          style={"color": "tab:green", "linestyle": "-.", "marker": "^"},
          up_to=LOOP_UP_TO),
+    *(form
+      for rule, color in (("gated", "tab:brown"), ("delta", "tab:pink"))
+      for form in (
+          Form(f"{rule} chunked",
+               row="linear attention",
+               steps=f"n / {CHUNK}",
+               largest=None,
+               prepare=_rule_call(rule),
+               reference="linear",
+               style={"color": color, "linestyle": "-", "marker": "x"},
+               rule=rule),
+          Form(f"{rule} loop",
+               row="RNN",
+               steps="n",
+               largest=None,
+               prepare=_loop,
+               reference="linear",
+               style={"color": color, "linestyle": "-.", "marker": "+"},
+               up_to=LOOP_UP_TO,
+               rule=rule))),
 )
 CHALLENGER = "linear chunked"  # the crossover: where it first beats the fastest softmax form
 
@@ -182,19 +221,20 @@ def run(backends: dict[str, ModuleType], *, sizes: Sequence[int] = SIZES, repeat
     rows = []
     with timing.pinned(backends), one_thread(backends):
         for n in sizes:
-            inputs = _inputs(n)
             forms = [form for form in FORMS if runs(form, n)]
-            references = ({kind: _reference(kind, inputs) for kind in {form.reference for form in forms}}
-                          if n <= ERROR_UP_TO else {})
+            inputs = {rule: rule_inputs(rule, _inputs(n), seed=n) for rule in {form.rule for form in forms}}
+            references = ({(form.reference, form.rule): _reference(form.reference, form.rule, inputs[form.rule])
+                           for form in forms} if n <= ERROR_UP_TO else {})
             for name, module in backends.items():
                 framework = framework_of(module)
-                converted = tuple(framework.converter("float32", "cpu")(x) for x in inputs)
+                converted = {rule: {key: framework.converter("float32", "cpu")(x) for key, x in arrays.items()}
+                             for rule, arrays in inputs.items()}
                 candidates = [timing.Candidate(form.label, operation="sdpa",
-                                               run=form.prepare(module, framework.name, converted), peak=lambda: None,
-                                               framework=framework.name) for form in forms]
+                                               run=form.prepare(module, framework.name, converted[form.rule]),
+                                               peak=lambda: None, framework=framework.name) for form in forms]
                 seconds = timing.measure(candidates, repeats=repeats)
                 for form, candidate, median in zip(forms, candidates, seconds, strict=True):
-                    error = (_error(candidate.run(), references[form.reference], framework.name)
+                    error = (_error(candidate.run(), references[(form.reference, form.rule)], framework.name)
                              if references else None)
                     rows.append(Row(name,
                                     framework=framework.name,
@@ -240,14 +280,31 @@ def _inputs(n: int, seed: int = 0) -> tuple[np.ndarray, ...]:
     return tuple(timing.rounded(rng.standard_normal((B, H, n, width)), "float32") for width in (E, E, EV))
 
 
-def _reference(kind: str, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
+def rule_inputs(rule: str, inputs: tuple[np.ndarray, ...], seed: int = 0) -> dict[str, np.ndarray]:
+    """q, k, v and the gates of an update rule, float32 values held as float64: "linear" takes the inputs as they
+    are; "gated" and "delta" (read through RULE_OPTIONS' identity map) take keys of unit length, and a decay
+    g = log(a), a uniform in 0.9 .. 0.999 ("gated"), or a rate beta uniform in 0.1 .. 0.9 ("delta"), (B, H, S, 1)
+    each: the delta rule's state then moves by (I - beta k k^T), whose eigenvalues lie in [0.1, 1], and stays
+    bounded at every n."""
+    q, k, v = inputs  # (B, H, n, E), (B, H, n, E), (B, H, n, Ev)
+    if rule == "linear":
+        return {"q": q, "k": k, "v": v}
+    rng = np.random.default_rng(seed)
+    k = timing.rounded(k / np.linalg.norm(k, axis=-1, keepdims=True), "float32")
+    gate = (("decay", np.log(rng.uniform(0.9, 0.999, (*k.shape[:-1], 1)))) if rule == "gated" else
+            ("beta", rng.uniform(0.1, 0.9, (*k.shape[:-1], 1))))
+    return {"q": q, "k": k, "v": v, gate[0]: timing.rounded(gate[1], "float32")}
+
+
+def _reference(kind: str, rule: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """The causal output in float64 by attention_np: flash_attention for softmax (no (L, S) weights kept),
-    the chunked form for linear attention."""
+    the chunked form for linear attention (with the form's update rule)."""
     import attention_np
 
     if kind == "softmax":
-        return attention_np.flash_attention(*inputs, is_causal=True, block_q=512, block_k=1024)[0]
-    return attention_np.linear_attention(*inputs, is_causal=True, chunk=256)
+        return attention_np.flash_attention(**inputs, is_causal=True, block_q=512, block_k=1024)[0]
+    options = {} if rule == "linear" else {"update_rule": rule, **RULE_OPTIONS}
+    return attention_np.linear_attention(**inputs, is_causal=True, chunk=256, **options)
 
 
 def _error(result: Any, reference: np.ndarray, framework: str) -> float:
