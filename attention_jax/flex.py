@@ -44,7 +44,7 @@ from .functional import _dtypes
 from .primitives import _alibi_slopes, _alibi_tile, _at_least_float32, _ranked, _score_rule, _sunk_rows
 
 NO_MASK_TILE = 128  # the tiles' size without a block mask, at most L and S (every tile full: no mask to evaluate)
-NO_OFFSET = np.zeros((), np.int64)  # flex has no q_offset: ALiBi's p_i is query i's index
+NO_OFFSET = np.zeros((), np.int64)  # no offset of the queries in flex: ALiBi's p_i is query i's index
 
 
 def flex_attention(
@@ -81,7 +81,7 @@ def flex_attention(
         sinks: one logit per head, broadcasting to (B, H), as for flash_attention: each row's sink joins its
             softmax's denominator once, after the tiles (lse includes it; a query that sees no key keeps zeros).
         alibi_slopes: ALiBi's slopes, (H,) or (B, H), one per query head: each tile adds -slope_h * |i - j| (the
-            query's position is i: flex has no q_offset) to score_mod's result, before the mask, as
+            query's position is i, as flex has no offset) to score_mod's result, before the mask, as
             scaled_dot_product_attention adds it after score_mod; built from the tile's positions; constants.
 
     Returns:
@@ -350,7 +350,7 @@ def _hidden(scores: jax.Array, visible: jax.Array | None) -> jax.Array:
 
 def _with_alibi(plan: _Plan, scores: jax.Array, slopes: jax.Array | None, tile: _Tile) -> jax.Array:
     """R plus ALiBi's -slope_h * |i - j| over the tile (B, Hkv, G, bq, bk), where sdpa adds it: after the score
-    function, before the mask; query i's position is i (flex has no q_offset). R itself without slopes."""
+    function, before the mask; query i's position is i (flex has no offset). R itself without slopes."""
     if slopes is None:
         return scores
     return scores + _alibi_tile(slopes, NO_OFFSET, tile.rows, tile.cols, plan.block_q, plan.block_k)

@@ -10,6 +10,10 @@ attention over some of the keys, and partial results merge exactly through their
 
     lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 
+Positions are global: the query chunk starting at p meets the key chunk starting at t with q_offset = p - t +
+the caller's q_offset, so causality, the window and ALiBi's -slope_h * |p_i - j| (which depends on p_i - j alone)
+are the whole sequence's in every chunk pair.
+
 With is_causal, contiguous shards leave device 0 almost idle (its queries see only its own keys) while the
 last device sees every key. The zig-zag layout balances them: the sequence is cut into 2P chunks and device d
 holds chunks d and 2P - 1 - d, one early and one late, so every device does the same work. The JAX and torch

@@ -68,7 +68,7 @@ from .primitives import (
 
 NO_MASK_TILE = 128  # block_mask None: tiles of 128 x 128, every one full (torch's default BLOCK_SIZE)
 RUN_SCORES = 1 << 20  # scores over the batch (4 MiB of float32) of a run of key tiles computed as one product
-NO_OFFSET = np.zeros((), np.int64)  # flex has no q_offset: ALiBi's p_i is query i's index
+NO_OFFSET = np.zeros((), np.int64)  # no offset of the queries in flex: ALiBi's p_i is query i's index
 
 
 def flex_attention(
@@ -105,7 +105,7 @@ def flex_attention(
         sinks: one logit per head, broadcasting to (B, H), as for flash_attention: each row's sink joins its
             softmax's denominator once, after the tiles (lse includes it; a query that sees no key keeps zeros).
         alibi_slopes: ALiBi's slopes, (H,) or (B, H), one per query head: each tile adds -slope_h * |i - j| (the
-            query's position is i: flex has no q_offset) to score_mod's result, before the mask, as
+            query's position is i, as flex has no offset) to score_mod's result, before the mask, as
             scaled_dot_product_attention adds it after score_mod; built from the tile's positions; constants.
 
     Returns:

@@ -92,7 +92,7 @@ def flex_attention(
         sinks: one logit per head, broadcasting to (B, H), as for flash_attention: each row's sink joins its
             softmax's denominator once, after the tiles (lse includes it; a query that sees no key keeps zeros).
         alibi_slopes: ALiBi's slopes, (H,) or (B, H), one per query head: each tile adds -slope_h * |i - j| (the
-            query's position is i: flex has no q_offset) to score_mod's result, before the mask, as
+            query's position is i, as flex has no offset) to score_mod's result, before the mask, as
             scaled_dot_product_attention adds it after score_mod; built from the tile's positions; constants.
 
     Returns:
@@ -426,7 +426,7 @@ def _mods(p: _Problem, scores: torch.Tensor, score_mod: Callable[..., Any] | Non
         validation.score_mod_result(new.shape, scores.shape)
         scores = _cast(new, p.work).expand(scores.shape)
     if p.slopes is not None:  # a constant: its derivative leaves dR as it is
-        scores = scores + _alibi_tile(p.slopes, p.q_idx.new_zeros(()), tile.rows, tile.cols)  # flex: no q_offset
+        scores = scores + _alibi_tile(p.slopes, p.q_idx.new_zeros(()), tile.rows, tile.cols)  # flex: p_i = i
     if tile.partial:
         visible = p.mask_mod(p.b, p.h, q_idx, kv_idx)
         validation.mask_mod_result("mask_mod", visible.shape, str(visible.dtype), scores.shape)
