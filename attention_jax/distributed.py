@@ -53,7 +53,7 @@ from attention_np.common.records import FlashOptions
 
 from .flash import _backward_tiles, _pad, _problem, _tiled_inputs, _tiling, flash_attention
 from .functional import _dtypes, _grouped
-from .primitives import _integers, _ranked, _sunk_rows
+from .primitives import _alibi_slopes, _integers, _ranked, _sunk_rows
 
 
 class _Layout(NamedTuple):
@@ -80,6 +80,7 @@ def ring_attention(
     softcap: float | None = None,
     enable_gqa: bool = False,
     sinks: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[jax.Array, jax.Array]:
@@ -95,6 +96,8 @@ def ring_attention(
             q_offset a Python int.
         sinks: one logit per head, broadcasting to (..., H), as for flash_attention: merged in once, after the
             ring, as one more partial result (out 0, lse the sink), never once per device.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for flash_attention: each chunk pair's tiles add
+            -slope_h * |p_i - j| from their global positions (the pair's q_offset); constants, no gradient.
         block_q, block_k: as for flash_attention.
 
     Returns:
@@ -111,7 +114,8 @@ def ring_attention(
     window = None if window is None else tuple(window)
     options = FlashOptions(is_causal=bool(is_causal), scale=scale, q_offset=int(q_offset), window=window,
                            key_lengths=None, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
-    out, lse = _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, options)(q, k, v)
+    slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes)  # the same on every device
+    out, lse = _mapped(mesh, axis, (q.ndim, k.ndim, v.ndim), starts, options)(q, k, v, slopes)
     return _sunk_rows(out, lse, sinks)  # the sink joins each row once, after the ring (jax: elementwise on the
     # global arrays, differentiated by JAX, the ring's own backward taking d_lse)
 
@@ -130,6 +134,7 @@ def ring_attention_vjp(
     softcap: float | None = None,
     enable_gqa: bool = False,
     sinks: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[jax.Array, jax.Array, Callable]:
@@ -142,7 +147,8 @@ def ring_attention_vjp(
     Args:
         q, k, v: as for ring_attention.
         mesh, axis: as for ring_attention.
-        is_causal, scale, q_offset, window, softcap, enable_gqa, sinks, block_q, block_k: as for ring_attention.
+        is_causal, scale, q_offset, window, softcap, enable_gqa, sinks, alibi_slopes, block_q, block_k: as for
+            ring_attention; the slopes are constants (their bias joins S as bias does, dS unchanged).
 
     Returns:
         out (..., L, Ev), lse (..., L), ring_attention's, and pullback(d_out (..., L, Ev)) -> (dq, dk, dv),
@@ -151,8 +157,9 @@ def ring_attention_vjp(
     options = dict(mesh=mesh, axis=axis, is_causal=is_causal, scale=scale, q_offset=q_offset, window=window,
                    softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
     sinks = None if sinks is None else jnp.asarray(sinks)  # jax: differentiated as an argument
-    (out, lse), pull = jax.vjp(lambda q, k, v, sinks: ring_attention(q, k, v, sinks=sinks, **options), q, k, v,
-                               sinks)
+    (out, lse), pull = jax.vjp(lambda q, k, v, sinks: ring_attention(q, k, v, sinks=sinks,
+                                                                     alibi_slopes=alibi_slopes, **options),
+                               q, k, v, sinks)  # jax: the slopes closed over, constants
     # jax: autodiff of the forward, whose ring is a custom_vjp carrying the backward ring (_ring_backward)
 
     def pullback(d_out: jax.Array) -> tuple:
@@ -174,28 +181,29 @@ def _mapped(mesh: Mesh, axis: str, ndims: tuple[int, int, int], starts: tuple,
     config = dict(axis=axis, ring=ring, layout=layout, options=options)  # _ring's and _ring_backward's keywords
 
     @jax.custom_vjp
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _ring(q, k, v, lax.axis_index(axis), **config)  # this device's place on the ring
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, slopes: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        return _ring(q, k, v, slopes, lax.axis_index(axis), **config)  # this device's place on the ring
 
-    def attend_forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple:
-        out, lse = attend(q, k, v)
-        return (out, lse), (q, k, v, out, lse)  # kept for the backward ring: the local shards only, O(S / P)
+    def attend_forward(q: jax.Array, k: jax.Array, v: jax.Array, slopes: jax.Array | None) -> tuple:
+        out, lse = attend(q, k, v, slopes)
+        return (out, lse), (q, k, v, slopes, out, lse)  # kept for the backward ring: the local shards, O(S / P)
 
-    def attend_backward(kept: tuple, cotangents: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return _ring_backward(*kept, *cotangents, lax.axis_index(axis), **config)
+    def attend_backward(kept: tuple, cotangents: tuple) -> tuple:
+        grads = _ring_backward(*kept, *cotangents, lax.axis_index(axis), **config)
+        return (*grads, None)  # ALiBi's slopes: constants, no gradient
 
     attend.defvjp(attend_forward, attend_backward)
 
-    def shard(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def shard(q: jax.Array, k: jax.Array, v: jax.Array, slopes: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         q, k, v = (_to_layout(x, axis, ring, layout) for x in (q, k, v))  # differentiated by JAX, as ppermutes
-        out, lse = attend(q, k, v)
+        out, lse = attend(q, k, v, slopes)
         return _from_layout(out, axis, ring, layout), _from_layout(lse[..., None], axis, ring, layout)[..., 0]
 
     def spec(ndim: int) -> P:  # the sequence axis (-2) over `axis`, the others left to the compiler
         return P(*[None] * (ndim - 2), axis, None)
 
     lse_spec = P(*[None] * (ndims[0] - 2), axis)  # (..., L)
-    mapped = jax.shard_map(shard, mesh=mesh, in_specs=tuple(spec(n) for n in ndims),
+    mapped = jax.shard_map(shard, mesh=mesh, in_specs=(*(spec(n) for n in ndims), P()),  # the slopes: on every device
                            out_specs=(spec(ndims[0]), lse_spec), axis_names=frozenset({axis}),
                            check_vma=False)
     # jax: manual over `axis` only; the other mesh axes stay automatic, so batch or heads sharded over them
@@ -204,10 +212,11 @@ def _mapped(mesh: Mesh, axis: str, ndims: tuple[int, int, int], starts: tuple,
     return jax.jit(mapped)
 
 
-def _ring(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array, *, axis: str, ring: int, layout: _Layout,
-          options: FlashOptions) -> tuple[jax.Array, jax.Array]:
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, slopes: jax.Array | None, d: jax.Array, *, axis: str,
+          ring: int, layout: _Layout, options: FlashOptions) -> tuple[jax.Array, jax.Array]:
     """Device d's out (..., Lc, Ev) and lse (..., Lc) over all P key/value shards: its own first, then the
-    P - 1 visitors; each shard is sent on to the next device while it is attended (P - 1 hops)."""
+    P - 1 visitors; each shard is sent on to the next device while it is attended (P - 1 hops). slopes: ALiBi's
+    (H,) or (B, H), or None, passed to every chunk pair's flash_attention."""
     lq, lk = q.shape[-2] // layout.chunks, k.shape[-2] // layout.chunks  # rows per chunk
     q_starts, k_starts = jnp.asarray(layout.q_starts)[d], jnp.asarray(layout.k_starts)  # (chunks,), (P, chunks)
     rotate = [(i, (i + 1) % ring) for i in range(ring)]  # device i sends to i + 1
@@ -221,7 +230,7 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array, *, axis: str, 
             for b in range(layout.chunks):
                 offset = q_starts[a] - k_starts[j, b] + options.q_offset  # global positions
                 part = flash_attention(q_a, k[..., b * lk:(b + 1) * lk, :], v[..., b * lk:(b + 1) * lk, :],
-                                       **options._replace(q_offset=offset)._asdict())
+                                       **options._replace(q_offset=offset, alibi_slopes=slopes)._asdict())
                 merged = part if merged is None else _merge(merged, part)
             parts.append(merged)
         return parts
@@ -242,9 +251,9 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, d: jax.Array, *, axis: str, 
     return out, jnp.concatenate([lse for _, lse in parts], axis=-1)
 
 
-def _ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, d_out: jax.Array,
-                   d_lse: jax.Array, d: jax.Array, *, axis: str, ring: int, layout: _Layout,
-                   options: FlashOptions) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, slopes: jax.Array | None, out: jax.Array,
+                   lse: jax.Array, d_out: jax.Array, d_lse: jax.Array, d: jax.Array, *, axis: str, ring: int,
+                   layout: _Layout, options: FlashOptions) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Device d's dq (..., Lc, E) and the dk, dv of its own key/value shard: the ring again, in the forward's
     order. At step s device d holds the shard of j = (d - s) mod P and that shard's dK, dV accumulators; it
     adds what its queries contribute (the tiled backward pass against the global out and lse), keeps its dQ
@@ -264,7 +273,8 @@ def _ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse
             for b in range(layout.chunks):
                 offset = q_starts[a] - k_starts[j, b] + options.q_offset  # global positions
                 g = _chunk_backward(rows(q, a, lq), rows(k, b, lk), rows(v, b, lk), rows(out, a, lq),
-                                    rows(lse, a, lq, 0), rows(d_out, a, lq), rows(d_lse, a, lq, 0), offset, options)
+                                    rows(lse, a, lq, 0), rows(d_out, a, lq), rows(d_lse, a, lq, 0), offset,
+                                    options._replace(alibi_slopes=slopes))
                 dq[a], dk[b], dv[b] = dq[a] + g[0], dk[b] + g[1], dv[b] + g[2]
         return tuple(jnp.concatenate(x, axis=-2) for x in (dq, dk, dv))
 
@@ -290,7 +300,8 @@ def _chunk_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, ls
     """flash_attention's tiled backward pass (FA2) of the queries q against the keys k, v only, from the out,
     lse and cotangents of the queries over all keys: P = exp(S - lse) are then the global weights, and with
     D = rowsum(dO * O) - d_lse the chunk's dq, dk, dv are its terms of the global gradients, in lse's dtype.
-    flash._forward's preparation (grouping, tiling, padding) without mask, bias and key_lengths."""
+    flash._forward's preparation (grouping, tiling, padding) without mask, bias and key_lengths; ALiBi's slopes
+    (options.alibi_slopes) laid out as flash._forward lays them."""
     shapes = (q.shape, k.shape, v.shape)
     if options.enable_gqa:  # (..., H, L, *) -> (..., Hkv, G, L, *), as flash._forward does
         H, Hkv = validation.grouped_heads(q.shape, k.shape, v.shape)
@@ -303,7 +314,8 @@ def _chunk_backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, ls
     n, Lp = len(batch) + 2, arrays[0].shape[-2]
     out, d_out = (_pad(_ranked(x, n).astype(lse.dtype), Lp) for x in (out, d_out))  # (..., Lp, Ev)
     lse, d_lse = (_pad(_ranked(x, n - 1), Lp, axis=-1) for x in (lse, d_lse))  # (..., Lp); padding: not seen
-    grads = _backward_tiles(_problem(tiling, *arrays), out, lse, d_out, d_lse)[:3]
+    slopes = _alibi_slopes(options.alibi_slopes, batch, options.enable_gqa, lse.dtype)  # (..., 1, 1), or None
+    grads = _backward_tiles(_problem(tiling, *arrays, slopes=slopes), out, lse, d_out, d_lse)[:3]
     return tuple(g[..., :size, :].reshape(shape) for g, size, shape in zip(grads, (L, S, S), shapes, strict=True))
 
 

@@ -41,9 +41,10 @@ from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 
 from .arrays import to_numpy
 from .functional import _dtypes
-from .primitives import _at_least_float32, _ranked, _score_rule, _sunk_rows
+from .primitives import _alibi_slopes, _alibi_tile, _at_least_float32, _ranked, _score_rule, _sunk_rows
 
 NO_MASK_TILE = 128  # the tiles' size without a block mask, at most L and S (every tile full: no mask to evaluate)
+NO_OFFSET = np.zeros((), np.int64)  # no offset of the queries in flex: ALiBi's p_i is query i's index
 
 
 def flex_attention(
@@ -56,6 +57,7 @@ def flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     sinks: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention(Q, K, V)_bhi = sum_j softmax_j(score_mod(s_bhij, b, h, i, j)) v_bhj, s = (Q K^T) * scale, the
     softmax over the keys j that block_mask's mask_mod shows query i (every key without a block mask);
@@ -78,13 +80,17 @@ def flex_attention(
         return_lse: also return lse.
         sinks: one logit per head, broadcasting to (B, H), as for flash_attention: each row's sink joins its
             softmax's denominator once, after the tiles (lse includes it; a query that sees no key keeps zeros).
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), one per query head: each tile adds -slope_h * |i - j| (the
+            query's position is i, as flex has no offset) to score_mod's result, before the mask, as
+            scaled_dot_product_attention adds it after score_mod; built from the tile's positions; constants.
 
     Returns:
         out (B, H, L, Ev) in q's dtype, computed in at least float32; with return_lse, (out, lse (B, H, L)) in
         the dtype the scores are computed in.
     """
     plan, parameters = _plan(q, k, v, score_mod, block_mask, scale, enable_gqa)
-    out, lse = _sunk_rows(*_attend_jit(plan, q, k, v, parameters), sinks)  # the sink joins each row once
+    out, lse = _sunk_rows(*_attend_jit(plan, q, k, v, parameters, alibi_slopes), sinks)  # the sink joins each
+    # row once
     return (out, lse) if return_lse else out
 
 
@@ -97,6 +103,7 @@ def flex_attention_vjp(
     scale: float | None = None,
     enable_gqa: bool = False,
     sinks: jax.Array | None = None,
+    alibi_slopes: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, Callable]:
     """P = exp(R - lse) recomputed tile by tile, R = score_mod(S), S = (Q K^T) * scale;  D = rowsum(dO * O),
     dV += P^T dO,  dP = dO V^T,  dR = P * (dP - D),  (dS, dtheta) = score_mod's vjp at dR,
@@ -109,7 +116,8 @@ def flex_attention_vjp(
     D - d_lse (d lse / dR = P).
 
     Args:
-        q, k, v, score_mod, block_mask, scale, enable_gqa, sinks: as for flex_attention.
+        q, k, v, score_mod, block_mask, scale, enable_gqa, sinks, alibi_slopes: as for flex_attention; the
+            slopes are constants (their bias joins R after score_mod, dR unchanged).
 
     Returns:
         out (B, H, L, Ev), lse (B, H, L) and pullback(d_out (B, H, L, Ev)) -> (dq, dk, dv, d_score_mod), each of
@@ -121,7 +129,8 @@ def flex_attention_vjp(
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, parameters: dict[str, jax.Array],
                sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        return _sunk_rows(*_attend_jit(plan, q, k, v, parameters), sinks)  # the sink joins each row once
+        return _sunk_rows(*_attend_jit(plan, q, k, v, parameters, alibi_slopes), sinks)  # the sink joins each row
+        # once; jax: the slopes closed over, constants
 
     sinks = None if sinks is None else jnp.asarray(sinks)  # jax: differentiated as an argument
     (out, lse), pull = jax.vjp(attend, q, k, v, parameters, sinks)
@@ -212,12 +221,14 @@ def _plan(q: jax.Array, k: jax.Array, v: jax.Array, score_mod: Callable[..., Any
                  block_mask=block_mask), parameters
 
 
-def _attend(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array,
-            parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def _attend(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameters: dict[str, jax.Array],
+            alibi_slopes: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """out (B, H, L, Ev) in q's dtype and lse (B, H, L) in the working dtype: the inputs in the working dtype and
-    padded to whole tiles, then the tiled core. Differentiable in q, k, v and the parameters."""
+    padded to whole tiles, then the tiled core. Differentiable in q, k, v and the parameters (not the slopes)."""
     B, H, L, S = plan.B, plan.H, plan.L, plan.S
     dtype, work, Ev = q.dtype, _at_least_float32(q.dtype), v.shape[-1]
+    # ALiBi's slopes, checked and laid out against the grouped tiles: (B | 1, Hkv, G, 1, 1), or None
+    slopes = _alibi_slopes(alibi_slopes, (B, plan.Hkv, H // plan.Hkv), True, work)
     if L == 0 or S == 0:  # no query, or no key seen: zeros, lse -inf; the gradients are zeros
         return jnp.zeros((B, H, L, Ev), dtype), jnp.full((B, H, L), -jnp.inf, work)
     Lp, Sp = _padded(L, plan.block_q), _padded(S, plan.block_k)
@@ -225,7 +236,7 @@ def _attend(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array,
     # h = (h // G, h % G); a grouped view of the whole of q is copied by XLA into the loops' state
     q = _pad(q.astype(work), Lp)
     k, v = _pad(k.astype(work), Sp), _pad(v.astype(work), Sp)  # (B, Hkv, Sp, E), (B, Hkv, Sp, Ev)
-    out, lse = _tiled(plan, q, k, v, parameters)  # (B, H, Lp, Ev), (B, H, Lp)
+    out, lse = _tiled(plan, q, k, v, parameters, slopes)  # (B, H, Lp, Ev), (B, H, Lp)
     out, lse = out[..., :L, :], lse[..., :L]  # padded queries dropped
     return out.astype(dtype), lse
 
@@ -264,19 +275,21 @@ def _visits_of(kinds: np.ndarray) -> _Visits:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tiled(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array,
-           parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def _tiled(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameters: dict[str, jax.Array],
+           slopes: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """out (B, H, Lp, Ev) and lse (B, H, Lp) of the padded problem, in the working dtype."""
-    return _forward_tiles(plan, q, k, v, parameters)
+    return _forward_tiles(plan, q, k, v, parameters, slopes)
 
 
-def _tiled_forward(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameters: dict[str, jax.Array]) -> tuple:
-    out, lse = _forward_tiles(plan, q, k, v, parameters)
-    return (out, lse), (q, k, v, parameters, out, lse)  # kept for the backward pass: the inputs, out and lse
+def _tiled_forward(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameters: dict[str, jax.Array],
+                   slopes: jax.Array | None) -> tuple:
+    out, lse = _forward_tiles(plan, q, k, v, parameters, slopes)
+    return (out, lse), (q, k, v, parameters, slopes, out, lse)  # kept for the backward pass: the inputs, out, lse
 
 
 def _tiled_backward(plan: _Plan, kept: tuple, cotangents: tuple) -> tuple:
-    return _backward_tiles(plan, *kept, *cotangents)  # (dq, dk, dv, d_parameters)
+    return (*_backward_tiles(plan, *kept, *cotangents), None)  # (dq, dk, dv, d_parameters); ALiBi's slopes:
+    # constants, no gradient
 
 
 _tiled.defvjp(_tiled_forward, _tiled_backward)
@@ -335,8 +348,16 @@ def _hidden(scores: jax.Array, visible: jax.Array | None) -> jax.Array:
     return scores if visible is None else jnp.where(visible, scores, -jnp.inf)
 
 
-def _forward_tiles(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array,
-                   parameters: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+def _with_alibi(plan: _Plan, scores: jax.Array, slopes: jax.Array | None, tile: _Tile) -> jax.Array:
+    """R plus ALiBi's -slope_h * |i - j| over the tile (B, Hkv, G, bq, bk), where sdpa adds it: after the score
+    function, before the mask; query i's position is i (flex has no offset). R itself without slopes."""
+    if slopes is None:
+        return scores
+    return scores + _alibi_tile(slopes, NO_OFFSET, tile.rows, tile.cols, plan.block_q, plan.block_k)
+
+
+def _forward_tiles(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameters: dict[str, jax.Array],
+                   slopes: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """out (B, H, Lp, Ev) and lse (B, H, Lp): the query tiles in turn, each the online softmax over its row's key
     tiles, written into out and lse in place (a fori_loop: stacking the tiles' results would hold a second array
     of out's size)."""
@@ -344,7 +365,8 @@ def _forward_tiles(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array,
 
     def query_tile(row: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         out, lse = carry
-        out_tile, lse_tile = _query_tile(plan, q, k, v, parameters, row, visits)  # (B, Hkv, G, bq, Ev), (.., bq)
+        out_tile, lse_tile = _query_tile(plan, q, k, v, (parameters, slopes), row, visits)  # (B, Hkv, G, bq, Ev),
+        # (B, Hkv, G, bq)
         rows = row.astype(int) * plan.block_q
         return (lax.dynamic_update_slice_in_dim(out, out_tile.reshape(plan.B, plan.H, plan.block_q, -1), rows, -2),
                 lax.dynamic_update_slice_in_dim(lse, lse_tile.reshape(plan.B, plan.H, plan.block_q), rows, -1))
@@ -353,9 +375,11 @@ def _forward_tiles(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array,
     return lax.fori_loop(0, len(visits.count), query_tile, (out, lse))
 
 
-def _query_tile(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameters: dict[str, jax.Array],
-                row: jax.Array, visits: _Visits) -> tuple[jax.Array, jax.Array]:
-    """out (B, Hkv, G, bq, Ev) and lse (B, Hkv, G, bq) of the query tile `row`: the online softmax (flash.py)."""
+def _query_tile(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, constants: tuple, row: jax.Array,
+                visits: _Visits) -> tuple[jax.Array, jax.Array]:
+    """out (B, Hkv, G, bq, Ev) and lse (B, Hkv, G, bq) of the query tile `row`: the online softmax (flash.py).
+    constants: the score function's parameters and ALiBi's laid-out slopes (or None)."""
+    parameters, slopes = constants
     rows = row.astype(int) * plan.block_q  # jax: the tables are int32, the indices the default int
     q = lax.dynamic_slice_in_dim(q, rows, plan.block_q, axis=-2) * plan.scale  # the scale folded in: (B, H, bq, E)
     q = q.reshape(plan.B, plan.Hkv, plan.H // plan.Hkv, plan.block_q, -1)  # grouped: (B, Hkv, G, bq, E)
@@ -370,8 +394,9 @@ def _query_tile(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameter
         k_tile = lax.dynamic_slice_in_dim(k, tile.cols, plan.block_k, axis=-2)  # (B, Hkv, bk, E)
         raw = jnp.einsum("bhgle,bhse->bhgls", q, k_tile)  # S = (Q * scale) K^T: (.., bq, E) x (.., bk, E)
         indices = _indices(plan, tile)
-        # R = score_mod(S), -inf where hidden: (B, Hkv, G, bq, bk)
-        scores = _hidden(_modded(plan, raw, parameters, indices), _visible(plan, tile, indices))
+        # R = score_mod(S) (plus ALiBi's bias), -inf where hidden: (B, Hkv, G, bq, bk)
+        modded = _with_alibi(plan, _modded(plan, raw, parameters, indices), slopes, tile)
+        scores = _hidden(modded, _visible(plan, tile, indices))
         # 1) the new running maximum; where nothing is seen yet (the maximum -inf) the shift is 0
         m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -392,7 +417,8 @@ def _query_tile(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameter
 
 
 def _backward_tiles(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, parameters: dict[str, jax.Array],
-                    out: jax.Array, lse: jax.Array, d_out: jax.Array, d_lse: jax.Array) -> tuple:
+                    slopes: jax.Array | None, out: jax.Array, lse: jax.Array, d_out: jax.Array,
+                    d_lse: jax.Array) -> tuple:
     """The pullback of the padded, grouped problem: the key tiles in turn (lax.scan), each its dK and dV tiles
     from its column's query tiles, which add their share to dQ and to the parameters' gradients, carried
     along. dK and dV sum over each group's G query heads (the products contract g)."""
@@ -414,7 +440,7 @@ def _backward_tiles(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, param
 
         def query_tile(n: jax.Array, carry: tuple) -> tuple:
             tile = _Tile(rows=index[n].astype(int) * plan.block_q, cols=cols, kind=kind[n])
-            return _tile_gradients(plan, tile, (q, k_tile, v_tile, d_out, lse, D), parameters, carry)
+            return _tile_gradients(plan, tile, (q, k_tile, v_tile, d_out, lse, D), (parameters, slopes), carry)
 
         zeros = (jnp.zeros_like(k_tile), jnp.zeros_like(v_tile))
         dk, dv, dq, d_parameters = lax.fori_loop(0, jnp.asarray(visits.count)[col], query_tile, (*zeros, *carry))
@@ -428,11 +454,12 @@ def _backward_tiles(plan: _Plan, q: jax.Array, k: jax.Array, v: jax.Array, param
     return dq.reshape(plan.B, plan.H, *dq.shape[3:]), dk, dv, d_parameters  # dq as q: (B, H, Lp, E)
 
 
-def _tile_gradients(plan: _Plan, tile: _Tile, arrays: tuple, parameters: dict[str, jax.Array],
-                    carry: tuple) -> tuple:
+def _tile_gradients(plan: _Plan, tile: _Tile, arrays: tuple, constants: tuple, carry: tuple) -> tuple:
     """One tile's share of the gradients, added to carry's: dk and dv of its key tile, dq, and the parameters'.
-    arrays: q (B, Hkv, G, Lp, E) with the scale folded in, the key tile's k and v, d_out, lse and D."""
+    arrays: q (B, Hkv, G, Lp, E) with the scale folded in, the key tile's k and v, d_out, lse and D; constants:
+    the score function's parameters and ALiBi's laid-out slopes (or None), whose bias leaves dR as it is."""
     q, k, v, d_out, lse, D = arrays
+    parameters, slopes = constants
     dk, dv, dq, d_parameters = carry
     q_tile = lax.dynamic_slice_in_dim(q, tile.rows, plan.block_q, axis=-2)  # (B, Hkv, G, bq, E)
     scores = jnp.einsum("bhgle,bhse->bhgls", q_tile, k)  # S = (Q * scale) K^T: (.., bq, E) x (.., bk, E)
@@ -441,7 +468,8 @@ def _tile_gradients(plan: _Plan, tile: _Tile, arrays: tuple, parameters: dict[st
                                     scores, parameters)
     visible = _visible(plan, tile, indices)
     # 1) the weights again, from the log-sum-exp: P = exp(R - lse), 0 where hidden
-    weights = jnp.exp(_hidden(modded, visible) - _rows(lse, tile, plan)[..., None])  # (B, Hkv, G, bq, bk)
+    weights = jnp.exp(_hidden(_with_alibi(plan, modded, slopes, tile), visible)
+                      - _rows(lse, tile, plan)[..., None])  # (B, Hkv, G, bq, bk)
     d_o = _rows(d_out, tile, plan)  # (B, Hkv, G, bq, Ev)
     # 2) through the value product and the softmax: dV += P^T dO, dP = dO V^T, dR = P * (dP - D)
     dv = dv + jnp.einsum("bhgls,bhglv->bhsv", weights, d_o)  # (.., bq, bk) x (.., bq, Ev), summed over g

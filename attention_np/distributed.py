@@ -10,6 +10,10 @@ attention over some of the keys, and partial results merge exactly through their
 
     lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 
+Positions are global: the query chunk starting at p meets the key chunk starting at t with q_offset = p - t +
+the caller's q_offset, so causality, the window and ALiBi's -slope_h * |p_i - j| (which depends on p_i - j alone)
+are the whole sequence's in every chunk pair.
+
 With is_causal, contiguous shards leave device 0 almost idle (its queries see only its own keys) while the
 last device sees every key. The zig-zag layout balances them: the sequence is cut into 2P chunks and device d
 holds chunks d and 2P - 1 - d, one early and one late, so every device does the same work. The JAX and torch
@@ -60,6 +64,7 @@ def ring_attention(
     softcap: float | None = None,
     enable_gqa: bool = False,
     sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -72,6 +77,8 @@ def ring_attention(
         is_causal, scale, q_offset, window, softcap, enable_gqa: as for flash_attention; q_offset an int.
         sinks: one logit per head, broadcasting to (..., H), as for flash_attention: merged in once, after the
             ring, as one more partial result (out 0, lse the sink), never once per device.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), as for flash_attention: each chunk pair's tiles add
+            -slope_h * |p_i - j| from their global positions (the pair's q_offset); constants, no gradient.
         block_q, block_k: as for flash_attention.
 
     Returns:
@@ -80,8 +87,8 @@ def ring_attention(
     validation.ring_offset(q_offset)  # one offset for every sequence: the devices' chunks are placed by it
     L, S = q.shape[-2], k.shape[-2]
     chunks = validation.ring_chunks(devices, L, S, is_causal)  # per device: its chunks, (start, stop) pairs
-    options = dict(scale=scale, window=window, softcap=softcap, enable_gqa=enable_gqa, block_q=block_q,
-                   block_k=block_k)
+    options = dict(scale=scale, window=window, softcap=softcap, enable_gqa=enable_gqa, alibi_slopes=alibi_slopes,
+                   block_q=block_q, block_k=block_k)
     empty_out, empty_lse = flash_attention(q[..., :0, :], k, v, is_causal=is_causal, q_offset=q_offset, **options)
     out = np.zeros((*empty_out.shape[:-2], L, v.shape[-1]), empty_out.dtype)  # what each device's queries have
     lse = np.full((*empty_lse.shape[:-1], L), -np.inf, empty_lse.dtype)  # seen so far (the checks done above)
@@ -93,6 +100,7 @@ def ring_attention(
                     part, part_lse = flash_attention(
                         q[..., slice(*rows), :], k[..., slice(*cols), :], v[..., slice(*cols), :],
                         is_causal=is_causal, q_offset=q_offset + rows[0] - cols[0], **options)
+                    # (ALiBi's |p_i - j| of the pair's positions is the global one: both shift by the same)
                     # 3) merged into what this device's queries have seen so far
                     merged = _merged((out[..., slice(*rows), :], lse[..., slice(*rows)]), (part, part_lse))
                     out[..., slice(*rows), :], lse[..., slice(*rows)] = merged
@@ -112,6 +120,7 @@ def ring_attention_vjp(
     softcap: float | None = None,
     enable_gqa: bool = False,
     sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
@@ -124,7 +133,8 @@ def ring_attention_vjp(
     Args:
         q, k, v: as for ring_attention.
         devices: as for ring_attention.
-        is_causal, scale, q_offset, window, softcap, enable_gqa, sinks, block_q, block_k: as for ring_attention.
+        is_causal, scale, q_offset, window, softcap, enable_gqa, sinks, alibi_slopes, block_q, block_k: as for
+            ring_attention; the slopes are constants (their bias joins S as bias does, dS unchanged).
 
     Returns:
         out (..., L, Ev), lse (..., L), ring_attention's, and pullback(d_out (..., L, Ev)) -> (dq, dk, dv),
@@ -133,10 +143,11 @@ def ring_attention_vjp(
         d sink = -sum_i exp(sink - lse_i) D_i over every row, once.
     """
     out, lse = ring_attention(q, k, v, devices=devices, is_causal=is_causal, scale=scale, q_offset=q_offset,
-                              window=window, softcap=softcap, enable_gqa=enable_gqa, sinks=sinks, block_q=block_q,
-                              block_k=block_k)  # global, and the checks
+                              window=window, softcap=softcap, enable_gqa=enable_gqa, sinks=sinks,
+                              alibi_slopes=alibi_slopes, block_q=block_q, block_k=block_k)  # global, and the checks
     options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=None,
-                           softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+                           softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k,
+                           alibi_slopes=alibi_slopes)  # the slopes: constants, each pair's tiles rebuild the bias
 
     def pullback(d_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))

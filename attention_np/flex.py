@@ -11,6 +11,7 @@ The forward pass: flash.py's online softmax, over R = score_mod(S) in place of t
 queries (rows) against one tile of keys (cols),
     S = (Q K^T) * scale                                   the scores, (B, H, block_q, block_k)
     R = score_mod(S, b, h, q_idx, kv_idx)                 the new scores, elementwise
+    R = R - slope_h * |q_idx - kv_idx|                    with alibi_slopes (from the tile's positions)
     R = where(mask_mod(b, h, q_idx, kv_idx), R, -inf)     on a partial tile only
 and the running maximum m, denominator l and output O of flash.py move from tile to tile of the row:
     m_t = max(m_{t-1}, rowmax(R_t)),  l_t = exp(m_{t-1} - m_t) l_{t-1} + rowsum(exp(R_t - m_t)),
@@ -55,10 +56,19 @@ from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from .arrays import to_numpy
 from .flash import _in_threads
 from .functional import _dtypes
-from .primitives import _check_derivative, _parameter_dtype, _sink_gradient, _sink_logits, _sunk_rows
+from .primitives import (
+    _alibi_slopes,
+    _alibi_tile,
+    _check_derivative,
+    _parameter_dtype,
+    _sink_gradient,
+    _sink_logits,
+    _sunk_rows,
+)
 
 NO_MASK_TILE = 128  # block_mask None: tiles of 128 x 128, every one full (torch's default BLOCK_SIZE)
 RUN_SCORES = 1 << 20  # scores over the batch (4 MiB of float32) of a run of key tiles computed as one product
+NO_OFFSET = np.zeros((), np.int64)  # no offset of the queries in flex: ALiBi's p_i is query i's index
 
 
 def flex_attention(
@@ -71,6 +81,7 @@ def flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Attention(Q, K, V)_bhi = sum_j softmax_j(score_mod(s_bhij, b, h, i, j)) v_bhj, s = (Q K^T) * scale, the
     softmax over the keys j that block_mask's mask_mod shows query i (every key without a block mask);
@@ -93,12 +104,15 @@ def flex_attention(
         return_lse: also return lse.
         sinks: one logit per head, broadcasting to (B, H), as for flash_attention: each row's sink joins its
             softmax's denominator once, after the tiles (lse includes it; a query that sees no key keeps zeros).
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), one per query head: each tile adds -slope_h * |i - j| (the
+            query's position is i, as flex has no offset) to score_mod's result, before the mask, as
+            scaled_dot_product_attention adds it after score_mod; built from the tile's positions; constants.
 
     Returns:
         out (B, H, L, Ev) in q's dtype, computed in at least float32; with return_lse, (out, lse (B, H, L)) in
         the dtype the scores are computed in.
     """
-    p = _problem(q, k, v, score_mod, block_mask, scale, enable_gqa)
+    p = _problem(q, k, v, score_mod, block_mask, scale, enable_gqa, alibi_slopes)
     out, lse = _sunk_rows(*_forward(p), sinks)  # the sink joins each row once, after the tiles
     out = out.astype(q.dtype, copy=False)
     return (out, lse) if return_lse else out
@@ -113,6 +127,7 @@ def flex_attention_vjp(
     scale: float | None = None,
     enable_gqa: bool = False,
     sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, Callable]:
     """P = exp(R - lse) recomputed tile by tile, R = score_mod(S), S = (Q K^T) * scale;  D = rowsum(dO * O),
     dV += P^T dO,  dP = dO V^T,  dR = P * (dP - D),  (dS, dtheta) = score_mod's vjp at dR,
@@ -123,7 +138,8 @@ def flex_attention_vjp(
     attention_np.common.mods does); a plain function has none, and a ValueError says so.
 
     Args:
-        q, k, v, score_mod, block_mask, scale, enable_gqa, sinks: as for flex_attention.
+        q, k, v, score_mod, block_mask, scale, enable_gqa, sinks, alibi_slopes: as for flex_attention; the
+            slopes are constants (their bias joins R after score_mod, dR unchanged).
 
     Returns:
         out (B, H, L, Ev), lse (B, H, L) and pullback(d_out (B, H, L, Ev)) -> (dq, dk, dv, d_score_mod), each of
@@ -132,7 +148,7 @@ def flex_attention_vjp(
         d_score_mod), d_sinks = -sum_i exp(sink - lse_i) rowsum(dO * O)_i in the sinks' shape.
     """
     _check_derivative("flex_attention_vjp", score_mod)
-    p = _problem(q, k, v, score_mod, block_mask, scale, enable_gqa)
+    p = _problem(q, k, v, score_mod, block_mask, scale, enable_gqa, alibi_slopes)
     out, lse = _sunk_rows(*_forward(p), sinks)  # out in the working dtype, which D = rowsum(dO * O) reads; with
     # sinks, lse holds the sink, so P = exp(R - lse) are the final weights
     returned = out.astype(q.dtype, copy=False)
@@ -193,12 +209,14 @@ class _Problem(NamedTuple):
     work: np.dtype  # the working dtype: at least float32
     b: np.ndarray  # (B, 1, 1, 1) and (1, H, 1, 1): the batch and head indices the mods receive
     h: np.ndarray
+    slopes: np.ndarray | None  # ALiBi's slopes laid out against the scores (B | 1, H, 1, 1) (None: no ALiBi)
 
 
 def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, score_mod: Callable[..., Any] | None,
-             block_mask: BlockMask | None, scale: float | None, enable_gqa: bool) -> _Problem:
-    """The checks, then the inputs as the tiles read them: k and v with one head per query head, and the tiles'
-    kinds (every one FULL, 128 x 128, without a block mask)."""
+             block_mask: BlockMask | None, scale: float | None, enable_gqa: bool,
+             alibi_slopes: np.ndarray | None = None) -> _Problem:
+    """The checks, then the inputs as the tiles read them: k and v with one head per query head, the tiles'
+    kinds (every one FULL, 128 x 128, without a block mask) and ALiBi's slopes laid out against the scores."""
     B, H = validation.flex_inputs(q.shape, k.shape, v.shape, enable_gqa)
     validation.same_floating_dtype(_dtypes(q=q, k=k, v=v))
     scale = validation.default_scale(scale, q.shape, k.shape)
@@ -216,7 +234,8 @@ def _problem(q: np.ndarray, k: np.ndarray, v: np.ndarray, score_mod: Callable[..
     return _Problem(
         q=q.astype(work, copy=False), k=k.astype(work, copy=False), v=v.astype(work, copy=False),
         score_mod=score_mod, mask_mod=mask_mod, kinds=kinds, block_q=block_q, block_k=block_k, scale=scale,
-        work=work, b=np.arange(B).reshape(B, 1, 1, 1), h=np.arange(H).reshape(1, H, 1, 1))
+        work=work, b=np.arange(B).reshape(B, 1, 1, 1), h=np.arange(H).reshape(1, H, 1, 1),
+        slopes=_alibi_slopes(alibi_slopes, (B, H), False, work))  # the query heads: k, v repeated above
 
 
 def _span(index: int, size: int, n: int) -> slice:
@@ -237,8 +256,9 @@ class _Tile(NamedTuple):
 
 def _tile(p: _Problem, rows: slice, q_idx: np.ndarray, run: range) -> _Tile:
     """The key tiles `run` (consecutive, none empty) of the queries `rows` (their indices q_idx (1, 1, block_q, 1),
-    made once per row of tiles), side by side: S in one product, then for each tile R = score_mod(S) and, on a
-    partial tile, the mask function's hidden keys set to -inf (a full one never calls it)."""
+    made once per row of tiles), side by side: S in one product, then for each tile R = score_mod(S) (plus ALiBi's
+    -slope_h * |i - j|) and, on a partial tile, the mask function's hidden keys set to -inf (a full one never
+    calls it)."""
     cols = slice(run.start * p.block_k, min(run.stop * p.block_k, p.k.shape[2]))
     kv_idx = np.arange(cols.start, cols.stop).reshape(1, 1, 1, -1)  # (1, 1, 1, keys)
     # 1) the scores: (B, H, block_q, E) x (B, H, E, keys) -> (B, H, block_q, keys)
@@ -253,7 +273,11 @@ def _tile(p: _Problem, rows: slice, q_idx: np.ndarray, run: range) -> _Tile:
             tile_new = p.score_mod(scores[..., part], *indices)
             validation.score_mod_result(np.shape(tile_new), scores[..., part].shape)
             new[..., part] = tile_new
-        # 3) the mask, after the score function: a hidden key stays hidden
+        # 3) ALiBi, where sdpa adds it: after the score function, before the mask; query i at position i
+        if p.slopes is not None:
+            keys = slice(cols.start + part.start, cols.start + part.stop)
+            new[..., part] += _alibi_tile(p.slopes, NO_OFFSET, rows, keys)  # (B | 1, H, block_q, block_k)
+        # 4) the mask, after the score function: a hidden key stays hidden
         if p.kinds[rows.start // p.block_q, col] == PARTIAL:
             visible = np.asarray(p.mask_mod(*indices))
             validation.mask_mod_result("mask_mod", visible.shape, str(visible.dtype), scores[..., part].shape)

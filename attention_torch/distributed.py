@@ -69,6 +69,7 @@ def ring_attention(
     softcap: float | None = None,
     enable_gqa: bool = False,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +85,9 @@ def ring_attention(
         sinks: one logit per head, broadcasting to (..., H), the same on every rank, as for flash_attention:
             merged in once, after the ring, as one more partial result (out 0, lse the sink), never once per
             rank; autograd gives each rank its own rows' share of its gradient.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), the same on every rank, as for flash_attention: each chunk
+            pair's tiles add -slope_h * |p_i - j| from their global positions (the pair's q_offset); constants,
+            no gradient.
         block_q, block_k: the tiles of the kernel on each rank.
 
     Returns:
@@ -97,7 +101,8 @@ def ring_attention(
     """
     validation.ring_offset(q_offset)  # one offset for every sequence: the ranks' chunks are placed by it
     options = FlashOptions(is_causal=is_causal, scale=scale, q_offset=q_offset, window=window, key_lengths=None,
-                           softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k)
+                           softcap=softcap, enable_gqa=enable_gqa, block_q=block_q, block_k=block_k,
+                           alibi_slopes=alibi_slopes)  # the slopes ride to every chunk pair's tiles, constants
     _check_shards(q, k, v, group)
     layout = _layout(dist.get_world_size(group), q.shape[-2], k.shape[-2], bool(is_causal))  # or the ValueError
     return _sunk_rows(*_Ring.apply(q, k, v, options, layout, group), sinks)  # the sink joins each row once, after
@@ -117,6 +122,7 @@ def ring_attention_vjp(
     softcap: float | None = None,
     enable_gqa: bool = False,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     block_q: int = 128,
     block_k: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
@@ -129,7 +135,8 @@ def ring_attention_vjp(
     Args:
         q, k, v: as for ring_attention, this rank's contiguous shards.
         group: as for ring_attention.
-        is_causal, scale, q_offset, window, softcap, enable_gqa, sinks, block_q, block_k: as for ring_attention.
+        is_causal, scale, q_offset, window, softcap, enable_gqa, sinks, alibi_slopes, block_q, block_k: as for
+            ring_attention; the slopes are constants (their bias joins S as bias does, dS unchanged).
 
     Returns:
         out (..., L/P, Ev), lse (..., L/P), ring_attention's, and pullback(d_out (..., L/P, Ev)) -> (dq, dk, dv),
@@ -144,7 +151,8 @@ def ring_attention_vjp(
         sunk = [] if sinks is None else [_leaf(torch.as_tensor(sinks, device=q.device))]  # torch: a leaf too
         out, lse = ring_attention(*inputs, group=group, is_causal=is_causal, scale=scale, q_offset=q_offset,
                                   window=window, softcap=softcap, enable_gqa=enable_gqa,
-                                  sinks=sunk[0] if sunk else None, block_q=block_q, block_k=block_k)
+                                  sinks=sunk[0] if sunk else None, alibi_slopes=alibi_slopes, block_q=block_q,
+                                  block_k=block_k)
 
     def pullback(d_out: torch.Tensor) -> tuple:
         validation.cotangent("d_out", d_out.shape, out.shape, _dtypes(d_out=d_out, out=out))

@@ -51,7 +51,7 @@ from attention_np.common.block_mask import EMPTY, FULL, PARTIAL, BlockMask
 from .arrays import to_numpy
 from .functional import _dtypes
 from .gradients import _grad, _leaf, _recording
-from .primitives import _cast, _named_parameters, _parameters, _sunk_rows
+from .primitives import _alibi_slopes, _alibi_tile, _cast, _named_parameters, _parameters, _sunk_rows
 
 DEFAULT_TILES = (128, 128)  # (block_q, block_k) without a block mask, every tile full
 HAND_OFF = 1 << 31  # query-key-width products B H L S E from which flex_attention without a gradient runs torch's
@@ -68,6 +68,7 @@ def flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention(Q, K, V)_bhi = sum_j softmax_j(score_mod(s_bhij, b, h, i, j)) v_bhj, s = (Q K^T) * scale, the
     softmax over the keys j that block_mask's mask_mod shows query i (every key without a block mask);
@@ -90,16 +91,21 @@ def flex_attention(
         return_lse: also return lse.
         sinks: one logit per head, broadcasting to (B, H), as for flash_attention: each row's sink joins its
             softmax's denominator once, after the tiles (lse includes it; a query that sees no key keeps zeros).
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H), one per query head: each tile adds -slope_h * |i - j| (the
+            query's position is i, as flex has no offset) to score_mod's result, before the mask, as
+            scaled_dot_product_attention adds it after score_mod; built from the tile's positions; constants.
 
     Returns:
         out (B, H, L, Ev) in q's dtype, computed in at least float32; with return_lse, (out, lse (B, H, L)) in
         the dtype the scores are computed in.
     """
     options = _Options(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                       names=tuple(_named_parameters(score_mod)))
+                       names=tuple(_named_parameters(score_mod)), alibi_slopes=alibi_slopes)
     parameters = _parameters(score_mod, q)
-    if not return_lse and sinks is None and _hands_off(q, k, v, options, parameters):  # torch: its own compiled
-        return _torch_flex(q, k, v, options)  # FlexAttention, as sdpa's fast path hands attention to torch's kernel
+    if not return_lse and sinks is None and alibi_slopes is None and _hands_off(q, k, v, options, parameters):
+        # torch: its own compiled FlexAttention, as sdpa's fast path hands attention to torch's kernel (sinks and
+        # ALiBi's slopes stay on this module's tiles)
+        return _torch_flex(q, k, v, options)
     # torch: under autograd, the gradients of q, k, v and the parameters come from _Flex.backward, the tiled pass
     out, lse = _sunk_rows(*_Flex.apply(q, k, v, options, *parameters), sinks)  # the sink joins each row once
     return (out, lse) if return_lse else out
@@ -114,6 +120,7 @@ def flex_attention_vjp(
     scale: float | None = None,
     enable_gqa: bool = False,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Callable]:
     """P = exp(R - lse) recomputed tile by tile, R = score_mod(S), S = (Q K^T) * scale;  D = rowsum(dO * O),
     dV += P^T dO,  dP = dO V^T,  dR = P * (dP - D),  (dS, dtheta) = score_mod's vjp at dR,
@@ -124,7 +131,8 @@ def flex_attention_vjp(
     parameters are differentiated through ScoreMod.replace.
 
     Args:
-        q, k, v, score_mod, block_mask, scale, enable_gqa, sinks: as for flex_attention.
+        q, k, v, score_mod, block_mask, scale, enable_gqa, sinks, alibi_slopes: as for flex_attention; the
+            slopes are constants (their bias joins R after score_mod, dR unchanged).
 
     Returns:
         out (B, H, L, Ev), lse (B, H, L) and pullback(d_out (B, H, L, Ev)) -> (dq, dk, dv, d_score_mod), each of
@@ -133,7 +141,7 @@ def flex_attention_vjp(
         d_score_mod), d_sinks = -sum_i exp(sink - lse_i) rowsum(dO * O)_i in the sinks' shape.
     """
     options = _Options(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
-                       names=tuple(_named_parameters(score_mod)))
+                       names=tuple(_named_parameters(score_mod)), alibi_slopes=alibi_slopes)  # the slopes: constants
     # torch: autograd records the call (also inside torch.no_grad() and torch.inference_mode()), and the
     # pullback runs _Flex.backward
     with _recording():
@@ -258,6 +266,7 @@ class _Options(NamedTuple):
     scale: float | None
     enable_gqa: bool
     names: tuple[str, ...]  # the score function's parameters, in the order their tensors follow q, k, v
+    alibi_slopes: torch.Tensor | None = None  # ALiBi's slopes, (H,) or (B, H): constants, detached (no gradient)
 
 
 class _Flex(torch.autograd.Function):
@@ -300,6 +309,7 @@ class _Problem(NamedTuple):
     h: torch.Tensor  # (1, H, 1, 1)
     q_idx: torch.Tensor  # (L,), sliced per tile and laid along (1, 1, block_q, 1)
     kv_idx: torch.Tensor  # (S,), sliced per tile and laid along (1, 1, 1, block_k)
+    slopes: torch.Tensor | None  # ALiBi's slopes laid out against the scores (B | 1, H, 1, 1) (None: no ALiBi)
 
 
 def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: _Options,
@@ -325,7 +335,8 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: _Option
         score_mod=score_mod, mask_mod=None if block_mask is None else block_mask.mask_mod, kinds=kinds,
         block_q=block_q, block_k=block_k, scale=scale, work=work,
         b=torch.arange(B, device=device).reshape(B, 1, 1, 1), h=torch.arange(H, device=device).reshape(1, H, 1, 1),
-        q_idx=torch.arange(L, device=device), kv_idx=torch.arange(S, device=device))
+        q_idx=torch.arange(L, device=device), kv_idx=torch.arange(S, device=device),
+        slopes=_alibi_slopes(options.alibi_slopes, (B, H), False, work, device))  # the tiles' heads: (B, H)
 
 
 class _Tile(NamedTuple):
@@ -406,13 +417,16 @@ def _raw_scores(p: _Problem, q: torch.Tensor, tile: _Tile) -> torch.Tensor:
 
 
 def _mods(p: _Problem, scores: torch.Tensor, score_mod: Callable[..., Any] | None, tile: _Tile) -> torch.Tensor:
-    """R = score_mod(S, b, h, i, j) over a tile (B, H, block_q, block_k), -inf where the mask function hides
-    the key: evaluated on a partial tile only (a full tile shows every key)."""
+    """R = score_mod(S, b, h, i, j) over a tile (B, H, block_q, block_k), plus ALiBi's -slope_h * |i - j| (after
+    the score function, where sdpa adds it; query i at position i), -inf where the mask function hides the key:
+    evaluated on a partial tile only (a full tile shows every key)."""
     q_idx, kv_idx = p.q_idx[tile.rows].reshape(1, 1, -1, 1), p.kv_idx[tile.cols].reshape(1, 1, 1, -1)
     if score_mod is not None:
         new = score_mod(scores, p.b, p.h, q_idx, kv_idx)
         validation.score_mod_result(new.shape, scores.shape)
         scores = _cast(new, p.work).expand(scores.shape)
+    if p.slopes is not None:  # a constant: its derivative leaves dR as it is
+        scores = scores + _alibi_tile(p.slopes, p.q_idx.new_zeros(()), tile.rows, tile.cols)  # flex: p_i = i
     if tile.partial:
         visible = p.mask_mod(p.b, p.h, q_idx, kv_idx)
         validation.mask_mod_result("mask_mod", visible.shape, str(visible.dtype), scores.shape)

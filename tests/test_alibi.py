@@ -4,18 +4,25 @@ the query's position and j the key's, flash-attn's `alibi_slopes` (BLOOM, MPT).
 scaled_dot_product_attention (both paths), flash_attention (several tiles, the bias built per tile) and their
 vjps against the rule written out here as an additive bias (with q_offset != 0, causal, grouped-query heads,
 slopes (H,) and (B, H)), against the float64 oracle, the gradients against central differences (the slopes take
-none), and the errors.
+none), and the errors. ring_attention (NumPy on 1, 2 and 4 simulated devices, JAX on meshes of 2 and 4 simulated
+devices, torch on 2 gloo ranks: tests/test_ring_torch.py) and flex_attention (the bias after its score function,
+before its block mask) and their vjps against the oracle and the oracle's own gradients of the bias written out,
+with and without sinks.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
 
-from conformance.contract import oracle
+from conformance.contract import oracle, oracle_gradients
 from tests._compare import REORDERED, assert_close, central_differences, one_program
 
 B, H, HKV, L, S, E = 2, 4, 2, 5, 7, 3  # grouped-query heads: two query heads per key/value head
@@ -128,7 +135,7 @@ def test_gradients_with_alibi_are_central_differences(backend: ModuleType, funct
         assert_close(backend.to_numpy(grad), reference_gradients[name], GRADIENT_RTOL, f"d{name}")
 
 
-@pytest.mark.parametrize("function", ["scaled_dot_product_attention", "flash_attention"])
+@pytest.mark.parametrize("function", ["scaled_dot_product_attention", "flash_attention", "flex_attention"])
 def test_slopes_not_one_per_query_head_raise(backend: ModuleType, function: str) -> None:
     case = _case()
     q, k, v = (backend.asarray(case[name]) for name in "qkv")
@@ -139,6 +146,173 @@ def test_slopes_not_one_per_query_head_raise(backend: ModuleType, function: str)
 
 def re_shape(shape: tuple[int, ...]) -> str:
     return str(tuple(shape)).replace("(", r"\(").replace(")", r"\)")
+
+
+def test_numpy_ring_slopes_not_one_per_query_head_raise() -> None:
+    import attention_np
+
+    case = _ring_case()
+    with pytest.raises(ValueError, match=rf"alibi_slopes of shape {re_shape((HKV,))} must be \(H,\) or \(B, H\)"):
+        attention_np.ring_attention(case["q"], case["k"], case["v"], devices=2, enable_gqa=True,
+                                    alibi_slopes=np.ones(HKV))
+
+
+# ring_attention: each device's chunk pairs at their global positions (q_offset of the pair), so that the bias is
+# the whole sequence's; L = 8 queries against S = 16 keys: 2P chunks of 1 and 2 rows on P = 4 devices with is_causal
+RING_L, RING_S = 8, 16
+RING_OFFSETS = {"top-left": 0, "bottom-right": RING_S - RING_L, "negative": -3}  # -3: queries 0..2 see no key
+# with is_causal; slopes (H,) without sinks and (B, H) with them
+RING_SLOPES = {"(H,)": False, "(B, H) and sinks": True}
+
+
+def _ring_case(seed: int = 11) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"q": rng.standard_normal((B, H, RING_L, E)), "k": rng.standard_normal((B, HKV, RING_S, E)),
+            "v": rng.standard_normal((B, HKV, RING_S, E)), "d_out": rng.standard_normal((B, H, RING_L, E))}
+
+
+def _ring_slopes(with_sinks: bool) -> dict[str, np.ndarray | None]:
+    slopes = _case()["slopes"]
+    if not with_sinks:
+        return {"alibi_slopes": slopes, "sinks": None}  # (H,)
+    return {"alibi_slopes": slopes * np.array([[1.0], [3.0]]), "sinks": np.array([0.5, -1.0, 2.0, 1.5])}  # (B, H)
+
+
+def _ring_reference(q_offset: int, is_causal: bool, with_sinks: bool) -> tuple:
+    """The oracle's out and lse with the slopes, then the oracle's own gradients (oracle_gradients.sdpa_vjp) with
+    ALiBi written out as a bias: dq, dk, dv, and d_sinks with sinks."""
+    case, given = _ring_case(), _ring_slopes(with_sinks)
+    options = {"is_causal": is_causal, "q_offset": q_offset, "enable_gqa": True, "sinks": given["sinks"]}
+    out, lse = oracle.log_sum_exp(case["q"], case["k"], case["v"], alibi_slopes=given["alibi_slopes"], **options)
+    bias = _alibi_bias(given["alibi_slopes"], q_offset, RING_L, RING_S)
+    grads = oracle_gradients.sdpa_vjp(case["q"], case["k"], case["v"], case["d_out"], bias=bias, **options)
+    return out, lse, *(grads[name] for name in ("q", "k", "v", "sinks") if name in grads)
+
+
+def _ring_errors(got: tuple, expected: tuple) -> list[tuple[str, float]]:
+    """(name, relative error) of out, lse, dq, dk, dv (and d_sinks): the largest difference over the largest
+    entry (over 1e-300 where every entry is 0), lse's -inf (a query that sees no key, without a sink) compared
+    as -inf."""
+    assert len(got) == len(expected), f"{len(got)} results, {len(expected)} expected"
+    errors = []
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "d_sinks"), got, expected, strict=False):  # no d_sinks
+        # without sinks
+        a, b = np.asarray(a), np.asarray(b)
+        if not np.array_equal(np.isneginf(a), np.isneginf(b)):
+            errors.append((f"{name}: -inf elsewhere", math.inf))
+            continue
+        finite = np.isfinite(b)
+        largest = max(np.max(np.abs(b[finite]), initial=0.0), 1e-300)  # zeros: a rank's keys that no query sees
+        errors.append((name, float(np.max(np.abs(a[finite] - b[finite]), initial=0.0) / largest)))
+    return errors
+
+
+@pytest.mark.parametrize("given", RING_SLOPES.values(), ids=RING_SLOPES.keys())
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("q_offset", RING_OFFSETS.values(), ids=RING_OFFSETS.keys())
+def test_numpy_ring_with_alibi_is_the_oracles(q_offset: int, is_causal: bool, given: bool) -> None:
+    import attention_np
+
+    case, expected = _ring_case(), _ring_reference(q_offset, is_causal, given)
+    for devices in (1, 2, 4):
+        out, lse, pullback = attention_np.ring_attention_vjp(
+            case["q"], case["k"], case["v"], devices=devices, is_causal=is_causal, q_offset=q_offset,
+            enable_gqa=True, block_q=3, block_k=2, **_ring_slopes(given))
+        for name, error in _ring_errors((out, lse, *pullback(case["d_out"])), expected):
+            assert error <= REORDERED, f"{name} on {devices} devices: relative error {error:.3g}"
+
+
+# the JAX and torch rings: a few of the cases above, each a compilation (JAX) or in one launch (torch)
+DISTRIBUTED_CASES = (("bottom-right", True, True), ("negative", True, False), ("top-left", False, True))
+
+JAX_RING = """
+import jax, numpy as np
+jax.config.update("jax_enable_x64", True)
+from jax.sharding import Mesh
+import attention_jax
+from tests.test_alibi import RING_OFFSETS, REORDERED, _ring_case, _ring_errors, _ring_reference, _ring_slopes
+case = {name: jax.numpy.asarray(x) for name, x in _ring_case().items()}
+for devices, (offset, is_causal, with_sinks) in ((2, ("bottom-right", True, True)), (4, ("negative", True, False))):
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
+    expected = _ring_reference(RING_OFFSETS[offset], is_causal, with_sinks)
+    out, lse, pullback = attention_jax.ring_attention_vjp(
+        case["q"], case["k"], case["v"], mesh=mesh, axis="x", is_causal=is_causal, q_offset=RING_OFFSETS[offset],
+        enable_gqa=True, block_q=2, block_k=2, **_ring_slopes(with_sinks))
+    for name, error in _ring_errors((out, lse, *pullback(case["d_out"])), expected):
+        assert error <= REORDERED, (devices, offset, name, error)
+print("ok")
+"""
+
+
+@pytest.mark.slow  # starts a process with its own JAX, on four simulated devices
+def test_jax_ring_with_alibi_is_the_oracles_on_two_and_four_devices() -> None:
+    pytest.importorskip("jax")
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"}
+    result = subprocess.run([sys.executable, "-c", JAX_RING], env=env, capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0 and "ok" in result.stdout, f"{result.stdout}\n{result.stderr}"
+
+
+def _torch_ring_with_alibi(rank: int, world_size: int) -> list[str]:
+    """On one rank of a gloo group: ring_attention_vjp with ALiBi against the rank's rows of the oracle's; what
+    failed."""
+    import torch
+
+    import attention_torch
+
+    failures = []
+    for offset, is_causal, with_sinks in DISTRIBUTED_CASES:
+        case, given = _ring_case(), _ring_slopes(with_sinks)
+        out, lse, *grads = _ring_reference(RING_OFFSETS[offset], is_causal, with_sinks)
+        rows, keys = (slice(rank * n // world_size, (rank + 1) * n // world_size) for n in (RING_L, RING_S))
+        q, d_out = (torch.from_numpy(case[name][..., rows, :].copy()) for name in ("q", "d_out"))
+        k, v = (torch.from_numpy(case[name][..., keys, :].copy()) for name in ("k", "v"))
+        got_out, got_lse, pullback = attention_torch.ring_attention_vjp(
+            q, k, v, is_causal=is_causal, q_offset=RING_OFFSETS[offset], enable_gqa=True, block_q=2, block_k=2,
+            **{name: None if x is None else torch.from_numpy(x) for name, x in given.items()})
+        expected = (out[..., rows, :], lse[..., rows], grads[0][..., rows, :], grads[1][..., keys, :],
+                    grads[2][..., keys, :], *grads[3:])  # d_sinks: the whole sequence's on every rank
+        got = (got_out, got_lse, *pullback(d_out))
+        for name, error in _ring_errors(tuple(x.numpy() for x in got), expected):
+            if not error <= REORDERED:
+                failures.append(f"rank {rank}, {offset}, is_causal={is_causal}, {name}: relative error {error:.3g}")
+    return failures
+
+
+# tests/test_ring_torch.py runs _torch_ring_with_alibi in its launch of 2 ranks (starting them is most of the time)
+
+
+# flex_attention: query i at position i (no q_offset); the bias after the score function, before the block mask,
+# where sdpa adds it: flex with mods.softcap(cap) is sdpa with softcap=cap, and the oracle's gradients take that
+FLEX_CASES = {"causal, softcap, (B, H), sinks": True, "no block mask, (H,)": False}
+
+
+@pytest.mark.parametrize("composed", FLEX_CASES.values(), ids=FLEX_CASES.keys())
+def test_flex_with_alibi_is_the_oracles(backend: ModuleType, composed: bool) -> None:
+    from attention_np.common import mods
+
+    case = _case(12)
+    d_out = np.random.default_rng(13).standard_normal((B, H, L, E))
+    slopes = case["slopes"] * np.array([[1.0], [3.0]]) if composed else case["slopes"]
+    sinks = np.array([0.5, -1.0, 2.0, 1.5]) if composed else None
+    softcap = 2.0 if composed else None
+    rules = {"mask_mod": mods.causal(), "score_mod": mods.softcap(softcap)} if composed else {}
+    out, lse = oracle.log_sum_exp(case["q"], case["k"], case["v"], enable_gqa=True, alibi_slopes=slopes, sinks=sinks,
+                                  **rules)
+    grads = oracle_gradients.sdpa_vjp(case["q"], case["k"], case["v"], d_out, bias=_alibi_bias(slopes, 0, L, S),
+                                      is_causal=composed, softcap=softcap, enable_gqa=True, sinks=sinks)
+    options = {"enable_gqa": True, "alibi_slopes": slopes}
+    if composed:
+        options |= {"score_mod": rules["score_mod"], "sinks": sinks,
+                    "block_mask": backend.create_block_mask(rules["mask_mod"], B, H, L, S, BLOCK_SIZE=(2, 3))}
+    got_out, got_lse = one_program(backend, "flex_attention", case["q"], case["k"], case["v"], return_lse=True,
+                                   **options)
+    _, _, got_grads = one_program(backend, "flex_attention_vjp", case["q"], case["k"], case["v"], d_out=d_out,
+                                  **options)
+    got_grads = got_grads[:-1]  # d_score_mod: softcap has no parameters
+    expected = (out, lse, *(grads[name] for name in ("q", "k", "v", "sinks") if name in grads))
+    for name, error in _ring_errors((*(backend.to_numpy(x) for x in (got_out, got_lse, *got_grads)),), expected):
+        assert error <= REORDERED, f"{name}: relative error {error:.3g}"
 
 
 def _bloom_slopes(H: int) -> np.ndarray:

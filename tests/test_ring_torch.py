@@ -4,7 +4,7 @@ of scaled_dot_product_attention), in float64, for every structure the ring must 
 ring_attention_vjp's pullback, in one case, against single-process flash_attention_vjp's rows; shards of
 different lengths are refused on every rank. Each test starts its processes once
 (conformance.bench.ring_torch.launch) and runs all its cases in them: starting them is most of the time; the two
-tests on 2 ranks share one launch."""
+tests on 2 ranks share one launch, with ALiBi's ring (tests/test_alibi.py's cases, against the float64 oracle)."""
 
 from __future__ import annotations
 
@@ -130,8 +130,12 @@ def _uneven_shards(rank: int, world_size: int) -> str:
 
 
 def _check_cases_then_uneven_shards(rank: int, world_size: int) -> dict[str, list[str] | str]:
-    """On one rank: what _check_cases found failing, then the message of _uneven_shards; last, as it raises."""
-    return {"failures": _check_cases(rank, world_size), "uneven": _uneven_shards(rank, world_size)}
+    """On one rank: what _check_cases and ALiBi's cases (tests/test_alibi.py) found failing, then the message of
+    _uneven_shards; last, as it raises."""
+    from tests.test_alibi import _torch_ring_with_alibi
+
+    return {"failures": _check_cases(rank, world_size), "alibi": _torch_ring_with_alibi(rank, world_size),
+            "uneven": _uneven_shards(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +150,13 @@ def test_every_rank_gets_its_rows_of_single_process_attention(world_size: int, r
     by_rank = ([result["failures"] for result in request.getfixturevalue("two_ranks")] if world_size == 2
                else launch(world_size, _check_cases))
     failures = [failure for rank_failures in by_rank for failure in rank_failures]
+    assert not failures, "\n".join(failures)
+
+
+def test_ring_with_alibi_is_the_oracles_on_two_ranks(two_ranks: list[dict[str, list[str] | str]]):
+    # each rank's rows of the oracle's out and lse, and of the oracle's gradients with ALiBi as a bias
+    # (tests/test_alibi.py's DISTRIBUTED_CASES: bottom-right and negative q_offset, causal and not, sinks)
+    failures = [failure for result in two_ranks for failure in result["alibi"]]
     assert not failures, "\n".join(failures)
 
 
