@@ -45,7 +45,8 @@ class SlotOrder(modules.MultiHeadAttention):
     positions' (the sinks, then the window oldest first): once the ring has turned a part of a lap, a query's
     window columns are rotated. Its output is a sum over the keys it sees, which no order changes, while every key
     is turned at its original position; with rope_positions="cache" each key turns at its column, so the output
-    changes too, and the weights' columns are out of order either way. Caught by: values, weights_rows."""
+    changes too, and the weights' columns are out of order either way. Caught by: values (the weights, and the
+    output with RoPE at the places), fast_path (the output alone, need_weights=False, with RoPE at the places)."""
 
     def _streaming(self, x_q: np.ndarray, x_kv: np.ndarray, cache: modules.StreamingKVCache, *, need_weights: bool,
                    rng: Rng) -> tuple[np.ndarray, np.ndarray | None, modules.StreamingKVCache]:
