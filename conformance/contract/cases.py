@@ -175,7 +175,7 @@ class DecodeCase(NamedTuple):
     eps: float
     x: np.ndarray  # (..., L, D)
     chunks: tuple[int, ...]  # sizes >= 1 summing to L: a prefill, then decode steps of 1, or any split
-    capacity: int  # >= L: the cache's positions
+    capacity: int  # >= L: the cache's positions (a streaming cache's: >= its slots, s + w)
     norm: str = "layer"  # as BlockCase
     num_kv_heads: int | None = None
     bias: bool = True

@@ -707,7 +707,7 @@ def _decode_rows() -> list[Fixed]:
             "(capacity 5), chunks of up to 3: one pass with the mask j < 2 or p - 3 < j <= p, RoPE at the original "
             "positions, the weights in the cache's order (the sinks, then the window oldest first)"),
         example("decode", "streaming_rope_at_places_in_the_cache", lambda: decode_case(
-            (2,), (2, 1, 3, 1), capacity=6, rope_theta=10.0, x_kv=normal(2, 7, 4, seed=3),
+            (2,), (2, 1, 3, 1), capacity=6, D=8, rope_theta=10.0, x_kv=normal(2, 7, 8, seed=3),
             streaming=Streaming(sink_tokens=1, window=3, rope_positions="cache")),
             "MultiHeadAttention.extend of cross-attention through a streaming cache of 1 sink and a window of 3, "
             "rope_positions='cache': each key turned at its column in the cache's order, each query at its own"),

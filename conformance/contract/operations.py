@@ -664,16 +664,17 @@ def _module_uses(case: MhaCase | BlockCase | DecodeCase) -> set[str]:
 def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Declaration) -> Any:
     """No mask where the module lacks masks; a decode case's block on its own input where the module lacks
     MultiHeadAttention's cache, every row of each chunk where it lacks a length per sequence, the contiguous cache
-    where it lacks the paged or the streaming one (a streaming case's capacity holds the whole sequence); None where
+    where it lacks the paged one, and one that holds the whole sequence where it lacks the streaming one; None where
     the case needs a lacking option (its state is drawn in that layout)."""
     options = [name for name in declaration.lacks if name in MODULE_FEATURES and name not in _MODULE_ARGUMENTS]
     if any(MODULE_FEATURES[name](case) for name in options):
         return None
     for name, default in (("mha_cache", {"x_kv": None}), ("cache_lengths", {"new_lengths": None}),
-                          ("paged_cache", {"paging": None}),
-                          ("streaming_cache", {"streaming": None})):  # a decode case's: contiguous, every row taken
+                          ("paged_cache", {"paging": None})):  # a decode case's: contiguous, every row taken
         if name in declaration and MODULE_FEATURES[name](case):
             case = case._replace(**default)
+    if "streaming_cache" in declaration and MODULE_FEATURES["streaming_cache"](case):
+        case = case._replace(streaming=None, capacity=max(case.capacity, case.x.shape[-2]))
     if "mask" not in case._fields or case.mask is None:
         return case
     if "mask" in declaration:

@@ -960,8 +960,7 @@ def streamed(draw: Callable, block: BlockCase) -> DecodeCase:
     """The block through a streaming cache (SPEC 3c): (s, w) of STREAM_SIZES, N = s + w + PAST positions (past the
     slots: the ring turns, evicting window positions, never the sinks), in `chunk_sizes` each cut into pieces of at
     most w (the spec's largest chunk); RoPE at the places in the cache in one case of two where the block has RoPE;
-    x_kv in one case of two; no mask (the streaming rule is the mask). The capacity holds the whole sequence and
-    SPARE more, so that a module without the streaming cache decodes the case through init_cache's contiguous one."""
+    x_kv in one case of two; no mask (the streaming rule is the mask); a capacity of s + w plus SPARE, below N."""
     s, w = draw(st.sampled_from(STREAM_SIZES))
     N = s + w + draw(st.sampled_from(PAST))
     batch, D = block.x.shape[:-2], block.x.shape[-1]
@@ -969,5 +968,5 @@ def streamed(draw: Callable, block: BlockCase) -> DecodeCase:
     x_kv = _values(_rng(draw), (*batch, N, D), "normal") if draw(st.booleans()) else None
     rope_positions = "original" if block.rope_theta is None else draw(st.sampled_from(ROPE_POSITIONS))
     chunks = tuple(piece for size in draw(chunk_sizes(N)) for piece in (w,) * (size // w) + (size % w,) if piece)
-    return _decode_case(block, x, chunks, N + draw(st.sampled_from(SPARE)), x_kv=x_kv,
+    return _decode_case(block, x, chunks, s + w + draw(st.sampled_from(SPARE)), x_kv=x_kv,
                         streaming=Streaming(sink_tokens=s, window=w, rope_positions=rope_positions))
