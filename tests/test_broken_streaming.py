@@ -11,8 +11,10 @@ import pytest
 
 from conformance import check
 from conformance.contract import fixed_cases, operations
+from conformance.contract.cases import Streaming, decode_case
 from tests._compare import REORDERED, assert_close, relative_error
 from tests.implementations.broken_streaming import BROKEN, STREAMING, VARIANTS
+from tests.test_streaming_cache import SINK, THETA, WINDOW, B, D, H, N, _reference
 
 # variant -> the checks (row measures of the decode operation) of which at least one must fail
 EXPECTED: dict[str, set[str]] = {
@@ -65,3 +67,20 @@ def test_slot_order_changes_the_output_only_with_rope_at_the_places(rope_positio
         assert_close(out_slots, out, REORDERED, "out")  # float64: the same sum in another order
     else:
         assert relative_error(out_slots, out) > 1e-2
+
+
+@pytest.mark.parametrize("rope_positions", ["original", "cache", None])
+def test_the_decode_oracle_of_a_streaming_case_equals_the_reference(rope_positions: str | None):
+    # the suite's oracle (one pass with the streaming mask, its weights read into the cache's order; with RoPE at the
+    # places, each query alone over the keys it sees) against test_streaming_cache's reference, written apart (one
+    # query and one head at a time, the keys listed as each query sees them): MultiHeadAttention decoding x itself,
+    # N = 10 (s + w) positions, the ring turned nine times
+    case = decode_case((B,), (1,) * N, capacity=SINK + WINDOW, D=D, H=H, num_kv_heads=1, dropout=0.0,
+                       rope_theta=None if rope_positions is None else THETA,
+                       streaming=Streaming(SINK, WINDOW, rope_positions or "original"))
+    case = case._replace(x_kv=case.x)  # MultiHeadAttention.extend(x, x, cache): the block's attention alone
+    out, weights = operations.operation_of(case).oracle(case, "float64", True)
+    state = {name.removeprefix("attn."): value for name, value in case.state.items() if name.startswith("attn.")}
+    expected, expected_weights = _reference(state, case.x, kv_heads=1, rope=rope_positions)
+    assert_close(out, expected, REORDERED, "out")
+    assert_close(weights, expected_weights, REORDERED, "weights")  # (B, H, N, s + w), the cache's order

@@ -886,14 +886,7 @@ def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
     if case.streaming is not None:
         return _streamed(case, precision, fused_bias)
     L = case.x.shape[-2]
-    out, weights = _one_pass(case, _decode_mask(case), precision, fused_bias)  # (..., L, D), (..., H, L, L)
-    unfilled = np.zeros((*weights.shape[:-1], case.capacity - L), weights.dtype)
-    return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
-
-
-def _one_pass(case: DecodeCase, mask: np.ndarray, precision: str, fused_bias: bool) -> Pair:
-    """The block over the whole of x with this mask (..., [H,] L, L), or with x_kv its attention, the queries of x
-    and the keys and values of x_kv: out (..., L, D) and weights (..., H, L, L)."""
+    mask = _decode_mask(case)  # (..., [H,] L, L)
     if case.x_kv is None:
         out, weights = oracle.transformer_block(case.state, case.x, mask, num_heads=case.num_heads,
                                                 norm_first=case.norm_first, activation=case.activation, eps=case.eps,
@@ -905,7 +898,8 @@ def _one_pass(case: DecodeCase, mask: np.ndarray, precision: str, fused_bias: bo
                                                    num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
                                                    rope_theta=case.rope_theta, dtype=precision,
                                                    fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
-    return out, weights
+    unfilled = np.zeros((*weights.shape[:-1], case.capacity - L), weights.dtype)
+    return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
 
 
 def _streamed(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
@@ -923,21 +917,23 @@ def _streamed(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
         return _streamed_at_places(case, at, seen, precision, fused_bias)
     j = np.arange(N)  # (N,)
     visible = (j <= p) & ((j < s) | (j > p - w))  # (N, N)
-    out, weights = _one_pass(case, visible, precision, fused_bias)  # (..., L, D), (..., H, L, L)
+    whole = case._replace(streaming=None, mask=visible, capacity=N)  # one pass with that mask (causal already)
+    out, weights = _decode_oracle(whole, precision, fused_bias)  # (..., L, D), (..., H, L, L)
     in_order = np.take_along_axis(weights, np.broadcast_to(np.minimum(at, N - 1), (*weights.shape[:-1], s + w)), -1)
     return out, np.where(seen, in_order, 0.0)  # (..., H, L, s + w)
 
 
 def _streamed_at_places(case: DecodeCase, at: np.ndarray, seen: np.ndarray, precision: str, fused_bias: bool) -> Pair:
     """Each query alone (`_streamed`): a causal pass over the positions it sees, at[i, :n_i] in the cache's order,
-    its own last; its row the pass's last."""
+    its own last, its weights padded to the s + w columns; its row the pass's last."""
     outs, weights = [], []
     for i, row in enumerate(at):
         keys = row[seen[i]]  # (n_i,): the sinks it has seen, then its window oldest first, ending at p_i = i
-        alone = case._replace(x=case.x[..., keys, :], x_kv=None if case.x_kv is None else case.x_kv[..., keys, :])
-        out, w = _one_pass(alone, np.tri(keys.size, dtype=bool), precision, fused_bias)  # (..., n_i, D), (.., H, ..)
+        alone = case._replace(x=case.x[..., keys, :], x_kv=None if case.x_kv is None else case.x_kv[..., keys, :],
+                              streaming=None, capacity=at.shape[1])
+        out, w = _decode_oracle(alone, precision, fused_bias)  # (..., n_i, D), (..., H, n_i, s + w)
         outs.append(out[..., -1, :])
-        weights.append(np.concatenate([w[..., -1, :], np.zeros((*w.shape[:-2], at.shape[1] - keys.size))], -1))
+        weights.append(w[..., -1, :])
     return np.stack(outs, axis=-2), np.stack(weights, axis=-2)  # (..., L, D), (..., H, L, s + w)
 
 
