@@ -884,8 +884,8 @@ LAYOUTS = ("contiguous", "ragged", "paged", "streaming")  # a decode case's cach
 PAGE_SIZES = (1, 2, 3, 4, 5)
 # a streaming cache's sizes (SPEC 3c), a short fixed list (JAX compiles every case's chunks): (s, w), s >= 0 sinks
 # (0: a window alone) and a window of w >= 1, and N = s + w + PAST positions decoded, so that the ring turns.
-# Hypothesis draws the ends of a list most and shrinks towards its first entry: both ends keep sinks, the first a
-# window of two whose order shows once the ring has turned a part of a lap
+# Hypothesis shrinks towards the first entry: sinks to keep and a window of two, whose order shows once the ring has
+# turned a part of a lap
 STREAM_SIZES = ((1, 2), (0, 3), (2, 3), (2, 1))
 PAST = (1, 3)
 ROPE_POSITIONS = ("original", "cache")  # where RoPE turns the keys of a streaming cache: their positions, their places
@@ -960,7 +960,7 @@ def streamed(draw: Callable, block: BlockCase) -> DecodeCase:
     """The block through a streaming cache (SPEC 3c): (s, w) of STREAM_SIZES, N = s + w + PAST positions (past the
     slots: the ring turns, evicting window positions, never the sinks), in `chunk_sizes` each cut into pieces of at
     most w (the spec's largest chunk); RoPE at the places in the cache in one case of two where the block has RoPE;
-    x_kv in one case of two; no mask (the streaming rule is the mask); a capacity of s + w plus SPARE, below N."""
+    x_kv in one case of two; no mask (the streaming rule is the mask); a capacity of s + w plus SPARE."""
     s, w = draw(st.sampled_from(STREAM_SIZES))
     N = s + w + draw(st.sampled_from(PAST))
     batch, D = block.x.shape[:-2], block.x.shape[-1]
