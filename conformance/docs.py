@@ -399,7 +399,9 @@ GUARDS: tuple[Guard, ...] = (
                   " the sequence's, unfilled positions with weight); with ragged chunks and paged caches of shuffled "
                   "pages whose unused slots hold NaN, each sequence's rows against that sequence alone (a block table "
                   "read with the wrong page size, a padding slot read, RoPE at sequence 0's positions: "
-                  "`tests/implementations/broken_paged.py`)"),
+                  "`tests/implementations/broken_paged.py`); through a streaming cache decoding past its slots, one "
+                  "pass with the streaming mask, the weights in the cache's order (sinks evicted by the ring, the "
+                  "ring read in slot order: `tests/implementations/broken_streaming.py`)"),
     Guard(("rope",),
           catches="`apply_rope` with the wrong layout (interleaved pairs for the half rotation), angle or dtype, "
                   "or angles computed in float16 (float16 and bfloat16 cases at positions near 4096): against the "

@@ -43,9 +43,11 @@ def test_the_third_party_implementation_raises_the_same_exceptions():
     assert all(result.passed for result in results), "\n".join(r.describe() for r in results if not r.passed)
     skipped = {result.row.name for result in results if result.skipped}
     assert skipped == {"d_out_shape", "d_out_dtype",  # it offers no vjp: those cases do not apply
-                       # nor a length per sequence nor a paged cache (features cache_lengths and paged_cache)
+                       # nor a length per sequence, a paged cache nor a streaming cache (features cache_lengths,
+                       # paged_cache and streaming_cache)
                        "new_lengths_negative", "new_lengths_past_the_chunk", "block_table_outside_the_pool",
-                       "paged_sequence_past_its_pages"}
+                       "paged_sequence_past_its_pages", "streaming_past_capacity", "streaming_sink_tokens_negative",
+                       "streaming_window_not_positive", "streaming_chunk_past_the_window", "streaming_with_a_mask"}
 
 
 @pytest.mark.slow

@@ -237,6 +237,24 @@ def test_a_block_that_decodes_without_lengths_and_pages_lacks_cache_lengths_and_
     assert any(row.examples for row in report.rows if row.check == "values" and not row.skipped), report.rows
 
 
+def test_a_block_whose_cache_does_not_stream_lacks_streaming_cache_and_passes():
+    # a TransformerBlock whose init_cache takes no sink_tokens nor window (a module from before SPEC 3c): its methods
+    # say it lacks streaming_cache; drawn streaming cases decode through the contiguous cache, which holds their whole
+    # sequence, and the fixed streaming cases are skipped (each raised before)
+    class Block(attention_np.TransformerBlock):
+        def init_cache(self, batch_shape, capacity, *, dtype=None):
+            return super().init_cache(batch_shape, capacity, dtype=dtype)
+
+    module = _module("no_streaming_cache", functions=())
+    module.MultiHeadAttention, module.TransformerBlock = attention_np.MultiHeadAttention, Block
+    assert features_module.declaration_of(module).reason("streaming_cache") == (
+        "lacks streaming_cache: no window in TransformerBlock.init_cache")
+    report = check(module, operations=("decode",), max_examples=12)
+    assert report.passed, _failures(report)
+    skipped = [row for row in report.rows if row.check == "values" and row.skipped]
+    assert not skipped and any(row.examples for row in report.rows if row.check == "values"), report.rows
+
+
 def test_a_declaration_changes_how_the_drawn_cases_run_never_which_are_drawn():
     # the queries each sdpa call gets, in order: the same for one seed whatever the module declares lacking (the
     # window lacking only leaves the window out of the cases that have one)

@@ -354,7 +354,8 @@ def _assert_decode_contract(case: cases.DecodeCase) -> None:
     assert case.state["norm1.weight"].shape == (d_model,) and d_model % case.num_heads == 0
     assert d_model // case.num_heads == cs.ROPE_D_K if case.rope_theta is not None else d_model <= 8
     assert all(size >= 1 for size in case.chunks) and sum(case.chunks) == L
-    assert case.capacity >= L or case.new_lengths is not None  # ragged: the longest sequence's, checked below
+    assert case.capacity >= L or case.new_lengths is not None or case.streaming is not None  # ragged: the longest
+    # sequence's, streaming: the slots', checked below
     assert case.x_kv is None or case.x_kv.shape == case.x.shape  # cross-attention: the keys' inputs at x's positions
     heads = (*case.x.shape[:-2], case.num_heads, L, case.capacity)
     assert case.mask is None or np.broadcast_shapes(case.mask.shape, heads) == heads  # rows of the whole sequence
@@ -372,6 +373,11 @@ def _assert_decode_contract(case: cases.DecodeCase) -> None:
         for table, _ in tables:  # a page holds one block of one sequence at a time
             held = table[table >= 0]
             assert len(set(held.tolist())) == held.size and held.size < paging.num_pages
+    if case.streaming is not None:  # SPEC 3c: past the slots, chunks within the window, no mask nor lengths
+        s, w, rope_positions = case.streaming
+        assert s >= 0 and w >= 1 and s + w < L and case.capacity >= s + w
+        assert max(case.chunks) <= w and case.mask is None and case.new_lengths is None and case.paging is None
+        assert rope_positions == "original" or (rope_positions == "cache" and case.rope_theta is not None)
 
 
 def _assert_flash_contract(case: cases.FlashCase) -> None:
@@ -504,6 +510,31 @@ def test_decode_cases_reach_ragged_chunks_and_paged_caches_in_few_draws() -> Non
 
     record()
     assert seen >= {"ragged", "paged", "padding", "empty sequence", "page 1", "page 5", "several pages", "released"}
+
+
+@pytest.mark.slow  # 300 draws, about 1.5 s
+def test_decode_cases_reach_streaming_caches_in_few_draws() -> None:
+    """A streaming cache with sinks and without, a window of one and of several, RoPE at the original positions and
+    at the places in the cache, chunks of one and of the whole window, cross-attention, and the ring turned a
+    part of a lap (its slot order then not the positions'), each in 300 draws (RoPE at the places needs a block
+    with RoPE, about one in six, in the fourth of the cases that stream, and one of its two choices)."""
+    seen: set[str] = set()
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.decode_cases())
+    def record(case: cases.DecodeCase) -> None:
+        if case.streaming is None:
+            return
+        (s, w, rope_positions), N = case.streaming, case.x.shape[-2]
+        forms = {"sinks": s > 0, "no sinks": s == 0, "window 1": w == 1, "window > 1": w > 1,
+                 f"rope {rope_positions}": case.rope_theta is not None, "steps": min(case.chunks) == 1,
+                 "whole window": w > 1 and max(case.chunks) == w, "cross": case.x_kv is not None,
+                 "part of a lap": w > 1 and (N - s - w) % w != 0}
+        seen.update(name for name, reached in forms.items() if reached)
+
+    record()
+    assert seen == {"sinks", "no sinks", "window 1", "window > 1", "rope original", "rope cache", "steps",
+                    "whole window", "cross", "part of a lap"}
 
 
 def _assert_flex_contract(case: cases.FlexCase) -> None:

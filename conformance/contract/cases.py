@@ -163,7 +163,9 @@ class DecodeCase(NamedTuple):
     mask hides keys on top). With x_kv, the block's attention alone (its attn.* entries) decodes cross-attention:
     MultiHeadAttention.extend(x, x_kv, cache), the queries of x, the keys and values of x_kv. With new_lengths each
     extend takes a length per sequence (a ragged chunk, SPEC 3a), and with paging the cache is a paged one (SPEC 3b)
-    whose unused slots hold NaN: each sequence's outputs are those of its own rows alone."""
+    whose unused slots hold NaN: each sequence's outputs are those of its own rows alone. With streaming the cache
+    keeps the sinks and a ring of the last window positions (SPEC 3c): the outputs are one pass with the streaming
+    mask, the weights in the cache's order."""
 
     state: State  # as BlockCase
     num_heads: int
@@ -173,7 +175,7 @@ class DecodeCase(NamedTuple):
     eps: float
     x: np.ndarray  # (..., L, D)
     chunks: tuple[int, ...]  # sizes >= 1 summing to L: a prefill, then decode steps of 1, or any split
-    capacity: int  # >= L: the cache's positions
+    capacity: int  # >= L: the cache's positions (a streaming cache's: >= its slots, s + w)
     norm: str = "layer"  # as BlockCase
     num_kv_heads: int | None = None
     bias: bool = True
@@ -186,6 +188,19 @@ class DecodeCase(NamedTuple):
     # flattened, 0 .. the chunk's size): extend(..., new_lengths=), the chunk's other rows padding (SPEC 3a); None:
     # every row. With it the case has no mask
     paging: Paging | None = None  # a paged cache (SPEC 3b) in place of init_cache's; x (B, L, D)
+    streaming: Streaming | None = None  # a streaming cache (SPEC 3c): init_cache(..., sink_tokens=, window=); every
+    # chunk at most the window, no mask, no new_lengths
+
+
+class Streaming(NamedTuple):
+    """A decode case's streaming cache (SPEC 3c): init_cache(batch, capacity, sink_tokens=, window=, rope_positions=),
+    the first sink_tokens positions and a ring of the last window in sink_tokens + window <= capacity slots; query i
+    at position p_i sees key j where j < sink_tokens or p_i - window < j <= p_i. rope_positions "cache": RoPE at the
+    places in the cache's order, not the positions."""
+
+    sink_tokens: int  # s >= 0
+    window: int  # w >= 1: the last w positions, the query's own among them
+    rope_positions: str = "original"  # or "cache"
 
 
 class Paging(NamedTuple):

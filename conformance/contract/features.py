@@ -81,6 +81,11 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
                  "slots reaching no output",
             without="drawn decode cases decode through init_cache's contiguous cache; fixed cases that use it are "
                     "skipped; read from the module too: a TransformerBlock without init_paged_cache lacks it"),
+    Feature("streaming_cache", kind="argument",
+            asks="the streaming cache: init_cache(..., sink_tokens=, window=, rope_positions=), the first positions "
+                 "and a ring of the last ones in fixed slots, decoding past them as one pass with the streaming mask",
+            without="drawn decode cases decode through init_cache's contiguous cache; fixed cases that use it are "
+                    "skipped; read from the module too: a TransformerBlock.init_cache without window lacks it"),
     Feature("masked_rows", kind="rule",
             asks="a query that sees no key gets an output row (sdpa) and a weights row of zeros",
             without="the rows of such queries are left out of every comparison (modules: a position where a head "
@@ -165,8 +170,9 @@ def declaration_of(module: ModuleType) -> Declaration:
 
 def from_methods(module: ModuleType) -> Declaration:
     """Where the module's TransformerBlock decodes (has extend): mha_cache where its MultiHeadAttention does not
-    (the reason "no MultiHeadAttention.extend"), cache_lengths where the block's extend takes no new_lengths, and
-    paged_cache where the block has no init_paged_cache; nothing otherwise (a module without TransformerBlock.extend
+    (the reason "no MultiHeadAttention.extend"), cache_lengths where the block's extend takes no new_lengths,
+    paged_cache where the block has no init_paged_cache, and streaming_cache where its init_cache takes no window;
+    nothing otherwise (a module without TransformerBlock.extend
     has no decode operation to leave the features out of)."""
     block, attention = (getattr(module, name, None) for name in ("TransformerBlock", "MultiHeadAttention"))
     extend = getattr(block, "extend", None)
@@ -179,6 +185,8 @@ def from_methods(module: ModuleType) -> Declaration:
         lacks["cache_lengths"] = "no new_lengths in TransformerBlock.extend"
     if not callable(getattr(block, "init_paged_cache", None)):
         lacks["paged_cache"] = "no TransformerBlock.init_paged_cache"
+    if not _takes(getattr(block, "init_cache", None), "window"):
+        lacks["streaming_cache"] = "no window in TransformerBlock.init_cache"
     return Declaration(lacks)
 
 

@@ -33,6 +33,7 @@ from .cases import (
     DecodeCase,
     Paging,
     Requirement,
+    Streaming,
     block_case,
     changed,
     decode_case,
@@ -699,6 +700,17 @@ def _decode_rows() -> list[Fixed]:
             "a Llama block on 3 sequences of 4, 1 and 3 positions through pages of 2 given in a shuffled order, NaN "
             "in every unused slot; sequence 1 released after its prefill and its page reused by sequence 2: each "
             "sequence's outputs those of its own rows alone"),
+        example("decode", "streaming_sinks_and_a_turning_ring", lambda: decode_case(
+            (2,), (3, 1, 2, 1, 1), capacity=5, D=16, H=4, norm_first=True, norm="rms", activation="swiglu", bias=False,
+            num_kv_heads=2, rope_theta=10.0, streaming=Streaming(sink_tokens=2, window=3)),
+            "a Llama block decoding 8 positions through a streaming cache of 2 sinks and a window of 3 in its 5 slots "
+            "(capacity 5), chunks of up to 3: one pass with the mask j < 2 or p - 3 < j <= p, RoPE at the original "
+            "positions, the weights in the cache's order (the sinks, then the window oldest first)"),
+        example("decode", "streaming_rope_at_places_in_the_cache", lambda: decode_case(
+            (2,), (2, 1, 3, 1), capacity=6, D=8, rope_theta=10.0, x_kv=normal(2, 7, 8, seed=3),
+            streaming=Streaming(sink_tokens=1, window=3, rope_positions="cache")),
+            "MultiHeadAttention.extend of cross-attention through a streaming cache of 1 sink and a window of 3, "
+            "rope_positions='cache': each key turned at its column in the cache's order, each query at its own"),
         edge("decode", "unfilled_positions_weigh_zero", lambda: decode_case((2,), (2, 1), capacity=7),
              "3 positions in a cache of 7: the weights of positions 3..6 are exactly 0 in every row",
              Requirement(
@@ -727,6 +739,22 @@ def _decode_rows() -> list[Fixed]:
               ValueError, "new_lengths", "3"),
         error("decode", "new_lengths_negative", lambda: decode_case((2,), (2,), new_lengths=((-1, 2),), dropout=0.0),
               ValueError, "new_lengths", "-1"),
+        error("decode", "streaming_past_capacity", lambda: decode_case(
+            (2,), (1,), capacity=4, dropout=0.0, streaming=Streaming(sink_tokens=2, window=3)),
+              ValueError, "sink_tokens", "window", "capacity=4"),
+        error("decode", "streaming_sink_tokens_negative", lambda: decode_case(
+            (2,), (1,), capacity=4, dropout=0.0, streaming=Streaming(sink_tokens=-1, window=2)),
+              ValueError, "sink_tokens", "-1"),
+        error("decode", "streaming_window_not_positive", lambda: decode_case(
+            (2,), (1,), capacity=4, dropout=0.0, streaming=Streaming(sink_tokens=1, window=0)),
+              ValueError, "window", "0"),
+        error("decode", "streaming_chunk_past_the_window", lambda: decode_case(
+            (2,), (3,), capacity=4, dropout=0.0, streaming=Streaming(sink_tokens=1, window=2)),
+              ValueError, "window=2", "L=3"),
+        error("decode", "streaming_with_a_mask", lambda: decode_case(
+            (2,), (2,), capacity=4, dropout=0.0, streaming=Streaming(sink_tokens=1, window=2),
+            mask=np.ones(4, bool)),
+              ValueError, "mask", "streaming"),
         error("decode", "cache_of_another_dtype", lambda: decode_case((2,), (2,), dropout=0.0, cache_dtype="float32"),
               TypeError, "cache", "float32", "float64"),
     ]

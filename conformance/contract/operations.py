@@ -35,6 +35,7 @@ from .cases import (
     Paging,
     RingCase,
     SdpaCase,
+    Streaming,
     VarlenCase,
     block_case,
     boundaries,
@@ -647,6 +648,7 @@ MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "mha_cache": lambda case: getattr(case, "x_kv", None) is not None,  # decoding cross-attention
     "cache_lengths": lambda case: getattr(case, "new_lengths", None) is not None,  # ragged chunks
     "paged_cache": lambda case: getattr(case, "paging", None) is not None,
+    "streaming_cache": lambda case: getattr(case, "streaming", None) is not None,
 }
 
 
@@ -662,7 +664,8 @@ def _module_uses(case: MhaCase | BlockCase | DecodeCase) -> set[str]:
 def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Declaration) -> Any:
     """No mask where the module lacks masks; a decode case's block on its own input where the module lacks
     MultiHeadAttention's cache, every row of each chunk where it lacks a length per sequence, the contiguous cache
-    where it lacks the paged one; None where the case needs a lacking option (its state is drawn in that layout)."""
+    where it lacks the paged one, and one that holds the whole sequence where it lacks the streaming one; None where
+    the case needs a lacking option (its state is drawn in that layout)."""
     options = [name for name in declaration.lacks if name in MODULE_FEATURES and name not in _MODULE_ARGUMENTS]
     if any(MODULE_FEATURES[name](case) for name in options):
         return None
@@ -670,6 +673,8 @@ def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Decla
                           ("paged_cache", {"paging": None})):  # a decode case's: contiguous, every row taken
         if name in declaration and MODULE_FEATURES[name](case):
             case = case._replace(**default)
+    if "streaming_cache" in declaration and MODULE_FEATURES["streaming_cache"](case):
+        case = case._replace(streaming=None, capacity=max(case.capacity, case.x.shape[-2]))
     if "mask" not in case._fields or case.mask is None:
         return case
     if "mask" in declaration:
@@ -680,7 +685,7 @@ def _module_leave_out(case: MhaCase | BlockCase | DecodeCase, declaration: Decla
 
 
 _MODULE_ARGUMENTS = ("mask", "mask_per_head", "dropout", "mha_cache", "cache_lengths",
-                     "paged_cache")  # what a module case can do without (the rest: options)
+                     "paged_cache", "streaming_cache")  # what a module case can do without (the rest: options)
 
 
 def _module_blind(case: MhaCase | BlockCase | DecodeCase) -> tuple[np.ndarray, np.ndarray] | None:
@@ -874,9 +879,12 @@ def _ffn_down(case: BlockCase) -> str:
 def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
     """One pass over the whole sequence with causal_mask(L, L) & the mask (SPEC 3a's invariant): of the block, or
     with x_kv of its attention, queries of x and keys and values of x_kv; the weights padded with zeros to the
-    capacity. With new_lengths, that of each sequence alone (`_each_alone`)."""
+    capacity. With new_lengths, that of each sequence alone (`_each_alone`); through a streaming cache, the
+    streaming rule's (`_streamed`)."""
     if case.new_lengths is not None:
         return _each_alone(case, precision, fused_bias)
+    if case.streaming is not None:
+        return _streamed(case, precision, fused_bias)
     L = case.x.shape[-2]
     mask = _decode_mask(case)  # (..., [H,] L, L)
     if case.x_kv is None:
@@ -892,6 +900,41 @@ def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
                                                    fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
     unfilled = np.zeros((*weights.shape[:-1], case.capacity - L), weights.dtype)
     return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
+
+
+def _streamed(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
+    """SPEC 3c: one pass over the whole sequence with the streaming mask, query i at position p_i seeing key j where
+    j < s or p_i - w < j <= p_i, its weights row read into the cache's order: column c holds position c below s,
+    else c + e_i (e_i = max(0, p_i + 1 - (s + w)), the window positions evicted), 0 where that is no key it sees.
+    With RoPE at the places in the cache (rope_positions "cache"), query i alone over the keys it sees, in that
+    order, the query last: a pass over them turns each at its column and the query at its own, p_i - e_i."""
+    s, w, rope_positions = case.streaming
+    N = case.x.shape[-2]
+    p, column = np.arange(N)[:, None], np.arange(s + w)  # (N, 1), (s + w,)
+    at = np.where(column < s, column, column + np.maximum(p + 1 - (s + w), 0))  # (N, s + w): each column's position
+    seen = at <= p  # (N, s + w)
+    if rope_positions == "cache" and case.rope_theta is not None:
+        return _streamed_at_places(case, at, seen, precision, fused_bias)
+    j = np.arange(N)  # (N,)
+    visible = (j <= p) & ((j < s) | (j > p - w))  # (N, N)
+    whole = case._replace(streaming=None, mask=visible, capacity=N)  # one pass with that mask (causal already)
+    out, weights = _decode_oracle(whole, precision, fused_bias)  # (..., L, D), (..., H, L, L)
+    in_order = np.take_along_axis(weights, np.broadcast_to(np.minimum(at, N - 1), (*weights.shape[:-1], s + w)), -1)
+    return out, np.where(seen, in_order, 0.0)  # (..., H, L, s + w)
+
+
+def _streamed_at_places(case: DecodeCase, at: np.ndarray, seen: np.ndarray, precision: str, fused_bias: bool) -> Pair:
+    """Each query alone (`_streamed`): a causal pass over the positions it sees, at[i, :n_i] in the cache's order,
+    its own last, its weights padded to the s + w columns; its row the pass's last."""
+    outs, weights = [], []
+    for i, row in enumerate(at):
+        keys = row[seen[i]]  # (n_i,): the sinks it has seen, then its window oldest first, ending at p_i = i
+        alone = case._replace(x=case.x[..., keys, :], x_kv=None if case.x_kv is None else case.x_kv[..., keys, :],
+                              streaming=None, capacity=at.shape[1])
+        out, w = _decode_oracle(alone, precision, fused_bias)  # (..., n_i, D), (..., H, n_i, s + w)
+        outs.append(out[..., -1, :])
+        weights.append(w[..., -1, :])
+    return np.stack(outs, axis=-2), np.stack(weights, axis=-2)  # (..., L, D), (..., H, L, s + w)
 
 
 def _each_alone(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
@@ -958,18 +1001,19 @@ def _chunk_rows(mask: Any, start: int, size: int) -> Any:
 def _decode_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
                  chunks: tuple[int, ...], capacity: int, cache_batch: tuple[int, ...] | None, cache_dtype: str | None,
                  new_lengths: tuple[tuple[int, ...], ...] | None = None, paging: Paging | None = None,
-                 **options: Any) -> Any:
-    """init_cache (for x's batch shape, in the block's dtype, unless an error row asks for others), or with paging
-    init_paged_cache with NaN in every slot, then extend once per chunk (x's rows, x_kv's too where given, the
-    mask's rows where given, and the chunk's new_lengths where given; with paging, the chunk's block table set
-    first): the chunks' outputs and weights, in order."""
+                 streaming: Streaming | None = None, **options: Any) -> Any:
+    """init_cache (for x's batch shape, in the block's dtype, unless an error row asks for others; with streaming,
+    its sink_tokens and window, and rope_positions where it is not the default), or with paging init_paged_cache
+    with NaN in every slot, then extend once per chunk (x's rows, x_kv's too where given, the mask's rows where
+    given, and the chunk's new_lengths where given; with paging, the chunk's block table set first): the chunks'
+    outputs and weights, in order."""
     decoder = _decoder(module, arrays, options)
     decoder = decoder.train() if training else decoder.eval()
     x, x_kv, mask = arrays["x"], arrays["x_kv"], arrays["mask"]
     batch = tuple(x.shape[:-2]) if cache_batch is None else cache_batch
     dtype = {} if cache_dtype is None else {"dtype": module.asarray(np.zeros(1, cache_dtype)).dtype}
     if paging is None:
-        cache, tables = decoder.init_cache(batch, capacity, **dtype), None
+        cache, tables = decoder.init_cache(batch, capacity, **dtype, **_streaming_options(streaming)), None
     else:
         cache = decoder.init_paged_cache(batch[0], paging.num_pages, paging.page_size, paging.max_pages, **dtype)
         cache = cache._replace(k=cache.k * math.nan, v=cache.v * math.nan)  # every slot unused: NaN reaches nothing
@@ -988,6 +1032,15 @@ def _decode_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, 
         weights.append(w)
         start += size
     return outs, weights
+
+
+def _streaming_options(streaming: Streaming | None) -> dict[str, Any]:
+    """init_cache's keywords of a streaming cache: sink_tokens and window, rope_positions where it is not the
+    default; none without one (a module without the streaming cache runs every other case)."""
+    if streaming is None:
+        return {}
+    return {"sink_tokens": streaming.sink_tokens, "window": streaming.window} | (
+        {} if streaming.rope_positions == "original" else {"rope_positions": streaming.rope_positions})
 
 
 def _paged_step(module: ModuleType, cache: Any, table: np.ndarray, released: np.ndarray) -> Any:
@@ -1151,7 +1204,8 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
     Operation(
         name="decode", function="TransformerBlock.extend", case=DecodeCase,
         options=("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity", "norm",
-                 "num_kv_heads", "bias", "rope_theta", "cache_batch", "cache_dtype", "new_lengths", "paging"),
+                 "num_kv_heads", "bias", "rope_theta", "cache_batch", "cache_dtype", "new_lengths", "paging",
+                 "streaming"),
         inputs=("x",), differentiable=(), strategy="decode_cases",
         oracle=_decode_oracle, call=_decode_call, vjp="", pullback=None,
         visible=None, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,

@@ -45,6 +45,7 @@ from .cases import (
     RingCase,
     SdpaCase,
     State,
+    Streaming,
     VarlenCase,
     block_state,
     mha_state,
@@ -878,9 +879,16 @@ def chunk_sizes(draw: Callable, L: int) -> tuple[int, ...]:
     return tuple(int(b - a) for a, b in zip([0, *cuts], [*cuts, L], strict=True))
 
 
-LAYOUTS = ("contiguous", "ragged", "paged")  # a decode case's cache: init_cache's, with a length per sequence,
-# or paged
+LAYOUTS = ("contiguous", "ragged", "paged", "streaming")  # a decode case's cache: init_cache's, with a length per
+# sequence, paged, or streaming
 PAGE_SIZES = (1, 2, 3, 4, 5)
+# a streaming cache's sizes (SPEC 3c), a short fixed list (JAX compiles every case's chunks): (s, w), s >= 0 sinks
+# (0: a window alone) and a window of w >= 1, and N = s + w + PAST positions decoded, so that the ring turns.
+# Hypothesis shrinks towards the first entry: sinks to keep and a window of two, whose order shows once the ring has
+# turned a part of a lap
+STREAM_SIZES = ((1, 2), (0, 3), (2, 3), (2, 1))
+PAST = (1, 3)
+ROPE_POSITIONS = ("original", "cache")  # where RoPE turns the keys of a streaming cache: their positions, their places
 
 
 @st.composite
@@ -888,11 +896,13 @@ def decode_cases(draw: Callable) -> DecodeCase:
     """A drawn block (block_cases) fed chunk by chunk: L of LENGTHS (each chunk is a call, which JAX compiles
     into one program per case), the chunks from `chunk_sizes`, a capacity of L plus SPARE; in about one case of
     two a mask of the whole sequence (`masks`, (..., [H,] L, capacity)), and in one of two the block's attention
-    alone on x's queries and the keys and values of another input x_kv (cross-attention). In one case of three
-    each chunk takes a length per sequence (`ragged_chunks`), and in one of three besides through a paged cache
-    (`paged`)."""
+    alone on x's queries and the keys and values of another input x_kv (cross-attention). In one case of four
+    each chunk takes a length per sequence (`ragged_chunks`), in one of four besides through a paged cache
+    (`paged`), and in one of four the cache streams (`streamed`)."""
     block = draw(block_cases(causal_mask=True, long=False))
     layout = draw(st.sampled_from(LAYOUTS))
+    if layout == "streaming":
+        return draw(streamed(block))
     if layout != "contiguous":
         return draw(ragged_chunks(block, paged=layout == "paged"))
     L = draw(st.sampled_from(LENGTHS))
@@ -943,3 +953,20 @@ def ragged_chunks(draw: Callable, block: BlockCase, *, paged: bool) -> DecodeCas
     paging = Paging(page_size=page, num_pages=num_pages, max_pages=max_pages,
                     order=tuple(draw(st.permutations(range(num_pages)))))
     return _decode_case(block, x, chunks, max_pages * page, x_kv=x_kv, new_lengths=new_lengths, paging=paging)
+
+
+@st.composite
+def streamed(draw: Callable, block: BlockCase) -> DecodeCase:
+    """The block through a streaming cache (SPEC 3c): (s, w) of STREAM_SIZES, N = s + w + PAST positions (past the
+    slots: the ring turns, evicting window positions, never the sinks), in `chunk_sizes` each cut into pieces of at
+    most w (the spec's largest chunk); RoPE at the places in the cache in one case of two where the block has RoPE;
+    x_kv in one case of two; no mask (the streaming rule is the mask); a capacity of s + w plus SPARE."""
+    s, w = draw(st.sampled_from(STREAM_SIZES))
+    N = s + w + draw(st.sampled_from(PAST))
+    batch, D = block.x.shape[:-2], block.x.shape[-1]
+    x = block.x[..., :N, :] if block.x.shape[-2] >= N else _values(_rng(draw), (*batch, N, D), "normal")
+    x_kv = _values(_rng(draw), (*batch, N, D), "normal") if draw(st.booleans()) else None
+    rope_positions = "original" if block.rope_theta is None else draw(st.sampled_from(ROPE_POSITIONS))
+    chunks = tuple(piece for size in draw(chunk_sizes(N)) for piece in (w,) * (size // w) + (size % w,) if piece)
+    return _decode_case(block, x, chunks, s + w + draw(st.sampled_from(SPARE)), x_kv=x_kv,
+                        streaming=Streaming(sink_tokens=s, window=w, rope_positions=rope_positions))
