@@ -104,7 +104,8 @@ def test_check_of_a_module_without_the_contract_names_what_it_lacks() -> None:
     # a partial module needs one operation at least (SPEC 11); math has none
     with pytest.raises(AttributeError, match=r"no asarray, to_numpy, any of scaled_dot_product_attention, "
                                              r"flash_attention, ring_attention, linear_attention, MultiHeadAttention, "
-                                             r"TransformerBlock, flex_attention, varlen_attention$"):
+                                             r"TransformerBlock, flex_attention, varlen_attention, "
+                                             r"MultiHeadLatentAttention$"):
         suite.check("math", operations=("sdpa",))
 
 

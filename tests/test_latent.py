@@ -90,6 +90,15 @@ def test_equals_transformers_deepseek_v3_attention(backend: ModuleType, referenc
     assert_close(backend.to_numpy(out), reference["out"], TOLERANCE, "out")
 
 
+def test_the_suites_oracle_equals_transformers_deepseek_v3_attention(reference: dict) -> None:
+    # the conformance suite's float64 oracle (its own rows, RoPE and RMSNorm), which holds every module's mla rows
+    from conformance.contract import oracle
+
+    out, _ = oracle.multi_head_latent_attention(reference["state"], reference["x"], np.tri(L, L, dtype=bool),
+                                                num_heads=H, rope_theta=THETA)
+    assert_close(out, reference["out"], TOLERANCE, "the oracle's out")
+
+
 def test_state_dict_holds_deepseek_v3s_names(backend: ModuleType, reference: dict) -> None:
     module = backend.MultiHeadLatentAttention(D, H, q_lora_rank=reference["q_lora_rank"], **SIZES, rng=backend_rng(
         backend, 0))

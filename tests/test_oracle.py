@@ -285,3 +285,21 @@ def test_mods_see_query_heads_and_unshifted_query_indices_and_a_minus_inf_score_
     np.testing.assert_array_equal(weights[0, 1], [[1, 0], [0.5, 0.5]])
     shifted = oracle.sdpa(q[:, :1], k, v, is_causal=True, q_offset=1, mask_mod=mods.causal())[1]
     np.testing.assert_array_equal(shifted[0, 0], [[1, 0], [0.5, 0.5]])
+
+
+def test_latent_attention_of_one_position_is_its_value_up_projected_and_mixed() -> None:
+    # L = 1: each head's one weight is 1 and RoPE at position 0 turns nothing, so o_h = v_C,h, the head's rows of
+    # c_KV W_UKV^T past its En key rows, with c_KV = RMSNorm(h W_DKV^T[:Dc]) = u / sqrt(mean(u^2) + 1e-6) * g;
+    # out = [o_1, o_2] W_O^T. H = 2, D = 3, Dc = 2, En = 1, Er = 2, Ev = 2, q_proj.
+    rng = np.random.default_rng(0)
+    state = {"q_proj.weight": rng.standard_normal((6, 3)), "kv_a_proj_with_mqa.weight": rng.standard_normal((4, 3)),
+             "kv_a_layernorm.weight": np.array([0.5, 2.0]), "kv_b_proj.weight": rng.standard_normal((6, 2)),
+             "o_proj.weight": rng.standard_normal((3, 4))}
+    x = rng.standard_normal((1, 3))
+    u = state["kv_a_proj_with_mqa.weight"][:2] @ x[0]  # (Dc,)
+    c_kv = u / math.sqrt((u[0] ** 2 + u[1] ** 2) / 2 + 1e-6) * np.array([0.5, 2.0])
+    w = state["kv_b_proj.weight"]  # rows: head 0 [k (1), v (2)], head 1 [k (1), v (2)]
+    heads = np.concatenate([w[1:3] @ c_kv, w[4:6] @ c_kv])  # (H Ev,)
+    out, weights = oracle.multi_head_latent_attention(state, x, num_heads=2)
+    assert np.allclose(out, (state["o_proj.weight"] @ heads)[None], rtol=1e-13, atol=0)
+    assert np.array_equal(weights, np.ones((2, 1, 1)))

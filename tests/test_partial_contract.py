@@ -87,7 +87,7 @@ def test_a_module_with_sdpa_alone_passes_it_and_skips_the_modules():
     assert skipped == {"flash": "no flash_attention", "ring": "no ring_attention", "linear": "no linear_attention",
                        "mha": "no MultiHeadAttention", "block": "no TransformerBlock",
                        "decode": "no TransformerBlock.extend", "flex": "no flex_attention",
-                       "varlen": "no varlen_attention"}
+                       "varlen": "no varlen_attention", "mla": "no MultiHeadLatentAttention"}
     assert {row.operation for row in report.rows if not row.skipped} == {"arrays", "sdpa"}
     helpers = {row.operation: row.skipped for row in report.rows if row.operation in ("masks", "positions")}
     assert helpers == {"masks": "no causal_mask; no window_mask; no padding_mask", "positions": "no apply_rope"}

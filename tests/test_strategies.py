@@ -629,9 +629,62 @@ def test_flex_gradient_cases_always_have_a_score_function(case: cases.FlexCase) 
     assert case.score_mod is not None
 
 
+def _assert_mla_contract(case: cases.MlaCase) -> None:
+    """x (..., L, D) and a state of DeepSeek's names whose shapes are those of sizes from the strategy's lists;
+    one call with a mask (..., H, L, L), or chunks summing to L within the capacity and a mask (..., H, L, capacity)."""
+    state, H, (L, D) = case.state, case.num_heads, case.x.shape[-2:]
+    Dc = state["kv_a_layernorm.weight"].shape[0]
+    Er = state["kv_a_proj_with_mqa.weight"].shape[0] - Dc
+    Ev = state["o_proj.weight"].shape[1] // H
+    En = state["kv_b_proj.weight"].shape[0] // H - Ev
+    Dq = state["q_a_proj.weight"].shape[0] if "q_a_proj.weight" in state else None
+    assert (H, D, Dq, Dc, En, Er, Ev) in {(H, D, Dq, Dc, En, Er, Ev) for H in cs.MLA_HEADS for D in cs.MLA_D_MODELS
+                                          for Dq in cs.MLA_Q_RANKS for Dc in cs.MLA_KV_RANKS for En in cs.MLA_NOPE
+                                          for Er in cs.MLA_ROPE for Ev in cs.MLA_V}
+    assert state.keys() == cases.mla_state(np.random.default_rng(0), D, H, q_lora_rank=Dq, kv_lora_rank=Dc,
+                                           qk_nope_head_dim=En, qk_rope_head_dim=Er, v_head_dim=Ev).keys()
+    assert state["o_proj.weight"].shape == (D, H * Ev) and state["kv_a_proj_with_mqa.weight"].shape[1] == D
+    assert case.x.shape[:-2] in cs.MLA_BATCH and L in cs.LENGTHS and case.rope_theta in cs.MLA_THETAS
+    assert case.dropout == 0.0
+    if case.chunks is None:
+        assert case.capacity is None and not case.absorbed
+        _assert_broadcasts("mask", case.mask, (*case.x.shape[:-2], H, L, L))
+    else:
+        assert all(size >= 1 for size in case.chunks) and sum(case.chunks) == L and case.capacity >= L
+        _assert_broadcasts("mask", case.mask, (*case.x.shape[:-2], H, L, case.capacity))
+    _assert_mask_values(case.mask)
+
+
+@FEW
+@given(cs.mla_cases())
+def test_mla_cases_keep_their_contract(case: cases.MlaCase) -> None:
+    _assert_mla_contract(case)
+
+
+def test_mla_cases_reach_both_decode_forms_and_both_query_paths_in_few_draws() -> None:
+    """One call and decoding in each form, q_proj and a query latent, a value narrower and one as wide as E, in 40
+    draws."""
+    seen: set[str] = set()
+
+    @settings(max_examples=40, derandomize=True, database=None, deadline=None)
+    @given(cs.mla_cases())
+    def record(case: cases.MlaCase) -> None:
+        state, H = case.state, case.num_heads
+        Dc = state["kv_a_layernorm.weight"].shape[0]
+        Er, Ev = state["kv_a_proj_with_mqa.weight"].shape[0] - Dc, state["o_proj.weight"].shape[1] // H
+        E = state["kv_b_proj.weight"].shape[0] // H - Ev + Er  # En + Er
+        form = "call" if case.chunks is None else "absorbed" if case.absorbed else "expanded"
+        seen.update({form, "q_proj" if "q_proj.weight" in case.state else "q_a_proj",
+                     "Ev < E" if Ev < E else "Ev = E", f"H = {H}"})
+
+    record()
+    assert seen >= {"call", "expanded", "absorbed", "q_proj", "q_a_proj", "Ev < E", "Ev = E", "H = 1", "H = 2"}
+
+
 CONTRACTS = {"sdpa": _assert_sdpa_contract, "flash": _assert_flash_contract, "ring": _assert_ring_contract,
              "linear": _assert_linear_contract, "mha": _assert_mha_contract, "block": _assert_block_contract,
-             "decode": _assert_decode_contract, "flex": _assert_flex_contract, "varlen": _assert_varlen_contract}
+             "decode": _assert_decode_contract, "flex": _assert_flex_contract, "varlen": _assert_varlen_contract,
+             "mla": _assert_mla_contract}
 EXAMPLES = [row for row in fixed_cases.ROWS if row.use == "example"]
 
 

@@ -52,7 +52,8 @@ from . import baselines
 TIMED_ELSEWHERE = {"flash": "--variant long", "ring": "bench/ring.py and bench/ring_torch.py, per device",
                    "linear": "--complexity, with its recurrent form", "decode": "--decode (a loop of calls)",
                    "flex": "--variant flex (block masks against dense masking)",
-                   "varlen": "no benchmark yet: its work is its sequences' own blocks (SPEC 2g)"}
+                   "varlen": "no benchmark yet: its work is its sequences' own blocks (SPEC 2g)",
+                   "mla": "--variant mla (the decode step, absorbed against expanded)"}
 OPERATIONS = tuple(name for name in REGISTRY if name not in TIMED_ELSEWHERE)  # sdpa, mha, block
 SIZES = (128, 256, 512, 1024)
 T = TypeVar("T")  # the value of a step of the progress bar

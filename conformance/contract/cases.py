@@ -284,7 +284,25 @@ def boundaries(case: VarlenCase) -> tuple[np.ndarray, np.ndarray]:
                  for bounds in (case.cu_seqlens_q, case.cu_seqlens_k))
 
 
-Case = SdpaCase | FlashCase | RingCase | LinearCase | MhaCase | BlockCase | DecodeCase | FlexCase | VarlenCase
+class MlaCase(NamedTuple):
+    """A MultiHeadLatentAttention (from_state_dict, SPEC 3d) and its input: one call (chunks None), or with chunks
+    init_cache(capacity) and extend once per chunk in the form `absorbed` asks for, each extend given its chunk's
+    rows of the mask (extend is causal, the mask hides keys on top): the whole sequence's causal pass."""
+
+    state: State  # DeepSeek-V3's names (mla_state): q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa,
+    # kv_a_layernorm, kv_b_proj, o_proj .weight, no biases
+    num_heads: int
+    x: np.ndarray  # (..., L, D)
+    mask: np.ndarray | None  # one call: broadcasts to (..., H, L, L); with chunks to (..., H, L, capacity)
+    rope_theta: float = 10000.0  # RoPE's base (interleaved pairs), on the Er parts of the queries and the shared key
+    chunks: tuple[int, ...] | None = None  # sizes >= 1 summing to L: decoding through the latent cache; None: one call
+    capacity: int | None = None  # with chunks: the cache's positions (>= L but in an error row)
+    absorbed: bool = False  # with chunks: extend's absorbed form (W_UK in the query, W_UV on the output)
+    dropout: float = 0.0  # always 0: MLA has no dropout (the field the generic machinery reads)
+
+
+Case = (SdpaCase | FlashCase | RingCase | LinearCase | MhaCase | BlockCase | DecodeCase | FlexCase | VarlenCase
+        | MlaCase)
 
 
 # --- parameters --------------------------------------------------------------------------------------------
@@ -333,6 +351,25 @@ def block_state(rng: np.random.Generator, d_model: int, d_ff: int, *, num_heads:
     for name, d_in, d_out in linears:
         state |= linear_state(rng, f"ffn.{name}", d_in, d_out, bias)
     return state
+
+
+def mla_state(rng: np.random.Generator, d_model: int, num_heads: int, *, q_lora_rank: int | None,
+              kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int) -> State:
+    """MultiHeadLatentAttention's state by DeepSeek-V3's names (SPEC 3d): q_a_proj (Dq, D), q_a_layernorm (Dq,),
+    q_b_proj (H (En + Er), Dq), or q_proj (H (En + Er), D) with q_lora_rank None; kv_a_proj_with_mqa (Dc + Er, D),
+    kv_a_layernorm (Dc,), kv_b_proj (H (En + Ev), Dc), o_proj (D, H Ev). Linears as nn.Linear draws them, no
+    biases; the RMSNorm gains uniform in 0.5..1.5 (rms_norm_state), so a lost gain shows."""
+    H, E = num_heads, qk_nope_head_dim + qk_rope_head_dim
+    if q_lora_rank is None:
+        state = linear_state(rng, "q_proj", d_model, H * E, bias=False)
+    else:
+        state = (linear_state(rng, "q_a_proj", d_model, q_lora_rank, bias=False)
+                 | rms_norm_state(rng, "q_a_layernorm", q_lora_rank)
+                 | linear_state(rng, "q_b_proj", q_lora_rank, H * E, bias=False))
+    return (state | linear_state(rng, "kv_a_proj_with_mqa", d_model, kv_lora_rank + qk_rope_head_dim, bias=False)
+            | rms_norm_state(rng, "kv_a_layernorm", kv_lora_rank)
+            | linear_state(rng, "kv_b_proj", kv_lora_rank, H * (qk_nope_head_dim + v_head_dim), bias=False)
+            | linear_state(rng, "o_proj", H * v_head_dim, d_model, bias=False))
 
 
 # --- fixed cases -------------------------------------------------------------------------------------------
@@ -442,6 +479,18 @@ def decode_case(batch: Batch = (2,), chunks: tuple[int, ...] = (3, 1, 1), capaci
                       norm=block.norm,
                       num_kv_heads=block.num_kv_heads,
                       bias=block.bias)._replace(**fields)
+
+
+def mla_case(batch: Batch = (2,), L: int = 4, D: int = 4, H: int = 2, *, seed: int = 4, q_lora_rank: int | None = 3,
+             kv_lora_rank: int = 3, qk_nope_head_dim: int = 2, qk_rope_head_dim: int = 2, v_head_dim: int = 3,
+             **fields: Any) -> MlaCase:
+    """x (..., L, D) and a MultiHeadLatentAttention state of these sizes (mla_state; the defaults: D = 4, H = 2, Dq = 3,
+    Dc = 3, En = 2, Er = 2, Ev = 3, a value narrower than E = 4 and wider than En), no mask, rope_theta 10000, one
+    call."""
+    rng = np.random.default_rng(seed)
+    state = mla_state(rng, D, H, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+                      qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim)
+    return MlaCase(state=state, num_heads=H, x=rng.standard_normal((*batch, L, D)), mask=None)._replace(**fields)
 
 
 def normal(*shape: int, seed: int = 0) -> np.ndarray:

@@ -41,6 +41,7 @@ from .cases import (
     flex_case,
     linear_case,
     mha_case,
+    mla_case,
     normal,
     random_mask,
     sdpa_case,
@@ -1168,10 +1169,64 @@ def _mods_rows() -> list[Fixed]:
     ]
 
 
+# --- multi-head latent attention (MultiHeadLatentAttention) ---------------------------------------------------
+
+def _mla(**fields: Any) -> Callable[[], Any]:
+    """A MultiHeadLatentAttention state (mla_case: D = 4, H = 2, Dq = 3, Dc = 3, En = 2, Er = 2, Ev = 3, float64), x
+    (2, 4, 4), changed by `fields`."""
+    return lambda: mla_case(**fields)
+
+
+MLA_SIZES = {"d_model": 4, "num_heads": 2, "q_lora_rank": None, "kv_lora_rank": 3, "qk_nope_head_dim": 2,
+             "qk_rope_head_dim": 2, "v_head_dim": 3}  # the constructor's arguments of the error rows at "init"
+
+
+def _mla_rows() -> list[Fixed]:
+    hide_row = changed(np.tri(4, 4, dtype=bool), (2, ALL), False)  # (4, 4): causal, query 2 sees no key
+    return [
+        example("mla", "two_heads_causal_query_latent", _mla(rope_theta=10.0, mask=np.tri(4, 4, dtype=bool)),
+                "H = 2, Dq = 3, Ev = 3 against E = 4, causal, theta 10: the heads share k_R"),
+        example("mla", "query_projection_mask_per_head", _mla(
+            L=5, q_lora_rank=None, qk_rope_head_dim=4, v_head_dim=1, mask=random_mask(2, 2, 5, 5)),
+            "q_proj (no query latent), Er = 4 (two pairs), Ev = 1, a mask per head"),
+        example("mla", "decode_expanded", _mla(L=5, rope_theta=10.0, chunks=(2, 1, 2), capacity=6),
+                "a prefill of 2, a step, a chunk of 2, the cached latents up-projected: the full causal pass"),
+        example("mla", "decode_absorbed", _mla(L=5, rope_theta=10.0, chunks=(3, 1, 1), capacity=5, absorbed=True,
+                                               mask=random_mask(2, 2, 5, 5)),
+                "W_UK in the queries, W_UV on the output, scale 1 / sqrt(En + Er), a mask per head: the full pass"),
+        edge("mla", "fully_masked_row", _mla(mask=hide_row),
+             "query 2 sees no key in any head: its weights rows and its out row exactly 0 (no biases)",
+             Requirement("out", "zero", index=(ALL, 2)), Requirement("weights", "zero", index=(ALL, ALL, 2))),
+        edge("mla", "decode_fully_masked_row", _mla(chunks=(2, 2), capacity=4, absorbed=True, mask=hide_row),
+             "absorbed decoding, query 2 sees no key: its weights rows and out row exactly 0",
+             Requirement("out", "zero", index=(ALL, 2)), Requirement("weights", "zero", index=(ALL, ALL, 2))),
+        edge("mla", "one_token", _mla(L=1), "L = 1: the one weight is 1 (RoPE at position 0 turns nothing), out as the "
+             "oracle", Requirement("weights", "one")),
+        error("mla", "qk_rope_head_dim_odd", lambda: MLA_SIZES | {"qk_rope_head_dim": 3}, ValueError,
+              "qk_rope_head_dim", "3", stage="init"),
+        error("mla", "kv_lora_rank_zero", lambda: MLA_SIZES | {"kv_lora_rank": 0}, ValueError, "kv_lora_rank",
+              stage="init"),
+        error("mla", "q_lora_rank_zero", lambda: MLA_SIZES | {"q_lora_rank": 0}, ValueError, "q_lora_rank",
+              stage="init"),
+        error("mla", "rope_theta_negative", lambda: MLA_SIZES | {"rope_theta": -1.0}, ValueError, "rope_theta",
+              "-1.0", stage="init"),
+        error("mla", "input_width_not_d_model", _mla(x=normal(2, 4, 5)), ValueError, "x", "(2, 4, 5)", "4"),
+        error("mla", "mask_does_not_broadcast", _mla(mask=np.ones((3, 4), bool)), ValueError, "mask", "(3, 4)",
+              "(2, 2, 4, 4)"),
+        error("mla", "input_dtype_not_parameters", _mla(x=normal(2, 4, 4).astype(np.float32)), TypeError,
+              "float32", "float64"),
+        error("mla", "state_without_kv_a_layernorm", _with_state(_mla(), lambda state: _without(
+            state, "kv_a_layernorm.weight")), ValueError, "kv_a_layernorm.weight"),
+        error("mla", "cache_full", _mla(chunks=(4,), capacity=3), ValueError, "capacity is 3", "4 more"),
+        error("mla", "d_out_shape", _mla(), ValueError, "d_out", "(2, 4, 5)", "(2, 4, 4)", stage="pullback",
+              d_out=np.zeros((2, 4, 5))),
+    ]
+
+
 ROWS: list[Fixed] = (_sdpa_examples() + _sdpa_edges() + _sdpa_errors() + _flash_rows() + _ring_rows()
                       + _linear_rows() + _mha_examples() + _mha_edges() + _mha_errors() + _block_examples()
                       + _block_edges() + _block_errors() + _decode_rows() + _flex_rows() + _mods_rows()
-                      + _varlen_rows())
+                      + _varlen_rows() + _mla_rows())
 
 
 def rows(operation: str, use: str) -> list[Fixed]:

@@ -32,6 +32,7 @@ from .cases import (
     FlexCase,
     LinearCase,
     MhaCase,
+    MlaCase,
     Paging,
     RingCase,
     SdpaCase,
@@ -1149,6 +1150,97 @@ def _flex_keywords(scale: float | None, enable_gqa: bool) -> dict[str, Any]:
             if not _is_default(value, SDPA_DEFAULTS[name])}
 
 
+# --- multi-head latent attention (MultiHeadLatentAttention) ---------------------------------------------------
+
+def _mla_oracle(case: MlaCase, precision: str, fused_bias: bool) -> Pair:  # no biases: nothing to fuse
+    """One call: the oracle's MLA with the case's mask. Decoding: one pass over the whole sequence with
+    causal_mask(L, L) & the mask's first L columns (SPEC 3d: either form equals the full causal pass), the weights
+    padded with zeros to the capacity."""
+    out, weights = oracle.multi_head_latent_attention(case.state, case.x, _mla_mask(case), num_heads=case.num_heads,
+                                                      rope_theta=case.rope_theta, dtype=precision)
+    if case.chunks is None:
+        return out, weights  # (..., L, D), (..., H, L, L)
+    unfilled = np.zeros((*weights.shape[:-1], case.capacity - case.x.shape[-2]), weights.dtype)
+    return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
+
+
+def _mla_mask(case: MlaCase) -> np.ndarray | None:
+    """What the one pass hides: the case's mask for one call; for decoding causal_mask(L, L) and the mask's first L
+    columns, (..., [H,] L, L)."""
+    if case.chunks is None:
+        return case.mask
+    L = case.x.shape[-2]
+    causal = np.tri(L, L, dtype=bool)  # (L, L)
+    return causal if case.mask is None else causal & (case.mask[..., :L] != 0)
+
+
+def _mla_module(module: ModuleType, arrays: dict, num_heads: int, rope_theta: float) -> Any:
+    return module.MultiHeadLatentAttention.from_state_dict(arrays["state"], num_heads=num_heads,
+                                                           rope_theta=rope_theta)
+
+
+def _mla_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool, num_heads: int,
+              rope_theta: float, chunks: tuple[int, ...] | None, capacity: int | None, absorbed: bool,
+              dropout: float) -> tuple[list, list]:
+    """([out], [weights]) of one call, or init_cache for x's batch shape then extend once per chunk (its rows of x
+    and of the mask, in the form asked for): the chunks' outputs and weights, in order (_decode_pair joins them)."""
+    mla = _mla_module(module, arrays, num_heads, rope_theta)
+    mla = mla.train() if training else mla.eval()  # MLA has no dropout: the flag changes nothing
+    x, mask = arrays["x"], arrays["mask"]
+    if chunks is None:
+        out, weights = mla(x, mask, need_weights=need_weights, rng=rng)
+        return [out], [weights]
+    cache, outs, weights, start = mla.init_cache(tuple(x.shape[:-2]), capacity), [], [], 0
+    for size in chunks:
+        given = {} if mask is None else {"mask": _chunk_rows(mask, start, size)}
+        out, w, cache = mla.extend(x[..., start:start + size, :], cache, absorbed=absorbed, need_weights=need_weights,
+                                   **given)
+        outs.append(out)
+        weights.append(w)
+        start += size
+    return outs, weights
+
+
+def _mla_pullback(module: ModuleType, arrays: dict, rng: Any, *, num_heads: int, rope_theta: float,
+                  chunks: tuple[int, ...] | None, capacity: int | None, absorbed: bool, dropout: float) -> dict:
+    """dx and every parameter's gradient, by its state-dict name (one call; a gradient group draws no chunks)."""
+    mla = _mla_module(module, arrays, num_heads, rope_theta)
+    _, _, pullback = mla.eval().vjp(arrays["x"], arrays["mask"])
+    dx, dparams = pullback(arrays["d_out"])
+    return {"x": dx} | dict(dparams)
+
+
+def _mla_uses(case: MlaCase) -> set[str]:
+    """mask where one is given, mask_per_head where it differs between the heads (no module options: MLA's sizes
+    are its state's shapes, its RoPE is not optional)."""
+    return {name for name, used in (("mask", case.mask is not None), ("mask_per_head", _head_masks(case.mask)))
+            if used}
+
+
+def _mla_leave_out(case: MlaCase, declaration: Declaration) -> MlaCase:
+    """No mask where the module lacks masks (a decode case stays causal); every head the first head's mask where it
+    lacks masks per head."""
+    if case.mask is None:
+        return case
+    if "mask" in declaration:
+        return case._replace(mask=None)
+    if "mask_per_head" in declaration and _head_masks(case.mask):
+        return case._replace(mask=case.mask[..., :1, :, :])
+    return case
+
+
+def _mla_blind(case: MlaCase) -> tuple[np.ndarray, np.ndarray] | None:
+    """The queries that see no key in some head: (..., L) for out (the heads mix), (..., H, L) for weights."""
+    mask, L = _mla_mask(case), case.x.shape[-2]
+    if mask is None:
+        return None
+    blind = ~np.any(mask != 0, axis=-1)  # (..., [H,] L) as stored
+    if not np.any(blind):
+        return None
+    weights_rows = np.broadcast_to(blind, (*case.x.shape[:-2], case.num_heads, L))  # (..., H, L)
+    return np.any(weights_rows, axis=-2), weights_rows
+
+
 # --- the registry ------------------------------------------------------------------------------------------
 
 OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
@@ -1226,6 +1318,13 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         visible=_varlen_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
         uses=_varlen_uses, leave_out=_varlen_leave_out, blind=_varlen_blind, pair=lambda out: (out, None),
         second=None, oracle_vjp=_varlen_oracle_vjp, packed=True),
+    Operation(
+        name="mla", function="MultiHeadLatentAttention", case=MlaCase,
+        options=("num_heads", "rope_theta", "chunks", "capacity", "absorbed", "dropout"),
+        inputs=("x",), differentiable=("x", "state"), strategy="mla_cases",
+        oracle=_mla_oracle, call=_mla_call, vjp="MultiHeadLatentAttention.vjp", pullback=_mla_pullback,
+        visible=None, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
+        uses=_mla_uses, leave_out=_mla_leave_out, blind=_mla_blind, pair=_decode_pair),
 )}
 CONTRACT = ("asarray", "to_numpy")  # what every operation needs besides its own name
 

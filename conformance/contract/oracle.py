@@ -497,6 +497,87 @@ def transformer_block(
     return x.astype(dtype), weights
 
 
+LATENT_EPS = 1e-6  # MLA's two RMSNorms: DeepseekV3RMSNorm's default eps, which q_a_layernorm and kv_a_layernorm keep
+
+
+def multi_head_latent_attention(
+    state: Mapping[str, ArrayLike],
+    x: ArrayLike,
+    mask: ArrayLike | None = None,
+    *,
+    num_heads: int,
+    rope_theta: float = 10000.0,
+    dtype: DTypeLike = np.float64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """MLA(h) = Concat(o_1, ..., o_H) W_O^T,  o_h = softmax([q_C,h, q_R,h] [k_C,h, k_R]^T / sqrt(En + Er)) v_C,h,
+    DeepSeek-V2's multi-head latent attention (arXiv:2405.04434, section 2.1; SPEC 3d), the paper's steps in order,
+    computed one head at a time, each head's attention `sdpa` (one query row at a time):
+
+        c_Q = RMSNorm(h W_DQ^T),  [q_C, q_R]_h = (c_Q W_UQ^T)_h     (h W_Q^T without a query latent)
+        [c_KV, k_R] = h W_DKV^T,  c_KV = RMSNorm(c_KV)
+        q_R, k_R turned by RoPE at their positions (interleaved pairs); k_R one key part for every head
+        [k_C, v_C]_h = (c_KV W_UKV^T)_h
+
+    Args:
+        state: DeepSeek-V3's names, nn.Linear layout, no biases: q_a_proj.weight (Dq, D), q_a_layernorm.weight
+            (Dq,), q_b_proj.weight (H E, Dq), or q_proj.weight (H E, D); kv_a_proj_with_mqa.weight (Dc + Er, D),
+            kv_a_layernorm.weight (Dc,), kv_b_proj.weight (H (En + Ev), Dc), o_proj.weight (D, H Ev).
+        x: inputs (..., L, D); row i at position i.
+        mask: broadcasts to (..., H, L, L); an entry equal to 0 / False hides that key.
+        num_heads: H; head h's query is the slice h E:(h + 1) E of the queries' H E columns (E = En + Er), its key
+            and value the slice h (En + Ev):(h + 1) (En + Ev) of kv_b_proj's, the key part first.
+        rope_theta: RoPE's base.
+        dtype: see the module docstring (the float32 run measures what a correct float32 module may lose).
+
+    Returns:
+        out (..., L, D) and weights (..., H, L, L), in `dtype`.
+    """
+    state = {name: _cast(value, dtype) for name, value in state.items()}
+    x = _cast(x, dtype)
+    H, Dc = num_heads, state["kv_a_layernorm.weight"].shape[0]
+    Er = state["kv_a_proj_with_mqa.weight"].shape[0] - Dc  # the shared key part's width
+    Ev = state["o_proj.weight"].shape[1] // H
+    En = state["kv_b_proj.weight"].shape[0] // H - Ev
+    positions = np.arange(x.shape[-2])  # (L,): row i at position i
+
+    def turned(y: np.ndarray) -> np.ndarray:  # (..., L, Er): RoPE, DeepSeek's pairs (y_2j, y_2j+1)
+        return rope(y, positions, theta=rope_theta, interleaved=True, dtype=dtype)
+
+    # 1) the queries: c_Q = RMSNorm(h W_DQ^T), q = c_Q W_UQ^T; or q = h W_Q^T
+    if "q_proj.weight" in state:
+        q = _linear(state, "q_proj", x, dtype, True)  # (..., L, D) -> (..., L, H E)
+    else:
+        c_q = _rms_norm(state, "q_a_layernorm", _linear(state, "q_a_proj", x, dtype, True), LATENT_EPS, dtype)
+        q = _linear(state, "q_b_proj", c_q, dtype, True)  # (..., L, Dq) -> (..., L, H E)
+
+    # 2) the latents: [c_KV, k_R] = h W_DKV^T; c_KV through its RMSNorm, k_R turned
+    kv = _linear(state, "kv_a_proj_with_mqa", x, dtype, True)  # (..., L, D) -> (..., L, Dc + Er)
+    c_kv = _rms_norm(state, "kv_a_layernorm", kv[..., :Dc], LATENT_EPS, dtype)  # (..., S, Dc), S = L
+    k_rope = turned(kv[..., Dc:])  # (..., S, Er)
+
+    # 3) up-project the latent: [k_C, v_C] = c_KV W_UKV^T
+    up = _linear(state, "kv_b_proj", c_kv, dtype, True)  # (..., S, Dc) -> (..., S, H (En + Ev))
+    if mask is not None:
+        mask = np.broadcast_to(np.asarray(mask), (*x.shape[:-2], H, x.shape[-2], x.shape[-2]))  # (..., H, L, L)
+
+    # 4) attend, one head at a time: query [q_C,h, RoPE(q_R,h)], key [k_C,h, k_R], value v_C,h
+    heads, weights = [], []
+    for h in range(H):
+        q_h = q[..., h * (En + Er):(h + 1) * (En + Er)]  # (..., L, En + Er)
+        kv_h = up[..., h * (En + Ev):(h + 1) * (En + Ev)]  # (..., S, En + Ev)
+        q_h = np.concatenate([q_h[..., :En], turned(q_h[..., En:])], axis=-1)  # (..., L, E)
+        k_h = np.concatenate([kv_h[..., :En], k_rope], axis=-1)  # (..., S, E): k_R the same in every head
+        out_h, weights_h = sdpa(q_h, k_h, kv_h[..., En:], None if mask is None else mask[..., h, :, :],
+                                scale=1.0 / math.sqrt(En + Er), dtype=dtype)  # (..., L, Ev), (..., L, S)
+        heads.append(out_h)
+        weights.append(weights_h)
+
+    # 5) concatenate the heads and mix them
+    mixed = _cast(np.concatenate(heads, axis=-1), dtype)  # H x (..., L, Ev) -> (..., L, H Ev)
+    out = _linear(state, "o_proj", mixed, dtype, True)  # (..., L, H Ev) -> (..., L, D)
+    return out.astype(dtype), np.stack(weights, axis=-3)  # H x (..., L, S) -> (..., H, L, S)
+
+
 def causal_mask(L: int, S: int, *, q_offset: int | ArrayLike = 0) -> np.ndarray:
     """bool (..., L, S), row by row: query i sees key j when j <= q_offset + i (the catalogue's
     causal(q_offset)); (...) is q_offset's shape."""

@@ -41,6 +41,7 @@ from .cases import (
     FlexCase,
     LinearCase,
     MhaCase,
+    MlaCase,
     Paging,
     RingCase,
     SdpaCase,
@@ -49,6 +50,7 @@ from .cases import (
     VarlenCase,
     block_state,
     mha_state,
+    mla_state,
     tiled,
 )
 
@@ -970,3 +972,42 @@ def streamed(draw: Callable, block: BlockCase) -> DecodeCase:
     chunks = tuple(piece for size in draw(chunk_sizes(N)) for piece in (w,) * (size // w) + (size % w,) if piece)
     return _decode_case(block, x, chunks, s + w + draw(st.sampled_from(SPARE)), x_kv=x_kv,
                         streaming=Streaming(sink_tokens=s, window=w, rope_positions=rope_positions))
+
+
+# --- multi-head latent attention (MultiHeadLatentAttention) ---------------------------------------------------
+
+MLA_BATCH = ((), (2,))  # leading axes
+MLA_D_MODELS = (4, 6)  # D
+MLA_HEADS = (1, 2)  # H
+MLA_Q_RANKS = (None, 2, 3)  # q_lora_rank Dq: None is DeepSeek-V2-Lite's q_proj
+MLA_KV_RANKS = (2, 3, 4)  # kv_lora_rank Dc: what the cache holds per position, with k_rope
+MLA_NOPE = (1, 2)  # qk_nope_head_dim En
+MLA_ROPE = (2, 4)  # qk_rope_head_dim Er, even: one pair turns by p alone, two show their frequencies
+MLA_V = (1, 2, 3)  # v_head_dim Ev: mostly not the key width E = En + Er (3 to 6), as DeepSeek's 128 against 192
+MLA_THETAS = (10000.0, 10.0)  # RoPE's base: DeepSeek's, and one whose second pair turns visibly in a few positions
+MLA_FORMS = ("call", "call", "expanded", "absorbed")  # one call in half the cases, decoding in either form in the rest
+
+
+@st.composite
+def mla_cases(draw: Callable, *, decode: bool | None = None) -> MlaCase:
+    """A MultiHeadLatentAttention of small drawn sizes (mla_state: Dq None or small, Dc, En, Er even, Ev often not
+    En + Er), rope_theta from MLA_THETAS, x "normal" (..., L, D), L of LENGTHS. One call, with a mask per head
+    (`masks`, (..., [H,] L, L): causal, random, hiding whole rows ...); or decoding (decode=True; None draws it as
+    MLA_FORMS does): the chunks from `chunk_sizes`, a capacity of L plus SPARE, extend in the expanded or the
+    absorbed form, and in one case of two a mask of the whole sequence (..., [H,] L, capacity)."""
+    H, D = draw(st.sampled_from(MLA_HEADS)), draw(st.sampled_from(MLA_D_MODELS))
+    sizes = {"q_lora_rank": draw(st.sampled_from(MLA_Q_RANKS)), "kv_lora_rank": draw(st.sampled_from(MLA_KV_RANKS)),
+             "qk_nope_head_dim": draw(st.sampled_from(MLA_NOPE)), "qk_rope_head_dim": draw(st.sampled_from(MLA_ROPE)),
+             "v_head_dim": draw(st.sampled_from(MLA_V))}
+    batch, L = draw(st.sampled_from(MLA_BATCH)), draw(st.sampled_from(LENGTHS))
+    forms = MLA_FORMS if decode is None else MLA_FORMS[2:] if decode else MLA_FORMS[:1]
+    form = draw(st.sampled_from(forms))
+    rng = _rng(draw)
+    state = mla_state(rng, D, H, **sizes)
+    x = _values(rng, (*batch, L, D), "normal")  # (..., L, D)
+    case = MlaCase(state=state, num_heads=H, x=x, mask=None, rope_theta=draw(st.sampled_from(MLA_THETAS)))
+    if form == "call":
+        return case._replace(mask=draw(masks(batch, L, L, heads=H)))
+    capacity = L + draw(st.sampled_from(SPARE))
+    mask = draw(masks(batch, L, capacity, heads=H)) if draw(st.booleans()) else None
+    return case._replace(mask=mask, chunks=draw(chunk_sizes(L)), capacity=capacity, absorbed=form == "absorbed")

@@ -144,6 +144,10 @@ GROUPS = (
     Group("varlen", gradient_checks.gradients, dtypes=FLOAT64, examples=2, pinned=True, gradient=True),
     Group("varlen", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True,
           draw={"magnitude": "normal"}, fast_dtypes=FLOAT16),
+    # mla: each case is a program for JAX to compile (a call, or its chunks' extends), so few of them; the pinned
+    # examples (two decodes, one per form) run in the values groups alone: the gradient groups draw one call each
+    Group("mla", checks.against_oracle, dtypes=BOTH, examples=4, pinned=True),
+    Group("mla", gradient_checks.gradients, dtypes=FLOAT64, examples=2, gradient=True, draw={"decode": False}),
 )
 
 
