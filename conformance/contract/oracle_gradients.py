@@ -297,6 +297,7 @@ def multi_head_attention_vjp(
     num_kv_heads: int | None = None,
     rope_theta: float | None = None,
     attention: str = "softmax",
+    is_causal: bool = False,
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
 ) -> Gradients:
@@ -326,7 +327,8 @@ def multi_head_attention_vjp(
                                                   projected["k"].shape[-2]))
 
     # 3) through the output projection, from the heads' concatenation (the forward's, as stored)
-    heads = [_head_out(projected, h, d_k, group, mask, rope_theta, attention, dtype) for h in range(num_heads)]
+    heads = [_head_out(projected, h, d_k, group, mask, rope_theta, attention, dtype, is_causal)
+             for h in range(num_heads)]
     mixed = _cast(np.concatenate(heads, axis=-1), dtype)  # H x (..., L, d_k) -> (..., L, D)
     d_mixed, grads = _linear_vjp(state, "w_o", mixed, _cast(d_out, dtype), dtype)  # (..., L, D)
 
@@ -334,7 +336,8 @@ def multi_head_attention_vjp(
     d_projected = {name: np.zeros(x.shape, _work(dtype)) for name, x in projected.items()}
     for h in range(num_heads):
         cols, kv_cols = slice(h * d_k, (h + 1) * d_k), slice(h // group * d_k, (h // group + 1) * d_k)
-        d_head = _head_vjp(projected, h, d_k, group, mask, rope_theta, attention, d_mixed[..., cols], dtype)
+        d_head = _head_vjp(projected, h, d_k, group, mask, rope_theta, attention, d_mixed[..., cols], dtype,
+                           is_causal)
         d_projected["q"][..., cols] += d_head["q"]
         d_projected["k"][..., kv_cols] += d_head["k"]  # a key/value head: the sum over its group's query heads
         d_projected["v"][..., kv_cols] += d_head["v"]
@@ -358,23 +361,25 @@ def _head_inputs(projected: Mapping[str, np.ndarray], h: int, d_k: int, group: i
 
 
 def _head_out(projected: Mapping[str, np.ndarray], h: int, d_k: int, group: int, mask: np.ndarray | None,
-              rope_theta: float | None, attention: str, dtype: DTypeLike) -> np.ndarray:
+              rope_theta: float | None, attention: str, dtype: DTypeLike, is_causal: bool = False) -> np.ndarray:
     """Head h's out (..., L, d_k), as the oracle's forward computes and stores it."""
     q_h, k_g, v_g = _head_inputs(projected, h, d_k, group, rope_theta, dtype)
     head_mask = None if mask is None else mask[..., h, :, :]  # (..., H, L, S) -> (..., L, S)
-    return HEAD_ATTENTIONS[attention](q_h, k_g, v_g, head_mask, dtype)[0]
+    return HEAD_ATTENTIONS[attention](q_h, k_g, v_g, head_mask, dtype, is_causal)[0]
 
 
 def _head_vjp(projected: Mapping[str, np.ndarray], h: int, d_k: int, group: int, mask: np.ndarray | None,
-              rope_theta: float | None, attention: str, d_out_h: np.ndarray, dtype: DTypeLike) -> Gradients:
+              rope_theta: float | None, attention: str, d_out_h: np.ndarray, dtype: DTypeLike,
+              is_causal: bool = False) -> Gradients:
     """Head h's gradients with respect to its slices of the projections: {"q" (..., L, d_k), "k", "v" (..., S,
     d_k)}, RoPE's turn undone (its adjoint, the turn by -positions)."""
     q_h, k_g, v_g = _head_inputs(projected, h, d_k, group, rope_theta, dtype)
     if attention == "linear":
-        grads = linear_attention_vjp(q_h, k_g, v_g, d_out_h, dtype=dtype)
+        grads = linear_attention_vjp(q_h, k_g, v_g, d_out_h, is_causal=is_causal, dtype=dtype)
     else:
         head_mask = None if mask is None else mask[..., h, :, :]
-        grads = sdpa_vjp(q_h, k_g, v_g, d_out_h, head_mask, scale=1.0 / math.sqrt(d_k), dtype=dtype)
+        grads = sdpa_vjp(q_h, k_g, v_g, d_out_h, head_mask, is_causal=is_causal, scale=1.0 / math.sqrt(d_k),
+                         dtype=dtype)
     grads = {name: _cast(grad, dtype) for name, grad in grads.items()}
     if rope_theta is not None:  # a rotation's adjoint turns back
         for name in ("q", "k"):
