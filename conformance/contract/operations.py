@@ -437,6 +437,7 @@ def _linear_oracle_vjp(case: LinearCase, d_out: np.ndarray, precision: str,
                        fused_bias: bool) -> dict[str, np.ndarray]:
     return oracle_gradients.linear_attention_vjp(case.q, case.k, case.v, d_out, feature_map=case.feature_map,
                                                  is_causal=case.is_causal, key_lengths=case.key_lengths, eps=case.eps,
+                                                 update_rule=case.update_rule, decay=case.decay, beta=case.beta,
                                                  dtype=precision)
 
 

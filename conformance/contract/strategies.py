@@ -841,6 +841,7 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     batch, L = draw(batch_shapes()), draw(lengths(long=long))
     cross = draw(st.booleans()) if cross is None else cross
     S = draw(lengths(exclude=L, long=long)) if cross else L
+    is_causal = linear and not cross and draw(st.booleans())  # linear heads in self-attention: causal in one of two
     magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
     rng = _rng(draw)
     q = _values(rng, (*batch, L, d_model), magnitude)  # (..., L, D)
@@ -858,7 +859,7 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
                    mask=mask,
                    **options,
                    attention=attention,
-                   is_causal=linear and not cross and draw(st.booleans()))
+                   is_causal=is_causal)
 
 
 @st.composite

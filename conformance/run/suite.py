@@ -101,10 +101,8 @@ GROUPS = (
     Group("linear", checks.out_against_oracle, dtypes=HALF, examples=2,
           draw={"magnitude": "normal", "overflowing": True}),
     Group("linear", gradient_checks.gradients, dtypes=FLOAT64, examples=4, pinned=True, gradient=True),
-    # the update rules' gradients below float64 are not held (the oracle's own vjp covers the rule "linear"); their
-    # float64 gradients, d_decay and d_beta too, are the gradients row's central differences
     Group("linear", gradient_checks.gradients_low_precision, dtypes=LOW, examples=2, gradient=True,
-          draw={"magnitude": "normal", "rules": ("linear",)}),
+          draw={"magnitude": "normal"}),
     Group("linear", checks.linear_steps, dtypes=BOTH, examples=4,
           draw={"is_causal": True, "with_lengths": False, "long": False}),
     Group("mha", checks.against_oracle, dtypes=BOTH, examples=20, pinned=True),
