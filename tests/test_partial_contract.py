@@ -430,7 +430,7 @@ def test_an_sdpa_without_mods_declares_them_and_passes_the_rest():
     assert not check(undeclared, operations=("flex",), max_examples=2, shrink=False).passed
 
 
-def test_a_linear_attention_without_update_rule_lacks_the_update_rules():
+def test_modules_without_the_later_linear_arguments_lack_them():
     # broken_linear's LINEAR was written before the update rules: its linear_attention takes no update_rule, so the
     # suite reads the lack off the signature and passes over every case under another rule (test_broken_linear:
     # its linear rows pass); a module lacking is_causal cannot run them either (every rule but "linear" is causal)
@@ -441,8 +441,12 @@ def test_a_linear_attention_without_update_rule_lacks_the_update_rules():
     assert features_used(case) >= {"update_rules", "is_causal"} and "update_rules" not in features_used(linear_case())
     assert leave_out(case, declaration) is None and leave_out(case, Declaration(("is_causal",))) is None
     assert leave_out(linear_case(), declaration) is not None
+    # einsum_attention's MultiHeadAttention takes no is_causal: it lacks mha_is_causal, and causal heads pass it by
     causal_heads = mha_case(L=5, S=5, attention="linear", dropout=0.0, is_causal=True)
-    assert "is_causal" in features_used(causal_heads) and leave_out(causal_heads, Declaration(("is_causal",))) is None
+    lacking = features_module.declaration_of(einsum_attention)
+    assert lacking.reason("mha_is_causal") == "lacks mha_is_causal: no is_causal in MultiHeadAttention.__call__ or vjp"
+    assert "mha_is_causal" in features_used(causal_heads) and leave_out(causal_heads, lacking) is None
+    assert "mha_is_causal" not in features_module.declaration_of(attention_np)
 
 
 def test_lacking_score_mod_keeps_score_functions_from_flex_cases():

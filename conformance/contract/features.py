@@ -59,6 +59,10 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
                  'causal), in its vjp (d_decay, d_beta) and its recurrent step',
             without='drawn linear cases under another rule than "linear" are passed over; fixed cases that use one '
                     'are skipped; read from the module too: a linear_attention without update_rule lacks it'),
+    Feature("mha_is_causal", kind="argument",
+            asks="MultiHeadAttention's call and vjp with is_causal=True (each head's query i sees keys j <= i)",
+            without="drawn mha cases with causal heads are passed over; fixed cases that use them are skipped; read "
+                    "from the module too: a MultiHeadAttention whose __call__ or vjp takes no is_causal lacks it"),
     Feature("mask_per_head", kind="argument", asks="modules' masks that differ between the heads, (..., H, L, S)",
             without="drawn module cases give every head the first head's mask; fixed cases that use it are skipped"),
     *(Feature(name, kind="option", asks=f"modules with {what}",
@@ -188,12 +192,18 @@ def from_methods(module: ModuleType) -> Declaration:
 
 
 def from_linear(module: ModuleType) -> Declaration:
-    """update_rules where the module's linear_attention takes no update_rule (a linear attention written before the
-    rules joined the contract keeps passing the rows of "linear"); nothing otherwise."""
+    """What the suite's later draws of linear attention need, read off the signatures: update_rules where the
+    module's linear_attention takes no update_rule, mha_is_causal where its MultiHeadAttention's __call__ or vjp
+    takes no is_causal (a module written before keeps passing the rows it ran); nothing otherwise."""
+    lacks = {}
     function = getattr(module, "linear_attention", None)
-    if not callable(function) or _takes(function, "update_rule"):
-        return Declaration()
-    return Declaration({"update_rules": "no update_rule in linear_attention"})
+    if callable(function) and not _takes(function, "update_rule"):
+        lacks["update_rules"] = "no update_rule in linear_attention"
+    attention = getattr(module, "MultiHeadAttention", None)
+    calls = [getattr(attention, name, None) for name in ("__call__", "vjp")]
+    if attention is not None and not all(_takes(call, "is_causal") for call in calls if callable(call)):
+        lacks["mha_is_causal"] = "no is_causal in MultiHeadAttention.__call__ or vjp"
+    return Declaration(lacks)
 
 
 def _takes(function: object, name: str) -> bool:

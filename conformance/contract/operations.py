@@ -660,7 +660,7 @@ MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "num_kv_heads": lambda case: case.num_kv_heads not in (None, case.num_heads),
     "bias_false": lambda case: not case.bias,
     "rope_theta": lambda case: case.rope_theta is not None,
-    "is_causal": lambda case: getattr(case, "is_causal", False) is True,  # an mha case's (linear heads')
+    "mha_is_causal": lambda case: getattr(case, "is_causal", False) is True,  # an mha case's (linear heads')
     "attention_linear": lambda case: getattr(case, "attention", "softmax") != "softmax",
     "norm_rms": lambda case: getattr(case, "norm", "layer") == "rms",
     "gelu": lambda case: getattr(case, "activation", "relu") == "gelu",

@@ -11,8 +11,9 @@ so D = H * d_k <= 8; F in {4, 8}; leading axes (), (2,) or (2, 3) (grouped-query
 H in {2, 4} query heads, Hkv in {1, H / 2, H} for k and v); scale, dropout and eps from short fixed lists.
 About one module case in three (OPTIONED) draws the module options of SPEC 5 (num_kv_heads among the divisors
 of H, bias, rope_theta with d_k = 4; in MultiHeadAttention also attention "linear", one in four, without a mask
-and dropout; in the block also norm and activation "swiglu"); the rest keep the seed's layout, so JAX compiles
-few new shapes.
+and dropout, causal in one of two in self-attention; in the block also norm and activation "swiglu"); the rest
+keep the seed's layout, so JAX compiles few new shapes. A causal linear case takes an update rule of ONNX's
+(gated, delta, gated_delta) in one case of two, its decay and beta from short spans, the delta rules on unit keys.
 
 Hypothesis draws every shape, flag and mask family, so it can shrink them; the numbers come from a NumPy
 Generator seeded by one drawn integer (fast, and the seed is part of the example). Floating arrays are
