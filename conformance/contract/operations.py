@@ -645,12 +645,13 @@ def _mha_pullback(module: ModuleType, arrays: dict, rng: Any, is_causal: bool = 
 
 
 def _mha_visible(case: MhaCase) -> np.ndarray:
-    """(..., L, S): whether key j is visible to query i in at least one head."""
+    """(..., L, S): whether key j is visible to query i in at least one head (j <= i with is_causal)."""
     L, S = case.q.shape[-2], case.k.shape[-2]
     batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+    causal = np.tri(L, S, dtype=bool) | (not case.is_causal)  # (L, S)
     if case.mask is None:
-        return np.ones((*batch, L, S), dtype=bool)
-    return np.any(np.broadcast_to(case.mask != 0, (*batch, case.num_heads, L, S)), axis=-3)
+        return np.broadcast_to(causal, (*batch, L, S))
+    return np.any(np.broadcast_to(case.mask != 0, (*batch, case.num_heads, L, S)), axis=-3) & causal
 
 
 # A module case's features (conformance.contract.features) by its fields: the options beyond the seed's layout, a mask,
