@@ -274,7 +274,8 @@ GUARDS: tuple[Guard, ...] = (
                   "key/value heads read as `h % Hkv`; SPEC 2a's keywords misread (a window off by one, key lengths "
                   "applied to the queries, a softcap after the bias that lets a -inf bias through, grouped heads "
                   "read as `h % Hkv` instead of `h // G`); MHA's linear heads (`attention=\"linear\"`) with phi = elu"
-                  " instead of elu + 1, or returning weights they do not form; also a wrong output shape or dtype, "
+                  " instead of elu + 1, returning weights they do not form, or bidirectional where the call is "
+                  "causal; also a wrong output shape or dtype, "
                   "and NaN where the oracle has a number (fully masked rows)"),
     Guard(("fast_path",), dtypes=BOTH,
           catches="a fused path (`need_weights=False`) that breaks a rule the explicit path keeps (a rank-1 mask or"
@@ -340,7 +341,10 @@ GUARDS: tuple[Guard, ...] = (
                   "key lengths and eps up to 1: a prefix sum one key too far, the normaliser forgotten, a chunk's "
                   "own keys in the state it reads (counted twice), eps in the numerator, sums computed in float16 "
                   "(in half precision L = S = 512 with large q and k, where they overflow) "
-                  "(`tests/implementations/broken_linear.py`)"),
+                  "(`tests/implementations/broken_linear.py`); the update rules (gated, delta, gated_delta, with a "
+                  "decay per head or per key dimension and a beta) against ONNX's recurrence one position at a time: "
+                  "the chunked delta rules without the UT transform, a chunk's state handed on undecayed, the decay "
+                  "after the update, beta on the key (`tests/implementations/broken_linear_rules.py`)"),
     Guard(("values", "lse"), operations=("flex",),
           catches="programmable attention's bugs (`flex_attention` with `create_block_mask`), drawn with the "
                   "catalogue's mask and score functions (parameters drawn, `and_masks` / `or_masks` of two or three), "
@@ -356,8 +360,9 @@ GUARDS: tuple[Guard, ...] = (
                   "first key of the next sequence (`tests/implementations/broken_varlen.py`)"),
     Guard(("steps",), operations=("linear",),
           catches="a recurrent form that breaks the invariant: `linear_attention_state` and `linear_attention_step`"
-                  " through a causal sequence must give the causal forward's outputs (a step that reads its state "
-                  "before adding the current key)"),
+                  " through a causal sequence must give the causal forward's outputs, under every update rule (a "
+                  "step that reads its state before adding the current key; the decay after the update, the delta "
+                  "rule's beta on the key)"),
     Guard(("state_kept",), operations=("linear",),
           catches="a recurrent step that writes into the state it is given (`S += phi(k_t) v_t^T` in place) and "
                   "returns it: every output is right, but the caller's state has changed; each step's state must "

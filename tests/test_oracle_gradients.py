@@ -138,6 +138,40 @@ def test_linear_attention_vjp_matches_central_differences_and_attention_np(name:
         np.testing.assert_allclose(grads[key], theirs, rtol=1e-10, atol=1e-12)
 
 
+RULE_CASES = {  # update_rule, the decay's width (None: no decay), whether beta is given, key_lengths; identity on
+    # unit keys, q (2, 4, 2), v (2, 4, 3)
+    "gated_per_head": ("gated", 1, False, None),
+    "gated_per_key_dimension": ("gated", 2, False, None),
+    "delta": ("delta", None, True, None),
+    "gated_delta_with_key_lengths": ("gated_delta", 2, True, np.array([2, 4])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RULE_CASES))
+def test_linear_recurrence_vjp_matches_central_differences_and_attention_np(name: str):
+    rule, width, with_beta, key_lengths = RULE_CASES[name]
+    rng = np.random.default_rng(7)
+    k = _rand(rng, 2, 4, 2)
+    arrays = {"q": _rand(rng, 2, 4, 2), "k": k / np.linalg.norm(k, axis=-1, keepdims=True), "v": _rand(rng, 2, 4, 3)}
+    if width is not None:
+        arrays["decay"] = -rng.uniform(0.05, 0.5, (2, 4, width))
+    if with_beta:
+        arrays["beta"] = rng.uniform(0.2, 0.9, (2, 4, 1))
+    keywords = {"feature_map": "identity", "is_causal": True, "key_lengths": key_lengths, "update_rule": rule}
+
+    def forward(**a: np.ndarray) -> np.ndarray:
+        return oracle.linear_attention(**a, **keywords)
+
+    def vjp(d_out: np.ndarray, **a: np.ndarray) -> dict:
+        return oracle_gradients.linear_attention_vjp(d_out=d_out, **a, **keywords)
+
+    grads = _assert_matches_differences(forward, vjp, arrays)  # every argument, decay and beta too
+    d_out = np.random.default_rng(0).standard_normal(forward(**arrays).shape)
+    _, pullback = attention_np.linear_attention_vjp(**arrays, **keywords)
+    for key, theirs in zip(arrays, pullback(d_out), strict=True):  # q, k, v, then decay and beta where given
+        np.testing.assert_allclose(grads[key], theirs, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_the_plain_low_precision_vjp_loses_a_few_roundings(dtype: str):
     """In `dtype` each stored tensor is rounded: the gradients come back in dtype, within a few units of its

@@ -16,7 +16,7 @@ from attention_np.common import mods
 from attention_np.common.keywords import KEYWORDS
 from conformance import Declaration, check
 from conformance.contract import features as features_module
-from conformance.contract.cases import flex_case, per_query_head, sdpa_case, tiled
+from conformance.contract.cases import flex_case, linear_case, mha_case, per_query_head, rule_case, sdpa_case, tiled
 from conformance.contract.fixed_cases import rows
 from conformance.contract.operations import _is_default, features_used, init_features_used, leave_out
 from conformance.run.checks import Runner, expected
@@ -25,6 +25,7 @@ from conformance.run.suite import ANY_GROUP, known_measures
 from tests._oracle_cache import oracle_answered_once
 from tests.implementations import einsum_attention
 from tests.implementations.broken import BROKEN
+from tests.implementations.broken_linear import LINEAR
 
 pytestmark = pytest.mark.slow  # the suite's sdpa part, on a few modules
 
@@ -445,6 +446,25 @@ def test_an_sdpa_without_mods_declares_them_and_passes_the_rest():
     undeclared = _module("sdpa_without_mods_undeclared", einsum_attention, functions=functions)
     undeclared.flex_attention = without_mods
     assert not check(undeclared, operations=("flex",), max_examples=2, shrink=False).passed
+
+
+def test_modules_without_the_later_linear_arguments_lack_them():
+    # broken_linear's LINEAR was written before the update rules: its linear_attention takes no update_rule, so the
+    # suite reads the lack off the signature and passes over every case under another rule (test_broken_linear:
+    # its linear rows pass); a module lacking is_causal cannot run them either (every rule but "linear" is causal)
+    declaration = features_module.declaration_of(LINEAR)
+    assert declaration.reason("update_rules") == "lacks update_rules: no update_rule in linear_attention"
+    assert "update_rules" not in features_module.declaration_of(attention_np)
+    case = rule_case("gated_delta")
+    assert features_used(case) >= {"update_rules", "is_causal"} and "update_rules" not in features_used(linear_case())
+    assert leave_out(case, declaration) is None and leave_out(case, Declaration(("is_causal",))) is None
+    assert leave_out(linear_case(), declaration) is not None
+    # einsum_attention's MultiHeadAttention takes no is_causal: it lacks mha_is_causal, and causal heads pass it by
+    causal_heads = mha_case(L=5, S=5, attention="linear", dropout=0.0, is_causal=True)
+    lacking = features_module.declaration_of(einsum_attention)
+    assert lacking.reason("mha_is_causal") == "lacks mha_is_causal: no is_causal in MultiHeadAttention.__call__ or vjp"
+    assert "mha_is_causal" in features_used(causal_heads) and leave_out(causal_heads, lacking) is None
+    assert "mha_is_causal" not in features_module.declaration_of(attention_np)
 
 
 def test_lacking_score_mod_keeps_score_functions_from_flex_cases():

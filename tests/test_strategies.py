@@ -102,6 +102,7 @@ def _assert_mha_contract(case: cases.MhaCase) -> None:
     assert case.dropout in cs.DROPOUTS
     assert case.attention in cs.ATTENTIONS
     assert case.attention == "softmax" or (case.mask is None and case.dropout == 0.0)  # linear: neither
+    assert not case.is_causal or (case.attention == "linear" and L == S)  # causal linear heads, self-attention
     _assert_layout(case.state, "", case)
 
 
@@ -409,7 +410,8 @@ def test_ring_cases_split_into_the_devices_chunks(case: cases.RingCase) -> None:
 def _assert_linear_contract(case: cases.LinearCase) -> None:
     """q (..., L, E), k (..., S, E), v (..., S, Ev) broadcasting together; a feature map of the spec; causal only
     with L == S; key lengths integers broadcasting to the leading axes; a positive eps; chunk None or a positive
-    int; no dropout."""
+    int; no dropout. An update rule other than "linear" causal, with its gates alone: decay g (..., S, 1 or E) in
+    -DECAY_SPAN, beta (..., S, 1) in BETA_SPAN; the delta rules' keys unit rows (|phi(k)| <= 1 under their maps)."""
     (L, E), S = case.q.shape[-2:], case.k.shape[-2]
     assert case.k.shape[-1] == E and case.v.shape[-2] == S
     batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
@@ -419,6 +421,17 @@ def _assert_linear_contract(case: cases.LinearCase) -> None:
     if case.key_lengths is not None:
         assert np.issubdtype(case.key_lengths.dtype, np.integer)
         _assert_broadcasts("key_lengths", case.key_lengths, batch)
+    assert case.update_rule in cs.UPDATE_RULES and (case.update_rule == "linear" or case.is_causal)
+    assert (case.decay is not None) == (case.update_rule in ("gated", "gated_delta"))
+    assert (case.beta is not None) == (case.update_rule in ("delta", "gated_delta"))
+    if case.decay is not None:
+        assert case.decay.shape in ((*batch, S, 1), (*batch, S, E))
+        assert (-cs.DECAY_SPAN[1] <= case.decay).all() and (case.decay <= -cs.DECAY_SPAN[0]).all()
+    if case.beta is not None:
+        assert case.beta.shape == (*batch, S, 1)
+        assert (cs.BETA_SPAN[0] <= case.beta).all() and (case.beta <= cs.BETA_SPAN[1]).all()
+        assert case.feature_map in cs.DELTA_MAPS
+        np.testing.assert_allclose(np.linalg.norm(case.k, axis=-1), 1.0)  # unit keys: a bounded state
 
 
 @FEW
@@ -430,8 +443,33 @@ def test_linear_cases_keep_their_contract_and_chunks_cut_the_sequence_unevenly(c
     assert case.eps in cs.LINEAR_EPSILONS
     if case.chunk is not None:  # causal only, and a last chunk shorter than the others (chunk 1 aside)
         assert case.is_causal and case.chunk in cs.CHUNKS and (case.chunk == 1 or L % case.chunk)
-    if case.feature_map == "identity":  # positive features: normalisers that cannot cancel
-        assert (case.q >= 0).all() and (case.k >= 0).all()
+    if case.feature_map == "identity" and case.update_rule == "linear":  # positive features: normalisers that
+        assert (case.q >= 0).all() and (case.k >= 0).all()  # cannot cancel (the other rules have none)
+
+
+def test_causal_linear_cases_draw_every_update_rule_in_one_case_of_two() -> None:
+    drawn: list[tuple[str, int | None]] = []
+
+    @settings(max_examples=200, derandomize=True, database=None, deadline=None)
+    @given(cs.linear_cases(is_causal=True))
+    def record(case: cases.LinearCase) -> None:
+        _assert_linear_contract(case)
+        drawn.append((case.update_rule, None if case.decay is None else case.decay.shape[-1]))
+
+    record()
+    rules = [rule for rule, _ in drawn]
+    assert set(rules) == set(cs.UPDATE_RULES) and 0.3 <= np.mean([r != "linear" for r in rules]) <= 0.7
+    widths = {width for rule, width in drawn if width is not None}
+    assert 1 in widths and len(widths) > 1  # a decay per head and one per key dimension
+
+
+def test_linear_cases_keep_the_rule_linear_where_asked() -> None:
+    @settings(max_examples=30, derandomize=True, database=None, deadline=None)
+    @given(cs.linear_cases(rules=("linear",)))
+    def record(case: cases.LinearCase) -> None:
+        assert case.update_rule == "linear" and case.decay is None and case.beta is None
+
+    record()
 
 
 @FEW
@@ -845,3 +883,17 @@ def test_linear_heads_in_a_few_mha_cases_without_mask_or_dropout() -> None:
     record()
     share = np.mean([name == "linear" for name in attention])  # nominally 1/3 optioned x 1/4 linear = 1/12
     assert 0.02 <= share <= 0.2, share
+
+
+def test_causal_linear_heads_in_some_self_attention_mha_cases() -> None:
+    causal: list[bool] = []
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.mha_cases(cross=False))
+    def record(case: cases.MhaCase) -> None:
+        _assert_mha_contract(case)
+        if case.attention == "linear":
+            causal.append(case.is_causal)
+
+    record()
+    assert any(causal) and not all(causal), causal

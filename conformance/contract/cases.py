@@ -108,7 +108,8 @@ def sharded(case: FlashCase, devices: int) -> RingCase:
 
 class LinearCase(NamedTuple):
     """Inputs of linear_attention (SPEC 2e): q, k, v and its keywords. The step check runs the same case through
-    linear_attention_state and linear_attention_step (causal, no key lengths: the recurrent form has none)."""
+    linear_attention_state and linear_attention_step (causal, no key lengths: the recurrent form has none), with
+    the same update rule, decay and beta."""
 
     q: np.ndarray  # (..., L, E)
     k: np.ndarray  # (..., S, E)
@@ -119,6 +120,10 @@ class LinearCase(NamedTuple):
     eps: float = 1e-6  # added to every normaliser
     chunk: int | None = None  # the causal form chunk by chunk (None: the prefix sums); ignored when not causal
     dropout: float = 0.0  # always 0: linear attention has no dropout (the field the generic machinery reads)
+    update_rule: str = "linear"  # how the state takes key i: "linear", or (causal only, no normaliser) "gated",
+    # "delta" or "gated_delta" (ONNX LinearAttention's rules)
+    decay: np.ndarray | None = None  # g <= 0, the log-space decay of the gated rules: (..., S, 1) or (..., S, E)
+    beta: np.ndarray | None = None  # the update rate of the delta rules: (..., S, 1), in (0, 1)
 
 
 class MhaCase(NamedTuple):
@@ -136,6 +141,7 @@ class MhaCase(NamedTuple):
     rope_theta: float | None = None  # RoPE on each head's queries and keys (None: none); d_k even
     attention: str = "softmax"  # each head's attention: "softmax", or "linear" (linear_attention with its
     # defaults, SPEC 3: no mask, no weights, dropout 0)
+    is_causal: bool = False  # query i sees keys j <= i (and-ed with the mask); L == S with linear heads
 
 
 class BlockCase(NamedTuple):
@@ -389,6 +395,20 @@ def linear_case(batch: Batch = (2,), L: int = 3, S: int = 4, E: int = 2, Ev: int
     """sdpa_case's q (..., L, E), k (..., S, E), v (..., S, Ev) as linear attention's, elu + 1, not causal."""
     case = sdpa_case(batch, L, S, E, Ev, seed=seed)
     return LinearCase(q=case.q, k=case.k, v=case.v)._replace(**fields)
+
+
+def rule_case(update_rule: str, batch: Batch = (2,), L: int = 5, E: int = 2, Ev: int = 3, *, seed: int = 0,
+              decay_width: int = 1, **fields: Any) -> LinearCase:
+    """linear_case's q (..., L, E), v (..., L, Ev) under an update rule, causal (L = S): identity features on unit
+    keys k / |k| (the delta rules' state stays bounded), the gated rules' decay g = -U(0.05, 0.5) (..., L,
+    decay_width), 1 or E, the delta rules' beta U(0.2, 0.9) (..., L, 1); the others None."""
+    case = linear_case(batch, L, L, E, Ev, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    decay = -rng.uniform(0.05, 0.5, (*batch, L, decay_width)) if update_rule in ("gated", "gated_delta") else None
+    beta = rng.uniform(0.2, 0.9, (*batch, L, 1)) if update_rule in ("delta", "gated_delta") else None
+    k = case.k / np.linalg.norm(case.k, axis=-1, keepdims=True)  # unit rows (..., L, E)
+    return case._replace(k=k, feature_map="identity", is_causal=True, update_rule=update_rule, decay=decay,
+                         beta=beta)._replace(**fields)
 
 
 def flex_case(B: int = 2, H: int = 2, L: int = 4, S: int = 5, E: int = 2, Ev: int = 3, *, Hkv: int | None = None,

@@ -54,6 +54,15 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
     Feature("score_mod", kind="argument",
             asks=KEYWORDS["score_mod"].asks,
             without="drawn flex, sdpa and flash cases take no score function; fixed cases that use one are skipped"),
+    Feature("update_rules", kind="argument",
+            asks='linear_attention\'s update rules "gated", "delta" and "gated_delta" (update_rule, decay, beta; '
+                 'causal), in its vjp (d_decay, d_beta) and its recurrent step',
+            without='drawn linear cases under another rule than "linear" are passed over; fixed cases that use one '
+                    'are skipped; read from the module too: a linear_attention without update_rule lacks it'),
+    Feature("mha_is_causal", kind="argument",
+            asks="MultiHeadAttention's call and vjp with is_causal=True (each head's query i sees keys j <= i)",
+            without="drawn mha cases with causal heads are passed over; fixed cases that use them are skipped; read "
+                    "from the module too: a MultiHeadAttention whose __call__ or vjp takes no is_causal lacks it"),
     Feature("mask_per_head", kind="argument", asks="modules' masks that differ between the heads, (..., H, L, S)",
             without="drawn module cases give every head the first head's mask; fixed cases that use it are skipped"),
     *(Feature(name, kind="option", asks=f"modules with {what}",
@@ -158,14 +167,14 @@ class Declaration:
 
 
 def declaration_of(module: ModuleType) -> Declaration:
-    """What the module lacks: what its signatures say (`from_signatures`) and its classes' methods (`from_methods`),
-    joined with its declaration (CONFORMANCE), whose reasons win; a module whose functions take every keyword, whose
-    classes have every method and that declares nothing lacks nothing."""
+    """What the module lacks: what its signatures say (`from_signatures`, `from_linear`) and its classes' methods
+    (`from_methods`), joined with its declaration (CONFORMANCE), whose reasons win; a module whose functions take
+    every keyword, whose classes have every method and that declares nothing lacks nothing."""
     declared = getattr(module, DECLARATION, None)
     if declared is not None and not isinstance(declared, Declaration):
         raise TypeError(f"{module.__name__}.{DECLARATION} must be a conformance.Declaration, got "
                         f"{type(declared).__name__}")
-    return from_signatures(module) | from_methods(module) | (declared or Declaration())
+    return from_signatures(module) | from_methods(module) | from_linear(module) | (declared or Declaration())
 
 
 def from_methods(module: ModuleType) -> Declaration:
@@ -187,6 +196,21 @@ def from_methods(module: ModuleType) -> Declaration:
         lacks["paged_cache"] = "no TransformerBlock.init_paged_cache"
     if not _takes(getattr(block, "init_cache", None), "window"):
         lacks["streaming_cache"] = "no window in TransformerBlock.init_cache"
+    return Declaration(lacks)
+
+
+def from_linear(module: ModuleType) -> Declaration:
+    """What the suite's later draws of linear attention need, read off the signatures: update_rules where the
+    module's linear_attention takes no update_rule, mha_is_causal where its MultiHeadAttention's __call__ or vjp
+    takes no is_causal (a module written before keeps passing the rows it ran); nothing otherwise."""
+    lacks = {}
+    function = getattr(module, "linear_attention", None)
+    if callable(function) and not _takes(function, "update_rule"):
+        lacks["update_rules"] = "no update_rule in linear_attention"
+    attention = getattr(module, "MultiHeadAttention", None)
+    calls = [getattr(attention, name, None) for name in ("__call__", "vjp")]
+    if attention is not None and not all(_takes(call, "is_causal") for call in calls if callable(call)):
+        lacks["mha_is_causal"] = "no is_causal in MultiHeadAttention.__call__ or vjp"
     return Declaration(lacks)
 
 

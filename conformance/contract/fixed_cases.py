@@ -44,6 +44,7 @@ from .cases import (
     mla_case,
     normal,
     random_mask,
+    rule_case,
     sdpa_case,
     sharded,
     tiled,
@@ -410,6 +411,10 @@ def _mha_examples() -> list[Fixed]:
             D=16, H=4, num_kv_heads=2, rope_theta=10.0, attention="linear", dropout=0.0),
             "linear heads (phi = elu + 1, eps 1e-6), Hkv = 2 of H = 4, RoPE (d_k = 4, theta 10), L = 3, S = 5: "
             "no weights (None)"),
+        example("mha", "causal_linear_heads", lambda: mha_case(
+            L=5, S=5, D=8, H=4, num_kv_heads=2, attention="linear", dropout=0.0, is_causal=True),
+            "linear heads with is_causal, Hkv = 2 of H = 4, L = S = 5: each head's query i reads the prefix sums "
+            "over keys 0..i, never the whole sequence"),
     ]
 
 
@@ -988,6 +993,48 @@ def _linear_rows() -> list[Fixed]:
         error("linear", "integer_inputs", lambda: (case := linear_case())._replace(
             **{name: _integers(getattr(case, name)) for name in "qkv"}), TypeError, "q", "floating"),
         error("linear", "d_out_shape", _linear(), ValueError, "d_out", stage="pullback", d_out=np.zeros((2, 3, 4))),
+        *_rule_rows(),
+    ]
+
+
+def _rule(update_rule: str, **fields: Any) -> Callable[[], Any]:
+    """rule_case's causal q, unit k (2, 5, 2), v (2, 5, 3) under `update_rule`, changed by `fields`."""
+    return lambda: rule_case(update_rule, **fields)
+
+
+def _rule_rows() -> list[Fixed]:
+    """SPEC 2e's update rules (ONNX's LinearAttention): each rule in the form a bug of its own would hide in (the
+    recurrence, the chunks with the decays between positions and the delta rules' triangular system), and the
+    errors of update_rule, decay and beta."""
+    return [
+        example("linear", "gated_per_key_dimension_chunks_of_two", _rule("gated", decay_width=2, chunk=2),
+                "gated, decay (2, 5, 2) per key dimension, L = 5 in chunks of 2: the state decayed row by row across "
+                "each chunk boundary, the decays between positions inside a chunk"),
+        example("linear", "delta_chunks_of_three", _rule("delta", L=7, chunk=3),
+                "delta on unit keys, L = 7 in chunks of 3 (the last of 1): the pseudo-values of each chunk from "
+                "its unit lower triangular system (the UT transform), each key's error read off the keys before it"),
+        example("linear", "gated_delta_recurrent_with_key_lengths", _rule("gated_delta", chunk=None,
+                                                                          key_lengths=np.array([5, 3])),
+                "gated_delta, decay per head, chunk None (the recurrence), key_lengths [5, 3]: decay before the "
+                "update, beta on the error v - P^T phi(k); sequence 1's queries 3, 4 read the state of key 2"),
+        error("linear", "update_rule_unknown", _rule("softmax"), ValueError, "update_rule", "softmax"),
+        error("linear", "gated_without_decay", _rule("gated", decay=None), ValueError, "decay", "gated"),
+        error("linear", "delta_without_beta", _rule("delta", beta=None), ValueError, "beta", "delta"),
+        error("linear", "gated_delta_without_beta", _rule("gated_delta", beta=None), ValueError, "beta",
+              "gated_delta"),
+        error("linear", "delta_given_a_decay", _rule("delta", decay=np.full((2, 5, 1), -0.1)), ValueError, "decay",
+              "delta"),
+        error("linear", "decay_neither_one_nor_E_wide", _rule("gated", decay=np.full((2, 5, 3), -0.1)), ValueError,
+              "decay", "(2, 5, 3)"),
+        error("linear", "decay_of_another_length", _rule("gated", decay=np.full((2, 4, 1), -0.1)), ValueError,
+              "decay", "(2, 4, 1)"),
+        error("linear", "beta_E_wide", _rule("delta", beta=np.full((2, 5, 2), 0.5)), ValueError, "beta",
+              "(2, 5, 2)"),
+        error("linear", "decay_integer", _rule("gated", decay=np.zeros((2, 5, 1), np.int64)), TypeError, "decay"),
+        error("linear", "gated_not_causal", _rule("gated", is_causal=False), ValueError, "update_rule",
+              "is_causal"),
+        error("linear", "delta_not_causal", _rule("delta", is_causal=False), ValueError, "update_rule",
+              "is_causal"),
     ]
 
 

@@ -428,31 +428,44 @@ def _ring_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float
 # --- linear attention (linear_attention) ---------------------------------------------------------------------
 
 def _linear_oracle(case: LinearCase, precision: str, fused_bias: bool) -> Pair:
-    """The double sum over the keys each query sees (the form and the chunk change nothing but rounding); no
-    second result."""
+    """The double sum over the keys each query sees, or the update rule's recurrence one position at a time (the
+    form and the chunk change nothing but rounding); no second result."""
     return oracle.linear_attention(case.q, case.k, case.v, feature_map=case.feature_map, is_causal=case.is_causal,
-                                   key_lengths=case.key_lengths, eps=case.eps, dtype=precision), None
+                                   key_lengths=case.key_lengths, eps=case.eps, update_rule=case.update_rule,
+                                   decay=case.decay, beta=case.beta, dtype=precision), None
 
 
 def _linear_oracle_vjp(case: LinearCase, d_out: np.ndarray, precision: str,
                        fused_bias: bool) -> dict[str, np.ndarray]:
     return oracle_gradients.linear_attention_vjp(case.q, case.k, case.v, d_out, feature_map=case.feature_map,
                                                  is_causal=case.is_causal, key_lengths=case.key_lengths, eps=case.eps,
+                                                 update_rule=case.update_rule, decay=case.decay, beta=case.beta,
                                                  dtype=precision)
 
 
 def _linear_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool, dropout: float,
                  **options: Any) -> Any:
     """out alone: linear_attention has no dropout, no weights and one path, so training and need_weights change
-    nothing; key_lengths is an array input (None where not given)."""
+    nothing; key_lengths is an array input (None where not given); the update rule, decay and beta only where a
+    case leaves "linear" (a module from before the rules runs every other case)."""
     return module.linear_attention(arrays["q"], arrays["k"], arrays["v"], key_lengths=arrays["key_lengths"],
-                                   **options)
+                                   **_linear_rule(arrays, options))
 
 
 def _linear_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, **options: Any) -> dict:
+    """dq, dk, dv, then d_decay and d_beta where the case gives them (the pullback's order, SPEC 2e)."""
     _, pullback = module.linear_attention_vjp(arrays["q"], arrays["k"], arrays["v"],
-                                              key_lengths=arrays["key_lengths"], **options)
-    return dict(zip(("q", "k", "v"), pullback(arrays["d_out"]), strict=True))
+                                              key_lengths=arrays["key_lengths"], **_linear_rule(arrays, options))
+    names = ("q", "k", "v", *(name for name in ("decay", "beta") if arrays[name] is not None))
+    return dict(zip(names, pullback(arrays["d_out"]), strict=True))
+
+
+def _linear_rule(arrays: dict, options: dict) -> dict[str, Any]:
+    """The call's keywords: the options, with update_rule, decay and beta only where the rule is not "linear"."""
+    keywords = {name: value for name, value in options.items() if name != "update_rule"}
+    rule = options.get("update_rule", "linear")
+    return keywords if rule == "linear" else keywords | {"update_rule": rule, "decay": arrays["decay"],
+                                                         "beta": arrays["beta"]}
 
 
 def _linear_visible(case: LinearCase) -> np.ndarray:
@@ -476,12 +489,17 @@ LINEAR_DEFAULTS = {"is_causal": False, "key_lengths": None}  # the features of i
 
 
 def _linear_uses(case: LinearCase) -> set[str]:
-    """is_causal and key_lengths where given (feature_map, eps and chunk are linear attention's own)."""
-    return {name for name, default in LINEAR_DEFAULTS.items() if not _is_default(getattr(case, name), default)}
+    """is_causal and key_lengths where given, update_rules where the rule is not "linear" (feature_map, eps and
+    chunk are linear attention's own)."""
+    given = {name for name, default in LINEAR_DEFAULTS.items() if not _is_default(getattr(case, name), default)}
+    return given | ({"update_rules"} if case.update_rule != "linear" else set())
 
 
-def _linear_leave_out(case: LinearCase, declaration: Declaration) -> LinearCase:
-    """The lacking arguments at their defaults."""
+def _linear_leave_out(case: LinearCase, declaration: Declaration) -> LinearCase | None:
+    """The lacking arguments at their defaults; None where the case's rule is one the module lacks (update_rules,
+    or is_causal, which every rule but "linear" needs: another rule gives other numbers)."""
+    if case.update_rule != "linear" and ("update_rules" in declaration or "is_causal" in declaration):
+        return None
     return case._replace(**{name: default for name, default in LINEAR_DEFAULTS.items() if name in declaration})
 
 
@@ -599,37 +617,43 @@ def _mha_oracle(case: MhaCase, precision: str, fused_bias: bool) -> Pair:
     """The heads' out mixed, and their weights (None where linear heads form none)."""
     return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask, num_heads=case.num_heads,
                                        num_kv_heads=case.num_kv_heads, rope_theta=case.rope_theta,
-                                       attention=case.attention, dtype=precision, fused_bias=fused_bias)
+                                       attention=case.attention, is_causal=case.is_causal, dtype=precision,
+                                       fused_bias=fused_bias)
 
 
 def _mha_oracle_vjp(case: MhaCase, d_out: np.ndarray, precision: str, fused_bias: bool) -> dict[str, np.ndarray]:
     return oracle_gradients.multi_head_attention_vjp(case.state, case.q, case.k, case.v, d_out, case.mask,
                                                      num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
                                                      rope_theta=case.rope_theta, attention=case.attention,
-                                                     dtype=precision, fused_bias=fused_bias)
+                                                     is_causal=case.is_causal, dtype=precision, fused_bias=fused_bias)
 
 
 def _mha_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
-              **options: Any) -> Any:
+              is_causal: bool = False, **options: Any) -> Any:
+    """The module built from the state, called; is_causal passed only where given (a module from before it runs
+    every other case)."""
     mha = module.MultiHeadAttention.from_state_dict(arrays["state"], **_from_state(options))
     mha = mha.train() if training else mha.eval()
-    return mha(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], need_weights=need_weights, rng=rng)
+    return mha(arrays["q"], arrays["k"], arrays["v"], arrays["mask"], need_weights=need_weights, rng=rng,
+               **({"is_causal": True} if is_causal else {}))
 
 
-def _mha_pullback(module: ModuleType, arrays: dict, rng: Any, **options: Any) -> dict:
+def _mha_pullback(module: ModuleType, arrays: dict, rng: Any, is_causal: bool = False, **options: Any) -> dict:
     mha = module.MultiHeadAttention.from_state_dict(arrays["state"], **_from_state(options))
-    _, _, pullback = mha.eval().vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"])
+    _, _, pullback = mha.eval().vjp(arrays["q"], arrays["k"], arrays["v"], arrays["mask"],
+                                    **({"is_causal": True} if is_causal else {}))
     dq, dk, dv, dparams = pullback(arrays["d_out"])
     return {"q": dq, "k": dk, "v": dv} | dict(dparams)
 
 
 def _mha_visible(case: MhaCase) -> np.ndarray:
-    """(..., L, S): whether key j is visible to query i in at least one head."""
+    """(..., L, S): whether key j is visible to query i in at least one head (j <= i with is_causal)."""
     L, S = case.q.shape[-2], case.k.shape[-2]
     batch = np.broadcast_shapes(case.q.shape[:-2], case.k.shape[:-2], case.v.shape[:-2])
+    causal = np.tri(L, S, dtype=bool) | (not case.is_causal)  # (L, S)
     if case.mask is None:
-        return np.ones((*batch, L, S), dtype=bool)
-    return np.any(np.broadcast_to(case.mask != 0, (*batch, case.num_heads, L, S)), axis=-3)
+        return np.broadcast_to(causal, (*batch, L, S))
+    return np.any(np.broadcast_to(case.mask != 0, (*batch, case.num_heads, L, S)), axis=-3) & causal
 
 
 # A module case's features (conformance.contract.features) by its fields: the options beyond the seed's layout, a mask,
@@ -639,6 +663,7 @@ MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "num_kv_heads": lambda case: case.num_kv_heads not in (None, case.num_heads),
     "bias_false": lambda case: not case.bias,
     "rope_theta": lambda case: case.rope_theta is not None,
+    "mha_is_causal": lambda case: getattr(case, "is_causal", False) is True,  # an mha case's (linear heads')
     "attention_linear": lambda case: getattr(case, "attention", "softmax") != "softmax",
     "norm_rms": lambda case: getattr(case, "norm", "layer") == "rms",
     "gelu": lambda case: getattr(case, "activation", "relu") == "gelu",
@@ -1271,15 +1296,15 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind, second="lse", devices=max(RING_DEVICES)),
     Operation(
         name="linear", function="linear_attention", case=LinearCase,
-        options=("feature_map", "is_causal", "eps", "chunk", "dropout"),
-        inputs=("q", "k", "v"), differentiable=("q", "k", "v"), strategy="linear_cases",
+        options=("feature_map", "is_causal", "eps", "chunk", "dropout", "update_rule"),
+        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "decay", "beta"), strategy="linear_cases",
         oracle=_linear_oracle, call=_linear_call, vjp="linear_attention_vjp", pullback=_linear_pullback,
         visible=_linear_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
         uses=_linear_uses, leave_out=_linear_leave_out, blind=_linear_blind, pair=lambda out: (out, None),
         second=None, oracle_vjp=_linear_oracle_vjp),
     Operation(
         name="mha", function="MultiHeadAttention", case=MhaCase,
-        options=("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta", "attention"),
+        options=("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta", "attention", "is_causal"),
         inputs=("q", "k", "v"), differentiable=("q", "k", "v", "state"), strategy="mha_cases",
         oracle=_mha_oracle, call=_mha_call, vjp="MultiHeadAttention.vjp", pullback=_mha_pullback,
         visible=_mha_visible, dropout_sigma=_mha_dropout_sigma, dropout_shows=lambda case: True,

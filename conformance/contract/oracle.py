@@ -247,6 +247,9 @@ def linear_attention(
     is_causal: bool = False,
     key_lengths: ArrayLike | None = None,
     eps: float = 1e-6,
+    update_rule: str = "linear",
+    decay: ArrayLike | None = None,
+    beta: ArrayLike | None = None,
     dtype: DTypeLike = np.float64,
 ) -> np.ndarray:
     """out_i = sum_j (phi(q_i) . phi(k_j)) v_j / (sum_j phi(q_i) . phi(k_j) + eps), the double sum over the keys
@@ -261,10 +264,18 @@ def linear_attention(
         is_causal: query i sees keys j <= i (L == S).
         key_lengths: integers broadcasting to (...): a sequence sees its keys j < key_lengths.
         eps: added to each normaliser; a query that sees no key gets 0 / eps = 0.
+        update_rule: "linear" (the double sum above), or a rule of ONNX's LinearAttention, causal only, run by
+            `linear_recurrence`: "gated", "delta" or "gated_delta".
+        decay: g, the gated rules' log-space decay, (..., S, 1) or (..., S, E); beta: the delta rules' rate (..., S, 1).
 
     Returns:
         out (..., L, Ev) in `dtype` (float16 and bfloat16: computed in float32, stored in dtype).
     """
+    if update_rule != "linear":
+        if not is_causal:
+            raise ValueError(f"update_rule={update_rule!r} is causal only")
+        return linear_recurrence(q, k, v, feature_map=feature_map, key_lengths=key_lengths,
+                                 update_rule=update_rule, decay=decay, beta=beta, dtype=dtype)
     q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
     (L, E), (S, Ev) = q.shape[-2:], v.shape[-2:]
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
@@ -281,6 +292,69 @@ def linear_attention(
             weights = phi_k[keys] @ phi(q[(*b, i)])  # phi(k_j) . phi(q_i): (visible, E) x (E,) -> (visible,)
             num = weights @ v[b][keys]  # sum_j w_ij v_j: (visible,) x (visible, Ev) -> (Ev,); 0 for no key
             out[(*b, i)] = num / (np.sum(weights) + out.dtype.type(eps))  # sum_j w_ij + eps
+    return out.astype(dtype)  # half precision: computed in float32, stored in dtype
+
+
+UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")  # linear attention's rules (SPEC 2e, ONNX's)
+GATED, DELTA = ("gated", "gated_delta"), ("delta", "gated_delta")  # the rules that take decay; beta
+
+
+def linear_recurrence(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    feature_map: str = "elu",
+    key_lengths: ArrayLike | None = None,
+    update_rule: str = "gated",
+    decay: ArrayLike | None = None,
+    beta: ArrayLike | None = None,
+    dtype: DTypeLike = np.float64,
+) -> np.ndarray:
+    """The update rules of ONNX's LinearAttention (opset 27) as its spec writes them, one position t at a time from
+    the state S = 0 (E, Ev), one sequence at a time, in plain loops (SPEC 2e):
+        S <- exp(g_t) S                          (row e by exp(g_t[e]); "gated", "gated_delta")
+        u  = v_t                                 ("gated")
+           = beta_t (v_t - S^T phi(k_t))         ("delta", "gated_delta": the error of what S recalls for k_t)
+        S <- S + phi(k_t) u^T
+        out_t = phi(q_t)^T S                     (no normaliser, no scale)
+    A key t >= key_lengths leaves S as it was (no decay, no update); its query reads S. Never the chunked form,
+    its cumulative decays or its triangular system, so a bug there cannot pass by agreeing with itself.
+
+    Args:
+        q: queries (..., L, E); k: keys (..., L, E); v: values (..., L, Ev). Leading axes broadcast.
+        feature_map: phi, as for linear_attention.
+        key_lengths: integers broadcasting to (...).
+        update_rule: "gated", "delta" or "gated_delta".
+        decay: g (..., L, 1) or (..., L, E), log space, for the gated rules; beta (..., L, 1) for the delta rules.
+
+    Returns:
+        out (..., L, Ev) in `dtype` (float16 and bfloat16: computed in float32, stored in dtype).
+    """
+    if update_rule not in UPDATE_RULES[1:]:
+        raise ValueError(f"update_rule={update_rule!r} is none of {UPDATE_RULES[1:]}")
+    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    (L, E), Ev = q.shape[-2:], v.shape[-1]
+    gates = [np.asarray(x) for x in (decay, beta) if x is not None]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *(x.shape[:-2] for x in gates))
+    q, k, v = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
+    g = None if update_rule not in GATED else np.broadcast_to(_cast(decay, dtype), (*batch, L, np.shape(decay)[-1]))
+    rate = None if update_rule not in DELTA else np.broadcast_to(_cast(beta, dtype), (*batch, L, 1))
+    lengths = np.broadcast_to(np.asarray(L if key_lengths is None else key_lengths), batch)
+    phi = _FEATURES[feature_map]
+    out = np.zeros((*batch, L, Ev), _work(dtype))
+    for b in np.ndindex(*batch):
+        state = np.zeros((E, Ev), _work(dtype))  # S_{-1} = 0
+        for t in range(L):
+            if t < int(lengths[b]):  # a hidden key leaves the state as it was
+                if g is not None:  # 1) the decay, before the update: row e of S by exp(g_t[e])
+                    state = np.exp(g[b][t])[:, None] * state  # (1 or E, 1) * (E, Ev)
+                phi_k = phi(k[b][t])  # (E,)
+                u = v[b][t]  # (Ev,)
+                if rate is not None:  # 2) the delta rule: beta_t times the error of what S recalls for phi(k_t)
+                    u = rate[b][t][0] * (v[b][t] - phi_k @ state)  # (E,) x (E, Ev) -> (Ev,)
+                state = state + np.outer(phi_k, u)  # 3) the update: (E,) x (Ev,) -> (E, Ev)
+            out[(*b, t)] = phi(q[b][t]) @ state  # 4) the read: (E,) x (E, Ev) -> (Ev,)
     return out.astype(dtype)  # half precision: computed in float32, stored in dtype
 
 
@@ -351,6 +425,7 @@ def multi_head_attention(
     num_kv_heads: int | None = None,
     rope_theta: float | None = None,
     attention: str = "softmax",
+    is_causal: bool = False,
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
 ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -369,7 +444,8 @@ def multi_head_attention(
         rope_theta: None, or each head's queries turned by `rope` at positions 0 .. L - 1 and its keys at
             0 .. S - 1, half layout, base rope_theta.
         attention: each head's, a name of HEAD_ATTENTIONS: "softmax", or "linear" (linear_attention with its
-            defaults, phi = elu + 1, eps 1e-6, not causal; it takes no mask and forms no weights).
+            defaults, phi = elu + 1, eps 1e-6; it takes no mask and forms no weights).
+        is_causal: each head's query i sees keys j <= i (and-ed with the mask); linear heads need L == S.
         dtype: see the module docstring; fused_bias: each Linear rounds once (else twice) in half precision.
 
     Returns:
@@ -401,7 +477,8 @@ def multi_head_attention(
         if rope_theta is not None:
             q_h = rope(q_h, np.arange(q_h.shape[-2]), theta=rope_theta, dtype=dtype)
             k_g = rope(k_g, np.arange(k_g.shape[-2]), theta=rope_theta, dtype=dtype)
-        out_h, weights_h = head(q_h, k_g, v[..., kv_cols], head_mask, dtype)  # (..., L, d_k), (..., L, S) or None
+        out_h, weights_h = head(q_h, k_g, v[..., kv_cols], head_mask, dtype,
+                                is_causal)  # (..., L, d_k), (..., L, S) or None
         heads.append(out_h)
         weights.append(weights_h)
 
@@ -412,18 +489,20 @@ def multi_head_attention(
     return out.astype(dtype), formed
 
 
-def _softmax_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None,
-                  dtype: DTypeLike) -> tuple[np.ndarray, np.ndarray]:
+def _softmax_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, dtype: DTypeLike,
+                  is_causal: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """One head of softmax attention: sdpa at scale 1 / sqrt(d_k); out (..., L, d_k), weights (..., L, S)."""
-    return sdpa(q, k, v, mask, scale=1.0 / math.sqrt(q.shape[-1]), dtype=dtype)
+    return sdpa(q, k, v, mask, is_causal=is_causal, scale=1.0 / math.sqrt(q.shape[-1]), dtype=dtype)
 
 
-def _linear_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: None, dtype: DTypeLike) -> tuple[np.ndarray, None]:
+def _linear_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: None, dtype: DTypeLike,
+                 is_causal: bool = False) -> tuple[np.ndarray, None]:
     """One head of linear attention with its defaults (no mask): out (..., L, d_k), and no weights."""
-    return linear_attention(q, k, v, dtype=dtype), None
+    return linear_attention(q, k, v, is_causal=is_causal, dtype=dtype), None
 
 
-# MultiHeadAttention's attention in each head (SPEC 3): (q_h, k_g, v_g, mask_h, dtype) -> (out_h, weights_h or None)
+# MultiHeadAttention's attention in each head (SPEC 3): (q_h, k_g, v_g, mask_h, dtype, is_causal) -> (out_h,
+# weights_h or None)
 HEAD_ATTENTIONS: dict[str, Callable[..., tuple[np.ndarray, np.ndarray | None]]] = {
     "softmax": _softmax_head, "linear": _linear_head}
 

@@ -179,6 +179,9 @@ def linear_attention_vjp(
     is_causal: bool = False,
     key_lengths: ArrayLike | None = None,
     eps: float = 1e-6,
+    update_rule: str = "linear",
+    decay: ArrayLike | None = None,
+    beta: ArrayLike | None = None,
     dtype: DTypeLike = np.float64,
 ) -> Gradients:
     """The gradients of sum(d_out * out), out = oracle.linear_attention(q, k, v, ...), one query i at a time
@@ -190,9 +193,14 @@ def linear_attention_vjp(
     (dw_j = d_num . (v_j - out_i) is the same number; computed so in float32 it loses less where v_j and out_i
     nearly cancel, so the plain computation the suite scales its tolerance by is the form autodiff takes.)
 
+    An update rule other than "linear" goes to `linear_recurrence_vjp`.
+
     Returns:
-        {"q", "k", "v"}: each of its input's shape, in `dtype`.
+        {"q", "k", "v"}: each of its input's shape, in `dtype`; and "decay", "beta" where the rule takes them.
     """
+    if update_rule != "linear":
+        return linear_recurrence_vjp(q, k, v, d_out, feature_map=feature_map, key_lengths=key_lengths,
+                                     update_rule=update_rule, decay=decay, beta=beta, dtype=dtype)
     shapes = {"q": np.shape(q), "k": np.shape(k), "v": np.shape(v)}
     q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
     (L, E), (S, Ev) = q.shape[-2:], v.shape[-2:]
@@ -220,6 +228,86 @@ def linear_attention_vjp(
         dk[b] = d_phi_k * derivative(k[b])
     grads = {"q": dq, "k": dk, "v": dv}
     return {name: _summed_to(grad, shapes[name]).reshape(shapes[name]).astype(dtype) for name, grad in grads.items()}
+
+
+def linear_recurrence_vjp(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    d_out: ArrayLike,
+    *,
+    feature_map: str = "elu",
+    key_lengths: ArrayLike | None = None,
+    update_rule: str = "gated",
+    decay: ArrayLike | None = None,
+    beta: ArrayLike | None = None,
+    dtype: DTypeLike = np.float64,
+) -> Gradients:
+    """The gradients of sum(d_out * out), out = oracle.linear_recurrence(q, k, v, ...), one sequence at a time: its
+    forward steps again, keeping each position's decayed state P_t = exp(g_t) S_{t-1} (or S_{t-1}), u_t and S_t,
+    then the positions in reverse with dS the gradient reaching S_t from the reads at t and after:
+        out_t = S_t^T phi(q_t):      dS += phi(q_t) d_out_t^T,   d phi(q_t) = S_t d_out_t
+        S_t = P_t + phi(k_t) u_t^T:  d phi(k_t) = dS u_t,   du = dS^T phi(k_t),   dP = dS
+        u_t = v_t:                   dv_t = du
+        u_t = beta_t (v_t - P_t^T phi(k_t)):  dv_t = beta_t du,  d beta_t = du . (v_t - P_t^T phi(k_t)),
+                                     dP -= phi(k_t) (beta_t du)^T,   d phi(k_t) -= P_t (beta_t du)
+        P_t = exp(g_t) S_{t-1}:      d g_t[e] = sum over row e of dP * P_t,   dS = exp(g_t) dP  (else dS = dP)
+    A hidden key (t >= key_lengths) passes dS on unchanged and gets zero gradients; phi' as for
+    `linear_attention_vjp`.
+
+    Returns:
+        {"q", "k", "v", and "decay" and "beta" where the rule takes them}: each of its input's shape, in `dtype`
+        (a decay of one per head, (..., L, 1), its row sums over E).
+    """
+    shapes = {name: np.shape(x) for name, x in (("q", q), ("k", k), ("v", v), ("decay", decay), ("beta", beta))
+              if x is not None}
+    gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
+    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    (L, E), Ev = q.shape[-2:], v.shape[-1]
+    batch = np.broadcast_shapes(*(shape[:-2] for shape in shapes.values()))
+    q, k, v = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
+    g = np.broadcast_to(_cast(decay, dtype), (*batch, L, np.shape(decay)[-1])) if gated else None
+    rate = np.broadcast_to(_cast(beta, dtype), (*batch, L, 1)) if delta else None
+    d_out = _cast(np.broadcast_to(d_out, (*batch, L, Ev)), dtype)
+    lengths = np.broadcast_to(np.asarray(L if key_lengths is None else key_lengths), batch)
+    phi, derivative = _FEATURES[feature_map], _FEATURE_DERIVATIVES[feature_map]
+    work = _work(dtype)
+    grads = {"q": np.zeros((*batch, L, E), work), "k": np.zeros((*batch, L, E), work),
+             "v": np.zeros((*batch, L, Ev), work), "decay": np.zeros((*batch, L, E), work),
+             "beta": np.zeros((*batch, L, 1), work)}
+    for b in np.ndindex(*batch):
+        seen = [t < int(lengths[b]) for t in range(L)]
+        # 1) forward: each position's P_t, u_t and S_t (S_t = S_{t-1} at a hidden key)
+        steps, state = [], np.zeros((E, Ev), work)
+        for t in range(L):
+            P = state if not (gated and seen[t]) else np.exp(g[b][t])[:, None] * state  # (E, Ev)
+            u = v[b][t] if not delta else rate[b][t][0] * (v[b][t] - phi(k[b][t]) @ P)  # (Ev,)
+            state = P + np.outer(phi(k[b][t]), u) if seen[t] else state  # (E, Ev)
+            steps.append((P, u, state))
+        # 2) backward, from the last position
+        dS = np.zeros((E, Ev), work)
+        for t in reversed(range(L)):
+            P, u, S_t = steps[t]
+            phi_q, phi_k = phi(q[b][t]), phi(k[b][t])  # (E,)
+            dS = dS + np.outer(phi_q, d_out[b][t])  # (E,) x (Ev,) -> (E, Ev)
+            grads["q"][b][t] = S_t @ d_out[b][t] * derivative(q[b][t])  # (E, Ev) x (Ev,) -> (E,)
+            if not seen[t]:
+                continue
+            d_phi_k = dS @ u  # (E, Ev) x (Ev,) -> (E,)
+            du = phi_k @ dS  # (E,) x (E, Ev) -> (Ev,)
+            dP = dS
+            grads["v"][b][t] = du
+            if delta:
+                grads["v"][b][t] = rate[b][t][0] * du
+                grads["beta"][b][t] = du @ (v[b][t] - phi_k @ P)  # (Ev,) . (Ev,)
+                dP = dP - np.outer(phi_k, rate[b][t][0] * du)  # (E,) x (Ev,)
+                d_phi_k = d_phi_k - P @ (rate[b][t][0] * du)  # (E, Ev) x (Ev,) -> (E,)
+            grads["k"][b][t] = d_phi_k * derivative(k[b][t])
+            if gated:
+                grads["decay"][b][t] = np.sum(dP * P, axis=1)  # d/dg_e of exp(g_e) S row e: (E,)
+                dP = np.exp(g[b][t])[:, None] * dP  # (1 or E, 1) * (E, Ev)
+            dS = dP
+    return {name: _summed_to(grads[name], shape).reshape(shape).astype(dtype) for name, shape in shapes.items()}
 
 
 def varlen_attention_vjp(
@@ -297,6 +385,7 @@ def multi_head_attention_vjp(
     num_kv_heads: int | None = None,
     rope_theta: float | None = None,
     attention: str = "softmax",
+    is_causal: bool = False,
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
 ) -> Gradients:
@@ -326,7 +415,8 @@ def multi_head_attention_vjp(
                                                   projected["k"].shape[-2]))
 
     # 3) through the output projection, from the heads' concatenation (the forward's, as stored)
-    heads = [_head_out(projected, h, d_k, group, mask, rope_theta, attention, dtype) for h in range(num_heads)]
+    heads = [_head_out(projected, h, d_k, group, mask, rope_theta, attention, dtype, is_causal)
+             for h in range(num_heads)]
     mixed = _cast(np.concatenate(heads, axis=-1), dtype)  # H x (..., L, d_k) -> (..., L, D)
     d_mixed, grads = _linear_vjp(state, "w_o", mixed, _cast(d_out, dtype), dtype)  # (..., L, D)
 
@@ -334,7 +424,8 @@ def multi_head_attention_vjp(
     d_projected = {name: np.zeros(x.shape, _work(dtype)) for name, x in projected.items()}
     for h in range(num_heads):
         cols, kv_cols = slice(h * d_k, (h + 1) * d_k), slice(h // group * d_k, (h // group + 1) * d_k)
-        d_head = _head_vjp(projected, h, d_k, group, mask, rope_theta, attention, d_mixed[..., cols], dtype)
+        d_head = _head_vjp(projected, h, d_k, group, mask, rope_theta, attention, d_mixed[..., cols], dtype,
+                           is_causal)
         d_projected["q"][..., cols] += d_head["q"]
         d_projected["k"][..., kv_cols] += d_head["k"]  # a key/value head: the sum over its group's query heads
         d_projected["v"][..., kv_cols] += d_head["v"]
@@ -358,23 +449,25 @@ def _head_inputs(projected: Mapping[str, np.ndarray], h: int, d_k: int, group: i
 
 
 def _head_out(projected: Mapping[str, np.ndarray], h: int, d_k: int, group: int, mask: np.ndarray | None,
-              rope_theta: float | None, attention: str, dtype: DTypeLike) -> np.ndarray:
+              rope_theta: float | None, attention: str, dtype: DTypeLike, is_causal: bool = False) -> np.ndarray:
     """Head h's out (..., L, d_k), as the oracle's forward computes and stores it."""
     q_h, k_g, v_g = _head_inputs(projected, h, d_k, group, rope_theta, dtype)
     head_mask = None if mask is None else mask[..., h, :, :]  # (..., H, L, S) -> (..., L, S)
-    return HEAD_ATTENTIONS[attention](q_h, k_g, v_g, head_mask, dtype)[0]
+    return HEAD_ATTENTIONS[attention](q_h, k_g, v_g, head_mask, dtype, is_causal)[0]
 
 
 def _head_vjp(projected: Mapping[str, np.ndarray], h: int, d_k: int, group: int, mask: np.ndarray | None,
-              rope_theta: float | None, attention: str, d_out_h: np.ndarray, dtype: DTypeLike) -> Gradients:
+              rope_theta: float | None, attention: str, d_out_h: np.ndarray, dtype: DTypeLike,
+              is_causal: bool = False) -> Gradients:
     """Head h's gradients with respect to its slices of the projections: {"q" (..., L, d_k), "k", "v" (..., S,
     d_k)}, RoPE's turn undone (its adjoint, the turn by -positions)."""
     q_h, k_g, v_g = _head_inputs(projected, h, d_k, group, rope_theta, dtype)
     if attention == "linear":
-        grads = linear_attention_vjp(q_h, k_g, v_g, d_out_h, dtype=dtype)
+        grads = linear_attention_vjp(q_h, k_g, v_g, d_out_h, is_causal=is_causal, dtype=dtype)
     else:
         head_mask = None if mask is None else mask[..., h, :, :]
-        grads = sdpa_vjp(q_h, k_g, v_g, d_out_h, head_mask, scale=1.0 / math.sqrt(d_k), dtype=dtype)
+        grads = sdpa_vjp(q_h, k_g, v_g, d_out_h, head_mask, is_causal=is_causal, scale=1.0 / math.sqrt(d_k),
+                         dtype=dtype)
     grads = {name: _cast(grad, dtype) for name, grad in grads.items()}
     if rope_theta is not None:  # a rotation's adjoint turns back
         for name in ("q", "k"):

@@ -11,8 +11,9 @@ so D = H * d_k <= 8; F in {4, 8}; leading axes (), (2,) or (2, 3) (grouped-query
 H in {2, 4} query heads, Hkv in {1, H / 2, H} for k and v); scale, dropout and eps from short fixed lists.
 About one module case in three (OPTIONED) draws the module options of SPEC 5 (num_kv_heads among the divisors
 of H, bias, rope_theta with d_k = 4; in MultiHeadAttention also attention "linear", one in four, without a mask
-and dropout; in the block also norm and activation "swiglu"); the rest keep the seed's layout, so JAX compiles
-few new shapes.
+and dropout, causal in one of two in self-attention; in the block also norm and activation "swiglu"); the rest
+keep the seed's layout, so JAX compiles few new shapes. A causal linear case takes an update rule of ONNX's
+(gated, delta, gated_delta) in one case of two, its decay and beta from short spans, the delta rules on unit keys.
 
 Hypothesis draws every shape, flag and mask family, so it can shrink them; the numbers come from a NumPy
 Generator seeded by one drawn integer (fast, and the seed is part of the example). Floating arrays are
@@ -94,6 +95,12 @@ CHUNKS = (1, 2, 3, 4, 5, 6, 7)  # a causal linear case's chunk: one drawn that d
 LINEAR_EPSILONS = (1e-6, 1e-3, 1.0)  # the default; one that matters for small weights; one as large as they are
 OVERFLOW_LENGTHS = (512, 513)  # L = S of a linear case past float16's range: q and k LARGE, so phi(q_i) . z_i
 # (hundreds of keys of features near 15) passes 65504, and a float16 prefix sum stalls (its spacing passes 2)
+UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")  # a causal linear case's rule: "linear" in one of two
+RULE_WEIGHTS = (3, 1, 1, 1)  # how many times each rule stands in the list a causal case draws from
+DECAY_WIDTHS = (1, "E")  # a gated rule's decay (..., S, 1), one per head, or (..., S, E), one per key dimension
+DECAY_SPAN = (0.02, 0.5)  # -g uniform in it: exp(g) from 0.61 to 0.98 per position, far from float16's spacing
+BETA_SPAN = (0.1, 0.9)  # beta uniform in it
+DELTA_MAPS = ("identity", "identity", "relu")  # the delta rules' phi, on unit keys: |phi(k)| <= 1
 
 SEEDS = st.integers(0, 2**32 - 1)
 
@@ -534,7 +541,8 @@ def ring_cases(draw: Callable, *, magnitude: str | None = None) -> RingCase:
 
 @st.composite
 def linear_cases(draw: Callable, *, is_causal: bool | None = None, with_lengths: bool | None = None,
-                 magnitude: str | None = None, long: bool = True, overflowing: bool = False) -> LinearCase:
+                 magnitude: str | None = None, long: bool = True, overflowing: bool = False,
+                 rules: tuple[str, ...] = UPDATE_RULES) -> LinearCase:
     """Linear attention (SPEC 2e): a feature map of FEATURE_MAPS; causal or not (None draws it; causal: L == S,
     the chunked form in three cases of four, with a chunk of CHUNKS that does not divide L, so the last chunk is
     partial, or 1, or one larger than L; not causal: L and S drawn apart, no chunk); key lengths per sequence
@@ -549,7 +557,13 @@ def linear_cases(draw: Callable, *, is_causal: bool | None = None, with_lengths:
     values, as with elu + 1 and relu. With signed features the normaliser can cancel to about 0 and out grows
     without bound: a relative error that measures rounding, not correctness, in float32 and in central
     differences alike, so the checks would either miss bugs or fail correct modules. relu's weights are >= 0
-    whatever the inputs (a query or key with no positive entry gives weights of 0, out 0 / eps = 0)."""
+    whatever the inputs (a query or key with no positive entry gives weights of 0, out 0 / eps = 0).
+
+    A causal case then draws its update rule from `rules` (UPDATE_RULES, "linear" weighted RULE_WEIGHTS: in one
+    case of two; an overflowing one keeps "linear"): a gated rule's decay g = -U(DECAY_SPAN), (..., S, 1) or
+    (..., S, E) (DECAY_WIDTHS), a delta rule's beta U(BETA_SPAN) (..., S, 1); the delta rules on unit keys
+    (k / |k|) with phi of DELTA_MAPS, so |phi(k)| <= 1 and each step's I - beta phi(k) phi(k)^T shrinks the state
+    (it stays bounded at every L)."""
     feature_map = draw(st.sampled_from(FEATURE_MAPS))
     is_causal = draw(st.booleans()) if is_causal is None else is_causal
     past_half = overflowing and draw(st.sampled_from((True, False)))  # True first: the least case is one
@@ -564,7 +578,7 @@ def linear_cases(draw: Callable, *, is_causal: bool | None = None, with_lengths:
         q, k = np.abs(q), np.abs(k)
     with_lengths = draw(st.booleans()) if with_lengths is None else with_lengths
     lengths_ = draw(_per_sequence(batch, key_lengths(S))) if with_lengths else None
-    return LinearCase(q=q,
+    case = LinearCase(q=q,
                       k=k,
                       v=v,
                       feature_map=feature_map,
@@ -572,6 +586,26 @@ def linear_cases(draw: Callable, *, is_causal: bool | None = None, with_lengths:
                       key_lengths=lengths_,
                       eps=draw(st.sampled_from(LINEAR_EPSILONS)),
                       chunk=chunk)
+    weighted = [rule for rule, weight in zip(UPDATE_RULES, RULE_WEIGHTS, strict=True) if rule in rules
+                for _ in range(weight)]
+    rule = draw(st.sampled_from(weighted)) if is_causal and not past_half else "linear"
+    return case if rule == "linear" else draw(_with_rule(case, rule))
+
+
+@st.composite
+def _with_rule(draw: Callable, case: LinearCase, rule: str) -> LinearCase:
+    """A causal case under update rule `rule` (linear_cases): the gates drawn, the delta rules' keys unit."""
+    rng, (L, E) = _rng(draw), case.k.shape[-2:]
+    batch = case.k.shape[:-2]
+    decay = beta = None
+    if rule in ("gated", "gated_delta"):
+        width = E if draw(st.sampled_from(DECAY_WIDTHS)) == "E" else 1
+        decay = -rng.uniform(*DECAY_SPAN, (*batch, L, width))  # (..., S, 1) or (..., S, E)
+    if rule in ("delta", "gated_delta"):
+        beta = rng.uniform(*BETA_SPAN, (*batch, L, 1))  # (..., S, 1)
+        k = case.k / np.maximum(np.linalg.norm(case.k, axis=-1, keepdims=True), 1e-300)  # unit rows (..., S, E)
+        case = case._replace(k=k, feature_map=draw(st.sampled_from(DELTA_MAPS)))
+    return case._replace(update_rule=rule, decay=decay, beta=beta)
 
 
 # --- programmable attention (flex_attention) -----------------------------------------------------------------
@@ -803,13 +837,15 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     `cross` None draws it. Inputs "normal" or "large" unless `magnitude` is given; mask per head; num_kv_heads,
     bias and rope_theta from `heads_and_options` (rope=False: none, for properties of unpositioned attention);
     an optioned case draws its heads' attention from ATTENTIONS, and linear heads take no mask and no dropout
-    (linear=False: softmax heads only, for the dropout checks: linear heads form no weights to drop)."""
+    (linear=False: softmax heads only, for the dropout checks: linear heads form no weights to drop); linear heads
+    in self-attention are causal in one case of two."""
     num_heads, d_model, optioned, options = draw(heads_and_options(rope=rope))
     attention = draw(st.sampled_from(ATTENTIONS)) if optioned and linear else "softmax"
     linear = attention == "linear"
     batch, L = draw(batch_shapes()), draw(lengths(long=long))
     cross = draw(st.booleans()) if cross is None else cross
     S = draw(lengths(exclude=L, long=long)) if cross else L
+    is_causal = linear and not cross and draw(st.booleans())  # linear heads in self-attention: causal in one of two
     magnitude = draw(st.sampled_from(MAGNITUDES[:2])) if magnitude is None else magnitude
     rng = _rng(draw)
     q = _values(rng, (*batch, L, d_model), magnitude)  # (..., L, D)
@@ -826,7 +862,8 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
                    v=v,
                    mask=mask,
                    **options,
-                   attention=attention)
+                   attention=attention,
+                   is_causal=is_causal)
 
 
 @st.composite

@@ -405,7 +405,8 @@ STEP_FUNCTIONS = ("linear_attention_state", "linear_attention_step")  # the recu
 def linear_steps(runner: Runner, case: LinearCase, dtype: str) -> dict[str, Measure]:
     """steps: linear_attention_state, then linear_attention_step at positions 0, 1, .., L - 1 (the state in the
     inputs' dtype), gives the causal forward's outputs: each out_t against the oracle's causal out row t, as
-    `values` (below float64 to LOW_PRECISION_FACTOR times what the oracle loses). The recurrent form takes no
+    `values` (below float64 to LOW_PRECISION_FACTOR times what the oracle loses); under the case's update rule,
+    each step given its position's decay and beta (the oracle's recurrence, ONNX's). The recurrent form takes no
     key lengths; a module without the two functions is SKIP.
     state_kept: the state each step is given holds after the call, bit for bit, what a copy taken before it holds
     (SPEC 2e: the state passed in never changes; a step that adds key t into it in place gives the right out_t
@@ -418,26 +419,33 @@ def linear_steps(runner: Runner, case: LinearCase, dtype: str) -> dict[str, Meas
     tolerance = _low_precision_tolerance(case, dtype, reference)
     # one staged call (JAX: one compile) per case: the outputs, and each step's state as copied before the step and
     # as it is after it
-    outs, copies, given = runner.call(_stepped, {"q": case.q, "k": case.k, "v": case.v}, dtype, None,
-                                      feature_map=case.feature_map, eps=case.eps)
+    outs, copies, given = runner.call(_stepped, {"q": case.q, "k": case.k, "v": case.v, "decay": case.decay,
+                                                 "beta": case.beta}, dtype, None, feature_map=case.feature_map,
+                                      eps=case.eps, update_rule=case.update_rule)
     out = np.stack(outs, axis=-2) if outs else None  # L x (..., Ev) -> (..., L, Ev)
     (out, _), (expected_out, _) = (specified(runner, case, pair) for pair in ((out, None), reference))
     return {"steps": compare("stepped out", out, expected_out, dtype)._replace(tolerance=tolerance),
             "state_kept": _state_kept(copies, given)}
 
 
-def _stepped(module: ModuleType, arrays: dict, rng: Any, *, feature_map: str, eps: float) -> tuple[list, list, list]:
+def _stepped(module: ModuleType, arrays: dict, rng: Any, *, feature_map: str, eps: float,
+             update_rule: str) -> tuple[list, list, list]:
     """out_t for t = 0 .. L - 1 from the recurrent form, the state starting at zeros in q's dtype; and for each
-    step a copy of the state it is given, taken before the call, and that state itself, as it is after the call."""
+    step a copy of the state it is given, taken before the call, and that state itself, as it is after the call.
+    update_rule, decay_t and beta_t are passed only under a rule other than "linear" (state (S, None))."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
-    batch = np.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]), tuple(v.shape[:-2]))  # (...)
-    state = module.linear_attention_state(batch, q.shape[-1], v.shape[-1], dtype=q.dtype)  # S (..., E, Ev), z
+    gates = {name: arrays[name] for name in ("decay", "beta") if arrays[name] is not None}  # (..., L, 1 or E)
+    batch = np.broadcast_shapes(*(tuple(x.shape[:-2]) for x in (q, k, v, *gates.values())))  # (...)
+    rule = {} if update_rule == "linear" else {"update_rule": update_rule}
+    state = module.linear_attention_state(batch, q.shape[-1], v.shape[-1], dtype=q.dtype, **rule)  # S, z or None
     outs, copies, given = [], [], []
     for t in range(q.shape[-2]):  # a Python loop: the sequences are short, so JAX traces it once, unrolled
-        copies.append([array_namespace(x).asarray(x, copy=True) for x in state])  # the state's own framework
+        copies.append([None if x is None else array_namespace(x).asarray(x, copy=True)  # the state's framework
+                       for x in state])
         given.append(list(state))
+        at_t = {name: x[..., t, :] for name, x in gates.items()}  # decay_t (..., 1 or E), beta_t (..., 1)
         out_t, state = module.linear_attention_step(q[..., t, :], k[..., t, :], v[..., t, :], state,
-                                                    feature_map=feature_map, eps=eps)  # (..., Ev)
+                                                    feature_map=feature_map, eps=eps, **rule, **at_t)  # (..., Ev)
         outs.append(out_t)
     return outs, copies, given
 
@@ -446,8 +454,10 @@ def _state_kept(copies: list[list[np.ndarray]], given: list[list[np.ndarray]]) -
     """0 where every state given to a step holds after it the bits its copy holds; inf naming the first step and
     array that changed."""
     for t, (before, after) in enumerate(zip(copies, given, strict=True)):
-        for name, x, y in zip(("S", "z"), before, after, strict=True):  # SPEC 2e's pair (S, z)
-            if y.shape != x.shape or y.dtype != x.dtype or y.tobytes() != x.tobytes():
+        for name, x, y in zip(("S", "z"), before, after, strict=True):  # SPEC 2e's pair (S, z), or (S, None)
+            if x is None and y is None:
+                continue
+            if x is None or y is None or y.shape != x.shape or y.dtype != x.dtype or y.tobytes() != x.tobytes():
                 return Measure(math.inf, f"linear_attention_step at position {t} changed the state it was given "
                                          f"in place ({name})")
     return Measure(0.0)
