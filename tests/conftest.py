@@ -9,6 +9,7 @@ promotion, so the JAX backend is shown to need neither implicit broadcasting by 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import importlib.metadata
 import os
@@ -68,6 +69,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "jax" in item.nodeid.lower():
             item.add_marker(pytest.mark.slow)
+
+
+_FROZEN_BEFORE: list[str] = []  # the test file whose first test last froze what was alive
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before each test file's first test, what is alive (the frameworks' modules, JAX's compiled programs, the
+    earlier files' caches) goes out of the cyclic collector's sight after a last collection (gc.freeze): a full
+    collection then walks only the objects made since, where it walked every object of JAX, torch and Hypothesis
+    again and again in a worker that holds more of them with every file (measured on gradients, linear_cache,
+    mods_attention, serve and sinks: 3.4 s of CPU in full collections, 1.6 s frozen per file, of about 72 s).
+    Objects made later are collected as before."""
+    path = str(item.path)
+    if not _FROZEN_BEFORE or _FROZEN_BEFORE[-1] != path:
+        _FROZEN_BEFORE[:] = [path]
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_configure(config: pytest.Config) -> None:
