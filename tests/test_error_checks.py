@@ -45,7 +45,10 @@ def test_the_third_party_implementation_raises_the_same_exceptions():
     assert skipped == {"d_out_shape", "d_out_dtype",  # it offers no vjp: those cases do not apply
                        # nor a length per sequence nor a paged cache (features cache_lengths and paged_cache)
                        "new_lengths_negative", "new_lengths_past_the_chunk", "block_table_outside_the_pool",
-                       "paged_sequence_past_its_pages"}
+                       "paged_sequence_past_its_pages",
+                       # nor sinks nor ALiBi (its signature lacks them: features sinks and alibi_slopes)
+                       "sinks_of_other_heads", "alibi_slopes_of_other_heads", "alibi_slopes_scalar",
+                       "alibi_slopes_adds_an_axis"}
 
 
 @pytest.mark.slow
