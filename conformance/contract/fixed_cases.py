@@ -1163,6 +1163,10 @@ def _mods_rows() -> list[Fixed]:
             block_size=(2, 2), score_mod=mods.alibi(slopes[:2])),
                 "a block mask of causal and key lengths 8, 5 in tiles of 2: full tiles below the diagonal, partial "
                 "ones on it and at the lengths, empty ones above; ALiBi slopes 1/2, 1/4"),
+        example("flash", "mods_block_mask_causal_off_the_tiles", lambda: tiled(
+            _mods_case(L=5, S=5, mask_mod=mods.causal(-1))(), 2, 2)._replace(block_size=(2, 2)),
+            "a block mask of causal from q_offset -1 in tiles of 2: each diagonal tile's first query sees none of "
+            "its keys and its second query one, so the tile is partial, never empty"),
         error("flash", "mods_q_three_axes", lambda: tiled(sdpa_case((2,), mask_mod=mods.causal()), 2, 3),
               ValueError, "four axes"),
         error("flash", "mods_mask_mod_and_block_mask", lambda: tiled(full_and_partial(), 2, 2)._replace(

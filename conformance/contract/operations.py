@@ -41,7 +41,7 @@ from .cases import (
     page_tables,
     per_query_head,
 )
-from .features import Declaration
+from .features import Declaration, takes
 
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 
@@ -222,6 +222,20 @@ def per_head_used(case: Case) -> dict[str, Any]:
     then."""
     fields = case._asdict()
     return {name: fields[name] for name in PER_HEAD_KEYWORDS if fields.get(name) is not None}
+
+
+def per_head_lacks(module: ModuleType) -> Declaration:
+    """The features of the keywords of one value per head (sinks, alibi_slopes) that a function of `module` does not
+    take where its operation's options name them (no such keyword and no **keywords in its signature), each with the
+    reason "not in the signature of ring_attention": a ring or flex kernel written before sinks keeps passing the
+    rows it can run, as features.from_signatures reads sdpa's keywords off one function."""
+    lacks: dict[str, str] = {}
+    for name in PER_HEAD_KEYWORDS:
+        for operation in OPERATIONS.values():
+            function = getattr(module, operation.function, None)
+            if name in operation.options and callable(function) and not takes(function, name):
+                lacks.setdefault(keywords.KEYWORDS[name].feature, f"not in the signature of {operation.function}")
+    return Declaration(lacks)
 
 
 def _per_head(arrays: dict, options: dict) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from array_api_compat import array_namespace
 
 from ..contract.cases import BlockCase, Case, LinearCase, MhaCase, SdpaCase, per_query_head
 from ..contract.features import declaration_of
-from ..contract.operations import Pair, Probe, arrays_and_options, missing, operation_of
+from ..contract.operations import Pair, Probe, arrays_and_options, missing, operation_of, per_head_lacks
 from ..contract.tolerances import relative_error
 from ..frameworks.registry import RngForm, framework_of
 
@@ -81,7 +81,9 @@ class Runner:
 
     def __init__(self, module: ModuleType) -> None:
         self.module, self.framework = module, framework_of(module)
-        self.declaration = declaration_of(module)  # what it lacks of the contract (SPEC 11)
+        # what it lacks of the contract (SPEC 11): declared, or read off its signatures (sinks and alibi_slopes off
+        # each operation's function that takes them)
+        self.declaration = per_head_lacks(module) | declaration_of(module)
         self._staged: dict[tuple, Callable] = {}
 
     def run(self, case: Case, dtype: str, *, training: bool = False, seed: int | None = None,
