@@ -321,8 +321,9 @@ def _sunk_rows(out: jax.Array, lse: jax.Array, sinks: jax.Array | None) -> tuple
     if sinks is None:
         return out, lse
     sink = _ranked(_sink_logits(sinks, lse.shape[:-1], False, lse.dtype)[..., 0], lse.ndim)  # jax: no rank promotion
-    merged = jnp.logaddexp(lse, sink)  # (..., L)
-    shift = jnp.where(merged == -jnp.inf, 0.0, merged)  # no key and a sink of -inf: exp(-inf - 0) = 0, never NaN
+    none = (lse == -jnp.inf) & (sink == -jnp.inf)  # no key and a sink of -inf: lse' -inf, and no NaN in its gradient
+    merged = jnp.where(none, -jnp.inf, jnp.logaddexp(jnp.where(none, 0.0, lse), jnp.where(none, 0.0, sink)))  # (..., L)
+    shift = jnp.where(merged == -jnp.inf, 0.0, merged)  # there exp(-inf - 0) = 0, never NaN
     return (jnp.exp(lse - shift)[..., None] * out.astype(lse.dtype)).astype(out.dtype), merged
 
 

@@ -278,8 +278,10 @@ def _sunk_rows(out: np.ndarray, lse: np.ndarray, sinks: np.ndarray | None) -> tu
     sees no key keeps zeros); both unchanged without sinks. sinks broadcast to (..., H), lse's leading axes."""
     if sinks is None:
         return out, lse
-    merged = np.logaddexp(lse, _sink_logits(sinks, lse.shape[:-1], False, lse.dtype)[..., 0])  # (..., L)
-    shift = np.where(merged == -np.inf, 0, merged)  # no key and a sink of -inf: exp(-inf - 0) = 0, never NaN
+    sink = _sink_logits(sinks, lse.shape[:-1], False, lse.dtype)[..., 0]
+    none = (lse == -np.inf) & (sink == -np.inf)  # no key and a sink of -inf: lse' -inf, and no NaN in its gradient
+    merged = np.where(none, -np.inf, np.logaddexp(np.where(none, 0, lse), np.where(none, 0, sink)))  # (..., L)
+    shift = np.where(merged == -np.inf, 0, merged)  # there exp(-inf - 0) = 0, never NaN
     return (np.exp(lse - shift)[..., None] * out).astype(out.dtype, copy=False), merged
 
 

@@ -183,8 +183,10 @@ def _sunk_rows(out: torch.Tensor, lse: torch.Tensor,
     torch: out of place, so that autograd takes its gradients on to out's and lse's."""
     if sinks is None:
         return out, lse
-    merged = torch.logaddexp(lse, _sink_logits(sinks, lse.shape[:-1], False, lse.dtype, lse.device)[..., 0])
-    shift = torch.where(merged == -math.inf, 0, merged)  # no key and a sink of -inf: exp(-inf - 0) = 0, never NaN
+    sink = _sink_logits(sinks, lse.shape[:-1], False, lse.dtype, lse.device)[..., 0]
+    none = (lse == -math.inf) & (sink == -math.inf)  # no key and a sink of -inf: lse' -inf, and no NaN in its gradient
+    merged = torch.where(none, -math.inf, torch.logaddexp(torch.where(none, 0, lse), torch.where(none, 0, sink)))
+    shift = torch.where(merged == -math.inf, 0, merged)  # there exp(-inf - 0) = 0, never NaN
     return (torch.exp(lse - shift)[..., None] * out.to(lse.dtype)).to(out.dtype), merged
 
 

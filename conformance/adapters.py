@@ -19,7 +19,8 @@ The kernel takes q, k, v in its layout and, by keyword, those of the contract's 
 signature (mask, bias, is_causal, scale, q_offset, window, key_lengths, softcap, enable_gqa; mask_mod and
 score_mod, passed as they are, which it calls with its own index arrays (not in layout NLE); dropout_p and rng
 for dropout; need_weights when it returns (out, weights)); the features it does not name are what the
-declaration lacks (mods for mask_mod, score_mod for score_mod). The adapter checks the arguments as the
+declaration lacks (mods for mask_mod, score_mod for score_mod), and sinks and alibi_slopes always: the adapter passes
+neither (yet). The adapter checks the arguments as the
 contract does (the backends' own checks, so bad input raises SPEC 7's errors before the kernel sees it),
 broadcasts the leading axes (...) and lays q, k, v, the masks and the per-sequence positions out for the
 kernel: the last leading axis is the heads, the others the batch, and a mask arrives as a full (B, H, L, S) array
@@ -42,7 +43,9 @@ from attention_np.common import keywords, validation
 
 from .contract.features import Declaration
 
-ARGUMENTS = tuple(keywords.KEYWORDS)  # sdpa's keywords (attention_np.common.keywords, the keyword set's home)
+UNADAPTED = keywords.PER_HEAD  # sinks and alibi_slopes: not laid out for a kernel (yet), so always lacking
+ARGUMENTS = tuple(name for name in keywords.KEYWORDS if name not in UNADAPTED)  # sdpa's keywords the adapter passes
+# (attention_np.common.keywords, the keyword set's home)
 DEFAULTS = keywords.defaults()
 FEATURES = {name: keyword.feature for name, keyword in keywords.KEYWORDS.items()}  # the feature each one needs
 MODS = keywords.MODS  # passed to the kernel as they are: it calls them with its own index arrays
@@ -146,7 +149,8 @@ class Adapted:
         lacks = [FEATURES[name] for name in ARGUMENTS if name not in self.takes]
         lacks += [] if "dropout_p" in self.takes else ["dropout"]
         lacks += [] if "need_weights" in self.takes else ["weights"]
-        return Declaration(dict.fromkeys(lacks, "the kernel takes no such argument"))
+        return Declaration(dict.fromkeys(lacks, "the kernel takes no such argument")
+                           | dict.fromkeys((FEATURES[name] for name in UNADAPTED), "the adapter passes none"))
 
     def __call__(self, q: Any, k: Any, v: Any, mask: Any = None, *, bias: Any = None, is_causal: bool = False,
                  scale: float | None = None, q_offset: Any = 0, window: tuple | None = None, key_lengths: Any = None,

@@ -360,8 +360,10 @@ def _everything(q: object, k: object, v: object, *, mask: object = None, bias: o
 def test_declaration_lists_what_the_signature_does_not_name():
     assert set(adapters.sdpa(_causal_only).declaration.lacks) == {
         "mask", "bias", "scale", "q_offset", "window", "key_lengths", "softcap", "enable_gqa", "mods", "score_mod",
-        "dropout", "weights"}
-    assert adapters.sdpa(_everything).declaration == Declaration()
+        "dropout", "weights", "sinks", "alibi_slopes"}
+    # sinks and alibi_slopes: the adapter lays out neither for a kernel, so every adapted kernel lacks them
+    assert adapters.sdpa(_everything).declaration == Declaration(dict.fromkeys(("sinks", "alibi_slopes"),
+                                                                               "the adapter passes none"))
 
 
 def test_declaration_of_an_additive_mask_has_the_bias():
@@ -570,7 +572,7 @@ def test_mods_reach_a_kernel_that_takes_them_and_their_parameters_get_gradients(
     sdpa = adapters.sdpa(_torch_modded_kernel)
     assert sdpa.declaration == Declaration({name: "the kernel takes no such argument" for name in (
         "mask", "bias", "is_causal", "scale", "q_offset", "window", "key_lengths", "softcap", "enable_gqa", "dropout",
-        "weights")})
+        "weights")} | dict.fromkeys(("sinks", "alibi_slopes"), "the adapter passes none"))
     out, _, pullback = adapters.vjp(sdpa)(*map(torch.from_numpy, (q, k, v)), mask_mod=mask_mod, score_mod=score_mod)
     expected, _ = oracle.sdpa(q, k, v, mask_mod=mask_mod, score_mod=score_mod)
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-12, atol=1e-12)

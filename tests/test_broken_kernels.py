@@ -48,7 +48,7 @@ def test_every_broken_kernel_names_the_check_that_catches_it():
 
 def test_kernel_declares_what_its_signature_does_not_name():
     assert set(KERNEL.CONFORMANCE.lacks) == {"bias", "q_offset", "window", "key_lengths", "softcap", "enable_gqa",
-                                             "mods", "score_mod", "dropout", "weights"}
+                                             "mods", "score_mod", "dropout", "weights", "sinks", "alibi_slopes"}
 
 
 def test_correct_kernel_passes_the_sdpa_rows():

@@ -47,7 +47,10 @@ def test_the_third_party_implementation_raises_the_same_exceptions():
                        # paged_cache and streaming_cache)
                        "new_lengths_negative", "new_lengths_past_the_chunk", "block_table_outside_the_pool",
                        "paged_sequence_past_its_pages", "streaming_past_capacity", "streaming_sink_tokens_negative",
-                       "streaming_window_not_positive", "streaming_chunk_past_the_window", "streaming_with_a_mask"}
+                       "streaming_window_not_positive", "streaming_chunk_past_the_window", "streaming_with_a_mask",
+                       # nor sinks nor ALiBi (its signature lacks them: features sinks and alibi_slopes)
+                       "sinks_of_other_heads", "alibi_slopes_of_other_heads", "alibi_slopes_scalar",
+                       "alibi_slopes_adds_an_axis"}
 
 
 @pytest.mark.slow

@@ -117,7 +117,8 @@ def test_lacking_arguments_keeps_them_from_the_module():
             raise AssertionError(f"passed what it lacks: {mask is not None, bias is not None, is_causal, keywords}")
         return attention_np.scaled_dot_product_attention(q, k, v, scale=scale, **keywords)
 
-    lacking = ("mask", "bias", "is_causal", "q_offset", "window", "key_lengths", "softcap", "enable_gqa", "mods")
+    lacking = ("mask", "bias", "is_causal", "q_offset", "window", "key_lengths", "softcap", "enable_gqa", "mods",
+               "sinks", "alibi_slopes")
     module = _module("few_arguments", lacks=Declaration(lacking), functions=())
     module.scaled_dot_product_attention = refusing
     report = check(module, operations=("sdpa",))
@@ -287,7 +288,8 @@ def test_a_kernel_of_the_first_contract_untouched_passes_the_rows_it_can_run():
 
     module = _module("first_contract", functions=())
     module.scaled_dot_product_attention = scaled_dot_product_attention
-    lacking = ("q_offset", "window", "key_lengths", "softcap", "enable_gqa", "mods", "score_mod")
+    lacking = ("q_offset", "window", "key_lengths", "softcap", "enable_gqa", "mods", "score_mod", "sinks",
+               "alibi_slopes")
     assert dict(Runner(module).declaration.lacks) == dict.fromkeys(
         sorted(lacking), "not in the signature of scaled_dot_product_attention")
     report = check(module, operations=("sdpa",), max_examples=4)
@@ -483,12 +485,14 @@ def test_an_sdpa_without_mask_mod_and_score_mod_declares_mods_and_passes_the_res
         return einsum_attention.scaled_dot_product_attention(q, k, v, mask, **keywords)
 
     lacking = _module("sdpa_without_sdpa_mods", einsum_attention, functions=(),
-                      lacks=Declaration({"mods": "no mask or score functions"}))
+                      lacks=Declaration({"mods": "no mask or score functions", "sinks": "older than sinks",
+                                         "alibi_slopes": "older than ALiBi"}))
     lacking.scaled_dot_product_attention = without_mods
     report = check(lacking, operations=("sdpa",), max_examples=3)
     assert report.passed, _failures(report)
     errors = next(row for row in report.rows if row.operation == "sdpa" and row.check == "errors")
-    ran = [row for row in rows("sdpa", "error") if row.stage == "call" and "mods" not in features_used(row.build())]
+    ran = [row for row in rows("sdpa", "error")
+           if row.stage == "call" and not features_used(row.build()) & {"mods", "sinks", "alibi_slopes"}]
     assert errors.examples == len(ran) < len(rows("sdpa", "error"))  # no vjp: pullback rows skipped too
     assert any(row.operation == "sdpa" and row.check == "values" and not row.skipped for row in report.rows)
     undeclared = _module("sdpa_without_sdpa_mods_undeclared", einsum_attention, functions=())

@@ -360,6 +360,26 @@ def test_flex_with_sinks_is_the_oracles(backend: ModuleType) -> None:
         assert_close(backend.to_numpy(grad), expected, REORDERED, name)
 
 
+def test_flex_gradient_of_a_sink_of_minus_inf_on_a_query_that_sees_no_key_is_zero(backend: ModuleType) -> None:
+    # causal from q_offset -1: query 0 sees no key, so with the sink of -inf (head 3) its lse is -inf, and the merge
+    # logaddexp(-inf, -inf) must take no NaN into d_sinks (JAX's and torch's autodiff of it did): that head's
+    # d_sink is 0 (no sink reaches the loss), the others' the NumPy vjp's, derived by hand
+    import attention_np
+    from attention_np.common import mods
+
+    case = _case(7)
+    q, k, v = case["q"], case["k"], case["v"]
+    block_mask = backend.create_block_mask(mods.causal(-1), B, H, L, S, BLOCK_SIZE=(2, 3))
+    d_out = np.random.default_rng(8).standard_normal((B, H, L, E))
+    *_, pullback = backend.flex_attention_vjp(*(backend.asarray(x) for x in (q, k, v)), block_mask=block_mask,
+                                              enable_gqa=True, sinks=backend.asarray(case["sinks"]))
+    d_sinks = backend.to_numpy(pullback(backend.asarray(d_out))[3])
+    *_, expected = attention_np.flash_attention_vjp(q, k, v, enable_gqa=True, mask_mod=mods.causal(-1),
+                                                    sinks=case["sinks"], block_q=2, block_k=3)
+    assert np.all(np.isfinite(d_sinks)) and d_sinks[3] == 0, d_sinks
+    assert_close(d_sinks, expected(d_out)[4], REORDERED, "d_sinks")
+
+
 def test_the_oracles_vjp_with_sinks_is_central_differences(reference_gradients: dict[str, np.ndarray]) -> None:
     from conformance.contract import oracle_gradients
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attention_np.common import keywords as keywords_module
 from conformance.contract import cases, fixed_cases, operations
 from conformance.contract import strategies as cs
 from conformance.run import suite
@@ -754,9 +755,10 @@ def test_masks_and_biases_are_drawn_at_every_rank() -> None:
 def test_lengths_reach_every_long_size_in_few_draws() -> None:
     drawn: list[tuple[int, int]] = []
 
-    # 400 draws: Hypothesis's derandomized draws are far from uniform over the 13 sizes, and since the
-    # keywords of SPEC 2a lengthened each case's choices, 300 draws missed a long size
-    @settings(max_examples=400, derandomize=True, database=None, deadline=None)
+    # 600 draws: Hypothesis's derandomized draws are far from uniform over the 13 sizes, and since the
+    # keywords of SPEC 2a lengthened each case's choices, 300 draws missed a long size (and 500 since sinks and
+    # alibi_slopes lengthened a positioned case's)
+    @settings(max_examples=600, derandomize=True, database=None, deadline=None)
     @given(cs.sdpa_cases())
     def record(case: cases.SdpaCase) -> None:
         drawn.append((case.q.shape[-2], case.k.shape[-2]))
@@ -845,11 +847,13 @@ def test_positions_and_groups_reach_every_form_in_a_third_of_the_cases() -> None
 @given(cs.sdpa_cases(positioned=True))
 def test_the_operations_visible_keys_are_those_the_oracle_weighs(case: cases.SdpaCase) -> None:
     # masked_rows and single_key read Operation.visible: a key it hides has weight 0 in the oracle, and a
-    # row it leaves a key sums to 1 (a weight may underflow to 0, a row cannot)
+    # row it leaves a key sums to 1 (a weight may underflow to 0, a row cannot); a sink hides no key but takes a
+    # share of each row (SPEC 2h), so the sums are those of the case without it
     visible = operations.OPERATIONS["sdpa"].visible(case)
     weights = _oracle(case)[1]
     assert not np.any(weights[~visible])
-    np.testing.assert_allclose(weights.sum(axis=-1), np.any(visible, axis=-1), atol=1e-12)
+    sums = weights.sum(axis=-1) if case.sinks is None else _oracle(case._replace(sinks=None))[1].sum(axis=-1)
+    np.testing.assert_allclose(sums, np.any(visible, axis=-1), atol=1e-12)
 
 
 def test_module_options_reach_every_form_in_a_third_of_the_cases() -> None:
@@ -897,3 +901,49 @@ def test_causal_linear_heads_in_some_self_attention_mha_cases() -> None:
 
     record()
     assert any(causal) and not all(causal), causal
+
+
+def _per_head_form(name: str, value: np.ndarray) -> set[str]:
+    """The form of a drawn sinks or alibi_slopes (SPEC 2h, 2i), as strategies' SINK_FORMS and SLOPE_FORMS name them
+    (for the scores' leading axes (2, 3)), and "-inf" where a sink is."""
+    if name == "sinks":
+        return {("scalar", "head", "sequence")[value.ndim]} | ({"-inf"} if np.any(np.isneginf(value)) else set())
+    geometric = value.ndim == 1 and np.array_equal(value, cs.geometric_slopes(value.shape[0]))
+    return {"geometric" if geometric else ("head", "sequence")[value.ndim - 1]}
+
+
+@pytest.mark.parametrize("name", sorted(cs.PER_HEAD_DRAWERS))
+def test_sinks_and_slopes_reach_every_form(name: str) -> None:
+    forms = {"sinks": {*cs.SINK_FORMS, "-inf"}, "alibi_slopes": set(cs.SLOPE_FORMS)}[name]
+    found: set[str] = set()
+
+    @settings(max_examples=60, derandomize=True, database=None, deadline=None)
+    @given(cs.PER_HEAD_DRAWERS[name]((2, 3)))
+    def record(value: np.ndarray) -> None:
+        assert np.broadcast_shapes(value.shape, (2, 3)) == (2, 3) and (name == "sinks" or value.shape[-1:] == (3,))
+        found.update(_per_head_form(name, value))
+
+    record()
+    assert forms == found, sorted(forms ^ found)
+
+
+@pytest.mark.parametrize("operation", ["sdpa", "flash", "ring", "flex"])
+def test_sinks_and_alibi_are_drawn_where_the_operation_s_options_name_them(operation: str) -> None:
+    # a keyword of one value per head is drawn where the operation's options name it, and only there (ring and flex
+    # take alibi_slopes by naming it), in about one case of three that may take it (sdpa and flash: of the
+    # positioned third)
+    taken = cs.per_head_keywords(operation)
+    assert taken == (("sinks", "alibi_slopes") if operation in ("sdpa", "flash") else ("sinks",))
+    drawn: dict[str, list[bool]] = {name: [] for name in keywords_module.PER_HEAD}
+
+    @settings(max_examples=150, derandomize=True, database=None, deadline=None)
+    @given(getattr(cs, operations.OPERATIONS[operation].strategy)())
+    def record(case: cases.Case) -> None:
+        for name, given_ in drawn.items():
+            given_.append(getattr(case, name, None) is not None)
+
+    record()
+    share = 1 / 3 if operation in ("ring", "flex") else 1 / 9
+    rates = {name: float(np.mean(given_)) for name, given_ in drawn.items()}
+    assert all(0.3 * share < rates[name] < 2.5 * share for name in taken), rates
+    assert all(rates[name] == 0 for name in drawn if name not in taken), rates

@@ -50,12 +50,20 @@ KEYWORDS: MappingProxyType[str, Keyword] = MappingProxyType({
                         asks="mask_mod: a mask function of the query, key, batch and head indices"),
     "score_mod": Keyword(default=None, feature="score_mod", entry="",
                          asks="score_mod: a score function of each score, on flex_attention, sdpa and flash"),
+    "sinks": Keyword(default=None, feature="sinks", entry="",
+                     asks="sinks: one logit per head in every row's softmax, of no value, on sdpa, flash, ring and "
+                          "flex (SPEC 2h)"),
+    "alibi_slopes": Keyword(default=None, feature="alibi_slopes", entry="",
+                            asks="alibi_slopes: -slope_h * abs(p_i - j) added to the scores, on sdpa and flash "
+                                 "(SPEC 2i)"),
 })
 
 # The keywords of SPEC 2a: passed by the suite only where a case differs from their defaults, so that a module
 # without them still runs every case that does not use them
 POSITIONS = ("q_offset", "window", "key_lengths", "softcap", "enable_gqa")
 MODS = ("mask_mod", "score_mod")  # passed only where given; a function the kernel calls with its own indices
+PER_HEAD = ("sinks", "alibi_slopes")  # arrays of one value per head (SPEC 2h, 2i), passed only where given; each
+# operation that takes one names it in its options (conformance/contract/operations.py)
 
 
 def defaults(names: tuple[str, ...] | None = None) -> dict[str, Any]:

@@ -44,6 +44,8 @@ class SdpaCase(NamedTuple):
     mask_mod: Callable[..., Any] | None = None  # (b, h, q_idx, kv_idx) -> True where the query sees the key, and-ed
     # with the rest; q, k, v of four axes (B, H, L, E) (attention_np.common.mods, parameters as NumPy arrays)
     score_mod: Callable[..., Any] | None = None  # (score, b, h, q_idx, kv_idx) -> the score, after softcap, before bias
+    sinks: np.ndarray | None = None  # broadcasts to (..., H): one logit per head in each row's softmax (SPEC 2h)
+    alibi_slopes: np.ndarray | None = None  # (H,) or (B, H): -slope_h * |p_i - j| added to the scores (SPEC 2i)
 
 
 class FlashCase(NamedTuple):
@@ -66,6 +68,8 @@ class FlashCase(NamedTuple):
     enable_gqa: bool = False
     mask_mod: Callable[..., Any] | None = None  # as SdpaCase
     score_mod: Callable[..., Any] | None = None
+    sinks: np.ndarray | None = None  # as SdpaCase
+    alibi_slopes: np.ndarray | None = None
     block_q: int = 128  # queries per tile
     block_k: int = 128  # keys per tile
     block_size: tuple[int, int] | None = None  # the block mask's tiles (block_q, block_k); None: mask_mod itself
@@ -95,6 +99,7 @@ class RingCase(NamedTuple):
     key_lengths: None = None
     softcap: float | None = None
     enable_gqa: bool = False
+    sinks: np.ndarray | None = None  # as SdpaCase: joins each row once, whatever the devices
     block_q: int = 128  # queries per tile, within each step
     block_k: int = 128  # keys per tile
     devices: int = 1  # P: the framework's devices (NumPy: simulated; JAX: a mesh axis; torch: ranks of a group)
@@ -260,6 +265,7 @@ class FlexCase(NamedTuple):
     dropout: float = 0.0  # always 0: flex_attention has no dropout (the field the generic machinery reads)
     mask_for: tuple[int, int, int, int] | None = None  # the scores (B, H, L, S) the block mask is made for;
     # None: the case's own (an error row makes it for others)
+    sinks: np.ndarray | None = None  # broadcasts to (B, H): one logit per head, joined once after the tiles
 
 
 class VarlenCase(NamedTuple):

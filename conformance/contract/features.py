@@ -190,7 +190,7 @@ def from_methods(module: ModuleType) -> Declaration:
     lacks = {}
     if not callable(getattr(attention, "extend", None)):
         lacks["mha_cache"] = "no MultiHeadAttention.extend"
-    if not _takes(extend, "new_lengths"):
+    if not takes(extend, "new_lengths"):
         lacks["cache_lengths"] = "no new_lengths in TransformerBlock.extend"
     if not callable(getattr(block, "init_paged_cache", None)):
         lacks["paged_cache"] = "no TransformerBlock.init_paged_cache"
@@ -214,7 +214,7 @@ def from_linear(module: ModuleType) -> Declaration:
     return Declaration(lacks)
 
 
-def _takes(function: object, name: str) -> bool:
+def takes(function: object, name: str) -> bool:
     """Whether `function` takes the keyword `name` (or **keywords); True where its signature cannot be read."""
     try:
         parameters = inspect.signature(function).parameters

@@ -159,6 +159,7 @@ def _sdpa_examples() -> list[Fixed]:
         example("sdpa", "visible_scores_near_minus_1e5", _far_below_fill(-1e5),
                 "every visible score about -1e5, a hidden key in every row: a masked fill above -1e5 wins"),
         *_positions_examples(),
+        *_per_head_examples(),
     ]
 
 
@@ -194,6 +195,20 @@ def _positions_examples() -> list[Fixed]:
             "H = 4 query heads on Hkv = 2, q_offset [0, 2, -1, 1] and key_lengths [4, 1, 3, 2] per query head, "
             "causal: query head h takes entry h (heads 1 and 2, of different groups, swap if (..., H) is split as "
             "(G, Hkv)); head 1 sees key 0 alone, head 2 query 0 no key"),
+    ]
+
+
+def _per_head_examples() -> list[Fixed]:
+    """SPEC 2h and 2i: sinks and ALiBi's slopes, one value per head (in tiles of 2 x 3 as flash's rows too)."""
+    return [
+        example("sdpa", "sinks_per_head_one_hidden", lambda: sdpa_case(
+            (2, 3), 4, 7, is_causal=True, q_offset=-1, sinks=np.array([2.0, -np.inf, -1.0])),
+            "sinks [2, -inf, -1] on H = 3 heads, causal at q_offset -1: each row's softmax takes exp(sink) in its "
+            "denominator (head 1 none); query 0 sees no key: zeros, its lse the sink"),
+        example("sdpa", "alibi_per_sequence_keys_both_sides", lambda: sdpa_case(
+            (2, 2), 3, 7, q_offset=4, alibi_slopes=np.array([[0.5, 0.0625], [1.0, 0.0]])),
+            "ALiBi slopes (B, H) at q_offset 4, not causal: query i at position 4 + i takes slope |4 + i - j| off "
+            "key j's score, keys before and after it alike; a slope of 0 is no bias"),
     ]
 
 
@@ -372,6 +387,13 @@ def _sdpa_errors() -> list[Fixed]:
               "(3, 4)"),
         error("sdpa", "gqa_mask_per_key_value_head", lambda: _grouped(4, 2, mask=np.ones((2, 3, 5), bool)),
               ValueError, "mask", "(2, 3, 5)", "(2, 4, 3, 5)"),
+        error("sdpa", "sinks_of_other_heads", _sdpa(sinks=np.zeros(3)), ValueError, "sinks", "(3,)", "(2,)"),
+        error("sdpa", "alibi_slopes_of_other_heads", _sdpa(alibi_slopes=np.ones(3)), ValueError, "alibi_slopes",
+              "(3,)", "(2,)"),
+        error("sdpa", "alibi_slopes_scalar", _sdpa(alibi_slopes=np.ones(())), ValueError, "alibi_slopes", "()",
+              "(2,)"),
+        error("sdpa", "alibi_slopes_adds_an_axis", _sdpa(alibi_slopes=np.ones((1, 2))), ValueError, "alibi_slopes",
+              "(1, 2)", "(2,)"),
         error("sdpa", "d_out_shape", _sdpa(), ValueError, "d_out", "(2, 3, 4)", "(2, 3, 3)", stage="pullback",
               d_out=np.zeros((2, 3, 4))),
         error("sdpa", "d_out_dtype", _sdpa(), TypeError, "d_out", "float32", "float64", stage="pullback",
@@ -793,7 +815,7 @@ def _flash_rows() -> list[Fixed]:
     # sdpa's examples of SPEC 2a (positions, windows, key lengths, softcap, grouped heads: where tiles are cut or
     # skipped), its edge cases and its errors; its other examples, shapes and masks the drawn flash cases cover
     # too, are left to sdpa (each pinned example is a JAX compile in every value and gradient group)
-    sdpa = [*_positions_examples(), *_sdpa_edges(), *_sdpa_errors()]
+    sdpa = [*_positions_examples(), *_per_head_examples(), *_sdpa_edges(), *_sdpa_errors()]
     causal = changed(np.ones((9, 11), bool), (ALL, 4), False)  # key 4 hidden from every query
     return [
         *(_as_tiled(row) for row in sdpa if "dropout" not in row.name),
@@ -865,6 +887,10 @@ def _ring_rows() -> list[Fixed]:
         example("ring", "window_crosses_the_shards", _ring(4, 8, 8, window=(1, 1)),
                 "window (1, 1) on shards of 2 rows: every query's window reaches its neighbour devices' keys, the "
                 "far shards are skipped"),
+        example("ring", "sinks_on_four_devices", _ring(4, 8, 8, is_causal=True, q_offset=-2,
+                                                       sinks=np.array([1.5, -0.5])),
+                "sinks [1.5, -0.5] (H = 2) on 4 devices, causal at q_offset -2: the sink joins each row once, "
+                "after the ring, never once per device; queries 0, 1 see no key: zeros, lse the sink"),
         example("ring", "three_devices_cross_attention", _ring(3, 6, 12, is_causal=True, q_offset=6, tiles=(2, 5)),
                 "P = 3, causal with L = 6, S = 12 at q_offset 6: 6 chunks of 1 query and of 2 keys, tiles of 5 "
                 "keys larger than a chunk"),
@@ -898,6 +924,7 @@ def _ring_rows() -> list[Fixed]:
         error("ring", "block_q_zero", _ring(2, 4, 4, tiles=(0, 2)), ValueError, "block_q", "0"),
         error("ring", "window_negative", _ring(2, 4, 4, window=(-1, 0)), ValueError, "window"),
         error("ring", "softcap_zero", _ring(2, 4, 4, softcap=0.0), ValueError, "softcap"),
+        error("ring", "sinks_of_other_heads", _ring(2, 4, 4, sinks=np.zeros(3)), ValueError, "sinks", "(3,)", "(2,)"),
         error("ring", "integer_inputs", lambda: (case := _ring(2, 4, 4)())._replace(
             **{name: _integers(getattr(case, name)) for name in "qkv"}), TypeError, "q", "floating"),
         error("ring", "d_out_shape", _ring(2, 4, 4), ValueError, "d_out", stage="pullback", d_out=np.zeros((2, 4, 4))),
@@ -1143,6 +1170,10 @@ def _flex_rows() -> list[Fixed]:
                 "empty ones above"),
         example("flex", "or_masks_prefix_or_window", _flex(L=6, S=6, block_size=(4, 3), mask_mod=mods.or_masks(
             mods.prefix_lm(2), mods.sliding_window(1, 0))), "the prefix of 2 keys, or the key before and the own"),
+        example("flex", "sinks_per_sequence_causal_tiles", _flex(
+            L=6, S=6, block_size=(2, 2), mask_mod=mods.causal(-1), sinks=np.array([[1.0, -np.inf], [3.0, -2.0]])),
+            "sinks (B, H) in tiles of 2 x 2, causal from q_offset -1: the sink joins each row once, after the tiles "
+            "(head (0, 1) none); query 0 sees no key: zeros, lse the sink"),
         edge("flex", "queries_a_tile_leaves_without_a_key", blind,
              "causal from q_offset -3 in tiles of 3 x 2: the first tile row is empty, queries 0..2 get zeros and lse "
              "-inf, query 3 sees key 0 alone",
@@ -1155,6 +1186,7 @@ def _flex_rows() -> list[Fixed]:
               ValueError, "block_mask", "(2, 2, 4, 6)"),
         error("flex", "mask_mod_returns_floats", _flex(mask_mod=_float_mask), TypeError, "mask_mod", "booleans"),
         error("flex", "score_mod_changes_the_shape", _flex(score_mod=_new_axis), ValueError, "score_mod", "shape"),
+        error("flex", "sinks_of_other_heads", _flex(sinks=np.zeros(3)), ValueError, "sinks", "(3,)", "(2, 2)"),
         error("flex", "d_out_shape", _flex(mask_mod=mods.causal()), ValueError, "d_out", stage="pullback",
               d_out=np.zeros((2, 2, 4, 4))),
     ]
@@ -1207,6 +1239,10 @@ def _mods_rows() -> list[Fixed]:
             block_size=(2, 2), score_mod=mods.alibi(slopes[:2])),
                 "a block mask of causal and key lengths 8, 5 in tiles of 2: full tiles below the diagonal, partial "
                 "ones on it and at the lengths, empty ones above; ALiBi slopes 1/2, 1/4"),
+        example("flash", "mods_block_mask_causal_off_the_tiles", lambda: tiled(
+            _mods_case(L=5, S=5, mask_mod=mods.causal(-1))(), 2, 2)._replace(block_size=(2, 2)),
+            "a block mask of causal from q_offset -1 in tiles of 2: each diagonal tile's first query sees none of "
+            "its keys and its second query one, so the tile is partial, never empty"),
         error("flash", "mods_q_three_axes", lambda: tiled(sdpa_case((2,), mask_mod=mods.causal()), 2, 3),
               ValueError, "four axes"),
         error("flash", "mods_mask_mod_and_block_mask", lambda: tiled(full_and_partial(), 2, 2)._replace(

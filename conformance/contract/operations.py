@@ -43,7 +43,7 @@ from .cases import (
     page_tables,
     per_query_head,
 )
-from .features import Declaration
+from .features import Declaration, takes
 
 Pair = tuple[np.ndarray, np.ndarray | None]  # (out, weights)
 
@@ -161,18 +161,18 @@ def missing(module: ModuleType, names: tuple[str, ...]) -> list[str]:
 def features_used(case: Case) -> set[str]:
     """The features of conformance.contract.features that `case` uses: its operation's arguments and options, and the
     rules its inputs reach (masked_rows: a query that sees no key; non_finite: NaN or inf in an input, a -inf
-    bias entry aside; empty: an axis of length 0)."""
+    bias entry or sink aside (a hidden key, no sink); empty: an axis of length 0)."""
     arrays = {name: value for name, value in case._asdict().items() if isinstance(value, np.ndarray | dict)}
-    inputs = [value for name, value in arrays.items() if name not in ("state", "bias", "mask")]
+    hiding = [value for name, value in arrays.items() if name in ("bias", "sinks")]  # -inf hides, as the spec says
+    inputs = [value for name, value in arrays.items() if name not in ("state", "bias", "sinks", "mask")]
     inputs += list(arrays.get("state", {}).values())
-    bias = arrays.get("bias")
     try:
         blind = operation_of(case).blind(case) is not None
     except (ValueError, IndexError):  # an error row's mask may not broadcast: no query counts as blind
         blind = False
     reached = {"masked_rows": blind,
                "non_finite": any(not np.all(np.isfinite(x)) for x in inputs if x.dtype.kind == "f")
-               or (bias is not None and bool(np.any(np.isnan(bias) | (bias == np.inf)))),
+               or any(bool(np.any(np.isnan(x) | (x == np.inf))) for x in hiding),
                "empty": any(x.ndim >= 2 and x.shape[-2] == 0 for x in inputs)}  # L = 0 or S = 0
     return operation_of(case).uses(case) | {name for name, used in reached.items() if used}
 
@@ -214,6 +214,37 @@ OPTIONAL_KEYWORDS: dict[str, Any] = keywords.defaults(keywords.POSITIONS)
 # module without them runs every case that has none; the features they need (conformance.contract.features)
 MOD_KEYWORDS: dict[str, None] = keywords.defaults(keywords.MODS)
 MOD_FEATURES: dict[str, set[str]] = {"mask_mod": {"mods"}, "score_mod": {"mods", "score_mod"}}
+# The keywords of one value per head (SPEC 2h sinks, 2i alibi_slopes) and their defaults: an operation takes those
+# its options name (its case has the field, its strategy draws it), passed only where given (an array)
+PER_HEAD_KEYWORDS: dict[str, None] = keywords.defaults(keywords.PER_HEAD)
+
+
+def per_head_used(case: Case) -> dict[str, Any]:
+    """The case's keywords of one value per head (sinks, alibi_slopes) that are given: passed to the module only
+    then."""
+    fields = case._asdict()
+    return {name: fields[name] for name in PER_HEAD_KEYWORDS if fields.get(name) is not None}
+
+
+def per_head_lacks(module: ModuleType) -> Declaration:
+    """The features of the keywords of one value per head (sinks, alibi_slopes) that a function of `module` does not
+    take where its operation's options name them (no such keyword and no **keywords in its signature), each with the
+    reason "not in the signature of ring_attention": a ring or flex kernel written before sinks keeps passing the
+    rows it can run, as features.from_signatures reads sdpa's keywords off one function."""
+    lacks: dict[str, str] = {}
+    for name in PER_HEAD_KEYWORDS:
+        for operation in OPERATIONS.values():
+            function = getattr(module, operation.function, None)
+            if name in operation.options and callable(function) and not takes(function, name):
+                lacks.setdefault(keywords.KEYWORDS[name].feature, f"not in the signature of {operation.function}")
+    return Declaration(lacks)
+
+
+def _per_head(arrays: dict, options: dict) -> dict[str, Any]:
+    """The keywords of one value per head that are given (arrays), taken out of the options where a None one
+    travels as a static option."""
+    given = {name: options.pop(name) if name in options else arrays.get(name) for name in PER_HEAD_KEYWORDS}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def mods_used(case: Case) -> dict[str, Any]:
@@ -226,7 +257,7 @@ def _sdpa_oracle(case: SdpaCase, precision: str, fused_bias: bool) -> Pair:  # s
     return oracle.sdpa(case.q, case.k, case.v, case.mask, bias=case.bias, is_causal=case.is_causal,
                        scale=case.scale, q_offset=case.q_offset, window=case.window, key_lengths=case.key_lengths,
                        softcap=case.softcap, enable_gqa=case.enable_gqa, mask_mod=case.mask_mod,
-                       score_mod=case.score_mod, dtype=precision)
+                       score_mod=case.score_mod, dtype=precision, **per_head_used(case))
 
 
 def _sdpa_oracle_vjp(case: SdpaCase | FlashCase, d_out: np.ndarray, precision: str,
@@ -237,7 +268,7 @@ def _sdpa_oracle_vjp(case: SdpaCase | FlashCase, d_out: np.ndarray, precision: s
                                      is_causal=case.is_causal, scale=case.scale, q_offset=case.q_offset,
                                      window=case.window, key_lengths=case.key_lengths, softcap=case.softcap,
                                      enable_gqa=case.enable_gqa, mask_mod=case.mask_mod, score_mod=case.score_mod,
-                                     dtype=precision, from_lse=isinstance(case, FlashCase))
+                                     dtype=precision, from_lse=isinstance(case, FlashCase), **per_head_used(case))
 
 
 def _sdpa_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
@@ -247,7 +278,7 @@ def _sdpa_keywords(arrays: dict, options: dict) -> tuple[dict, dict]:
     mods = {name: options.pop(name, None) for name in MOD_KEYWORDS}
     return options, {name: value for name, value in given.items()
                      if not _is_default(value, OPTIONAL_KEYWORDS[name])} | {
-        name: value for name, value in mods.items() if value is not None}
+        name: value for name, value in mods.items() if value is not None} | _per_head(arrays, options)
 
 
 def _sdpa_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -266,12 +297,13 @@ def _sdpa_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float
 
 
 def _gradients(grads: tuple, keywords: dict) -> dict:
-    """(dq, dk, dv, dbias), and with a score function its parameters' gradients d_score_mod (a dict, the fifth
-    element) by "score_mod.<parameter>"."""
+    """(dq, dk, dv, dbias), with sinks d_sinks after dbias, and with a score function its parameters' gradients
+    d_score_mod (a dict, the last element) by "score_mod.<parameter>"."""
+    names = ("q", "k", "v", "bias") + (("sinks",) if "sinks" in keywords else ())
     if "score_mod" not in keywords:
-        return dict(zip(("q", "k", "v", "bias"), grads, strict=True))
+        return dict(zip(names, grads, strict=True))
     *grads, d_score_mod = grads
-    named = dict(zip(("q", "k", "v", "bias"), grads, strict=True))
+    named = dict(zip(names, grads, strict=True))
     return named | {f"score_mod.{name}": grad for name, grad in dict(d_score_mod).items()}
 
 
@@ -299,15 +331,15 @@ def _sdpa_visible(case: SdpaCase) -> np.ndarray:
 
 
 def _sdpa_uses(case: SdpaCase) -> set[str]:
-    """mask, bias, is_causal, scale (given), the keywords of SPEC 2a that differ from their defaults, and
-    dropout where one is configured (the dropout groups, an error row)."""
+    """mask, bias, is_causal, scale (given), the keywords of SPEC 2a that differ from their defaults, sinks and
+    alibi_slopes where given, and dropout where one is configured (the dropout groups, an error row)."""
     given = {"mask": case.mask is not None, "bias": case.bias is not None, "is_causal": case.is_causal,
              "scale": case.scale is not None, "dropout": case.dropout != 0}
     mods = set().union(*(MOD_FEATURES[name] for name in mods_used(case)))
-    return {name for name, used in given.items() if used} | set(keywords_used(case)) | mods
+    return {name for name, used in given.items() if used} | set(keywords_used(case)) | mods | set(per_head_used(case))
 
 
-SDPA_DEFAULTS = keywords.defaults(("mask", "bias", "is_causal", "scale")) | OPTIONAL_KEYWORDS
+SDPA_DEFAULTS = keywords.defaults(("mask", "bias", "is_causal", "scale")) | OPTIONAL_KEYWORDS | PER_HEAD_KEYWORDS
 
 
 def _sdpa_leave_out(case: SdpaCase | FlashCase | FlexCase, declaration: Declaration) -> Any:
@@ -340,7 +372,8 @@ def _sdpa_dropout_probe(case: SdpaCase, declaration: Declaration) -> Probe:
     (L, S), batch = (case.q.shape[-2], case.k.shape[-2]), _batch(case)
     v = np.broadcast_to(np.eye(S), (*case.v.shape[:-2], S, S)).copy()  # (..., S, S)
     probe = case._replace(q=np.zeros_like(case.q), v=v, mask=None, bias=None, is_causal=False,
-                          **OPTIONAL_KEYWORDS | MOD_KEYWORDS | {"enable_gqa": case.enable_gqa})  # the heads as drawn
+                          **OPTIONAL_KEYWORDS | MOD_KEYWORDS | PER_HEAD_KEYWORDS
+                          | {"enable_gqa": case.enable_gqa})  # the heads as drawn
     return Probe(probe, sites={"attention weights": Site((*batch, L, S), ("queries", "keys"))},
                  decisions=lambda out, p: _dropped({"attention weights": out}, 1 / (S * (1 - p))))
 
@@ -367,7 +400,7 @@ def _flash_oracle(case: FlashCase | RingCase, precision: str, fused_bias: bool) 
                               scale=case.scale, q_offset=case.q_offset, window=case.window,
                               key_lengths=case.key_lengths, softcap=case.softcap, enable_gqa=case.enable_gqa,
                               mask_mod=getattr(case, "mask_mod", None), score_mod=getattr(case, "score_mod", None),
-                              dtype=precision)  # ring cases have no mods
+                              dtype=precision, **per_head_used(case))  # ring cases have no mods
 
 
 def _flash_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -421,8 +454,9 @@ def _ring_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float
     """ring_attention_vjp's pullback at d_out, run on the P devices as the forward pass is."""
     options, keywords = _sdpa_keywords(arrays, options)
     inputs = {name: arrays[name] for name in ("q", "k", "v", "d_out")}
-    grads = framework_of(module).ring(module, devices, inputs, options | keywords, (-2, -2, -2))
-    return dict(zip(("q", "k", "v"), grads, strict=True))
+    sunk = "sinks" in keywords  # d_sinks follows dv, the whole sequence's (no sequence axis: None)
+    grads = framework_of(module).ring(module, devices, inputs, options | keywords, (-2, -2, -2) + ((None,) * sunk))
+    return dict(zip(("q", "k", "v") + (("sinks",) * sunk), grads, strict=True))
 
 
 # --- linear attention (linear_attention) ---------------------------------------------------------------------
@@ -1097,7 +1131,8 @@ def _flex_oracle(case: FlexCase, precision: str, fused_bias: bool) -> Pair:
     """out and each row's log-sum-exp, the mods evaluated one query at a time (the block mask's tiles change
     nothing but rounding)."""
     return oracle.flex_attention(case.q, case.k, case.v, mask_mod=case.mask_mod, score_mod=case.score_mod,
-                                 scale=case.scale, enable_gqa=case.enable_gqa, dtype=precision)
+                                 scale=case.scale, enable_gqa=case.enable_gqa, dtype=precision,
+                                 **per_head_used(case))
 
 
 def _flex_block_mask(module: ModuleType, q: Any, k: Any, mask_mod: Any, block_size: tuple[int, int],
@@ -1112,24 +1147,27 @@ def _flex_block_mask(module: ModuleType, q: Any, k: Any, mask_mod: Any, block_si
 
 def _flex_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool, dropout: float,
                mask_mod: Any, score_mod: Any, block_size: tuple[int, int], scale: float | None, enable_gqa: bool,
-               mask_for: tuple[int, int, int, int] | None) -> Any:
-    """(out, lse): flex_attention has no dropout and one path, so training and need_weights change nothing."""
+               mask_for: tuple[int, int, int, int] | None, **options: Any) -> Any:
+    """(out, lse): flex_attention has no dropout and one path, so training and need_weights change nothing; sinks
+    (the options' None, or an array) passed only where given."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     block_mask = _flex_block_mask(module, q, k, mask_mod, block_size, mask_for)
     return module.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, return_lse=True,
-                                 **_flex_keywords(scale, enable_gqa))
+                                 **_flex_keywords(scale, enable_gqa), **_per_head(arrays, options))
 
 
 def _flex_pullback(module: ModuleType, arrays: dict, rng: Any, *, dropout: float, mask_mod: Any, score_mod: Any,
                    block_size: tuple[int, int], scale: float | None, enable_gqa: bool,
-                   mask_for: tuple[int, int, int, int] | None) -> dict:
-    """dq, dk, dv and the score function's parameters' gradients, by "score_mod.<parameter>"."""
+                   mask_for: tuple[int, int, int, int] | None, **options: Any) -> dict:
+    """dq, dk, dv, with sinks d_sinks, and the score function's parameters' gradients, by "score_mod.<parameter>"."""
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     block_mask = _flex_block_mask(module, q, k, mask_mod, block_size, mask_for)
+    heads = _per_head(arrays, options)
     _, _, pullback = module.flex_attention_vjp(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                               **_flex_keywords(scale, enable_gqa))
-    dq, dk, dv, d_score_mod = pullback(arrays["d_out"])
-    return {"q": dq, "k": dk, "v": dv} | {f"score_mod.{name}": grad for name, grad in d_score_mod.items()}
+                                               **_flex_keywords(scale, enable_gqa), **heads)
+    *grads, d_score_mod = pullback(arrays["d_out"])
+    named = dict(zip(("q", "k", "v") + (("sinks",) * ("sinks" in heads)), grads, strict=True))
+    return named | {f"score_mod.{name}": grad for name, grad in d_score_mod.items()}
 
 
 def _flex_visible(case: FlexCase) -> np.ndarray:
@@ -1156,10 +1194,10 @@ def _flex_blind(case: FlexCase) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _flex_uses(case: FlexCase) -> set[str]:
-    """mods, always (a mask or score function, or the block mask's tiles), score_mod where one is given, and scale
-    and enable_gqa where they differ from their defaults."""
+    """mods, always (a mask or score function, or the block mask's tiles), score_mod where one is given, scale
+    and enable_gqa where they differ from their defaults, and sinks where given."""
     given = {"score_mod": case.score_mod is not None, "scale": case.scale is not None, "enable_gqa": case.enable_gqa}
-    return {"mods"} | {name for name, used in given.items() if used}
+    return {"mods"} | {name for name, used in given.items() if used} | set(per_head_used(case))
 
 
 def _flex_leave_out(case: FlexCase, declaration: Declaration) -> FlexCase | None:
@@ -1272,8 +1310,8 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
     Operation(
         name="sdpa", function="scaled_dot_product_attention", case=SdpaCase,
         options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "mask_mod",
-                 "score_mod"),
-        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias", "score_mod"), strategy="sdpa_cases",
+                 "score_mod", "sinks", "alibi_slopes"),
+        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias", "sinks", "score_mod"), strategy="sdpa_cases",
         oracle=_sdpa_oracle, call=_sdpa_call, vjp="scaled_dot_product_attention_vjp", pullback=_sdpa_pullback,
         visible=_sdpa_visible, dropout_sigma=_sdpa_dropout_sigma, dropout_shows=lambda case: True,
         dropout_probe=_sdpa_dropout_probe, uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind,
@@ -1281,16 +1319,16 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
     Operation(
         name="flash", function="flash_attention", case=FlashCase,
         options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "mask_mod",
-                 "score_mod", "block_q", "block_k", "block_size", "with_mask_mod"),
-        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias", "score_mod"), strategy="flash_cases",
+                 "score_mod", "sinks", "alibi_slopes", "block_q", "block_k", "block_size", "with_mask_mod"),
+        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "bias", "sinks", "score_mod"), strategy="flash_cases",
         oracle=_flash_oracle, call=_flash_call, vjp="flash_attention_vjp", pullback=_flash_pullback,
         visible=_sdpa_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
         uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind, second="lse", oracle_vjp=_sdpa_oracle_vjp),
     Operation(
         name="ring", function="ring_attention", case=RingCase,
-        options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "block_q",
+        options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "sinks", "block_q",
                  "block_k", "devices"),
-        inputs=("q", "k", "v"), differentiable=("q", "k", "v"), strategy="ring_cases",
+        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "sinks"), strategy="ring_cases",
         oracle=_flash_oracle, call=_ring_call, vjp="ring_attention_vjp", pullback=_ring_pullback,
         visible=_sdpa_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
         uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind, second="lse", devices=max(RING_DEVICES)),
@@ -1329,8 +1367,8 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         uses=_module_uses, leave_out=_module_leave_out, blind=_decode_blind, pair=_decode_pair),
     Operation(
         name="flex", function="flex_attention", case=FlexCase,
-        options=("mask_mod", "score_mod", "block_size", "scale", "enable_gqa", "dropout", "mask_for"),
-        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "score_mod"), strategy="flex_cases",
+        options=("mask_mod", "score_mod", "block_size", "scale", "enable_gqa", "dropout", "mask_for", "sinks"),
+        inputs=("q", "k", "v"), differentiable=("q", "k", "v", "sinks", "score_mod"), strategy="flex_cases",
         oracle=_flex_oracle, call=_flex_call, vjp="flex_attention_vjp", pullback=_flex_pullback,
         visible=_flex_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
         uses=_flex_uses, leave_out=_flex_leave_out, blind=_flex_blind, second="lse", needs="mods"),

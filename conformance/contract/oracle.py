@@ -197,6 +197,7 @@ def flex_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     dtype: DTypeLike = np.float64,
+    sinks: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """out_bhi = sum_j softmax_j(r_bhij) v_j and lse_bhi = log sum_j exp(r_bhij), r_bhij = score_mod(s_bhij, b, h,
     i, j), s_bhij = q_bhi . k_j * scale, over the keys j that mask_mod(b, h, i, j) shows and whose r is not -inf
@@ -211,26 +212,32 @@ def flex_attention(
         mask_mod, score_mod: the mods (attention_np.common.mods' or any functions of NumPy arrays).
         scale: multiplies q . k before score_mod; defaults to 1 / sqrt(E).
         enable_gqa: Hkv divides H: query head h reads key/value head h // (H / Hkv); the mods see h.
+        sinks: one logit per head, broadcasting to (B, H) (SPEC 2h): one more logit of each row, of a key of zero
+            value, in the softmax's denominator and in lse.
 
     Returns:
         out (B, H, L, Ev) in `dtype` (float16 and bfloat16: computed in float32, stored in dtype) and lse (B, H, L)
-        in the dtype the scores are computed in; a query that sees no key gets zeros and lse -inf.
+        in the dtype the scores are computed in; a query that sees no key gets zeros and lse -inf (the sink with
+        one).
     """
     q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
     (B, H, L, E), (S, Ev) = q.shape, v.shape[-2:]
     group = H // k.shape[1] if enable_gqa else 1  # query head h reads key/value head h // group
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     work = _work(dtype)
+    sinks = None if sinks is None else np.broadcast_to(_cast(sinks, dtype), (B, H))  # one logit per head
     out, lse = np.zeros((B, H, L, Ev), work), np.full((B, H, L), -np.inf, work)  # no key seen: zeros, log 0
     for b, h, i in np.ndindex(B, H, L):
         k_h, v_h = k[b, h // group], v[b, h // group]  # (S, E), (S, Ev)
         scores = k_h @ q[b, h, i] * work.type(scale)  # (S, E) x (E,) -> (S,)
         keys, scores = _modded_row(np.arange(S), scores, (mask_mod, score_mod), (b, h, i))
-        if not len(keys):  # the spec's rule: zeros and lse -inf, never 0 / 0
+        sink = () if sinks is None or sinks[b, h] == -np.inf else (sinks[b, h],)  # a -inf sink is no sink
+        if not len(keys) and not sink:  # the spec's rule: zeros and lse -inf, never 0 / 0
             continue
-        top = np.max(scores)
-        exp = np.exp(scores - top)  # (visible,)
-        out[b, h, i] = exp @ v_h[keys] / np.sum(exp)  # (visible,) x (visible, Ev) -> (Ev,)
+        logits = np.append(scores, sink).astype(work) if sink else scores  # the sink: a last logit, of value 0
+        top = np.max(logits)
+        exp = np.exp(logits - top)  # (visible [+ 1],)
+        out[b, h, i] = exp[:len(keys)] @ v_h[keys] / np.sum(exp)  # (visible,) x (visible, Ev) -> (Ev,)
         lse[b, h, i] = top + np.log(np.sum(exp))
     return out.astype(dtype), lse  # half precision: computed in float32, stored in dtype
 

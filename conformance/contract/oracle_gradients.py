@@ -64,6 +64,7 @@ def sdpa_vjp(
     mask_mod: Callable[..., ArrayLike] | None = None,
     score_mod: Callable[..., ArrayLike] | None = None,
     sinks: ArrayLike | None = None,
+    alibi_slopes: ArrayLike | None = None,
     dtype: DTypeLike = np.float64,
     from_lse: bool = False,
 ) -> Gradients:
@@ -75,7 +76,8 @@ def sdpa_vjp(
     A query that sees no key adds nothing; a key no query sees gets zero. The gradient of a broadcast input is
     summed over its broadcast axes; with enable_gqa a key/value head's over the query heads of its group. With
     sinks, P is the row's softmax over its logits and the sink, the sink's share P_sink dropped, and
-    d sink += -P_sink sum_j P_j dP_j for each row.
+    d sink += -P_sink sum_j P_j dP_j for each row. ALiBi's slopes take slope_h |p_i - j| off each logit, as a bias
+    does, and get no gradient (SPEC 2i).
 
     Args:
         q, k, v, mask and the keywords: as for oracle.sdpa; mask_mod and score_mod are not supported (raise).
@@ -105,6 +107,7 @@ def sdpa_vjp(
     dq, dk, dv = np.zeros((*batch, L, E), work), np.zeros((*batch, S, E), work), np.zeros((*batch, S, Ev), work)
     dbias = np.zeros((*batch, L, S), work)
     sink_of = None if sinks is None else np.broadcast_to(_cast(sinks, dtype), batch)  # one logit per sequence
+    slopes = None if alibi_slopes is None else np.broadcast_to(_cast(alibi_slopes, dtype), batch)  # one a head
     d_sinks = np.zeros(batch, work)
     for b in np.ndindex(*batch):
         by_position, _ = from_keywords(Structure(
@@ -114,7 +117,10 @@ def sdpa_vjp(
             keys = _visible_keys(i, mask[(*b, i)], bias_[(*b, i)], by_position)
             if not len(keys):  # no key seen: out is zeros whatever q, k and v are, so no gradient
                 continue
-            row = _row_vjp(q[(*b, i)], k[b][keys], v[b][keys], d_out[(*b, i)], bias_[(*b, i)][keys], scale,
+            bias_row = bias_[(*b, i)][keys]
+            if slopes is not None:  # ALiBi: the key's distance from the query's position, times the head's slope
+                bias_row = bias_row - slopes[b] * np.abs(int(offsets[b]) + i - keys)
+            row = _row_vjp(q[(*b, i)], k[b][keys], v[b][keys], d_out[(*b, i)], bias_row, scale,
                            softcap, dtype, from_lse, None if sink_of is None else sink_of[b])
             d_sinks[b] += row.d_sink
             dq[(*b, i)] = row.dq

@@ -8,7 +8,9 @@ JAX compiles once per distinct shape (and per static argument), so every size co
 values: L, S mostly in 1..5, and about one draw in eight from LONG_LENGTHS (8 to 65, at and just above
 powers of two: tile, chunk and vector-width boundaries); E, Ev in {1, 2, 4}; H in 1..4 with d_k in {1, 2},
 so D = H * d_k <= 8; F in {4, 8}; leading axes (), (2,) or (2, 3) (grouped-query sdpa cases: the last one
-H in {2, 4} query heads, Hkv in {1, H / 2, H} for k and v); scale, dropout and eps from short fixed lists.
+H in {2, 4} query heads, Hkv in {1, H / 2, H} for k and v); scale, dropout and eps from short fixed lists. The
+keywords of one value per head (sinks, alibi_slopes: `per_head`) are arrays, which JAX traces, each in about one
+case of three of the operations whose options name it (sdpa's and flash's positioned cases, ring's and flex's).
 About one module case in three (OPTIONED) draws the module options of SPEC 5 (num_kv_heads among the divisors
 of H, bias, rope_theta with d_k = 4; in MultiHeadAttention also attention "linear", one in four, without a mask
 and dropout, causal in one of two in self-attention; in the block also norm and activation "swiglu"); the rest
@@ -54,6 +56,7 @@ from .cases import (
     mla_state,
     tiled,
 )
+from .operations import OPERATIONS
 
 BATCH_SHAPES: tuple[Batch, ...] = ((), (2,), (2, 3))
 LENGTHS = (1, 2, 3, 4, 5)  # L and S, most draws
@@ -93,6 +96,11 @@ QUERY_HEADS = (2, 4)  # H of an enable_gqa case; its key/value heads Hkv are 1, 
 FEATURE_MAPS = ("elu", "relu", "identity")  # linear attention's phi
 CHUNKS = (1, 2, 3, 4, 5, 6, 7)  # a causal linear case's chunk: one drawn that does not divide L (or 1)
 LINEAR_EPSILONS = (1e-6, 1e-3, 1.0)  # the default; one that matters for small weights; one as large as they are
+PER_HEAD_RATE = 3  # each keyword of one value per head (sinks, alibi_slopes) in about one case of three that take it
+SINK_FORMS = ("head", "sequence", "scalar")  # sinks (H,), one per sequence and head (..., H), or one for all ()
+SINK_SCALE = 3.0  # sinks N(0, 1) * SINK_SCALE: from far below a row's logits (no effect) to far above (most weight)
+HIDDEN_SINK = 0.25  # share of the sinks set to -inf (no sink) in one case of two
+SLOPE_FORMS = ("geometric", "head", "sequence")  # alibi_slopes: BLOOM's 2^(-8h/H), or U(0, 1) (H,) or (B, H)
 OVERFLOW_LENGTHS = (512, 513)  # L = S of a linear case past float16's range: q and k LARGE, so phi(q_i) . z_i
 # (hundreds of keys of features near 15) passes 65504, and a float16 prefix sum stalls (its spacing passes 2)
 UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")  # a causal linear case's rule: "linear" in one of two
@@ -373,6 +381,67 @@ def positions(draw: Callable, batch: Batch, L: int, S: int) -> dict[str, Any]:
             if name not in DRAWN_WITH_HEADS}
 
 
+# --- sinks and ALiBi (SPEC 2h, 2i): one value per head ------------------------------------------------------
+
+@st.composite
+def _sinks(draw: Callable, batch: Batch) -> np.ndarray:
+    """sinks in a form of SINK_FORMS broadcasting to the scores' leading axes `batch` (..., H): (H,), `batch`
+    itself, or a scalar (); values N(0, 1) * SINK_SCALE, in one case of two a share HIDDEN_SINK of them -inf."""
+    forms = [form for form in SINK_FORMS if form == "scalar" or len(batch) >= (1 if form == "head" else 2)]
+    form = draw(st.sampled_from(forms))
+    shape = {"head": batch[-1:], "sequence": batch, "scalar": ()}[form]
+    rng = _rng(draw)
+    sinks = np.array(SINK_SCALE * rng.standard_normal(shape))  # (H,), (..., H) or ()
+    if draw(st.booleans()):
+        sinks[rng.random(shape) < HIDDEN_SINK] = -np.inf
+    return sinks
+
+
+def geometric_slopes(H: int) -> np.ndarray:
+    """BLOOM's and the ALiBi paper's slopes (H,): 2^(-8 h / n), h = 1 .. n, n the greatest power of two <= H, then
+    the odd terms 2^(-8 h / 2n), h = 1, 3, .., of the sequence for 2n, H - n of them."""
+    n = 2 ** int(math.log2(H))
+    return np.array([2.0 ** (-8 * h / n) for h in range(1, n + 1)]
+                    + [2.0 ** (-8 * h / (2 * n)) for h in range(1, 2 * n, 2)][:H - n])
+
+
+@st.composite
+def _alibi_slopes(draw: Callable, batch: Batch) -> np.ndarray | None:
+    """alibi_slopes of the scores' leading axes `batch` (..., H) in a form of SLOPE_FORMS: BLOOM's (H,), or U(0, 1)
+    (H,) or (B, H) (`batch` of two axes); None where the scores have no head axis."""
+    if not batch:
+        return None
+    forms = [form for form in SLOPE_FORMS if form != "sequence" or len(batch) == 2]
+    form = draw(st.sampled_from(forms))
+    if form == "geometric":
+        return geometric_slopes(batch[-1])  # (H,)
+    return _rng(draw).uniform(0.0, 1.0, batch[-1:] if form == "head" else batch)  # (H,) or (B, H)
+
+
+# How a case draws each keyword of one value per head (keywords.PER_HEAD): {keyword: batch -> strategy}, batch the
+# scores' leading axes (..., H). An operation takes those its options name (OPERATIONS); a keyword of the table
+# without a drawer here fails every draw of an operation that takes it (KeyError).
+PER_HEAD_DRAWERS: dict[str, Callable[[Batch], st.SearchStrategy]] = {
+    "sinks": _sinks,
+    "alibi_slopes": _alibi_slopes,
+}
+
+
+def per_head_keywords(operation: str) -> tuple[str, ...]:
+    """The keywords of keywords.PER_HEAD that `operation` takes: those its entry of OPERATIONS names in its options."""
+    return tuple(name for name in keywords.PER_HEAD if name in OPERATIONS[operation].options)
+
+
+@st.composite
+def per_head(draw: Callable, operation: str, batch: Batch) -> dict[str, Any]:
+    """{keyword: value} for each keyword of one value per head that `operation` takes (`per_head_keywords`), each
+    in about one case of PER_HEAD_RATE, by its drawer in PER_HEAD_DRAWERS; `batch` the scores' leading axes
+    (..., H). Arrays, which JAX traces: a new value compiles nothing, a new form (shape) once."""
+    drawn = {name: draw(PER_HEAD_DRAWERS[name](batch)) for name in per_head_keywords(operation)
+             if draw(_one_in(PER_HEAD_RATE))}
+    return {name: value for name, value in drawn.items() if value is not None}
+
+
 @st.composite
 def grouped_heads(draw: Callable, batch: Batch) -> tuple[Batch, Batch]:
     """The leading axes of q and of k, v in an enable_gqa case: `batch` with its last axis (or a new one)
@@ -389,7 +458,7 @@ def grouped_heads(draw: Callable, batch: Batch) -> tuple[Batch, Batch]:
 def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | None = None,
                bias: bool | None = None, single_key: bool = False, magnitude: str | None = None,
                key_offset: bool = False, positioned: bool | None = None, long: bool = True,
-               modded: bool | None = None, mods_rate: int = MODS_RATE) -> SdpaCase:
+               modded: bool | None = None, mods_rate: int = MODS_RATE, operation: str = "sdpa") -> SdpaCase:
     """Random sdpa inputs. None draws a setting; True / False force it: `mask=True` always gives a mask
     array, `mask=False` none, likewise `bias`; `is_causal` as given. `magnitude` is drawn from "normal"
     and "large" (q, k scaled by LARGE, logits in the hundreds); v is always N(0, 1).
@@ -405,7 +474,8 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     positioned: whether the case passes the keywords of SPEC 2a (`positions`); None draws it, True in
     about one case of three (POSITIONED), never with single_key. False for the checks whose property they
     break (a permutation of the keys, a causal prefix). About one positioned case in two (GROUPED) is also
-    grouped-query attention (`grouped_heads`): masks, bias and positions then follow q's heads.
+    grouped-query attention (`grouped_heads`): masks, bias and positions then follow q's heads. A positioned case
+    also draws the keywords of one value per head that `operation` takes (`per_head`: sinks, alibi_slopes).
 
     modded: whether the case passes mods (a mask function of `mask_functions`, a score function of
     `score_functions`); None draws it, True in about one case of `mods_rate`, never with single_key or
@@ -418,7 +488,7 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     if positioned is None:  # a single-key case keeps its one key: the keywords could hide it
         positioned = False if single_key else draw(st.sampled_from(POSITIONED))
     if modded:
-        return draw(_modded_sdpa_cases(is_causal, mask, bias, magnitude, key_offset))
+        return draw(_modded_sdpa_cases(is_causal, mask, bias, magnitude, key_offset, operation))
     batch, L = draw(batch_shapes()), draw(lengths(long=long))
     grouped = positioned and draw(st.sampled_from(GROUPED))
     batch, kv_batch = draw(grouped_heads(batch)) if grouped else (batch, batch)  # q's, and k's and v's
@@ -443,18 +513,18 @@ def sdpa_cases(draw: Callable, *, is_causal: bool | None = None, mask: bool | No
     bias_ = None if bias is False else draw(biases(batch, L, S, allow_none=bias is None))
     if single_key and bias_ is not None:
         bias_ = _finite_where_visible(bias_, mask_)
-    extra = draw(positions(batch, L, S)) if positioned else {}
+    extra = draw(positions(batch, L, S)) | draw(per_head(operation, batch)) if positioned else {}
     return SdpaCase(q=q, k=k, v=v, mask=mask_, bias=bias_, is_causal=is_causal, scale=scale, dropout=0.0,
                     **extra, enable_gqa=grouped)
 
 
 @st.composite
 def _modded_sdpa_cases(draw: Callable, is_causal: bool | None, mask: bool | None, bias: bool | None,
-                       magnitude: str | None, key_offset: bool) -> SdpaCase:
+                       magnitude: str | None, key_offset: bool, operation: str) -> SdpaCase:
     """An sdpa case with mods: q (B, H, L, E), k and v (B, Hkv, S, *) of the flex strategy's sizes (grouped heads
     in one case of two), a mask function (`mask_functions`, never none) and a score function (`score_functions`)
     of the catalogue, and the rest drawn as an sdpa case's: a mask and a bias (..., L, S), causal, a scale, and
-    the keywords of SPEC 2a (`positions`) in one case of two."""
+    the keywords of SPEC 2a (`positions`) and those of one value per head (`per_head`) in one case of two."""
     B, grouped = draw(st.sampled_from(FLEX_BATCH)), draw(st.sampled_from(GROUPED))
     H = draw(st.sampled_from(QUERY_HEADS if grouped else FLEX_HEADS))
     Hkv = draw(st.sampled_from((1, H // 2, H))) if grouped else H
@@ -464,7 +534,7 @@ def _modded_sdpa_cases(draw: Callable, is_causal: bool | None, mask: bool | None
         k = k + KEY_OFFSET * _rng(draw).standard_normal((B, Hkv, 1, k.shape[-1]))  # (B, Hkv, S, E) + (.., 1, E)
     mask_ = None if mask is False else draw(masks((B, H), L, S, families=MASKED_FAMILIES if mask else None))
     bias_ = None if bias is False else draw(biases((B, H), L, S, allow_none=bias is None))
-    extra = draw(positions((B, H), L, S)) if draw(st.booleans()) else {}
+    extra = draw(positions((B, H), L, S)) | draw(per_head(operation, (B, H))) if draw(st.booleans()) else {}
     return SdpaCase(q=q, k=k, v=v, mask=mask_, bias=bias_,
                     is_causal=draw(st.booleans()) if is_causal is None else is_causal,
                     scale=draw(st.sampled_from(SCALES)), dropout=0.0, **extra, enable_gqa=grouped,
@@ -479,13 +549,14 @@ def _one_in(n: int) -> st.SearchStrategy[bool]:
 @st.composite
 def flash_cases(draw: Callable, *, magnitude: str | None = None, key_offset: bool = False,
                 modded: bool | None = None, mods_rate: int = MODS_RATE) -> FlashCase:
-    """An sdpa case (no dropout; the keywords of SPEC 2a in one draw of two, grouped heads in half of those;
+    """An sdpa case (no dropout; the keywords of SPEC 2a and those of one value per head that flash takes in one
+    draw of two, grouped heads in half of those;
     mods in about one case of `mods_rate`, or as `modded` says) in tiles of 1 to 7 queries and 1 to 7 keys, drawn
     apart, so L and S are seldom multiples of them; a modded case passes its mask function as a block mask of those
     tiles in one case of two."""
     modded = draw(_one_in(mods_rate)) if modded is None else modded
     case = draw(sdpa_cases(magnitude=magnitude, key_offset=key_offset, positioned=draw(st.booleans()),
-                           modded=modded))
+                           modded=modded, operation="flash"))
     flash = tiled(case, draw(st.sampled_from(TILE_SIZES)), draw(st.sampled_from(TILE_SIZES)))
     if case.mask_mod is not None and draw(st.booleans()):
         return flash._replace(block_size=(flash.block_q, flash.block_k))
@@ -511,8 +582,9 @@ def ring_cases(draw: Callable, *, magnitude: str | None = None) -> RingCase:
     """Ring attention over P of RING_DEVICES devices: L and S multiples of P (of 2P with is_causal, the zig-zag
     layout's chunks) of RING_CHUNK_ROWS rows a chunk, drawn apart (cross-attention); q_offset a Python int from
     `offsets` in one case of two (with is_causal, rows before every key and keys past the last query), a
-    window and a softcap each in one case of two, grouped heads in one of two; tiles of 1 to 7 inside each step.
-    No mask, bias or key lengths: ring attention takes none."""
+    window and a softcap each in one case of two, grouped heads in one of two; tiles of 1 to 7 inside each step;
+    the keywords of one value per head that ring takes (`per_head`). No mask, bias or key lengths: ring attention
+    takes none."""
     P, is_causal = draw(st.sampled_from(RING_DEVICES)), draw(st.booleans())
     chunks = 2 * P if is_causal else P
     L, S = (chunks * draw(st.sampled_from(RING_CHUNK_ROWS)) for _ in range(2))
@@ -523,6 +595,7 @@ def ring_cases(draw: Callable, *, magnitude: str | None = None) -> RingCase:
     q_offset = draw(st.sampled_from(offsets(L, S))) if draw(st.booleans()) else 0
     window = draw(st.none() | st.tuples(st.sampled_from(WINDOW_SIDES), st.sampled_from(WINDOW_SIDES)))
     softcap = draw(st.none() | st.sampled_from(SOFTCAPS))
+    extra = draw(per_head("ring", batch))  # q's leading axes: the query heads'
     return RingCase(q=q,
                     k=k,
                     v=v,
@@ -536,7 +609,8 @@ def ring_cases(draw: Callable, *, magnitude: str | None = None) -> RingCase:
                     enable_gqa=grouped,
                     block_q=draw(st.sampled_from(TILE_SIZES)),
                     block_k=draw(st.sampled_from(TILE_SIZES)),
-                    devices=P)
+                    devices=P,
+                    **extra)
 
 
 @st.composite
@@ -714,7 +788,7 @@ def flex_cases(draw: Callable, *, magnitude: str | None = None, scored: bool = F
     QUERY_HEADS, Hkv 1, H / 2 or H); L and S drawn apart (`flex_lengths`); q, k of `magnitude` (None: "normal" or
     "large"); a mask function (`mask_functions`) in tiles of 1 to 7 queries and 1 to 7 keys, drawn apart, so L and
     S are seldom multiples of them; a score function (`score_functions`; always one with `scored`); a scale of
-    SCALES."""
+    SCALES; the keywords of one value per head that flex takes (`per_head`)."""
     B, grouped = draw(st.sampled_from(FLEX_BATCH)), draw(st.sampled_from(GROUPED))
     H = draw(st.sampled_from(QUERY_HEADS if grouped else FLEX_HEADS))
     Hkv = draw(st.sampled_from((1, H // 2, H))) if grouped else H
@@ -727,7 +801,8 @@ def flex_cases(draw: Callable, *, magnitude: str | None = None, scored: bool = F
                     score_mod=draw(score_functions(H, scored=scored)),
                     block_size=(draw(st.sampled_from(TILE_SIZES)), draw(st.sampled_from(TILE_SIZES))),
                     scale=draw(st.sampled_from(SCALES)),
-                    enable_gqa=grouped)
+                    enable_gqa=grouped,
+                    **draw(per_head("flex", (B, H))))
 
 
 # --- packed sequences (varlen_attention) ---------------------------------------------------------------------

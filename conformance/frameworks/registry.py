@@ -66,7 +66,7 @@ class Framework(NamedTuple):
     # use here (NumPy: any number, simulated; JAX: those it sees; torch: this process and peers it starts), and
     # a call over P of them that takes and gives whole arrays, see ring_job
     ring_devices: Callable[[int | None], contextlib.AbstractContextManager[int]]
-    ring: Callable[[ModuleType, int, dict[str, Any], dict[str, Any], tuple[int, ...]], Any]
+    ring: Callable[[ModuleType, int, dict[str, Any], dict[str, Any], tuple[int | None, ...]], Any]
 
 
 def framework_of(module: ModuleType) -> Framework:
@@ -193,7 +193,8 @@ RING_AXIS = "ring"  # JAX: the name of the mesh axis the suite shards the sequen
 def ring_job(module: ModuleType, topology: dict[str, Any], q: Any, k: Any, v: Any, d_out: Any = None,
              **options: Any) -> Any:
     """ring_attention(q, k, v, **topology, **options) -> (out, lse); with d_out, ring_attention_vjp's pullback
-    at d_out -> (dq, dk, dv). topology: the framework's devices keywords (devices=, mesh= and axis=, group=)."""
+    at d_out -> (dq, dk, dv), with sinks (dq, dk, dv, d_sinks). topology: the framework's devices keywords
+    (devices=, mesh= and axis=, group=)."""
     if d_out is None:
         return module.ring_attention(q, k, v, **topology, **options)
     _, _, pullback = module.ring_attention_vjp(q, k, v, **topology, **options)
@@ -205,7 +206,7 @@ def _simulated(requested: int | None) -> contextlib.AbstractContextManager[int]:
 
 
 def _numpy_ring(module: ModuleType, devices: int, arrays: dict[str, Any], options: dict[str, Any],
-                axes: tuple[int, ...]) -> Any:
+                axes: tuple[int | None, ...]) -> Any:
     return ring_job(module, {"devices": devices}, **arrays, **options)
 
 
@@ -239,7 +240,7 @@ def _jax_mesh(devices: int) -> Any:
 
 
 def _jax_ring(module: ModuleType, devices: int, arrays: dict[str, Any], options: dict[str, Any],
-              axes: tuple[int, ...]) -> Any:
+              axes: tuple[int | None, ...]) -> Any:
     """Whole arrays in and out: ring_attention shards them over the mesh axis itself."""
     return ring_job(module, {"mesh": _jax_mesh(devices), "axis": RING_AXIS}, **arrays, **options)
 
@@ -249,13 +250,15 @@ def _torch_devices(requested: int | None) -> contextlib.AbstractContextManager[i
 
 
 def _torch_ring(module: ModuleType, devices: int, arrays: dict[str, Any], options: dict[str, Any],
-                axes: tuple[int, ...]) -> Any:
+                axes: tuple[int | None, ...]) -> Any:
     """Each of the first P ranks (this process and its peers) runs ring_job on its contiguous shard of every
-    array; the shards of each result are joined along its sequence axis (`axes`, one per result)."""
+    array; the shards of each result are joined along its sequence axis (`axes`, one per result; None: a result
+    of the whole sequence that every rank holds alike, d_sinks, taken from the first)."""
     import torch
 
     parts = peers.run(_torch_ring_shard, module.__name__, devices, arrays, options)[:devices]
-    return tuple(torch.cat(shards, dim=axis) for shards, axis in zip(zip(*parts, strict=True), axes, strict=True))
+    return tuple(shards[0] if axis is None else torch.cat(shards, dim=axis)
+                 for shards, axis in zip(zip(*parts, strict=True), axes, strict=True))
 
 
 def _torch_ring_shard(rank: int, name: str, devices: int, arrays: dict[str, Any], options: dict[str, Any]) -> Any:

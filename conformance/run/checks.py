@@ -25,7 +25,7 @@ from array_api_compat import array_namespace
 
 from ..contract.cases import BlockCase, Case, LinearCase, MhaCase, SdpaCase, per_query_head
 from ..contract.features import declaration_of
-from ..contract.operations import Pair, Probe, arrays_and_options, missing, operation_of
+from ..contract.operations import Pair, Probe, arrays_and_options, missing, operation_of, per_head_lacks
 from ..contract.tolerances import relative_error
 from ..frameworks.registry import RngForm, framework_of
 
@@ -81,7 +81,9 @@ class Runner:
 
     def __init__(self, module: ModuleType) -> None:
         self.module, self.framework = module, framework_of(module)
-        self.declaration = declaration_of(module)  # what it lacks of the contract (SPEC 11)
+        # what it lacks of the contract (SPEC 11): declared, or read off its signatures (sinks and alibi_slopes off
+        # each operation's function that takes them)
+        self.declaration = per_head_lacks(module) | declaration_of(module)
         self._staged: dict[tuple, Callable] = {}
 
     def run(self, case: Case, dtype: str, *, training: bool = False, seed: int | None = None,
@@ -235,7 +237,8 @@ def against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]
     large logits or small variance are ill-conditioned for any correct low-precision computation;
     fast_path: with need_weights=False (where an implementation may take a fused path) the same out
     against the oracle, and None for the weights;
-    weights_rows: each weights row sums to 1 where a key is visible, to 0 where none is.
+    weights_rows: each weights row sums to 1 where a key is visible, to 0 where none is; with sinks (SPEC 2h) to
+    the oracle's sum, 1 less the sink's share.
     A case that forms no weights (the oracle's are None: MultiHeadAttention's linear heads) must return None for
     them on both paths (values), and has no weights_rows measure.
     What the module's declaration leaves unspecified is not compared (`specified`)."""
@@ -260,7 +263,8 @@ def against_oracle(runner: Runner, case: Case, dtype: str) -> dict[str, Measure]
     if weights is None or weights.shape != expected_weights.shape:
         return {"values": values, "fast_path": fast, "weights_rows": values}
     row_sums, expected_sums = weights.sum(axis=-1, dtype=np.float64), expected_weights.sum(axis=-1)
-    expected_sums = np.where(expected_sums > 0, 1.0, 0.0)  # visible rows sum to exactly 1 in exact arithmetic
+    if getattr(case, "sinks", None) is None:  # visible rows sum to exactly 1 in exact arithmetic
+        expected_sums = np.where(expected_sums > 0, 1.0, 0.0)
     rows = Measure(float(np.max(np.abs(row_sums - expected_sums), initial=0.0)), "weights rows do not sum to 1")
     return {"values": values, "fast_path": fast, "weights_rows": rows}
 

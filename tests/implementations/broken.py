@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from conformance.contract.features import Declaration
+
 from .einsum_attention import Implementation, Pair, Rng, as_module
 
 # --- projections and heads -------------------------------------------------------------------------------
@@ -858,3 +860,6 @@ VARIANTS: dict[str, type[Implementation]] = {
 BROKEN: dict[str, types.ModuleType] = {
     name: as_module(cls(), f"{__name__}.{name}") for name, cls in VARIANTS.items()
 }
+for _module in BROKEN.values():  # a variant's sdpa takes **options on to einsum_attention's, which names neither, so
+    # its signature cannot say so: declared (features of conformance.contract.features)
+    _module.CONFORMANCE = Declaration(dict.fromkeys(("sinks", "alibi_slopes"), "einsum_attention takes neither"))
