@@ -927,13 +927,12 @@ def test_sinks_and_slopes_reach_every_form(name: str) -> None:
     assert forms == found, sorted(forms ^ found)
 
 
-@pytest.mark.parametrize("operation", ["sdpa", "flash", "ring", "flex"])
+@pytest.mark.parametrize("operation", ["sdpa", "flash", "ring", "flex", "varlen"])
 def test_sinks_and_alibi_are_drawn_where_the_operation_s_options_name_them(operation: str) -> None:
-    # a keyword of one value per head is drawn where the operation's options name it, and only there (ring and flex
-    # take alibi_slopes by naming it), in about one case of three that may take it (sdpa and flash: of the
-    # positioned third)
+    # a keyword of one value per head is drawn where the operation's options name it, and only there, in about one
+    # case of three that may take it (sdpa and flash: of the positioned third)
     taken = cs.per_head_keywords(operation)
-    assert taken == (("sinks", "alibi_slopes") if operation in ("sdpa", "flash") else ("sinks",))
+    assert taken == (() if operation == "varlen" else ("sinks", "alibi_slopes"))
     drawn: dict[str, list[bool]] = {name: [] for name in keywords_module.PER_HEAD}
 
     @settings(max_examples=150, derandomize=True, database=None, deadline=None)

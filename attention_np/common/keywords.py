@@ -54,8 +54,8 @@ KEYWORDS: MappingProxyType[str, Keyword] = MappingProxyType({
                      asks="sinks: one logit per head in every row's softmax, of no value, on sdpa, flash, ring and "
                           "flex (SPEC 2h)"),
     "alibi_slopes": Keyword(default=None, feature="alibi_slopes", entry="",
-                            asks="alibi_slopes: -slope_h * abs(p_i - j) added to the scores, on sdpa and flash "
-                                 "(SPEC 2i)"),
+                            asks="alibi_slopes: -slope_h * abs(p_i - j) added to the scores, on sdpa, flash, ring "
+                                 "and flex (SPEC 2i)"),
 })
 
 # The keywords of SPEC 2a: passed by the suite only where a case differs from their defaults, so that a module

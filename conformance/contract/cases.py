@@ -100,6 +100,7 @@ class RingCase(NamedTuple):
     softcap: float | None = None
     enable_gqa: bool = False
     sinks: np.ndarray | None = None  # as SdpaCase: joins each row once, whatever the devices
+    alibi_slopes: np.ndarray | None = None  # as SdpaCase: each chunk pair's bias at the global positions
     block_q: int = 128  # queries per tile, within each step
     block_k: int = 128  # keys per tile
     devices: int = 1  # P: the framework's devices (NumPy: simulated; JAX: a mesh axis; torch: ranks of a group)
@@ -266,6 +267,7 @@ class FlexCase(NamedTuple):
     mask_for: tuple[int, int, int, int] | None = None  # the scores (B, H, L, S) the block mask is made for;
     # None: the case's own (an error row makes it for others)
     sinks: np.ndarray | None = None  # broadcasts to (B, H): one logit per head, joined once after the tiles
+    alibi_slopes: np.ndarray | None = None  # (H,) or (B, H): -slope * |i - j| after score_mod, per tile
 
 
 class VarlenCase(NamedTuple):

@@ -194,7 +194,7 @@ def from_methods(module: ModuleType) -> Declaration:
         lacks["cache_lengths"] = "no new_lengths in TransformerBlock.extend"
     if not callable(getattr(block, "init_paged_cache", None)):
         lacks["paged_cache"] = "no TransformerBlock.init_paged_cache"
-    if not _takes(getattr(block, "init_cache", None), "window"):
+    if not takes(getattr(block, "init_cache", None), "window"):
         lacks["streaming_cache"] = "no window in TransformerBlock.init_cache"
     return Declaration(lacks)
 
@@ -205,11 +205,11 @@ def from_linear(module: ModuleType) -> Declaration:
     takes no is_causal (a module written before keeps passing the rows it ran); nothing otherwise."""
     lacks = {}
     function = getattr(module, "linear_attention", None)
-    if callable(function) and not _takes(function, "update_rule"):
+    if callable(function) and not takes(function, "update_rule"):
         lacks["update_rules"] = "no update_rule in linear_attention"
     attention = getattr(module, "MultiHeadAttention", None)
     calls = [getattr(attention, name, None) for name in ("__call__", "vjp")]
-    if attention is not None and not all(_takes(call, "is_causal") for call in calls if callable(call)):
+    if attention is not None and not all(takes(call, "is_causal") for call in calls if callable(call)):
         lacks["mha_is_causal"] = "no is_causal in MultiHeadAttention.__call__ or vjp"
     return Declaration(lacks)
 

@@ -1326,8 +1326,8 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         uses=_sdpa_uses, leave_out=_sdpa_leave_out, blind=_sdpa_blind, second="lse", oracle_vjp=_sdpa_oracle_vjp),
     Operation(
         name="ring", function="ring_attention", case=RingCase,
-        options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "sinks", "block_q",
-                 "block_k", "devices"),
+        options=("is_causal", "scale", "dropout", "q_offset", "window", "softcap", "enable_gqa", "sinks",
+                 "alibi_slopes", "block_q", "block_k", "devices"),
         inputs=("q", "k", "v"), differentiable=("q", "k", "v", "sinks"), strategy="ring_cases",
         oracle=_flash_oracle, call=_ring_call, vjp="ring_attention_vjp", pullback=_ring_pullback,
         visible=_sdpa_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,
@@ -1367,7 +1367,8 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         uses=_module_uses, leave_out=_module_leave_out, blind=_decode_blind, pair=_decode_pair),
     Operation(
         name="flex", function="flex_attention", case=FlexCase,
-        options=("mask_mod", "score_mod", "block_size", "scale", "enable_gqa", "dropout", "mask_for", "sinks"),
+        options=("mask_mod", "score_mod", "block_size", "scale", "enable_gqa", "dropout", "mask_for", "sinks",
+                 "alibi_slopes"),
         inputs=("q", "k", "v"), differentiable=("q", "k", "v", "sinks", "score_mod"), strategy="flex_cases",
         oracle=_flex_oracle, call=_flex_call, vjp="flex_attention_vjp", pullback=_flex_pullback,
         visible=_flex_visible, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,

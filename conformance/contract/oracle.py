@@ -198,6 +198,7 @@ def flex_attention(
     enable_gqa: bool = False,
     dtype: DTypeLike = np.float64,
     sinks: ArrayLike | None = None,
+    alibi_slopes: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """out_bhi = sum_j softmax_j(r_bhij) v_j and lse_bhi = log sum_j exp(r_bhij), r_bhij = score_mod(s_bhij, b, h,
     i, j), s_bhij = q_bhi . k_j * scale, over the keys j that mask_mod(b, h, i, j) shows and whose r is not -inf
@@ -214,6 +215,8 @@ def flex_attention(
         enable_gqa: Hkv divides H: query head h reads key/value head h // (H / Hkv); the mods see h.
         sinks: one logit per head, broadcasting to (B, H) (SPEC 2h): one more logit of each row, of a key of zero
             value, in the softmax's denominator and in lse.
+        alibi_slopes: ALiBi's slopes, (H,) or (B, H) (SPEC 2i): the logit of key j for query i gets
+            -slope * |i - j| (flex has no q_offset: query i is at position i), after score_mod.
 
     Returns:
         out (B, H, L, Ev) in `dtype` (float16 and bfloat16: computed in float32, stored in dtype) and lse (B, H, L)
@@ -226,11 +229,14 @@ def flex_attention(
     scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     work = _work(dtype)
     sinks = None if sinks is None else np.broadcast_to(_cast(sinks, dtype), (B, H))  # one logit per head
+    slopes = None if alibi_slopes is None else np.broadcast_to(_cast(alibi_slopes, dtype), (B, H))  # one a head
     out, lse = np.zeros((B, H, L, Ev), work), np.full((B, H, L), -np.inf, work)  # no key seen: zeros, log 0
     for b, h, i in np.ndindex(B, H, L):
         k_h, v_h = k[b, h // group], v[b, h // group]  # (S, E), (S, Ev)
         scores = k_h @ q[b, h, i] * work.type(scale)  # (S, E) x (E,) -> (S,)
         keys, scores = _modded_row(np.arange(S), scores, (mask_mod, score_mod), (b, h, i))
+        if slopes is not None:  # ALiBi after score_mod: the key's distance from query i, times the head's slope
+            scores = scores - slopes[b, h] * np.abs(i - keys)
         sink = () if sinks is None or sinks[b, h] == -np.inf else (sinks[b, h],)  # a -inf sink is no sink
         if not len(keys) and not sink:  # the spec's rule: zeros and lse -inf, never 0 / 0
             continue
