@@ -243,6 +243,49 @@ def test_numpy_memory_per_step_is_flat():
     assert abs(peaks[4 * N] - peaks[N]) <= 0.05 * peaks[N], f"a step's peak: {peaks} bytes"
 
 
+@pytest.mark.parametrize("name", ["attention_torch", "attention_jax"])
+def test_torch_and_jax_caches_hold_the_same_bytes_after_n_and_4n_positions(name: str):
+    """The cache a step hands on holds the same arrays' bytes after N and after 4N positions (s + w slots of keys
+    and values, the RoPE tables, whatever the positions seen); torch writes into the same storage every step (no
+    array reallocated), JAX's step is one compiled program whose cache has one shape."""
+    M = import_backend(name)
+    mha = _mha(M, num_kv_heads=1, rope_theta=THETA)
+    if name == "attention_jax":
+        import jax
+
+        step = jax.jit(lambda x, cache: mha.extend(x, x, cache))
+    else:
+        step = lambda x, cache: mha.extend(x, x, cache)  # noqa: E731
+    cache = mha.init_cache((B,), SINK + WINDOW, sink_tokens=SINK, window=WINDOW, rope_positions="cache")
+    storage, rows, held = _storage(cache), M.asarray(_random(B, 1, D, seed=7)), {}
+    for t in range(4 * N):
+        _, _, cache = step(rows, cache)
+        if t + 1 in (N, 4 * N):
+            held[t + 1] = _bytes(cache)
+    assert int(cache.length) == 4 * N and held[N] == held[4 * N] == _bytes(mha.init_cache(
+        (B,), SINK + WINDOW, sink_tokens=SINK, window=WINDOW, rope_positions="cache")), held
+    if name == "attention_torch":
+        assert _storage(cache) == storage  # the same storage: written in place
+
+
+def _arrays(cache) -> list:
+    """The cache's arrays: its fields' and those of its tuples (the RoPE tables)."""
+    found = []
+    for field in cache:
+        for x in field if isinstance(field, tuple) else (field,):
+            if hasattr(x, "shape") and len(x.shape):
+                found.append(x)
+    return found
+
+
+def _bytes(cache) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in _arrays(cache))
+
+
+def _storage(cache) -> list[int]:
+    return [x.data_ptr() for x in _arrays(cache) if hasattr(x, "data_ptr")]
+
+
 @pytest.mark.parametrize(("arguments", "message"), [
     ({"sink_tokens": 3, "window": 3}, "sink_tokens \\+ window must fit the capacity: sink_tokens=3 \\+ window=3"),
     ({"sink_tokens": 1, "window": 0}, "window must be a positive int"),
