@@ -406,7 +406,9 @@ GUARDS: tuple[Guard, ...] = (
                   "read with the wrong page size, a padding slot read, RoPE at sequence 0's positions: "
                   "`tests/implementations/broken_paged.py`); through a streaming cache decoding past its slots, one "
                   "pass with the streaming mask, the weights in the cache's order (sinks evicted by the ring, the "
-                  "ring read in slot order: `tests/implementations/broken_streaming.py`)"),
+                  "ring read in slot order: `tests/implementations/broken_streaming.py`); with linear heads through "
+                  "their recurrent state (a `LinearCache`), one causal pass and no weights (a chunk that starts from "
+                  "zeros, a normaliser z not carried: `tests/implementations/broken_linear_decode.py`)"),
     Guard(("rope",),
           catches="`apply_rope` with the wrong layout (interleaved pairs for the half rotation), angle or dtype, "
                   "or angles computed in float16 (float16 and bfloat16 cases at positions near 4096): against the "

@@ -16,7 +16,17 @@ from attention_np.common import mods
 from attention_np.common.keywords import KEYWORDS
 from conformance import Declaration, check
 from conformance.contract import features as features_module
-from conformance.contract.cases import flex_case, linear_case, mha_case, per_query_head, rule_case, sdpa_case, tiled
+from conformance.contract import operations
+from conformance.contract.cases import (
+    decode_case,
+    flex_case,
+    linear_case,
+    mha_case,
+    per_query_head,
+    rule_case,
+    sdpa_case,
+    tiled,
+)
 from conformance.contract.fixed_cases import rows
 from conformance.contract.operations import _is_default, features_used, init_features_used, leave_out
 from conformance.run.checks import Runner, expected
@@ -251,6 +261,34 @@ def test_a_block_whose_cache_does_not_stream_lacks_streaming_cache_and_passes():
     module.MultiHeadAttention, module.TransformerBlock = attention_np.MultiHeadAttention, Block
     assert features_module.declaration_of(module).reason("streaming_cache") == (
         "lacks streaming_cache: no window in TransformerBlock.init_cache")
+    report = check(module, operations=("decode",), max_examples=12)
+    assert report.passed, _failures(report)
+    skipped = [row for row in report.rows if row.check == "values" and row.skipped]
+    assert not skipped and any(row.examples for row in report.rows if row.check == "values"), report.rows
+
+
+def test_a_block_without_linear_heads_lacks_linear_cache_and_passes():
+    # a TransformerBlock whose from_state_dict takes no attention (a module whose blocks have softmax heads alone,
+    # as tests/implementations/einsum_attention.py's): its methods say it lacks linear_cache; the drawn decode cases
+    # with linear heads are passed over (each needs attention="linear", which its block refuses), the rest pass
+    class Block(attention_np.TransformerBlock):
+        @classmethod
+        def from_state_dict(cls, state, *, num_heads, dropout=0.1, norm_first=False, activation=None, eps=1e-5,
+                            rope_theta=None):
+            return super().from_state_dict(state, num_heads=num_heads, dropout=dropout, norm_first=norm_first,
+                                           activation=activation, eps=eps, rope_theta=rope_theta)
+
+    module = _module("no_linear_cache", functions=())
+    module.MultiHeadAttention, module.TransformerBlock = attention_np.MultiHeadAttention, Block
+    declaration = features_module.declaration_of(module)
+    assert declaration.reason("linear_cache") == (
+        "lacks linear_cache: no attention in TransformerBlock.from_state_dict")
+    case = decode_case((2,), (2, 1), dropout=0.0)._replace(attention="linear")
+    assert "linear_cache" in features_used(case) and leave_out(case, declaration) is None
+    operation = operations.operation_of(case)
+    arrays, options = operations.arrays_and_options(case)
+    with pytest.raises(TypeError, match="attention"):  # what the suite would have called, without the feature
+        operation.call(module, arrays, None, training=False, need_weights=True, **options)
     report = check(module, operations=("decode",), max_examples=12)
     assert report.passed, _failures(report)
     skipped = [row for row in report.rows if row.check == "values" and row.skipped]

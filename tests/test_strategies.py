@@ -525,14 +525,14 @@ def test_varlen_cases_reach_every_packing_in_few_draws() -> None:
                     "filled", "grouped", "tiled", "causal"}
 
 
-@pytest.mark.slow  # 100 draws, about 0.4 s
+@pytest.mark.slow  # 120 draws, about 0.5 s
 def test_decode_cases_reach_ragged_chunks_and_paged_caches_in_few_draws() -> None:
     """Ragged chunks in a contiguous cache and in a paged one, an empty row of a chunk, a sequence that takes
     nothing at all, pages of one and of five positions, a sequence over several pages, a sequence released and its
-    pages reused, each in 100 draws."""
+    pages reused, each in 120 draws (the 100 of softmax heads, five cases in six)."""
     seen: set[str] = set()
 
-    @settings(max_examples=100, derandomize=True, database=None, deadline=None)
+    @settings(max_examples=120, derandomize=True, database=None, deadline=None)
     @given(cs.decode_cases())
     def record(case: cases.DecodeCase) -> None:
         if case.new_lengths is None:
@@ -574,6 +574,36 @@ def test_decode_cases_reach_streaming_caches_in_few_draws() -> None:
     record()
     assert seen == {"sinks", "no sinks", "window 1", "window > 1", "rope original", "rope cache", "steps",
                     "whole window", "cross", "part of a lap"}
+
+
+@pytest.mark.slow  # 300 draws, about 1.5 s
+def test_decode_cases_reach_linear_caches_in_few_draws() -> None:
+    """Linear heads (a LinearCache, SPEC 3a) in about one case of six, each without a mask, ragged chunks, pages, a
+    streaming cache or dropout, its L of the short fixed list; in 300 draws a prefill and steps, steps of one, a
+    split with a later chunk longer than one, grouped heads, RoPE, the block and cross-attention."""
+    seen: set[str] = set()
+    linear = []
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.decode_cases())
+    def record(case: cases.DecodeCase) -> None:
+        linear.append(case.attention == "linear")
+        if case.attention == "softmax":
+            return
+        assert case.attention == "linear" and case.dropout == 0.0
+        assert case.mask is None and case.new_lengths is None and case.paging is None and case.streaming is None
+        L = case.x.shape[-2]
+        assert L in cs.LINEAR_DECODE_LENGTHS and sum(case.chunks) == L and case.capacity >= L
+        forms = {"steps": case.chunks == (1,) * L,
+                 "prefill": len(case.chunks) > 1 and case.chunks[0] > 1 and set(case.chunks[1:]) == {1},
+                 "split": len(case.chunks) > 1 and max(case.chunks[1:]) > 1,
+                 "grouped": case.num_kv_heads not in (None, case.num_heads), "rope": case.rope_theta is not None,
+                 "cross": case.x_kv is not None, "block": case.x_kv is None}
+        seen.update(name for name, reached in forms.items() if reached)
+
+    record()
+    assert 1 / 12 <= np.mean(linear) <= 1 / 4
+    assert seen == {"steps", "prefill", "split", "grouped", "rope", "cross", "block"}
 
 
 def _assert_flex_contract(case: cases.FlexCase) -> None:

@@ -177,7 +177,8 @@ class DecodeCase(NamedTuple):
     extend takes a length per sequence (a ragged chunk, SPEC 3a), and with paging the cache is a paged one (SPEC 3b)
     whose unused slots hold NaN: each sequence's outputs are those of its own rows alone. With streaming the cache
     keeps the sinks and a ring of the last window positions (SPEC 3c): the outputs are one pass with the streaming
-    mask, the weights in the cache's order."""
+    mask, the weights in the cache's order. With attention "linear" the cache is linear attention's recurrent state
+    (SPEC 3a): the outputs are one causal pass of the linear heads, and there are no weights."""
 
     state: State  # as BlockCase
     num_heads: int
@@ -202,6 +203,8 @@ class DecodeCase(NamedTuple):
     paging: Paging | None = None  # a paged cache (SPEC 3b) in place of init_cache's; x (B, L, D)
     streaming: Streaming | None = None  # a streaming cache (SPEC 3c): init_cache(..., sink_tokens=, window=); every
     # chunk at most the window, no mask, no new_lengths
+    attention: str = "softmax"  # the block's (or with x_kv its attention's) heads; "linear" decodes through the
+    # recurrent state (LinearCache, SPEC 3a): no mask, no new_lengths, no paging or streaming, dropout 0, no weights
 
 
 class Streaming(NamedTuple):

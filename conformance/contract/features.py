@@ -95,6 +95,12 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
                  "and a ring of the last ones in fixed slots, decoding past them as one pass with the streaming mask",
             without="drawn decode cases decode through init_cache's contiguous cache; fixed cases that use it are "
                     "skipped; read from the module too: a TransformerBlock.init_cache without window lacks it"),
+    Feature("linear_cache", kind="argument",
+            asks='decoding with attention="linear": init_cache gives linear attention\'s recurrent state (a '
+                 "LinearCache: S and z per key/value head), extend carries it, chunk by chunk the causal pass",
+            without='drawn decode cases with attention="linear" are passed over; fixed cases that use it are '
+                    "skipped; read from the module too: a TransformerBlock.from_state_dict without attention lacks "
+                    "it"),
     Feature("masked_rows", kind="rule",
             asks="a query that sees no key gets an output row (sdpa) and a weights row of zeros",
             without="the rows of such queries are left out of every comparison (modules: a position where a head "
@@ -180,9 +186,9 @@ def declaration_of(module: ModuleType) -> Declaration:
 def from_methods(module: ModuleType) -> Declaration:
     """Where the module's TransformerBlock decodes (has extend): mha_cache where its MultiHeadAttention does not
     (the reason "no MultiHeadAttention.extend"), cache_lengths where the block's extend takes no new_lengths,
-    paged_cache where the block has no init_paged_cache, and streaming_cache where its init_cache takes no window;
-    nothing otherwise (a module without TransformerBlock.extend
-    has no decode operation to leave the features out of)."""
+    paged_cache where the block has no init_paged_cache, streaming_cache where its init_cache takes no window, and
+    linear_cache where its from_state_dict takes no attention (no block of linear heads to decode); nothing
+    otherwise (a module without TransformerBlock.extend has no decode operation to leave the features out of)."""
     block, attention = (getattr(module, name, None) for name in ("TransformerBlock", "MultiHeadAttention"))
     extend = getattr(block, "extend", None)
     if not callable(extend):
@@ -196,6 +202,8 @@ def from_methods(module: ModuleType) -> Declaration:
         lacks["paged_cache"] = "no TransformerBlock.init_paged_cache"
     if not takes(getattr(block, "init_cache", None), "window"):
         lacks["streaming_cache"] = "no window in TransformerBlock.init_cache"
+    if not takes(getattr(block, "from_state_dict", None), "attention"):
+        lacks["linear_cache"] = "no attention in TransformerBlock.from_state_dict"
     return Declaration(lacks)
 
 

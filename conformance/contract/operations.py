@@ -709,6 +709,8 @@ MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "cache_lengths": lambda case: getattr(case, "new_lengths", None) is not None,  # ragged chunks
     "paged_cache": lambda case: getattr(case, "paging", None) is not None,
     "streaming_cache": lambda case: getattr(case, "streaming", None) is not None,
+    "linear_cache": lambda case: isinstance(case, DecodeCase) and case.attention != "softmax",  # decoding through
+    # linear attention's recurrent state
 }
 
 
@@ -940,7 +942,9 @@ def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
     """One pass over the whole sequence with causal_mask(L, L) & the mask (SPEC 3a's invariant): of the block, or
     with x_kv of its attention, queries of x and keys and values of x_kv; the weights padded with zeros to the
     capacity. With new_lengths, that of each sequence alone (`_each_alone`); through a streaming cache, the
-    streaming rule's (`_streamed`)."""
+    streaming rule's (`_streamed`); with attention "linear", one causal pass of the linear heads, no weights."""
+    if case.attention != "softmax":
+        return _linear_decoded(case, precision, fused_bias)
     if case.new_lengths is not None:
         return _each_alone(case, precision, fused_bias)
     if case.streaming is not None:
@@ -960,6 +964,21 @@ def _decode_oracle(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
                                                    fused_bias=fused_bias)  # (..., L, D), (..., H, L, L)
     unfilled = np.zeros((*weights.shape[:-1], case.capacity - L), weights.dtype)
     return out, np.concatenate([weights, unfilled], axis=-1)  # (..., H, L, capacity)
+
+
+def _linear_decoded(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
+    """SPEC 3a's invariant through a LinearCache: one pass over the whole sequence with is_causal=True, of the block
+    (`block(x, is_causal=True)`) or with x_kv of its attention; linear heads take no mask and form no weights."""
+    if case.x_kv is None:
+        return oracle.transformer_block(case.state, case.x, None, num_heads=case.num_heads,
+                                        norm_first=case.norm_first, activation=case.activation, eps=case.eps,
+                                        norm=case.norm, num_kv_heads=case.num_kv_heads, rope_theta=case.rope_theta,
+                                        attention=case.attention, is_causal=True, dtype=precision,
+                                        fused_bias=fused_bias)  # (..., L, D), None
+    return oracle.multi_head_attention(_attention_state(case.state), case.x, case.x_kv, case.x_kv, None,
+                                       num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
+                                       rope_theta=case.rope_theta, attention=case.attention, is_causal=True,
+                                       dtype=precision, fused_bias=fused_bias)  # (..., L, D), None
 
 
 def _streamed(case: DecodeCase, precision: str, fused_bias: bool) -> Pair:
@@ -1036,7 +1055,8 @@ def _attention_state(state: dict) -> dict:
     return {name.removeprefix("attn."): value for name, value in state.items() if name.startswith("attn.")}
 
 
-_ATTENTION_OPTIONS = ("num_heads", "dropout", "rope_theta")  # the block's options that its attention takes
+_ATTENTION_OPTIONS = ("num_heads", "dropout", "rope_theta", "attention")  # the block's options that its attention
+# takes
 
 
 def _decoder(module: ModuleType, arrays: dict, options: dict[str, Any]) -> Any:
@@ -1360,7 +1380,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         name="decode", function="TransformerBlock.extend", case=DecodeCase,
         options=("num_heads", "dropout", "norm_first", "activation", "eps", "chunks", "capacity", "norm",
                  "num_kv_heads", "bias", "rope_theta", "cache_batch", "cache_dtype", "new_lengths", "paging",
-                 "streaming"),
+                 "streaming", "attention"),
         inputs=("x",), differentiable=(), strategy="decode_cases",
         oracle=_decode_oracle, call=_decode_call, vjp="", pullback=None,
         visible=None, dropout_sigma=None, dropout_shows=lambda case: False, dropout_probe=None,

@@ -532,9 +532,11 @@ def transformer_block(
     norm: str = "layer",
     num_kv_heads: int | None = None,
     rope_theta: float | None = None,
+    attention: str = "softmax",
+    is_causal: bool = False,
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray | None]:
     """post-LN: x = LN_1(x + MHA(x, x, x)),  x = LN_2(x + FFN(x));
     pre-LN:  x = x + MHA(LN_1(x)),         x = x + FFN(LN_2(x));   FFN(x) = W_3 act(W_0 x + b_0) + b_3,
     or with activation "swiglu" FFN(x) = W_down (silu(W_gate x + b_gate) * (W_up x + b_up)) + b_down.
@@ -550,10 +552,11 @@ def transformer_block(
         eps: added to the variance (LayerNorm) or the mean square (RMSNorm) inside the square root.
         norm: "layer", (x - mean) / sqrt(var + eps) * weight + bias, or "rms", x / sqrt(mean(x^2) + eps) * weight.
         num_kv_heads: attention's key/value heads Hkv (None: H); rope_theta: attention's RoPE (None: none).
+        attention, is_causal: attention's heads and causality, as for multi_head_attention ("linear": no mask).
         dtype: see the module docstring; fused_bias: each Linear rounds once (else twice) in half precision.
 
     Returns:
-        x (..., L, D) and the attention weights (..., H, L, L), in `dtype`.
+        x (..., L, D) and the attention weights (..., H, L, L), in `dtype`; None with attention "linear".
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
@@ -564,9 +567,10 @@ def transformer_block(
     attn = {name.removeprefix("attn."): value for name, value in state.items() if name.startswith("attn.")}
     x = _cast(x, dtype)
 
-    def attend(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def attend(y: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         h, weights = multi_head_attention(attn, y, y, y, mask, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                          rope_theta=rope_theta, dtype=dtype, fused_bias=fused_bias)  # (..., L, D)
+                                          rope_theta=rope_theta, attention=attention, is_causal=is_causal,
+                                          dtype=dtype, fused_bias=fused_bias)  # (..., L, D)
         return _cast(h, dtype), weights
 
     def feed_forward(y: np.ndarray) -> np.ndarray:

@@ -1003,6 +1003,8 @@ PAGE_SIZES = (1, 2, 3, 4, 5)
 STREAM_SIZES = ((1, 2), (0, 3), (2, 3), (2, 1))
 PAST = (1, 3)
 ROPE_POSITIONS = ("original", "cache")  # where RoPE turns the keys of a streaming cache: their positions, their places
+DECODE_ATTENTIONS = ("softmax",) * 5 + ("linear",)  # a decode case's heads: linear (a LinearCache) in one of six
+LINEAR_DECODE_LENGTHS = (4, 6)  # L of a linear decode case, a short fixed list: JAX compiles every case's chunks
 
 
 @st.composite
@@ -1012,8 +1014,11 @@ def decode_cases(draw: Callable) -> DecodeCase:
     two a mask of the whole sequence (`masks`, (..., [H,] L, capacity)), and in one of two the block's attention
     alone on x's queries and the keys and values of another input x_kv (cross-attention). In one case of four
     each chunk takes a length per sequence (`ragged_chunks`), in one of four besides through a paged cache
-    (`paged`), and in one of four the cache streams (`streamed`)."""
+    (`paged`), and in one of four the cache streams (`streamed`). In about one case of six (DECODE_ATTENTIONS) the
+    heads are linear and the cache their recurrent state (`linear_decoded`)."""
     block = draw(block_cases(causal_mask=True, long=False))
+    if draw(st.sampled_from(DECODE_ATTENTIONS)) == "linear":
+        return draw(linear_decoded(block))
     layout = draw(st.sampled_from(LAYOUTS))
     if layout == "streaming":
         return draw(streamed(block))
@@ -1043,6 +1048,21 @@ def _decode_case(block: BlockCase, x: np.ndarray, chunks: tuple[int, ...], capac
                       bias=block.bias,
                       rope_theta=block.rope_theta,
                       **fields)
+
+
+@st.composite
+def linear_decoded(draw: Callable, block: BlockCase) -> DecodeCase:
+    """The block with attention="linear" through its LinearCache (SPEC 3a): L of LINEAR_DECODE_LENGTHS in chunks of
+    `chunk_sizes`, x_kv in one case of two, a capacity of L plus SPARE (checked, no bound); no mask, no new_lengths,
+    no paging or streaming (extend with a LinearCache takes none of them) and dropout 0 (linear heads form no
+    weights to drop; the constructor refuses any other)."""
+    L = draw(st.sampled_from(LINEAR_DECODE_LENGTHS))
+    batch, D = block.x.shape[:-2], block.x.shape[-1]
+    x = block.x[..., :L, :] if block.x.shape[-2] >= L else _values(_rng(draw), (*batch, L, D), "normal")
+    x_kv = _values(_rng(draw), (*batch, L, D), "normal") if draw(st.booleans()) else None
+    case = _decode_case(block, x, draw(chunk_sizes(L)), L + draw(st.sampled_from(SPARE)), x_kv=x_kv,
+                        attention="linear")
+    return case._replace(dropout=0.0)
 
 
 @st.composite
