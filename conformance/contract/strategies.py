@@ -917,10 +917,15 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     an optioned case draws its heads' attention from ATTENTIONS, and linear heads take no mask and no dropout
     (linear=False: softmax heads only, for the dropout checks: linear heads form no weights to drop); linear heads
     in self-attention are causal in one case of two. An optioned case of softmax heads draws sinks=True from
-    MHA_SINKS (`mha_sinks`: the state's sinks (H,)) and, without RoPE, its position from MHA_POSITIONS (ALiBi)."""
+    MHA_SINKS (`mha_sinks`: the state's sinks (H,)) and, without RoPE (and never with rope=False), its position
+    from MHA_POSITIONS (ALiBi)."""
     num_heads, d_model, optioned, options = draw(heads_and_options(rope=rope))
     attention = draw(st.sampled_from(ATTENTIONS)) if optioned and linear else "softmax"
     linear = attention == "linear"
+    softmax_options = optioned and not linear
+    sinks = draw(mha_sinks(num_heads)) if softmax_options and draw(st.sampled_from(MHA_SINKS)) else None
+    alibi = softmax_options and rope and options["rope_theta"] is None  # rope=False: unpositioned, no ALiBi
+    position = draw(st.sampled_from(MHA_POSITIONS)) if alibi else None
     batch, L = draw(batch_shapes()), draw(lengths(long=long))
     cross = draw(st.booleans()) if cross is None else cross
     S = draw(lengths(exclude=L, long=long)) if cross else L
@@ -933,11 +938,7 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     state = draw(mha_states(d_model, num_heads, options["num_kv_heads"], options["bias"]))
     dropout = 0.0 if linear else draw(st.sampled_from(DROPOUTS))
     mask = None if linear else draw(masks(batch, L, S, heads=num_heads))
-    softmax_options = optioned and not linear
-    if softmax_options and draw(st.sampled_from(MHA_SINKS)):
-        state = state | {"sinks": draw(mha_sinks(num_heads))}
-    alibi = softmax_options and options["rope_theta"] is None
-    position = draw(st.sampled_from(MHA_POSITIONS)) if alibi else None
+    state = state if sinks is None else state | {"sinks": sinks}  # sinks=True's (H,)
     return MhaCase(state=state,
                    num_heads=num_heads,
                    dropout=dropout,
