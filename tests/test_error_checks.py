@@ -50,7 +50,11 @@ def test_the_third_party_implementation_raises_the_same_exceptions():
                        "streaming_window_not_positive", "streaming_chunk_past_the_window", "streaming_with_a_mask",
                        # nor sinks nor ALiBi (its signature lacks them: features sinks and alibi_slopes)
                        "sinks_of_other_heads", "alibi_slopes_of_other_heads", "alibi_slopes_scalar",
-                       "alibi_slopes_adds_an_axis"}
+                       "alibi_slopes_adds_an_axis",
+                       # nor MultiHeadAttention's sinks=True nor position (features mha_sinks and position_alibi)
+                       "sinks_with_linear_attention", "state_sinks_with_linear_attention", "state_sinks_of_other_heads",
+                       "position_unknown", "alibi_with_rope_theta", "alibi_with_linear_attention",
+                       "state_alibi_with_rope_theta"}
 
 
 @pytest.mark.slow

@@ -217,6 +217,7 @@ MHA_CASES = {  # options of oracle.multi_head_attention, and whether the state h
     "rope": ({"num_heads": 2, "rope_theta": 100.0}, True),
     "linear_heads": ({"num_heads": 2, "attention": "linear"}, True),
     "no_bias": ({"num_heads": 2}, False),
+    "sinks_and_alibi": ({"num_heads": 4, "num_kv_heads": 2, "sinks": True, "position": "alibi"}, True),
 }
 
 
@@ -226,11 +227,12 @@ def test_multi_head_attention_vjp_matches_attention_np(name: str):
     options, bias = MHA_CASES[name]
     H, D = options["num_heads"], 8
     state = _mha_state(rng, D, (options.get("num_kv_heads") or H) * D // H, bias)
+    state |= {"sinks": 2 * _rand(rng, H)} if options.pop("sinks", False) else {}  # sinks=True's, in the state
     q, k, v = _rand(rng, 2, 3, D), _rand(rng, 2, 5, D), _rand(rng, 2, 5, D)
     mask = None if options.get("attention") == "linear" else rng.random((2, H, 3, 5)) > 0.3
     d_out = _rand(rng, 2, 3, D)
     grads = oracle_gradients.multi_head_attention_vjp(state, q, k, v, d_out, mask, **options)
-    later = {name: options[name] for name in ("rope_theta", "attention") if name in options}
+    later = {name: options[name] for name in ("rope_theta", "attention", "position") if name in options}
     mha = attention_np.MultiHeadAttention.from_state_dict(state, num_heads=H, dropout=0.0, **later)
     dq, dk, dv, d_params = mha.eval().vjp(q, k, v, mask)[2](d_out)
     theirs = {"q": dq, "k": dk, "v": dv} | dict(d_params)
@@ -268,6 +270,29 @@ def test_transformer_block_vjp_matches_attention_np(name: str):
     largest = max(np.max(np.abs(grad)) for grad in theirs.values())
     for key, grad in grads.items():
         assert np.max(np.abs(grad - theirs[key])) <= 1e-12 * largest, key
+
+
+def test_the_mha_vjp_with_sinks_and_alibi_matches_central_differences():
+    """MultiHeadAttention with sinks (H,) in the state and ALiBi on three heads (not a power of two), grouped, in
+    cross-attention under a mask per head: every argument's directional derivative, d sinks too, against central
+    differences of the oracle's forward."""
+    rng = np.random.default_rng(9)
+    options = {"num_heads": 3, "position": "alibi"}
+    state = _mha_state(rng, 6, 6, True) | {"sinks": 2 * _rand(rng, 3)}
+    inputs = {"q": _rand(rng, 2, 3, 6), "k": _rand(rng, 2, 5, 6), "v": _rand(rng, 2, 5, 6)}
+    mask, d_out = rng.random((2, 3, 3, 5)) > 0.3, _rand(rng, 2, 3, 6)
+    grads = oracle_gradients.multi_head_attention_vjp(state, *inputs.values(), d_out, mask, **options)
+    assert grads["sinks"].shape == (3,) and np.all(grads["sinks"] != 0)
+    for name in (*inputs, *state):
+        u = rng.standard_normal(np.shape(inputs[name] if name in inputs else state[name]))
+
+        def loss(step: float, name: str = name, u: np.ndarray = u) -> float:
+            moved = inputs | ({name: inputs[name] + step * u} if name in inputs else {})
+            given = state | ({} if name in inputs else {name: state[name] + step * u})
+            return float(np.sum(d_out * oracle.multi_head_attention(given, *moved.values(), mask, **options)[0]))
+
+        difference = (loss(STEP) - loss(-STEP)) / (2 * STEP)
+        assert abs(np.sum(grads[name] * u) - difference) <= 1e-6 * (1 + abs(difference)), name
 
 
 def test_the_modules_vjps_match_central_differences():

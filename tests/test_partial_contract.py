@@ -405,7 +405,8 @@ def test_a_module_lacking_a_keyword_is_never_passed_it_by_any_row(feature: str):
     assert report.passed, _failures(report)
 
 
-OPTIONS = ("num_kv_heads", "bias_false", "rope_theta", "attention_linear", "norm_rms", "gelu", "swiglu")
+OPTIONS = ("num_kv_heads", "bias_false", "rope_theta", "attention_linear", "norm_rms", "gelu", "swiglu", "mha_sinks",
+           "position_alibi")
 
 
 def _options_used(state: dict, options: dict, prefix: str = "") -> set[str]:
@@ -424,7 +425,9 @@ def _options_used(state: dict, options: dict, prefix: str = "") -> set[str]:
             "norm_rms": options.get("norm", "layer") != "layer" or (bool(prefix) and bool(state)
                                                                     and "norm1.bias" not in state),
             "gelu": options.get("activation") == "gelu",
-            "swiglu": options.get("activation") == "swiglu" or "ffn.w_gate.weight" in state}
+            "swiglu": options.get("activation") == "swiglu" or "ffn.w_gate.weight" in state,
+            "mha_sinks": options.get("sinks") is True or f"{prefix}sinks" in state,
+            "position_alibi": options.get("position") is not None}
     return {name for name, asked in used.items() if asked}
 
 

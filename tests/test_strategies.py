@@ -104,6 +104,11 @@ def _assert_mha_contract(case: cases.MhaCase) -> None:
     assert case.attention in cs.ATTENTIONS
     assert case.attention == "softmax" or (case.mask is None and case.dropout == 0.0)  # linear: neither
     assert not case.is_causal or (case.attention == "linear" and L == S)  # causal linear heads, self-attention
+    assert case.position in cs.MHA_POSITIONS  # ALiBi: softmax heads without RoPE (SPEC 2i, section 3)
+    assert case.position is None or (case.attention == "softmax" and case.rope_theta is None)
+    if "sinks" in case.state:  # sinks=True: one finite logit per query head, softmax heads (SPEC 2h)
+        assert case.attention == "softmax" and case.state["sinks"].shape == (case.num_heads,)
+        assert np.all(np.isfinite(case.state["sinks"]))
     _assert_layout(case.state, "", case)
 
 
@@ -917,6 +922,28 @@ def test_linear_heads_in_a_few_mha_cases_without_mask_or_dropout() -> None:
     record()
     share = np.mean([name == "linear" for name in attention])  # nominally 1/3 optioned x 1/4 linear = 1/12
     assert 0.02 <= share <= 0.2, share
+
+
+def test_sinks_and_alibi_in_some_mha_cases_never_in_the_permutation_draws() -> None:
+    drawn: list[tuple[bool, bool, bool]] = []
+
+    @settings(max_examples=300, derandomize=True, database=None, deadline=None)
+    @given(cs.mha_cases())
+    def record(case: cases.MhaCase) -> None:
+        _assert_mha_contract(case)
+        sinks = case.state.get("sinks", np.zeros(0))
+        drawn.append((sinks.size > 0, bool(np.any(sinks == cs.MHA_SINK_FLOOR)), case.position == "alibi"))
+
+    @settings(max_examples=100, derandomize=True, database=None, deadline=None)
+    @given(cs.mha_cases(cross=True, rope=False))
+    def unpositioned(case: cases.MhaCase) -> None:  # the permutation group's: ALiBi makes the order matter
+        assert case.position is None
+
+    record()
+    unpositioned()
+    sinks, floored, alibi = (np.mean(column) for column in zip(*drawn, strict=True))
+    assert 0.03 <= sinks <= 0.3 and floored > 0 and 0.01 <= alibi <= 0.2, (sinks, floored, alibi)
+    assert any(sunk and slopes for sunk, _, slopes in drawn)  # both at once
 
 
 def test_causal_linear_heads_in_some_self_attention_mha_cases() -> None:

@@ -135,7 +135,8 @@ class LinearCase(NamedTuple):
 class MhaCase(NamedTuple):
     """A MultiHeadAttention (from_state_dict) and its inputs; value checks run it in eval mode."""
 
-    state: State  # w_q, w_o .weight (D, D), w_k, w_v .weight (Hkv * d_k, D), each .bias (out,) with bias
+    state: State  # w_q, w_o .weight (D, D), w_k, w_v .weight (Hkv * d_k, D), each .bias (out,) with bias; sinks
+    # (H,) with sinks=True's learned sink logits (SPEC 2h)
     num_heads: int
     dropout: float
     q: np.ndarray  # (..., L, D)
@@ -148,6 +149,8 @@ class MhaCase(NamedTuple):
     attention: str = "softmax"  # each head's attention: "softmax", or "linear" (linear_attention with its
     # defaults, SPEC 3: no mask, no weights, dropout 0)
     is_causal: bool = False  # query i sees keys j <= i (and-ed with the mask); L == S with linear heads
+    position: str | None = None  # "alibi": alibi_slopes(H) on each head's scores (SPEC 2i; softmax heads, no
+    # rope_theta); None: rope_theta decides
 
 
 class BlockCase(NamedTuple):

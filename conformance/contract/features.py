@@ -72,6 +72,8 @@ FEATURES: Mapping[str, Feature] = MappingProxyType({feature.name: feature for fe
         ("bias_false", "bias=False (Linears without biases)"),
         ("rope_theta", "rope_theta (rotary position embeddings)"),
         ("attention_linear", 'attention="linear" (MultiHeadAttention with linear attention in each head)'),
+        ("mha_sinks", "sinks=True (MultiHeadAttention's learned sink logit per head, the state's sinks (H,))"),
+        ("position_alibi", 'position="alibi" (MultiHeadAttention with ALiBi\'s slopes alibi_slopes(H) on each head)'),
         ("norm_rms", 'norm="rms" (a block with RMSNorm)'), ("gelu", 'activation="gelu" (a block with GELU)'),
         ("swiglu", 'activation="swiglu" (a block with a SwiGLU feed-forward network)'))),
     Feature("mha_cache", kind="argument",
@@ -180,7 +182,8 @@ def declaration_of(module: ModuleType) -> Declaration:
     if declared is not None and not isinstance(declared, Declaration):
         raise TypeError(f"{module.__name__}.{DECLARATION} must be a conformance.Declaration, got "
                         f"{type(declared).__name__}")
-    return from_signatures(module) | from_methods(module) | from_linear(module) | (declared or Declaration())
+    return (from_signatures(module) | from_methods(module) | from_linear(module) | from_module_options(module)
+            | (declared or Declaration()))
 
 
 def from_methods(module: ModuleType) -> Declaration:
@@ -219,6 +222,21 @@ def from_linear(module: ModuleType) -> Declaration:
     calls = [getattr(attention, name, None) for name in ("__call__", "vjp")]
     if attention is not None and not all(takes(call, "is_causal") for call in calls if callable(call)):
         lacks["mha_is_causal"] = "no is_causal in MultiHeadAttention.__call__ or vjp"
+    return Declaration(lacks)
+
+
+def from_module_options(module: ModuleType) -> Declaration:
+    """The module options read off MultiHeadAttention's signatures: mha_sinks where its constructor takes no sinks,
+    position_alibi where its from_state_dict takes no position (a module written before keeps passing the rows it
+    ran); nothing otherwise, or without a MultiHeadAttention."""
+    attention = getattr(module, "MultiHeadAttention", None)
+    if attention is None:
+        return Declaration()
+    lacks = {}
+    if not takes(attention, "sinks"):
+        lacks["mha_sinks"] = "no sinks in MultiHeadAttention's constructor"
+    if not takes(getattr(attention, "from_state_dict", None), "position"):
+        lacks["position_alibi"] = "no position in MultiHeadAttention.from_state_dict"
     return Declaration(lacks)
 
 

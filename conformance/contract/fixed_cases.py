@@ -437,7 +437,16 @@ def _mha_examples() -> list[Fixed]:
             L=5, S=5, D=8, H=4, num_kv_heads=2, attention="linear", dropout=0.0, is_causal=True),
             "linear heads with is_causal, Hkv = 2 of H = 4, L = S = 5: each head's query i reads the prefix sums "
             "over keys 0..i, never the whole sequence"),
+        example("mha", "sinks_and_alibi_three_heads", lambda: _with_sinks(mha_case(
+            L=4, S=6, D=6, H=3, dropout=0.0, position="alibi", mask=random_mask(2, 3, 4, 6)), [1.5, -2.0, 0.5]),
+            "sinks=True (the state's sinks (3,), one per head, each its own) and ALiBi with H = 3, not a power of "
+            "two: slopes 2^-4, 2^-8, then 2^-2 of six heads' sequence; cross-attention, L = 4, S = 6, a mask per head"),
     ]
+
+
+def _with_sinks(case: Any, sinks: list[float]) -> Any:
+    """`case` with MultiHeadAttention's sinks (H,) in its state (sinks=True)."""
+    return case._replace(state=case.state | {"sinks": np.array(sinks)})
 
 
 def _mha_edges() -> list[Fixed]:
@@ -552,6 +561,23 @@ def _mha_errors() -> list[Fixed]:
               "dropout", "linear"),
         error("mha", "attention_unknown", lambda: {"d_model": 4, "num_heads": 2, "attention": "cosine"},
               ValueError, "attention", "cosine", stage="init"),
+        error("mha", "sinks_with_linear_attention", lambda: {"d_model": 4, "num_heads": 2, "dropout": 0.0,
+                                                             "attention": "linear", "sinks": True},
+              ValueError, "sinks", "linear", stage="init"),
+        error("mha", "state_sinks_with_linear_attention", _with_state(_mha(attention="linear"), lambda state: state | {
+            "sinks": np.zeros(2)}), ValueError, "sinks", "linear"),
+        error("mha", "state_sinks_of_other_heads", _with_state(_mha(), lambda state: state | {"sinks": np.zeros(3)}),
+              ValueError, "sinks", "(3,)", "(2,)"),
+        error("mha", "position_unknown", lambda: {"d_model": 4, "num_heads": 2, "position": "learned"},
+              ValueError, "position", "learned", stage="init"),
+        error("mha", "alibi_with_rope_theta", lambda: {"d_model": 8, "num_heads": 2, "rope_theta": 10.0,
+                                                       "position": "alibi"},
+              ValueError, "position", "alibi", "rope_theta", stage="init"),
+        error("mha", "alibi_with_linear_attention", lambda: {"d_model": 4, "num_heads": 2, "dropout": 0.0,
+                                                             "attention": "linear", "position": "alibi"},
+              ValueError, "position", "alibi", "linear", stage="init"),
+        error("mha", "state_alibi_with_rope_theta", _mha(rope_theta=10.0, position="alibi"), ValueError,
+              "position", "alibi", "rope_theta"),
         error("mha", "state_partial_bias", _with_state(_mha(), lambda state: _without(state, "w_q.bias", "w_o.bias")),
               ValueError, "w_q.bias", "w_o.bias"),
         error("mha", "state_kv_rows_not_heads", _with_state(_mha(), lambda state: state | {

@@ -196,7 +196,9 @@ INIT_FEATURES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "bias": ("bias_false", lambda value: value is False),
     "rope_theta": ("rope_theta", lambda value: value is not None),
     "norm": ("norm_rms", lambda value: value != "layer"),
-    "attention": ("attention_linear", lambda value: value != "softmax")}
+    "attention": ("attention_linear", lambda value: value != "softmax"),
+    "sinks": ("mha_sinks", lambda value: value is True),
+    "position": ("position_alibi", lambda value: value is not None)}
 
 
 def init_features_used(arguments: dict[str, Any]) -> set[str]:
@@ -634,9 +636,10 @@ def _varlen_leave_out(case: VarlenCase, declaration: Declaration) -> VarlenCase:
 # dict's shapes (from_state_dict infers them: they are the oracle's, never the module's, arguments).
 MODULE_OPTIONS: dict[str, tuple[Any, ...]] = {"num_kv_heads": (None,), "bias": (True,), "norm": ("layer",),
                                                "activation": ("relu", "gelu"), "rope_theta": (None,),
-                                               "attention": ("softmax",)}
+                                               "attention": ("softmax",), "position": (None,)}
 LAYOUT_OPTIONS = ("num_kv_heads", "bias", "norm")
-LATER_OPTIONS = ("rope_theta", "attention")  # added after the seed: passed only where a case leaves the seed's
+LATER_OPTIONS = ("rope_theta", "attention", "position")  # added after the seed: passed only where a case leaves the
+# seed's
 
 
 def _from_state(options: dict[str, Any]) -> dict[str, Any]:
@@ -651,15 +654,16 @@ def _mha_oracle(case: MhaCase, precision: str, fused_bias: bool) -> Pair:
     """The heads' out mixed, and their weights (None where linear heads form none)."""
     return oracle.multi_head_attention(case.state, case.q, case.k, case.v, case.mask, num_heads=case.num_heads,
                                        num_kv_heads=case.num_kv_heads, rope_theta=case.rope_theta,
-                                       attention=case.attention, is_causal=case.is_causal, dtype=precision,
-                                       fused_bias=fused_bias)
+                                       attention=case.attention, is_causal=case.is_causal, position=case.position,
+                                       dtype=precision, fused_bias=fused_bias)
 
 
 def _mha_oracle_vjp(case: MhaCase, d_out: np.ndarray, precision: str, fused_bias: bool) -> dict[str, np.ndarray]:
     return oracle_gradients.multi_head_attention_vjp(case.state, case.q, case.k, case.v, d_out, case.mask,
                                                      num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
                                                      rope_theta=case.rope_theta, attention=case.attention,
-                                                     is_causal=case.is_causal, dtype=precision, fused_bias=fused_bias)
+                                                     is_causal=case.is_causal, position=case.position,
+                                                     dtype=precision, fused_bias=fused_bias)
 
 
 def _mha_call(module: ModuleType, arrays: dict, rng: Any, *, training: bool, need_weights: bool,
@@ -699,6 +703,8 @@ MODULE_FEATURES: dict[str, Callable[[Any], bool]] = {
     "rope_theta": lambda case: case.rope_theta is not None,
     "mha_is_causal": lambda case: getattr(case, "is_causal", False) is True,  # an mha case's (linear heads')
     "attention_linear": lambda case: getattr(case, "attention", "softmax") != "softmax",
+    "mha_sinks": lambda case: isinstance(case, MhaCase) and "sinks" in case.state,  # sinks=True's (H,)
+    "position_alibi": lambda case: getattr(case, "position", None) == "alibi",
     "norm_rms": lambda case: getattr(case, "norm", "layer") == "rms",
     "gelu": lambda case: getattr(case, "activation", "relu") == "gelu",
     "swiglu": lambda case: getattr(case, "activation", "relu") == "swiglu"  # or a state of its layout, which a
@@ -778,13 +784,15 @@ def _mha_dropout_sigma(case: MhaCase, weights: np.ndarray, p: float, draws: int)
 
 def _mha_dropout_probe(case: MhaCase, declaration: Declaration) -> Probe:
     """One key (S = 1: every weight is 1), no mask, v = 1, w_v and w_o the identity with zero biases: the
-    d_k features of head h at query l are keep_hl / (1 - p), so out[..., l, h d_k] shows head h's decision."""
+    d_k features of head h at query l are keep_hl / (1 - p), so out[..., l, h d_k] shows head h's decision. No
+    sinks (their share would take from the one key's weight); ALiBi's bias on one key changes no weight."""
     (L, D), H = case.q.shape[-2:], case.num_heads
     rows = {"w_v": case.state["w_v.weight"].shape[0], "w_o": D}  # w_v: the first Hkv * d_k rows of I
     identities = {f"{name}.{part}": np.eye(D)[:rows[name]] if part == "weight" else np.zeros(rows[name])
                   for name in ("w_v", "w_o") for part in ("weight", "bias") if f"{name}.{part}" in case.state}
     one_key = (*case.k.shape[:-2], 1, D)
-    probe = case._replace(state=case.state | identities, q=np.zeros_like(case.q), k=np.zeros(one_key),
+    state = {name: value for name, value in case.state.items() if name != "sinks"} | identities
+    probe = case._replace(state=state, q=np.zeros_like(case.q), k=np.zeros(one_key),
                           v=np.ones(one_key), mask=None)
 
     def decisions(out: np.ndarray, p: float) -> dict[str, np.ndarray] | None:
@@ -1362,7 +1370,7 @@ OPERATIONS: dict[str, Operation] = {operation.name: operation for operation in (
         second=None, oracle_vjp=_linear_oracle_vjp),
     Operation(
         name="mha", function="MultiHeadAttention", case=MhaCase,
-        options=("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta", "attention", "is_causal"),
+        options=("num_heads", "dropout", "num_kv_heads", "bias", "rope_theta", "attention", "is_causal", "position"),
         inputs=("q", "k", "v"), differentiable=("q", "k", "v", "state"), strategy="mha_cases",
         oracle=_mha_oracle, call=_mha_call, vjp="MultiHeadAttention.vjp", pullback=_mha_pullback,
         visible=_mha_visible, dropout_sigma=_mha_dropout_sigma, dropout_shows=lambda case: True,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import cmath
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
@@ -439,6 +440,7 @@ def multi_head_attention(
     rope_theta: float | None = None,
     attention: str = "softmax",
     is_causal: bool = False,
+    position: str | None = None,
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
 ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -448,7 +450,8 @@ def multi_head_attention(
 
     Args:
         state: w_q, w_o .weight (D, D), w_k, w_v .weight (Hkv * d_k, D), nn.Linear layout; each .bias (out,)
-            where the state has it (none: y = x W^T).
+            where the state has it (none: y = x W^T); sinks (H,) where it has them (SPEC 2h): head h's softmax
+            takes sinks[h] as one more logit, of no value.
         q: queries (..., L, D); k: keys (..., S, D); v: values (..., S, D).
         mask: broadcasts to (..., H, L, S); an entry equal to 0 / False hides that key.
         num_heads: H; query head h works on the contiguous slice h*d_k:(h+1)*d_k of D, d_k = D / H.
@@ -459,6 +462,8 @@ def multi_head_attention(
         attention: each head's, a name of HEAD_ATTENTIONS: "softmax", or "linear" (linear_attention with its
             defaults, phi = elu + 1, eps 1e-6; it takes no mask and forms no weights).
         is_causal: each head's query i sees keys j <= i (and-ed with the mask); linear heads need L == S.
+        position: "alibi": head h's logit of key j for query i gets -alibi_slopes(H)[h] * |i - j| (SPEC 2i;
+            softmax heads); None: none (rope_theta decides RoPE).
         dtype: see the module docstring; fused_bias: each Linear rounds once (else twice) in half precision.
 
     Returns:
@@ -490,8 +495,8 @@ def multi_head_attention(
         if rope_theta is not None:
             q_h = rope(q_h, np.arange(q_h.shape[-2]), theta=rope_theta, dtype=dtype)
             k_g = rope(k_g, np.arange(k_g.shape[-2]), theta=rope_theta, dtype=dtype)
-        out_h, weights_h = head(q_h, k_g, v[..., kv_cols], head_mask, dtype,
-                                is_causal)  # (..., L, d_k), (..., L, S) or None
+        out_h, weights_h = head(q_h, k_g, v[..., kv_cols], head_mask, dtype, is_causal,
+                                **head_keywords(state, h, num_heads, position))  # (..., L, d_k), (..., L, S) or None
         heads.append(out_h)
         weights.append(weights_h)
 
@@ -502,10 +507,30 @@ def multi_head_attention(
     return out.astype(dtype), formed
 
 
+def head_keywords(state: Mapping[str, np.ndarray], h: int, num_heads: int, position: str | None) -> dict[str, Any]:
+    """Head h's sdpa keywords of one value per head: its sink logit where the state holds sinks (H,), its ALiBi
+    slope with position "alibi"; none otherwise (so linear heads, which take neither, get none)."""
+    keywords = {} if "sinks" not in state else {"sinks": state["sinks"][h]}
+    return keywords | ({} if position != "alibi" else {"alibi_slopes": alibi_slopes(num_heads)[h]})
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi's slopes (H,) as the paper and BLOOM take them: for n = H a power of two the geometric sequence
+    2^(-8/n), 2^(-16/n), .., 2^(-8); otherwise those of n, the greatest power of two below H, followed by every
+    other slope of 2n's sequence, 2^(-8/2n), 2^(-24/2n), .., until there are H."""
+    n = 1 << (num_heads.bit_length() - 1)  # the greatest power of two <= H
+    ratio = 2.0 ** (-8.0 / n)
+    slopes = [ratio ** (h + 1) for h in range(n)]
+    extra = 2.0 ** (-4.0 / n)  # 2n's ratio, 2^(-8 / 2n); its odd powers
+    slopes += [extra ** (2 * h + 1) for h in range(num_heads - n)]
+    return np.array(slopes, np.float64)
+
+
 def _softmax_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, dtype: DTypeLike,
-                  is_causal: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """One head of softmax attention: sdpa at scale 1 / sqrt(d_k); out (..., L, d_k), weights (..., L, S)."""
-    return sdpa(q, k, v, mask, is_causal=is_causal, scale=1.0 / math.sqrt(q.shape[-1]), dtype=dtype)
+                  is_causal: bool = False, **per_head: Any) -> tuple[np.ndarray, np.ndarray]:
+    """One head of softmax attention: sdpa at scale 1 / sqrt(d_k), with the head's sink and ALiBi slope where
+    given (`per_head`: sinks, alibi_slopes); out (..., L, d_k), weights (..., L, S)."""
+    return sdpa(q, k, v, mask, is_causal=is_causal, scale=1.0 / math.sqrt(q.shape[-1]), dtype=dtype, **per_head)
 
 
 def _linear_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: None, dtype: DTypeLike,

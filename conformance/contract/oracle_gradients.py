@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -39,6 +40,7 @@ from .oracle import (
     _sequences,
     _visible_keys,
     _work,
+    head_keywords,
     multi_head_attention,
     rope,
 )
@@ -392,6 +394,7 @@ def multi_head_attention_vjp(
     rope_theta: float | None = None,
     attention: str = "softmax",
     is_causal: bool = False,
+    position: str | None = None,
     dtype: DTypeLike = np.float64,
     fused_bias: bool = True,
 ) -> Gradients:
@@ -400,7 +403,9 @@ def multi_head_attention_vjp(
         3) out = mixed W_o^T + b_o:  d_mixed = d_out W_o,  dW_o = d_out^T mixed,  db_o = sum d_out;
         2) each head h (key/value head g = h // (H / Hkv)): d_out_h = d_mixed's columns of h, through `sdpa_vjp`
            at scale 1 / sqrt(d_k) (or `linear_attention_vjp`); with RoPE the rotation's adjoint, a turn by
-           -positions: dq_h = rope(dq'_h, -positions); dk_g and dv_g summed over the query heads of g;
+           -positions: dq_h = rope(dq'_h, -positions); dk_g and dv_g summed over the query heads of g; with
+           sinks (H,) in the state, d sinks[h] is head h's sdpa_vjp d sink; ALiBi's slopes (position "alibi") are
+           constants of each head's logits, as in sdpa_vjp;
         1) each projection y = x W^T + b: dx = dy W, dW = dy^T x, db = sum dy.
 
     fused_bias: each Linear of the forward rounds x W^T + b once (else the product, then the sum), as the oracle's.
@@ -421,17 +426,20 @@ def multi_head_attention_vjp(
                                                   projected["k"].shape[-2]))
 
     # 3) through the output projection, from the heads' concatenation (the forward's, as stored)
-    heads = [_head_out(projected, h, d_k, group, mask, rope_theta, attention, dtype, is_causal)
+    per_head = [head_keywords(state, h, num_heads, position) for h in range(num_heads)]  # sinks, slopes
+    heads = [_head_out(projected, h, d_k, group, mask, rope_theta, attention, dtype, is_causal, per_head[h])
              for h in range(num_heads)]
     mixed = _cast(np.concatenate(heads, axis=-1), dtype)  # H x (..., L, d_k) -> (..., L, D)
     d_mixed, grads = _linear_vjp(state, "w_o", mixed, _cast(d_out, dtype), dtype)  # (..., L, D)
 
     # 2) through each head's attention (and RoPE), into the projections' gradients
     d_projected = {name: np.zeros(x.shape, _work(dtype)) for name, x in projected.items()}
+    d_sinks = np.zeros(num_heads, _work(dtype))
     for h in range(num_heads):
         cols, kv_cols = slice(h * d_k, (h + 1) * d_k), slice(h // group * d_k, (h // group + 1) * d_k)
         d_head = _head_vjp(projected, h, d_k, group, mask, rope_theta, attention, d_mixed[..., cols], dtype,
-                           is_causal)
+                           is_causal, per_head[h])
+        d_sinks[h] = d_head.get("sinks", 0.0)
         d_projected["q"][..., cols] += d_head["q"]
         d_projected["k"][..., kv_cols] += d_head["k"]  # a key/value head: the sum over its group's query heads
         d_projected["v"][..., kv_cols] += d_head["v"]
@@ -440,6 +448,7 @@ def multi_head_attention_vjp(
     for name, x in inputs.items():
         dx, d_params = _linear_vjp(state, f"w_{name}", x, _cast(d_projected[name], dtype), dtype)
         grads |= d_params | {name: _summed_to(dx, shapes[name]).reshape(shapes[name])}
+    grads |= {"sinks": d_sinks} if "sinks" in state else {}
     return {name: grad.astype(dtype) for name, grad in grads.items()}
 
 
@@ -455,25 +464,28 @@ def _head_inputs(projected: Mapping[str, np.ndarray], h: int, d_k: int, group: i
 
 
 def _head_out(projected: Mapping[str, np.ndarray], h: int, d_k: int, group: int, mask: np.ndarray | None,
-              rope_theta: float | None, attention: str, dtype: DTypeLike, is_causal: bool = False) -> np.ndarray:
-    """Head h's out (..., L, d_k), as the oracle's forward computes and stores it."""
+              rope_theta: float | None, attention: str, dtype: DTypeLike, is_causal: bool = False,
+              per_head: Mapping[str, np.ndarray] = MappingProxyType({})) -> np.ndarray:
+    """Head h's out (..., L, d_k), as the oracle's forward computes and stores it (per_head: its sink and ALiBi
+    slope, oracle.head_keywords)."""
     q_h, k_g, v_g = _head_inputs(projected, h, d_k, group, rope_theta, dtype)
     head_mask = None if mask is None else mask[..., h, :, :]  # (..., H, L, S) -> (..., L, S)
-    return HEAD_ATTENTIONS[attention](q_h, k_g, v_g, head_mask, dtype, is_causal)[0]
+    return HEAD_ATTENTIONS[attention](q_h, k_g, v_g, head_mask, dtype, is_causal, **per_head)[0]
 
 
 def _head_vjp(projected: Mapping[str, np.ndarray], h: int, d_k: int, group: int, mask: np.ndarray | None,
               rope_theta: float | None, attention: str, d_out_h: np.ndarray, dtype: DTypeLike,
-              is_causal: bool = False) -> Gradients:
+              is_causal: bool = False, per_head: Mapping[str, np.ndarray] = MappingProxyType({})) -> Gradients:
     """Head h's gradients with respect to its slices of the projections: {"q" (..., L, d_k), "k", "v" (..., S,
-    d_k)}, RoPE's turn undone (its adjoint, the turn by -positions)."""
+    d_k)}, RoPE's turn undone (its adjoint, the turn by -positions); and "sinks" (), its sink's, where per_head
+    (oracle.head_keywords) gives it one."""
     q_h, k_g, v_g = _head_inputs(projected, h, d_k, group, rope_theta, dtype)
     if attention == "linear":
         grads = linear_attention_vjp(q_h, k_g, v_g, d_out_h, is_causal=is_causal, dtype=dtype)
     else:
         head_mask = None if mask is None else mask[..., h, :, :]
         grads = sdpa_vjp(q_h, k_g, v_g, d_out_h, head_mask, is_causal=is_causal, scale=1.0 / math.sqrt(d_k),
-                         dtype=dtype)
+                         dtype=dtype, **per_head)
     grads = {name: _cast(grad, dtype) for name, grad in grads.items()}
     if rope_theta is not None:  # a rotation's adjoint turns back
         for name in ("q", "k"):

@@ -77,6 +77,9 @@ OPTIONED_ACTIVATIONS = ("relu", "gelu", "swiglu", "swiglu")  # swiglu in half of
 ROPE_THETAS = (None, None, 10.0, 10000.0)  # an optioned case's rope_theta: RoPE in half of them
 ROPE_D_K = 4  # d_k with RoPE: two pairs per head, so their layout and theta matter (one pair turns by p alone)
 ATTENTIONS = ("softmax", "softmax", "softmax", "linear")  # an optioned mha case's heads: linear in one in four
+MHA_SINKS = (False, True)  # an optioned mha case of softmax heads: sinks=True (the state's sinks (H,)) in one of two
+MHA_POSITIONS = (None, "alibi")  # an optioned mha case of softmax heads without RoPE: ALiBi in one of two
+MHA_SINK_FLOOR = -1e4  # in one sinks=True case of two, a share HIDDEN_SINK of the sinks this far below (finite)
 MASK_DTYPES = ("bool", "int32", "int64")
 MAGNITUDES = ("normal", "large", "small_variance")
 HIDDEN = 0.3  # share of keys a random mask hides
@@ -913,10 +916,16 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     bias and rope_theta from `heads_and_options` (rope=False: none, for properties of unpositioned attention);
     an optioned case draws its heads' attention from ATTENTIONS, and linear heads take no mask and no dropout
     (linear=False: softmax heads only, for the dropout checks: linear heads form no weights to drop); linear heads
-    in self-attention are causal in one case of two."""
+    in self-attention are causal in one case of two. An optioned case of softmax heads draws sinks=True from
+    MHA_SINKS (`mha_sinks`: the state's sinks (H,)) and, without RoPE (and never with rope=False), its position
+    from MHA_POSITIONS (ALiBi)."""
     num_heads, d_model, optioned, options = draw(heads_and_options(rope=rope))
     attention = draw(st.sampled_from(ATTENTIONS)) if optioned and linear else "softmax"
     linear = attention == "linear"
+    softmax_options = optioned and not linear
+    sinks = draw(mha_sinks(num_heads)) if softmax_options and draw(st.sampled_from(MHA_SINKS)) else None
+    alibi = softmax_options and rope and options["rope_theta"] is None  # rope=False: unpositioned, no ALiBi
+    position = draw(st.sampled_from(MHA_POSITIONS)) if alibi else None
     batch, L = draw(batch_shapes()), draw(lengths(long=long))
     cross = draw(st.booleans()) if cross is None else cross
     S = draw(lengths(exclude=L, long=long)) if cross else L
@@ -929,6 +938,7 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
     state = draw(mha_states(d_model, num_heads, options["num_kv_heads"], options["bias"]))
     dropout = 0.0 if linear else draw(st.sampled_from(DROPOUTS))
     mask = None if linear else draw(masks(batch, L, S, heads=num_heads))
+    state = state if sinks is None else state | {"sinks": sinks}  # sinks=True's (H,)
     return MhaCase(state=state,
                    num_heads=num_heads,
                    dropout=dropout,
@@ -938,7 +948,19 @@ def mha_cases(draw: Callable, *, cross: bool | None = None, magnitude: str | Non
                    mask=mask,
                    **options,
                    attention=attention,
-                   is_causal=is_causal)
+                   is_causal=is_causal,
+                   position=position)
+
+
+@st.composite
+def mha_sinks(draw: Callable, num_heads: int) -> np.ndarray:
+    """MultiHeadAttention's sinks (H,): N(0, 1) * SINK_SCALE, in one case of two a share HIDDEN_SINK of them at
+    MHA_SINK_FLOOR (far below every logit, but finite: a state holds finite parameters)."""
+    rng = _rng(draw)
+    sinks = SINK_SCALE * rng.standard_normal(num_heads)
+    if draw(st.booleans()):
+        sinks[rng.random(num_heads) < HIDDEN_SINK] = MHA_SINK_FLOOR
+    return sinks
 
 
 @st.composite

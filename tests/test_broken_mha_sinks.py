@@ -1,0 +1,44 @@
+"""The suite's mha operation, seen by the author of a MultiHeadAttention with learned sinks and ALiBi (SPEC 2h, 2i and
+section 3): it accepts attention_np's module, and rejects each realistic bug of `implementations/broken_mha_sinks.py`
+by the check its docstring names, with a failure that names the module and carries a snippet. Each bug is right
+without sinks or ALiBi: the mha cases that draw sinks=True and position="alibi" (and the pinned example of both on
+three heads) are what catch it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance import check
+from tests.implementations.broken_mha_sinks import BROKEN, MHA_SINKS, VARIANTS
+
+# variant -> the checks (row measures of the mha operation) of which at least one must fail
+EXPECTED: dict[str, set[str]] = {
+    "sinks_reversed": {"values"},
+    "alibi_next_power_of_two": {"values"},
+}
+
+
+def test_every_broken_mha_names_the_check_that_catches_it():
+    assert set(EXPECTED) == set(BROKEN) == set(VARIANTS)
+    for name, cls in VARIANTS.items():
+        caught_by = cls.__doc__.split("Caught by:")[1]
+        assert all(check_name in caught_by for check_name in EXPECTED[name]), name
+
+
+def test_correct_sinks_and_alibi_pass_the_mha_rows():
+    report = check(MHA_SINKS, operations=("mha",), measures=["values"])
+    assert report.passed, "\n\n".join(row.failure for row in report.rows if row.failure)
+    values = {row.dtype for row in report.rows if row.check == "values" and row.examples > 0}
+    assert {"float32", "float64"} <= values
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_mha_sinks_or_alibi_is_rejected(name: str):
+    module = BROKEN[name]
+    report = check(module, operations=("mha",), shrink=False, measures=sorted(EXPECTED[name]))
+    caught = [row for row in report.rows if not row.passed and row.check in EXPECTED[name]]
+    assert caught, f"{name} failed {sorted({row.check for row in report.rows if not row.passed})}"
+    head, _, snippet = caught[0].failure.partition("reproduce:\n")
+    assert head.startswith(f"{module.__name__} mha ") and f" {caught[0].dtype}: " in head, head
+    assert "case: " in head and f"import {module.__name__}\n" in snippet
