@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import check
+from tests._broken import assert_docstrings_name_their_checks, assert_rejected
 from tests.implementations.broken_flex import BROKEN, FLEX, TILED, VARIANTS
 
 # variant -> the checks (row measures of the flex operation) of which at least one must fail
@@ -25,9 +26,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
 
 def test_every_broken_flex_attention_names_the_check_that_catches_it():
     assert set(EXPECTED) == set(BROKEN) == set(VARIANTS)
-    for name, cls in VARIANTS.items():
-        caught_by = cls.__doc__.split("Caught by:")[1]
-        assert all(check_name in caught_by for check_name in EXPECTED[name][1]), name
+    assert_docstrings_name_their_checks({name: checks for name, (_, checks) in EXPECTED.items()}, VARIANTS)
 
 
 @pytest.mark.parametrize("module", [FLEX, TILED], ids=["dense", "tiled"])
@@ -44,9 +43,4 @@ def test_correct_flex_attention_passes_the_flex_rows(module):
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_broken_flex_attention_is_rejected(name: str):
     module, (operation, checks) = BROKEN[name], EXPECTED[name]
-    report = check(module, operations=(operation,), shrink=False, measures=sorted(checks), contract=False)
-    caught = [row for row in report.rows if not row.passed and row.check in checks]
-    assert caught, f"{name} failed {sorted({row.check for row in report.rows if not row.passed})}"
-    head, _, snippet = caught[0].failure.partition("reproduce:\n")
-    assert head.startswith(f"{module.__name__} flex ") and f" {caught[0].dtype}: " in head, head
-    assert "case: " in head and f"import {module.__name__}\n" in snippet
+    assert_rejected(name, module, operation, checks, contract=False)

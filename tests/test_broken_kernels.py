@@ -13,6 +13,7 @@ import pytest
 
 from conformance import check
 from conformance.contract.tolerances import TOLERANCES
+from tests._broken import assert_docstrings_name_their_checks
 from tests.implementations import broken_kernels
 from tests.implementations.broken_kernels import BROKEN, KERNEL, VARIANTS
 
@@ -40,9 +41,7 @@ SKIPPED = {"weights_rows": "lacks weights", "dropout": "lacks dropout", "dropout
 def test_every_broken_kernel_names_the_check_that_catches_it():
     assert set(EXPECTED) == set(BROKEN) == set(VARIANTS)
     assert len(BROKEN) >= 5
-    for name, cls in VARIANTS.items():
-        caught_by = cls.__doc__.split("Caught by:")[1]
-        assert all(check_name in caught_by for check_name in EXPECTED[name]), name
+    assert_docstrings_name_their_checks(EXPECTED, VARIANTS)
     assert len({module.__name__ for module in (KERNEL, *BROKEN.values())}) == len(BROKEN) + 1
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import check
+from tests._broken import assert_rejected
 from tests.implementations.broken_linear_rules import BROKEN, RULES, VARIANTS
 
 # variant -> the checks (row measures of its operation) of which at least one must fail
@@ -40,9 +41,4 @@ def test_the_update_rules_pass_the_linear_rows():
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_broken_update_rule_is_rejected(name: str):
     module, operation = BROKEN[name], VARIANTS[name].operation
-    report = check(module, operations=(operation,), shrink=False, measures=sorted(EXPECTED[name]))
-    caught = [row for row in report.rows if not row.passed and row.check in EXPECTED[name]]
-    assert caught, f"{name} failed {sorted({row.check for row in report.rows if not row.passed})}"
-    head, _, snippet = caught[0].failure.partition("reproduce:\n")
-    assert head.startswith(f"{module.__name__} {operation} ") and f" {caught[0].dtype}: " in head, head
-    assert "case: " in head and f"import {module.__name__}\n" in snippet
+    assert_rejected(name, module, operation, EXPECTED[name])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from conformance import check
+from tests._broken import assert_docstrings_name_their_checks, assert_rejected
 from tests.implementations.broken_mha_sinks import BROKEN, MHA_SINKS, VARIANTS
 
 # variant -> the checks (row measures of the mha operation) of which at least one must fail
@@ -21,9 +22,7 @@ EXPECTED: dict[str, set[str]] = {
 
 def test_every_broken_mha_names_the_check_that_catches_it():
     assert set(EXPECTED) == set(BROKEN) == set(VARIANTS)
-    for name, cls in VARIANTS.items():
-        caught_by = cls.__doc__.split("Caught by:")[1]
-        assert all(check_name in caught_by for check_name in EXPECTED[name]), name
+    assert_docstrings_name_their_checks(EXPECTED, VARIANTS)
 
 
 def test_correct_sinks_and_alibi_pass_the_mha_rows():
@@ -36,9 +35,4 @@ def test_correct_sinks_and_alibi_pass_the_mha_rows():
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_broken_mha_sinks_or_alibi_is_rejected(name: str):
     module = BROKEN[name]
-    report = check(module, operations=("mha",), shrink=False, measures=sorted(EXPECTED[name]))
-    caught = [row for row in report.rows if not row.passed and row.check in EXPECTED[name]]
-    assert caught, f"{name} failed {sorted({row.check for row in report.rows if not row.passed})}"
-    head, _, snippet = caught[0].failure.partition("reproduce:\n")
-    assert head.startswith(f"{module.__name__} mha ") and f" {caught[0].dtype}: " in head, head
-    assert "case: " in head and f"import {module.__name__}\n" in snippet
+    assert_rejected(name, module, "mha", EXPECTED[name])

@@ -12,6 +12,7 @@ import pytest
 from conformance import check
 from conformance.contract import fixed_cases, operations
 from conformance.contract.cases import Streaming, decode_case
+from tests._broken import assert_docstrings_name_their_checks, assert_rejected
 from tests._compare import REORDERED, assert_close, relative_error
 from tests.implementations.broken_streaming import BROKEN, STREAMING, VARIANTS
 from tests.test_streaming_cache import SINK, THETA, WINDOW, B, D, H, N, _reference
@@ -25,9 +26,7 @@ EXPECTED: dict[str, set[str]] = {
 
 def test_every_broken_streaming_cache_names_the_check_that_catches_it():
     assert set(EXPECTED) == set(BROKEN) == set(VARIANTS)
-    for name, cls in VARIANTS.items():
-        caught_by = cls.__doc__.split("Caught by:")[1]
-        assert all(check_name in caught_by for check_name in EXPECTED[name]), name
+    assert_docstrings_name_their_checks(EXPECTED, VARIANTS)
 
 
 def test_correct_streaming_cache_passes_the_decode_rows():
@@ -41,12 +40,7 @@ def test_correct_streaming_cache_passes_the_decode_rows():
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_broken_streaming_cache_is_rejected(name: str):
     module = BROKEN[name]
-    report = check(module, operations=("decode",), shrink=False, measures=sorted(EXPECTED[name]))
-    caught = [row for row in report.rows if not row.passed and row.check in EXPECTED[name]]
-    assert caught, f"{name} failed {sorted({row.check for row in report.rows if not row.passed})}"
-    head, _, snippet = caught[0].failure.partition("reproduce:\n")
-    assert head.startswith(f"{module.__name__} decode ") and f" {caught[0].dtype}: " in head, head
-    assert "case: " in head and f"import {module.__name__}\n" in snippet
+    assert_rejected(name, module, "decode", EXPECTED[name])
 
 
 @pytest.mark.parametrize("rope_positions", ["original", "cache"])
