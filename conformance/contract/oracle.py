@@ -347,14 +347,8 @@ def linear_recurrence(
     """
     if update_rule not in UPDATE_RULES[1:]:
         raise ValueError(f"update_rule={update_rule!r} is none of {UPDATE_RULES[1:]}")
-    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
-    (L, E), Ev = q.shape[-2:], v.shape[-1]
-    gates = [np.asarray(x) for x in (decay, beta) if x is not None]
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *(x.shape[:-2] for x in gates))
-    q, k, v = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
-    g = None if update_rule not in GATED else np.broadcast_to(_cast(decay, dtype), (*batch, L, np.shape(decay)[-1]))
-    rate = None if update_rule not in DELTA else np.broadcast_to(_cast(beta, dtype), (*batch, L, 1))
-    lengths = np.broadcast_to(np.asarray(L if key_lengths is None else key_lengths), batch)
+    q, k, v, g, rate, lengths = _recurrence_inputs(q, k, v, decay, beta, key_lengths, update_rule, dtype)
+    (L, E), Ev, batch = q.shape[-2:], v.shape[-1], lengths.shape
     phi = _FEATURES[feature_map]
     out = np.zeros((*batch, L, Ev), _work(dtype))
     for b in np.ndindex(*batch):
@@ -370,6 +364,22 @@ def linear_recurrence(
                 state = state + np.outer(phi_k, u)  # 3) the update: (E,) x (Ev,) -> (E, Ev)
             out[(*b, t)] = phi(q[b][t]) @ state  # 4) the read: (E,) x (E, Ev) -> (Ev,)
     return out.astype(dtype)  # half precision: computed in float32, stored in dtype
+
+
+def _recurrence_inputs(q: ArrayLike, k: ArrayLike, v: ArrayLike, decay: ArrayLike | None, beta: ArrayLike | None,
+                       key_lengths: ArrayLike | None, update_rule: str, dtype: DTypeLike) -> tuple:
+    """linear_recurrence's inputs (and its vjp's) in `dtype` at their common leading axes (...): q, k, v (..., L, *),
+    g (..., L, 1 or E) for the gated rules and beta (..., L, 1) for the delta rules (None for the others), and the
+    key lengths (...)."""
+    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    L = q.shape[-2]
+    gates = [np.asarray(x) for x in (decay, beta) if x is not None]
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], *(x.shape[:-2] for x in gates))
+    q, k, v = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
+    g = None if update_rule not in GATED else np.broadcast_to(_cast(decay, dtype), (*batch, L, np.shape(decay)[-1]))
+    rate = None if update_rule not in DELTA else np.broadcast_to(_cast(beta, dtype), (*batch, L, 1))
+    lengths = np.broadcast_to(np.asarray(L if key_lengths is None else key_lengths), batch)
+    return q, k, v, g, rate, lengths
 
 
 def varlen_attention(

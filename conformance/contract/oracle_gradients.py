@@ -30,12 +30,15 @@ from attention_np.common.records import Structure
 
 from .oracle import (
     _FEATURES,
+    DELTA,
+    GATED,
     HEAD_ATTENTIONS,
     _activation,
     _cast,
     _laid_out,
     _layer_norm,
     _linear,
+    _recurrence_inputs,
     _rms_norm,
     _sequences,
     _visible_keys,
@@ -269,15 +272,10 @@ def linear_recurrence_vjp(
     """
     shapes = {name: np.shape(x) for name, x in (("q", q), ("k", k), ("v", v), ("decay", decay), ("beta", beta))
               if x is not None}
-    gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
-    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
-    (L, E), Ev = q.shape[-2:], v.shape[-1]
-    batch = np.broadcast_shapes(*(shape[:-2] for shape in shapes.values()))
-    q, k, v = (np.broadcast_to(x, (*batch, *x.shape[-2:])) for x in (q, k, v))
-    g = np.broadcast_to(_cast(decay, dtype), (*batch, L, np.shape(decay)[-1])) if gated else None
-    rate = np.broadcast_to(_cast(beta, dtype), (*batch, L, 1)) if delta else None
+    gated, delta = update_rule in GATED, update_rule in DELTA
+    q, k, v, g, rate, lengths = _recurrence_inputs(q, k, v, decay, beta, key_lengths, update_rule, dtype)
+    (L, E), Ev, batch = q.shape[-2:], v.shape[-1], lengths.shape
     d_out = _cast(np.broadcast_to(d_out, (*batch, L, Ev)), dtype)
-    lengths = np.broadcast_to(np.asarray(L if key_lengths is None else key_lengths), batch)
     phi, derivative = _FEATURES[feature_map], _FEATURE_DERIVATIVES[feature_map]
     work = _work(dtype)
     grads = {"q": np.zeros((*batch, L, E), work), "k": np.zeros((*batch, L, E), work),
