@@ -87,41 +87,48 @@ def _call(compute: Callable[..., Any]) -> Callable[[ModuleType, str, dict], Call
     return prepare
 
 
+def _rule_options(rule: str) -> dict[str, Any]:
+    """linear attention's keywords of an update rule: none for "linear" (its defaults), else the rule and
+    RULE_OPTIONS."""
+    return {} if rule == "linear" else {"update_rule": rule, **RULE_OPTIONS}
+
+
 def _rule_call(rule: str) -> Callable[[ModuleType, str, dict], Callable[[], Any]]:
     """The chunked form of an update rule, chunks of CHUNK, on rule_inputs(rule, ...)."""
     return _call(lambda M, q, k, v, **gates: M.linear_attention(q, k, v, is_causal=True, chunk=CHUNK,
-                                                                update_rule=rule, **RULE_OPTIONS, **gates))
+                                                                **_rule_options(rule), **gates))
 
 
-def _loop(module: ModuleType, framework: str, inputs: dict) -> Callable[[], Any]:
-    """n steps of the recurrent form from zeros, with the update rule of `inputs` (their decay and beta: "gated",
-    "delta"; neither: "linear"); returns the n outputs, each (B, H, Ev)."""
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]  # (B, H, L, E), (B, H, S, E), (B, H, S, Ev)
-    gates = {name: x for name, x in inputs.items() if name in ("decay", "beta")}  # (B, H, S, 1) each
-    rule = {(): "linear", ("decay",): "gated", ("beta",): "delta"}[tuple(gates)]
-    options = {} if rule == "linear" else {"update_rule": rule, **RULE_OPTIONS}
-    n = q.shape[-2]
-    positions = [(q[..., t, :], k[..., t, :], v[..., t, :], {name: x[..., t, :] for name, x in gates.items()})
-                 for t in range(n)]  # n of (B, H, E), (.., E), (.., Ev) and the gates (B, H, 1)
-    step = functools.partial(module.linear_attention_step, **options)
-    if framework == "jax":
-        import jax
+def _loop(rule: str) -> Callable[[ModuleType, str, dict], Callable[[], Any]]:
+    """The recurrent form of an update rule: n steps from zeros on rule_inputs(rule, ...), returning the n outputs,
+    each (B, H, Ev)."""
 
-        step = jax.jit(step)  # jax: one trace for every n, the loop stays in Python
+    def prepare(module: ModuleType, framework: str, inputs: dict) -> Callable[[], Any]:
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]  # (B, H, L, E), (B, H, S, E), (B, H, S, Ev)
+        gates = {name: x for name, x in inputs.items() if name in ("decay", "beta")}  # (B, H, S, 1) each
+        positions = [(q[..., t, :], k[..., t, :], v[..., t, :], {name: x[..., t, :] for name, x in gates.items()})
+                     for t in range(q.shape[-2])]  # n of (B, H, E), (.., E), (.., Ev) and the gates (B, H, 1)
+        step = functools.partial(module.linear_attention_step, **_rule_options(rule))
+        if framework == "jax":
+            import jax
 
-    def loop(_: None) -> list[Any]:
-        state = module.linear_attention_state((B, H), E, EV, update_rule=rule)  # S (B, H, E, Ev), z: zeros
-        outputs = []
-        for q_t, k_t, v_t, gates_t in positions:
-            out_t, state = step(q_t, k_t, v_t, state, **gates_t)  # (B, H, Ev)
-            outputs.append(out_t)
-        return outputs
+            step = jax.jit(step)  # jax: one trace for every n, the loop stays in Python
 
-    if framework == "jax":
-        import jax
+        def loop(_: None) -> list[Any]:
+            state = module.linear_attention_state((B, H), E, EV, update_rule=rule)  # S (B, H, E, Ev), z: zeros
+            outputs = []
+            for q_t, k_t, v_t, gates_t in positions:
+                out_t, state = step(q_t, k_t, v_t, state, **gates_t)  # (B, H, Ev)
+                outputs.append(out_t)
+            return outputs
 
-        return lambda: jax.block_until_ready(loop(None))
-    return FRAMEWORKS[framework].timed(loop, (None,), "cpu")[0]
+        if framework == "jax":
+            import jax
+
+            return lambda: jax.block_until_ready(loop(None))
+        return FRAMEWORKS[framework].timed(loop, (None,), "cpu")[0]
+
+    return prepare
 
 
 FORMS = (
@@ -164,7 +171,7 @@ FORMS = (
          row="RNN",
          steps="n",
          largest=None,
-         prepare=_loop,
+         prepare=_loop("linear"),
          reference="linear",
          style={"color": "tab:green", "linestyle": "-.", "marker": "^"},
          up_to=LOOP_UP_TO),
@@ -183,7 +190,7 @@ FORMS = (
                row="RNN",
                steps="n",
                largest=None,
-               prepare=_loop,
+               prepare=_loop(rule),
                reference="linear",
                style={"color": color, "linestyle": "-.", "marker": "+"},
                up_to=LOOP_UP_TO,
@@ -303,8 +310,7 @@ def _reference(kind: str, rule: str, inputs: dict[str, np.ndarray]) -> np.ndarra
 
     if kind == "softmax":
         return attention_np.flash_attention(**inputs, is_causal=True, block_q=512, block_k=1024)[0]
-    options = {} if rule == "linear" else {"update_rule": rule, **RULE_OPTIONS}
-    return attention_np.linear_attention(**inputs, is_causal=True, chunk=256, **options)
+    return attention_np.linear_attention(**inputs, is_causal=True, chunk=256, **_rule_options(rule))
 
 
 def _error(result: Any, reference: np.ndarray, framework: str) -> float:
